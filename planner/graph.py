@@ -1,0 +1,188 @@
+"""ModelGraph: the intermediate representation every later stage reads.
+
+A ModelGraph describes one training step of a model at one example shape
+(``batch`` sequences of ``seq_len`` tokens) as an ordered list of *layers*: the
+units a pipeline stage boundary may fall between (embedding, each transformer
+block, final norm, head + loss, vision blocks, projector, ...). Within a layer,
+``ops`` summarise the parts that tensor parallelism treats differently
+(attention, MLP, norm, linear, embedding, loss).
+
+This module is a leaf contract: it imports nothing from torch or from the rest of
+autopar, so a plan, a report or a cost model can read a ModelGraph from JSON
+without torch installed.
+
+Units, everywhere below:
+- FLOPs: floating-point operations for the whole captured batch
+  (a multiply-add counts as 2), the convention of ``torch.utils.flop_counter``.
+- bytes: bytes for the whole captured batch at the captured dtype.
+- Per-sequence figures are the batch figures divided by ``batch``; FLOPs and
+  activations are linear in the batch, so cost models rescale by micro-batch size.
+
+Activation bytes are split by how parallelism divides them:
+- ``act_bytes_tp``: saved tensors that carry a dimension TP splits (heads, FFN
+  width, vocabulary); divided by tp.
+- ``act_bytes_attn_core``: the part of ``act_bytes_tp`` that selective recompute
+  drops (tensors with a sequence x sequence shape inside the attention core).
+- the rest (``act_bytes - act_bytes_tp``): hidden-sized tensors (norm inputs,
+  residuals, inputs of column-parallel linears) that TP alone replicates and
+  sequence parallel divides by tp.
+Context parallelism divides all of them by cp (every saved tensor carries the
+sequence dimension, except attention-core tensors whose S x S area shrinks by cp
+as each rank holds S/cp queries).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+GRAPH_SCHEMA_VERSION = 1
+
+LAYER_KINDS = (
+    "embedding", "transformer_block", "vision_block", "vision_embedding", "projector",
+    "norm", "head", "loss", "other",
+)
+OP_KINDS = ("attention", "mlp", "norm", "linear", "embedding", "loss", "other")
+# How tensor parallelism treats an op (see cost_models/compute.py and codegen's TP plan):
+#   heads      attention split by heads (q/k/v column-, output row-parallel)
+#   col_row    a column-parallel linear feeding a row-parallel one (MLP)
+#   vocab      vocabulary-parallel embedding / head / loss
+#   replicated computed in full on every tp rank (norms; sharded by sequence under SP)
+TP_STYLES = ("heads", "col_row", "vocab", "replicated")
+
+
+@dataclass
+class Linear:
+    """One nn.Linear inside a layer, with the TP role the runtime gives it."""
+    name: str               # path relative to the layer, e.g. "attn.q_proj"
+    in_features: int
+    out_features: int
+    bias: bool
+    role: str               # "column" | "row" | "vocab" | "replicated"
+
+
+@dataclass
+class AttentionDims:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    seq_len: int            # query length at capture
+    kv_len: int
+    causal: bool
+
+
+@dataclass
+class Op:
+    """A part of a layer (attention, MLP, norm, ...)."""
+    name: str               # relative module path ("" for the layer itself)
+    kind: str               # one of OP_KINDS
+    tp_style: str           # one of TP_STYLES
+    fwd_flops: float = 0.0
+    bwd_flops: float = 0.0
+    fwd_bytes: float = 0.0  # memory traffic of the forward (inputs + outputs of each aten op), bytes
+    params: int = 0
+
+
+@dataclass
+class Layer:
+    name: str               # module path, e.g. "layers.3"
+    kind: str               # one of LAYER_KINDS
+    module_type: str        # class name
+    signature: str          # equal for structurally identical layers
+    repeat_of: str | None   # name of the first layer with the same signature (None if this is it)
+    fwd_flops: float        # FLOPs of the forward for the captured batch
+    bwd_flops: float        # FLOPs of the backward (input and weight gradients)
+    fwd_bytes: float        # memory traffic of the forward, bytes
+    bwd_bytes: float        # memory traffic of the backward, bytes
+    params: int             # parameters owned by this layer (tied weights counted at first use)
+    param_bytes: int
+    act_bytes: float        # saved for backward, bytes for the captured batch (each storage once)
+    act_bytes_tp: float     # part of act_bytes divided by tp (see module docstring)
+    act_bytes_attn_core: float  # part dropped by selective recompute
+    input_bytes: float      # bytes of the layer's tensor inputs (what full recompute keeps)
+    output_bytes: float     # bytes of the layer's tensor outputs (what a pipeline boundary sends)
+    tp_flops_frac: float    # fraction of fwd/bwd FLOPs that TP divides (matmuls in heads/col_row/vocab ops)
+    ops: list[Op] = field(default_factory=list)
+    linears: list[Linear] = field(default_factory=list)
+    attention: AttentionDims | None = None
+    vocab: int | None = None
+    tied_to: str | None = None  # "<layer>.<param>" when a parameter is shared with an earlier layer
+
+
+@dataclass
+class ModelGraph:
+    name: str
+    batch: int              # sequences in the captured example batch
+    seq_len: int
+    dtype_bytes: int        # bytes per element of parameters and activations at capture
+    hidden: int
+    vocab: int | None
+    layers: list[Layer]
+    capture_s: float = 0.0  # wall time of the capture, seconds
+    method: str = ""        # how it was captured
+    notes: list[str] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)  # the model's hyperparameters where known
+
+    # ---- derived figures -------------------------------------------------
+    @property
+    def params(self) -> int:
+        return sum(l.params for l in self.layers)
+
+    @property
+    def fwd_flops(self) -> float:
+        return sum(l.fwd_flops for l in self.layers)
+
+    @property
+    def bwd_flops(self) -> float:
+        return sum(l.bwd_flops for l in self.layers)
+
+    def flops_per_seq(self) -> float:
+        """Forward + backward FLOPs of one sequence."""
+        return (self.fwd_flops + self.bwd_flops) / self.batch
+
+    def act_bytes_per_seq(self) -> float:
+        return sum(l.act_bytes for l in self.layers) / self.batch
+
+    def layer(self, name: str) -> Layer:
+        for l in self.layers:
+            if l.name == name:
+                return l
+        raise KeyError(f"no layer {name!r} in graph {self.name!r}")
+
+    def classes(self) -> dict[str, list[int]]:
+        """Signature -> indices of the layers that share it (repeated blocks are one class)."""
+        out: dict[str, list[int]] = {}
+        for i, l in enumerate(self.layers):
+            out.setdefault(l.signature, []).append(i)
+        return out
+
+    def fingerprint(self) -> str:
+        """Hash of structure and shapes (layer names, kinds, signatures, sizes): not of weights."""
+        key = [(l.name, l.kind, l.signature, l.params, round(l.fwd_flops), round(l.act_bytes))
+               for l in self.layers]
+        key.append((self.batch, self.seq_len, self.dtype_bytes, self.hidden, self.vocab))
+        return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+
+    # ---- JSON ---------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["schema"] = GRAPH_SCHEMA_VERSION
+        return d
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "ModelGraph":
+        if d.get("schema") != GRAPH_SCHEMA_VERSION:
+            raise ValueError(f"model graph schema {d.get('schema')!r} is not {GRAPH_SCHEMA_VERSION}: "
+                             "capture the model again with this version of autopar")
+        d = dict(d)
+        d.pop("schema")
+        layers = []
+        for ld in d.pop("layers"):
+            ld = dict(ld)
+            ld["ops"] = [Op(**o) for o in ld.get("ops", [])]
+            ld["linears"] = [Linear(**x) for x in ld.get("linears", [])]
+            if ld.get("attention") is not None:
+                ld["attention"] = AttentionDims(**ld["attention"])
+            layers.append(Layer(**ld))
+        return ModelGraph(layers=layers, **d)
