@@ -1,0 +1,114 @@
+"""The ``autopar`` command.
+
+Every subcommand turns bad input into one line on stderr (``error: ...``) and exit
+status 2; ``--debug`` shows the traceback instead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable, Sequence
+
+from planner.errors import AutoparError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line with exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
+def _fmt_num(x: float) -> str:
+    for unit, div in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.2f}{unit}"
+    return f"{x:.0f}"
+
+
+def _fmt_bytes(x: float) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= div:
+            return f"{x / div:.2f} {unit}"
+    return f"{x:.0f} B"
+
+
+def _console():
+    from rich.console import Console
+
+    # Pipes and CI logs get a wide fixed width so tables are never cut to 80 columns.
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
+# ---------------------------------------------------------------- graph ---------
+
+def cmd_graph(args: argparse.Namespace) -> int:
+    from planner.frontend import load_graph
+
+    g = load_graph(args.model, batch=args.batch, seq_len=args.seq_len)
+    if args.json:
+        print(json.dumps(g.to_dict(), indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{g.name}: batch {g.batch} x seq {g.seq_len}, captured in {g.capture_s:.2f} s")
+    for col in ("#", "layer", "kind", "params", "fwd FLOPs", "bwd FLOPs", "activations", "output", "repeat of"):
+        t.add_column(col, justify="right" if col not in ("layer", "kind", "repeat of") else "left")
+    for i, l in enumerate(g.layers):
+        t.add_row(str(i), l.name, l.kind, _fmt_num(l.params), _fmt_num(l.fwd_flops), _fmt_num(l.bwd_flops),
+                  _fmt_bytes(l.act_bytes), _fmt_bytes(l.output_bytes), l.repeat_of or "")
+    con = _console()
+    con.print(t)
+    seqs = g.batch
+    con.print(f"parameters {g.params:,} ({_fmt_num(g.params)}); per sequence: forward {_fmt_num(g.fwd_flops / seqs)}FLOP, "
+              f"backward {_fmt_num(g.bwd_flops / seqs)}FLOP, activations {_fmt_bytes(g.act_bytes_per_seq())}; "
+              f"{len(g.classes())} distinct layer classes of {len(g.layers)} layers")
+    for n in g.notes:
+        con.print(f"note: {n}")
+    return 0
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True,
+                   help="zoo preset (e.g. llama3-8b), spec.toml, hf:<preset>, or package.module:function")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="autopar", description="Plan and compile parallel training for PyTorch models.")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = ap.add_subparsers(dest="cmd", parser_class=_Parser)
+
+    g = sub.add_parser("graph", help="capture a model and print its layer table")
+    _add_model_args(g)
+    g.add_argument("--batch", type=int, default=1, help="sequences in the example batch")
+    g.add_argument("--json", action="store_true", help="print the ModelGraph as JSON")
+    g.set_defaults(fn=cmd_graph)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    fn: Callable[[argparse.Namespace], int] | None = getattr(args, "fn", None)
+    if fn is None:
+        ap.print_help()
+        return 2
+    try:
+        return fn(args)
+    except (AutoparError, ValueError, FileNotFoundError) as e:
+        if args.debug:
+            raise
+        msg = " ".join(str(e).split()) or type(e).__name__
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""The one attention function every zoo model calls, plus the self-attention module.
+
+Every attention computation in the zoo (causal text attention in GPT/Llama, non-causal
+vision attention in the MLLM encoder) goes through :func:`attention`. Its
+implementation is swappable at run time (:func:`set_attention_impl`,
+:func:`use_attention_impl`) so that capture can see one recognisable op, kernels can
+be substituted (Triton flash attention) and context parallelism can install ring
+attention, all without touching model code.
+
+Layouts (no units; shapes only):
+- ``q``: ``[B, H, S, D]``; ``k``, ``v``: ``[B, Hkv, Skv, D]`` with ``H % Hkv == 0``
+  (grouped-query attention when ``Hkv < H``; query head ``h`` reads kv head
+  ``h // (H // Hkv)``, the ``repeat_interleave`` convention).
+- ``out``: ``[B, H, S, D]``.
+- ``causal=True`` masks top-left aligned: query ``i`` sees keys ``j <= i`` (as SDPA's
+  ``is_causal``). Softmax scale is ``1/sqrt(D)``.
+
+:class:`SelfAttention` reshapes with the LOCAL head count (``view(B, S, -1, D)``) so a
+tensor-parallel runtime may shard ``q_proj``/``k_proj``/``v_proj`` by output features
+(heads) and ``o_proj`` by input features without changing the forward.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from planner.errors import AutoparError
+
+AttentionImpl = Callable[..., torch.Tensor]
+"""``fn(q, k, v, *, causal: bool) -> out`` with the layouts in the module docstring."""
+
+_SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
+    """Default implementation: ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Uses ``enable_gqa=True`` (torch >= 2.5); on older torch, k/v heads are repeated.
+    """
+    if k.shape[1] != q.shape[1]:
+        if _SDPA_HAS_GQA:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
+    """Explicit softmax(QK^T/sqrt(D)) V in float32; slow, for tests and debugging."""
+    rep = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(rep, dim=1)
+    vf = v.float().repeat_interleave(rep, dim=1)
+    scores = q.float() @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        s, skv = q.shape[-2], k.shape[-2]
+        mask = torch.ones(s, skv, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(dim=-1) @ vf).to(q.dtype)
+
+
+_impl: AttentionImpl = sdpa_attention
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
+    """Attention through the current implementation (see module docstring for layouts)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise AutoparError(f"attention expects 4-d [B, H, S, D] tensors, got q {tuple(q.shape)}, "
+                           f"k {tuple(k.shape)}; reshape before calling")
+    if q.shape[1] % k.shape[1] != 0:
+        raise AutoparError(f"attention: {q.shape[1]} query heads is not a multiple of {k.shape[1]} kv heads; "
+                           "shard q and k/v heads consistently")
+    return _impl(q, k, v, causal=causal)
+
+
+def get_attention_impl() -> AttentionImpl:
+    """The implementation :func:`attention` currently dispatches to."""
+    return _impl
+
+
+def set_attention_impl(fn: Optional[AttentionImpl]) -> AttentionImpl:
+    """Install ``fn`` (``None`` restores the SDPA default); returns the previous implementation."""
+    global _impl
+    if fn is not None and not callable(fn):
+        raise AutoparError(f"set_attention_impl: {fn!r} is not callable; pass fn(q, k, v, *, causal)")
+    prev = _impl
+    _impl = sdpa_attention if fn is None else fn
+    return prev
+
+
+@contextlib.contextmanager
+def use_attention_impl(fn: Optional[AttentionImpl]) -> Iterator[AttentionImpl]:
+    """Context manager: use ``fn`` inside the block, restore the previous one after."""
+    prev = set_attention_impl(fn)
+    try:
+        yield fn if fn is not None else sdpa_attention
+    finally:
+        set_attention_impl(prev)
+
+
+# --------------------------------------------------------------------------- RoPE
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for rotary embeddings, computed in float32 from integer ``positions``.
+
+    ``positions``: ``[S]`` or ``[B, S]`` token indices (global indices under context
+    parallelism). Returns cos, sin broadcastable against ``[B, H, S, head_dim]``:
+    ``[1, 1, S, D]`` or ``[B, 1, S, D]``. Frequencies ``theta ** (-2i / D)``,
+    rotate-half convention (first and second half of the head dim paired).
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                             dtype=torch.float32) / head_dim))
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # [.., S, D/2]
+    emb = torch.cat((angles, angles), dim=-1)
+    emb = emb[None, None] if positions.dim() == 1 else emb[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [B, H, S, D] by the angles in cos/sin (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# --------------------------------------------------------------------------- module
+
+class SelfAttention(nn.Module):
+    """Multi-head / grouped-query self-attention with ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``.
+
+    ``rope_theta`` set -> rotary position embeddings from ``positions`` (default
+    ``arange(S)``); ``None`` -> no positional term (learned positions live elsewhere).
+    Input and output ``[B, S, hidden]``.
+    """
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, *, bias: bool, causal: bool,
+                 rope_theta: Optional[float] = None):
+        super().__init__()
+        self.head_dim = hidden // heads
+        self.causal = causal
+        self.rope_theta = rope_theta
+        kv_dim = kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_dim, bias=bias)
+        self.o_proj = nn.Linear(hidden, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        b, s, _ = x.shape
+        d = self.head_dim
+        q = self.q_proj(x).view(b, s, -1, d).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, d).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, d).transpose(1, 2)
+        if self.rope_theta is not None:
+            if positions is None:
+                positions = torch.arange(s, device=x.device)
+            cos, sin = rope_cos_sin(positions, d, self.rope_theta, q.dtype)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+        # Looked up at call time so a patched module attribute is honoured too.
+        out = _SELF.attention(q, k, v, causal=self.causal)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+
+# This module object, so SelfAttention looks ``attention`` up at call time (a patched
+# module attribute is honoured). planner.zoo re-exports the function under the
+# submodule's name, hence sys.modules rather than the package attribute.
+_SELF = sys.modules[__name__]
