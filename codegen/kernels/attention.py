@@ -1,0 +1,600 @@
+"""Flash attention (FA2-style) in Triton, with a plain-torch fallback.
+
+Layouts and units
+-----------------
+* ``q``: [B, H, Sq, D]; ``k``, ``v``: [B, KVH, Sk, D] with ``H % KVH == 0`` (GQA/MQA from
+  the head ratio: query head ``h`` reads KV head ``h // (H // KVH)``). Any strides.
+* dtypes: fp16 / bf16 (GPU), fp32 (tests, fallback). Accumulation is always fp32.
+* Returns ``out`` [B, H, Sq, D] (q.dtype, contiguous) and ``lse`` [B, H, Sq] fp32, the
+  *natural-log* log-sum-exp of the scaled scores; ``-inf`` for fully masked rows (whose
+  output is 0).
+* Causal mask: query ``i`` sees key ``j`` iff ``i + q_offset >= j + kv_offset``. With
+  offsets one kernel serves local causal attention, a ring step, a zigzag chunk, and
+  bottom-right-aligned Sq != Sk (``q_offset = Sk - Sq``).
+
+Ops (``torch.library.custom_op``, namespace ``autopar``)
+-------------------------------------------------------
+* ``autopar::flash_attn_fwd(q, k, v, causal, sm_scale, q_offset, kv_offset, impl) -> (out, lse)``
+* ``autopar::flash_attn_bwd(dout, q, k, v, out, lse, dlse, causal, sm_scale, q_offset,
+  kv_offset, impl) -> (dq, dk, dv)``; ``dk``/``dv`` per KV head (reduced over the query heads
+  of a group inside the kernel, no atomics). ``out``/``lse`` may be the *merged global*
+  result of a ring (the backward only needs P = exp(S - lse) and delta = rowsum(dO * O)).
+  ``dlse`` (optional, [B, H, Sq] fp32) is the gradient of ``lse``: it enters as
+  ``delta - dlse``, so the LSE output is differentiable too.
+* ``autopar::attn_merge(out1, lse1, out2, lse2) -> (out, lse)``: stable merge of two partial
+  results over disjoint key sets (handles ``-inf``), differentiable in all four inputs.
+
+``impl``: ``"triton"`` forces the Triton kernels (on CPU only under ``TRITON_INTERPRET=1``),
+``"torch"`` the fallback, ``"auto"`` (default) picks Triton on CUDA and torch elsewhere; the
+environment variable ``AUTOPAR_KERNEL_IMPL`` overrides ``"auto"``.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+try:  # Triton is optional: without it only the torch fallback exists.
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    triton = tl = None
+    HAS_TRITON = False
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(impl: str, device: torch.device) -> bool:
+    """Resolve ``impl`` ("auto" | "triton" | "torch") for a tensor on ``device``."""
+    if impl == "auto":
+        impl = os.environ.get("AUTOPAR_KERNEL_IMPL", "auto")
+    if impl == "torch":
+        return False
+    if impl == "triton":
+        if not HAS_TRITON:
+            raise RuntimeError("impl='triton' requested but triton is not installed")
+        if device.type != "cuda" and not interpreting():
+            raise RuntimeError("impl='triton' on CPU needs TRITON_INTERPRET=1 set before importing triton")
+        return True
+    if impl != "auto":
+        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    return HAS_TRITON and device.type == "cuda"
+
+
+def check_blocks(block_m: int, block_n: int, head_dim: int) -> None:
+    """One-line errors for configurations the GPU would reject (the interpreter would not)."""
+    for name, b in (("block_m", block_m), ("block_n", block_n)):
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"{name}={b}: block sizes must be powers of two >= 16")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim {head_dim} unsupported; supported: {SUPPORTED_HEAD_DIMS}")
+
+
+def _fwd_config(d: int, dtype: torch.dtype) -> dict:
+    """Fixed launch configuration (blocks, warps, stages) for the forward kernel."""
+    if interpreting():
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)
+    if d <= 64:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+
+
+def _bwd_config(d: int, dtype: torch.dtype) -> dict:
+    if interpreting():
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4 if d <= 64 else 8, num_stages=2)
+
+
+# --------------------------------------------------------------------------- kernels
+if HAS_TRITON:
+
+    @triton.jit
+    def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                   offs_m, offs_d, lo, hi, Sk, q_offset, kv_offset, qk_scale,
+                   MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+                   PREC: tl.constexpr):
+        """Online-softmax sweep over key blocks [lo, hi); scores in base 2."""
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            kt = tl.load(k_base + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn,
+                         mask=offs_n[None, :] < Sk, other=0.0)          # [D, BLOCK_N]
+            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                        mask=offs_n[:, None] < Sk, other=0.0)           # [BLOCK_N, D]
+            if DOT_F32:
+                kt = kt.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, kt, input_precision=PREC) * qk_scale
+            if MASK:
+                keep = offs_n[None, :] < Sk
+                if CAUSAL:
+                    keep = keep & (offs_m[:, None] + q_offset >= offs_n[None, :] + kv_offset)
+                s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # fully masked so far
+            p = tl.math.exp2(s - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+        return acc, m_i, l_i
+
+    @triton.jit
+    def _attn_fwd_kernel(Q, K, V, O, LSE,
+                         stride_qb, stride_qh, stride_qm, stride_qd,
+                         stride_kb, stride_kh, stride_kn, stride_kd,
+                         stride_vb, stride_vh, stride_vn, stride_vd,
+                         stride_ob, stride_oh, stride_om, stride_od,
+                         H, GROUP, Sq, Sk, q_offset, kv_offset, qk_scale,
+                         CAUSAL: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+        """One program = BLOCK_M query rows of one (batch, head). qk_scale = sm_scale*log2(e)."""
+        start_m = tl.program_id(0) * BLOCK_M
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        kvh = h // GROUP
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_D)
+        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
+                    + offs_d[None, :] * stride_qd, mask=offs_m[:, None] < Sq, other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        k_base = K + b * stride_kb + kvh * stride_kh
+        v_base = V + b * stride_vb + kvh * stride_vh
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+        # Key blocks split in two: [0, full_end) is visible to every row of this block (no
+        # mask), [full_end, hi) needs the causal / ragged-length mask.
+        if CAUSAL:
+            hi = tl.minimum(Sk, tl.maximum(start_m + BLOCK_M + q_offset - kv_offset, 0))
+            full_end = tl.minimum(tl.maximum(start_m + q_offset - kv_offset + 1, 0), Sk)
+        else:
+            hi = Sk
+            full_end = Sk
+        full_end = (full_end // BLOCK_N) * BLOCK_N
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd,
+                                   stride_vn, stride_vd, offs_m, offs_d, 0, full_end, Sk,
+                                   q_offset, kv_offset, qk_scale, False, CAUSAL, BLOCK_N, DOT_F32, PREC)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd,
+                                   stride_vn, stride_vd, offs_m, offs_d, full_end, hi, Sk,
+                                   q_offset, kv_offset, qk_scale, True, CAUSAL, BLOCK_N, DOT_F32, PREC)
+        empty = l_i == 0.0
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        row_ok = offs_m < Sq
+        tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om
+                 + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(LSE + bh * Sq + offs_m, lse, mask=row_ok)
+
+    @triton.jit
+    def _bwd_delta_kernel(O, DO, DLSE, DELTA, stride_ob, stride_oh, stride_om,
+                          stride_db, stride_dh, stride_dm, H, Sq,
+                          HAS_DLSE: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr):
+        """delta = rowsum(dO * O) - dlse, fp32 [B, H, Sq] (last dim of O/dO contiguous)."""
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_D)
+        ok = offs_m < Sq
+        o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+                    mask=ok[:, None], other=0.0).to(tl.float32)
+        do = tl.load(DO + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dm + offs_d[None, :],
+                     mask=ok[:, None], other=0.0).to(tl.float32)
+        delta = tl.sum(o * do, 1)
+        if HAS_DLSE:
+            delta -= tl.load(DLSE + bh * Sq + offs_m, mask=ok, other=0.0)
+        tl.store(DELTA + bh * Sq + offs_m, delta, mask=ok)
+
+    @triton.jit
+    def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_qd,
+                    stride_dm, stride_dd, offs_n, offs_d, lo, hi, Sq, q_offset, kv_offset, qk_scale,
+                    MASK: tl.constexpr, BLOCK_M: tl.constexpr, DOT_F32: tl.constexpr,
+                    PREC: tl.constexpr):
+        """Accumulate dK, dV of one key block over query blocks [lo, hi) of one query head."""
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < Sq
+            qt = tl.load(q_base + offs_d[:, None] * stride_qd + offs_m[None, :] * stride_qm,
+                         mask=row_ok[None, :], other=0.0)                 # [D, BLOCK_M]
+            do = tl.load(do_base + offs_m[:, None] * stride_dm + offs_d[None, :] * stride_dd,
+                         mask=row_ok[:, None], other=0.0)                 # [BLOCK_M, D]
+            lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
+            lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+            if DOT_F32:
+                qt = qt.to(tl.float32)
+                do = do.to(tl.float32)
+            pt = tl.math.exp2(tl.dot(k, qt, input_precision=PREC) * qk_scale - lse[None, :])
+            if MASK:
+                pt = tl.where(offs_m[None, :] + q_offset >= offs_n[:, None] + kv_offset, pt, 0.0)
+            dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
+            dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+            dst = pt * (dpt - delta[None, :])
+            dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=PREC)
+        return dk, dv
+
+    @triton.jit
+    def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+                              stride_qb, stride_qh, stride_qm, stride_qd,
+                              stride_kb, stride_kh, stride_kn, stride_kd,
+                              stride_vb, stride_vh, stride_vn, stride_vd,
+                              stride_db, stride_dh, stride_dm, stride_dd,
+                              H, KVH, GROUP, Sq, Sk, q_offset, kv_offset, qk_scale, sm_scale,
+                              CAUSAL: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+        """One program = BLOCK_N keys of one (batch, KV head); loops over the GROUP query
+        heads sharing it, so dK/dV are reduced in registers (deterministic, no atomics).
+        DK/DV are contiguous [B, KVH, Sk, D]."""
+        start_n = tl.program_id(0) * BLOCK_N
+        bkv = tl.program_id(1)
+        b = bkv // KVH
+        kvh = bkv % KVH
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_D)
+        col_ok = offs_n < Sk
+        k = tl.load(K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_kn
+                    + offs_d[None, :] * stride_kd, mask=col_ok[:, None], other=0.0)
+        v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vn
+                    + offs_d[None, :] * stride_vd, mask=col_ok[:, None], other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        dk = tl.zeros([BLOCK_N, HEAD_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, HEAD_D], tl.float32)
+        # Query blocks [lo, full) straddle the diagonal (masked); [full, Sq) see all keys.
+        if CAUSAL:
+            lo = tl.maximum(start_n + kv_offset - q_offset, 0)
+            lo = tl.minimum((lo // BLOCK_M) * BLOCK_M, Sq)
+            full = tl.maximum(start_n + BLOCK_N - 1 + kv_offset - q_offset, lo)
+            full = tl.minimum(tl.cdiv(full, BLOCK_M) * BLOCK_M, Sq)
+        else:
+            lo = 0
+            full = 0
+        for g in range(GROUP):
+            h = kvh * GROUP + g
+            q_base = Q + b * stride_qb + h * stride_qh
+            do_base = DO + b * stride_db + h * stride_dh
+            lse_base = LSE + (b * H + h) * Sq
+            delta_base = DELTA + (b * H + h) * Sq
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm,
+                                 stride_qd, stride_dm, stride_dd, offs_n, offs_d, lo, full, Sq,
+                                 q_offset, kv_offset, qk_scale, True, BLOCK_M, DOT_F32, PREC)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm,
+                                 stride_qd, stride_dm, stride_dd, offs_n, offs_d, full, Sq, Sq,
+                                 q_offset, kv_offset, qk_scale, False, BLOCK_M, DOT_F32, PREC)
+        out_off = bkv * Sk * HEAD_D + offs_n[:, None] * HEAD_D + offs_d[None, :]
+        tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
+        tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+
+    @triton.jit
+    def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                  offs_m, offs_d, lo, hi, Sk, q_offset, kv_offset, qk_scale,
+                  MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+                  PREC: tl.constexpr):
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            col_ok = offs_n < Sk
+            kt = tl.load(k_base + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn,
+                         mask=col_ok[None, :], other=0.0)                # [D, BLOCK_N]
+            vt = tl.load(v_base + offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vn,
+                         mask=col_ok[None, :], other=0.0)                # [D, BLOCK_N]
+            if DOT_F32:
+                kt = kt.to(tl.float32)
+                vt = vt.to(tl.float32)
+            p = tl.math.exp2(tl.dot(q, kt, input_precision=PREC) * qk_scale - lse[:, None])
+            if MASK:
+                keep = col_ok[None, :]
+                if CAUSAL:
+                    keep = keep & (offs_m[:, None] + q_offset >= offs_n[None, :] + kv_offset)
+                p = tl.where(keep, p, 0.0)
+            dp = tl.dot(do, vt, input_precision=PREC)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=PREC)
+        return dq
+
+    @triton.jit
+    def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+                            stride_qb, stride_qh, stride_qm, stride_qd,
+                            stride_kb, stride_kh, stride_kn, stride_kd,
+                            stride_vb, stride_vh, stride_vn, stride_vd,
+                            stride_db, stride_dh, stride_dm, stride_dd,
+                            H, GROUP, Sq, Sk, q_offset, kv_offset, qk_scale, sm_scale,
+                            CAUSAL: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+        """One program = BLOCK_M query rows of one (batch, head). DQ contiguous [B, H, Sq, D]."""
+        start_m = tl.program_id(0) * BLOCK_M
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        kvh = h // GROUP
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_D)
+        row_ok = offs_m < Sq
+        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
+                    + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dm
+                     + offs_d[None, :] * stride_dd, mask=row_ok[:, None], other=0.0)
+        lse = tl.load(LSE + bh * Sq + offs_m, mask=row_ok, other=float("inf"))
+        lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+        delta = tl.load(DELTA + bh * Sq + offs_m, mask=row_ok, other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        k_base = K + b * stride_kb + kvh * stride_kh
+        v_base = V + b * stride_vb + kvh * stride_vh
+        if CAUSAL:
+            hi = tl.minimum(Sk, tl.maximum(start_m + BLOCK_M + q_offset - kv_offset, 0))
+            full_end = tl.minimum(tl.maximum(start_m + q_offset - kv_offset + 1, 0), Sk)
+        else:
+            hi = Sk
+            full_end = Sk
+        full_end = (full_end // BLOCK_N) * BLOCK_N
+        dq = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                       stride_vd, offs_m, offs_d, 0, full_end, Sk, q_offset, kv_offset, qk_scale,
+                       False, CAUSAL, BLOCK_N, DOT_F32, PREC)
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                       stride_vd, offs_m, offs_d, full_end, hi, Sk, q_offset, kv_offset, qk_scale,
+                       True, CAUSAL, BLOCK_N, DOT_F32, PREC)
+        tl.store(DQ + bh * Sq * HEAD_D + offs_m[:, None] * HEAD_D + offs_d[None, :],
+                 (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
+    """(DOT_F32, PREC): upcast dot operands under the interpreter for bf16 (its bf16 dot is
+    wrong); IEEE fp32 dots for fp32 inputs (no TF32 surprise on GPU)."""
+    return interpreting() and dtype == torch.bfloat16, "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("q, k, v must be [B, H, S, D]")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads {q.shape[1]} not a multiple of KV heads {k.shape[1]}")
+
+
+def flash_attn_fwd_triton(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float,
+                          q_offset: int = 0, kv_offset: int = 0,
+                          block_m: Optional[int] = None, block_n: Optional[int] = None):
+    """Launch the forward kernel; returns (out [B,H,Sq,D] q.dtype, lse [B,H,Sq] fp32)."""
+    _check_shapes(q, k, v)
+    B, H, Sq, D = q.shape
+    KVH, Sk = k.shape[1], k.shape[2]
+    cfg = _fwd_config(D, q.dtype)
+    cfg["BLOCK_M"] = block_m or cfg["BLOCK_M"]
+    cfg["BLOCK_N"] = block_n or cfg["BLOCK_N"]
+    check_blocks(cfg["BLOCK_M"], cfg["BLOCK_N"], D)
+    out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    dot_f32, prec = _dot_flags(q.dtype)
+    grid = (triton.cdiv(Sq, cfg["BLOCK_M"]), B * H)
+    _attn_fwd_kernel[grid](q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+                           H, H // KVH, Sq, Sk, q_offset, kv_offset, sm_scale * LOG2E,
+                           CAUSAL=causal, HEAD_D=D, DOT_F32=dot_f32, PREC=prec, **cfg)
+    return out, lse
+
+
+def flash_attn_bwd_triton(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                          dlse: Optional[Tensor], causal: bool, sm_scale: float,
+                          q_offset: int = 0, kv_offset: int = 0,
+                          block_m: Optional[int] = None, block_n: Optional[int] = None):
+    """Launch delta + dK/dV + dQ kernels; returns (dq, dk, dv), contiguous, input dtypes."""
+    _check_shapes(q, k, v)
+    B, H, Sq, D = q.shape
+    KVH, Sk = k.shape[1], k.shape[2]
+    cfg = _bwd_config(D, q.dtype)
+    cfg["BLOCK_M"] = block_m or cfg["BLOCK_M"]
+    cfg["BLOCK_N"] = block_n or cfg["BLOCK_N"]
+    check_blocks(cfg["BLOCK_M"], cfg["BLOCK_N"], D)
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    out = out if out.stride(-1) == 1 else out.contiguous()
+    lse = lse.float().contiguous()
+    delta = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    dlse_arg = dlse.float().contiguous() if dlse is not None else delta
+    _bwd_delta_kernel[(triton.cdiv(Sq, 64), B * H)](
+        out, dout, dlse_arg, delta, out.stride(0), out.stride(1), out.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2), H, Sq,
+        HAS_DLSE=dlse is not None, HEAD_D=D, BLOCK_M=64)
+    dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, KVH, Sk, D), dtype=k.dtype, device=q.device)
+    dv = torch.empty((B, KVH, Sk, D), dtype=v.dtype, device=q.device)
+    dot_f32, prec = _dot_flags(q.dtype)
+    common = dict(CAUSAL=causal, HEAD_D=D, DOT_F32=dot_f32, PREC=prec, **cfg)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
+    _attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg["BLOCK_N"]), B * KVH)](
+        q, k, v, dout, lse, delta, dk, dv, *strides, H, KVH, H // KVH, Sq, Sk,
+        q_offset, kv_offset, sm_scale * LOG2E, sm_scale, **common)
+    _attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg["BLOCK_M"]), B * H)](
+        q, k, v, dout, lse, delta, dq, *strides, H, H // KVH, Sq, Sk,
+        q_offset, kv_offset, sm_scale * LOG2E, sm_scale, **common)
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------- torch fallback
+_CHUNK = 1024  # query rows per step: bounds the fallback's score buffer to chunk x Sk
+
+
+def _scores(q5: Tensor, k: Tensor, rows: slice, causal, sm_scale, q_offset, kv_offset):
+    """fp32 scores [B, KVH, G, rows, Sk] with the causal mask applied as -inf."""
+    s = torch.matmul(q5[:, :, :, rows].float(), k.float().unsqueeze(2).transpose(-1, -2)) * sm_scale
+    if causal:
+        qi = torch.arange(rows.start, rows.stop, device=q5.device)[:, None] + q_offset
+        kj = torch.arange(k.shape[2], device=q5.device)[None, :] + kv_offset
+        s = s.masked_fill(qi < kj, float("-inf"))
+    return s
+
+
+def flash_attn_fwd_torch(q, k, v, causal, sm_scale, q_offset=0, kv_offset=0):
+    """Exact fp32 math, chunked over queries. Same contract as the Triton kernel."""
+    B, H, Sq, D = q.shape
+    KVH = k.shape[1]
+    q5 = q.view(B, KVH, H // KVH, Sq, D) if q.is_contiguous() else q.reshape(B, KVH, H // KVH, Sq, D)
+    out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    o5, l4 = out.view(B, KVH, H // KVH, Sq, D), lse.view(B, KVH, H // KVH, Sq)
+    for r0 in range(0, Sq, _CHUNK):
+        rows = slice(r0, min(Sq, r0 + _CHUNK))
+        s = _scores(q5, k, rows, causal, sm_scale, q_offset, kv_offset)
+        m = torch.logsumexp(s, dim=-1)                                   # -inf if all masked
+        p = torch.exp(s - m.masked_fill(m == float("-inf"), 0.0).unsqueeze(-1))
+        o5[:, :, :, rows] = torch.matmul(p, v.float().unsqueeze(2)).to(q.dtype)
+        l4[:, :, :, rows] = m
+    return out, lse
+
+
+def flash_attn_bwd_torch(dout, q, k, v, out, lse, dlse, causal, sm_scale, q_offset=0, kv_offset=0):
+    B, H, Sq, D = q.shape
+    KVH, G = k.shape[1], H // k.shape[1]
+    q5 = q.reshape(B, KVH, G, Sq, D)
+    do5 = dout.reshape(B, KVH, G, Sq, D).float()
+    delta = (dout.float() * out.float()).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.float()
+    delta5 = delta.reshape(B, KVH, G, Sq)
+    lse5 = lse.float().reshape(B, KVH, G, Sq)
+    lse5 = lse5.masked_fill(lse5 == float("-inf"), float("inf"))
+    kf, vf = k.float().unsqueeze(2), v.float().unsqueeze(2)
+    dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+    dk = torch.zeros((B, KVH, k.shape[2], D), dtype=torch.float32, device=q.device)
+    dv = torch.zeros_like(dk)
+    dq5 = dq.view(B, KVH, G, Sq, D)
+    for r0 in range(0, Sq, _CHUNK):
+        rows = slice(r0, min(Sq, r0 + _CHUNK))
+        p = torch.exp(_scores(q5, k, rows, causal, sm_scale, q_offset, kv_offset) - lse5[..., rows, None])
+        do = do5[:, :, :, rows]
+        dv += torch.matmul(p.transpose(-1, -2), do).sum(2)
+        ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - delta5[..., rows, None])
+        dq5[:, :, :, rows] = (torch.matmul(ds, kf) * sm_scale).to(q.dtype)
+        dk += (torch.matmul(ds.transpose(-1, -2), q5[:, :, :, rows].float()) * sm_scale).sum(2)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+# --------------------------------------------------------------------------- custom ops
+@torch.library.custom_op("autopar::flash_attn_fwd", mutates_args=())
+def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float,
+                   q_offset: int = 0, kv_offset: int = 0, impl: str = "auto") -> tuple[Tensor, Tensor]:
+    if use_triton(impl, q.device):
+        return flash_attn_fwd_triton(q, k, v, causal, sm_scale, q_offset, kv_offset)
+    _check_shapes(q, k, v)
+    return flash_attn_fwd_torch(q, k, v, causal, sm_scale, q_offset, kv_offset)
+
+
+@flash_attn_fwd.register_fake
+def _(q, k, v, causal, sm_scale, q_offset=0, kv_offset=0, impl="auto"):
+    B, H, Sq, D = q.shape
+    return q.new_empty((B, H, Sq, D)), q.new_empty((B, H, Sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("autopar::flash_attn_bwd", mutates_args=())
+def flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                   dlse: Optional[Tensor], causal: bool, sm_scale: float, q_offset: int = 0,
+                   kv_offset: int = 0, impl: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+    if use_triton(impl, q.device):
+        return flash_attn_bwd_triton(dout, q, k, v, out, lse, dlse, causal, sm_scale, q_offset, kv_offset)
+    return flash_attn_bwd_torch(dout, q, k, v, out, lse, dlse, causal, sm_scale, q_offset, kv_offset)
+
+
+@flash_attn_bwd.register_fake
+def _(dout, q, k, v, out, lse, dlse, causal, sm_scale, q_offset=0, kv_offset=0, impl="auto"):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _fwd_setup(ctx, inputs, output):
+    q, k, v, causal, sm_scale, q_offset, kv_offset, impl = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.args = (causal, sm_scale, q_offset, kv_offset, impl)
+
+
+def _fwd_backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = flash_attn_bwd(dout, q, k, v, out, lse, dlse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+flash_attn_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
+
+
+def _merge_weights(lse1: Tensor, lse2: Tensor):
+    """lse = logaddexp(lse1, lse2) and w_i = exp(lse_i - lse) (0 where lse is -inf)."""
+    m = torch.maximum(lse1, lse2)
+    m_safe = m.masked_fill(m == float("-inf"), 0.0)
+    lse = m_safe + torch.log(torch.exp(lse1 - m_safe) + torch.exp(lse2 - m_safe))
+    lse_safe = lse.masked_fill(lse == float("-inf"), 0.0)
+    return lse, torch.exp(lse1 - lse_safe), torch.exp(lse2 - lse_safe)
+
+
+def _ct(t: Tensor) -> torch.dtype:
+    """Compute dtype of the merge: fp32, or fp64 for fp64 inputs (gradcheck)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+@torch.library.custom_op("autopar::attn_merge", mutates_args=())
+def attn_merge(out1: Tensor, lse1: Tensor, out2: Tensor, lse2: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge two partial attentions over disjoint key sets. out*: [..., S, D]; lse*: [..., S]
+    natural log. Computed in fp32 (fp64 if given); returns (out in out1.dtype, lse fp32)."""
+    lse, w1, w2 = _merge_weights(lse1.to(_ct(lse1)), lse2.to(_ct(lse1)))
+    ct = _ct(out1)
+    out = w1.unsqueeze(-1).to(ct) * out1.to(ct) + w2.unsqueeze(-1).to(ct) * out2.to(ct)
+    return out.to(out1.dtype), lse
+
+
+@attn_merge.register_fake
+def _(out1, lse1, out2, lse2):
+    return out1.new_empty(out1.shape), lse1.new_empty(lse1.shape, dtype=_ct(lse1))
+
+
+def _merge_setup(ctx, inputs, output):
+    out1, lse1, out2, lse2 = inputs
+    ctx.save_for_backward(out1, lse1, out2, lse2, output[0])
+
+
+def _merge_backward(ctx, dout, dlse):
+    # out = sum_j w_j o_j, lse = logaddexp(l_1, l_2), w_j = exp(l_j - lse):
+    # d o_j = w_j dout;  d l_j = w_j (dlse + <dout, o_j - out>).
+    out1, lse1, out2, lse2, out = ctx.saved_tensors
+    ct = _ct(out1)
+    _, w1, w2 = _merge_weights(lse1.to(_ct(lse1)), lse2.to(_ct(lse1)))
+    w1, w2 = w1.to(ct), w2.to(ct)
+    dout = torch.zeros_like(out, dtype=ct) if dout is None else dout.to(ct)
+    dlse = torch.zeros_like(w1) if dlse is None else dlse.to(ct)
+    o = out.to(ct)
+    dl1 = w1 * (dlse + (dout * (out1.to(ct) - o)).sum(-1))
+    dl2 = w2 * (dlse + (dout * (out2.to(ct) - o)).sum(-1))
+    return ((w1.unsqueeze(-1) * dout).to(out1.dtype), dl1.to(lse1.dtype),
+            (w2.unsqueeze(-1) * dout).to(out2.dtype), dl2.to(lse2.dtype))
+
+
+attn_merge.register_autograd(_merge_backward, setup_context=_merge_setup)
+
+
+# --------------------------------------------------------------------------- public wrapper
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
+                    sm_scale: Optional[float] = None, q_offset: int = 0, kv_offset: int = 0,
+                    impl: str = "auto") -> tuple[Tensor, Tensor]:
+    """Differentiable attention: returns (out [B,H,Sq,D], lse [B,H,Sq] fp32 natural log).
+
+    Gradients flow to q, k, v from both ``out`` and ``lse``. ``sm_scale`` defaults to
+    1/sqrt(D). See the module docstring for layouts, masking and ``impl``."""
+    _check_shapes(q, k, v)
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim {q.shape[-1]} unsupported; supported: {SUPPORTED_HEAD_DIMS}")
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    return flash_attn_fwd(q, k, v, bool(causal), float(sm_scale), int(q_offset), int(kv_offset), impl)
