@@ -1,0 +1,505 @@
+"""Cluster, Device, Link: the hardware and topology a plan targets.
+
+This module is a leaf contract: it imports nothing else from autopar (torch only
+lazily, inside :meth:`Cluster.detect`), so a plan, a report or a cost model can read
+a cluster description without the rest of the package.
+
+Model
+-----
+A cluster is ``nodes`` identical machines of ``devices_per_node`` identical devices.
+Global rank ``r`` lives on node ``r // devices_per_node`` (ranks fill nodes
+contiguously). Two links:
+
+- ``intra``: between devices of one node (NVLink/NVSwitch class; shared memory for
+  local CPU processes);
+- ``inter``: between nodes (InfiniBand/RoCE class).
+
+Units, everywhere:
+
+- ``Device.memory_gib``: GiB (2**30 bytes) usable per device;
+- ``Device.peak_tflops[dtype]``: dense peak, 1e12 FLOP/s (a multiply-add is 2 FLOP);
+- ``Device.mem_bw_gbs``: device memory bandwidth, GB/s (1e9 bytes/s);
+- ``Link.bandwidth_gbs``: per device, one direction, GB/s (1e9 bytes/s). For
+  ``inter`` this is the NIC bandwidth one device can use (e.g. one 400 Gb/s NDR NIC
+  per GPU = 50 GB/s);
+- ``Link.latency_us``: one message's start-up latency (the alpha of the
+  alpha-beta model), microseconds.
+
+TOML format (every key required unless marked optional; no other keys)::
+
+    name = "my-cluster"
+    nodes = 2
+    devices_per_node = 8
+    backend = "nccl"            # "nccl" or "gloo"
+    profile = "profile.json"    # optional: a ProfileDB measured on this cluster
+    [device]
+    name = "H100-SXM"
+    memory_gib = 80
+    mem_bw_gbs = 3350
+    [device.peak_tflops]        # at least one of fp32, tf32, bf16, fp16, fp8
+    bf16 = 989
+    fp32 = 67
+    [intra]
+    bandwidth_gbs = 450
+    latency_us = 3
+    [inter]
+    bandwidth_gbs = 50
+    latency_us = 10
+
+A relative ``profile`` path is resolved against the TOML file's folder.
+
+Cluster specs accepted by :func:`parse_cluster`: ``PRESET`` (one node),
+``PRESET:N`` (N nodes), ``local-cpu:N`` (N gloo processes on this machine, figures
+measured by :meth:`Cluster.detect`) or a path to a ``.toml`` file.
+
+Every bad input raises :class:`ClusterError` with a one-line message naming the
+problem and the fix.
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import math
+import os
+import time
+import tomllib
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping
+
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+BACKENDS = ("nccl", "gloo")
+
+# When a dtype's peak is not given, use the first of these that is. Falling back from
+# a low precision to fp32 is conservative on GPUs (it under-estimates throughput) and
+# right on CPUs (no fast bf16 units); fp32 never falls back to a faster mode.
+_DTYPE_FALLBACK: dict[str, tuple[str, ...]] = {
+    "fp32": (),
+    "tf32": ("fp32",),
+    "bf16": ("fp16", "fp32"),
+    "fp16": ("bf16", "fp32"),
+    "fp8": ("bf16", "fp16", "fp32"),
+}
+_DTYPE_ALIASES = {
+    "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+    "bfloat16": "bf16", "torch.bfloat16": "bf16",
+    "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
+    "float8": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
+}
+
+# Defaults for local CPU processes talking over gloo, from medians measured on a
+# 2-core machine with 2 ranks (AR 1 KB 260 us, AG/RS 1 KB 200-270 us; AR 64 MB 54 ms
+# i.e. ~1.2 GB/s algorithm bandwidth; AG/RS 64 MB 0.4-0.5 GB/s; P2P 64 MB 2.3 GB/s).
+# One (alpha, beta) cannot fit them all; these sit between the collectives' figures.
+# A measured profile (``autopar profile``) replaces them in the cost model.
+GLOO_LINK_GBS = 1.0
+GLOO_LATENCY_US = 130.0
+
+
+class ClusterError(ValueError):
+    """A bad cluster description or spec; the message is one line: problem and fix."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
+
+
+@dataclass
+class Device:
+    """One accelerator (or one CPU process' share of a machine).
+
+    memory_gib: usable memory, GiB. peak_tflops: dense peak per dtype, 1e12 FLOP/s.
+    mem_bw_gbs: memory bandwidth, 1e9 bytes/s.
+    """
+
+    name: str
+    memory_gib: float
+    peak_tflops: dict[str, float]
+    mem_bw_gbs: float
+
+
+@dataclass
+class Link:
+    """A link class: per-device one-direction bandwidth (GB/s) and latency (us)."""
+
+    bandwidth_gbs: float
+    latency_us: float
+
+    @property
+    def bandwidth_bps(self) -> float:
+        """Bandwidth in bytes/s."""
+        return self.bandwidth_gbs * 1e9
+
+    @property
+    def latency_s(self) -> float:
+        """Latency in seconds."""
+        return self.latency_us * 1e-6
+
+
+@dataclass
+class Cluster:
+    """``nodes`` x ``devices_per_node`` identical devices joined by two link classes.
+
+    ``detected`` is True for clusters whose figures :meth:`detect` measured; their
+    fingerprint then covers topology and identity only, because measurements vary
+    from run to run and a profile measured on this machine must keep matching.
+    """
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    device: Device
+    intra: Link
+    inter: Link
+    profile: str | None = None
+    backend: str = "nccl"
+    detected: bool = False
+
+    # ---- derived figures -------------------------------------------------------
+    @property
+    def world(self) -> int:
+        """Number of devices (ranks)."""
+        return self.nodes * self.devices_per_node
+
+    @property
+    def memory_bytes(self) -> int:
+        """Usable memory per device, bytes."""
+        return int(self.device.memory_gib * 2**30)
+
+    def peak_flops(self, dtype: str = "bf16") -> float:
+        """Dense peak of one device for ``dtype``, FLOP/s (see ``_DTYPE_FALLBACK``)."""
+        key = _DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower())
+        if key not in _DTYPE_FALLBACK:
+            raise ClusterError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+        table = self.device.peak_tflops
+        for candidate in (key, *_DTYPE_FALLBACK[key]):
+            if candidate in table:
+                return float(table[candidate]) * 1e12
+        raise ClusterError(
+            f"cluster {self.name!r} gives no peak for {key}: add [device.peak_tflops] {key} = ..."
+        )
+
+    # ---- serialisation ---------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON/TOML-ready dict (the TOML layout; ``detected`` only when True)."""
+        d: dict[str, Any] = {
+            "name": self.name,
+            "nodes": self.nodes,
+            "devices_per_node": self.devices_per_node,
+            "backend": self.backend,
+            "device": {
+                "name": self.device.name,
+                "memory_gib": float(self.device.memory_gib),
+                "mem_bw_gbs": float(self.device.mem_bw_gbs),
+                "peak_tflops": {k: float(self.device.peak_tflops[k])
+                                for k in sorted(self.device.peak_tflops)},
+            },
+            "intra": {"bandwidth_gbs": float(self.intra.bandwidth_gbs),
+                      "latency_us": float(self.intra.latency_us)},
+            "inter": {"bandwidth_gbs": float(self.inter.bandwidth_gbs),
+                      "latency_us": float(self.inter.latency_us)},
+        }
+        if self.profile is not None:
+            d["profile"] = self.profile
+        if self.detected:
+            d["detected"] = True
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "cluster") -> "Cluster":
+        """Build and validate a Cluster from the TOML layout; ``source`` names it in errors."""
+        _check_keys(data, source, "", required=_TOP_REQUIRED, optional=("profile", "detected"))
+        dev = data["device"]
+        _check_table(dev, source, "device")
+        _check_keys(dev, source, "device.", required=("name", "memory_gib", "mem_bw_gbs", "peak_tflops"))
+        peaks = dev["peak_tflops"]
+        _check_table(peaks, source, "device.peak_tflops")
+        if not peaks:
+            raise ClusterError(f"{source}: [device.peak_tflops] is empty: give at least one of {', '.join(DTYPES)}")
+        for k in peaks:
+            if k not in DTYPES:
+                raise ClusterError(f"{source}: unknown key device.peak_tflops.{k}: use one of {', '.join(DTYPES)}")
+        links = {}
+        for which in ("intra", "inter"):
+            _check_table(data[which], source, which)
+            _check_keys(data[which], source, f"{which}.", required=("bandwidth_gbs", "latency_us"))
+            links[which] = Link(
+                bandwidth_gbs=_num(data[which]["bandwidth_gbs"], source, f"{which}.bandwidth_gbs"),
+                latency_us=_num(data[which]["latency_us"], source, f"{which}.latency_us", allow_zero=True),
+            )
+        profile = data.get("profile")
+        if profile is not None and not isinstance(profile, str):
+            raise ClusterError(f"{source}: profile must be a path string, got {type(profile).__name__}")
+        detected = data.get("detected", False)
+        if not isinstance(detected, bool):
+            raise ClusterError(f"{source}: detected must be true or false")
+        cluster = cls(
+            name=_str(data["name"], source, "name"),
+            nodes=_int(data["nodes"], source, "nodes"),
+            devices_per_node=_int(data["devices_per_node"], source, "devices_per_node"),
+            device=Device(
+                name=_str(dev["name"], source, "device.name"),
+                memory_gib=_num(dev["memory_gib"], source, "device.memory_gib"),
+                peak_tflops={k: _num(v, source, f"device.peak_tflops.{k}") for k, v in peaks.items()},
+                mem_bw_gbs=_num(dev["mem_bw_gbs"], source, "device.mem_bw_gbs"),
+            ),
+            intra=links["intra"],
+            inter=links["inter"],
+            profile=profile,
+            backend=_str(data["backend"], source, "backend"),
+            detected=detected,
+        )
+        cluster.validate(source=source)
+        return cluster
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str]) -> "Cluster":
+        """Read a cluster TOML file (format in the module docstring)."""
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ClusterError(f"cluster file {p} not found: check the path or use a preset ({', '.join(preset_names())})") from None
+        except OSError as e:
+            raise ClusterError(f"cannot read cluster file {p}: {e.strerror}") from None
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ClusterError(f"{p}: TOML syntax error: {e}: fix the file") from None
+        cluster = cls.from_dict(data, source=str(p))
+        if cluster.profile is not None and not os.path.isabs(cluster.profile):
+            cluster.profile = str((p.parent / cluster.profile))
+        return cluster
+
+    def validate(self, *, source: str | None = None) -> None:
+        """Raise ClusterError if any figure is missing, of the wrong type or non-positive."""
+        src = source or f"cluster {self.name!r}"
+        _str(self.name, src, "name")
+        _int(self.nodes, src, "nodes")
+        _int(self.devices_per_node, src, "devices_per_node")
+        if self.backend not in BACKENDS:
+            raise ClusterError(f"{src}: backend {self.backend!r} is not supported: use one of {', '.join(BACKENDS)}")
+        if not isinstance(self.device, Device):
+            raise ClusterError(f"{src}: device must be a Device")
+        _str(self.device.name, src, "device.name")
+        _num(self.device.memory_gib, src, "device.memory_gib")
+        _num(self.device.mem_bw_gbs, src, "device.mem_bw_gbs")
+        if not isinstance(self.device.peak_tflops, dict) or not self.device.peak_tflops:
+            raise ClusterError(f"{src}: device.peak_tflops must give at least one of {', '.join(DTYPES)}")
+        for k, v in self.device.peak_tflops.items():
+            if k not in DTYPES:
+                raise ClusterError(f"{src}: unknown key device.peak_tflops.{k}: use one of {', '.join(DTYPES)}")
+            _num(v, src, f"device.peak_tflops.{k}")
+        for which in ("intra", "inter"):
+            link = getattr(self, which)
+            if not isinstance(link, Link):
+                raise ClusterError(f"{src}: {which} must be a Link")
+            _num(link.bandwidth_gbs, src, f"{which}.bandwidth_gbs")
+            _num(link.latency_us, src, f"{which}.latency_us", allow_zero=True)
+
+    def fingerprint(self) -> str:
+        """16 hex digits of sha256 over the normalised description.
+
+        ``profile`` is left out (a profile records this fingerprint; the cluster
+        naming its profile must not change it). For a detected cluster the measured
+        figures are left out too (see the class docstring).
+        """
+        d = self.to_dict()
+        d.pop("profile", None)
+        if self.detected:
+            d["device"] = {"name": self.device.name, "memory_gib": round(self.device.memory_gib, 3)}
+            d.pop("intra")
+            d.pop("inter")
+        blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    # ---- local CPU -------------------------------------------------------------
+    @classmethod
+    def detect(cls, n: int) -> "Cluster":
+        """Measure this machine as ``n`` gloo CPU processes (about 1 s).
+
+        Assumptions: each process runs one intra-op thread (torchrun sets
+        OMP_NUM_THREADS=1 when it starts several processes) and the ``n`` processes
+        share the cores, so per-process figures = single-thread figures x
+        min(1, cores / n). Memory per process = total RAM / n. Links: the gloo
+        defaults above (``GLOO_LINK_GBS``, ``GLOO_LATENCY_US``); nodes = 1.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ClusterError(f"local-cpu needs a positive process count, got {n!r}: use local-cpu:N, e.g. local-cpu:2")
+        gemm_flops, copy_bps = _measure_cpu()
+        share = min(1.0, _cpu_count() / n)
+        device = Device(
+            name=f"cpu-{_cpu_model()}-{_cpu_count()}c",
+            memory_gib=_total_ram_bytes() / n / 2**30,
+            peak_tflops={"fp32": gemm_flops * share / 1e12},
+            mem_bw_gbs=copy_bps * share / 1e9,
+        )
+        link = Link(bandwidth_gbs=GLOO_LINK_GBS, latency_us=GLOO_LATENCY_US)
+        return cls(name=f"local-cpu:{n}", nodes=1, devices_per_node=n, device=device,
+                   intra=link, inter=Link(link.bandwidth_gbs, link.latency_us),
+                   backend="gloo", detected=True)
+
+
+# ---- presets -------------------------------------------------------------------------
+def preset_names() -> list[str]:
+    """Names of the bundled presets (``cost_models/presets/*.toml``)."""
+    folder = resources.files("cost_models").joinpath("presets")
+    return sorted(p.name[: -len(".toml")] for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def load_preset(name: str, nodes: int = 1) -> Cluster:
+    """A bundled preset with ``nodes`` nodes."""
+    names = preset_names()
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ClusterError(f"unknown cluster preset {name!r}: {hint}use one of {', '.join(names)}, local-cpu:N or a .toml path")
+    res = resources.files("cost_models").joinpath("presets", f"{name}.toml")
+    data = tomllib.loads(res.read_text(encoding="utf-8"))
+    data["nodes"] = nodes
+    return Cluster.from_dict(data, source=f"preset {name}")
+
+
+@lru_cache(maxsize=None)
+def _detect_cached(n: int) -> Cluster:
+    return Cluster.detect(n)
+
+
+def parse_cluster(spec: str) -> Cluster:
+    """``PRESET``, ``PRESET:N``, ``local-cpu:N`` or a path to a ``.toml`` file -> Cluster."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ClusterError(f"empty cluster spec: use a preset ({', '.join(preset_names())}), PRESET:N, local-cpu:N or a .toml path")
+    spec = spec.strip()
+    if spec.endswith(".toml") or os.sep in spec or os.path.isfile(spec):
+        return Cluster.from_toml(spec)
+    name, sep, count = spec.partition(":")
+    if name == "local-cpu":
+        if not sep:
+            raise ClusterError("local-cpu needs a process count: use local-cpu:N, e.g. local-cpu:2")
+        n = _parse_count(count, spec, "processes")
+        c = _detect_cached(n)
+        return Cluster.from_dict(c.to_dict(), source=spec)  # a fresh copy callers may mutate
+    nodes = _parse_count(count, spec, "nodes") if sep else 1
+    return load_preset(name, nodes)
+
+
+def _parse_count(text: str, spec: str, what: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1 or str(n) != text.strip():
+        raise ClusterError(f"bad count {text!r} in cluster spec {spec!r}: the part after ':' is the number of {what}, a positive integer")
+    return n
+
+
+# ---- validation helpers --------------------------------------------------------------
+_TOP_REQUIRED = ("name", "nodes", "devices_per_node", "backend", "device", "intra", "inter")
+
+
+def _check_keys(d: Mapping[str, Any], source: str, prefix: str, *, required: tuple[str, ...],
+                optional: tuple[str, ...] = ()) -> None:
+    for k in required:
+        if k not in d:
+            raise ClusterError(f"{source}: missing key {prefix}{k}: add it (see the format in cost_models/cluster.py)")
+    for k in d:
+        if k not in required and k not in optional:
+            raise ClusterError(f"{source}: unknown key {prefix}{k}: remove it (allowed: {', '.join(required + optional)})")
+
+
+def _check_table(v: Any, source: str, key: str) -> None:
+    if not isinstance(v, Mapping):
+        raise ClusterError(f"{source}: {key} must be a table ([{key}]), got {type(v).__name__}")
+
+
+def _num(v: Any, source: str, key: str, *, allow_zero: bool = False) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ClusterError(f"{source}: {key} must be a number, got {v!r}")
+    if v < 0 or (v == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ClusterError(f"{source}: {key} must be {bound}, got {v!r}")
+    return float(v)
+
+
+def _int(v: Any, source: str, key: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ClusterError(f"{source}: {key} must be an integer, got {v!r}")
+    if v < 1:
+        raise ClusterError(f"{source}: {key} must be >= 1, got {v!r}")
+    return v
+
+
+def _str(v: Any, source: str, key: str) -> str:
+    if not isinstance(v, str) or not v:
+        raise ClusterError(f"{source}: {key} must be a non-empty string, got {v!r}")
+    return v
+
+
+# ---- local measurements --------------------------------------------------------------
+def _cpu_count() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    return "-".join(model.split())[:48] or "unknown"
+    except OSError:
+        pass
+    return "unknown"
+
+
+def _total_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _best_time(fn: Any, repeats: int, budget_s: float) -> float:
+    best = math.inf
+    t_end = time.perf_counter() + budget_s
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() > t_end:
+            break
+    return best
+
+
+def _measure_cpu() -> tuple[float, float]:
+    """Single-thread fp32 GEMM FLOP/s and memory copy bandwidth (bytes/s read + written)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        n = 384
+        a = torch.randn(n, n)
+        b = torch.randn(n, n)
+        out = torch.empty(n, n)
+        torch.mm(a, b, out=out)  # warm-up
+        t = _best_time(lambda: torch.mm(a, b, out=out), repeats=8, budget_s=0.5)
+        gemm = 2.0 * n**3 / max(t, 1e-9)
+        src = torch.empty(16 * 2**20 // 4)  # 16 MiB: larger than the last-level cache on most CPUs
+        src.fill_(1.0)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        t = _best_time(lambda: dst.copy_(src), repeats=6, budget_s=0.4)
+        copy = 2.0 * src.numel() * 4 / max(t, 1e-9)
+    finally:
+        torch.set_num_threads(threads)
+    return gemm, copy

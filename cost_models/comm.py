@@ -1,0 +1,277 @@
+"""Collective communication time on one dimension of the device mesh.
+
+Mesh and placement
+------------------
+The mesh is ``[pp, dp, cp, tp]``, outer to inner (tp varies fastest)::
+
+    rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i,   node = rank // devices_per_node
+
+A group of dimension ``d`` has ``size = mesh[d]`` members spaced ``stride`` ranks
+apart, ``stride`` = product of the sizes of the dimensions inside ``d``. Its link
+class (:func:`group_layout`, taken from the group that holds rank 0):
+
+- ``intra``: all members on one node;
+- ``inter``: one member per node;
+- ``mixed``: ``per_node`` > 1 members on each of ``nodes`` > 1 nodes.
+
+Cost model (alpha-beta, ring algorithms)
+----------------------------------------
+``B`` = per-rank buffer bytes (all_reduce: the tensor; all_gather: the gathered
+OUTPUT; reduce_scatter: the full INPUT; all_to_all: the per-rank buffer;
+send_recv: the message), ``n`` = group size, ``bw`` = per-device one-direction
+bandwidth of the link (bytes/s), ``alpha`` = its latency (s)::
+
+    all_reduce      2 (n-1)/n * B / bw  +  2 (n-1) * alpha     (reduce-scatter + all-gather)
+    all_gather        (n-1)/n * B / bw  +    (n-1) * alpha
+    reduce_scatter    (n-1)/n * B / bw  +    (n-1) * alpha
+    all_to_all        (n-1)/n * B / bw  +    (n-1) * alpha     (pairwise exchange)
+    send_recv                 B / bw  +          alpha
+
+``n = 1`` or ``B <= 0`` costs 0 s.
+
+Hierarchical (``mixed``) groups, ``g = per_node`` members on each of ``k = nodes``
+nodes; the intra phases use the intra link, the inter phases the network::
+
+    all_reduce      intra RS(B, g) + inter AR(B/g, k) + intra AG(B, g)
+    all_gather      inter AG(B/g, k) + intra AG(B, g)
+    reduce_scatter  intra RS(B, g) + inter RS(B/g, k)
+    all_to_all      (g-1)/n * B / bw_intra + (g-1) alpha_intra + (n-g)/n * B / bw_inter + (n-g) alpha_inter
+    send_recv       one hop on the inter link (a ring step is as slow as its node-crossing hop)
+
+Inter-node bandwidth per device is ``cluster.inter.bandwidth_gbs``: each device
+uses its own NIC, whether the group has one member per node or ``g`` concurrent
+inter-node sub-groups (one per local index) run side by side. Phases run one
+after another (no overlap between phases).
+
+Measured profile
+----------------
+When a :class:`ProfileDB` has samples for ``(kind, n, link)`` its interpolated
+time is used (source ``"profile"``). For a ``mixed`` group without such samples the
+hierarchical formula is composed from the profile's intra and inter samples when
+every phase is measured; a phase without samples falls back to the model and the
+result is then reported as ``"model"``.
+
+``local-cpu`` clusters take their alpha-beta figures from ``Cluster.detect``
+(gloo defaults); a profile overrides them, as for any cluster.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Mapping
+
+from cost_models.cluster import Cluster, ClusterError, Link
+from cost_models.profile_db import COLLECTIVE_KINDS, ProfileDB
+
+DIMS = ("pp", "dp", "cp", "tp")
+LinkClass = Literal["intra", "inter", "mixed"]
+Source = Literal["profile", "model"]
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Parallel degrees; mesh order [pp, dp, cp, tp], outer to inner."""
+
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @property
+    def world(self) -> int:
+        """Number of ranks the mesh uses."""
+        return self.pp * self.dp * self.cp * self.tp
+
+    def size(self, dim: str) -> int:
+        """Degree of one dimension."""
+        return int(getattr(self, _check_dim(dim)))
+
+    def stride(self, dim: str) -> int:
+        """Rank distance between neighbouring members of a ``dim`` group."""
+        i = DIMS.index(_check_dim(dim))
+        s = 1
+        for inner in DIMS[i + 1:]:
+            s *= getattr(self, inner)
+        return s
+
+    @classmethod
+    def of(cls, mesh: "Mesh | Mapping[str, int]") -> "Mesh":
+        """Accept a Mesh or a dict such as ``{"pp": 2, "dp": 4, "tp": 8}`` (missing dims = 1)."""
+        if isinstance(mesh, Mesh):
+            return mesh
+        unknown = set(mesh) - set(DIMS)
+        if unknown:
+            raise ClusterError(f"unknown mesh dimension {sorted(unknown)[0]!r}: use {', '.join(DIMS)}")
+        m = cls(**{d: int(mesh.get(d, 1)) for d in DIMS})
+        for d in DIMS:
+            if m.size(d) < 1:
+                raise ClusterError(f"mesh dimension {d} = {m.size(d)}: degrees must be >= 1")
+        return m
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """How one process group of a mesh dimension lies on the nodes."""
+
+    size: int
+    link: LinkClass
+    per_node: int
+    nodes: int
+
+
+@dataclass(frozen=True)
+class CommEstimate:
+    """Seconds for one collective and where the figure came from."""
+
+    seconds: float
+    source: Source
+
+
+def _check_dim(dim: str) -> str:
+    if dim not in DIMS:
+        raise ClusterError(f"unknown mesh dimension {dim!r}: use one of {', '.join(DIMS)}")
+    return dim
+
+
+def group_layout(cluster: Cluster, mesh: Mesh | Mapping[str, int], dim: str) -> GroupLayout:
+    """Size, link class, members per node and nodes spanned by the ``dim`` group holding rank 0."""
+    m = Mesh.of(mesh)
+    if m.world > cluster.world:
+        raise ClusterError(
+            f"mesh {m.pp}x{m.dp}x{m.cp}x{m.tp} needs {m.world} devices but cluster {cluster.name!r} "
+            f"has {cluster.world}: lower the degrees or add nodes")
+    size = m.size(dim)
+    if size == 1:
+        return GroupLayout(size=1, link="intra", per_node=1, nodes=1)
+    stride = m.stride(dim)
+    dpn = cluster.devices_per_node
+    counts: dict[int, int] = {}
+    for k in range(size):
+        node = (k * stride) // dpn
+        counts[node] = counts.get(node, 0) + 1
+    nodes = len(counts)
+    per_node = max(counts.values())
+    if nodes == 1:
+        link: LinkClass = "intra"
+    elif per_node == 1:
+        link = "inter"
+    else:
+        link = "mixed"
+    return GroupLayout(size=size, link=link, per_node=per_node, nodes=nodes)
+
+
+def _ring_time(kind: str, nbytes: float, n: int, link: Link) -> float:
+    """Flat ring/pairwise alpha-beta time on one link class (module docstring)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bw, alpha = link.bandwidth_bps, link.latency_s
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n * nbytes / bw + (n - 1) * alpha
+    if kind == "send_recv":
+        return nbytes / bw + alpha
+    raise ClusterError(f"unknown collective {kind!r}: use one of {', '.join(COLLECTIVE_KINDS)}")
+
+
+class _Phase:
+    """Times one flat phase from the profile when measured, else the model; tracks the source."""
+
+    def __init__(self, cluster: Cluster, profile: ProfileDB | None):
+        self.cluster = cluster
+        self.profile = profile
+        self.all_measured = True
+
+    def __call__(self, kind: str, nbytes: float, n: int, link: Literal["intra", "inter"]) -> float:
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        if self.profile is not None:
+            t = self.profile.collective_time(kind, n, link, nbytes)
+            if t is not None:
+                return t
+        self.all_measured = False
+        return _ring_time(kind, nbytes, n, self.cluster.intra if link == "intra" else self.cluster.inter)
+
+
+def collective_time(kind: str, nbytes: float, cluster: Cluster, mesh: Mesh | Mapping[str, int], dim: str,
+                    profile: ProfileDB | None = None) -> CommEstimate:
+    """Seconds for one ``kind`` collective of ``nbytes`` (per-rank buffer) over a ``dim`` group."""
+    if kind not in COLLECTIVE_KINDS:
+        raise ClusterError(f"unknown collective {kind!r}: use one of {', '.join(COLLECTIVE_KINDS)}")
+    lay = group_layout(cluster, mesh, dim)
+    return _group_time(kind, float(nbytes), lay, cluster, profile)
+
+
+def _group_time(kind: str, nbytes: float, lay: GroupLayout, cluster: Cluster,
+                profile: ProfileDB | None) -> CommEstimate:
+    n = lay.size
+    if n <= 1 or nbytes <= 0:
+        return CommEstimate(0.0, "model")
+    if profile is not None:
+        t = profile.collective_time(kind, n if kind != "send_recv" else 2, lay.link, nbytes)
+        if t is not None:
+            return CommEstimate(t, "profile")
+    phase = _Phase(cluster, profile)
+    if lay.link != "mixed":
+        if kind == "send_recv":
+            t = phase("send_recv", nbytes, 2, lay.link)
+        else:
+            t = phase(kind, nbytes, n, lay.link)
+    else:
+        g, k = lay.per_node, lay.nodes
+        if kind == "all_reduce":
+            t = (phase("reduce_scatter", nbytes, g, "intra") + phase("all_reduce", nbytes / g, k, "inter")
+                 + phase("all_gather", nbytes, g, "intra"))
+        elif kind == "all_gather":
+            t = phase("all_gather", nbytes / g, k, "inter") + phase("all_gather", nbytes, g, "intra")
+        elif kind == "reduce_scatter":
+            t = phase("reduce_scatter", nbytes, g, "intra") + phase("reduce_scatter", nbytes / g, k, "inter")
+        elif kind == "all_to_all":
+            phase.all_measured = False  # no profile decomposition for a hierarchical all-to-all
+            ia, ie = cluster.intra, cluster.inter
+            t = ((g - 1) / n * nbytes / ia.bandwidth_bps + (g - 1) * ia.latency_s
+                 + (n - g) / n * nbytes / ie.bandwidth_bps + (n - g) * ie.latency_s)
+        else:  # send_recv
+            t = phase("send_recv", nbytes, 2, "inter")
+    return CommEstimate(t, "profile" if (profile is not None and phase.all_measured) else "model")
+
+
+def p2p_links(cluster: Cluster, mesh: Mesh | Mapping[str, int]) -> list[LinkClass]:
+    """Link class of each pipeline boundary (stage i -> i+1), over all its rank pairs."""
+    m = Mesh.of(mesh)
+    group_layout(cluster, m, "pp")  # validates the mesh against the cluster
+    stride = m.stride("pp")
+    dpn = cluster.devices_per_node
+    links: list[LinkClass] = []
+    for i in range(m.pp - 1):
+        # pairs (a, a + stride), a in [i*stride, (i+1)*stride): one crosses a node edge
+        # iff a multiple of dpn lies in [i*stride + 1, (i+2)*stride - 1]
+        lo, hi = i * stride + 1, (i + 2) * stride - 1
+        first_edge = -(-lo // dpn) * dpn
+        links.append("inter" if first_edge <= hi else "intra")
+    return links
+
+
+def p2p_time(nbytes: float, cluster: Cluster, mesh: Mesh | Mapping[str, int], profile: ProfileDB | None = None,
+             *, boundary: int | None = None) -> CommEstimate:
+    """One-way activation send between adjacent pipeline stages, seconds.
+
+    ``boundary`` = i times the send from stage i to i+1; None times the slowest
+    boundary (a pipeline runs at the pace of its slowest hop). pp = 1 costs 0 s.
+    """
+    links = p2p_links(cluster, mesh)
+    if not links or nbytes <= 0:
+        return CommEstimate(0.0, "model")
+    if boundary is not None:
+        if not 0 <= boundary < len(links):
+            raise ClusterError(f"pipeline boundary {boundary} out of range: use 0..{len(links) - 1}")
+        chosen = [links[boundary]]
+    else:
+        chosen = sorted(set(links))
+    best: CommEstimate | None = None
+    for link in chosen:
+        lay = GroupLayout(size=2, link=link, per_node=1 if link == "inter" else 2, nodes=2 if link == "inter" else 1)
+        est = _group_time("send_recv", float(nbytes), lay, cluster, profile)
+        if best is None or est.seconds > best.seconds:
+            best = est
+    assert best is not None
+    return best

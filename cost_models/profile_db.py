@@ -1,0 +1,267 @@
+"""ProfileDB: measured collective and layer times of one cluster (a JSON file).
+
+Written by ``cost_models/profiler.py`` (``autopar profile``), read by ``comm.py`` and
+``compute.py``. Units: bytes and seconds.
+
+JSON layout (``version`` 1)::
+
+    {"version": 1, "cluster_fingerprint": "<Cluster.fingerprint()>",
+     "backend": "nccl", "world": 16,
+     "collectives": {"all_reduce/8/intra": [{"nbytes": 1024, "seconds": 1.2e-5}, ...]},
+     "layers": {"<layer signature>": [{"shape": {"batch": 1, "seq_len": 2048, "tp": 2, "cp": 1},
+                                        "fwd_s": 0.004, "bwd_s": 0.008}, ...]}}
+
+Collective keys are ``<kind>/<group_size>/<link>`` with kind in ``COLLECTIVE_KINDS``
+and link in ``intra`` | ``inter`` | ``mixed`` (see ``comm.group_layout``).
+``nbytes`` follows comm.py's convention: the per-rank buffer, i.e. the full tensor
+for all_reduce, the gathered OUTPUT for all_gather, the full INPUT for
+reduce_scatter, the per-rank buffer for all_to_all, the message for send_recv
+(one-way time).
+
+Interpolation of collectives, samples sorted by size ``s_1 < ... < s_k`` with
+times ``t_i`` (duplicate sizes: their median):
+
+- ``n <= s_1``: ``t_1`` (latency-bound, constant);
+- ``s_i <= n <= s_{i+1}``: piecewise linear in log-log:
+  ``log t = log t_i + (log n - log s_i) / (log s_{i+1} - log s_i) * (log t_{i+1} - log t_i)``
+  (hits every measured point exactly);
+- ``n > s_k``: ``t_k + (n - s_k) * (t_k - t_{k-1}) / (s_k - s_{k-1})``, linear in bytes
+  at the last two points' incremental bandwidth; when that slope is not positive
+  (noise), or only one sample exists, ``t_k * n / s_k`` (pure bandwidth).
+
+Layer times: samples of one signature with the same tp and cp (exact match only).
+An exact (batch, seq_len) match is returned as measured. Otherwise, if samples at
+the same ``seq_len`` exist only those are used (attention cost is not linear in
+seq_len), else all; times are interpolated linearly in tokens = batch * seq_len
+between the two neighbouring token counts and scaled proportionally to tokens
+(``t * tokens / tokens_edge``) outside the measured range.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROFILE_VERSION = 1
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+LINKS = ("intra", "inter", "mixed")
+
+
+def collective_key(kind: str, group_size: int, link: str) -> str:
+    """The ``collectives`` key for a kind, process-group size and link class."""
+    return f"{kind}/{int(group_size)}/{link}"
+
+
+@dataclass
+class CollectiveSample:
+    """One measurement: ``nbytes`` (per-rank buffer, see module docstring) took ``seconds``."""
+
+    nbytes: int
+    seconds: float
+
+
+@dataclass
+class LayerSample:
+    """One layer measurement at a shape: forward and backward seconds per step."""
+
+    batch: int
+    seq_len: int
+    tp: int
+    cp: int
+    fwd_s: float
+    bwd_s: float
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """The shape key dict as stored in JSON."""
+        return {"batch": self.batch, "seq_len": self.seq_len, "tp": self.tp, "cp": self.cp}
+
+    @property
+    def tokens(self) -> int:
+        """batch * seq_len."""
+        return self.batch * self.seq_len
+
+
+@dataclass
+class ProfileDB:
+    """Measured times for one cluster; see the module docstring for the layout."""
+
+    cluster_fingerprint: str
+    backend: str
+    world: int
+    collectives: dict[str, list[CollectiveSample]] = field(default_factory=dict)
+    layers: dict[str, list[LayerSample]] = field(default_factory=dict)
+    version: int = PROFILE_VERSION
+
+    # ---- building ----------------------------------------------------------------
+    def add_collective(self, kind: str, group_size: int, link: str, nbytes: int, seconds: float) -> None:
+        """Record one collective measurement."""
+        if kind not in COLLECTIVE_KINDS:
+            raise ValueError(f"unknown collective kind {kind!r}: use one of {', '.join(COLLECTIVE_KINDS)}")
+        if link not in LINKS:
+            raise ValueError(f"unknown link {link!r}: use one of {', '.join(LINKS)}")
+        self.collectives.setdefault(collective_key(kind, group_size, link), []).append(
+            CollectiveSample(int(nbytes), float(seconds)))
+
+    def add_layer(self, signature: str, batch: int, seq_len: int, tp: int, cp: int,
+                  fwd_s: float, bwd_s: float) -> None:
+        """Record one layer measurement."""
+        self.layers.setdefault(signature, []).append(
+            LayerSample(int(batch), int(seq_len), int(tp), int(cp), float(fwd_s), float(bwd_s)))
+
+    def matches(self, cluster_fingerprint: str) -> bool:
+        """True when this profile was measured on the cluster with that fingerprint."""
+        return self.cluster_fingerprint == cluster_fingerprint
+
+    # ---- (de)serialisation ---------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON layout of the module docstring."""
+        return {
+            "version": self.version,
+            "cluster_fingerprint": self.cluster_fingerprint,
+            "backend": self.backend,
+            "world": self.world,
+            "collectives": {k: [{"nbytes": s.nbytes, "seconds": s.seconds} for s in v]
+                            for k, v in sorted(self.collectives.items())},
+            "layers": {k: [{"shape": s.shape, "fwd_s": s.fwd_s, "bwd_s": s.bwd_s} for s in v]
+                       for k, v in sorted(self.layers.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "profile") -> "ProfileDB":
+        """Inverse of :meth:`to_dict`; raises a one-line ValueError on a bad layout."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: not a profile (expected a JSON object): run `autopar profile` again")
+        version = data.get("version")
+        if version != PROFILE_VERSION:
+            raise ValueError(f"profile version {version}, expected {PROFILE_VERSION}: run `autopar profile` again")
+        try:
+            collectives = {
+                str(k): [CollectiveSample(int(s["nbytes"]), float(s["seconds"])) for s in v]
+                for k, v in data.get("collectives", {}).items()
+            }
+            layers = {
+                str(k): [LayerSample(int(s["shape"]["batch"]), int(s["shape"]["seq_len"]),
+                                     int(s["shape"].get("tp", 1)), int(s["shape"].get("cp", 1)),
+                                     float(s["fwd_s"]), float(s["bwd_s"])) for s in v]
+                for k, v in data.get("layers", {}).items()
+            }
+            return cls(cluster_fingerprint=str(data["cluster_fingerprint"]), backend=str(data["backend"]),
+                       world=int(data["world"]), collectives=collectives, layers=layers, version=version)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{source}: malformed profile ({type(e).__name__}: {e}): run `autopar profile` again") from None
+
+    def to_json(self, path: str | os.PathLike[str]) -> None:
+        """Write atomically: a temporary file in the same folder, then os.replace."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(self.to_dict(), f, indent=1)
+                f.write("\n")
+            os.replace(tmp, p)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "ProfileDB":
+        """Read a profile JSON file; one-line ValueError when missing, unreadable or of another version."""
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ValueError(f"profile {p} not found: run `autopar profile` or fix the path") from None
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"profile {p} unreadable ({e}): run `autopar profile` again") from None
+        return cls.from_dict(data, source=str(p))
+
+    # ---- queries -----------------------------------------------------------------------
+    def collective_time(self, kind: str, group_size: int, link: str, nbytes: float) -> float | None:
+        """Seconds for one collective, interpolated (module docstring); None if never measured."""
+        samples = self.collectives.get(collective_key(kind, group_size, link))
+        if not samples:
+            return None
+        return _interp_loglog(_merge_sizes(samples), float(nbytes))
+
+    def layer_time(self, signature: str, batch: int, seq_len: int, tp: int, cp: int) -> tuple[float, float] | None:
+        """(fwd_s, bwd_s) for a layer at a shape (module docstring); None if not measured at this tp/cp."""
+        samples = [s for s in self.layers.get(signature, ()) if s.tp == tp and s.cp == cp]
+        if not samples:
+            return None
+        exact = [s for s in samples if s.batch == batch and s.seq_len == seq_len]
+        if exact:
+            return (statistics.median(s.fwd_s for s in exact), statistics.median(s.bwd_s for s in exact))
+        same_seq = [s for s in samples if s.seq_len == seq_len]
+        pool = same_seq or samples
+        by_tokens: dict[int, list[LayerSample]] = {}
+        for s in pool:
+            by_tokens.setdefault(s.tokens, []).append(s)
+        xs = sorted(by_tokens)
+        fw = [statistics.median(s.fwd_s for s in by_tokens[x]) for x in xs]
+        bw = [statistics.median(s.bwd_s for s in by_tokens[x]) for x in xs]
+        tokens = batch * seq_len
+        return (_interp_linear(xs, fw, tokens), _interp_linear(xs, bw, tokens))
+
+
+def _merge_sizes(samples: list[CollectiveSample]) -> list[tuple[float, float]]:
+    by_size: dict[int, list[float]] = {}
+    for s in samples:
+        by_size.setdefault(s.nbytes, []).append(s.seconds)
+    return [(float(n), statistics.median(ts)) for n, ts in sorted(by_size.items()) if n > 0]
+
+
+def _interp_loglog(points: list[tuple[float, float]], n: float) -> float:
+    """Piecewise log-log interpolation; constant below, linear-in-bytes above (module docstring)."""
+    if not points:
+        return 0.0
+    s1, t1 = points[0]
+    if n <= s1:
+        return t1
+    sk, tk = points[-1]
+    if n >= sk:
+        if n == sk:
+            return tk
+        if len(points) >= 2:
+            sp, tp = points[-2]
+            slope = (tk - tp) / (sk - sp)
+            if slope > 0:
+                return tk + (n - sk) * slope
+        return tk * n / sk
+    lo, hi = 0, len(points) - 1
+    while hi - lo > 1:  # binary search: points[lo][0] <= n < points[hi][0]
+        mid = (lo + hi) // 2
+        if points[mid][0] <= n:
+            lo = mid
+        else:
+            hi = mid
+    sa, ta = points[lo]
+    sb, tb = points[hi]
+    if n == sa:
+        return ta
+    if ta <= 0 or tb <= 0:
+        return ta + (tb - ta) * (n - sa) / (sb - sa)
+    frac = (math.log(n) - math.log(sa)) / (math.log(sb) - math.log(sa))
+    return math.exp(math.log(ta) + frac * (math.log(tb) - math.log(ta)))
+
+
+def _interp_linear(xs: list[int], ys: list[float], x: float) -> float:
+    """Linear between neighbours; proportional (y * x / x_edge) outside [xs[0], xs[-1]]."""
+    if x <= xs[0]:
+        return ys[0] * x / xs[0]
+    if x >= xs[-1]:
+        return ys[-1] * x / xs[-1]
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            xa, xb, ya, yb = xs[i - 1], xs[i], ys[i - 1], ys[i]
+            return ya + (yb - ya) * (x - xa) / (xb - xa)
+    return ys[-1]  # unreachable
