@@ -70,6 +70,56 @@ def cmd_graph(args: argparse.Namespace) -> int:
     return 0
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(nproc: int, module_args: list[str]) -> list[str]:
+    """torchrun on this machine: N processes, a free local port."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *module_args]
+
+
+# ---------------------------------------------------------------- profile -------
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    import os
+    import subprocess
+
+    from cost_models.cluster import parse_cluster
+    from planner import zoo
+
+    cluster = parse_cluster(args.cluster)
+    zoo.load_model_spec(args.model)  # fail early on a bad model
+    _check_out(args.out, args.force)
+    worker = ["-m", "cost_models.profiler", "--cluster", args.cluster, "--model", args.model,
+              "-o", args.out, "--batches", args.batches, "--repeats", str(args.repeats)]
+    if args.seq_len:
+        worker += ["--seq-len", str(args.seq_len)]
+    if cluster.nodes > 1 or cluster.backend != "gloo":
+        print("run on every node (set NODE_RANK and MASTER_ADDR):")
+        print(f"  torchrun --nnodes {cluster.nodes} --nproc-per-node {cluster.devices_per_node} "
+              f"--node-rank $NODE_RANK --master-addr $MASTER_ADDR --master-port 29500 " + " ".join(worker[1:]))
+        return 0
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(torchrun_cmd(cluster.world, worker), env=env)
+    if r.returncode != 0:
+        raise AutoparError(f"profiling failed (torchrun exit {r.returncode}); see the output above, "
+                           "or rerun with fewer processes")
+    return 0
+
+
+def _check_out(path: str, force: bool) -> None:
+    import os
+
+    if os.path.exists(path) and not force:
+        raise AutoparError(f"{path} exists: pass --force to overwrite it or choose another -o")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="zoo preset (e.g. llama3-8b), spec.toml, hf:<preset>, or package.module:function")
@@ -86,6 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch", type=int, default=1, help="sequences in the example batch")
     g.add_argument("--json", action="store_true", help="print the ModelGraph as JSON")
     g.set_defaults(fn=cmd_graph)
+
+    p = sub.add_parser("profile", help="measure layers and collectives on a cluster -> profile.json")
+    _add_model_args(p)
+    p.add_argument("--cluster", required=True, help="local-cpu:N, a preset[:nodes] or cluster.toml")
+    p.add_argument("--batches", default="1,2", help="micro-batch sizes to measure, comma-separated")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median)")
+    p.add_argument("-o", "--out", required=True)
+    p.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    p.set_defaults(fn=cmd_profile)
     return ap
 
 
@@ -99,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return fn(args)
-    except (AutoparError, ValueError, FileNotFoundError) as e:
+    except (AutoparError, ValueError, FileNotFoundError) as e:  # ClusterError, PlanError are ValueErrors
         if args.debug:
             raise
         msg = " ".join(str(e).split()) or type(e).__name__

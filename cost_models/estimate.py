@@ -1,0 +1,308 @@
+"""estimate(graph, cluster, config, partition) -> Estimate: one training step, priced.
+
+Step time (seconds)::
+
+    step = pipeline(stage fwd/bwd times, schedule, m micro-batches, p2p)
+         + exposed DP communication + optimizer step
+
+- Stage time = sum over its layers of compute (cost_models/compute.py) + TP
+  communication + exposed CP communication + recompute, per micro-batch.
+- TP: every row-parallel linear (and the vocabulary-parallel embedding) ends in an
+  all-reduce of the layer's activation [mbs, S/cp, h] in the forward and one in the
+  backward; with sequence parallel each becomes a reduce-scatter plus an all-gather
+  (same bytes, no replicated norms). TP collectives sit on the critical path: fully
+  exposed.
+- CP (ring attention): each attention layer passes K and V around the cp ring
+  (cp - 1 steps of 2 * mbs * S/cp * kv_heads * head_dim * dtype bytes); the backward
+  sends K, V and their gradients (twice the bytes). Transfers overlap the attention
+  compute of the previous step, so only ``max(0, comm - attention core time)`` is exposed.
+- PP: the simulator of cost_models/pipeline.py on the per-stage times (the closed
+  form when ``fast=True``), p2p = the stage boundary's activation over the pp link.
+- DP (over the flattened dp x cp group, since CP ranks hold the same weights):
+  DDP all-reduces gradients; ZeRO-1/2 reduce-scatter gradients and all-gather
+  parameters; FSDP all-gathers parameters in forward and backward and
+  reduce-scatters gradients, per micro-batch. **Overlap assumption**: DDP/ZeRO
+  gradient traffic overlaps the backward of the last micro-batch, FSDP traffic the
+  whole forward and backward, each with efficiency ``OVERLAP[backend]`` (streams on
+  NCCL overlap well; gloo shares the CPU with compute). Exposed = comm - overlap
+  window, at least the last bucket (1/8 of the traffic).
+- Optimizer: AdamW reads and writes the fp32 master weights, two moments and the
+  gradient of every parameter the rank updates: 28 bytes moved per parameter at
+  memory bandwidth.
+
+Memory per pp rank: cost_models/memory.py with the in-flight micro-batches the
+simulator reports for that rank.
+
+MFU = model FLOPs of the step (full-square attention, forward + backward) /
+(step x world x peak). Every figure carries its source: ``profile`` where measured
+layer times or collective times were used, ``roofline`` / ``model`` otherwise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from cost_models import comm as comm_mod
+from cost_models import pipeline as pipe_mod
+from cost_models.cluster import Cluster
+from cost_models.compute import LayerTime, attn_core_flops, layer_time
+from cost_models.memory import DTYPE_BYTES, StageMemory, layer_params_local, stage_memory
+from planner.graph import Layer, ModelGraph
+from planner.plan import ParallelConfig, Partition, PlanError
+
+OVERLAP = {"nccl": 0.8, "gloo": 0.3}
+GiB = 2**30
+
+
+@dataclass
+class Estimate:
+    config: ParallelConfig
+    partition: Partition
+    global_batch: int
+    microbatches: int
+    step_s: float
+    tokens_per_s: float
+    mfu: float
+    tflops_per_device: float          # model TFLOP/s per device
+    memory: list[StageMemory]         # per pp rank
+    capacity: float                   # bytes per device
+    breakdown: dict[str, float]       # seconds per category (see module docstring)
+    stage_fwd_s: list[float]          # per virtual stage, per micro-batch
+    stage_bwd_s: list[float]
+    bubble_frac: float
+    source: str                       # profile | roofline | mixed
+    sources: dict[str, str] = field(default_factory=dict)
+    pipeline: Any = None              # PipelineResult (events) when simulated
+
+    @property
+    def fits(self) -> bool:
+        return all(m.total <= self.capacity for m in self.memory)
+
+    def shortfall(self) -> tuple[int, float]:
+        """(pp rank, bytes over capacity) of the worst rank; bytes <= 0 when it fits."""
+        worst = max(range(len(self.memory)), key=lambda r: self.memory[r].total)
+        return worst, self.memory[worst].total - self.capacity
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config.to_str(), "label": self.config.label(),
+            "step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+            "tflops_per_device": self.tflops_per_device, "fits": self.fits,
+            "microbatches": self.microbatches, "global_batch": self.global_batch,
+            "memory_gib": [m.total / GiB for m in self.memory],
+            "memory": [m.to_dict() for m in self.memory], "capacity_gib": self.capacity / GiB,
+            "breakdown": self.breakdown, "bubble_frac": self.bubble_frac,
+            "stage_fwd_s": self.stage_fwd_s, "stage_bwd_s": self.stage_bwd_s,
+            "source": self.source, "sources": self.sources,
+            "partition": self.partition.to_dict(),
+        }
+
+
+def microbatches(cfg: ParallelConfig, global_batch: int) -> int:
+    per = cfg.dp * cfg.mbs
+    if global_batch % per:
+        raise PlanError(f"global batch {global_batch} is not divisible by dp*mbs = {per}: "
+                        f"choose a global batch that is a multiple of {per}")
+    return global_batch // per
+
+
+def _act_bytes_io(layer: Layer, graph: ModelGraph, cfg: ParallelConfig) -> float:
+    """Bytes of one micro-batch's hidden activation at this layer's input, per cp rank."""
+    return layer.input_bytes * cfg.mbs / graph.batch * DTYPE_BYTES[cfg.dtype] / graph.dtype_bytes / cfg.cp
+
+
+class _LayerCosts:
+    """Per-layer forward/backward seconds incl. TP/CP communication, cached by signature."""
+
+    def __init__(self, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, profile) -> None:
+        self.g, self.c, self.cfg, self.profile = graph, cluster, cfg, profile
+        self.mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
+        self.cache: dict[str, tuple[float, float, float, float, float, str, str]] = {}
+
+    def get(self, layer: Layer) -> tuple[float, float, float, float, float, str, str]:
+        """(fwd compute, bwd compute, tp comm fwd+bwd, cp exposed fwd+bwd, attention-core fwd s,
+        compute source, comm source)."""
+        hit = self.cache.get(layer.signature)
+        if hit is not None:
+            return hit
+        g, cfg = self.g, self.cfg
+        lt: LayerTime = layer_time(layer, g, self.c, cfg, self.profile)
+        tp_s, csrc = 0.0, "model"
+        if cfg.tp > 1:
+            n_red = sum(1 for l in layer.linears if l.role == "row")
+            n_red += sum(1 for o in layer.ops if o.kind == "embedding" and o.tp_style == "vocab")
+            nbytes = _act_bytes_io(layer, g, cfg)
+            if n_red and nbytes:
+                if cfg.sp:
+                    rs = comm_mod.collective_time("reduce_scatter", nbytes, self.c, self.mesh, "tp", self.profile)
+                    ag = comm_mod.collective_time("all_gather", nbytes, self.c, self.mesh, "tp", self.profile)
+                    one, csrc = rs.seconds + ag.seconds, rs.source
+                else:
+                    ar = comm_mod.collective_time("all_reduce", nbytes, self.c, self.mesh, "tp", self.profile)
+                    one, csrc = ar.seconds, ar.source
+                tp_s = 2 * n_red * one  # forward and backward
+        core_s = 0.0
+        cp_s = 0.0
+        a = layer.attention
+        if a is not None:
+            peak = self.c.peak_flops("fp32" if self.c.backend == "gloo" else cfg.dtype)
+            core = attn_core_flops(layer, cfg.mbs) * (0.5 if a.causal else 1.0) / (cfg.tp * cfg.cp)
+            core_s = core / peak
+            if cfg.cp > 1:
+                kv = 2 * cfg.mbs * (a.seq_len / cfg.cp) * a.kv_heads * a.head_dim * DTYPE_BYTES[cfg.dtype]
+                kv /= min(cfg.tp, a.kv_heads)
+                step = comm_mod.collective_time("send_recv", kv, self.c, self.mesh, "cp", self.profile)
+                fwd_comm = (cfg.cp - 1) * step.seconds
+                cp_s = max(0.0, fwd_comm - core_s) + max(0.0, 2 * fwd_comm - 2.5 * core_s)
+                csrc = step.source
+        out = (lt.fwd_s, lt.bwd_s, tp_s, cp_s, core_s, lt.source, csrc)
+        self.cache[layer.signature] = out
+        return out
+
+
+def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
+             global_batch: int, *, profile=None, fast: bool = False) -> Estimate:
+    """Price one configuration with one stage split. ``fast`` uses the pipeline's closed
+    form (an upper bound, exact for uniform stages) instead of simulating it."""
+    cfg.validate()
+    n_stages = cfg.pp * cfg.vpp
+    if len(partition.bounds) != n_stages:
+        raise PlanError(f"partition has {len(partition.bounds)} stages, config needs pp*vpp = {n_stages}")
+    m = microbatches(cfg, global_batch)
+    costs = _LayerCosts(graph, cluster, cfg, profile)
+    mesh = costs.mesh
+    fwd, bwd = [], []
+    comp_src, comm_src = set(), set()
+    tot = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "recompute": 0.0}
+    per_stage_parts = []
+    for j, (lo, hi) in enumerate(partition.bounds):
+        rc = partition.recompute[j]
+        f = b = 0.0
+        parts = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "recompute": 0.0}
+        for i in range(lo, hi):
+            lf, lb, tp_s, cp_s, core_s, s1, s2 = costs.get(graph.layers[i])
+            comp_src.add(s1)
+            if tp_s or cp_s:
+                comm_src.add(s2)
+            extra = (lf + tp_s / 2) if rc == "full" else (core_s if rc == "selective" else 0.0)
+            f += lf + tp_s / 2 + cp_s / 3
+            b += lb + tp_s / 2 + 2 * cp_s / 3 + extra
+            parts["compute"] += lf + lb
+            parts["tp_comm"] += tp_s
+            parts["cp_comm"] += cp_s
+            parts["recompute"] += extra
+        fwd.append(f)
+        bwd.append(b)
+        per_stage_parts.append(parts)
+
+    # ---- pipeline ----------------------------------------------------------------
+    p2p = 0.0
+    if cfg.pp > 1:
+        sizes = [_act_bytes_io(graph.layers[hi], graph, cfg) / (cfg.tp if cfg.sp else 1)
+                 for (lo, hi) in partition.bounds[:-1] if hi < len(graph.layers)]
+        if sizes:
+            est = comm_mod.p2p_time(max(sizes), cluster, mesh, profile)
+            p2p = est.seconds
+            comm_src.add(est.source)
+    sched = cfg.schedule if cfg.pp > 1 else "1f1b"
+    result = None
+    if cfg.pp == 1:
+        pipe_s = m * (fwd[0] + bwd[0])
+        inflight_chunks = [1]
+        bubble = 0.0
+    elif fast:
+        pipe_s = pipe_mod.estimate_step(sched, cfg.pp, m, fwd, bwd, p2p=p2p, v=cfg.vpp)
+        inflight_chunks = [_inflight_closed(sched, cfg.pp, m, cfg.vpp, r) for r in range(cfg.pp)]
+        bubble = 1.0 - m * sum(fwd[j] + bwd[j] for j in range(n_stages)) / cfg.pp / pipe_s
+    else:
+        result = pipe_mod.simulate(sched, cfg.pp, m, fwd, bwd, p2p=p2p, v=cfg.vpp)
+        pipe_s = result.step_s
+        inflight_chunks = list(result.peak_inflight_chunks)
+        bubble = result.bubble_frac
+
+    # ---- per-rank memory and parameters -----------------------------------------------
+    is_gpu = cluster.backend != "gloo"
+    memory: list[StageMemory] = []
+    rank_params = []
+    for r in range(cfg.pp):
+        chunks = [j for j in range(n_stages) if j % cfg.pp == r]
+        layers = [i for j in chunks for i in range(*partition.bounds[j])]
+        rank_params.append(sum(layer_params_local(graph.layers[i], cfg.tp) for i in layers))
+        # in-flight chunk-microbatches spread over the rank's chunks
+        per_chunk = inflight_chunks[r] / len(chunks)
+        mems = [stage_memory(graph, list(range(*partition.bounds[j])), cfg, 0, partition.recompute[j], is_gpu)
+                for j in chunks]
+        acts = sum(stage_memory(graph, list(range(*partition.bounds[j])), cfg, 1, partition.recompute[j],
+                                is_gpu).activations for j in chunks) * per_chunk
+        mem = StageMemory(weights=sum(x.weights for x in mems), grads=sum(x.grads for x in mems),
+                          optimizer=sum(x.optimizer for x in mems), activations=acts,
+                          buffers=max(x.buffers for x in mems), reserve=mems[0].reserve,
+                          inflight=inflight_chunks[r])
+        memory.append(mem)
+
+    # ---- data parallel + optimizer ----------------------------------------------------
+    dpg = cfg.dp * cfg.cp
+    flat = comm_mod.Mesh(pp=cfg.pp, dp=dpg, cp=1, tp=cfg.tp)
+    P = max(rank_params)
+    gbytes = P * (4 if cfg.dtype == "fp32" else 2)
+    wbytes = gbytes
+    dp_comm = 0.0
+    if dpg > 1:
+        def ct(kind: str, nbytes: float) -> float:
+            e = comm_mod.collective_time(kind, nbytes, cluster, flat, "dp", profile)
+            comm_src.add(e.source)
+            return e.seconds
+        if cfg.zero == "ddp":
+            dp_comm = ct("all_reduce", gbytes)
+        elif cfg.zero in ("zero1", "zero2"):
+            dp_comm = ct("reduce_scatter", gbytes) + ct("all_gather", wbytes)
+        else:
+            dp_comm = m * (2 * ct("all_gather", wbytes) + ct("reduce_scatter", gbytes))
+    ov = OVERLAP.get(cluster.backend, 0.5)
+    busiest = max(range(cfg.pp), key=lambda r: sum(fwd[j] + bwd[j] for j in range(n_stages) if j % cfg.pp == r))
+    rank_f = sum(fwd[j] for j in range(n_stages) if j % cfg.pp == busiest)
+    rank_b = sum(bwd[j] for j in range(n_stages) if j % cfg.pp == busiest)
+    window = (m * (rank_f + rank_b) if cfg.zero == "fsdp" else rank_b) * ov
+    dp_exposed = max(dp_comm - window, dp_comm / 8) if dp_comm else 0.0
+    shard = dpg if cfg.zero != "ddp" else 1
+    opt_s = 28.0 * P / shard / (cluster.device.mem_bw_gbs * 1e9)
+
+    step = pipe_s + dp_exposed + opt_s
+    busy = m * (rank_f + rank_b)
+    parts = per_stage_parts
+    rank_parts = {k: m * sum(parts[j][k] for j in range(n_stages) if j % cfg.pp == busiest) for k in parts[0]}
+    breakdown = {
+        "compute": rank_parts["compute"],
+        "recompute": rank_parts["recompute"],
+        "tp_comm": rank_parts["tp_comm"],
+        "cp_comm": rank_parts["cp_comm"],
+        "p2p": max(0.0, pipe_s - busy) if cfg.pp > 1 and p2p else 0.0,
+        "bubble": max(0.0, pipe_s - busy),
+        "dp_comm": dp_exposed,
+        "optimizer": opt_s,
+    }
+    if cfg.pp > 1 and p2p:
+        # p2p inside the pipeline time: split the idle time between bubble and transfers
+        n_hops = 2 * (m + cfg.pp - 1)
+        breakdown["p2p"] = min(breakdown["bubble"], n_hops * p2p)
+        breakdown["bubble"] -= breakdown["p2p"]
+    tokens = global_batch * graph.seq_len
+    model_flops = graph.flops_per_seq() * global_batch
+    peak = cluster.peak_flops("fp32" if cluster.backend == "gloo" else cfg.dtype)
+    src = "profile" if comp_src == {"profile"} else ("roofline" if "profile" not in comp_src else "mixed")
+    return Estimate(
+        config=cfg, partition=partition, global_batch=global_batch, microbatches=m, step_s=step,
+        tokens_per_s=tokens / step, mfu=model_flops / (step * cfg.world * peak),
+        tflops_per_device=model_flops / step / cfg.world / 1e12, memory=memory, capacity=cluster.memory_bytes,
+        breakdown=breakdown, stage_fwd_s=fwd, stage_bwd_s=bwd, bubble_frac=max(0.0, bubble), source=src,
+        sources={"compute": src, "comm": "profile" if comm_src == {"profile"} else ("model" if comm_src else "none")},
+        pipeline=result)
+
+
+def _inflight_closed(schedule: str, p: int, m: int, v: int, r: int) -> int:
+    """Peak in-flight (chunk, micro-batch) pairs on rank r, closed forms of the simulator's orders."""
+    if schedule == "gpipe":
+        return m
+    if schedule == "interleaved-1f1b" and v > 1:
+        return min(2 * (p - 1 - r) + (v - 1) * p + 1, m * v)
+    return min(p - r, m)

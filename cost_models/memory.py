@@ -1,0 +1,133 @@
+"""Per-rank memory of one pipeline stage, by category, in bytes.
+
+peak(stage) = weights + gradients + optimizer states            (model states)
+            + activations x micro-batches in flight             (schedule-dependent)
+            + transient buffers (unsharded FSDP layers, DP buckets, recompute working set)
+            + framework reserve
+
+Model states, per parameter held by this rank (``P`` = stage parameters / tp for
+the TP-sharded part), AdamW:
+
+| dtype            | weights | grads | master | Adam m, v |
+|------------------|---------|-------|--------|-----------|
+| bf16/fp16 mixed  | 2       | 2     | 4      | 4 + 4     |   (16 bytes, Megatron's accounting)
+| fp32             | 4       | 4     | -      | 4 + 4     |   (16 bytes)
+
+DP sharding divides: ZeRO-1 the master + Adam states; ZeRO-2 also gradients; FSDP
+(ZeRO-3) everything, plus two layers' unsharded weights (the one computing and the
+one prefetched) and, in backward, their unsharded gradients.
+
+Activations per micro-batch come from the ModelGraph's saved-for-backward bytes
+(captured at ``graph.batch`` sequences), rescaled to ``mbs`` sequences and to the
+compute dtype, then divided:
+- ``act_bytes_tp`` by tp; the rest by tp only with sequence parallel;
+- everything by cp (each rank holds S/cp tokens);
+- selective recompute drops ``act_bytes_attn_core``; full recompute keeps only each
+  layer's input (``input_bytes``) plus, transiently, one layer's full activations;
+- the fused linear+cross-entropy kernel drops the head's vocabulary-sized tensors
+  (logits, log-probabilities): the head keeps only its input.
+In-flight micro-batches per stage come from the pipeline simulator (1F1B holds
+``pp - s`` on stage s, GPipe all ``m``).
+
+Framework reserve: ``RESERVE_GPU`` on GPUs (CUDA context, NCCL buffers, allocator
+fragmentation) and ``RESERVE_CPU`` for local CPU processes (interpreter + torch).
+Measured tensor peaks (torch's allocator stats, live-tensor tracking) do not see
+the reserve, so comparisons use ``tensors`` (the total without it).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from planner.graph import Layer, ModelGraph
+from planner.plan import ParallelConfig
+
+GiB = 2**30
+RESERVE_GPU = 2.0 * GiB       # CUDA context (~0.5 GiB) + NCCL buffers + fragmentation
+RESERVE_CPU = 0.0             # live tensors only; process overhead is not tensor memory
+DDP_BUCKET = 25 * 2**20       # torch DDP's default gradient bucket, two in flight
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass
+class StageMemory:
+    """Bytes on one rank of a stage."""
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    reserve: float
+    inflight: int
+
+    @property
+    def tensors(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.buffers
+
+    @property
+    def total(self) -> float:
+        return self.tensors + self.reserve
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["total"] = self.total
+        return d
+
+
+def layer_params_local(layer: Layer, tp: int) -> float:
+    """Parameters of ``layer`` held by one tp rank (TP-sharded ops divided, the rest replicated)."""
+    sharded = sum(o.params for o in layer.ops if o.tp_style != "replicated")
+    sharded = min(sharded, layer.params)
+    return sharded / tp + (layer.params - sharded)
+
+
+def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recompute: str) -> float:
+    """Saved-for-backward bytes of ``layer`` for one micro-batch on one rank."""
+    scale = cfg.mbs / graph.batch * DTYPE_BYTES[cfg.dtype] / graph.dtype_bytes
+    if recompute == "full":
+        return layer.input_bytes * scale / cfg.cp / (cfg.tp if cfg.sp else 1)
+    tp_part = layer.act_bytes_tp
+    rest = layer.act_bytes - tp_part
+    if cfg.loss == "fused" and layer.vocab and layer.kind in ("head", "loss"):
+        tp_part = 0.0  # no logits / log-probabilities kept
+        rest = max(rest, layer.input_bytes)
+    if recompute == "selective":
+        tp_part -= min(layer.act_bytes_attn_core, tp_part)
+    if cfg.attention == "eager" and layer.attention is not None:
+        a = layer.attention  # scores + probabilities (+ dropout mask) of an unfused attention
+        tp_part += 2 * graph.batch * a.heads * a.seq_len * a.kv_len * graph.dtype_bytes / cfg.cp
+    return (tp_part / cfg.tp + rest / (cfg.tp if cfg.sp else 1)) * scale / cfg.cp
+
+
+def stage_memory(graph: ModelGraph, layers: list[int], cfg: ParallelConfig, inflight: int,
+                 recompute: str | None = None, device_is_gpu: bool = True) -> StageMemory:
+    """Peak memory of one rank holding ``layers`` (indices into graph.layers; for interleaved
+    schedules pass all chunks of the rank) with ``inflight`` micro-batches of activations;
+    ``recompute`` defaults to the config's."""
+    recompute = recompute or cfg.recompute
+    P = sum(layer_params_local(graph.layers[i], cfg.tp) for i in layers)
+    dp = cfg.dp * cfg.cp  # CP ranks hold the same weights and reduce gradients with DP
+    if cfg.dtype == "fp32":
+        w, g, o = 4.0, 4.0, 8.0
+    else:
+        w, g, o = 2.0, 2.0, 12.0
+    buffers = 0.0
+    if cfg.zero == "ddp":
+        weights, grads, opt = P * w, P * g, P * o
+        buffers += 2 * DDP_BUCKET if dp > 1 else 0.0
+    elif cfg.zero == "zero1":
+        weights, grads, opt = P * w, P * g, P * o / dp
+    elif cfg.zero == "zero2":
+        weights, grads, opt = P * w, P * g / dp, P * o / dp
+    else:  # fsdp
+        weights, grads, opt = P * w / dp, P * g / dp, P * o / dp
+        big = max((layer_params_local(graph.layers[i], cfg.tp) for i in layers), default=0.0)
+        buffers += 2 * big * (w + g) if dp > 1 else 0.0
+    acts = [layer_activation(graph.layers[i], graph, cfg, recompute) for i in layers]
+    act = sum(acts) * inflight
+    if recompute == "full" and layers:
+        # recomputing one layer re-materialises its full activations
+        full = max(layer_activation(graph.layers[i], graph, cfg, "none") for i in layers)
+        buffers += full
+    return StageMemory(weights=weights, grads=grads, optimizer=opt, activations=act, buffers=buffers,
+                       reserve=RESERVE_GPU if device_is_gpu else RESERVE_CPU, inflight=inflight)

@@ -1,0 +1,105 @@
+"""Compute, memory and the step estimate: sources, sharding effects, schedule effects."""
+from __future__ import annotations
+
+import pytest
+
+from cost_models.cluster import parse_cluster
+from cost_models.estimate import estimate
+from cost_models.memory import stage_memory
+from cost_models.profile_db import ProfileDB
+from planner.frontend import load_graph
+from planner.plan import ParallelConfig, Partition, PlanError
+
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    return load_graph("llama3-8b", batch=1, seq_len=4096)
+
+
+@pytest.fixture(scope="module")
+def h100():
+    return parse_cluster("dgx-h100:8")
+
+
+def _est(g, c, s, gb=256, **kw):
+    cfg = ParallelConfig.parse(s)
+    return estimate(g, c, cfg, Partition.even(len(g.layers), cfg.pp * cfg.vpp, cfg.recompute), gb, **kw)
+
+
+def test_roofline_source_and_sane_figures(llama8b, h100):
+    e = _est(llama8b, h100, "dp=8,tp=8,sp=on,zero=fsdp")
+    assert e.source == "roofline"
+    assert 0.05 < e.mfu < 0.8
+    assert e.breakdown["tp_comm"] > 0 and e.breakdown["dp_comm"] > 0
+    assert e.tokens_per_s == pytest.approx(256 * 4096 / e.step_s)
+
+
+def test_profile_changes_estimate(llama8b, h100):
+    base = _est(llama8b, h100, "dp=64,zero=fsdp,recompute=full")
+    db = ProfileDB(cluster_fingerprint=h100.fingerprint(), backend="nccl", world=64)
+    for l in llama8b.layers:
+        if l.repeat_of is None:
+            db.add_layer(l.signature, 1, 4096, 1, 1, 0.05, 0.1)
+    prof = _est(llama8b, h100, "dp=64,zero=fsdp,recompute=full", profile=db)
+    assert prof.source == "profile" and base.source == "roofline"
+    assert prof.step_s != pytest.approx(base.step_s, rel=0.05)
+    # 35 layers x 4 micro-batches x (0.05 fwd + 0.1 bwd + 0.05 recompute fwd)
+    assert prof.breakdown["compute"] == pytest.approx(4 * 35 * 0.15, rel=1e-6)
+
+
+def test_memory_sharding_order(llama8b):
+    layers = list(range(len(llama8b.layers)))
+    mem = {z: stage_memory(llama8b, layers, ParallelConfig(dp=8, zero=z), 1) for z in ("ddp", "zero1", "zero2", "fsdp")}
+    assert mem["ddp"].optimizer == pytest.approx(8 * mem["zero1"].optimizer)
+    assert mem["zero1"].grads == pytest.approx(8 * mem["zero2"].grads)
+    assert mem["zero2"].weights == pytest.approx(8 * mem["fsdp"].weights)
+    P = llama8b.params
+    assert mem["ddp"].weights + mem["ddp"].grads + mem["ddp"].optimizer == pytest.approx(16 * P)
+
+
+def test_activation_division(llama8b):
+    layers = list(range(len(llama8b.layers)))
+    act = lambda **kw: stage_memory(llama8b, layers, ParallelConfig(**kw), 1).activations
+    a1 = act()
+    a_tp = act(tp=4)
+    a_sp = act(tp=4, sp=True)
+    assert a_sp == pytest.approx(a1 / 4, rel=1e-6)   # SP shards the replicated part too
+    assert a1 / 4 < a_tp < a1                         # TP alone leaves norms/residuals whole
+    assert act(cp=2) == pytest.approx(a1 / 2, rel=1e-6)
+    assert act(recompute="full") < act(recompute="selective") <= a1
+    assert act(loss="fused") < a1                     # no logits kept
+
+
+def test_pipeline_inflight_drives_memory(llama8b, h100):
+    e1 = _est(llama8b, h100, "dp=4,pp=4,tp=4,schedule=1f1b,sp=on")
+    eg = _est(llama8b, h100, "dp=4,pp=4,tp=4,schedule=gpipe,sp=on")
+    m = e1.microbatches
+    assert [x.inflight for x in e1.memory] == [min(4 - r, m) for r in range(4)]
+    assert all(x.inflight == m for x in eg.memory)
+    assert eg.memory[0].activations > e1.memory[0].activations
+    assert 0 < e1.bubble_frac < 0.5
+
+
+def test_zero_bubble_beats_1f1b(llama8b, h100):
+    a = _est(llama8b, h100, "dp=8,pp=8,schedule=1f1b,zero=zero1", gb=64)
+    b = _est(llama8b, h100, "dp=8,pp=8,schedule=zb-h1,zero=zero1", gb=64)
+    assert b.step_s < a.step_s
+
+
+def test_shortfall_and_bad_batch(llama8b, h100):
+    e = _est(llama8b, h100, "dp=64,zero=ddp,mbs=8", gb=512)
+    rank, over = e.shortfall()
+    assert not e.fits and over > 0
+    with pytest.raises(PlanError, match="divisible"):
+        _est(llama8b, h100, "dp=64", gb=100)
+
+
+def test_config_parse_errors():
+    for bad in ("dp=0", "tp=two", "pp=2,pp=2", "schedule=foo", "vpp=2", "sp=on", "foo=1", "dp2"):
+        with pytest.raises(PlanError) as e:
+            ParallelConfig.parse(bad)
+        assert "\n" not in str(e.value)
+    c = ParallelConfig.parse("dp=2,pp=2,tp=2,schedule=interleaved-1f1b,vpp=2,sp=on,zero=fsdp")
+    assert ParallelConfig.parse(c.to_str()) == c
