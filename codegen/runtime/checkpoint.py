@@ -1,0 +1,115 @@
+"""Distributed checkpoints (torch.distributed.checkpoint) of model, optimizer and step.
+
+Layout: ``<dir>/step-<n>/`` (DCP files, ``.metadata`` written last by DCP) and
+``<dir>/latest``, a one-line text file naming the newest complete step directory. The
+marker is repointed only after every rank finished writing (barrier) and the step's
+``.metadata`` exists, by writing ``latest.tmp`` and ``os.replace`` (atomic), so a crash
+at any point leaves ``latest`` naming a complete checkpoint. :func:`load_latest` also
+ignores any step directory without ``.metadata`` (a write interrupted mid-way).
+
+State: model weights per fqn (``get_model_state_dict`` of each stage module, merged) and
+the optimizer states flattened per fqn (``flatten_optimizer_state_dict``; one optimizer
+per stage module, merged), so checkpoints are independent of stage placement keys.
+ZeRO-1's :class:`ShardedOptimizer` is not supported here (use fsdp/zero2 for DCP).
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Optional
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.stateful import Stateful
+
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class TrainState(Stateful):
+    """Stateful view of a :class:`codegen.runtime.train.ParallelModel` for DCP."""
+
+    def __init__(self, pm: Any):
+        self.pm = pm
+
+    def _pairs(self):
+        opts = self.pm.optimizer.optimizers
+        for sm, opt in zip(self.pm.stage_modules, opts):
+            if type(opt).__name__ == "ShardedOptimizer":
+                raise NotImplementedError("DCP checkpoints of zero1 (ShardedOptimizer) are not supported; "
+                                          "use zero=fsdp or zero2")
+            yield sm, opt
+
+    def state_dict(self) -> dict[str, Any]:
+        model: dict[str, Any] = {}
+        optim: dict[str, Any] = {}
+        for sm, opt in self._pairs():
+            model.update(get_model_state_dict(sm))
+            optim.update(get_optimizer_state_dict(sm, opt, options=_OPTS))
+        return {"model": model, "optim": optim, "step": self.pm.step_count}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for sm, opt in self._pairs():
+            keys = set(get_model_state_dict(sm))
+            set_model_state_dict(sm, {k: v for k, v in sd["model"].items() if k in keys})
+            set_optimizer_state_dict(sm, opt, optim_state_dict=sd["optim"], options=_OPTS)
+        self.pm.step_count = int(sd["step"])
+
+
+def step_dir(ckpt_dir: str, step: int) -> str:
+    return os.path.join(ckpt_dir, f"step-{step}")
+
+
+def is_complete(path: str) -> bool:
+    """A step directory is complete iff DCP's ``.metadata`` exists in it."""
+    return os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def save(pm: Any, ckpt_dir: str) -> str:
+    """Save at ``pm.step_count`` into ``<ckpt_dir>/step-<n>`` and repoint ``latest``. Collective."""
+    path = step_dir(ckpt_dir, pm.step_count)
+    dcp.save({"train": TrainState(pm)}, checkpoint_id=path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if not is_complete(path):
+            raise RuntimeError(f"checkpoint {path} has no .metadata after save; not repointing {LATEST}")
+        tmp = os.path.join(ckpt_dir, LATEST + ".tmp")
+        with open(tmp, "w") as fh:
+            fh.write(os.path.basename(path) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, os.path.join(ckpt_dir, LATEST))
+    dist.barrier()
+    return path
+
+
+def latest_path(ckpt_dir: str) -> Optional[str]:
+    """The newest complete step directory: ``latest``'s target if complete, else the
+    highest-numbered ``step-<n>`` with ``.metadata``; None if there is none."""
+    marker = os.path.join(ckpt_dir, LATEST)
+    if os.path.isfile(marker):
+        with open(marker) as fh:
+            name = fh.read().strip()
+        path = os.path.join(ckpt_dir, name)
+        if name and is_complete(path):
+            return path
+    if not os.path.isdir(ckpt_dir):
+        return None
+    steps = sorted((int(m.group(1)), n) for n in os.listdir(ckpt_dir) if (m := _STEP_DIR.match(n)))
+    for _, n in reversed(steps):
+        if is_complete(os.path.join(ckpt_dir, n)):
+            return os.path.join(ckpt_dir, n)
+    return None
+
+
+def load_latest(pm: Any, ckpt_dir: str) -> Optional[int]:
+    """Load the newest complete checkpoint into ``pm``; returns its step, or None. Collective."""
+    path = latest_path(ckpt_dir)
+    if path is None:
+        return None
+    dcp.load({"train": TrainState(pm)}, checkpoint_id=path)
+    return pm.step_count

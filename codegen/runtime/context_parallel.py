@@ -1,0 +1,174 @@
+"""Context parallelism: ring attention over the cp group, with zigzag load balancing.
+
+torch's built-in ``context_parallel()`` only shards the CUDA SDPA kernels (on CPU it
+fails), so autopar ships its own ring attention:
+
+- The sequence is cut into ``2 * cp`` chunks; cp rank ``r`` holds chunks ``r`` and
+  ``2cp-1-r`` ("zigzag", so every rank gets the same causal work), or chunk ``r`` of
+  ``cp`` ("contiguous"). :func:`shard_sequence` slices ``input_ids`` / ``labels`` and
+  :func:`local_positions` gives the GLOBAL positions of a rank's tokens (RoPE / learned
+  positions and the causal mask use them).
+- Each rank keeps its queries; K/V (packed in one tensor) travel around the ring in
+  ``cp - 1`` steps through :class:`_Rotate`, an autograd Function doing one
+  ``batch_isend_irecv`` (send to rank+1, receive from rank-1) forward and the reverse
+  exchange of gradients backward.
+- Per step, :func:`partial_attention` (plain torch, float32) attends the local queries
+  to the visiting block with the causal mask built from global positions and returns
+  the output and its natural-log LSE; partial outputs are merged by log-sum-exp.
+- A visiting block no query may see is skipped, but ``0.0 * kv.sum()`` is added so its
+  rotate op stays in the autograd graph; otherwise the peer waits forever for that
+  op's backward exchange.
+- Non-causal calls (the MLLM vision encoder, whose tokens are not sequence-sharded)
+  fall through to the previous local implementation.
+
+Gradients of a cp-sharded model must be summed over cp and the loss divided by the
+global token count; the runtime folds cp into the data-parallel reduction.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+import planner.zoo.attention  # noqa: F401  (the submodule; the package re-exports a function under its name)
+import sys
+
+_ZOO_ATTN = sys.modules["planner.zoo.attention"]
+_MASKED = -1e30
+
+
+# ------------------------------------------------------------------ sequence layout
+
+def chunk_ids(cp: int, rank: int, load_balance: str = "zigzag") -> list[int]:
+    """Which chunks of the sequence cp rank ``rank`` holds (2cp chunks zigzag, cp contiguous)."""
+    if load_balance == "zigzag":
+        return [rank, 2 * cp - 1 - rank]
+    if load_balance == "contiguous":
+        return [rank]
+    raise ValueError(f"load_balance={load_balance!r}: use zigzag or contiguous")
+
+
+def local_positions(seq_len: int, cp: int, rank: int, load_balance: str = "zigzag",
+                    device: Optional[torch.device] = None) -> torch.Tensor:
+    """Global token positions [seq_len / cp] held by cp rank ``rank`` of a ``seq_len`` sequence."""
+    ids = chunk_ids(cp, rank, load_balance)
+    n_chunks = 2 * cp if load_balance == "zigzag" else cp
+    if seq_len % n_chunks:
+        raise ValueError(f"sequence length {seq_len} is not divisible into {n_chunks} chunks for cp={cp} "
+                         f"({load_balance}); pick seq_len a multiple of {n_chunks}")
+    c = seq_len // n_chunks
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in ids])
+
+
+def shard_sequence(t: torch.Tensor, cp: int, rank: int, dim: int = 1, load_balance: str = "zigzag") -> torch.Tensor:
+    """The part of ``t`` along ``dim`` that cp rank ``rank`` holds."""
+    if cp == 1:
+        return t
+    idx = local_positions(t.shape[dim], cp, rank, load_balance, device=t.device)
+    return t.index_select(dim, idx)
+
+
+# ------------------------------------------------------------------ block attention
+
+def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                      q_pos: Optional[torch.Tensor] = None,
+                      kv_pos: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [B,H,Sq,D] to one K/V block [B,Hkv,Sk,D] -> (out [B,H,Sq,D] fp32, lse [B,H,Sq] fp32).
+
+    ``lse`` is the natural-log sum of exp(scaled scores) over the visible keys. With
+    ``causal``, query at global position ``q_pos[i]`` sees key ``kv_pos[j]`` iff
+    ``kv_pos[j] <= q_pos[i]`` (defaults: ``arange``). Rows with no visible key get
+    ``lse`` ~ -1e30 (weight 0 when merged) and a finite dummy output.
+    """
+    rep = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(rep, dim=1) if rep > 1 else k.float()
+    vf = v.float().repeat_interleave(rep, dim=1) if rep > 1 else v.float()
+    scores = (q.float() @ kf.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    if causal:
+        if q_pos is None:
+            q_pos = torch.arange(q.shape[2], device=q.device)
+        if kv_pos is None:
+            kv_pos = torch.arange(k.shape[2], device=q.device)
+        visible = kv_pos[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~visible, _MASKED)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.exp(scores - lse[..., None]) @ vf
+    return out, lse
+
+
+def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                   lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial attentions over disjoint key sets by log-sum-exp."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None]
+    return out, lse
+
+
+# ------------------------------------------------------------------ ring exchange
+
+def _exchange(t: torch.Tensor, send_to: int, recv_from: int, group) -> torch.Tensor:
+    t = t.contiguous()
+    out = torch.empty_like(t)
+    ops = [dist.P2POp(dist.isend, t, send_to, group), dist.P2POp(dist.irecv, out, recv_from, group)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    return out
+
+
+class _Rotate(torch.autograd.Function):
+    """Forward: send ``x`` to the next rank, return the previous rank's; backward: the reverse."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, nxt: int, prv: int, group) -> torch.Tensor:  # type: ignore[override]
+        ctx.nxt, ctx.prv, ctx.group = nxt, prv, group
+        return _exchange(x, nxt, prv, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return _exchange(grad, ctx.prv, ctx.nxt, ctx.group), None, None, None
+
+
+class RingAttention:
+    """``fn(q, k, v, *, causal)`` doing ring attention over ``group`` (a cp process group).
+
+    ``q``/``k``/``v`` are the local shards [B, H, S/cp, D] laid out by ``load_balance``.
+    ``fallback`` handles non-causal calls (default: the implementation installed before).
+    """
+
+    def __init__(self, group, load_balance: str = "zigzag", fallback: Optional[Callable] = None):
+        self.group = group
+        self.cp = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.load_balance = load_balance
+        self.fallback = fallback
+        self.nxt = dist.get_global_rank(group, (self.rank + 1) % self.cp)
+        self.prv = dist.get_global_rank(group, (self.rank - 1) % self.cp)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
+        if not causal:
+            return (self.fallback or _ZOO_ATTN.sdpa_attention)(q, k, v, causal=causal)
+        s_local = q.shape[2]
+        seq = s_local * self.cp
+        q_pos = local_positions(seq, self.cp, self.rank, self.load_balance, q.device)
+        kv = torch.stack((k, v))
+        out, lse = partial_attention(q, k, v, causal=True, q_pos=q_pos, kv_pos=q_pos)
+        for step in range(1, self.cp):
+            kv = _Rotate.apply(kv, self.nxt, self.prv, self.group)
+            src = (self.rank - step) % self.cp
+            kv_pos = local_positions(seq, self.cp, src, self.load_balance, q.device)
+            if bool((kv_pos.min() > q_pos).all()):
+                out = out + 0.0 * kv.sum()  # keep the rotate op in the graph (its backward exchanges)
+                continue
+            o_b, l_b = partial_attention(q, kv[0], kv[1], causal=True, q_pos=q_pos, kv_pos=kv_pos)
+            out, lse = merge_partials(out, lse, o_b, l_b)
+        return out.to(q.dtype)
+
+
+def install_ring_attention(group, load_balance: str = "zigzag") -> RingAttention:
+    """Install :class:`RingAttention` as the zoo attention implementation; returns it."""
+    prev = _ZOO_ATTN.get_attention_impl()
+    ring = RingAttention(group, load_balance, fallback=prev)
+    _ZOO_ATTN.set_attention_impl(ring)
+    return ring

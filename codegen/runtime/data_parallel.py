@@ -1,0 +1,109 @@
+"""Data parallelism per the plan's ``data_parallel.sharding`` (``ParallelConfig.zero``).
+
+All variants reduce gradients over the data-parallel mesh, which is ``dp`` flattened
+with ``cp`` when context parallel is on (cp ranks hold different tokens of the same
+sequences, so their gradients are summed like data-parallel ones). Gradients are
+AVERAGED over that mesh; the runtime's loss scaling accounts for it.
+
+- ``fsdp``  -> FSDP2 ``fully_shard`` on every transformer block and on each stage module
+  (root); ``reshard_after_forward=True`` without PP, ``False`` with PP (micro-batches
+  re-use the gathered parameters).
+- ``zero2`` -> FSDP2 ``fully_shard`` with ``reshard_after_forward=False`` everywhere:
+  gradients reduce-scattered and optimizer states sharded, parameters kept gathered from
+  forward to backward (ZeRO-2-like traffic; between steps parameters are stored
+  sharded, which is ZeRO-3's memory).
+- ``ddp``   -> composable ``replicate`` (``torch.distributed._composable.replicate_with_fsdp``),
+  which works on DTensor (TP) parameters; ``DDP(model)`` does not.
+- ``zero1`` -> ``replicate`` for the gradient all-reduce plus :class:`ShardedOptimizer`,
+  autopar's own optimizer-state sharding: each dp rank owns a balanced subset of the
+  parameters, steps only those with the wrapped optimizer, then broadcasts them.
+  (torch's ``ZeroRedundancyOptimizer`` is not used: it assumes plain tensors.)
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from codegen.runtime.pipeline_parallel import is_block
+
+
+def _replicate():
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    return replicate
+
+
+def apply_dp(stage_mods: Sequence[nn.Module], dp_mesh: DeviceMesh, zero: str, pipelined: bool) -> None:
+    """Wrap each stage module (and its blocks) for data parallelism over ``dp_mesh`` in place."""
+    if dp_mesh.size() == 1:
+        return
+    for sm in stage_mods:
+        if zero in ("fsdp", "zero2"):
+            reshard = zero == "fsdp" and not pipelined
+            for fqn in getattr(sm, "units", []):
+                if is_block(fqn):
+                    fully_shard(sm.get_submodule(fqn), mesh=dp_mesh, reshard_after_forward=reshard)
+            fully_shard(sm, mesh=dp_mesh, reshard_after_forward=reshard)
+        elif zero in ("ddp", "zero1"):
+            _replicate()(sm, mesh=dp_mesh)
+        else:
+            raise ValueError(f"data-parallel sharding {zero!r}: use ddp, zero1, zero2 or fsdp")
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p._local_tensor if isinstance(p, DTensor) else p.data
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO-1: the wrapped optimizer (``factory(params)``) steps only this rank's parameters.
+
+    Parameters are assigned to the ranks of ``group`` greedily by size (largest first to
+    the least loaded rank), so optimizer state is split about evenly. After the local
+    step every parameter is broadcast from its owner. Gradients must already be
+    all-reduced (``replicate``). ``state_dict`` holds the local shard's state only.
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], factory: Callable[[list], torch.optim.Optimizer], group):
+        self.all_params = [p for p in params]
+        self.group = group
+        n = dist.get_world_size(group)
+        me = dist.get_rank(group)
+        load = [0] * n
+        self.owner: list[int] = [0] * len(self.all_params)
+        order = sorted(range(len(self.all_params)), key=lambda i: (-self.all_params[i].numel(), i))
+        for i in order:
+            r = min(range(n), key=lambda k: (load[k], k))
+            self.owner[i] = r
+            load[r] += self.all_params[i].numel()
+        self.src = [dist.get_global_rank(group, r) for r in self.owner]
+        mine = [p for p, o in zip(self.all_params, self.owner) if o == me]
+        self.inner = factory(mine) if mine else None
+        # torch.optim.Optimizer bookkeeping (param_groups for schedulers / zero_grad).
+        super().__init__(self.all_params, {})
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
+        for p in self.all_params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        if self.inner is not None:
+            self.inner.step()
+        for p, src in zip(self.all_params, self.src):
+            dist.broadcast(_local(p), src=src, group=self.group)
+
+    def state_dict(self):  # type: ignore[override]
+        return self.inner.state_dict() if self.inner is not None else {}
+
+    def load_state_dict(self, sd) -> None:  # type: ignore[override]
+        if self.inner is not None:
+            self.inner.load_state_dict(sd)

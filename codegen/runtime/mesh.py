@@ -1,0 +1,76 @@
+"""Process group and device mesh for emitted programs.
+
+``init_distributed`` always initialises the default process group explicitly (an
+implicit init through ``init_device_mesh`` leaves ``dist.get_backend()`` undefined) and
+``teardown`` ends with a barrier before ``destroy_process_group`` (without it, gloo
+ranks abort at exit with ``terminate called without an active exception``).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from planner.plan import MESH_DIMS, ParallelConfig
+
+
+def device_type() -> str:
+    """``"cuda"`` when a GPU is visible, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(backend: Optional[str] = None) -> torch.device:
+    """Initialise the default process group from the torchrun environment; returns this rank's device.
+
+    ``backend`` defaults to nccl on CUDA, gloo on CPU. On CUDA the device is chosen by
+    ``LOCAL_RANK``. Calling it twice is harmless.
+    """
+    dev_type = device_type()
+    if dev_type == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if dev_type == "cuda" else "gloo")
+        kw = {"device_id": device} if dev_type == "cuda" else {}
+        dist.init_process_group(backend, **kw)
+    return device
+
+
+def build_mesh(cfg: ParallelConfig) -> DeviceMesh:
+    """A 4-d DeviceMesh with dims ``("pp", "dp", "cp", "tp")`` of shape ``cfg.mesh_shape``.
+
+    Size-1 dims are kept so every submesh name exists. Raises if the world size does not
+    equal ``dp * pp * cp * tp``.
+    """
+    world = dist.get_world_size()
+    if world != cfg.world:
+        raise RuntimeError(f"world size {world} != dp*pp*cp*tp = {cfg.world} for {cfg.label()}; "
+                           f"launch with --nproc-per-node {cfg.world}")
+    return init_device_mesh(device_type(), cfg.mesh_shape, mesh_dim_names=MESH_DIMS)
+
+
+def dp_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel mesh gradients are reduced over: ``dp`` flattened with ``cp``."""
+    if mesh["cp"].size() == 1:
+        return mesh["dp"]
+    if mesh["dp"].size() == 1:
+        return mesh["cp"]
+    try:
+        return mesh["dp_cp"]
+    except (KeyError, RuntimeError, ValueError):
+        return mesh["dp", "cp"]._flatten("dp_cp")
+
+
+def teardown() -> None:
+    """Barrier, then destroy the default process group (avoids the gloo abort at exit)."""
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
