@@ -161,16 +161,19 @@ class _LayerCosts:
 
 
 def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
-             global_batch: int, *, profile=None, fast: bool = False) -> Estimate:
+             global_batch: int, *, profile=None, fast: bool = False, costs: "_LayerCosts | None" = None) -> Estimate:
     """Price one configuration with one stage split. ``fast`` uses the pipeline's closed
-    form (an upper bound, exact for uniform stages) instead of simulating it."""
+    form (an upper bound, exact for uniform stages) instead of simulating it. ``costs``
+    shares per-layer costs between calls with the same tp, cp, mbs and sp (the search)."""
     cfg.validate()
     n_stages = cfg.pp * cfg.vpp
     if len(partition.bounds) != n_stages:
         raise PlanError(f"partition has {len(partition.bounds)} stages, config needs pp*vpp = {n_stages}")
     m = microbatches(cfg, global_batch)
-    costs = _LayerCosts(graph, cluster, cfg, profile)
-    mesh = costs.mesh
+    if costs is None or (costs.cfg.tp, costs.cfg.cp, costs.cfg.mbs, costs.cfg.sp, costs.cfg.dtype) != (
+            cfg.tp, cfg.cp, cfg.mbs, cfg.sp, cfg.dtype):
+        costs = _LayerCosts(graph, cluster, cfg, profile)
+    mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
     fwd, bwd = [], []
     comp_src, comm_src = set(), set()
     tot = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "recompute": 0.0}

@@ -54,6 +54,19 @@ def _timeit(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> fl
     return statistics.median(ts)
 
 
+def _all_gather(out, inp, group):
+    import torch.distributed as dist
+
+    # torch >= 2.13 renamed all_gather_into_tensor; older releases (the GPU box has 2.11) lack the new name
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, inp, group=group)
+
+
+def _reduce_scatter(out, inp, group):
+    import torch.distributed as dist
+
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, inp, group=group)
+
+
 def _groups(world: int, n: int) -> list[list[int]]:
     """Contiguous groups of n ranks (the inner-most mesh placement)."""
     return [list(range(i, i + n)) for i in range(0, world, n)]
@@ -76,10 +89,10 @@ def measure_collectives(db, world: int, rank: int, sizes, repeats: int, device) 
                     fn = lambda: dist.all_reduce(x, group=mine)
                 elif kind == "all_gather":
                     inp = torch.ones(elems // n, device=device)
-                    fn = lambda: dist.all_gather_into_tensor(x, inp, group=mine)
+                    fn = lambda: _all_gather(x, inp, group=mine)
                 elif kind == "reduce_scatter":
                     out = torch.empty(elems // n, device=device)
-                    fn = lambda: dist.reduce_scatter_tensor(out, x, group=mine)
+                    fn = lambda: _reduce_scatter(out, x, group=mine)
                 else:
                     out = torch.empty_like(x)
                     fn = lambda: dist.all_to_all_single(out, x, group=mine)

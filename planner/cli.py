@@ -120,6 +120,131 @@ def _check_out(path: str, force: bool) -> None:
         raise AutoparError(f"{path} exists: pass --force to overwrite it or choose another -o")
 
 
+# ---------------------------------------------------------------- plan / evaluate
+
+def _load_inputs(args: argparse.Namespace):
+    from cost_models.cluster import parse_cluster
+    from cost_models.profile_db import ProfileDB
+    from planner.frontend import load_graph
+
+    cluster = parse_cluster(args.cluster)
+    profile = None
+    prof_path = getattr(args, "profile", None) or cluster.profile
+    if prof_path:
+        profile = ProfileDB.load(prof_path)
+        if not profile.matches(cluster.fingerprint()):
+            raise AutoparError(f"profile {prof_path} was measured on another cluster "
+                               f"({profile.cluster_fingerprint} != {cluster.fingerprint()}): profile this cluster "
+                               "with `autopar profile`")
+    graph = load_graph(args.model, batch=1, seq_len=args.seq_len)
+    return graph, cluster, profile
+
+
+def _progress(msg: str) -> None:
+    print(f"[autopar] {msg}", file=sys.stderr, flush=True)
+
+
+def _estimate_summary(e) -> dict:
+    return {"config": e.config.to_str(), "label": e.config.label(), "step_s": e.step_s,
+            "tokens_per_s": e.tokens_per_s, "mfu": e.mfu, "tflops_per_device": e.tflops_per_device,
+            "fits": e.fits, "peak_memory_gib": [m.total / 2**30 for m in e.memory],
+            "capacity_gib": e.capacity / 2**30, "breakdown": e.breakdown, "source": e.source,
+            "stages": [list(b) for b in e.partition.bounds], "recompute": e.partition.recompute}
+
+
+def _print_estimate(con, e, title: str) -> None:
+    from rich.table import Table
+
+    con.print(f"[bold]{title}[/bold]: {e.config.label()}")
+    con.print(f"  step {e.step_s:.4g} s   {e.tokens_per_s:,.0f} tokens/s   MFU {e.mfu * 100:.1f}%   "
+              f"{e.tflops_per_device:.1f} model TFLOP/s per device   source: {e.source}")
+    t = Table(title="memory per pipeline rank (GiB)")
+    for c in ("rank", "weights", "grads", "optimizer", "activations", "buffers", "reserve", "total", "capacity"):
+        t.add_column(c, justify="right")
+    for r, m in enumerate(e.memory):
+        t.add_row(str(r), *(f"{x / 2**30:.2f}" for x in (m.weights, m.grads, m.optimizer, m.activations,
+                                                         m.buffers, m.reserve, m.total, e.capacity)))
+    con.print(t)
+    con.print("  breakdown (s): " + ", ".join(f"{k} {v:.3g}" for k, v in e.breakdown.items()))
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import time
+
+    from planner.plan import write_atomic
+    from planner.planning import plan_model
+
+    if args.out:
+        _check_out(args.out, args.force)
+    t0 = time.perf_counter()
+    graph, cluster, profile = _load_inputs(args)
+    _progress(f"captured {graph.name}: {len(graph.layers)} layers, {graph.params / 1e9:.2f} B parameters "
+              f"({time.perf_counter() - t0:.2f} s); searching {cluster.world} devices of {cluster.name}")
+    plan, res = plan_model(graph, cluster, args.global_batch, spec=args.model, cluster_spec=args.cluster,
+                           profile=profile, top_k=args.top_k, progress=_progress, loss=args.loss)
+    _progress(f"{res.considered} configurations considered, {res.pruned} pruned by bounds, "
+              f"{res.estimated} estimated, {res.fully_solved} fully solved in {res.solve_s:.2f} s")
+    if args.out:
+        write_atomic(args.out, plan.to_json(), force=args.force)
+    if args.json:
+        print(plan.to_json(), end="")
+        return 0
+    con = _console()
+    _print_estimate(con, res.best, "plan")
+    from rich.table import Table
+
+    t = Table(title="alternatives")
+    for c in ("configuration", "step s", "vs plan", "why not"):
+        t.add_column(c)
+    for a in plan.alternatives:
+        t.add_row(a["label"], f"{a['step_s']:.4g}", f"{a['delta_pct']:+.1f}%", a["why_not"])
+    con.print(t)
+    t = Table(title="rejected")
+    t.add_column("reason")
+    t.add_column("count", justify="right")
+    for r, v in sorted(plan.rejected.items(), key=lambda kv: -kv[1]["count"])[:10]:
+        t.add_row(r, str(v["count"]))
+    con.print(t)
+    if args.out:
+        con.print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from planner.plan import ParallelConfig
+    from planner.planning import evaluate_config
+
+    cfg = ParallelConfig.parse(args.config)
+    graph, cluster, profile = _load_inputs(args)
+    _progress(f"pricing {cfg.label()} on {cluster.world} devices of {cluster.name}")
+    e, problems = evaluate_config(graph, cluster, cfg, args.global_batch, even_split=args.even_split,
+                                  profile=profile)
+    if args.json:
+        d = _estimate_summary(e)
+        d["problems"] = problems
+        print(json.dumps(d, indent=1))
+    else:
+        con = _console()
+        _print_estimate(con, e, "evaluate")
+        for p in problems:
+            con.print(f"[yellow]warning[/yellow]: {p}")
+    if not e.fits:
+        rank, over = e.shortfall()
+        print(f"error: does not fit: stage {rank} needs {e.memory[rank].total / 2**30:.1f} GiB of "
+              f"{e.capacity / 2**30:.1f} GiB (short by {over / 2**30:.1f} GiB); try zero=fsdp, recompute=full, "
+              "more pipeline stages or more devices", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    p.add_argument("--cluster", required=True, help="preset[:nodes] (dgx-h100:128), local-cpu:N or cluster.toml")
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--profile", default=None, help="profile.json measured by `autopar profile`")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="zoo preset (e.g. llama3-8b), spec.toml, hf:<preset>, or package.module:function")
@@ -136,6 +261,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch", type=int, default=1, help="sequences in the example batch")
     g.add_argument("--json", action="store_true", help="print the ModelGraph as JSON")
     g.set_defaults(fn=cmd_graph)
+
+    p = sub.add_parser("plan", help="search the parallel configurations and write a plan")
+    _add_plan_args(p)
+    p.add_argument("--top-k", type=int, default=5, help="alternatives to keep")
+    p.add_argument("--loss", choices=("eager", "fused"), default="eager", help="loss kernel to plan with")
+    p.add_argument("-o", "--out", default=None, help="plan file to write (JSON)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing plan file")
+    p.set_defaults(fn=cmd_plan)
+
+    p = sub.add_parser("evaluate", help="price a configuration you already run")
+    _add_plan_args(p)
+    p.add_argument("--config", required=True,
+                   help="e.g. dp=8,pp=2,cp=1,tp=4,mbs=1,schedule=1f1b,vpp=1,zero=fsdp,recompute=selective,sp=on")
+    p.add_argument("--even-split", action="store_true", help="equal layers per stage instead of the ILP split")
+    p.set_defaults(fn=cmd_evaluate)
 
     p = sub.add_parser("profile", help="measure layers and collectives on a cluster -> profile.json")
     _add_model_args(p)

@@ -167,3 +167,154 @@ class Partition:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# ---------------------------------------------------------------------- the plan file
+
+PLAN_VERSION = 1
+
+
+@dataclass
+class Plan:
+    """What the planner chose, why, and everything codegen needs (and nothing else).
+
+    Written as JSON with sorted keys and no timings, so the same inputs give a
+    byte-identical file. ``stages[j]`` is virtual stage j: it runs on pp rank
+    ``j % pp`` as chunk ``j // pp``.
+    """
+    model: dict[str, Any]               # name, spec, fingerprint, layers (unit names in order), params
+    cluster: dict[str, Any]             # name, spec, fingerprint, nodes, devices_per_node, backend, memory_gib
+    config: ParallelConfig
+    batch: dict[str, int]               # global, micro, microbatches, seq_len
+    stages: list[dict[str, Any]]        # {"rank", "chunk", "layers": [names], "recompute"}
+    tp_layout: dict[str, str]           # module fqn -> column | row | vocab_embed | embed | vocab_head | norm
+    estimate: dict[str, Any]            # step_s, tokens_per_s, mfu, memory per stage, breakdown, source
+    alternatives: list[dict[str, Any]] = field(default_factory=list)
+    rejected: dict[str, dict[str, Any]] = field(default_factory=dict)   # reason -> {"count", "examples"}
+    search: dict[str, Any] = field(default_factory=dict)
+    version: int = PLAN_VERSION
+
+    @property
+    def mesh(self) -> dict[str, Any]:
+        return {"dims": list(MESH_DIMS), "shape": list(self.config.mesh_shape)}
+
+    @property
+    def kernels(self) -> dict[str, str]:
+        return {"attention": self.config.attention, "loss": self.config.loss}
+
+    def partition(self) -> Partition:
+        names = self.model["layers"]
+        index = {n: i for i, n in enumerate(names)}
+        bounds = [(index[s["layers"][0]], index[s["layers"][-1]] + 1) for s in self.stages]
+        return Partition(bounds, [s["recompute"] for s in self.stages])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version, "model": self.model, "cluster": self.cluster,
+            "mesh": self.mesh, "config": self.config.to_str(), "parallel": asdict(self.config),
+            "batch": self.batch, "kernels": self.kernels,
+            "pipeline": {"schedule": self.config.schedule if self.config.pp > 1 else "none",
+                         "virtual_stages": self.config.vpp, "stages": self.stages},
+            "tensor_parallel": {"degree": self.config.tp, "sequence_parallel": self.config.sp,
+                                "layout": self.tp_layout},
+            "context_parallel": {"degree": self.config.cp, "method": "ring", "load_balance": "zigzag"},
+            "data_parallel": {"degree": self.config.dp, "sharding": self.config.zero},
+            "estimate": self.estimate, "alternatives": self.alternatives, "rejected": self.rejected,
+            "search": self.search,
+        }
+
+    def to_json(self) -> str:
+        import json
+
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n"
+
+    @staticmethod
+    def from_dict(d: Any, source: str = "plan") -> "Plan":
+        if not isinstance(d, dict):
+            raise PlanError(f"{source}: not a plan (expected a JSON object); write it with `autopar plan`")
+        v = d.get("version")
+        if v != PLAN_VERSION:
+            raise PlanError(f"{source}: plan schema version {v!r}, this autopar reads {PLAN_VERSION}; "
+                            "plan again with `autopar plan`")
+        try:
+            cfg = ParallelConfig.parse(d["config"])
+            plan = Plan(model=dict(d["model"]), cluster=dict(d["cluster"]), config=cfg, batch=dict(d["batch"]),
+                        stages=list(d["pipeline"]["stages"]), tp_layout=dict(d["tensor_parallel"]["layout"]),
+                        estimate=dict(d["estimate"]), alternatives=list(d.get("alternatives", [])),
+                        rejected=dict(d.get("rejected", {})), search=dict(d.get("search", {})), version=v)
+            names = plan.model["layers"]
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise PlanError("model.layers must be a list of layer names")
+            if len(plan.stages) != cfg.pp * cfg.vpp:
+                raise PlanError(f"{len(plan.stages)} stages for pp*vpp = {cfg.pp * cfg.vpp}")
+            for s in plan.stages:
+                if not s.get("layers") or any(n not in names for n in s["layers"]):
+                    raise PlanError("a stage names a layer the model does not have")
+                if s.get("recompute") not in RECOMPUTE:
+                    raise PlanError(f"stage recompute {s.get('recompute')!r} is not one of {', '.join(RECOMPUTE)}")
+            plan.partition().validate(len(names))
+            for fqn, role in plan.tp_layout.items():
+                if not re.fullmatch(r"[A-Za-z_][\w]*(\.[\w]+)*", fqn) or role not in (
+                        "column", "row", "vocab_embed", "embed", "vocab_head", "norm"):
+                    raise PlanError(f"bad tensor-parallel entry {fqn!r}: {role!r}")
+            for k in ("global", "micro", "microbatches", "seq_len"):
+                if not isinstance(plan.batch.get(k), int) or plan.batch[k] < 1:
+                    raise PlanError(f"batch.{k} must be a positive integer")
+            return plan
+        except PlanError as e:
+            raise PlanError(f"{source}: {e}; plan again with `autopar plan`") from None
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise PlanError(f"{source}: malformed plan ({type(e).__name__}: {e}); plan again with `autopar plan`") from None
+
+    @staticmethod
+    def load(path: str) -> "Plan":
+        import json
+
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError:
+            raise PlanError(f"plan file {path} not found: check the path or run `autopar plan -o {path}`") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise PlanError(f"plan file {path} unreadable ({e})") from None
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan file {path} is not valid JSON (truncated? {e.msg} at line {e.lineno}); "
+                            "plan again with `autopar plan`") from None
+        return Plan.from_dict(d, source=path)
+
+    def save(self, path: str, force: bool = False) -> None:
+        """Atomic write (temporary file + rename); refuses to overwrite without ``force``."""
+        write_atomic(path, self.to_json(), force=force)
+
+    def check_fingerprints(self, model_fp: str | None = None, cluster_fp: str | None = None) -> None:
+        if model_fp is not None and model_fp != self.model.get("fingerprint"):
+            raise PlanError(f"plan is for model {self.model.get('name')!r} with fingerprint "
+                            f"{self.model.get('fingerprint')}, not this model ({model_fp}): plan this model again")
+        if cluster_fp is not None and cluster_fp != self.cluster.get("fingerprint"):
+            raise PlanError(f"plan is for cluster {self.cluster.get('name')!r} ({self.cluster.get('fingerprint')}), "
+                            f"not this one ({cluster_fp}): plan for this cluster again")
+
+
+def write_atomic(path: str, text: str, force: bool = False) -> None:
+    """Write ``text`` to ``path`` via a temporary file in the same folder and os.replace;
+    an existing file is kept unless ``force``."""
+    import os
+    import tempfile
+
+    if os.path.exists(path) and not force:
+        raise PlanError(f"{path} exists: pass --force to overwrite it, or choose another output path")
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

@@ -1,0 +1,94 @@
+"""Cost-model fidelity on a local CPU cluster: predictions from a profile vs a fresh measurement.
+
+1. ``autopar profile`` measures collectives at a coarse grid of sizes and the layers of a
+   model at micro-batch sizes ``--profile-batches``  -> profile.json
+2. A second, independent run measures collectives at other sizes (between and on the grid
+   points) and the layers at ``--check-batches`` -> measured.json
+3. Every measured figure is predicted from profile.json (interpolated by the ProfileDB, as
+   the planner does) and the relative error is printed and written as JSON.
+
+    python -m benchmarks.cost_fidelity [--nproc 4] [--model gpt-small] [--seq-len 256]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from cost_models.profile_db import ProfileDB
+
+
+def _run_profiler(nproc: int, model: str, seq: int, batches: str, sizes: str, out: str, repeats: int) -> None:
+    from planner.cli import torchrun_cmd
+
+    cmd = torchrun_cmd(nproc, ["-m", "cost_models.profiler", "--cluster", f"local-cpu:{nproc}", "--model", model,
+                               "--seq-len", str(seq), "--batches", batches, "--sizes", sizes,
+                               "--repeats", str(repeats), "-o", out])
+    subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--model", default="gpt-small")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--profile-batches", default="1,4")
+    ap.add_argument("--check-batches", default="1,2,4")
+    ap.add_argument("--profile-sizes", default="1024,16384,262144,4194304,67108864")
+    ap.add_argument("--check-sizes", default="1024,4096,65536,1048576,16777216,67108864")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default="benchmarks/results/cost_fidelity.json")
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="autopar-fidelity-")
+    prof_path, meas_path = os.path.join(tmp, "profile.json"), os.path.join(tmp, "measured.json")
+    _run_profiler(args.nproc, args.model, args.seq_len, args.profile_batches, args.profile_sizes, prof_path,
+                  args.repeats)
+    _run_profiler(args.nproc, args.model, args.seq_len, args.check_batches, args.check_sizes, meas_path,
+                  args.repeats)
+    prof, meas = ProfileDB.load(prof_path), ProfileDB.load(meas_path)
+
+    comm_rows = []
+    for key, samples in sorted(meas.collectives.items()):
+        kind, n, link = key.split("/")
+        for s in samples:
+            pred = prof.collective_time(kind, int(n), link, s.nbytes)
+            comm_rows.append({"kind": kind, "group": int(n), "bytes": s.nbytes, "measured_s": s.seconds,
+                              "predicted_s": pred, "err": (pred - s.seconds) / s.seconds})
+    layer_rows = []
+    for sig, samples in sorted(meas.layers.items()):
+        for s in samples:
+            pred = prof.layer_time(sig, s.batch, s.seq_len, s.tp, s.cp)
+            if pred is None:
+                continue
+            tm, tp_ = s.fwd_s + s.bwd_s, pred[0] + pred[1]
+            layer_rows.append({"layer": sig, "batch": s.batch, "tp": s.tp, "cp": s.cp, "measured_s": tm,
+                               "predicted_s": tp_, "err": (tp_ - tm) / tm})
+
+    print(f"{'collective':<16}{'n':>3}{'bytes':>11}{'measured ms':>13}{'predicted ms':>14}{'error':>9}")
+    for r in comm_rows:
+        print(f"{r['kind']:<16}{r['group']:>3}{r['bytes']:>11}{r['measured_s'] * 1e3:>13.3f}"
+              f"{r['predicted_s'] * 1e3:>14.3f}{r['err'] * 100:>8.1f}%")
+    print(f"\n{'layer class':<14}{'batch':>6}{'tp':>4}{'cp':>4}{'measured ms':>13}{'predicted ms':>14}{'error':>9}")
+    for r in layer_rows:
+        print(f"{r['layer']:<14}{r['batch']:>6}{r['tp']:>4}{r['cp']:>4}{r['measured_s'] * 1e3:>13.2f}"
+              f"{r['predicted_s'] * 1e3:>14.2f}{r['err'] * 100:>8.1f}%")
+    ce = [abs(r["err"]) for r in comm_rows]
+    le = [abs(r["err"]) for r in layer_rows]
+    summary = {
+        "comm_within_25pct": sum(e <= 0.25 for e in ce) / len(ce), "comm_median_abs_err": statistics.median(ce),
+        "comm_max_abs_err": max(ce),
+        "layers_within_15pct": sum(e <= 0.15 for e in le) / len(le), "layers_median_abs_err": statistics.median(le),
+        "layers_max_abs_err": max(le),
+    }
+    print("\n" + "  ".join(f"{k}={v:.3f}" for k, v in summary.items()))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "summary": summary, "comm": comm_rows, "layers": layer_rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

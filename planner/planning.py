@@ -1,0 +1,109 @@
+"""From a model and a cluster to a Plan: search, partition, and the plan file's contents.
+
+``plan_model`` is what ``autopar plan`` and ``auto_parallelize`` call;
+``evaluate_config`` is ``autopar evaluate``: it prices one configuration the user
+already runs, with the ILP's stage split or an even one.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from cost_models.cluster import Cluster
+from cost_models.estimate import Estimate, estimate
+from planner.errors import AutoparError
+from planner.graph import ModelGraph
+from planner.plan import ParallelConfig, Partition, Plan
+from planner.search import SearchResult, best_partition, degree_tuples, search, _Rejections
+from planner.tp_layout import tp_layout
+
+GiB = 2**30
+
+
+def _estimate_dict(e: Estimate) -> dict[str, Any]:
+    d = e.to_dict()
+    for k in ("config", "label", "partition"):
+        d.pop(k, None)
+    return _rounded(d)
+
+
+def _rounded(x: Any) -> Any:
+    """Round floats to 6 significant digits: stable, byte-identical plan files."""
+    if isinstance(x, float):
+        return float(f"{x:.6g}")
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_rounded(v) for v in x]
+    return x
+
+
+def _why_not(alt: Estimate, best: Estimate) -> str:
+    """One line on why an alternative lost: the breakdown category that grew most."""
+    diffs = {k: alt.breakdown.get(k, 0.0) - best.breakdown.get(k, 0.0) for k in alt.breakdown}
+    k = max(diffs, key=lambda key: diffs[key])
+    pct = (alt.step_s / best.step_s - 1) * 100
+    return f"{pct:+.1f}% step time, mostly {k.replace('_', ' ')} (+{diffs[k]:.3g} s)"
+
+
+def build_plan(graph: ModelGraph, cluster: Cluster, e: Estimate, *, spec: str, cluster_spec: str,
+               alternatives: list[Estimate] = (), rejected: dict | None = None,
+               counts: dict | None = None, search_info: dict | None = None) -> Plan:
+    names = [l.name for l in graph.layers]
+    cfg = e.config
+    stages = []
+    for j, (lo, hi) in enumerate(e.partition.bounds):
+        stages.append({"rank": j % cfg.pp, "chunk": j // cfg.pp, "layers": names[lo:hi],
+                       "recompute": e.partition.recompute[j]})
+    alts = [{"config": a.config.to_str(), "label": a.config.label(), "step_s": _rounded(a.step_s),
+             "mfu": _rounded(a.mfu), "memory_gib": _rounded(max(m.total for m in a.memory) / GiB),
+             "delta_pct": _rounded((a.step_s / e.step_s - 1) * 100), "why_not": _why_not(a, e)}
+            for a in alternatives]
+    rej = {r: {"count": (counts or {}).get(r, len(ex)), "examples": ex} for r, ex in (rejected or {}).items()}
+    return Plan(
+        model={"name": graph.name, "spec": spec, "fingerprint": graph.fingerprint(), "layers": names,
+               "params": graph.params, "hidden": graph.hidden, "vocab": graph.vocab},
+        cluster={"name": cluster.name, "spec": cluster_spec, "fingerprint": cluster.fingerprint(),
+                 "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node, "backend": cluster.backend,
+                 "memory_gib": _rounded(cluster.memory_bytes / GiB), "device": cluster.device.name},
+        config=cfg,
+        batch={"global": e.global_batch, "micro": cfg.mbs, "microbatches": e.microbatches, "seq_len": graph.seq_len},
+        stages=stages, tp_layout=tp_layout(graph) if cfg.tp > 1 else {},
+        estimate=_estimate_dict(e), alternatives=alts, rejected=rej, search=_rounded(search_info or {}))
+
+
+def plan_model(graph: ModelGraph, cluster: Cluster, global_batch: int, *, spec: str, cluster_spec: str,
+               profile=None, top_k: int = 5, progress: Callable[[str], None] | None = None,
+               **search_kw: Any) -> tuple[Plan, SearchResult]:
+    """Search the space and return the plan with its search record."""
+    if global_batch < 1:
+        raise AutoparError(f"--global-batch must be a positive integer, got {global_batch}")
+    res = search(graph, cluster, global_batch, profile=profile, top_k=top_k, progress=progress, **search_kw)
+    info = {"considered": res.considered, "pruned": res.pruned, "estimated": res.estimated,
+            "fully_solved": res.fully_solved,
+            "partition": {k: {kk: vv for kk, vv in v.items() if kk not in ("solve_s",)}
+                          for k, v in sorted(res.partition_info.items())}}
+    plan = build_plan(graph, cluster, res.best, spec=spec, cluster_spec=cluster_spec,
+                      alternatives=res.alternatives, rejected=res.rejected, counts=res.rejected_counts,
+                      search_info=info)
+    return plan, res
+
+
+def evaluate_config(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,
+                    even_split: bool = False, profile=None) -> tuple[Estimate, list[str]]:
+    """Price ``cfg``; returns the estimate and the structural problems with it (empty if none)."""
+    cfg.validate()
+    if cfg.world != cluster.world:
+        raise AutoparError(f"dp*pp*cp*tp = {cfg.world} but {cluster.name} has {cluster.world} devices: "
+                           "make the degrees multiply to the device count")
+    rej = _Rejections()
+    ok = any(t == (cfg.dp, cfg.pp, cfg.cp, cfg.tp) for t in degree_tuples(
+        graph, cluster, global_batch, rej, fixed={"dp": cfg.dp, "pp": cfg.pp, "cp": cfg.cp, "tp": cfg.tp}))
+    problems = [] if ok else list(rej.counts)
+    n = len(graph.layers)
+    if cfg.pp * cfg.vpp > n:
+        raise AutoparError(f"pp*vpp = {cfg.pp * cfg.vpp} stages for {n} layers: use fewer stages")
+    if even_split or cfg.pp * cfg.vpp == 1:
+        part = Partition.even(n, cfg.pp * cfg.vpp, cfg.recompute)
+    else:
+        part, _ = best_partition(graph, cluster, cfg, global_batch, profile)
+    return estimate(graph, cluster, cfg, part, global_batch, profile=profile), problems

@@ -1,0 +1,352 @@
+"""Search: every configuration of the device count, priced, pruned, ranked.
+
+Space. Every factorisation ``world = dp x pp x cp x tp`` under the real constraints
+(tp inside a node and dividing heads and hidden - kv heads are replicated when tp
+exceeds them; cp dividing the sequence twice over for zigzag; pp at most the number
+of layers; dp dividing the global batch), times micro-batch size (divisors of the
+per-replica batch up to ``max_mbs``), schedule (GPipe, 1F1B, interleaved with v in
+{2, 4}, ZB-H1), DP sharding (DDP, ZeRO-1, FSDP), recompute (none, selective, full)
+and sequence parallel (on/off when tp > 1).
+
+Pruning keeps the space whole but cheap, with two bounds per degree tuple
+(dp, pp, cp, tp, mbs), computed once for all its variants:
+- **memory floor**: the model states that FSDP with full recompute leaves on the
+  fullest rank (at least the average over pp ranks) plus the reserve. Above the
+  device memory, no variant can fit; all are rejected with that reason.
+- **time floor**: the rank's compute and TP/CP communication (critical-path work
+  every variant does) with perfect pipeline balance, no recompute, plus the
+  smallest bubble any schedule here reaches (interleaving with v = 4:
+  ``(pp-1) t / 4``), i.e. ``m t + (pp-1) t / 4`` with ``t = sum(fwd + bwd + comm) / pp``.
+  At or above the incumbent's step time, no variant can win; all are pruned.
+Tuples are visited in increasing floor, so a good incumbent comes early. Inside a
+tuple, each variant gets its own floor (its schedule's closed form on perfectly
+balanced stages, plus its recompute), and variants the cost model proves no better
+than another (``DOMINATED``) are skipped.
+Surviving variants get the closed-form estimate on an even stage split; the best
+``solve_top`` are then re-partitioned by the ILP (planner/partition.py) and
+simulated in full ("fully solved"), and the best of those is the plan.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from cost_models.cluster import Cluster
+from cost_models.estimate import Estimate, _LayerCosts, _inflight_closed, estimate
+from cost_models.pipeline import estimate_step
+from cost_models.memory import DTYPE_BYTES, RESERVE_CPU, RESERVE_GPU, layer_activation, layer_params_local
+from planner.errors import AutoparError
+from planner.graph import ModelGraph
+from planner.plan import ParallelConfig, Partition
+
+GiB = 2**30
+ZEROS = ("ddp", "zero1", "fsdp")
+RECOMPUTES = ("none", "selective", "full")
+
+
+@dataclass
+class SearchResult:
+    best: Estimate
+    alternatives: list[Estimate]                  # next best (fit), ranked
+    rejected: dict[str, list[str]]                # reason -> example configurations
+    rejected_counts: dict[str, int]
+    considered: int = 0
+    pruned: int = 0
+    estimated: int = 0
+    fully_solved: int = 0
+    solve_s: float = 0.0
+    partition_info: dict = field(default_factory=dict)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _blocks(graph: ModelGraph) -> int:
+    return sum(1 for l in graph.layers if l.attention is not None) or len(graph.layers)
+
+
+class _Rejections:
+    def __init__(self) -> None:
+        self.examples: dict[str, list[str]] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, reason: str, example: str, n: int = 1) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + n
+        ex = self.examples.setdefault(reason, [])
+        if len(ex) < 3:
+            ex.append(example)
+
+
+def degree_tuples(graph: ModelGraph, cluster: Cluster, global_batch: int, rej: _Rejections,
+                  fixed: dict[str, int] | None = None) -> Iterator[tuple[int, int, int, int]]:
+    """(dp, pp, cp, tp) that satisfy the structural constraints; the others are recorded in ``rej``."""
+    world = cluster.world
+    heads = max((l.attention.heads for l in graph.layers if l.attention), default=1)
+    n_blocks = len(graph.layers)
+    seq = graph.seq_len
+    fixed = fixed or {}
+    for tp in divisors(world):
+        if "tp" in fixed and tp != fixed["tp"]:
+            continue
+        if tp > cluster.devices_per_node:
+            rej.add(f"tp={tp} exceeds {cluster.devices_per_node} devices per node", f"tp={tp}")
+            continue
+        if heads % tp or (graph.hidden and graph.hidden % tp):
+            rej.add(f"tp={tp} does not divide {heads} heads / hidden {graph.hidden}", f"tp={tp}")
+            continue
+        for cp in divisors(world // tp):
+            if "cp" in fixed and cp != fixed["cp"]:
+                continue
+            if cp > 1 and seq % (2 * cp):
+                rej.add(f"cp={cp} does not split sequence {seq} into 2*cp zigzag chunks", f"cp={cp}")
+                continue
+            for pp in divisors(world // (tp * cp)):
+                if "pp" in fixed and pp != fixed["pp"]:
+                    continue
+                if pp > n_blocks:
+                    rej.add(f"pp={pp} exceeds the {n_blocks} layers", f"pp={pp}")
+                    continue
+                dp = world // (tp * cp * pp)
+                if "dp" in fixed and dp != fixed["dp"]:
+                    continue
+                if global_batch % dp:
+                    rej.add(f"global batch {global_batch} not divisible by dp={dp}", f"dp={dp} pp={pp} cp={cp} tp={tp}")
+                    continue
+                yield dp, pp, cp, tp
+
+
+def _variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: int, dtype: str,
+              loss: str, dominated: bool = True) -> Iterator[ParallelConfig]:
+    """The variants of one degree tuple. With ``dominated=False`` the variants the cost
+    model proves no better are left out (see ``DOMINATED``)."""
+    scheds: list[tuple[str, int]] = [("1f1b", 1)]
+    if pp > 1:
+        scheds = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)]
+        for v in (2, 4):
+            if m % pp == 0 and pp * v <= n_layers:
+                scheds.append(("interleaved-1f1b", v))
+    for sched, v in scheds:
+        if not dominated and sched == "gpipe":
+            continue
+        for zero in (ZEROS if dp * cp > 1 else ("ddp",)):
+            if not dominated and zero == "ddp" and dp * cp > 1:
+                continue
+            for rc in RECOMPUTES:
+                for sp in ((False, True) if tp > 1 else (False,)):
+                    if not dominated and tp > 1 and not sp:
+                        continue
+                    yield ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, mbs=mbs, schedule=sched, vpp=v, zero=zero,
+                                         recompute=rc, sp=sp, dtype=dtype, loss=loss)
+
+
+# Variants the cost model never prefers, with the one that dominates them (no slower, no
+# more memory), so the search skips them and counts them as pruned:
+DOMINATED = {
+    "gpipe": "1f1b: the same step time with min(pp, m) instead of m micro-batches in flight",
+    "ddp": "zero1: the same gradient traffic (reduce-scatter + all-gather = all-reduce) and a sharded optimizer",
+    "sp=off": "sp=on: the same TP traffic (reduce-scatter + all-gather = all-reduce) and sequence-sharded norms",
+}
+
+
+def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=None, top_k: int = 5,
+           solve_top: int = 3, max_mbs: int = 8, dtype: str | None = None, loss: str = "eager",
+           fixed: dict[str, int] | None = None, ilp_time_limit: float = 10.0,
+           progress: Callable[[str], None] | None = None) -> SearchResult:
+    """Find the configuration with the best predicted step time that fits."""
+    t0 = time.perf_counter()
+    dtype = dtype or ("fp32" if cluster.backend == "gloo" else "bf16")
+    rej = _Rejections()
+    is_gpu = cluster.backend != "gloo"
+    reserve = RESERVE_GPU if is_gpu else RESERVE_CPU
+    cap = cluster.memory_bytes
+    n_layers = len(graph.layers)
+    res = SearchResult(best=None, alternatives=[], rejected={}, rejected_counts={})  # type: ignore[arg-type]
+    cost_cache: dict[tuple, _LayerCosts] = {}
+
+    # ---- tuples with their floors ---------------------------------------------------
+    tuples = []
+    for dp, pp, cp, tp in degree_tuples(graph, cluster, global_batch, rej, fixed):
+        per_replica = global_batch // dp
+        for mbs in [d for d in divisors(per_replica) if d <= max_mbs]:
+            m = per_replica // mbs
+            base = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, mbs=mbs, dtype=dtype, loss=loss, sp=tp > 1)
+            key = (tp, cp, mbs, tp > 1)
+            costs = cost_cache.get(key)
+            if costs is None:
+                costs = cost_cache[key] = _LayerCosts(graph, cluster, base, profile)
+            # per micro-batch: compute + TP/CP communication (on the critical path in every variant)
+            comp = sum(sum(costs.get(l)[:4]) for l in graph.layers)
+            t_rank = comp / pp
+            # bubble: no schedule here does better than interleaving with v = 4: (pp-1) t / 4
+            floor_s = m * t_rank + (pp - 1) * t_rank / 4
+            # memory floor: FSDP states (16 bytes/param over dp*cp) on the average rank
+            states = sum(layer_params_local(l, tp) for l in graph.layers) / pp * 16 / (dp * cp)
+            acts_full = min(layer_activation(l, graph, base, "full") for l in graph.layers)
+            mem_floor = states + acts_full + reserve
+            n_var = sum(1 for _ in _variants(dp, pp, cp, tp, mbs, m, n_layers, dtype, loss))
+            res.considered += n_var
+            label = f"dp={dp} pp={pp} cp={cp} tp={tp} mbs={mbs}"
+            if mem_floor > cap:
+                rej.add(f"OOM even with FSDP + full recompute: needs >= {mem_floor / GiB:.1f} GiB of "
+                        f"{cap / GiB:.1f} GiB", label, n_var)
+                res.pruned += n_var
+                continue
+            tuples.append((floor_s, dp, pp, cp, tp, mbs, m, n_var, label))
+    tuples.sort()
+    if progress:
+        progress(f"{len(tuples)} degree tuples after the memory floor; {res.considered} configurations")
+
+    # ---- variants, closed-form estimate on an even split ------------------------------
+    ranked: list[tuple[float, str, Estimate]] = []
+    best_s = math.inf
+    for floor_s, dp, pp, cp, tp, mbs, m, n_var, label in tuples:
+        if floor_s >= best_s:
+            rej.add("time floor above the best step time found", label, n_var)
+            res.pruned += n_var
+            continue
+        n_kept = 0
+        costs = cost_cache[(tp, cp, mbs, tp > 1)]
+        t_f = sum(costs.get(l)[0] for l in graph.layers) / pp
+        t_b = sum(costs.get(l)[1] for l in graph.layers) / pp
+        t_core = sum(costs.get(l)[4] for l in graph.layers) / pp
+        t_comm = sum(costs.get(l)[2] + costs.get(l)[3] for l in graph.layers) / pp
+        for cfg in _variants(dp, pp, cp, tp, mbs, m, n_layers, dtype, loss, dominated=False):
+            n_kept += 1
+            # variant floor: this schedule on perfectly balanced stages, with its recompute
+            extra = {"none": 0.0, "selective": t_core, "full": t_f}[cfg.recompute]
+            v = cfg.vpp
+            lb = estimate_step(cfg.schedule if pp > 1 else "1f1b", pp, m, (t_f + t_comm / 2) / v,
+                               (t_b + t_comm / 2 + extra) / v, v=v) if pp > 1 else m * (t_f + t_b + t_comm + extra)
+            if lb >= best_s:
+                rej.add("time floor above the best step time found", cfg.label())
+                res.pruned += 1
+                continue
+            part = Partition.even(n_layers, pp * cfg.vpp, cfg.recompute)
+            e = estimate(graph, cluster, cfg, part, global_batch, profile=profile, fast=True,
+                         costs=costs if cfg.sp == (tp > 1) else None)
+            res.estimated += 1
+            if not e.fits:
+                r, over = e.shortfall()
+                rej.add(f"OOM by {_bucket(over)} on stage {r}", cfg.label())
+                continue
+            ranked.append((e.step_s, cfg.to_str(), e))
+            best_s = min(best_s, e.step_s)
+        n_dom = n_var - n_kept
+        if n_dom:
+            rej.add("dominated (gpipe by 1f1b, ddp by zero1, sp=off by sp=on: no faster, more memory)", label, n_dom)
+            res.pruned += n_dom
+    if not ranked:
+        res.rejected, res.rejected_counts = rej.examples, rej.counts
+        raise AutoparError(_nothing_fits(rej, cluster))
+    ranked.sort(key=lambda x: (x[0], x[1]))
+
+    # ---- ILP stage split + full simulation for the best few --------------------------------
+    finals: list[tuple[float, str, Estimate]] = []
+    for _, key, e in ranked[:max(solve_top, 1)]:
+        cfg = e.config
+        part, info = best_partition(graph, cluster, cfg, global_batch, profile, ilp_time_limit)
+        e2 = estimate(graph, cluster, cfg, part, global_batch, profile=profile)
+        res.fully_solved += 1
+        res.partition_info[cfg.to_str()] = info
+        if not e2.fits:  # the simulator's peak can exceed the closed form's; keep the even split then
+            e2 = estimate(graph, cluster, cfg, Partition.even(n_layers, cfg.pp * cfg.vpp, cfg.recompute),
+                          global_batch, profile=profile)
+        if e2.fits:
+            finals.append((e2.step_s, key, e2))
+    finals.sort(key=lambda x: (x[0], x[1]))
+    if not finals:
+        finals = [ranked[0]]
+    res.best = finals[0][2]
+    seen = {finals[0][1]}
+    alts = [x[2] for x in finals[1:]]
+    seen.update(x[1] for x in finals[1:])
+    alts += [x[2] for x in ranked if x[1] not in seen]
+    res.alternatives = alts[:top_k]
+    res.rejected, res.rejected_counts = rej.examples, rej.counts
+    res.solve_s = time.perf_counter() - t0
+    return res
+
+
+def _bucket(over: float) -> str:
+    return f"{over / GiB:.1f} GiB"
+
+
+def _nothing_fits(rej: _Rejections, cluster: Cluster) -> str:
+    ooms = [(k, v) for k, v in rej.counts.items() if k.startswith("OOM")]
+    if ooms:
+        smallest = min(ooms, key=lambda kv: _gib_of(kv[0]))[0]
+        return (f"no configuration fits on {cluster.name} ({cluster.world} devices): smallest shortfall: "
+                f"{smallest}; add devices, use FSDP/ZeRO, full recompute, or context parallel (longer sequences)")
+    reasons = "; ".join(list(rej.counts)[:3])
+    return f"no valid configuration on {cluster.name}: {reasons}"
+
+
+def _gib_of(reason: str) -> float:
+    import re
+
+    m = re.search(r"([\d.]+) GiB", reason)
+    return float(m.group(1)) if m else math.inf
+
+
+def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None):
+    """The ILP's inputs for one configuration: per-layer times and bytes per recompute policy."""
+    from planner.partition import PartitionProblem
+    from cost_models.estimate import microbatches
+
+    m = microbatches(cfg, global_batch)
+    fwd, bwd, act, static, out_p2p = [], [], [], [], []
+    costs: dict[str, _LayerCosts] = {}
+    dp = cfg.dp * cfg.cp
+    per_param = {"ddp": 16.0, "zero1": 4.0 + 12.0 / dp, "zero2": 2.0 + 14.0 / dp, "fsdp": 16.0 / dp}[cfg.zero]
+    if cfg.dtype == "fp32":
+        per_param = {"ddp": 16.0, "zero1": 8.0 + 8.0 / dp, "zero2": 4.0 + 12.0 / dp, "fsdp": 16.0 / dp}[cfg.zero]
+    from cost_models import comm as comm_mod
+
+    mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
+    for pol in RECOMPUTES:
+        costs[pol] = _LayerCosts(graph, cluster, cfg.replace(recompute=pol), profile)
+    for i, l in enumerate(graph.layers):
+        f_, b_, tp_s, cp_s, core_s, _, _ = costs["none"].get(l)
+        f = f_ + tp_s / 2 + cp_s / 3
+        b = b_ + tp_s / 2 + 2 * cp_s / 3
+        fwd.append({p: f for p in RECOMPUTES})
+        bwd.append({"none": b, "selective": b + core_s, "full": b + f})
+        act.append({p: layer_activation(l, graph, cfg, p) for p in RECOMPUTES})
+        static.append(layer_params_local(l, cfg.tp) * per_param)
+        if cfg.pp > 1 and i + 1 < len(graph.layers):
+            nb = graph.layers[i + 1].input_bytes * cfg.mbs / graph.batch * DTYPE_BYTES[cfg.dtype] / graph.dtype_bytes
+            nb /= cfg.cp * (cfg.tp if cfg.sp else 1)
+            out_p2p.append(comm_mod.p2p_time(nb, cluster, mesh, profile).seconds)
+        else:
+            out_p2p.append(0.0)
+    S = cfg.pp * cfg.vpp
+    sched = cfg.schedule if cfg.pp > 1 else "1f1b"
+    inflight = []
+    for j in range(S):
+        r = j % cfg.pp
+        inflight.append((_inflight_closed(sched, cfg.pp, m, cfg.vpp, r) if cfg.pp > 1 else 1) / cfg.vpp)
+    reserve = RESERVE_GPU if cluster.backend != "gloo" else RESERVE_CPU
+    return PartitionProblem(fwd=fwd, bwd=bwd, act=act, static=static, out_p2p=out_p2p,
+                            classes=[l.signature for l in graph.layers], pp=cfg.pp, v=cfg.vpp, m=m,
+                            schedule=sched, inflight=inflight, capacity=cluster.memory_bytes - reserve)
+
+
+def best_partition(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None,
+                   time_limit: float = 10.0) -> tuple[Partition, dict]:
+    """The ILP's stage split (recompute per stage) for ``cfg``; an even split when pp == 1."""
+    n = len(graph.layers)
+    if cfg.pp * cfg.vpp == 1:
+        return Partition.even(n, 1, cfg.recompute), {"status": "trivial (one stage)"}
+    from planner.partition import solve_partition
+
+    prob = partition_problem(graph, cluster, cfg, global_batch, profile)
+    prob.policies = (cfg.recompute,) if cfg.recompute != "none" else RECOMPUTES
+    r = solve_partition(prob, time_limit=time_limit)
+    info = {"status": r.status, "gap": r.gap, "solve_s": r.solve_s, "solver": r.solver,
+            "objective_s": r.objective_s}
+    if r.status == "infeasible" or r.partition is None:
+        return Partition.even(n, cfg.pp * cfg.vpp, cfg.recompute), info
+    return r.partition, info
