@@ -1,0 +1,919 @@
+r"""Pipeline-stage partitioning: stage boundaries and per-stage recompute under memory.
+
+Given one parallel configuration (``pp`` ranks, ``v`` virtual chunks per rank, ``m``
+micro-batches, a schedule), split the ``L`` layers into ``S = pp * v`` contiguous,
+non-empty virtual stages (virtual stage ``j`` runs on rank ``j % pp``; rank ``r``
+holds chunks ``r, r + pp, ...``) and pick one recompute policy per virtual stage,
+minimising the step time subject to every rank's memory capacity.
+
+Inputs are plain floats (:class:`PartitionProblem`); the answer is a
+:class:`PartitionResult` wrapping a :class:`planner.plan.Partition`. Four entry points
+share one evaluation (:func:`evaluate_partition`), so their numbers compare directly:
+
+- :func:`solve_partition`   the ILP (PuLP; CBC by default, HiGHS on request)
+- :func:`greedy_partition`  a fast heuristic for ranking many candidate configurations
+- :func:`even_partition`    equal layer counts, one policy (``--even-split``)
+- :func:`evaluate_partition` the numbers of a given split
+
+Model
+=====
+Per layer ``i`` and policy ``q``: ``fwd[i][q]``, ``bwd[i][q]`` (backward incl. any
+recompute) seconds per micro-batch, ``act[i][q]`` activation bytes kept per in-flight
+micro-batch, ``static[i]`` bytes (weights, grads, optimizer state) and ``out_p2p[i]``,
+the seconds the stage ending at layer ``i`` is charged per micro-batch for the
+boundary after it (pass send + receive of both directions if both should count;
+``cost_models.pipeline`` charges one transfer to each of F and B).
+
+Virtual stage ``j`` with layers ``I_j`` and policy ``q_j``::
+
+    F_j = sum_{i in I_j} fwd[i][q_j] + (out_p2p[last(I_j)] if j < S-1 else 0)
+    B_j = sum_{i in I_j} bwd[i][q_j]
+    t_j = F_j + B_j                                   (``stage_time``)
+    R_r = sum_{j : j % pp == r} t_j                   (rank load per micro-batch)
+    M   = max_r R_r
+
+Objective (seconds per step). The bottleneck rank runs ``m`` micro-batches of its load,
+``m * M``; the fill/drain bubble is one micro-batch's trip through the other stages,
+shrunk ``v`` times by interleaving::
+
+    gpipe, 1f1b, interleaved-1f1b:   T = m * M + (sum_j t_j - M) / v
+    zb-h1:                           T = m * M + (pp-1)/pp * sum_j G_j
+        G_j = max(F_j + (1 - a - min(a, 1-a)) B_j,  (1 - a) B_j),  a = wgrad_frac
+
+(zb-h1 splits the backward into input-gradient ``(1-a) B_j`` and weight-gradient
+``a B_j``; ``G_j`` is the per-stage bubble increment ``max(f + b - min(w, b), b)`` of
+Qi et al. 2023.) For ``v = 1`` the first form is the classic
+``sum_j t_j + (m-1) max_j t_j``. For uniform stages (``t_j = t``) and zero p2p all forms
+equal the closed forms of ``cost_models.pipeline.estimate_step`` exactly:
+``(m + pp - 1) t`` (gpipe/1f1b), ``(m v + pp - 1) t`` with ``t`` per chunk
+(interleaved), ``m (f+b+w) + (pp-1) max(f + b - min(w,b), b)`` (zb-h1, m >= pp).
+For uneven stages they are the standard linear approximation (bottleneck throughput
+plus the sum-of-stages pipeline fill).
+
+Memory of rank ``r``::
+
+    mem_r = sum_{j % pp == r} [ sum_{i in I_j} static[i] + inflight[j] * sum_{i in I_j} act[i][q_j] + extra[j] ]
+    mem_r <= capacity
+
+ILP with segment compression
+----------------------------
+Consecutive layers with the same class and identical cost entries form a *segment*
+``k`` = layers ``[s_k, e_k)``, ``n_k = e_k - s_k`` (a 126-block transformer is one
+segment). The model decides, per stage, *how many* layers of each segment it takes;
+its size is O(#segments x #stages), independent of the layer count.
+
+Boundary ``j`` (``j = 0..S-2``, the number of layers in stages ``0..j``) is
+``b_j = sum_k (s_k u_jk + w_jk)`` with binaries ``u_jk`` (boundary j falls in segment
+k, i.e. ``s_k < b_j <= e_k``), ``sum_k u_jk = 1``, and integers
+``u_jk <= w_jk <= n_k u_jk``. The number of segment-k layers in stages ``0..j`` is
+then linear: ``C_jk = n_k sum_{k' > k} u_jk' + w_jk`` (``C_{-1,k} = 0``,
+``C_{S-1,k} = n_k``), and stage j takes ``x_jk = C_jk - C_{j-1,k}`` of them.
+Ordering and non-emptiness: ``b_j >= b_{j-1} + 1``, ``b_{S-2} <= L - 1``. The last
+layer of stage j lies in the segment holding boundary j, so its p2p is
+``sum_k out_p2p_k u_jk``.
+
+Policy: binaries ``y_jq``, ``sum_q y_jq = 1``; the product ``x_jk y_jq`` is the
+continuous ``z_jkq`` with ``sum_q z_jkq = x_jk``, ``0 <= z_jkq <= cap_jk y_jq``
+(exact: only the chosen policy's ``z`` can be non-zero, and it must equal ``x_jk``).
+``F_j, B_j, t_j, mem_r`` are linear in ``z`` and ``u``; ``M >= R_r`` (and
+``G_j >=`` both of its terms for zb-h1) are continuous, and the objective is linear
+since its coefficients ``m - 1/v`` (of M) and ``1/v`` (of t_j) are >= 0.
+
+Tie-breaking: a tiny secondary term ``eps * (sum_j (j+1) b_j + sum_j rank(q_j))``
+prefers early boundaries and the first-listed policy among equal-cost choices; the
+solver runs single-threaded, so the same problem yields the same Partition.
+
+When no split fits, a second ILP with the same structure minimises the worst rank
+overrun ``max_r (mem_r - capacity)``; the result is ``status="infeasible"`` with that
+best-effort split and ``shortfall = {"rank", "stage", "bytes", ...}``.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import functools
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from planner.plan import Partition
+
+__all__ = [
+    "PartitionProblem", "PartitionResult", "solve_partition", "greedy_partition",
+    "even_partition", "evaluate_partition", "step_objective", "segments",
+]
+
+_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+_MEM_TOL = 1e-9          # relative slack when checking capacity
+
+
+def _no_pulp_deprecations(fn):
+    """PuLP 3.x warns about its 4.0 API (LpVariable, PULP_CBC_CMD, constraints dict) on
+    every call; the 2.8+ API used here still works, so keep the noise out of callers."""
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return fn(*a, **kw)
+    return wrapper
+
+
+# ---------------------------------------------------------------------------------------
+# problem and result
+# ---------------------------------------------------------------------------------------
+@dataclass
+class PartitionProblem:
+    """One configuration's partitioning problem, in plain floats (seconds, bytes)."""
+    fwd: list[dict[str, float]]       # per layer: {policy: forward s per micro-batch}
+    bwd: list[dict[str, float]]       # per layer: {policy: backward s per micro-batch, incl. recompute}
+    act: list[dict[str, float]]       # per layer: {policy: activation bytes per in-flight micro-batch}
+    static: list[float]               # per layer: weights + grads + optimizer bytes
+    out_p2p: list[float]              # per layer: s charged to the stage ending at this layer
+    classes: list[str]                # per layer: signature; consecutive equal ones form a segment
+    pp: int
+    v: int
+    m: int
+    schedule: str                     # gpipe | 1f1b | interleaved-1f1b | zb-h1
+    inflight: list[float]             # per virtual stage: micro-batches held at peak
+    capacity: float                   # bytes per rank (after reserve and buffers); inf = no limit
+    extra: list[float] = field(default_factory=list)   # per virtual stage extra bytes (default 0)
+    policies: tuple[str, ...] = ("none", "selective", "full")
+    wgrad_frac: float = 0.5           # zb-h1: share of bwd that is the weight gradient (W)
+
+    def __post_init__(self) -> None:
+        L = len(self.fwd)
+        if L == 0:
+            raise ValueError("PartitionProblem: no layers")
+        for name in ("bwd", "act", "static", "out_p2p", "classes"):
+            if len(getattr(self, name)) != L:
+                raise ValueError(f"PartitionProblem.{name}: {len(getattr(self, name))} entries for {L} layers")
+        if self.schedule not in _SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}: choose one of {', '.join(_SCHEDULES)}")
+        for k in ("pp", "v", "m"):
+            if not isinstance(getattr(self, k), int) or getattr(self, k) < 1:
+                raise ValueError(f"PartitionProblem.{k}={getattr(self, k)!r}: must be a positive integer")
+        if self.v > 1 and self.schedule != "interleaved-1f1b":
+            raise ValueError(f"v={self.v} needs schedule=interleaved-1f1b")
+        S = self.pp * self.v
+        if S > L:
+            raise ValueError(f"{S} virtual stages for {L} layers: use at most {L} stages")
+        if not self.extra:
+            self.extra = [0.0] * S
+        if len(self.inflight) != S or len(self.extra) != S:
+            raise ValueError(f"inflight/extra need {S} entries (one per virtual stage), "
+                             f"got {len(self.inflight)}/{len(self.extra)}")
+        if not self.policies:
+            raise ValueError("PartitionProblem.policies is empty")
+        self.policies = tuple(self.policies)
+        for i in range(L):
+            for name in ("fwd", "bwd", "act"):
+                missing = [q for q in self.policies if q not in getattr(self, name)[i]]
+                if missing:
+                    raise ValueError(f"layer {i}: {name} lacks policies {missing}")
+        if not 0.0 <= self.wgrad_frac <= 1.0:
+            raise ValueError(f"wgrad_frac={self.wgrad_frac}: must be in [0, 1]")
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.fwd)
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.v
+
+
+@dataclass
+class PartitionResult:
+    partition: Partition
+    objective_s: float                # step seconds under the module's objective
+    stage_time: list[float]           # t_j = F_j + B_j per virtual stage
+    rank_memory: list[float]          # bytes per pp rank
+    status: str                       # "optimal" | "feasible (gap X%)" | "feasible" | "infeasible"
+    gap: float                        # relative optimality gap; nan when unknown (heuristics)
+    solve_s: float                    # wall seconds spent
+    solver: str                       # "cbc" | "highs" | "greedy" | "even" | "given"
+    shortfall: dict | None = None     # when infeasible: {"rank", "stage", "bytes", "gib", ...}
+    n_vars: int = 0                   # ILP size (0 for heuristics)
+    n_constraints: int = 0
+    n_segments: int = 0
+
+    @property
+    def feasible(self) -> bool:
+        return self.status != "infeasible"
+
+    @property
+    def max_stage_time(self) -> float:
+        return max(self.stage_time)
+
+
+# ---------------------------------------------------------------------------------------
+# segments
+# ---------------------------------------------------------------------------------------
+@dataclass
+class _Seg:
+    start: int
+    end: int
+    fwd: tuple[float, ...]
+    bwd: tuple[float, ...]
+    act: tuple[float, ...]
+    static: float
+    p2p: float
+    key: tuple
+
+    @property
+    def n(self) -> int:
+        return self.end - self.start
+
+
+def segments(problem: PartitionProblem) -> list[tuple[int, int]]:
+    """The decision classes as half-open layer ranges ``[start, end)``."""
+    return [(s.start, s.end) for s in _segments(problem)]
+
+
+def _segments(pr: PartitionProblem) -> list[_Seg]:
+    P = pr.policies
+    out: list[_Seg] = []
+    for i in range(pr.n_layers):
+        f = tuple(float(pr.fwd[i][q]) for q in P)
+        b = tuple(float(pr.bwd[i][q]) for q in P)
+        a = tuple(float(pr.act[i][q]) for q in P)
+        key = (pr.classes[i], f, b, a, float(pr.static[i]), float(pr.out_p2p[i]))
+        if out and out[-1].key == key:
+            out[-1].end = i + 1
+        else:
+            out.append(_Seg(i, i + 1, f, b, a, float(pr.static[i]), float(pr.out_p2p[i]), key))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# evaluation (the one objective everything shares)
+# ---------------------------------------------------------------------------------------
+def step_objective(problem: PartitionProblem, stage_fwd: Sequence[float], stage_bwd: Sequence[float]) -> float:
+    """The module's objective from per-virtual-stage F_j (incl. p2p) and B_j."""
+    pp, v, m = problem.pp, problem.v, problem.m
+    t = [f + b for f, b in zip(stage_fwd, stage_bwd)]
+    R = [sum(t[r::pp]) for r in range(pp)]
+    M = max(R)
+    if problem.schedule == "zb-h1":
+        a = problem.wgrad_frac
+        beta = 1.0 - a - min(a, 1.0 - a)
+        G = [max(f + beta * b, (1.0 - a) * b) for f, b in zip(stage_fwd, stage_bwd)]
+        return m * M + (pp - 1) / pp * sum(G)
+    return m * M + (sum(t) - M) / v
+
+
+def _shortfall(problem: PartitionProblem, rank_memory: list[float]) -> dict | None:
+    cap = problem.capacity
+    over = [mem - cap for mem in rank_memory]
+    r = max(range(len(over)), key=lambda i: (over[i], -i))
+    if over[r] <= _MEM_TOL * max(1.0, abs(cap)):
+        return None
+    return {"rank": r, "stage": r, "bytes": over[r], "gib": over[r] / 2**30,
+            "rank_memory": rank_memory[r], "capacity": cap,
+            "virtual_stages": list(range(r, problem.n_stages, problem.pp))}
+
+
+def _stage_numbers(pr: PartitionProblem, bounds: Sequence[tuple[int, int]], rec: Sequence[str]):
+    S = pr.n_stages
+    F, B, mem = [], [], [0.0] * pr.pp
+    for j, ((lo, hi), q) in enumerate(zip(bounds, rec)):
+        f = sum(pr.fwd[i][q] for i in range(lo, hi)) + (pr.out_p2p[hi - 1] if j < S - 1 else 0.0)
+        b = sum(pr.bwd[i][q] for i in range(lo, hi))
+        F.append(f)
+        B.append(b)
+        mem[j % pr.pp] += (sum(pr.static[i] for i in range(lo, hi))
+                           + pr.inflight[j] * sum(pr.act[i][q] for i in range(lo, hi)) + pr.extra[j])
+    return F, B, mem
+
+
+def evaluate_partition(problem: PartitionProblem, partition: Partition, *, solver: str = "given",
+                       solve_s: float = 0.0) -> PartitionResult:
+    """Objective, stage times and rank memory of a given split. ``status`` is "feasible"
+    or "infeasible" (with the worst rank's overrun in ``shortfall``)."""
+    S = problem.n_stages
+    if len(partition.bounds) != S:
+        raise ValueError(f"partition has {len(partition.bounds)} stages, problem has {S}")
+    partition.validate(problem.n_layers)
+    rec = list(partition.recompute)
+    for q in rec:
+        if q not in problem.policies:
+            raise ValueError(f"recompute {q!r} not among policies {problem.policies}")
+    F, B, mem = _stage_numbers(problem, partition.bounds, rec)
+    short = _shortfall(problem, mem)
+    return PartitionResult(
+        partition=Partition(list(partition.bounds), rec), objective_s=step_objective(problem, F, B),
+        stage_time=[f + b for f, b in zip(F, B)], rank_memory=mem,
+        status="infeasible" if short else "feasible", gap=math.nan, solve_s=solve_s,
+        solver=solver, shortfall=short)
+
+
+def even_partition(problem: PartitionProblem, policy: str = "none") -> PartitionResult:
+    """Equal layer counts (first stages take the remainder), one policy everywhere."""
+    t0 = time.perf_counter()
+    part = Partition.even(problem.n_layers, problem.n_stages, policy)
+    res = evaluate_partition(problem, part, solver="even")
+    res.solve_s = time.perf_counter() - t0
+    return res
+
+
+# ---------------------------------------------------------------------------------------
+# greedy heuristic
+# ---------------------------------------------------------------------------------------
+class _Prefix:
+    """Prefix sums per policy for O(1) range costs."""
+
+    def __init__(self, pr: PartitionProblem):
+        self.pr = pr
+        L = pr.n_layers
+        self.T: dict[str, list[float]] = {}
+        self.A: dict[str, list[float]] = {}
+        self.F: dict[str, list[float]] = {}
+        for q in pr.policies:
+            t, a, f = [0.0], [0.0], [0.0]
+            for i in range(L):
+                t.append(t[-1] + pr.fwd[i][q] + pr.bwd[i][q])
+                f.append(f[-1] + pr.fwd[i][q])
+                a.append(a[-1] + pr.act[i][q])
+            self.T[q], self.A[q], self.F[q] = t, a, f
+        s = [0.0]
+        for i in range(L):
+            s.append(s[-1] + pr.static[i])
+        self.Sx = s
+
+    def time(self, q: str, j: int, lo: int, hi: int) -> float:
+        T = self.T[q][hi] - self.T[q][lo]
+        return T + (self.pr.out_p2p[hi - 1] if j < self.pr.n_stages - 1 else 0.0)
+
+    def mem(self, q: str, j: int, lo: int, hi: int) -> float:
+        return (self.Sx[hi] - self.Sx[lo] + self.pr.inflight[j] * (self.A[q][hi] - self.A[q][lo])
+                + self.pr.extra[j])
+
+
+def _furthest(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
+    """Largest e in [lo, hi] with ok(e) for monotone (true then false) ok; lo - 1 if none."""
+    if not ok(lo):
+        return lo - 1
+    a, b = lo, hi
+    while a < b:
+        mid = (a + b + 1) // 2
+        if ok(mid):
+            a = mid
+        else:
+            b = mid - 1
+    return a
+
+
+def _greedy_split(px: _Prefix, T: float, budget: list[float] | None,
+                  pols: Sequence[str]) -> list[tuple[int, int]] | None:
+    """Furthest-first packing: each stage takes as many layers as one policy allows with
+    stage time <= T (and stage memory <= budget[j]); None if the last stage overflows."""
+    pr = px.pr
+    L, S = pr.n_layers, pr.n_stages
+    bounds, a = [], 0
+    for j in range(S):
+        max_end = L - (S - 1 - j)
+        if j == S - 1:
+            if not any(px.time(q, j, a, L) <= T and (budget is None or px.mem(q, j, a, L) <= budget[j])
+                       for q in pols):
+                return None
+            bounds.append((a, L))
+            break
+        best = a
+        for q in pols:
+            Tq = px.T[q]
+            # time without p2p is monotone: bisect on prefix sums
+            e = bisect.bisect_right(Tq, Tq[a] + T, lo=a + 1, hi=max_end + 1) - 1
+            if budget is not None and e > a:
+                e = min(e, _furthest(a + 1, e, lambda x, q=q: px.mem(q, j, a, x) <= budget[j]))
+            while e > best and px.time(q, j, a, e) > T:   # p2p is not monotone: step back
+                e -= 1
+            best = max(best, e)
+        if best == a:
+            return None
+        bounds.append((a, best))
+        a = best
+    return bounds
+
+
+def _rank_policies(pr: PartitionProblem, px: _Prefix, bounds: list[tuple[int, int]]) -> tuple[list[str], bool]:
+    """Per rank, the policy combination of its chunks that fits and minimises its load
+    (this minimises M and sum t together); if none fits, the least-memory one."""
+    S, pp, P = pr.n_stages, pr.pp, pr.policies
+    rec = [P[0]] * S
+    ok_all = True
+    cap = pr.capacity * (1 + _MEM_TOL)
+    for r in range(pp):
+        js = list(range(r, S, pp))
+        tq = {(j, q): px.time(q, j, *bounds[j]) for j in js for q in P}
+        mq = {(j, q): px.mem(q, j, *bounds[j]) for j in js for q in P}
+        best, best_key, least, least_mem = None, None, None, math.inf
+        if len(P) ** len(js) <= 729:
+            combos = itertools.product(P, repeat=len(js))
+        else:   # too many: uniform choices plus per-chunk min-memory
+            combos = [tuple([q] * len(js)) for q in P]
+        for combo in combos:
+            mem = sum(mq[j, q] for j, q in zip(js, combo))
+            load = sum(tq[j, q] for j, q in zip(js, combo))
+            if mem < least_mem:
+                least, least_mem = combo, mem
+            if mem <= cap:
+                key = (load, tuple(P.index(q) for q in combo))
+                if best_key is None or key < best_key:
+                    best, best_key = combo, key
+        if best is None:
+            ok_all = False
+            best = least
+        for j, q in zip(js, best):
+            rec[j] = q
+    return rec, ok_all
+
+
+def _minmax_time_split(px: _Prefix, budget: list[float] | None, pols: Sequence[str]) -> list[tuple[int, int]] | None:
+    pr = px.pr
+    hi = max(px.T[q][-1] for q in pols) + max(pr.out_p2p) + 1e-12
+    best = _greedy_split(px, hi, budget, pols)
+    if best is None:
+        return None
+    lo = 0.0
+    for _ in range(40):
+        if hi - lo <= 1e-6 * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        b = _greedy_split(px, mid, budget, pols)
+        if b is None:
+            lo = mid
+        else:
+            hi, best = mid, b
+    return best
+
+
+def _minmax_mem_split(px: _Prefix) -> list[tuple[int, int]]:
+    """Split minimising the largest stage memory, each stage under its least-memory
+    policy. Exact minimum of the worst rank memory for v = 1 (stage memory grows with
+    its range, so furthest-first packing decides each threshold); best effort for v > 1."""
+    pr = px.pr
+    L, S, P = pr.n_layers, pr.n_stages, pr.policies
+
+    def split(Mx: float):
+        bounds, a = [], 0
+        for j in range(S):
+            if j == S - 1:
+                if not any(px.mem(q, j, a, L) <= Mx for q in P):
+                    return None
+                bounds.append((a, L))
+                break
+            e = max(_furthest(a + 1, L - (S - 1 - j), lambda x, q=q: px.mem(q, j, a, x) <= Mx) for q in P)
+            if e <= a:
+                return None
+            bounds.append((a, e))
+            a = e
+        return bounds
+
+    hi = max(px.mem(q, j, 0, L) for j in range(S) for q in P) + 1.0
+    lo, best = 0.0, split(hi)
+    for _ in range(100):
+        if hi - lo <= 1e-12 * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        b = split(mid)
+        if b is None:
+            lo = mid
+        else:
+            hi, best = mid, b
+    return best
+
+
+def greedy_partition(problem: PartitionProblem) -> PartitionResult:
+    """Fast heuristic: min-max stage time splits (binary search on the bottleneck time,
+    furthest-first packing) — one memory-aware (per-chunk budget capacity / v), one per
+    fixed policy — then per rank the fastest policy combination that fits; the best by
+    objective wins. Infeasible: the min-max-memory split with its shortfall."""
+    t0 = time.perf_counter()
+    pr = problem
+    px = _Prefix(pr)
+    S = pr.n_stages
+    cands: list[list[tuple[int, int]]] = []
+    if math.isfinite(pr.capacity):
+        budget = [pr.capacity / pr.v] * S     # per chunk; exact for v = 1 (mem includes extra)
+        b = _minmax_time_split(px, budget, pr.policies)
+        if b is not None:
+            cands.append(b)
+    for q in pr.policies:
+        b = _minmax_time_split(px, None, (q,))
+        if b is not None and b not in cands:
+            cands.append(b)
+    best: PartitionResult | None = None
+    for bounds in cands:
+        rec, ok = _rank_policies(pr, px, bounds)
+        if not ok:
+            continue
+        res = evaluate_partition(pr, Partition(bounds, rec), solver="greedy")
+        if res.feasible and (best is None or res.objective_s < best.objective_s * (1 - 1e-12)):
+            best = res
+    if best is None:
+        bounds = _minmax_mem_split(px)
+        rec, _ = _rank_policies(pr, px, bounds)
+        best = evaluate_partition(pr, Partition(bounds, rec), solver="greedy")
+        if best.shortfall is None:      # fits after all (rounding at the edge)
+            best.status = "feasible"
+    best.solve_s = time.perf_counter() - t0
+    return best
+
+
+# ---------------------------------------------------------------------------------------
+# ILP
+# ---------------------------------------------------------------------------------------
+def _quiet_highs():
+    """pulp.HiGHS that keeps highspy's construction banner off stdout and accepts a
+    start solution (the variables' current values) like CBC's warmStart."""
+    import pulp
+
+    base = getattr(pulp, "HiGHS", None)
+    if base is None or not base().available():
+        return None
+
+    class _HiGHS(base):  # type: ignore[misc, valid-type]
+        warm: bool = False
+
+        def createAndConfigureSolver(self, lp):  # noqa: N802 - pulp's name
+            import os
+            import sys
+            sys.stdout.flush()
+            saved = os.dup(1)
+            try:
+                with open(os.devnull, "w") as devnull:
+                    os.dup2(devnull.fileno(), 1)
+                    super().createAndConfigureSolver(lp)
+            finally:
+                os.dup2(saved, 1)
+                os.close(saved)
+
+        def buildSolverModel(self, lp):  # noqa: N802
+            super().buildSolverModel(lp)
+            if self.warm:
+                import highspy
+                cols = lp.variables()
+                if all(v.varValue is not None for v in cols):
+                    sol = highspy.HighsSolution()
+                    sol.col_value = [float(v.varValue) for v in cols]
+                    sol.value_valid = True
+                    try:
+                        lp.solverModel.setSolution(sol)
+                    except Exception:  # pragma: no cover - older highspy
+                        pass
+
+    return _HiGHS
+
+
+@_no_pulp_deprecations
+def _pick_solver(name: str, time_limit: float, gap_rel: float, warm: bool = False):
+    import pulp
+
+    name = name.lower()
+    if name not in ("auto", "cbc", "highs"):
+        raise ValueError(f"solver={name!r}: choose auto, cbc or highs")
+    if name in ("auto", "highs"):
+        cls = _quiet_highs()
+        if cls is not None:
+            s = cls(msg=False, timeLimit=time_limit, gapRel=gap_rel, threads=1, random_seed=0)
+            s.warm = warm
+            return s, "highs"
+        cmd = getattr(pulp, "HiGHS_CMD", None)
+        if cmd is not None:
+            s = cmd(msg=False, timeLimit=time_limit, gapRel=gap_rel, threads=1)
+            if s.available():
+                return s, "highs"
+        if name == "highs":
+            raise RuntimeError("solver=highs: HiGHS is not available (pip install highspy)")
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap_rel, threads=1,
+                             warmStart=warm, options=["randomSeed 1", "randomCbcSeed 1"]), "cbc"
+
+
+class _Model:
+    """The segment-compressed ILP (see the module docstring)."""
+
+    @_no_pulp_deprecations
+    def __init__(self, pr: PartitionProblem, segs: list[_Seg], mode: str):
+        import pulp
+
+        self.pr, self.segs, self.mode = pr, segs, mode
+        self.Mv = self.tj = self.G = None
+        L, S, K, pp, v, m = pr.n_layers, pr.n_stages, len(segs), pr.pp, pr.v, pr.m
+        P = pr.policies
+        nP = len(P)
+        prob = pulp.LpProblem(f"partition_{mode}", pulp.LpMinimize)
+        self.prob = prob
+        tscale = max(sum(min(pr.fwd[i][q] + pr.bwd[i][q] for q in P) for i in range(L)) / S, 1e-30)
+        mscale = pr.capacity if math.isfinite(pr.capacity) and pr.capacity > 0 else \
+            max(max(sum(pr.static) + max(pr.inflight) * sum(max(a.values()) for a in pr.act), 1.0), 1.0)
+
+        # boundaries: b_j in [j+1, L-S+j+1]
+        self.u: dict[tuple[int, int], pulp.LpVariable] = {}
+        self.w: dict[tuple[int, int], pulp.LpVariable] = {}
+        b_expr = []
+        for j in range(S - 1):
+            blo, bhi = j + 1, L - S + j + 1
+            ks = [k for k, s in enumerate(segs) if s.start < bhi and s.end >= blo]   # (s_k, e_k] meets [blo, bhi]
+            for k in ks:
+                s = segs[k]
+                self.u[j, k] = pulp.LpVariable(f"u_{j}_{k}", cat="Binary")
+                wlo, whi = max(1, blo - s.start), min(s.n, bhi - s.start)
+                self.w[j, k] = pulp.LpVariable(f"w_{j}_{k}", lowBound=0, upBound=whi, cat="Integer")
+                prob += self.w[j, k] >= wlo * self.u[j, k], f"wlo_{j}_{k}"
+                prob += self.w[j, k] <= whi * self.u[j, k], f"whi_{j}_{k}"
+            prob += pulp.lpSum(self.u[j, k] for k in ks) == 1, f"one_{j}"
+            b_expr.append(pulp.lpSum(s.start * self.u[j, k] + self.w[j, k]
+                                     for k, s in enumerate(segs) if (j, k) in self.u))
+        for j in range(1, S - 1):
+            prob += b_expr[j] - b_expr[j - 1] >= 1, f"order_{j}"
+        self.b_expr = b_expr
+
+        def C(j: int, k: int):
+            if j < 0:
+                return 0
+            if j == S - 1:
+                return segs[k].n
+            e = pulp.lpSum(segs[k].n * self.u[j, k2] for k2 in range(k + 1, K) if (j, k2) in self.u)
+            if (j, k) in self.w:
+                e = e + self.w[j, k]
+            return e
+
+        # policies
+        self.y = {(j, q): pulp.LpVariable(f"y_{j}_{qi}", cat="Binary")
+                  for j in range(S) for qi, q in enumerate(P)} if nP > 1 else {}
+        for j in range(S):
+            if nP > 1:
+                prob += pulp.lpSum(self.y[j, q] for q in P) == 1, f"pol_{j}"
+        z: dict[tuple[int, int, str], object] = {}
+        # bytes stage j may use when the other chunks of its rank hold only their extra
+        room = [pr.capacity - sum(pr.extra[j2] for j2 in range(j % pp, S, pp)) for j in range(S)]
+        for j in range(S):
+            lo_l, hi_l = j, L - S + j + 1           # layers stage j may hold: [j, L-S+j+1)
+            for k, s in enumerate(segs):
+                capjk = min(s.end, hi_l) - max(s.start, lo_l)
+                if capjk <= 0:
+                    continue
+                x = C(j, k) - C(j - 1, k)
+                if nP == 1:
+                    z[j, k, P[0]] = x
+                    continue
+                zs = []
+                for qi, q in enumerate(P):
+                    ub = capjk
+                    if mode == "time" and math.isfinite(pr.capacity):
+                        # integer rounding: at most N layers of this segment fit the stage
+                        per = s.static + pr.inflight[j] * s.act[qi]
+                        if per > 0:
+                            ub = min(ub, max(0, math.floor(room[j] / per * (1 + 1e-9))))
+                    var = pulp.LpVariable(f"z_{j}_{k}_{qi}", lowBound=0, upBound=capjk)
+                    prob += var <= ub * self.y[j, q], f"zy_{j}_{k}_{qi}"
+                    z[j, k, q] = var
+                    zs.append(var)
+                prob += pulp.lpSum(zs) == x, f"zx_{j}_{k}"
+        if nP > 1:   # a stage is non-empty under its chosen policy (valid, tightens the LP)
+            for j in range(S):
+                for qi, q in enumerate(P):
+                    prob += pulp.lpSum(z[j, k, q] for k in range(K) if (j, k, q) in z) >= self.y[j, q], \
+                        f"nonempty_{j}_{qi}"
+        self.z = z
+
+        # stage times and memory
+        Fj, Bj, memj = [], [], []
+        for j in range(S):
+            terms = [(k, q) for k in range(K) for q in P if (j, k, q) in z]
+            qi = {q: i for i, q in enumerate(P)}
+            f = pulp.lpSum(segs[k].fwd[qi[q]] / tscale * z[j, k, q] for k, q in terms)
+            if j < S - 1:
+                f = f + pulp.lpSum(segs[k].p2p / tscale * self.u[j, k] for k in range(K) if (j, k) in self.u)
+            bb = pulp.lpSum(segs[k].bwd[qi[q]] / tscale * z[j, k, q] for k, q in terms)
+            # sum_q z_jkq = x_jk, so the static bytes ride on z as well
+            mem = pulp.lpSum((segs[k].static + pr.inflight[j] * segs[k].act[qi[q]]) / mscale * z[j, k, q]
+                             for k, q in terms) + pr.extra[j] / mscale
+            Fj.append(f)
+            Bj.append(bb)
+            memj.append(mem)
+
+        tie_w = 1e-6 * (m + S)
+        tie = pulp.lpSum((j + 1) * b_expr[j] for j in range(S - 1)) * (tie_w / max(1, L * S * S))
+        if nP > 1:
+            tie = tie + pulp.lpSum(qi * self.y[j, q] for j in range(S) for qi, q in enumerate(P)) * \
+                (tie_w / (S * nP))
+
+        if mode == "time":
+            if math.isfinite(pr.capacity):
+                for r in range(pp):
+                    prob += pulp.lpSum(memj[j] for j in range(r, S, pp)) <= pr.capacity / mscale, f"mem_{r}"
+                if nP > 1:
+                    # Perspective cuts (valid, tighten the LP): the part of stage j under
+                    # policy q fits in what the rank leaves it, scaled by y_jq. Without
+                    # them the relaxation mixes policies to meet memory exactly.
+                    qi = {q: i for i, q in enumerate(P)}
+                    for j in range(S):
+                        others = sum(pr.extra[j2] for j2 in range(j % pp, S, pp) if j2 != j)
+                        room = (pr.capacity - others - pr.extra[j]) / mscale
+                        for q in P:
+                            ks = [k for k in range(K) if (j, k, q) in z]
+                            prob += pulp.lpSum(
+                                (segs[k].static + pr.inflight[j] * segs[k].act[qi[q]]) / mscale * z[j, k, q]
+                                for k in ks) <= room * self.y[j, q], f"memq_{j}_{qi[q]}"
+            Mv = pulp.LpVariable("M", lowBound=0)
+            tj = [Fj[j] + Bj[j] for j in range(S)]
+            self.Mv, self.tj = Mv, tj
+            for r in range(pp):
+                prob += Mv >= pulp.lpSum(tj[j] for j in range(r, S, pp)), f"M_{r}"
+            if pr.schedule == "zb-h1":
+                a = pr.wgrad_frac
+                beta = 1.0 - a - min(a, 1.0 - a)
+                G = [pulp.LpVariable(f"G_{j}", lowBound=0) for j in range(S)]
+                self.G, self.FB, self.beta = G, (Fj, Bj), beta
+                for j in range(S):
+                    prob += G[j] >= Fj[j] + beta * Bj[j], f"Ga_{j}"
+                    prob += G[j] >= (1.0 - a) * Bj[j], f"Gb_{j}"
+                obj = m * Mv + (pp - 1) / pp * pulp.lpSum(G)
+            else:
+                obj = (m - 1.0 / v) * Mv + (1.0 / v) * pulp.lpSum(tj)
+            prob += obj + tie
+        else:   # min worst overrun (relative to capacity)
+            D = pulp.LpVariable("D")
+            for r in range(pp):
+                prob += D >= pulp.lpSum(memj[j] for j in range(r, S, pp)) - pr.capacity / mscale, f"D_{r}"
+            prob += D + tie * 1e-3
+
+    @property
+    def n_vars(self) -> int:
+        return len(self.prob.variables())
+
+    @property
+    @_no_pulp_deprecations
+    def n_constraints(self) -> int:
+        return len(self.prob.constraints)
+
+    def set_start(self, part: Partition) -> None:
+        """Give every variable its value under ``part`` (a warm start)."""
+        import pulp
+
+        pr, segs, P = self.pr, self.segs, self.pr.policies
+        S = pr.n_stages
+        for v in self.prob.variables():
+            v.varValue = 0.0
+        for j, (lo, hi) in enumerate(part.bounds[:-1]):
+            for k, sg in enumerate(segs):
+                if sg.start < hi <= sg.end and (j, k) in self.u:
+                    self.u[j, k].varValue = 1.0
+                    self.w[j, k].varValue = float(hi - sg.start)
+        for j, ((lo, hi), q) in enumerate(zip(part.bounds, part.recompute)):
+            if len(P) > 1:
+                self.y[j, q].varValue = 1.0
+                for k, sg in enumerate(segs):
+                    n = max(0, min(hi, sg.end) - max(lo, sg.start))
+                    if (j, k, q) in self.z and n:
+                        self.z[j, k, q].varValue = float(n)
+        if self.Mv is not None:
+            self.Mv.varValue = max(sum(pulp.value(self.tj[j]) for j in range(r, S, pr.pp)) for r in range(pr.pp))
+        if self.G is not None:
+            Fj, Bj = self.FB
+            a = pr.wgrad_frac
+            for j in range(S):
+                f, b = pulp.value(Fj[j]), pulp.value(Bj[j])
+                self.G[j].varValue = max(f + self.beta * b, (1.0 - a) * b)
+
+    def extract(self) -> Partition:
+        pr, S, L = self.pr, self.pr.n_stages, self.pr.n_layers
+        cuts = [int(round(e.value())) for e in self.b_expr]
+        bounds, a = [], 0
+        for c in cuts + [L]:
+            bounds.append((a, c))
+            a = c
+        P = pr.policies
+        if len(P) == 1:
+            rec = [P[0]] * S
+        else:
+            rec = [max(P, key=lambda q, j=j: (self.y[j, q].value() or 0.0, -P.index(q))) for j in range(S)]
+        return Partition(bounds, rec)
+
+
+@_no_pulp_deprecations
+def _run(model: "_Model", solver_name: str, time_limit: float, gap_rel: float, warm: bool = False):
+    """Solve; returns (status, sol_status, solver label, solver's gap or None)."""
+    solver, label = _pick_solver(solver_name, time_limit, gap_rel, warm)
+    model.prob.solve(solver)
+    gap = None
+    if label == "highs" and getattr(model.prob, "solverModel", None) is not None:
+        try:
+            g = float(model.prob.solverModel.getInfo().mip_gap)
+            gap = g if math.isfinite(g) else None
+        except Exception:  # pragma: no cover - HiGHS_CMD or old highspy
+            gap = None
+    return model.prob.status, model.prob.sol_status, label, gap
+
+
+@_no_pulp_deprecations
+def _lp_bound(model: "_Model", solver_name: str, time_limit: float) -> float | None:
+    import pulp
+
+    saved = {v.name: (v.cat, v.varValue) for v in model.prob.variables()}
+    for v in model.prob.variables():
+        v.cat = pulp.LpContinuous
+    try:
+        solver, _ = _pick_solver(solver_name, time_limit, 1e-9)
+        model.prob.solve(solver)
+        if model.prob.status == pulp.LpStatusOptimal:
+            return float(pulp.value(model.prob.objective))
+        return None
+    finally:
+        for v in model.prob.variables():
+            v.cat, v.varValue = saved[v.name]
+
+
+def _infeasible(pr: PartitionProblem, res: PartitionResult) -> PartitionResult:
+    res.status, res.gap = "infeasible", math.nan
+    if res.shortfall is None:     # rounding at the edge: a zero overrun on the fullest rank
+        r = max(range(pr.pp), key=lambda i: res.rank_memory[i])
+        res.shortfall = {"rank": r, "stage": r, "bytes": 0.0, "gib": 0.0,
+                         "rank_memory": res.rank_memory[r], "capacity": pr.capacity,
+                         "virtual_stages": list(range(r, pr.n_stages, pr.pp))}
+    return res
+
+
+def solve_partition(problem: PartitionProblem, *, solver: str = "cbc", time_limit: float = 10.0,
+                    gap_rel: float = 1e-4, warm_start: bool = True) -> PartitionResult:
+    """The stage ILP. ``solver``: "cbc" (default, bundled with PuLP), "highs", or "auto"
+    (HiGHS when installed, else CBC). Single-threaded and deterministic.
+
+    Steps: the greedy heuristic first (milliseconds); if it finds no fitting split, the
+    smallest achievable worst-rank overrun decides feasibility (exact furthest-first
+    packing for v = 1, the memory ILP for v > 1) and an infeasible problem returns at
+    once with ``status="infeasible"``, the best-effort split and its ``shortfall``.
+    Otherwise the time ILP runs, warm-started from the greedy split.
+
+    ``status`` is "optimal" (within ``gap_rel``) or "feasible (gap X%)" when the time
+    limit stopped the search (gap from the solver, or against the LP bound). If the
+    solver returns nothing in time, the greedy answer comes back, labelled so."""
+    import pulp
+
+    t0 = time.perf_counter()
+    pr = problem
+    segs = _segments(pr)
+    greedy = greedy_partition(pr)
+    n_vars = n_cons = 0
+    if not greedy.feasible:
+        if pr.v == 1:     # greedy's fallback is the exact min-max-memory split
+            res = _infeasible(pr, greedy)
+            res.solve_s = time.perf_counter() - t0
+            res.n_segments = len(segs)
+            return res
+        mm = _Model(pr, segs, "memory")
+        st2, sol2, label, _ = _run(mm, solver, min(time_limit, 1.0), 1e-3)
+        n_vars, n_cons = mm.n_vars, mm.n_constraints
+        best_effort = None
+        if sol2 in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+            best_effort = evaluate_partition(pr, mm.extract(), solver=label)
+            if best_effort.feasible:
+                greedy = best_effort     # fits: a start for the time ILP
+            else:
+                proven = st2 == pulp.LpStatusOptimal and sol2 == pulp.LpSolutionOptimal
+                lb = None if proven else _lp_bound(mm, solver, time_limit)
+                if proven or (lb is not None and lb > 1e-9):
+                    res = _infeasible(pr, best_effort)
+                    res.solve_s = time.perf_counter() - t0
+                    res.n_vars, res.n_constraints, res.n_segments = n_vars, n_cons, len(segs)
+                    return res
+        if best_effort is not None and not greedy.feasible and \
+                max(best_effort.rank_memory) < max(greedy.rank_memory):
+            greedy = best_effort
+    model = _Model(pr, segs, "time")
+    warm = warm_start and greedy.feasible
+    if warm:
+        model.set_start(greedy.partition)
+    status, sol_status, label, gap = _run(model, solver, time_limit, gap_rel, warm)
+    have = sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    if have:
+        res = evaluate_partition(pr, model.extract(), solver=label)
+        if greedy.feasible and greedy.objective_s < res.objective_s * (1 - 1e-9):
+            res = evaluate_partition(pr, greedy.partition, solver=label)   # never worse than the start
+        proven = status == pulp.LpStatusOptimal and sol_status == pulp.LpSolutionOptimal
+        if gap is None:
+            if proven:
+                gap = 0.0
+            else:
+                obj = pulp.value(model.prob.objective)
+                lb = _lp_bound(model, solver, time_limit)
+                gap = max(0.0, (obj - lb) / abs(obj)) if (lb is not None and obj) else math.nan
+        if res.shortfall is not None:   # solver tolerance at the capacity edge
+            res = _infeasible(pr, res)
+        elif (proven and (gap is None or gap <= gap_rel)) or gap <= gap_rel:
+            res.status = "optimal"
+        else:
+            res.status = f"feasible (gap {100 * gap:.1f}%)"
+        res.gap = gap
+    elif status == pulp.LpStatusInfeasible and not greedy.feasible:   # v > 1, memory ILP undecided
+        res = _infeasible(pr, greedy)
+    else:   # time limit without any solution: the heuristic's answer
+        res = greedy
+        res.status, res.gap = ("feasible (gap unknown)", math.nan) if res.feasible else ("infeasible", math.nan)
+        res.solver = f"{label}+greedy"
+    res.solve_s = time.perf_counter() - t0
+    res.n_vars, res.n_constraints, res.n_segments = model.n_vars, model.n_constraints, len(segs)
+    return res
