@@ -57,6 +57,7 @@ result is then reported as ``"model"``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal, Mapping
 
 from cost_models.cluster import Cluster, ClusterError, Link
@@ -142,8 +143,13 @@ def group_layout(cluster: Cluster, mesh: Mesh | Mapping[str, int], dim: str) -> 
     size = m.size(dim)
     if size == 1:
         return GroupLayout(size=1, link="intra", per_node=1, nodes=1)
-    stride = m.stride(dim)
-    dpn = cluster.devices_per_node
+    return _layout(size, m.stride(dim), cluster.devices_per_node)
+
+
+@lru_cache(maxsize=4096)
+def _layout(size: int, stride: int, dpn: int) -> GroupLayout:
+    """Group of ``size`` ranks ``stride`` apart from rank 0 on nodes of ``dpn`` devices (cached:
+    the search asks for the same few layouts thousands of times)."""
     counts: dict[int, int] = {}
     for k in range(size):
         node = (k * stride) // dpn

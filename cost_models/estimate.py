@@ -46,7 +46,7 @@ from cost_models import comm as comm_mod
 from cost_models import pipeline as pipe_mod
 from cost_models.cluster import Cluster
 from cost_models.compute import LayerTime, attn_core_flops, layer_time
-from cost_models.memory import DTYPE_BYTES, StageMemory, layer_params_local, stage_memory
+from cost_models.memory import DTYPE_BYTES, LayerTable, StageMemory, stage_memory
 from planner.graph import Layer, ModelGraph
 from planner.plan import ParallelConfig, Partition, PlanError
 
@@ -118,6 +118,15 @@ class _LayerCosts:
         self.g, self.c, self.cfg, self.profile = graph, cluster, cfg, profile
         self.mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
         self.cache: dict[str, tuple[float, float, float, float, float, str, str]] = {}
+        self.tables: dict[tuple, LayerTable] = {}
+
+    def table(self, cfg: ParallelConfig) -> LayerTable:
+        """Per-layer memory figures for cfg (they depend on tp, cp, sp, mbs, dtype and kernels)."""
+        key = (cfg.tp, cfg.cp, cfg.sp, cfg.mbs, cfg.dtype, cfg.attention, cfg.loss)
+        t = self.tables.get(key)
+        if t is None:
+            t = self.tables[key] = LayerTable(self.g, cfg)
+        return t
 
     def get(self, layer: Layer) -> tuple[float, float, float, float, float, str, str]:
         """(fwd compute, bwd compute, tp comm fwd+bwd, cp exposed fwd+bwd, attention-core fwd s,
@@ -227,21 +236,19 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     is_gpu = cluster.backend != "gloo"
     memory: list[StageMemory] = []
     rank_params = []
+    table = costs.table(cfg)
     for r in range(cfg.pp):
         chunks = [j for j in range(n_stages) if j % cfg.pp == r]
-        layers = [i for j in chunks for i in range(*partition.bounds[j])]
-        rank_params.append(sum(layer_params_local(graph.layers[i], cfg.tp) for i in layers))
-        # in-flight chunk-microbatches spread over the rank's chunks
+        rank_params.append(sum(table.params[i] for j in chunks for i in range(*partition.bounds[j])))
+        # in-flight (chunk, micro-batch) pairs spread over the rank's chunks
         per_chunk = inflight_chunks[r] / len(chunks)
-        mems = [stage_memory(graph, list(range(*partition.bounds[j])), cfg, 0, partition.recompute[j], is_gpu)
-                for j in chunks]
-        acts = sum(stage_memory(graph, list(range(*partition.bounds[j])), cfg, 1, partition.recompute[j],
-                                is_gpu).activations for j in chunks) * per_chunk
-        mem = StageMemory(weights=sum(x.weights for x in mems), grads=sum(x.grads for x in mems),
-                          optimizer=sum(x.optimizer for x in mems), activations=acts,
-                          buffers=max(x.buffers for x in mems), reserve=mems[0].reserve,
-                          inflight=inflight_chunks[r])
-        memory.append(mem)
+        mems = [stage_memory(graph, list(range(*partition.bounds[j])), cfg, per_chunk, partition.recompute[j],
+                             is_gpu, table) for j in chunks]
+        memory.append(StageMemory(weights=sum(x.weights for x in mems), grads=sum(x.grads for x in mems),
+                                  optimizer=sum(x.optimizer for x in mems),
+                                  activations=sum(x.activations for x in mems),
+                                  buffers=max(x.buffers for x in mems), reserve=mems[0].reserve,
+                                  inflight=inflight_chunks[r]))
 
     # ---- data parallel + optimizer ----------------------------------------------------
     dpg = cfg.dp * cfg.cp

@@ -99,13 +99,26 @@ def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recom
     return (tp_part / cfg.tp + rest / (cfg.tp if cfg.sp else 1)) * scale / cfg.cp
 
 
-def stage_memory(graph: ModelGraph, layers: list[int], cfg: ParallelConfig, inflight: int,
-                 recompute: str | None = None, device_is_gpu: bool = True) -> StageMemory:
+class LayerTable:
+    """Per-layer figures memory needs for one (graph, config), computed once: parameters per
+    tp rank and activation bytes per micro-batch under each recompute policy. The search
+    prices thousands of stage splits of one configuration; this keeps that linear."""
+
+    def __init__(self, graph: ModelGraph, cfg: ParallelConfig) -> None:
+        self.params = [layer_params_local(l, cfg.tp) for l in graph.layers]
+        self.act = {p: [layer_activation(l, graph, cfg, p) for l in graph.layers]
+                    for p in ("none", "selective", "full")}
+
+
+def stage_memory(graph: ModelGraph, layers: list[int], cfg: ParallelConfig, inflight: float,
+                 recompute: str | None = None, device_is_gpu: bool = True,
+                 table: LayerTable | None = None) -> StageMemory:
     """Peak memory of one rank holding ``layers`` (indices into graph.layers; for interleaved
     schedules pass all chunks of the rank) with ``inflight`` micro-batches of activations;
-    ``recompute`` defaults to the config's."""
+    ``recompute`` defaults to the config's; ``table`` caches per-layer figures."""
     recompute = recompute or cfg.recompute
-    P = sum(layer_params_local(graph.layers[i], cfg.tp) for i in layers)
+    t = table or LayerTable(graph, cfg)
+    P = sum(t.params[i] for i in layers)
     dp = cfg.dp * cfg.cp  # CP ranks hold the same weights and reduce gradients with DP
     if cfg.dtype == "fp32":
         w, g, o = 4.0, 4.0, 8.0
@@ -121,13 +134,11 @@ def stage_memory(graph: ModelGraph, layers: list[int], cfg: ParallelConfig, infl
         weights, grads, opt = P * w, P * g / dp, P * o / dp
     else:  # fsdp
         weights, grads, opt = P * w / dp, P * g / dp, P * o / dp
-        big = max((layer_params_local(graph.layers[i], cfg.tp) for i in layers), default=0.0)
+        big = max((t.params[i] for i in layers), default=0.0)
         buffers += 2 * big * (w + g) if dp > 1 else 0.0
-    acts = [layer_activation(graph.layers[i], graph, cfg, recompute) for i in layers]
-    act = sum(acts) * inflight
+    act = sum(t.act[recompute][i] for i in layers) * inflight
     if recompute == "full" and layers:
         # recomputing one layer re-materialises its full activations
-        full = max(layer_activation(graph.layers[i], graph, cfg, "none") for i in layers)
-        buffers += full
+        buffers += max(t.act["none"][i] for i in layers)
     return StageMemory(weights=weights, grads=grads, optimizer=opt, activations=act, buffers=buffers,
                        reserve=RESERVE_GPU if device_is_gpu else RESERVE_CPU, inflight=inflight)

@@ -237,6 +237,123 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- codegen / run / demo
+
+def cmd_codegen(args: argparse.Namespace) -> int:
+    from codegen.emit import write_program
+    from planner.plan import Plan
+
+    plan = Plan.load(args.plan)
+    out = args.out or f"train_{plan.model['name'].replace('-', '_')}.py"
+    write_program(plan, out, force=args.force)
+    print(f"wrote {out}: torchrun --nproc-per-node {plan.config.world} {out} --steps 20")
+    return 0
+
+
+def run_plan(plan_path: str, *, steps: int, run_dir: str, ckpt_every: int = 0, max_restarts: int = 0,
+             extra: list[str] | None = None, force: bool = True) -> tuple[int, str]:
+    """Emit and launch a plan's program on this machine with torchrun; returns (rc, log path).
+
+    A relaunch loop (not torchrun's elastic restart, which cannot reconnect gloo workers)
+    restarts a job whose process died, up to ``max_restarts`` times; the program resumes
+    from its newest complete checkpoint."""
+    import os
+    import subprocess
+
+    from codegen.emit import write_program
+    from planner.plan import Plan
+
+    plan = Plan.load(plan_path)
+    os.makedirs(run_dir, exist_ok=True)
+    prog = os.path.join(run_dir, f"train_{plan.model['name'].replace('-', '_')}.py")
+    write_program(plan, prog, force=force)
+    log = os.path.join(run_dir, "train_log.jsonl")
+    worker = [prog, "--steps", str(steps), "--metrics", log, "--ckpt-dir", os.path.join(run_dir, "checkpoints"),
+              "--ckpt-every", str(ckpt_every), *(extra or [])]
+    if plan.cluster.get("nodes", 1) > 1:
+        print("run on every node (set NODE_RANK and MASTER_ADDR):")
+        print(f"  torchrun --nnodes {plan.cluster['nodes']} --nproc-per-node {plan.cluster['devices_per_node']} "
+              f"--node-rank $NODE_RANK --master-addr $MASTER_ADDR --master-port 29500 " + " ".join(worker))
+        return 0, log
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    rc = 1
+    for attempt in range(max_restarts + 1):
+        env["AUTOPAR_ATTEMPT"] = str(attempt)
+        rc = subprocess.run(torchrun_cmd(plan.config.world, worker), env=env).returncode
+        if rc == 0:
+            break
+        if attempt < max_restarts:
+            _progress(f"job exited with {rc}; relaunching (attempt {attempt + 2} of {max_restarts + 1})")
+    return rc, log
+
+
+def compare_run(plan_path: str, log: str, warmup: int = 2) -> dict:
+    """Predicted against measured: median step time after ``warmup`` steps, peak memory."""
+    import statistics
+
+    from planner.plan import Plan
+
+    plan = Plan.load(plan_path)
+    recs = [json.loads(l) for l in open(log) if l.strip()]
+    times = [r["step_s"] for r in recs[warmup:]] or [r["step_s"] for r in recs]
+    meas = statistics.median(times)
+    pred = plan.estimate["step_s"]
+    return {"predicted_step_s": pred, "measured_step_s": meas, "ratio": meas / pred,
+            "measured_min_s": min(times), "measured_max_s": max(times), "steps": len(recs),
+            "first_loss": recs[0]["loss"], "last_loss": recs[-1]["loss"],
+            "predicted_memory_gib": plan.estimate.get("memory_gib"), "measured_peak_rss_gib": recs[-1]["memory_gib"]}
+
+
+def _print_comparison(c: dict) -> None:
+    print(f"step time: predicted {c['predicted_step_s']:.3f} s, measured median {c['measured_step_s']:.3f} s "
+          f"(min {c['measured_min_s']:.3f}, max {c['measured_max_s']:.3f}; measured/predicted {c['ratio']:.2f})")
+    print(f"loss: {c['first_loss']:.4f} -> {c['last_loss']:.4f} over {c['steps']} steps")
+    pm = ", ".join(f"{x:.2f}" for x in c["predicted_memory_gib"] or [])
+    mm = ", ".join(f"{x:.2f}" for x in c["measured_peak_rss_gib"])
+    print(f"memory: predicted per pp rank [{pm}] GiB (tensors + reserve); measured peak RSS per rank [{mm}] GiB "
+          "(includes the Python/torch process, ~0.3-0.5 GiB)")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    rc, log = run_plan(args.plan, steps=args.steps, run_dir=args.dir, ckpt_every=args.ckpt_every,
+                       max_restarts=args.max_restarts)
+    if rc != 0:
+        raise AutoparError(f"the training job failed (torchrun exit {rc}); its output is above; "
+                           "rerun with fewer processes or check the plan with `autopar report`")
+    import os
+
+    if os.path.exists(log):
+        _print_comparison(compare_run(args.plan, log))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import os
+
+    from cost_models.cluster import parse_cluster
+    from planner.frontend import load_graph
+    from planner.plan import write_atomic
+    from planner.planning import plan_model
+
+    os.makedirs(args.dir, exist_ok=True)
+    plan_path = os.path.join(args.dir, "plan.json")
+    cluster = parse_cluster(args.cluster)
+    graph = load_graph(args.model, batch=1, seq_len=args.seq_len)
+    _progress(f"planning {graph.name} ({graph.params / 1e6:.0f} M parameters, seq {graph.seq_len}) "
+              f"for {cluster.name}, global batch {args.global_batch}")
+    plan, res = plan_model(graph, cluster, args.global_batch, spec=args.model, cluster_spec=args.cluster)
+    write_atomic(plan_path, plan.to_json(), force=True)
+    _progress(f"plan: {res.best.config.label()}, predicted {res.best.step_s:.3f} s/step "
+              f"({res.considered} configurations, {res.solve_s:.2f} s); running {args.steps} steps")
+    if os.path.exists(os.path.join(args.dir, "train_log.jsonl")):
+        os.remove(os.path.join(args.dir, "train_log.jsonl"))
+    rc, log = run_plan(plan_path, steps=args.steps, run_dir=args.dir)
+    if rc != 0:
+        raise AutoparError(f"the training job failed (torchrun exit {rc}); its output is above")
+    _print_comparison(compare_run(plan_path, log))
+    return 0
+
+
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
     p.add_argument("--cluster", required=True, help="preset[:nodes] (dgx-h100:128), local-cpu:N or cluster.toml")
@@ -276,6 +393,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="e.g. dp=8,pp=2,cp=1,tp=4,mbs=1,schedule=1f1b,vpp=1,zero=fsdp,recompute=selective,sp=on")
     p.add_argument("--even-split", action="store_true", help="equal layers per stage instead of the ILP split")
     p.set_defaults(fn=cmd_evaluate)
+
+    p = sub.add_parser("codegen", help="emit the training program of a plan")
+    p.add_argument("plan")
+    p.add_argument("-o", "--out", default=None)
+    p.add_argument("--force", action="store_true", help="overwrite an existing program")
+    p.set_defaults(fn=cmd_codegen)
+
+    p = sub.add_parser("run", help="emit and run a plan's program on this machine (torchrun)")
+    p.add_argument("plan")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--dir", default="runs/latest", help="where the program, log and checkpoints go")
+    p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every K steps")
+    p.add_argument("--max-restarts", type=int, default=0, help="relaunch a job whose process died")
+    p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("demo", help="plan a model for this machine, run it, compare predicted and measured")
+    p.add_argument("--model", default="gpt-small")
+    p.add_argument("--cluster", default="local-cpu:4")
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--dir", default="runs/demo")
+    p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("profile", help="measure layers and collectives on a cluster -> profile.json")
     _add_model_args(p)

@@ -88,6 +88,7 @@ def degree_tuples(graph: ModelGraph, cluster: Cluster, global_batch: int, rej: _
     n_blocks = len(graph.layers)
     seq = graph.seq_len
     fixed = fixed or {}
+    tied = next((l.tied_to for l in graph.layers if l.tied_to), None)
     for tp in divisors(world):
         if "tp" in fixed and tp != fixed["tp"]:
             continue
@@ -108,6 +109,10 @@ def degree_tuples(graph: ModelGraph, cluster: Cluster, global_batch: int, rej: _
                     continue
                 if pp > n_blocks:
                     rej.add(f"pp={pp} exceeds the {n_blocks} layers", f"pp={pp}")
+                    continue
+                if pp > 1 and tied:
+                    rej.add(f"pp={pp}: tied embeddings ({tied}) cannot span pipeline stages in the runtime; "
+                            "untie them to pipeline", f"pp={pp}")
                     continue
                 dp = world // (tp * cp * pp)
                 if "dp" in fixed and dp != fixed["dp"]:
@@ -183,8 +188,9 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
             # bubble: no schedule here does better than interleaving with v = 4: (pp-1) t / 4
             floor_s = m * t_rank + (pp - 1) * t_rank / 4
             # memory floor: FSDP states (16 bytes/param over dp*cp) on the average rank
-            states = sum(layer_params_local(l, tp) for l in graph.layers) / pp * 16 / (dp * cp)
-            acts_full = min(layer_activation(l, graph, base, "full") for l in graph.layers)
+            table = costs.table(base)
+            states = sum(table.params) / pp * 16 / (dp * cp)
+            acts_full = min(table.act["full"])
             mem_floor = states + acts_full + reserve
             n_var = sum(1 for _ in _variants(dp, pp, cp, tp, mbs, m, n_layers, dtype, loss))
             res.considered += n_var
