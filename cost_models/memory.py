@@ -2,7 +2,8 @@
 
 peak(stage) = weights + gradients + optimizer states            (model states)
             + activations x micro-batches in flight             (schedule-dependent)
-            + transient buffers (unsharded FSDP layers, DP buckets, recompute working set)
+            + transient buffers (unsharded FSDP layers or replicate's parameter copy,
+              the backward gradient working set, the recompute working set)
             + framework reserve
 
 Model states, per parameter held by this rank (``P`` = stage parameters / tp for
@@ -15,7 +16,11 @@ the TP-sharded part), AdamW:
 
 DP sharding divides: ZeRO-1 the master + Adam states; ZeRO-2 also gradients; FSDP
 (ZeRO-3) everything, plus two layers' unsharded weights (the one computing and the
-one prefetched) and, in backward, their unsharded gradients.
+one prefetched) and, in backward, their unsharded gradients. DDP and ZeRO-1 run on
+FSDP2's ``replicate`` in the runtime, which keeps an unsharded copy of the parameters
+beside them (measured: benchmarks/memory_fidelity.py). In backward, the largest
+layer's fresh weight gradient coexists with the accumulated one, and the gradients of
+its activations with the activations (one layer's worth: the working set).
 
 Activations per micro-batch come from the ModelGraph's saved-for-backward bytes
 (captured at ``graph.batch`` sequences), rescaled to ``mbs`` sequences and to the
@@ -44,7 +49,6 @@ from planner.plan import ParallelConfig
 GiB = 2**30
 RESERVE_GPU = 2.0 * GiB       # CUDA context (~0.5 GiB) + NCCL buffers + fragmentation
 RESERVE_CPU = 0.0             # live tensors only; process overhead is not tensor memory
-DDP_BUCKET = 25 * 2**20       # torch DDP's default gradient bucket, two in flight
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -124,21 +128,27 @@ def stage_memory(graph: ModelGraph, layers: list[int], cfg: ParallelConfig, infl
         w, g, o = 4.0, 4.0, 8.0
     else:
         w, g, o = 2.0, 2.0, 12.0
-    buffers = 0.0
+    big = max((t.params[i] for i in layers), default=0.0)
+    # backward working set: a layer's incoming weight gradient lives beside the accumulated
+    # p.grad before it is added in (the largest layer sets it)
+    buffers = big * g if cfg.zero != "fsdp" else 0.0  # (FSDP's unsharded gradient below is that buffer)
     if cfg.zero == "ddp":
         weights, grads, opt = P * w, P * g, P * o
-        buffers += 2 * DDP_BUCKET if dp > 1 else 0.0
+        buffers += P * w if dp > 1 else 0.0  # runtime DP is FSDP2's replicate: an unsharded parameter copy
     elif cfg.zero == "zero1":
         weights, grads, opt = P * w, P * g, P * o / dp
+        buffers += P * w if dp > 1 else 0.0  # zero1 runs on replicate too
     elif cfg.zero == "zero2":
         weights, grads, opt = P * w, P * g / dp, P * o / dp
     else:  # fsdp
         weights, grads, opt = P * w / dp, P * g / dp, P * o / dp
-        big = max((t.params[i] for i in layers), default=0.0)
         buffers += 2 * big * (w + g) if dp > 1 else 0.0
     act = sum(t.act[recompute][i] for i in layers) * inflight
-    if recompute == "full" and layers:
-        # recomputing one layer re-materialises its full activations
-        buffers += max(t.act["none"][i] for i in layers)
+    if layers:
+        # back-propagating through a layer materialises gradients the size of its activations
+        biggest_act = max(t.act["none"][i] for i in layers)
+        buffers += biggest_act
+        if recompute == "full":  # and recomputing it re-materialises the activations themselves
+            buffers += biggest_act
     return StageMemory(weights=weights, grads=grads, optimizer=opt, activations=act, buffers=buffers,
                        reserve=RESERVE_GPU if device_is_gpu else RESERVE_CPU, inflight=inflight)

@@ -10,7 +10,10 @@ ignores any step directory without ``.metadata`` (a write interrupted mid-way).
 State: model weights per fqn (``get_model_state_dict`` of each stage module, merged) and
 the optimizer states flattened per fqn (``flatten_optimizer_state_dict``; one optimizer
 per stage module, merged), so checkpoints are independent of stage placement keys.
-ZeRO-1's :class:`ShardedOptimizer` is not supported here (use fsdp/zero2 for DCP).
+ZeRO-1's :class:`ShardedOptimizer` keeps each parameter's optimizer state on its owner
+only; it is saved per fqn (``zero1.<fqn>.<state>``) by the owner, so each key has exactly
+one writer, and loaded back by the owner. Hyperparameters (lr, betas) come from the
+program, not the checkpoint.
 """
 from __future__ import annotations
 
@@ -37,27 +40,66 @@ class TrainState(Stateful):
         self.pm = pm
 
     def _pairs(self):
-        opts = self.pm.optimizer.optimizers
-        for sm, opt in zip(self.pm.stage_modules, opts):
-            if type(opt).__name__ == "ShardedOptimizer":
-                raise NotImplementedError("DCP checkpoints of zero1 (ShardedOptimizer) are not supported; "
-                                          "use zero=fsdp or zero2")
-            yield sm, opt
+        return zip(self.pm.stage_modules, self.pm.optimizer.optimizers)
 
     def state_dict(self) -> dict[str, Any]:
         model: dict[str, Any] = {}
         optim: dict[str, Any] = {}
+        zero1: dict[str, Any] = {}
         for sm, opt in self._pairs():
             model.update(get_model_state_dict(sm))
-            optim.update(get_optimizer_state_dict(sm, opt, options=_OPTS))
-        return {"model": model, "optim": optim, "step": self.pm.step_count}
+            if _is_zero1(opt):
+                zero1.update(_zero1_state(sm, opt))
+            else:
+                optim.update(get_optimizer_state_dict(sm, opt, options=_OPTS))
+        return {"model": model, "optim": optim, "zero1": zero1, "step": self.pm.step_count}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         for sm, opt in self._pairs():
             keys = set(get_model_state_dict(sm))
             set_model_state_dict(sm, {k: v for k, v in sd["model"].items() if k in keys})
-            set_optimizer_state_dict(sm, opt, optim_state_dict=sd["optim"], options=_OPTS)
+            if _is_zero1(opt):
+                names = {id(p): n for n, p in sm.named_parameters()}
+                for p, st in opt.inner.state.items() if opt.inner is not None else ():
+                    for k in st:
+                        st[k] = sd["zero1"][f"{names[id(p)]}.{k}"]
+            else:
+                set_optimizer_state_dict(sm, opt, optim_state_dict=sd["optim"], options=_OPTS)
         self.pm.step_count = int(sd["step"])
+
+
+def _is_zero1(opt: Any) -> bool:
+    return type(opt).__name__ == "ShardedOptimizer"
+
+
+def _zero1_state(sm: Any, opt: Any) -> dict[str, Any]:
+    """This rank's shard of a ZeRO-1 optimizer's state, keyed ``<param fqn>.<state name>``."""
+    if opt.inner is None:
+        return {}
+    names = {id(p): n for n, p in sm.named_parameters()}
+    return {f"{names[id(p)]}.{k}": v for p, st in opt.inner.state.items() for k, v in st.items()}
+
+
+def _materialize_zero1_state(pm: Any) -> None:
+    """Create the (lazily built) optimizer state of ZeRO-1 shards so DCP can load into it:
+    one step with zero gradients and learning rate 0 leaves the parameters unchanged."""
+    import torch
+
+    for opt in pm.optimizer.optimizers:
+        if not _is_zero1(opt) or opt.inner is None or opt.inner.state:
+            continue
+        params = [p for g in opt.inner.param_groups for p in g["params"]]
+        saved = [(g, g["lr"]) for g in opt.inner.param_groups]
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for g, _ in saved:
+            g["lr"] = 0.0
+        opt.inner.step()
+        for g, lr in saved:
+            g["lr"] = lr
+        for p, gr in zip(params, grads):
+            p.grad = gr
 
 
 def step_dir(ckpt_dir: str, step: int) -> str:
@@ -111,5 +153,6 @@ def load_latest(pm: Any, ckpt_dir: str) -> Optional[int]:
     path = latest_path(ckpt_dir)
     if path is None:
         return None
+    _materialize_zero1_state(pm)
     dcp.load({"train": TrainState(pm)}, checkpoint_id=path)
     return pm.step_count

@@ -101,8 +101,36 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, layout: dict[str, str], sp: 
             parent = _parent(fqn)
             params = inspect.signature(model.get_submodule(parent).forward).parameters.values()
             arity[parent] = sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    ties = _tied_params(model)
     parallelize_module(model, tp_mesh, tp_plan(layout, sp, arity))
+    _retie(model, ties)
     return model
+
+
+def _tied_params(model: nn.Module) -> list[tuple[str, str]]:
+    """(first owner, other owner) names of parameters shared between modules (e.g. a tied
+    embedding and head): ``parallelize_module`` replaces each with its own DTensor."""
+    first: dict[int, str] = {}
+    out = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out.append((first[id(p)], name))
+        else:
+            first[id(p)] = name
+    return out
+
+
+def _retie(model: nn.Module, ties: list[tuple[str, str]]) -> None:
+    """Share the first owner's (sharded) parameter again; both sides must be sharded alike
+    (a vocabulary-parallel embedding and head are both Shard(0) over the vocabulary)."""
+    for src, dst in ties:
+        p = model.get_parameter(src)
+        mod_name, _, attr = dst.rpartition(".")
+        mod = model.get_submodule(mod_name)
+        q = getattr(mod, attr)
+        if getattr(p, "placements", None) != getattr(q, "placements", None) or p.shape != q.shape:
+            raise ValueError(f"tied parameters {src} and {dst} are sharded differently under TP; untie them")
+        setattr(mod, attr, p)
 
 
 @contextlib.contextmanager

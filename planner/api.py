@@ -1,0 +1,147 @@
+"""``auto_parallelize``: capture, plan (on rank 0, broadcast) and apply, in one call.
+
+Inside a script started by torchrun (or a plain single process)::
+
+    par = planner.auto_parallelize(model, example_batch, cluster="detect")
+    for batch in data:
+        loss = par.step(batch)          # one optimizer step on the global batch
+    par.save("ckpt")                    # distributed checkpoint; par.load("ckpt") resumes
+
+``model`` follows the zoo's structure (units ``embed``, ``layers.<i>``, ``norm``,
+``head`` whose ``forward(x, labels)`` returns the loss; attention through
+``planner.zoo.attention``): the runtime splits, shards and pipelines those units.
+``example_batch`` is the global batch of one step (``input_ids``, ``labels`` and, for
+the vision+language model, ``pixel_values``); its shape fixes the global batch and
+sequence length of the plan.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from planner.errors import AutoparError
+from planner.plan import Plan
+
+
+def detect_cluster(world: int) -> str:
+    """A cluster spec for the processes of this job: ``local-cpu:N`` on CPUs, the preset of
+    the GPU model (``dgx-h100:nodes``, ...) on CUDA."""
+    if not torch.cuda.is_available():
+        return f"local-cpu:{world}"
+    name = torch.cuda.get_device_name().upper()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
+    nodes = max(1, world // max(local, 1))
+    for key, preset in (("H200", "h200-8x"), ("H100", "dgx-h100"), ("A100", "dgx-a100-80g")):
+        if key in name:
+            return f"{preset}:{nodes}"
+    raise AutoparError(f"no cluster preset for GPU {name!r}: pass cluster='my_cluster.toml'")
+
+
+class Parallelized:
+    """The model parallelised per ``plan`` on this rank."""
+
+    def __init__(self, pm: Any, plan: Plan):
+        self._pm, self.plan = pm, plan
+
+    def step(self, batch: dict[str, torch.Tensor]) -> float:
+        """One optimizer step on the global batch (the same on every rank); returns the loss."""
+        return self._pm.step(batch)
+
+    @property
+    def optimizer(self):
+        return self._pm.optimizer
+
+    def save(self, ckpt_dir: str) -> str:
+        from codegen.runtime import checkpoint
+
+        return checkpoint.save(self._pm, ckpt_dir)
+
+    def load(self, ckpt_dir: str) -> int | None:
+        """Load the newest complete checkpoint; returns its step (None when there is none)."""
+        from codegen.runtime import checkpoint
+
+        return checkpoint.load_latest(self._pm, ckpt_dir)
+
+    def close(self) -> None:
+        self._pm.close()
+
+
+def auto_parallelize(model: nn.Module, example_batch: dict[str, torch.Tensor], loss_fn: Callable | None = None,
+                     cluster: str = "detect", optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
+                     *, spec: str | None = None, profile: str | None = None, seed: int | None = None,
+                     plan: str | None = None) -> Parallelized:
+    """Capture ``model`` on ``example_batch``, plan it for ``cluster`` on rank 0, broadcast the
+    plan, apply it; returns an object with ``.step(batch)``, ``.plan``, ``.save``, ``.load``.
+
+    ``optimizer`` is a factory ``params -> torch.optim.Optimizer`` (AdamW by default);
+    ``plan`` uses a plan file instead of planning; ``loss_fn`` is not supported yet: the
+    model's head computes the loss.
+    """
+    import torch.distributed as dist
+
+    from codegen.runtime.mesh import init_distributed
+    from codegen.runtime.train import default_optimizer, parallelize
+
+    if loss_fn is not None:
+        raise AutoparError("auto_parallelize(loss_fn=...) is not supported yet: let the model's head return the "
+                           "loss when given labels")
+    if not isinstance(example_batch, dict) or "input_ids" not in example_batch:
+        raise AutoparError("example_batch must be a dict with input_ids (and labels): the global batch of one step")
+    if "WORLD_SIZE" not in os.environ:  # a plain single process: a one-rank group
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    device = init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gb, seq = (int(x) for x in example_batch["input_ids"].shape[:2])
+    if "pixel_values" in example_batch:
+        cfg = getattr(model, "config", None)
+        seq += getattr(cfg, "num_patches", 0)
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            box[0] = _plan_on_rank0(model, example_batch, cluster, world, gb, spec, profile, plan).to_json()
+        except AutoparError as e:
+            box[0] = {"error": str(e)}
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], dict):
+        raise AutoparError(box[0]["error"])
+    import json
+
+    the_plan = Plan.from_dict(json.loads(box[0]), source="broadcast plan")
+    stages = [s["layers"] for s in the_plan.stages]
+    pm = parallelize(model, the_plan.config, stages, [s["recompute"] for s in the_plan.stages], the_plan.tp_layout,
+                     gb, seq, device, optimizer_factory=optimizer or default_optimizer, seed=seed)
+    return Parallelized(pm, the_plan)
+
+
+def _plan_on_rank0(model, example, cluster, world, gb, spec, profile, plan_path) -> Plan:
+    from cost_models.cluster import parse_cluster
+    from cost_models.profile_db import ProfileDB
+    from planner.capture import capture
+    from planner.planning import plan_model
+
+    if plan_path:
+        return Plan.load(plan_path)
+    c = parse_cluster(detect_cluster(world) if cluster == "detect" else cluster)
+    if c.world != world:
+        raise AutoparError(f"cluster {c.name} has {c.world} devices but this job has {world} processes: "
+                           "launch one process per device or pass a matching cluster")
+    cfg = getattr(model, "config", None)
+    graph = capture(model, example, name=getattr(cfg, "name", type(model).__name__),
+                    hidden=getattr(cfg, "hidden", None), vocab=getattr(cfg, "vocab", None))
+    prof = ProfileDB.load(profile) if profile else None
+    p, _ = plan_model(graph, c, gb, spec=spec or getattr(cfg, "name", "module"), cluster_spec=c.name, profile=prof)
+    return p
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
