@@ -41,17 +41,26 @@ def _log(msg: str) -> None:
         print(f"[profile] {msg}", flush=True)
 
 
-def _timeit(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
+def _timeit(fn: Callable[[], Any], repeats: int, sync: Callable[[], None], budget_s: float = 2.0) -> float:
+    """Median seconds of ``fn`` over up to ``repeats`` timed runs after one warm-up, stopping
+    early once ``budget_s`` is spent (at least 3 runs when they are that cheap)."""
     fn()
     sync()
-    ts = []
-    for _ in range(repeats):
+    ts: list[float] = []
+    spent = 0.0
+    while len(ts) < repeats and (spent < budget_s or len(ts) < min(3, repeats)):
         sync()
         t0 = time.perf_counter()
         fn()
         sync()
         ts.append(time.perf_counter() - t0)
+        spent += ts[-1]
     return statistics.median(ts)
+
+
+def _coll_repeats(nbytes: int, repeats: int) -> int:
+    """Small messages are cheap and noisy on an oversubscribed CPU: time many more of them."""
+    return max(repeats, 25) if nbytes <= (1 << 20) else repeats
 
 
 def _all_gather(out, inp, group):
@@ -97,7 +106,7 @@ def measure_collectives(db, world: int, rank: int, sizes, repeats: int, device) 
                     out = torch.empty_like(x)
                     fn = lambda: dist.all_to_all_single(out, x, group=mine)
                 dist.barrier()
-                t = _timeit(fn, repeats, sync)
+                t = _timeit(fn, _coll_repeats(nbytes, repeats), sync, budget_s=1e9)
                 tt = torch.tensor([t], dtype=torch.float64)
                 dist.all_reduce(tt, op=dist.ReduceOp.MAX)
                 db.add_collective(kind, n, "intra" if _same_node(groups[0]) else "inter", elems * 4, tt.item())
@@ -117,7 +126,7 @@ def measure_collectives(db, world: int, rank: int, sizes, repeats: int, device) 
                 dist.recv(x, peer)
                 dist.send(x, peer)
         dist.barrier()
-        t = _timeit(pingpong, repeats, sync) / 2
+        t = _timeit(pingpong, _coll_repeats(nbytes, repeats), sync, budget_s=1e9) / 2
         tt = torch.tensor([t], dtype=torch.float64)
         dist.all_reduce(tt, op=dist.ReduceOp.MAX)
         db.add_collective("send_recv", 2, "intra" if _same_node([0, 1]) else "inter", x.numel() * 4, tt.item())

@@ -170,24 +170,35 @@ def parity_group(world: int) -> dict:
     return results
 
 
-MLLM_STAGES = [["vision.patch_embed", "vision.blocks.0", "vision.blocks.1", "vision.norm", "projector"],
-               ["embed", "layers.0", "layers.1", "layers.2", "norm", "head"]]
+def mllm_ilp_split(pc) -> tuple[list[list[str]], list[str]]:
+    """The planner's ILP stage split of mllm-tiny for ``pc`` (unequal layers: vision blocks,
+    projector, decoder blocks, head)."""
+    from cost_models.cluster import parse_cluster
+    from planner.frontend import load_graph
+    from planner.planning import evaluate_config
+
+    g = load_graph("mllm-tiny", batch=1, seq_len=SEQ)
+    e, _ = evaluate_config(g, parse_cluster(f"local-cpu:{pc.world}"), pc, GB)
+    names = [l.name for l in g.layers]
+    return [names[a:b] for a, b in e.partition.bounds], list(e.partition.recompute)
 
 
 def mllm_pp2() -> dict:
-    """mllm-tiny under PP2 (1F1B) with the unequal split vision+projector | decoder; AdamW, 5 steps
-    on one batch; the first loss is checked against the single-process model."""
+    """mllm-tiny under PP2 (1F1B) with the planner's (unequal) ILP split; AdamW, 5 steps on one
+    batch; the first loss is checked against the single-process model."""
     cfg = zoo.preset("mllm-tiny")
     pc = ParallelConfig(pp=2, schedule="1f1b", dtype="fp32", mbs=1).validate()
+    stages, recompute = mllm_ilp_split(pc)
     batch = zoo.example_batch(cfg, GB, SEQ, device="cpu")
     ref = zoo.build_model(cfg, device="cpu", seed=SEED)
     ref_loss = float(ref(batch["input_ids"], batch["pixel_values"], labels=batch["labels"]))
     model = zoo.build_model(cfg, device="meta")
-    pm = parallelize(model, pc, MLLM_STAGES, ["none", "full"], tp_layout_for("mllm-tiny"), GB, SEQ, "cpu",
+    pm = parallelize(model, pc, stages, recompute, tp_layout_for("mllm-tiny"), GB, SEQ, "cpu",
                      optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=3e-3), seed=SEED)
     losses = [pm.step(batch) for _ in range(5)]
     pm.close()
-    return {"mllm-tiny/pp2-unequal": {"losses": losses, "ref_first_loss": ref_loss}}
+    return {"mllm-tiny/pp2-unequal": {"losses": losses, "ref_first_loss": ref_loss, "stages": stages,
+                                      "recompute": recompute}}
 
 
 CKPT_CFG = dict(dp=2, pp=2, schedule="interleaved-1f1b", vpp=2, zero="fsdp")

@@ -76,6 +76,7 @@ def test_mllm_pp2_unequal_split_trains(runs) -> None:
     r = runs[2]["mllm-tiny/pp2-unequal"]
     assert "error" not in r, r.get("error")
     losses = r["losses"]
+    assert len(r["stages"]) == 2 and len(r["stages"][0]) != len(r["stages"][1])  # the ILP's unequal split
     assert abs(losses[0] - r["ref_first_loss"]) <= TOL * abs(r["ref_first_loss"])
     assert losses[-1] < losses[0] - 0.3, losses
 
