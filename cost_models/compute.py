@@ -12,8 +12,10 @@ bytes of the capture. The efficiency factors are defined once, here:
   attention of a transformer layer at training shapes (Megatron reports 40-60% MFU on
   A100/H100; cuBLAS large GEMMs reach ~80% of peak).
 - ``EFF_MEMORY`` (0.70): fraction of HBM bandwidth elementwise kernels sustain.
-- For local CPU clusters the peak is the *measured* GEMM throughput of one process
-  (``Cluster.detect``), so the matmul factor is 1.0 there.
+- For local CPU clusters the peak is the *measured* GEMM throughput of one process on
+  a large square matmul (``Cluster.detect``); a layer's skinnier matmuls run below it,
+  and 0.70 is an uncalibrated default (a profile replaces the roofline; calibration
+  against measured runs is the fidelity issue's job).
 
 Sharding, the way the runtime shards (see codegen/runtime/tensor_parallel.py):
 - TP divides the FLOPs and bytes of attention (by heads), MLP (column->row) and the
@@ -35,7 +37,7 @@ from planner.graph import Layer, ModelGraph
 from planner.plan import ParallelConfig
 
 EFF_MATMUL_GPU = 0.60
-EFF_MATMUL_CPU = 1.00
+EFF_MATMUL_CPU = 0.70
 EFF_MEMORY = 0.70
 BWD_ATTN_CORE_FACTOR = 2.5  # flash backward = 2.5x its forward FLOPs
 

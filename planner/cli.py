@@ -244,10 +244,30 @@ def cmd_codegen(args: argparse.Namespace) -> int:
     from planner.plan import Plan
 
     plan = Plan.load(args.plan)
+    check_plan(plan, import_user_code=False)
     out = args.out or f"train_{plan.model['name'].replace('-', '_')}.py"
     write_program(plan, out, force=args.force)
     print(f"wrote {out}: torchrun --nproc-per-node {plan.config.world} {out} --steps 20")
     return 0
+
+
+def check_plan(plan, *, import_user_code: bool = True) -> None:
+    """Refuse a plan made for another model (fingerprint of the model its spec names now)
+    or, for ``local-cpu:N`` plans, for another machine. A ``package.module:function``
+    spec is imported only when ``import_user_code`` (running the program imports it anyway)."""
+    import re
+
+    from planner.frontend import load_graph
+
+    spec = plan.model.get("spec")
+    if isinstance(spec, str) and (import_user_code or not re.fullmatch(r"[\w.]+:\w+", spec.strip())):
+        g = load_graph(spec, batch=1, seq_len=plan.batch["seq_len"])
+        plan.check_fingerprints(model_fp=g.fingerprint())
+    cspec = plan.cluster.get("spec")
+    if isinstance(cspec, str) and cspec.startswith("local-cpu:"):
+        from cost_models.cluster import parse_cluster
+
+        plan.check_fingerprints(cluster_fp=parse_cluster(cspec).fingerprint())
 
 
 def run_plan(plan_path: str, *, steps: int, run_dir: str, ckpt_every: int = 0, max_restarts: int = 0,
@@ -264,6 +284,7 @@ def run_plan(plan_path: str, *, steps: int, run_dir: str, ckpt_every: int = 0, m
     from planner.plan import Plan
 
     plan = Plan.load(plan_path)
+    check_plan(plan)
     os.makedirs(run_dir, exist_ok=True)
     prog = os.path.join(run_dir, f"train_{plan.model['name'].replace('-', '_')}.py")
     write_program(plan, prog, force=force)
@@ -354,6 +375,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from planner.report import build_report, print_text, write_reports
+    from planner.plan import Plan
+
+    outs = [x for x in (args.out, args.md, args.trace) if x]
+    if outs:
+        write_reports(args.plan, html=args.out, md=args.md, trace=args.trace, run_log=args.run_log, force=args.force)
+        for x in outs:
+            _progress(f"wrote {x}")
+    if args.text or not outs:
+        print_text(build_report(Plan.load(args.plan), run_log=args.run_log, layers=False), _console())
+    return 0
+
+
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
     p.add_argument("--cluster", required=True, help="preset[:nodes] (dgx-h100:128), local-cpu:N or cluster.toml")
@@ -416,6 +451,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--dir", default="runs/demo")
     p.set_defaults(fn=cmd_demo)
+
+    p = sub.add_parser("report", help="explain a plan: HTML, Markdown, Perfetto trace or a terminal summary")
+    p.add_argument("plan", help="plan file written by `autopar plan -o`")
+    p.add_argument("-o", "--out", default=None, help="self-contained HTML report to write")
+    p.add_argument("--md", default=None, help="Markdown summary to write (for a pull request or issue)")
+    p.add_argument("--trace", default=None, help="Chrome/Perfetto trace JSON of the simulated step to write")
+    p.add_argument("--run-log", default=None, help="train_log.jsonl of a run: predicted and measured side by side")
+    p.add_argument("--text", action="store_true", help="print a terminal summary (default when no file is asked)")
+    p.add_argument("--force", action="store_true", help="overwrite existing output files")
+    p.set_defaults(fn=cmd_report)
 
     p = sub.add_parser("profile", help="measure layers and collectives on a cluster -> profile.json")
     _add_model_args(p)

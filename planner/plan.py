@@ -258,8 +258,24 @@ class Plan:
                         "column", "row", "vocab_embed", "embed", "vocab_head", "norm"):
                     raise PlanError(f"bad tensor-parallel entry {fqn!r}: {role!r}")
             for k in ("global", "micro", "microbatches", "seq_len"):
-                if not isinstance(plan.batch.get(k), int) or plan.batch[k] < 1:
+                if not _is_int(plan.batch.get(k)) or plan.batch[k] < 1:
                     raise PlanError(f"batch.{k} must be a positive integer")
+            for what, d in (("model", plan.model), ("cluster", plan.cluster)):
+                # names reach file names and the emitted program's docstring: no quotes, slashes, newlines
+                if not isinstance(d.get("name"), str) or not _NAME.fullmatch(d["name"]):
+                    raise PlanError(f"{what}.name {d.get('name')!r} is not a plain name")
+                for k in ("spec", "fingerprint"):
+                    if not isinstance(d.get(k, ""), str):
+                        raise PlanError(f"{what}.{k} must be a string")
+            for k in ("nodes", "devices_per_node"):
+                if k in plan.cluster and (not _is_int(plan.cluster[k]) or plan.cluster[k] < 1):
+                    raise PlanError(f"cluster.{k} must be a positive integer")
+            for k in ("step_s", "tokens_per_s", "mfu"):
+                if not _is_num(plan.estimate.get(k)):
+                    raise PlanError(f"estimate.{k} must be a finite number")
+            mem = plan.estimate.get("memory_gib", [])
+            if not isinstance(mem, list) or not all(_is_num(x) for x in mem):
+                raise PlanError("estimate.memory_gib must be a list of numbers")
             return plan
         except PlanError as e:
             raise PlanError(f"{source}: {e}; plan again with `autopar plan`") from None
@@ -297,6 +313,19 @@ class Plan:
                             f"not this one ({cluster_fp}): plan for this cluster again")
 
 
+_NAME = re.compile(r"[\w][\w .:+()@-]{0,199}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    import math
+
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def write_atomic(path: str, text: str, force: bool = False) -> None:
     """Write ``text`` to ``path`` via a temporary file in the same folder and os.replace;
     an existing file is kept unless ``force``."""
@@ -311,6 +340,9 @@ def write_atomic(path: str, text: str, force: bool = False) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; plans and reports are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         try:
