@@ -20,6 +20,10 @@ fails), so autopar ships its own ring attention:
   op's backward exchange.
 - Non-causal calls (the MLLM vision encoder, whose tokens are not sequence-sharded)
   fall through to the previous local implementation.
+- ``flash=True`` (the plan's ``attention == "flash"``): each step's partial attention is
+  ``codegen.runtime.kernels.ring_block_attention`` (the flash kernel per contiguous chunk
+  pair with q/kv offsets) and partials merge with ``attn_merge``; otherwise the plain-torch
+  :func:`partial_attention` / :func:`merge_partials` path.
 
 Gradients of a cp-sharded model must be summed over cp and the loss divided by the
 global token count; the runtime folds cp into the data-parallel reduction.
@@ -130,6 +134,11 @@ class _Rotate(torch.autograd.Function):
         return _exchange(grad, ctx.prv, ctx.nxt, ctx.group), None, None, None
 
 
+def _flash_head_dims() -> tuple[int, ...]:
+    from codegen.kernels.attention import SUPPORTED_HEAD_DIMS
+    return SUPPORTED_HEAD_DIMS
+
+
 class RingAttention:
     """``fn(q, k, v, *, causal)`` doing ring attention over ``group`` (a cp process group).
 
@@ -137,8 +146,10 @@ class RingAttention:
     ``fallback`` handles non-causal calls (default: the implementation installed before).
     """
 
-    def __init__(self, group, load_balance: str = "zigzag", fallback: Optional[Callable] = None):
+    def __init__(self, group, load_balance: str = "zigzag", fallback: Optional[Callable] = None,
+                 flash: bool = False):
         self.group = group
+        self.flash = flash
         self.cp = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.load_balance = load_balance
@@ -153,7 +164,16 @@ class RingAttention:
         seq = s_local * self.cp
         q_pos = local_positions(seq, self.cp, self.rank, self.load_balance, q.device)
         kv = torch.stack((k, v))
-        out, lse = partial_attention(q, k, v, causal=True, q_pos=q_pos, kv_pos=q_pos)
+        if self.flash and q.shape[-1] in _flash_head_dims():
+            from codegen.kernels.attention import attn_merge
+            from codegen.runtime.kernels import ring_block_attention
+            block = lambda q_, k_, v_, kv_pos: ring_block_attention(q_, k_, v_, q_pos, kv_pos)  # noqa: E731
+            merge = attn_merge
+        else:
+            block = lambda q_, k_, v_, kv_pos: partial_attention(q_, k_, v_, causal=True, q_pos=q_pos,  # noqa: E731
+                                                                 kv_pos=kv_pos)
+            merge = merge_partials
+        out, lse = block(q, k, v, q_pos)
         for step in range(1, self.cp):
             kv = _Rotate.apply(kv, self.nxt, self.prv, self.group)
             src = (self.rank - step) % self.cp
@@ -161,14 +181,14 @@ class RingAttention:
             if bool((kv_pos.min() > q_pos).all()):
                 out = out + 0.0 * kv.sum()  # keep the rotate op in the graph (its backward exchanges)
                 continue
-            o_b, l_b = partial_attention(q, kv[0], kv[1], causal=True, q_pos=q_pos, kv_pos=kv_pos)
-            out, lse = merge_partials(out, lse, o_b, l_b)
+            o_b, l_b = block(q, kv[0], kv[1], kv_pos)
+            out, lse = merge(out, lse, o_b, l_b)
         return out.to(q.dtype)
 
 
-def install_ring_attention(group, load_balance: str = "zigzag") -> RingAttention:
+def install_ring_attention(group, load_balance: str = "zigzag", flash: bool = False) -> RingAttention:
     """Install :class:`RingAttention` as the zoo attention implementation; returns it."""
     prev = _ZOO_ATTN.get_attention_impl()
-    ring = RingAttention(group, load_balance, fallback=prev)
+    ring = RingAttention(group, load_balance, fallback=prev, flash=flash)
     _ZOO_ATTN.set_attention_impl(ring)
     return ring

@@ -9,7 +9,10 @@ runs its units in order. What flows between stages:
 - first stage inputs: ``(input_ids,)``, or ``(input_ids, pixel_values)`` for the MLLM;
 - between stages: ``(x,)`` hidden states, or ``(x, input_ids)`` while the MLLM's text
   embedding has not run yet (the image path runs first);
-- last stage output: logits (the loss is the schedule's ``loss_fn``, see train.py).
+- last stage output: logits (the loss is the schedule's ``loss_fn``, see train.py); with
+  the fused loss (``stage.head_loss`` set, see codegen/runtime/kernels.py) and the
+  keyword ``labels`` given, the summed cross-entropy computed from the head's input
+  without logits.
 
 ``positions`` (global indices under context parallelism) are not data but a function of
 the cp rank and the sequence length, identical for every micro-batch; the runtime sets
@@ -89,6 +92,7 @@ class StageModule(nn.Module):
         self.units = list(units)
         self.recompute = recompute
         self.positions: Optional[torch.Tensor] = None
+        self.head_loss = None  # fn(head, x, labels) -> summed CE (fused loss), set by the runtime
         self.is_mllm = hasattr(model, "vision")
         self.patch_size = model.vision.patch_size if self.is_mllm else None
         self.vocab = model.embed.tok.num_embeddings
@@ -106,7 +110,7 @@ class StageModule(nn.Module):
     def unit_modules(self) -> list[tuple[str, nn.Module]]:
         return [(f, self.get_submodule(f)) for f in self.units]
 
-    def forward(self, *args: torch.Tensor):
+    def forward(self, *args: torch.Tensor, labels: Optional[torch.Tensor] = None):
         from codegen.runtime import recompute as _rc
         if self.is_first:
             input_ids = args[0]
@@ -135,6 +139,8 @@ class StageModule(nn.Module):
                     x = text if x is None else torch.cat((x.to(text.dtype), text), dim=1)
                 elif fqn.startswith("layers."):
                     x = mod(x, pos)
+                elif fqn == "head" and self.head_loss is not None and labels is not None:
+                    x = self.head_loss(mod, x, labels)
                 else:  # vision.blocks.<i>, vision.norm, projector, norm, head (logits)
                     x = mod(x)
         if self.carries_ids_out:

@@ -15,9 +15,15 @@ the number of non-ignored label tokens of the whole global batch, times the size
 data-parallel (dp x cp) mesh (its gradient reduction averages). The pipeline schedules
 run with ``scale_grads=False``. So gradients equal those of the single-process mean loss
 over the global batch, whatever the micro-batch / dp / cp split and the ``-100`` labels.
+
+Kernels (codegen/runtime/kernels.py): ``cfg.attention == "flash"`` installs the flash
+attention kernel (and the ring's flash block path under CP); ``cfg.loss == "fused"`` makes
+the last stage return the summed cross-entropy from the head's input (fused linear +
+cross-entropy, no logits), which ``loss_fn`` then scales exactly as the logits path.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -30,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from planner.plan import ParallelConfig
 from codegen.runtime import context_parallel as cpar
 from codegen.runtime import data_parallel as dpar
+from codegen.runtime import kernels as kern
 from codegen.runtime import pipeline_parallel as ppar
 from codegen.runtime import recompute as rc
 from codegen.runtime import tensor_parallel as tpar
@@ -86,6 +93,7 @@ class ParallelModel:
         self.has_first = 0 in stage_idx
         self.has_last = (n_virtual - 1) in stage_idx
         self._n_tokens = 1
+        self.fused_loss = cfg.loss == "fused"
         self.schedule = None
         if cfg.pp > 1:
             _, self.schedule = ppar.build_schedule(stage_mods, stage_idx, n_virtual, mesh["pp"].get_group(),
@@ -93,7 +101,11 @@ class ParallelModel:
 
     # ---------------------------------------------------------------- loss
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Micro-batch loss: summed CE / global token count * dp-mesh size (see module docstring)."""
+        """Micro-batch loss: summed CE / global token count * dp-mesh size (see module docstring).
+
+        With the fused loss the stage output already is the summed CE (``logits`` is that scalar)."""
+        if self.fused_loss:
+            return logits * (self.dp_mesh.size() / self._n_tokens)
         ce = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                              reduction="sum")
         return ce * (self.dp_mesh.size() / self._n_tokens)
@@ -137,13 +149,17 @@ class ParallelModel:
                 n = self.n_microbatches
                 for mb in range(n):
                     sl = slice(mb * self.cfg.mbs, (mb + 1) * self.cfg.mbs)
-                    logits = sm(*(a[sl] for a in args))
+                    lkw = {"labels": labels[sl]} if self.fused_loss else {}
+                    logits = sm(*(a[sl] for a in args), **lkw)
                     loss = self.loss_fn(logits, labels[sl])
                     loss.backward()
                     total += _scalar(loss)
             else:
                 losses: list[torch.Tensor] = []
                 kw = {"target": labels, "losses": losses} if self.has_last else {}
+                if self.has_last and self.fused_loss:
+                    kw["labels"] = labels  # split per micro-batch like the target
+                    kw["return_outputs"] = False  # stage outputs are scalar losses: nothing to merge
                 if self.has_first:
                     self.schedule.step(*args, **kw)
                 else:
@@ -246,9 +262,16 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     owned = [u for sm in stage_mods for u in sm.units]
     _materialize(model, owned, device, seed)
 
+    # Kernels: flash attention (before the ring, whose non-causal fallback it becomes).
+    if cfg.attention == "flash":
+        kern.install_flash_attention()
+    if cfg.loss == "fused":
+        for sm in stage_mods:
+            if sm.is_last:
+                sm.head_loss = functools.partial(kern.head_loss, sp=cfg.sp)
     # Context parallel: ring attention over the cp group (before selective recompute wraps it).
     if cfg.cp > 1:
-        cpar.install_ring_attention(mesh["cp"].get_group(), load_balance)
+        cpar.install_ring_attention(mesh["cp"].get_group(), load_balance, flash=cfg.attention == "flash")
     # Tensor parallel.
     for sm in stage_mods:
         tpar.apply_tp(sm, mesh["tp"], tp_layout, cfg.sp)

@@ -1,0 +1,127 @@
+"""The plan's kernels in the runtime (codegen/runtime/kernels.py) and in the planner.
+
+Runtime: ``tests/kernel_worker.py`` trains gpt-tiny and llama-tiny for 3 SGD steps (fp32,
+global batch 4, seq 32) with ``loss="fused"`` + ``attention="flash"`` and with the eager
+kernels, for pp=1 in one process and TP2+SP (vocabulary-parallel fused loss), PP2 1F1B
+(fused loss on the last stage) and CP2 zigzag (ring attention on the flash path) in one
+2-process launch (both launches run concurrently). Losses and first-step gradients must
+equal the single-process model (SDPA + logits cross-entropy) and the eager runtime within
+1e-5 relative, and the kernel paths must actually have run.
+
+Planner: for a 128k-vocabulary model, the fused loss (no [tokens x vocab] logits) changes
+the chosen configuration.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "kernel_worker.py")
+TOL = 1e-5
+LAYOUTS = {1: ["pp1"], 2: ["tp2-sp", "pp2-1f1b", "cp2-zigzag"]}
+MODELS = ("llama-tiny", "gpt-tiny")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("kernels")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("TRITON_INTERPRET", None)  # impl="auto" on CPU: the torch fallbacks
+    one = dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()))
+    cmds = {1: ([sys.executable, WORKER, str(d / "w1.json")], one),
+            2: ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                 f"--master-port={_free_port()}", WORKER, str(d / "w2.json")], env)}
+    procs = {w: subprocess.Popen(c, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for w, (c, e) in cmds.items()}
+    res = {}
+    for w, p in procs.items():
+        try:
+            out, err = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        path = d / f"w{w}.json"
+        if p.returncode != 0 or not path.exists():
+            raise AssertionError(f"kernel worker world={w} failed (rc={p.returncode}):\n{out[-3000:]}\n{err[-5000:]}")
+        res.update(json.loads(path.read_text()))
+    return res
+
+
+CASES = [f"{m}/{name}" for m in MODELS for names in LAYOUTS.values() for name in names]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernels_match_reference_and_eager_runtime(runs, case: str) -> None:
+    k, e, ve = runs[f"{case}/kernels"], runs[f"{case}/eager"], runs[f"{case}/vs-eager"]
+    for r in (k, e):
+        assert "error" not in r, r.get("error")
+        assert not r["missing"], r["missing"]
+        assert r["loss_rel_err"] < TOL, (r["losses"], r["ref_losses"])
+        assert r["grad_rel_err"] < TOL, (r["worst"], r["grad_rel_err"])
+    assert ve["loss_rel_err"] < TOL and ve["grad_rel_err"] < TOL, ve
+    # the kernel paths ran (counted over all ranks), the eager runtime used neither
+    assert k["calls"]["head_loss"] >= 12 and k["calls"]["flash_attention"] > 0, k["calls"]
+    assert e["calls"] == {"head_loss": 0, "flash_attention": 0}, e["calls"]
+    expected_impl = "RingAttention" if "cp2" in case else "FlashAttention"
+    assert k["attention_impl"] == expected_impl
+
+
+# --------------------------------------------------------------------------- planner
+
+PLANNER_CASE = dict(model="llama-1b", cluster="dgx-a100-80g", global_batch=64, seq_len=40960, fixed={"cp": 1})
+
+
+@pytest.fixture(scope="module")
+def planner_case():
+    from cost_models.cluster import parse_cluster
+    from planner.frontend import load_graph
+    c = PLANNER_CASE
+    return load_graph(c["model"], batch=1, seq_len=c["seq_len"]), parse_cluster(c["cluster"])
+
+
+def test_fused_loss_changes_the_plan_for_a_128k_vocabulary(planner_case) -> None:
+    """llama-1b (vocab 128256, tied) at 40k tokens per sequence on 8 A100-80G, cp fixed to 1:
+    with eager logits (40960 x 128256 per micro-batch) plain dp8 does not fit, so the planner
+    pays for tp2+sp; with the fused loss dp8 fits and is faster."""
+    from planner.planning import plan_model
+    g, cl = planner_case
+    c = PLANNER_CASE
+    best = {}
+    for loss in ("eager", "fused"):
+        _, res = plan_model(g, cl, c["global_batch"], spec=c["model"], cluster_spec=c["cluster"], loss=loss,
+                            fixed=c["fixed"])
+        best[loss] = res.best
+        assert res.best.config.loss == loss and res.best.fits
+    e, f = best["eager"].config, best["fused"].config
+    assert (e.dp, e.tp, e.sp) == (4, 2, True), e.label()
+    assert (f.dp, f.tp) == (8, 1), f.label()
+    assert best["fused"].step_s < best["eager"].step_s
+
+
+def test_fused_loss_lowers_head_stage_activations_and_makes_dp8_fit(planner_case) -> None:
+    from planner.plan import ParallelConfig
+    from planner.planning import evaluate_config
+    g, cl = planner_case
+    est = {}
+    for loss in ("eager", "fused"):
+        cfg = ParallelConfig(dp=8, zero="zero1", mbs=1, dtype="bf16", loss=loss)
+        est[loss], problems = evaluate_config(g, cl, cfg, PLANNER_CASE["global_batch"])
+        assert not problems, problems
+    e, f = est["eager"].memory[-1], est["fused"].memory[-1]
+    assert f.activations < e.activations
+    # the saving is at least one bf16 copy of the logits of a micro-batch: 40960 x 128256 x 2 bytes
+    assert e.activations - f.activations >= 40960 * 128256 * 2 * 0.99
+    assert not est["eager"].fits and est["fused"].fits
