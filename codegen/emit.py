@@ -77,6 +77,8 @@ def main() -> None:
                                                                                 args.seed)
     start = checkpoint.load_latest(pm, args.ckpt_dir) or 0
     rank = dist.get_rank()
+    if rank == 0:  # drop steps logged after the checkpoint we resume from (they are run again)
+        checkpoint.trim_log(args.metrics, start)
     log = open(args.metrics, "a") if rank == 0 else None
     for step in range(start, args.steps):
         batch = data(step)
@@ -85,15 +87,15 @@ def main() -> None:
         step_s = time.perf_counter() - t0
         mem = [None] * dist.get_world_size()
         dist.all_gather_object(mem, peak_memory_gib(device))
-        if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
-            checkpoint.save(pm, args.ckpt_dir)
-        if log:
+        if log:  # logged before the checkpoint, so a checkpointed step is always in the log
             rec = {{"step": step + 1, "loss": loss, "step_s": step_s,
                    "tokens_per_s": GLOBAL_BATCH * SEQ_LEN / step_s, "memory_gib": mem}}
             log.write(json.dumps(rec) + "\\n")
             log.flush()
             print(f"step {{step + 1:4d}}  loss {{loss:.4f}}  {{step_s * 1e3:8.1f}} ms  "
                   f"{{rec['tokens_per_s']:,.0f}} tok/s  peak {{max(mem):.2f}} GiB", flush=True)
+        if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
+            checkpoint.save(pm, args.ckpt_dir)
     pm.close()
     teardown()
 

@@ -264,6 +264,8 @@ class Cluster:
             raise ClusterError(f"cluster file {p} not found: check the path or use a preset ({', '.join(preset_names())})") from None
         except OSError as e:
             raise ClusterError(f"cannot read cluster file {p}: {e.strerror}") from None
+        except (ValueError, UnicodeDecodeError) as e:  # a NUL in the path, a binary file
+            raise ClusterError(f"cannot read cluster file {str(p)!r}: {e}: give a UTF-8 .toml file") from None
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:

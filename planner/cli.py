@@ -263,6 +263,12 @@ def check_plan(plan, *, import_user_code: bool = True) -> None:
     if isinstance(spec, str) and (import_user_code or not re.fullmatch(r"[\w.]+:\w+", spec.strip())):
         g = load_graph(spec, batch=1, seq_len=plan.batch["seq_len"])
         plan.check_fingerprints(model_fp=g.fingerprint())
+    if import_user_code and plan.cluster.get("backend") == "nccl" and plan.cluster.get("nodes", 1) == 1:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise AutoparError(f"plan is for {plan.cluster.get('name')!r} (nccl, CUDA GPUs) but this machine has no "
+                               "CUDA device: run it on that cluster, or plan for this machine with --cluster local-cpu:N")
     cspec = plan.cluster.get("spec")
     if isinstance(cspec, str) and cspec.startswith("local-cpu:"):
         from cost_models.cluster import parse_cluster
@@ -483,11 +489,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return fn(args)
-    except (AutoparError, ValueError, FileNotFoundError) as e:  # ClusterError, PlanError are ValueErrors
+    except (AutoparError, ValueError) as e:  # ClusterError, PlanError are ValueErrors
         if args.debug:
             raise
         msg = " ".join(str(e).split()) or type(e).__name__
         print(f"error: {msg}", file=sys.stderr)
+        return 2
+    except OSError as e:  # an unwritable output path, a full disk
+        if args.debug:
+            raise
+        what = f"{e.filename}: " if e.filename else ""
+        print(f"error: {what}{e.strerror or e}: check the path and its permissions", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

@@ -586,7 +586,10 @@ def _pick_solver(name: str, time_limit: float, gap_rel: float, warm: bool = Fals
             if s.available():
                 return s, "highs"
         if name == "highs":
-            raise RuntimeError("solver=highs: HiGHS is not available (pip install highspy)")
+            from planner.errors import AutoparError
+
+            raise AutoparError("solver=highs: HiGHS is not available: pip install 'autopar[highs]' (highspy) "
+                               "or use solver='auto' (CBC)")
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap_rel, threads=1,
                              warmStart=warm, options=["randomSeed 1", "randomCbcSeed 1"]), "cbc"
 

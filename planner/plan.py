@@ -99,7 +99,7 @@ class ParallelConfig:
             item = item.strip()
             if not item:
                 continue
-            m = re.fullmatch(r"([a-z_]+)\s*=\s*(\S+)", item)
+            m = re.fullmatch(r"([a-z_][a-z0-9_]*)\s*=\s*(\S+)", item)
             if not m:
                 raise PlanError(f"bad --config item {item!r}: write key=value, e.g. tp=8")
             k, v = m.group(1), m.group(2)
@@ -292,11 +292,11 @@ class Plan:
         except FileNotFoundError:
             raise PlanError(f"plan file {path} not found: check the path or run `autopar plan -o {path}`") from None
         except (OSError, UnicodeDecodeError) as e:
-            raise PlanError(f"plan file {path} unreadable ({e})") from None
+            raise PlanError(f"plan file {path} unreadable ({e}); give a JSON plan written by `autopar plan`") from None
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
-            raise PlanError(f"plan file {path} is not valid JSON (truncated? {e.msg} at line {e.lineno}); "
+            raise PlanError(f"plan file {path} is not valid JSON (truncated? {e.msg.removesuffix(' at')} at line {e.lineno}, column {e.colno}); "
                             "plan again with `autopar plan`") from None
         return Plan.from_dict(d, source=path)
 
@@ -335,8 +335,11 @@ def write_atomic(path: str, text: str, force: bool = False) -> None:
     if os.path.exists(path) and not force:
         raise PlanError(f"{path} exists: pass --force to overwrite it, or choose another output path")
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    except OSError as e:
+        raise PlanError(f"cannot write {path}: {e.strerror}: choose a writable output path") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)

@@ -148,6 +148,33 @@ def latest_path(ckpt_dir: str) -> Optional[str]:
     return None
 
 
+def trim_log(path: str, step: int) -> None:
+    """Keep only the JSON lines of steps ``<= step`` of the metrics log at ``path`` (atomic).
+
+    A resumed run calls it with the checkpoint's step: the steps logged after that
+    checkpoint, before the crash, are run again and logged again, so the log never
+    holds a step twice nor misses one. A line cut short by the crash is dropped too."""
+    import json
+
+    if not os.path.isfile(path):
+        return
+    keep = []
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
+                keep.append(line if line.endswith("\n") else line + "\n")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.writelines(keep)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
 def load_latest(pm: Any, ckpt_dir: str) -> Optional[int]:
     """Load the newest complete checkpoint into ``pm``; returns its step, or None. Collective."""
     path = latest_path(ckpt_dir)

@@ -92,8 +92,8 @@ class ModelConfig:
                 raise AutoparError(f"{where}: {key!r} must be a positive integer, got {val!r}")
         for key in ("rope_theta", "norm_eps"):
             val = getattr(self, key)
-            if isinstance(val, bool) or not isinstance(val, (int, float)) or val <= 0:
-                raise AutoparError(f"{where}: {key!r} must be a positive number, got {val!r}")
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0 < val < float("inf"):
+                raise AutoparError(f"{where}: {key!r} must be a positive finite number, got {val!r}")
         if not isinstance(self.tie_embeddings, bool):
             raise AutoparError(f"{where}: 'tie_embeddings' must be true or false, got {self.tie_embeddings!r}")
         if self.hidden % self.heads:
@@ -176,7 +176,7 @@ PRESETS: dict[str, ModelConfig] = {
                     vocab=256, seq_len=32, rope_theta=500000.0, vision_layers=2, vision_hidden=32,
                     vision_heads=2, vision_ffn_hidden=128, image_size=16, patch_size=4),
         _gpt("gpt-small", 12, 768, 12, vocab=50257, seq_len=1024),
-        _gpt("gpt3-175b", 96, 12288, 96, vocab=50257, seq_len=2048),
+        _gpt("gpt3-175b", 96, 12288, 96, vocab=50257, seq_len=2048, tie=False),  # untied: pipelines
         _llama("llama-1b", 16, 2048, 8192, 32, 8, tie=True),
         _llama("llama3-8b", 32, 4096, 14336, 32, 8),
         _llama("llama3-70b", 80, 8192, 28672, 64, 8),
