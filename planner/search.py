@@ -85,21 +85,32 @@ def degree_tuples(graph: ModelGraph, cluster: Cluster, global_batch: int, rej: _
     """(dp, pp, cp, tp) that satisfy the structural constraints; the others are recorded in ``rej``."""
     world = cluster.world
     heads = max((l.attention.heads for l in graph.layers if l.attention), default=1)
+    kv_heads = min((l.attention.kv_heads for l in graph.layers if l.attention), default=1)
+    heads_all = {l.attention.heads for l in graph.layers if l.attention} or {1}
+    kv_all = {l.attention.kv_heads for l in graph.layers if l.attention} or {1}
     n_blocks = len(graph.layers)
     seq = graph.seq_len
     fixed = fixed or {}
     tied = next((l.tied_to for l in graph.layers if l.tied_to), None)
+    vision = has_vision(graph)
     for tp in divisors(world):
         if "tp" in fixed and tp != fixed["tp"]:
             continue
         if tp > cluster.devices_per_node:
             rej.add(f"tp={tp} exceeds {cluster.devices_per_node} devices per node", f"tp={tp}")
             continue
-        if heads % tp or (graph.hidden and graph.hidden % tp):
+        if any(h % tp for h in heads_all) or (graph.hidden and graph.hidden % tp):
             rej.add(f"tp={tp} does not divide {heads} heads / hidden {graph.hidden}", f"tp={tp}")
+            continue
+        if any(a % tp for a in kv_all):
+            rej.add(f"tp={tp} does not divide the {kv_heads} kv heads (the runtime does not replicate kv heads yet)",
+                    f"tp={tp}")
             continue
         for cp in divisors(world // tp):
             if "cp" in fixed and cp != fixed["cp"]:
+                continue
+            if cp > 1 and vision:
+                rej.add(f"cp={cp}: the runtime does not sequence-shard image tokens (vision layers)", f"cp={cp}")
                 continue
             if cp > 1 and seq % (2 * cp):
                 rej.add(f"cp={cp} does not split sequence {seq} into 2*cp zigzag chunks", f"cp={cp}")
@@ -123,10 +134,15 @@ def degree_tuples(graph: ModelGraph, cluster: Cluster, global_batch: int, rej: _
                 yield dp, pp, cp, tp
 
 
+def has_vision(graph: ModelGraph) -> bool:
+    return any(l.kind in ("vision_block", "vision_embedding") for l in graph.layers)
+
+
 def _variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: int, dtype: str,
-              loss: str, dominated: bool = True) -> Iterator[ParallelConfig]:
+              loss: str, dominated: bool = True, vision: bool = False) -> Iterator[ParallelConfig]:
     """The variants of one degree tuple. With ``dominated=False`` the variants the cost
-    model proves no better are left out (see ``DOMINATED``)."""
+    model proves no better are left out (see ``DOMINATED``). Vision models run without
+    sequence parallel (the runtime does not sequence-shard the vision encoder)."""
     scheds: list[tuple[str, int]] = [("1f1b", 1)]
     if pp > 1:
         scheds = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)]
@@ -140,8 +156,8 @@ def _variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: in
             if not dominated and zero == "ddp" and dp * cp > 1:
                 continue
             for rc in RECOMPUTES:
-                for sp in ((False, True) if tp > 1 else (False,)):
-                    if not dominated and tp > 1 and not sp:
+                for sp in ((False, True) if tp > 1 and not vision else (False,)):
+                    if not dominated and tp > 1 and not sp and not vision:
                         continue
                     yield ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, mbs=mbs, schedule=sched, vpp=v, zero=zero,
                                          recompute=rc, sp=sp, dtype=dtype, loss=loss)
@@ -169,6 +185,7 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
     cap = cluster.memory_bytes
     n_layers = len(graph.layers)
     res = SearchResult(best=None, alternatives=[], rejected={}, rejected_counts={})  # type: ignore[arg-type]
+    vision = has_vision(graph)
     cost_cache: dict[tuple, _LayerCosts] = {}
 
     # ---- tuples with their floors ---------------------------------------------------
@@ -177,8 +194,9 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
         per_replica = global_batch // dp
         for mbs in [d for d in divisors(per_replica) if d <= max_mbs]:
             m = per_replica // mbs
-            base = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, mbs=mbs, dtype=dtype, loss=loss, sp=tp > 1)
-            key = (tp, cp, mbs, tp > 1)
+            sp = tp > 1 and not vision
+            base = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, mbs=mbs, dtype=dtype, loss=loss, sp=sp)
+            key = (tp, cp, mbs, sp)
             costs = cost_cache.get(key)
             if costs is None:
                 costs = cost_cache[key] = _LayerCosts(graph, cluster, base, profile)
@@ -192,7 +210,7 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
             states = sum(table.params) / pp * 16 / (dp * cp)
             acts_full = min(table.act["full"])
             mem_floor = states + acts_full + reserve
-            n_var = sum(1 for _ in _variants(dp, pp, cp, tp, mbs, m, n_layers, dtype, loss))
+            n_var = sum(1 for _ in _variants(dp, pp, cp, tp, mbs, m, n_layers, dtype, loss, vision=vision))
             res.considered += n_var
             label = f"dp={dp} pp={pp} cp={cp} tp={tp} mbs={mbs}"
             if mem_floor > cap:
@@ -214,12 +232,12 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
             res.pruned += n_var
             continue
         n_kept = 0
-        costs = cost_cache[(tp, cp, mbs, tp > 1)]
+        costs = cost_cache[(tp, cp, mbs, tp > 1 and not vision)]
         t_f = sum(costs.get(l)[0] for l in graph.layers) / pp
         t_b = sum(costs.get(l)[1] for l in graph.layers) / pp
         t_core = sum(costs.get(l)[4] for l in graph.layers) / pp
         t_comm = sum(costs.get(l)[2] + costs.get(l)[3] for l in graph.layers) / pp
-        for cfg in _variants(dp, pp, cp, tp, mbs, m, n_layers, dtype, loss, dominated=False):
+        for cfg in _variants(dp, pp, cp, tp, mbs, m, n_layers, dtype, loss, dominated=False, vision=vision):
             n_kept += 1
             # variant floor: this schedule on perfectly balanced stages, with its recompute
             extra = {"none": 0.0, "selective": t_core, "full": t_f}[cfg.recompute]
@@ -232,7 +250,7 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
                 continue
             part = Partition.even(n_layers, pp * cfg.vpp, cfg.recompute)
             e = estimate(graph, cluster, cfg, part, global_batch, profile=profile, fast=True,
-                         costs=costs if cfg.sp == (tp > 1) else None)
+                         costs=costs if cfg.sp == (tp > 1 and not vision) else None)
             res.estimated += 1
             if not e.fits:
                 r, over = e.shortfall()
