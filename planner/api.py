@@ -94,6 +94,8 @@ def auto_parallelize(model: nn.Module, example_batch: dict[str, torch.Tensor], l
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        from planner.cli import _free_port
+
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -138,10 +140,3 @@ def _plan_on_rank0(model, example, cluster, world, gb, spec, profile, plan_path)
     p, _ = plan_model(graph, c, gb, spec=spec or getattr(cfg, "name", "module"), cluster_spec=c.name, profile=prof)
     return p
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
