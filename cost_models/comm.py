@@ -51,6 +51,14 @@ hierarchical formula is composed from the profile's intra and inter samples when
 every phase is measured; a phase without samples falls back to the model and the
 result is then reported as ``"model"``.
 
+Calibration: a profile's ``calibration`` (``autopar calibrate``) may hold
+``comm_scale`` (every collective and p2p time is multiplied by it) and
+``comm_scale.<kind>`` (that kind only, instead), and ``comm_latency_s`` (added to
+every collective / p2p call: the synchronisation cost of a blocking call between
+processes that share cores), fitted to measured training runs: a
+collective inside a training step contends with compute for the cores, which the
+profiler's collective-only measurements do not see.
+
 ``local-cpu`` clusters take their alpha-beta figures from ``Cluster.detect``
 (gloo defaults); a profile overrides them, as for any cluster.
 """
@@ -209,6 +217,18 @@ def collective_time(kind: str, nbytes: float, cluster: Cluster, mesh: Mesh | Map
 
 def _group_time(kind: str, nbytes: float, lay: GroupLayout, cluster: Cluster,
                 profile: ProfileDB | None) -> CommEstimate:
+    est = _group_time_raw(kind, nbytes, lay, cluster, profile)
+    cal = getattr(profile, "calibration", None)
+    if cal and est.seconds:
+        k = cal.get(f"comm_scale.{kind}", cal.get("comm_scale", 1.0))
+        alpha = cal.get("comm_latency_s", 0.0)
+        if k != 1.0 or alpha:
+            return CommEstimate(est.seconds * k + alpha, est.source)
+    return est
+
+
+def _group_time_raw(kind: str, nbytes: float, lay: GroupLayout, cluster: Cluster,
+                    profile: ProfileDB | None) -> CommEstimate:
     n = lay.size
     if n <= 1 or nbytes <= 0:
         return CommEstimate(0.0, "model")

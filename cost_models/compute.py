@@ -27,6 +27,12 @@ Sharding, the way the runtime shards (see codegen/runtime/tensor_parallel.py):
 - Causal attention does half the S x S work of what the FLOP counter records; the
   time uses the halved figure (model FLOPs for MFU use the full one, as is customary).
 - Micro-batch size scales FLOPs and bytes linearly from the captured batch.
+
+Calibration (``profile.calibration``, fitted to measured runs by ``autopar calibrate``,
+see cost_models/calibrate.py): ``eff_matmul`` and ``eff_memory`` replace the roofline's
+efficiency factors; ``compute_scale`` multiplies every layer time, measured or
+roofline (a profiled layer timed alone runs faster than inside a training step that
+shares the cores with collectives, the optimizer and the other ranks' Python).
 """
 from __future__ import annotations
 
@@ -64,11 +70,18 @@ def _shard_factor(layer: Layer, cfg: ParallelConfig) -> float:
     return (f / cfg.tp + (1.0 - f) / rest_div) / cfg.cp
 
 
-def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig) -> LayerTime:
+def calibration(profile) -> dict[str, float]:
+    """The fitted coefficients of a ProfileDB (``{}`` without a profile or a calibration)."""
+    return getattr(profile, "calibration", None) or {}
+
+
+def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
+                  cal: dict[str, float] | None = None) -> LayerTime:
+    cal = cal or {}
     is_cpu = cluster.backend == "gloo"
     peak = cluster.peak_flops("fp32" if is_cpu or cfg.dtype == "fp32" else cfg.dtype)
-    eff = EFF_MATMUL_CPU if is_cpu else EFF_MATMUL_GPU
-    bw = cluster.device.mem_bw_gbs * 1e9 * EFF_MEMORY
+    eff = cal.get("eff_matmul", EFF_MATMUL_CPU if is_cpu else EFF_MATMUL_GPU)
+    bw = cluster.device.mem_bw_gbs * 1e9 * cal.get("eff_memory", EFF_MEMORY)
     scale = cfg.mbs / graph.batch
     dscale = (2 if cfg.dtype != "fp32" else 4) / graph.dtype_bytes
     core = attn_core_flops(layer, graph.batch)
@@ -96,9 +109,13 @@ def layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelC
                profile=None) -> LayerTime:
     """Forward and backward seconds of ``layer`` for one micro-batch of ``cfg.mbs`` sequences
     on one rank: from ``profile`` (a ProfileDB) when it measured this layer class at this
-    tp/cp, interpolated across shapes; from the roofline otherwise."""
+    tp/cp, interpolated across shapes; from the roofline otherwise. A calibrated profile's
+    ``compute_scale`` multiplies either."""
+    cal = calibration(profile)
+    k = cal.get("compute_scale", 1.0)
     if profile is not None:
         got = profile.layer_time(layer.signature, cfg.mbs, graph.seq_len, cfg.tp, cfg.cp)
         if got is not None:
-            return LayerTime(got[0], got[1], "profile")
-    return roofline_time(layer, graph, cluster, cfg)
+            return LayerTime(got[0] * k, got[1] * k, "profile")
+    t = roofline_time(layer, graph, cluster, cfg, cal)
+    return LayerTime(t.fwd_s * k, t.bwd_s * k, t.source) if k != 1.0 else t

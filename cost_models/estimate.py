@@ -33,6 +33,14 @@ Step time (seconds)::
 Memory per pp rank: cost_models/memory.py with the in-flight micro-batches the
 simulator reports for that rank.
 
+Calibration (``profile.calibration``, fitted by ``autopar calibrate``): ``overlap``
+replaces ``OVERLAP[backend]``; ``opt_scale`` multiplies the optimizer time (a CPU
+AdamW does not run at memory bandwidth); ``step_overhead_s`` is added to every step (Python,
+the loss all-reduce and logging of the training loop: breakdown ``overhead``);
+``mem_reserve_gib`` + ``mem_reserve_frac`` x tensor bytes replaces the framework
+reserve on CPU clusters (measured peak RSS includes the interpreter and torch, and the
+allocator's retained and fragmented memory grows with the tensors). compute.py and comm.py read their own keys.
+
 MFU = model FLOPs of the step (full-square attention, forward + backward) /
 (step x world x peak). Every figure carries its source: ``profile`` where measured
 layer times or collective times were used, ``roofline`` / ``model`` otherwise.
@@ -45,7 +53,7 @@ from typing import Any
 from cost_models import comm as comm_mod
 from cost_models import pipeline as pipe_mod
 from cost_models.cluster import Cluster
-from cost_models.compute import LayerTime, attn_core_flops, layer_time
+from cost_models.compute import LayerTime, attn_core_flops, calibration, layer_time
 from cost_models.memory import DTYPE_BYTES, LayerTable, StageMemory, stage_memory
 from planner.graph import Layer, ModelGraph
 from planner.plan import ParallelConfig, Partition, PlanError
@@ -234,6 +242,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
 
     # ---- per-rank memory and parameters -----------------------------------------------
     is_gpu = cluster.backend != "gloo"
+    cal = calibration(profile)
     memory: list[StageMemory] = []
     rank_params = []
     table = costs.table(cfg)
@@ -244,10 +253,14 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
         per_chunk = inflight_chunks[r] / len(chunks)
         mems = [stage_memory(graph, list(range(*partition.bounds[j])), cfg, per_chunk, partition.recompute[j],
                              is_gpu, table) for j in chunks]
+        reserve = mems[0].reserve
+        if not is_gpu and ("mem_reserve_gib" in cal or "mem_reserve_frac" in cal):
+            tensors = sum(x.tensors for x in mems)
+            reserve = cal.get("mem_reserve_gib", 0.0) * GiB + cal.get("mem_reserve_frac", 0.0) * tensors
         memory.append(StageMemory(weights=sum(x.weights for x in mems), grads=sum(x.grads for x in mems),
                                   optimizer=sum(x.optimizer for x in mems),
                                   activations=sum(x.activations for x in mems),
-                                  buffers=max(x.buffers for x in mems), reserve=mems[0].reserve,
+                                  buffers=max(x.buffers for x in mems), reserve=reserve,
                                   inflight=inflight_chunks[r]))
 
     # ---- data parallel + optimizer ----------------------------------------------------
@@ -268,16 +281,17 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
             dp_comm = ct("reduce_scatter", gbytes) + ct("all_gather", wbytes)
         else:
             dp_comm = m * (2 * ct("all_gather", wbytes) + ct("reduce_scatter", gbytes))
-    ov = OVERLAP.get(cluster.backend, 0.5)
+    ov = cal.get("overlap", OVERLAP.get(cluster.backend, 0.5))
     busiest = max(range(cfg.pp), key=lambda r: sum(fwd[j] + bwd[j] for j in range(n_stages) if j % cfg.pp == r))
     rank_f = sum(fwd[j] for j in range(n_stages) if j % cfg.pp == busiest)
     rank_b = sum(bwd[j] for j in range(n_stages) if j % cfg.pp == busiest)
     window = (m * (rank_f + rank_b) if cfg.zero == "fsdp" else rank_b) * ov
     dp_exposed = max(dp_comm - window, dp_comm / 8) if dp_comm else 0.0
     shard = dpg if cfg.zero != "ddp" else 1
-    opt_s = 28.0 * P / shard / (cluster.device.mem_bw_gbs * 1e9)
+    opt_s = 28.0 * P / shard / (cluster.device.mem_bw_gbs * 1e9) * cal.get("opt_scale", 1.0)
 
-    step = pipe_s + dp_exposed + opt_s
+    overhead = cal.get("step_overhead_s", 0.0)
+    step = pipe_s + dp_exposed + opt_s + overhead
     busy = m * (rank_f + rank_b)
     parts = per_stage_parts
     rank_parts = {k: m * sum(parts[j][k] for j in range(n_stages) if j % cfg.pp == busiest) for k in parts[0]}
@@ -291,6 +305,8 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
         "dp_comm": dp_exposed,
         "optimizer": opt_s,
     }
+    if overhead:
+        breakdown["overhead"] = overhead
     if cfg.pp > 1 and p2p:
         # p2p inside the pipeline time: split the idle time between bubble and transfers
         n_hops = 2 * (m + cfg.pp - 1)

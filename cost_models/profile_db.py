@@ -9,7 +9,12 @@ JSON layout (``version`` 1)::
      "backend": "nccl", "world": 16,
      "collectives": {"all_reduce/8/intra": [{"nbytes": 1024, "seconds": 1.2e-5}, ...]},
      "layers": {"<layer signature>": [{"shape": {"batch": 1, "seq_len": 2048, "tp": 2, "cp": 1},
-                                        "fwd_s": 0.004, "bwd_s": 0.008}, ...]}}
+                                        "fwd_s": 0.004, "bwd_s": 0.008}, ...]},
+     "calibration": {"compute_scale": 1.1, "overlap": 0.2, "comm_scale": 1.3, ...}}
+
+``calibration`` (optional; absent = ``{}``) holds the cost-model coefficients fitted to
+measured training runs by ``autopar calibrate`` (cost_models/calibrate.py lists the
+keys and where each is read).
 
 Collective keys are ``<kind>/<group_size>/<link>`` with kind in ``COLLECTIVE_KINDS``
 and link in ``intra`` | ``inter`` | ``mixed`` (see ``comm.group_layout``).
@@ -97,6 +102,7 @@ class ProfileDB:
     collectives: dict[str, list[CollectiveSample]] = field(default_factory=dict)
     layers: dict[str, list[LayerSample]] = field(default_factory=dict)
     version: int = PROFILE_VERSION
+    calibration: dict[str, float] = field(default_factory=dict)  # fitted by `autopar calibrate`
 
     # ---- building ----------------------------------------------------------------
     def add_collective(self, kind: str, group_size: int, link: str, nbytes: int, seconds: float) -> None:
@@ -121,7 +127,7 @@ class ProfileDB:
     # ---- (de)serialisation ---------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """The JSON layout of the module docstring."""
-        return {
+        d = {
             "version": self.version,
             "cluster_fingerprint": self.cluster_fingerprint,
             "backend": self.backend,
@@ -131,6 +137,9 @@ class ProfileDB:
             "layers": {k: [{"shape": s.shape, "fwd_s": s.fwd_s, "bwd_s": s.bwd_s} for s in v]
                        for k, v in sorted(self.layers.items())},
         }
+        if self.calibration:
+            d["calibration"] = {str(k): float(v) for k, v in sorted(self.calibration.items())}
+        return d
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "profile") -> "ProfileDB":
@@ -151,8 +160,12 @@ class ProfileDB:
                                      float(s["fwd_s"]), float(s["bwd_s"])) for s in v]
                 for k, v in data.get("layers", {}).items()
             }
+            calibration = {str(k): float(v) for k, v in (data.get("calibration") or {}).items()}
+            if not all(math.isfinite(v) for v in calibration.values()):
+                raise ValueError("calibration holds a non-finite coefficient")
             return cls(cluster_fingerprint=str(data["cluster_fingerprint"]), backend=str(data["backend"]),
-                       world=int(data["world"]), collectives=collectives, layers=layers, version=version)
+                       world=int(data["world"]), collectives=collectives, layers=layers, version=version,
+                       calibration=calibration)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"{source}: malformed profile ({type(e).__name__}: {e}): run `autopar profile` again") from None
 

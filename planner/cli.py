@@ -395,6 +395,68 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Fit the cost model to measured runs and store the coefficients in the profile.
+
+    Each ``--run-log`` is ``PLAN.json:train_log.jsonl`` or a run directory holding
+    ``plan.json`` and ``train_log.jsonl`` (``autopar run --dir`` writes the log there;
+    copy the plan beside it). Logs of the same plan are pooled (median of their medians)."""
+    import math
+    import os
+
+    from cost_models import calibrate as cal
+    from cost_models.cluster import parse_cluster
+    from cost_models.profile_db import ProfileDB
+    from planner.frontend import load_graph
+
+    profile = ProfileDB.load(args.profile)
+    by_plan: dict[str, list[str]] = {}
+    for arg in args.run_log:
+        plan_path, log = cal.parse_run_arg(arg)
+        by_plan.setdefault(os.path.abspath(plan_path), []).append(log)
+    samples = []
+    for plan_path, logs in by_plan.items():
+        s = cal.sample_from_run(plan_path, logs[0], extra_logs=logs[1:], load_graph=load_graph,
+                                load_cluster=parse_cluster, warmup=args.warmup, name=os.path.relpath(plan_path))
+        if not profile.matches(s.cluster.fingerprint()):
+            raise AutoparError(f"{plan_path} ran on another cluster than {args.profile} was measured on: "
+                               "calibrate with runs of the profiled cluster")
+        samples.append(s)
+    profile.calibration = {}
+    keys = [k for k in args.keys.split(",") if k] if args.keys else list(cal.TIME_KEYS)
+    fitted = cal.fit(samples, profile, keys=keys)
+    if not all(math.isfinite(v) for v in fitted.values()):
+        raise AutoparError(f"the fit did not converge ({fitted}); check the run logs")
+    rows = cal.leave_one_out(samples, profile, keys=keys) if len(samples) > 1 and not args.no_loo else []
+    out = args.out or args.profile
+    profile.calibration = fitted
+    profile.to_json(out)
+    report = {"runs": len(samples), "calibration": fitted, "profile": out, "leave_one_out": [
+        {k: r[k] for k in ("name", "measured_step_s", "predicted_step_s", "heldout_step_s",
+                           "measured_mem_gib", "predicted_mem_gib", "heldout_mem_gib")} for r in rows]}
+    if rows:
+        report["before"] = cal.summarize(rows, "predicted_step_s", "predicted_mem_gib")
+        report["after_heldout"] = cal.summarize(rows, "heldout_step_s", "heldout_mem_gib")
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    for r in rows:
+        m = r["measured_step_s"]
+        print(f"{r['name']}: measured {m:.4g} s, uncalibrated {r['predicted_step_s']:.4g} s "
+              f"({(r['predicted_step_s'] / m - 1) * 100:+.1f}%), held-out fit {r['heldout_step_s']:.4g} s "
+              f"({(r['heldout_step_s'] / m - 1) * 100:+.1f}%)")
+    for k in ("before", "after_heldout"):
+        if k in report:
+            v = report[k]
+            print(f"{'uncalibrated' if k == 'before' else 'calibrated, leave-one-out'}: Spearman "
+                  f"{v['spearman']:.3f}, MAPE {v['mape_pct']:.1f}%, memory error {v['memory_mean_abs_err_pct']:.1f}%")
+    if not rows:
+        print("(one run: no held-out error; pass runs of several plans to measure it)")
+    print("calibration: " + ", ".join(f"{k}={v:.4g}" for k, v in fitted.items()))
+    print(f"wrote {out}: `autopar plan --profile {out}` uses it")
+    return 0
+
+
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
     p.add_argument("--cluster", required=True, help="preset[:nodes] (dgx-h100:128), local-cpu:N or cluster.toml")
@@ -476,6 +538,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--out", required=True)
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
     p.set_defaults(fn=cmd_profile)
+
+    p = sub.add_parser("calibrate", help="fit the cost model to measured runs and store it in the profile")
+    p.add_argument("--run-log", nargs="+", required=True, metavar="RUN",
+                   help="PLAN.json:train_log.jsonl, or a run directory holding plan.json and train_log.jsonl")
+    p.add_argument("--profile", required=True, help="profile.json of the cluster the runs ran on")
+    p.add_argument("-o", "--out", default=None, help="write the calibrated profile here (default: in place)")
+    p.add_argument("--keys", default="", help="coefficients to fit, comma-separated (default: all time coefficients)")
+    p.add_argument("--warmup", type=int, default=2, help="steps dropped from the front of each log")
+    p.add_argument("--no-loo", action="store_true", help="skip the leave-one-out (held-out) error")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(fn=cmd_calibrate)
     return ap
 
 

@@ -194,6 +194,10 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
         per_replica = global_batch // dp
         for mbs in [d for d in divisors(per_replica) if d <= max_mbs]:
             m = per_replica // mbs
+            if pp > 1 and m < pp:  # the pipeline schedules need a micro-batch per stage at least
+                rej.add(f"{m} micro-batches for pp={pp}: the schedules need at least one per stage",
+                        f"dp={dp} pp={pp} cp={cp} tp={tp} mbs={mbs}")
+                continue
             sp = tp > 1 and not vision
             base = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, mbs=mbs, dtype=dtype, loss=loss, sp=sp)
             key = (tp, cp, mbs, sp)

@@ -1,0 +1,477 @@
+"""Planner fidelity on a local CPU cluster: predicted vs measured step time and memory of real plans.
+
+1. Profile the cluster (``cost_models.profiler`` under torchrun) for every model; the
+   per-model profiles are merged into one ProfileDB (``--profile none``: roofline only;
+   ``--profile PATH``: reuse a profile).
+2. For every model, take the planner's pick and its best distinct runner-ups (the
+   search's ranked candidates), plus forced layouts priced with ``evaluate_config``
+   (DP / TP+SP / CP / PP mixes, schedules, ZeRO stages) that fit and the runtime supports.
+3. Emit and run every plan's program (``planner.cli.run_plan``) for ``--steps`` steps;
+   the measured step time is the median after ``--warmup`` steps, the measured memory
+   every rank's peak RSS. The planner's pick of the first model runs ``--repeats``
+   times (noise: min / median / max of the runs' medians; it enters the comparison
+   with the median of them).
+4. Uncalibrated predictions vs measurements: Spearman rank correlation, MAPE, the
+   planner's regret (measured time of its pick / best measured time, per model: plans
+   of different models are not alternatives to each other), memory error.
+5. Calibration (cost_models/calibrate.py), leave-one-out: every plan is predicted by a
+   fit on the OTHER plans; the same figures on those held-out predictions. The fit on
+   all plans is written into a calibrated copy of the profile and every model is
+   planned again with it.
+
+    python -m benchmarks.fidelity [--cluster local-cpu:4] [--seq-len 64] [--global-batch 8]
+        [--steps 8] [--repeats 3] [--models gpt-small,benchmarks/fidelity_llama.toml]
+        [--out benchmarks/results/fidelity.json]
+
+Targets (issue): Spearman >= 0.9, MAPE <= 15 %, regret <= 1.05, peak memory within 15 %.
+Memory: the programs log peak RSS, which includes the interpreter and torch; the
+uncalibrated model predicts tensor bytes only (RESERVE_CPU = 0), calibration fits the
+per-process reserve (``mem_reserve_gib``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from itertools import zip_longest
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from cost_models import calibrate as cal_mod  # noqa: E402
+from cost_models.cluster import parse_cluster  # noqa: E402
+from cost_models.profile_db import ProfileDB  # noqa: E402
+
+LLAMA_SPEC = "benchmarks/fidelity_llama.toml"
+
+# Forced layouts per model kind (those that do not fit, that the planner's structural
+# checks reject or that repeat a search candidate are skipped). world = 4.
+FORCED = {
+    "gpt": [
+        "dp=4,zero=zero1,mbs=2",
+        "dp=4,zero=fsdp,mbs=2",
+        "dp=2,tp=2,sp=on,zero=zero1,mbs=4",
+        "tp=4,sp=on,mbs=8",
+        "dp=2,cp=2,zero=zero1,mbs=4",
+    ],
+    "llama": [
+        "pp=2,dp=2,schedule=1f1b,mbs=1,zero=zero1",
+        "pp=2,dp=2,schedule=gpipe,mbs=1,zero=zero1",
+        "pp=4,schedule=1f1b,mbs=1",
+        "pp=2,tp=2,sp=on,schedule=1f1b,mbs=2",
+        "pp=2,dp=2,schedule=interleaved-1f1b,vpp=2,mbs=1,zero=zero1",
+        "dp=4,zero=zero1,mbs=2",
+        "dp=2,tp=2,sp=on,zero=zero1,mbs=4",
+    ],
+    "tiny": [
+        "pp=2,schedule=1f1b",
+        "tp=2,sp=on",
+        "dp=2,zero=zero1",
+    ],
+}
+
+
+@dataclass
+class Candidate:
+    model: str                 # the model spec
+    graph: Any
+    estimate: Any              # uncalibrated Estimate
+    origin: str                # "pick" | "search #k" | "forced"
+    plan_path: str = ""
+    runs: list[dict] = field(default_factory=list)   # {"dir", "rc", "median_s", "times", "mem_gib", "wall_s"}
+
+    @property
+    def key(self) -> str:
+        return f"{self.graph.name}|{self.estimate.config.to_str()}"
+
+
+def _log(msg: str) -> None:
+    print(f"[fidelity] {msg}", file=sys.stderr, flush=True)
+
+
+def _layout_key(cfg) -> tuple:
+    """Layouts that differ only by recompute (the same run on CPU at these sizes) count as one."""
+    return (cfg.dp, cfg.pp, cfg.cp, cfg.tp, cfg.mbs, cfg.zero, cfg.schedule if cfg.pp > 1 else "-", cfg.vpp, cfg.sp)
+
+
+def _kind(graph) -> str:
+    if graph.name.endswith("-tiny"):
+        return "tiny"
+    return "llama" if "llama" in graph.name else "gpt"
+
+
+# ----------------------------------------------------------------------------- profile
+
+def profile_models(models: list[str], cluster_spec: str, seq: int, batches: str, repeats: int, sizes: str,
+                   work: str) -> str:
+    from planner.cli import torchrun_cmd
+
+    cluster = parse_cluster(cluster_spec)
+    merged: ProfileDB | None = None
+    for i, model in enumerate(models):
+        out = os.path.join(work, f"profile-{i}.json")
+        # collectives once (with the first model); the others only add their layers
+        args = ["-m", "cost_models.profiler", "--cluster", cluster_spec, "--model", model, "--seq-len", str(seq),
+                "--batches", batches, "--repeats", str(repeats), "--sizes", sizes if i == 0 else "1024", "-o", out]
+        t0 = time.perf_counter()
+        subprocess.run(torchrun_cmd(cluster.world, args), check=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                       stdout=subprocess.DEVNULL)
+        _log(f"profiled {model} in {time.perf_counter() - t0:.0f} s")
+        db = ProfileDB.load(out)
+        if merged is None:
+            merged = db
+        else:
+            for k, v in db.layers.items():
+                merged.layers.setdefault(k, []).extend(v)
+    path = os.path.join(work, "profile.json")
+    assert merged is not None
+    merged.to_json(path)
+    return path
+
+
+# ----------------------------------------------------------------------------- plans
+
+def choose_plans(models: list[str], cluster, cluster_spec: str, seq: int, gb: int, profile, per_model_search: int,
+                 forced: dict[str, list[str]], max_plans: int) -> list[Candidate]:
+    from planner.frontend import load_graph
+    from planner.plan import ParallelConfig
+    from planner.planning import evaluate_config, plan_model
+
+    out: list[list[Candidate]] = []
+    for model in models:
+        g = load_graph(model, batch=1, seq_len=seq)
+        _, res = plan_model(g, cluster, gb, spec=model, cluster_spec=cluster_spec, profile=profile, top_k=40)
+        seen = {_layout_key(res.best.config)}
+        mine = [Candidate(model, g, res.best, "pick")]
+        for k, alt in enumerate(res.alternatives, 1):
+            if len(mine) > per_model_search:
+                break
+            if _layout_key(alt.config) in seen or not _runnable(g, alt.config, gb, seq):
+                continue
+            seen.add(_layout_key(alt.config))
+            mine.append(Candidate(model, g, alt, f"search #{k + 1}"))
+        for s in forced.get(_kind(g), []):
+            cfg = ParallelConfig.parse(s + ",dtype=fp32")
+            if _layout_key(cfg) in seen or not _runnable(g, cfg, gb, seq):
+                continue
+            try:
+                e, problems = evaluate_config(g, cluster, cfg, gb, profile=profile)
+            except Exception as exc:  # noqa: BLE001 - a layout this model cannot take
+                _log(f"skip {g.name} {s}: {exc}")
+                continue
+            if problems or not e.fits:
+                _log(f"skip {g.name} {s}: {'does not fit' if not e.fits else '; '.join(problems)}")
+                continue
+            seen.add(_layout_key(cfg))
+            mine.append(Candidate(model, g, e, "forced"))
+        out.append(mine)
+    flat = [c for group in zip_longest(*out) for c in group if c is not None]
+    return flat[:max_plans] if max_plans else flat
+
+
+def _runnable(g, cfg, gb: int, seq: int) -> bool:
+    """What codegen/runtime/train.py refuses, checked before running."""
+    tied = any(l.tied_to for l in g.layers)
+    if cfg.pp > 1 and tied:
+        return False
+    if gb % (cfg.dp * cfg.mbs) or gb // (cfg.dp * cfg.mbs) < cfg.pp:
+        return False
+    if cfg.cp > 1 and seq % (2 * cfg.cp):
+        return False
+    if cfg.sp and (seq // cfg.cp) % cfg.tp:
+        return False
+    return True
+
+
+def write_plans(cands: list[Candidate], cluster, cluster_spec: str, work: str) -> None:
+    from planner.planning import build_plan
+
+    for i, c in enumerate(cands):
+        d = os.path.join(work, f"{i:02d}-{c.graph.name}-{c.estimate.config.label().replace(' ', '_')}")
+        os.makedirs(d, exist_ok=True)
+        plan = build_plan(c.graph, cluster, c.estimate, spec=c.model, cluster_spec=cluster_spec)
+        c.plan_path = os.path.join(d, "plan.json")
+        plan.save(c.plan_path, force=True)
+
+
+def run_candidate(c: Candidate, steps: int, warmup: int, tag: str, quiet: bool) -> dict:
+    from planner.cli import run_plan
+
+    d = os.path.join(os.path.dirname(c.plan_path), f"run{tag}")
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    t0 = time.perf_counter()
+    if quiet:
+        with open(os.path.join(d, "stdout.txt"), "w") as fo:
+            old_out, old_err = os.dup(1), os.dup(2)
+            os.dup2(fo.fileno(), 1)
+            os.dup2(fo.fileno(), 2)
+            try:
+                rc, log = run_plan(c.plan_path, steps=steps, run_dir=d)
+            finally:
+                os.dup2(old_out, 1)
+                os.dup2(old_err, 2)
+                os.close(old_out)
+                os.close(old_err)
+    else:
+        rc, log = run_plan(c.plan_path, steps=steps, run_dir=d)
+    wall = time.perf_counter() - t0
+    run = {"dir": d, "rc": rc, "wall_s": wall, "log": log}
+    if rc == 0 and os.path.exists(log):
+        times, mem = cal_mod.read_log(log, warmup)
+        run.update(median_s=statistics.median(times), times=times, mem_gib=mem)
+    return run
+
+
+# ----------------------------------------------------------------------------- analysis
+
+def _sample(c: Candidate, cluster) -> cal_mod.RunSample | None:
+    ok = [r for r in c.runs if r["rc"] == 0 and "median_s" in r]
+    if not ok:
+        return None
+    mems = [cal_mod.per_stage_memory(c.estimate.config, r["mem_gib"]) for r in ok]
+    mem = [max(col) for col in zip(*mems)] if all(mems) else []
+    return cal_mod.RunSample(name=f"{c.graph.name} {c.estimate.config.label()}", graph=c.graph, cluster=cluster,
+                             config=c.estimate.config, partition=c.estimate.partition,
+                             global_batch=c.estimate.global_batch,
+                             measured_step_s=statistics.median(r["median_s"] for r in ok), measured_mem_gib=mem,
+                             step_times=[t for r in ok for t in r["times"]])
+
+
+def _regret(rows: list[dict], pred_key: str) -> dict[str, float]:
+    """Per model: measured time of the plan the predictions rank first / best measured time."""
+    out = {}
+    for model in sorted({r["model"] for r in rows}):
+        mine = [r for r in rows if r["model"] == model]
+        pick = min(mine, key=lambda r: r[pred_key])
+        out[model] = pick["measured_step_s"] / min(r["measured_step_s"] for r in mine)
+    return out
+
+
+def analyse(cands: list[Candidate], cluster, profile, profile_path: str | None, cluster_spec: str, gb: int,
+            seq: int, out_dir: str) -> dict[str, Any]:
+    from planner.planning import plan_model
+
+    samples, rows = [], []
+    for c in cands:
+        s = _sample(c, cluster)
+        if s is None:
+            continue
+        samples.append(s)
+        rows.append({"model": c.graph.name, "origin": c.origin, "config": c.estimate.config.to_str(),
+                     "label": c.estimate.config.label(), "plan": c.plan_path,
+                     "runs": [{k: v for k, v in r.items() if k != "times"} for r in c.runs]})
+    t0 = time.perf_counter()
+    loo = cal_mod.leave_one_out(samples, profile)
+    fit_s = time.perf_counter() - t0
+    for r, l, s in zip(rows, loo, samples):
+        r.update({k: v for k, v in l.items() if k not in ("name", "config")})
+        r["measured_min_s"], r["measured_max_s"] = min(s.step_times), max(s.step_times)
+    full = cal_mod.fit(samples, profile)
+    for r, s in zip(rows, samples):
+        r["breakdown_before"] = cal_mod.predict(s, profile, {}).breakdown
+        after = cal_mod.predict(s, profile, full)
+        r["breakdown_calibrated_all"] = after.breakdown
+        r["calibrated_all_step_s"] = after.step_s
+    res: dict[str, Any] = {"plans": rows}
+    res["before"] = cal_mod.summarize(rows, "predicted_step_s", "predicted_mem_gib")
+    res["before"]["regret"] = _regret(rows, "predicted_step_s")
+    res["after_heldout"] = cal_mod.summarize(rows, "heldout_step_s", "heldout_mem_gib")
+    res["after_heldout"]["regret"] = _regret(rows, "heldout_step_s")
+    for model in sorted({r["model"] for r in rows}):
+        mine = [r for r in rows if r["model"] == model]
+        res.setdefault("per_model", {})[model] = {
+            "before": cal_mod.summarize(mine, "predicted_step_s", "predicted_mem_gib"),
+            "after_heldout": cal_mod.summarize(mine, "heldout_step_s", "heldout_mem_gib")}
+    res["calibration"] = full
+    res["calibration_fit_s"] = fit_s
+    # the planner again, with the calibrated profile
+    calibrated = cal_mod.with_calibration(profile, full, cluster)
+    cal_path = os.path.join(out_dir, "fidelity_profile_calibrated.json")
+    calibrated.to_json(cal_path)
+    res["calibrated_profile"] = cal_path
+    replan = {}
+    for c in cands:
+        if c.origin != "pick" or c.graph.name in replan:
+            continue
+        _, sr = plan_model(c.graph, cluster, gb, spec=c.model, cluster_spec=cluster_spec, profile=calibrated,
+                           top_k=1)
+        new = sr.best.config
+        hit = [r for r in rows if r["model"] == c.graph.name and _layout_key_str(r["config"]) == _layout_key(new)]
+        best_meas = min(r["measured_step_s"] for r in rows if r["model"] == c.graph.name)
+        if not hit:
+            res.setdefault("_replan_new", []).append(Candidate(c.model, c.graph, sr.best, "replan"))
+        replan[c.graph.name] = {"before": c.estimate.config.label(), "after": new.label(),
+                                "after_predicted_s": sr.best.step_s,
+                                "after_measured_s": hit[0]["measured_step_s"] if hit else None,
+                                "after_regret": hit[0]["measured_step_s"] / best_meas if hit else None}
+    res["replan_calibrated"] = replan
+    return res
+
+
+def _layout_key_str(s: str) -> tuple:
+    from planner.plan import ParallelConfig
+
+    return _layout_key(ParallelConfig.parse(s))
+
+
+def print_table(res: dict[str, Any]) -> None:
+    hdr = (f"{'model':<11}{'layout':<42}{'origin':<10}{'pred s':>8}{'meas s':>8}{'min':>7}{'max':>7}"
+           f"{'err%':>7}{'LOO s':>8}{'err%':>7}{'mem pred':>9}{'meas':>6}{'LOO':>6}")
+    print(hdr)
+    for r in res["plans"]:
+        m = r["measured_step_s"]
+        print(f"{r['model']:<11}{r['label'][:41]:<42}{r['origin']:<10}{r['predicted_step_s']:>8.3f}{m:>8.3f}"
+              f"{r['measured_min_s']:>7.2f}{r['measured_max_s']:>7.2f}"
+              f"{(r['predicted_step_s'] / m - 1) * 100:>7.1f}{r['heldout_step_s']:>8.3f}"
+              f"{(r['heldout_step_s'] / m - 1) * 100:>7.1f}"
+              f"{max(r['predicted_mem_gib']):>9.2f}{max(r['measured_mem_gib'] or [0]):>6.2f}"
+              f"{max(r['heldout_mem_gib']):>6.2f}")
+    for k in ("before", "after_heldout"):
+        s = res[k]
+        reg = ", ".join(f"{m} {v:.3f}" for m, v in s["regret"].items())
+        print(f"{k:<14} Spearman {s['spearman']:.3f}  MAPE {s['mape_pct']:.1f}%  regret [{reg}]  memory err mean "
+              f"{s['memory_mean_abs_err_pct']:.1f}% max {s['memory_max_abs_err_pct']:.1f}%")
+    if res.get("noise"):
+        n = res["noise"]
+        print(f"noise ({n['label']}, {n['runs']} runs): run medians min {n['min_s']:.3f} median {n['median_s']:.3f} "
+              f"max {n['max_s']:.3f} s (spread {n['spread_pct']:.1f}%)")
+    print("calibration: " + ", ".join(f"{k}={v:.4g}" for k, v in res["calibration"].items()))
+    for m, v in res["replan_calibrated"].items():
+        print(f"replan {m}: {v['before']} -> {v['after']}"
+              + (f" (measured regret {v['after_regret']:.3f})" if v["after_regret"] else
+                 f" ({v.get('note', 'not among the measured plans')})"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cluster", default="local-cpu:4")
+    ap.add_argument("--models", default=f"gpt-small,{LLAMA_SPEC}")
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of the first model's planner pick (noise)")
+    ap.add_argument("--search-alternatives", type=int, default=1, help="distinct runner-ups per model")
+    ap.add_argument("--max-plans", type=int, default=0, help="stop after this many plans (0: all)")
+    ap.add_argument("--forced", default="", help="';'-separated config strings replacing the built-in forced layouts")
+    ap.add_argument("--profile", default="", help="reuse this profile, or 'none' for the roofline (default: measure)")
+    ap.add_argument("--profile-batches", default="1,4")
+    ap.add_argument("--profile-sizes", default="1024,65536,1048576,4194304,16777216,67108864")
+    ap.add_argument("--profile-repeats", type=int, default=3)
+    ap.add_argument("--work", default="runs/fidelity")
+    ap.add_argument("--out", default="benchmarks/results/fidelity.json")
+    ap.add_argument("--time-budget", type=float, default=0,
+                    help="seconds from the start after which no new run is launched (0: no limit)")
+    ap.add_argument("--run-replan", action=argparse.BooleanOptionalAction, default=True,
+                    help="run the calibrated planner's pick when it is not among the measured plans")
+    ap.add_argument("--verbose", action="store_true", help="show the training programs' output")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    models = [m for m in args.models.split(",") if m]
+    cluster = parse_cluster(args.cluster)
+    os.makedirs(args.work, exist_ok=True)
+    out_dir = os.path.dirname(args.out) or "."
+    os.makedirs(out_dir, exist_ok=True)
+    timings: dict[str, float] = {}
+
+    t0 = time.perf_counter()
+    if args.profile == "none":
+        profile_path, profile = None, None
+    else:
+        profile_path = args.profile or profile_models(models, args.cluster, args.seq_len, args.profile_batches,
+                                                      args.profile_repeats, args.profile_sizes, args.work)
+        profile = ProfileDB.load(profile_path)
+        profile.calibration = {}  # predictions "before" are the uncalibrated model's
+    timings["profile_s"] = time.perf_counter() - t0
+
+    forced = FORCED
+    if args.forced:
+        forced = {k: [s for s in args.forced.split(";") if s] for k in FORCED}
+    cands = choose_plans(models, cluster, args.cluster, args.seq_len, args.global_batch, profile,
+                         args.search_alternatives, forced, args.max_plans)
+    write_plans(cands, cluster, args.cluster, args.work)
+    _log(f"{len(cands)} plans: " + "; ".join(f"{c.graph.name} {c.estimate.config.label()} ({c.origin})"
+                                             for c in cands))
+    t0 = time.perf_counter()
+    # every plan once, then the repeats of the first (spread out in time: drift shows as noise)
+    order = [(i, 0) for i in range(len(cands))] + [(0, k) for k in range(1, args.repeats)] if cands else []
+    skipped = []
+    for i, k in order:
+        c = cands[i]
+        if args.time_budget and time.perf_counter() - t_start > args.time_budget:
+            skipped.append(f"{c.graph.name} {c.estimate.config.label()} run {k}")
+            continue
+        run = run_candidate(c, args.steps, args.warmup, str(k), quiet=not args.verbose)
+        c.runs.append(run)
+        _log(f"[{i + 1}/{len(cands)}{f' repeat {k}' if k else ''}] {c.graph.name} {c.estimate.config.label()}: "
+             f"rc {run['rc']}, predicted {c.estimate.step_s:.3f} s, measured "
+             f"{run.get('median_s', float('nan')):.3f} s, wall {run['wall_s']:.0f} s")
+    timings["runs_s"] = time.perf_counter() - t0
+
+    res = analyse(cands, cluster, profile, profile_path, args.cluster, args.global_batch, args.seq_len, out_dir)
+    # the calibrated planner's new picks, where none of the measured plans is one: run them too
+    new = res.pop("_replan_new", [])
+    if new and args.run_replan:
+        from planner.planning import build_plan, evaluate_config
+
+        for c in new:
+            if args.time_budget and time.perf_counter() - t_start > args.time_budget:
+                res["replan_calibrated"][c.graph.name]["note"] = "not run: time budget spent"
+                continue
+            if not _runnable(c.graph, c.estimate.config, args.global_batch, args.seq_len):
+                res["replan_calibrated"][c.graph.name]["note"] = (
+                    "not run: the runtime refuses this plan (e.g. fewer micro-batches than pipeline stages)")
+                continue
+            d = os.path.join(args.work, f"replan-{c.graph.name}-{c.estimate.config.label().replace(' ', '_')}")
+            os.makedirs(d, exist_ok=True)
+            e0, _ = evaluate_config(c.graph, cluster, c.estimate.config, args.global_batch, profile=profile)
+            c.plan_path = os.path.join(d, "plan.json")
+            build_plan(c.graph, cluster, c.estimate, spec=c.model, cluster_spec=args.cluster).save(c.plan_path,
+                                                                                                  force=True)
+            run = run_candidate(c, args.steps, args.warmup, "0", quiet=not args.verbose)
+            v = res["replan_calibrated"][c.graph.name]
+            v["run"] = {k: x for k, x in run.items() if k != "times"}
+            v["before_calibration_predicted_s"] = e0.step_s
+            if "median_s" in run:
+                best = min([r["measured_step_s"] for r in res["plans"] if r["model"] == c.graph.name]
+                           + [run["median_s"]])
+                v["after_measured_s"] = run["median_s"]
+                v["after_regret"] = run["median_s"] / best
+                v["after_regret_note"] = "vs the best of the measured plans and this one"
+            _log(f"replan {c.graph.name} {c.estimate.config.label()}: rc {run['rc']}, predicted "
+                 f"{c.estimate.step_s:.3f} s (calibrated), measured {run.get('median_s', float('nan')):.3f} s")
+    rep = [r for r in cands[0].runs if "median_s" in r] if cands else []
+    if len(rep) > 1:
+        meds = sorted(r["median_s"] for r in rep)
+        res["noise"] = {"label": f"{cands[0].graph.name} {cands[0].estimate.config.label()}", "runs": len(rep),
+                        "run_medians_s": meds, "min_s": meds[0], "median_s": statistics.median(meds),
+                        "max_s": meds[-1], "spread_pct": (meds[-1] - meds[0]) / statistics.median(meds) * 100,
+                        "all_steps_min_s": min(t for r in rep for t in r["times"]),
+                        "all_steps_max_s": max(t for r in rep for t in r["times"])}
+    failed = [{"model": c.graph.name, "config": c.estimate.config.to_str(), "dirs": [r["dir"] for r in c.runs]}
+              for c in cands if c.runs and not any(r["rc"] == 0 for r in c.runs)]
+    res["failed"] = failed
+    res["skipped_for_time"] = skipped
+    timings["total_s"] = time.perf_counter() - t_start
+    res["timings"] = timings
+    res["args"] = vars(args)
+    res["profile"] = profile_path
+    res["targets"] = {"spearman": 0.9, "mape_pct": 15, "regret": 1.05, "memory_err_pct": 15}
+    print_table(res)
+    if failed:
+        print(f"{len(failed)} plan(s) failed to run: " + "; ".join(f["config"] for f in failed))
+    print(f"total {timings['total_s']:.0f} s (profile {timings['profile_s']:.0f} s, runs {timings['runs_s']:.0f} s)")
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Fidelity pipeline and calibration.
+
+Unit: the profile's ``calibration`` round-trips and is read by the estimator; the fit
+recovers known coefficients from synthetic runs; Spearman / MAPE.
+Slow (CI smoke of benchmarks/fidelity.py): 2 processes, 3 plans of gpt-tiny, a few
+steps each -> predictions and measurements for every plan, then ``autopar calibrate``
+on the three runs.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+
+import pytest
+
+from cost_models import calibrate as C
+from cost_models.cluster import parse_cluster
+from cost_models.profile_db import ProfileDB
+from planner.frontend import load_graph
+from planner.plan import ParallelConfig
+from planner.planning import evaluate_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_calibration_round_trips_and_old_profiles_load(tmp_path):
+    c = parse_cluster("local-cpu:2")
+    p = ProfileDB(c.fingerprint(), "gloo", 2)
+    p.add_collective("all_reduce", 2, "intra", 1024, 1e-4)
+    path = tmp_path / "p.json"
+    p.to_json(path)
+    assert "calibration" not in json.loads(path.read_text())  # absent when empty: old readers unaffected
+    assert ProfileDB.load(path).calibration == {}
+    p.calibration = {"compute_scale": 1.5, "comm_scale.all_reduce": 2.0}
+    p.to_json(path)
+    assert ProfileDB.load(path).calibration == {"compute_scale": 1.5, "comm_scale.all_reduce": 2.0}
+    d = json.loads(path.read_text())
+    d["calibration"] = {"overlap": "nan"}
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError):
+        ProfileDB.load(path)
+
+
+def test_estimator_reads_each_coefficient():
+    c = parse_cluster("local-cpu:4")
+    g = load_graph("gpt-tiny", batch=1, seq_len=32)
+    cfg = ParallelConfig.parse("dp=2,tp=2,sp=on,zero=zero1,dtype=fp32")
+    e0, _ = evaluate_config(g, c, cfg, 8)
+    s = C.RunSample("x", g, c, cfg, e0.partition, 8, 1.0)
+    base = C.predict(s, None, {})
+    assert base.step_s == pytest.approx(e0.step_s)
+    for key, val in (("compute_scale", 2.0), ("eff_matmul", 0.1), ("comm_scale", 3.0),
+                     ("comm_scale.reduce_scatter", 3.0), ("overlap", 0.0), ("opt_scale", 5.0),
+                     ("step_overhead_s", 0.5)):
+        assert C.predict(s, None, {key: val}).step_s > base.step_s, key
+    mem = C.predict(s, None, {"mem_reserve_gib": 0.5}).memory
+    assert mem[0].total - base.memory[0].total == pytest.approx(0.5 * 2**30)
+    mem = C.predict(s, None, {"mem_reserve_frac": 0.25}).memory
+    assert mem[0].total == pytest.approx(1.25 * base.memory[0].tensors)
+    assert mem[0].tensors == pytest.approx(base.memory[0].tensors)
+
+
+def test_fit_recovers_synthetic_coefficients():
+    c = parse_cluster("local-cpu:4")
+    g = load_graph("gpt-tiny", batch=1, seq_len=32)
+    # (a fixed per-step overhead is nearly collinear with compute_scale at one world size and
+    # batch - every layout does the same compute per rank - so it is not part of this check)
+    true = {"compute_scale": 3.0, "comm_scale": 5.0}
+    rng = random.Random(0)
+    samples = []
+    for cs in ("dp=4,zero=zero1", "dp=4,zero=fsdp", "dp=2,tp=2,sp=on", "tp=4,sp=on,mbs=2", "pp=2,dp=2,mbs=1",
+               "pp=4,mbs=1", "dp=2,cp=2"):
+        cfg = ParallelConfig.parse(cs + ",dtype=fp32")
+        e, _ = evaluate_config(g, c, cfg, 8)
+        s = C.RunSample(cs, g, c, cfg, e.partition, 8, 0.0, [m.tensors / 2**30 + 0.4 for m in e.memory])
+        s.measured_step_s = C.predict(s, None, true).step_s * rng.uniform(0.97, 1.03)
+        samples.append(s)
+    fitted = C.fit(samples, None, keys=("compute_scale", "comm_scale"), per_kind=False)
+    assert fitted["eff_matmul"] == pytest.approx(0.7 / 3.0, rel=0.15)  # roofline runs: folded into efficiency
+    assert fitted["comm_scale"] == pytest.approx(5.0, rel=0.25)
+    assert fitted["mem_reserve_gib"] == pytest.approx(0.4, abs=1e-6)
+    rows = C.leave_one_out(samples, None, keys=("compute_scale", "comm_scale"), per_kind=False)
+    before = C.summarize(rows, "predicted_step_s", "predicted_mem_gib")
+    after = C.summarize(rows, "heldout_step_s", "heldout_mem_gib")
+    assert after["mape_pct"] < 10 < before["mape_pct"]
+    assert after["memory_max_abs_err_pct"] < 1
+
+
+def test_spearman_and_mape():
+    assert C.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert C.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert C.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833, rel=1e-6)
+    assert C.mape([1.1, 0.9], [1.0, 1.0]) == pytest.approx(10.0)
+
+
+def test_calibrate_cli_rejects_bad_run_arg(tmp_path, capsys):
+    from planner.cli import main
+
+    p = ProfileDB(parse_cluster("local-cpu:2").fingerprint(), "gloo", 2)
+    p.to_json(tmp_path / "p.json")
+    assert main(["calibrate", "--profile", str(tmp_path / "p.json"), "--run-log", str(tmp_path / "nope")]) == 2
+    assert "PLAN.json:train_log.jsonl" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_fidelity_smoke_two_processes(tmp_path, monkeypatch, capsys):
+    """3 plans on local-cpu:2, 4 steps each: predicted and measured for each, then calibrate them."""
+    from benchmarks import fidelity
+    from planner.cli import main
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "fidelity.json"
+    t0 = time.perf_counter()
+    assert fidelity.main(["--cluster", "local-cpu:2", "--models", "gpt-tiny", "--seq-len", "32",
+                          "--global-batch", "4", "--steps", "4", "--warmup", "1", "--repeats", "1",
+                          "--search-alternatives", "0", "--max-plans", "3", "--profile", "none", "--no-run-replan",
+                          "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert not res["failed"]
+    assert len(res["plans"]) == 3
+    assert len({r["config"] for r in res["plans"]}) == 3
+    for r in res["plans"]:
+        assert r["predicted_step_s"] > 0 and r["measured_step_s"] > 0 and r["heldout_step_s"] > 0
+        assert r["measured_mem_gib"] and all(m > 0.1 for m in r["measured_mem_gib"])
+    for k in ("spearman", "mape_pct"):
+        assert k in res["before"] and k in res["after_heldout"]
+    # the CLI on the same runs: finite coefficients that move the estimate and fit better in-sample
+    empty = ProfileDB(parse_cluster("local-cpu:2").fingerprint(), "gloo", 2)
+    empty.to_json(tmp_path / "profile.json")
+    runs = [f"{r['plan']}:{r['runs'][0]['log']}" for r in res["plans"]]
+    capsys.readouterr()
+    assert main(["calibrate", "--profile", str(tmp_path / "profile.json"), "--json", "--run-log", *runs]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    cal = ProfileDB.load(tmp_path / "profile.json").calibration
+    assert cal == pytest.approx(rep["calibration"])
+    assert cal and all(math.isfinite(v) for v in cal.values())
+    loo = rep["leave_one_out"]
+    assert len(loo) == 3
+    c = parse_cluster("local-cpu:2")
+    samples = [C.sample_from_run(r["plan"], r["runs"][0]["log"], load_graph=load_graph, load_cluster=parse_cluster,
+                                 warmup=2) for r in res["plans"]]
+    prof = ProfileDB.load(tmp_path / "profile.json")
+
+    def msle(cal_):
+        return sum(math.log(C.predict(s, prof, cal_).step_s / s.measured_step_s) ** 2 for s in samples)
+
+    assert msle(cal) < msle({})
+    assert any(abs(C.predict(s, prof, cal).step_s / C.predict(s, prof, {}).step_s - 1) > 0.05 for s in samples)
+    assert c.world == 2
+    assert time.perf_counter() - t0 < 90
