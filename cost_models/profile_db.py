@@ -47,7 +47,6 @@ import json
 import math
 import os
 import statistics
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,21 +169,10 @@ class ProfileDB:
             raise ValueError(f"{source}: malformed profile ({type(e).__name__}: {e}): run `autopar profile` again") from None
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
-        """Write atomically: a temporary file in the same folder, then os.replace."""
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(self.to_dict(), f, indent=1)
-                f.write("\n")
-            os.replace(tmp, p)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        """Write atomically (a temporary file in the same folder, then os.replace)."""
+        from planner.plan import write_atomic
+
+        write_atomic(str(path), json.dumps(self.to_dict(), indent=1) + "\n", force=True)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "ProfileDB":
