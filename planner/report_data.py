@@ -1,0 +1,312 @@
+"""What a report shows, computed from a plan (and a run log): the re-simulated timeline,
+the layer table, predicted against measured, rejection groups, and the shared rows the
+HTML, Markdown, trace and terminal renderers (planner/report.py) draw.
+"""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from planner.plan import Plan, PlanError
+
+GiB = 2**30
+MEM_CATS = ("weights", "grads", "optimizer", "activations", "buffers", "reserve")
+TIME_PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "p2p", "bubble", "dp_comm", "optimizer")
+MAX_SIM_MB = 64          # above this many micro-batches the timeline draws min(m, 4 pp)
+MAX_MESH_DEVICES = 32    # devices drawn in the mesh grid (whole nodes, at least one)
+WARMUP_STEPS = 2
+
+
+# ====================================================================== data
+
+@dataclass
+class Timeline:
+    result: Any                 # cost_models.pipeline.PipelineResult (None if simulation failed)
+    schedule: str
+    m: int                      # micro-batches simulated
+    m_plan: int
+    p2p_s: float
+    tail: list[tuple[str, float]]
+    note: str
+
+
+@dataclass
+class Report:
+    plan: Plan
+    timeline: Timeline
+    layers: list[dict[str, Any]]
+    layers_note: str
+    run: dict[str, Any] | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def est(self) -> dict[str, Any]:
+        return self.plan.estimate
+
+
+def fmt_s(s: float) -> str:
+    if s >= 1:
+        return f"{s:.4g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.4g} ms"
+    return f"{s * 1e6:.4g} µs"
+
+
+def fmt_n(x: float) -> str:
+    for unit, div in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.2f}{unit}"
+    return f"{x:.0f}"
+
+
+def simulate_step(plan: Plan) -> Timeline:
+    """Re-simulate one step from the plan's per-stage times (cap huge micro-batch counts)."""
+    from cost_models.pipeline import ScheduleError, simulate
+
+    cfg, e = plan.config, plan.estimate
+    m_plan = int(plan.batch["microbatches"])
+    m = m_plan if m_plan <= MAX_SIM_MB else min(m_plan, 4 * cfg.pp)
+    sched = cfg.schedule if cfg.pp > 1 else "1f1b"
+    bd = e.get("breakdown", {})
+    p2p = 0.0
+    if cfg.pp > 1 and bd.get("p2p"):
+        p2p = bd["p2p"] / (2 * (m_plan + cfg.pp - 1))   # the estimate's per-hop time (approximately)
+    tail = [("dp_comm", float(bd.get("dp_comm", 0.0))), ("optimizer", float(bd.get("optimizer", 0.0)))]
+    note = ""
+    if m != m_plan:
+        note = (f"{m_plan} micro-batches per step; the timeline draws the first {m} "
+                f"(m = min(m, 4·pp)) so it stays readable - the steady state repeats.")
+    try:
+        res = simulate(sched, cfg.pp, m, e["stage_fwd_s"], e["stage_bwd_s"], p2p=p2p, v=cfg.vpp)
+    except (ScheduleError, KeyError, TypeError, ValueError) as exc:
+        return Timeline(None, sched, m, m_plan, p2p, tail, f"timeline not simulated: {exc}")
+    return Timeline(res, sched, m, m_plan, p2p, tail, note)
+
+
+def layer_rows(plan: Plan) -> tuple[list[dict[str, Any]], str]:
+    """The model's layer table, re-captured from ``model.spec`` (names only if that fails)."""
+    names = plan.model["layers"]
+    stage_of = {n: j for j, s in enumerate(plan.stages) for n in s["layers"]}
+    rows = [{"index": i, "name": n, "stage": stage_of.get(n, -1)} for i, n in enumerate(names)]
+    spec = plan.model.get("spec")
+    if not spec:
+        return rows, "the plan names no model spec: layer names only"
+    try:
+        from planner.frontend import load_graph
+
+        g = load_graph(spec, batch=1, seq_len=plan.batch.get("seq_len"))
+    except Exception as exc:  # noqa: BLE001 - any capture failure degrades to names
+        return rows, f"could not capture {spec!r} again ({type(exc).__name__}: {' '.join(str(exc).split())[:160]}): layer names only"
+    if [l.name for l in g.layers] != names:
+        return rows, f"{spec!r} captures different layers today than the plan lists: layer names only"
+    for r, l in zip(rows, g.layers):
+        r.update(kind=l.kind, module_type=l.module_type, params=l.params, fwd_flops=l.fwd_flops / g.batch,
+                 bwd_flops=l.bwd_flops / g.batch, act_bytes=l.act_bytes / g.batch, repeat_of=l.repeat_of or "")
+    note = f"captured from {spec!r} at 1 sequence of {g.seq_len} tokens; figures per sequence"
+    if g.fingerprint() != plan.model.get("fingerprint"):
+        note += " (note: the model's fingerprint differs from the plan's: the model changed since planning)"
+    return rows, note
+
+
+def load_run_log(path: str) -> list[dict[str, Any]]:
+    """JSON lines written by an emitted program: step, loss, step_s, memory_gib (per rank)."""
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as exc:
+        raise PlanError(f"run log {path} unreadable ({exc}): pass the train_log.jsonl a run wrote") from None
+    recs = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            float(r["step_s"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise PlanError(f"run log {path} line {i}: not a metrics record (needs JSON with step_s)") from None
+        recs.append(r)
+    if not recs:
+        raise PlanError(f"run log {path} holds no steps: run the program first")
+    return recs
+
+
+def compare_run(plan: Plan, recs: list[dict[str, Any]], warmup: int = WARMUP_STEPS) -> dict[str, Any]:
+    times = [float(r["step_s"]) for r in recs[warmup:]] or [float(r["step_s"]) for r in recs]
+    meas = statistics.median(times)
+    pred = float(plan.estimate["step_s"])
+    world_ranks: dict[int, float] = {}
+    for r in recs:
+        for g, v in enumerate(r.get("memory_gib") or []):
+            world_ranks[g] = max(world_ranks.get(g, 0.0), float(v))
+    inner = plan.config.dp * plan.config.cp * plan.config.tp
+    pred_mem = plan.estimate.get("memory_gib", [])
+    mem = [{"rank": g, "pp": g // inner, "predicted_gib": pred_mem[g // inner] if g // inner < len(pred_mem) else None,
+            "measured_gib": v} for g, v in sorted(world_ranks.items())]
+    losses = [r["loss"] for r in recs if isinstance(r.get("loss"), (int, float))]
+    return {"predicted_step_s": pred, "measured_step_s": meas, "ratio": meas / pred if pred else float("nan"),
+            "steps": len(recs), "warmup": min(warmup, len(recs) - 1) if len(recs) > warmup else 0,
+            "measured_min_s": min(times), "measured_max_s": max(times),
+            "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+            "memory": mem}
+
+
+def rejected_groups(plan: Plan) -> list[dict[str, Any]]:
+    """Rejected reasons grouped into families: 'why not tp=16', 'out of memory', ..."""
+    fams: dict[str, dict[str, Any]] = {}
+    for reason, v in plan.rejected.items():
+        m = re.match(r"((?:dp|pp|cp|tp|mbs|vpp)=\d+)\b", reason)
+        if m:
+            title = f"why not {m.group(1)}"
+        elif reason.startswith("OOM"):
+            title = "out of memory"
+        else:
+            title = reason.split(" (")[0].split(":")[0]
+        f = fams.setdefault(title, {"title": title, "count": 0, "reasons": []})
+        f["count"] += int(v.get("count", 0))
+        f["reasons"].append({"reason": reason, "count": int(v.get("count", 0)), "examples": list(v.get("examples", []))})
+    for f in fams.values():
+        f["reasons"].sort(key=lambda r: -r["count"])
+    def key(f: dict[str, Any]) -> tuple:
+        m = re.match(r"why not (\w+)=(\d+)", f["title"])
+        return (0, ("dp", "pp", "cp", "tp", "mbs", "vpp").index(m.group(1)), int(m.group(2)), 0) if m \
+            else (1, 0, 0, -f["count"])
+
+    return sorted(fams.values(), key=key)
+
+
+def why_not_degrees(plan: Plan) -> list[dict[str, Any]]:
+    """For each degree value the plan did not take ('pp=2'), what happened to configurations
+    with it: the best alternative that used it, and the rejection reasons its examples show."""
+    cfg = plan.config
+    chosen = {"dp": cfg.dp, "pp": cfg.pp, "cp": cfg.cp, "tp": cfg.tp}
+    found: dict[tuple[str, int], dict[str, Any]] = {}
+    pat = re.compile(r"\b(dp|pp|cp|tp)=?(\d+)\b")
+
+    def entry(dim: str, val: int) -> dict[str, Any]:
+        return found.setdefault((dim, val), {"degree": f"{dim}={val}", "alternative": None, "reasons": {}})
+
+    for a in plan.alternatives:
+        for dim, val in pat.findall(a.get("label", "")):
+            if int(val) != chosen[dim]:
+                e = entry(dim, int(val))
+                if e["alternative"] is None or a["step_s"] < e["alternative"]["step_s"]:
+                    e["alternative"] = a
+    for reason, v in plan.rejected.items():
+        for ex in v.get("examples", []):
+            for dim, val in pat.findall(ex):
+                if int(val) != chosen[dim]:
+                    rs = entry(dim, int(val))["reasons"]
+                    rs[reason] = rs.get(reason, 0) + 1
+    order = {"dp": 0, "pp": 1, "cp": 2, "tp": 3}
+    return [found[k] for k in sorted(found, key=lambda k: (order[k[0]], k[1]))]
+
+
+def build_report(plan: Plan, run_log: str | None = None, layers: bool = True) -> Report:
+    rows, note = layer_rows(plan) if layers else ([], "layer table not requested")
+    run = compare_run(plan, load_run_log(run_log)) if run_log else None
+    return Report(plan=plan, timeline=simulate_step(plan), layers=rows, layers_note=note, run=run)
+
+
+# ---------------------------------------------------------------------- shared rows
+
+def summary_rows(r: Report) -> list[tuple[str, str, str, Any]]:
+    """(key, label, text, raw value) for the summary."""
+    p, e, cfg = r.plan, r.est, r.plan.config
+    c = p.cluster
+    src = e.get("source", "?")
+    srcs = e.get("sources") or {}
+    src_txt = src + (f" (compute: {srcs.get('compute')}, communication: {srcs.get('comm')})" if srcs else "")
+    return [
+        ("model", "model", f"{p.model.get('name')} ({fmt_n(p.model.get('params', 0))} parameters, "
+                           f"{len(p.model['layers'])} layers, hidden {p.model.get('hidden')}, vocab {p.model.get('vocab')})",
+         p.model.get("name")),
+        ("cluster", "cluster", f"{c.get('name')}: {c.get('nodes')} node(s) x {c.get('devices_per_node')} "
+                               f"{c.get('device', '')} ({float(c.get('memory_gib') or 0):.1f} GiB, {c.get('backend')})", c.get("name")),
+        ("degrees", "degrees", f"dp {cfg.dp} x pp {cfg.pp} x cp {cfg.cp} x tp {cfg.tp} = {cfg.world} devices", cfg.world),
+        ("config", "configuration", cfg.label() + f"; {cfg.dtype}, attention {cfg.attention}, loss {cfg.loss}",
+         cfg.to_str()),
+        ("batch", "batch", f"{p.batch['global']} sequences x {p.batch['seq_len']} tokens; micro-batch {p.batch['micro']}, "
+                           f"{p.batch['microbatches']} micro-batches per step", p.batch["global"]),
+        ("step_s", "predicted step time", fmt_s(e["step_s"]), e["step_s"]),
+        ("tokens_per_s", "tokens/s", f"{e['tokens_per_s']:,.0f}", e["tokens_per_s"]),
+        ("mfu", "MFU", f"{e['mfu'] * 100:.1f}%", e["mfu"]),
+        ("tflops_per_device", "model TFLOP/s per device", f"{e.get('tflops_per_device', 0):.1f}",
+         e.get("tflops_per_device", 0)),
+        ("peak_memory_gib", "peak memory", f"{max(e.get('memory_gib') or [0]):.2f} of {e.get('capacity_gib', 0):.2f} GiB",
+         max(e.get("memory_gib") or [0])),
+        ("source", "source of the figures", src_txt, src),
+    ]
+
+
+def stage_rows(r: Report) -> list[dict[str, Any]]:
+    p, e = r.plan, r.est
+    m = p.batch["microbatches"]
+    out = []
+    for j, s in enumerate(p.stages):
+        f, b = e["stage_fwd_s"][j], e["stage_bwd_s"][j]
+        rank = s["rank"]
+        out.append({"stage": j, "rank": rank, "chunk": s["chunk"], "first": s["layers"][0], "last": s["layers"][-1],
+                    "n_layers": len(s["layers"]), "recompute": s["recompute"], "fwd_s": f, "bwd_s": b,
+                    "step_compute_s": m * (f + b), "memory_gib": e["memory_gib"][rank]})
+    return out
+
+
+def _span(s: dict[str, Any]) -> str:
+    return f'{s["first"]} … {s["last"]}' if s["n_layers"] > 1 else s["first"]
+
+
+def warnings(r: Report) -> list[str]:
+    """Things in the plan or the run log that the reader should not miss."""
+    e, out = r.est, []
+    if e.get("mfu", 0) > 1:
+        out.append(f"MFU {e['mfu'] * 100:.0f}% is above 100%: the estimated compute time implies more FLOP/s than "
+                   f"the peak the cluster description gives {r.plan.cluster.get('device')}; measure the cluster "
+                   "with `autopar profile` or correct its peak")
+    if e.get("fits") is False:
+        out.append("the plan does not fit in memory on at least one stage")
+    if r.run and r.run["memory"] and len(r.run["memory"]) != r.plan.config.world:
+        out.append(f"the run log reports {len(r.run['memory'])} ranks but the plan has {r.plan.config.world}: "
+                   "is it the log of this plan's program?")
+    return out
+
+
+def breakdown_parts(r: Report) -> list[tuple[str, float]]:
+    bd = r.est.get("breakdown", {})
+    return [(k, float(bd.get(k, 0.0))) for k in TIME_PARTS if k in bd]
+
+
+_PART_DESC = {"compute": "compute (busiest pipeline rank)", "recompute": "activation recomputation",
+              "tp_comm": "exposed TP communication", "cp_comm": "exposed CP communication",
+              "p2p": "pipeline send/recv", "bubble": "pipeline bubble", "dp_comm": "exposed DP communication",
+              "optimizer": "optimizer step"}
+
+
+def mesh_groups(plan: Plan) -> list[str]:
+    """One line per mesh dimension: its group stride and whether its groups cross nodes."""
+    cfg = plan.config
+    dpn = int(plan.cluster.get("devices_per_node", 1) or 1)
+    lines = []
+    stride = 1
+    for dim, deg in (("tp", cfg.tp), ("cp", cfg.cp), ("dp", cfg.dp), ("pp", cfg.pp)):
+        if deg > 1:
+            block = stride * deg
+            if block <= dpn and dpn % block == 0:
+                where = "inside one node"
+            elif stride >= dpn:
+                where = f"each member on a different node, {deg} nodes per group"
+            else:
+                where = f"spanning {-(-block // dpn)} nodes"
+            lines.append(f"{dim}={deg}: groups of ranks {stride} apart ({where})")
+        else:
+            lines.append(f"{dim}=1: no groups")
+        stride *= deg
+    return lines
+
+
+def stage_nodes(plan: Plan) -> list[tuple[int, int, int]]:
+    cfg = plan.config
+    dpn = int(plan.cluster.get("devices_per_node", 1) or 1)
+    inner = cfg.dp * cfg.cp * cfg.tp
+    return [(s, s * inner // dpn, ((s + 1) * inner - 1) // dpn) for s in range(cfg.pp)]
