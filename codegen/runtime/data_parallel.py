@@ -12,8 +12,10 @@ AVERAGED over that mesh; the runtime's loss scaling accounts for it.
   gradients reduce-scattered and optimizer states sharded, parameters kept gathered from
   forward to backward (ZeRO-2-like traffic; between steps parameters are stored
   sharded, which is ZeRO-3's memory).
-- ``ddp``   -> composable ``replicate`` (``torch.distributed._composable.replicate_with_fsdp``),
-  which works on DTensor (TP) parameters; ``DDP(model)`` does not.
+- ``ddp``   -> composable ``replicate`` (``torch.distributed._composable.replicate_with_fsdp``)
+  on every transformer block and on each stage module, which works on DTensor (TP)
+  parameters (``DDP(model)`` does not). Without a pipeline, gradients accumulate unsynced
+  over micro-batches and are all-reduced once (:func:`sync_gradients`).
 - ``zero1`` -> ``replicate`` for the gradient all-reduce plus :class:`ShardedOptimizer`,
   autopar's own optimizer-state sharding: each dp rank owns a balanced subset of the
   parameters, steps only those with the wrapped optimizer, then broadcasts them.
@@ -50,9 +52,27 @@ def apply_dp(stage_mods: Sequence[nn.Module], dp_mesh: DeviceMesh, zero: str, pi
                     fully_shard(sm.get_submodule(fqn), mesh=dp_mesh, reshard_after_forward=reshard)
             fully_shard(sm, mesh=dp_mesh, reshard_after_forward=reshard)
         elif zero in ("ddp", "zero1"):
+            # per block, then the rest: each block's gradients are all-reduced as soon as its
+            # backward ends (overlapping the earlier blocks' backward) and the fresh gradients
+            # never all coexist with accumulated ones
+            for fqn in getattr(sm, "units", []):
+                if is_block(fqn):
+                    _replicate()(sm.get_submodule(fqn), mesh=dp_mesh)
             _replicate()(sm, mesh=dp_mesh)
         else:
             raise ValueError(f"data-parallel sharding {zero!r}: use ddp, zero1, zero2 or fsdp")
+
+
+def sync_gradients(module: nn.Module, zero: str, last: bool) -> None:
+    """Gradient accumulation without a pipeline schedule: with ``ddp`` / ``zero1``
+    (``replicate``) gradients are all-reduced once, after the LAST micro-batch's backward,
+    and accumulate unreduced before it (no extra memory: they are unsharded anyway).
+    ``zero2`` / ``fsdp`` keep reducing every micro-batch, so gradients stay sharded between
+    micro-batches (the memory model assumes it). Pipeline schedules do this themselves."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if zero in ("ddp", "zero1") and isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(last)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

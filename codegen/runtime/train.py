@@ -148,6 +148,7 @@ class ParallelModel:
                 sm = self.stage_modules[0]
                 n = self.n_microbatches
                 for mb in range(n):
+                    dpar.sync_gradients(sm, self.cfg.zero, last=mb == n - 1)
                     sl = slice(mb * self.cfg.mbs, (mb + 1) * self.cfg.mbs)
                     lkw = {"labels": labels[sl]} if self.fused_loss else {}
                     logits = sm(*(a[sl] for a in args), **lkw)
