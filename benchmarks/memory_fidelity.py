@@ -47,6 +47,7 @@ LAYOUTS: dict[int, list[tuple[str, str, str]]] = {
         ("dp4-fsdp", "dp=4,zero=fsdp,dtype=fp32", ""),
         ("dp2-tp2-sp", "dp=2,tp=2,sp=on,dtype=fp32", ""),
         ("pp2-dp2-1f1b", "pp=2,dp=2,schedule=1f1b,dtype=fp32", "untied"),
+        ("pp2-dp2-fsdp", "pp=2,dp=2,schedule=1f1b,zero=fsdp,dtype=fp32", "untied"),
         ("dp4-recompute-full", "dp=4,recompute=full,dtype=fp32", ""),
     ],
     2: [

@@ -18,14 +18,21 @@ Step time (seconds)::
   compute of the previous step, so only ``max(0, comm - attention core time)`` is exposed.
 - PP: the simulator of cost_models/pipeline.py on the per-stage times (the closed
   form when ``fast=True``), p2p = the stage boundary's activation over the pp link.
-- DP (over the flattened dp x cp group, since CP ranks hold the same weights):
-  DDP all-reduces gradients; ZeRO-1/2 reduce-scatter gradients and all-gather
-  parameters; FSDP all-gathers parameters in forward and backward and
-  reduce-scatters gradients, per micro-batch. **Overlap assumption**: DDP/ZeRO
-  gradient traffic overlaps the backward of the last micro-batch, FSDP traffic the
-  whole forward and backward, each with efficiency ``OVERLAP[backend]`` (streams on
-  NCCL overlap well; gloo shares the CPU with compute). Exposed = comm - overlap
-  window, at least the last bucket (1/8 of the traffic).
+- DP (over the flattened dp x cp group, since CP ranks hold the same weights), as
+  the runtime (codegen/runtime/data_parallel.py) does it:
+  DDP (FSDP2 ``replicate``) all-reduces gradients once per step (accumulation over
+  micro-batches skips the sync); ZeRO-1 is that all-reduce plus, after the optimizer
+  step, each parameter broadcast from the rank that updated it (priced as an
+  all-gather of the parameters; not overlapped). ZeRO-2 and FSDP (``fully_shard``)
+  without a pipeline reduce-scatter gradients every micro-batch and all-gather
+  parameters every micro-batch (FSDP twice: forward and backward); under a pipeline
+  schedule torch's stages keep parameters unsharded and skip gradient sync until the
+  last micro-batch, so it is one all-gather and one reduce-scatter per step.
+  **Overlap assumption**: gradient traffic overlaps the backward of the last
+  micro-batch (per-micro-batch FSDP/ZeRO-2 traffic the whole forward and backward), with
+  efficiency ``OVERLAP[backend]`` (streams on NCCL overlap well; gloo shares the CPU
+  with compute). Exposed = comm - overlap window, at least the last bucket (1/8 of the
+  traffic).
 - Optimizer: AdamW reads and writes the fp32 master weights, two moments and the
   gradient of every parameter the rank updates: 28 bytes moved per parameter at
   memory bandwidth.
@@ -269,24 +276,28 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     P = max(rank_params)
     gbytes = P * (4 if cfg.dtype == "fp32" else 2)
     wbytes = gbytes
-    dp_comm = 0.0
+    dp_comm = after_step = 0.0
+    per_microbatch = cfg.zero in ("zero2", "fsdp") and cfg.pp == 1
     if dpg > 1:
         def ct(kind: str, nbytes: float) -> float:
             e = comm_mod.collective_time(kind, nbytes, cluster, flat, "dp", profile)
             comm_src.add(e.source)
             return e.seconds
-        if cfg.zero == "ddp":
+        if cfg.zero in ("ddp", "zero1"):
             dp_comm = ct("all_reduce", gbytes)
-        elif cfg.zero in ("zero1", "zero2"):
-            dp_comm = ct("reduce_scatter", gbytes) + ct("all_gather", wbytes)
+            if cfg.zero == "zero1":
+                after_step = ct("all_gather", wbytes)  # owners broadcast updated parameters
+        elif cfg.zero == "zero2":
+            dp_comm = (m if per_microbatch else 1) * (ct("reduce_scatter", gbytes) + ct("all_gather", wbytes))
         else:
-            dp_comm = m * (2 * ct("all_gather", wbytes) + ct("reduce_scatter", gbytes))
+            dp_comm = (m * (2 * ct("all_gather", wbytes) + ct("reduce_scatter", gbytes)) if per_microbatch
+                       else ct("all_gather", wbytes) + ct("reduce_scatter", gbytes))
     ov = cal.get("overlap", OVERLAP.get(cluster.backend, 0.5))
     busiest = max(range(cfg.pp), key=lambda r: sum(fwd[j] + bwd[j] for j in range(n_stages) if j % cfg.pp == r))
     rank_f = sum(fwd[j] for j in range(n_stages) if j % cfg.pp == busiest)
     rank_b = sum(bwd[j] for j in range(n_stages) if j % cfg.pp == busiest)
-    window = (m * (rank_f + rank_b) if cfg.zero == "fsdp" else rank_b) * ov
-    dp_exposed = max(dp_comm - window, dp_comm / 8) if dp_comm else 0.0
+    window = (m * (rank_f + rank_b) if per_microbatch else rank_b) * ov
+    dp_exposed = (max(dp_comm - window, dp_comm / 8) if dp_comm else 0.0) + after_step
     shard = dpg if cfg.zero != "ddp" else 1
     opt_s = 28.0 * P / shard / (cluster.device.mem_bw_gbs * 1e9) * cal.get("opt_scale", 1.0)
 

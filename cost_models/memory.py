@@ -14,13 +14,23 @@ the TP-sharded part), AdamW:
 | bf16/fp16 mixed  | 2       | 2     | 4      | 4 + 4     |   (16 bytes, Megatron's accounting)
 | fp32             | 4       | 4     | -      | 4 + 4     |   (16 bytes)
 
-DP sharding divides: ZeRO-1 the master + Adam states; ZeRO-2 also gradients; FSDP
-(ZeRO-3) everything, plus two layers' unsharded weights (the one computing and the
-one prefetched) and, in backward, their unsharded gradients. DDP and ZeRO-1 run on
-FSDP2's ``replicate`` in the runtime, which keeps an unsharded copy of the parameters
-beside them (measured: benchmarks/memory_fidelity.py). In backward, the largest
-layer's fresh weight gradient coexists with the accumulated one, and the gradients of
-its activations with the activations (one layer's worth: the working set).
+DP sharding, as the runtime (codegen/runtime/data_parallel.py) holds it at the peak:
+
+| zero              | at rest (weights, grads, optimizer)  | buffers during the step                 |
+|-------------------|--------------------------------------|-----------------------------------------|
+| ddp               | P w, P g, P o                        | P w: ``replicate``'s unsharded copy     |
+| zero1             | P w, P g, P o / dp                   | P w (``replicate`` too)                 |
+| zero2, pp = 1     | P w / dp, P g / dp, P o / dp         | P w: every layer stays gathered from    |
+|                   |                                      | forward to backward                     |
+| fsdp, pp = 1      | P w / dp, P g / dp, P o / dp         | 2 layers' unsharded weights + grads     |
+| zero2/fsdp, pp > 1| P w / dp, P g / dp, P o / dp         | P (w + g - g / dp): torch's pipeline    |
+|                   |                                      | stages keep parameters gathered and     |
+|                   |                                      | gradients unreduced until the last      |
+|                   |                                      | micro-batch (sharded grads come later)  |
+
+(with dp = 1 nothing is copied or gathered). In backward, the largest layer's fresh
+weight gradient coexists with the accumulated one, and the gradients of its
+activations with the activations (one layer's worth: the working set).
 
 Activations per micro-batch come from the ModelGraph's saved-for-backward bytes
 (captured at ``graph.batch`` sequences), rescaled to ``mbs`` sequences and to the
@@ -114,6 +124,32 @@ class LayerTable:
                     for p in ("none", "selective", "full")}
 
 
+def per_param_bytes(cfg: ParallelConfig) -> dict[str, float]:
+    """Bytes per parameter a rank holds (``weights``, ``grads``, ``optimizer`` at rest,
+    ``buffers`` held through the step) under ``cfg``'s dtype and DP sharding (the table in
+    the module docstring), plus the unsharded ``weights_full`` / ``grads_full``."""
+    dp = cfg.dp * cfg.cp  # CP ranks hold the same weights and reduce gradients with DP
+    w, g, o = (4.0, 4.0, 8.0) if cfg.dtype == "fp32" else (2.0, 2.0, 12.0)
+    if cfg.zero not in ("ddp", "zero1", "zero2", "fsdp"):
+        raise ValueError(f"data-parallel sharding {cfg.zero!r}: use ddp, zero1, zero2 or fsdp")
+    f = {"weights_full": w, "grads_full": g, "weights": w, "grads": g, "optimizer": o, "buffers": 0.0}
+    if dp == 1:
+        return f
+    if cfg.zero in ("ddp", "zero1"):
+        f["buffers"] = w  # runtime DP is FSDP2's replicate: an unsharded parameter copy
+        if cfg.zero == "zero1":
+            f["optimizer"] = o / dp
+        return f
+    f.update(weights=w / dp, grads=g / dp, optimizer=o / dp)
+    if cfg.pp > 1:
+        # gathered parameters, and unreduced gradients until the last micro-batch's
+        # reduce-scatter (their sharded result, counted in grads, comes after the peak)
+        f["buffers"] = w + g - g / dp
+    elif cfg.zero == "zero2":
+        f["buffers"] = w  # reshard_after_forward=False: every layer gathered from forward to backward
+    return f
+
+
 def stage_memory(graph: ModelGraph, layers: list[int], cfg: ParallelConfig, inflight: float,
                  recompute: str | None = None, device_is_gpu: bool = True,
                  table: LayerTable | None = None) -> StageMemory:
@@ -124,25 +160,15 @@ def stage_memory(graph: ModelGraph, layers: list[int], cfg: ParallelConfig, infl
     t = table or LayerTable(graph, cfg)
     P = sum(t.params[i] for i in layers)
     dp = cfg.dp * cfg.cp  # CP ranks hold the same weights and reduce gradients with DP
-    if cfg.dtype == "fp32":
-        w, g, o = 4.0, 4.0, 8.0
-    else:
-        w, g, o = 2.0, 2.0, 12.0
+    f = per_param_bytes(cfg)
+    w, g = f["weights_full"], f["grads_full"]
     big = max((t.params[i] for i in layers), default=0.0)
     # backward working set: a layer's incoming weight gradient lives beside the accumulated
     # p.grad before it is added in (the largest layer sets it)
-    buffers = big * g if cfg.zero != "fsdp" else 0.0  # (FSDP's unsharded gradient below is that buffer)
-    if cfg.zero == "ddp":
-        weights, grads, opt = P * w, P * g, P * o
-        buffers += P * w if dp > 1 else 0.0  # runtime DP is FSDP2's replicate: an unsharded parameter copy
-    elif cfg.zero == "zero1":
-        weights, grads, opt = P * w, P * g, P * o / dp
-        buffers += P * w if dp > 1 else 0.0  # zero1 runs on replicate too
-    elif cfg.zero == "zero2":
-        weights, grads, opt = P * w, P * g / dp, P * o / dp
-    else:  # fsdp
-        weights, grads, opt = P * w / dp, P * g / dp, P * o / dp
-        buffers += 2 * big * (w + g) if dp > 1 else 0.0
+    buffers = big * g + P * f["buffers"]
+    if cfg.zero == "fsdp" and cfg.pp == 1 and dp > 1:
+        buffers += 2 * big * (w + g) - big * g  # 2 layers unsharded (one computing, one prefetched)
+    weights, grads, opt = P * f["weights"], P * f["grads"], P * f["optimizer"]
     act = sum(t.act[recompute][i] for i in layers) * inflight
     if layers:
         # back-propagating through a layer materialises gradients the size of its activations

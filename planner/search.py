@@ -36,7 +36,8 @@ from typing import Callable, Iterator
 from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, _LayerCosts, _inflight_closed, estimate
 from cost_models.pipeline import estimate_step
-from cost_models.memory import DTYPE_BYTES, RESERVE_CPU, RESERVE_GPU, layer_activation, layer_params_local
+from cost_models.memory import (DTYPE_BYTES, RESERVE_CPU, RESERVE_GPU, layer_activation, layer_params_local,
+                                 per_param_bytes)
 from planner.errors import AutoparError
 from planner.graph import ModelGraph
 from planner.plan import ParallelConfig, Partition
@@ -153,8 +154,6 @@ def _variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: in
         if not dominated and sched == "gpipe":
             continue
         for zero in (ZEROS if dp * cp > 1 else ("ddp",)):
-            if not dominated and zero == "ddp" and dp * cp > 1:
-                continue
             for rc in RECOMPUTES:
                 for sp in ((False, True) if tp > 1 and not vision else (False,)):
                     if not dominated and tp > 1 and not sp and not vision:
@@ -167,7 +166,6 @@ def _variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: in
 # more memory), so the search skips them and counts them as pruned:
 DOMINATED = {
     "gpipe": "1f1b: the same step time with min(pp, m) instead of m micro-batches in flight",
-    "ddp": "zero1: the same gradient traffic (reduce-scatter + all-gather = all-reduce) and a sharded optimizer",
     "sp=off": "sp=on: the same TP traffic (reduce-scatter + all-gather = all-reduce) and sequence-sharded norms",
 }
 
@@ -264,7 +262,7 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
             best_s = min(best_s, e.step_s)
         n_dom = n_var - n_kept
         if n_dom:
-            rej.add("dominated (gpipe by 1f1b, ddp by zero1, sp=off by sp=on: no faster, more memory)", label, n_dom)
+            rej.add("dominated (gpipe by 1f1b, sp=off by sp=on: no faster, more memory)", label, n_dom)
             res.pruned += n_dom
     if not ranked:
         res.rejected, res.rejected_counts = rej.examples, rej.counts
@@ -331,10 +329,8 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
     m = microbatches(cfg, global_batch)
     fwd, bwd, act, static, out_p2p = [], [], [], [], []
     costs: dict[str, _LayerCosts] = {}
-    dp = cfg.dp * cfg.cp
-    per_param = {"ddp": 16.0, "zero1": 4.0 + 12.0 / dp, "zero2": 2.0 + 14.0 / dp, "fsdp": 16.0 / dp}[cfg.zero]
-    if cfg.dtype == "fp32":
-        per_param = {"ddp": 16.0, "zero1": 8.0 + 8.0 / dp, "zero2": 4.0 + 12.0 / dp, "fsdp": 16.0 / dp}[cfg.zero]
+    f = per_param_bytes(cfg)
+    per_param = f["weights"] + f["grads"] + f["optimizer"] + f["buffers"]
     from cost_models import comm as comm_mod
 
     mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)

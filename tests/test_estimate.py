@@ -54,9 +54,25 @@ def test_memory_sharding_order(llama8b):
     mem = {z: stage_memory(llama8b, layers, ParallelConfig(dp=8, zero=z), 1) for z in ("ddp", "zero1", "zero2", "fsdp")}
     assert mem["ddp"].optimizer == pytest.approx(8 * mem["zero1"].optimizer)
     assert mem["zero1"].grads == pytest.approx(8 * mem["zero2"].grads)
-    assert mem["zero2"].weights == pytest.approx(8 * mem["fsdp"].weights)
+    assert mem["zero1"].weights == pytest.approx(8 * mem["fsdp"].weights)
     P = llama8b.params
     assert mem["ddp"].weights + mem["ddp"].grads + mem["ddp"].optimizer == pytest.approx(16 * P)
+    # replicate's parameter copy (ddp, zero1); zero2 holds every layer gathered through the
+    # step, fsdp two layers: peak order ddp > zero1 > zero2 > fsdp
+    assert mem["ddp"].buffers - mem["fsdp"].buffers > 1.5 * P  # a bf16 copy (2 B/param) less 2 layers
+    totals = [mem[z].total for z in ("ddp", "zero1", "zero2", "fsdp")]
+    assert totals == sorted(totals, reverse=True)
+
+
+def test_pipelined_fsdp_keeps_parameters_gathered(llama8b):
+    """Under a pipeline schedule torch's stages keep FSDP parameters gathered and gradients
+    unreduced until the last micro-batch: the peak holds the whole stage unsharded."""
+    layers = list(range(len(llama8b.layers)))
+    flat = stage_memory(llama8b, layers, ParallelConfig(dp=8, zero="fsdp"), 1)
+    piped = stage_memory(llama8b, layers, ParallelConfig(dp=8, pp=2, zero="fsdp"), 1)
+    P = llama8b.params
+    assert piped.weights == pytest.approx(flat.weights) and piped.optimizer == pytest.approx(flat.optimizer)
+    assert piped.buffers - flat.buffers > 3 * P  # 2 bytes gathered + 2 - 2/8 unreduced, minus two layers
 
 
 def test_activation_division(llama8b):
