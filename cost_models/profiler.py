@@ -6,24 +6,33 @@ rank). The same code runs with gloo on CPUs and nccl on GPUs. It measures:
 
 (a) **Layers**: every distinct layer class of the model (one representative of each
     signature), forward and backward, at the shapes candidate plans run: micro-batch
-    sizes ``--batches``, and each TP shard size (column-parallel linears keep
-    out/tp outputs, row-parallel ones in/tp inputs - exactly the local work of a TP
-    rank, without its collectives, which the communication model adds) and each CP
-    size (the rank's S/cp tokens; the ring's attention over the other ranks' keys
-    is scaled in as cp x the local attention core). All ranks measure at once, so
-    the figures include the contention of ranks sharing a machine, as in training.
+    sizes ``--batches``, each TP shard size and each CP size, with a TP rank's local
+    shapes exactly as the runtime shards them (column-parallel linears keep out/tp
+    outputs, row-parallel ones in/tp inputs, the vocabulary-parallel head and token
+    embedding vocab/tp rows, the loss over the local logits) and, under CP, the rank's
+    S/cp tokens through the runtime's own ring attention computation
+    (``codegen.runtime.context_parallel.RingCompute``: every ring step's block attention
+    and merge, without the p2p). Collectives inside a layer (TP all-reduces, the ring's
+    exchange) are not in these times: the communication model adds them. All ranks
+    measure at once, so the figures include the contention of ranks sharing a machine,
+    as in training.
 (b) **Collectives**: all-reduce, all-gather, reduce-scatter, all-to-all for each
     group size the mesh can have, with all groups of that size running at once
     (as all tp groups, or all dp groups, do in training), over message sizes.
 (c) **p2p**: send/recv between rank pairs, all pairs at once.
 
-Times are medians of ``--repeats`` runs after a warm-up. Only rank 0 writes the
-file (atomically).
+Timing (:func:`_timeit`): after a warm-up call, ``--repeats`` batches of k back-to-back
+calls, k chosen so a batch lasts about 20 ms (1 for anything slower), and the median
+batch time / k. Batching amortises timer and scheduler jitter, which dominates
+sub-millisecond operations when ranks share cores. All ranks use one agreed k and
+batch count, layers start every batch together (a barrier), and the slowest rank's
+time is reported. Only rank 0 writes the file (atomically).
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import statistics
 import sys
@@ -41,26 +50,50 @@ def _log(msg: str) -> None:
         print(f"[profile] {msg}", flush=True)
 
 
-def _timeit(fn: Callable[[], Any], repeats: int, sync: Callable[[], None], budget_s: float = 2.0) -> float:
-    """Median seconds of ``fn`` over up to ``repeats`` timed runs after one warm-up, stopping
-    early once ``budget_s`` is spent (at least 3 runs when they are that cheap)."""
+def _timeit(fn: Callable[[], Any], repeats: int, sync: Callable[[], None], budget_s: float = 2.0,
+            target_s: float = 0.02, agree: Callable[[int], int] | None = None,
+            lockstep: Callable[[], None] | None = None) -> float:
+    """Seconds per call of ``fn``: the median over ``n`` timed batches of ``k`` back-to-back
+    calls, divided by ``k``.
+
+    One warm-up call, then one timed call ``t``; ``k = ceil(target_s / t)`` (1 when a call
+    takes longer than ``target_s``; at most 1000) and ``n = repeats``, cut to what fits in
+    ``budget_s`` (at least 3 when ``repeats`` allows). ``agree`` maps this rank's k and n
+    to ones every rank uses (collectives must be issued the same number of times
+    everywhere); ``lockstep`` (a barrier) runs before every batch, so ranks sharing cores
+    time their batches while the others compute too, as in training.
+    """
     fn()
     sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    first = max(time.perf_counter() - t0, 1e-9)
+    k = min(1000, max(1, math.ceil(target_s / first)))
+    n = max(min(3, repeats), min(repeats, math.ceil(budget_s / (k * first)) if math.isfinite(budget_s) else repeats))
+    if agree is not None:
+        k, n = agree(k), agree(n)
     ts: list[float] = []
-    spent = 0.0
-    while len(ts) < repeats and (spent < budget_s or len(ts) < min(3, repeats)):
+    for _ in range(n):
+        if lockstep is not None:
+            lockstep()
         sync()
         t0 = time.perf_counter()
-        fn()
+        for _ in range(k):
+            fn()
         sync()
-        ts.append(time.perf_counter() - t0)
-        spent += ts[-1]
+        ts.append((time.perf_counter() - t0) / k)
     return statistics.median(ts)
 
 
-def _coll_repeats(nbytes: int, repeats: int) -> int:
-    """Small messages are cheap and noisy on an oversubscribed CPU: time many more of them."""
-    return max(repeats, 25) if nbytes <= (1 << 20) else repeats
+def _agree_max(k: int) -> int:
+    """The largest ``k`` over all ranks (collectives are timed with one common batch size)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([k], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def _all_gather(out, inp, group):
@@ -106,7 +139,7 @@ def measure_collectives(db, world: int, rank: int, sizes, repeats: int, device) 
                     out = torch.empty_like(x)
                     fn = lambda: dist.all_to_all_single(out, x, group=mine)
                 dist.barrier()
-                t = _timeit(fn, _coll_repeats(nbytes, repeats), sync, budget_s=1e9)
+                t = _timeit(fn, repeats, sync, budget_s=math.inf, agree=_agree_max)
                 tt = torch.tensor([t], dtype=torch.float64)
                 dist.all_reduce(tt, op=dist.ReduceOp.MAX)
                 db.add_collective(kind, n, "intra" if _same_node(groups[0]) else "inter", elems * 4, tt.item())
@@ -126,7 +159,7 @@ def measure_collectives(db, world: int, rank: int, sizes, repeats: int, device) 
                 dist.recv(x, peer)
                 dist.send(x, peer)
         dist.barrier()
-        t = _timeit(pingpong, _coll_repeats(nbytes, repeats), sync, budget_s=1e9) / 2
+        t = _timeit(pingpong, repeats, sync, budget_s=math.inf, agree=_agree_max) / 2
         tt = torch.tensor([t], dtype=torch.float64)
         dist.all_reduce(tt, op=dist.ReduceOp.MAX)
         db.add_collective("send_recv", 2, "intra" if _same_node([0, 1]) else "inter", x.numel() * 4, tt.item())
@@ -138,35 +171,90 @@ def _same_node(group: list[int]) -> bool:
     return len({r // per for r in group}) == 1
 
 
-def _shard_linears(unit, roles: dict[str, str], tp: int):
-    """A copy of ``unit`` whose column/row-parallel linears have a TP rank's local shape."""
+def _vocab_shard_embedding(emb, tp: int):
+    """A TP rank's vocabulary-parallel token embedding: vocab/tp rows; ids outside the
+    rank's range (rank 0's here) look up row 0 and are zeroed, as torch's vocab-parallel
+    embedding does before its all-reduce."""
+    import torch
     import torch.nn as nn
 
+    class VocabShardEmbedding(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows = emb.num_embeddings // tp
+            self.weight = nn.Parameter(emb.weight.detach()[:self.rows].clone())
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            inside = ids < self.rows
+            out = nn.functional.embedding(torch.where(inside, ids, 0), self.weight)
+            return out * inside.unsqueeze(-1)
+
+    return VocabShardEmbedding()
+
+
+def shard_unit(unit, layer, tp: int):
+    """A copy of ``unit`` (the module of graph ``layer``) with a TP rank's local shapes.
+
+    Column-parallel linears keep out/tp outputs, row-parallel ones in/tp inputs, the
+    vocabulary-parallel head out = vocab/tp, and a token embedding of the vocabulary
+    vocab/tp rows (see ``codegen/runtime/tensor_parallel.py``). Returns ``unit`` itself
+    when ``tp == 1``. Parameters are fresh: the copy never shares (or unties) the model's.
+    """
+    import torch.nn as nn
+
+    if tp == 1:
+        return unit
     u = copy.deepcopy(unit)
-    for name, role in roles.items():
-        if role not in ("column", "row"):
+    for lin in layer.linears:
+        if lin.role not in ("column", "row", "vocab"):
             continue
+        parent_name, _, leaf = lin.name.rpartition(".")
+        parent = u.get_submodule(parent_name) if parent_name else u
+        old = getattr(parent, leaf)
+        if not isinstance(old, nn.Linear):
+            continue
+        fin, fout = old.in_features, old.out_features
+        if lin.role == "row":
+            fin //= tp
+        else:
+            fout //= tp
+        setattr(parent, leaf, nn.Linear(fin, fout, bias=old.bias is not None, device=old.weight.device,
+                                        dtype=old.weight.dtype))
+    vocab_ops = {op.name for op in layer.ops if op.kind == "embedding" and op.tp_style == "vocab"}
+    for name in vocab_ops:
         parent_name, _, leaf = name.rpartition(".")
         parent = u.get_submodule(parent_name) if parent_name else u
-        lin = getattr(parent, leaf)
-        if not isinstance(lin, nn.Linear):
-            continue
-        fin, fout = lin.in_features, lin.out_features
-        if role == "column":
-            fout //= tp
-        else:
-            fin //= tp
-        new = nn.Linear(fin, fout, bias=lin.bias is not None, device=lin.weight.device, dtype=lin.weight.dtype)
-        setattr(parent, leaf, new)
+        old = getattr(parent, leaf)
+        if isinstance(old, nn.Embedding):
+            setattr(parent, leaf, _vocab_shard_embedding(old, tp))
     return u
+
+
+def _local_labels(args: tuple, kwargs: dict, layer, tp: int) -> tuple[tuple, dict]:
+    """Under a vocabulary-parallel head, the loss sees vocab/tp logit columns: map label
+    ids into that range (ignored labels stay ignored) so the local loss is well-defined."""
+    import torch
+
+    if tp == 1 or not any(l.role == "vocab" for l in layer.linears) or not layer.vocab:
+        return args, kwargs
+    local = layer.vocab // tp
+
+    def fix(x):
+        if isinstance(x, torch.Tensor) and not x.is_floating_point() and x.dim() > 0:
+            return torch.where(x >= 0, x % local, x)
+        return x
+
+    return tuple(fix(a) for a in args), {k: fix(v) for k, v in kwargs.items()}
 
 
 def measure_layers(db, spec: str, seq_len: int, batches, tps, cps, repeats: int, device) -> None:
     import torch
     import torch.distributed as dist
 
+    from codegen.runtime.context_parallel import RingCompute
     from planner import zoo
     from planner.frontend import load_graph
+    from planner.zoo.attention import sdpa_attention, use_attention_impl
 
     graph = load_graph(spec, batch=1, seq_len=seq_len)
     ms = zoo.load_model_spec(spec)
@@ -179,9 +267,12 @@ def measure_layers(db, spec: str, seq_len: int, batches, tps, cps, repeats: int,
         if layer.repeat_of is None:
             reps[layer.signature] = layer
     sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
+    rank = dist.get_rank()
     total = len(reps) * len(batches) * len(tps) * len(cps)
     done = 0
     for cp in cps:
+        # this rank plays cp rank (rank % cp): the zigzag layout gives every cp rank equal work
+        ring = RingCompute(cp, rank % cp, fallback=sdpa_attention) if cp > 1 else None
         for b in batches:
             s = seq_len // cp
             inputs: dict[str, tuple] = {}
@@ -196,59 +287,32 @@ def measure_layers(db, spec: str, seq_len: int, batches, tps, cps, repeats: int,
                 h.remove()
             for tp in tps:
                 for sig, layer in reps.items():
-                    roles = {l.name: l.role for l in layer.linears}
                     if tp > 1 and layer.attention is not None and layer.attention.kv_heads % tp:
                         done += 1
                         continue
-                    unit = model.get_submodule(layer.name)
-                    unit = _shard_linears(unit, roles, tp) if tp > 1 else unit
-                    a, k = inputs[layer.name]
-
-                    def prep():
-                        aa = [x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
-                              for x in a]
-                        return aa
+                    unit = shard_unit(model.get_submodule(layer.name), layer, tp)
+                    a, k = _local_labels(*inputs[layer.name], layer, tp)
 
                     def fwd():
                         with torch.no_grad():
                             unit(*a, **k)
 
                     def fwd_bwd():
-                        out = unit(*prep(), **k)
+                        aa = [x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+                              for x in a]
+                        out = unit(*aa, **k)
                         out = out if isinstance(out, torch.Tensor) else out[0]
                         (out.float().sum() if out.dim() else out).backward()
 
                     dist.barrier()
-                    tf = _timeit(fwd, repeats, sync)
-                    tfb = _timeit(fwd_bwd, repeats, sync)
-                    tb = max(tfb - tf, 0.0)
-                    if cp > 1 and layer.attention is not None:
-                        # ring attention: this rank's queries meet cp blocks of keys, not one
-                        a_ = layer.attention
-                        peak_core = 4.0 * b * a_.heads / tp * s * s * a_.head_dim
-                        extra = (cp - 1) * 0.5 * peak_core / _gemm_rate(device)
-                        tf += extra
-                        tb += 2.5 * extra
-                    tt = torch.tensor([tf, tb], dtype=torch.float64)
+                    with use_attention_impl(ring):
+                        tf = _timeit(fwd, repeats, sync, agree=_agree_max, lockstep=dist.barrier)
+                        tfb = _timeit(fwd_bwd, repeats, sync, agree=_agree_max, lockstep=dist.barrier)
+                    tt = torch.tensor([tf, max(tfb - tf, 0.0)], dtype=torch.float64)
                     dist.all_reduce(tt, op=dist.ReduceOp.MAX)
                     db.add_layer(sig, b, seq_len, tp, cp, tt[0].item(), tt[1].item())
                     done += 1
             _log(f"layers: {done}/{total} shapes measured (cp={cp}, batch={b})")
-
-
-_RATE: dict[str, float] = {}
-
-
-def _gemm_rate(device) -> float:
-    """Measured matmul FLOP/s of this rank (for scaling the ring's extra attention work)."""
-    import torch
-
-    key = str(device)
-    if key not in _RATE:
-        a = torch.randn(512, 512, device=device)
-        t = _timeit(lambda: a @ a, 5, (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None))
-        _RATE[key] = 2 * 512**3 / t
-    return _RATE[key]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     from cost_models.profile_db import ProfileDB
 
     cuda = torch.cuda.is_available()
+    if not cuda:
+        from codegen.runtime.mesh import pin_cpu_rank
+
+        pin_cpu_rank()  # as the training runtime does: same placement, reproducible timings
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if cuda else "gloo")

@@ -175,7 +175,7 @@ class RingAttention:
             merge = merge_partials
         out, lse = block(q, k, v, q_pos)
         for step in range(1, self.cp):
-            kv = _Rotate.apply(kv, self.nxt, self.prv, self.group)
+            kv = self._rotate(kv)
             src = (self.rank - step) % self.cp
             kv_pos = local_positions(seq, self.cp, src, self.load_balance, q.device)
             if bool((kv_pos.min() > q_pos).all()):
@@ -184,6 +184,32 @@ class RingAttention:
             o_b, l_b = block(q, kv[0], kv[1], kv_pos)
             out, lse = merge(out, lse, o_b, l_b)
         return out.to(q.dtype)
+
+    def _rotate(self, kv: torch.Tensor) -> torch.Tensor:
+        """Send the packed K/V to the next cp rank, return the previous rank's (autograd-aware)."""
+        return _Rotate.apply(kv, self.nxt, self.prv, self.group)
+
+
+class RingCompute(RingAttention):
+    """The compute of :class:`RingAttention` for cp rank ``rank`` of ``cp``, with no exchange.
+
+    Every ring step attends the local queries to a K/V block of the same shape carrying
+    the visiting rank's global positions (so the causal mask, skipped blocks and merges
+    are exactly the runtime's), but the block is this rank's own: no process group, no
+    p2p. The profiler times a layer under context parallelism with it; the ring's
+    communication is costed separately by the communication model.
+    """
+
+    def __init__(self, cp: int, rank: int, load_balance: str = "zigzag", fallback: Optional[Callable] = None,
+                 flash: bool = False):
+        if not 0 <= rank < cp:
+            raise ValueError(f"cp rank {rank} is outside 0..{cp - 1}")
+        self.group, self.flash, self.cp, self.rank = None, flash, cp, rank
+        self.load_balance, self.fallback = load_balance, fallback
+        self.nxt, self.prv = (rank + 1) % cp, (rank - 1) % cp
+
+    def _rotate(self, kv: torch.Tensor) -> torch.Tensor:
+        return kv
 
 
 def install_ring_attention(group, load_balance: str = "zigzag", flash: bool = False) -> RingAttention:

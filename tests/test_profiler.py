@@ -1,0 +1,148 @@
+"""The profiler: a TP rank's local layer shapes, the ring's compute under CP, batched timing,
+core pinning, and one real 2-process profile."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+import torch
+
+from codegen.runtime import context_parallel as cpar
+from cost_models import profiler
+from cost_models.memory import layer_params_local
+from cost_models.profile_db import ProfileDB
+from planner import zoo
+from planner.frontend import load_graph
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("spec", ["gpt-tiny", "llama-tiny"])
+def test_shard_unit_holds_a_tp_ranks_parameters_and_runs(spec):
+    """Every layer class sharded for tp=2 holds what the memory model says a TP rank holds
+    (vocabulary-parallel embedding and head included) and runs forward + backward on the
+    inputs the full model gives it (labels mapped into the local vocabulary)."""
+    graph = load_graph(spec, batch=1, seq_len=16)
+    cfg = zoo.load_model_spec(spec).cfg
+    model = zoo.build_model(cfg, device="cpu", seed=0)
+    reps = {l.signature: l for l in graph.layers if l.repeat_of is None}
+    inputs = {}
+    hooks = [model.get_submodule(l.name).register_forward_pre_hook(
+        lambda m, a, k, name=l.name: inputs.setdefault(name, (a, k)), with_kwargs=True) for l in reps.values()]
+    with torch.no_grad():
+        model(**zoo.example_batch(cfg, 2, 16, device="cpu"))
+    for h in hooks:
+        h.remove()
+    vocab_layers = 0
+    for layer in reps.values():
+        full = model.get_submodule(layer.name)
+        unit = profiler.shard_unit(full, layer, 2)
+        local = sum(p.numel() for p in unit.parameters())
+        assert local == pytest.approx(layer_params_local(layer, 2), rel=0.01), layer.name
+        if layer.vocab or any(o.tp_style == "vocab" for o in layer.ops):
+            vocab_layers += 1
+            assert local < 0.6 * sum(p.numel() for p in full.parameters()), layer.name
+        a, k = profiler._local_labels(*inputs[layer.name], layer, 2)
+        out = unit(*[x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+                     for x in a], **k)
+        out = out if isinstance(out, torch.Tensor) else out[0]
+        (out.float().sum() if out.dim() else out).backward()
+        assert all(p.grad is not None for p in unit.parameters() if p.requires_grad)
+    assert vocab_layers == 2  # token embedding and head
+    assert profiler.shard_unit(model.embed, graph.layers[0], 1) is model.embed
+
+
+def test_ring_compute_covers_the_causal_attention_once(monkeypatch):
+    """Summed over the cp ranks, RingCompute's block attentions see every causal
+    (query, key) pair exactly once, and zigzag gives every rank the same share: the work
+    of the runtime's RingAttention, without its exchange."""
+    seen = []
+    real = cpar.partial_attention
+
+    def counting(q, k, v, *, causal, q_pos=None, kv_pos=None):
+        seen.append(int((kv_pos[None, :] <= q_pos[:, None]).sum()))
+        return real(q, k, v, causal=causal, q_pos=q_pos, kv_pos=kv_pos)
+
+    monkeypatch.setattr(cpar, "partial_attention", counting)
+    seq, cp = 32, 4
+    shares = []
+    for r in range(cp):
+        seen.clear()
+        q = torch.randn(1, 2, seq // cp, 8, requires_grad=True)
+        kv = torch.randn(1, 2, seq // cp, 8, requires_grad=True)
+        out = cpar.RingCompute(cp, r)(q, kv, kv, causal=True)
+        out.sum().backward()
+        assert out.shape == q.shape and q.grad is not None
+        shares.append(sum(seen))
+    assert sum(shares) == seq * (seq + 1) // 2
+    assert len(set(shares)) == 1
+    with pytest.raises(ValueError, match="outside"):
+        cpar.RingCompute(2, 2)
+
+
+def test_timeit_batches_fast_calls_and_agrees_on_the_batch():
+    calls, agreed, steps = [], [], []
+    t = profiler._timeit(lambda: calls.append(1), repeats=3, sync=lambda: None, target_s=0.005,
+                         agree=lambda x: agreed.append(x) or x + 1, lockstep=lambda: steps.append(1))
+    k, n = agreed
+    assert k > 10 and n == 3                       # a no-op is far below 5 ms: batched; 3 batches asked
+    assert len(steps) == n + 1                     # the agreed batch count, each started in lockstep
+    assert len(calls) == 2 + (n + 1) * (k + 1)     # warm-up, probe, the agreed batches of the agreed k
+    assert 0 < t < 1e-3
+
+
+def test_timeit_cuts_slow_calls_to_the_budget():
+    import time
+
+    calls = []
+    profiler._timeit(lambda: calls.append(time.sleep(0.01)), repeats=50, sync=lambda: None, budget_s=0.05,
+                     target_s=0.001)
+    assert 2 + 3 <= len(calls) <= 2 + 6            # k = 1; about 0.05 s / 0.01 s batches, at least 3
+
+
+def test_pin_cpu_rank_gives_each_rank_its_own_cores(monkeypatch):
+    from codegen.runtime.mesh import pin_cpu_rank
+
+    before = os.sched_getaffinity(0)
+    cores = sorted(before)
+    try:
+        monkeypatch.delenv("AUTOPAR_NO_PIN", raising=False)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(len(cores)))
+        got = []
+        for r in range(len(cores)):
+            monkeypatch.setenv("LOCAL_RANK", str(r))
+            os.sched_setaffinity(0, before)  # each rank is a fresh process with every core allowed
+            got.append(pin_cpu_rank())
+            assert os.sched_getaffinity(0) == got[-1]
+        assert [len(g) for g in got] == [1] * len(cores) and set().union(*got) == before
+        monkeypatch.setenv("AUTOPAR_NO_PIN", "1")
+        assert pin_cpu_rank() is None
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+@pytest.mark.slow
+def test_profiler_two_processes(tmp_path):
+    """One real profile on 2 gloo processes: every layer class at tp 1/2 x cp 1/2 x 2 batch
+    sizes, every collective kind at both sizes, positive times."""
+    from planner.cli import torchrun_cmd
+
+    out = tmp_path / "p.json"
+    cmd = torchrun_cmd(2, ["-m", "cost_models.profiler", "--cluster", "local-cpu:2", "--model", "gpt-tiny",
+                           "--seq-len", "32", "--batches", "1,2", "--sizes", "1024,65536", "--repeats", "2",
+                           "-o", str(out)])
+    r = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    db = ProfileDB.load(out)
+    graph = load_graph("gpt-tiny", batch=1, seq_len=32)
+    sigs = {l.signature for l in graph.layers}
+    assert set(db.layers) == sigs
+    for samples in db.layers.values():
+        assert {(s.batch, s.tp, s.cp) for s in samples} == {(b, t, c) for b in (1, 2) for t in (1, 2) for c in (1, 2)}
+        assert all(s.fwd_s > 0 and s.bwd_s > 0 for s in samples)
+    kinds = {k.split("/")[0] for k in db.collectives}
+    assert kinds == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}
+    assert all(len(v) == 2 and all(s.seconds > 0 for s in v) for v in db.collectives.values())
+    assert "[profile] wrote" in r.stdout
