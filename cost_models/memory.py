@@ -163,11 +163,13 @@ def stage_memory(graph: ModelGraph, layers: list[int], cfg: ParallelConfig, infl
     f = per_param_bytes(cfg)
     w, g = f["weights_full"], f["grads_full"]
     big = max((t.params[i] for i in layers), default=0.0)
-    # backward working set: a layer's incoming weight gradient lives beside the accumulated
-    # p.grad before it is added in (the largest layer sets it)
-    buffers = big * g + P * f["buffers"]
     if cfg.zero == "fsdp" and cfg.pp == 1 and dp > 1:
-        buffers += 2 * big * (w + g) - big * g  # 2 layers unsharded (one computing, one prefetched)
+        buffers = 2 * big * (w + g)  # 2 layers unsharded (one computing, one prefetched), with their grads
+    else:
+        # backward working set: a layer's incoming weight gradient lives beside the accumulated
+        # p.grad before it is added in (the largest layer sets it)
+        buffers = big * g
+    buffers += P * f["buffers"]
     weights, grads, opt = P * f["weights"], P * f["grads"], P * f["optimizer"]
     act = sum(t.act[recompute][i] for i in layers) * inflight
     if layers:

@@ -139,23 +139,26 @@ def _flash_head_dims() -> tuple[int, ...]:
     return SUPPORTED_HEAD_DIMS
 
 
-class RingAttention:
-    """``fn(q, k, v, *, causal)`` doing ring attention over ``group`` (a cp process group).
+class RingCompute:
+    """The compute of ring attention for cp rank ``rank`` of ``cp``: ``fn(q, k, v, *, causal)``.
 
-    ``q``/``k``/``v`` are the local shards [B, H, S/cp, D] laid out by ``load_balance``.
-    ``fallback`` handles non-causal calls (default: the implementation installed before).
+    ``q``/``k``/``v`` are the local shards [B, H, S/cp, D] laid out by ``load_balance``;
+    ``fallback`` handles non-causal calls (default: SDPA). Each of the cp - 1 ring steps
+    attends the local queries to the block :meth:`_rotate` returns, with the global
+    positions of the rank it came from (causal mask, skipped blocks, log-sum-exp merges).
+    Here ``_rotate`` returns this rank's own block: the same work as the runtime's ring
+    without the exchange, which is what the profiler times (the communication model
+    prices the exchange). :class:`RingAttention` adds the exchange.
     """
 
-    def __init__(self, group, load_balance: str = "zigzag", fallback: Optional[Callable] = None,
+    def __init__(self, cp: int, rank: int, load_balance: str = "zigzag", fallback: Optional[Callable] = None,
                  flash: bool = False):
-        self.group = group
-        self.flash = flash
-        self.cp = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        if not 0 <= rank < cp:
+            raise ValueError(f"cp rank {rank} is outside 0..{cp - 1}")
+        self.cp, self.rank = cp, rank
         self.load_balance = load_balance
         self.fallback = fallback
-        self.nxt = dist.get_global_rank(group, (self.rank + 1) % self.cp)
-        self.prv = dist.get_global_rank(group, (self.rank - 1) % self.cp)
+        self.flash = flash
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
         if not causal:
@@ -186,30 +189,23 @@ class RingAttention:
         return out.to(q.dtype)
 
     def _rotate(self, kv: torch.Tensor) -> torch.Tensor:
-        """Send the packed K/V to the next cp rank, return the previous rank's (autograd-aware)."""
-        return _Rotate.apply(kv, self.nxt, self.prv, self.group)
+        return kv
 
 
-class RingCompute(RingAttention):
-    """The compute of :class:`RingAttention` for cp rank ``rank`` of ``cp``, with no exchange.
+class RingAttention(RingCompute):
+    """Ring attention over ``group`` (a cp process group): :class:`RingCompute` whose
+    visiting K/V blocks really travel around the ring (:class:`_Rotate`)."""
 
-    Every ring step attends the local queries to a K/V block of the same shape carrying
-    the visiting rank's global positions (so the causal mask, skipped blocks and merges
-    are exactly the runtime's), but the block is this rank's own: no process group, no
-    p2p. The profiler times a layer under context parallelism with it; the ring's
-    communication is costed separately by the communication model.
-    """
-
-    def __init__(self, cp: int, rank: int, load_balance: str = "zigzag", fallback: Optional[Callable] = None,
+    def __init__(self, group, load_balance: str = "zigzag", fallback: Optional[Callable] = None,
                  flash: bool = False):
-        if not 0 <= rank < cp:
-            raise ValueError(f"cp rank {rank} is outside 0..{cp - 1}")
-        self.group, self.flash, self.cp, self.rank = None, flash, cp, rank
-        self.load_balance, self.fallback = load_balance, fallback
-        self.nxt, self.prv = (rank + 1) % cp, (rank - 1) % cp
+        super().__init__(dist.get_world_size(group), dist.get_rank(group), load_balance, fallback, flash)
+        self.group = group
+        self.nxt = dist.get_global_rank(group, (self.rank + 1) % self.cp)
+        self.prv = dist.get_global_rank(group, (self.rank - 1) % self.cp)
 
     def _rotate(self, kv: torch.Tensor) -> torch.Tensor:
-        return kv
+        """Send the packed K/V to the next cp rank, return the previous rank's (autograd-aware)."""
+        return _Rotate.apply(kv, self.nxt, self.prv, self.group)
 
 
 def install_ring_attention(group, load_balance: str = "zigzag", flash: bool = False) -> RingAttention:
