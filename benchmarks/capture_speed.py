@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 
+from benchmarks.results import write_json
+
 _CHILD = r"""
 import json, resource, sys, time
 t0 = time.perf_counter()
@@ -46,9 +48,7 @@ def main() -> None:
         print(f"{r['model']:<14}{r['layers']:>7}{r['classes']:>8}{r['params'] / 1e9:>9.1f}B{r['seq_len']:>7}"
               f"{r['capture_s']:>11.2f}{r['build_and_capture_s']:>17.2f}{r['process_wall_s']:>11.2f}"
               f"{r['peak_rss_gib']:>14.2f}")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"rows": rows, "cpus": os.cpu_count()}, f, indent=1)
+    write_json(args.out, {"rows": rows, "cpus": os.cpu_count()})
 
 
 if __name__ == "__main__":

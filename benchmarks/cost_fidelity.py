@@ -18,13 +18,13 @@ The profiler pins every rank to its own cores, as the training runtime does
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import tempfile
 
 from cost_models.profile_db import ProfileDB
+from benchmarks.results import write_json
 
 
 def _run_profiler(nproc: int, model: str, seq: int, batches: str, sizes: str, out: str, repeats: int) -> None:
@@ -107,10 +107,8 @@ def main() -> None:
         a, n = summary[k], (noise or {}).get(k)
         rep = f"{n['within']:>15.0%}{n['median']:>8.1%}" if n else f"{'-':>15}{'-':>8}"
         print(f"{k:<8}{a['n']:>7}{a['within']:>8.0%}{a['median']:>14.1%}{a['max']:>11.1%}{rep}   (within {tol:.0%})")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "summary": summary, "noise": noise, "comm": comm_rows, "layers": layer_rows},
-                  f, indent=1)
+    write_json(args.out, {"args": vars(args), "summary": summary, "noise": noise, "comm": comm_rows,
+                          "layers": layer_rows})
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ per-process reserve (``mem_reserve_gib``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -47,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cost_models import calibrate as cal_mod  # noqa: E402
 from cost_models.cluster import parse_cluster  # noqa: E402
 from cost_models.profile_db import ProfileDB  # noqa: E402
+from benchmarks.results import write_json
 
 LLAMA_SPEC = "benchmarks/fidelity_llama.toml"
 
@@ -468,8 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"{len(failed)} plan(s) failed to run: " + "; ".join(f["config"] for f in failed))
     print(f"total {timings['total_s']:.0f} s (profile {timings['profile_s']:.0f} s, runs {timings['runs_s']:.0f} s)")
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1, default=str)
+    write_json(args.out, res)
     return 0
 
 

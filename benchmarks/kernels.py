@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
+from benchmarks.results import write_json
 
 
 def _attn_ref_fp32(q, k, v, causal):
@@ -189,9 +189,7 @@ def main(argv=None):
     result["attention"] = bench_attention(dev, seqs)
     result["linear_ce"] = bench_loss(dev, N=4096 if args.quick else 8192)
     result["wall_s"] = time.time() - t0
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, result)
     print(f"wrote {args.out} ({result['wall_s']:.0f} s)")
     return 0 if result["check"]["attention"]["ok"] and result["check"]["linear_ce"]["ok"] else 1
 

@@ -36,6 +36,8 @@ from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.results import write_json  # noqa: E402
+
 MiB = 2**20
 TOLERANCE = 0.15
 
@@ -436,11 +438,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         if not r["within_tolerance"]:
             ops = ", ".join(f"{k} {v / MiB:.1f}" for k, v in r["other_top_ops"])
             print(f"  {r['layout']} rank {r['rank']}: 'other' at peak by creating op (MiB): {ops}")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump({"args": vars(args), "run_seconds": run_s, "tolerance": TOLERANCE, "rows": rows,
-                   "layouts": {k: {kk: vv for kk, vv in v.items() if kk != "ranks"} for k, v in measured.items()}},
-                  fh, indent=1)
+    write_json(args.out, {"args": vars(args), "run_seconds": run_s, "tolerance": TOLERANCE, "rows": rows,
+                          "layouts": {k: {kk: vv for kk, vv in v.items() if kk != "ranks"}
+                                      for k, v in measured.items()}})
 
 
 if __name__ == "__main__":

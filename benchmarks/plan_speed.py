@@ -15,6 +15,8 @@ import os
 import subprocess
 import sys
 
+from benchmarks.results import write_json
+
 CASES = [
     ("llama3-8b", "dgx-h100:8", 512, 8192),      # 64 H100, 8 per node
     ("llama3-70b", "dgx-h100:64", 1024, 8192),   # 512 H100
@@ -64,9 +66,7 @@ def main() -> None:
         print(f"{r['model']:<12}{r['devices']:>8}{r['import_s']:>9.2f}{r['capture_s']:>10.2f}{r['search_s']:>9.2f}{r['plan_s']:>8.2f}"
               f"{r['considered']:>11}{r['pruned']:>8}{r['estimated']:>10}{r['fully_solved']:>7}  "
               f"{r['best']} ({r['step_s']:.3g} s, {r['mfu'] * 100:.1f}%)")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"rows": rows, "cpus": os.cpu_count()}, f, indent=1)
+    write_json(args.out, {"rows": rows, "cpus": os.cpu_count()})
 
 
 if __name__ == "__main__":
