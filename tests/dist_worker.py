@@ -152,15 +152,8 @@ def parity_group(world: int) -> dict:
             key = f"{model_name}/{name}"
             try:
                 losses, grads, dt = run_layout(model_name, kw, nv, data, cache)
-                missing = sorted(set(ref_grads) - set(grads))
-                scale = max(float(g.abs().max()) for g in ref_grads.values())
-                errs = {n: rel(grads[n], ref_grads[n], 1e-3 * scale) for n in ref_grads
-                        if n in grads and grads[n] is not None}
-                gerr = max(errs.values())
-                worst = max(errs, key=errs.get)
-                lerr = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-                results[key] = {"losses": losses, "ref_losses": ref_losses, "loss_rel_err": lerr,
-                                "grad_rel_err": gerr, "worst": worst, "missing": missing, "seconds": dt}
+                results[key] = {"losses": losses, "ref_losses": ref_losses, "seconds": dt,
+                                **compare(grads, ref_grads, losses, ref_losses)}
             except Exception as exc:  # report, keep going with the other layouts
                 import traceback
                 traceback.print_exc()
@@ -242,6 +235,17 @@ def ckpt_resume(ckpt_dir: str) -> dict:
     resumed = [pm.step(b) for b in data[step:]]
     pm.close()
     return {"resumed_from": step, "resumed": resumed}
+
+
+def compare(grads: dict, ref_grads: dict, losses: list, ref_losses: list) -> dict:
+    """Worst relative gradient and loss errors against one process; ``missing`` lists the
+    parameters the layout produced no gradient for (absent, or None)."""
+    scale = max(float(g.abs().max()) for g in ref_grads.values())
+    errs = {n: rel(grads[n], ref_grads[n], 1e-3 * scale) for n in ref_grads if grads.get(n) is not None}
+    worst = max(errs, key=errs.get)
+    return {"grad_rel_err": errs[worst], "worst": worst,
+            "missing": sorted(n for n in ref_grads if grads.get(n) is None),
+            "loss_rel_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))}
 
 
 def main() -> None:

@@ -22,7 +22,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from dist_worker import GB, LR, SEED, STEPS, batches, even_stages, reference, rel, tp_layout_for, units_of  # noqa: E402
+from dist_worker import (GB, LR, SEED, STEPS, batches, compare, even_stages, reference, tp_layout_for,  # noqa: E402
+                         units_of)
 from codegen.runtime.mesh import init_distributed, teardown  # noqa: E402
 from codegen.runtime.train import parallelize  # noqa: E402
 from planner import zoo  # noqa: E402
@@ -77,14 +78,6 @@ def run(model_name: str, cfg_kw: dict, n_virtual: int, data, layout: dict):
     dist.all_reduce(calls)  # summed over ranks (the last pipeline stage is not rank 0)
     return losses, grads, time.perf_counter() - t0, {"attention_impl": impl,
                                                     "calls": dict(zip(CALLS, calls.tolist()))}
-
-
-def compare(grads, ref_grads, losses, ref_losses) -> dict:
-    scale = max(float(g.abs().max()) for g in ref_grads.values())
-    errs = {n: rel(grads[n], ref_grads[n], 1e-3 * scale) for n in ref_grads if grads.get(n) is not None}
-    worst = max(errs, key=errs.get)
-    return {"grad_rel_err": errs[worst], "worst": worst, "missing": sorted(set(ref_grads) - set(grads)),
-            "loss_rel_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))}
 
 
 def main() -> None:

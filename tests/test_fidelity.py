@@ -139,7 +139,6 @@ def test_fidelity_smoke_two_processes(tmp_path, monkeypatch, capsys):
     assert cal and all(math.isfinite(v) for v in cal.values())
     loo = rep["leave_one_out"]
     assert len(loo) == 3
-    c = parse_cluster("local-cpu:2")
     samples = [C.sample_from_run(r["plan"], r["runs"][0]["log"], load_graph=load_graph, load_cluster=parse_cluster,
                                  warmup=2) for r in res["plans"]]
     prof = ProfileDB.load(tmp_path / "profile.json")
@@ -149,5 +148,4 @@ def test_fidelity_smoke_two_processes(tmp_path, monkeypatch, capsys):
 
     assert msle(cal) < msle({})
     assert any(abs(C.predict(s, prof, cal).step_s / C.predict(s, prof, {}).step_s - 1) > 0.05 for s in samples)
-    assert c.world == 2
     assert time.perf_counter() - t0 < 90

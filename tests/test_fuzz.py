@@ -337,7 +337,8 @@ def _load_and_emit(d):
         text = _call(emit, plan)
         if text is not None:
             compile(text, "train.py", "exec")  # whatever the plan says, the program is valid Python
-        _call(Plan.from_dict, json.loads(plan.to_json()))
+        # a plan it accepted must round-trip exactly
+        assert Plan.from_dict(json.loads(plan.to_json())).to_json() == plan.to_json()
     return plan
 
 

@@ -63,6 +63,7 @@ def runs(tmp_path_factory) -> dict:
 CASES = [f"{m}/{name}" for m in MODELS for names in LAYOUTS.values() for name in names]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_kernels_match_reference_and_eager_runtime(runs, case: str) -> None:
     k, e, ve = runs[f"{case}/kernels"], runs[f"{case}/eager"], runs[f"{case}/vs-eager"]

@@ -140,7 +140,8 @@ def test_infeasible_reports_smallest_shortfall() -> None:
     assert sf is not None and sf["rank"] in range(pr.pp) and sf["bytes"] > 0
     assert sf["bytes"] == pytest.approx(min_mem - pr.capacity, rel=1e-6)    # the smallest overrun
     assert res.rank_memory[sf["rank"]] == pytest.approx(pr.capacity + sf["bytes"])
-    assert f"OOM by {sf['gib']:.1f} GiB on stage {sf['stage']}"
+    assert sf["gib"] == pytest.approx(sf["bytes"] / 2**30) and sf["stage"] == sf["rank"]
+    assert sf["capacity"] == pr.capacity and sf["virtual_stages"][0] == sf["rank"]
     # interleaved (memory ILP path) and the heuristic say the same
     pr2 = _random_problem(random.Random(8), 8, 2, 2, 4, "interleaved-1f1b")
     pr2.capacity = 0.5 * min(mem for _, mem in _brute(pr2))

@@ -196,7 +196,8 @@ class ParallelModel:
         out: dict = {}
         for part in parts:
             for k, v in part.items():
-                out.setdefault(k, v)
+                if k not in out or (out[k][1] is None and v[1] is not None):  # a rank that has the gradient wins
+                    out[k] = v
         return out
 
 
