@@ -86,13 +86,22 @@ def _timeit(fn: Callable[[], Any], repeats: int, sync: Callable[[], None], budge
     return statistics.median(ts)
 
 
-def _agree_max(k: int) -> int:
-    """The largest ``k`` over all ranks (collectives are timed with one common batch size)."""
+def _reduce_device() -> str:
+    """Where a small tensor must live for a collective on the default group (nccl: the GPU)."""
+    import torch.distributed as dist
+
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def _agree_min(k: int) -> int:
+    """The smallest ``k`` over all ranks (every rank times the same number of calls; the
+    smallest keeps a rank whose calls are slow, or a rank with nothing to time, from
+    stretching everyone's batches)."""
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor([k], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor([k], dtype=torch.int64, device=_reduce_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
 
 
@@ -139,19 +148,20 @@ def measure_collectives(db, world: int, rank: int, sizes, repeats: int, device) 
                     out = torch.empty_like(x)
                     fn = lambda: dist.all_to_all_single(out, x, group=mine)
                 dist.barrier()
-                t = _timeit(fn, repeats, sync, budget_s=math.inf, agree=_agree_max)
-                tt = torch.tensor([t], dtype=torch.float64)
+                t = _timeit(fn, repeats, sync, budget_s=math.inf, agree=_agree_min)
+                tt = torch.tensor([t], dtype=torch.float64, device=device)
                 dist.all_reduce(tt, op=dist.ReduceOp.MAX)
                 db.add_collective(kind, n, "intra" if _same_node(groups[0]) else "inter", elems * 4, tt.item())
         _log(f"collectives over groups of {n}: done")
-    # p2p: pairs (0,1), (2,3), ... exchange at once; one-way time = ping-pong / 2
-    for nbytes in sizes:
+    # p2p: pairs (0,1), (2,3), ... exchange at once; one-way time = ping-pong / 2. With an odd
+    # world the last rank has no partner: it times nothing but joins every barrier and reduction.
+    peer = rank ^ 1
+    for nbytes in sizes if world > 1 else ():
         x = torch.ones(max(1, nbytes // 4), device=device)
-        peer = rank ^ 1
-        if peer >= world:
-            continue
 
         def pingpong():
+            if peer >= world:
+                return
             if rank % 2 == 0:
                 dist.send(x, peer)
                 dist.recv(x, peer)
@@ -159,8 +169,8 @@ def measure_collectives(db, world: int, rank: int, sizes, repeats: int, device) 
                 dist.recv(x, peer)
                 dist.send(x, peer)
         dist.barrier()
-        t = _timeit(pingpong, repeats, sync, budget_s=math.inf, agree=_agree_max) / 2
-        tt = torch.tensor([t], dtype=torch.float64)
+        t = _timeit(pingpong, repeats, sync, budget_s=math.inf, agree=_agree_min) / 2
+        tt = torch.tensor([t], dtype=torch.float64, device=device)
         dist.all_reduce(tt, op=dist.ReduceOp.MAX)
         db.add_collective("send_recv", 2, "intra" if _same_node([0, 1]) else "inter", x.numel() * 4, tt.item())
     _log("p2p: done")
@@ -306,9 +316,9 @@ def measure_layers(db, spec: str, seq_len: int, batches, tps, cps, repeats: int,
 
                     dist.barrier()
                     with use_attention_impl(ring):
-                        tf = _timeit(fwd, repeats, sync, agree=_agree_max, lockstep=dist.barrier)
-                        tfb = _timeit(fwd_bwd, repeats, sync, agree=_agree_max, lockstep=dist.barrier)
-                    tt = torch.tensor([tf, max(tfb - tf, 0.0)], dtype=torch.float64)
+                        tf = _timeit(fwd, repeats, sync, agree=_agree_min, lockstep=dist.barrier)
+                        tfb = _timeit(fwd_bwd, repeats, sync, agree=_agree_min, lockstep=dist.barrier)
+                    tt = torch.tensor([tf, max(tfb - tf, 0.0)], dtype=torch.float64, device=device)
                     dist.all_reduce(tt, op=dist.ReduceOp.MAX)
                     db.add_layer(sig, b, seq_len, tp, cp, tt[0].item(), tt[1].item())
                     done += 1
@@ -333,16 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     from cost_models.cluster import parse_cluster
     from cost_models.profile_db import ProfileDB
 
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        from codegen.runtime.mesh import pin_cpu_rank
+    from codegen.runtime.mesh import init_distributed
 
-        pin_cpu_rank()  # as the training runtime does: same placement, reproducible timings
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    # as the training runtime starts: nccl on this rank's GPU, or gloo with the rank pinned to its cores
+    device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda") if cuda else torch.device("cpu")
     torch.manual_seed(0)
     try:
         cluster = parse_cluster(args.cluster)

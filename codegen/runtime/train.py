@@ -142,7 +142,7 @@ class ParallelModel:
             sm.positions = positions
         self.optimizer.zero_grad()
         args = (ids, pix) if self.is_mllm else (ids,)
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)  # nccl reduces device tensors only
         with tpar.loss_context(self.cfg.tp):
             if self.schedule is None:
                 sm = self.stage_modules[0]
@@ -170,7 +170,7 @@ class ParallelModel:
         self.optimizer.step()
         self.step_count += 1
         owns_loss = self.has_last and self.tp_rank == 0
-        val = total / self.dp_mesh.size() if owns_loss else torch.zeros((), dtype=torch.float64)
+        val = total / self.dp_mesh.size() if owns_loss else torch.zeros_like(total)
         dist.all_reduce(val)
         return float(val)
 
@@ -204,7 +204,7 @@ class ParallelModel:
 def _scalar(t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, DTensor):
         t = t.full_tensor()
-    return t.detach().to(torch.float64).cpu()
+    return t.detach().to(torch.float64)
 
 
 def _materialize(model: nn.Module, units: Sequence[str], device: torch.device, seed: Optional[int]) -> None:
