@@ -311,7 +311,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
         "recompute": rank_parts["recompute"],
         "tp_comm": rank_parts["tp_comm"],
         "cp_comm": rank_parts["cp_comm"],
-        "p2p": max(0.0, pipe_s - busy) if cfg.pp > 1 and p2p else 0.0,
+        "p2p": 0.0,  # split off the bubble below when the pipeline has transfers
         "bubble": max(0.0, pipe_s - busy),
         "dp_comm": dp_exposed,
         "optimizer": opt_s,

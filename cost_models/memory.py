@@ -109,7 +109,7 @@ def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recom
         tp_part -= min(layer.act_bytes_attn_core, tp_part)
     if cfg.attention == "eager" and layer.attention is not None:
         a = layer.attention  # scores + probabilities (+ dropout mask) of an unfused attention
-        tp_part += 2 * graph.batch * a.heads * a.seq_len * a.kv_len * graph.dtype_bytes / cfg.cp
+        tp_part += 2 * graph.batch * a.heads * a.seq_len * a.kv_len * graph.dtype_bytes  # / cp below, once
     return (tp_part / cfg.tp + rest / (cfg.tp if cfg.sp else 1)) * scale / cfg.cp
 
 

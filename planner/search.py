@@ -65,10 +65,6 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _blocks(graph: ModelGraph) -> int:
-    return sum(1 for l in graph.layers if l.attention is not None) or len(graph.layers)
-
-
 class _Rejections:
     def __init__(self) -> None:
         self.examples: dict[str, list[str]] = {}
@@ -168,6 +164,8 @@ DOMINATED = {
     "gpipe": "1f1b: the same step time with min(pp, m) instead of m micro-batches in flight",
     "sp=off": "sp=on: the same TP traffic (reduce-scatter + all-gather = all-reduce) and sequence-sharded norms",
 }
+_DOMINATED_REASON = ("dominated (" + ", ".join(f"{k} by {v.split(':')[0]}" for k, v in DOMINATED.items())
+                     + ": no faster, more memory)")
 
 
 def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=None, top_k: int = 5,
@@ -262,7 +260,7 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
             best_s = min(best_s, e.step_s)
         n_dom = n_var - n_kept
         if n_dom:
-            rej.add("dominated (gpipe by 1f1b, sp=off by sp=on: no faster, more memory)", label, n_dom)
+            rej.add(_DOMINATED_REASON, label, n_dom)
             res.pruned += n_dom
     if not ranked:
         res.rejected, res.rejected_counts = rej.examples, rej.counts
@@ -328,16 +326,13 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
 
     m = microbatches(cfg, global_batch)
     fwd, bwd, act, static, out_p2p = [], [], [], [], []
-    costs: dict[str, _LayerCosts] = {}
-    f = per_param_bytes(cfg)
-    per_param = f["weights"] + f["grads"] + f["optimizer"] + f["buffers"]
+    per_param = sum(v for k, v in per_param_bytes(cfg).items() if k in ("weights", "grads", "optimizer", "buffers"))
     from cost_models import comm as comm_mod
 
     mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
-    for pol in RECOMPUTES:
-        costs[pol] = _LayerCosts(graph, cluster, cfg.replace(recompute=pol), profile)
+    costs = _LayerCosts(graph, cluster, cfg.replace(recompute="none"), profile)  # recompute is priced below
     for i, l in enumerate(graph.layers):
-        f_, b_, tp_s, cp_s, core_s, _, _ = costs["none"].get(l)
+        f_, b_, tp_s, cp_s, core_s, _, _ = costs.get(l)
         f = f_ + tp_s / 2 + cp_s / 3
         b = b_ + tp_s / 2 + 2 * cp_s / 3
         fwd.append({p: f for p in RECOMPUTES})
