@@ -20,13 +20,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
 
 
-def _fmt_num(x: float) -> str:
-    for unit, div in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(x) >= div:
-            return f"{x / div:.2f}{unit}"
-    return f"{x:.0f}"
-
-
 def _fmt_bytes(x: float) -> str:
     for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(x) >= div:
@@ -50,8 +43,9 @@ def cmd_graph(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(g.to_dict(), indent=1))
         return 0
-    from rich.console import Console
     from rich.table import Table
+
+    from planner.report_data import fmt_n as _fmt_num
 
     t = Table(title=f"{g.name}: batch {g.batch} x seq {g.seq_len}, captured in {g.capture_s:.2f} s")
     for col in ("#", "layer", "kind", "params", "fwd FLOPs", "bwd FLOPs", "activations", "output", "repeat of"):
@@ -314,29 +308,22 @@ def run_plan(plan_path: str, *, steps: int, run_dir: str, ckpt_every: int = 0, m
     return rc, log
 
 
-def compare_run(plan_path: str, log: str, warmup: int = 2) -> dict:
-    """Predicted against measured: median step time after ``warmup`` steps, peak memory."""
-    import statistics
-
+def compare_run(plan_path: str, log: str) -> dict:
+    """Predicted against measured for a finished run (``planner.report_data.compare_run``)."""
     from planner.plan import Plan
+    from planner.report_data import compare_run as compare, load_run_log
 
-    plan = Plan.load(plan_path)
-    recs = [json.loads(l) for l in open(log) if l.strip()]
-    times = [r["step_s"] for r in recs[warmup:]] or [r["step_s"] for r in recs]
-    meas = statistics.median(times)
-    pred = plan.estimate["step_s"]
-    return {"predicted_step_s": pred, "measured_step_s": meas, "ratio": meas / pred,
-            "measured_min_s": min(times), "measured_max_s": max(times), "steps": len(recs),
-            "first_loss": recs[0]["loss"], "last_loss": recs[-1]["loss"],
-            "predicted_memory_gib": plan.estimate.get("memory_gib"), "measured_peak_rss_gib": recs[-1]["memory_gib"]}
+    return compare(Plan.load(plan_path), load_run_log(log))
 
 
 def _print_comparison(c: dict) -> None:
     print(f"step time: predicted {c['predicted_step_s']:.3f} s, measured median {c['measured_step_s']:.3f} s "
           f"(min {c['measured_min_s']:.3f}, max {c['measured_max_s']:.3f}; measured/predicted {c['ratio']:.2f})")
-    print(f"loss: {c['first_loss']:.4f} -> {c['last_loss']:.4f} over {c['steps']} steps")
-    pm = ", ".join(f"{x:.2f}" for x in c["predicted_memory_gib"] or [])
-    mm = ", ".join(f"{x:.2f}" for x in c["measured_peak_rss_gib"])
+    if c["first_loss"] is not None:
+        print(f"loss: {c['first_loss']:.4f} -> {c['last_loss']:.4f} over {c['steps']} steps")
+    per_pp = {m["pp"]: m["predicted_gib"] for m in c["memory"] if m["predicted_gib"] is not None}
+    pm = ", ".join(f"{per_pp[p]:.2f}" for p in sorted(per_pp))
+    mm = ", ".join(f"{m['measured_gib']:.2f}" for m in c["memory"])
     print(f"memory: predicted per pp rank [{pm}] GiB (tensors + reserve); measured peak RSS per rank [{mm}] GiB "
           "(includes the Python/torch process, ~0.3-0.5 GiB)")
 

@@ -13,7 +13,7 @@ from cost_models.estimate import Estimate, estimate
 from planner.errors import AutoparError
 from planner.graph import ModelGraph
 from planner.plan import ParallelConfig, Partition, Plan
-from planner.search import SearchResult, best_partition, degree_tuples, search, _Rejections
+from planner.search import SearchResult, degree_tuples, search, split_and_estimate, _Rejections
 from planner.tp_layout import tp_layout
 
 GiB = 2**30
@@ -104,6 +104,5 @@ def evaluate_config(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, gl
         raise AutoparError(f"pp*vpp = {cfg.pp * cfg.vpp} stages for {n} layers: use fewer stages")
     if even_split or cfg.pp * cfg.vpp == 1:
         part = Partition.even(n, cfg.pp * cfg.vpp, cfg.recompute)
-    else:
-        part, _ = best_partition(graph, cluster, cfg, global_batch, profile)
-    return estimate(graph, cluster, cfg, part, global_batch, profile=profile), problems
+        return estimate(graph, cluster, cfg, part, global_batch, profile=profile), problems
+    return split_and_estimate(graph, cluster, cfg, global_batch, profile)[0], problems

@@ -271,16 +271,8 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
     finals: list[tuple[float, str, Estimate]] = []
     for _, key, e in ranked[:max(solve_top, 1)]:
         cfg = e.config
-        part, info = best_partition(graph, cluster, cfg, global_batch, profile, ilp_time_limit)
-        e2 = estimate(graph, cluster, cfg, part, global_batch, profile=profile)
+        e2, info = split_and_estimate(graph, cluster, cfg, global_batch, profile, ilp_time_limit)
         res.fully_solved += 1
-        if cfg.pp * cfg.vpp > 1:
-            # the ILP optimises a linear model of the schedule; the simulator is the judge
-            e_even = estimate(graph, cluster, cfg, Partition.even(n_layers, cfg.pp * cfg.vpp, cfg.recompute),
-                              global_batch, profile=profile)
-            if not e2.fits or (e_even.fits and e_even.step_s < e2.step_s):
-                e2 = e_even
-                info = dict(info, chosen="even split (simulated faster or the ILP split did not fit)")
         res.partition_info[cfg.to_str()] = info
         if e2.fits:
             finals.append((e2.step_s, key, e2))
@@ -355,6 +347,21 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
     return PartitionProblem(fwd=fwd, bwd=bwd, act=act, static=static, out_p2p=out_p2p,
                             classes=[l.signature for l in graph.layers], pp=cfg.pp, v=cfg.vpp, m=m,
                             schedule=sched, inflight=inflight, capacity=cluster.memory_bytes - reserve)
+
+
+def split_and_estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None,
+                       time_limit: float = 10.0) -> tuple[Estimate, dict]:
+    """``cfg`` simulated in full on its best stage split: the ILP's, unless the simulator
+    rates the even split faster or the ILP's does not fit (the ILP optimises a linear model
+    of the schedule; the simulator is the judge). Returns the estimate and the solver info."""
+    part, info = best_partition(graph, cluster, cfg, global_batch, profile, time_limit)
+    e = estimate(graph, cluster, cfg, part, global_batch, profile=profile)
+    if cfg.pp * cfg.vpp > 1:
+        e_even = estimate(graph, cluster, cfg, Partition.even(len(graph.layers), cfg.pp * cfg.vpp, cfg.recompute),
+                          global_batch, profile=profile)
+        if not e.fits or (e_even.fits and e_even.step_s < e.step_s):
+            e, info = e_even, dict(info, chosen="even split (simulated faster or the ILP split did not fit)")
+    return e, info
 
 
 def best_partition(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None,
