@@ -28,11 +28,11 @@ from benchmarks.results import write_json
 
 
 def _run_profiler(nproc: int, model: str, seq: int, batches: str, sizes: str, out: str, repeats: int) -> None:
+    from cost_models.profiler import worker_args
     from planner.cli import torchrun_cmd
 
-    cmd = torchrun_cmd(nproc, ["-m", "cost_models.profiler", "--cluster", f"local-cpu:{nproc}", "--model", model,
-                               "--seq-len", str(seq), "--batches", batches, "--sizes", sizes,
-                               "--repeats", str(repeats), "-o", out])
+    cmd = torchrun_cmd(nproc, worker_args(f"local-cpu:{nproc}", model, out, seq_len=seq, batches=batches, sizes=sizes,
+                                          repeats=repeats))
     subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 

@@ -110,6 +110,7 @@ def _kind(graph) -> str:
 
 def profile_models(models: list[str], cluster_spec: str, seq: int, batches: str, repeats: int, sizes: str,
                    work: str) -> str:
+    from cost_models.profiler import worker_args
     from planner.cli import torchrun_cmd
 
     cluster = parse_cluster(cluster_spec)
@@ -117,8 +118,8 @@ def profile_models(models: list[str], cluster_spec: str, seq: int, batches: str,
     for i, model in enumerate(models):
         out = os.path.join(work, f"profile-{i}.json")
         # collectives once (with the first model); the others only add their layers
-        args = ["-m", "cost_models.profiler", "--cluster", cluster_spec, "--model", model, "--seq-len", str(seq),
-                "--batches", batches, "--repeats", str(repeats), "--sizes", sizes if i == 0 else "1024", "-o", out]
+        args = worker_args(cluster_spec, model, out, seq_len=seq, batches=batches, repeats=repeats,
+                           sizes=sizes if i == 0 else "1024")
         t0 = time.perf_counter()
         subprocess.run(torchrun_cmd(cluster.world, args), check=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                        stdout=subprocess.DEVNULL)

@@ -4,8 +4,8 @@
 #   1. the Triton kernels on real CUDA: correctness against fp32 references, then their
 #      benchmark against SDPA-flash and eager linear + cross-entropy   (benchmarks/kernels.py)
 #   2. a profile of the GPU: layer times of llama-1b at the shapes a 1-GPU plan runs
-#   3. an emitted program on nccl: plan llama-1b for this one GPU, emit, run 10 steps,
-#      compare predicted and measured
+#   3. an emitted program on nccl: plan llama-1b for this one GPU with that profile, emit,
+#      run 10 steps, compare predicted and measured
 # Not yet run on a GPU (no machine was lent when it was written).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,32 +18,18 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 echo "== 1. kernels: correctness + benchmark"
 timeout 330 python -m benchmarks.kernels --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
 
-cat > "$OUT/h200x1.toml" <<'TOML'
-name = "h200x1"
-nodes = 1
-devices_per_node = 1
-backend = "nccl"
-[device]
-name = "H200"
-memory_gib = 140
-mem_bw_gbs = 4800
-[device.peak_tflops]
-bf16 = 989
-fp32 = 67
-[intra]
-bandwidth_gbs = 450
-latency_us = 3
-[inter]
-bandwidth_gbs = 50
-latency_us = 10
-TOML
+# one GPU of the h200-8x preset (the preset file itself, one device per node)
+sed -e 's/^name = .*/name = "h200x1"/' -e 's/^devices_per_node = .*/devices_per_node = 1/' \
+  cost_models/presets/h200-8x.toml > "$OUT/h200x1.toml"
 
 echo "== 2. profile of the GPU (layers of llama-1b, seq 2048)"
 timeout 60 python -m torch.distributed.run --nproc-per-node 1 -m cost_models.profiler --cluster "$OUT/h200x1.toml" \
   --model llama-1b --seq-len 2048 --batches 1,2 --repeats 5 -o "$OUT/profile_h200.json" 2>&1 | tail -5
 
 echo "== 3. plan -> emit -> run on nccl"
+PROFILE=()
+[ -s "$OUT/profile_h200.json" ] && PROFILE=(--profile "$OUT/profile_h200.json")  # uncalibrated roofline if step 2 failed
 timeout 60 python -m planner.cli plan --model llama-1b --cluster "$OUT/h200x1.toml" --global-batch 8 --seq-len 2048 \
-  --force -o "$OUT/plan_h200.json" 2>&1 | tail -15
+  "${PROFILE[@]}" --force -o "$OUT/plan_h200.json" 2>&1 | tail -15
 timeout 120 python -m planner.cli run "$OUT/plan_h200.json" --steps 10 --dir "$OUT/run_h200" 2>&1 | tail -15
 cp "$OUT/run_h200/train_log.jsonl" "$OUT/train_log_h200.jsonl" 2>/dev/null || true

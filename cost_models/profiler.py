@@ -325,6 +325,17 @@ def measure_layers(db, spec: str, seq_len: int, batches, tps, cps, repeats: int,
             _log(f"layers: {done}/{total} shapes measured (cp={cp}, batch={b})")
 
 
+def worker_args(cluster: str, model: str, out: str, *, seq_len: int | None = None, batches: str | None = None,
+                sizes: str | None = None, repeats: int | None = None) -> list[str]:
+    """The arguments after ``torchrun ...`` that run this profiler on every rank
+    (options left None take the profiler's defaults)."""
+    args = ["-m", "cost_models.profiler", "--cluster", cluster, "--model", model, "-o", out]
+    for flag, v in (("--seq-len", seq_len), ("--batches", batches), ("--sizes", sizes), ("--repeats", repeats)):
+        if v is not None:
+            args += [flag, str(v)]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cost_models.profiler")
     ap.add_argument("--cluster", required=True)

@@ -85,15 +85,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     import subprocess
 
     from cost_models.cluster import parse_cluster
+    from cost_models.profiler import worker_args
     from planner import zoo
 
     cluster = parse_cluster(args.cluster)
     zoo.load_model_spec(args.model)  # fail early on a bad model
     _check_out(args.out, args.force)
-    worker = ["-m", "cost_models.profiler", "--cluster", args.cluster, "--model", args.model,
-              "-o", args.out, "--batches", args.batches, "--repeats", str(args.repeats)]
-    if args.seq_len:
-        worker += ["--seq-len", str(args.seq_len)]
+    worker = worker_args(args.cluster, args.model, args.out, seq_len=args.seq_len or None, batches=args.batches,
+                         repeats=args.repeats)
     if cluster.nodes > 1 or cluster.backend != "gloo":
         print("run on every node (set NODE_RANK and MASTER_ADDR):")
         print(f"  torchrun --nnodes {cluster.nodes} --nproc-per-node {cluster.devices_per_node} "

@@ -129,9 +129,8 @@ def test_profiler_two_processes(tmp_path):
     from planner.cli import torchrun_cmd
 
     out = tmp_path / "p.json"
-    cmd = torchrun_cmd(2, ["-m", "cost_models.profiler", "--cluster", "local-cpu:2", "--model", "gpt-tiny",
-                           "--seq-len", "32", "--batches", "1,2", "--sizes", "1024,65536", "--repeats", "2",
-                           "-o", str(out)])
+    cmd = torchrun_cmd(2, profiler.worker_args("local-cpu:2", "gpt-tiny", str(out), seq_len=32, batches="1,2",
+                                               sizes="1024,65536", repeats=2))
     r = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -7,12 +7,11 @@ seed and the step: a resumed run sees exactly the batches an uninterrupted one s
 from __future__ import annotations
 
 import importlib
-import re
 from typing import Callable
 
 import torch
 
-_HOOK = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+from planner.zoo.spec import FUNC_SPEC as _HOOK
 
 DataFn = Callable[[int], dict]
 

@@ -31,7 +31,8 @@ from planner.zoo.mllm import MLLM
 
 Device = Union[str, torch.device, None]
 _ARCH_CLASSES = {"gpt": GPT, "llama": Llama, "mllm": MLLM}
-_FUNC_SPEC = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+# ``package.module:function``: the only form a model or data hook may name (nothing else is imported)
+FUNC_SPEC = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 _SPEC_HELP = "use a preset name, a .toml file, package.module:function or hf:<preset>"
 
 
@@ -193,7 +194,7 @@ def load_config_toml(path: str) -> ModelConfig:
 # ----------------------------------------------------------- module:function
 
 def _function_spec(spec: str) -> ModelSpec:
-    if not _FUNC_SPEC.match(spec):
+    if not FUNC_SPEC.match(spec):
         raise AutoparError(f"bad model spec {spec!r}: expected package.module:function (or a preset, a .toml "
                            "file, hf:<preset>)")
     mod_name, func_name = spec.split(":")
