@@ -153,13 +153,13 @@ def choose_plans(models: list[str], cluster, cluster_spec: str, seq: int, gb: in
         for k, alt in enumerate(res.alternatives, 1):
             if len(mine) > per_model_search:
                 break
-            if _layout_key(alt.config) in seen or not _runnable(g, alt.config, gb, seq):
+            if _layout_key(alt.config) in seen:
                 continue
             seen.add(_layout_key(alt.config))
             mine.append(Candidate(model, g, alt, f"search #{k + 1}"))
         for s in forced.get(_kind(g), []):
             cfg = ParallelConfig.parse(s + ",dtype=fp32")
-            if _layout_key(cfg) in seen or not _runnable(g, cfg, gb, seq):
+            if _layout_key(cfg) in seen:
                 continue
             try:
                 e, problems = evaluate_config(g, cluster, cfg, gb, profile=profile)
@@ -174,20 +174,6 @@ def choose_plans(models: list[str], cluster, cluster_spec: str, seq: int, gb: in
         out.append(mine)
     flat = [c for group in zip_longest(*out) for c in group if c is not None]
     return flat[:max_plans] if max_plans else flat
-
-
-def _runnable(g, cfg, gb: int, seq: int) -> bool:
-    """What codegen/runtime/train.py refuses, checked before running."""
-    tied = any(l.tied_to for l in g.layers)
-    if cfg.pp > 1 and tied:
-        return False
-    if gb % (cfg.dp * cfg.mbs) or gb // (cfg.dp * cfg.mbs) < cfg.pp:
-        return False
-    if cfg.cp > 1 and seq % (2 * cfg.cp):
-        return False
-    if cfg.sp and (seq // cfg.cp) % cfg.tp:
-        return False
-    return True
 
 
 def write_plans(cands: list[Candidate], cluster, cluster_spec: str, work: str) -> None:
@@ -425,10 +411,6 @@ def main(argv: list[str] | None = None) -> int:
         for c in new:
             if args.time_budget and time.perf_counter() - t_start > args.time_budget:
                 res["replan_calibrated"][c.graph.name]["note"] = "not run: time budget spent"
-                continue
-            if not _runnable(c.graph, c.estimate.config, args.global_batch, args.seq_len):
-                res["replan_calibrated"][c.graph.name]["note"] = (
-                    "not run: the runtime refuses this plan (e.g. fewer micro-batches than pipeline stages)")
                 continue
             d = os.path.join(args.work, f"replan-{c.graph.name}-{c.estimate.config.label().replace(' ', '_')}")
             os.makedirs(d, exist_ok=True)

@@ -13,7 +13,8 @@ from cost_models.estimate import Estimate, estimate
 from planner.errors import AutoparError
 from planner.graph import ModelGraph
 from planner.plan import ParallelConfig, Partition, Plan
-from planner.search import SearchResult, degree_tuples, search, split_and_estimate, _Rejections
+from planner.search import (SearchResult, degree_tuples, has_vision, search, sp_possible, split_and_estimate,
+                            _Rejections)
 from planner.tp_layout import tp_layout
 
 GiB = 2**30
@@ -99,6 +100,12 @@ def evaluate_config(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, gl
     ok = any(t == (cfg.dp, cfg.pp, cfg.cp, cfg.tp) for t in degree_tuples(
         graph, cluster, global_batch, rej, fixed={"dp": cfg.dp, "pp": cfg.pp, "cp": cfg.cp, "tp": cfg.tp}))
     problems = [] if ok else list(rej.counts)
+    m = global_batch // (cfg.dp * cfg.mbs) if global_batch % (cfg.dp * cfg.mbs) == 0 else 0
+    if cfg.pp > 1 and m < cfg.pp:
+        problems.append(f"{m} micro-batches for pp={cfg.pp}: the schedules need at least one per stage")
+    if cfg.sp and not sp_possible(cfg.tp, cfg.cp, graph.seq_len, has_vision(graph)):
+        problems.append(f"sequence parallel needs tp > 1, a text-only model and seq_len/cp = "
+                        f"{graph.seq_len // cfg.cp} divisible by tp={cfg.tp}: use sp=off")
     n = len(graph.layers)
     if cfg.pp * cfg.vpp > n:
         raise AutoparError(f"pp*vpp = {cfg.pp * cfg.vpp} stages for {n} layers: use fewer stages")

@@ -136,10 +136,10 @@ def has_vision(graph: ModelGraph) -> bool:
 
 
 def _variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: int, dtype: str,
-              loss: str, dominated: bool = True, vision: bool = False) -> Iterator[ParallelConfig]:
+              loss: str, dominated: bool = True, vision: bool = False, seq_len: int = 0) -> Iterator[ParallelConfig]:
     """The variants of one degree tuple. With ``dominated=False`` the variants the cost
-    model proves no better are left out (see ``DOMINATED``). Vision models run without
-    sequence parallel (the runtime does not sequence-shard the vision encoder)."""
+    model proves no better are left out (see ``DOMINATED``). Sequence parallel is offered
+    only where the runtime can run it (:func:`sp_possible`)."""
     scheds: list[tuple[str, int]] = [("1f1b", 1)]
     if pp > 1:
         scheds = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)]
@@ -149,13 +149,21 @@ def _variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: in
     for sched, v in scheds:
         if not dominated and sched == "gpipe":
             continue
+        sp_ok = sp_possible(tp, cp, seq_len, vision)
         for zero in (ZEROS if dp * cp > 1 else ("ddp",)):
             for rc in RECOMPUTES:
-                for sp in ((False, True) if tp > 1 and not vision else (False,)):
-                    if not dominated and tp > 1 and not sp and not vision:
+                for sp in ((False, True) if sp_ok else (False,)):
+                    if not dominated and sp_ok and not sp:
                         continue
                     yield ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, mbs=mbs, schedule=sched, vpp=v, zero=zero,
                                          recompute=rc, sp=sp, dtype=dtype, loss=loss)
+
+
+def sp_possible(tp: int, cp: int, seq_len: int, vision: bool) -> bool:
+    """Whether the runtime can sequence-shard the activations: tp > 1, a text-only model (the
+    vision encoder is not sequence-sharded) and each cp rank's ``seq_len / cp`` tokens
+    divisible by tp."""
+    return tp > 1 and not vision and (seq_len // cp) % tp == 0
 
 
 # Variants the cost model never prefers, with the one that dominates them (no slower, no
@@ -194,7 +202,7 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
                 rej.add(f"{m} micro-batches for pp={pp}: the schedules need at least one per stage",
                         f"dp={dp} pp={pp} cp={cp} tp={tp} mbs={mbs}")
                 continue
-            sp = tp > 1 and not vision
+            sp = sp_possible(tp, cp, graph.seq_len, vision)
             base = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, mbs=mbs, dtype=dtype, loss=loss, sp=sp)
             key = (tp, cp, mbs, sp)
             costs = cost_cache.get(key)
@@ -210,7 +218,8 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
             states = sum(table.params) / pp * 16 / (dp * cp)
             acts_full = min(table.act["full"])
             mem_floor = states + acts_full + reserve
-            n_var = sum(1 for _ in _variants(dp, pp, cp, tp, mbs, m, n_layers, dtype, loss, vision=vision))
+            n_var = sum(1 for _ in _variants(dp, pp, cp, tp, mbs, m, n_layers, dtype, loss, vision=vision,
+                                             seq_len=graph.seq_len))
             res.considered += n_var
             label = f"dp={dp} pp={pp} cp={cp} tp={tp} mbs={mbs}"
             if mem_floor > cap:
@@ -237,7 +246,8 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
         t_b = sum(costs.get(l)[1] for l in graph.layers) / pp
         t_core = sum(costs.get(l)[4] for l in graph.layers) / pp
         t_comm = sum(costs.get(l)[2] + costs.get(l)[3] for l in graph.layers) / pp
-        for cfg in _variants(dp, pp, cp, tp, mbs, m, n_layers, dtype, loss, dominated=False, vision=vision):
+        for cfg in _variants(dp, pp, cp, tp, mbs, m, n_layers, dtype, loss, dominated=False, vision=vision,
+                             seq_len=graph.seq_len):
             n_kept += 1
             # variant floor: this schedule on perfectly balanced stages, with its recompute
             extra = {"none": 0.0, "selective": t_core, "full": t_f}[cfg.recompute]

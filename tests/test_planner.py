@@ -108,3 +108,19 @@ def test_ilp_split_beats_even_split(spec, cluster, cfg, gb):
     ilp, _ = evaluate_config(g, c, c_, gb)
     even, _ = evaluate_config(g, c, c_, gb, even_split=True)
     assert _slowest(ilp) <= 0.85 * _slowest(even)
+
+
+def test_sequence_parallel_only_where_the_runtime_can_shard_the_sequence():
+    """seq_len / cp must divide by tp for SP (the runtime refuses otherwise): the search never
+    offers it there and evaluate names the problem."""
+    from planner.search import _variants
+
+    g = load_graph("llama-tiny", batch=1, seq_len=33)
+    odd = list(_variants(1, 1, 1, 2, 1, 2, len(g.layers), "fp32", "eager", dominated=False, seq_len=33))
+    even = list(_variants(1, 1, 1, 2, 1, 2, len(g.layers), "fp32", "eager", dominated=False, seq_len=32))
+    assert odd and not any(c.sp for c in odd)        # tp=2 still searched, without SP
+    assert even and all(c.sp for c in even)          # where SP runs, sp=off is dominated
+    _, problems = evaluate_config(g, parse_cluster("local-cpu:2"), ParallelConfig(tp=2, sp=True), 4)
+    assert any("sequence parallel needs" in p for p in problems), problems
+    _, problems = evaluate_config(g, parse_cluster("local-cpu:2"), ParallelConfig(tp=2, sp=False), 4)
+    assert not problems
