@@ -86,10 +86,6 @@ class Candidate:
     plan_path: str = ""
     runs: list[dict] = field(default_factory=list)   # {"dir", "rc", "median_s", "times", "mem_gib", "wall_s"}
 
-    @property
-    def key(self) -> str:
-        return f"{self.graph.name}|{self.estimate.config.to_str()}"
-
 
 def _log(msg: str) -> None:
     print(f"[fidelity] {msg}", file=sys.stderr, flush=True)

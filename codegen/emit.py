@@ -27,7 +27,6 @@ Run: torchrun --nproc-per-node {world} {{this file}} --steps 20
 """
 import argparse
 import json
-import os
 import resource
 import time
 

@@ -60,11 +60,11 @@ from typing import Any, Callable, Sequence
 from cost_models.cluster import Cluster
 from cost_models.compute import EFF_MATMUL_CPU, EFF_MATMUL_GPU, EFF_MEMORY
 from cost_models.estimate import OVERLAP, GiB, estimate
-from cost_models.profile_db import ProfileDB
+from cost_models.profile_db import COLLECTIVE_KINDS, ProfileDB
 from planner.graph import ModelGraph
 from planner.plan import ParallelConfig, Partition, Plan
 
-COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+COMM_KINDS = COLLECTIVE_KINDS
 TIME_KEYS = ("compute_scale", "comm_scale", "comm_latency_s", "overlap", "opt_scale", "step_overhead_s")
 PRIOR = 0.01        # weight of (log coefficient)^2 per coefficient, vs the mean squared log error
 KIND_PRIOR = 0.05   # weight of (log(kind factor / comm_scale))^2

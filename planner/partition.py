@@ -11,7 +11,7 @@ Inputs are plain floats (:class:`PartitionProblem`); the answer is a
 share one evaluation (:func:`evaluate_partition`), so their numbers compare directly:
 
 - :func:`solve_partition`   the ILP (PuLP; CBC by default, HiGHS on request)
-- :func:`greedy_partition`  a fast heuristic for ranking many candidate configurations
+- :func:`greedy_partition`  a fast heuristic split: the ILP's warm start and fallback
 - :func:`even_partition`    equal layer counts, one policy (``--even-split``)
 - :func:`evaluate_partition` the numbers of a given split
 

@@ -1,4 +1,4 @@
-"""A fast stage split for the search: a greedy min-max split with per-rank recompute
+"""A fast stage split, the ILP's warm start: a greedy min-max split with per-rank recompute
 policies, returning the ILP's PartitionResult (the ILP warm-starts from it; see
 planner/partition.py for the model, planner/partition_problem.py for the even split).
 """

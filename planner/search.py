@@ -1,8 +1,8 @@
 """Search: every configuration of the device count, priced, pruned, ranked.
 
 Space. Every factorisation ``world = dp x pp x cp x tp`` under the real constraints
-(tp inside a node and dividing heads and hidden - kv heads are replicated when tp
-exceeds them; cp dividing the sequence twice over for zigzag; pp at most the number
+(tp inside a node and dividing heads, kv heads and hidden - the runtime does not
+replicate kv heads, so larger tp is rejected; cp dividing the sequence twice over for zigzag; pp at most the number
 of layers; dp dividing the global batch), times micro-batch size (divisors of the
 per-replica batch up to ``max_mbs``), schedule (GPipe, 1F1B, interleaved with v in
 {2, 4}, ZB-H1), DP sharding (DDP, ZeRO-1, FSDP), recompute (none, selective, full)

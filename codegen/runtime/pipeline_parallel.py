@@ -57,7 +57,7 @@ def unit_order(model: nn.Module) -> list[str]:
     return units
 
 
-def stage_ranks(n_virtual: int, pp: int, schedule: str) -> list[int]:
+def stage_ranks(n_virtual: int, pp: int) -> list[int]:
     """pp rank of each virtual stage: looped placement ``j % pp`` (all schedules used here)."""
     return [j % pp for j in range(n_virtual)]
 
@@ -107,9 +107,6 @@ class StageModule(nn.Module):
         for fqn in self.units:
             _attach(self, fqn, model.get_submodule(fqn))
 
-    def unit_modules(self) -> list[tuple[str, nn.Module]]:
-        return [(f, self.get_submodule(f)) for f in self.units]
-
     def forward(self, *args: torch.Tensor, labels: Optional[torch.Tensor] = None):
         from codegen.runtime import recompute as _rc
         if self.is_first:
@@ -155,7 +152,7 @@ def build_stages(model: nn.Module, stage_units: Sequence[Sequence[str]], stage_r
     flat = [u for s in stage_units for u in s]
     if flat != all_units:
         raise ValueError(f"stages must cover the model's units in order; got {flat}, expected {all_units}")
-    ranks = stage_ranks(len(stage_units), pp, schedule)
+    ranks = stage_ranks(len(stage_units), pp)
     idx = [j for j, r in enumerate(ranks) if r == pp_rank]
     mods = [StageModule(model, stage_units[j], all_units, stage_recompute[j] if stage_recompute else "none")
             for j in idx]

@@ -1,8 +1,8 @@
 """``parallelize``: build the parallel training program for a plan; ``ParallelModel.step`` trains.
 
-Order of application (torchtitan's): context-parallel attention installed, then tensor
-parallel -> activation recompute -> pipeline stage split -> data parallel (FSDP2 /
-replicate over ``dp`` x ``cp``) -> optimizers (one per stage module, as torchtitan).
+Order of application: context-parallel attention installed, then the pipeline stage split
+(this rank's stage modules) -> tensor parallel -> activation recompute -> data parallel
+(FSDP2 / replicate over ``dp`` x ``cp``) -> optimizers (one per stage module, as torchtitan).
 
 Batching: ``step(batch)`` receives the GLOBAL batch (``global_batch`` sequences) on every
 rank. dp rank d takes rows ``[d*B/dp, (d+1)*B/dp)``, cp rank c the zigzag sequence shard
