@@ -12,7 +12,6 @@ import torch
 from cost_models.cluster import parse_cluster
 from codegen.emit import emit
 from planner.frontend import load_graph
-from planner.plan import Plan, PlanError
 from planner.planning import plan_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,18 +29,6 @@ def test_emitted_program_is_readable_python():
     compile(text, "train.py", "exec")
     assert len(text.splitlines()) <= 200
     assert repr(plan.config.to_str()) in text and "parallelize(" in text and "checkpoint.load_latest" in text
-
-
-def test_emit_refuses_code_in_plan_fields():
-    plan = _plan()
-    d = json.loads(plan.to_json())
-    d["model"]["spec"] = "os; import shutil"
-    with pytest.raises(PlanError):
-        emit(Plan.from_dict(d))
-    d = json.loads(plan.to_json())
-    d["pipeline"]["stages"][0]["layers"][0] = "embed'); import os; ('"
-    with pytest.raises(PlanError):
-        Plan.from_dict(d)
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ def test_partial_checkpoint_is_never_latest(tmp_path):
     assert checkpoint.latest_path(ck) == str(tmp_path / "step-2")
     (tmp_path / "latest").write_text("")                # an empty marker (crash while writing)
     assert checkpoint.latest_path(ck) == str(tmp_path / "step-4")
+    assert checkpoint.latest_path(str(tmp_path / "nothing")) is None   # no checkpoint folder at all
 
 
 def test_trim_log_drops_steps_after_the_checkpoint(tmp_path):

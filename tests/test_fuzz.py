@@ -396,6 +396,9 @@ def test_code_in_a_plan_is_refused(plan_dict, where, value):
     _mutate(d, where, "replace", value)
     with pytest.raises(PlanError):
         emit(Plan.from_dict(d))
+    if where[0] == "pipeline":  # a layer name is checked when the plan is read, before any emit
+        with pytest.raises(PlanError):
+            Plan.from_dict(d)
 
 
 def test_plan_files_are_json_only(plan_dict):

@@ -87,19 +87,3 @@ def test_checkpoint_resume_is_bitwise(runs) -> None:
     assert first["first_two"] == first["uninterrupted"][:2]
     assert resumed["resumed_from"] == 2
     assert resumed["resumed"] == first["uninterrupted"][2:]  # bitwise: exact float equality
-
-
-def test_latest_ignores_incomplete_step_dirs(tmp_path) -> None:
-    from codegen.runtime.checkpoint import latest_path
-    for n, complete in ((1, True), (2, True), (3, False)):
-        p = tmp_path / f"step-{n}"
-        p.mkdir()
-        (p / "__0_0.distcp").write_text("x")
-        if complete:
-            (p / ".metadata").write_text("m")
-    assert latest_path(str(tmp_path)) == str(tmp_path / "step-2")       # no marker: newest complete
-    (tmp_path / "latest").write_text("step-3\n")                          # marker to an incomplete dir
-    assert latest_path(str(tmp_path)) == str(tmp_path / "step-2")
-    (tmp_path / "latest").write_text("step-1\n")
-    assert latest_path(str(tmp_path)) == str(tmp_path / "step-1")
-    assert latest_path(str(tmp_path / "nothing")) is None
