@@ -159,13 +159,26 @@ class RingCompute:
         self.load_balance = load_balance
         self.fallback = fallback
         self.flash = flash
+        self._positions: dict[tuple, tuple] = {}  # (seq, device) -> positions on that device
+
+    def _ring_positions(self, seq: int, device: torch.device) -> tuple[torch.Tensor, list]:
+        """The local queries' global positions and, per ring step, the visiting block's
+        positions and whether no local query may see it, computed once per (seq, device):
+        the same for every layer and step, and the skip test needs no device sync."""
+        key = (seq, device)
+        if key not in self._positions:
+            q = local_positions(seq, self.cp, self.rank, self.load_balance)
+            steps = []
+            for step in range(1, self.cp):
+                kv = local_positions(seq, self.cp, (self.rank - step) % self.cp, self.load_balance)
+                steps.append((kv.to(device), bool((kv.min() > q).all())))
+            self._positions[key] = (q.to(device), steps)
+        return self._positions[key]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
         if not causal:
             return (self.fallback or _ZOO_ATTN.sdpa_attention)(q, k, v, causal=causal)
-        s_local = q.shape[2]
-        seq = s_local * self.cp
-        q_pos = local_positions(seq, self.cp, self.rank, self.load_balance, q.device)
+        q_pos, steps = self._ring_positions(q.shape[2] * self.cp, q.device)
         kv = torch.stack((k, v))
         if self.flash and q.shape[-1] in _flash_head_dims():
             from codegen.kernels.attention import attn_merge
@@ -177,11 +190,9 @@ class RingCompute:
                                                                  kv_pos=kv_pos)
             merge = merge_partials
         out, lse = block(q, k, v, q_pos)
-        for step in range(1, self.cp):
+        for kv_pos, unseen in steps:
             kv = self._rotate(kv)
-            src = (self.rank - step) % self.cp
-            kv_pos = local_positions(seq, self.cp, src, self.load_balance, q.device)
-            if bool((kv_pos.min() > q_pos).all()):
+            if unseen:
                 out = out + 0.0 * kv.sum()  # keep the rotate op in the graph (its backward exchanges)
                 continue
             o_b, l_b = block(q, kv[0], kv[1], kv_pos)
