@@ -1,10 +1,12 @@
 """Plan -> a standalone, readable training program (``autopar codegen plan.json -o train.py``).
 
 The program is the plan's constants followed by a short torchtitan-style train loop on
-codegen/runtime: build the model on meta, apply the plan (mesh, TP, CP, recompute, PP,
-DP), resume from the newest complete distributed checkpoint, train with AdamW on
-synthetic data (or a ``--data package.module:function`` hook), log every step as a JSON
-line, checkpoint every K steps. Run it with torchrun.
+codegen/runtime: build the model (on meta for the zoo and transformers models, whose
+adapters initialise only this rank's units; a plain module as its own function builds it,
+its weights then broadcast from rank 0), apply the plan (mesh, TP, CP, recompute, PP, DP),
+resume from the newest complete distributed checkpoint, train with AdamW on synthetic
+data (or a ``--data package.module:function`` hook), log every step as a JSON line,
+checkpoint every K steps. Run it with torchrun.
 
 Only validated values reach the program: the model spec (preset name, .toml path or a
 dotted ``package.module:function``), layer names and TP roles (identifiers, checked by
@@ -17,7 +19,7 @@ import re
 
 from planner.plan import Plan, PlanError, write_atomic
 
-_SPEC = re.compile(r"^([A-Za-z0-9_][\w.-]*|[\w./-]+\.toml|[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*|hf:[\w.-]+)$")
+_SPEC = re.compile(r"^([A-Za-z0-9_][\w.-]*|[\w./-]+\.toml|[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*|hf:[\w./-]+)$")
 
 TEMPLATE = '''#!/usr/bin/env python
 """Train {model_name} with {label} on {world} {device}s ({cluster}).
@@ -35,13 +37,14 @@ import torch.distributed as dist
 
 from codegen.runtime import checkpoint
 from codegen.runtime.data import synthetic, user_hook
-from codegen.runtime.mesh import init_distributed, teardown
+from codegen.runtime.mesh import exit_process, init_distributed, teardown
 from codegen.runtime.train import parallelize
 from planner import zoo
-from planner.plan import ParallelConfig
+from planner.plan import ModelFacts, ParallelConfig
 
 # ---- the plan --------------------------------------------------------------------------
-MODEL = {model!r}
+MODEL, ADAPTER, VOCAB = {model!r}, {adapter!r}, {vocab!r}
+FACTS = ModelFacts.from_dict({facts!r})  # what the runtime checks before building anything
 CONFIG = ParallelConfig.parse({config!r})
 STAGES = {stages!r}  # layer units per virtual stage
 RECOMPUTE = {recompute!r}  # per virtual stage
@@ -69,11 +72,12 @@ def main() -> None:
 
     device = init_distributed()
     spec = zoo.load_model_spec(MODEL)
-    model = spec.build("meta")
+    model = spec.build(None if ADAPTER == "module" else "meta")
     pm = parallelize(model, CONFIG, STAGES, RECOMPUTE, TP_LAYOUT, GLOBAL_BATCH, SEQ_LEN, device, seed=args.seed,
-                     optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.1))
-    data = user_hook(args.data, GLOBAL_BATCH, SEQ_LEN) if args.data else synthetic(spec.cfg, GLOBAL_BATCH, SEQ_LEN,
-                                                                                args.seed)
+                     facts=FACTS, optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.1))
+    mllm = spec.cfg if spec.cfg is not None and spec.cfg.arch == "mllm" else None
+    data = user_hook(args.data, GLOBAL_BATCH, SEQ_LEN) if args.data else synthetic(
+        VOCAB, GLOBAL_BATCH, SEQ_LEN, args.seed, mllm=mllm, model_shifts_labels=ADAPTER == "hf")
     start = checkpoint.load_latest(pm, args.ckpt_dir) or 0
     rank = dist.get_rank()
     if rank == 0:  # drop steps logged after the checkpoint we resume from (they are run again)
@@ -95,8 +99,11 @@ def main() -> None:
                   f"{{rec['tokens_per_s']:,.0f}} tok/s  peak {{max(mem):.2f}} GiB", flush=True)
         if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
             checkpoint.save(pm, args.ckpt_dir)
+    if log:
+        log.close()
     pm.close()
     teardown()
+    exit_process(0)
 
 
 if __name__ == "__main__":
@@ -120,7 +127,9 @@ def emit(plan: Plan) -> str:
         model_name=plan.model["name"], label=plan.config.label(), world=plan.config.world,
         device="GPU" if plan.cluster.get("backend") == "nccl" else "CPU process", cluster=plan.cluster["name"],
         step_s=float(est["step_s"]), tokens=float(est["tokens_per_s"]), mfu=float(est["mfu"]),
-        model=spec, config=plan.config.to_str(), stages=stages, recompute=[s["recompute"] for s in plan.stages],
+        model=spec, adapter=str(plan.model.get("adapter", "zoo")), vocab=int(plan.model.get("vocab") or 0),
+        facts=plan.facts.to_dict(), config=plan.config.to_str(), stages=stages,
+        recompute=[s["recompute"] for s in plan.stages],
         tp_layout=dict(plan.tp_layout), global_batch=int(plan.batch["global"]), seq_len=int(plan.batch["seq_len"]),
         memory=[float(x) for x in est.get("memory_gib", [])])
 

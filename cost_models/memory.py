@@ -88,11 +88,15 @@ class StageMemory:
         return d
 
 
-def layer_params_local(layer: Layer, tp: int) -> float:
-    """Parameters of ``layer`` held by one tp rank (TP-sharded ops divided, the rest replicated)."""
+def layer_params_local(layer: Layer, tp: int, pp: int = 1) -> float:
+    """Parameters of ``layer`` held by one tp rank (TP-sharded ops divided, the rest replicated).
+    Under pipeline parallelism (``pp > 1``) a layer sharing a parameter with an earlier layer
+    (a tied head) holds its own copy of it (sharded like the layer's own ops)."""
     sharded = sum(o.params for o in layer.ops if o.tp_style != "replicated")
     sharded = min(sharded, layer.params)
-    return sharded / tp + (layer.params - sharded)
+    tied = layer.tied_params if pp > 1 else 0
+    tied_div = tp if any(o.tp_style != "replicated" for o in layer.ops) else 1
+    return sharded / tp + (layer.params - sharded) + tied / tied_div
 
 
 def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recompute: str) -> float:
@@ -119,7 +123,7 @@ class LayerTable:
     prices thousands of stage splits of one configuration; this keeps that linear."""
 
     def __init__(self, graph: ModelGraph, cfg: ParallelConfig) -> None:
-        self.params = [layer_params_local(l, cfg.tp) for l in graph.layers]
+        self.params = [layer_params_local(l, cfg.tp, cfg.pp) for l in graph.layers]
         self.act = {p: [layer_activation(l, graph, cfg, p) for l in graph.layers]
                     for p in ("none", "selective", "full")}
 
@@ -173,10 +177,20 @@ def stage_memory(graph: ModelGraph, layers: list[int], cfg: ParallelConfig, infl
     weights, grads, opt = P * f["weights"], P * f["grads"], P * f["optimizer"]
     act = sum(t.act[recompute][i] for i in layers) * inflight
     if layers:
-        # back-propagating through a layer materialises gradients the size of its activations
-        biggest_act = max(t.act["none"][i] for i in layers)
-        buffers += biggest_act
-        if recompute == "full":  # and recomputing it re-materialises the activations themselves
-            buffers += biggest_act
+        # Back-propagating through layer j materialises gradients the size of its activations
+        # (twice that under full recompute, which re-materialises the activations too), while
+        # the layers after j in the stage have already released that micro-batch's
+        # activations: the peak is the worst j.
+        mult = 2.0 if recompute == "full" else 1.0
+        held, best = 0.0, (-1.0, 0.0)
+        for i in layers:
+            held += t.act[recompute][i]
+            work = mult * t.act["none"][i]
+            if held + work >= best[0]:
+                best = (held + work, work)
+        total = sum(t.act[recompute][i] for i in layers)
+        if inflight >= 1:
+            act -= total - (best[0] - best[1])  # the back-propagated micro-batch holds only up to j
+        buffers += best[1]
     return StageMemory(weights=weights, grads=grads, optimizer=opt, activations=act, buffers=buffers,
                        reserve=RESERVE_GPU if device_is_gpu else RESERVE_CPU, inflight=inflight)

@@ -264,7 +264,7 @@ def measure_layers(db, spec: str, seq_len: int, batches, tps, cps, repeats: int,
     from codegen.runtime.context_parallel import RingCompute
     from planner import zoo
     from planner.frontend import load_graph
-    from planner.zoo.attention import sdpa_attention, use_attention_impl
+    from planner.zoo.attention import SelfAttention, sdpa_attention
 
     graph = load_graph(spec, batch=1, seq_len=seq_len)
     ms = zoo.load_model_spec(spec)
@@ -314,10 +314,12 @@ def measure_layers(db, spec: str, seq_len: int, batches, tps, cps, repeats: int,
                         out = out if isinstance(out, torch.Tensor) else out[0]
                         (out.float().sum() if out.dim() else out).backward()
 
+                    for m in unit.modules():  # this unit's attention runs the ring's compute (or SDPA)
+                        if isinstance(m, SelfAttention):
+                            m.attn_impl = ring
                     dist.barrier()
-                    with use_attention_impl(ring):
-                        tf = _timeit(fwd, repeats, sync, agree=_agree_min, lockstep=dist.barrier)
-                        tfb = _timeit(fwd_bwd, repeats, sync, agree=_agree_min, lockstep=dist.barrier)
+                    tf = _timeit(fwd, repeats, sync, agree=_agree_min, lockstep=dist.barrier)
+                    tfb = _timeit(fwd_bwd, repeats, sync, agree=_agree_min, lockstep=dist.barrier)
                     tt = torch.tensor([tf, max(tfb - tf, 0.0)], dtype=torch.float64, device=device)
                     dist.all_reduce(tt, op=dist.ReduceOp.MAX)
                     db.add_layer(sig, b, seq_len, tp, cp, tt[0].item(), tt[1].item())

@@ -7,12 +7,13 @@ Inside a script started by torchrun (or a plain single process)::
         loss = par.step(batch)          # one optimizer step on the global batch
     par.save("ckpt")                    # distributed checkpoint; par.load("ckpt") resumes
 
-``model`` follows the zoo's structure (units ``embed``, ``layers.<i>``, ``norm``,
-``head`` whose ``forward(x, labels)`` returns the loss; attention through
-``planner.zoo.attention``): the runtime splits, shards and pipelines those units.
-``example_batch`` is the global batch of one step (``input_ids``, ``labels`` and, for
-the vision+language model, ``pixel_values``); its shape fixes the global batch and
-sequence length of the plan.
+``model`` is a zoo model, any transformers causal LM, or the user's own ``nn.Module``
+with a stack of repeated blocks whose last unit returns logits (its runtime adapter,
+``codegen/runtime/adapters``, says how it is split, sharded and pipelined; an explicit
+``module_spec`` names the units when they cannot be inferred). ``example_batch`` is the
+global batch of one step (``input_ids``, ``labels`` in the model's own convention: a
+transformers model shifts them itself, and, for the vision+language model,
+``pixel_values``); its shape fixes the global batch and sequence length of the plan.
 """
 from __future__ import annotations
 
@@ -72,22 +73,31 @@ class Parallelized:
 def auto_parallelize(model: nn.Module, example_batch: dict[str, torch.Tensor], loss_fn: Callable | None = None,
                      cluster: str = "detect", optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
                      *, spec: str | None = None, profile: str | None = None, seed: int | None = None,
-                     plan: str | None = None) -> Parallelized:
+                     plan: str | None = None, module_spec: Any = None) -> Parallelized:
     """Capture ``model`` on ``example_batch``, plan it for ``cluster`` on rank 0, broadcast the
     plan, apply it; returns an object with ``.step(batch)``, ``.plan``, ``.save``, ``.load``.
 
     ``optimizer`` is a factory ``params -> torch.optim.Optimizer`` (AdamW by default);
-    ``plan`` uses a plan file instead of planning; ``loss_fn`` is not supported yet: the
-    model's head computes the loss.
+    ``plan`` uses a plan file instead of planning; ``loss_fn(logits, labels) -> summed loss``
+    replaces the token cross-entropy of a plain module (``module_spec`` =
+    ``codegen.runtime.adapters.module.ModuleSpec(blocks=..., before=..., after=..., loss=...)``
+    names its units explicitly).
     """
     import torch.distributed as dist
 
+    from codegen.runtime.adapters import adapter_for, adapter_kind
     from codegen.runtime.mesh import init_distributed
     from codegen.runtime.train import default_optimizer, parallelize
 
     if loss_fn is not None:
-        raise AutoparError("auto_parallelize(loss_fn=...) is not supported yet: let the model's head return the "
-                           "loss when given labels")
+        if adapter_kind(model) != "module":
+            raise AutoparError("auto_parallelize(loss_fn=...) applies to a plain module; a zoo or transformers "
+                               "model computes its own loss")
+        from codegen.runtime.adapters.module import ModuleSpec
+        if module_spec is None:
+            raise AutoparError("loss_fn needs the units named too: pass module_spec=ModuleSpec(blocks=..., "
+                               "before=..., after=..., loss=loss_fn)")
+        module_spec = ModuleSpec(module_spec.blocks, module_spec.before, module_spec.after, loss_fn)
     if not isinstance(example_batch, dict) or "input_ids" not in example_batch:
         raise AutoparError("example_batch must be a dict with input_ids (and labels): the global batch of one step")
     if "WORLD_SIZE" not in os.environ:  # a plain single process: a one-rank group
@@ -106,7 +116,8 @@ def auto_parallelize(model: nn.Module, example_batch: dict[str, torch.Tensor], l
     box: list[Any] = [None]
     if rank == 0:
         try:
-            box[0] = _plan_on_rank0(model, example_batch, cluster, world, gb, spec, profile, plan).to_json()
+            box[0] = _plan_on_rank0(model, example_batch, cluster, world, gb, spec, profile, plan,
+                                    module_spec).to_json()
         except AutoparError as e:
             box[0] = {"error": str(e)}
     dist.broadcast_object_list(box, src=0)
@@ -116,15 +127,18 @@ def auto_parallelize(model: nn.Module, example_batch: dict[str, torch.Tensor], l
 
     the_plan = Plan.from_dict(json.loads(box[0]), source="broadcast plan")
     stages = [s["layers"] for s in the_plan.stages]
+    adapter = adapter_for(model, module_spec, order=the_plan.model["layers"], seq_len=seq)
     pm = parallelize(model, the_plan.config, stages, [s["recompute"] for s in the_plan.stages], the_plan.tp_layout,
-                     gb, seq, device, optimizer_factory=optimizer or default_optimizer, seed=seed)
+                     gb, seq, device, optimizer_factory=optimizer or default_optimizer, seed=seed, adapter=adapter,
+                     facts=the_plan.facts)
     return Parallelized(pm, the_plan)
 
 
-def _plan_on_rank0(model, example, cluster, world, gb, spec, profile, plan_path) -> Plan:
+def _plan_on_rank0(model, example, cluster, world, gb, spec, profile, plan_path, module_spec) -> Plan:
+    from codegen.runtime.adapters import adapter_kind
     from cost_models.cluster import parse_cluster
     from cost_models.profile_db import ProfileDB
-    from planner.capture import capture
+    from planner.frontend import graph_of
     from planner.planning import plan_model
 
     if plan_path:
@@ -134,9 +148,18 @@ def _plan_on_rank0(model, example, cluster, world, gb, spec, profile, plan_path)
         raise AutoparError(f"cluster {c.name} has {c.world} devices but this job has {world} processes: "
                            "launch one process per device or pass a matching cluster")
     cfg = getattr(model, "config", None)
-    graph = capture(model, example, name=getattr(cfg, "name", type(model).__name__),
-                    hidden=getattr(cfg, "hidden", None), vocab=getattr(cfg, "vocab", None))
+    kind = "module" if module_spec is not None else adapter_kind(model)
+    name = getattr(cfg, "name", None) or getattr(cfg, "model_type", None) or type(model).__name__
+    seq = int(example["input_ids"].shape[1])
+    if kind == "module":  # a plain module takes the token ids; its logits stand in for the loss in capture
+        graph = graph_of(model, (example["input_ids"],), name=name, seq_len=seq, module_spec=module_spec,
+                         loss_fn=lambda out: out.float().sum())
+    elif kind == "hf":
+        graph = graph_of(model, dict(example, use_cache=False), name=name, seq_len=seq)
+    else:
+        graph = graph_of(model, example, name=name, seq_len=seq, hidden=getattr(cfg, "hidden", None),
+                         vocab=getattr(cfg, "vocab", None))
     prof = ProfileDB.load(profile) if profile else None
-    p, _ = plan_model(graph, c, gb, spec=spec or getattr(cfg, "name", "module"), cluster_spec=c.name, profile=prof)
+    p, _ = plan_model(graph, c, gb, spec=spec or name, cluster_spec=c.name, profile=prof)
     return p
 

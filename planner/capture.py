@@ -45,15 +45,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from planner.errors import AutoparError
+from planner.fx_graph import GraphBuilder, unit_costs
 from planner.graph import AttentionDims, Layer, Linear, ModelGraph, Op
+from planner.layer_kinds import ATTN_OPS, is_linear, layer_kind, lin_dims, part_kind
 
-_ATTN_OPS = {
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_flash_attention_forward", "_efficient_attention_forward", "flash_attn_fwd",
-}
-_LOSS_OPS = {"nll_loss_forward", "nll_loss2d_forward", "_log_softmax", "cross_entropy_loss", "linear_ce_fwd"}
-_NORM_OPS = {"native_layer_norm", "_fused_rms_norm", "rms_norm"}
 _VIEW_OPS_TAG = torch.Tag.view_copy if hasattr(torch.Tag, "view_copy") else None
 
 
@@ -168,7 +163,8 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 
 class _Recorder(TorchDispatchMode):
-    """Counts FLOPs and bytes of every ATen op and attributes it to (unit, part)."""
+    """Sees every ATen op: appends it to the FX graph (``builder``, when set) with its FLOPs,
+    bytes and (unit, part, phase), and notes which op kinds each part ran."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -176,34 +172,33 @@ class _Recorder(TorchDispatchMode):
         self.part = ""
         self.backward = False
         self.last_op = ""
-        self.pending_first: _UnitRec | None = None
+        self.builder: GraphBuilder | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.last_op = str(func.overloadpacket.__name__)
         out = func(*args, **kwargs)
         unit = self.unit
+        name = self.last_op
+        if self.builder is not None:
+            flops = 0.0
+            fn = flop_registry.get(func.overloadpacket)
+            if fn is not None:
+                flops = float(fn(*args, **kwargs, out_val=out))
+            elif "scaled_dot_product" in name or "flash_attn" in name:
+                flops = _attention_flops(name, args)
+            is_view = func.is_view or name in ("view", "_unsafe_view", "expand", "t", "transpose", "permute",
+                                                 "detach", "alias", "slice", "select", "unsqueeze", "squeeze")
+            nb = 0 if is_view else sum(_nbytes(t) for t in _tensors((args, kwargs, out)))
+            self.builder.record(func, args, kwargs, out, dict(
+                unit=unit.name if unit is not None else None, part=self.part, op=name, flops=flops, bytes=nb,
+                phase="bwd" if self.backward else "fwd"))
         if unit is None:
             return out
-        rec = unit.part(self.part)
-        name = self.last_op
-        flops = 0.0
-        fn = flop_registry.get(func.overloadpacket)
-        if fn is not None:
-            flops = float(fn(*args, **kwargs, out_val=out))
-        elif "scaled_dot_product" in name or "flash_attn" in name:
-            flops = _attention_flops(name, args)
-        is_view = func.is_view or name in ("view", "_unsafe_view", "expand", "t", "transpose", "permute",
-                                             "detach", "alias", "slice", "select", "unsqueeze", "squeeze")
-        nb = 0 if is_view else sum(_nbytes(t) for t in _tensors((args, kwargs, out)))
-        if self.backward:
-            rec.bwd_flops += flops
-            unit.bwd_bytes += nb
-        else:
-            rec.fwd_flops += flops
-            rec.fwd_bytes += nb
-            rec.ops.add(name)
-            if name in _ATTN_OPS and unit.attention is None:
+        unit.part(self.part)
+        if not self.backward:
+            unit.part(self.part).ops.add(name)
+            if name in ATTN_OPS and unit.attention is None:
                 q, k = args[0], args[1]
                 causal = bool(kwargs.get("is_causal", args[4] if len(args) > 4 and isinstance(args[4], bool)
                                          else False))
@@ -214,9 +209,11 @@ class _Recorder(TorchDispatchMode):
 
 # ---------------------------------------------------------------- capture -------
 
-def _fake_copy(model: nn.Module, fake_mode, keep: set[int]) -> nn.Module:
-    """Structural copy of ``model`` with fake CPU parameters/buffers; stack members
-    whose id is not in ``keep`` are left out (their lists are shortened)."""
+def _fake_copy(model: nn.Module, fake_mode, keep: set[int], members: set[int]) -> nn.Module:
+    """Structural copy of ``model`` with fake CPU parameters/buffers; block-stack members
+    (``members``: ids of the units that are stack members) whose id is not in ``keep`` are
+    left out (their lists are shortened). Other lists (an MLP written as nn.Sequential)
+    are copied whole."""
     memo: dict[int, Any] = {}
     with fake_mode:
         for p in model.parameters():
@@ -230,7 +227,7 @@ def _fake_copy(model: nn.Module, fake_mode, keep: set[int]) -> nn.Module:
     for m in model.modules():
         if _is_stack(m):
             for c in m.children():
-                if id(c) not in keep:
+                if id(c) in members and id(c) not in keep:
                     memo[id(c)] = c  # not copied; removed from the copy below
                     dropped.append(id(c))
     clone = copy.deepcopy(model, memo)
@@ -267,73 +264,33 @@ def _default_loss(out: Any) -> torch.Tensor:
     return sum(t.float().sum() for t in ts)
 
 
-def _part_kind(part: _PartRec, module: nn.Module | None, vocab: int | None) -> tuple[str, str]:
-    ops = part.ops
-    mods = list(module.modules()) if module is not None else []
-    if ops & _ATTN_OPS or any(o in ops for o in ("_softmax", "_safe_softmax")) and "bmm" in ops:
-        return "attention", "heads"
-    if "embedding" in ops:
-        return "embedding", "vocab" if module is not None and any(
-            isinstance(m, nn.Embedding) and m.num_embeddings == vocab for m in mods) else "replicated"
-    if ops & _LOSS_OPS and not part.linears:
-        return "loss", "vocab"
-    if len(part.linears) >= 2:
-        return "mlp", "col_row"
-    if len(part.linears) == 1:
-        _, lin = part.linears[0]
-        out_f = _lin_dims(lin)[1]
-        return ("linear", "vocab") if vocab and out_f == vocab else ("linear", "replicated")
-    if ops & _NORM_OPS or (module is not None and "norm" in type(module).__name__.lower()):
-        return "norm", "replicated"
-    return "other", "replicated"
-
-
-def _lin_dims(m: nn.Module) -> tuple[int, int]:
-    if isinstance(m, nn.Linear):
-        return m.in_features, m.out_features
-    w = m.weight  # HF Conv1D stores [in, out]
-    return int(w.shape[0]), int(w.shape[1])
-
-
-def _is_linear(m: nn.Module) -> bool:
-    return isinstance(m, nn.Linear) or (type(m).__name__ == "Conv1D" and getattr(m, "weight", None) is not None
-                                        and m.weight.dim() == 2)
-
-
-def _layer_kind(name: str, parts: dict[str, tuple[str, str]], first: bool, attn: AttentionDims | None) -> str:
-    kinds = {k for k, _ in parts.values()}
-    visual = any(w in name.lower() for w in ("vision", "visual", "image", "vit", "patch"))
-    if "attention" in kinds:
-        return "vision_block" if visual or (attn is not None and not attn.causal and visual) else "transformer_block"
-    if "embedding" in kinds:
-        return "embedding"
-    if visual and first:
-        return "vision_embedding"
-    if "linear" in kinds and any(s == "vocab" for _, s in parts.values()):
-        return "head"
-    if "loss" in kinds:
-        return "loss"
-    if "mlp" in kinds or "linear" in kinds:
-        return "projector" if "proj" in name.lower() or "mlp" in kinds else "other"
-    if kinds <= {"norm", "other"} and "norm" in kinds:
-        return "norm"
-    return "other"
-
-
 def capture(model: nn.Module, example: dict[str, Any] | tuple, *, name: str | None = None,
             loss_fn: Callable[[Any], torch.Tensor] | None = None, config: dict[str, Any] | None = None,
-            hidden: int | None = None, vocab: int | None = None) -> ModelGraph:
+            hidden: int | None = None, vocab: int | None = None,
+            units: list[tuple[str, nn.Module, str | None]] | None = None) -> ModelGraph:
     """Capture ``model`` on ``example`` (a dict of keyword inputs or a tuple of positional
     ones; tensors may be on any device, meta included: only shapes and dtypes are read).
 
     ``model`` is not modified and no real weight or activation is allocated.
     ``loss_fn(output) -> scalar`` turns the output into the loss when the model does
-    not return one. Returns a ModelGraph for the batch and sequence of ``example``.
+    not return one. ``units``: (path, module, stack path or None) per layer unit, as the
+    model's runtime adapter sees them (default :func:`find_units`). Returns a ModelGraph for
+    the batch and sequence of ``example``; :func:`capture_fx` also returns the FX graph.
     """
+    return capture_fx(model, example, name=name, loss_fn=loss_fn, config=config, hidden=hidden, vocab=vocab,
+                      units=units)[0]
+
+
+def capture_fx(model: nn.Module, example: dict[str, Any] | tuple, *, name: str | None = None,
+               loss_fn: Callable[[Any], torch.Tensor] | None = None, config: dict[str, Any] | None = None,
+               hidden: int | None = None, vocab: int | None = None,
+               units: list[tuple[str, nn.Module, str | None]] | None = None):
+    """:func:`capture`, returning ``(ModelGraph, torch.fx.Graph)``: the graph of the step's
+    forward and backward ATen ops the layer costs were summed from (``planner/fx_graph.py``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     t0 = time.perf_counter()
-    units = find_units(model)
+    units = list(units) if units is not None else find_units(model)
     if not units:
         raise AutoparError("capture: the model has no submodules to split into layers; "
                            "wrap its computation in nn.Module children")
@@ -346,7 +303,7 @@ def capture(model: nn.Module, example: dict[str, Any] | tuple, *, name: str | No
                 reps[(stack, sigs[path])] = path
             keep.add(id(m))
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    clone = _fake_copy(model, fake_mode, keep)
+    clone = _fake_copy(model, fake_mode, keep, {id(m) for _, m, stack in units if stack is not None})
     cmods = dict(clone.named_modules())
     # Map the clone's (shortened) paths back to the original unit paths.
     orig_by_id = {id(m): path for path, m, _ in units}
@@ -432,7 +389,7 @@ def capture(model: nn.Module, example: dict[str, Any] | tuple, *, name: str | No
             handles.append(child.register_forward_pre_hook(part_pre(u, pname, None)))
             handles.append(child.register_forward_hook(part_post(u, pname)))
         for lname, sub in u.module.named_modules():
-            if _is_linear(sub):
+            if is_linear(sub):
                 lin_names[id(sub)] = lname
                 top = lname.split(".")[0] if lname else ""
                 handles.append(sub.register_forward_pre_hook(part_pre(u, top, sub)))
@@ -445,6 +402,8 @@ def capture(model: nn.Module, example: dict[str, Any] | tuple, *, name: str | No
             sid = t.untyped_storage()._cdata
         except Exception:
             return t
+        if rec.builder is not None:
+            rec.builder.mark_saved(t)
         if sid in param_storages or sid in saved_seen:
             return t
         saved_seen.add(sid)
@@ -471,11 +430,12 @@ def capture(model: nn.Module, example: dict[str, Any] | tuple, *, name: str | No
                 clone(*fargs, **fkwargs)
             for u in recs.values():
                 ch = dict(u.module.named_children())
-                kinds = {p: _part_kind(r, ch.get(p, u.module if p == "" else None), vocab) for p, r in u.parts.items()}
+                kinds = {p: part_kind(r, ch.get(p, u.module if p == "" else None), vocab) for p, r in u.parts.items()}
                 _tp_parts[u.name] = {p for p, (_, s) in kinds.items() if s != "replicated"}
                 u.parts.clear(); u.ran = False; u.attention = None; u.output_bytes = 0; u.input_bytes = 0
             order.clear()
             rec.unit, rec.part = None, ""
+            rec.builder = GraphBuilder({id(p): n for n, p in clone.named_parameters(remove_duplicate=False)})
             with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = clone(*fargs, **fkwargs)
                 loss = loss_fn(out) if loss_fn is not None else _default_loss(out)
@@ -493,26 +453,42 @@ def capture(model: nn.Module, example: dict[str, Any] | tuple, *, name: str | No
     finally:
         for h in handles:
             h.remove()
+    _costs_from_graph(rec.builder.graph, recs)
+    graph = _assemble(model, units, sigs, reps, recs, order, example, t0, name, config, hidden, vocab)
+    return graph, rec.builder.graph
 
-    return _assemble(model, units, sigs, reps, recs, order, example, t0, name, config, hidden, vocab)
+
+def _costs_from_graph(fx_graph, recs: dict[str, _UnitRec]) -> None:
+    """Each unit part's forward / backward FLOPs and bytes: sums over its FX graph nodes."""
+    for (unit, part, phase), c in unit_costs(fx_graph).items():
+        if unit not in recs:
+            continue
+        r = recs[unit].part(part)
+        if phase == "fwd":
+            r.fwd_flops += c.flops
+            r.fwd_bytes += c.bytes
+        else:
+            r.bwd_flops += c.flops
+            recs[unit].bwd_bytes += c.bytes
 
 
 def _assemble(model, units, sigs, reps, recs, order, example, t0, name, config, hidden, vocab) -> ModelGraph:
     units_by_path = {p: (m, s) for p, m, s in units}
     # Parameters per unit on the ORIGINAL model, tied weights counted at first owner.
     owner: dict[int, str] = {}
-    params: dict[str, tuple[int, int, str | None]] = {}
+    params: dict[str, tuple[int, int, str | None, int]] = {}
     for path, m, _ in units:
-        n = nb = 0
+        n = nb = n_tied = 0
         tied = None
         for pn, p in m.named_parameters():
             if id(p) in owner:
                 tied = f"{owner[id(p)]}.{pn}"
+                n_tied += p.numel()
                 continue
             owner[id(p)] = path
             n += p.numel()
             nb += p.numel() * p.element_size()
-        params[path] = (n, nb, tied)
+        params[path] = (n, nb, tied, n_tied)
     root_params = sum(p.numel() for p in model.parameters() if id(p) not in owner)
     # Execution order, expanded: the first member of a stack to run emits the stack.
     full_order: list[tuple[str, str]] = []  # (unit path, rep path)
@@ -552,7 +528,7 @@ def _assemble(model, units, sigs, reps, recs, order, example, t0, name, config, 
         kinds = {}
         linears: list[Linear] = []
         for pname, pr in r.parts.items():
-            kind, style = _part_kind(pr, mods.get(pname, r.module if pname == "" else None), vocab)
+            kind, style = part_kind(pr, mods.get(pname, r.module if pname == "" else None), vocab)
             kinds[pname] = (kind, style)
             pparams = sum(p.numel() for p in mods[pname].parameters()) if pname in mods else 0
             ops.append(Op(name=pname, kind=kind, tp_style=style, fwd_flops=pr.fwd_flops, bwd_flops=pr.bwd_flops,
@@ -561,7 +537,7 @@ def _assemble(model, units, sigs, reps, recs, order, example, t0, name, config, 
             if style != "replicated":
                 tp_flops += pr.fwd_flops + pr.bwd_flops
             for j, (lname, lin) in enumerate(pr.linears):
-                fin, fout = _lin_dims(lin)
+                fin, fout = lin_dims(lin)
                 if style == "vocab":
                     role = "vocab"
                 elif style in ("heads", "col_row"):
@@ -576,17 +552,18 @@ def _assemble(model, units, sigs, reps, recs, order, example, t0, name, config, 
             if len(cols) >= 3 and outs and outs[0] % attn.head_dim == 0:
                 attn = AttentionDims(attn.heads, min(attn.heads, outs[0] // attn.head_dim), attn.head_dim,
                                      attn.seq_len, attn.kv_len, attn.causal)
-        n, nb, tied = params[path]
+        n, nb, tied, n_tied = params[path]
         fwd = sum(o.fwd_flops for o in ops)
         bwd = sum(o.bwd_flops for o in ops)
         layers.append(Layer(
-            name=path, kind=_layer_kind(path, kinds, i == 0, attn), module_type=type(units_by_path[path][0]).__name__,
+            name=path, kind=layer_kind(path, kinds, i == 0, attn), module_type=type(units_by_path[path][0]).__name__,
             signature=sigs[path], repeat_of=None if rep == path else rep,
             fwd_flops=fwd, bwd_flops=bwd, fwd_bytes=sum(o.fwd_bytes for o in ops), bwd_bytes=r.bwd_bytes,
             params=n, param_bytes=nb, act_bytes=r.act_bytes, act_bytes_tp=r.act_bytes_tp,
             act_bytes_attn_core=r.act_core, input_bytes=r.input_bytes, output_bytes=r.output_bytes,
             tp_flops_frac=(tp_flops / all_flops) if all_flops else 0.0, ops=ops, linears=linears,
-            attention=attn, vocab=vocab if any(s == "vocab" for _, s in kinds.values()) else None, tied_to=tied))
+            attention=attn, vocab=vocab if any(s == "vocab" for _, s in kinds.values()) else None, tied_to=tied,
+            tied_params=n_tied))
     notes = []
     if root_params:
         notes.append(f"{root_params} parameters outside every layer unit are not counted")

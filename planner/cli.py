@@ -37,9 +37,11 @@ def _console():
 # ---------------------------------------------------------------- graph ---------
 
 def cmd_graph(args: argparse.Namespace) -> int:
-    from planner.frontend import load_graph
+    from planner.frontend import load_graph_and_fx
 
-    g = load_graph(args.model, batch=args.batch, seq_len=args.seq_len)
+    g, fx = load_graph_and_fx(args.model, batch=args.batch, seq_len=args.seq_len)
+    if args.fx:
+        return _print_fx(g, fx, args.layer)
     if args.json:
         print(json.dumps(g.to_dict(), indent=1))
         return 0
@@ -61,6 +63,24 @@ def cmd_graph(args: argparse.Namespace) -> int:
               f"{len(g.classes())} distinct layer classes of {len(g.layers)} layers")
     for n in g.notes:
         con.print(f"note: {n}")
+    return 0
+
+
+def _print_fx(g, fx, layer: str | None) -> int:
+    """The FX graph (forward and backward ATen ops) of one layer: ``layer`` or the first block."""
+    from planner.fx_graph import format_unit
+
+    names = [l.name for l in g.layers]
+    if layer is None:
+        layer = next((l.name for l in g.layers if l.kind in ("transformer_block", "vision_block")), names[0])
+    if layer not in names:
+        raise AutoparError(f"--layer {layer!r} is not a layer of {g.name}; layers: {', '.join(names[:8])}"
+                           f"{' ...' if len(names) > 8 else ''}")
+    rep = g.layer(layer).repeat_of or layer
+    lines = format_unit(fx, rep)
+    note = f" (captured as its class's first block, {rep})" if rep != layer else ""
+    print(f"# {g.name}: FX graph of {layer}{note}: {len(lines)} ATen ops, forward and backward")
+    print("\n".join(lines))
     return 0
 
 
@@ -466,6 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     g.add_argument("--batch", type=int, default=1, help="sequences in the example batch")
     g.add_argument("--json", action="store_true", help="print the ModelGraph as JSON")
+    g.add_argument("--fx", action="store_true", help="print the captured torch.fx graph (ATen ops) of one layer")
+    g.add_argument("--layer", default=None, help="with --fx: the layer (default: the first block)")
     g.set_defaults(fn=cmd_graph)
 
     p = sub.add_parser("plan", help="search the parallel configurations and write a plan")

@@ -1,18 +1,27 @@
-"""From a model spec string to a ModelGraph: resolve, build on meta, make an example, capture.
+"""From a model to a ModelGraph the planner can trust: resolve, build on meta, capture.
 
 A spec is a zoo preset (``llama3-8b``), a TOML file of hyperparameters, ``hf:<preset>``
 (a HuggingFace model built from a config) or ``package.module:function`` returning an
 ``nn.Module``. Models are built on the meta device, so nothing is allocated.
+
+:func:`graph_of` is the one door from an ``nn.Module`` to a ModelGraph (``autopar`` and
+``auto_parallelize`` both use it): the model's runtime adapter
+(``codegen/runtime/adapters``) names the layer units the runtime will run, capture records
+the step on fake tensors as an FX graph, and the graph is annotated with what the runtime
+cannot run for this model (``limits``), where a pipeline stage may begin, and the
+tensor-parallel roles of its linears (the model's own TP plan where it has one, checked
+against the dataflow analysis of the FX graph).
 """
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from planner.capture import capture
+from planner.capture import capture_fx
 from planner.errors import AutoparError
 from planner.graph import ModelGraph
 
@@ -33,9 +42,105 @@ def example_for_module(model: nn.Module, batch: int, seq_len: int) -> dict[str, 
     return ex
 
 
+def graph_of(model: nn.Module, example: dict[str, Any] | tuple, *, name: str, seq_len: int | None = None,
+             config: dict[str, Any] | None = None, hidden: int | None = None, vocab: int | None = None,
+             module_spec: Any = None, loss_fn=None) -> ModelGraph:
+    """Capture ``model`` on ``example`` through its runtime adapter (see the module docstring)."""
+    return graph_and_fx_of(model, example, name=name, seq_len=seq_len, config=config, hidden=hidden, vocab=vocab,
+                           module_spec=module_spec, loss_fn=loss_fn)[0]
+
+
+def graph_and_fx_of(model: nn.Module, example: dict[str, Any] | tuple, *, name: str, seq_len: int | None = None,
+                    config: dict[str, Any] | None = None, hidden: int | None = None, vocab: int | None = None,
+                    module_spec: Any = None, loss_fn=None):
+    """:func:`graph_of` and the captured torch.fx graph. A plain module's units are the
+    capture's own (execution order); its sequential forward is checked against the
+    model's once."""
+    from codegen.runtime.adapters import adapter_for, adapter_kind
+
+    kw = dict(name=name, config=config, hidden=hidden, vocab=vocab, loss_fn=loss_fn)
+    try:
+        if module_spec is None and adapter_kind(model) == "module" and getattr(model, "autopar_spec", None) is None:
+            graph, fx = capture_fx(model, example, **kw)
+            adapter = adapter_for(model, order=[l.name for l in graph.layers], seq_len=seq_len)
+        else:
+            adapter = adapter_for(model, module_spec, seq_len=seq_len)
+            graph, fx = capture_fx(model, example, units=adapter.capture_units(), **kw)
+        if adapter.kind == "module":
+            adapter.check_sequential(example)
+    except ValueError as e:
+        raise AutoparError(f"{name}: {e}") from None
+    graph.adapter = adapter.kind
+    graph.limits = adapter.limits()
+    starts = dict(zip(adapter.units, adapter.stage_starts()))
+    for layer in graph.layers:
+        layer.stage_start = starts.get(layer.name, True)
+    _set_tp_roles(graph, fx, adapter)
+    return graph, fx
+
+
+def _set_tp_roles(graph: ModelGraph, fx, adapter) -> None:
+    """Give each block linear its TP role: the dataflow analysis of the FX graph (a block
+    linear it does not classify stays replicated), overridden by the model's own TP plan
+    where it has one (a disagreement is a warning); heads from the analysis's reshapes; a
+    block the analysis cannot shard correctly makes ``tp`` a limit."""
+    from planner.graph import AttentionDims
+    from planner.tp_analysis import BLOCK_KINDS, analyze
+
+    analysis = analyze(fx, graph)
+    plan = adapter.tp_layout_from_plan() if hasattr(adapter, "tp_layout_from_plan") else {}
+    disagree = []
+    for layer in graph.layers:
+        rep = layer.repeat_of or layer.name  # the analysis saw the first block of each class
+        block = layer.kind in BLOCK_KINDS
+        for lin in layer.linears:
+            fqn = f"{layer.name}.{lin.name}" if lin.name else layer.name
+            found = analysis.roles.get(f"{rep}.{lin.name}" if lin.name else rep)
+            own = plan.get(fqn)
+            if own is not None and found is not None and own != found:
+                disagree.append(f"{fqn}: its TP plan says {own}, the dataflow says {found}")
+            if block:  # outside blocks (embeddings, head) the capture's vocabulary roles stand
+                lin.role = own or found or "replicated"
+        heads = analysis.heads.get(rep)
+        if block and heads is not None:
+            a = layer.attention
+            seq = a.seq_len if a is not None else graph.seq_len
+            layer.attention = AttentionDims(heads[0], heads[1], heads[2], seq, a.kv_len if a else seq,
+                                            a.causal if a else True)
+    if disagree:
+        warnings.warn(f"{graph.name}: {len(disagree)} tensor-parallel roles differ from autopar's analysis "
+                      f"(the model's plan is used): {'; '.join(disagree[:3])}", stacklevel=2)
+    _limits_from_roles(graph, analysis)
+
+
+def _limits_from_roles(graph: ModelGraph, analysis) -> None:
+    """Limits the TP roles imply (see :data:`planner.plan.FEATURES`)."""
+    if analysis.problems and "tp" not in graph.limits:
+        layer, why = next(iter(analysis.problems.items()))
+        graph.limits["tp"] = f"{layer}: {why}"
+    packed = next((f"{l.name}.{lin.name}" for l in graph.layers for lin in l.linears if lin.role == "packed_qkv"), None)
+    if packed is not None:
+        # the packed projection's TP shard is strided (_StridedShard); FSDP2 would shard its
+        # bias on that same dimension and describe the global layout wrongly
+        graph.limits.setdefault("fsdp_with_tp", f"{packed} is a packed q/k/v projection whose tensor-parallel "
+                                                "shard FSDP cannot shard again")
+    flat = next((l.name for l in graph.layers if l.kind in ("transformer_block", "vision_block")
+                 and any(lin.role == "row" and "." not in lin.name for lin in l.linears)), None)
+    if flat is not None and "sp" not in graph.limits:
+        # the module around a row linear gathers the sequence under SP; here that is the
+        # block itself, whose norms and residual must see the shard
+        graph.limits["sp"] = (f"{flat} holds its attention / MLP linears directly (no submodule around "
+                              "them to gather the sequence shard); use sp=off")
+
+
 def load_graph(spec: str, *, batch: int = 1, seq_len: int | None = None) -> ModelGraph:
     """Capture the model named by ``spec`` at ``batch`` sequences of ``seq_len`` tokens
     (default: the preset's training length)."""
+    return load_graph_and_fx(spec, batch=batch, seq_len=seq_len)[0]
+
+
+def load_graph_and_fx(spec: str, *, batch: int = 1, seq_len: int | None = None):
+    """:func:`load_graph` and the captured torch.fx graph."""
     from planner import zoo
 
     if batch < 1:
@@ -56,6 +161,6 @@ def load_graph(spec: str, *, batch: int = 1, seq_len: int | None = None) -> Mode
         else:
             ex = example_for_module(model, batch, s)
         config = {k: v for k, v in vars(cfg).items() if isinstance(v, (int, float, str, bool))}
-        return capture(model, ex, name=ms.name, config=config, hidden=cfg.hidden, vocab=cfg.vocab)
-    ex = example_for_module(model, batch, seq_len or 128)
-    return capture(model, ex, name=ms.name)
+        return graph_and_fx_of(model, ex, name=ms.name, seq_len=s, config=config, hidden=cfg.hidden, vocab=cfg.vocab)
+    s = seq_len or 128
+    return graph_and_fx_of(model, example_for_module(model, batch, s), name=ms.name, seq_len=s)

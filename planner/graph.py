@@ -59,7 +59,7 @@ class Linear:
     in_features: int
     out_features: int
     bias: bool
-    role: str               # "column" | "row" | "vocab" | "replicated"
+    role: str               # "column" | "row" | "packed_qkv" | "vocab" | "replicated" (planner/tp_layout.py)
 
 
 @dataclass
@@ -108,6 +108,10 @@ class Layer:
     attention: AttentionDims | None = None
     vocab: int | None = None
     tied_to: str | None = None  # "<layer>.<param>" when a parameter is shared with an earlier layer
+    tied_params: int = 0        # elements of those shared parameters (a pipeline stage without the
+                                # first owner holds its own copy)
+    stage_start: bool = True    # a pipeline stage may begin at this layer (False: the runtime runs it
+                                # with the layer before, e.g. a transformers model's embedding prologue)
 
 
 @dataclass
@@ -123,6 +127,9 @@ class ModelGraph:
     method: str = ""        # how it was captured
     notes: list[str] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)  # the model's hyperparameters where known
+    adapter: str = ""       # the runtime adapter that runs it: zoo | hf | module
+    limits: dict[str, str] = field(default_factory=dict)  # feature -> why the runtime cannot run it
+                                                          # (planner.plan.FEATURES)
 
     # ---- derived figures -------------------------------------------------
     @property
@@ -149,6 +156,17 @@ class ModelGraph:
             if l.name == name:
                 return l
         raise KeyError(f"no layer {name!r} in graph {self.name!r}")
+
+    def stage_groups(self) -> list[tuple[int, int]]:
+        """Half-open layer ranges a pipeline stage boundary may not split: a layer whose
+        ``stage_start`` is False joins the group before it."""
+        groups: list[list[int]] = []
+        for i, l in enumerate(self.layers):
+            if groups and not l.stage_start:
+                groups[-1][1] = i + 1
+            else:
+                groups.append([i, i + 1])
+        return [(a, b) for a, b in groups]
 
     def classes(self) -> dict[str, list[int]]:
         """Signature -> indices of the layers that share it (repeated blocks are one class)."""

@@ -17,6 +17,8 @@ DTYPES = ("bf16", "fp16", "fp32")
 ATTN_KERNELS = ("flash", "eager")      # flash: no S x S scores kept (SDPA flash / our Triton kernel)
 LOSS_KERNELS = ("fused", "eager")      # fused: linear + cross-entropy without [tokens x vocab] logits
 MESH_DIMS = ("pp", "dp", "cp", "tp")   # outer to inner
+ADAPTERS = ("zoo", "hf", "module")     # how the runtime reaches into the model (codegen/runtime/adapters)
+TP_ROLES = ("column", "row", "packed_qkv", "vocab_embed", "embed", "vocab_head", "norm")  # tensor_parallel.py
 
 
 class PlanError(ValueError):
@@ -169,6 +171,109 @@ class Partition:
         return asdict(self)
 
 
+# ---------------------------------------------------------------------- what can run
+
+FEATURES = ("any", "tp", "sp", "cp", "pp", "fused_loss", "flash_attention",   # keys of ModelFacts.limits
+            "fsdp_with_tp")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the feasibility rule needs to know of a model, from its captured graph and its
+    runtime adapter: attention head counts (one entry per attention layer kind), hidden
+    size, ``units`` (the most pipeline stages it can be cut into), sequence length, and
+    ``limits``: feature (:data:`FEATURES`) -> one-line reason the runtime cannot run it."""
+    heads: tuple[int, ...] = ()
+    kv_heads: tuple[int, ...] = ()
+    hidden: int = 0
+    units: int = 1
+    seq_len: int = 0
+    limits: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"heads": list(self.heads), "kv_heads": list(self.kv_heads), "hidden": self.hidden,
+                "units": self.units, "seq_len": self.seq_len, "limits": dict(self.limits)}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "ModelFacts":
+        limits = d.get("limits", {})
+        if not isinstance(limits, dict) or any(k not in FEATURES or not isinstance(v, str) for k, v in limits.items()):
+            raise PlanError(f"model.facts.limits must map {', '.join(FEATURES)} to reasons")
+        return ModelFacts(tuple(int(x) for x in d.get("heads", ())), tuple(int(x) for x in d.get("kv_heads", ())),
+                          int(d.get("hidden", 0)), int(d.get("units", 1)), int(d.get("seq_len", 0)), dict(limits))
+
+
+def tp_problem(tp: int, f: ModelFacts) -> str | None:
+    """Why the runtime cannot shard this model ``tp`` ways (None if it can)."""
+    if tp == 1:
+        return None
+    if "tp" in f.limits:
+        return f"tp={tp}: {f.limits['tp']}"
+    if any(h % tp for h in f.heads) or (f.hidden and f.hidden % tp):
+        return f"tp={tp} does not divide {max(f.heads, default=1)} heads / hidden {f.hidden}"
+    if any(h % tp for h in f.kv_heads):
+        return (f"tp={tp} does not divide the {min(f.kv_heads)} kv heads "
+                "(the runtime does not replicate kv heads yet)")
+    return None
+
+
+def cp_problem(cp: int, f: ModelFacts) -> str | None:
+    """Why the runtime cannot split this model's sequence ``cp`` ways (ring, zigzag)."""
+    if cp == 1:
+        return None
+    if "cp" in f.limits:
+        return f"cp={cp}: {f.limits['cp']}"
+    if f.seq_len % (2 * cp):
+        return f"cp={cp} does not split sequence {f.seq_len} into 2*cp zigzag chunks"
+    return None
+
+
+def pp_problem(pp: int, f: ModelFacts) -> str | None:
+    """Why the runtime cannot pipeline this model over ``pp`` stages."""
+    if pp == 1:
+        return None
+    if "pp" in f.limits:
+        return f"pp={pp}: {f.limits['pp']}"
+    if pp > f.units:
+        return f"pp={pp} exceeds the {f.units} pipeline stages this model can be cut into"
+    return None
+
+
+def sp_problem(tp: int, cp: int, f: ModelFacts) -> str | None:
+    """Why sequence parallel cannot run: it needs tp > 1, an adapter that shards the
+    sequence, and each cp rank's ``seq_len / cp`` tokens divisible by tp."""
+    if tp == 1:
+        return "sequence parallel needs tp > 1"
+    if "sp" in f.limits:
+        return f"sequence parallel: {f.limits['sp']}"
+    if (f.seq_len // cp) % tp:
+        return (f"sequence parallel needs seq_len/cp = {f.seq_len // cp} divisible by tp={tp}")
+    return None
+
+
+def config_problems(cfg: "ParallelConfig", f: ModelFacts) -> list[str]:
+    """Everything about ``cfg`` the runtime cannot run for the model of ``f``: the one
+    feasibility rule the search, ``autopar evaluate`` and the runtime all apply."""
+    out = [f"this model cannot run: {f.limits['any']}"] if "any" in f.limits else []
+    out += [p for p in (tp_problem(cfg.tp, f), cp_problem(cfg.cp, f), pp_problem(cfg.pp * cfg.vpp, f)) if p]
+    if cfg.sp and (p := sp_problem(cfg.tp, cfg.cp, f)):
+        out.append(p)
+    if cfg.loss == "fused" and "fused_loss" in f.limits:
+        out.append(f"loss=fused: {f.limits['fused_loss']}")
+    if cfg.attention == "flash" and "flash_attention" in f.limits:
+        out.append(f"attention=flash: {f.limits['flash_attention']}")
+    if (p := zero_problem(cfg.zero, cfg.tp, cfg.dp * cfg.cp, f)):
+        out.append(p)
+    return out
+
+
+def zero_problem(zero: str, tp: int, dp: int, f: ModelFacts) -> str | None:
+    """Why the runtime cannot shard this model's parameters over dp with ``zero`` under ``tp``."""
+    if zero in ("fsdp", "zero2") and tp > 1 and dp > 1 and "fsdp_with_tp" in f.limits:
+        return f"zero={zero} with tp={tp}: {f.limits['fsdp_with_tp']}; use zero=ddp or zero1"
+    return None
+
+
 # ---------------------------------------------------------------------- the plan file
 
 PLAN_VERSION = 1
@@ -201,6 +306,11 @@ class Plan:
     @property
     def kernels(self) -> dict[str, str]:
         return {"attention": self.config.attention, "loss": self.config.loss}
+
+    @property
+    def facts(self) -> ModelFacts:
+        """The model facts the feasibility rule needs (the runtime checks them again)."""
+        return ModelFacts.from_dict(self.model.get("facts") or {})
 
     def partition(self) -> Partition:
         names = self.model["layers"]
@@ -245,6 +355,13 @@ class Plan:
             names = plan.model["layers"]
             if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
                 raise PlanError("model.layers must be a list of layer names")
+            if plan.model.get("adapter", "zoo") not in ADAPTERS:
+                raise PlanError(f"model.adapter {plan.model.get('adapter')!r} is not one of {', '.join(ADAPTERS)}")
+            if not isinstance(plan.model.get("facts", {}), dict):
+                raise PlanError("model.facts must be an object")
+            if plan.model.get("vocab") is not None and (not _is_int(plan.model["vocab"]) or plan.model["vocab"] < 1):
+                raise PlanError("model.vocab must be a positive integer")
+            plan.facts  # validates the limits
             if len(plan.stages) != cfg.pp * cfg.vpp:
                 raise PlanError(f"{len(plan.stages)} stages for pp*vpp = {cfg.pp * cfg.vpp}")
             for s in plan.stages:
@@ -254,8 +371,7 @@ class Plan:
                     raise PlanError(f"stage recompute {s.get('recompute')!r} is not one of {', '.join(RECOMPUTE)}")
             plan.partition().validate(len(names))
             for fqn, role in plan.tp_layout.items():
-                if not re.fullmatch(r"[A-Za-z_][\w]*(\.[\w]+)*", fqn) or role not in (
-                        "column", "row", "vocab_embed", "embed", "vocab_head", "norm"):
+                if not re.fullmatch(r"[A-Za-z_][\w]*(\.[\w]+)*", fqn) or role not in TP_ROLES:
                     raise PlanError(f"bad tensor-parallel entry {fqn!r}: {role!r}")
             for k in ("global", "micro", "microbatches", "seq_len"):
                 if not _is_int(plan.batch.get(k)) or plan.batch[k] < 1:

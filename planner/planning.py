@@ -12,9 +12,9 @@ from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
 from planner.errors import AutoparError
 from planner.graph import ModelGraph
-from planner.plan import ParallelConfig, Partition, Plan
-from planner.search import (SearchResult, degree_tuples, has_vision, search, sp_possible, split_and_estimate,
-                            _Rejections)
+from planner.plan import ParallelConfig, Plan, config_problems
+from planner.search import SearchResult, facts_of, search, split_and_estimate
+from planner.search import even_split as split_evenly
 from planner.tp_layout import tp_layout
 
 GiB = 2**30
@@ -62,7 +62,8 @@ def build_plan(graph: ModelGraph, cluster: Cluster, e: Estimate, *, spec: str, c
     rej = {r: {"count": (counts or {}).get(r, len(ex)), "examples": ex} for r, ex in (rejected or {}).items()}
     return Plan(
         model={"name": graph.name, "spec": spec, "fingerprint": graph.fingerprint(), "layers": names,
-               "params": graph.params, "hidden": graph.hidden, "vocab": graph.vocab},
+               "params": graph.params, "hidden": graph.hidden, "vocab": graph.vocab, "adapter": graph.adapter,
+               "facts": facts_of(graph).to_dict()},
         cluster={"name": cluster.name, "spec": cluster_spec, "fingerprint": cluster.fingerprint(),
                  "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node, "backend": cluster.backend,
                  "memory_gib": _rounded(cluster.memory_bytes / GiB), "device": cluster.device.name},
@@ -91,25 +92,24 @@ def plan_model(graph: ModelGraph, cluster: Cluster, global_batch: int, *, spec: 
 
 def evaluate_config(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,
                     even_split: bool = False, profile=None) -> tuple[Estimate, list[str]]:
-    """Price ``cfg``; returns the estimate and the structural problems with it (empty if none)."""
+    """Price ``cfg``; returns the estimate and what the runtime cannot run of it (empty if
+    nothing): the same feasibility rule as the search and the runtime, plus the batch."""
     cfg.validate()
     if cfg.world != cluster.world:
         raise AutoparError(f"dp*pp*cp*tp = {cfg.world} but {cluster.name} has {cluster.world} devices: "
                            "make the degrees multiply to the device count")
-    rej = _Rejections()
-    ok = any(t == (cfg.dp, cfg.pp, cfg.cp, cfg.tp) for t in degree_tuples(
-        graph, cluster, global_batch, rej, fixed={"dp": cfg.dp, "pp": cfg.pp, "cp": cfg.cp, "tp": cfg.tp}))
-    problems = [] if ok else list(rej.counts)
+    facts = facts_of(graph)
+    problems = config_problems(cfg, facts)
+    if cfg.tp > cluster.devices_per_node:
+        problems.append(f"tp={cfg.tp} exceeds {cluster.devices_per_node} devices per node")
     m = global_batch // (cfg.dp * cfg.mbs) if global_batch % (cfg.dp * cfg.mbs) == 0 else 0
-    if cfg.pp > 1 and m < cfg.pp:
+    if not m:
+        problems.append(f"global batch {global_batch} is not divisible by dp*mbs = {cfg.dp * cfg.mbs}")
+    elif cfg.pp > 1 and m < cfg.pp:
         problems.append(f"{m} micro-batches for pp={cfg.pp}: the schedules need at least one per stage")
-    if cfg.sp and not sp_possible(cfg.tp, cfg.cp, graph.seq_len, has_vision(graph)):
-        problems.append(f"sequence parallel needs tp > 1, a text-only model and seq_len/cp = "
-                        f"{graph.seq_len // cfg.cp} divisible by tp={cfg.tp}: use sp=off")
-    n = len(graph.layers)
-    if cfg.pp * cfg.vpp > n:
-        raise AutoparError(f"pp*vpp = {cfg.pp * cfg.vpp} stages for {n} layers: use fewer stages")
+    if cfg.pp * cfg.vpp > facts.units:
+        raise AutoparError(f"pp*vpp = {cfg.pp * cfg.vpp} stages for {facts.units} stage groups: use fewer stages")
     if even_split or cfg.pp * cfg.vpp == 1:
-        part = Partition.even(n, cfg.pp * cfg.vpp, cfg.recompute)
+        part = split_evenly(graph, cfg.pp * cfg.vpp, cfg.recompute)
         return estimate(graph, cluster, cfg, part, global_batch, profile=profile), problems
     return split_and_estimate(graph, cluster, cfg, global_batch, profile)[0], problems

@@ -1,12 +1,14 @@
 """Search: every configuration of the device count, priced, pruned, ranked.
 
-Space. Every factorisation ``world = dp x pp x cp x tp`` under the real constraints
-(tp inside a node and dividing heads, kv heads and hidden - the runtime does not
-replicate kv heads, so larger tp is rejected; cp dividing the sequence twice over for zigzag; pp at most the number
-of layers; dp dividing the global batch), times micro-batch size (divisors of the
-per-replica batch up to ``max_mbs``), schedule (GPipe, 1F1B, interleaved with v in
-{2, 4}, ZB-H1), DP sharding (DDP, ZeRO-1, FSDP), recompute (none, selective, full)
-and sequence parallel (on/off when tp > 1).
+Space. Every factorisation ``world = dp x pp x cp x tp`` that the runtime can run for
+this model (the one feasibility rule, ``planner.plan.tp_problem`` / ``cp_problem`` /
+``pp_problem`` / ``sp_problem`` on the graph's facts and its adapter's limits: tp
+dividing heads, kv heads and hidden, cp splitting the sequence into zigzag chunks, pp at
+most the number of stage groups), tp inside a node and dp dividing the global batch,
+times micro-batch size (divisors of the per-replica batch up to ``max_mbs``), schedule
+(GPipe, 1F1B, interleaved with v in {2, 4}, ZB-H1), DP sharding (DDP, ZeRO-1, FSDP),
+recompute (none, selective, full) and sequence parallel (on/off when tp > 1). Pipeline
+stages are cut between stage groups only (``ModelGraph.stage_groups``).
 
 Pruning keeps the space whole but cheap, with two bounds per degree tuple
 (dp, pp, cp, tp, mbs), computed once for all its variants:
@@ -40,7 +42,8 @@ from cost_models.memory import (DTYPE_BYTES, RESERVE_CPU, RESERVE_GPU, layer_act
                                  per_param_bytes)
 from planner.errors import AutoparError
 from planner.graph import ModelGraph
-from planner.plan import ParallelConfig, Partition
+from planner.plan import (ModelFacts, ParallelConfig, Partition, cp_problem, pp_problem, sp_problem,
+                          tp_problem, zero_problem)
 
 GiB = 2**30
 ZEROS = ("ddp", "zero1", "fsdp")
@@ -77,50 +80,41 @@ class _Rejections:
             ex.append(example)
 
 
+def facts_of(graph: ModelGraph) -> ModelFacts:
+    """What the feasibility rule (``planner.plan.config_problems``) needs of ``graph``."""
+    return ModelFacts(heads=tuple(sorted({l.attention.heads for l in graph.layers if l.attention})),
+                      kv_heads=tuple(sorted({l.attention.kv_heads for l in graph.layers if l.attention})),
+                      hidden=graph.hidden, units=len(graph.stage_groups()), seq_len=graph.seq_len,
+                      limits=dict(graph.limits))
+
+
 def degree_tuples(graph: ModelGraph, cluster: Cluster, global_batch: int, rej: _Rejections,
                   fixed: dict[str, int] | None = None) -> Iterator[tuple[int, int, int, int]]:
-    """(dp, pp, cp, tp) that satisfy the structural constraints; the others are recorded in ``rej``."""
+    """(dp, pp, cp, tp) that satisfy the structural constraints (the runtime's feasibility
+    rule per degree, the node size, the batch); the others are recorded in ``rej``."""
     world = cluster.world
-    heads = max((l.attention.heads for l in graph.layers if l.attention), default=1)
-    kv_heads = min((l.attention.kv_heads for l in graph.layers if l.attention), default=1)
-    heads_all = {l.attention.heads for l in graph.layers if l.attention} or {1}
-    kv_all = {l.attention.kv_heads for l in graph.layers if l.attention} or {1}
-    n_blocks = len(graph.layers)
-    seq = graph.seq_len
+    facts = facts_of(graph)
     fixed = fixed or {}
-    tied = next((l.tied_to for l in graph.layers if l.tied_to), None)
-    vision = has_vision(graph)
     for tp in divisors(world):
         if "tp" in fixed and tp != fixed["tp"]:
             continue
         if tp > cluster.devices_per_node:
             rej.add(f"tp={tp} exceeds {cluster.devices_per_node} devices per node", f"tp={tp}")
             continue
-        if any(h % tp for h in heads_all) or (graph.hidden and graph.hidden % tp):
-            rej.add(f"tp={tp} does not divide {heads} heads / hidden {graph.hidden}", f"tp={tp}")
-            continue
-        if any(a % tp for a in kv_all):
-            rej.add(f"tp={tp} does not divide the {kv_heads} kv heads (the runtime does not replicate kv heads yet)",
-                    f"tp={tp}")
+        if why := tp_problem(tp, facts):
+            rej.add(why, f"tp={tp}")
             continue
         for cp in divisors(world // tp):
             if "cp" in fixed and cp != fixed["cp"]:
                 continue
-            if cp > 1 and vision:
-                rej.add(f"cp={cp}: the runtime does not sequence-shard image tokens (vision layers)", f"cp={cp}")
-                continue
-            if cp > 1 and seq % (2 * cp):
-                rej.add(f"cp={cp} does not split sequence {seq} into 2*cp zigzag chunks", f"cp={cp}")
+            if why := cp_problem(cp, facts):
+                rej.add(why, f"cp={cp}")
                 continue
             for pp in divisors(world // (tp * cp)):
                 if "pp" in fixed and pp != fixed["pp"]:
                     continue
-                if pp > n_blocks:
-                    rej.add(f"pp={pp} exceeds the {n_blocks} layers", f"pp={pp}")
-                    continue
-                if pp > 1 and tied:
-                    rej.add(f"pp={pp}: tied embeddings ({tied}) cannot span pipeline stages in the runtime; "
-                            "untie them to pipeline", f"pp={pp}")
+                if why := pp_problem(pp, facts):
+                    rej.add(why, f"pp={pp}")
                     continue
                 dp = world // (tp * cp * pp)
                 if "dp" in fixed and dp != fixed["dp"]:
@@ -131,15 +125,13 @@ def degree_tuples(graph: ModelGraph, cluster: Cluster, global_batch: int, rej: _
                 yield dp, pp, cp, tp
 
 
-def has_vision(graph: ModelGraph) -> bool:
-    return any(l.kind in ("vision_block", "vision_embedding") for l in graph.layers)
-
-
 def _variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: int, dtype: str,
-              loss: str, dominated: bool = True, vision: bool = False, seq_len: int = 0) -> Iterator[ParallelConfig]:
-    """The variants of one degree tuple. With ``dominated=False`` the variants the cost
-    model proves no better are left out (see ``DOMINATED``). Sequence parallel is offered
-    only where the runtime can run it (:func:`sp_possible`)."""
+              loss: str, facts: ModelFacts, dominated: bool = True) -> Iterator[ParallelConfig]:
+    """The variants of one degree tuple (``n_layers``: the stage groups). With
+    ``dominated=False`` the variants the cost model proves no better are left out (see
+    ``DOMINATED``). Sequence parallel is offered only where the runtime can run it
+    (``planner.plan.sp_problem``); the attention kernel is flash unless the model cannot
+    use it."""
     scheds: list[tuple[str, int]] = [("1f1b", 1)]
     if pp > 1:
         scheds = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)]
@@ -149,21 +141,17 @@ def _variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: in
     for sched, v in scheds:
         if not dominated and sched == "gpipe":
             continue
-        sp_ok = sp_possible(tp, cp, seq_len, vision)
+        sp_ok = sp_problem(tp, cp, facts) is None
+        attention = "eager" if "flash_attention" in facts.limits else "flash"
         for zero in (ZEROS if dp * cp > 1 else ("ddp",)):
+            if zero_problem(zero, tp, dp * cp, facts):
+                continue
             for rc in RECOMPUTES:
                 for sp in ((False, True) if sp_ok else (False,)):
                     if not dominated and sp_ok and not sp:
                         continue
                     yield ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, mbs=mbs, schedule=sched, vpp=v, zero=zero,
-                                         recompute=rc, sp=sp, dtype=dtype, loss=loss)
-
-
-def sp_possible(tp: int, cp: int, seq_len: int, vision: bool) -> bool:
-    """Whether the runtime can sequence-shard the activations: tp > 1, a text-only model (the
-    vision encoder is not sequence-sharded) and each cp rank's ``seq_len / cp`` tokens
-    divisible by tp."""
-    return tp > 1 and not vision and (seq_len // cp) % tp == 0
+                                         recompute=rc, sp=sp, dtype=dtype, loss=loss, attention=attention)
 
 
 # Variants the cost model never prefers, with the one that dominates them (no slower, no
@@ -183,13 +171,18 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
     """Find the configuration with the best predicted step time that fits."""
     t0 = time.perf_counter()
     dtype = dtype or ("fp32" if cluster.backend == "gloo" else "bf16")
+    facts = facts_of(graph)
+    if "any" in facts.limits:
+        raise AutoparError(f"{graph.name} cannot run on autopar's runtime: {facts.limits['any']}")
+    if loss == "fused" and "fused_loss" in facts.limits:
+        raise AutoparError(f"--loss fused: {facts.limits['fused_loss']}; plan with --loss eager")
     rej = _Rejections()
     is_gpu = cluster.backend != "gloo"
     reserve = RESERVE_GPU if is_gpu else RESERVE_CPU
     cap = cluster.memory_bytes
-    n_layers = len(graph.layers)
+    n_groups = facts.units
+    attention = "eager" if "flash_attention" in facts.limits else "flash"
     res = SearchResult(best=None, alternatives=[], rejected={}, rejected_counts={})  # type: ignore[arg-type]
-    vision = has_vision(graph)
     cost_cache: dict[tuple, _LayerCosts] = {}
 
     # ---- tuples with their floors ---------------------------------------------------
@@ -202,8 +195,9 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
                 rej.add(f"{m} micro-batches for pp={pp}: the schedules need at least one per stage",
                         f"dp={dp} pp={pp} cp={cp} tp={tp} mbs={mbs}")
                 continue
-            sp = sp_possible(tp, cp, graph.seq_len, vision)
-            base = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, mbs=mbs, dtype=dtype, loss=loss, sp=sp)
+            sp = sp_problem(tp, cp, facts) is None
+            base = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, mbs=mbs, dtype=dtype, loss=loss, sp=sp,
+                                  attention=attention)
             key = (tp, cp, mbs, sp)
             costs = cost_cache.get(key)
             if costs is None:
@@ -218,8 +212,7 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
             states = sum(table.params) / pp * 16 / (dp * cp)
             acts_full = min(table.act["full"])
             mem_floor = states + acts_full + reserve
-            n_var = sum(1 for _ in _variants(dp, pp, cp, tp, mbs, m, n_layers, dtype, loss, vision=vision,
-                                             seq_len=graph.seq_len))
+            n_var = sum(1 for _ in _variants(dp, pp, cp, tp, mbs, m, n_groups, dtype, loss, facts))
             res.considered += n_var
             label = f"dp={dp} pp={pp} cp={cp} tp={tp} mbs={mbs}"
             if mem_floor > cap:
@@ -241,13 +234,13 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
             res.pruned += n_var
             continue
         n_kept = 0
-        costs = cost_cache[(tp, cp, mbs, tp > 1 and not vision)]
+        sp_default = sp_problem(tp, cp, facts) is None
+        costs = cost_cache[(tp, cp, mbs, sp_default)]
         t_f = sum(costs.get(l)[0] for l in graph.layers) / pp
         t_b = sum(costs.get(l)[1] for l in graph.layers) / pp
         t_core = sum(costs.get(l)[4] for l in graph.layers) / pp
         t_comm = sum(costs.get(l)[2] + costs.get(l)[3] for l in graph.layers) / pp
-        for cfg in _variants(dp, pp, cp, tp, mbs, m, n_layers, dtype, loss, dominated=False, vision=vision,
-                             seq_len=graph.seq_len):
+        for cfg in _variants(dp, pp, cp, tp, mbs, m, n_groups, dtype, loss, facts, dominated=False):
             n_kept += 1
             # variant floor: this schedule on perfectly balanced stages, with its recompute
             extra = {"none": 0.0, "selective": t_core, "full": t_f}[cfg.recompute]
@@ -258,9 +251,9 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
                 rej.add("time floor above the best step time found", cfg.label())
                 res.pruned += 1
                 continue
-            part = Partition.even(n_layers, pp * cfg.vpp, cfg.recompute)
+            part = even_split(graph, pp * cfg.vpp, cfg.recompute)
             e = estimate(graph, cluster, cfg, part, global_batch, profile=profile, fast=True,
-                         costs=costs if cfg.sp == (tp > 1 and not vision) else None)
+                         costs=costs if cfg.sp == sp_default else None)
             res.estimated += 1
             if not e.fits:
                 r, over = e.shortfall()
@@ -321,28 +314,48 @@ def _gib_of(reason: str) -> float:
     return float(m.group(1)) if m else math.inf
 
 
+def even_split(graph: ModelGraph, stages: int, recompute: str = "none") -> Partition:
+    """Equal numbers of stage groups per stage (``ModelGraph.stage_groups``), in layers."""
+    return expand_groups(Partition.even(len(graph.stage_groups()), stages, recompute), graph.stage_groups())
+
+
+def expand_groups(part: Partition, groups: list[tuple[int, int]]) -> Partition:
+    """A split of the stage groups as a split of the layers."""
+    return Partition([(groups[a][0], groups[b - 1][1]) for a, b in part.bounds], list(part.recompute))
+
+
 def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None):
-    """The ILP's inputs for one configuration: per-layer times and bytes per recompute policy."""
+    """The ILP's inputs for one configuration: per stage group (layers a boundary may not
+    split, summed) times and bytes per recompute policy."""
     from planner.partition import PartitionProblem
     from cost_models.estimate import microbatches
 
     m = microbatches(cfg, global_batch)
-    fwd, bwd, act, static, out_p2p = [], [], [], [], []
     per_param = sum(v for k, v in per_param_bytes(cfg).items() if k in ("weights", "grads", "optimizer", "buffers"))
     from cost_models import comm as comm_mod
 
     mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
     costs = _LayerCosts(graph, cluster, cfg.replace(recompute="none"), profile)  # recompute is priced below
-    for i, l in enumerate(graph.layers):
-        f_, b_, tp_s, cp_s, core_s, _, _ = costs.get(l)
-        f = f_ + tp_s / 2 + cp_s / 3
-        b = b_ + tp_s / 2 + 2 * cp_s / 3
+    groups = graph.stage_groups()
+    fwd, bwd, act, static, out_p2p, classes = [], [], [], [], [], []
+    for g, (lo, hi) in enumerate(groups):
+        f = b = core = 0.0
+        a = {p: 0.0 for p in RECOMPUTES}
+        for l in graph.layers[lo:hi]:
+            f_, b_, tp_s, cp_s, core_s, _, _ = costs.get(l)
+            f += f_ + tp_s / 2 + cp_s / 3
+            b += b_ + tp_s / 2 + 2 * cp_s / 3
+            core += core_s
+            for p in RECOMPUTES:
+                a[p] += layer_activation(l, graph, cfg, p)
         fwd.append({p: f for p in RECOMPUTES})
-        bwd.append({"none": b, "selective": b + core_s, "full": b + f})
-        act.append({p: layer_activation(l, graph, cfg, p) for p in RECOMPUTES})
-        static.append(layer_params_local(l, cfg.tp) * per_param)
-        if cfg.pp > 1 and i + 1 < len(graph.layers):
-            nb = graph.layers[i + 1].input_bytes * cfg.mbs / graph.batch * DTYPE_BYTES[cfg.dtype] / graph.dtype_bytes
+        bwd.append({"none": b, "selective": b + core, "full": b + f})
+        act.append(a)
+        static.append(sum(layer_params_local(l, cfg.tp, cfg.pp) for l in graph.layers[lo:hi]) * per_param)
+        classes.append("|".join(l.signature for l in graph.layers[lo:hi]))
+        if cfg.pp > 1 and g + 1 < len(groups):
+            nxt = graph.layers[hi]
+            nb = nxt.input_bytes * cfg.mbs / graph.batch * DTYPE_BYTES[cfg.dtype] / graph.dtype_bytes
             nb /= cfg.cp * (cfg.tp if cfg.sp else 1)
             out_p2p.append(comm_mod.p2p_time(nb, cluster, mesh, profile).seconds)
         else:
@@ -354,9 +367,9 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
         r = j % cfg.pp
         inflight.append((_inflight_closed(sched, cfg.pp, m, cfg.vpp, r) if cfg.pp > 1 else 1) / cfg.vpp)
     reserve = RESERVE_GPU if cluster.backend != "gloo" else RESERVE_CPU
-    return PartitionProblem(fwd=fwd, bwd=bwd, act=act, static=static, out_p2p=out_p2p,
-                            classes=[l.signature for l in graph.layers], pp=cfg.pp, v=cfg.vpp, m=m,
-                            schedule=sched, inflight=inflight, capacity=cluster.memory_bytes - reserve)
+    return PartitionProblem(fwd=fwd, bwd=bwd, act=act, static=static, out_p2p=out_p2p, classes=classes, pp=cfg.pp,
+                            v=cfg.vpp, m=m, schedule=sched, inflight=inflight,
+                            capacity=cluster.memory_bytes - reserve)
 
 
 def split_and_estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None,
@@ -367,8 +380,8 @@ def split_and_estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
     part, info = best_partition(graph, cluster, cfg, global_batch, profile, time_limit)
     e = estimate(graph, cluster, cfg, part, global_batch, profile=profile)
     if cfg.pp * cfg.vpp > 1:
-        e_even = estimate(graph, cluster, cfg, Partition.even(len(graph.layers), cfg.pp * cfg.vpp, cfg.recompute),
-                          global_batch, profile=profile)
+        e_even = estimate(graph, cluster, cfg, even_split(graph, cfg.pp * cfg.vpp, cfg.recompute), global_batch,
+                          profile=profile)
         if not e.fits or (e_even.fits and e_even.step_s < e.step_s):
             e, info = e_even, dict(info, chosen="even split (simulated faster or the ILP split did not fit)")
     return e, info
@@ -388,5 +401,5 @@ def best_partition(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, glo
     info = {"status": r.status, "gap": r.gap, "solve_s": r.solve_s, "solver": r.solver,
             "objective_s": r.objective_s}
     if r.status == "infeasible" or r.partition is None:
-        return Partition.even(n, cfg.pp * cfg.vpp, cfg.recompute), info
-    return r.partition, info
+        return even_split(graph, cfg.pp * cfg.vpp, cfg.recompute), info
+    return expand_groups(r.partition, graph.stage_groups()), info

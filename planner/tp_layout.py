@@ -4,6 +4,7 @@ The plan carries this as ``{module fqn: role}`` so codegen needs nothing but the
 
 - ``column``      nn.Linear split by output features (q/k/v, MLP up/gate, fc1)
 - ``row``         nn.Linear split by input features (attention output, MLP down, fc2)
+- ``packed_qkv``  one linear computing ``[q | k | v]`` (GPT-2's ``c_attn``)
 - ``vocab_embed`` token embedding split by vocabulary rows
 - ``embed``       an embedding not split (learned positions); with SP its output is
                   sharded along the sequence like the token embedding's
@@ -25,10 +26,8 @@ def tp_layout(graph: ModelGraph) -> dict[str, str]:
     for layer in graph.layers:
         for lin in layer.linears:
             fqn = _join(layer.name, lin.name)
-            if lin.role == "column":
-                out[fqn] = "column"
-            elif lin.role == "row":
-                out[fqn] = "row"
+            if lin.role in ("column", "row", "packed_qkv"):
+                out[fqn] = lin.role
             elif lin.role == "vocab":
                 out[fqn] = "vocab_head"
         for op in layer.ops:

@@ -1,11 +1,13 @@
 """Distributed worker for tests/test_runtime_parity.py (launched by torchrun, gloo on CPU).
 
 ``python -m torch.distributed.run --nproc-per-node N tests/dist_worker.py GROUP OUT.json``
-runs every layout of GROUP (all of one world size) sequentially in one launch and rank 0
-writes JSON results: per layout the losses of 3 SGD steps and the max relative error of
-the first-step gradients and of the losses against a single-process run with the same
-seed and data. Groups ``mllm`` and ``ckpt`` run the MLLM PP training check and the DCP
-save -> restart -> resume check.
+runs every layout of GROUP (all of one world size) for every model case of
+``tests/model_cases.py`` (the zoo, transformers Llama and GPT-2, a user's plain module)
+sequentially in one launch and rank 0 writes JSON results: per (model, layout) the losses
+of 3 SGD steps and the max relative error of the first-step gradients and of the losses
+against the unmodified model in a single process with the same weights and data. Groups
+``mllm`` and ``ckpt`` run the MLLM PP training check and the DCP save -> restart -> resume
+check.
 """
 from __future__ import annotations
 
@@ -22,10 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from codegen.runtime.mesh import init_distributed, teardown  # noqa: E402
 from codegen.runtime.train import parallelize  # noqa: E402
 from planner import zoo  # noqa: E402
-from planner.plan import ParallelConfig  # noqa: E402
+from planner.plan import ParallelConfig, config_problems  # noqa: E402
 
-SEED = 1234
-GB, SEQ, STEPS, LR = 4, 32, 3, 0.1
+from model_cases import GB, SEED, SEQ, case, planner_view, stages_for  # noqa: E402
+
+STEPS, LR = 3, 0.1
 
 # (name, ParallelConfig kwargs, number of virtual stages)
 LAYOUTS = {
@@ -45,6 +48,7 @@ LAYOUTS = {
     ],
     4: [
         ("dp2xtp2-fsdp-sp", dict(dp=2, tp=2, sp=True, zero="fsdp"), 1),
+        ("dp2xtp2-ddp-sp", dict(dp=2, tp=2, sp=True, zero="ddp"), 1),
         ("pp2xtp2-1f1b-sp", dict(pp=2, tp=2, sp=True, schedule="1f1b"), 2),
         ("pp2xcp2-1f1b", dict(pp=2, cp=2, schedule="1f1b"), 2),
         ("dp2xcp2-fsdp", dict(dp=2, cp=2, zero="fsdp"), 1),
@@ -53,17 +57,19 @@ LAYOUTS = {
         ("dp2xpp2xtp2-fsdp-sp", dict(dp=2, pp=2, tp=2, sp=True, zero="fsdp", schedule="1f1b"), 2),
     ],
 }
-MODELS = ("gpt-tiny", "llama-tiny")
+MODELS = ("gpt-tiny", "llama-tiny", "hf-llama", "hf-gpt2", "user-lm")
+MODELS_BY_WORLD = {2: MODELS, 4: MODELS, 8: ("gpt-tiny", "llama-tiny", "hf-llama")}
 
 
 def units_of(model) -> list[str]:
-    from codegen.runtime.pipeline_parallel import unit_order
-    return unit_order(model)
+    from codegen.runtime.adapters import adapter_for
+    return adapter_for(model).units
 
 
-def even_stages(units: list[str], n: int) -> list[list[str]]:
-    """Blocks split evenly; the units before the first block go to stage 0, after the last to the last."""
-    blocks = [i for i, u in enumerate(units) if u.startswith("layers.")]
+def even_stages(units: list[str], n: int, blocks: list[str] | None = None) -> list[list[str]]:
+    """Blocks split evenly; the units before the first block go to stage 0, after the last to the last.
+    ``blocks`` defaults to the zoo's decoder blocks (``layers.<i>``)."""
+    blocks = [i for i, u in enumerate(units) if (u in blocks if blocks is not None else u.startswith("layers."))]
     lo, hi = blocks[0], blocks[-1] + 1
     nb = hi - lo
     q, r = divmod(nb, n)
@@ -89,37 +95,21 @@ def batches(cfg, n: int) -> list[dict[str, torch.Tensor]]:
 
 def tp_layout_for(name: str) -> dict[str, str]:
     # The plan carries this dict; the test derives it the way the planner does.
-    from planner.frontend import load_graph
-    from planner.tp_layout import tp_layout
-    return tp_layout(load_graph(name))
+    return planner_view(name)[1]
 
 
 def reference(cfg, data):
-    model = zoo.build_model(cfg, device="cpu", seed=SEED)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, grads = [], None
-    for s, b in enumerate(data):
-        opt.zero_grad()
-        loss = model(b["input_ids"], labels=b["labels"])
-        loss.backward()
-        if s == 0:
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        opt.step()
-        losses.append(loss.item())
-    return losses, grads
+    return case(cfg.name).reference(data, LR)
 
 
-def run_layout(model_name, cfg_kw, n_virtual, data, layouts_cache):
-    cfg = zoo.preset(model_name)
+def run_layout(model_name, cfg_kw, n_virtual, data):
+    c = case(model_name)
     pc = ParallelConfig(dtype="fp32", mbs=1, **cfg_kw).validate()
-    model = zoo.build_model(cfg, device="meta")
-    units = units_of(model)
-    stages = even_stages(units, n_virtual)
-    if model_name not in layouts_cache:
-        layouts_cache[model_name] = tp_layout_for(model_name)
+    _, layout, facts = planner_view(model_name)
+    stages = stages_for(model_name, n_virtual)
     policies = {"none": ["none"] * n_virtual, "selective": (["selective", "full"] * n_virtual)[:n_virtual]}
-    pm = parallelize(model, pc, stages, policies[pc.recompute], layouts_cache[model_name], GB, SEQ, "cpu",
-                     optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=LR), seed=SEED)
+    pm = parallelize(c.build(c.parallel_device), pc, stages, policies[pc.recompute], layout, GB, SEQ, "cpu",
+                     optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=LR), seed=SEED, facts=facts)
     losses, grads = [], None
     t0 = time.perf_counter()
     for s, b in enumerate(data):
@@ -140,18 +130,21 @@ def rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
 
 def parity_group(world: int) -> dict:
     results = {}
-    cache: dict = {}
-    for model_name in MODELS:
-        cfg = zoo.preset(model_name)
-        data = batches(cfg, STEPS)
-        ref_losses, ref_grads = reference(cfg, data)
+    for model_name in MODELS_BY_WORLD[world]:
+        c = case(model_name)
+        data = c.batches(STEPS)
+        ref_losses, ref_grads = c.reference(data, LR)
         only = os.environ.get("AUTOPAR_ONLY")
         for name, kw, nv in LAYOUTS[world]:
             if only and name not in only.split(","):
                 continue
             key = f"{model_name}/{name}"
+            refused = config_problems(ParallelConfig(dtype="fp32", mbs=1, **kw), planner_view(model_name)[2])
+            if refused:  # the runtime refuses before building anything: record why
+                results[key] = {"refused": refused}
+                continue
             try:
-                losses, grads, dt = run_layout(model_name, kw, nv, data, cache)
+                losses, grads, dt = run_layout(model_name, kw, nv, data)
                 results[key] = {"losses": losses, "ref_losses": ref_losses, "seconds": dt,
                                 **compare(grads, ref_grads, losses, ref_losses)}
             except Exception as exc:  # report, keep going with the other layouts

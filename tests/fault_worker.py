@@ -18,4 +18,4 @@ def data(step, global_batch, seq_len):
             and os.environ.get("RANK") == "1"):
         os.kill(os.getpid(), signal.SIGKILL)
     cfg = zoo.preset(os.environ.get("AUTOPAR_TEST_MODEL", "llama-tiny"))
-    return synthetic(cfg, global_batch, seq_len, 0)(step)
+    return synthetic(cfg.vocab, global_batch, seq_len, 0)(step)

@@ -41,7 +41,7 @@ KERNELS = {"kernels": dict(loss="fused", attention="flash"), "eager": dict(loss=
 MODELS = ("llama-tiny", "gpt-tiny")
 
 
-CALLS = {"head_loss": 0, "flash_attention": 0}
+CALLS = {"linear_loss": 0, "flash_attention": 0}
 
 
 def _count(name: str):
@@ -64,7 +64,8 @@ def run(model_name: str, cfg_kw: dict, n_virtual: int, data, layout: dict):
     stages = even_stages(units_of(model), n_virtual)
     pm = parallelize(model, pc, stages, ["none"] * n_virtual, layout, GB, SEQ, "cpu",
                      optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=LR), seed=SEED)
-    impl = type(sys.modules["planner.zoo.attention"].get_attention_impl()).__name__
+    block = next(sm.get_submodule(u) for sm in pm.stage_modules for u in sm.units if u in pm.adapter.blocks)
+    impl = type(pm.adapter.attention_modules(block)[0].attn_impl).__name__
     losses, grads = [], None
     t0 = time.perf_counter()
     try:
@@ -83,7 +84,7 @@ def run(model_name: str, cfg_kw: dict, n_virtual: int, data, layout: dict):
 def main() -> None:
     out = sys.argv[1]
     init_distributed("gloo")
-    _count("head_loss")
+    _count("linear_loss")
     _count("flash_attention")
     world = dist.get_world_size()
     results: dict = {}

@@ -74,8 +74,8 @@ def test_kernels_match_reference_and_eager_runtime(runs, case: str) -> None:
         assert r["grad_rel_err"] < TOL, (r["worst"], r["grad_rel_err"])
     assert ve["loss_rel_err"] < TOL and ve["grad_rel_err"] < TOL, ve
     # the kernel paths ran (counted over all ranks), the eager runtime used neither
-    assert k["calls"]["head_loss"] >= 12 and k["calls"]["flash_attention"] > 0, k["calls"]
-    assert e["calls"] == {"head_loss": 0, "flash_attention": 0}, e["calls"]
+    assert k["calls"]["linear_loss"] >= 12 and k["calls"]["flash_attention"] > 0, k["calls"]
+    assert e["calls"] == {"linear_loss": 0, "flash_attention": 0}, e["calls"]
     expected_impl = "RingAttention" if "cp2" in case else "FlashAttention"
     assert k["attention_impl"] == expected_impl
 

@@ -113,11 +113,13 @@ def test_ilp_split_beats_even_split(spec, cluster, cfg, gb):
 def test_sequence_parallel_only_where_the_runtime_can_shard_the_sequence():
     """seq_len / cp must divide by tp for SP (the runtime refuses otherwise): the search never
     offers it there and evaluate names the problem."""
-    from planner.search import _variants
+    from planner.search import _variants, facts_of
 
     g = load_graph("llama-tiny", batch=1, seq_len=33)
-    odd = list(_variants(1, 1, 1, 2, 1, 2, len(g.layers), "fp32", "eager", dominated=False, seq_len=33))
-    even = list(_variants(1, 1, 1, 2, 1, 2, len(g.layers), "fp32", "eager", dominated=False, seq_len=32))
+    f33 = facts_of(g)
+    f32 = facts_of(load_graph("llama-tiny", batch=1, seq_len=32))
+    odd = list(_variants(1, 1, 1, 2, 1, 2, len(g.layers), "fp32", "eager", f33, dominated=False))
+    even = list(_variants(1, 1, 1, 2, 1, 2, len(g.layers), "fp32", "eager", f32, dominated=False))
     assert odd and not any(c.sp for c in odd)        # tp=2 still searched, without SP
     assert even and all(c.sp for c in even)          # where SP runs, sp=off is dominated
     _, problems = evaluate_config(g, parse_cluster("local-cpu:2"), ParallelConfig(tp=2, sp=True), 4)

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from planner.errors import AutoparError
-from planner.zoo import (PRESETS, PUBLISHED_PARAMS, ModelConfig, build_model, example_batch, load_model_spec,
-                         set_attention_impl, use_attention_impl)
+from planner.zoo import (PRESETS, PUBLISHED_PARAMS, ModelConfig, SelfAttention, build_model, example_batch,
+                         load_model_spec)
 
 attn_mod = sys.modules["planner.zoo.attention"]
 TINY = ["gpt-tiny", "llama-tiny", "mllm-tiny"]
@@ -167,28 +167,26 @@ def test_default_attention_matches_reference(causal, hkv):
 
 
 @pytest.mark.parametrize("name", TINY)
-def test_swapped_attention_impl_is_used(name):
+def test_instance_attention_impl_is_used_and_isolated(name):
+    """An implementation set on one model's attention modules runs there, in call order,
+    and never in another model built from the same config (nothing process-wide)."""
     cfg = PRESETS[name]
-    model = build_model(cfg, "meta")
+    model, other = build_model(cfg, "meta"), build_model(cfg, "meta")
     calls: list[bool] = []
 
-    def counting(q, k, v, *, causal):
+    def counting(q, k, v, *, causal, scale=None):
         calls.append(causal)
-        return attn_mod.sdpa_attention(q, k, v, causal=causal)
+        return attn_mod.sdpa_attention(q, k, v, causal=causal, scale=scale)
 
-    default = attn_mod.get_attention_impl()
-    with use_attention_impl(counting):
-        model(**example_batch(cfg, 1))
-    assert attn_mod.get_attention_impl() is default
+    for m in model.modules():
+        if isinstance(m, SelfAttention):
+            m.attn_impl = counting
+    model(**example_batch(cfg, 1))
     n_vision = cfg.vision_layers if cfg.arch == "mllm" else 0
     assert calls == [False] * n_vision + [True] * cfg.layers
-    prev = set_attention_impl(counting)
-    try:
-        assert prev is default
-        model(**example_batch(cfg, 1))
-    finally:
-        set_attention_impl(prev)
-    assert len(calls) == 2 * (n_vision + cfg.layers)
+    other(**example_batch(cfg, 1))
+    assert len(calls) == n_vision + cfg.layers
+    assert all(m.attn_impl is None for m in other.modules() if isinstance(m, SelfAttention))
 
 
 # ------------------------------------------------------------------ specs

@@ -19,7 +19,7 @@ fails), so autopar ships its own ring attention:
   rotate op stays in the autograd graph; otherwise the peer waits forever for that
   op's backward exchange.
 - Non-causal calls (the MLLM vision encoder, whose tokens are not sequence-sharded)
-  fall through to the previous local implementation.
+  fall through to the ``fallback`` local implementation.
 - ``flash=True`` (the plan's ``attention == "flash"``): each step's partial attention is
   ``codegen.runtime.kernels.ring_block_attention`` (the flash kernel per contiguous chunk
   pair with q/kv offsets) and partials merge with ``attn_merge``; otherwise the plain-torch
@@ -36,10 +36,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-import planner.zoo.attention  # noqa: F401  (the submodule; the package re-exports a function under its name)
-import sys
+from planner.zoo.attention import sdpa_attention
 
-_ZOO_ATTN = sys.modules["planner.zoo.attention"]
 _MASKED = -1e30
 
 
@@ -77,11 +75,12 @@ def shard_sequence(t: torch.Tensor, cp: int, rank: int, dim: int = 1, load_balan
 # ------------------------------------------------------------------ block attention
 
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                      q_pos: Optional[torch.Tensor] = None,
-                      kv_pos: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      q_pos: Optional[torch.Tensor] = None, kv_pos: Optional[torch.Tensor] = None,
+                      scale: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [B,H,Sq,D] to one K/V block [B,Hkv,Sk,D] -> (out [B,H,Sq,D] fp32, lse [B,H,Sq] fp32).
 
-    ``lse`` is the natural-log sum of exp(scaled scores) over the visible keys. With
+    ``lse`` is the natural-log sum of exp(scaled scores) over the visible keys (``scale``
+    defaults to 1/sqrt(D)). With
     ``causal``, query at global position ``q_pos[i]`` sees key ``kv_pos[j]`` iff
     ``kv_pos[j] <= q_pos[i]`` (defaults: ``arange``). Rows with no visible key get
     ``lse`` ~ -1e30 (weight 0 when merged) and a finite dummy output.
@@ -89,7 +88,7 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     rep = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(rep, dim=1) if rep > 1 else k.float()
     vf = v.float().repeat_interleave(rep, dim=1) if rep > 1 else v.float()
-    scores = (q.float() @ kf.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    scores = (q.float() @ kf.transpose(-1, -2)) * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
     if causal:
         if q_pos is None:
             q_pos = torch.arange(q.shape[2], device=q.device)
@@ -140,7 +139,7 @@ def _flash_head_dims() -> tuple[int, ...]:
 
 
 class RingCompute:
-    """The compute of ring attention for cp rank ``rank`` of ``cp``: ``fn(q, k, v, *, causal)``.
+    """The compute of ring attention for cp rank ``rank`` of ``cp``: ``fn(q, k, v, *, causal, scale=None)``.
 
     ``q``/``k``/``v`` are the local shards [B, H, S/cp, D] laid out by ``load_balance``;
     ``fallback`` handles non-causal calls (default: SDPA). Each of the cp - 1 ring steps
@@ -157,7 +156,7 @@ class RingCompute:
             raise ValueError(f"cp rank {rank} is outside 0..{cp - 1}")
         self.cp, self.rank = cp, rank
         self.load_balance = load_balance
-        self.fallback = fallback
+        self.fallback = fallback or sdpa_attention
         self.flash = flash
         self._positions: dict[tuple, tuple] = {}  # (seq, device) -> positions on that device
 
@@ -175,19 +174,21 @@ class RingCompute:
             self._positions[key] = (q.to(device), steps)
         return self._positions[key]
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                 scale: Optional[float] = None) -> torch.Tensor:
         if not causal:
-            return (self.fallback or _ZOO_ATTN.sdpa_attention)(q, k, v, causal=causal)
+            return self.fallback(q, k, v, causal=causal, scale=scale)
         q_pos, steps = self._ring_positions(q.shape[2] * self.cp, q.device)
         kv = torch.stack((k, v))
         if self.flash and q.shape[-1] in _flash_head_dims():
             from codegen.kernels.attention import attn_merge
             from codegen.runtime.kernels import ring_block_attention
-            block = lambda q_, k_, v_, kv_pos: ring_block_attention(q_, k_, v_, q_pos, kv_pos)  # noqa: E731
+            block = lambda q_, k_, v_, kv_pos: ring_block_attention(q_, k_, v_, q_pos, kv_pos,  # noqa: E731
+                                                                    scale=scale)
             merge = attn_merge
         else:
             block = lambda q_, k_, v_, kv_pos: partial_attention(q_, k_, v_, causal=True, q_pos=q_pos,  # noqa: E731
-                                                                 kv_pos=kv_pos)
+                                                                 kv_pos=kv_pos, scale=scale)
             merge = merge_partials
         out, lse = block(q, k, v, q_pos)
         for kv_pos, unseen in steps:
@@ -217,11 +218,3 @@ class RingAttention(RingCompute):
     def _rotate(self, kv: torch.Tensor) -> torch.Tensor:
         """Send the packed K/V to the next cp rank, return the previous rank's (autograd-aware)."""
         return _Rotate.apply(kv, self.nxt, self.prv, self.group)
-
-
-def install_ring_attention(group, load_balance: str = "zigzag", flash: bool = False) -> RingAttention:
-    """Install :class:`RingAttention` as the zoo attention implementation; returns it."""
-    prev = _ZOO_ATTN.get_attention_impl()
-    ring = RingAttention(group, load_balance, fallback=prev, flash=flash)
-    _ZOO_ATTN.set_attention_impl(ring)
-    return ring

@@ -16,16 +16,23 @@ from planner.zoo.spec import FUNC_SPEC as _HOOK
 DataFn = Callable[[int], dict]
 
 
-def synthetic(cfg, global_batch: int, seq_len: int, seed: int = 0) -> DataFn:
-    """``step -> batch``: uniform random tokens (labels = the next token), images for the MLLM."""
+def synthetic(vocab: int, global_batch: int, seq_len: int, seed: int = 0, *, mllm=None,
+              model_shifts_labels: bool = False) -> DataFn:
+    """``step -> batch``: uniform random tokens; ``labels`` are the next tokens (``input_ids``
+    itself when ``model_shifts_labels``: a transformers causal LM shifts them), images for the
+    MLLM (``mllm``: its zoo config)."""
 
     def batch(step: int) -> dict:
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        text = seq_len - (cfg.num_patches if cfg.arch == "mllm" else 0)
-        ids = torch.randint(0, cfg.vocab, (global_batch, text + 1), generator=g)
-        out = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
-        if cfg.arch == "mllm":
-            out["pixel_values"] = torch.randn(global_batch, cfg.channels, cfg.image_size, cfg.image_size, generator=g)
+        text = seq_len - (mllm.num_patches if mllm is not None else 0)
+        ids = torch.randint(0, vocab, (global_batch, text + 1), generator=g)
+        if model_shifts_labels:
+            out = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, :-1].contiguous()}
+        else:
+            out = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+        if mllm is not None:
+            out["pixel_values"] = torch.randn(global_batch, mllm.channels, mllm.image_size, mllm.image_size,
+                                              generator=g)
         return out
 
     return batch

@@ -32,32 +32,32 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from codegen.runtime.pipeline_parallel import is_block
-
 
 def _replicate():
     from torch.distributed._composable.replicate_with_fsdp import replicate
     return replicate
 
 
-def apply_dp(stage_mods: Sequence[nn.Module], dp_mesh: DeviceMesh, zero: str, pipelined: bool) -> None:
-    """Wrap each stage module (and its blocks) for data parallelism over ``dp_mesh`` in place."""
+def apply_dp(stage_mods: Sequence[nn.Module], dp_mesh: DeviceMesh, zero: str, pipelined: bool,
+             blocks: Sequence[str]) -> None:
+    """Wrap each stage module (and its ``blocks``, the model's repeated units) for data
+    parallelism over ``dp_mesh`` in place."""
     if dp_mesh.size() == 1:
         return
+    blocks = set(blocks)
     for sm in stage_mods:
+        own = [sm.get_submodule(u) for u in sm.units if u in blocks]
         if zero in ("fsdp", "zero2"):
             reshard = zero == "fsdp" and not pipelined
-            for fqn in getattr(sm, "units", []):
-                if is_block(fqn):
-                    fully_shard(sm.get_submodule(fqn), mesh=dp_mesh, reshard_after_forward=reshard)
+            for block in own:
+                fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
             fully_shard(sm, mesh=dp_mesh, reshard_after_forward=reshard)
         elif zero in ("ddp", "zero1"):
             # per block, then the rest: each block's gradients are all-reduced as soon as its
             # backward ends (overlapping the earlier blocks' backward) and the fresh gradients
             # never all coexist with accumulated ones
-            for fqn in getattr(sm, "units", []):
-                if is_block(fqn):
-                    _replicate()(sm.get_submodule(fqn), mesh=dp_mesh)
+            for block in own:
+                _replicate()(block, mesh=dp_mesh)
             _replicate()(sm, mesh=dp_mesh)
         else:
             raise ValueError(f"data-parallel sharding {zero!r}: use ddp, zero1, zero2 or fsdp")

@@ -3,64 +3,54 @@
 ``ParallelConfig.attention`` / ``ParallelConfig.loss`` name the kernels; this module
 turns them into runtime behaviour (``codegen.kernels`` holds the kernels themselves):
 
-- ``attention == "flash"``: :func:`install_flash_attention` installs
-  :class:`FlashAttention` (``codegen.kernels.attention.flash_attention``, ``impl="auto"``:
-  Triton on CUDA, the exact fp32 torch fallback on CPU) as the zoo attention
-  implementation; ``ParallelModel.close()`` restores the previous one. Head dims the
-  kernel does not support go to the previous implementation. Under context parallelism
-  the ring's per-step partial attention uses :func:`ring_block_attention` (the kernel
-  per contiguous (query chunk, key chunk) pair with q/kv offsets, merged with
+- ``attention == "flash"``: :class:`FlashAttention` (``codegen.kernels.attention.flash_attention``,
+  ``impl="auto"``: Triton on CUDA, the exact fp32 torch fallback on CPU) is the attention
+  implementation the runtime installs on each block (``codegen/runtime/attention.py``).
+  Head dims the kernel does not support go to the fallback (SDPA). Under context
+  parallelism the ring's per-step partial attention uses :func:`ring_block_attention` (the
+  kernel per contiguous (query chunk, key chunk) pair with q/kv offsets, merged with
   ``attn_merge``), see ``context_parallel.RingAttention``.
-- ``loss == "fused"``: the last stage never computes logits. ``StageModule.forward``
-  gets the micro-batch ``labels`` (keyword) and, in place of ``head(x)``, returns
-  :func:`head_loss` = the SUMMED token cross-entropy from the head's input hidden states
-  and ``head.proj.weight`` via ``fused_linear_cross_entropy`` (the runtime's loss
-  function then divides by the global token count, as for logits). Under tensor
-  parallelism the head weight is a vocabulary-sharded DTensor: the local shard and the
-  tp group drive the vocabulary-parallel variant; sequence-parallel hidden states are
-  all-gathered first (as the head's ``ColwiseParallel(input_layouts=Shard(1))`` does).
+- ``loss == "fused"``: the last stage never computes logits. Its forward gets the
+  micro-batch ``labels`` and returns :func:`linear_loss` = the SUMMED token cross-entropy
+  from the head's input hidden states and the head weight via ``fused_linear_cross_entropy``
+  (the runtime's loss function then divides by the global token count, as for logits).
+  Under tensor parallelism the head weight is a vocabulary-sharded DTensor: the local shard
+  and the tp group drive the vocabulary-parallel variant; sequence-parallel hidden states
+  are all-gathered first (as the head's ``ColwiseParallel(input_layouts=Shard(1))`` does).
   The loss is computed inside the stage module's forward so FSDP / replicate see the
   head weight used within their forward hooks.
 """
 from __future__ import annotations
 
-import sys
 from typing import Callable, Optional
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-import planner.zoo.attention  # noqa: F401  (the submodule; the package re-exports a function under its name)
 from codegen.kernels.attention import SUPPORTED_HEAD_DIMS, attn_merge, flash_attention
+from planner.zoo.attention import sdpa_attention
 
-_ZOO_ATTN = sys.modules["planner.zoo.attention"]
 IGNORE_INDEX = -100
 
 
 # ------------------------------------------------------------------ attention
 
 class FlashAttention:
-    """Zoo attention implementation ``fn(q, k, v, *, causal)`` on ``flash_attention``.
+    """Attention implementation ``fn(q, k, v, *, causal, scale=None)`` on ``flash_attention``.
 
     ``fallback`` handles head dims the kernel does not support (default SDPA)."""
 
     def __init__(self, fallback: Optional[Callable] = None, impl: str = "auto"):
-        self.fallback = fallback
+        self.fallback = fallback or sdpa_attention
         self.impl = impl
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                 scale: Optional[float] = None) -> torch.Tensor:
         if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-            return (self.fallback or _ZOO_ATTN.sdpa_attention)(q, k, v, causal=causal)
-        # Top-left aligned causal mask (query i sees keys j <= i), as the zoo's contract.
-        out, _ = flash_attention(q, k, v, causal=causal, impl=self.impl)
+            return self.fallback(q, k, v, causal=causal, scale=scale)
+        # Top-left aligned causal mask (query i sees keys j <= i), as SDPA's is_causal.
+        out, _ = flash_attention(q, k, v, causal=causal, sm_scale=scale, impl=self.impl)
         return out
-
-
-def install_flash_attention(impl: str = "auto") -> FlashAttention:
-    """Install :class:`FlashAttention` as the zoo attention implementation; returns it."""
-    fa = FlashAttention(fallback=_ZOO_ATTN.get_attention_impl(), impl=impl)
-    _ZOO_ATTN.set_attention_impl(fa)
-    return fa
 
 
 def _runs(pos: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -75,7 +65,8 @@ def _runs(pos: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 def ring_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                         kv_pos: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                         kv_pos: torch.Tensor, impl: str = "auto",
+                         scale: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of q [B,H,Sq,D] at global positions ``q_pos`` to one K/V block at
     ``kv_pos`` -> (out [B,H,Sq,D] fp32, lse [B,H,Sq] fp32 natural log; -inf if nothing visible).
 
@@ -94,7 +85,7 @@ def ring_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
                 continue
             causal = kp + kn - 1 > qp     # some key after some query: mask needed
             ob, lb = flash_attention(qs, k[:, :, ka:ka + kn], v[:, :, ka:ka + kn], causal=causal,
-                                     q_offset=qp, kv_offset=kp, impl=impl)
+                                     sm_scale=scale, q_offset=qp, kv_offset=kp, impl=impl)
             if o is None:
                 o, l = ob, lb
             else:
@@ -123,15 +114,15 @@ def _gather_sequence(x: torch.Tensor, tp_mesh) -> torch.Tensor:
     return x
 
 
-def head_loss(head: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor, *, sp: bool = False,
-              impl: str = "auto") -> torch.Tensor:
-    """SUMMED cross-entropy of ``head.proj(x)`` against ``labels`` without logits (fp32 scalar).
+def linear_loss(weight: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, *, sp: bool = False,
+                impl: str = "auto") -> torch.Tensor:
+    """SUMMED cross-entropy of ``x @ weight.T`` against ``labels`` without logits (fp32 scalar).
 
-    ``x`` [B, S, H] (or its sequence shard under SP), ``labels`` [B, S]. A vocabulary-sharded
-    ``head.proj.weight`` (DTensor ``Shard(0)`` over the tp mesh) uses the vocabulary-parallel
-    fused loss over the tp group with the local shard."""
+    ``x`` [B, S, H] (or its sequence shard under SP), ``labels`` [B, S], ``weight`` the head's
+    [V, H]. A vocabulary-sharded weight (DTensor ``Shard(0)`` over the tp mesh) uses the
+    vocabulary-parallel fused loss over the tp group with the local shard."""
     from codegen.kernels.fused_loss import fused_linear_cross_entropy
-    w = head.proj.weight
+    w = weight
     group = None
     if isinstance(w, DTensor):
         mesh = w.device_mesh
@@ -146,3 +137,11 @@ def head_loss(head: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor, *, s
     h = x.reshape(-1, x.shape[-1])
     return fused_linear_cross_entropy(h, w, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum",
                                       group=group, impl=impl)
+
+
+def logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """SUMMED token cross-entropy of ``logits`` [.., V] against ``labels`` (fp32); vocabulary-
+    sharded DTensor logits are handled by ``loss_parallel`` (the runtime's ``loss_context``)."""
+    import torch.nn.functional as F
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")

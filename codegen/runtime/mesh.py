@@ -98,3 +98,17 @@ def teardown() -> None:
             dist.barrier()
         finally:
             dist.destroy_process_group()
+
+
+def exit_process(code: int = 0) -> None:
+    """End a training program after :func:`teardown`: flush stdio and leave without running
+    C++ static destructors. With gloo on torch 2.13, a finished rank still aborted at
+    interpreter exit (``terminate called without an active exception``) in about one run
+    in three launched by ``autopar run`` (measured on this 2-core machine), after every
+    step, log line and checkpoint was written; everything the program owns is closed
+    before this call."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

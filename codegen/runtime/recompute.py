@@ -1,89 +1,89 @@
-"""Activation recomputation per pipeline stage.
+"""Activation recomputation per block, installed on the model instance.
 
-- ``full``: every transformer block of the stage (``layers.<i>``, ``vision.blocks.<i>``)
-  runs under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: only the block
-  input is kept, the block is re-run in backward. The block's ``forward`` is wrapped in
-  place (no wrapper module), so fqns stay unchanged.
-- ``selective``: only the attention core (the ``planner.zoo.attention.attention`` call:
-  scores, softmax, weighted sum; with CP the whole ring) is checkpointed; projections,
-  norms and MLP keep their activations. Implemented by installing
-  :class:`SelectiveAttention` around the current attention implementation once; it
-  checkpoints only while a stage whose policy is ``selective`` is running (the stage sets
-  the scope in its forward).
+- ``full``: the block is checkpointed through forward pre/post hooks on that module
+  (non-reentrant ``torch.utils.checkpoint``, fqns unchanged, the way torch's composable
+  ``checkpoint`` does it, but with a reusable hook switch so a block may be recomputed
+  twice, as zero-bubble schedules do when they split the backward into input and weight
+  gradients): only the block's inputs are kept, the block is re-run in backward.
+- ``selective``: only the attention core (scores, softmax, weighted sum; with CP the whole
+  ring) is checkpointed: the block's attention implementation is wrapped in
+  :class:`SelectiveAttention` (``codegen/runtime/attention.py`` builds it per block);
+  projections, norms and MLP keep their activations.
 - ``none``: nothing.
 """
 from __future__ import annotations
 
-import contextlib
-import sys
-from typing import Callable, Iterator
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import planner.zoo.attention  # noqa: F401
-
-_ZOO_ATTN = sys.modules["planner.zoo.attention"]
-_selective_active = False
-
-
-@contextlib.contextmanager
-def selective_scope(on: bool) -> Iterator[None]:
-    """Within the block, attention calls are checkpointed iff ``on``."""
-    global _selective_active
-    prev = _selective_active
-    _selective_active = on
-    try:
-        yield
-    finally:
-        _selective_active = prev
+POLICIES = ("none", "selective", "full")
 
 
 class SelectiveAttention:
-    """Attention implementation that checkpoints ``inner`` while a selective stage runs."""
+    """An attention implementation whose call is checkpointed (recomputed in backward)."""
 
     def __init__(self, inner: Callable):
         self.inner = inner
 
-    def __call__(self, q, k, v, *, causal: bool):
-        if _selective_active and torch.is_grad_enabled():
-            return checkpoint(self._call, q, k, v, causal, use_reentrant=False)
-        return self.inner(q, k, v, causal=causal)
+    def __call__(self, q, k, v, *, causal: bool, scale: Optional[float] = None):
+        if torch.is_grad_enabled():
+            return checkpoint(self._call, q, k, v, causal, scale, use_reentrant=False)
+        return self.inner(q, k, v, causal=causal, scale=scale)
 
-    def _call(self, q, k, v, causal):
-        return self.inner(q, k, v, causal=causal)
+    def _call(self, q, k, v, causal, scale):
+        return self.inner(q, k, v, causal=causal, scale=scale)
 
 
-def install_selective() -> None:
-    """Wrap the current attention implementation once (idempotent). Install CP's ring first."""
-    cur = _ZOO_ATTN.get_attention_impl()
-    if not isinstance(cur, SelectiveAttention):
-        _ZOO_ATTN.set_attention_impl(SelectiveAttention(cur))
+class _HookSwitch:
+    """Checkpoint hooks of one block: on, except while the block is being recomputed.
+    A plain class (not a generator context manager), so one recomputation context can be
+    entered again by a second backward pass."""
+
+    def __init__(self) -> None:
+        self.on = True
+        self.gen = None
+
+    def __enter__(self) -> None:
+        self._prev, self.on = self.on, False
+
+    def __exit__(self, *exc) -> None:
+        self.on = self._prev
 
 
 def checkpoint_block(block: nn.Module) -> None:
-    """Run ``block``'s forward under non-reentrant activation checkpointing (in place)."""
+    """Recompute ``block`` in backward (hooks on that instance; idempotent)."""
+    import contextlib
+
+    from torch.utils.checkpoint import _DEFAULT_DETERMINISM_MODE, _checkpoint_without_reentrant_generator
+
     if getattr(block, "_autopar_ckpt", False):
         return
-    orig = block.forward
+    switch = _HookSwitch()
 
-    def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return orig(*args, **kwargs)
-        return checkpoint(orig, *args, use_reentrant=False, **kwargs)
+    def pre(mod, args, kwargs):
+        if switch.on:
+            switch.gen = _checkpoint_without_reentrant_generator(
+                mod, True, lambda: (contextlib.nullcontext(), switch), _DEFAULT_DETERMINISM_MODE, False, True,
+                *args, **kwargs)
+            next(switch.gen)
 
-    block.forward = forward  # type: ignore[method-assign]
+    def post(mod, args, output):
+        if switch.on and switch.gen is not None:
+            try:
+                next(switch.gen)
+            except StopIteration:
+                pass
+        switch.gen = None
+
+    block.register_forward_pre_hook(pre, with_kwargs=True)
+    block.register_forward_hook(post, prepend=True, always_call=True)
     block._autopar_ckpt = True
 
 
-def apply_recompute(stage_blocks: list[tuple[nn.Module, str]]) -> None:
-    """Apply each ``(block, policy)``: ``full`` checkpoints the block, ``selective`` installs
-    :class:`SelectiveAttention` (the stage module enables it while it runs)."""
-    for block, policy in stage_blocks:
-        if policy == "full":
-            checkpoint_block(block)
-        elif policy == "selective":
-            install_selective()
-        elif policy != "none":
-            raise ValueError(f"recompute policy {policy!r}: use none, selective or full")
+def check_policy(policy: str) -> str:
+    if policy not in POLICIES:
+        raise ValueError(f"recompute policy {policy!r}: use none, selective or full")
+    return policy

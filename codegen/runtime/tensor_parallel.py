@@ -1,14 +1,25 @@
 """Tensor (and sequence) parallelism from the plan's ``{fqn: role}`` layout, with DTensor.
 
-Roles (see the plan's ``tensor_parallel.layout``): ``column``, ``row``, ``vocab_embed``,
-``embed`` (learned positions), ``vocab_head``, ``norm``. The parent of every ``row``
-linear (e.g. ``layers.0.attn``, ``layers.0.mlp``) is the attention/MLP module whose
-input is re-gathered from the sequence shard under sequence parallelism.
+Roles (the plan's ``tensor_parallel.layout``; :data:`ROLES`):
 
-Attention modules reshape with the local head count (``view(B, S, -1, head_dim)``), so
-sharding q/k/v by output features shards heads. Grouped-query attention needs
-``tp <= kv_heads`` (kv heads are sharded, never replicated); otherwise ``apply_tp``
-raises.
+- ``column``      a linear split by output features (q/k/v, MLP up/gate, fc1)
+- ``row``         a linear split by input features (attention output, MLP down, fc2)
+- ``packed_qkv``  one linear whose output is ``[q | k | v]`` in three equal parts (GPT-2's
+                  ``c_attn``): each rank keeps its heads of every part (``_StridedShard``)
+- ``vocab_embed`` token embedding split by vocabulary rows
+- ``embed``       an embedding not split (learned positions): replicated weights, every
+                  tensor argument replicated (positions may come as a keyword, as OPT's do);
+                  with SP its output is cut to the rank's sequence shard (dim -2)
+- ``vocab_head``  output projection split by vocabulary; the loss is vocabulary-parallel
+- ``norm``        replicated weights; with sequence parallel it runs on a sequence shard
+
+Linears are ``nn.Linear`` or transformers' ``Conv1D`` (weight stored ``[in, out]``).
+Under sequence parallelism the parent of every ``row`` linear (the attention / MLP module)
+gets its hidden-state input (first positional argument, or ``hidden_states=``) gathered
+from the sequence shard (a block whose attention linears sit directly in it cannot run
+sequence parallel: the planner's ``sp`` limit, ``planner/frontend.py``). Attention modules must reshape with the local head count
+(``view(B, S, -1, head_dim)``), so sharding q/k/v by output features shards heads; kv heads
+are sharded, never replicated, so tp must divide them (the planner's feasibility rule).
 
 The vocabulary-parallel head returns a DTensor ``Shard(-1)`` of logits; compute the loss
 inside :func:`loss_context` (``loss_parallel()`` when TP is on).
@@ -16,64 +27,172 @@ inside :func:`loss_context` (``loss_parallel()`` when TP is on).
 from __future__ import annotations
 
 import contextlib
-import inspect
 from typing import Iterator
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, loss_parallel, parallelize_module)
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel, loss_parallel,
+                                               parallelize_module)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.distributed.tensor.placement_types import _StridedShard
 
-ROLES = ("column", "row", "vocab_embed", "embed", "vocab_head", "norm")
+from planner.plan import TP_ROLES as ROLES
 
 
 def _parent(fqn: str) -> str:
     return fqn.rsplit(".", 1)[0] if "." in fqn else ""
 
 
-def _check_heads(model: nn.Module, layout: dict[str, str], tp: int) -> None:
-    for fqn, role in layout.items():
-        if role == "column" and fqn.endswith("k_proj"):
-            mod = model.get_submodule(fqn)
-            head_dim = getattr(model.get_submodule(_parent(fqn)), "head_dim", None)
-            if head_dim is None:
-                continue
-            kv_heads = mod.out_features // head_dim
-            q_heads = model.get_submodule(_parent(fqn) + ".q_proj").out_features // head_dim
-            if kv_heads % tp or q_heads % tp:
-                raise ValueError(f"tp={tp} does not divide the {q_heads} query / {kv_heads} kv heads of "
-                                 f"{_parent(fqn)}; choose tp <= kv_heads dividing both (kv heads are not replicated)")
+def is_conv1d(m: nn.Module) -> bool:
+    """transformers' ``Conv1D``: a linear whose weight is stored ``[in, out]``."""
+    return type(m).__name__ == "Conv1D" and getattr(m, "weight", None) is not None and m.weight.dim() == 2
 
 
-def tp_plan(layout: dict[str, str], sp: bool, arity: dict[str, int] | None = None) -> dict[str, object]:
-    """The ``parallelize_module`` plan (fqn -> ParallelStyle) for ``layout``.
+def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:
+    p = getattr(module, name, None)
+    if p is not None:
+        module.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, [placement]),
+                                                     requires_grad=p.requires_grad))
 
-    ``arity`` gives the number of positional inputs of each attention/MLP parent
-    (default 1); extra inputs (``positions``) pass through untouched.
-    """
-    arity = arity or {}
+
+class Conv1DColwise(ColwiseParallel):
+    """ColwiseParallel for ``Conv1D``: weight ``[in, out]`` split on dim 1, bias on dim 0."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        _distribute(module, "weight", device_mesh, Shard(1))
+        _distribute(module, "bias", device_mesh, Shard(0))
+
+    def _apply(self, module, device_mesh):
+        return _apply_as_linear(self, module, device_mesh)
+
+
+class Conv1DRowwise(RowwiseParallel):
+    """RowwiseParallel for ``Conv1D``: weight ``[in, out]`` split on dim 0, bias replicated."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.desired_input_layouts = (Shard(-1),)
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        _distribute(module, "weight", device_mesh, Shard(0))
+        _distribute(module, "bias", device_mesh, Replicate())
+
+    def _apply(self, module, device_mesh):
+        return _apply_as_linear(self, module, device_mesh)
+
+
+class PackedColwise(ColwiseParallel):
+    """A column linear computing ``[q | k | v]`` (three equal parts): every rank keeps chunk r
+    of each part, ``_StridedShard(split_factor=3)``, and gets its local ``[q_r | k_r | v_r]``."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        out_dim = 1 if is_conv1d(module) else 0
+        _distribute(module, "weight", device_mesh, _StridedShard(out_dim, split_factor=3))
+        _distribute(module, "bias", device_mesh, _StridedShard(0, split_factor=3))
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return outputs.to_local()  # already this rank's [q_r | k_r | v_r]: no redistribution
+
+    def _apply(self, module, device_mesh):
+        return _apply_as_linear(self, module, device_mesh)
+
+
+def _apply_as_linear(style, module, device_mesh):
+    """Run a ColwiseParallel/RowwiseParallel subclass's partition on a Conv1D or Linear."""
+    from functools import partial
+
+    from torch.distributed.tensor import distribute_module
+
+    return distribute_module(
+        module, device_mesh, style._partition_linear_fn,
+        partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+        partial(style._prepare_output_fn, style.output_layouts, style.use_local_output))
+
+
+class GatherSequenceInput(ParallelStyle):
+    """Sequence parallel: gather a module's hidden-state input (its first positional
+    argument, or the ``hidden_states`` keyword) from the sequence shard ``[B, S/tp, ..]`` (a
+    local tensor, or a ``SequenceParallel`` norm's DTensor) to the full sequence as a local
+    tensor, differentiably (backward: reduce-scatter)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(x):
+            if not isinstance(x, DTensor):  # a local sequence shard
+                x = DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
+            return x.redistribute(device_mesh, [Replicate()]).to_local()
+
+        def hook(mod, args, kwargs):
+            if args and isinstance(args[0], torch.Tensor):
+                return (gather(args[0]), *args[1:]), kwargs
+            if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+                return args, dict(kwargs, hidden_states=gather(kwargs["hidden_states"]))
+            raise ValueError(f"sequence parallel: {type(mod).__name__} got no hidden-state tensor to gather")
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+class ReplicatedEmbedding(ParallelStyle):
+    """A learned-position table kept whole on every tp rank (weights a ``Replicate`` DTensor,
+    so their gradient is reduced over tp); its output is the rank's sequence shard under SP."""
+
+    def __init__(self, sp: bool):
+        super().__init__()
+        self.sp = sp
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(p, device_mesh, [Replicate()]),
+                                                         requires_grad=p.requires_grad))
+
+        def rep(x):
+            return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False) \
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+
+        def pre(mod, args, kwargs):
+            return tuple(rep(a) for a in args), {k: rep(v) for k, v in kwargs.items()}
+
+        def post(mod, args, kwargs, out):
+            if self.sp:
+                out = out.redistribute(device_mesh, [Shard(out.dim() - 2)])
+            return out.to_local()
+
+        module.register_forward_pre_hook(pre, with_kwargs=True)
+        module.register_forward_hook(post, with_kwargs=True)
+        return module
+
+
+def _linear_style(module: nn.Module, role: str, sp: bool) -> ParallelStyle:
+    seq = Shard(1) if sp else Replicate()
+    conv = is_conv1d(module)
+    if role == "column":
+        return Conv1DColwise() if conv else ColwiseParallel()
+    if role == "row":
+        return Conv1DRowwise(output_layouts=seq) if conv else RowwiseParallel(output_layouts=seq)
+    return PackedColwise()
+
+
+def tp_plan(model: nn.Module, layout: dict[str, str], sp: bool) -> dict[str, object]:
+    """The ``parallelize_module`` plan (fqn -> ParallelStyle) for ``layout`` on ``model``.
+
+    Under SP the head's input is the sequence shard (a local tensor, or the final norm's
+    DTensor): the head gathers it."""
     plan: dict[str, object] = {}
     seq = Shard(1) if sp else Replicate()
     for fqn, role in layout.items():
         if role not in ROLES:
             raise ValueError(f"unknown tensor-parallel role {role!r} for {fqn}; roles: {', '.join(ROLES)}")
-        if role == "column":
-            plan[fqn] = ColwiseParallel()
-        elif role == "row":
-            plan[fqn] = RowwiseParallel(output_layouts=seq)
-            if sp:
-                # The attention / MLP module around the row linear gets its input gathered
-                # from the sequence shard; ``positions`` (if passed) goes through untouched.
-                n_in = arity.get(_parent(fqn), 1)
-                plan[_parent(fqn)] = PrepareModuleInput(input_layouts=(Shard(1),) + (None,) * (n_in - 1),
-                                                        desired_input_layouts=(Replicate(),) + (None,) * (n_in - 1),
-                                                        use_local_output=True)
+        if role in ("column", "row", "packed_qkv"):
+            plan[fqn] = _linear_style(model.get_submodule(fqn), role, sp)
+            if role == "row" and sp:
+                plan[_parent(fqn)] = GatherSequenceInput()
         elif role == "vocab_embed":
             plan[fqn] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
         elif role == "embed":
-            # Learned positions [S, d]: sequence is dim 0, matching the token embedding's Shard(1).
-            plan[fqn] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0) if sp else Replicate())
+            plan[fqn] = ReplicatedEmbedding(sp)
         elif role == "vocab_head":
             plan[fqn] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
         elif role == "norm" and sp:
@@ -82,27 +201,15 @@ def tp_plan(layout: dict[str, str], sp: bool, arity: dict[str, int] | None = Non
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, layout: dict[str, str], sp: bool) -> nn.Module:
-    """Shard ``model`` in place over ``tp_mesh`` per ``layout``; fqns absent from ``model`` are skipped.
-
-    With ``sp``, the residual stream between blocks is sequence-sharded (local tensors
-    [B, S/tp, d]) and the head input is gathered back. Returns ``model``.
-    """
-    tp = tp_mesh.size()
-    if tp == 1:
+    """Shard ``model`` (a stage module) in place over ``tp_mesh`` per ``layout``; fqns absent
+    from ``model`` are skipped. With ``sp`` the residual stream between blocks is
+    sequence-sharded (local tensors [B, S/tp, d]). Returns ``model``."""
+    if tp_mesh.size() == 1:
         return model
     present = {n for n, _ in model.named_modules()}
     layout = {f: r for f, r in layout.items() if f in present}
-    if sp and any(f.startswith("vision.") for f in layout):
-        raise ValueError("sequence parallel across a vision encoder is not supported; use sp=off for this model")
-    _check_heads(model, layout, tp)
-    arity = {}
-    for fqn, role in layout.items():
-        if role == "row":
-            parent = _parent(fqn)
-            params = inspect.signature(model.get_submodule(parent).forward).parameters.values()
-            arity[parent] = sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
     ties = _tied_params(model)
-    parallelize_module(model, tp_mesh, tp_plan(layout, sp, arity))
+    parallelize_module(model, tp_mesh, tp_plan(model, layout, sp))
     _retie(model, ties)
     return model
 

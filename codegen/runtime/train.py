@@ -1,48 +1,54 @@
 """``parallelize``: build the parallel training program for a plan; ``ParallelModel.step`` trains.
 
-Order of application: context-parallel attention installed, then the pipeline stage split
-(this rank's stage modules) -> tensor parallel -> activation recompute -> data parallel
-(FSDP2 / replicate over ``dp`` x ``cp``) -> optimizers (one per stage module, as torchtitan).
+The runtime talks to the model through its adapter (``codegen/runtime/adapters``), never
+through attribute names. Order of application: the feasibility rule
+(``planner.plan.config_problems``) on the plan and the adapter's limits, then the pipeline
+stage split (this rank's stage modules, built by the adapter) -> materialisation of a
+meta-built model's owned units -> attention per block (kernel, ring attention for CP,
+selective recompute; installed on the model instance) -> tensor parallel -> full recompute
+-> data parallel (FSDP2 / replicate over ``dp`` x ``cp``) -> optimizers (one per stage
+module, as torchtitan) -> the tied-weight group (pp > 1).
 
 Batching: ``step(batch)`` receives the GLOBAL batch (``global_batch`` sequences) on every
-rank. dp rank d takes rows ``[d*B/dp, (d+1)*B/dp)``, cp rank c the zigzag sequence shard
-(see context_parallel), and the rows are cut into ``global_batch / (dp * mbs)``
-micro-batches of ``mbs`` sequences: pipeline micro-batches under PP, gradient
-accumulation without.
+rank. The adapter turns it into the first stage's inputs and per-position targets (a
+transformers model's labels are shifted here, before any sharding); dp rank d takes rows
+``[d*B/dp, (d+1)*B/dp)``, cp rank c the zigzag sequence shard (see context_parallel), and
+the rows are cut into ``global_batch / (dp * mbs)`` micro-batches of ``mbs`` sequences:
+pipeline micro-batches under PP, gradient accumulation without.
 
-Loss scaling: each micro-batch's loss is ``sum of token cross-entropies / N`` where N is
-the number of non-ignored label tokens of the whole global batch, times the size of the
-data-parallel (dp x cp) mesh (its gradient reduction averages). The pipeline schedules
-run with ``scale_grads=False``. So gradients equal those of the single-process mean loss
-over the global batch, whatever the micro-batch / dp / cp split and the ``-100`` labels.
+Loss scaling: the last stage returns each micro-batch's SUMMED token loss; ``loss_fn``
+divides it by N, the number of non-ignored targets of the whole global batch, times the
+size of the data-parallel (dp x cp) mesh (its gradient reduction averages). The pipeline
+schedules run with ``scale_grads=False``. So gradients equal those of the single-process
+mean loss over the global batch, whatever the micro-batch / dp / cp split and the ``-100``
+targets.
 
 Kernels (codegen/runtime/kernels.py): ``cfg.attention == "flash"`` installs the flash
 attention kernel (and the ring's flash block path under CP); ``cfg.loss == "fused"`` makes
-the last stage return the summed cross-entropy from the head's input (fused linear +
-cross-entropy, no logits), which ``loss_fn`` then scales exactly as the logits path.
+the last stage compute the cross-entropy from the head's input (fused linear +
+cross-entropy, no logits).
 """
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from planner.plan import ParallelConfig
+from planner.plan import ModelFacts, ParallelConfig, config_problems
 from codegen.runtime import context_parallel as cpar
 from codegen.runtime import data_parallel as dpar
-from codegen.runtime import kernels as kern
 from codegen.runtime import pipeline_parallel as ppar
 from codegen.runtime import recompute as rc
 from codegen.runtime import tensor_parallel as tpar
+from codegen.runtime.adapters import IGNORE_INDEX, ModelAdapter, adapter_for
+from codegen.runtime.attention import build_attention, ring_attention
 from codegen.runtime.mesh import build_mesh, dp_cp_mesh
 
-IGNORE_INDEX = -100
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 
 
@@ -72,76 +78,77 @@ class Optimizers:
             o.zero_grad(set_to_none=set_to_none)
 
 
+@dataclass
+class Layout:
+    """Where this rank sits and what it runs: its virtual stages and the meshes."""
+    mesh: DeviceMesh
+    dp_mesh: DeviceMesh              # the gradient-reduction mesh: dp flattened with cp
+    stage_idx: list[int]             # virtual stage indices this pp rank holds
+    n_virtual: int
+    load_balance: str = "zigzag"
+
+
 class ParallelModel:
     """The parallelised model on this rank: ``step(batch) -> loss``, ``optimizer``,
-    ``parameters_for_check()``; ``stage_modules`` (FQN-preserving) and ``mesh``."""
+    ``parameters_for_check()``; ``stage_modules`` (fqn-preserving) and ``mesh``."""
 
-    def __init__(self, model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh, stage_idx: list[int],
-                 stage_mods: list[ppar.StageModule], n_virtual: int, global_batch: int, seq_len: int,
-                 device: torch.device, optimizer: Optimizers, dp_mesh: DeviceMesh, load_balance: str):
-        self.model, self.cfg, self.mesh = model, cfg, mesh
-        self.stage_idx, self.stage_modules, self.n_virtual = stage_idx, stage_mods, n_virtual
+    def __init__(self, adapter: ModelAdapter, cfg: ParallelConfig, layout: Layout, stage_mods: list[nn.Module],
+                 global_batch: int, seq_len: int, device: torch.device, optimizer: Optimizers,
+                 tied: Optional[ppar.TiedWeights] = None):
+        self.adapter, self.model, self.cfg = adapter, adapter.model, cfg
+        self.mesh, self.dp_mesh = layout.mesh, layout.dp_mesh
+        self.stage_idx, self.n_virtual, self.load_balance = layout.stage_idx, layout.n_virtual, layout.load_balance
+        self.stage_modules = stage_mods
         self.global_batch, self.seq_len, self.device = global_batch, seq_len, device
-        self.optimizer, self.dp_mesh, self.load_balance = optimizer, dp_mesh, load_balance
+        self.optimizer, self.tied = optimizer, tied
         self.step_count = 0
-        self._prev_attention = None
-        self.dp_rank = mesh["dp"].get_local_rank()
-        self.cp_rank = mesh["cp"].get_local_rank()
-        self.tp_rank = mesh["tp"].get_local_rank()
+        self.dp_rank = self.mesh["dp"].get_local_rank()
+        self.cp_rank = self.mesh["cp"].get_local_rank()
+        self.tp_rank = self.mesh["tp"].get_local_rank()
         self.n_microbatches = global_batch // (cfg.dp * cfg.mbs)
-        self.is_mllm = hasattr(model, "vision")
-        self.has_first = 0 in stage_idx
-        self.has_last = (n_virtual - 1) in stage_idx
+        self.has_first = 0 in self.stage_idx
+        self.has_last = (self.n_virtual - 1) in self.stage_idx
         self._n_tokens = 1
-        self.fused_loss = cfg.loss == "fused"
         self.schedule = None
         if cfg.pp > 1:
-            _, self.schedule = ppar.build_schedule(stage_mods, stage_idx, n_virtual, mesh["pp"].get_group(),
-                                                   device, cfg.schedule, self.n_microbatches, self.loss_fn)
+            _, self.schedule = ppar.build_schedule(stage_mods, self.stage_idx, self.n_virtual,
+                                                   self.mesh["pp"].get_group(), device, cfg.schedule,
+                                                   self.n_microbatches, self.loss_fn)
 
     # ---------------------------------------------------------------- loss
-    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Micro-batch loss: summed CE / global token count * dp-mesh size (see module docstring).
-
-        With the fused loss the stage output already is the summed CE (``logits`` is that scalar)."""
-        if self.fused_loss:
-            return logits * (self.dp_mesh.size() / self._n_tokens)
-        ce = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                             reduction="sum")
-        return ce * (self.dp_mesh.size() / self._n_tokens)
+    def loss_fn(self, loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Micro-batch loss: the last stage's summed token loss / global token count * dp-mesh
+        size (see the module docstring)."""
+        return loss_sum * (self.dp_mesh.size() / self._n_tokens)
 
     # ---------------------------------------------------------------- data
     def _local_batch(self, batch: dict[str, torch.Tensor]):
-        ids, labels = batch["input_ids"], batch["labels"]
-        pix = batch.get("pixel_values")
-        if ids.shape[0] != self.global_batch:
-            raise ValueError(f"step() expects the global batch of {self.global_batch} sequences, got {ids.shape[0]}")
-        if self.is_mllm:
-            n_img = self.model.config.num_patches
-            if labels.shape[-1] == ids.shape[-1]:
-                labels = torch.cat((labels.new_full((labels.shape[0], n_img), IGNORE_INDEX), labels), dim=1)
-        self._n_tokens = int((labels != IGNORE_INDEX).sum())
+        """This rank's inputs and targets of the global ``batch`` (rows of its dp rank, the
+        sequence shard of its cp rank) and, under CP, the global positions of its tokens."""
+        if batch["input_ids"].shape[0] != self.global_batch:
+            raise ValueError(f"step() expects the global batch of {self.global_batch} sequences, "
+                             f"got {batch['input_ids'].shape[0]}")
+        targets = self.adapter.targets(batch)
+        self._n_tokens = int((targets != IGNORE_INDEX).sum())
         per = self.global_batch // self.cfg.dp
         rows = slice(self.dp_rank * per, (self.dp_rank + 1) * per)
-        ids, labels = ids[rows], labels[rows]
-        pix = pix[rows] if pix is not None else None
+        inputs = [t[rows] for t in self.adapter.inputs(batch)]
+        targets = targets[rows]
         positions = None
         if self.cfg.cp > 1:
-            seq = labels.shape[1]
-            ids = cpar.shard_sequence(ids, self.cfg.cp, self.cp_rank, 1, self.load_balance)
-            labels = cpar.shard_sequence(labels, self.cfg.cp, self.cp_rank, 1, self.load_balance)
+            seq = targets.shape[1]
+            inputs[0] = cpar.shard_sequence(inputs[0], self.cfg.cp, self.cp_rank, 1, self.load_balance)
+            targets = cpar.shard_sequence(targets, self.cfg.cp, self.cp_rank, 1, self.load_balance)
             positions = cpar.local_positions(seq, self.cfg.cp, self.cp_rank, self.load_balance, self.device)
-        to = lambda t: None if t is None else t.to(self.device)  # noqa: E731
-        return to(ids), to(labels), to(pix), positions
+        return tuple(t.to(self.device) for t in inputs), targets.to(self.device), positions
 
     # ---------------------------------------------------------------- step
     def step(self, batch: dict[str, torch.Tensor]) -> float:
         """One optimizer step on the global ``batch``; returns the global mean loss (all ranks)."""
-        ids, labels, pix, positions = self._local_batch(batch)
+        inputs, targets, positions = self._local_batch(batch)
         for sm in self.stage_modules:
             sm.positions = positions
         self.optimizer.zero_grad()
-        args = (ids, pix) if self.is_mllm else (ids,)
         total = torch.zeros((), dtype=torch.float64, device=self.device)  # nccl reduces device tensors only
         with tpar.loss_context(self.cfg.tp):
             if self.schedule is None:
@@ -150,23 +157,19 @@ class ParallelModel:
                 for mb in range(n):
                     dpar.sync_gradients(sm, self.cfg.zero, last=mb == n - 1)
                     sl = slice(mb * self.cfg.mbs, (mb + 1) * self.cfg.mbs)
-                    lkw = {"labels": labels[sl]} if self.fused_loss else {}
-                    logits = sm(*(a[sl] for a in args), **lkw)
-                    loss = self.loss_fn(logits, labels[sl])
+                    loss = self.loss_fn(sm(*(a[sl] for a in inputs), labels=targets[sl]), targets[sl])
                     loss.backward()
                     total += _scalar(loss)
             else:
                 losses: list[torch.Tensor] = []
-                kw = {"target": labels, "losses": losses} if self.has_last else {}
-                if self.has_last and self.fused_loss:
-                    kw["labels"] = labels  # split per micro-batch like the target
-                    kw["return_outputs"] = False  # stage outputs are scalar losses: nothing to merge
-                if self.has_first:
-                    self.schedule.step(*args, **kw)
-                else:
-                    self.schedule.step(**kw)
+                # the last stage's outputs are scalar losses (nothing to merge); its forward gets
+                # the micro-batch's targets as ``labels``, split like the schedule's target
+                kw = dict(target=targets, losses=losses, labels=targets, return_outputs=False) if self.has_last else {}
+                self.schedule.step(*inputs, **kw) if self.has_first else self.schedule.step(**kw)
                 for l in losses:
                     total += _scalar(l)
+        if self.tied is not None:
+            self.tied.sync_grads()
         self.optimizer.step()
         self.step_count += 1
         owns_loss = self.has_last and self.tp_rank == 0
@@ -175,10 +178,7 @@ class ParallelModel:
         return float(val)
 
     def close(self) -> None:
-        """Restore the attention implementation that was installed before ``parallelize``."""
-        if self._prev_attention is not None:
-            rc._ZOO_ATTN.set_attention_impl(self._prev_attention)
-            self._prev_attention = None
+        """Nothing process-wide was installed; kept so callers can release the model uniformly."""
 
     # ---------------------------------------------------------------- checks
     def named_parameters(self):
@@ -207,84 +207,90 @@ def _scalar(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float64)
 
 
-def _materialize(model: nn.Module, units: Sequence[str], device: torch.device, seed: Optional[int]) -> None:
-    if not any(p.is_meta for p in model.parameters()):
+def _own_weights(stage_mods: Sequence[nn.Module], device: torch.device, mesh: DeviceMesh) -> None:
+    """A model the caller built with its weights: this rank's stages move to ``device`` and
+    take the weights of the rank holding the same stages at dp = cp = tp = 0 (so replicas
+    start alike even if each process drew its own random initialisation)."""
+    for sm in stage_mods:
+        sm.to(device)
+    peers = mesh["dp", "cp", "tp"]._flatten("dp_cp_tp") if mesh.size() > mesh["pp"].size() else None
+    if peers is None:
         return
-    for fqn in units:
-        model.get_submodule(fqn).to_empty(device=device)
-    model.init_weights(seed)  # per-parameter seeded; meta (other stages') parameters are skipped
+    group = peers.get_group()
+    src = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for sm in stage_mods:
+            for t in list(sm.parameters()) + list(sm.buffers()):
+                dist.broadcast(t.data, src=src, group=group)
+
+
+def check_runnable(cfg: ParallelConfig, adapter: ModelAdapter, facts: Optional[ModelFacts], global_batch: int,
+                   seq_len: int) -> None:
+    """Refuse, before anything is built, what this rank's runtime cannot run (one line)."""
+    facts = facts or ModelFacts(units=len(adapter.units), seq_len=seq_len)
+    facts = ModelFacts(facts.heads, facts.kv_heads, facts.hidden, len(adapter.units), seq_len,
+                       {**facts.limits, **adapter.limits()})
+    problems = config_problems(cfg, facts)
+    if global_batch % (cfg.dp * cfg.mbs):
+        problems.append(f"global batch {global_batch} is not divisible by dp*mbs = {cfg.dp * cfg.mbs}")
+    elif cfg.pp > 1 and global_batch // (cfg.dp * cfg.mbs) < cfg.pp:
+        problems.append(f"{global_batch // (cfg.dp * cfg.mbs)} micro-batches for pp={cfg.pp}: "
+                        "need at least pp (raise the global batch)")
+    if problems:
+        raise ValueError(f"{cfg.label()} cannot run for this model: " + "; ".join(problems))
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence[str]],
                 stage_recompute: Sequence[str], tp_layout: dict[str, str], global_batch: int, seq_len: int,
                 device: torch.device | str, *, mesh: Optional[DeviceMesh] = None,
                 optimizer_factory: OptimizerFactory = default_optimizer, seed: Optional[int] = None,
-                load_balance: str = "zigzag") -> ParallelModel:
+                load_balance: str = "zigzag", adapter: Optional[ModelAdapter] = None,
+                facts: Optional[ModelFacts] = None) -> ParallelModel:
     """Parallelise ``model`` per ``cfg`` on this rank (collective: call on every rank).
 
-    ``stages``: unit fqns per virtual stage (``pp * vpp`` lists, covering the model's units
-    in order; with pp == 1 they are merged); ``stage_recompute``: policy per virtual
-    stage; ``tp_layout``: ``{fqn: role}`` from the plan. ``model`` is the full zoo model,
-    either materialised and initialised, or on ``meta`` (then only this rank's units are
-    materialised and initialised with ``model.init_weights(seed)``).
+    ``stages``: unit names per virtual stage (``pp * vpp`` lists, covering the model's units
+    in order; with pp == 1 they are merged); ``stage_recompute``: policy per virtual stage;
+    ``tp_layout``: ``{fqn: role}`` from the plan; ``facts``: the plan's model facts (head
+    counts, limits) for the feasibility rule. ``model`` is either materialised, or built on
+    ``meta`` (then only this rank's units are materialised and initialised, seeded by
+    ``seed``). ``adapter`` defaults to :func:`codegen.runtime.adapters.adapter_for`.
     """
     cfg.validate()
     device = torch.device(device)
+    adapter = adapter or adapter_for(model, order=[u for s in stages for u in s], seq_len=seq_len)
+    check_runnable(cfg, adapter, facts, global_batch, seq_len)
+    adapter.facts = facts
     mesh = mesh if mesh is not None else build_mesh(cfg)
     stages = [list(s) for s in stages]
-    stage_recompute = list(stage_recompute) if stage_recompute else ["none"] * len(stages)
+    stage_recompute = [rc.check_policy(p) for p in stage_recompute] if stage_recompute else ["none"] * len(stages)
     if len(stage_recompute) != len(stages):
         raise ValueError(f"{len(stage_recompute)} recompute policies for {len(stages)} stages")
-    if global_batch % (cfg.dp * cfg.mbs):
-        raise ValueError(f"global batch {global_batch} is not divisible by dp*mbs = {cfg.dp * cfg.mbs}")
-    n_mb = global_batch // (cfg.dp * cfg.mbs)
     block_policy: dict[str, str] = {u: stage_recompute[j] for j, s in enumerate(stages) for u in s}
     if cfg.pp == 1:
-        merged_policy = "selective" if "selective" in stage_recompute else stage_recompute[0]
-        stages, stage_recompute = [[u for s in stages for u in s]], [merged_policy]
-    n_virtual = len(stages)
-    if n_virtual != cfg.pp * cfg.vpp:
-        raise ValueError(f"{n_virtual} stages for pp={cfg.pp} x vpp={cfg.vpp}; give pp*vpp stage lists")
-    if cfg.pp > 1 and n_mb < cfg.pp:
-        raise ValueError(f"{n_mb} micro-batches for pp={cfg.pp}: need at least pp (raise the global batch)")
-    if cfg.cp > 1:
-        if seq_len % (2 * cfg.cp if load_balance == "zigzag" else cfg.cp):
-            raise ValueError(f"seq_len {seq_len} must be a multiple of 2*cp = {2 * cfg.cp} for zigzag CP")
-        if hasattr(model, "vision"):
-            raise ValueError("context parallel is not supported for the vision+language model (image tokens "
-                             "are not sequence-sharded); use cp=1")
-    if cfg.sp and (seq_len // cfg.cp) % cfg.tp:
-        raise ValueError(f"sequence parallel needs seq_len/cp = {seq_len // cfg.cp} divisible by tp={cfg.tp}")
-    if getattr(getattr(model, "config", None), "tie_embeddings", False) and cfg.pp > 1:
-        raise ValueError("tied embeddings across pipeline stages are not supported; untie or use pp=1")
+        stages, stage_recompute = [[u for s in stages for u in s]], ["none"]
+    if len(stages) != cfg.pp * cfg.vpp:
+        raise ValueError(f"{len(stages)} stages for pp={cfg.pp} x vpp={cfg.vpp}; give pp*vpp stage lists")
+    if cfg.cp > 1 and seq_len % (2 * cfg.cp if load_balance == "zigzag" else cfg.cp):
+        raise ValueError(f"seq_len {seq_len} must be a multiple of 2*cp = {2 * cfg.cp} for zigzag CP")
 
-    prev_attention = rc._ZOO_ATTN.get_attention_impl()
-    pp_rank = mesh["pp"].get_local_rank()
-    stage_idx, stage_mods = ppar.build_stages(model, stages, stage_recompute, pp_rank, cfg.pp, cfg.schedule)
-    owned = [u for sm in stage_mods for u in sm.units]
-    _materialize(model, owned, device, seed)
-
-    # Kernels: flash attention (before the ring, whose non-causal fallback it becomes).
-    if cfg.attention == "flash":
-        kern.install_flash_attention()
-    if cfg.loss == "fused":
-        for sm in stage_mods:
-            if sm.is_last:
-                sm.head_loss = functools.partial(kern.head_loss, sp=cfg.sp)
-    # Context parallel: ring attention over the cp group (before selective recompute wraps it).
-    if cfg.cp > 1:
-        cpar.install_ring_attention(mesh["cp"].get_group(), load_balance, flash=cfg.attention == "flash")
-    # Tensor parallel.
+    stage_idx, stage_mods = ppar.build_stages(adapter, stages, stage_recompute, mesh["pp"].get_local_rank(), cfg.pp)
+    if any(p.is_meta for p in model.parameters()):
+        adapter.materialize([u for sm in stage_mods for u in sm.units], device, seed)
+    else:
+        _own_weights(stage_mods, device, mesh)
+    ring = ring_attention(cfg, mesh["cp"].get_group(), load_balance) if cfg.cp > 1 else None
+    blocks = set(adapter.blocks)
+    for sm in stage_mods:
+        sm.loss_kernel, sm.sp = cfg.loss, cfg.sp
+        for u in (u for u in sm.units if u in blocks):
+            adapter.set_attention(sm.get_submodule(u), build_attention(cfg, block_policy[u], ring=ring))
     for sm in stage_mods:
         tpar.apply_tp(sm, mesh["tp"], tp_layout, cfg.sp)
-    # Recompute.
-    for sm in stage_mods:
-        rc.apply_recompute([(sm.get_submodule(u), block_policy.get(u, sm.recompute))
-                            for u in sm.units if ppar.is_block(u)])
-    # Data parallel over dp x cp.
+        adapter.tp_fixups(sm, mesh["tp"], tp_layout, cfg.sp)
+        for u in (u for u in sm.units if u in blocks and block_policy[u] == "full"):
+            rc.checkpoint_block(sm.get_submodule(u))
     dp_mesh = dp_cp_mesh(mesh)
-    dpar.apply_dp(stage_mods, dp_mesh, cfg.zero, pipelined=cfg.pp > 1)
-    # Optimizers, one per stage module.
+    dpar.apply_dp(stage_mods, dp_mesh, cfg.zero, pipelined=cfg.pp > 1, blocks=adapter.blocks)
     opts: list[torch.optim.Optimizer] = []
     for sm in stage_mods:
         params = list(sm.parameters())
@@ -292,7 +298,6 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
             opts.append(dpar.ShardedOptimizer(params, optimizer_factory, dp_mesh.get_group()))
         else:
             opts.append(optimizer_factory(params))
-    pm = ParallelModel(model, cfg, mesh, stage_idx, stage_mods, n_virtual, global_batch, seq_len, device,
-                       Optimizers(opts), dp_mesh, load_balance)
-    pm._prev_attention = prev_attention
-    return pm
+    tied = ppar.TiedWeights(adapter.tied(), stage_mods, mesh) if cfg.pp > 1 and adapter.tied() else None
+    layout = Layout(mesh, dp_mesh, stage_idx, len(stages), load_balance)
+    return ParallelModel(adapter, cfg, layout, stage_mods, global_batch, seq_len, device, Optimizers(opts), tied)

@@ -1,19 +1,19 @@
 """The one attention function every zoo model calls, plus the self-attention module.
 
 Every attention computation in the zoo (causal text attention in GPT/Llama, non-causal
-vision attention in the MLLM encoder) goes through :func:`attention`. Its
-implementation is swappable at run time (:func:`set_attention_impl`,
-:func:`use_attention_impl`) so that capture can see one recognisable op, kernels can
-be substituted (Triton flash attention) and context parallelism can install ring
-attention, all without touching model code.
+vision attention in the MLLM encoder) goes through a :class:`SelfAttention` module's
+``attn_impl``: ``None`` means :func:`sdpa_attention`; the runtime installs its kernels
+(flash attention, ring attention for context parallelism, selective recompute) by
+setting that attribute on the model's own modules, so two models in one process never
+see each other's choice and nothing process-wide is patched.
 
-Layouts (no units; shapes only):
+Layouts (no units; shapes only) of an :data:`AttentionImpl` ``fn(q, k, v, *, causal, scale=None)``:
 - ``q``: ``[B, H, S, D]``; ``k``, ``v``: ``[B, Hkv, Skv, D]`` with ``H % Hkv == 0``
   (grouped-query attention when ``Hkv < H``; query head ``h`` reads kv head
   ``h // (H // Hkv)``, the ``repeat_interleave`` convention).
 - ``out``: ``[B, H, S, D]``.
 - ``causal=True`` masks top-left aligned: query ``i`` sees keys ``j <= i`` (as SDPA's
-  ``is_causal``). Softmax scale is ``1/sqrt(D)``.
+  ``is_causal``). ``scale`` is the softmax scale, ``1/sqrt(D)`` when None.
 
 :class:`SelfAttention` reshapes with the LOCAL head count (``view(B, S, -1, D)``) so a
 tensor-parallel runtime may shard ``q_proj``/``k_proj``/``v_proj`` by output features
@@ -21,10 +21,8 @@ tensor-parallel runtime may shard ``q_proj``/``k_proj``/``v_proj`` by output fea
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import sys
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -33,31 +31,33 @@ from torch import nn
 from planner.errors import AutoparError
 
 AttentionImpl = Callable[..., torch.Tensor]
-"""``fn(q, k, v, *, causal: bool) -> out`` with the layouts in the module docstring."""
+"""``fn(q, k, v, *, causal: bool, scale: float | None = None) -> out`` with the layouts above."""
 
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                   scale: Optional[float] = None) -> torch.Tensor:
     """Default implementation: ``torch.nn.functional.scaled_dot_product_attention``.
 
     Uses ``enable_gqa=True`` (torch >= 2.5); on older torch, k/v heads are repeated.
     """
     if k.shape[1] != q.shape[1]:
         if _SDPA_HAS_GQA:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
         rep = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
-    """Explicit softmax(QK^T/sqrt(D)) V in float32; slow, for tests and debugging."""
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                        scale: Optional[float] = None) -> torch.Tensor:
+    """Explicit softmax(QK^T * scale) V in float32; slow, for tests and debugging."""
     rep = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(rep, dim=1)
     vf = v.float().repeat_interleave(rep, dim=1)
-    scores = q.float() @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    scores = q.float() @ kf.transpose(-1, -2) * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
     if causal:
         s, skv = q.shape[-2], k.shape[-2]
         mask = torch.ones(s, skv, dtype=torch.bool, device=q.device).tril()
@@ -65,43 +65,16 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     return (scores.softmax(dim=-1) @ vf).to(q.dtype)
 
 
-_impl: AttentionImpl = sdpa_attention
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
-    """Attention through the current implementation (see module docstring for layouts)."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+              impl: Optional[AttentionImpl] = None) -> torch.Tensor:
+    """Attention through ``impl`` (default :func:`sdpa_attention`), layouts checked."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise AutoparError(f"attention expects 4-d [B, H, S, D] tensors, got q {tuple(q.shape)}, "
                            f"k {tuple(k.shape)}; reshape before calling")
     if q.shape[1] % k.shape[1] != 0:
         raise AutoparError(f"attention: {q.shape[1]} query heads is not a multiple of {k.shape[1]} kv heads; "
                            "shard q and k/v heads consistently")
-    return _impl(q, k, v, causal=causal)
-
-
-def get_attention_impl() -> AttentionImpl:
-    """The implementation :func:`attention` currently dispatches to."""
-    return _impl
-
-
-def set_attention_impl(fn: Optional[AttentionImpl]) -> AttentionImpl:
-    """Install ``fn`` (``None`` restores the SDPA default); returns the previous implementation."""
-    global _impl
-    if fn is not None and not callable(fn):
-        raise AutoparError(f"set_attention_impl: {fn!r} is not callable; pass fn(q, k, v, *, causal)")
-    prev = _impl
-    _impl = sdpa_attention if fn is None else fn
-    return prev
-
-
-@contextlib.contextmanager
-def use_attention_impl(fn: Optional[AttentionImpl]) -> Iterator[AttentionImpl]:
-    """Context manager: use ``fn`` inside the block, restore the previous one after."""
-    prev = set_attention_impl(fn)
-    try:
-        yield fn if fn is not None else sdpa_attention
-    finally:
-        set_attention_impl(prev)
+    return (impl or sdpa_attention)(q, k, v, causal=causal)
 
 
 # --------------------------------------------------------------------------- RoPE
@@ -151,6 +124,7 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_dim, bias=bias)
         self.o_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.attn_impl: Optional[AttentionImpl] = None  # set by the runtime on this instance
 
     def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         b, s, _ = x.shape
@@ -164,13 +138,6 @@ class SelfAttention(nn.Module):
             cos, sin = rope_cos_sin(positions, d, self.rope_theta, q.dtype)
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
-        # Looked up at call time so a patched module attribute is honoured too.
-        out = _SELF.attention(q, k, v, causal=self.causal)
+        out = attention(q, k, v, causal=self.causal, impl=self.attn_impl)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
-
-
-# This module object, so SelfAttention looks ``attention`` up at call time (a patched
-# module attribute is honoured). planner.zoo re-exports the function under the
-# submodule's name, hence sys.modules rather than the package attribute.
-_SELF = sys.modules[__name__]

@@ -94,7 +94,8 @@ class GPTBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-def init_weights_(model: nn.Module, cfg: ModelConfig, seed: Optional[int] = None) -> None:
+def init_weights_(model: nn.Module, cfg: ModelConfig, seed: Optional[int] = None,
+                  aliases: Optional[dict[str, str]] = None) -> None:
     """Deterministically (re)initialise every parameter of ``model`` in place.
 
     Linear/Embedding weights ~ N(0, 0.02); output projections of residual branches
@@ -104,7 +105,8 @@ def init_weights_(model: nn.Module, cfg: ModelConfig, seed: Optional[int] = None
     on which other parameters exist (a pipeline stage holding a subset of the layers
     gets the same numbers as the full model on the same device type). ``seed=None``
     draws a seed from torch's global RNG. Meta parameters are skipped. Zoo models have
-    no buffers (RoPE tables are computed in forward).
+    no buffers (RoPE tables are computed in forward). ``aliases`` maps a parameter name to
+    the name whose numbers it gets (a tied head held alone by the last pipeline stage).
     """
     if seed is None:
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
@@ -116,6 +118,7 @@ def init_weights_(model: nn.Module, cfg: ModelConfig, seed: Optional[int] = None
                     continue
                 seen.add(id(p))
                 full = f"{mod_name}.{pname}" if mod_name else pname
+                full = (aliases or {}).get(full, full)
                 if isinstance(mod, (nn.LayerNorm, nn.RMSNorm)):
                     p.fill_(1.0 if pname == "weight" else 0.0)
                     continue
@@ -142,15 +145,19 @@ class ZooModel(nn.Module):
     def tie_weights(self) -> None:
         """Share ``head.proj.weight`` with ``embed.tok.weight`` when the config ties them.
 
-        ``Module.to_empty`` unties shared parameters; ``init_weights`` calls this first.
+        ``Module.to_empty`` unties shared parameters; ``init_weights`` calls this first. A
+        pipeline stage that materialised the head but not the embedding keeps its own copy
+        (the runtime sums the two copies' gradients across the first and last stage).
         """
-        if self.config.tie_embeddings:
+        if self.config.tie_embeddings and not (self.embed.tok.weight.is_meta and not self.head.proj.weight.is_meta):
             self.head.proj.weight = self.embed.tok.weight
 
     def init_weights(self, seed: Optional[int] = None) -> None:
-        """Re-tie embeddings and deterministically initialise all parameters (see ``init_weights_``)."""
+        """Re-tie embeddings and deterministically initialise all parameters (see ``init_weights_``);
+        an untied copy of a tied head gets the embedding's numbers."""
         self.tie_weights()
-        init_weights_(self, self.config, seed)
+        aliases = {"head.proj.weight": "embed.tok.weight"} if self.config.tie_embeddings else None
+        init_weights_(self, self.config, seed, aliases)
 
     def run_decoder(self, x: torch.Tensor, labels: Optional[torch.Tensor],
                     positions: Optional[torch.Tensor]) -> torch.Tensor:

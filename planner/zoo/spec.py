@@ -7,7 +7,9 @@ A model spec string is one of:
   return an ``nn.Module``;
 - ``hf:<preset>`` -- a randomly initialised Hugging Face ``transformers`` model
   (GPT2LMHeadModel / LlamaForCausalLM) mirroring a gpt/llama preset; nothing is
-  downloaded.
+  downloaded;
+- ``hf:<config.json or a folder holding one>`` -- any transformers causal LM, built
+  from that local config with random weights (``AutoModelForCausalLM.from_config``).
 Bad specs raise a one-line ``AutoparError``.
 """
 from __future__ import annotations
@@ -221,17 +223,42 @@ def _function_spec(spec: str) -> ModelSpec:
 # ---------------------------------------------------------------- hf:<preset>
 
 def _hf_spec(spec: str) -> ModelSpec:
-    cfg = preset(spec[3:])
     try:
         import transformers  # noqa: F401
     except ImportError:
         raise AutoparError(f"model spec {spec!r} needs Hugging Face transformers; "
                            "pip install 'autopar[hf]'") from None
+    if os.path.exists(spec[3:]):
+        return _hf_config_spec(spec)
+    cfg = preset(spec[3:])
     if cfg.arch not in ("gpt", "llama"):
         raise AutoparError(f"model spec {spec!r}: hf: supports gpt and llama presets, not {cfg.arch}")
     if cfg.arch == "gpt" and cfg.kv_heads != cfg.heads:
         raise AutoparError(f"model spec {spec!r}: GPT-2 has no grouped-query attention; use kv_heads = heads")
     return ModelSpec(spec, cfg, lambda: build_hf_model(cfg))
+
+
+def _hf_config_spec(spec: str) -> ModelSpec:
+    """``hf:<config.json | folder>``: a transformers causal LM from a local config, no download."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = spec[3:]
+    try:
+        hf_cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise AutoparError(f"model spec {spec!r}: cannot read a transformers config there "
+                           f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); give a config.json or its folder") from None
+    hf_cfg.use_cache = False
+
+    def factory() -> nn.Module:
+        try:
+            return AutoModelForCausalLM.from_config(hf_cfg)
+        except ValueError as e:
+            raise AutoparError(f"model spec {spec!r}: {type(hf_cfg).__name__} is not a causal LM transformers "
+                               f"can build ({str(e).splitlines()[0][:160]})") from None
+
+    name = "hf:" + os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
+    return ModelSpec(name, None, factory)
 
 
 def build_hf_model(cfg: ModelConfig) -> nn.Module:

@@ -1,0 +1,219 @@
+"""A pipeline stage of a transformers causal LM, and how its attention is routed.
+
+A stage runs the model's OWN forward (``LlamaForCausalLM.forward`` and the base model's
+loop over its decoder layers) on a *view*: a shallow copy of the LM and of every module
+on the way down to the units, in which the units this stage does not own are replaced by
+placeholders (:class:`Placeholder`), keeping layer indices (hybrid models read
+``config.layer_types[i]``). The prologue (position ids, rotary tables, masks) therefore
+runs as the library wrote it on every stage; placeholders steer the hidden state:
+
+- a unit before the stage's range returns zeros (an embedding the stage does not hold),
+  the identity (an earlier decoder layer), or, for the one unit right before the range,
+  the hidden state received from the previous stage;
+- the first unit after the range raises :class:`StageOutput` with its input, which the
+  stage returns (the rest of the forward never runs);
+- the last stage runs to the end: the LM's forward returns the logits after the model's
+  own post-processing (soft-capping, logit scaling, head bias) and the stage sums the
+  token cross-entropy; with the fused loss the head is a placeholder that hands its
+  input to the fused linear + cross-entropy kernel instead.
+
+Later stages call the LM with ``inputs_embeds`` of zeros (the right shape for the
+prologue; the value is discarded) and every stage passes ``position_ids`` (global
+positions under context parallelism). The stage module itself holds the owned units
+under their fqns (FSDP, TP and checkpoints see ``model.layers.3...``); the view is not a
+registered child.
+
+Attention goes through :func:`autopar_attention`, registered once in transformers'
+``AttentionInterface`` under :data:`ATTN_NAME`; it calls the implementation installed on
+the attention module instance (``module._autopar_attention``), so only this model's
+modules see it. Models that keep their own attention (sliding windows, soft-capping) use
+``autopar_masked_<their implementation>`` instead: transformers builds their masks as for
+that implementation and :func:`autopar_masked_attention` calls their function, under
+selective recompute when the block's policy asks for it.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from codegen.runtime import kernels as kern
+from codegen.runtime.adapters.base import StageModule, attach
+
+ATTN_NAME = "autopar"                # causal attention through the runtime's implementation, no masks built
+ATTN_MASKED_PREFIX = "autopar_masked_"  # + the model's own implementation name: its attention, its masks
+
+
+class StageOutput(Exception):
+    """Raised by the first placeholder after a stage's range, carrying the hidden state."""
+
+    def __init__(self, hidden):
+        super().__init__("stage output")
+        self.hidden = hidden
+
+
+class Placeholder(nn.Module):
+    """Stands in for a unit a stage does not own (no parameters). ``mode``: ``zeros`` (an
+    embedding: a zero scalar, broadcast by the prologue's additions), ``identity`` (returns
+    its first argument, as a decoder layer that is skipped), ``inject`` (returns the hidden
+    state received from the previous stage), ``stop`` (raises :class:`StageOutput`)."""
+
+    def __init__(self, mode: str, stage: "HFStage", name: str):
+        super().__init__()
+        self.mode, self.name = mode, name
+        object.__setattr__(self, "_stage", stage)  # not a child module
+
+    def forward(self, *args, **kwargs):
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        if self.mode == "zeros":
+            return torch.zeros((), dtype=self._stage.dtype, device=self._stage.device)
+        if self.mode == "identity":
+            return first
+        if self.mode == "inject":
+            return self._stage.received_as(self.name)
+        raise StageOutput(first)
+
+
+def _view(module: nn.Module, replace: dict[str, nn.Module], prefix: str = "") -> nn.Module:
+    """A shallow copy of ``module`` whose descendants at the paths of ``replace`` are swapped
+    (copies are made only along those paths; everything else is the model's own module)."""
+    out = copy.copy(module)
+    out.__dict__ = dict(module.__dict__)
+    out._modules = dict(module._modules)
+    for name, child in module._modules.items():
+        path = f"{prefix}{name}"
+        if path in replace:
+            out._modules[name] = replace[path]
+        elif child is not None and any(r.startswith(path + ".") for r in replace):
+            out._modules[name] = _view(child, replace, path + ".")
+    return out
+
+
+class HFStage(StageModule):
+    """A run of a transformers causal LM's units (see the module docstring)."""
+
+    def __init__(self, adapter, units: Sequence[str], recompute: str):
+        super().__init__(units, adapter.units, recompute)
+        self.adapter = adapter
+        lm = adapter.model
+        for u in self.units:
+            attach(self, u, lm.get_submodule(u))
+        self.dtype, self.device = next(lm.parameters()).dtype, None  # the device is the inputs' (set per call)
+        self.hidden_size = adapter.hidden_size
+        self._received = None
+        self.tp_mesh = None        # set by tp_fixups under tensor parallelism
+        self.sp_units: set[str] = set()
+        all_units = adapter.units
+        first, last = all_units.index(self.units[0]), all_units.index(self.units[-1])
+        replace: dict[str, nn.Module] = {}
+        for i, u in enumerate(all_units):
+            if first <= i <= last:
+                continue
+            kind = adapter.unit_kind(u)
+            if i == first - 1:
+                mode = "inject"
+            elif i < first:
+                mode = "zeros" if kind == "before" else "identity"
+            else:
+                mode = "stop" if i == last + 1 else "identity"
+            replace[u] = Placeholder(mode, self, u)
+        object.__setattr__(self, "_view", _view(lm, replace))
+        # the last stage's view for the fused loss: the head hands its input over instead
+        stop_head = dict(replace, **{adapter.head_name: Placeholder("stop", self, adapter.head_name)})
+        object.__setattr__(self, "_view_fused", _view(lm, stop_head) if self.is_last else None)
+
+    def received_as(self, name: str):
+        """The received hidden state as the unit ``name`` would have output it: under
+        sequence parallel, a unit run as ``SequenceParallel`` (a norm) outputs a DTensor."""
+        x = self._received
+        if name in self.sp_units and self.tp_mesh is not None and not isinstance(x, DTensor):
+            x = DTensor.from_local(x, self.tp_mesh, [Shard(1)], run_check=False)
+        return x
+
+    def _call_view(self, view: nn.Module, args):
+        """The model's forward on ``view``: token ids on the first stage, zeros of the hidden
+        shape elsewhere; positions always explicit (under sequence parallel the embedding
+        output holds S/tp tokens, from which the model would derive the wrong ones)."""
+        kw = dict(use_cache=False)
+        x = args[0]
+        self.device = x.device
+        if self.is_first:
+            kw["input_ids"] = x
+            b, s = x.shape
+        else:
+            self._received = x
+            b, s = x.shape[0], self._local_seq(x)
+            kw["inputs_embeds"] = torch.zeros(b, s, self.hidden_size, dtype=self.dtype, device=x.device)
+        pos = self.positions if self.positions is not None else torch.arange(s, device=x.device)
+        kw["position_ids"] = pos.unsqueeze(0)
+        return view(**kw)
+
+    def _local_seq(self, x: torch.Tensor) -> int:
+        """Tokens of this rank's sequence: the received tensor's, times tp under sequence parallel."""
+        return x.shape[1] * (self.tp_mesh.size() if self.sp and self.tp_mesh is not None else 1)
+
+    def forward(self, *args: torch.Tensor, labels: Optional[torch.Tensor] = None):
+        fused = self.is_last and labels is not None and self.loss_kernel == "fused"
+        try:
+            out = self._call_view(self._view_fused if fused else self._view, args)
+        except StageOutput as done:
+            if fused:  # the head's input: the final hidden state after the model's own epilogue
+                head = self.get_submodule(self.adapter.head_name)
+                return kern.linear_loss(head.weight, done.hidden, labels, sp=False)
+            return _to_wire(done.hidden)
+        finally:
+            self._received = None
+        if labels is None:
+            return out.logits
+        return kern.logits_loss(out.logits, labels)
+
+
+def _to_wire(x):
+    """What a stage sends: local tensors (a DTensor's local shard: the residual stream under SP)."""
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+# ------------------------------------------------------------------ attention routing
+
+def autopar_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                      **kwargs):
+    """transformers attention function: the runtime's implementation installed on ``module``
+    (``fn(q, k, v, *, causal, scale)`` on [B, H, S, D]), returning ([B, S, H, D], None); a
+    module without one (another model sharing the registry) gets SDPA."""
+    impl: Optional[Callable] = module.__dict__.get("_autopar_attention")
+    if impl is None:
+        from planner.zoo.attention import sdpa_attention
+        impl = sdpa_attention
+    out = impl(query, key, value, causal=getattr(module, "is_causal", True), scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def autopar_masked_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
+    """transformers attention function for models that keep their own attention (sliding
+    windows, soft-capping): the model's original function, under the installed wrapper
+    (``module._autopar_wrap``: selective recompute or nothing)."""
+    fn = module.__dict__["_autopar_original"]
+    wrap = module.__dict__.get("_autopar_wrap")
+    if wrap is None:
+        return fn(module, query, key, value, attention_mask, **kwargs)
+    return wrap(lambda q, k, v: fn(module, q, k, v, attention_mask, **kwargs), query, key, value)
+
+
+def register_attention(original: Optional[str] = None) -> str:
+    """Register :data:`ATTN_NAME` (and, with ``original``, ``autopar_masked_<original>`` with
+    that implementation's mask builder) in transformers' registries; returns the name to use.
+    Only new names are added: no existing entry is changed."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    if original is None:
+        AttentionInterface.register(ATTN_NAME, autopar_attention)
+        return ATTN_NAME
+    name = ATTN_MASKED_PREFIX + original
+    AttentionInterface.register(name, autopar_masked_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
+    return name

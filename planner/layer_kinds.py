@@ -1,0 +1,71 @@
+"""What a captured layer and its parts are: attention, MLP, norm, embedding, head, loss.
+
+Read from the ATen ops a part ran and the modules it holds (capture records both); the
+kinds drive how tensor parallelism is priced and which layers are blocks.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from planner.graph import AttentionDims
+
+ATTN_OPS = {
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward", "_efficient_attention_forward", "flash_attn_fwd",
+}
+LOSS_OPS = {"nll_loss_forward", "nll_loss2d_forward", "_log_softmax", "cross_entropy_loss", "linear_ce_fwd"}
+NORM_OPS = {"native_layer_norm", "_fused_rms_norm", "rms_norm"}
+
+
+def part_kind(part: _PartRec, module: nn.Module | None, vocab: int | None) -> tuple[str, str]:
+    ops = part.ops
+    mods = list(module.modules()) if module is not None else []
+    if ops & ATTN_OPS or any(o in ops for o in ("_softmax", "_safe_softmax")) and "bmm" in ops:
+        return "attention", "heads"
+    if "embedding" in ops:
+        return "embedding", "vocab" if module is not None and any(
+            isinstance(m, nn.Embedding) and m.num_embeddings == vocab for m in mods) else "replicated"
+    if ops & LOSS_OPS and not part.linears:
+        return "loss", "vocab"
+    if len(part.linears) >= 2:
+        return "mlp", "col_row"
+    if len(part.linears) == 1:
+        _, lin = part.linears[0]
+        out_f = lin_dims(lin)[1]
+        return ("linear", "vocab") if vocab and out_f == vocab else ("linear", "replicated")
+    if ops & NORM_OPS or (module is not None and "norm" in type(module).__name__.lower()):
+        return "norm", "replicated"
+    return "other", "replicated"
+
+
+def lin_dims(m: nn.Module) -> tuple[int, int]:
+    if isinstance(m, nn.Linear):
+        return m.in_features, m.out_features
+    w = m.weight  # HF Conv1D stores [in, out]
+    return int(w.shape[0]), int(w.shape[1])
+
+
+def is_linear(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear) or (type(m).__name__ == "Conv1D" and getattr(m, "weight", None) is not None
+                                        and m.weight.dim() == 2)
+
+
+def layer_kind(name: str, parts: dict[str, tuple[str, str]], first: bool, attn: AttentionDims | None) -> str:
+    kinds = {k for k, _ in parts.values()}
+    visual = any(w in name.lower() for w in ("vision", "visual", "image", "vit", "patch"))
+    if "attention" in kinds:
+        return "vision_block" if visual or (attn is not None and not attn.causal and visual) else "transformer_block"
+    if "embedding" in kinds:
+        return "embedding"
+    if visual and first:
+        return "vision_embedding"
+    if "linear" in kinds and any(s == "vocab" for _, s in parts.values()):
+        return "head"
+    if "loss" in kinds:
+        return "loss"
+    if "mlp" in kinds or "linear" in kinds:
+        return "projector" if "proj" in name.lower() or "mlp" in kinds else "other"
+    if kinds <= {"norm", "other"} and "norm" in kinds:
+        return "norm"
+    return "other"

@@ -1,0 +1,152 @@
+"""The models the runtime parity tests train, each through its own adapter.
+
+- ``gpt-tiny``, ``llama-tiny``: the zoo (built on meta, materialised by the runtime);
+- ``hf-llama``: a transformers ``LlamaForCausalLM`` (grouped-query attention, RoPE, untied);
+- ``hf-gpt2``: a transformers ``GPT2LMHeadModel`` (tied embedding, learned positions,
+  ``Conv1D`` linears with a packed q/k/v projection);
+- ``user-lm``: ``tests/user_models.UserLM``, a plain module in another style whose loss is
+  computed outside the model.
+
+A case builds the model for a parallel run (meta where the adapter can materialise it,
+else the same seeded weights on every rank), runs the single-process reference (the
+unmodified model, its own loss, SGD), and gives the planner's view of it: the TP layout
+and facts of ``planner.frontend.graph_of`` and an even stage split over the stage groups.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SEED = 1234
+GB, SEQ, VOCAB = 4, 32, 128
+
+
+def hf_config(kind: str):
+    from transformers import GPT2Config, LlamaConfig
+    if kind == "hf-llama":
+        return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+                           tie_word_embeddings=False)
+    return GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=VOCAB, n_positions=64, tie_word_embeddings=True,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+
+
+def build_hf(kind: str, device: str) -> nn.Module:
+    """A transformers model on ``meta``, or on ``device`` with the adapter's seeded init (the
+    numbers a meta-built model's stages get)."""
+    from transformers import AutoModelForCausalLM
+
+    from codegen.runtime.adapters import adapter_for
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(kind))
+    if device != "meta":
+        ad = adapter_for(model)
+        ad.materialize(ad.units, torch.device(device), SEED)
+    return model
+
+
+def build_user(device: str) -> nn.Module:
+    from user_models import UserLM
+    torch.manual_seed(SEED)
+    return UserLM(vocab=VOCAB).to(device)
+
+
+@dataclass
+class Case:
+    name: str
+    kind: str                                   # zoo | hf | module
+    build: Callable[[str], nn.Module]           # device -> model ("meta": the runtime materialises it)
+    parallel_device: str                        # what the parallel run builds on
+    vocab: int
+
+    def batches(self, n: int) -> list[dict[str, torch.Tensor]]:
+        out = []
+        for s in range(n):
+            g = torch.Generator().manual_seed(100 + s)
+            ids = torch.randint(0, self.vocab, (GB, SEQ), generator=g)
+            labels = ids if self.kind == "hf" else torch.randint(0, self.vocab, (GB, SEQ), generator=g)
+            out.append({"input_ids": ids, "labels": labels})
+        return out
+
+    def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        """The unmodified model's own training loss."""
+        if self.kind == "zoo":
+            return model(batch["input_ids"], labels=batch["labels"])
+        if self.kind == "hf":
+            return model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
+        from user_models import user_loss
+        return user_loss(model(batch["input_ids"]), batch["labels"])
+
+    def reference(self, data: list[dict], lr: float) -> tuple[list[float], dict]:
+        model = self.build("cpu")
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        losses, grads = [], None
+        for s, b in enumerate(data):
+            opt.zero_grad()
+            loss = self.loss(model, b)
+            loss.backward()
+            if s == 0:
+                grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            opt.step()
+            losses.append(loss.item())
+        return losses, grads
+
+
+def _zoo(name: str) -> Case:
+    from planner import zoo
+    cfg = zoo.preset(name)
+    return Case(name, "zoo", lambda dev: zoo.build_model(cfg, device=dev, seed=SEED), "meta", cfg.vocab)
+
+
+CASES = {
+    "gpt-tiny": lambda: _zoo("gpt-tiny"),
+    "llama-tiny": lambda: _zoo("llama-tiny"),
+    "hf-llama": lambda: Case("hf-llama", "hf", functools.partial(build_hf, "hf-llama"), "meta", VOCAB),
+    "hf-gpt2": lambda: Case("hf-gpt2", "hf", functools.partial(build_hf, "hf-gpt2"), "meta", VOCAB),
+    "user-lm": lambda: Case("user-lm", "module", build_user, "cpu", VOCAB),
+}
+
+
+def case(name: str) -> Case:
+    """The case ``name``; any other zoo preset is a zoo case."""
+    return CASES[name]() if name in CASES else _zoo(name)
+
+
+@functools.cache
+def planner_view(name: str):
+    """(graph, TP layout, facts) the planner derives for case ``name`` (frontend.graph_of)."""
+    from planner.frontend import example_for_module, graph_of
+    from planner.search import facts_of
+    from planner.tp_layout import tp_layout
+
+    c = case(name)
+    model = c.build("meta") if c.parallel_device == "meta" else c.build("cpu")
+    if c.kind == "zoo":
+        from planner import zoo
+        cfg = zoo.preset(name)
+        ex = zoo.example_batch(cfg, 1, SEQ, device="meta")
+        g = graph_of(model, ex, name=name, seq_len=SEQ, hidden=cfg.hidden, vocab=cfg.vocab)
+    elif c.kind == "hf":
+        g = graph_of(model, example_for_module(model, 1, SEQ), name=name, seq_len=SEQ)
+    else:
+        g = graph_of(model, (torch.zeros(1, SEQ, dtype=torch.long),), name=name, seq_len=SEQ,
+                     loss_fn=lambda out: out.float().sum())
+    return g, tp_layout(g), facts_of(g)
+
+
+def stages_for(name: str, n: int) -> list[list[str]]:
+    """``n`` virtual stages of case ``name``: the planner's even split over its stage groups."""
+    from planner.search import even_split
+    g, _, _ = planner_view(name)
+    part = even_split(g, n)
+    names = [l.name for l in g.layers]
+    return [names[a:b] for a, b in part.bounds]

@@ -1,0 +1,206 @@
+"""Tensor-parallel roles read by dataflow from captured graphs (planner/tp_analysis.py).
+
+Real captures of tiny models built on the meta device: the zoo, several transformers
+families (checked against the model's own ``_tp_plan`` where it has one), and a user
+module written in a style the part-based heuristic of tp_layout.py cannot read.
+"""
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from planner import zoo
+from planner.capture import capture_fx
+from planner.frontend import graph_of
+from planner.tp_analysis import analyze
+from planner.tp_layout import tp_layout
+
+IDS = {"input_ids": torch.zeros(1, 32, dtype=torch.long, device="meta"), "use_cache": False}
+HF_TINY = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=128,
+               intermediate_size=128, max_position_embeddings=64)
+HF_EXTRA = {
+    "llama": dict(num_key_value_heads=2),
+    "qwen2": dict(num_key_value_heads=2),
+    "phi3": dict(num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=1),
+    "olmo2": dict(num_key_value_heads=2),
+    "gpt_neox": dict(),
+    "opt": dict(ffn_dim=128, word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0),
+    "gpt2": dict(n_embd=64, n_head=4, n_layer=2, vocab_size=128, n_positions=64,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+}
+
+
+@functools.cache
+def hf(model_type: str, attn: str | None = None):
+    """(model, ModelGraph, analysis) of a tiny transformers model."""
+    transformers = pytest.importorskip("transformers")
+    kw = dict(HF_TINY, **HF_EXTRA[model_type]) if model_type != "gpt2" else dict(HF_EXTRA["gpt2"])
+    if attn:
+        kw["attn_implementation"] = attn
+    cfg = transformers.AutoConfig.for_model(model_type, **kw)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    graph, fx = capture_fx(model, dict(IDS))
+    return model, graph, analyze(fx, graph)
+
+
+@functools.cache
+def zoo_model(name: str):
+    cfg = zoo.preset(name)
+    model = zoo.build_model(cfg, device="meta")
+    graph, fx = capture_fx(model, zoo.example_batch(cfg, 1, device="meta"), name=name,
+                           hidden=cfg.hidden, vocab=cfg.vocab)
+    return model, graph, analyze(fx, graph)
+
+
+def layout_of(model, example) -> dict[str, str]:
+    """The plan's TP layout the planner derives: frontend roles (this analysis, or the model's
+    own TP plan) through planner.tp_layout."""
+    return tp_layout(graph_of(model, example, name="test", seq_len=32))
+
+
+def _layer_roles(analysis, layer: str) -> dict[str, str]:
+    return {k[len(layer) + 1:]: v for k, v in analysis.roles.items() if k.startswith(layer + ".")}
+
+
+@pytest.mark.parametrize("name,mlp,heads", [
+    ("gpt-tiny", {"mlp.fc1": "column", "mlp.fc2": "row"}, (4, 4, 16)),
+    ("llama-tiny", {"mlp.gate_proj": "column", "mlp.up_proj": "column", "mlp.down_proj": "row"}, (4, 2, 16)),
+])
+def test_zoo(name, mlp, heads):
+    _, graph, a = zoo_model(name)
+    attn = {"attn.q_proj": "column", "attn.k_proj": "column", "attn.v_proj": "column", "attn.o_proj": "row"}
+    assert _layer_roles(a, "layers.0") == {**attn, **mlp}
+    assert a.heads == {"layers.0": heads}
+    assert a.problems == {}
+    # The zoo's blocks are what the part heuristic was written for: both layouts agree.
+    model, _, _ = zoo_model(name)
+    assert layout_of(model, zoo.example_batch(zoo.preset(name), 1, device="meta")) == tp_layout(graph)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gpt_neox"])
+def test_matches_hf_tp_plan(model_type):
+    model, graph, a = hf(model_type)
+    want = {"colwise": "column", "rowwise": "row"}
+    blocks = [l.name for l in graph.layers if l.kind == "transformer_block"]
+    layout = layout_of(model, dict(IDS))
+    for pattern, style in model._tp_plan.items():
+        if "*" not in pattern:
+            continue
+        for block in blocks:
+            fqn = pattern.replace(pattern[:pattern.index("*") + 1], block)
+            assert layout[fqn] == want[style], fqn
+    assert a.problems == {}
+    assert len(a.roles) == sum("*" in p for p in model._tp_plan)
+    kv = 4 if model_type == "gpt_neox" else 2
+    assert a.heads == {blocks[0]: (4, kv, 16)}
+    if model_type == "qwen2":  # q/k/v with biases: addmm
+        assert model.get_submodule("model.layers.0.self_attn.q_proj").bias is not None
+    if model_type == "gpt_neox":  # per-head interleaved q|k|v: a plain column, not packed
+        assert a.roles["gpt_neox.layers.0.attention.query_key_value"] == "column"
+
+
+@pytest.mark.parametrize("attn", [None, "eager"])
+def test_gpt2_packed_qkv(attn):
+    model, graph, a = hf("gpt2", attn)
+    assert _layer_roles(a, "transformer.h.0") == {
+        "attn.c_attn": "packed_qkv", "attn.c_proj": "row", "mlp.c_fc": "column", "mlp.c_proj": "row"}
+    assert a.heads == {"transformer.h.0": (4, 4, 16)}
+    assert a.problems == {}
+    layout = layout_of(model, dict(IDS))
+    assert layout["transformer.h.1.attn.c_attn"] == "packed_qkv"
+    assert layout["transformer.h.1.mlp.c_proj"] == "row"
+    assert layout["transformer.wte"] == "vocab_embed"
+    assert layout["transformer.wpe"] == "embed"
+    assert layout["transformer.h.1.ln_2"] == "norm"
+    assert layout["lm_head"] == "vocab_head"
+
+
+def test_opt_nested_layers():
+    model, graph, a = hf("opt")
+    assert _layer_roles(a, "model.decoder.layers.0") == {
+        "self_attn.q_proj": "column", "self_attn.k_proj": "column", "self_attn.v_proj": "column",
+        "self_attn.out_proj": "row", "fc1": "column", "fc2": "row"}
+    layout = layout_of(model, dict(IDS))
+    assert layout["model.decoder.layers.1.fc2"] == "row"
+    assert layout["model.decoder.layers.1.self_attn.q_proj"] == "column"
+    assert layout["model.decoder.embed_positions"] == "embed"
+    assert a.heads == {"model.decoder.layers.0": (4, 4, 16)}
+
+
+def test_phi3_fused_projections_are_problems():
+    model, graph, a = hf("phi3")
+    problem = a.problems["model.layers.0"]
+    assert "qkv_proj" in problem and "[64, 32, 32]" in problem
+    assert "gate_up_proj" in problem and "[128, 128]" in problem
+    assert "packed_qkv" not in a.roles.values()
+    assert a.heads == {"model.layers.0": (4, 2, 16)}
+    g = graph_of(model, dict(IDS), name="phi3", seq_len=32)  # the planner will not propose tp for it
+    assert "tp" in g.limits
+
+
+def test_olmo2_norm_over_projection_is_a_problem():
+    _, _, a = hf("olmo2")
+    problem = a.problems["model.layers.0"]
+    assert "q_proj" in problem and "k_proj" in problem and "v_proj" not in problem
+
+
+class Block(nn.Module):
+    """Attention written inline: q, k, v, out and the MLP are direct children of the block."""
+
+    def __init__(self, d: int = 64, heads: int = 4, kv_heads: int = 2):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, d // heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, kv_heads * self.hd)
+        self.v = nn.Linear(d, kv_heads * self.hd)
+        self.out = nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = self.ln1(x)
+        q = self.q(h).reshape(b, s, self.heads, self.hd).permute(0, 2, 1, 3)
+        k = self.k(h).reshape(b, s, self.kv_heads, self.hd).permute(0, 2, 1, 3)
+        v = self.v(h).reshape(b, s, self.kv_heads, self.hd).permute(0, 2, 1, 3)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.out(a.permute(0, 2, 1, 3).reshape(b, s, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class UserLM(nn.Module):
+    def __init__(self, vocab: int = 128, d: int = 64, layers: int = 3):
+        super().__init__()
+        self.transformer = nn.Module()
+        self.transformer.wte = nn.Embedding(vocab, d)
+        self.transformer.h = nn.ModuleList(Block(d) for _ in range(layers))
+        self.transformer.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.transformer.wte(ids)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def test_user_module():
+    with torch.device("meta"):
+        model = UserLM()
+    ids = torch.zeros(1, 32, dtype=torch.long, device="meta")
+    graph, fx = capture_fx(model, (ids,), loss_fn=lambda out: out.float().sum())
+    a = analyze(fx, graph)
+    assert _layer_roles(a, "transformer.h.0") == {
+        "q": "column", "k": "column", "v": "column", "out": "row", "fc1": "column", "fc2": "row"}
+    assert a.heads == {"transformer.h.0": (4, 2, 16)}
+    assert a.problems == {}
+    layout = layout_of(model, (ids,))
+    for i in range(3):
+        assert layout[f"transformer.h.{i}.out"] == "row"
+        assert layout[f"transformer.h.{i}.fc1"] == "column"
+        assert layout[f"transformer.h.{i}.ln1"] == "norm"
+    assert layout["transformer.wte"] == "vocab_embed"
+    assert layout["lm_head"] == "vocab_head"

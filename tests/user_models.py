@@ -1,0 +1,105 @@
+"""Models written the way users write them, for the adapter tests (not autopar's conventions).
+
+``UserLM`` is GPT-style in another style than the zoo: token embedding ``transformer.wte``,
+blocks ``transformer.h[i]`` (an attention module with separate q/k/v projections whose
+view reads the head count from ``self.n_head``, rotary positions from an optional
+``positions`` argument, ``F.scaled_dot_product_attention`` with grouped-query heads; an
+``nn.Sequential`` MLP), a final ``transformer.ln_f`` and an ``lm_head`` returning LOGITS: the
+loss is computed outside the model (:func:`user_loss`). ``build()`` is a ``package.module:function`` model
+spec (``tests.user_models:build``).
+
+``RootPositionsLM`` adds learned positions at the root of its forward (between the units),
+so running its units one after another does not compute its forward: the adapter must
+refuse it and ask for an explicit spec.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1]
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    ang = positions.float()[:, None] * inv[None, :]
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    half = torch.cat((-x[..., d // 2:], x[..., :d // 2]), -1)
+    return x * cos.to(x.dtype) + half * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Separate q/k/v projections; heads from ``self.n_head`` (not the tensor's size)."""
+
+    def __init__(self, d: int, n_head: int, n_kv_head: int):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.hd = n_head, n_kv_head, d // n_head
+        self.q = nn.Linear(d, d, bias=False)
+        self.k = nn.Linear(d, n_kv_head * self.hd, bias=False)
+        self.v = nn.Linear(d, n_kv_head * self.hd, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.n_head, self.hd).transpose(1, 2)
+        k = self.k(x).view(b, s, self.n_kv_head, self.hd).transpose(1, 2)
+        v = self.v(x).view(b, s, self.n_kv_head, self.hd).transpose(1, 2)
+        q, k = _rope(q, positions), _rope(k, positions)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        return self.proj(a.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, n_head: int, n_kv_head: int):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = Attention(d, n_head, n_kv_head)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device)
+        x = x + self.attn(self.ln_1(x), positions)
+        return x + self.mlp(self.ln_2(x))
+
+
+class UserLM(nn.Module):
+    def __init__(self, vocab: int = 128, d: int = 64, n_layer: int = 4, n_head: int = 4, n_kv_head: int = 2):
+        super().__init__()
+        self.transformer = nn.Module()
+        self.transformer.wte = nn.Embedding(vocab, d)
+        self.transformer.h = nn.ModuleList(Block(d, n_head, n_kv_head) for _ in range(n_layer))
+        self.transformer.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = self.transformer.wte(idx)
+        for block in self.transformer.h:
+            x = block(x, positions)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def user_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The user's training loss: mean token cross-entropy, labels aligned with positions."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return UserLM()
+
+
+class RootPositionsLM(UserLM):
+    """Learned positions added at the root of the forward, between the units."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.wpe = nn.Parameter(torch.zeros(64, self.lm_head.in_features))
+
+    def forward(self, idx: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = self.transformer.wte(idx) + self.wpe[: idx.shape[1]]
+        for block in self.transformer.h:
+            x = block(x, positions)
+        return self.lm_head(self.transformer.ln_f(x))
