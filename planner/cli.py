@@ -348,8 +348,12 @@ def _print_comparison(c: dict) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from planner.zoo.spec import FUNC_SPEC
+
+    if args.data is not None and not FUNC_SPEC.match(args.data):
+        raise AutoparError(f"--data {args.data!r} is not package.module:function (step, global_batch, seq_len) -> batch")
     rc, log = run_plan(args.plan, steps=args.steps, run_dir=args.dir, ckpt_every=args.ckpt_every,
-                       max_restarts=args.max_restarts)
+                       max_restarts=args.max_restarts, extra=["--data", args.data] if args.data else None)
     if rc != 0:
         raise AutoparError(f"the training job failed (torchrun exit {rc}); its output is above; "
                            "rerun with fewer processes or check the plan with `autopar report`")
@@ -517,6 +521,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default="runs/latest", help="where the program, log and checkpoints go")
     p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every K steps")
     p.add_argument("--max-restarts", type=int, default=0, help="relaunch a job whose process died")
+    p.add_argument("--data", default=None,
+                   help="package.module:function(step, global_batch, seq_len) -> batch (default: synthetic tokens)")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("demo", help="plan a model for this machine, run it, compare predicted and measured")

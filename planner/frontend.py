@@ -65,6 +65,8 @@ def graph_and_fx_of(model: nn.Module, example: dict[str, Any] | tuple, *, name: 
             adapter = adapter_for(model, order=[l.name for l in graph.layers], seq_len=seq_len)
         else:
             adapter = adapter_for(model, module_spec, seq_len=seq_len)
+            if "any" in (limits := adapter.limits()):  # before a capture that may not even run
+                raise AutoparError(f"cannot run on autopar's runtime: {limits['any']}")
             graph, fx = capture_fx(model, example, units=adapter.capture_units(), **kw)
         if adapter.kind == "module":
             adapter.check_sequential(example)
@@ -162,5 +164,11 @@ def load_graph_and_fx(spec: str, *, batch: int = 1, seq_len: int | None = None):
             ex = example_for_module(model, batch, s)
         config = {k: v for k, v in vars(cfg).items() if isinstance(v, (int, float, str, bool))}
         return graph_and_fx_of(model, ex, name=ms.name, seq_len=s, config=config, hidden=cfg.hidden, vocab=cfg.vocab)
+    from codegen.runtime.adapters import adapter_kind
+
     s = seq_len or 128
-    return graph_and_fx_of(model, example_for_module(model, batch, s), name=ms.name, seq_len=s)
+    ex = example_for_module(model, batch, s)
+    if adapter_kind(model) == "module":  # a plain module takes the token ids; the logits stand in for the loss
+        return graph_and_fx_of(model, (ex["input_ids"],), name=ms.name, seq_len=s,
+                               loss_fn=lambda out: out.float().sum())
+    return graph_and_fx_of(model, ex, name=ms.name, seq_len=s)

@@ -103,3 +103,10 @@ class RootPositionsLM(UserLM):
         for block in self.transformer.h:
             x = block(x, positions)
         return self.lm_head(self.transformer.ln_f(x))
+
+
+def fixed_tokens(step: int, global_batch: int, seq_len: int) -> dict:
+    """``--data`` hook: the same batch every step (labels = input_ids), so the loss must fall."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 128, (global_batch, seq_len), generator=g)
+    return {"input_ids": ids, "labels": ids}

@@ -207,21 +207,20 @@ def _scalar(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float64)
 
 
-def _own_weights(stage_mods: Sequence[nn.Module], device: torch.device, mesh: DeviceMesh) -> None:
-    """A model the caller built with its weights: this rank's stages move to ``device`` and
-    take the weights of the rank holding the same stages at dp = cp = tp = 0 (so replicas
-    start alike even if each process drew its own random initialisation)."""
+def _own_weights(model: nn.Module, stage_mods: Sequence[nn.Module], device: torch.device) -> None:
+    """A model the caller built with its weights (every process holds all of them): every
+    rank takes global rank 0's (replicas and stages start alike even if each process drew
+    its own random initialisation), then this rank's stages move to ``device``. nccl
+    broadcasts device tensors only: each tensor goes through ``device`` one at a time."""
+    if dist.get_world_size() > 1:
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                buf = t.data if t.device == device or dist.get_backend() == "gloo" else t.data.to(device)
+                dist.broadcast(buf, src=0)
+                if buf is not t.data:
+                    t.data.copy_(buf)
     for sm in stage_mods:
         sm.to(device)
-    peers = mesh["dp", "cp", "tp"]._flatten("dp_cp_tp") if mesh.size() > mesh["pp"].size() else None
-    if peers is None:
-        return
-    group = peers.get_group()
-    src = dist.get_global_rank(group, 0)
-    with torch.no_grad():
-        for sm in stage_mods:
-            for t in list(sm.parameters()) + list(sm.buffers()):
-                dist.broadcast(t.data, src=src, group=group)
 
 
 def check_runnable(cfg: ParallelConfig, adapter: ModelAdapter, facts: Optional[ModelFacts], global_batch: int,
@@ -277,7 +276,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     if any(p.is_meta for p in model.parameters()):
         adapter.materialize([u for sm in stage_mods for u in sm.units], device, seed)
     else:
-        _own_weights(stage_mods, device, mesh)
+        _own_weights(model, stage_mods, device)
     ring = ring_attention(cfg, mesh["cp"].get_group(), load_balance) if cfg.cp > 1 else None
     blocks = set(adapter.blocks)
     for sm in stage_mods:

@@ -128,6 +128,11 @@ class ModuleAdapter(ModelAdapter):
 
     def limits(self) -> dict[str, str]:
         out: dict[str, str] = {}
+        covered = {id(p) for u in self.units for p in self.model.get_submodule(u).parameters()}
+        loose = [n for n, p in self.model.named_parameters() if id(p) not in covered]
+        if loose:
+            out["any"] = (f"parameters outside every unit ({', '.join(loose[:3])}) would not be trained; move "
+                          "them into a unit, or name the units in a ModuleSpec")
         if not any(self.pos_kw.values()):
             out["cp"] = (f"no unit takes token positions (a `{POSITION_ARGS[0]}` argument): context parallel "
                          "would give every rank positions from 0")

@@ -1,0 +1,130 @@
+"""The model adapters end to end: what is refused at plan time, instance isolation, the CLI on
+a transformers model and on a user's ``package.module:function`` module, and
+``auto_parallelize`` on a transformers model under 1, 2 and 4 processes."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from planner.errors import AutoparError
+
+transformers = pytest.importorskip("transformers")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from user_models import RootPositionsLM, UserLM  # noqa: E402
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128)
+
+
+def _hf(model_type: str, **kw):
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **kw))
+
+
+def _graph(model, name):
+    from planner.frontend import example_for_module, graph_of
+    return graph_of(model, example_for_module(model, 1, 32), name=name, seq_len=32)
+
+
+@pytest.mark.parametrize("model_type,kw,word", [
+    ("mixtral", dict(TINY, num_local_experts=4), "mixture-of-experts"),
+    ("falcon", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=128), "AttentionInterface"),
+])
+def test_models_the_runtime_cannot_run_are_refused_in_one_line(model_type, kw, word):
+    with pytest.raises(AutoparError) as e:
+        _graph(_hf(model_type, **kw), model_type)
+    msg = str(e.value)
+    assert word in msg and "\n" not in msg and msg.startswith(f"{model_type}: cannot run")
+
+
+def test_plain_module_whose_units_do_not_compose_asks_for_a_spec():
+    from planner.frontend import graph_of
+    with pytest.raises(AutoparError) as e:
+        graph_of(RootPositionsLM(), (torch.zeros(1, 32, dtype=torch.long),), name="root", seq_len=32,
+                 loss_fn=lambda out: out.float().sum())
+    assert "ModuleSpec(blocks=" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_plain_module_explicit_spec_and_loose_parameters():
+    from codegen.runtime.adapters.module import ModuleAdapter, ModuleSpec
+    spec = ModuleSpec(blocks="transformer.h", before=["transformer.wte"], after=["transformer.ln_f", "lm_head"])
+    ad = ModuleAdapter(UserLM(), spec)
+    assert ad.units[0] == "transformer.wte" and ad.units[-1] == "lm_head" and len(ad.blocks) == 4
+    assert ad.limits() == {}
+    loose = ModuleAdapter(RootPositionsLM(), spec).limits()
+    assert "wpe" in loose["any"]
+
+
+def test_attention_is_installed_on_one_instance_only():
+    """Two transformers models built from ONE config object: routing one model's attention to
+    autopar's implementation leaves the other's config and outputs untouched."""
+    from codegen.runtime.adapters import adapter_for
+    cfg = transformers.LlamaConfig(**TINY, max_position_embeddings=64)
+    torch.manual_seed(0)
+    a = transformers.AutoModelForCausalLM.from_config(cfg)
+    b = transformers.AutoModelForCausalLM.from_config(cfg)
+    ids = torch.randint(0, 128, (2, 16))
+    before = b(input_ids=ids, use_cache=False).logits
+    calls = []
+
+    def counting(q, k, v, *, causal, scale=None):
+        calls.append(causal)
+        from planner.zoo.attention import sdpa_attention
+        return sdpa_attention(q, k, v, causal=causal, scale=scale)
+
+    ad = adapter_for(a)
+    for blk in ad.blocks:
+        ad.set_attention(a.get_submodule(blk), counting)
+    a(input_ids=ids, use_cache=False)
+    assert calls == [True] * len(ad.blocks)
+    assert b.config._attn_implementation == "sdpa" and a.config._attn_implementation == "autopar"
+    assert torch.equal(b(input_ids=ids, use_cache=False).logits, before)
+    assert len(calls) == len(ad.blocks)  # b did not call it
+
+
+def _run(cmd, env=None, timeout=600):
+    env = dict(os.environ if env is None else env, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    return r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["hf:llama-tiny", "tests.user_models:build"])
+def test_cli_plans_and_runs_a_model_autopar_did_not_write(model, tmp_path):
+    plan = tmp_path / "plan.json"
+    cli = [sys.executable, "-m", "planner.cli"]
+    _run(cli + ["plan", "--model", model, "--cluster", "local-cpu:2", "--global-batch", "4", "--seq-len", "32",
+                "-o", str(plan)])
+    p = json.loads(plan.read_text())
+    assert p["model"]["adapter"] == ("hf" if model.startswith("hf:") else "module")
+    _run(cli + ["run", str(plan), "--steps", "6", "--dir", str(tmp_path / "run"), "--data",
+                "tests.user_models:fixed_tokens"])
+    recs = [json.loads(line) for line in open(tmp_path / "run" / "train_log.jsonl")]
+    assert [r["step"] for r in recs] == list(range(1, 7))
+    assert recs[-1]["loss"] < recs[0]["loss"] - 0.1, [r["loss"] for r in recs]
+
+
+@pytest.mark.slow
+def test_auto_parallelize_hf_same_losses_on_1_2_4_processes(tmp_path):
+    from planner.cli import torchrun_cmd
+    worker = os.path.join(ROOT, "tests", "api_hf_worker.py")
+    res = {}
+    for n in (1, 2, 4):
+        out = tmp_path / f"w{n}.json"
+        if n == 1:
+            env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+            _run([sys.executable, worker, str(out)], env=env)
+        else:
+            _run(torchrun_cmd(n, [worker, str(out)]))
+        res[n] = json.loads(out.read_text())
+    ref = res[1]["losses"]
+    assert ref[-1] < ref[0]
+    for n in (2, 4):
+        assert max(abs(a - b) / abs(b) for a, b in zip(res[n]["losses"], ref)) < 1e-5, (n, res[n], ref)
