@@ -11,7 +11,6 @@ noise: the largest relative spread of one model's round medians. Writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -122,7 +121,7 @@ def main(argv=None) -> int:
         return 0
     import subprocess
 
-    from planner.cli import torchrun_cmd
+    from planner.launch import torchrun_cmd
     cmd = torchrun_cmd(args.nproc, ["-m", "benchmarks.adapter_overhead", "--worker",
                                     *[a for a in (argv if argv is not None else sys.argv[1:]) if a != "--worker"]])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")

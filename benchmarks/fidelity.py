@@ -6,7 +6,7 @@
 2. For every model, take the planner's pick and its best distinct runner-ups (the
    search's ranked candidates), plus forced layouts priced with ``evaluate_config``
    (DP / TP+SP / CP / PP mixes, schedules, ZeRO stages) that fit and the runtime supports.
-3. Emit and run every plan's program (``planner.cli.run_plan``) for ``--steps`` steps;
+3. Emit and run every plan's program (``planner.launch.run_plan``) for ``--steps`` steps;
    the measured step time is the median after ``--warmup`` steps, the measured memory
    every rank's peak RSS. The planner's pick of the first model runs ``--repeats``
    times (noise: min / median / max of the runs' medians; it enters the comparison
@@ -107,7 +107,7 @@ def _kind(graph) -> str:
 def profile_models(models: list[str], cluster_spec: str, seq: int, batches: str, repeats: int, sizes: str,
                    work: str) -> str:
     from cost_models.profiler import worker_args
-    from planner.cli import torchrun_cmd
+    from planner.launch import torchrun_cmd
 
     cluster = parse_cluster(cluster_spec)
     merged: ProfileDB | None = None
@@ -184,7 +184,7 @@ def write_plans(cands: list[Candidate], cluster, cluster_spec: str, work: str) -
 
 
 def run_candidate(c: Candidate, steps: int, warmup: int, tag: str, quiet: bool) -> dict:
-    from planner.cli import run_plan
+    from planner.launch import run_plan
 
     d = os.path.join(os.path.dirname(c.plan_path), f"run{tag}")
     shutil.rmtree(d, ignore_errors=True)

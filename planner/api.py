@@ -104,9 +104,9 @@ def auto_parallelize(model: nn.Module, example_batch: dict[str, torch.Tensor], l
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        from planner.cli import _free_port
+        from planner.launch import free_port
 
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     gb, seq = (int(x) for x in example_batch["input_ids"].shape[:2])

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -306,7 +305,6 @@ def capture_fx(model: nn.Module, example: dict[str, Any] | tuple, *, name: str |
     clone = _fake_copy(model, fake_mode, keep, {id(m) for _, m, stack in units if stack is not None})
     cmods = dict(clone.named_modules())
     # Map the clone's (shortened) paths back to the original unit paths.
-    orig_by_id = {id(m): path for path, m, _ in units}
     clone_units: list[tuple[str, nn.Module]] = []
     for path, m, stack in units:
         if id(m) in keep:

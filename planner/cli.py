@@ -11,6 +11,8 @@ import sys
 from typing import Callable, Sequence
 
 from planner.errors import AutoparError
+from planner.launch import check_plan, compare_run, run_plan, torchrun_cmd
+from planner.launch import progress as _progress
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,20 +86,6 @@ def _print_fx(g, fx, layer: str | None) -> int:
     return 0
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun_cmd(nproc: int, module_args: list[str]) -> list[str]:
-    """torchrun on this machine: N processes, a free local port."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *module_args]
-
-
 # ---------------------------------------------------------------- profile -------
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -151,10 +139,6 @@ def _load_inputs(args: argparse.Namespace):
                                "with `autopar profile`")
     graph = load_graph(args.model, batch=1, seq_len=args.seq_len)
     return graph, cluster, profile
-
-
-def _progress(msg: str) -> None:
-    print(f"[autopar] {msg}", file=sys.stderr, flush=True)
 
 
 def _estimate_summary(e) -> dict:
@@ -229,6 +213,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     cfg = ParallelConfig.parse(args.config)
     graph, cluster, profile = _load_inputs(args)
+    if "attention=" not in args.config and "flash_attention" in graph.limits:
+        cfg = cfg.replace(attention="eager")  # the default kernel is one this model cannot use
     _progress(f"pricing {cfg.label()} on {cluster.world} devices of {cluster.name}")
     e, problems = evaluate_config(graph, cluster, cfg, args.global_batch, even_split=args.even_split,
                                   profile=profile)
@@ -262,77 +248,6 @@ def cmd_codegen(args: argparse.Namespace) -> int:
     write_program(plan, out, force=args.force)
     print(f"wrote {out}: torchrun --nproc-per-node {plan.config.world} {out} --steps 20")
     return 0
-
-
-def check_plan(plan, *, import_user_code: bool = True) -> None:
-    """Refuse a plan made for another model (fingerprint of the model its spec names now)
-    or, for ``local-cpu:N`` plans, for another machine. A ``package.module:function``
-    spec is imported only when ``import_user_code`` (running the program imports it anyway)."""
-    import re
-
-    from planner.frontend import load_graph
-
-    spec = plan.model.get("spec")
-    if isinstance(spec, str) and (import_user_code or not re.fullmatch(r"[\w.]+:\w+", spec.strip())):
-        g = load_graph(spec, batch=1, seq_len=plan.batch["seq_len"])
-        plan.check_fingerprints(model_fp=g.fingerprint())
-    if import_user_code and plan.cluster.get("backend") == "nccl" and plan.cluster.get("nodes", 1) == 1:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise AutoparError(f"plan is for {plan.cluster.get('name')!r} (nccl, CUDA GPUs) but this machine has no "
-                               "CUDA device: run it on that cluster, or plan for this machine with --cluster local-cpu:N")
-    cspec = plan.cluster.get("spec")
-    if isinstance(cspec, str) and cspec.startswith("local-cpu:"):
-        from cost_models.cluster import parse_cluster
-
-        plan.check_fingerprints(cluster_fp=parse_cluster(cspec).fingerprint())
-
-
-def run_plan(plan_path: str, *, steps: int, run_dir: str, ckpt_every: int = 0, max_restarts: int = 0,
-             extra: list[str] | None = None, force: bool = True) -> tuple[int, str]:
-    """Emit and launch a plan's program on this machine with torchrun; returns (rc, log path).
-
-    A relaunch loop (not torchrun's elastic restart, which cannot reconnect gloo workers)
-    restarts a job whose process died, up to ``max_restarts`` times; the program resumes
-    from its newest complete checkpoint."""
-    import os
-    import subprocess
-
-    from codegen.emit import write_program
-    from planner.plan import Plan
-
-    plan = Plan.load(plan_path)
-    check_plan(plan)
-    os.makedirs(run_dir, exist_ok=True)
-    prog = os.path.join(run_dir, f"train_{plan.model['name'].replace('-', '_')}.py")
-    write_program(plan, prog, force=force)
-    log = os.path.join(run_dir, "train_log.jsonl")
-    worker = [prog, "--steps", str(steps), "--metrics", log, "--ckpt-dir", os.path.join(run_dir, "checkpoints"),
-              "--ckpt-every", str(ckpt_every), *(extra or [])]
-    if plan.cluster.get("nodes", 1) > 1:
-        print("run on every node (set NODE_RANK and MASTER_ADDR):")
-        print(f"  torchrun --nnodes {plan.cluster['nodes']} --nproc-per-node {plan.cluster['devices_per_node']} "
-              f"--node-rank $NODE_RANK --master-addr $MASTER_ADDR --master-port 29500 " + " ".join(worker))
-        return 0, log
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    rc = 1
-    for attempt in range(max_restarts + 1):
-        env["AUTOPAR_ATTEMPT"] = str(attempt)
-        rc = subprocess.run(torchrun_cmd(plan.config.world, worker), env=env).returncode
-        if rc == 0:
-            break
-        if attempt < max_restarts:
-            _progress(f"job exited with {rc}; relaunching (attempt {attempt + 2} of {max_restarts + 1})")
-    return rc, log
-
-
-def compare_run(plan_path: str, log: str) -> dict:
-    """Predicted against measured for a finished run (``planner.report_data.compare_run``)."""
-    from planner.plan import Plan
-    from planner.report_data import compare_run as compare, load_run_log
-
-    return compare(Plan.load(plan_path), load_run_log(log))
 
 
 def _print_comparison(c: dict) -> None:

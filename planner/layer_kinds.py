@@ -18,7 +18,7 @@ LOSS_OPS = {"nll_loss_forward", "nll_loss2d_forward", "_log_softmax", "cross_ent
 NORM_OPS = {"native_layer_norm", "_fused_rms_norm", "rms_norm"}
 
 
-def part_kind(part: _PartRec, module: nn.Module | None, vocab: int | None) -> tuple[str, str]:
+def part_kind(part, module: nn.Module | None, vocab: int | None) -> tuple[str, str]:
     ops = part.ops
     mods = list(module.modules()) if module is not None else []
     if ops & ATTN_OPS or any(o in ops for o in ("_softmax", "_safe_softmax")) and "bmm" in ops:

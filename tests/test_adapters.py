@@ -113,7 +113,7 @@ def test_cli_plans_and_runs_a_model_autopar_did_not_write(model, tmp_path):
 
 @pytest.mark.slow
 def test_auto_parallelize_hf_same_losses_on_1_2_4_processes(tmp_path):
-    from planner.cli import torchrun_cmd
+    from planner.launch import torchrun_cmd
     worker = os.path.join(ROOT, "tests", "api_hf_worker.py")
     res = {}
     for n in (1, 2, 4):

@@ -51,7 +51,7 @@ def test_auto_parallelize(nproc, tmp_path):
         cmd = [sys.executable, os.path.join(HERE, "api_worker.py"), str(out), str(ck)]
         env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     else:
-        from planner.cli import torchrun_cmd
+        from planner.launch import torchrun_cmd
 
         cmd = torchrun_cmd(2, [os.path.join(HERE, "api_worker.py"), str(out), str(ck)])
         env = dict(os.environ)

@@ -76,7 +76,7 @@ def _tensors(step_dir: str, tmp: str) -> dict:
 @pytest.mark.slow
 def test_killed_rank_is_relaunched_and_resumes_bitwise(tmp_path, monkeypatch, capfd):
     from cost_models.cluster import parse_cluster
-    from planner.cli import run_plan
+    from planner.launch import run_plan
     from planner.frontend import load_graph
     from planner.planning import plan_model
 

@@ -412,7 +412,7 @@ def test_plan_files_are_json_only(plan_dict):
 def test_codegen_does_not_import_a_plans_model_function(plan_dict, tmp_path):
     import sys
 
-    from planner.cli import check_plan
+    from planner.launch import check_plan
 
     d = copy.deepcopy(plan_dict)
     d["model"]["spec"] = "autopar_fuzz_never_imported:build"
@@ -430,7 +430,7 @@ def test_data_hook_is_a_dotted_name():
 
 
 def test_plan_for_another_model_or_machine_is_refused(plan_dict):
-    from planner.cli import check_plan
+    from planner.launch import check_plan
 
     check_plan(Plan.from_dict(plan_dict))                      # the real one passes
     for key, what in (("model", "model"), ("cluster", "cluster")):

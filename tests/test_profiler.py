@@ -126,7 +126,7 @@ def test_pin_cpu_rank_gives_each_rank_its_own_cores(monkeypatch):
 def test_profiler_two_processes(tmp_path):
     """One real profile on 2 gloo processes: every layer class at tp 1/2 x cp 1/2 x 2 batch
     sizes, every collective kind at both sizes, positive times."""
-    from planner.cli import torchrun_cmd
+    from planner.launch import torchrun_cmd
 
     out = tmp_path / "p.json"
     cmd = torchrun_cmd(2, profiler.worker_args("local-cpu:2", "gpt-tiny", str(out), seq_len=32, batches="1,2",
