@@ -24,6 +24,14 @@ class Unit:
     kind: str
 
 
+def has_submodule(root: nn.Module, fqn: str) -> bool:
+    try:
+        root.get_submodule(fqn)
+        return True
+    except AttributeError:
+        return False
+
+
 def attach(root: nn.Module, fqn: str, mod: nn.Module) -> None:
     """Register ``mod`` under ``fqn`` inside ``root``, creating plain containers on the way,
     so a stage module's parameters keep the full model's fqns."""

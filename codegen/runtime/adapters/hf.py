@@ -34,7 +34,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from codegen.runtime.adapters.base import IGNORE_INDEX, AttentionImpl, ModelAdapter, StageModule, Unit
+from codegen.runtime.adapters.base import (IGNORE_INDEX, AttentionImpl, ModelAdapter, StageModule, Unit,
+                                          has_submodule)
 from codegen.runtime.adapters.hf_stage import HFStage, register_attention, _view
 from codegen.runtime.recompute import SelectiveAttention
 
@@ -208,7 +209,7 @@ class HFAdapter(ModelAdapter):
         if tp == 1:
             return
         for fqn, role in layout.items():
-            if role not in ("column", "packed_qkv") or not _has(stage, fqn):
+            if role not in ("column", "packed_qkv") or not has_submodule(stage, fqn):
                 continue
             parent = stage.get_submodule(fqn.rsplit(".", 1)[0])
             lin = stage.get_submodule(fqn)
@@ -311,13 +312,6 @@ def _checkpointed(fn, q, k, v):
         return fn(q, k, v)
     return checkpoint(fn, q, k, v, use_reentrant=False)
 
-
-def _has(stage: nn.Module, fqn: str) -> bool:
-    try:
-        stage.get_submodule(fqn)
-        return True
-    except AttributeError:
-        return False
 
 
 def _out_features(lin: nn.Module) -> int:

@@ -29,7 +29,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from codegen.runtime import kernels as kern
-from codegen.runtime.adapters.base import AttentionImpl, ModelAdapter, StageModule, Unit, attach
+from codegen.runtime.adapters.base import AttentionImpl, ModelAdapter, StageModule, Unit, attach, has_submodule
 
 POSITION_ARGS = ("positions", "position_ids", "pos")
 
@@ -156,7 +156,8 @@ class ModuleAdapter(ModelAdapter):
         if tp == 1:
             return
         heads = set(self.facts.heads) | set(self.facts.kv_heads) if self.facts is not None else set()
-        parents = {f.rpartition(".")[0] for f, r in layout.items() if r in ("column", "packed_qkv") and _has(stage, f)}
+        parents = {f.rpartition(".")[0] for f, r in layout.items()
+                   if r in ("column", "packed_qkv") and has_submodule(stage, f)}
         for name in parents:
             mod = stage.get_submodule(name)
             if getattr(mod, "_autopar_tp_fixed", None) == tp:
@@ -256,11 +257,3 @@ class ModuleStage(StageModule):
         if self.loss_kernel == "fused":
             return kern.linear_loss(head.weight, x, labels, sp=self.sp)
         return self.adapter.loss(head(x), labels)
-
-
-def _has(stage: nn.Module, fqn: str) -> bool:
-    try:
-        stage.get_submodule(fqn)
-        return True
-    except AttributeError:
-        return False
