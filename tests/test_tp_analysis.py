@@ -204,3 +204,25 @@ def test_user_module():
         assert layout[f"transformer.h.{i}.ln1"] == "norm"
     assert layout["transformer.wte"] == "vocab_embed"
     assert layout["lm_head"] == "vocab_head"
+
+
+def test_layer_costs_are_sums_over_the_fx_graph_and_graph_fx_prints_a_block():
+    """Capture's per-layer FLOPs are the sums of its FX nodes' FLOPs (forward and backward);
+    ``autopar graph --fx`` prints one block's ATen ops, both phases."""
+    import subprocess
+    import sys
+
+    from planner.fx_graph import unit_nodes
+    model, graph, _ = hf("gpt2")
+    _, fx = capture_fx(model, dict(IDS))
+    block = graph.layer("transformer.h.0")
+    fwd = sum(n.meta["flops"] for n in unit_nodes(fx, "transformer.h.0", "fwd"))
+    bwd = sum(n.meta["flops"] for n in unit_nodes(fx, "transformer.h.0", "bwd"))
+    assert fwd == block.fwd_flops > 0 and bwd == block.bwd_flops > 0
+    r = subprocess.run([sys.executable, "-m", "planner.cli", "graph", "--model", "hf:gpt-tiny", "--fx", "--layer",
+                        "transformer.h.1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "transformer.h.1" in lines[0] and "transformer.h.0" in lines[0]  # captured as its class's first block
+    assert any(l.startswith("fwd  attn") and "addmm" in l and "c_attn.weight" in l for l in lines)
+    assert any(l.startswith("bwd") for l in lines)
