@@ -197,6 +197,8 @@ def test_user_module():
         "q": "column", "k": "column", "v": "column", "out": "row", "fc1": "column", "fc2": "row"}
     assert a.heads == {"transformer.h.0": (4, 2, 16)}
     assert a.problems == {}
+    g = graph_of(model, (ids,), name="flat", seq_len=32, loss_fn=lambda out: out.float().sum())
+    assert "sp" in g.limits and "directly" in g.limits["sp"]  # no submodule to gather the sequence at
     layout = layout_of(model, (ids,))
     for i in range(3):
         assert layout[f"transformer.h.{i}.out"] == "row"

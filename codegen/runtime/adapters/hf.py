@@ -27,6 +27,7 @@ fused loss, the model's own logits are used).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import zlib
 from typing import Optional, Sequence
@@ -55,8 +56,14 @@ def is_hf_causal_lm(model: nn.Module) -> bool:
 
 
 def _uses_attention_interface(module: nn.Module) -> bool:
+    return _class_uses_attention_interface(type(module))
+
+
+@functools.lru_cache(maxsize=None)
+def _class_uses_attention_interface(cls: type) -> bool:
+    """Whether ``cls.forward`` looks its attention up in transformers' AttentionInterface."""
     try:
-        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(type(module).forward)
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return False
 
