@@ -70,7 +70,7 @@ def _round(build, graph, shifts, cfg, pc, gb: int, steps: int, warmup: int) -> f
 def worker(args) -> None:
     import torch.distributed as dist
 
-    from codegen.runtime.mesh import init_distributed, teardown
+    from codegen.runtime.mesh import exit_process, init_distributed, teardown
     from planner.plan import ParallelConfig
 
     init_distributed()
@@ -99,6 +99,7 @@ def worker(args) -> None:
             print(f"{lname:<10} {r['zoo_s']:8.4f} {r['hf_s']:8.4f} {r['ratio']:7.3f} {r['noise'] * 100:6.1f}%")
         write_json(args.out, {"args": vars(args), "rows": rows})
     teardown()
+    exit_process(0)  # the gloo exit abort (codegen/runtime/mesh.py)
 
 
 def main(argv=None) -> int:

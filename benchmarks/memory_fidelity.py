@@ -315,7 +315,7 @@ def run_layout(model: str, variant: str, cfg_str: str, seq: int, gb: int, graphs
 def worker(out: str, model: str, seq: int, gb: int, only: Optional[list[str]]) -> None:
     import torch
     import torch.distributed as dist
-    from codegen.runtime.mesh import init_distributed, teardown
+    from codegen.runtime.mesh import exit_process, init_distributed, teardown
 
     torch.set_num_threads(1)
     init_distributed()
@@ -342,6 +342,7 @@ def worker(out: str, model: str, seq: int, gb: int, only: Optional[list[str]]) -
             with open(out, "w") as fh:  # after every layout: a later crash keeps what was measured
                 json.dump(results, fh)
     teardown()
+    exit_process(0)  # the gloo exit abort (codegen/runtime/mesh.py)
 
 
 # ----------------------------------------------------------------------------- launcher

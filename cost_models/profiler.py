@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     from cost_models.cluster import parse_cluster
     from cost_models.profile_db import ProfileDB
 
-    from codegen.runtime.mesh import init_distributed
+    from codegen.runtime.mesh import exit_process, init_distributed
 
     # as the training runtime starts: nccl on this rank's GPU, or gloo with the rank pinned to its cores
     device = init_distributed()
@@ -383,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_process(0)  # the gloo exit abort (codegen/runtime/mesh.py)
     return 0
 
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import planner
+from codegen.runtime.mesh import exit_process
 
 world = int(os.environ.get("WORLD_SIZE", "1"))
 torch.manual_seed(int(os.environ.get("RANK", "0")))  # deliberately different weights per process ...
@@ -29,3 +30,4 @@ if dist.get_rank() == 0:
 par.close()
 dist.barrier()
 dist.destroy_process_group()
+exit_process(0)  # the gloo exit abort (codegen/runtime/mesh.py)

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import planner
+from codegen.runtime.mesh import exit_process
 from planner import zoo
 
 cfg = zoo.preset("gpt-tiny")
@@ -29,3 +30,4 @@ if dist.get_rank() == 0:
 par.close()
 dist.barrier()
 dist.destroy_process_group()
+exit_process(0)  # the gloo exit abort (codegen/runtime/mesh.py)

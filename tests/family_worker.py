@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from dist_worker import compare  # noqa: E402
-from codegen.runtime.mesh import init_distributed, teardown  # noqa: E402
+from codegen.runtime.mesh import exit_process, init_distributed, teardown  # noqa: E402
 from codegen.runtime.train import parallelize  # noqa: E402
 from planner.plan import ParallelConfig, config_problems  # noqa: E402
 
@@ -117,6 +117,7 @@ def main() -> None:
             with open(out, "w") as fh:
                 json.dump(results, fh, indent=1)
     teardown()
+    exit_process(0)  # the gloo exit abort (codegen/runtime/mesh.py)
 
 
 if __name__ == "__main__":

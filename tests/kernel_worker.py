@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from dist_worker import (GB, LR, SEED, STEPS, batches, compare, even_stages, reference, tp_layout_for,  # noqa: E402
                          units_of)
-from codegen.runtime.mesh import init_distributed, teardown  # noqa: E402
+from codegen.runtime.mesh import exit_process, init_distributed, teardown  # noqa: E402
 from codegen.runtime.train import parallelize  # noqa: E402
 from planner import zoo  # noqa: E402
 from planner.plan import ParallelConfig  # noqa: E402
@@ -118,6 +118,7 @@ def main() -> None:
         with open(out, "w") as fh:
             json.dump(results, fh, indent=1)
     teardown()
+    exit_process(0)  # the gloo exit abort (codegen/runtime/mesh.py)
 
 
 if __name__ == "__main__":

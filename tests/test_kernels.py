@@ -308,6 +308,8 @@ def _tp_worker(rank, world, port, path, impl):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    from codegen.runtime.mesh import exit_process
+    exit_process(0)  # the gloo exit abort at interpreter exit (codegen/runtime/mesh.py)
 
 
 @pytest.mark.slow

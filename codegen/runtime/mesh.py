@@ -101,12 +101,13 @@ def teardown() -> None:
 
 
 def exit_process(code: int = 0) -> None:
-    """End a training program after :func:`teardown`: flush stdio and leave without running
+    """End a distributed program after :func:`teardown`: flush stdio and leave without running
     C++ static destructors. With gloo on torch 2.13, a finished rank still aborted at
     interpreter exit (``terminate called without an active exception``) in about one run
-    in three launched by ``autopar run`` (measured on this 2-core machine), after every
-    step, log line and checkpoint was written; everything the program owns is closed
-    before this call."""
+    in three launched by ``autopar run`` (measured on this 2-core machine), and once in a
+    CI run of an ``mp.spawn`` test, after all its work was written; everything the
+    program owns is closed before this call. Emitted programs, the profiler, the
+    benchmarks' and the tests' workers end with it."""
     import sys
 
     sys.stdout.flush()
