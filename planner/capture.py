@@ -122,6 +122,8 @@ class _UnitRec:
     module: nn.Module
     parts: "OrderedDict[str, _PartRec]" = field(default_factory=OrderedDict)
     bwd_bytes: float = 0.0
+    fwd_kernels: int = 0
+    bwd_kernels: int = 0
     act_bytes: float = 0.0
     act_bytes_tp: float = 0.0
     act_core: float = 0.0
@@ -188,7 +190,9 @@ class _Recorder(TorchDispatchMode):
                 flops = _attention_flops(name, args)
             is_view = func.is_view or name in ("view", "_unsafe_view", "expand", "t", "transpose", "permute",
                                                  "detach", "alias", "slice", "select", "unsqueeze", "squeeze")
-            nb = 0 if is_view else sum(_nbytes(t) for t in _tensors((args, kwargs, out)))
+            # views move nothing; neither do ops that return no tensor (device / shape queries)
+            moves = not is_view and bool(_tensors(out))
+            nb = sum(_nbytes(t) for t in _tensors((args, kwargs, out))) if moves else 0
             self.builder.record(func, args, kwargs, out, dict(
                 unit=unit.name if unit is not None else None, part=self.part, op=name, flops=flops, bytes=nb,
                 phase="bwd" if self.backward else "fwd"))
@@ -465,9 +469,11 @@ def _costs_from_graph(fx_graph, recs: dict[str, _UnitRec]) -> None:
         if phase == "fwd":
             r.fwd_flops += c.flops
             r.fwd_bytes += c.bytes
+            recs[unit].fwd_kernels += c.kernels
         else:
             r.bwd_flops += c.flops
             recs[unit].bwd_bytes += c.bytes
+            recs[unit].bwd_kernels += c.kernels
 
 
 def _assemble(model, units, sigs, reps, recs, order, example, t0, name, config, hidden, vocab) -> ModelGraph:
@@ -561,7 +567,7 @@ def _assemble(model, units, sigs, reps, recs, order, example, t0, name, config, 
             act_bytes_attn_core=r.act_core, input_bytes=r.input_bytes, output_bytes=r.output_bytes,
             tp_flops_frac=(tp_flops / all_flops) if all_flops else 0.0, ops=ops, linears=linears,
             attention=attn, vocab=vocab if any(s == "vocab" for _, s in kinds.values()) else None, tied_to=tied,
-            tied_params=n_tied))
+            tied_params=n_tied, fwd_kernels=r.fwd_kernels, bwd_kernels=r.bwd_kernels))
     notes = []
     if root_params:
         notes.append(f"{root_params} parameters outside every layer unit are not counted")

@@ -34,9 +34,11 @@ from torch.utils._pytree import tree_map
 
 @dataclass
 class OpCost:
-    """FLOPs and bytes of one (unit, part, phase)."""
+    """FLOPs, bytes and memory-bound kernels (ops that move bytes and do no FLOPs) of one
+    (unit, part, phase)."""
     flops: float = 0.0
     bytes: float = 0.0
+    kernels: int = 0
 
 
 class GraphBuilder:
@@ -75,9 +77,8 @@ class GraphBuilder:
 
     def record(self, func, args: tuple, kwargs: dict, out: Any, meta: dict[str, Any]) -> fx.Node:
         """Append ``func(*args, **kwargs) -> out`` with ``meta``; returns its node. Ops that
-        return no tensor (device queries) are nodes too, without ``shape``: they are part of
-        the op stream the costs are summed over (their ``bytes`` count their tensor inputs,
-        as they always have; cost_models' calibration rests on these figures)."""
+        return no tensor (device queries) are nodes too, without ``shape`` and with 0 bytes: they
+        move no memory."""
         outs = out if isinstance(out, (tuple, list)) else (out,)
         first = next((t for t in outs if isinstance(t, torch.Tensor)), None)
         node = self.graph.call_function(func, tree_map(self._node_of, args), tree_map(self._node_of, kwargs))
@@ -110,6 +111,7 @@ def unit_costs(graph: fx.Graph) -> dict[tuple[str, str, str], OpCost]:
         c = out.setdefault((n.meta["unit"], n.meta.get("part", ""), n.meta["phase"]), OpCost())
         c.flops += n.meta.get("flops", 0.0)
         c.bytes += n.meta.get("bytes", 0.0)
+        c.kernels += int(n.meta.get("bytes", 0.0) > 0 and not n.meta.get("flops", 0.0))
     return out
 
 

@@ -112,6 +112,8 @@ class Layer:
                                 # first owner holds its own copy)
     stage_start: bool = True    # a pipeline stage may begin at this layer (False: the runtime runs it
                                 # with the layer before, e.g. a transformers model's embedding prologue)
+    fwd_kernels: int = 0        # memory-bound ops (bytes moved, no FLOPs) of the forward / backward:
+    bwd_kernels: int = 0        # the GPU cost model's per-kernel launch floor
 
 
 @dataclass
