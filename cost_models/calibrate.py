@@ -12,8 +12,10 @@ Coefficients (all optional; absent = the uncalibrated model):
 key                 meaning                                          read by
 =================== ================================================ =====================
 compute_scale       multiplies every layer's forward/backward time   compute.layer_time
-eff_matmul          roofline matmul efficiency (replaces EFF_MATMUL) compute.roofline_time
-eff_memory          roofline bandwidth efficiency (EFF_MEMORY)       compute.roofline_time
+eff_matmul          CPU roofline matmul efficiency (EFF_MATMUL_CPU)  compute.roofline_time
+eff_memory          CPU roofline bandwidth efficiency (EFF_MEMORY)   compute.roofline_time
+gpu.<coefficient>   a GPU kernel-model coefficient (GpuCoefficients) gpu_kernels
+
 comm_scale          multiplies every collective / p2p time           comm._group_time
 comm_scale.<kind>   the same for one kind (all_reduce, all_gather,   comm._group_time
                     reduce_scatter, all_to_all, send_recv)
@@ -25,9 +27,9 @@ mem_reserve_gib     per-process memory beside the tensors (CPU)      estimate.es
 mem_reserve_frac    + this fraction of the tensor bytes (CPU)        estimate.estimate
 =================== ================================================ =====================
 
-When every fitted run priced its layers with the roofline (no measured layers),
-``compute_scale`` is folded into ``eff_matmul`` and ``eff_memory`` (the roofline is
-exactly proportional to 1/efficiency), so the efficiency factors are what is stored.
+When every fitted run on a CPU cluster priced its layers with the roofline (no measured
+layers), ``compute_scale`` is folded into ``eff_matmul`` and ``eff_memory`` (the roofline
+is exactly proportional to 1/efficiency), so the efficiency factors are what is stored.
 
 The fit. Step time: minimise the mean squared log error ``mean(log(pred/measured)^2)``
 over the runs, with a weak prior pulling each coefficient to its uncalibrated value
@@ -58,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from cost_models.cluster import Cluster
-from cost_models.compute import EFF_MATMUL_CPU, EFF_MATMUL_GPU, EFF_MEMORY
+from cost_models.compute import EFF_MATMUL_CPU, EFF_MEMORY
 from cost_models.estimate import OVERLAP, GiB, estimate
 from cost_models.profile_db import COLLECTIVE_KINDS, ProfileDB
 from planner.graph import ModelGraph
@@ -227,7 +229,7 @@ class _Space:
         return PRIOR * main + KIND_PRIOR * sum(v * v for v in x[len(self.keys):])
 
 
-def _nelder_mead(f: Callable[[list[float]], float], x0: list[float], step: float = 0.5, iters: int = 400,
+def nelder_mead(f: Callable[[list[float]], float], x0: list[float], step: float = 0.5, iters: int = 400,
                  tol: float = 1e-9) -> tuple[list[float], float]:
     n = len(x0)
     if n == 0:
@@ -295,18 +297,18 @@ def fit(samples: Sequence[RunSample], profile: ProfileDB | None, *, keys: Sequen
             x[space.keys.index("comm_scale")] = r
         starts.append(x)
     for x0 in starts:
-        x, v = _nelder_mead(loss, x0)
-        x, v = _nelder_mead(loss, x, step=0.1)  # restart: Nelder-Mead stalls on flat directions
+        x, v = nelder_mead(loss, x0)
+        x, v = nelder_mead(loss, x, step=0.1)  # restart: Nelder-Mead stalls on flat directions
         if v < best_v:
             best_x, best_v = x, v
     cal = space.cal(best_x)
     if memory:
         cal.update(fit_memory(samples, profile))
     sources = {predict(s, profile, {}).source for s in samples}
-    if sources == {"roofline"} and "compute_scale" in cal:
+    if sources == {"roofline"} and "compute_scale" in cal and cluster.backend == "gloo":
+        # a CPU roofline's scale is its efficiencies (a GPU's kernel model keeps compute_scale)
         k = cal.pop("compute_scale")
-        gpu = cluster.backend != "gloo"
-        cal["eff_matmul"] = (EFF_MATMUL_GPU if gpu else EFF_MATMUL_CPU) / k
+        cal["eff_matmul"] = EFF_MATMUL_CPU / k
         cal["eff_memory"] = EFF_MEMORY / k
     return {k: float(v) for k, v in sorted(cal.items())}
 

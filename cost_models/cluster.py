@@ -19,6 +19,8 @@ Units, everywhere:
 - ``Device.memory_gib``: GiB (2**30 bytes) usable per device;
 - ``Device.peak_tflops[dtype]``: dense peak, 1e12 FLOP/s (a multiply-add is 2 FLOP);
 - ``Device.mem_bw_gbs``: device memory bandwidth, GB/s (1e9 bytes/s);
+- ``Device.sms``: streaming multiprocessors (0 = not given; the GPU kernel model then
+  skips wave quantization);
 - ``Link.bandwidth_gbs``: per device, one direction, GB/s (1e9 bytes/s). For
   ``inter`` this is the NIC bandwidth one device can use (e.g. one 400 Gb/s NDR NIC
   per GPU = 50 GB/s);
@@ -36,6 +38,7 @@ TOML format (every key required unless marked optional; no other keys)::
     name = "H100-SXM"
     memory_gib = 80
     mem_bw_gbs = 3350
+    sms = 132                   # optional: streaming multiprocessors (GEMM wave quantization)
     [device.peak_tflops]        # at least one of fp32, tf32, bf16, fp16, fp8
     bf16 = 989
     fp32 = 67
@@ -111,13 +114,14 @@ class Device:
     """One accelerator (or one CPU process' share of a machine).
 
     memory_gib: usable memory, GiB. peak_tflops: dense peak per dtype, 1e12 FLOP/s.
-    mem_bw_gbs: memory bandwidth, 1e9 bytes/s.
+    mem_bw_gbs: memory bandwidth, 1e9 bytes/s. sms: streaming multiprocessors (0: unknown).
     """
 
     name: str
     memory_gib: float
     peak_tflops: dict[str, float]
     mem_bw_gbs: float
+    sms: int = 0
 
 
 @dataclass
@@ -195,6 +199,7 @@ class Cluster:
                 "mem_bw_gbs": float(self.device.mem_bw_gbs),
                 "peak_tflops": {k: float(self.device.peak_tflops[k])
                                 for k in sorted(self.device.peak_tflops)},
+                **({"sms": self.device.sms} if self.device.sms else {}),
             },
             "intra": {"bandwidth_gbs": float(self.intra.bandwidth_gbs),
                       "latency_us": float(self.intra.latency_us)},
@@ -213,7 +218,8 @@ class Cluster:
         _check_keys(data, source, "", required=_TOP_REQUIRED, optional=("profile", "detected"))
         dev = data["device"]
         _check_table(dev, source, "device")
-        _check_keys(dev, source, "device.", required=("name", "memory_gib", "mem_bw_gbs", "peak_tflops"))
+        _check_keys(dev, source, "device.", required=("name", "memory_gib", "mem_bw_gbs", "peak_tflops"),
+                    optional=("sms",))
         peaks = dev["peak_tflops"]
         _check_table(peaks, source, "device.peak_tflops")
         if not peaks:
@@ -244,6 +250,7 @@ class Cluster:
                 memory_gib=_num(dev["memory_gib"], source, "device.memory_gib"),
                 peak_tflops={k: _num(v, source, f"device.peak_tflops.{k}") for k, v in peaks.items()},
                 mem_bw_gbs=_num(dev["mem_bw_gbs"], source, "device.mem_bw_gbs"),
+                sms=_int(dev["sms"], source, "device.sms") if "sms" in dev else 0,
             ),
             intra=links["intra"],
             inter=links["inter"],

@@ -29,6 +29,17 @@ bandwidth of the link (bytes/s), ``alpha`` = its latency (s)::
 
 ``n = 1`` or ``B <= 0`` costs 0 s.
 
+On NCCL clusters two things change, as NCCL does them:
+- ``bw`` is the link's nominal figure times the bus efficiency NCCL reaches on it
+  (``NCCL_BUS_EFF``): nccl-tests report ~230 of 300 GB/s bus bandwidth over A100 NVLink
+  and ~360 of 450 over H100 NVLink (0.78-0.80), and 91-96 % of line rate over InfiniBand
+  (NVIDIA/nccl-tests issues 100, 119, 149);
+- an all-reduce pays the smaller of the ring's latency and the tree's,
+  ``min(2 (n-1), 2 ceil(log2 n)) * alpha``: NCCL switches to its double binary tree where
+  the ring's latency grows with the group (large groups, small messages).
+The alpha-beta form itself is the size dependence: a message reaches half the bus
+bandwidth at ``B = alpha * bw`` (about 1 MB over NVLink, 0.5 MB over IB).
+
 Hierarchical (``mixed``) groups, ``g = per_node`` members on each of ``k = nodes``
 nodes; the intra phases use the intra link, the inter phases the network::
 
@@ -64,6 +75,7 @@ profiler's collective-only measurements do not see.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal, Mapping
@@ -72,6 +84,7 @@ from cost_models.cluster import Cluster, ClusterError, Link
 from cost_models.profile_db import COLLECTIVE_KINDS, ProfileDB
 
 DIMS = ("pp", "dp", "cp", "tp")
+NCCL_BUS_EFF = {"intra": 0.80, "inter": 0.90}
 LinkClass = Literal["intra", "inter", "mixed"]
 Source = Literal["profile", "model"]
 
@@ -173,18 +186,28 @@ def _layout(size: int, stride: int, dpn: int) -> GroupLayout:
     return GroupLayout(size=size, link=link, per_node=per_node, nodes=nodes)
 
 
-def _ring_time(kind: str, nbytes: float, n: int, link: Link) -> float:
-    """Flat ring/pairwise alpha-beta time on one link class (module docstring)."""
+def _ring_time(kind: str, nbytes: float, n: int, link: Link, bus_eff: float = 1.0, tree: bool = False) -> float:
+    """Flat ring/pairwise alpha-beta time on one link class (module docstring); ``bus_eff``
+    scales the bandwidth, ``tree`` lets an all-reduce take the tree's latency when smaller."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    bw, alpha = link.bandwidth_bps, link.latency_s
+    bw, alpha = link.bandwidth_bps * bus_eff, link.latency_s
     if kind == "all_reduce":
-        return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha
+        steps = min(2 * (n - 1), 2 * math.ceil(math.log2(n))) if tree else 2 * (n - 1)
+        return 2 * (n - 1) / n * nbytes / bw + steps * alpha
     if kind in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n * nbytes / bw + (n - 1) * alpha
     if kind == "send_recv":
         return nbytes / bw + alpha
     raise ClusterError(f"unknown collective {kind!r}: use one of {', '.join(COLLECTIVE_KINDS)}")
+
+
+def link_time(kind: str, nbytes: float, n: int, cluster: Cluster, link: Literal["intra", "inter"]) -> float:
+    """Model time of one flat collective on one link class of ``cluster`` (NCCL's bus
+    efficiency and tree latency on NCCL clusters, the plain ring on gloo)."""
+    nccl = cluster.backend == "nccl"
+    return _ring_time(kind, nbytes, n, cluster.intra if link == "intra" else cluster.inter,
+                      NCCL_BUS_EFF[link] if nccl else 1.0, tree=nccl)
 
 
 class _Phase:
@@ -203,7 +226,7 @@ class _Phase:
             if t is not None:
                 return t
         self.all_measured = False
-        return _ring_time(kind, nbytes, n, self.cluster.intra if link == "intra" else self.cluster.inter)
+        return link_time(kind, nbytes, n, self.cluster, link)
 
 
 def collective_time(kind: str, nbytes: float, cluster: Cluster, mesh: Mesh | Mapping[str, int], dim: str,
@@ -254,8 +277,9 @@ def _group_time_raw(kind: str, nbytes: float, lay: GroupLayout, cluster: Cluster
         elif kind == "all_to_all":
             phase.all_measured = False  # no profile decomposition for a hierarchical all-to-all
             ia, ie = cluster.intra, cluster.inter
-            t = ((g - 1) / n * nbytes / ia.bandwidth_bps + (g - 1) * ia.latency_s
-                 + (n - g) / n * nbytes / ie.bandwidth_bps + (n - g) * ie.latency_s)
+            ea, ee = (NCCL_BUS_EFF["intra"], NCCL_BUS_EFF["inter"]) if cluster.backend == "nccl" else (1.0, 1.0)
+            t = ((g - 1) / n * nbytes / (ia.bandwidth_bps * ea) + (g - 1) * ia.latency_s
+                 + (n - g) / n * nbytes / (ie.bandwidth_bps * ee) + (n - g) * ie.latency_s)
         else:  # send_recv
             t = phase("send_recv", nbytes, 2, "inter")
     return CommEstimate(t, "profile" if (profile is not None and phase.all_measured) else "model")

@@ -1,6 +1,11 @@
-"""Layer compute time on one rank: measured profile first, roofline otherwise.
+"""Layer compute time on one rank: measured profile first, a model otherwise.
 
-Roofline, per part of a layer (attention, MLP, norm, ...):
+On GPU clusters the model is the kernel model of cost_models/gpu_kernels.py: every
+GEMM of the layer priced at its own (M, N, K) after sharding, the fused attention core
+by its kv length, the remaining bytes at HBM bandwidth and a launch floor per kernel
+(:func:`gpu_layer_time`). On local CPU clusters it is the roofline below.
+
+Roofline (CPU), per part of a layer (attention, MLP, norm, ...):
 
     t = max(FLOPs / (peak x EFF_MATMUL), bytes / (bandwidth x EFF_MEMORY))
 
@@ -8,11 +13,8 @@ summed over the layer's parts (a part is either matmul-bound or memory-bound; su
 the per-part maxima charges each its own bound). Backward takes the backward FLOPs and
 bytes of the capture. The efficiency factors are defined once, here:
 
-- ``EFF_MATMUL`` (0.60 on GPUs): sustained fraction of peak for the matmuls and fused
-  attention of a transformer layer at training shapes (Megatron reports 40-60% MFU on
-  A100/H100; cuBLAS large GEMMs reach ~80% of peak).
-- ``EFF_MEMORY`` (0.70): fraction of HBM bandwidth elementwise kernels sustain.
-- For local CPU clusters the peak is the *measured* GEMM throughput of one process on
+- ``EFF_MEMORY`` (0.70): fraction of memory bandwidth elementwise kernels sustain.
+- The peak is the *measured* GEMM throughput of one process on
   a large square matmul (``Cluster.detect``); a layer's skinnier matmuls run below it,
   and 0.70 is an uncalibrated default (a profile replaces the roofline; calibration
   against measured runs is the fidelity issue's job).
@@ -38,11 +40,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cost_models import gpu_kernels as gk
 from cost_models.cluster import Cluster
-from planner.graph import Layer, ModelGraph
+from planner.graph import Layer, Linear, ModelGraph
 from planner.plan import ParallelConfig
 
-EFF_MATMUL_GPU = 0.60
 EFF_MATMUL_CPU = 0.70
 EFF_MEMORY = 0.70
 BWD_ATTN_CORE_FACTOR = 2.5  # flash backward = 2.5x its forward FLOPs
@@ -75,12 +77,78 @@ def calibration(profile) -> dict[str, float]:
     return getattr(profile, "calibration", None) or {}
 
 
+def _gemm_shape(lin: Linear, tokens: float, tp: int) -> tuple[float, float, float]:
+    """(M, N, K) of a linear's forward GEMM on one tp rank, as the runtime shards it."""
+    n, k = lin.out_features, lin.in_features
+    if tp > 1 and lin.role in ("column", "packed_qkv", "vocab"):
+        n = n / tp
+    elif tp > 1 and lin.role == "row":
+        k = k / tp
+    return tokens, n, k
+
+
+def _captured_tokens(layer: Layer, graph: ModelGraph) -> float:
+    """Rows of the layer's GEMMs at capture: its linear FLOPs over 2 x sum(in x out)."""
+    weights = sum(l.in_features * l.out_features for l in layer.linears)
+    if not weights:
+        return 0.0
+    lin_flops = layer.fwd_flops - attn_core_flops(layer, graph.batch)
+    return max(lin_flops, 0.0) / (2.0 * weights)
+
+
+def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
+                   cal: dict[str, float] | None = None) -> LayerTime:
+    """Forward and backward seconds of ``layer`` for one micro-batch on one GPU, from its
+    kernels (cost_models/gpu_kernels.py): every linear's GEMMs at their sharded shapes
+    (backward: input and weight gradients), the fused attention core (causal-halved,
+    divided by tp and cp, efficiency by the kv length each rank's blocks have), and each
+    op's remaining bytes (norms, activations, rotary, softmax, loss) at HBM bandwidth,
+    divided as TP / SP / CP divide that op, plus a launch floor per memory-bound kernel."""
+    co = gk.GpuCoefficients.of(cal)
+    elem = 4 if cfg.dtype == "fp32" else 2
+    gpu = gk.GpuSpec(peak=cluster.peak_flops(cfg.dtype), bw=cluster.device.mem_bw_gbs * 1e9, sms=cluster.device.sms)
+    scale = cfg.mbs / graph.batch
+    dscale = elem / graph.dtype_bytes
+    m_cap = _captured_tokens(layer, graph)
+    tokens = m_cap * scale / cfg.cp
+    fwd = bwd = 0.0
+    gemm_bytes_cap: dict[str, float] = {}
+    for lin in layer.linears:
+        m, n, k = _gemm_shape(lin, tokens, cfg.tp)
+        fwd += gk.gemm_seconds(m, n, k, elem, gpu, co)
+        bwd += gk.gemm_seconds(m, k, n, elem, gpu, co) + gk.gemm_seconds(n, k, m, elem, gpu, co)
+        op = next((o.name for o in layer.ops if o.name and lin.name.startswith(o.name + ".")), "")
+        io = m_cap * lin.in_features + lin.in_features * lin.out_features + m_cap * lin.out_features
+        gemm_bytes_cap[op] = gemm_bytes_cap.get(op, 0.0) + io * graph.dtype_bytes
+    a = layer.attention
+    if a is not None:
+        core = attn_core_flops(layer, cfg.mbs) * (0.5 if a.causal else 1.0) / (cfg.tp * cfg.cp)
+        kv = a.kv_len / cfg.cp
+        fwd += gk.attention_seconds(core, kv, gpu, co)
+        bwd += gk.attention_seconds(core, kv, gpu, co, backward=True)
+    mem_f = mem_b = 0.0
+    for op in layer.ops:
+        div = (cfg.tp if op.tp_style != "replicated" else (cfg.tp if cfg.sp else 1)) * cfg.cp
+        share = (op.fwd_bytes / layer.fwd_bytes) if layer.fwd_bytes else 0.0
+        mm = gemm_bytes_cap.get(op.name, 0.0)
+        mem_f += max(op.fwd_bytes - mm, 0.0) * scale * dscale / div
+        mem_b += max(layer.bwd_bytes * share - 2 * mm, 0.0) * scale * dscale / div
+    if not layer.ops:
+        mem_f = layer.fwd_bytes * scale * dscale * _shard_factor(layer, cfg)
+        mem_b = layer.bwd_bytes * scale * dscale * _shard_factor(layer, cfg)
+    fwd += gk.memory_seconds(mem_f, layer.fwd_kernels, gpu, co)
+    bwd += gk.memory_seconds(mem_b, layer.bwd_kernels, gpu, co)
+    return LayerTime(fwd, bwd, "roofline")
+
+
 def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
                   cal: dict[str, float] | None = None) -> LayerTime:
+    """The model's layer time: the GPU kernel model on GPU clusters, the roofline on CPUs."""
     cal = cal or {}
-    is_cpu = cluster.backend == "gloo"
-    peak = cluster.peak_flops("fp32" if is_cpu or cfg.dtype == "fp32" else cfg.dtype)
-    eff = cal.get("eff_matmul", EFF_MATMUL_CPU if is_cpu else EFF_MATMUL_GPU)
+    if cluster.backend != "gloo":
+        return gpu_layer_time(layer, graph, cluster, cfg, cal)
+    peak = cluster.peak_flops("fp32")
+    eff = cal.get("eff_matmul", EFF_MATMUL_CPU)
     bw = cluster.device.mem_bw_gbs * 1e9 * cal.get("eff_memory", EFF_MEMORY)
     scale = cfg.mbs / graph.batch
     dscale = (2 if cfg.dtype != "fp32" else 4) / graph.dtype_bytes

@@ -31,8 +31,9 @@ Step time (seconds)::
   **Overlap assumption**: gradient traffic overlaps the backward of the last
   micro-batch (per-micro-batch FSDP/ZeRO-2 traffic the whole forward and backward), with
   efficiency ``OVERLAP[backend]`` (streams on NCCL overlap well; gloo shares the CPU
-  with compute). Exposed = comm - overlap window, at least the last bucket (1/8 of the
-  traffic).
+  with compute). :func:`exposed_s`: the last unit's share of the traffic (the runtime
+  wraps every block: its reduction starts only when the backward is over) is always
+  exposed; the rest only where it exceeds the window.
 - Optimizer: AdamW reads and writes the fp32 master weights, two moments and the
   gradient of every parameter the rank updates: 28 bytes moved per parameter at
   memory bandwidth.
@@ -65,7 +66,9 @@ from cost_models.memory import DTYPE_BYTES, LayerTable, StageMemory, stage_memor
 from planner.graph import Layer, ModelGraph
 from planner.plan import ParallelConfig, Partition, PlanError
 
-OVERLAP = {"nccl": 0.8, "gloo": 0.3}
+# DP-communication overlap efficiency: nccl 0.78 fitted on the published runs
+# (benchmarks/published_runs.py --fit; prior 0.8), gloo from the local fidelity runs.
+OVERLAP = {"nccl": 0.78, "gloo": 0.3}
 GiB = 2**30
 
 
@@ -111,6 +114,17 @@ class Estimate:
             "source": self.source, "sources": self.sources,
             "partition": self.partition.to_dict(),
         }
+
+
+def exposed_s(comm_s: float, window_s: float, tail_s: float = 0.0) -> float:
+    """Seconds a collective adds to the step when it runs beside ``window_s`` seconds of
+    compute it can hide behind; ``tail_s`` of it can start only after that compute (the
+    last bucket), so it is never hidden: ``tail + max(0, comm - tail - window)``. A fully
+    hidden collective without a tail adds nothing; one without a window adds all of it."""
+    if comm_s <= 0:
+        return 0.0
+    tail = min(max(tail_s, 0.0), comm_s)
+    return tail + max(0.0, comm_s - tail - max(window_s, 0.0))
 
 
 def microbatches(cfg: ParallelConfig, global_batch: int) -> int:
@@ -297,7 +311,8 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     rank_f = sum(fwd[j] for j in range(n_stages) if j % cfg.pp == busiest)
     rank_b = sum(bwd[j] for j in range(n_stages) if j % cfg.pp == busiest)
     window = (m * (rank_f + rank_b) if per_microbatch else rank_b) * ov
-    dp_exposed = (max(dp_comm - window, dp_comm / 8) if dp_comm else 0.0) + after_step
+    units = sum(hi - lo for j, (lo, hi) in enumerate(partition.bounds) if j % cfg.pp == busiest)
+    dp_exposed = exposed_s(dp_comm, window, dp_comm / max(units, 1)) + after_step
     shard = dpg if cfg.zero != "ddp" else 1
     opt_s = 28.0 * P / shard / (cluster.device.mem_bw_gbs * 1e9) * cal.get("opt_scale", 1.0)
 

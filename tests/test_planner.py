@@ -97,17 +97,20 @@ def _slowest(e):
     return max(f + b for f, b in zip(e.stage_fwd_s, e.stage_bwd_s))
 
 
-@pytest.mark.parametrize("spec,cluster,cfg,gb", [
-    ("mllm-small", "h200-8x", "dp=2,pp=4,schedule=1f1b", 64),
-    ("llama-1b", "h200-8x", "dp=2,pp=4,schedule=1f1b", 64),
+@pytest.mark.parametrize("spec,cluster,cfg,gb,gain", [
+    # vision blocks and text blocks of different cost: an even split is far off
+    ("mllm-small", "h200-8x", "dp=2,pp=4,schedule=1f1b", 64, 0.85),
+    # the GPU kernel model prices llama-1b's head at ~2.7 blocks: the even split is already
+    # balanced, and the ILP must not do worse
+    ("llama-1b", "h200-8x", "dp=2,pp=4,schedule=1f1b", 64, 1.0),
 ])
-def test_ilp_split_beats_even_split(spec, cluster, cfg, gb):
+def test_ilp_split_beats_even_split(spec, cluster, cfg, gb, gain):
     g = load_graph(spec, batch=1)
     c = parse_cluster(cluster)
     c_ = ParallelConfig.parse(cfg)
     ilp, _ = evaluate_config(g, c, c_, gb)
     even, _ = evaluate_config(g, c, c_, gb, even_split=True)
-    assert _slowest(ilp) <= 0.85 * _slowest(even)
+    assert _slowest(ilp) <= gain * _slowest(even) + 1e-12
 
 
 def test_sequence_parallel_only_where_the_runtime_can_shard_the_sequence():
