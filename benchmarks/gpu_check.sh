@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check in one script, for a lent GPU machine (one H200: torch 2.11, triton 3.6, no
 # internet). Finishes in under 8 minutes; results land in $OUT (or benchmarks/results).
+#   0. bf16 GEMM and attention TFLOP/s at a few shapes beside the cost model's values
+#      (benchmarks/gpu_efficiency.py)
 #   1. the Triton kernels on real CUDA: correctness against fp32 references, then their
 #      benchmark against SDPA-flash and eager linear + cross-entropy   (benchmarks/kernels.py)
 #   2. a profile of the GPU: layer times of llama-1b at the shapes a 1-GPU plan runs
@@ -14,6 +16,9 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
   | tee "$OUT/gpu_env.txt"
+
+echo "== 0. GEMM and attention efficiency, measured beside the GPU kernel model"
+timeout 60 python -m benchmarks.gpu_efficiency --out "$OUT/gpu_efficiency.json" 2>&1 | tee "$OUT/gpu_efficiency.log"
 
 echo "== 1. kernels: correctness + benchmark"
 timeout 330 python -m benchmarks.kernels --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"

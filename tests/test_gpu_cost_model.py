@@ -1,0 +1,165 @@
+"""The GPU cost model: kernel efficiency curves, NCCL collectives, overlap accounting, and
+the development set of published runs (benchmarks/published_runs.py)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks import published_runs as pr
+from cost_models import comm
+from cost_models import gpu_kernels as gk
+from cost_models.cluster import parse_cluster
+from cost_models.compute import gpu_layer_time
+from cost_models.estimate import exposed_s
+from planner.plan import ParallelConfig
+
+H100 = gk.GpuSpec(peak=989e12, bw=3350e9, sms=132)
+CO = gk.GpuCoefficients()
+
+
+def _tflops(m: int, n: int, k: int, gpu: gk.GpuSpec = H100) -> float:
+    return 2.0 * m * n * k / gk.gemm_seconds(m, n, k, 2, gpu, CO)
+
+
+def test_gemm_throughput_grows_with_size_and_stays_under_its_ceiling():
+    sizes = [2**i for i in range(6, 15)]
+    rates = [_tflops(s, s, s) for s in sizes]
+    assert all(b >= a for a, b in zip(rates, rates[1:])), rates
+    assert max(rates) <= H100.peak * CO.gemm_eff_max
+    assert rates[-1] > 0.9 * H100.peak * CO.gemm_eff_max  # large GEMMs reach the ceiling
+    assert rates[0] < 0.05 * H100.peak                     # tiny ones are launch- and wave-bound
+
+
+def test_skinny_gemms_run_below_square_ones_of_the_same_work():
+    square = _tflops(4096, 4096, 4096)
+    skinny = _tflops(64, 4096, 4096 * 64)  # same FLOPs, 64 rows: too few tiles to fill the SMs
+    assert skinny < 0.5 * square
+
+
+def test_wave_quantization():
+    assert gk.wave_efficiency(128 * 132, 128, 132) == 1.0
+    assert gk.wave_efficiency(128 * 133, 128, 132) == pytest.approx(133 / 264)
+    assert gk.wave_efficiency(5, 5, 0) == 1.0  # no SM count: no quantization
+    assert all(0 < gk.wave_efficiency(m, n, 108) <= 1.0 for m in (1, 200, 5000) for n in (1, 700, 9000))
+
+
+def test_attention_efficiency_grows_with_length_up_to_its_maximum():
+    effs = [gk.attention_efficiency(s, CO) for s in (128, 512, 2048, 8192, 131072)]
+    assert all(b > a for a, b in zip(effs, effs[1:]))
+    assert effs[-1] < CO.attn_eff_max and effs[-1] > 0.99 * CO.attn_eff_max
+    assert effs[1] == pytest.approx(CO.attn_eff_max * 512 / (512 + CO.attn_seq_half))
+    f = 1e12
+    assert gk.attention_seconds(f, 4096, H100, CO, backward=True) == pytest.approx(
+        gk.BWD_ATTN_FACTOR * (gk.attention_seconds(f, 4096, H100, CO) - CO.launch_s) + CO.launch_s)
+
+
+def test_memory_bound_kernels():
+    t = gk.memory_seconds(1e9, 10, H100, CO)
+    assert t == pytest.approx(1e9 / (H100.bw * CO.mem_eff) + 10 * CO.launch_s)
+    assert gk.memory_seconds(0, 0, H100, CO) == 0.0
+
+
+def test_coefficients_from_a_calibration():
+    co = gk.GpuCoefficients.of({"gpu.gemm_eff_max": 0.5, "compute_scale": 2.0})
+    assert co.gemm_eff_max == 0.5 and co.mem_eff == CO.mem_eff
+    assert gk.GpuCoefficients.of(None) == CO
+
+
+def _cl(spec: str):
+    return parse_cluster(spec)
+
+
+@pytest.mark.parametrize("kind,factor", [("all_reduce", 2), ("all_gather", 1), ("reduce_scatter", 1)])
+def test_nccl_collectives_reach_the_bus_bandwidth_for_large_messages(kind, factor):
+    c = _cl("dgx-h100")
+    n, big = 8, 64 * 2**30
+    t = comm.collective_time(kind, big, c, {"tp": n}, "tp").seconds
+    bw = c.intra.bandwidth_bps * comm.NCCL_BUS_EFF["intra"]
+    assert t == pytest.approx(factor * (n - 1) / n * big / bw, rel=1e-3)
+
+
+def test_nccl_all_reduce_latency_is_the_smaller_of_ring_and_tree():
+    c = _cl("dgx-h100:64")
+    tiny = 1.0
+    alpha = c.inter.latency_s
+    t = comm.collective_time("all_reduce", tiny, c, {"dp": 64, "tp": 8}, "dp").seconds  # one rank per node
+    assert t == pytest.approx(2 * math.ceil(math.log2(64)) * alpha, rel=1e-3)
+    two = comm.collective_time("all_reduce", tiny, c, {"dp": 2, "tp": 8}, "dp").seconds
+    assert two == pytest.approx(2 * alpha, rel=1e-3)  # n = 2: ring and tree agree
+
+
+def test_gloo_collectives_keep_the_plain_ring():
+    c = _cl("local-cpu:4")
+    nbytes = 2**20
+    t = comm.collective_time("all_reduce", nbytes, c, {"dp": 4}, "dp").seconds
+    assert t == pytest.approx(2 * 3 / 4 * nbytes / c.intra.bandwidth_bps + 2 * 3 * c.intra.latency_s)
+
+
+def test_hierarchical_all_reduce_uses_each_link_once():
+    c = _cl("dgx-a100-80g:4")
+    B = 2**30
+    t = comm.collective_time("all_reduce", B, c, {"dp": 32}, "dp").seconds
+    rs = comm.link_time("reduce_scatter", B, 8, c, "intra")
+    ar = comm.link_time("all_reduce", B / 8, 4, c, "inter")
+    ag = comm.link_time("all_gather", B, 8, c, "intra")
+    assert t == pytest.approx(rs + ar + ag)
+
+
+def test_overlap_accounting():
+    assert exposed_s(1.0, 5.0) == 0.0               # fully hidden, no tail: adds nothing
+    assert exposed_s(1.0, 0.0) == 1.0               # nothing to hide behind: adds all of it
+    assert exposed_s(1.0, 0.4) == pytest.approx(0.6)
+    assert exposed_s(1.0, 5.0, tail_s=0.1) == pytest.approx(0.1)  # the last bucket stays exposed
+    assert exposed_s(1.0, 0.5, tail_s=0.1) == pytest.approx(0.1 + 0.4)
+    assert exposed_s(0.0, 1.0, tail_s=1.0) == 0.0
+    assert exposed_s(1.0, 0.0, tail_s=5.0) == 1.0   # a tail cannot exceed the collective
+
+
+def test_tensor_parallel_shards_gemms_into_less_efficient_shapes():
+    from planner.frontend import load_graph
+
+    g = load_graph("gpt-small", batch=1, seq_len=1024)
+    block = next(l for l in g.layers if l.kind == "transformer_block")
+    c = _cl("dgx-h100")
+    t1 = gpu_layer_time(block, g, c, ParallelConfig(tp=1, mbs=1))
+    t8 = gpu_layer_time(block, g, c, ParallelConfig(tp=8, mbs=1, sp=True))
+    speedup = (t1.fwd_s + t1.bwd_s) / (t8.fwd_s + t8.bwd_s)
+    assert 1.2 < speedup < 4.0  # faster, but far from 8x: 768 / 8 = 96-wide GEMMs waste the SMs
+    big = gpu_layer_time(block, g, c, ParallelConfig(tp=1, mbs=16))
+    assert (big.fwd_s + big.bwd_s) < 16 * (t1.fwd_s + t1.bwd_s)  # larger micro-batches run closer to peak
+
+
+# ---- the development set ------------------------------------------------------------------
+def _runs():
+    with open(pr.DATA, encoding="utf-8") as f:
+        return json.load(f)["runs"]
+
+
+def test_every_run_is_expressed_approximated_or_skipped_with_a_reason():
+    runs = _runs()
+    cases = [pr.express(r) for r in runs]
+    skipped = [c for c in cases if isinstance(c, str)]
+    assert len(runs) == 54 and len(skipped) == 30
+    for run, c in zip(runs, cases):
+        if isinstance(c, str):
+            continue
+        assert c.cfg.world == run["num_gpus"], run["id"]
+        assert pr.published_step_s(c) > 0
+
+
+def test_eq3_counts_the_recomputed_forward():
+    m = {"seq_len": 2048, "layers": 96, "hidden": 12288, "vocab": 51200}
+    # 96 B s l h^2 = 4/3 of 72 B s l h^2 (forward + backward): Eq. 3 includes the recomputed forward
+    assert pr.eq3_flops(m, 1) / (72 * 2048 * 96 * 12288**2) == pytest.approx(4 / 3, rel=0.05)
+
+
+def test_published_runs_are_predicted_within_the_target_and_judged_to_fit():
+    graphs = pr.Graphs()
+    exact = [c for r in _runs() if not isinstance(c := pr.express(r), str) and pr.approx_reason(r) is None]
+    assert len(exact) == 14
+    rows = [pr.predict(c, graphs) for c in exact]
+    s = pr.summary([r["error"] for r in rows])
+    assert s["median_abs"] <= 0.10 and s["within_25"] >= 0.9, s
+    assert all(r["fits"] for r in rows)
