@@ -34,6 +34,7 @@ TOML format (every key required unless marked optional; no other keys)::
     devices_per_node = 8
     backend = "nccl"            # "nccl" or "gloo"
     profile = "profile.json"    # optional: a ProfileDB measured on this cluster
+    cores_per_node = 2          # optional: CPU cores a node's processes share (local CPU clusters)
     [device]
     name = "H100-SXM"
     memory_gib = 80
@@ -160,6 +161,7 @@ class Cluster:
     profile: str | None = None
     backend: str = "nccl"
     detected: bool = False
+    cores_per_node: int = 0  # CPU cores a node's processes share (local-cpu); 0: each device computes alone
 
     # ---- derived figures -------------------------------------------------------
     @property
@@ -210,12 +212,14 @@ class Cluster:
             d["profile"] = self.profile
         if self.detected:
             d["detected"] = True
+        if self.cores_per_node:
+            d["cores_per_node"] = self.cores_per_node
         return d
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "cluster") -> "Cluster":
         """Build and validate a Cluster from the TOML layout; ``source`` names it in errors."""
-        _check_keys(data, source, "", required=_TOP_REQUIRED, optional=("profile", "detected"))
+        _check_keys(data, source, "", required=_TOP_REQUIRED, optional=("profile", "detected", "cores_per_node"))
         dev = data["device"]
         _check_table(dev, source, "device")
         _check_keys(dev, source, "device.", required=("name", "memory_gib", "mem_bw_gbs", "peak_tflops"),
@@ -257,6 +261,7 @@ class Cluster:
             profile=profile,
             backend=_str(data["backend"], source, "backend"),
             detected=detected,
+            cores_per_node=_int(data["cores_per_node"], source, "cores_per_node") if "cores_per_node" in data else 0,
         )
         cluster.validate(source=source)
         return cluster
@@ -317,7 +322,8 @@ class Cluster:
         """
         d = self.to_dict()
         d.pop("profile", None)
-        if self.detected:
+        if self.detected:  # (the core count is in the device name)
+            d.pop("cores_per_node", None)
             d["device"] = {"name": self.device.name, "memory_gib": round(self.device.memory_gib, 3)}
             d.pop("intra")
             d.pop("inter")
@@ -348,7 +354,7 @@ class Cluster:
         link = Link(bandwidth_gbs=GLOO_LINK_GBS, latency_us=GLOO_LATENCY_US)
         return cls(name=f"local-cpu:{n}", nodes=1, devices_per_node=n, device=device,
                    intra=link, inter=Link(link.bandwidth_gbs, link.latency_us),
-                   backend="gloo", detected=True)
+                   backend="gloo", detected=True, cores_per_node=_cpu_count())
 
 
 # ---- presets -------------------------------------------------------------------------

@@ -82,6 +82,7 @@ from typing import Literal, Mapping
 
 from cost_models.cluster import Cluster, ClusterError, Link
 from cost_models.profile_db import COLLECTIVE_KINDS, ProfileDB
+from cost_models.shared_cores import sync_wait_s
 
 DIMS = ("pp", "dp", "cp", "tp")
 NCCL_BUS_EFF = {"intra": 0.80, "inter": 0.90}
@@ -241,6 +242,8 @@ def collective_time(kind: str, nbytes: float, cluster: Cluster, mesh: Mesh | Map
 def _group_time(kind: str, nbytes: float, lay: GroupLayout, cluster: Cluster,
                 profile: ProfileDB | None) -> CommEstimate:
     est = _group_time_raw(kind, nbytes, lay, cluster, profile)
+    if est.seconds:
+        est = CommEstimate(est.seconds + sync_wait_s(cluster.cores_per_node, cluster.devices_per_node), est.source)
     cal = getattr(profile, "calibration", None)
     if cal and est.seconds:
         k = cal.get(f"comm_scale.{kind}", cal.get("comm_scale", 1.0))

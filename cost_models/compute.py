@@ -96,6 +96,16 @@ def _captured_tokens(layer: Layer, graph: ModelGraph) -> float:
     return max(lin_flops, 0.0) / (2.0 * weights)
 
 
+def memory_bandwidth(cluster: Cluster, cal: dict[str, float] | None = None) -> float:
+    """Bytes/s a memory-bound kernel sustains on one device: the nominal bandwidth times the
+    GPU kernel model's ``mem_eff`` on GPUs, ``EFF_MEMORY`` (or the calibrated ``eff_memory``)
+    on CPUs."""
+    bw = cluster.device.mem_bw_gbs * 1e9
+    if cluster.backend != "gloo":
+        return bw * gk.GpuCoefficients.of(cal).mem_eff
+    return bw * (cal or {}).get("eff_memory", EFF_MEMORY)
+
+
 def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
                    cal: dict[str, float] | None = None) -> LayerTime:
     """Forward and backward seconds of ``layer`` for one micro-batch on one GPU, from its

@@ -27,16 +27,25 @@ Step time (seconds)::
   without a pipeline reduce-scatter gradients every micro-batch and all-gather
   parameters every micro-batch (FSDP twice: forward and backward); under a pipeline
   schedule torch's stages keep parameters unsharded and skip gradient sync until the
-  last micro-batch, so it is one all-gather and one reduce-scatter per step.
+  last micro-batch, so it is one all-gather and one reduce-scatter per step. Each is
+  issued per layer unit (the runtime wraps every layer): one call per layer of the rank,
+  each with its share of the bytes (and its own latency).
   **Overlap assumption**: gradient traffic overlaps the backward of the last
   micro-batch (per-micro-batch FSDP/ZeRO-2 traffic the whole forward and backward), with
   efficiency ``OVERLAP[backend]`` (streams on NCCL overlap well; gloo shares the CPU
   with compute). :func:`exposed_s`: the last unit's share of the traffic (the runtime
   wraps every block: its reduction starts only when the backward is over) is always
   exposed; the rest only where it exceeds the window.
-- Optimizer: AdamW reads and writes the fp32 master weights, two moments and the
-  gradient of every parameter the rank updates: 28 bytes moved per parameter at
-  memory bandwidth.
+- Optimizer: torch's AdamW (the runtime's default, its multi-tensor "foreach" form) passes
+  over the fp32 weights, gradients and two moments of every parameter the rank updates
+  eight times: weight decay (8 B), the first moment's lerp (12), the second's mul and
+  addcmul (8 + 12), its square root, bias correction and epsilon (3 x 8) and the
+  addcdiv update (16): ``OPT_BYTES_PER_PARAM`` = 80 bytes per parameter at the device's
+  effective memory bandwidth (``compute.memory_bandwidth``). (A fused AdamW would move 28.)
+  Measured here: 2.5 ns per parameter for one process (32 GB/s effective).
+- Shared cores: a pipeline's compute is sped up by how many ranks are idle at once
+  (cost_models/shared_cores.py); DP traffic on a node with more ranks than cores hides
+  behind nothing (overlap 0): gloo's communication needs the cores the compute holds.
 
 Memory per pp rank: cost_models/memory.py with the in-flight micro-batches the
 simulator reports for that rank.
@@ -61,14 +70,16 @@ from typing import Any
 from cost_models import comm as comm_mod
 from cost_models import pipeline as pipe_mod
 from cost_models.cluster import Cluster
-from cost_models.compute import LayerTime, attn_core_flops, calibration, layer_time
+from cost_models.compute import LayerTime, attn_core_flops, calibration, layer_time, memory_bandwidth
 from cost_models.memory import DTYPE_BYTES, LayerTable, StageMemory, stage_memory
+from cost_models.shared_cores import compute_concurrency, core_speedup
 from planner.graph import Layer, ModelGraph
 from planner.plan import ParallelConfig, Partition, PlanError
 
-# DP-communication overlap efficiency: nccl 0.78 fitted on the published runs
+# DP-communication overlap efficiency: nccl 0.79 fitted on the published runs
 # (benchmarks/published_runs.py --fit; prior 0.8), gloo from the local fidelity runs.
-OVERLAP = {"nccl": 0.78, "gloo": 0.3}
+OVERLAP = {"nccl": 0.79, "gloo": 0.3}
+OPT_BYTES_PER_PARAM = 80.0  # torch AdamW (foreach), fp32 states: see the module docstring
 GiB = 2**30
 
 
@@ -91,6 +102,7 @@ class Estimate:
     source: str                       # profile | roofline | mixed
     sources: dict[str, str] = field(default_factory=dict)
     pipeline: Any = None              # PipelineResult (events) when simulated
+    p2p_hop_s: float = 0.0            # one activation send between stages (the simulator's edge weight)
 
     @property
     def fits(self) -> bool:
@@ -110,7 +122,7 @@ class Estimate:
             "memory_gib": [m.total / GiB for m in self.memory],
             "memory": [m.to_dict() for m in self.memory], "capacity_gib": self.capacity / GiB,
             "breakdown": self.breakdown, "bubble_frac": self.bubble_frac,
-            "stage_fwd_s": self.stage_fwd_s, "stage_bwd_s": self.stage_bwd_s,
+            "stage_fwd_s": self.stage_fwd_s, "stage_bwd_s": self.stage_bwd_s, "p2p_hop_s": self.p2p_hop_s,
             "source": self.source, "sources": self.sources,
             "partition": self.partition.to_dict(),
         }
@@ -216,10 +228,11 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     comp_src, comm_src = set(), set()
     tot = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "recompute": 0.0}
     per_stage_parts = []
+    comp_f, comp_b = [], []  # per stage: the compute part of fwd / bwd (what shared cores speed up)
     for j, (lo, hi) in enumerate(partition.bounds):
         rc = partition.recompute[j]
         f = b = 0.0
-        parts = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "recompute": 0.0}
+        parts = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "recompute": 0.0, "compute_f": 0.0}
         for i in range(lo, hi):
             lf, lb, tp_s, cp_s, core_s, s1, s2 = costs.get(graph.layers[i])
             comp_src.add(s1)
@@ -229,11 +242,15 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
             f += lf + tp_s / 2 + cp_s / 3
             b += lb + tp_s / 2 + 2 * cp_s / 3 + extra
             parts["compute"] += lf + lb
+            parts["compute_f"] += lf
             parts["tp_comm"] += tp_s
             parts["cp_comm"] += cp_s
             parts["recompute"] += extra
         fwd.append(f)
         bwd.append(b)
+        comp_f.append(parts["compute_f"])
+        comp_b.append(parts["compute"] - parts["compute_f"] + parts["recompute"])
+        del parts["compute_f"]
         per_stage_parts.append(parts)
 
     # ---- pipeline ----------------------------------------------------------------
@@ -245,21 +262,15 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
             est = comm_mod.p2p_time(max(sizes), cluster, mesh, profile)
             p2p = est.seconds
             comm_src.add(est.source)
-    sched = cfg.schedule if cfg.pp > 1 else "1f1b"
-    result = None
-    if cfg.pp == 1:
-        pipe_s = m * (fwd[0] + bwd[0])
-        inflight_chunks = [1]
-        bubble = 0.0
-    elif fast:
-        pipe_s = pipe_mod.estimate_step(sched, cfg.pp, m, fwd, bwd, p2p=p2p, v=cfg.vpp)
-        inflight_chunks = [_inflight_closed(sched, cfg.pp, m, cfg.vpp, r) for r in range(cfg.pp)]
-        bubble = 1.0 - m * sum(fwd[j] + bwd[j] for j in range(n_stages)) / cfg.pp / pipe_s
-    else:
-        result = pipe_mod.simulate(sched, cfg.pp, m, fwd, bwd, p2p=p2p, v=cfg.vpp)
-        pipe_s = result.step_s
-        inflight_chunks = list(result.peak_inflight_chunks)
-        bubble = result.bubble_frac
+    pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, fwd, bwd, p2p, fast)
+    speed = _shared_core_speedup(cluster, cfg, bubble, result)
+    if speed > 1.0:  # fewer ranks compute at once than the layer times assume: re-run at that speed
+        fwd = [f - c * (1 - 1 / speed) for f, c in zip(fwd, comp_f)]
+        bwd = [b - c * (1 - 1 / speed) for b, c in zip(bwd, comp_b)]
+        for parts in per_stage_parts:
+            parts["compute"] /= speed
+            parts["recompute"] /= speed
+        pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, fwd, bwd, p2p, fast)
 
     # ---- per-rank memory and parameters -----------------------------------------------
     is_gpu = cluster.backend != "gloo"
@@ -292,11 +303,14 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     wbytes = gbytes
     dp_comm = after_step = 0.0
     per_microbatch = cfg.zero in ("zero2", "fsdp") and cfg.pp == 1
+    busiest = max(range(cfg.pp), key=lambda r: sum(fwd[j] + bwd[j] for j in range(n_stages) if j % cfg.pp == r))
+    units = max(1, sum(hi - lo for j, (lo, hi) in enumerate(partition.bounds) if j % cfg.pp == busiest))
     if dpg > 1:
         def ct(kind: str, nbytes: float) -> float:
-            e = comm_mod.collective_time(kind, nbytes, cluster, flat, "dp", profile)
+            """The runtime's per-layer units: one call per layer of the rank, each its share."""
+            e = comm_mod.collective_time(kind, nbytes / units, cluster, flat, "dp", profile)
             comm_src.add(e.source)
-            return e.seconds
+            return e.seconds * units
         if cfg.zero in ("ddp", "zero1"):
             dp_comm = ct("all_reduce", gbytes)
             if cfg.zero == "zero1":
@@ -306,15 +320,16 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
         else:
             dp_comm = (m * (2 * ct("all_gather", wbytes) + ct("reduce_scatter", gbytes)) if per_microbatch
                        else ct("all_gather", wbytes) + ct("reduce_scatter", gbytes))
-    ov = cal.get("overlap", OVERLAP.get(cluster.backend, 0.5))
-    busiest = max(range(cfg.pp), key=lambda r: sum(fwd[j] + bwd[j] for j in range(n_stages) if j % cfg.pp == r))
+    ov = OVERLAP.get(cluster.backend, 0.5)
+    if cluster.cores_per_node and min(cfg.world, cluster.devices_per_node) > cluster.cores_per_node:
+        ov = 0.0  # no spare core for the communication thread: it competes with the compute it would hide behind
+    ov = cal.get("overlap", ov)
     rank_f = sum(fwd[j] for j in range(n_stages) if j % cfg.pp == busiest)
     rank_b = sum(bwd[j] for j in range(n_stages) if j % cfg.pp == busiest)
     window = (m * (rank_f + rank_b) if per_microbatch else rank_b) * ov
-    units = sum(hi - lo for j, (lo, hi) in enumerate(partition.bounds) if j % cfg.pp == busiest)
-    dp_exposed = exposed_s(dp_comm, window, dp_comm / max(units, 1)) + after_step
+    dp_exposed = exposed_s(dp_comm, window, dp_comm / units) + after_step
     shard = dpg if cfg.zero != "ddp" else 1
-    opt_s = 28.0 * P / shard / (cluster.device.mem_bw_gbs * 1e9) * cal.get("opt_scale", 1.0)
+    opt_s = OPT_BYTES_PER_PARAM * P / shard / memory_bandwidth(cluster, cal) * cal.get("opt_scale", 1.0)
 
     overhead = cal.get("step_overhead_s", 0.0)
     step = pipe_s + dp_exposed + opt_s + overhead
@@ -348,7 +363,33 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
         tflops_per_device=model_flops / step / cfg.world / 1e12, memory=memory, capacity=cluster.memory_bytes,
         breakdown=breakdown, stage_fwd_s=fwd, stage_bwd_s=bwd, bubble_frac=max(0.0, bubble), source=src,
         sources={"compute": src, "comm": "profile" if comm_src == {"profile"} else ("model" if comm_src else "none")},
-        pipeline=result)
+        pipeline=result, p2p_hop_s=p2p)
+
+
+def _pipeline(cfg: ParallelConfig, m: int, fwd: list[float], bwd: list[float], p2p: float, fast: bool):
+    """(pipeline seconds, peak in-flight chunks per rank, bubble fraction, PipelineResult or None):
+    the simulator, or its closed form when ``fast``; pp = 1 runs the micro-batches back to back."""
+    if cfg.pp == 1:
+        return m * (fwd[0] + bwd[0]), [1], 0.0, None
+    sched, n_stages = cfg.schedule, len(fwd)
+    if fast:
+        pipe_s = pipe_mod.estimate_step(sched, cfg.pp, m, fwd, bwd, p2p=p2p, v=cfg.vpp)
+        inflight = [_inflight_closed(sched, cfg.pp, m, cfg.vpp, r) for r in range(cfg.pp)]
+        bubble = 1.0 - m * sum(fwd[j] + bwd[j] for j in range(n_stages)) / cfg.pp / pipe_s
+        return pipe_s, inflight, bubble, None
+    result = pipe_mod.simulate(sched, cfg.pp, m, fwd, bwd, p2p=p2p, v=cfg.vpp)
+    return result.step_s, list(result.peak_inflight_chunks), result.bubble_frac, result
+
+
+def _shared_core_speedup(cluster: Cluster, cfg: ParallelConfig, bubble: float, result) -> float:
+    """Compute speedup of a pipeline whose ranks share a node's cores (cost_models/shared_cores.py):
+    the concurrency from the simulated events, or ``pp (1 - bubble)`` from the closed form."""
+    cores = cluster.cores_per_node
+    ranks = min(cfg.world, cluster.devices_per_node)
+    if cfg.pp == 1 or cores <= 0 or ranks <= cores:
+        return 1.0
+    c_pp = compute_concurrency(result.events) if result is not None else max(1.0, cfg.pp * (1.0 - bubble))
+    return core_speedup(cores, ranks, c_pp * ranks / cfg.pp)
 
 
 def _inflight_closed(schedule: str, p: int, m: int, v: int, r: int) -> int:

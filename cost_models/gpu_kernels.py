@@ -34,14 +34,14 @@ Coefficients (``GpuCoefficients``), each with its source. Three are fitted on th
 development set of published runs (``python -m benchmarks.published_runs --fit``: mean
 squared log error of step time over the runs autopar expresses exactly, with a weak prior
 at the documented figure; leave-one-source-out errors printed beside the fit):
-- ``gemm_eff_max`` 0.71 (fitted; documented prior 0.80: large bf16/fp16 cuBLAS GEMMs
+- ``gemm_eff_max`` 0.65 (fitted; documented prior 0.80: large bf16/fp16 cuBLAS GEMMs
   sustain ~80 % of dense peak on A100, 700-800 of 989 TFLOP/s on H100 SXM); what a whole
   training step's GEMMs sustain is lower than an isolated benchmark's (clocks under power
   limits, L2 contention with concurrent NCCL kernels);
-- ``attn_eff_max`` 0.50 (fitted; prior 0.55) and ``attn_seq_half`` 256 tokens:
+- ``attn_eff_max`` 0.54 (fitted; prior 0.55) and ``attn_seq_half`` 256 tokens:
   FlashAttention-2's forward + backward reaches 50-73 % of peak on A100 at head dim
   64-128 and long sequences, about two thirds of that at 512 tokens;
-- ``mem_eff`` 0.82 (fitted; prior 0.80): elementwise kernels reach 80-90 % of HBM
+- ``mem_eff`` 0.80 (fitted; prior 0.80): elementwise kernels reach 80-90 % of HBM
   bandwidth (STREAM-like copies on A100 / H100 reach ~85-90 %);
 - ``launch_s`` 5 us: the per-kernel floor of eager PyTorch (launch + dispatch, which
   stays exposed when kernels are short).
@@ -61,10 +61,10 @@ BWD_ATTN_FACTOR = 2.5  # flash backward FLOPs / forward FLOPs
 @dataclass(frozen=True)
 class GpuCoefficients:
     """The GPU kernel model's coefficients (module docstring: values and sources)."""
-    gemm_eff_max: float = 0.71
-    attn_eff_max: float = 0.50
+    gemm_eff_max: float = 0.65
+    attn_eff_max: float = 0.54
     attn_seq_half: float = 256.0
-    mem_eff: float = 0.82
+    mem_eff: float = 0.80
     launch_s: float = 5e-6
 
     @staticmethod

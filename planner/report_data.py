@@ -71,9 +71,9 @@ def simulate_step(plan: Plan) -> Timeline:
     m = m_plan if m_plan <= MAX_SIM_MB else min(m_plan, 4 * cfg.pp)
     sched = cfg.schedule if cfg.pp > 1 else "1f1b"
     bd = e.get("breakdown", {})
-    p2p = 0.0
-    if cfg.pp > 1 and bd.get("p2p"):
-        p2p = bd["p2p"] / (2 * (m_plan + cfg.pp - 1))   # the estimate's per-hop time (approximately)
+    p2p = float(e.get("p2p_hop_s", 0.0)) if cfg.pp > 1 else 0.0
+    if cfg.pp > 1 and not p2p and bd.get("p2p"):  # plans written before the estimate kept the hop time
+        p2p = bd["p2p"] / (2 * (m_plan + cfg.pp - 1))
     tail = [("dp_comm", float(bd.get("dp_comm", 0.0))), ("optimizer", float(bd.get("optimizer", 0.0)))]
     note = ""
     if m != m_plan:

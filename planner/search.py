@@ -314,9 +314,29 @@ def _gib_of(reason: str) -> float:
     return float(m.group(1)) if m else math.inf
 
 
+BLOCK_KINDS = ("transformer_block", "vision_block")
+
+
 def even_split(graph: ModelGraph, stages: int, recompute: str = "none") -> Partition:
-    """Equal numbers of stage groups per stage (``ModelGraph.stage_groups``), in layers."""
-    return expand_groups(Partition.even(len(graph.stage_groups()), stages, recompute), graph.stage_groups())
+    """Equal numbers of repeated blocks per stage, as Megatron-LM and torchtitan split a model
+    (the first stages take the remainder): the layers before the first block (embeddings) ride
+    with the first stage, those after a stage's last block (a projector, the final norm and
+    head) with the next stage or the last. Models with fewer blocks than stages: equal numbers
+    of stage groups (``ModelGraph.stage_groups``). In layers."""
+    groups = graph.stage_groups()
+    weight = [sum(graph.layers[i].kind in BLOCK_KINDS for i in range(lo, hi)) for lo, hi in groups]
+    total = sum(weight)
+    if total < stages:
+        return expand_groups(Partition.even(len(groups), stages, recompute), groups)
+    q, r = divmod(total, stages)
+    bounds, start, have = [], 0, 0
+    for g, w in enumerate(weight):
+        have += w
+        if len(bounds) < stages - 1 and have >= q + (1 if len(bounds) < r else 0):
+            bounds.append((start, g + 1))
+            start, have = g + 1, 0
+    bounds.append((start, len(groups)))
+    return expand_groups(Partition(bounds, [recompute] * stages), groups)
 
 
 def expand_groups(part: Partition, groups: list[tuple[int, int]]) -> Partition:

@@ -1,0 +1,77 @@
+"""Ranks that share CPU cores: compute runs faster while fewer ranks compute at once.
+
+On a local CPU cluster with more ranks than cores, the layer times the cost model starts
+from assume that every rank of the node computes at once: a profile measures them with
+all ranks running together, and ``Cluster.detect``'s per-process peak is the machine's
+times ``min(1, cores / n)``. That is right for data, tensor and context parallel plans,
+whose ranks compute in lockstep. A pipeline's ranks do not: in its bubbles and while a
+stage waits for its neighbour, the ranks that do compute share the cores among fewer.
+With ``c`` ranks computing at once on ``cores`` cores each runs at ``min(1, cores / c)``
+of a core, so against the all-busy figure compute is faster by::
+
+    speedup = min(1, cores / c) / min(1, cores / n)
+
+``c`` is the compute-weighted mean number of ranks busy at once, ``sum c(t)^2 dt / sum
+c(t) dt`` over the simulated pipeline's events (the concurrency a rank sees while it
+computes), times the ranks of the other mesh dimensions, which compute in lockstep with
+their pipeline stage. With a core per rank (``cores >= n``) the speedup is 1: the term
+vanishes. The estimate re-simulates the pipeline once with the sped-up stage times
+(cost_models/estimate.py).
+
+Every blocking collective is a synchronisation point: on shared cores the last peer to
+arrive may be waiting for a time slice, so each call also pays :func:`sync_wait_s`
+(cost_models/comm.py adds it).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Protocol
+
+# Linux: a runnable task runs a slice of at least 0.75 ms x (1 + log2(cpus)) before another
+# may take its core (EEVDF's base_slice_ns since 6.6, CFS's sched_min_granularity_ns
+# before; kernel docs sched-eevdf / sched-design-CFS, default "log" scaling).
+BASE_SLICE_S = 0.75e-3
+
+
+class _Span(Protocol):
+    start: float
+    end: float
+
+
+def compute_concurrency(events: Iterable[_Span]) -> float:
+    """Compute-weighted mean number of events running at once: sum c^2 dt / sum c dt (>= 1)."""
+    edges = []
+    for e in events:
+        if e.end > e.start:
+            edges.append((e.start, 1))
+            edges.append((e.end, -1))
+    if not edges:
+        return 1.0
+    edges.sort()
+    num = den = 0.0
+    c, t_prev = 0, edges[0][0]
+    for t, d in edges:
+        dt = t - t_prev
+        num += c * c * dt
+        den += c * dt
+        c += d
+        t_prev = t
+    return num / den if den > 0 else 1.0
+
+
+def core_speedup(cores: int, ranks: int, concurrency: float) -> float:
+    """How much faster compute runs with ``concurrency`` ranks busy than with all ``ranks``
+    busy on ``cores`` cores (1.0 when cores is 0, unknown, or cores >= ranks)."""
+    if cores <= 0 or ranks <= cores:
+        return 1.0
+    c = max(1.0, min(float(ranks), concurrency))
+    return min(1.0, cores / c) / (cores / ranks)
+
+
+def sync_wait_s(cores: int, ranks: int) -> float:
+    """Expected extra wait of one blocking collective (or p2p) when ``ranks`` processes share
+    ``cores`` cores: a peer that is descheduled when the others arrive runs only after the
+    running task's slice, ``BASE_SLICE_S x (1 + log2(cores))``. 0 with a core per rank."""
+    if cores <= 0 or ranks <= cores:
+        return 0.0
+    return BASE_SLICE_S * (1 + math.floor(math.log2(cores)))
