@@ -272,6 +272,9 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     if cfg.cp > 1 and seq_len % (2 * cfg.cp if load_balance == "zigzag" else cfg.cp):
         raise ValueError(f"seq_len {seq_len} must be a multiple of 2*cp = {2 * cfg.cp} for zigzag CP")
 
+    # the tied pairs of the whole model, before this rank materialises (and so unties) its own units:
+    # every rank must agree on them, since TiedWeights creates process groups collectively
+    tied_pairs = adapter.tied() if cfg.pp > 1 else []
     stage_idx, stage_mods = ppar.build_stages(adapter, stages, stage_recompute, mesh["pp"].get_local_rank(), cfg.pp)
     if any(p.is_meta for p in model.parameters()):
         adapter.materialize([u for sm in stage_mods for u in sm.units], device, seed)
@@ -297,6 +300,6 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
             opts.append(dpar.ShardedOptimizer(params, optimizer_factory, dp_mesh.get_group()))
         else:
             opts.append(optimizer_factory(params))
-    tied = ppar.TiedWeights(adapter.tied(), stage_mods, mesh) if cfg.pp > 1 and adapter.tied() else None
+    tied = ppar.TiedWeights(tied_pairs, stage_mods, mesh) if tied_pairs else None
     layout = Layout(mesh, dp_mesh, stage_idx, len(stages), load_balance)
     return ParallelModel(adapter, cfg, layout, stage_mods, global_batch, seq_len, device, Optimizers(opts), tied)
