@@ -49,9 +49,10 @@ from cost_models.profile_db import ProfileDB  # noqa: E402
 from benchmarks.results import write_json
 
 LLAMA_SPEC = "benchmarks/fidelity_llama.toml"
+RUN_TIMEOUT_S = 300  # a plan whose run hangs is killed and counted as failed
 
-# Forced layouts per model kind (those that do not fit, that the planner's structural
-# checks reject or that repeat a search candidate are skipped). world = 4.
+# Forced layouts per model kind and world size (those that do not fit, that the planner's
+# structural checks reject or that repeat a search candidate are skipped). world = 4:
 FORCED = {
     "gpt": [
         "dp=4,zero=zero1,mbs=2",
@@ -75,6 +76,28 @@ FORCED = {
         "dp=2,zero=zero1",
     ],
 }
+
+# world = 2: every mesh dimension alone, the schedules and the DP sharding modes.
+FORCED_2 = {
+    "gpt": [
+        "dp=2,zero=zero1,mbs=4",
+        "dp=2,zero=fsdp,mbs=4",
+        "tp=2,sp=on,mbs=8",
+        "cp=2,mbs=8",
+        "pp=2,schedule=1f1b,mbs=2",
+    ],
+    "llama": [
+        "dp=2,zero=ddp,mbs=4",
+        "dp=2,zero=zero1,mbs=4",
+        "tp=2,sp=on,mbs=8",
+        "cp=2,mbs=8",
+        "pp=2,schedule=1f1b,mbs=1",
+        "pp=2,schedule=gpipe,mbs=1",
+        "pp=2,schedule=zb-h1,mbs=2",
+    ],
+    "tiny": ["pp=2,schedule=1f1b", "tp=2,sp=on", "dp=2,zero=zero1"],
+}
+FORCED_BY_WORLD = {4: FORCED, 2: FORCED_2}
 
 
 @dataclass
@@ -196,14 +219,14 @@ def run_candidate(c: Candidate, steps: int, warmup: int, tag: str, quiet: bool) 
             os.dup2(fo.fileno(), 1)
             os.dup2(fo.fileno(), 2)
             try:
-                rc, log = run_plan(c.plan_path, steps=steps, run_dir=d)
+                rc, log = run_plan(c.plan_path, steps=steps, run_dir=d, timeout_s=RUN_TIMEOUT_S)
             finally:
                 os.dup2(old_out, 1)
                 os.dup2(old_err, 2)
                 os.close(old_out)
                 os.close(old_err)
     else:
-        rc, log = run_plan(c.plan_path, steps=steps, run_dir=d)
+        rc, log = run_plan(c.plan_path, steps=steps, run_dir=d, timeout_s=RUN_TIMEOUT_S)
     wall = time.perf_counter() - t0
     run = {"dir": d, "rc": rc, "wall_s": wall, "log": log}
     if rc == 0 and os.path.exists(log):
@@ -374,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         profile.calibration = {}  # predictions "before" are the uncalibrated model's
     timings["profile_s"] = time.perf_counter() - t0
 
-    forced = FORCED
+    forced = FORCED_BY_WORLD.get(cluster.world, {})
     if args.forced:
         forced = {k: [s for s in args.forced.split(";") if s] for k in FORCED}
     cands = choose_plans(models, cluster, args.cluster, args.seq_len, args.global_batch, profile,

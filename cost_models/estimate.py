@@ -321,7 +321,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
             dp_comm = (m * (2 * ct("all_gather", wbytes) + ct("reduce_scatter", gbytes)) if per_microbatch
                        else ct("all_gather", wbytes) + ct("reduce_scatter", gbytes))
     ov = OVERLAP.get(cluster.backend, 0.5)
-    if cluster.cores_per_node and min(cfg.world, cluster.devices_per_node) > cluster.cores_per_node:
+    if cluster.cores_per_node and min(cfg.world, cluster.devices_per_node) >= cluster.cores_per_node:
         ov = 0.0  # no spare core for the communication thread: it competes with the compute it would hide behind
     ov = cal.get("overlap", ov)
     rank_f = sum(fwd[j] for j in range(n_stages) if j % cfg.pp == busiest)

@@ -57,14 +57,14 @@ def check_plan(plan, *, import_user_code: bool = True) -> None:
 
 
 def run_plan(plan_path: str, *, steps: int, run_dir: str, ckpt_every: int = 0, max_restarts: int = 0,
-             extra: list[str] | None = None, force: bool = True) -> tuple[int, str]:
+             extra: list[str] | None = None, force: bool = True, timeout_s: float | None = None) -> tuple[int, str]:
     """Emit and launch a plan's program on this machine with torchrun; returns (rc, log path).
+    ``timeout_s``: kill the job (torchrun and its workers) after that many seconds; rc is then 124.
 
     A relaunch loop (not torchrun's elastic restart, which cannot reconnect gloo workers)
     restarts a job whose process died, up to ``max_restarts`` times; the program resumes
     from its newest complete checkpoint."""
     import os
-    import subprocess
 
     from codegen.emit import write_program
     from planner.plan import Plan
@@ -86,12 +86,28 @@ def run_plan(plan_path: str, *, steps: int, run_dir: str, ckpt_every: int = 0, m
     rc = 1
     for attempt in range(max_restarts + 1):
         env["AUTOPAR_ATTEMPT"] = str(attempt)
-        rc = subprocess.run(torchrun_cmd(plan.config.world, worker), env=env).returncode
+        rc = _run_killable(torchrun_cmd(plan.config.world, worker), env, timeout_s)
         if rc == 0:
             break
         if attempt < max_restarts:
             progress(f"job exited with {rc}; relaunching (attempt {attempt + 2} of {max_restarts + 1})")
     return rc, log
+
+
+def _run_killable(cmd: list[str], env: dict, timeout_s: float | None) -> int:
+    """Run ``cmd`` in its own process group; past ``timeout_s`` kill the whole group (rc 124)."""
+    import os
+    import signal
+    import subprocess
+
+    p = subprocess.Popen(cmd, env=env, start_new_session=timeout_s is not None)
+    try:
+        return p.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        progress(f"job killed after {timeout_s:.0f} s (timeout)")
+        return 124
 
 
 def compare_run(plan_path: str, log: str) -> dict:
