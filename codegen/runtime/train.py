@@ -239,6 +239,16 @@ def check_runnable(cfg: ParallelConfig, adapter: ModelAdapter, facts: Optional[M
         raise ValueError(f"{cfg.label()} cannot run for this model: " + "; ".join(problems))
 
 
+def _agreed_tied_pairs(adapter) -> list[tuple[str, str]]:
+    """The tied parameter pairs every rank sees after materialising its own units, merged over
+    the ranks: a stage that holds both ends re-ties them and the others do not (a zoo model built
+    on meta), and TiedWeights creates its process groups collectively, so all must agree."""
+    mine = adapter.tied()
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, mine)
+    return sorted({tuple(p) for ranks_pairs in seen for p in ranks_pairs})
+
+
 def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence[str]],
                 stage_recompute: Sequence[str], tp_layout: dict[str, str], global_batch: int, seq_len: int,
                 device: torch.device | str, *, mesh: Optional[DeviceMesh] = None,
@@ -272,9 +282,6 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     if cfg.cp > 1 and seq_len % (2 * cfg.cp if load_balance == "zigzag" else cfg.cp):
         raise ValueError(f"seq_len {seq_len} must be a multiple of 2*cp = {2 * cfg.cp} for zigzag CP")
 
-    # the tied pairs of the whole model, before this rank materialises (and so unties) its own units:
-    # every rank must agree on them, since TiedWeights creates process groups collectively
-    tied_pairs = adapter.tied() if cfg.pp > 1 else []
     stage_idx, stage_mods = ppar.build_stages(adapter, stages, stage_recompute, mesh["pp"].get_local_rank(), cfg.pp)
     if any(p.is_meta for p in model.parameters()):
         adapter.materialize([u for sm in stage_mods for u in sm.units], device, seed)
@@ -300,6 +307,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
             opts.append(dpar.ShardedOptimizer(params, optimizer_factory, dp_mesh.get_group()))
         else:
             opts.append(optimizer_factory(params))
+    tied_pairs = _agreed_tied_pairs(adapter) if cfg.pp > 1 else []
     tied = ppar.TiedWeights(tied_pairs, stage_mods, mesh) if tied_pairs else None
     layout = Layout(mesh, dp_mesh, stage_idx, len(stages), load_balance)
     return ParallelModel(adapter, cfg, layout, stage_mods, global_batch, seq_len, device, Optimizers(opts), tied)
