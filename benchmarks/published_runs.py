@@ -51,7 +51,6 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,22 +197,18 @@ def cluster_for(c: Case) -> Cluster:
 
 
 class Graphs:
-    """Captured graphs by (model, seq), written as TOML specs and captured once each."""
+    """Captured graphs by model (ModelConfig keys), each captured once."""
 
     def __init__(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="autopar-published-")
         self.cache: dict[str, Any] = {}
 
     def get(self, model: dict[str, Any]):
-        from planner.frontend import load_graph
+        from planner.frontend import graph_of_config
+        from planner.zoo import ModelConfig
 
         key = json.dumps(model, sort_keys=True)
         if key not in self.cache:
-            path = os.path.join(self.dir, f"m{len(self.cache)}.toml")
-            with open(path, "w", encoding="utf-8") as f:
-                for k, v in model.items():
-                    f.write(f"{k} = {json.dumps(v)}\n")
-            self.cache[key] = load_graph(path, seq_len=model["seq_len"])
+            self.cache[key] = graph_of_config(ModelConfig(**model))
         return self.cache[key]
 
 
@@ -221,26 +216,16 @@ FIT_KEYS = ("gpu.gemm_eff_max", "gpu.attn_eff_max", "gpu.mem_eff", "overlap")
 OVERLAP_DOCUMENTED = 0.8  # the DP-overlap prior (cost_models/estimate.py OVERLAP)
 
 
-class Coefficients:
-    """A calibration-only profile: what ``estimate`` reads fitted coefficients from."""
-
-    def __init__(self, cal: dict[str, float] | None = None) -> None:
-        self.calibration = dict(cal or {})
-
-    def layer_time(self, *a, **k):  # no measured layers
-        return None
-
-    def collective_time(self, *a, **k):  # no measured collectives
-        return None
-
-
 def predict(c: Case, graphs: Graphs, cal: dict[str, float] | None = None) -> dict[str, Any]:
     """Price ``c`` at its published layout with an even stage split (the published runs split
     layers evenly), with the defaults or the coefficients ``cal``."""
+    from cost_models.calibrate import with_calibration
     from planner.planning import evaluate_config
 
-    e, problems = evaluate_config(graphs.get(c.model), cluster_for(c), c.cfg, c.global_batch, even_split=True,
-                                  profile=Coefficients(cal) if cal else None)
+    cluster = cluster_for(c)
+    profile = with_calibration(None, cal, cluster) if cal else None  # an empty profile carrying the coefficients
+    e, problems = evaluate_config(graphs.get(c.model), cluster, c.cfg, c.global_batch, even_split=True,
+                                  profile=profile)
     pub = published_step_s(c)
     return {"step_s": e.step_s, "published_step_s": pub, "error": pub / e.step_s - 1.0, "fits": e.fits,
             "memory_gib": max(m.total for m in e.memory) / 2**30, "problems": problems,

@@ -71,10 +71,11 @@ def cmd_graph(args: argparse.Namespace) -> int:
 def _print_fx(g, fx, layer: str | None) -> int:
     """The FX graph (forward and backward ATen ops) of one layer: ``layer`` or the first block."""
     from planner.fx_graph import format_unit
+    from planner.graph import BLOCK_KINDS
 
     names = [l.name for l in g.layers]
     if layer is None:
-        layer = next((l.name for l in g.layers if l.kind in ("transformer_block", "vision_block")), names[0])
+        layer = next((l.name for l in g.layers if l.kind in BLOCK_KINDS), names[0])
     if layer not in names:
         raise AutoparError(f"--layer {layer!r} is not a layer of {g.name}; layers: {', '.join(names[:8])}"
                            f"{' ...' if len(names) > 8 else ''}")

@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from planner.capture import capture_fx
 from planner.errors import AutoparError
-from planner.graph import ModelGraph
+from planner.graph import BLOCK_KINDS, ModelGraph
 
 
 def example_for_module(model: nn.Module, batch: int, seq_len: int) -> dict[str, Any]:
@@ -87,7 +87,7 @@ def _set_tp_roles(graph: ModelGraph, fx, adapter) -> None:
     where it has one (a disagreement is a warning); heads from the analysis's reshapes; a
     block the analysis cannot shard correctly makes ``tp`` a limit."""
     from planner.graph import AttentionDims
-    from planner.tp_analysis import BLOCK_KINDS, analyze
+    from planner.tp_analysis import analyze
 
     analysis = analyze(fx, graph)
     plan = adapter.tp_layout_from_plan() if hasattr(adapter, "tp_layout_from_plan") else {}
@@ -126,13 +126,32 @@ def _limits_from_roles(graph: ModelGraph, analysis) -> None:
         # bias on that same dimension and describe the global layout wrongly
         graph.limits.setdefault("fsdp_with_tp", f"{packed} is a packed q/k/v projection whose tensor-parallel "
                                                 "shard FSDP cannot shard again")
-    flat = next((l.name for l in graph.layers if l.kind in ("transformer_block", "vision_block")
+    flat = next((l.name for l in graph.layers if l.kind in BLOCK_KINDS
                  and any(lin.role == "row" and "." not in lin.name for lin in l.linears)), None)
     if flat is not None and "sp" not in graph.limits:
         # the module around a row linear gathers the sequence under SP; here that is the
         # block itself, whose norms and residual must see the shard
         graph.limits["sp"] = (f"{flat} holds its attention / MLP linears directly (no submodule around "
                               "them to gather the sequence shard); use sp=off")
+
+
+def graph_of_config(cfg, *, batch: int = 1, seq_len: int | None = None) -> ModelGraph:
+    """Capture the zoo model a ``ModelConfig`` describes (built on meta), as :func:`load_graph`
+    does for a preset or a model TOML file."""
+    from planner import zoo
+
+    return _config_graph_and_fx(zoo.build_model(cfg, device="meta"), cfg, cfg.name, batch, seq_len, zoo_batch=True)[0]
+
+
+def _config_graph_and_fx(model: nn.Module, cfg, name: str, batch: int, seq_len: int | None, *, zoo_batch: bool):
+    """Capture a model that has a ModelConfig: the zoo's example batch, or (transformers) the
+    module's own signature."""
+    from planner import zoo
+
+    s = seq_len or cfg.seq_len
+    ex = zoo.example_batch(cfg, batch, s, device="meta") if zoo_batch else example_for_module(model, batch, s)
+    config = {k: v for k, v in vars(cfg).items() if isinstance(v, (int, float, str, bool))}
+    return graph_and_fx_of(model, ex, name=name, seq_len=s, config=config, hidden=cfg.hidden, vocab=cfg.vocab)
 
 
 def load_graph(spec: str, *, batch: int = 1, seq_len: int | None = None) -> ModelGraph:
@@ -157,13 +176,8 @@ def load_graph_and_fx(spec: str, *, batch: int = 1, seq_len: int | None = None):
                            "make the function return the model")
     cfg = ms.cfg
     if cfg is not None:
-        s = seq_len or cfg.seq_len
-        if not spec.strip().startswith("hf:"):
-            ex = zoo.example_batch(cfg, batch, s, device="meta")
-        else:
-            ex = example_for_module(model, batch, s)
-        config = {k: v for k, v in vars(cfg).items() if isinstance(v, (int, float, str, bool))}
-        return graph_and_fx_of(model, ex, name=ms.name, seq_len=s, config=config, hidden=cfg.hidden, vocab=cfg.vocab)
+        hf = spec.strip().startswith("hf:")
+        return _config_graph_and_fx(model, cfg, ms.name, batch, seq_len, zoo_batch=not hf)
     from codegen.runtime.adapters import adapter_kind
 
     s = seq_len or 128

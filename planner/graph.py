@@ -43,6 +43,8 @@ LAYER_KINDS = (
     "embedding", "transformer_block", "vision_block", "vision_embedding", "projector",
     "norm", "head", "loss", "other",
 )
+# The repeated blocks of a model (what a pipeline stage balances, what TP analysis studies).
+BLOCK_KINDS = ("transformer_block", "vision_block")
 OP_KINDS = ("attention", "mlp", "norm", "linear", "embedding", "loss", "other")
 # How tensor parallelism treats an op (see cost_models/compute.py and codegen's TP plan):
 #   heads      attention split by heads (q/k/v column-, output row-parallel)

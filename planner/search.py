@@ -41,7 +41,7 @@ from cost_models.pipeline import estimate_step
 from cost_models.memory import (DTYPE_BYTES, RESERVE_CPU, RESERVE_GPU, layer_activation, layer_params_local,
                                  per_param_bytes)
 from planner.errors import AutoparError
-from planner.graph import ModelGraph
+from planner.graph import BLOCK_KINDS, ModelGraph
 from planner.plan import (ModelFacts, ParallelConfig, Partition, cp_problem, pp_problem, sp_problem,
                           tp_problem, zero_problem)
 
@@ -312,9 +312,6 @@ def _gib_of(reason: str) -> float:
 
     m = re.search(r"([\d.]+) GiB", reason)
     return float(m.group(1)) if m else math.inf
-
-
-BLOCK_KINDS = ("transformer_block", "vision_block")
 
 
 def even_split(graph: ModelGraph, stages: int, recompute: str = "none") -> Partition:

@@ -46,10 +46,9 @@ import torch
 import torch.fx as fx
 
 from planner.fx_graph import unit_nodes
-from planner.graph import ModelGraph
+from planner.graph import BLOCK_KINDS, ModelGraph
 from planner.layer_kinds import ATTN_OPS
 
-BLOCK_KINDS = ("transformer_block", "vision_block")
 _MATMULS = {"mm", "addmm", "bmm", "linear", "matmul"}
 _WEIGHT_PATH = {"t", "transpose", "view", "permute", "expand", "_unsafe_view", "reshape", "_to_copy", "alias",
                 "detach", "contiguous", "clone"}
