@@ -72,7 +72,7 @@ from cost_models import pipeline as pipe_mod
 from cost_models.cluster import Cluster
 from cost_models.compute import LayerTime, attn_core_flops, calibration, layer_time, memory_bandwidth
 from cost_models.memory import DTYPE_BYTES, LayerTable, StageMemory, stage_memory
-from cost_models.shared_cores import compute_concurrency, core_speedup
+from cost_models.shared_cores import compute_concurrency, core_speedup, shares_cores, spare_core
 from planner.graph import Layer, ModelGraph
 from planner.plan import ParallelConfig, Partition, PlanError
 
@@ -210,6 +210,104 @@ class _LayerCosts:
         return out
 
 
+@dataclass
+class _StageCost:
+    """One virtual stage, one micro-batch: the times the pipeline runs (seconds, exposed TP/CP
+    communication included), their compute parts (what shared cores speed up; recompute
+    counts in the backward) and the breakdown categories summed over fwd + bwd."""
+    fwd: float
+    bwd: float
+    compute_fwd: float
+    compute_bwd: float
+    parts: dict[str, float]
+
+    def sped_up(self, speed: float) -> "_StageCost":
+        cut = 1 - 1 / speed
+        parts = dict(self.parts, compute=self.parts["compute"] / speed, recompute=self.parts["recompute"] / speed)
+        return _StageCost(self.fwd - self.compute_fwd * cut, self.bwd - self.compute_bwd * cut,
+                          self.compute_fwd / speed, self.compute_bwd / speed, parts)
+
+
+def _stage_costs(graph: ModelGraph, partition: Partition, costs: _LayerCosts, comp_src: set,
+                 comm_src: set) -> list[_StageCost]:
+    """Per virtual stage: its layers' compute, TP/CP communication and recompute (sources noted)."""
+    out = []
+    for (lo, hi), rc in zip(partition.bounds, partition.recompute):
+        f = b = cf = cb = 0.0
+        parts = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "recompute": 0.0}
+        for i in range(lo, hi):
+            lf, lb, tp_s, cp_s, core_s, s1, s2 = costs.get(graph.layers[i])
+            comp_src.add(s1)
+            if tp_s or cp_s:
+                comm_src.add(s2)
+            extra = (lf + tp_s / 2) if rc == "full" else (core_s if rc == "selective" else 0.0)
+            f += lf + tp_s / 2 + cp_s / 3
+            b += lb + tp_s / 2 + 2 * cp_s / 3 + extra
+            cf += lf
+            cb += lb + extra
+            parts["compute"] += lf + lb
+            parts["tp_comm"] += tp_s
+            parts["cp_comm"] += cp_s
+            parts["recompute"] += extra
+        out.append(_StageCost(f, b, cf, cb, parts))
+    return out
+
+
+def _rank_memory(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
+                 table: LayerTable, inflight_chunks: list[int], cal: dict[str, float]) -> list[StageMemory]:
+    """Memory of every pp rank: its chunks' memory with the in-flight micro-batches the pipeline
+    holds there; on CPUs a calibrated per-process reserve."""
+    is_gpu = cluster.backend != "gloo"
+    n_stages = len(partition.bounds)
+    memory = []
+    for r in range(cfg.pp):
+        chunks = [j for j in range(n_stages) if j % cfg.pp == r]
+        per_chunk = inflight_chunks[r] / len(chunks)  # in-flight (chunk, micro-batch) pairs over the chunks
+        mems = [stage_memory(graph, list(range(*partition.bounds[j])), cfg, per_chunk, partition.recompute[j],
+                             is_gpu, table) for j in chunks]
+        reserve = mems[0].reserve
+        if not is_gpu and ("mem_reserve_gib" in cal or "mem_reserve_frac" in cal):
+            tensors = sum(x.tensors for x in mems)
+            reserve = cal.get("mem_reserve_gib", 0.0) * GiB + cal.get("mem_reserve_frac", 0.0) * tensors
+        memory.append(StageMemory(weights=sum(x.weights for x in mems), grads=sum(x.grads for x in mems),
+                                  optimizer=sum(x.optimizer for x in mems),
+                                  activations=sum(x.activations for x in mems),
+                                  buffers=max(x.buffers for x in mems), reserve=reserve,
+                                  inflight=inflight_chunks[r]))
+    return memory
+
+
+def _dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units: int, profile,
+             comm_src: set) -> tuple[float, float]:
+    """(traffic that may overlap compute, traffic after the optimizer step) of the dp x cp group,
+    seconds, as the runtime issues it: one call per layer unit of the rank (module docstring)."""
+    dpg = cfg.dp * cfg.cp
+    if dpg == 1:
+        return 0.0, 0.0
+    flat = comm_mod.Mesh(pp=cfg.pp, dp=dpg, cp=1, tp=cfg.tp)
+    nbytes = params * (4 if cfg.dtype == "fp32" else 2)  # gradients and parameters alike
+
+    def ct(kind: str) -> float:
+        e = comm_mod.collective_time(kind, nbytes / units, cluster, flat, "dp", profile)
+        comm_src.add(e.source)
+        return e.seconds * units
+
+    per_microbatch = m if _per_microbatch_dp(cfg) else 1
+    if cfg.zero == "ddp":
+        return ct("all_reduce"), 0.0
+    if cfg.zero == "zero1":
+        return ct("all_reduce"), ct("all_gather")  # owners broadcast the updated parameters
+    if cfg.zero == "zero2":
+        return per_microbatch * (ct("reduce_scatter") + ct("all_gather")), 0.0
+    gathers = 2 if _per_microbatch_dp(cfg) else 1  # fsdp: forward and backward, unless held by the pipeline
+    return per_microbatch * (gathers * ct("all_gather") + ct("reduce_scatter")), 0.0
+
+
+def _per_microbatch_dp(cfg: ParallelConfig) -> bool:
+    """ZeRO-2 / FSDP without a pipeline communicate every micro-batch (module docstring)."""
+    return cfg.zero in ("zero2", "fsdp") and cfg.pp == 1
+
+
 def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
              global_batch: int, *, profile=None, fast: bool = False, costs: "_LayerCosts | None" = None) -> Estimate:
     """Price one configuration with one stage split. ``fast`` uses the pipeline's closed
@@ -223,35 +321,8 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     if costs is None or (costs.cfg.tp, costs.cfg.cp, costs.cfg.mbs, costs.cfg.sp, costs.cfg.dtype) != (
             cfg.tp, cfg.cp, cfg.mbs, cfg.sp, cfg.dtype):
         costs = _LayerCosts(graph, cluster, cfg, profile)
-    mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
-    fwd, bwd = [], []
     comp_src, comm_src = set(), set()
-    tot = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "recompute": 0.0}
-    per_stage_parts = []
-    comp_f, comp_b = [], []  # per stage: the compute part of fwd / bwd (what shared cores speed up)
-    for j, (lo, hi) in enumerate(partition.bounds):
-        rc = partition.recompute[j]
-        f = b = 0.0
-        parts = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "recompute": 0.0, "compute_f": 0.0}
-        for i in range(lo, hi):
-            lf, lb, tp_s, cp_s, core_s, s1, s2 = costs.get(graph.layers[i])
-            comp_src.add(s1)
-            if tp_s or cp_s:
-                comm_src.add(s2)
-            extra = (lf + tp_s / 2) if rc == "full" else (core_s if rc == "selective" else 0.0)
-            f += lf + tp_s / 2 + cp_s / 3
-            b += lb + tp_s / 2 + 2 * cp_s / 3 + extra
-            parts["compute"] += lf + lb
-            parts["compute_f"] += lf
-            parts["tp_comm"] += tp_s
-            parts["cp_comm"] += cp_s
-            parts["recompute"] += extra
-        fwd.append(f)
-        bwd.append(b)
-        comp_f.append(parts["compute_f"])
-        comp_b.append(parts["compute"] - parts["compute_f"] + parts["recompute"])
-        del parts["compute_f"]
-        per_stage_parts.append(parts)
+    stages = _stage_costs(graph, partition, costs, comp_src, comm_src)
 
     # ---- pipeline ----------------------------------------------------------------
     p2p = 0.0
@@ -259,93 +330,40 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
         sizes = [_act_bytes_io(graph.layers[hi], graph, cfg) / (cfg.tp if cfg.sp else 1)
                  for (lo, hi) in partition.bounds[:-1] if hi < len(graph.layers)]
         if sizes:
-            est = comm_mod.p2p_time(max(sizes), cluster, mesh, profile)
+            est = comm_mod.p2p_time(max(sizes), cluster, comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp),
+                                    profile)
             p2p = est.seconds
             comm_src.add(est.source)
-    pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, fwd, bwd, p2p, fast)
+    pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, p2p, fast)
     speed = _shared_core_speedup(cluster, cfg, bubble, result)
     if speed > 1.0:  # fewer ranks compute at once than the layer times assume: re-run at that speed
-        fwd = [f - c * (1 - 1 / speed) for f, c in zip(fwd, comp_f)]
-        bwd = [b - c * (1 - 1 / speed) for b, c in zip(bwd, comp_b)]
-        for parts in per_stage_parts:
-            parts["compute"] /= speed
-            parts["recompute"] /= speed
-        pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, fwd, bwd, p2p, fast)
+        stages = [st.sped_up(speed) for st in stages]
+        pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, p2p, fast)
 
-    # ---- per-rank memory and parameters -----------------------------------------------
-    is_gpu = cluster.backend != "gloo"
+    # ---- per-rank memory, data parallel, optimizer ------------------------------------------
     cal = calibration(profile)
-    memory: list[StageMemory] = []
-    rank_params = []
     table = costs.table(cfg)
-    for r in range(cfg.pp):
-        chunks = [j for j in range(n_stages) if j % cfg.pp == r]
-        rank_params.append(sum(table.params[i] for j in chunks for i in range(*partition.bounds[j])))
-        # in-flight (chunk, micro-batch) pairs spread over the rank's chunks
-        per_chunk = inflight_chunks[r] / len(chunks)
-        mems = [stage_memory(graph, list(range(*partition.bounds[j])), cfg, per_chunk, partition.recompute[j],
-                             is_gpu, table) for j in chunks]
-        reserve = mems[0].reserve
-        if not is_gpu and ("mem_reserve_gib" in cal or "mem_reserve_frac" in cal):
-            tensors = sum(x.tensors for x in mems)
-            reserve = cal.get("mem_reserve_gib", 0.0) * GiB + cal.get("mem_reserve_frac", 0.0) * tensors
-        memory.append(StageMemory(weights=sum(x.weights for x in mems), grads=sum(x.grads for x in mems),
-                                  optimizer=sum(x.optimizer for x in mems),
-                                  activations=sum(x.activations for x in mems),
-                                  buffers=max(x.buffers for x in mems), reserve=reserve,
-                                  inflight=inflight_chunks[r]))
-
-    # ---- data parallel + optimizer ----------------------------------------------------
-    dpg = cfg.dp * cfg.cp
-    flat = comm_mod.Mesh(pp=cfg.pp, dp=dpg, cp=1, tp=cfg.tp)
-    P = max(rank_params)
-    gbytes = P * (4 if cfg.dtype == "fp32" else 2)
-    wbytes = gbytes
-    dp_comm = after_step = 0.0
-    per_microbatch = cfg.zero in ("zero2", "fsdp") and cfg.pp == 1
-    busiest = max(range(cfg.pp), key=lambda r: sum(fwd[j] + bwd[j] for j in range(n_stages) if j % cfg.pp == r))
-    units = max(1, sum(hi - lo for j, (lo, hi) in enumerate(partition.bounds) if j % cfg.pp == busiest))
-    if dpg > 1:
-        def ct(kind: str, nbytes: float) -> float:
-            """The runtime's per-layer units: one call per layer of the rank, each its share."""
-            e = comm_mod.collective_time(kind, nbytes / units, cluster, flat, "dp", profile)
-            comm_src.add(e.source)
-            return e.seconds * units
-        if cfg.zero in ("ddp", "zero1"):
-            dp_comm = ct("all_reduce", gbytes)
-            if cfg.zero == "zero1":
-                after_step = ct("all_gather", wbytes)  # owners broadcast updated parameters
-        elif cfg.zero == "zero2":
-            dp_comm = (m if per_microbatch else 1) * (ct("reduce_scatter", gbytes) + ct("all_gather", wbytes))
-        else:
-            dp_comm = (m * (2 * ct("all_gather", wbytes) + ct("reduce_scatter", gbytes)) if per_microbatch
-                       else ct("all_gather", wbytes) + ct("reduce_scatter", gbytes))
+    memory = _rank_memory(graph, cluster, cfg, partition, table, inflight_chunks, cal)
+    on_rank = [[j for j in range(n_stages) if j % cfg.pp == r] for r in range(cfg.pp)]
+    P = max(sum(table.params[i] for j in js for i in range(*partition.bounds[j])) for js in on_rank)
+    mine = on_rank[max(range(cfg.pp), key=lambda r: sum(stages[j].fwd + stages[j].bwd for j in on_rank[r]))]
+    units = max(1, sum(hi - lo for lo, hi in (partition.bounds[j] for j in mine)))
+    dp_comm, after_step = _dp_comm(cluster, cfg, m, P, units, profile, comm_src)
     ov = OVERLAP.get(cluster.backend, 0.5)
-    if cluster.cores_per_node and min(cfg.world, cluster.devices_per_node) >= cluster.cores_per_node:
+    if not spare_core(cluster.cores_per_node, min(cfg.world, cluster.devices_per_node)):
         ov = 0.0  # no spare core for the communication thread: it competes with the compute it would hide behind
     ov = cal.get("overlap", ov)
-    rank_f = sum(fwd[j] for j in range(n_stages) if j % cfg.pp == busiest)
-    rank_b = sum(bwd[j] for j in range(n_stages) if j % cfg.pp == busiest)
-    window = (m * (rank_f + rank_b) if per_microbatch else rank_b) * ov
+    rank_f = sum(stages[j].fwd for j in mine)
+    rank_b = sum(stages[j].bwd for j in mine)
+    window = (m * (rank_f + rank_b) if _per_microbatch_dp(cfg) else rank_b) * ov
     dp_exposed = exposed_s(dp_comm, window, dp_comm / units) + after_step
-    shard = dpg if cfg.zero != "ddp" else 1
+    shard = cfg.dp * cfg.cp if cfg.zero != "ddp" else 1
     opt_s = OPT_BYTES_PER_PARAM * P / shard / memory_bandwidth(cluster, cal) * cal.get("opt_scale", 1.0)
 
     overhead = cal.get("step_overhead_s", 0.0)
     step = pipe_s + dp_exposed + opt_s + overhead
-    busy = m * (rank_f + rank_b)
-    parts = per_stage_parts
-    rank_parts = {k: m * sum(parts[j][k] for j in range(n_stages) if j % cfg.pp == busiest) for k in parts[0]}
-    breakdown = {
-        "compute": rank_parts["compute"],
-        "recompute": rank_parts["recompute"],
-        "tp_comm": rank_parts["tp_comm"],
-        "cp_comm": rank_parts["cp_comm"],
-        "p2p": 0.0,  # split off the bubble below when the pipeline has transfers
-        "bubble": max(0.0, pipe_s - busy),
-        "dp_comm": dp_exposed,
-        "optimizer": opt_s,
-    }
+    breakdown = {k: m * sum(stages[j].parts[k] for j in mine) for k in ("compute", "recompute", "tp_comm", "cp_comm")}
+    breakdown.update(p2p=0.0, bubble=max(0.0, pipe_s - m * (rank_f + rank_b)), dp_comm=dp_exposed, optimizer=opt_s)
     if overhead:
         breakdown["overhead"] = overhead
     if cfg.pp > 1 and p2p:
@@ -361,14 +379,16 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
         config=cfg, partition=partition, global_batch=global_batch, microbatches=m, step_s=step,
         tokens_per_s=tokens / step, mfu=model_flops / (step * cfg.world * peak),
         tflops_per_device=model_flops / step / cfg.world / 1e12, memory=memory, capacity=cluster.memory_bytes,
-        breakdown=breakdown, stage_fwd_s=fwd, stage_bwd_s=bwd, bubble_frac=max(0.0, bubble), source=src,
+        breakdown=breakdown, stage_fwd_s=[st.fwd for st in stages], stage_bwd_s=[st.bwd for st in stages],
+        bubble_frac=max(0.0, bubble), source=src,
         sources={"compute": src, "comm": "profile" if comm_src == {"profile"} else ("model" if comm_src else "none")},
         pipeline=result, p2p_hop_s=p2p)
 
 
-def _pipeline(cfg: ParallelConfig, m: int, fwd: list[float], bwd: list[float], p2p: float, fast: bool):
+def _pipeline(cfg: ParallelConfig, m: int, stages: list[_StageCost], p2p: float, fast: bool):
     """(pipeline seconds, peak in-flight chunks per rank, bubble fraction, PipelineResult or None):
     the simulator, or its closed form when ``fast``; pp = 1 runs the micro-batches back to back."""
+    fwd, bwd = [st.fwd for st in stages], [st.bwd for st in stages]
     if cfg.pp == 1:
         return m * (fwd[0] + bwd[0]), [1], 0.0, None
     sched, n_stages = cfg.schedule, len(fwd)
@@ -386,7 +406,7 @@ def _shared_core_speedup(cluster: Cluster, cfg: ParallelConfig, bubble: float, r
     the concurrency from the simulated events, or ``pp (1 - bubble)`` from the closed form."""
     cores = cluster.cores_per_node
     ranks = min(cfg.world, cluster.devices_per_node)
-    if cfg.pp == 1 or cores <= 0 or ranks <= cores:
+    if cfg.pp == 1 or not shares_cores(cores, ranks):  # (spares simulating the events)
         return 1.0
     c_pp = compute_concurrency(result.events) if result is not None else max(1.0, cfg.pp * (1.0 - bubble))
     return core_speedup(cores, ranks, c_pp * ranks / cfg.pp)

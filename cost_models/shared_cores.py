@@ -38,6 +38,17 @@ class _Span(Protocol):
     end: float
 
 
+def shares_cores(cores: int, ranks: int) -> bool:
+    """More ranks than cores on a node (``cores`` 0: unknown, each device computes alone)."""
+    return 0 < cores < ranks
+
+
+def spare_core(cores: int, ranks: int) -> bool:
+    """A core left beside the ranks' compute, e.g. for a communication thread (always, when
+    ``cores`` is unknown)."""
+    return cores <= 0 or ranks < cores
+
+
 def compute_concurrency(events: Iterable[_Span]) -> float:
     """Compute-weighted mean number of events running at once: sum c^2 dt / sum c dt (>= 1)."""
     edges = []
@@ -62,7 +73,7 @@ def compute_concurrency(events: Iterable[_Span]) -> float:
 def core_speedup(cores: int, ranks: int, concurrency: float) -> float:
     """How much faster compute runs with ``concurrency`` ranks busy than with all ``ranks``
     busy on ``cores`` cores (1.0 when cores is 0, unknown, or cores >= ranks)."""
-    if cores <= 0 or ranks <= cores:
+    if not shares_cores(cores, ranks):
         return 1.0
     c = max(1.0, min(float(ranks), concurrency))
     return min(1.0, cores / c) / (cores / ranks)
@@ -72,6 +83,6 @@ def sync_wait_s(cores: int, ranks: int) -> float:
     """Expected extra wait of one blocking collective (or p2p) when ``ranks`` processes share
     ``cores`` cores: a peer that is descheduled when the others arrive runs only after the
     running task's slice, ``BASE_SLICE_S x (1 + log2(cores))``. 0 with a core per rank."""
-    if cores <= 0 or ranks <= cores:
+    if not shares_cores(cores, ranks):
         return 0.0
     return BASE_SLICE_S * (1 + math.floor(math.log2(cores)))
