@@ -11,7 +11,6 @@ check.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -21,12 +20,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from codegen.runtime.mesh import exit_process, init_distributed, teardown  # noqa: E402
+from codegen.runtime.mesh import init_distributed  # noqa: E402
 from codegen.runtime.train import parallelize  # noqa: E402
 from planner import zoo  # noqa: E402
 from planner.plan import ParallelConfig, config_problems  # noqa: E402
 
 from model_cases import GB, SEED, SEQ, case, planner_view, stages_for  # noqa: E402
+from worker_io import failure, finish, report  # noqa: E402
 
 STEPS, LR = 3, 0.1
 
@@ -148,11 +148,8 @@ def parity_group(world: int) -> dict:
                 results[key] = {"losses": losses, "ref_losses": ref_losses, "seconds": dt,
                                 **compare(grads, ref_grads, losses, ref_losses)}
             except Exception as exc:  # report, keep going with the other layouts
-                import traceback
-                traceback.print_exc()
-                results[key] = {"error": f"{type(exc).__name__}: {exc}"}
-            if dist.get_rank() == 0:
-                print(key, json.dumps(results[key])[:300], flush=True)
+                results[key] = failure(exc)
+            report(key, results[key])
     return results
 
 
@@ -251,9 +248,7 @@ def main() -> None:
         try:
             return fn(*a)
         except Exception as exc:
-            import traceback
-            traceback.print_exc()
-            return {key: {"error": f"{type(exc).__name__}: {exc}"}}
+            return {key: failure(exc)}
 
     results: dict = {}
     if group == "parity":
@@ -268,11 +263,7 @@ def main() -> None:
         results.update(mllm_pp2())
     else:
         raise SystemExit(f"unknown group {group}")
-    if dist.get_rank() == 0:
-        with open(out, "w") as fh:
-            json.dump(results, fh, indent=1)
-    teardown()
-    exit_process(0)  # the gloo exit abort (codegen/runtime/mesh.py)
+    finish(results, out)
 
 
 if __name__ == "__main__":

@@ -10,21 +10,20 @@ per family the layout, the model's limits, the errors.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from dist_worker import compare  # noqa: E402
-from codegen.runtime.mesh import exit_process, init_distributed, teardown  # noqa: E402
+from codegen.runtime.mesh import init_distributed  # noqa: E402
 from codegen.runtime.train import parallelize  # noqa: E402
 from planner.plan import ParallelConfig, config_problems  # noqa: E402
+from worker_io import failure, finish, report, write_results  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_configs")
 FAMILIES = ("qwen2", "phi", "gpt_neox", "gemma2", "cohere", "stablelm", "opt", "phi3", "olmo2")
@@ -109,15 +108,10 @@ def main() -> None:
         try:
             results[family] = run(family)
         except Exception as exc:  # report, keep going
-            import traceback
-            traceback.print_exc()
-            results[family] = {"error": f"{type(exc).__name__}: {exc}"}
-        if dist.get_rank() == 0:  # written after every family: a crash keeps what ran
-            print(family, json.dumps(results[family])[:400], flush=True)
-            with open(out, "w") as fh:
-                json.dump(results, fh, indent=1)
-    teardown()
-    exit_process(0)  # the gloo exit abort (codegen/runtime/mesh.py)
+            results[family] = failure(exc)
+        report(family, results[family], 400)
+        write_results(results, out)
+    finish(results, out)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ fused-vs-eager runtime differences.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -24,10 +23,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from dist_worker import (GB, LR, SEED, STEPS, batches, compare, even_stages, reference, tp_layout_for,  # noqa: E402
                          units_of)
-from codegen.runtime.mesh import exit_process, init_distributed, teardown  # noqa: E402
+from codegen.runtime.mesh import init_distributed  # noqa: E402
 from codegen.runtime.train import parallelize  # noqa: E402
 from planner import zoo  # noqa: E402
 from planner.plan import ParallelConfig  # noqa: E402
+from worker_io import failure, finish, report  # noqa: E402
 
 SEQ = 32
 # (name, ParallelConfig kwargs, number of virtual stages)
@@ -106,19 +106,12 @@ def main() -> None:
                     results[key] = {"losses": losses, "ref_losses": ref_losses, "seconds": dt,
                                     **info, **compare(grads, ref_grads, losses, ref_losses)}
                 except Exception as exc:  # report, keep going
-                    import traceback
-                    traceback.print_exc()
-                    results[key] = {"error": f"{type(exc).__name__}: {exc}"}
-                if dist.get_rank() == 0:
-                    print(key, json.dumps(results[key])[:300], flush=True)
+                    results[key] = failure(exc)
+                report(key, results[key])
             if len(runs) == 2:  # the kernels against the eager runtime
                 (lk, gk), (le, ge) = runs["kernels"], runs["eager"]
                 results[f"{model_name}/{name}/vs-eager"] = compare(gk, ge, lk, le)
-    if dist.get_rank() == 0:
-        with open(out, "w") as fh:
-            json.dump(results, fh, indent=1)
-    teardown()
-    exit_process(0)  # the gloo exit abort (codegen/runtime/mesh.py)
+    finish(results, out)
 
 
 if __name__ == "__main__":
