@@ -152,7 +152,7 @@ def _act_bytes_io(layer: Layer, graph: ModelGraph, cfg: ParallelConfig) -> float
     return layer.input_bytes * cfg.mbs / graph.batch * DTYPE_BYTES[cfg.dtype] / graph.dtype_bytes / cfg.cp
 
 
-class _LayerCosts:
+class LayerCosts:
     """Per-layer forward/backward seconds incl. TP/CP communication, cached by signature."""
 
     def __init__(self, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, profile) -> None:
@@ -228,7 +228,7 @@ class _StageCost:
                           self.compute_fwd / speed, self.compute_bwd / speed, parts)
 
 
-def _stage_costs(graph: ModelGraph, partition: Partition, costs: _LayerCosts, comp_src: set,
+def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, comp_src: set,
                  comm_src: set) -> list[_StageCost]:
     """Per virtual stage: its layers' compute, TP/CP communication and recompute (sources noted)."""
     out = []
@@ -309,7 +309,7 @@ def _per_microbatch_dp(cfg: ParallelConfig) -> bool:
 
 
 def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
-             global_batch: int, *, profile=None, fast: bool = False, costs: "_LayerCosts | None" = None) -> Estimate:
+             global_batch: int, *, profile=None, fast: bool = False, costs: "LayerCosts | None" = None) -> Estimate:
     """Price one configuration with one stage split. ``fast`` uses the pipeline's closed
     form (an upper bound, exact for uniform stages) instead of simulating it. ``costs``
     shares per-layer costs between calls with the same tp, cp, mbs and sp (the search)."""
@@ -320,7 +320,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     m = microbatches(cfg, global_batch)
     if costs is None or (costs.cfg.tp, costs.cfg.cp, costs.cfg.mbs, costs.cfg.sp, costs.cfg.dtype) != (
             cfg.tp, cfg.cp, cfg.mbs, cfg.sp, cfg.dtype):
-        costs = _LayerCosts(graph, cluster, cfg, profile)
+        costs = LayerCosts(graph, cluster, cfg, profile)
     comp_src, comm_src = set(), set()
     stages = _stage_costs(graph, partition, costs, comp_src, comm_src)
 
@@ -394,7 +394,7 @@ def _pipeline(cfg: ParallelConfig, m: int, stages: list[_StageCost], p2p: float,
     sched, n_stages = cfg.schedule, len(fwd)
     if fast:
         pipe_s = pipe_mod.estimate_step(sched, cfg.pp, m, fwd, bwd, p2p=p2p, v=cfg.vpp)
-        inflight = [_inflight_closed(sched, cfg.pp, m, cfg.vpp, r) for r in range(cfg.pp)]
+        inflight = [inflight_closed(sched, cfg.pp, m, cfg.vpp, r) for r in range(cfg.pp)]
         bubble = 1.0 - m * sum(fwd[j] + bwd[j] for j in range(n_stages)) / cfg.pp / pipe_s
         return pipe_s, inflight, bubble, None
     result = pipe_mod.simulate(sched, cfg.pp, m, fwd, bwd, p2p=p2p, v=cfg.vpp)
@@ -412,7 +412,7 @@ def _shared_core_speedup(cluster: Cluster, cfg: ParallelConfig, bubble: float, r
     return core_speedup(cores, ranks, c_pp * ranks / cfg.pp)
 
 
-def _inflight_closed(schedule: str, p: int, m: int, v: int, r: int) -> int:
+def inflight_closed(schedule: str, p: int, m: int, v: int, r: int) -> int:
     """Peak in-flight (chunk, micro-batch) pairs on rank r, closed forms of the simulator's orders."""
     if schedule == "gpipe":
         return m

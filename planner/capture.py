@@ -308,14 +308,9 @@ def capture_fx(model: nn.Module, example: dict[str, Any] | tuple, *, name: str |
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     clone = _fake_copy(model, fake_mode, keep, {id(m) for _, m, stack in units if stack is not None})
     cmods = dict(clone.named_modules())
-    # Map the clone's (shortened) paths back to the original unit paths.
-    clone_units: list[tuple[str, nn.Module]] = []
-    for path, m, stack in units:
-        if id(m) in keep:
-            clone_units.append((path, None))  # filled below
-    # Paths inside shortened stacks changed position but kept their names (the keys).
+    # The units the clone kept; paths inside shortened stacks kept their names (the keys).
     recs: dict[str, _UnitRec] = {}
-    for path, _ in clone_units:
+    for path in (path for path, m, _ in units if id(m) in keep):
         if path not in cmods:
             raise AutoparError(f"capture: unit {path!r} not found in the model copy; "
                                "report this model to autopar")

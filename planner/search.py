@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from cost_models.cluster import Cluster
-from cost_models.estimate import Estimate, _LayerCosts, _inflight_closed, estimate
+from cost_models.estimate import Estimate, LayerCosts, inflight_closed, estimate
 from cost_models.pipeline import estimate_step
 from cost_models.memory import (DTYPE_BYTES, RESERVE_CPU, RESERVE_GPU, layer_activation, layer_params_local,
                                  per_param_bytes)
@@ -164,95 +164,144 @@ _DOMINATED_REASON = ("dominated (" + ", ".join(f"{k} by {v.split(':')[0]}" for k
                      + ": no faster, more memory)")
 
 
+@dataclass
+class _Space:
+    """One search: its inputs, the model's facts, the layer costs per (tp, cp, mbs, sp) and the
+    tallies (rejections, counts) every phase adds to."""
+    graph: ModelGraph
+    cluster: Cluster
+    global_batch: int
+    profile: object
+    facts: ModelFacts
+    dtype: str
+    loss: str
+    attention: str
+    rej: _Rejections
+    res: SearchResult
+    cost_cache: dict = field(default_factory=dict)
+
+    def costs(self, base: ParallelConfig) -> LayerCosts:
+        key = (base.tp, base.cp, base.mbs, base.sp)
+        if key not in self.cost_cache:
+            self.cost_cache[key] = LayerCosts(self.graph, self.cluster, base, self.profile)
+        return self.cost_cache[key]
+
+
+@dataclass(order=True)
+class _Tuple:
+    """(dp, pp, cp, tp, mbs) with its time floor (seconds), ordered by it."""
+    floor_s: float
+    dp: int
+    pp: int
+    cp: int
+    tp: int
+    mbs: int
+    m: int = field(compare=False)
+    n_var: int = field(compare=False)
+
+    @property
+    def label(self) -> str:
+        return f"dp={self.dp} pp={self.pp} cp={self.cp} tp={self.tp} mbs={self.mbs}"
+
+
 def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=None, top_k: int = 5,
            solve_top: int = 3, max_mbs: int = 8, dtype: str | None = None, loss: str = "eager",
            fixed: dict[str, int] | None = None, ilp_time_limit: float = 10.0,
            progress: Callable[[str], None] | None = None) -> SearchResult:
-    """Find the configuration with the best predicted step time that fits."""
+    """Find the configuration with the best predicted step time that fits: degree tuples with
+    their floors, then every variant's closed-form estimate on an even split, then the ILP
+    split and the simulated schedule for the best few."""
     t0 = time.perf_counter()
-    dtype = dtype or ("fp32" if cluster.backend == "gloo" else "bf16")
     facts = facts_of(graph)
     if "any" in facts.limits:
         raise AutoparError(f"{graph.name} cannot run on autopar's runtime: {facts.limits['any']}")
     if loss == "fused" and "fused_loss" in facts.limits:
         raise AutoparError(f"--loss fused: {facts.limits['fused_loss']}; plan with --loss eager")
-    rej = _Rejections()
-    is_gpu = cluster.backend != "gloo"
-    reserve = RESERVE_GPU if is_gpu else RESERVE_CPU
-    cap = cluster.memory_bytes
-    n_groups = facts.units
-    attention = "eager" if "flash_attention" in facts.limits else "flash"
     res = SearchResult(best=None, alternatives=[], rejected={}, rejected_counts={})  # type: ignore[arg-type]
-    cost_cache: dict[tuple, _LayerCosts] = {}
+    space = _Space(graph, cluster, global_batch, profile, facts,
+                   dtype or ("fp32" if cluster.backend == "gloo" else "bf16"), loss,
+                   "eager" if "flash_attention" in facts.limits else "flash", _Rejections(), res)
+    tuples = _tuples_with_floors(space, max_mbs, fixed)
+    if progress:
+        progress(f"{len(tuples)} degree tuples after the memory floor; {res.considered} configurations")
+    ranked = _ranked_variants(space, tuples)
+    _solve_best(space, ranked, solve_top, ilp_time_limit, top_k)
+    res.solve_s = time.perf_counter() - t0
+    return res
 
-    # ---- tuples with their floors ---------------------------------------------------
+
+def _tuples_with_floors(space: _Space, max_mbs: int, fixed: dict[str, int] | None) -> list[_Tuple]:
+    """Every (dp, pp, cp, tp, mbs) the structural rules allow, with a time floor (compute and
+    TP/CP communication per rank plus the best schedule's bubble); tuples whose memory floor
+    (FSDP states and full recompute) exceeds the device are rejected."""
+    g, res, rej = space.graph, space.res, space.rej
+    reserve = RESERVE_GPU if space.cluster.backend != "gloo" else RESERVE_CPU
+    cap = space.cluster.memory_bytes
     tuples = []
-    for dp, pp, cp, tp in degree_tuples(graph, cluster, global_batch, rej, fixed):
-        per_replica = global_batch // dp
+    for dp, pp, cp, tp in degree_tuples(g, space.cluster, space.global_batch, rej, fixed):
+        per_replica = space.global_batch // dp
         for mbs in [d for d in divisors(per_replica) if d <= max_mbs]:
             m = per_replica // mbs
             if pp > 1 and m < pp:  # the pipeline schedules need a micro-batch per stage at least
                 rej.add(f"{m} micro-batches for pp={pp}: the schedules need at least one per stage",
                         f"dp={dp} pp={pp} cp={cp} tp={tp} mbs={mbs}")
                 continue
-            sp = sp_problem(tp, cp, facts) is None
-            base = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, mbs=mbs, dtype=dtype, loss=loss, sp=sp,
-                                  attention=attention)
-            key = (tp, cp, mbs, sp)
-            costs = cost_cache.get(key)
-            if costs is None:
-                costs = cost_cache[key] = _LayerCosts(graph, cluster, base, profile)
+            base = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, mbs=mbs, dtype=space.dtype, loss=space.loss,
+                                  sp=sp_problem(tp, cp, space.facts) is None, attention=space.attention)
+            costs = space.costs(base)
             # per micro-batch: compute + TP/CP communication (on the critical path in every variant)
-            comp = sum(sum(costs.get(l)[:4]) for l in graph.layers)
-            t_rank = comp / pp
+            t_rank = sum(sum(costs.get(l)[:4]) for l in g.layers) / pp
             # bubble: no schedule here does better than interleaving with v = 4: (pp-1) t / 4
             floor_s = m * t_rank + (pp - 1) * t_rank / 4
             # memory floor: FSDP states (16 bytes/param over dp*cp) on the average rank
             table = costs.table(base)
-            states = sum(table.params) / pp * 16 / (dp * cp)
-            acts_full = min(table.act["full"])
-            mem_floor = states + acts_full + reserve
-            n_var = sum(1 for _ in _variants(dp, pp, cp, tp, mbs, m, n_groups, dtype, loss, facts))
+            mem_floor = sum(table.params) / pp * 16 / (dp * cp) + min(table.act["full"]) + reserve
+            n_var = sum(1 for _ in _variants(dp, pp, cp, tp, mbs, m, space.facts.units, space.dtype, space.loss,
+                                             space.facts))
             res.considered += n_var
-            label = f"dp={dp} pp={pp} cp={cp} tp={tp} mbs={mbs}"
+            t = _Tuple(floor_s, dp, pp, cp, tp, mbs, m, n_var)
             if mem_floor > cap:
                 rej.add(f"OOM even with FSDP + full recompute: needs >= {mem_floor / GiB:.1f} GiB of "
-                        f"{cap / GiB:.1f} GiB", label, n_var)
+                        f"{cap / GiB:.1f} GiB", t.label, n_var)
                 res.pruned += n_var
                 continue
-            tuples.append((floor_s, dp, pp, cp, tp, mbs, m, n_var, label))
-    tuples.sort()
-    if progress:
-        progress(f"{len(tuples)} degree tuples after the memory floor; {res.considered} configurations")
+            tuples.append(t)
+    return sorted(tuples)
 
-    # ---- variants, closed-form estimate on an even split ------------------------------
+
+def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, str, Estimate]]:
+    """Every variant (schedule, vpp, sharding, recompute, sp) of the tuples whose floors beat the
+    best step time found so far, priced with the closed-form pipeline on an even split; those
+    that fit, fastest first."""
+    g, res, rej = space.graph, space.res, space.rej
     ranked: list[tuple[float, str, Estimate]] = []
     best_s = math.inf
-    for floor_s, dp, pp, cp, tp, mbs, m, n_var, label in tuples:
-        if floor_s >= best_s:
-            rej.add("time floor above the best step time found", label, n_var)
-            res.pruned += n_var
+    for t in tuples:
+        if t.floor_s >= best_s:
+            rej.add("time floor above the best step time found", t.label, t.n_var)
+            res.pruned += t.n_var
             continue
         n_kept = 0
-        sp_default = sp_problem(tp, cp, facts) is None
-        costs = cost_cache[(tp, cp, mbs, sp_default)]
-        t_f = sum(costs.get(l)[0] for l in graph.layers) / pp
-        t_b = sum(costs.get(l)[1] for l in graph.layers) / pp
-        t_core = sum(costs.get(l)[4] for l in graph.layers) / pp
-        t_comm = sum(costs.get(l)[2] + costs.get(l)[3] for l in graph.layers) / pp
-        for cfg in _variants(dp, pp, cp, tp, mbs, m, n_groups, dtype, loss, facts, dominated=False):
+        sp_default = sp_problem(t.tp, t.cp, space.facts) is None
+        costs = space.cost_cache[(t.tp, t.cp, t.mbs, sp_default)]
+        t_f = sum(costs.get(l)[0] for l in g.layers) / t.pp
+        t_b = sum(costs.get(l)[1] for l in g.layers) / t.pp
+        t_core = sum(costs.get(l)[4] for l in g.layers) / t.pp
+        t_comm = sum(costs.get(l)[2] + costs.get(l)[3] for l in g.layers) / t.pp
+        for cfg in _variants(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, space.facts.units, space.dtype, space.loss,
+                             space.facts, dominated=False):
             n_kept += 1
             # variant floor: this schedule on perfectly balanced stages, with its recompute
             extra = {"none": 0.0, "selective": t_core, "full": t_f}[cfg.recompute]
             v = cfg.vpp
-            lb = estimate_step(cfg.schedule if pp > 1 else "1f1b", pp, m, (t_f + t_comm / 2) / v,
-                               (t_b + t_comm / 2 + extra) / v, v=v) if pp > 1 else m * (t_f + t_b + t_comm + extra)
+            lb = (estimate_step(cfg.schedule, t.pp, t.m, (t_f + t_comm / 2) / v, (t_b + t_comm / 2 + extra) / v, v=v)
+                  if t.pp > 1 else t.m * (t_f + t_b + t_comm + extra))
             if lb >= best_s:
                 rej.add("time floor above the best step time found", cfg.label())
                 res.pruned += 1
                 continue
-            part = even_split(graph, pp * cfg.vpp, cfg.recompute)
-            e = estimate(graph, cluster, cfg, part, global_batch, profile=profile, fast=True,
+            part = even_split(g, t.pp * cfg.vpp, cfg.recompute)
+            e = estimate(g, space.cluster, cfg, part, space.global_batch, profile=space.profile, fast=True,
                          costs=costs if cfg.sp == sp_default else None)
             res.estimated += 1
             if not e.fits:
@@ -261,36 +310,36 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
                 continue
             ranked.append((e.step_s, cfg.to_str(), e))
             best_s = min(best_s, e.step_s)
-        n_dom = n_var - n_kept
-        if n_dom:
-            rej.add(_DOMINATED_REASON, label, n_dom)
-            res.pruned += n_dom
+        if t.n_var - n_kept:
+            rej.add(_DOMINATED_REASON, t.label, t.n_var - n_kept)
+            res.pruned += t.n_var - n_kept
     if not ranked:
         res.rejected, res.rejected_counts = rej.examples, rej.counts
-        raise AutoparError(_nothing_fits(rej, cluster))
-    ranked.sort(key=lambda x: (x[0], x[1]))
+        raise AutoparError(_nothing_fits(rej, space.cluster))
+    return sorted(ranked, key=lambda x: (x[0], x[1]))
 
-    # ---- ILP stage split + full simulation for the best few --------------------------------
+
+def _solve_best(space: _Space, ranked: list[tuple[float, str, Estimate]], solve_top: int, ilp_time_limit: float,
+                top_k: int) -> None:
+    """The ILP stage split and the simulated schedule for the best ``solve_top``; the winner and
+    the runner-ups (solved ones first) go into ``space.res``."""
+    res = space.res
     finals: list[tuple[float, str, Estimate]] = []
     for _, key, e in ranked[:max(solve_top, 1)]:
-        cfg = e.config
-        e2, info = split_and_estimate(graph, cluster, cfg, global_batch, profile, ilp_time_limit)
+        e2, info = split_and_estimate(space.graph, space.cluster, e.config, space.global_batch, space.profile,
+                                      ilp_time_limit)
         res.fully_solved += 1
-        res.partition_info[cfg.to_str()] = info
+        res.partition_info[e.config.to_str()] = info
         if e2.fits:
             finals.append((e2.step_s, key, e2))
     finals.sort(key=lambda x: (x[0], x[1]))
     if not finals:
         finals = [ranked[0]]
     res.best = finals[0][2]
-    seen = {finals[0][1]}
-    alts = [x[2] for x in finals[1:]]
-    seen.update(x[1] for x in finals[1:])
-    alts += [x[2] for x in ranked if x[1] not in seen]
+    seen = {x[1] for x in finals}
+    alts = [x[2] for x in finals[1:]] + [x[2] for x in ranked if x[1] not in seen]
     res.alternatives = alts[:top_k]
-    res.rejected, res.rejected_counts = rej.examples, rej.counts
-    res.solve_s = time.perf_counter() - t0
-    return res
+    res.rejected, res.rejected_counts = space.rej.examples, space.rej.counts
 
 
 def _bucket(over: float) -> str:
@@ -352,7 +401,7 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
     from cost_models import comm as comm_mod
 
     mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
-    costs = _LayerCosts(graph, cluster, cfg.replace(recompute="none"), profile)  # recompute is priced below
+    costs = LayerCosts(graph, cluster, cfg.replace(recompute="none"), profile)  # recompute is priced below
     groups = graph.stage_groups()
     fwd, bwd, act, static, out_p2p, classes = [], [], [], [], [], []
     for g, (lo, hi) in enumerate(groups):
@@ -382,7 +431,7 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
     inflight = []
     for j in range(S):
         r = j % cfg.pp
-        inflight.append((_inflight_closed(sched, cfg.pp, m, cfg.vpp, r) if cfg.pp > 1 else 1) / cfg.vpp)
+        inflight.append((inflight_closed(sched, cfg.pp, m, cfg.vpp, r) if cfg.pp > 1 else 1) / cfg.vpp)
     reserve = RESERVE_GPU if cluster.backend != "gloo" else RESERVE_CPU
     return PartitionProblem(fwd=fwd, bwd=bwd, act=act, static=static, out_p2p=out_p2p, classes=classes, pp=cfg.pp,
                             v=cfg.vpp, m=m, schedule=sched, inflight=inflight,

@@ -37,7 +37,7 @@ from torch import nn
 
 from codegen.runtime.adapters.base import (IGNORE_INDEX, AttentionImpl, ModelAdapter, StageModule, Unit,
                                           has_submodule)
-from codegen.runtime.adapters.hf_stage import HFStage, register_attention, _view
+from codegen.runtime.adapters.hf_stage import HFStage, module_view, register_attention
 from codegen.runtime.recompute import SelectiveAttention
 
 _STYLES = {"colwise": "column", "rowwise": "row", "embedding_rowwise": "vocab_embed"}
@@ -356,7 +356,7 @@ def _post_processes_logits(adapter: HFAdapter) -> bool:
         def forward(self, h):
             return logits.clone()
 
-    view = _view(lm, {adapter.prefix: StubBase(), adapter.head_name: StubHead()})
+    view = module_view(lm, {adapter.prefix: StubBase(), adapter.head_name: StubHead()})
     try:
         with torch.no_grad():
             out = view(input_ids=torch.zeros(1, 2, dtype=torch.long), use_cache=False)

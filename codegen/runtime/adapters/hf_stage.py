@@ -77,7 +77,7 @@ class Placeholder(nn.Module):
         raise StageOutput(first)
 
 
-def _view(module: nn.Module, replace: dict[str, nn.Module], prefix: str = "") -> nn.Module:
+def module_view(module: nn.Module, replace: dict[str, nn.Module], prefix: str = "") -> nn.Module:
     """A shallow copy of ``module`` whose descendants at the paths of ``replace`` are swapped
     (copies are made only along those paths; everything else is the model's own module)."""
     out = copy.copy(module)
@@ -88,7 +88,7 @@ def _view(module: nn.Module, replace: dict[str, nn.Module], prefix: str = "") ->
         if path in replace:
             out._modules[name] = replace[path]
         elif child is not None and any(r.startswith(path + ".") for r in replace):
-            out._modules[name] = _view(child, replace, path + ".")
+            out._modules[name] = module_view(child, replace, path + ".")
     return out
 
 
@@ -120,10 +120,10 @@ class HFStage(StageModule):
             else:
                 mode = "stop" if i == last + 1 else "identity"
             replace[u] = Placeholder(mode, self, u)
-        object.__setattr__(self, "_view", _view(lm, replace))
+        object.__setattr__(self, "_view", module_view(lm, replace))
         # the last stage's view for the fused loss: the head hands its input over instead
         stop_head = dict(replace, **{adapter.head_name: Placeholder("stop", self, adapter.head_name)})
-        object.__setattr__(self, "_view_fused", _view(lm, stop_head) if self.is_last else None)
+        object.__setattr__(self, "_view_fused", module_view(lm, stop_head) if self.is_last else None)
 
     def received_as(self, name: str):
         """The received hidden state as the unit ``name`` would have output it: under
