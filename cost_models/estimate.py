@@ -103,6 +103,7 @@ class Estimate:
     sources: dict[str, str] = field(default_factory=dict)
     pipeline: Any = None              # PipelineResult (events) when simulated
     p2p_hop_s: float = 0.0            # one activation send between stages (the simulator's edge weight)
+    calibration: str = "uncalibrated"  # or what the profile's fitted coefficients were fitted on
 
     @property
     def fits(self) -> bool:
@@ -123,7 +124,7 @@ class Estimate:
             "memory": [m.to_dict() for m in self.memory], "capacity_gib": self.capacity / GiB,
             "breakdown": self.breakdown, "bubble_frac": self.bubble_frac,
             "stage_fwd_s": self.stage_fwd_s, "stage_bwd_s": self.stage_bwd_s, "p2p_hop_s": self.p2p_hop_s,
-            "source": self.source, "sources": self.sources,
+            "source": self.source, "sources": self.sources, "calibration": self.calibration,
             "partition": self.partition.to_dict(),
         }
 
@@ -210,6 +211,30 @@ class LayerCosts:
         return out
 
 
+@dataclass(frozen=True)
+class PassTimes:
+    """One layer, one micro-batch, under a recompute policy (seconds): what the pipeline runs
+    forward and backward (exposed TP / CP communication included), their compute parts, and
+    the recompute the backward carries."""
+    fwd: float
+    bwd: float
+    compute_fwd: float
+    compute_bwd: float
+    recompute: float
+
+
+def layer_pass_times(lf: float, lb: float, tp_s: float, cp_s: float, core_s: float, policy: str) -> PassTimes:
+    """The one per-layer stage-time rule the estimator and the ILP (planner/search.py) share,
+    from ``LayerCosts.get``'s figures: TP communication split evenly between forward and
+    backward, CP's exposed part 1:2 (the backward exchanges twice), and recompute added to the
+    backward - the whole forward again (communication included) for ``full``, the attention
+    core for ``selective``."""
+    fwd = lf + tp_s / 2 + cp_s / 3
+    extra = fwd if policy == "full" else (core_s if policy == "selective" else 0.0)
+    return PassTimes(fwd=fwd, bwd=lb + tp_s / 2 + 2 * cp_s / 3 + extra, compute_fwd=lf, compute_bwd=lb + extra,
+                     recompute=extra)
+
+
 @dataclass
 class _StageCost:
     """One virtual stage, one micro-batch: the times the pipeline runs (seconds, exposed TP/CP
@@ -240,15 +265,15 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
             comp_src.add(s1)
             if tp_s or cp_s:
                 comm_src.add(s2)
-            extra = (lf + tp_s / 2) if rc == "full" else (core_s if rc == "selective" else 0.0)
-            f += lf + tp_s / 2 + cp_s / 3
-            b += lb + tp_s / 2 + 2 * cp_s / 3 + extra
-            cf += lf
-            cb += lb + extra
+            t = layer_pass_times(lf, lb, tp_s, cp_s, core_s, rc)
+            f += t.fwd
+            b += t.bwd
+            cf += t.compute_fwd
+            cb += t.compute_bwd
             parts["compute"] += lf + lb
             parts["tp_comm"] += tp_s
             parts["cp_comm"] += cp_s
-            parts["recompute"] += extra
+            parts["recompute"] += t.recompute
         out.append(_StageCost(f, b, cf, cb, parts))
     return out
 
@@ -382,7 +407,15 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
         breakdown=breakdown, stage_fwd_s=[st.fwd for st in stages], stage_bwd_s=[st.bwd for st in stages],
         bubble_frac=max(0.0, bubble), source=src,
         sources={"compute": src, "comm": "profile" if comm_src == {"profile"} else ("model" if comm_src else "none")},
-        pipeline=result, p2p_hop_s=p2p)
+        pipeline=result, p2p_hop_s=p2p, calibration=calibration_note(profile))
+
+
+def calibration_note(profile) -> str:
+    """One line for plans and reports: whether the estimate uses fitted coefficients, and which."""
+    cal = calibration(profile)
+    if not cal:
+        return "uncalibrated"
+    return profile.calibration_source or "calibrated (autopar calibrate)"
 
 
 def _pipeline(cfg: ParallelConfig, m: int, stages: list[_StageCost], p2p: float, fast: bool):

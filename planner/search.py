@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from cost_models.cluster import Cluster
-from cost_models.estimate import Estimate, LayerCosts, inflight_closed, estimate
+from cost_models.estimate import Estimate, LayerCosts, estimate, inflight_closed, layer_pass_times
 from cost_models.pipeline import estimate_step
 from cost_models.memory import (DTYPE_BYTES, RESERVE_CPU, RESERVE_GPU, layer_activation, layer_params_local,
                                  per_param_bytes)
@@ -405,17 +405,18 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
     groups = graph.stage_groups()
     fwd, bwd, act, static, out_p2p, classes = [], [], [], [], [], []
     for g, (lo, hi) in enumerate(groups):
-        f = b = core = 0.0
+        f = {p: 0.0 for p in RECOMPUTES}
+        b = {p: 0.0 for p in RECOMPUTES}
         a = {p: 0.0 for p in RECOMPUTES}
         for l in graph.layers[lo:hi]:
-            f_, b_, tp_s, cp_s, core_s, _, _ = costs.get(l)
-            f += f_ + tp_s / 2 + cp_s / 3
-            b += b_ + tp_s / 2 + 2 * cp_s / 3
-            core += core_s
+            lf, lb, tp_s, cp_s, core_s, _, _ = costs.get(l)
             for p in RECOMPUTES:
+                t = layer_pass_times(lf, lb, tp_s, cp_s, core_s, p)
+                f[p] += t.fwd
+                b[p] += t.bwd
                 a[p] += layer_activation(l, graph, cfg, p)
-        fwd.append({p: f for p in RECOMPUTES})
-        bwd.append({"none": b, "selective": b + core, "full": b + f})
+        fwd.append(f)
+        bwd.append(b)
         act.append(a)
         static.append(sum(layer_params_local(l, cfg.tp, cfg.pp) for l in graph.layers[lo:hi]) * per_param)
         classes.append("|".join(l.signature for l in graph.layers[lo:hi]))

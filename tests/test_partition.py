@@ -233,3 +233,28 @@ def test_highs_matches_cbc() -> None:
     b = solve_partition(pr, solver="highs", time_limit=3)
     assert b.solver == "highs" and a.solver == "cbc"
     assert b.objective_s == pytest.approx(a.objective_s, rel=1e-3)
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_ilp_and_estimator_price_a_stage_alike(policy: str) -> None:
+    """One per-stage time rule (cost_models.estimate.layer_pass_times): the ILP's per-group
+    forward / backward times summed over a stage equal the estimator's stage times, recompute
+    and exposed CP traffic included (they once charged full recompute differently)."""
+    from cost_models.cluster import parse_cluster
+    from cost_models.estimate import estimate
+    from planner.frontend import load_graph
+    from planner.plan import ParallelConfig
+    from planner.search import even_split, partition_problem
+
+    graph = load_graph("llama-tiny", seq_len=32)
+    cluster = parse_cluster("dgx-h100")
+    cfg = ParallelConfig(pp=2, cp=2, tp=2, schedule="1f1b", recompute=policy, dtype="bf16")
+    prob = partition_problem(graph, cluster, cfg, 8)
+    part = even_split(graph, 2, policy)
+    e = estimate(graph, cluster, cfg, part, 8)
+    groups = graph.stage_groups()
+    assert e.breakdown["cp_comm"] > 0 and (policy == "none" or e.breakdown["recompute"] > 0)
+    for j, (lo, hi) in enumerate(part.bounds):
+        mine = [g for g, (a, b) in enumerate(groups) if lo <= a and b <= hi]
+        assert sum(prob.fwd[g][policy] for g in mine) == pytest.approx(e.stage_fwd_s[j], rel=1e-9)
+        assert sum(prob.bwd[g][policy] for g in mine) == pytest.approx(e.stage_bwd_s[j], rel=1e-9)
