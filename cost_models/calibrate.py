@@ -163,13 +163,16 @@ def sample_from_run(plan_path: str, log_path: str, *, load_graph: Callable[..., 
 
 # ----------------------------------------------------------------------------- predicting
 
-def with_calibration(profile: ProfileDB | None, cal: dict[str, float], cluster: Cluster) -> ProfileDB:
-    """A shallow copy of ``profile`` carrying ``cal`` (an empty profile when there is none)."""
+def with_calibration(profile: ProfileDB | None, cal: dict[str, float], cluster: Cluster,
+                     source: str = "") -> ProfileDB:
+    """A shallow copy of ``profile`` carrying ``cal`` (an empty profile when there is none) and
+    ``source``, one line on what it was fitted on."""
     if profile is None:
         p = ProfileDB(cluster_fingerprint=cluster.fingerprint(), backend=cluster.backend, world=cluster.world)
     else:
         p = copy.copy(profile)
     p.calibration = dict(cal)
+    p.calibration_source = source
     return p
 
 
@@ -200,8 +203,9 @@ def _kinds_used(samples: Sequence[RunSample], profile: ProfileDB | None) -> list
 class _Space:
     """Coefficients <-> an unconstrained vector (logs, a logit for overlap)."""
 
-    def __init__(self, keys: Sequence[str], kinds: Sequence[str], base: dict[str, float], ref_s: float):
-        self.keys, self.kinds, self.base, self.ref_s = list(keys), list(kinds), base, ref_s
+    def __init__(self, keys: Sequence[str], kinds: Sequence[str], base: dict[str, float], ref_s: float,
+                 prior: float = PRIOR):
+        self.keys, self.kinds, self.base, self.ref_s, self.prior = list(keys), list(kinds), base, ref_s, prior
 
     def x0(self) -> list[float]:
         return [0.0] * (len(self.keys) + len(self.kinds))
@@ -226,7 +230,7 @@ class _Space:
 
     def penalty(self, x: Sequence[float]) -> float:
         main = sum(v * v for v in x[:len(self.keys)])  # overhead: (overhead / median step)^2
-        return PRIOR * main + KIND_PRIOR * sum(v * v for v in x[len(self.keys):])
+        return self.prior * main + KIND_PRIOR * sum(v * v for v in x[len(self.keys):])
 
 
 def nelder_mead(f: Callable[[list[float]], float], x0: list[float], step: float = 0.5, iters: int = 400,
@@ -264,8 +268,10 @@ def nelder_mead(f: Callable[[list[float]], float], x0: list[float], step: float 
 
 
 def fit(samples: Sequence[RunSample], profile: ProfileDB | None, *, keys: Sequence[str] = TIME_KEYS,
-        per_kind: bool = True, memory: bool = True) -> dict[str, float]:
-    """Coefficients minimising the step-time error of ``samples`` (module docstring)."""
+        per_kind: bool = True, memory: bool = True, prior: float = PRIOR) -> dict[str, float]:
+    """Coefficients minimising the step-time error of ``samples`` (module docstring); ``prior``:
+    the weight pulling each coefficient to its uncalibrated value (weaker for designed runs
+    that identify every fitted coefficient, as the first-run machine profile's)."""
     if not samples:
         raise CalibrationError("no runs to calibrate on: pass at least one --run-log")
     for k in keys:
@@ -275,7 +281,7 @@ def fit(samples: Sequence[RunSample], profile: ProfileDB | None, *, keys: Sequen
     base = _defaults(cluster)
     kinds = _kinds_used(samples, profile) if per_kind and "comm_scale" in keys else []
     ref = statistics.median(s.measured_step_s for s in samples)
-    space = _Space(keys, kinds, base, ref)
+    space = _Space(keys, kinds, base, ref, prior)
     logm = [math.log(s.measured_step_s) for s in samples]
 
     def loss(x: list[float]) -> float:

@@ -102,6 +102,7 @@ class ProfileDB:
     layers: dict[str, list[LayerSample]] = field(default_factory=dict)
     version: int = PROFILE_VERSION
     calibration: dict[str, float] = field(default_factory=dict)  # fitted by `autopar calibrate`
+    calibration_source: str = ""  # one line: what the calibration was fitted on (shown in plans)
 
     # ---- building ----------------------------------------------------------------
     def add_collective(self, kind: str, group_size: int, link: str, nbytes: int, seconds: float) -> None:
@@ -138,6 +139,8 @@ class ProfileDB:
         }
         if self.calibration:
             d["calibration"] = {str(k): float(v) for k, v in sorted(self.calibration.items())}
+        if self.calibration_source:
+            d["calibration_source"] = self.calibration_source
         return d
 
     @classmethod
@@ -164,7 +167,8 @@ class ProfileDB:
                 raise ValueError("calibration holds a non-finite coefficient")
             return cls(cluster_fingerprint=str(data["cluster_fingerprint"]), backend=str(data["backend"]),
                        world=int(data["world"]), collectives=collectives, layers=layers, version=version,
-                       calibration=calibration)
+                       calibration=calibration,
+                       calibration_source=str(data.get("calibration_source") or ""))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"{source}: malformed profile ({type(e).__name__}: {e}): run `autopar profile` again") from None
 

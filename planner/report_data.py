@@ -237,6 +237,7 @@ def summary_rows(r: Report) -> list[tuple[str, str, str, Any]]:
         ("peak_memory_gib", "peak memory", f"{max(e.get('memory_gib') or [0]):.2f} of {e.get('capacity_gib', 0):.2f} GiB",
          max(e.get("memory_gib") or [0])),
         ("source", "source of the figures", src_txt, src),
+        ("calibration", "calibration", e.get("calibration", "uncalibrated"), e.get("calibration", "uncalibrated")),
     ]
 
 
