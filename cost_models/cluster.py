@@ -54,7 +54,7 @@ A relative ``profile`` path is resolved against the TOML file's folder.
 
 Cluster specs accepted by :func:`parse_cluster`: ``PRESET`` (one node),
 ``PRESET:N`` (N nodes), ``local-cpu:N`` (N gloo processes on this machine, figures
-measured by :meth:`Cluster.detect`) or a path to a ``.toml`` file.
+measured by :meth:`Cluster.detect`; ``local-cpu`` alone: one process per core) or a path to a ``.toml`` file.
 
 Every bad input raises :class:`ClusterError` with a one-line message naming the
 problem and the fix.
@@ -390,10 +390,8 @@ def parse_cluster(spec: str) -> Cluster:
     if spec.endswith(".toml") or os.sep in spec or os.path.isfile(spec):
         return Cluster.from_toml(spec)
     name, sep, count = spec.partition(":")
-    if name == "local-cpu":
-        if not sep:
-            raise ClusterError("local-cpu needs a process count: use local-cpu:N, e.g. local-cpu:2")
-        n = _parse_count(count, spec, "processes")
+    if name == "local-cpu":  # without a count: one process per core, so no rank waits for a core
+        n = _parse_count(count, spec, "processes") if sep else _cpu_count()
         c = _detect_cached(n)
         return Cluster.from_dict(c.to_dict(), source=spec)  # a fresh copy callers may mutate
     nodes = _parse_count(count, spec, "nodes") if sep else 1

@@ -81,7 +81,8 @@ def auto_parallelize(model: nn.Module, example_batch: dict[str, torch.Tensor], l
     ``plan`` uses a plan file instead of planning; ``loss_fn(logits, labels) -> summed loss``
     replaces the token cross-entropy of a plain module (``module_spec`` =
     ``codegen.runtime.adapters.module.ModuleSpec(blocks=..., before=..., after=..., loss=...)``
-    names its units explicitly).
+    names its units explicitly). Without ``profile``, a plan for this machine's CPUs uses its
+    cached first-run calibration when there is one (``autopar plan`` or ``autopar demo`` make it).
     """
     import torch.distributed as dist
 
@@ -159,7 +160,12 @@ def _plan_on_rank0(model, example, cluster, world, gb, spec, profile, plan_path,
     else:
         graph = graph_of(model, example, name=name, seq_len=seq, hidden=getattr(cfg, "hidden", None),
                          vocab=getattr(cfg, "vocab", None))
-    prof = ProfileDB.load(profile) if profile else None
+    if profile:
+        prof = ProfileDB.load(profile)
+    else:  # this machine's cached calibration; profiling it would launch processes inside this job
+        from planner.machine_calibration import machine_profile
+
+        prof = machine_profile(c, allow_profile=False)[0]
     p, _ = plan_model(graph, c, gb, spec=spec or name, cluster_spec=c.name, profile=prof)
     return p
 

@@ -138,6 +138,12 @@ def _load_inputs(args: argparse.Namespace):
             raise AutoparError(f"profile {prof_path} was measured on another cluster "
                                f"({profile.cluster_fingerprint} != {cluster.fingerprint()}): profile this cluster "
                                "with `autopar profile`")
+    elif cluster.detected:
+        from planner.machine_calibration import machine_profile
+
+        profile, note = machine_profile(cluster, enabled=not getattr(args, "no_calibrate", False),
+                                        progress=_progress)
+        _progress(note)
     graph = load_graph(args.model, batch=1, seq_len=args.seq_len)
     return graph, cluster, profile
 
@@ -281,29 +287,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    import os
+    from planner.demo import run_demo, summary_lines
 
-    from cost_models.cluster import parse_cluster
-    from planner.frontend import load_graph
-    from planner.plan import write_atomic
-    from planner.planning import plan_model
-
-    os.makedirs(args.dir, exist_ok=True)
-    plan_path = os.path.join(args.dir, "plan.json")
-    cluster = parse_cluster(args.cluster)
-    graph = load_graph(args.model, batch=1, seq_len=args.seq_len)
-    _progress(f"planning {graph.name} ({graph.params / 1e6:.0f} M parameters, seq {graph.seq_len}) "
-              f"for {cluster.name}, global batch {args.global_batch}")
-    plan, res = plan_model(graph, cluster, args.global_batch, spec=args.model, cluster_spec=args.cluster)
-    write_atomic(plan_path, plan.to_json(), force=True)
-    _progress(f"plan: {res.best.config.label()}, predicted {res.best.step_s:.3f} s/step "
-              f"({res.considered} configurations, {res.solve_s:.2f} s); running {args.steps} steps")
-    if os.path.exists(os.path.join(args.dir, "train_log.jsonl")):
-        os.remove(os.path.join(args.dir, "train_log.jsonl"))
-    rc, log = run_plan(plan_path, steps=args.steps, run_dir=args.dir)
-    if rc != 0:
-        raise AutoparError(f"the training job failed (torchrun exit {rc}); its output is above")
-    _print_comparison(compare_run(plan_path, log))
+    r = run_demo(args.model, args.cluster, args.global_batch, args.seq_len, args.steps, args.dir, lr=args.lr,
+                 calibrate=not args.no_calibrate, progress=_progress)
+    for line in summary_lines(r):
+        print(line)
     return 0
 
 
@@ -329,6 +318,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     copy the plan beside it). Logs of the same plan are pooled (median of their medians)."""
     import math
     import os
+    import time
 
     from cost_models import calibrate as cal
     from cost_models.cluster import parse_cluster
@@ -356,6 +346,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     rows = cal.leave_one_out(samples, profile, keys=keys) if len(samples) > 1 and not args.no_loo else []
     out = args.out or args.profile
     profile.calibration = fitted
+    profile.calibration_source = (f"calibrated by autopar calibrate on {len(samples)} run(s) "
+                                  f"({time.strftime('%Y-%m-%d', time.gmtime())})")
     profile.to_json(out)
     report = {"runs": len(samples), "calibration": fitted, "profile": out, "leave_one_out": [
         {k: r[k] for k in ("name", "measured_step_s", "predicted_step_s", "heldout_step_s",
@@ -388,6 +380,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", required=True, help="preset[:nodes] (dgx-h100:128), local-cpu:N or cluster.toml")
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--profile", default=None, help="profile.json measured by `autopar profile`")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="local-cpu: plan uncalibrated instead of with this machine's cached calibration "
+                        "(profiled on first use, about 15-30 s)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -442,11 +437,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("demo", help="plan a model for this machine, run it, compare predicted and measured")
-    p.add_argument("--model", default="gpt-small")
-    p.add_argument("--cluster", default="local-cpu:4")
-    p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--model", default="gpt-mini")
+    p.add_argument("--cluster", default="local-cpu", help="local-cpu (one process per core) or local-cpu:N")
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate of the run and the baseline")
+    p.add_argument("--no-calibrate", action="store_true", help="plan uncalibrated (no machine profile)")
     p.add_argument("--dir", default="runs/demo")
     p.set_defaults(fn=cmd_demo)
 

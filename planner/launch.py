@@ -86,7 +86,7 @@ def run_plan(plan_path: str, *, steps: int, run_dir: str, ckpt_every: int = 0, m
     rc = 1
     for attempt in range(max_restarts + 1):
         env["AUTOPAR_ATTEMPT"] = str(attempt)
-        rc = _run_killable(torchrun_cmd(plan.config.world, worker), env, timeout_s)
+        rc = run_killable(torchrun_cmd(plan.config.world, worker), env, timeout_s)
         if rc == 0:
             break
         if attempt < max_restarts:
@@ -94,7 +94,25 @@ def run_plan(plan_path: str, *, steps: int, run_dir: str, ckpt_every: int = 0, m
     return rc, log
 
 
-def _run_killable(cmd: list[str], env: dict, timeout_s: float | None) -> int:
+def launch_timed_runs(plan_paths: list[str], out: str, *, world: int, steps: int, warmup: int,
+                      timeout_s: float) -> list[dict]:
+    """Time ``steps`` steps of each plan (all of ``world`` processes) in one torchrun launch
+    (``codegen/runtime/timed_runs.py``); returns its per-plan records."""
+    import json
+    import os
+
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    cmd = torchrun_cmd(world, ["-m", "codegen.runtime.timed_runs", out, *plan_paths, "--steps", str(steps),
+                               "--warmup", str(warmup)])
+    rc = run_killable(cmd, env, timeout_s)
+    if rc != 0 or not os.path.exists(out):
+        raise AutoparError(f"the calibration runs failed (torchrun exit {rc}; output above): plan with "
+                           "--no-calibrate, or set AUTOPAR_CALIBRATE=0")
+    with open(out, encoding="utf-8") as f:
+        return json.load(f)["runs"]
+
+
+def run_killable(cmd: list[str], env: dict, timeout_s: float | None) -> int:
     """Run ``cmd`` in its own process group; past ``timeout_s`` kill the whole group (rc 124)."""
     import os
     import signal

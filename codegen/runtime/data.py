@@ -1,4 +1,4 @@
-"""Training data for emitted programs: a deterministic synthetic batch, or a user hook.
+"""Training data for emitted programs: a deterministic, learnable synthetic batch, or a user hook.
 
 Every rank builds the same global batch for a step (``ParallelModel.step`` takes the
 global batch and each rank cuts its dp / cp share), so the data depends only on the
@@ -7,6 +7,7 @@ seed and the step: a resumed run sees exactly the batches an uninterrupted one s
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Callable
 
 import torch
@@ -16,16 +17,47 @@ from planner.zoo.spec import FUNC_SPEC as _HOOK
 DataFn = Callable[[int], dict]
 
 
+FOLLOW_P = 0.9  # chance that the next synthetic token is the current token's fixed successor
+
+
+def successor_table(vocab: int, seed: int = 0) -> torch.Tensor:
+    """The synthetic source's fixed successor of every token (a random permutation of the
+    vocabulary, the same for every step and rank of a run)."""
+    return torch.randperm(vocab, generator=torch.Generator().manual_seed(seed * 1_000_003 + 7919))
+
+
+def entropy_floor(vocab: int) -> float:
+    """Per-token entropy of the synthetic source in nats: the lowest mean loss a model can
+    reach on it (uniform tokens would give ``ln(vocab)``)."""
+    hit = FOLLOW_P + (1 - FOLLOW_P) / vocab
+    miss = (1 - FOLLOW_P) / vocab
+    return -(hit * math.log(hit) + (vocab - 1) * miss * math.log(miss))
+
+
+def markov_tokens(succ: torch.Tensor, rows: int, length: int, g: torch.Generator) -> torch.Tensor:
+    """``rows x length`` tokens of the first-order Markov source: a uniform first token, then
+    each token is ``succ[previous]`` with probability ``FOLLOW_P``, else uniform."""
+    vocab = succ.numel()
+    noise = torch.randint(0, vocab, (rows, length), generator=g)
+    follow = torch.rand(rows, length, generator=g) < FOLLOW_P
+    out = noise.clone()
+    for t in range(1, length):
+        out[:, t] = torch.where(follow[:, t], succ[out[:, t - 1]], noise[:, t])
+    return out
+
+
 def synthetic(vocab: int, global_batch: int, seq_len: int, seed: int = 0, *, mllm=None,
               model_shifts_labels: bool = False) -> DataFn:
-    """``step -> batch``: uniform random tokens; ``labels`` are the next tokens (``input_ids``
-    itself when ``model_shifts_labels``: a transformers causal LM shifts them), images for the
-    MLLM (``mllm``: its zoo config)."""
+    """``step -> batch`` of learnable synthetic text (:func:`markov_tokens`: a model's loss falls
+    from ``ln(vocab)`` toward :func:`entropy_floor` as it learns the successor table);
+    ``labels`` are the next tokens (``input_ids`` itself when ``model_shifts_labels``: a
+    transformers causal LM shifts them), images for the MLLM (``mllm``: its zoo config)."""
+    succ = successor_table(vocab, seed)
 
     def batch(step: int) -> dict:
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
         text = seq_len - (mllm.num_patches if mllm is not None else 0)
-        ids = torch.randint(0, vocab, (global_batch, text + 1), generator=g)
+        ids = markov_tokens(succ, global_batch, text + 1, g)
         if model_shifts_labels:
             out = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, :-1].contiguous()}
         else:

@@ -1,0 +1,80 @@
+"""Time a few training steps of several plans in one torchrun launch (the first-run calibration).
+
+``python -m torch.distributed.run --nproc-per-node N -m codegen.runtime.timed_runs OUT.json
+PLAN.json [PLAN.json ...] --steps K``: every plan (all of world size N, zoo models) is built,
+parallelised exactly as its emitted program does (``parallelize`` with the plan's stages,
+recompute, TP layout and facts) and trained for ``warmup + K`` steps on the synthetic data;
+then it is torn down and the next one built, so N processes start once for all of them.
+Rank 0 writes ``{"runs": [{"plan", "step_s": [K floats], "memory_gib": [per rank]}]}``.
+
+Step time is wall seconds per optimizer step on rank 0 after a barrier (the ranks start each
+step together, as the emitted program's steps do after the first); memory is every rank's peak
+RSS at the end of the plan's steps (GiB; it only grows, so later plans report the maximum so
+far - the first plan's figure is the one to compare).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+
+from codegen.runtime.data import synthetic
+from codegen.runtime.mesh import exit_process, init_distributed, teardown
+from codegen.runtime.train import parallelize
+from planner import zoo
+from planner.plan import Plan
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident set size in GiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def time_plan(plan: Plan, device: torch.device, steps: int, warmup: int, lr: float) -> dict:
+    """Build ``plan``'s parallel model on this rank, train ``warmup + steps`` steps, tear it down."""
+    spec = zoo.load_model_spec(plan.model["spec"])
+    model = spec.build("meta")
+    gb, seq = int(plan.batch["global"]), int(plan.batch["seq_len"])
+    pm = parallelize(model, plan.config, [s["layers"] for s in plan.stages], [s["recompute"] for s in plan.stages],
+                     dict(plan.tp_layout), gb, seq, device, seed=0, facts=plan.facts,
+                     optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1))
+    data = synthetic(int(plan.model["vocab"]), gb, seq, 0)
+    times = []
+    for step in range(warmup + steps):
+        batch = data(step)
+        dist.barrier()
+        t0 = time.perf_counter()
+        pm.step(batch)
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+    mem = torch.tensor([0.0] * dist.get_world_size())
+    mem[dist.get_rank()] = peak_rss_gib()
+    dist.all_reduce(mem)
+    pm.close()
+    return {"plan": plan.config.label(), "step_s": times, "memory_gib": mem.tolist()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("plans", nargs="+")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    args = ap.parse_args(argv)
+    device = init_distributed()
+    runs = [time_plan(Plan.load(p), device, args.steps, args.warmup, args.lr) for p in args.plans]
+    if dist.get_rank() == 0:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({"runs": runs}, f)
+    teardown()
+    exit_process(0)
+    return 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""Calibrated out of the box: a short profile of this machine on first use, cached per machine.
+
+The CPU cost model (roofline figures measured by ``Cluster.detect``, the shared-cores terms,
+gloo link defaults) is uncalibrated: the Python, autograd, gloo and optimizer overheads of a
+real step are not in it. The first plan for a ``local-cpu`` cluster on a machine therefore
+runs a short profile (about 20-30 s on 2 cores): the reference model ``REFERENCE_MODEL``
+trained for a few steps under every layout family this machine can run (DP, TP + SP, PP
+1F1B; :func:`reference_configs`), all in one torchrun launch of one process per core
+(``codegen/runtime/timed_runs.py``). ``cost_models.calibrate.fit`` fits the time and
+memory coefficients to those runs and the result is cached in the user's cache directory
+(``$AUTOPAR_CACHE_DIR``, else ``$XDG_CACHE_HOME/autopar``, else ``~/.cache/autopar``) under
+the machine's fingerprint (CPU model, cores, memory, torch version). Later plans on the
+machine reuse it, for any process count; every plan records whether it is calibrated
+(``Plan.estimate["calibration"]``).
+
+The reference model is not the demo's (``gpt-mini``) and not the user's: the coefficients
+are the machine's, and a plan's prediction for another model is a real prediction. An
+explicit ``--profile`` wins over the cache; ``--no-calibrate`` (or ``AUTOPAR_CALIBRATE=0``)
+plans uncalibrated and never launches anything.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from cost_models.cluster import Cluster
+from planner.errors import AutoparError
+from planner.plan import ParallelConfig
+
+REFERENCE_MODEL = "llama-mini"   # planner/zoo/config.py
+REFERENCE_BATCH = 8              # sequences per step (its preset length, 96 tokens each)
+STEPS, WARMUP = 4, 2             # timed and untimed steps per reference layout
+TIMEOUT_S = 120.0                # the profile is killed past this
+CACHE_VERSION = 1
+
+
+@dataclass
+class MachineCalibration:
+    """The fitted coefficients of one machine and what they were fitted on."""
+    machine: str                      # machine fingerprint (16 hex digits)
+    device: str                       # Cluster.device.name of the profiled cluster
+    world: int                        # processes the reference runs used
+    calibration: dict[str, float]     # cost_models.calibrate coefficients
+    runs: list[dict]                  # per reference layout: label, measured and fitted step seconds
+    created: str                      # UTC time of the profile
+    profile_s: float                  # wall seconds the profile took
+    version: int = CACHE_VERSION
+
+    def describe(self) -> str:
+        fit = ", ".join(f"{r['label']} {r['measured_s']:.3g}/{r['fitted_s']:.3g} s" for r in self.runs)
+        return (f"calibrated on this machine ({self.created}, {len(self.runs)} reference runs of "
+                f"{REFERENCE_MODEL} on {self.world} processes; measured/fitted {fit})")
+
+
+def cache_dir() -> Path:
+    """Where calibrations are cached (module docstring)."""
+    if os.environ.get("AUTOPAR_CACHE_DIR"):
+        return Path(os.environ["AUTOPAR_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "autopar"
+
+
+def machine_fingerprint(cluster: Cluster) -> str:
+    """16 hex digits naming this machine for the cache: the detected device (CPU model, cores,
+    memory), which the local cluster's fingerprint also covers, and the torch version (its
+    kernels and overheads are part of what is calibrated)."""
+    import torch
+
+    ram = round(cluster.device.memory_gib * cluster.devices_per_node, 1)
+    blob = json.dumps([cluster.device.name, ram, torch.__version__])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def cache_path(cluster: Cluster) -> Path:
+    return cache_dir() / f"machine-{machine_fingerprint(cluster)}.json"
+
+
+def load_cached(cluster: Cluster) -> MachineCalibration | None:
+    """The cached calibration of this machine, or None (none yet, or written by another version)."""
+    p = cache_path(cluster)
+    try:
+        d = json.loads(p.read_text(encoding="utf-8"))
+        mc = MachineCalibration(**d)
+    except (OSError, ValueError, TypeError):
+        return None
+    if mc.version != CACHE_VERSION or mc.machine != machine_fingerprint(cluster):
+        return None
+    return mc
+
+
+def reference_configs(world: int) -> list[ParallelConfig]:
+    """The layouts the profile runs on ``world`` processes: pure DP, and where the world is
+    even TP2 + SP and PP2 (1F1B, 4 micro-batches) beside DP on the rest - one of each family
+    the search picks from, each with the micro-batch size the search would give it."""
+    def cfg(dp: int, **kw) -> ParallelConfig:
+        return ParallelConfig(dp=dp, zero="ddp", dtype="fp32", mbs=kw.pop("mbs", REFERENCE_BATCH // dp), **kw)
+
+    if world == 1 or world % 2:
+        return [cfg(world)]
+    rest = world // 2
+    return [cfg(world), cfg(rest, tp=2, sp=True),
+            cfg(rest, pp=2, schedule="1f1b", mbs=max(1, REFERENCE_BATCH // (rest * 4)))]
+
+
+def profile_world(cores: int) -> int:
+    """Processes the profile runs: one per core, as 1, 2 or 4 (the reference batch splits that way)."""
+    return 4 if cores >= 4 else (2 if cores >= 2 else 1)
+
+
+# What three layouts identify: compute speed (all), per-collective latency (TP: hundreds of small
+# collectives), bandwidth (DP), fixed per-step cost. Per-kind factors would over-fit three runs.
+FIT_KEYS = ("compute_scale", "comm_scale", "comm_latency_s", "step_overhead_s")
+FIT_PRIOR = 1e-4  # a hundredth of autopar calibrate's: the reference layouts are designed to identify FIT_KEYS
+
+
+def run_profile(progress: Callable[[str], None] | None = None) -> MachineCalibration:
+    """Profile this machine (module docstring), fit, write the cache; returns the calibration."""
+    from cost_models import calibrate as cal
+    from cost_models.cluster import parse_cluster
+    from planner.frontend import load_graph
+    from planner.launch import launch_timed_runs
+
+    t0 = time.perf_counter()
+    probe = parse_cluster("local-cpu")
+    world = profile_world(probe.cores_per_node or probe.world)
+    spec = f"local-cpu:{world}"
+    cluster = parse_cluster(spec)
+    graph = load_graph(REFERENCE_MODEL)
+    if progress:
+        progress(f"first plan on this machine: profiling it ({REFERENCE_MODEL}, {world} processes, "
+                 f"{len(reference_configs(world))} layouts; cached for later plans)")
+    with tempfile.TemporaryDirectory(prefix="autopar-profile-") as tmp:
+        paths, estimates = _reference_plans(graph, cluster, spec, tmp)
+        runs = launch_timed_runs(paths, os.path.join(tmp, "runs.json"), world=world, steps=STEPS,
+                                 warmup=WARMUP, timeout_s=TIMEOUT_S)
+    samples = [_sample(graph, cluster, e, r, first=i == 0) for i, (e, r) in enumerate(zip(estimates, runs))]
+    fitted = cal.fit(samples, None, keys=FIT_KEYS, per_kind=False, prior=FIT_PRIOR)
+    rows = [{"label": s.name, "measured_s": round(s.measured_step_s, 4),
+             "uncalibrated_s": round(cal.predict(s, None, {}).step_s, 4),
+             "fitted_s": round(cal.predict(s, None, fitted).step_s, 4)} for s in samples]
+    mc = MachineCalibration(machine=machine_fingerprint(cluster), device=cluster.device.name, world=world,
+                            calibration=fitted, runs=rows,
+                            created=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                            profile_s=round(time.perf_counter() - t0, 1))
+    save_cached(cluster, mc)
+    return mc
+
+
+def _reference_plans(graph, cluster: Cluster, spec: str, folder: str):
+    """Plan files of the reference layouts on an even split (what the runs execute) and their estimates."""
+    from planner.planning import build_plan, evaluate_config
+
+    paths, estimates = [], []
+    for i, cfg in enumerate(reference_configs(cluster.world)):
+        e, problems = evaluate_config(graph, cluster, cfg, REFERENCE_BATCH, even_split=True)
+        if problems:  # the reference model is chosen so this cannot happen: a bug, say so
+            raise AutoparError(f"reference layout {cfg.label()} cannot run: {'; '.join(problems)}")
+        plan = build_plan(graph, cluster, e, spec=REFERENCE_MODEL, cluster_spec=spec)
+        paths.append(os.path.join(folder, f"ref{i}.json"))
+        plan.save(paths[-1])
+        estimates.append(e)
+    return paths, estimates
+
+
+def _sample(graph, cluster: Cluster, e, run: dict, first: bool):
+    """A calibration sample of one reference run (memory only from the first layout run: peak
+    RSS never falls, so the later ones carry the earlier layouts' peaks)."""
+    from cost_models.calibrate import RunSample, per_stage_memory
+
+    return RunSample(name=e.config.label(), graph=graph, cluster=cluster, config=e.config,
+                     partition=e.partition, global_batch=REFERENCE_BATCH,
+                     measured_step_s=statistics.median(run["step_s"]), step_times=list(run["step_s"]),
+                     measured_mem_gib=per_stage_memory(e.config, run["memory_gib"]) if first else [])
+
+
+def save_cached(cluster: Cluster, mc: MachineCalibration) -> None:
+    p = cache_path(cluster)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(mc), indent=1, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, p)
+    except OSError as e:  # an unwritable cache costs a profile per plan, not the plan
+        from planner.launch import progress
+        progress(f"could not cache the calibration in {p.parent} ({e.strerror}); set AUTOPAR_CACHE_DIR")
+
+
+def calibration_enabled() -> bool:
+    return os.environ.get("AUTOPAR_CALIBRATE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def machine_profile(cluster: Cluster, *, enabled: bool = True, allow_profile: bool = True,
+                    progress: Callable[[str], None] | None = None):
+    """``(ProfileDB carrying this machine's calibration or None, one line saying which)`` for
+    planning on ``cluster``: the cached calibration of a ``local-cpu`` cluster, profiling the
+    machine first when there is none and ``allow_profile``; None for other clusters, or when
+    not ``enabled`` (``--no-calibrate``) or ``AUTOPAR_CALIBRATE=0``."""
+    from cost_models.calibrate import with_calibration
+
+    if not cluster.detected:
+        return None, "uncalibrated (no --profile for this cluster; `autopar profile` + `autopar calibrate` fit one)"
+    if not (enabled and calibration_enabled()):
+        return None, "uncalibrated (calibration off: --no-calibrate or AUTOPAR_CALIBRATE=0)"
+    mc = load_cached(cluster)
+    if mc is None and allow_profile:
+        mc = run_profile(progress)
+    if mc is None:
+        return None, "uncalibrated (this machine has not been profiled yet)"
+    return with_calibration(None, mc.calibration, cluster, source=mc.describe()), mc.describe()

@@ -1,0 +1,119 @@
+"""First-run calibration: the machine profile, its cache, and the demo that uses both."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+
+from cost_models.cluster import parse_cluster
+from planner import machine_calibration as mcal
+from planner.frontend import load_graph
+from planner.plan import config_problems
+from planner.search import facts_of
+
+
+def _fake(cluster, **kw) -> mcal.MachineCalibration:
+    return mcal.MachineCalibration(machine=mcal.machine_fingerprint(cluster), device=cluster.device.name, world=2,
+                                   calibration={"eff_matmul": 0.5, "comm_latency_s": 1e-3},
+                                   runs=[{"label": "dp2", "measured_s": 0.1, "uncalibrated_s": 0.05,
+                                          "fitted_s": 0.1}], created="2026-12-01 00:00 UTC", profile_s=9.0, **kw)
+
+
+def test_reference_layouts_run_for_the_reference_model() -> None:
+    facts = facts_of(load_graph(mcal.REFERENCE_MODEL))
+    assert mcal.REFERENCE_MODEL != "gpt-mini"  # the demo's model is not the one fitted
+    for world in (1, 2, 4):
+        cfgs = mcal.reference_configs(world)
+        assert {c.world for c in cfgs} == {world}
+        assert len(cfgs) == (1 if world == 1 else 3)
+        for c in cfgs:
+            assert not config_problems(c, facts) and mcal.REFERENCE_BATCH % (c.dp * c.mbs) == 0
+    assert [mcal.profile_world(n) for n in (1, 2, 3, 4, 64)] == [1, 2, 2, 4, 4]
+
+
+def test_cache_round_trip_per_machine(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    c = parse_cluster("local-cpu:2")
+    assert mcal.load_cached(c) is None
+    mc = _fake(c)
+    mcal.save_cached(c, mc)
+    assert mcal.cache_path(c).parent == tmp_path and mcal.load_cached(c) == mc
+    assert mcal.load_cached(parse_cluster("local-cpu:1")) == mc  # one per machine, any process count
+    mcal.cache_path(c).write_text(json.dumps({**json.loads(mcal.cache_path(c).read_text()), "version": 0}))
+    assert mcal.load_cached(c) is None  # another version's cache is not read
+    mcal.cache_path(c).write_text("{not json")
+    assert mcal.load_cached(c) is None
+
+
+def test_machine_profile_uses_the_cache_and_says_so(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("AUTOPAR_CALIBRATE", "1")
+    c = parse_cluster("local-cpu:2")
+    mcal.save_cached(c, _fake(c))
+    prof, note = mcal.machine_profile(c, allow_profile=False)
+    assert prof.calibration == {"eff_matmul": 0.5, "comm_latency_s": 1e-3} and note.startswith("calibrated on this")
+    assert prof.matches(c.fingerprint())
+    assert mcal.machine_profile(c, enabled=False)[0] is None
+    assert mcal.machine_profile(parse_cluster("dgx-h100"))[0] is None  # only local clusters are profiled
+    monkeypatch.setenv("AUTOPAR_CALIBRATE", "0")
+    prof, note = mcal.machine_profile(c)
+    assert prof is None and note.startswith("uncalibrated (calibration off")
+    monkeypatch.setenv("AUTOPAR_CALIBRATE", "1")
+    os.remove(mcal.cache_path(c))
+    prof, note = mcal.machine_profile(c, allow_profile=False)
+    assert prof is None and "not been profiled" in note
+
+
+def test_calibration_changes_the_plans_estimate(tmp_path, monkeypatch) -> None:
+    from planner.planning import plan_model
+
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("AUTOPAR_CALIBRATE", "1")
+    c = parse_cluster("local-cpu:2")
+    g = load_graph("llama-tiny")
+    mc = replace(_fake(c), calibration={"comm_latency_s": 5e-3, "step_overhead_s": 0.05})
+    mcal.save_cached(c, mc)
+    prof, _ = mcal.machine_profile(c, allow_profile=False)
+    raw, _ = plan_model(g, c, 4, spec="llama-tiny", cluster_spec="local-cpu:2")
+    cal, _ = plan_model(g, c, 4, spec="llama-tiny", cluster_spec="local-cpu:2", profile=prof)
+    assert raw.estimate["calibration"] == "uncalibrated"
+    assert cal.estimate["calibration"] == mc.describe()
+    assert cal.estimate["step_s"] > raw.estimate["step_s"] + 0.04
+
+
+@pytest.mark.slow
+def test_demo_profiles_this_machine_once_then_plans_calibrated(tmp_path) -> None:
+    """The first use profiles the machine (real gloo runs) and caches it; the demo prints its
+    figures and writes the report; a later plan reuses the cache without launching anything."""
+    env = dict(os.environ, AUTOPAR_CALIBRATE="1", AUTOPAR_CACHE_DIR=str(tmp_path / "cache"))
+    run = tmp_path / "demo"
+    r = subprocess.run([sys.executable, "-m", "planner.cli", "demo", "--model", "llama-tiny", "--cluster",
+                        "local-cpu:2", "--global-batch", "4", "--seq-len", "32", "--steps", "4", "--dir", str(run)],
+                       capture_output=True, text=True, timeout=400, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "first plan on this machine: profiling it" in r.stderr
+    out = r.stdout
+    for want in ("(calibrated)", "measured/predicted", "one process:", "speedup", "entropy floor", "report: "):
+        assert want in out, out
+    assert os.path.exists(out.split("report: ")[1].split()[0])
+    recs = [json.loads(l) for l in open(run / "train_log.jsonl")]
+    assert [x["step"] for x in recs] == [1, 2, 3, 4] and len(recs[0]["memory_gib"]) == 2
+    cache = list((tmp_path / "cache").glob("machine-*.json"))
+    assert len(cache) == 1
+    d = json.loads(cache[0].read_text())
+    assert len(d["runs"]) == len(mcal.reference_configs(d["world"])) and d["calibration"]
+    assert all(r["measured_s"] > 0 for r in d["runs"])
+    before = cache[0].stat().st_mtime
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "planner.cli", "plan", "--model", "llama-tiny", "--cluster",
+                        "local-cpu:2", "--global-batch", "4", "-o", str(tmp_path / "p.json")],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "profiling" not in r.stderr and "calibrated on this machine" in r.stderr
+    assert time.perf_counter() - t0 < 60 and cache[0].stat().st_mtime == before
+    assert json.loads((tmp_path / "p.json").read_text())["estimate"]["calibration"].startswith("calibrated on this")
