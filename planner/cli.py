@@ -153,6 +153,7 @@ def _estimate_summary(e) -> dict:
             "tokens_per_s": e.tokens_per_s, "mfu": e.mfu, "tflops_per_device": e.tflops_per_device,
             "fits": e.fits, "peak_memory_gib": [m.total / 2**30 for m in e.memory],
             "capacity_gib": e.capacity / 2**30, "breakdown": e.breakdown, "source": e.source,
+            "calibration": e.calibration,
             "stages": [list(b) for b in e.partition.bounds], "recompute": e.partition.recompute}
 
 
@@ -162,6 +163,7 @@ def _print_estimate(con, e, title: str) -> None:
     con.print(f"[bold]{title}[/bold]: {e.config.label()}")
     con.print(f"  step {e.step_s:.4g} s   {e.tokens_per_s:,.0f} tokens/s   MFU {e.mfu * 100:.1f}%   "
               f"{e.tflops_per_device:.1f} model TFLOP/s per device   source: {e.source}")
+    con.print(f"  calibration: {e.calibration}")
     t = Table(title="memory per pipeline rank (GiB)")
     for c in ("rank", "weights", "grads", "optimizer", "activations", "buffers", "reserve", "total", "capacity"):
         t.add_column(c, justify="right")
@@ -177,12 +179,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from planner.plan import write_atomic
     from planner.planning import plan_model
+    from planner.report_data import fmt_n
 
     if args.out:
         _check_out(args.out, args.force)
     t0 = time.perf_counter()
     graph, cluster, profile = _load_inputs(args)
-    _progress(f"captured {graph.name}: {len(graph.layers)} layers, {graph.params / 1e9:.2f} B parameters "
+    _progress(f"captured {graph.name}: {len(graph.layers)} layers, {fmt_n(graph.params)} parameters "
               f"({time.perf_counter() - t0:.2f} s); searching {cluster.world} devices of {cluster.name}")
     plan, res = plan_model(graph, cluster, args.global_batch, spec=args.model, cluster_spec=args.cluster,
                            profile=profile, top_k=args.top_k, progress=_progress, loss=args.loss)
