@@ -67,7 +67,8 @@ from planner.plan import ModelFacts, ParallelConfig
 
 # ---- the plan --------------------------------------------------------------------------
 MODEL, ADAPTER, VOCAB = {model!r}, {adapter!r}, {vocab!r}
-FACTS = ModelFacts.from_dict({facts!r})  # what check_runnable checks before anything is built
+# what check_runnable checks before anything is built
+FACTS = ModelFacts.from_dict({facts!r})
 CONFIG = ParallelConfig.parse({config!r})
 GLOBAL_BATCH, SEQ_LEN = {global_batch!r}, {seq_len!r}  # sequences per optimizer step, tokens per sequence
 STAGES = {stages}
@@ -118,7 +119,8 @@ def build(model: torch.nn.Module, args: argparse.Namespace, device: torch.device
                                 dp_mesh.get_group())  # one per stage module{zero1}
     tied = tie_weights(adapter, stages, mesh)  # sums grads of weights tied across pp ranks (pp > 1)
     loss_fn = TokenLoss(dp_mesh.size())  # summed token loss / global token count * dp*cp size
-    schedule = build_schedule(stages, CONFIG, mesh, GLOBAL_BATCH, loss_fn, device)  # {schedule}
+    # {schedule}
+    schedule = build_schedule(stages, CONFIG, mesh, GLOBAL_BATCH, loss_fn, device)
     return ParallelModel(adapter, CONFIG, mesh, stages, optimizer, loss_fn, GLOBAL_BATCH, device,
                          dp_mesh=dp_mesh, schedule=schedule, tied=tied)
 

@@ -23,7 +23,7 @@ transformers model's labels are shifted here, before any sharding); dp rank d ta
 the rows are cut into ``global_batch / (dp * mbs)`` micro-batches of ``mbs`` sequences:
 pipeline micro-batches under PP, gradient accumulation without.
 
-Loss scaling: the last stage returns each micro-batch's SUMMED token loss; ``loss_fn``
+Loss scaling: the last stage returns each micro-batch's SUMMED token loss; ``TokenLoss``
 divides it by N, the number of non-ignored targets of the whole global batch, times the
 size of the data-parallel (dp x cp) mesh (its gradient reduction averages). The pipeline
 schedules run with ``scale_grads=False``. So gradients equal those of the single-process
