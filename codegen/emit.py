@@ -1,65 +1,83 @@
 """Plan -> a standalone, readable training program (``autopar codegen plan.json -o train.py``).
 
-The program is the plan's constants followed by a short torchtitan-style train loop on
-codegen/runtime: build the model (on meta for the zoo and transformers models, whose
-adapters initialise only this rank's units; a plain module as its own function builds it,
-its weights then broadcast from rank 0), apply the plan (mesh, TP, CP, recompute, PP, DP),
-resume from the newest complete distributed checkpoint, train with AdamW on synthetic
-data (or a ``--data package.module:function`` hook), log every step as a JSON line,
-checkpoint every K steps. Run it with torchrun.
+The program reads top to bottom, in torchtitan's manner:
+
+- the plan as literals: the model spec, the ``ParallelConfig``, the stage split (layer units
+  per virtual stage), the recompute policy per stage, and the TP plan ``{module fqn: style}``
+  over the model's real module paths;
+- ``build``: the parallelisation recipe, one runtime helper per concern
+  (``codegen/runtime/recipe.py``: ``check_runnable`` -> ``build_mesh`` -> ``split_stages`` ->
+  ``materialize`` -> ``apply_attention`` -> ``apply_tp`` -> ``apply_recompute`` -> ``apply_dp``
+  -> ``build_optimizer`` -> ``tie_weights`` -> ``build_schedule``), the same helpers
+  ``codegen.runtime.train.parallelize`` calls;
+- ``train_step``: this rank's share of the global batch, the micro-batches (gradient
+  accumulation) or the pipeline schedule's ``step``, the tied-weight gradients, clipping by
+  the global gradient norm, the optimizer step;
+- ``main``: command-line flags (optimizer, learning rate with warmup + cosine decay, clipping,
+  steps, checkpoints, data), resume from the newest complete distributed checkpoint, the
+  loop, one JSON line per step (``step``, ``loss``, ``step_s``, ``tokens_per_s``,
+  ``memory_gib`` per rank, ``lr``, ``grad_norm``), a checkpoint every K steps.
+
+The model is built on meta for the zoo and transformers models (their adapters initialise
+only this rank's units); a plain module built by its own function takes rank 0's weights.
+Run it with torchrun.
 
 Only validated values reach the program: the model spec (preset name, .toml path or a
-dotted ``package.module:function``), layer names and TP roles (identifiers, checked by
-Plan.from_dict) and numbers, all written with ``repr`` - nothing from a plan file is
-pasted as code.
+dotted ``package.module:function``), layer names and TP module paths (matched as dotted
+identifiers here and by Plan.from_dict), TP styles (one of ``TP_ROLES``) and numbers, all
+written with ``repr`` - nothing from a plan file is pasted as code.
 """
 from __future__ import annotations
 
 import re
 
-from planner.plan import Plan, PlanError, write_atomic
+from planner.plan import TP_ROLES, Plan, PlanError, write_atomic
 
 _SPEC = re.compile(r"^([A-Za-z0-9_][\w.-]*|[\w./-]+\.toml|[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*|hf:[\w./-]+)$")
+_FQN = re.compile(r"[A-Za-z_][\w]*(\.[\w]+)*")
+WIDTH = 110  # columns of the literal dict and list lines
 
 TEMPLATE = '''#!/usr/bin/env python
-"""Train {model_name} with {label} on {world} {device}s ({cluster}).
+"""Train {model_name} with {label} on {world} {device} ({cluster}).
 
 Emitted by autopar from a plan; predicted step {step_s:.4g} s, {tokens:,.0f} tokens/s, MFU {mfu:.1%}.
 Run: torchrun --nproc-per-node {world} {{this file}} --steps 20
+
+build() applies the plan, one codegen/runtime helper per concern; train_step() is one optimizer step.
 """
 import argparse
+import contextlib
 import json
-import resource
 import time
 
 import torch
 import torch.distributed as dist
 
 from codegen.runtime import checkpoint
+from codegen.runtime.adapters import adapter_for
 from codegen.runtime.data import synthetic, user_hook
-from codegen.runtime.mesh import exit_process, init_distributed, teardown
-from codegen.runtime.train import parallelize
+from codegen.runtime.mesh import build_mesh, exit_process, init_distributed, teardown
+from codegen.runtime.metrics import peak_memory_per_rank
+from codegen.runtime.optim import build_optimizer, warmup_cosine
+from codegen.runtime.recipe import (apply_attention, apply_dp, apply_recompute, apply_tp, build_schedule,
+                                    check_runnable, materialize, split_stages, tie_weights)
+from codegen.runtime.train import ParallelModel, TokenLoss
 from planner import zoo
 from planner.plan import ModelFacts, ParallelConfig
 
 # ---- the plan --------------------------------------------------------------------------
 MODEL, ADAPTER, VOCAB = {model!r}, {adapter!r}, {vocab!r}
-FACTS = ModelFacts.from_dict({facts!r})  # what the runtime checks before building anything
+# what check_runnable checks before anything is built
+FACTS = ModelFacts.from_dict({facts!r})
 CONFIG = ParallelConfig.parse({config!r})
-STAGES = {stages!r}  # layer units per virtual stage
-RECOMPUTE = {recompute!r}  # per virtual stage
-TP_LAYOUT = {tp_layout!r}
-GLOBAL_BATCH, SEQ_LEN = {global_batch!r}, {seq_len!r}
+GLOBAL_BATCH, SEQ_LEN = {global_batch!r}, {seq_len!r}  # sequences per optimizer step, tokens per sequence
+STAGES = {stages}
+RECOMPUTE = {recompute!r}  # activation recomputation per virtual stage
+TP_PLAN = {tp_plan}
 PREDICTED = {{"step_s": {step_s!r}, "memory_gib": {memory!r}}}
 
 
-def peak_memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS (KiB -> GiB)
-
-
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--ckpt-dir", default="checkpoints")
@@ -67,14 +85,64 @@ def main() -> None:
     ap.add_argument("--metrics", default="train_log.jsonl", help="JSON-lines log of every step")
     ap.add_argument("--data", default=None, help="package.module:function(step, global_batch, seq_len) -> batch")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--lr", type=float, default=3e-4)
-    args = ap.parse_args()
+    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
+    ap.add_argument("--min-lr", type=float, default=3e-5, help="learning rate of the last step (cosine decay)")
+    ap.add_argument("--warmup-steps", type=int, default=2, help="steps of linear warmup to --lr")
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--beta1", type=float, default=0.9, help="AdamW beta1 (SGD: momentum)")
+    ap.add_argument("--beta2", type=float, default=0.999)
+    ap.add_argument("--clip", type=float, default=1.0, help="max global gradient norm (0: no clipping)")
+    return ap.parse_args()
 
-    device = init_distributed()
+
+def make_optimizer(args: argparse.Namespace):
+    """params -> optimizer with the command line's settings (one per stage module)."""
+    if args.optimizer == "sgd":
+        return lambda ps: torch.optim.SGD(ps, lr=args.lr, momentum=args.beta1, weight_decay=args.weight_decay)
+    return lambda ps: torch.optim.AdamW(ps, lr=args.lr, betas=(args.beta1, args.beta2),
+                                        weight_decay=args.weight_decay)
+
+
+def build(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> ParallelModel:
+    """The plan applied to ``model`` on this rank (collective: every rank runs it)."""
+    adapter = adapter_for(model, order=[u for s in STAGES for u in s], seq_len=SEQ_LEN)
+    check_runnable(CONFIG, adapter, FACTS, GLOBAL_BATCH, SEQ_LEN)  # refuse what cannot run, before building
+    mesh = build_mesh(CONFIG)  # dims (pp, dp, cp, tp) = {mesh_shape!r}
+    stages = split_stages(adapter, STAGES, RECOMPUTE, CONFIG, mesh)  # this pp rank's stage modules
+    materialize(adapter, stages, device, args.seed)  # meta: initialise own units; else take rank 0's weights
+    apply_attention(adapter, stages, CONFIG, mesh)  # {attention}
+    apply_tp(adapter, stages, TP_PLAN, mesh, CONFIG.sp)  # {tp}
+    apply_recompute(adapter, stages)  # checkpoint the blocks of "full" stages
+    dp_mesh = apply_dp(adapter, stages, CONFIG, mesh)  # {dp}
+    optimizer = build_optimizer(stages.modules, make_optimizer(args), CONFIG.zero, dp_mesh.size(),
+                                dp_mesh.get_group())  # one per stage module{zero1}
+    tied = tie_weights(adapter, stages, mesh)  # sums grads of weights tied across pp ranks (pp > 1)
+    loss_fn = TokenLoss(dp_mesh.size())  # summed token loss / global token count * dp*cp size
+    # {schedule}
+    schedule = build_schedule(stages, CONFIG, mesh, GLOBAL_BATCH, loss_fn, device)
+    return ParallelModel(adapter, CONFIG, mesh, stages, optimizer, loss_fn, GLOBAL_BATCH, device,
+                         dp_mesh=dp_mesh, schedule=schedule, tied=tied)
+
+
+def train_step(pm: ParallelModel, batch: dict, lr: float, clip: float) -> tuple[float, float]:
+    """One optimizer step on the GLOBAL batch (the same on every rank) at learning rate ``lr``;
+    returns (mean token loss of the batch, global gradient norm before clipping)."""
+    inputs, targets = pm.local_batch(batch)  # this rank's dp rows and cp sequence shard
+    pm.optimizer.zero_grad()
+{forward_backward}
+    pm.sync_tied_grads()
+    norm = pm.clip_grad_norm_(clip)  # torch.nn.utils clipping by the norm over all ranks' gradients
+    pm.optimizer_step(lr)
+    return pm.global_loss(loss), norm
+
+
+def main() -> None:
+    args = parse_args()
+    device = init_distributed()  # gloo on CPU, nccl on GPU
     spec = zoo.load_model_spec(MODEL)
     model = spec.build(None if ADAPTER == "module" else "meta")
-    pm = parallelize(model, CONFIG, STAGES, RECOMPUTE, TP_LAYOUT, GLOBAL_BATCH, SEQ_LEN, device, seed=args.seed,
-                     facts=FACTS, optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.1))
+    pm = build(model, args, device)
     mllm = spec.cfg if spec.cfg is not None and spec.cfg.arch == "mllm" else None
     data = user_hook(args.data, GLOBAL_BATCH, SEQ_LEN) if args.data else synthetic(
         VOCAB, GLOBAL_BATCH, SEQ_LEN, args.seed, mllm=mllm, model_shifts_labels=ADAPTER == "hf")
@@ -82,25 +150,23 @@ def main() -> None:
     rank = dist.get_rank()
     if rank == 0:  # drop steps logged after the checkpoint we resume from (they are run again)
         checkpoint.trim_log(args.metrics, start)
-    log = open(args.metrics, "a") if rank == 0 else None
-    for step in range(start, args.steps):
-        batch = data(step)
-        t0 = time.perf_counter()
-        loss = pm.step(batch)
-        step_s = time.perf_counter() - t0
-        mem = [None] * dist.get_world_size()
-        dist.all_gather_object(mem, peak_memory_gib(device))
-        if log:  # logged before the checkpoint, so a checkpointed step is always in the log
-            rec = {{"step": step + 1, "loss": loss, "step_s": step_s,
-                   "tokens_per_s": GLOBAL_BATCH * SEQ_LEN / step_s, "memory_gib": mem}}
-            log.write(json.dumps(rec) + "\\n")
-            log.flush()
-            print(f"step {{step + 1:4d}}  loss {{loss:.4f}}  {{step_s * 1e3:8.1f}} ms  "
-                  f"{{rec['tokens_per_s']:,.0f}} tok/s  peak {{max(mem):.2f}} GiB", flush=True)
-        if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
-            checkpoint.save(pm, args.ckpt_dir)
-    if log:
-        log.close()
+    with (open(args.metrics, "a") if rank == 0 else contextlib.nullcontext()) as log:
+        for step in range(start, args.steps):
+            batch = data(step)
+            lr = warmup_cosine(step, args.steps, args.lr, args.min_lr, args.warmup_steps)
+            t0 = time.perf_counter()
+            loss, norm = train_step(pm, batch, lr, args.clip)
+            step_s = time.perf_counter() - t0
+            mem = peak_memory_per_rank(device)  # GiB, one all-reduce of a tensor
+            if log:  # logged before the checkpoint, so a checkpointed step is always in the log
+                rec = {{"step": step + 1, "loss": loss, "step_s": step_s, "memory_gib": mem, "lr": lr,
+                       "grad_norm": norm, "tokens_per_s": GLOBAL_BATCH * SEQ_LEN / step_s}}
+                log.write(json.dumps(rec) + "\\n")
+                log.flush()
+                print(f"step {{step + 1:4d}}  loss {{loss:.4f}}  {{step_s * 1e3:8.1f}} ms  "
+                      f"{{rec['tokens_per_s']:,.0f}} tok/s  peak {{max(mem):.2f}} GiB", flush=True)
+            if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
+                checkpoint.save(pm, args.ckpt_dir)
     pm.close()
     teardown()
     exit_process(0)
@@ -109,6 +175,74 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 '''
+
+PIPELINE = '''\
+    # the {schedule} schedule: forward and backward of {n} micro-batches of {mbs} over the pp ranks
+    loss = pm.pipeline(inputs, targets)'''
+ACCUMULATE = '''\
+    loss = torch.zeros((), dtype=torch.float64, device=pm.device)
+    for mb in range(pm.n_microbatches):  # gradient accumulation: {n} micro-batches of {mbs} sequences
+        loss += pm.microbatch(inputs, targets, mb)  # forward + backward of one micro-batch'''
+
+
+def _wrapped(items: list[str], indent: str = "    ") -> list[str]:
+    """``items`` (already ``repr``-written) joined with ", " into lines of at most WIDTH columns."""
+    lines, cur = [], ""
+    for it in items:
+        if cur and len(indent) + len(cur) + len(it) + 2 > WIDTH:
+            lines.append(indent + cur.rstrip())
+            cur = ""
+        cur += it + ", "
+    if cur:
+        lines.append(indent + cur.rstrip())
+    return lines
+
+
+def stages_literal(stages: list[list[str]]) -> str:
+    """``[...]`` with one line per virtual stage (wrapped), the stage's index as a comment."""
+    out = ["[  # layer units per virtual stage; stage j runs on pp rank j % pp"]
+    for j, s in enumerate(stages):
+        rows = _wrapped([repr(u) for u in s], "    ")
+        rows[0] = "    [" + rows[0][4:]
+        rows[-1] = rows[-1].rstrip(",") + "],"
+        rows[-1] += f"  # stage {j}"
+        out.extend(rows if len(rows) == 1 else [rows[0]] + ["    " + r for r in rows[1:]])
+    return "\n".join(out + ["]"])
+
+
+def tp_plan_literal(layout: dict[str, str], units: list[str], tp: int) -> str:
+    """The TP plan as a dict literal: module fqn -> style, the entries of one unit on their own
+    line(s), in the model's unit order; ``{}`` when tp == 1 (nothing is sharded)."""
+    if tp == 1 or not layout:
+        return "{}  # tp=1: no tensor parallelism"
+
+    def unit_of(fqn: str) -> int:
+        return next((i for i, u in enumerate(units) if fqn == u or fqn.startswith(u + ".")), len(units))
+
+    groups: dict[int, list[str]] = {}
+    for fqn in sorted(layout, key=lambda f: (unit_of(f), f)):
+        groups.setdefault(unit_of(fqn), []).append(f"{fqn!r}: {layout[fqn]!r}")
+    out = ["{  # module fqn -> tensor-parallel style (codegen/runtime/tensor_parallel.py)"]
+    for items in groups.values():
+        out.extend(_wrapped(items))
+    return "\n".join(out + ["}"])
+
+
+def _comments(plan: Plan) -> dict[str, str]:
+    """The end-of-line comments of ``build`` and the step's forward/backward, per the plan."""
+    c = plan.config
+    n = int(plan.batch["global"]) // (c.dp * c.mbs)
+    attention = ("ring attention over cp, " if c.cp > 1 else "") + f"{c.attention} attention kernel"
+    dp = (f"{c.zero} over dp x cp = {c.dp * c.cp} ranks" if c.dp * c.cp > 1 else "dp x cp = 1: nothing to do")
+    if c.pp > 1:
+        schedule = f"{c.schedule}, {n} micro-batches" + (f", {c.vpp} stages per pp rank" if c.vpp > 1 else "")
+        step = PIPELINE.format(schedule=c.schedule, n=n, mbs=c.mbs)
+    else:
+        schedule = "pp=1: None"
+        step = ACCUMULATE.format(n=n, mbs=c.mbs)
+    return dict(attention=attention, dp=dp, schedule=schedule, forward_backward=step,
+                tp=f"tp={c.tp}" + (", sequence parallel" if c.sp else "") if c.tp > 1 else "tp=1: nothing to do",
+                zero1=", ZeRO-1: this rank steps its share" if c.zero == "zero1" and c.dp * c.cp > 1 else "")
 
 
 def emit(plan: Plan) -> str:
@@ -120,18 +254,24 @@ def emit(plan: Plan) -> str:
     stages = [list(s["layers"]) for s in plan.stages]
     for s in stages:
         for n in s:
-            if n not in names or not re.fullmatch(r"[A-Za-z_][\w]*(\.[\w]+)*", n):
+            if n not in names or not _FQN.fullmatch(n):
                 raise PlanError(f"layer name {n!r} in the plan is not a module path")
+    layout = dict(plan.tp_layout)
+    for fqn, role in layout.items():
+        if not isinstance(fqn, str) or not _FQN.fullmatch(fqn) or role not in TP_ROLES:
+            raise PlanError(f"tensor-parallel entry {fqn!r}: {role!r} in the plan is not a module path and style")
     est = plan.estimate
     return TEMPLATE.format(
         model_name=plan.model["name"], label=plan.config.label(), world=plan.config.world,
-        device="GPU" if plan.cluster.get("backend") == "nccl" else "CPU process", cluster=plan.cluster["name"],
+        device="GPUs" if plan.cluster.get("backend") == "nccl" else "CPU processes", cluster=plan.cluster["name"],
         step_s=float(est["step_s"]), tokens=float(est["tokens_per_s"]), mfu=float(est["mfu"]),
         model=spec, adapter=str(plan.model.get("adapter", "zoo")), vocab=int(plan.model.get("vocab") or 0),
-        facts=plan.facts.to_dict(), config=plan.config.to_str(), stages=stages,
-        recompute=[s["recompute"] for s in plan.stages],
-        tp_layout=dict(plan.tp_layout), global_batch=int(plan.batch["global"]), seq_len=int(plan.batch["seq_len"]),
-        memory=[float(x) for x in est.get("memory_gib", [])])
+        facts=plan.facts.to_dict(), config=plan.config.to_str(), stages=stages_literal(stages),
+        recompute=[str(s["recompute"]) for s in plan.stages], tp_plan=tp_plan_literal(layout, list(names),
+                                                                                      plan.config.tp),
+        global_batch=int(plan.batch["global"]), seq_len=int(plan.batch["seq_len"]),
+        mesh_shape=tuple(int(x) for x in plan.config.mesh_shape),
+        memory=[float(x) for x in est.get("memory_gib", [])], **_comments(plan))
 
 
 def write_program(plan: Plan, path: str, force: bool = False) -> None:

@@ -7,7 +7,13 @@
 - ``data_parallel``: FSDP2 / replicate / ZeRO-1 over dp x cp
 - ``recompute``: full (per block) and selective (attention core) checkpointing
 - ``checkpoint``: DCP save / ``load_latest`` with an atomic ``latest`` marker
-- ``train``: ``parallelize(...) -> ParallelModel`` with ``step(batch) -> loss``
+- ``recipe``: the parallelisation steps, one helper per concern, in order (``check_runnable``,
+  ``split_stages``, ``materialize``, ``apply_attention``, ``apply_tp``, ``apply_recompute``,
+  ``apply_dp``, ``tie_weights``, ``build_schedule``)
+- ``optim``: one optimizer per stage module, the warmup + cosine learning rate, gradient
+  clipping by the global norm (DTensor shards, pipeline ranks)
+- ``train``: ``ParallelModel`` (the training step and its parts) and ``parallelize(...)``, the
+  recipe in one call
 
 Modules are imported on demand (``from codegen.runtime.train import parallelize``).
 """

@@ -82,6 +82,9 @@ class TiedWeights:
     def __init__(self, pairs: Sequence[tuple[str, str]], stage_mods: Sequence[nn.Module], mesh):
         names = {n for pair in pairs for n in pair}
         self.params = [p for sm in stage_mods for n, p in sm.named_parameters() if n in names]
+        seconds = {b for _, b in pairs}
+        # the later stages' copies: a global gradient norm counts each tied parameter once
+        self.copies = [p for sm in stage_mods for n, p in sm.named_parameters() if n in seconds]
         grid = mesh.mesh  # [pp, dp, cp, tp] global ranks
         me = dist.get_rank()
         self.group = None

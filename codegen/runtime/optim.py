@@ -1,0 +1,110 @@
+"""Optimizers, learning-rate schedule and gradient clipping for the parallel runtime.
+
+- :class:`Optimizers`: one optimizer per stage module on this rank (as torchtitan), stepped
+  together; :func:`build_optimizer` makes them (ZeRO-1 wraps each in
+  :class:`~codegen.runtime.data_parallel.ShardedOptimizer`).
+- :func:`warmup_cosine`: the learning rate of a step (linear warmup, then cosine decay to a
+  floor). A pure function of the step, so a resumed run gets the same rates as an
+  uninterrupted one without any scheduler state in the checkpoint.
+- :func:`clip_grad_norm_`: clip by the global L2 norm of ALL the model's gradients - over
+  DTensor shards (FSDP, TP), over the pipeline ranks, each tied parameter counted once -
+  so it clips exactly as ``torch.nn.utils.clip_grad_norm_`` on the single-process model.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from codegen.runtime.data_parallel import ShardedOptimizer
+
+OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+
+
+def default_optimizer(params: list) -> torch.optim.Optimizer:
+    """AdamW(lr=1e-3, weight_decay=0.1), the default optimizer factory."""
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+
+
+class Optimizers:
+    """One optimizer per stage module on this rank, stepped together."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate (per step, in the optimizer's units) of every parameter group,
+        including the groups ZeRO-1's wrapped optimizer steps."""
+        for o in self.optimizers:
+            inner = o.inner if isinstance(o, ShardedOptimizer) else o
+            for g in inner.param_groups if inner is not None else ():
+                g["lr"] = lr
+
+
+def build_optimizer(stage_mods: Sequence[nn.Module], factory: OptimizerFactory, zero: str,
+                    dp_size: int, dp_group=None) -> Optimizers:
+    """``factory(params)`` per stage module; with ``zero == "zero1"`` over more than one dp
+    rank, each wrapped so only this rank's share of the parameters is stepped (ZeRO-1)."""
+    opts: list[torch.optim.Optimizer] = []
+    for sm in stage_mods:
+        params = list(sm.parameters())
+        if zero == "zero1" and dp_size > 1:
+            opts.append(ShardedOptimizer(params, factory, dp_group))
+        else:
+            opts.append(factory(params))
+    return Optimizers(opts)
+
+
+def warmup_cosine(step: int, total_steps: int, lr: float, min_lr: float, warmup_steps: int) -> float:
+    """Learning rate of 0-based ``step``: ``lr * (step + 1) / warmup_steps`` during the warmup,
+    then cosine decay from ``lr`` to ``min_lr`` at the last of ``total_steps`` steps."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    decay = max(1, total_steps - warmup_steps - 1)
+    progress = min(1.0, (step - warmup_steps) / decay)
+    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _grad_groups(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Parameters with a gradient, grouped so each group is homogeneous: plain tensors, or
+    DTensors on one device mesh (torch's norm and foreach ops do not mix them)."""
+    groups: dict = {}
+    for p in params:
+        if p.grad is not None:
+            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p)
+    return list(groups.values())
+
+
+def clip_grad_norm_(params: Sequence[nn.Parameter], max_norm: Optional[float], pp_group=None) -> float:
+    """Clip the gradients of ``params`` (this rank's, each parameter of the model once per pp
+    rank) in place so their global L2 norm is at most ``max_norm``; returns the norm before
+    clipping (every rank gets the same value). Collective over ``pp_group`` (the norms of the
+    pipeline ranks' parameters add in square) and over DTensor meshes. ``max_norm`` None or
+    <= 0: nothing is clipped, the norm is still returned."""
+    groups = _grad_groups(params)
+    device = next((p.grad.device for g in groups for p in g), torch.device("cpu"))
+    square = torch.zeros((), dtype=torch.float32, device=device)
+    for g in groups:
+        n = torch.nn.utils.get_total_norm([p.grad for p in g], 2.0)
+        n = n.full_tensor() if isinstance(n, DTensor) else n
+        square = square + n.float() ** 2
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(square, group=pp_group)
+    norm = square.sqrt()
+    if max_norm is not None and max_norm > 0:
+        for g in groups:
+            torch.nn.utils.clip_grads_with_norm_(g, max_norm, norm)
+    return float(norm)

@@ -1,0 +1,172 @@
+"""The parallelisation recipe: one public helper per concern, called in this order by the
+emitted program and by :func:`codegen.runtime.train.parallelize` alike (torchtitan's manner):
+
+1. :func:`check_runnable` - the planner's feasibility rule on the plan and the model's adapter,
+   before anything is built
+2. ``codegen.runtime.mesh.build_mesh`` - the ``[pp, dp, cp, tp]`` device mesh
+3. :func:`split_stages` - this pp rank's stage modules (fqn-preserving) of the stage split
+4. :func:`materialize` - a meta-built model's owned units initialised, or rank 0's weights
+5. :func:`apply_attention` - attention per block: kernel, ring attention (CP), selective recompute
+6. :func:`apply_tp` - tensor (and sequence) parallel from the TP plan ``{module fqn: style}``
+7. :func:`apply_recompute` - full recompute of the blocks whose stage asks for it
+8. :func:`apply_dp` - FSDP2 / replicate over the data-parallel mesh (dp x cp)
+9. ``codegen.runtime.optim.build_optimizer`` - one optimizer per stage module
+10. :func:`tie_weights` - the tied-weight group across pipeline ranks (pp > 1)
+11. :func:`build_schedule` - the torch pipelining schedule (pp > 1)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from codegen.runtime import data_parallel as dpar
+from codegen.runtime import pipeline_parallel as ppar
+from codegen.runtime import recompute as rc
+from codegen.runtime import tensor_parallel as tpar
+from codegen.runtime.adapters import ModelAdapter
+from codegen.runtime.attention import build_attention, ring_attention
+from codegen.runtime.mesh import dp_cp_mesh
+from planner.plan import ModelFacts, ParallelConfig, config_problems
+
+
+@dataclass
+class Stages:
+    """This pp rank's share of the pipeline."""
+    modules: list[nn.Module]        # its stage modules (fqns of the whole model), in virtual-stage order
+    idx: list[int]                  # their virtual stage indices
+    n_virtual: int                  # virtual stages in the whole pipeline (pp * vpp; 1 without PP)
+    policy: dict[str, str]          # unit -> recompute policy of the plan stage holding it
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.idx
+
+    @property
+    def has_last(self) -> bool:
+        return self.n_virtual - 1 in self.idx
+
+
+def check_runnable(cfg: ParallelConfig, adapter: ModelAdapter, facts: Optional[ModelFacts], global_batch: int,
+                   seq_len: int, load_balance: str = "zigzag") -> None:
+    """Refuse, before anything is built, what this rank's runtime cannot run (one line);
+    the adapter keeps ``facts`` (head counts for its TP fix-ups)."""
+    cfg.validate()
+    adapter.facts = facts
+    facts = facts or ModelFacts(units=len(adapter.units), seq_len=seq_len)
+    facts = ModelFacts(facts.heads, facts.kv_heads, facts.hidden, len(adapter.units), seq_len,
+                       {**facts.limits, **adapter.limits()})
+    problems = config_problems(cfg, facts)
+    if global_batch % (cfg.dp * cfg.mbs):
+        problems.append(f"global batch {global_batch} is not divisible by dp*mbs = {cfg.dp * cfg.mbs}")
+    elif cfg.pp > 1 and global_batch // (cfg.dp * cfg.mbs) < cfg.pp:
+        problems.append(f"{global_batch // (cfg.dp * cfg.mbs)} micro-batches for pp={cfg.pp}: "
+                        "need at least pp (raise the global batch)")
+    if cfg.cp > 1 and seq_len % (2 * cfg.cp if load_balance == "zigzag" else cfg.cp):
+        problems.append(f"seq_len {seq_len} must be a multiple of 2*cp = {2 * cfg.cp} for zigzag CP")
+    if problems:
+        raise ValueError(f"{cfg.label()} cannot run for this model: " + "; ".join(problems))
+
+
+def split_stages(adapter: ModelAdapter, stages: Sequence[Sequence[str]], recompute: Sequence[str],
+                 cfg: ParallelConfig, mesh: DeviceMesh) -> Stages:
+    """This pp rank's stage modules of ``stages`` (unit names per virtual stage, ``pp * vpp``
+    lists covering the model's units in order; merged into one with pp == 1), ``recompute``
+    holding the policy per virtual stage."""
+    stages = [list(s) for s in stages]
+    recompute = [rc.check_policy(p) for p in recompute] if recompute else ["none"] * len(stages)
+    if len(recompute) != len(stages):
+        raise ValueError(f"{len(recompute)} recompute policies for {len(stages)} stages")
+    policy = {u: recompute[j] for j, s in enumerate(stages) for u in s}
+    if cfg.pp == 1:
+        stages, recompute = [[u for s in stages for u in s]], ["none"]
+    if len(stages) != cfg.pp * cfg.vpp:
+        raise ValueError(f"{len(stages)} stages for pp={cfg.pp} x vpp={cfg.vpp}; give pp*vpp stage lists")
+    idx, mods = ppar.build_stages(adapter, stages, recompute, mesh["pp"].get_local_rank(), cfg.pp)
+    for sm in mods:
+        sm.loss_kernel, sm.sp = cfg.loss, cfg.sp
+    return Stages(mods, idx, len(stages), policy)
+
+
+def materialize(adapter: ModelAdapter, stages: Stages, device: torch.device, seed: Optional[int]) -> None:
+    """A model built on ``meta``: allocate and initialise only this rank's units (seeded by
+    ``seed``). A model built with its weights: every rank takes global rank 0's (replicas and
+    stages start alike), then this rank's stages move to ``device``. nccl broadcasts device
+    tensors only: each tensor goes through ``device`` one at a time."""
+    model = adapter.model
+    if any(p.is_meta for p in model.parameters()):
+        adapter.materialize([u for sm in stages.modules for u in sm.units], device, seed)
+        return
+    if dist.get_world_size() > 1:
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                buf = t.data if t.device == device or dist.get_backend() == "gloo" else t.data.to(device)
+                dist.broadcast(buf, src=0)
+                if buf is not t.data:
+                    t.data.copy_(buf)
+    for sm in stages.modules:
+        sm.to(device)
+
+
+def apply_attention(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, mesh: DeviceMesh,
+                    load_balance: str = "zigzag") -> None:
+    """Every block's attention: the plan's kernel, ring attention over ``cp`` (one ring shared
+    by the blocks), checkpointed when its stage recomputes ``selective``."""
+    ring = ring_attention(cfg, mesh["cp"].get_group(), load_balance) if cfg.cp > 1 else None
+    blocks = set(adapter.blocks)
+    for sm in stages.modules:
+        for u in (u for u in sm.units if u in blocks):
+            adapter.set_attention(sm.get_submodule(u), build_attention(cfg, stages.policy[u], ring=ring))
+
+
+def apply_tp(adapter: ModelAdapter, stages: Stages, tp_plan: dict[str, str], mesh: DeviceMesh, sp: bool) -> None:
+    """Shard the stage modules over ``mesh["tp"]`` per ``tp_plan`` (module fqn -> style; fqns
+    another rank's stages hold are skipped), then the adapter's local-size fix-ups."""
+    for sm in stages.modules:
+        tpar.apply_tp(sm, mesh["tp"], tp_plan, sp)
+        adapter.tp_fixups(sm, mesh["tp"], tp_plan, sp)
+
+
+def apply_recompute(adapter: ModelAdapter, stages: Stages) -> None:
+    """Checkpoint (recompute in backward) every block whose stage's policy is ``full``."""
+    blocks = set(adapter.blocks)
+    for sm in stages.modules:
+        for u in (u for u in sm.units if u in blocks and stages.policy[u] == "full"):
+            rc.checkpoint_block(sm.get_submodule(u))
+
+
+def apply_dp(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, mesh: DeviceMesh) -> DeviceMesh:
+    """FSDP2 / replicate (``cfg.zero``) of each block and stage module over ``dp`` x ``cp``;
+    returns that gradient-reduction mesh."""
+    dp_mesh = dp_cp_mesh(mesh)
+    dpar.apply_dp(stages.modules, dp_mesh, cfg.zero, pipelined=cfg.pp > 1, blocks=adapter.blocks)
+    return dp_mesh
+
+
+def tie_weights(adapter: ModelAdapter, stages: Stages, mesh: DeviceMesh) -> Optional[ppar.TiedWeights]:
+    """With pp > 1, the group summing the gradients of parameters tied across pipeline ranks
+    (a tied embedding and head), or None. The pairs are what each rank sees after
+    materialising its own units, merged over the ranks: a stage that holds both ends
+    re-ties them, the others do not, and every rank must create the same process groups."""
+    if mesh["pp"].size() == 1:
+        return None
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, adapter.tied())
+    pairs = sorted({tuple(p) for ranks_pairs in seen for p in ranks_pairs})
+    return ppar.TiedWeights(pairs, stages.modules, mesh) if pairs else None
+
+
+def build_schedule(stages: Stages, cfg: ParallelConfig, mesh: DeviceMesh, global_batch: int, loss_fn,
+                   device: torch.device):
+    """The pipeline schedule (``cfg.schedule``) over this rank's stages, running the
+    ``global_batch / (dp * mbs)`` micro-batches; None without PP. Gradients are not scaled by
+    the schedule (``loss_fn`` does it)."""
+    if cfg.pp == 1:
+        return None
+    _, sched = ppar.build_schedule(stages.modules, stages.idx, stages.n_virtual, mesh["pp"].get_group(), device,
+                                   cfg.schedule, global_batch // (cfg.dp * cfg.mbs), loss_fn)
+    return sched
