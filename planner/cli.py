@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 from planner.errors import AutoparError
 from planner.launch import check_plan, compare_run, run_plan, torchrun_cmd
 from planner.launch import progress as _progress
+from planner.plan import LOSS_KERNELS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -209,13 +210,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from planner.plan import ParallelConfig
+    from planner.plan import ParallelConfig, default_attention
     from planner.planning import evaluate_config
 
     cfg = ParallelConfig.parse(args.config)
     graph, cluster, profile = _load_inputs(args)
-    if "attention=" not in args.config and "flash_attention" in graph.limits:
-        cfg = cfg.replace(attention="eager")  # the default kernel is one this model cannot use
+    if "attention=" not in args.config:
+        cfg = cfg.replace(attention=default_attention(graph.limits))  # the default kernel may be one it cannot use
     _progress(f"pricing {cfg.label()} on {cluster.world} devices of {cluster.name}")
     e, problems = evaluate_config(graph, cluster, cfg, args.global_batch, even_split=args.even_split,
                                   profile=profile)
@@ -413,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="search the parallel configurations and write a plan")
     _add_plan_args(p)
     p.add_argument("--top-k", type=int, default=5, help="alternatives to keep")
-    p.add_argument("--loss", choices=("eager", "fused"), default="eager", help="loss kernel to plan with")
+    p.add_argument("--loss", choices=LOSS_KERNELS, default="eager", help="loss kernel to plan with")
     p.add_argument("-o", "--out", default=None, help="plan file to write (JSON)")
     p.add_argument("--force", action="store_true", help="overwrite an existing plan file")
     p.set_defaults(fn=cmd_plan)

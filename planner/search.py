@@ -42,12 +42,14 @@ from cost_models.memory import (DTYPE_BYTES, RESERVE_CPU, RESERVE_GPU, layer_act
                                  per_param_bytes)
 from planner.errors import AutoparError
 from planner.graph import BLOCK_KINDS, ModelGraph
-from planner.plan import (ModelFacts, ParallelConfig, Partition, cp_problem, pp_problem, sp_problem,
-                          tp_problem, zero_problem)
+from planner.plan import (RECOMPUTE, ZERO, ModelFacts, ParallelConfig, Partition, cp_problem, default_attention,
+                          pp_problem, sp_problem, tp_problem, zero_problem)
 
 GiB = 2**30
-ZEROS = ("ddp", "zero1", "fsdp")
-RECOMPUTES = ("none", "selective", "full")
+# The DP sharding modes the search tries: planner.plan.ZERO without zero2 (with pp > 1 it holds
+# and moves what fsdp does; with pp = 1 it only trades fsdp's per-layer gathers for every layer
+# held gathered), to keep the space small; ``--fix zero=zero2`` prices it.
+ZEROS = tuple(z for z in ZERO if z != "zero2")
 
 
 @dataclass
@@ -142,11 +144,11 @@ def _variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: in
         if not dominated and sched == "gpipe":
             continue
         sp_ok = sp_problem(tp, cp, facts) is None
-        attention = "eager" if "flash_attention" in facts.limits else "flash"
+        attention = default_attention(facts.limits)
         for zero in (ZEROS if dp * cp > 1 else ("ddp",)):
             if zero_problem(zero, tp, dp * cp, facts):
                 continue
-            for rc in RECOMPUTES:
+            for rc in RECOMPUTE:
                 for sp in ((False, True) if sp_ok else (False,)):
                     if not dominated and sp_ok and not sp:
                         continue
@@ -220,7 +222,7 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
     res = SearchResult(best=None, alternatives=[], rejected={}, rejected_counts={})  # type: ignore[arg-type]
     space = _Space(graph, cluster, global_batch, profile, facts,
                    dtype or ("fp32" if cluster.backend == "gloo" else "bf16"), loss,
-                   "eager" if "flash_attention" in facts.limits else "flash", _Rejections(), res)
+                   default_attention(facts.limits), _Rejections(), res)
     tuples = _tuples_with_floors(space, max_mbs, fixed)
     if progress:
         progress(f"{len(tuples)} degree tuples after the memory floor; {res.considered} configurations")
@@ -406,15 +408,15 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
     fwd, bwd, act, static, out_p2p, classes = [], [], [], [], [], []
     for g, (lo, hi) in enumerate(groups):
         f = b = core = 0.0
-        a = {p: 0.0 for p in RECOMPUTES}
+        a = {p: 0.0 for p in RECOMPUTE}
         for l in graph.layers[lo:hi]:
             f_, b_, tp_s, cp_s, core_s, _, _ = costs.get(l)
             f += f_ + tp_s / 2 + cp_s / 3
             b += b_ + tp_s / 2 + 2 * cp_s / 3
             core += core_s
-            for p in RECOMPUTES:
+            for p in RECOMPUTE:
                 a[p] += layer_activation(l, graph, cfg, p)
-        fwd.append({p: f for p in RECOMPUTES})
+        fwd.append({p: f for p in RECOMPUTE})
         bwd.append({"none": b, "selective": b + core, "full": b + f})
         act.append(a)
         static.append(sum(layer_params_local(l, cfg.tp, cfg.pp) for l in graph.layers[lo:hi]) * per_param)
@@ -462,7 +464,7 @@ def best_partition(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, glo
     from planner.partition import solve_partition
 
     prob = partition_problem(graph, cluster, cfg, global_batch, profile)
-    prob.policies = (cfg.recompute,) if cfg.recompute != "none" else RECOMPUTES
+    prob.policies = (cfg.recompute,) if cfg.recompute != "none" else RECOMPUTE
     r = solve_partition(prob, time_limit=time_limit)
     info = {"status": r.status, "gap": r.gap, "solve_s": r.solve_s, "solver": r.solver,
             "objective_s": r.objective_s}
