@@ -117,10 +117,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _check_out(path: str, force: bool) -> None:
-    import os
+    """Refuse an output ``write_atomic`` would refuse or fail on, before the work that makes it."""
+    from planner.plan import check_outputs
 
-    if os.path.exists(path) and not force:
-        raise AutoparError(f"{path} exists: pass --force to overwrite it or choose another -o")
+    check_outputs([path], force)
 
 
 # ---------------------------------------------------------------- plan / evaluate

@@ -449,6 +449,31 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def check_outputs(paths: list[str], force: bool = False) -> None:
+    """Refuse, before anything is written, every output of a command that ``write_atomic``
+    would refuse or fail on: two outputs naming one file, a folder, an existing file without
+    ``force``, a parent that is a file or a folder that cannot be written."""
+    import os
+
+    seen: set[str] = set()
+    for path in paths:
+        full = os.path.abspath(path)
+        if full in seen:
+            raise PlanError(f"two outputs name {path}: give each output its own path")
+        seen.add(full)
+        if os.path.isdir(path):
+            raise PlanError(f"{path} is a folder: give a file path for the output")
+        if os.path.exists(path) and not force:
+            raise PlanError(f"{path} exists: pass --force to overwrite it, or choose another output path")
+        folder = os.path.dirname(full)
+        while not os.path.exists(folder):  # write_atomic makes the missing folders
+            folder = os.path.dirname(folder)
+        if not os.path.isdir(folder):
+            raise PlanError(f"cannot write {path}: {folder} is a file, not a folder; choose another output path")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PlanError(f"cannot write {path}: folder {folder} is not writable; choose a writable output path")
+
+
 def write_atomic(path: str, text: str, force: bool = False) -> None:
     """Write ``text`` to ``path`` via a temporary file in the same folder and os.replace;
     an existing file is kept unless ``force``."""
