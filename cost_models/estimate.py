@@ -74,7 +74,7 @@ from cost_models.compute import LayerTime, attn_core_flops, calibration, layer_t
 from cost_models.memory import DTYPE_BYTES, LayerTable, StageMemory, stage_memory
 from cost_models.shared_cores import compute_concurrency, core_speedup, shares_cores, spare_core
 from planner.graph import Layer, ModelGraph
-from planner.plan import ParallelConfig, Partition, PlanError
+from planner.plan import SHARDED_PARAMS, ParallelConfig, Partition, PlanError
 
 # DP-communication overlap efficiency: nccl 0.79 fitted on the published runs
 # (benchmarks/published_runs.py --fit; prior 0.8), gloo from the local fidelity runs.
@@ -330,7 +330,7 @@ def _dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units
 
 def _per_microbatch_dp(cfg: ParallelConfig) -> bool:
     """ZeRO-2 / FSDP without a pipeline communicate every micro-batch (module docstring)."""
-    return cfg.zero in ("zero2", "fsdp") and cfg.pp == 1
+    return cfg.zero in SHARDED_PARAMS and cfg.pp == 1
 
 
 def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,

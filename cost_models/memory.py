@@ -54,7 +54,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from planner.graph import Layer, ModelGraph
-from planner.plan import ParallelConfig
+from planner.plan import RECOMPUTE, SHARDED_PARAMS, ZERO, ParallelConfig
 
 GiB = 2**30
 RESERVE_GPU = 2.0 * GiB       # CUDA context (~0.5 GiB) + NCCL buffers + fragmentation
@@ -125,7 +125,7 @@ class LayerTable:
     def __init__(self, graph: ModelGraph, cfg: ParallelConfig) -> None:
         self.params = [layer_params_local(l, cfg.tp, cfg.pp) for l in graph.layers]
         self.act = {p: [layer_activation(l, graph, cfg, p) for l in graph.layers]
-                    for p in ("none", "selective", "full")}
+                    for p in RECOMPUTE}
 
 
 def per_param_bytes(cfg: ParallelConfig) -> dict[str, float]:
@@ -134,12 +134,12 @@ def per_param_bytes(cfg: ParallelConfig) -> dict[str, float]:
     the module docstring), plus the unsharded ``weights_full`` / ``grads_full``."""
     dp = cfg.dp * cfg.cp  # CP ranks hold the same weights and reduce gradients with DP
     w, g, o = (4.0, 4.0, 8.0) if cfg.dtype == "fp32" else (2.0, 2.0, 12.0)
-    if cfg.zero not in ("ddp", "zero1", "zero2", "fsdp"):
-        raise ValueError(f"data-parallel sharding {cfg.zero!r}: use ddp, zero1, zero2 or fsdp")
+    if cfg.zero not in ZERO:
+        raise ValueError(f"data-parallel sharding {cfg.zero!r}: use {', '.join(ZERO)}")
     f = {"weights_full": w, "grads_full": g, "weights": w, "grads": g, "optimizer": o, "buffers": 0.0}
     if dp == 1:
         return f
-    if cfg.zero in ("ddp", "zero1"):
+    if cfg.zero not in SHARDED_PARAMS:  # ddp, zero1
         f["buffers"] = w  # runtime DP is FSDP2's replicate: an unsharded parameter copy
         if cfg.zero == "zero1":
             f["optimizer"] = o / dp

@@ -77,7 +77,7 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Sequence
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+from planner.plan import SCHEDULES  # the one list of schedules (callers of the simulator import it from here too)
 _F, _B, _W = 0, 1, 2
 _KIND_NAMES = ("F", "B", "W")
 

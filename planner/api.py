@@ -73,7 +73,7 @@ class Parallelized:
 def auto_parallelize(model: nn.Module, example_batch: dict[str, torch.Tensor], loss_fn: Callable | None = None,
                      cluster: str = "detect", optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
                      *, spec: str | None = None, profile: str | None = None, seed: int | None = None,
-                     plan: str | None = None, module_spec: Any = None) -> Parallelized:
+                     plan: str | None = None, module_spec: Any = None, fix: str | None = None) -> Parallelized:
     """Capture ``model`` on ``example_batch``, plan it for ``cluster`` on rank 0, broadcast the
     plan, apply it; returns an object with ``.step(batch)``, ``.plan``, ``.save``, ``.load``.
 
@@ -81,12 +81,15 @@ def auto_parallelize(model: nn.Module, example_batch: dict[str, torch.Tensor], l
     ``plan`` uses a plan file instead of planning; ``loss_fn(logits, labels) -> summed loss``
     replaces the token cross-entropy of a plain module (``module_spec`` =
     ``codegen.runtime.adapters.module.ModuleSpec(blocks=..., before=..., after=..., loss=...)``
-    names its units explicitly). Without ``profile``, a plan for this machine's CPUs uses its
-    cached first-run calibration when there is one (``autopar plan`` or ``autopar demo`` make it).
+    names its units explicitly); ``fix`` keeps part of the layout, as ``autopar plan --fix``
+    (``"tp=8,pp=1"``, ``"tp<=4,zero=fsdp"``: see planner/pins.py). Without ``profile``, a plan for
+    this machine's CPUs uses its cached first-run calibration when there is one (``autopar plan``
+    or ``autopar demo`` make it).
     """
     import torch.distributed as dist
 
     from codegen.runtime.adapters import adapter_for, adapter_kind
+    from planner.pins import Pins
     from codegen.runtime.mesh import init_distributed
     from codegen.runtime.train import default_optimizer, parallelize
 
@@ -99,6 +102,7 @@ def auto_parallelize(model: nn.Module, example_batch: dict[str, torch.Tensor], l
             raise AutoparError("loss_fn needs the units named too: pass module_spec=ModuleSpec(blocks=..., "
                                "before=..., after=..., loss=loss_fn)")
         module_spec = ModuleSpec(module_spec.blocks, module_spec.before, module_spec.after, loss_fn)
+    pins = Pins.parse(fix)  # a bad pin string fails on every rank, before any process group
     if not isinstance(example_batch, dict) or "input_ids" not in example_batch:
         raise AutoparError("example_batch must be a dict with input_ids (and labels): the global batch of one step")
     if "WORLD_SIZE" not in os.environ:  # a plain single process: a one-rank group
@@ -118,7 +122,7 @@ def auto_parallelize(model: nn.Module, example_batch: dict[str, torch.Tensor], l
     if rank == 0:
         try:
             box[0] = _plan_on_rank0(model, example_batch, cluster, world, gb, spec, profile, plan,
-                                    module_spec).to_json()
+                                    module_spec, pins).to_json()
         except AutoparError as e:
             box[0] = {"error": str(e)}
     dist.broadcast_object_list(box, src=0)
@@ -135,7 +139,7 @@ def auto_parallelize(model: nn.Module, example_batch: dict[str, torch.Tensor], l
     return Parallelized(pm, the_plan)
 
 
-def _plan_on_rank0(model, example, cluster, world, gb, spec, profile, plan_path, module_spec) -> Plan:
+def _plan_on_rank0(model, example, cluster, world, gb, spec, profile, plan_path, module_spec, pins=None) -> Plan:
     from codegen.runtime.adapters import adapter_kind
     from cost_models.cluster import parse_cluster
     from cost_models.profile_db import ProfileDB
@@ -143,6 +147,9 @@ def _plan_on_rank0(model, example, cluster, world, gb, spec, profile, plan_path,
     from planner.planning import plan_model
 
     if plan_path:
+        if pins:
+            raise AutoparError("auto_parallelize(plan=..., fix=...): a plan file is already chosen; drop fix= "
+                               "or plan again with `autopar plan --fix`")
         return Plan.load(plan_path)
     c = parse_cluster(detect_cluster(world) if cluster == "detect" else cluster)
     if c.world != world:
@@ -166,6 +173,6 @@ def _plan_on_rank0(model, example, cluster, world, gb, spec, profile, plan_path,
         from planner.machine_calibration import machine_profile
 
         prof = machine_profile(c, allow_profile=False)[0]
-    p, _ = plan_model(graph, c, gb, spec=spec or name, cluster_spec=c.name, profile=prof)
+    p, _ = plan_model(graph, c, gb, spec=spec or name, cluster_spec=c.name, profile=prof, fix=pins)
     return p
 

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 from planner.errors import AutoparError
 from planner.launch import check_plan, compare_run, run_plan, torchrun_cmd
 from planner.launch import progress as _progress
+from planner.plan import LOSS_KERNELS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -116,20 +117,24 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _check_out(path: str, force: bool) -> None:
-    import os
+    """Refuse an output ``write_atomic`` would refuse or fail on, before the work that makes it."""
+    from planner.plan import check_outputs
 
-    if os.path.exists(path) and not force:
-        raise AutoparError(f"{path} exists: pass --force to overwrite it or choose another -o")
+    check_outputs([path], force)
 
 
 # ---------------------------------------------------------------- plan / evaluate
 
 def _load_inputs(args: argparse.Namespace):
+    """The graph, cluster and profile the flags name; ``--fix`` is checked against the cluster
+    before the model is captured."""
     from cost_models.cluster import parse_cluster
     from cost_models.profile_db import ProfileDB
     from planner.frontend import load_graph
+    from planner.pins import Pins
 
     cluster = parse_cluster(args.cluster)
+    Pins.parse(getattr(args, "fix", None)).check_world(cluster.world, cluster.name)
     profile = None
     prof_path = getattr(args, "profile", None) or cluster.profile
     if prof_path:
@@ -177,18 +182,21 @@ def _print_estimate(con, e, title: str) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     import time
 
+    from planner.pins import Pins
     from planner.plan import write_atomic
     from planner.planning import plan_model
     from planner.report_data import fmt_n
 
     if args.out:
         _check_out(args.out, args.force)
+    pins = Pins.parse(args.fix)
     t0 = time.perf_counter()
     graph, cluster, profile = _load_inputs(args)
     _progress(f"captured {graph.name}: {len(graph.layers)} layers, {fmt_n(graph.params)} parameters "
-              f"({time.perf_counter() - t0:.2f} s); searching {cluster.world} devices of {cluster.name}")
+              f"({time.perf_counter() - t0:.2f} s); searching {cluster.world} devices of {cluster.name}"
+              + (f" with {pins.to_str()} pinned" if pins else ""))
     plan, res = plan_model(graph, cluster, args.global_batch, spec=args.model, cluster_spec=args.cluster,
-                           profile=profile, top_k=args.top_k, progress=_progress, loss=args.loss)
+                           profile=profile, top_k=args.top_k, progress=_progress, loss=args.loss, fix=pins)
     _progress(f"{res.considered} configurations considered, {res.pruned} pruned by bounds, "
               f"{res.estimated} estimated, {res.fully_solved} fully solved in {res.solve_s:.2f} s")
     if args.out:
@@ -197,7 +205,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(plan.to_json(), end="")
         return 0
     con = _console()
-    _print_estimate(con, res.best, "plan")
+    _print_estimate(con, res.best, "plan" + (f" (pinned: {pins.to_str()})" if pins else ""))
     from rich.table import Table
 
     t = Table(title="alternatives")
@@ -218,25 +226,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from planner.plan import ParallelConfig
+    from planner.pins import Pins
+    from planner.plan import ParallelConfig, default_attention
     from planner.planning import evaluate_config
 
     cfg = ParallelConfig.parse(args.config)
+    pins = Pins.parse(args.fix)
     graph, cluster, profile = _load_inputs(args)
-    if "attention=" not in args.config and "flash_attention" in graph.limits:
-        cfg = cfg.replace(attention="eager")  # the default kernel is one this model cannot use
+    if "attention=" not in args.config:
+        cfg = cfg.replace(attention=default_attention(graph.limits))  # the default kernel may be one it cannot use
     _progress(f"pricing {cfg.label()} on {cluster.world} devices of {cluster.name}")
     e, problems = evaluate_config(graph, cluster, cfg, args.global_batch, even_split=args.even_split,
                                   profile=profile)
+    checked = pins.check(cfg)
     if args.json:
         d = _estimate_summary(e)
         d["problems"] = problems
+        d["fix"] = {pin: why is None for pin, why in checked}
         print(json.dumps(d, indent=1))
     else:
         con = _console()
         _print_estimate(con, e, "evaluate")
         for p in problems:
             con.print(f"[yellow]warning[/yellow]: {p}")
+        con.print("pins: " + "; ".join(f"{pin} {'satisfied' if why is None else f'VIOLATED ({why})'}"
+                                       for pin, why in checked) if pins else
+                  "evaluate prices this configuration as given (every key pinned); "
+                  '`autopar plan --fix "tp=4,..."` searches the keys you leave free')
     if not e.fits:
         rank, over = e.shortfall()
         print(f"error: does not fit: stage {rank} needs {e.memory[rank].total / 2**30:.1f} GiB of "
@@ -387,6 +403,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="local-cpu: plan uncalibrated instead of with this machine's cached calibration "
                         "(profiled on first use, about 15-30 s)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--fix", default=None, metavar="PINS", help="keep part of the layout, e.g. 'tp=8,pp=1' or "
+                   "'tp<=4,zero=fsdp': dp pp cp tp mbs vpp with =, <=, >=; schedule zero recompute sp with = "
+                   "(evaluate: check --config against them)")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -411,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="search the parallel configurations and write a plan")
     _add_plan_args(p)
     p.add_argument("--top-k", type=int, default=5, help="alternatives to keep")
-    p.add_argument("--loss", choices=("eager", "fused"), default="eager", help="loss kernel to plan with")
+    p.add_argument("--loss", choices=LOSS_KERNELS, default="eager", help="loss kernel to plan with")
     p.add_argument("-o", "--out", default=None, help="plan file to write (JSON)")
     p.add_argument("--force", action="store_true", help="overwrite an existing plan file")
     p.set_defaults(fn=cmd_plan)

@@ -12,9 +12,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from planner.plan import Partition
+from planner.plan import RECOMPUTE, SCHEDULES, Partition
 
-_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 _MEM_TOL = 1e-9          # relative slack when checking capacity
 
 
@@ -48,7 +47,7 @@ class PartitionProblem:
     inflight: list[float]             # per virtual stage: micro-batches held at peak
     capacity: float                   # bytes per rank (after reserve and buffers); inf = no limit
     extra: list[float] = field(default_factory=list)   # per virtual stage extra bytes (default 0)
-    policies: tuple[str, ...] = ("none", "selective", "full")
+    policies: tuple[str, ...] = RECOMPUTE
     wgrad_frac: float = 0.5           # zb-h1: share of bwd that is the weight gradient (W)
 
     def __post_init__(self) -> None:
@@ -58,8 +57,8 @@ class PartitionProblem:
         for name in ("bwd", "act", "static", "out_p2p", "classes"):
             if len(getattr(self, name)) != L:
                 raise ValueError(f"PartitionProblem.{name}: {len(getattr(self, name))} entries for {L} layers")
-        if self.schedule not in _SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r}: choose one of {', '.join(_SCHEDULES)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
         for k in ("pp", "v", "m"):
             if not isinstance(getattr(self, k), int) or getattr(self, k) < 1:
                 raise ValueError(f"PartitionProblem.{k}={getattr(self, k)!r}: must be a positive integer")

@@ -10,8 +10,9 @@ import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
-ZERO = ("ddp", "zero1", "zero2", "fsdp")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")   # pipeline schedules (cost_models/pipeline.py simulates them)
+ZERO = ("ddp", "zero1", "zero2", "fsdp")      # DP sharding modes (codegen/runtime/data_parallel.py)
+SHARDED_PARAMS = ("zero2", "fsdp")            # the ZERO modes that shard parameters over dp; ddp, zero1 replicate them
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("bf16", "fp16", "fp32")
 ATTN_KERNELS = ("flash", "eager")      # flash: no S x S scores kept (SDPA flash / our Triton kernel)
@@ -267,9 +268,15 @@ def config_problems(cfg: "ParallelConfig", f: ModelFacts) -> list[str]:
     return out
 
 
+def default_attention(limits: dict[str, str]) -> str:
+    """The attention kernel to plan with: flash unless the model's limits (``ModelFacts.limits``)
+    say it cannot use it."""
+    return "eager" if "flash_attention" in limits else "flash"
+
+
 def zero_problem(zero: str, tp: int, dp: int, f: ModelFacts) -> str | None:
     """Why the runtime cannot shard this model's parameters over dp with ``zero`` under ``tp``."""
-    if zero in ("fsdp", "zero2") and tp > 1 and dp > 1 and "fsdp_with_tp" in f.limits:
+    if zero in SHARDED_PARAMS and tp > 1 and dp > 1 and "fsdp_with_tp" in f.limits:
         return f"zero={zero} with tp={tp}: {f.limits['fsdp_with_tp']}; use zero=ddp or zero1"
     return None
 
@@ -440,6 +447,31 @@ def _is_num(v: Any) -> bool:
     import math
 
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_outputs(paths: list[str], force: bool = False) -> None:
+    """Refuse, before anything is written, every output of a command that ``write_atomic``
+    would refuse or fail on: two outputs naming one file, a folder, an existing file without
+    ``force``, a parent that is a file or a folder that cannot be written."""
+    import os
+
+    seen: set[str] = set()
+    for path in paths:
+        full = os.path.abspath(path)
+        if full in seen:
+            raise PlanError(f"two outputs name {path}: give each output its own path")
+        seen.add(full)
+        if os.path.isdir(path):
+            raise PlanError(f"{path} is a folder: give a file path for the output")
+        if os.path.exists(path) and not force:
+            raise PlanError(f"{path} exists: pass --force to overwrite it, or choose another output path")
+        folder = os.path.dirname(full)
+        while not os.path.exists(folder):  # write_atomic makes the missing folders
+            folder = os.path.dirname(folder)
+        if not os.path.isdir(folder):
+            raise PlanError(f"cannot write {path}: {folder} is a file, not a folder; choose another output path")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PlanError(f"cannot write {path}: folder {folder} is not writable; choose a writable output path")
 
 
 def write_atomic(path: str, text: str, force: bool = False) -> None:

@@ -12,6 +12,7 @@ from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
 from planner.errors import AutoparError
 from planner.graph import ModelGraph
+from planner.pins import Pins, as_pins
 from planner.plan import ParallelConfig, Plan, config_problems
 from planner.search import SearchResult, facts_of, search, split_and_estimate
 from planner.search import even_split as split_evenly
@@ -75,15 +76,21 @@ def build_plan(graph: ModelGraph, cluster: Cluster, e: Estimate, *, spec: str, c
 
 def plan_model(graph: ModelGraph, cluster: Cluster, global_batch: int, *, spec: str, cluster_spec: str,
                profile=None, top_k: int = 5, progress: Callable[[str], None] | None = None,
-               **search_kw: Any) -> tuple[Plan, SearchResult]:
-    """Search the space and return the plan with its search record."""
+               fix: Pins | str | None = None, **search_kw: Any) -> tuple[Plan, SearchResult]:
+    """Search the space and return the plan with its search record. ``fix`` pins part of the
+    layout (a pin string such as ``"tp=8,pp=1"`` or ``"tp<=4"``, see planner/pins.py): only
+    configurations it admits are searched, and the plan's ``search["fix"]`` records it."""
     if global_batch < 1:
         raise AutoparError(f"--global-batch must be a positive integer, got {global_batch}")
-    res = search(graph, cluster, global_batch, profile=profile, top_k=top_k, progress=progress, **search_kw)
+    pins = as_pins(fix).check_world(cluster.world, cluster.name)
+    res = search(graph, cluster, global_batch, profile=profile, top_k=top_k, progress=progress, pins=pins,
+                 **search_kw)
     info = {"considered": res.considered, "pruned": res.pruned, "estimated": res.estimated,
             "fully_solved": res.fully_solved,
             "partition": {k: {kk: vv for kk, vv in v.items() if kk not in ("solve_s",)}
                           for k, v in sorted(res.partition_info.items())}}
+    if pins:
+        info["fix"] = pins.to_str()
     plan = build_plan(graph, cluster, res.best, spec=spec, cluster_spec=cluster_spec,
                       alternatives=res.alternatives, rejected=res.rejected, counts=res.rejected_counts,
                       search_info=info)

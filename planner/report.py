@@ -20,7 +20,7 @@ import json
 from html import escape
 from typing import Any
 
-from planner.plan import Plan, PlanError, write_atomic
+from planner.plan import Plan, check_outputs, write_atomic
 from planner import report_svg as svg
 from planner.report_data import (
     GiB, MEM_CATS, MAX_MESH_DEVICES, Report, fmt_s, fmt_n, rejected_groups, why_not_degrees, build_report,
@@ -383,17 +383,10 @@ def print_text(r: Report, con: Any) -> None:
 
 def write_reports(plan_path: str, *, html: str | None = None, md: str | None = None, trace: str | None = None,
                   run_log: str | None = None, force: bool = False, layers: bool = True) -> Report:
-    """Build the report of ``plan_path`` and write the requested files (atomic; existing
-    files are refused without ``force``, before anything is written)."""
-    import os
-
-    outs = [x for x in (html, md, trace) if x]
-    if len(set(map(os.path.abspath, outs))) != len(outs):
-        raise PlanError("two outputs name the same file: give -o, --md and --trace different paths")
-    if not force:
-        for x in outs:
-            if os.path.exists(x):
-                raise PlanError(f"{x} exists: pass --force to overwrite it, or choose another output path")
+    """Build the report of ``plan_path`` and write the requested files (atomic). Every output
+    is checked first (``planner.plan.check_outputs``: existing without ``force``, a parent
+    that cannot be written), so a refused one leaves the others unwritten too."""
+    check_outputs([x for x in (html, md, trace) if x], force)
     plan = Plan.load(plan_path)
     r = build_report(plan, run_log=run_log, layers=layers and bool(html))
     if html:

@@ -218,7 +218,7 @@ def summary_rows(r: Report) -> list[tuple[str, str, str, Any]]:
     src = e.get("source", "?")
     srcs = e.get("sources") or {}
     src_txt = src + (f" (compute: {srcs.get('compute')}, communication: {srcs.get('comm')})" if srcs else "")
-    return [
+    rows = [
         ("model", "model", f"{p.model.get('name')} ({fmt_n(p.model.get('params', 0))} parameters, "
                            f"{len(p.model['layers'])} layers, hidden {p.model.get('hidden')}, vocab {p.model.get('vocab')})",
          p.model.get("name")),
@@ -239,6 +239,10 @@ def summary_rows(r: Report) -> list[tuple[str, str, str, Any]]:
         ("source", "source of the figures", src_txt, src),
         ("calibration", "calibration", e.get("calibration", "uncalibrated"), e.get("calibration", "uncalibrated")),
     ]
+    if p.search.get("fix"):  # after the configuration: what of it the user pinned
+        rows.insert(4, ("fix", "pinned (--fix)", f"{p.search['fix']} (the search kept to these and chose the rest)",
+                        p.search["fix"]))
+    return rows
 
 
 def stage_rows(r: Report) -> list[dict[str, Any]]:

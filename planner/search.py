@@ -27,6 +27,11 @@ than another (``DOMINATED``) are skipped.
 Surviving variants get the closed-form estimate on an even stage split; the best
 ``solve_top`` are then re-partitioned by the ILP (planner/partition.py) and
 simulated in full ("fully solved"), and the best of those is the plan.
+
+Pins (``planner.pins.Pins``, ``autopar plan --fix``) narrow the space before any of this:
+only the degrees, micro-batch sizes and variants they admit are enumerated, counted and
+priced; when none of those fits, the error names the pins and the least memory per device
+a pinned layout needs.
 """
 from __future__ import annotations
 
@@ -42,12 +47,15 @@ from cost_models.memory import (DTYPE_BYTES, RESERVE_CPU, RESERVE_GPU, layer_act
                                  per_param_bytes)
 from planner.errors import AutoparError
 from planner.graph import BLOCK_KINDS, ModelGraph
-from planner.plan import (ModelFacts, ParallelConfig, Partition, cp_problem, pp_problem, sp_problem,
-                          tp_problem, zero_problem)
+from planner.pins import Pins
+from planner.plan import (RECOMPUTE, ZERO, ModelFacts, ParallelConfig, Partition, cp_problem, default_attention,
+                          pp_problem, sp_problem, tp_problem, zero_problem)
 
 GiB = 2**30
-ZEROS = ("ddp", "zero1", "fsdp")
-RECOMPUTES = ("none", "selective", "full")
+# The DP sharding modes the search tries: planner.plan.ZERO without zero2 (with pp > 1 it holds
+# and moves what fsdp does; with pp = 1 it only trades fsdp's per-layer gathers for every layer
+# held gathered), to keep the space small; ``--fix zero=zero2`` prices it.
+ZEROS = tuple(z for z in ZERO if z != "zero2")
 
 
 @dataclass
@@ -89,14 +97,15 @@ def facts_of(graph: ModelGraph) -> ModelFacts:
 
 
 def degree_tuples(graph: ModelGraph, cluster: Cluster, global_batch: int, rej: _Rejections,
-                  fixed: dict[str, int] | None = None) -> Iterator[tuple[int, int, int, int]]:
-    """(dp, pp, cp, tp) that satisfy the structural constraints (the runtime's feasibility
-    rule per degree, the node size, the batch); the others are recorded in ``rej``."""
+                  pins: Pins | None = None) -> Iterator[tuple[int, int, int, int]]:
+    """(dp, pp, cp, tp) that the ``pins`` admit and that satisfy the structural constraints
+    (the runtime's feasibility rule per degree, the node size, the batch); the others are
+    recorded in ``rej`` (those the pins leave out are not)."""
     world = cluster.world
     facts = facts_of(graph)
-    fixed = fixed or {}
+    pins = pins or Pins()
     for tp in divisors(world):
-        if "tp" in fixed and tp != fixed["tp"]:
+        if not pins.allows("tp", tp) or (tp == 1 and not pins.allows("sp", False)):
             continue
         if tp > cluster.devices_per_node:
             rej.add(f"tp={tp} exceeds {cluster.devices_per_node} devices per node", f"tp={tp}")
@@ -105,19 +114,19 @@ def degree_tuples(graph: ModelGraph, cluster: Cluster, global_batch: int, rej: _
             rej.add(why, f"tp={tp}")
             continue
         for cp in divisors(world // tp):
-            if "cp" in fixed and cp != fixed["cp"]:
+            if not pins.allows("cp", cp):
                 continue
             if why := cp_problem(cp, facts):
                 rej.add(why, f"cp={cp}")
                 continue
             for pp in divisors(world // (tp * cp)):
-                if "pp" in fixed and pp != fixed["pp"]:
+                if not pins.allows("pp", pp):
                     continue
                 if why := pp_problem(pp, facts):
                     rej.add(why, f"pp={pp}")
                     continue
                 dp = world // (tp * cp * pp)
-                if "dp" in fixed and dp != fixed["dp"]:
+                if not pins.allows("dp", dp):
                     continue
                 if global_batch % dp:
                     rej.add(f"global batch {global_batch} not divisible by dp={dp}", f"dp={dp} pp={pp} cp={cp} tp={tp}")
@@ -126,32 +135,41 @@ def degree_tuples(graph: ModelGraph, cluster: Cluster, global_batch: int, rej: _
 
 
 def _variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: int, dtype: str,
-              loss: str, facts: ModelFacts, dominated: bool = True) -> Iterator[ParallelConfig]:
-    """The variants of one degree tuple (``n_layers``: the stage groups). With
-    ``dominated=False`` the variants the cost model proves no better are left out (see
-    ``DOMINATED``). Sequence parallel is offered only where the runtime can run it
-    (``planner.plan.sp_problem``); the attention kernel is flash unless the model cannot
-    use it."""
-    scheds: list[tuple[str, int]] = [("1f1b", 1)]
-    if pp > 1:
-        scheds = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)]
-        for v in (2, 4):
-            if m % pp == 0 and pp * v <= n_layers:
-                scheds.append(("interleaved-1f1b", v))
-    for sched, v in scheds:
-        if not dominated and sched == "gpipe":
+              loss: str, facts: ModelFacts, dominated: bool = True, pins: Pins | None = None) -> Iterator[ParallelConfig]:
+    """The variants of one degree tuple (``n_layers``: the stage groups) that the ``pins``
+    admit. With ``dominated=False`` the variants the cost model proves no better are left
+    out (see ``DOMINATED``) unless the pins leave out what dominates them. Sequence
+    parallel is offered only where the runtime can run it (``planner.plan.sp_problem``);
+    the attention kernel is flash unless the model cannot use it."""
+    pins = pins or Pins()
+    sp_ok = sp_problem(tp, cp, facts) is None
+    attention = default_attention(facts.limits)
+    zeros = ("ddp",) if dp * cp == 1 else tuple(z for z in (ZERO if "zero" in pins.choice else ZEROS)
+                                                 if pins.allows("zero", z))
+    for sched, v in _schedules(pp, m, n_layers, pins):
+        if not dominated and sched == "gpipe" and pins.allows("schedule", "1f1b"):
             continue
-        sp_ok = sp_problem(tp, cp, facts) is None
-        attention = "eager" if "flash_attention" in facts.limits else "flash"
-        for zero in (ZEROS if dp * cp > 1 else ("ddp",)):
+        for zero in zeros:
             if zero_problem(zero, tp, dp * cp, facts):
                 continue
-            for rc in RECOMPUTES:
-                for sp in ((False, True) if sp_ok else (False,)):
-                    if not dominated and sp_ok and not sp:
+            for rc in (r for r in RECOMPUTE if pins.allows("recompute", r)):
+                for sp in (s for s in ((False, True) if sp_ok else (False,)) if pins.allows("sp", s)):
+                    if not dominated and sp_ok and not sp and pins.allows("sp", True):
                         continue
                     yield ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, mbs=mbs, schedule=sched, vpp=v, zero=zero,
                                          recompute=rc, sp=sp, dtype=dtype, loss=loss, attention=attention)
+
+
+def _schedules(pp: int, m: int, n_layers: int, pins: Pins) -> list[tuple[str, int]]:
+    """(schedule, vpp) to try for ``pp`` stages and ``m`` micro-batches: every schedule,
+    interleaved with v in {2, 4} (or the pinned vpp values) where the micro-batches and
+    stage groups allow; a pinned schedule or vpp applies only when pp > 1."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    vs = (2, 4) if "vpp" not in pins.hi else range(max(2, pins.lo.get("vpp", 2)), pins.hi["vpp"] + 1)
+    out = [(s, 1) for s in ("gpipe", "1f1b", "zb-h1")]
+    out += [("interleaved-1f1b", v) for v in vs if m % pp == 0 and pp * v <= n_layers]
+    return [(s, v) for s, v in out if pins.allows("schedule", s) and pins.allows("vpp", v)]
 
 
 # Variants the cost model never prefers, with the one that dominates them (no slower, no
@@ -178,7 +196,14 @@ class _Space:
     attention: str
     rej: _Rejections
     res: SearchResult
+    pins: Pins = field(default_factory=Pins)
     cost_cache: dict = field(default_factory=dict)
+    leanest: tuple[float, bool] = (math.inf, False)   # least bytes per device any rejected layout needs, exact?
+
+    def note_need(self, need: float, exact: bool) -> None:
+        """Record the memory a layout that did not fit needs (``exact``: priced; else a floor)."""
+        if need < self.leanest[0]:
+            self.leanest = (need, exact)
 
     def costs(self, base: ParallelConfig) -> LayerCosts:
         key = (base.tp, base.cp, base.mbs, base.sp)
@@ -206,11 +231,11 @@ class _Tuple:
 
 def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=None, top_k: int = 5,
            solve_top: int = 3, max_mbs: int = 8, dtype: str | None = None, loss: str = "eager",
-           fixed: dict[str, int] | None = None, ilp_time_limit: float = 10.0,
+           pins: Pins | None = None, ilp_time_limit: float = 10.0,
            progress: Callable[[str], None] | None = None) -> SearchResult:
-    """Find the configuration with the best predicted step time that fits: degree tuples with
-    their floors, then every variant's closed-form estimate on an even split, then the ILP
-    split and the simulated schedule for the best few."""
+    """Find the configuration with the best predicted step time that fits among those the
+    ``pins`` admit: degree tuples with their floors, then every variant's closed-form
+    estimate on an even split, then the ILP split and the simulated schedule for the best few."""
     t0 = time.perf_counter()
     facts = facts_of(graph)
     if "any" in facts.limits:
@@ -220,8 +245,8 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
     res = SearchResult(best=None, alternatives=[], rejected={}, rejected_counts={})  # type: ignore[arg-type]
     space = _Space(graph, cluster, global_batch, profile, facts,
                    dtype or ("fp32" if cluster.backend == "gloo" else "bf16"), loss,
-                   "eager" if "flash_attention" in facts.limits else "flash", _Rejections(), res)
-    tuples = _tuples_with_floors(space, max_mbs, fixed)
+                   default_attention(facts.limits), _Rejections(), res, pins or Pins())
+    tuples = _tuples_with_floors(space, max_mbs)
     if progress:
         progress(f"{len(tuples)} degree tuples after the memory floor; {res.considered} configurations")
     ranked = _ranked_variants(space, tuples)
@@ -230,7 +255,7 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
     return res
 
 
-def _tuples_with_floors(space: _Space, max_mbs: int, fixed: dict[str, int] | None) -> list[_Tuple]:
+def _tuples_with_floors(space: _Space, max_mbs: int) -> list[_Tuple]:
     """Every (dp, pp, cp, tp, mbs) the structural rules allow, with a time floor (compute and
     TP/CP communication per rank plus the best schedule's bubble); tuples whose memory floor
     (FSDP states and full recompute) exceeds the device are rejected."""
@@ -238,9 +263,15 @@ def _tuples_with_floors(space: _Space, max_mbs: int, fixed: dict[str, int] | Non
     reserve = RESERVE_GPU if space.cluster.backend != "gloo" else RESERVE_CPU
     cap = space.cluster.memory_bytes
     tuples = []
-    for dp, pp, cp, tp in degree_tuples(g, space.cluster, space.global_batch, rej, fixed):
+    pins = space.pins
+    max_mbs = pins.hi.get("mbs", max(max_mbs, pins.lo.get("mbs", 1)))  # a pinned mbs may pass the default cap
+    for dp, pp, cp, tp in degree_tuples(g, space.cluster, space.global_batch, rej, pins):
         per_replica = space.global_batch // dp
-        for mbs in [d for d in divisors(per_replica) if d <= max_mbs]:
+        sizes = [d for d in divisors(per_replica) if d <= max_mbs and pins.allows("mbs", d)]
+        if not sizes:
+            rej.add(f"no micro-batch size {pins.describe('mbs')} divides the {per_replica} sequences per replica",
+                    f"dp={dp} pp={pp} cp={cp} tp={tp}")
+        for mbs in sizes:
             m = per_replica // mbs
             if pp > 1 and m < pp:  # the pipeline schedules need a micro-batch per stage at least
                 rej.add(f"{m} micro-batches for pp={pp}: the schedules need at least one per stage",
@@ -257,10 +288,11 @@ def _tuples_with_floors(space: _Space, max_mbs: int, fixed: dict[str, int] | Non
             table = costs.table(base)
             mem_floor = sum(table.params) / pp * 16 / (dp * cp) + min(table.act["full"]) + reserve
             n_var = sum(1 for _ in _variants(dp, pp, cp, tp, mbs, m, space.facts.units, space.dtype, space.loss,
-                                             space.facts))
+                                             space.facts, pins=pins))
             res.considered += n_var
             t = _Tuple(floor_s, dp, pp, cp, tp, mbs, m, n_var)
             if mem_floor > cap:
+                space.note_need(mem_floor, exact=False)
                 rej.add(f"OOM even with FSDP + full recompute: needs >= {mem_floor / GiB:.1f} GiB of "
                         f"{cap / GiB:.1f} GiB", t.label, n_var)
                 res.pruned += n_var
@@ -289,7 +321,7 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, s
         t_core = sum(costs.get(l)[4] for l in g.layers) / t.pp
         t_comm = sum(costs.get(l)[2] + costs.get(l)[3] for l in g.layers) / t.pp
         for cfg in _variants(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, space.facts.units, space.dtype, space.loss,
-                             space.facts, dominated=False):
+                             space.facts, dominated=False, pins=space.pins):
             n_kept += 1
             # variant floor: this schedule on perfectly balanced stages, with its recompute
             extra = {"none": 0.0, "selective": t_core, "full": t_f}[cfg.recompute]
@@ -306,6 +338,7 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, s
             res.estimated += 1
             if not e.fits:
                 r, over = e.shortfall()
+                space.note_need(e.memory[r].total, exact=True)
                 rej.add(f"OOM by {_bucket(over)} on stage {r}", cfg.label())
                 continue
             ranked.append((e.step_s, cfg.to_str(), e))
@@ -315,7 +348,7 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, s
             res.pruned += t.n_var - n_kept
     if not ranked:
         res.rejected, res.rejected_counts = rej.examples, rej.counts
-        raise AutoparError(_nothing_fits(rej, space.cluster))
+        raise AutoparError(_nothing_fits(space))
     return sorted(ranked, key=lambda x: (x[0], x[1]))
 
 
@@ -327,7 +360,7 @@ def _solve_best(space: _Space, ranked: list[tuple[float, str, Estimate]], solve_
     finals: list[tuple[float, str, Estimate]] = []
     for _, key, e in ranked[:max(solve_top, 1)]:
         e2, info = split_and_estimate(space.graph, space.cluster, e.config, space.global_batch, space.profile,
-                                      ilp_time_limit)
+                                      ilp_time_limit, uniform_recompute="recompute" in space.pins.choice)
         res.fully_solved += 1
         res.partition_info[e.config.to_str()] = info
         if e2.fits:
@@ -346,21 +379,23 @@ def _bucket(over: float) -> str:
     return f"{over / GiB:.1f} GiB"
 
 
-def _nothing_fits(rej: _Rejections, cluster: Cluster) -> str:
-    ooms = [(k, v) for k, v in rej.counts.items() if k.startswith("OOM")]
-    if ooms:
-        smallest = min(ooms, key=lambda kv: _gib_of(kv[0]))[0]
-        return (f"no configuration fits on {cluster.name} ({cluster.world} devices): smallest shortfall: "
-                f"{smallest}; add devices, use FSDP/ZeRO, full recompute, or context parallel (longer sequences)")
-    reasons = "; ".join(list(rej.counts)[:3])
-    return f"no valid configuration on {cluster.name}: {reasons}"
-
-
-def _gib_of(reason: str) -> float:
-    import re
-
-    m = re.search(r"([\d.]+) GiB", reason)
-    return float(m.group(1)) if m else math.inf
+def _nothing_fits(space: _Space) -> str:
+    """Why no layout is left: the least memory per device a layout needs against the device's
+    (when memory is what rejected them), else the first reasons; with pins, which ones."""
+    cluster, rej, pins = space.cluster, space.rej, space.pins
+    what = f"layout with {pins.to_str()}" if pins else "configuration"
+    where = f"{space.graph.name} on {cluster.name} ({cluster.world} devices)"
+    need, exact = space.leanest
+    if need < math.inf:
+        cap = cluster.memory_bytes
+        knobs = ["loosen --fix"] * bool(pins) + ["add devices"] + [k for key, k in (
+            ("zero", "use FSDP/ZeRO"), ("recompute", "full recompute"), ("cp", "context parallel (longer sequences)"))
+            if key not in pins.keys()]
+        return (f"no {what} fits {where}: the best needs {'' if exact else 'at least '}{need / GiB:.1f} GiB per "
+                f"device, {cap / GiB:.1f} GiB available (smallest shortfall {(need - cap) / GiB:.1f} GiB); "
+                + ", ".join(knobs[:-1]) + " or " + knobs[-1])
+    reasons = "; ".join(list(rej.counts)[:3]) or "the pins leave no configuration"
+    return f"no valid {what} for {where}: {reasons}" + ("; loosen --fix" if pins else "")
 
 
 def even_split(graph: ModelGraph, stages: int, recompute: str = "none") -> Partition:
@@ -405,12 +440,12 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
     groups = graph.stage_groups()
     fwd, bwd, act, static, out_p2p, classes = [], [], [], [], [], []
     for g, (lo, hi) in enumerate(groups):
-        f = {p: 0.0 for p in RECOMPUTES}
-        b = {p: 0.0 for p in RECOMPUTES}
-        a = {p: 0.0 for p in RECOMPUTES}
+        f = {p: 0.0 for p in RECOMPUTE}
+        b = {p: 0.0 for p in RECOMPUTE}
+        a = {p: 0.0 for p in RECOMPUTE}
         for l in graph.layers[lo:hi]:
             lf, lb, tp_s, cp_s, core_s, _, _ = costs.get(l)
-            for p in RECOMPUTES:
+            for p in RECOMPUTE:
                 t = layer_pass_times(lf, lb, tp_s, cp_s, core_s, p)
                 f[p] += t.fwd
                 b[p] += t.bwd
@@ -440,11 +475,12 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
 
 
 def split_and_estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None,
-                       time_limit: float = 10.0) -> tuple[Estimate, dict]:
+                       time_limit: float = 10.0, uniform_recompute: bool = False) -> tuple[Estimate, dict]:
     """``cfg`` simulated in full on its best stage split: the ILP's, unless the simulator
     rates the even split faster or the ILP's does not fit (the ILP optimises a linear model
-    of the schedule; the simulator is the judge). Returns the estimate and the solver info."""
-    part, info = best_partition(graph, cluster, cfg, global_batch, profile, time_limit)
+    of the schedule; the simulator is the judge). Returns the estimate and the solver info.
+    ``uniform_recompute``: every stage keeps ``cfg.recompute`` (a pinned policy)."""
+    part, info = best_partition(graph, cluster, cfg, global_batch, profile, time_limit, uniform_recompute)
     e = estimate(graph, cluster, cfg, part, global_batch, profile=profile)
     if cfg.pp * cfg.vpp > 1:
         e_even = estimate(graph, cluster, cfg, even_split(graph, cfg.pp * cfg.vpp, cfg.recompute), global_batch,
@@ -455,15 +491,17 @@ def split_and_estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
 
 
 def best_partition(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None,
-                   time_limit: float = 10.0) -> tuple[Partition, dict]:
-    """The ILP's stage split (recompute per stage) for ``cfg``; an even split when pp == 1."""
+                   time_limit: float = 10.0, uniform_recompute: bool = False) -> tuple[Partition, dict]:
+    """The ILP's stage split (recompute per stage: with ``cfg.recompute = none`` the ILP may
+    choose any policy per stage, unless ``uniform_recompute``) for ``cfg``; an even split when
+    pp == 1."""
     n = len(graph.layers)
     if cfg.pp * cfg.vpp == 1:
         return Partition.even(n, 1, cfg.recompute), {"status": "trivial (one stage)"}
     from planner.partition import solve_partition
 
     prob = partition_problem(graph, cluster, cfg, global_batch, profile)
-    prob.policies = (cfg.recompute,) if cfg.recompute != "none" else RECOMPUTES
+    prob.policies = (cfg.recompute,) if cfg.recompute != "none" or uniform_recompute else RECOMPUTE
     r = solve_partition(prob, time_limit=time_limit)
     info = {"status": r.status, "gap": r.gap, "solve_s": r.solve_s, "solver": r.solver,
             "objective_s": r.objective_s}

@@ -8,7 +8,7 @@ from cost_models.estimate import estimate
 from cost_models.memory import stage_memory
 from cost_models.profile_db import ProfileDB
 from planner.frontend import load_graph
-from planner.plan import ParallelConfig, Partition, PlanError
+from planner.plan import ZERO, ParallelConfig, Partition, PlanError
 
 GiB = 2**30
 
@@ -51,7 +51,7 @@ def test_profile_changes_estimate(llama8b, h100):
 
 def test_memory_sharding_order(llama8b):
     layers = list(range(len(llama8b.layers)))
-    mem = {z: stage_memory(llama8b, layers, ParallelConfig(dp=8, zero=z), 1) for z in ("ddp", "zero1", "zero2", "fsdp")}
+    mem = {z: stage_memory(llama8b, layers, ParallelConfig(dp=8, zero=z), 1) for z in ZERO}
     assert mem["ddp"].optimizer == pytest.approx(8 * mem["zero1"].optimizer)
     assert mem["zero1"].grads == pytest.approx(8 * mem["zero2"].grads)
     assert mem["zero1"].weights == pytest.approx(8 * mem["fsdp"].weights)
@@ -60,7 +60,7 @@ def test_memory_sharding_order(llama8b):
     # replicate's parameter copy (ddp, zero1); zero2 holds every layer gathered through the
     # step, fsdp two layers: peak order ddp > zero1 > zero2 > fsdp
     assert mem["ddp"].buffers - mem["fsdp"].buffers > 1.5 * P  # a bf16 copy (2 B/param) less 2 layers
-    totals = [mem[z].total for z in ("ddp", "zero1", "zero2", "fsdp")]
+    totals = [mem[z].total for z in ZERO]
     assert totals == sorted(totals, reverse=True)
 
 

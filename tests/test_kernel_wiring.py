@@ -82,7 +82,7 @@ def test_kernels_match_reference_and_eager_runtime(runs, case: str) -> None:
 
 # --------------------------------------------------------------------------- planner
 
-PLANNER_CASE = dict(model="llama-1b", cluster="dgx-a100-80g", global_batch=64, seq_len=40960, fixed={"cp": 1})
+PLANNER_CASE = dict(model="llama-1b", cluster="dgx-a100-80g", global_batch=64, seq_len=40960, fix="cp=1")
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def test_fused_loss_changes_the_plan_for_a_128k_vocabulary(planner_case) -> None
     best = {}
     for loss in ("eager", "fused"):
         _, res = plan_model(g, cl, c["global_batch"], spec=c["model"], cluster_spec=c["cluster"], loss=loss,
-                            fixed=c["fixed"])
+                            fix=c["fix"])
         best[loss] = res.best
         assert res.best.config.loss == loss and res.best.fits
     e, f = best["eager"].config, best["fused"].config

@@ -13,9 +13,8 @@ from planner.partition import (
     PartitionProblem, evaluate_partition, even_partition, greedy_partition, segments,
     solve_partition, step_objective,
 )
+from planner.plan import RECOMPUTE as POL
 from planner.plan import Partition
-
-POL = ("none", "selective", "full")
 
 
 def _inflight(schedule: str, pp: int, v: int, m: int) -> list[float]:

@@ -10,9 +10,8 @@ import pytest
 from cost_models.cluster import parse_cluster
 from planner.errors import AutoparError
 from planner.frontend import load_graph
-from planner.plan import ParallelConfig, Partition, Plan, PlanError
+from planner.plan import ParallelConfig, Plan, PlanError
 from planner.planning import evaluate_config, plan_model
-from planner.search import partition_problem
 
 
 @pytest.fixture(scope="module")

@@ -231,6 +231,25 @@ def test_cli_writes_refuses_and_forces(plan_files, tmp_path, capsys):
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
 
 
+@pytest.mark.parametrize("bad_md,says", [
+    ("a_file/r.md", "is a file, not a folder"),   # the parent of --md cannot be made
+    ("a_folder", "is a folder"),                  # --md names a folder
+    ("r.html", "two outputs name"),               # --md is the HTML file too
+])
+def test_cli_checks_every_output_before_writing_any(plan_files, tmp_path, capsys, bad_md, says):
+    """A refused --md (or --trace) leaves the HTML unwritten: every output is checked first."""
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "a_folder").mkdir()
+    html = str(tmp_path / "r.html")
+    assert main(["report", plan_files["interleaved"], "-o", html, "--md", str(tmp_path / bad_md), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1, err
+    assert not os.path.exists(html)
+    assert main(["report", plan_files["interleaved"], "--trace", str(tmp_path / "t.json"), "-o", html,
+                 "--md", str(tmp_path / bad_md), "--force"]) == 2
+    assert not os.path.exists(tmp_path / "t.json") and not os.path.exists(html)
+
+
 def test_cli_text(plan_files, capsys):
     assert main(["report", plan_files["mllm-small"], "--text"]) == 0
     out = capsys.readouterr().out

@@ -263,6 +263,26 @@ def test_spec_module_function(tmp_path, monkeypatch):
         _one_line(exc)
 
 
+@pytest.mark.parametrize("spec,says", [
+    ("os:system", "system() needs arguments (command)"),      # a function that needs arguments
+    ("math:pi", "math.pi is a float, not a function"),         # not callable
+    ("os:getpid", "getpid() returned int, not an nn.Module"),  # returns an int
+])
+def test_spec_function_that_cannot_build_a_model(spec, says, capsys):
+    """A ``package.module:function`` that needs arguments, is no function, or returns no
+    module is one line naming it and the fix, from the spec and from `autopar graph`."""
+    from planner.cli import main
+    from planner.frontend import load_graph
+
+    with pytest.raises(AutoparError) as exc:
+        load_graph(spec)
+    _one_line(exc)
+    assert says in str(exc.value) and ("name a function" in str(exc.value) or "return the model" in str(exc.value))
+    assert main(["graph", "--model", spec]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: model spec") and says in err and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("name", ["hf:gpt-tiny", "hf:llama-tiny"])
 def test_hf_spec_builds_and_runs(name):
     pytest.importorskip("transformers")

@@ -32,6 +32,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from planner.plan import SHARDED_PARAMS, ZERO
+
 
 def _replicate():
     from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -47,12 +49,12 @@ def apply_dp(stage_mods: Sequence[nn.Module], dp_mesh: DeviceMesh, zero: str, pi
     blocks = set(blocks)
     for sm in stage_mods:
         own = [sm.get_submodule(u) for u in sm.units if u in blocks]
-        if zero in ("fsdp", "zero2"):
+        if zero in SHARDED_PARAMS:
             reshard = zero == "fsdp" and not pipelined
             for block in own:
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
             fully_shard(sm, mesh=dp_mesh, reshard_after_forward=reshard)
-        elif zero in ("ddp", "zero1"):
+        elif zero in ZERO:  # ddp, zero1: replicated parameters
             # per block, then the rest: each block's gradients are all-reduced as soon as its
             # backward ends (overlapping the earlier blocks' backward) and the fresh gradients
             # never all coexist with accumulated ones
@@ -60,7 +62,7 @@ def apply_dp(stage_mods: Sequence[nn.Module], dp_mesh: DeviceMesh, zero: str, pi
                 _replicate()(block, mesh=dp_mesh)
             _replicate()(sm, mesh=dp_mesh)
         else:
-            raise ValueError(f"data-parallel sharding {zero!r}: use ddp, zero1, zero2 or fsdp")
+            raise ValueError(f"data-parallel sharding {zero!r}: use {', '.join(ZERO)}")
 
 
 def sync_gradients(module: nn.Module, zero: str, last: bool) -> None:
@@ -71,7 +73,7 @@ def sync_gradients(module: nn.Module, zero: str, last: bool) -> None:
     micro-batches (the memory model assumes it). Pipeline schedules do this themselves."""
     from torch.distributed.fsdp import FSDPModule
 
-    if zero in ("ddp", "zero1") and isinstance(module, FSDPModule):
+    if zero not in SHARDED_PARAMS and isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(last)
 
 

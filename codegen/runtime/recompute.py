@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-POLICIES = ("none", "selective", "full")
+from planner.plan import RECOMPUTE as POLICIES
 
 
 class SelectiveAttention:
@@ -85,5 +85,5 @@ def checkpoint_block(block: nn.Module) -> None:
 
 def check_policy(policy: str) -> str:
     if policy not in POLICIES:
-        raise ValueError(f"recompute policy {policy!r}: use none, selective or full")
+        raise ValueError(f"recompute policy {policy!r}: use {', '.join(POLICIES)}")
     return policy

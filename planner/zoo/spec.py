@@ -206,12 +206,23 @@ def _function_spec(spec: str) -> ModelSpec:
         raise AutoparError(f"model spec {spec!r}: cannot import {mod_name!r} ({type(exc).__name__}: {exc}); "
                            "check it is on PYTHONPATH") from None
     fn = getattr(module, func_name, None)
-    if fn is None or not callable(fn):
+    if fn is None:
         raise AutoparError(f"model spec {spec!r}: module {mod_name!r} has no callable {func_name!r}; "
                            "define def {0}() -> nn.Module".format(func_name))
+    if not callable(fn):
+        raise AutoparError(f"model spec {spec!r}: {mod_name}.{func_name} is a {type(fn).__name__}, not a function; "
+                           "name a function def {0}() -> nn.Module".format(func_name))
+    _check_no_arguments(spec, fn)
 
     def factory() -> nn.Module:
-        model = fn()
+        try:
+            model = fn()
+        except TypeError as exc:
+            if exc.__traceback__ is None or exc.__traceback__.tb_next is not None:
+                raise  # raised inside the function: the user's code, with its traceback
+            # raised by the call itself: a builtin without a readable signature that wants arguments
+            raise AutoparError(f"model spec {spec!r}: {func_name}() cannot be called without arguments ({exc}); "
+                               "name a function that takes none and returns the nn.Module") from None
         if not isinstance(model, nn.Module):
             raise AutoparError(f"model spec {spec!r}: {func_name}() returned {type(model).__name__}, "
                                "not an nn.Module; return the model")
@@ -220,11 +231,28 @@ def _function_spec(spec: str) -> ModelSpec:
     return ModelSpec(spec, None, factory)
 
 
+def _check_no_arguments(spec: str, fn: Callable[..., Any]) -> None:
+    """A one-line error when ``fn`` cannot be called with no arguments (``os:system``)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read: the call itself is checked
+        return
+    try:
+        sig.bind()
+    except TypeError:
+        need = [n for n, p in sig.parameters.items() if p.default is p.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        raise AutoparError(f"model spec {spec!r}: {getattr(fn, '__name__', 'it')}() needs arguments "
+                           f"({', '.join(need)}); name a function that takes none and returns the nn.Module") from None
+
+
 # ---------------------------------------------------------------- hf:<preset>
 
 def _hf_spec(spec: str) -> ModelSpec:
     try:
-        import transformers  # noqa: F401
+        importlib.import_module("transformers")
     except ImportError:
         raise AutoparError(f"model spec {spec!r} needs Hugging Face transformers; "
                            "pip install 'autopar[hf]'") from None
