@@ -10,8 +10,9 @@ Roofline (CPU), per part of a layer (attention, MLP, norm, ...):
     t = max(FLOPs / (peak x EFF_MATMUL), bytes / (bandwidth x EFF_MEMORY))
 
 summed over the layer's parts (a part is either matmul-bound or memory-bound; summing
-the per-part maxima charges each its own bound). Backward takes the backward FLOPs and
-bytes of the capture. The efficiency factors are defined once, here:
+the per-part maxima charges each its own bound), plus ``CPU_OP_OVERHEAD_S`` per tensor op
+eager mode dispatches (``Layer.fwd_ops`` / ``bwd_ops``, per micro-batch whatever its size).
+Backward takes the backward FLOPs and bytes of the capture. The efficiency factors are defined once, here:
 
 - ``EFF_MEMORY`` (0.70): fraction of memory bandwidth elementwise kernels sustain.
 - The peak is the *measured* GEMM throughput of one process on
@@ -32,7 +33,7 @@ Sharding, the way the runtime shards (see codegen/runtime/tensor_parallel.py):
 
 Calibration (``profile.calibration``, fitted to measured runs by ``autopar calibrate``,
 see cost_models/calibrate.py): ``eff_matmul`` and ``eff_memory`` replace the roofline's
-efficiency factors; ``compute_scale`` multiplies every layer time, measured or
+efficiency factors, ``op_overhead_s`` the per-op cost; ``compute_scale`` multiplies every layer time, measured or
 roofline (a profiled layer timed alone runs faster than inside a training step that
 shares the cores with collectives, the optimizer and the other ranks' Python).
 """
@@ -48,6 +49,12 @@ from planner.plan import ParallelConfig
 EFF_MATMUL_CPU = 0.70
 EFF_MEMORY = 0.70
 BWD_ATTN_CORE_FACTOR = 2.5  # flash backward = 2.5x its forward FLOPs
+# Eager PyTorch on a CPU pays a fixed cost per dispatched op (dispatcher, autograd node,
+# allocator) beside its FLOPs and bytes: 6 us, measured with torch 2.13 on a 2-core EPYC as the
+# step time a plain single-thread training loop of gpt-mini adds per extra micro-batch (4.4 ms
+# for its 654 captured ops: 0.264 s for 8 sequences in one micro-batch, 0.295 s in eight). It
+# makes small micro-batches cost what they do; ``compute_scale`` (calibration) scales it too.
+CPU_OP_OVERHEAD_S = 6e-6
 
 
 @dataclass
@@ -180,7 +187,8 @@ def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parall
     if not layer.ops:
         fwd = layer.fwd_bytes * dscale / bw * scale * shard
         bwd = layer.bwd_bytes * dscale / bw * scale * shard
-    return LayerTime(fwd, bwd, "roofline")
+    op_s = cal.get("op_overhead_s", CPU_OP_OVERHEAD_S)
+    return LayerTime(fwd + layer.fwd_ops * op_s, bwd + layer.bwd_ops * op_s, "roofline")
 
 
 def layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,

@@ -124,6 +124,8 @@ class _UnitRec:
     bwd_bytes: float = 0.0
     fwd_kernels: int = 0
     bwd_kernels: int = 0
+    fwd_ops: int = 0
+    bwd_ops: int = 0
     act_bytes: float = 0.0
     act_bytes_tp: float = 0.0
     act_core: float = 0.0
@@ -465,10 +467,12 @@ def _costs_from_graph(fx_graph, recs: dict[str, _UnitRec]) -> None:
             r.fwd_flops += c.flops
             r.fwd_bytes += c.bytes
             recs[unit].fwd_kernels += c.kernels
+            recs[unit].fwd_ops += c.ops
         else:
             r.bwd_flops += c.flops
             recs[unit].bwd_bytes += c.bytes
             recs[unit].bwd_kernels += c.kernels
+            recs[unit].bwd_ops += c.ops
 
 
 def _assemble(model, units, sigs, reps, recs, order, example, t0, name, config, hidden, vocab) -> ModelGraph:
@@ -562,7 +566,8 @@ def _assemble(model, units, sigs, reps, recs, order, example, t0, name, config, 
             act_bytes_attn_core=r.act_core, input_bytes=r.input_bytes, output_bytes=r.output_bytes,
             tp_flops_frac=(tp_flops / all_flops) if all_flops else 0.0, ops=ops, linears=linears,
             attention=attn, vocab=vocab if any(s == "vocab" for _, s in kinds.values()) else None, tied_to=tied,
-            tied_params=n_tied, fwd_kernels=r.fwd_kernels, bwd_kernels=r.bwd_kernels))
+            tied_params=n_tied, fwd_kernels=r.fwd_kernels, bwd_kernels=r.bwd_kernels,
+            fwd_ops=r.fwd_ops, bwd_ops=r.bwd_ops))
     notes = []
     if root_params:
         notes.append(f"{root_params} parameters outside every layer unit are not counted")

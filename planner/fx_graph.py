@@ -34,11 +34,13 @@ from torch.utils._pytree import tree_map
 
 @dataclass
 class OpCost:
-    """FLOPs, bytes and memory-bound kernels (ops that move bytes and do no FLOPs) of one
+    """FLOPs, bytes, memory-bound kernels (ops that move bytes and do no FLOPs) and tensor ops
+    (every ATen call that makes a tensor, views included: what eager mode dispatches) of one
     (unit, part, phase)."""
     flops: float = 0.0
     bytes: float = 0.0
     kernels: int = 0
+    ops: int = 0
 
 
 class GraphBuilder:
@@ -112,6 +114,7 @@ def unit_costs(graph: fx.Graph) -> dict[tuple[str, str, str], OpCost]:
         c.flops += n.meta.get("flops", 0.0)
         c.bytes += n.meta.get("bytes", 0.0)
         c.kernels += int(n.meta.get("bytes", 0.0) > 0 and not n.meta.get("flops", 0.0))
+        c.ops += int(n.target is not operator.getitem and "shape" in n.meta)
     return out
 
 

@@ -116,6 +116,8 @@ class Layer:
                                 # with the layer before, e.g. a transformers model's embedding prologue)
     fwd_kernels: int = 0        # memory-bound ops (bytes moved, no FLOPs) of the forward / backward:
     bwd_kernels: int = 0        # the GPU cost model's per-kernel launch floor
+    fwd_ops: int = 0            # tensor ops eager mode dispatches in the forward / backward (views
+    bwd_ops: int = 0            # included): the CPU cost model's per-op dispatch cost
 
 
 @dataclass

@@ -48,7 +48,7 @@ def single_process_step(spec: str, global_batch: int, seq_len: int, *, steps: in
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(loss.item())
         if step >= warmup:
             times.append(time.perf_counter() - t0)
     return Baseline(step_s=statistics.median(times), losses=losses, threads=torch.get_num_threads())

@@ -179,7 +179,7 @@ PRESETS: dict[str, ModelConfig] = {
         # (planner/machine_calibration.py): small enough for a 2-core machine, and of two
         # architectures, so the demo's prediction is not checked on the model it was fitted to.
         _gpt("gpt-mini", 4, 256, 4, vocab=1024, seq_len=128, tie=False),
-        _llama("llama-mini", 3, 192, 512, 4, 2, vocab=768, seq_len=96),
+        _llama("llama-mini", 4, 256, 640, 4, 2, vocab=768, seq_len=96),
         _gpt("gpt-small", 12, 768, 12, vocab=50257, seq_len=1024),
         _gpt("gpt3-175b", 96, 12288, 96, vocab=50257, seq_len=2048, tie=False),  # untied: pipelines
         _llama("llama-1b", 16, 2048, 8192, 32, 8, tie=True),
