@@ -117,3 +117,16 @@ def test_demo_profiles_this_machine_once_then_plans_calibrated(tmp_path) -> None
     assert "profiling" not in r.stderr and "calibrated on this machine" in r.stderr
     assert time.perf_counter() - t0 < 60 and cache[0].stat().st_mtime == before
     assert json.loads((tmp_path / "p.json").read_text())["estimate"]["calibration"].startswith("calibrated on this")
+
+
+def test_first_run_benchmark_reads_the_demo_summary() -> None:
+    from benchmarks.first_run import parse_summary
+    from planner.demo import DemoResult, summary_lines
+
+    r = DemoResult(plan_path="p.json", report_path="r.html", label="dp2 pp1 cp1 tp1 mbs8 ddp",
+                   calibration="calibrated on this machine (...)", predicted_s=0.3, measured_s=0.33,
+                   single_process_s=0.4, first_loss=6.9, last_loss=2.5, entropy_floor=1.02, wall_s=50.0)
+    got = parse_summary("\n".join(summary_lines(r)))
+    assert got == {"plan": "dp2 pp1 cp1 tp1 mbs8 ddp", "predicted_s": 0.3, "measured_s": 0.33, "ratio": 1.1,
+                   "single_process_s": 0.4, "speedup": 1.21, "first_loss": 6.9, "last_loss": 2.5,
+                   "entropy_floor": 1.02, "calibrated": True}
