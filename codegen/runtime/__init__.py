@@ -2,6 +2,8 @@
 
 - ``mesh``: ``init_distributed``, ``build_mesh`` (dims pp, dp, cp, tp), ``teardown``
 - ``tensor_parallel``: ``apply_tp`` from the plan's ``{fqn: role}`` layout (DTensor)
+- ``tp_plan``: ``tp_plan_for``, the per-block TP plan (``BLOCK_TP_PLAN``) and the other
+  modules' (``TP_PLAN``) expanded to that layout
 - ``context_parallel``: ring attention with zigzag sequence sharding
 - ``pipeline_parallel``: FQN-preserving stage modules and torch pipelining schedules
 - ``data_parallel``: FSDP2 / replicate / ZeRO-1 over dp x cp
