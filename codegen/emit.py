@@ -10,8 +10,8 @@ The program reads top to bottom, in torchtitan's manner:
   exactly the plan's layout;
 - ``build``: the parallelisation recipe, one runtime helper per concern
   (``codegen/runtime/recipe.py``: ``check_runnable`` -> ``build_mesh`` -> ``split_stages`` ->
-  ``materialize`` -> ``apply_attention`` -> ``apply_tp`` -> ``apply_recompute`` -> ``apply_dp``
-  -> ``build_optimizer`` -> ``tie_weights`` -> ``build_schedule``), the same helpers
+  ``materialize`` -> ``tie_weights`` -> ``apply_attention`` -> ``apply_tp`` -> ``apply_recompute``
+  -> ``apply_dp`` -> ``build_optimizer`` -> ``build_schedule``), the same helpers
   ``codegen.runtime.train.parallelize`` calls;
 - ``train_step``: this rank's share of the global batch, the micro-batches (gradient
   accumulation) or the pipeline schedule's ``step``, the tied-weight gradients, clipping by
@@ -118,13 +118,14 @@ def build(model: torch.nn.Module, args: argparse.Namespace, device: torch.device
     mesh = build_mesh(CONFIG)  # dims (pp, dp, cp, tp) = {mesh_shape!r}
     stages = split_stages(adapter, STAGES, RECOMPUTE, CONFIG, mesh)  # this pp rank's stage modules
     materialize(adapter, stages, device, args.seed)  # meta: initialise own units; else take rank 0's weights
+    # weights tied across pp ranks (pp > 1), found before TP splits them: their grads are summed
+    tied = tie_weights(adapter, stages, mesh)
     apply_attention(adapter, stages, CONFIG, mesh)  # {attention}
     apply_tp(adapter, stages, tp_plan_for(units, BLOCK_TP_PLAN, TP_PLAN), mesh, CONFIG.sp)  # {tp}
     apply_recompute(adapter, stages)  # checkpoint the blocks of "full" stages
     dp_mesh = apply_dp(adapter, stages, CONFIG, mesh)  # {dp}
     optimizer = build_optimizer(stages.modules, make_optimizer(args), CONFIG.zero, dp_mesh.size(),
                                 dp_mesh.get_group())  # one per stage module{zero1}
-    tied = tie_weights(adapter, stages, mesh)  # sums grads of weights tied across pp ranks (pp > 1)
     loss_fn = TokenLoss(dp_mesh.size())  # summed token loss / global token count * dp*cp size
     # {schedule}
     schedule = build_schedule(stages, CONFIG, mesh, GLOBAL_BATCH, loss_fn, device)

@@ -15,8 +15,8 @@ from planner.frontend import load_graph
 from planner.planning import plan_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RECIPE = ("check_runnable(", "build_mesh(", "split_stages(", "materialize(", "apply_attention(", "apply_tp(",
-          "apply_recompute(", "apply_dp(", "build_optimizer(", "tie_weights(", "build_schedule(")
+RECIPE = ("check_runnable(", "build_mesh(", "split_stages(", "materialize(", "tie_weights(", "apply_attention(",
+          "apply_tp(", "apply_recompute(", "apply_dp(", "build_optimizer(", "build_schedule(")
 
 
 def _plan(model="llama-tiny", cluster="local-cpu:2", gb=4):

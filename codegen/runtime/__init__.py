@@ -10,8 +10,8 @@
 - ``recompute``: full (per block) and selective (attention core) checkpointing
 - ``checkpoint``: DCP save / ``load_latest`` with an atomic ``latest`` marker
 - ``recipe``: the parallelisation steps, one helper per concern, in order (``check_runnable``,
-  ``split_stages``, ``materialize``, ``apply_attention``, ``apply_tp``, ``apply_recompute``,
-  ``apply_dp``, ``tie_weights``, ``build_schedule``)
+  ``split_stages``, ``materialize``, ``tie_weights``, ``apply_attention``, ``apply_tp``,
+  ``apply_recompute``, ``apply_dp``, ``build_schedule``)
 - ``optim``: one optimizer per stage module, the warmup + cosine learning rate, gradient
   clipping by the global norm (DTensor shards, pipeline ranks)
 - ``train``: ``ParallelModel`` (the training step and its parts) and ``parallelize(...)``, the
