@@ -199,16 +199,17 @@ def test_auto_parallelize(nproc, tmp_path):
 def test_emitted_pipeline_with_tied_embeddings_runs(tmp_path):
     """A model built on meta whose head shares the embedding: the first stage materialises the
     embedding (and re-ties the head to it), the last one only the head. Every rank must still
-    agree on the tied pairs (they create a process group together): this hung before. The
-    losses and gradient norms equal one process's (the tied weight's gradient is summed over
-    the two pp ranks and counted once in the clipping norm)."""
+    agree on the tied pairs (they create a process group together): this hung before. Under
+    PP2 x TP2 (+SP) both ends are vocabulary-sharded; their local shards' gradients are
+    summed over the two pp ranks per tp rank. The losses and gradient norms equal one
+    process's (the tied weight counted once in the clipping norm)."""
     import signal
 
     spec = tmp_path / "tied.toml"
     spec.write_text('name = "gpt-tied"\narch = "gpt"\nlayers = 2\nhidden = 32\nffn_hidden = 64\nheads = 2\n'
                     'kv_heads = 2\nvocab = 64\nseq_len = 32\ntie_embeddings = true\n')
     plan_path = tmp_path / "plan.json"
-    _plan_for(str(spec), "pp=2,schedule=1f1b,mbs=1,dtype=fp32", 2).save(str(plan_path))
+    _plan_for(str(spec), PP2TP2, 4).save(str(plan_path))
     p = subprocess.Popen([sys.executable, "-m", "planner.cli", "run", str(plan_path), "--steps", "3", "--dir",
                           str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
@@ -218,4 +219,4 @@ def test_emitted_pipeline_with_tied_embeddings_runs(tmp_path):
         os.killpg(p.pid, signal.SIGKILL)
         pytest.fail("the pipelined run of a tied model hung")
     assert p.returncode == 0, out[-2000:]
-    assert_matches_one_process(str(tmp_path / "run" / "train_log.jsonl"), str(spec), 3, world=2)
+    assert_matches_one_process(str(tmp_path / "run" / "train_log.jsonl"), str(spec), 3, world=4)
