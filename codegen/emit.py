@@ -277,7 +277,7 @@ def tp_plan_literal(layout: dict[str, str], units: list[str], tp: int) -> str:
         out.append("}")
     else:
         out.append("BLOCK_TP_PLAN = {}  # no stack of identical blocks")
-    one_line = "TP_PLAN = {" + ", ".join(f"{f!r}: {s!r}" for f, s in rest.items()) + "}  # the other modules, by path"
+    one_line = "TP_PLAN = {" + ", ".join(f"{f!r}: {s!r}" for f, s in rest.items()) + "}  # other modules, by path"
     if len(one_line) <= WIDTH:
         return "\n".join(out + [one_line])
     out.append("TP_PLAN = {  # the other modules, by path")
