@@ -241,11 +241,12 @@ def ckpt_resume(ckpt_dir: str) -> dict:
 
 def compare(grads: dict, ref_grads: dict, losses: list, ref_losses: list) -> dict:
     """Worst relative gradient and loss errors against one process (the global gradient norm,
-    ``NORM``, compared as one more gradient); ``missing`` lists the parameters the layout
-    produced no gradient for (absent, or None)."""
+    ``NORM``, compared as one more gradient when ``grads`` has it); ``missing`` lists the
+    parameters the layout produced no gradient for (absent, or None)."""
     scale = max(float(g.abs().max()) for g in ref_grads.values())
-    norm = torch.sqrt(sum(g.double().pow(2).sum() for g in ref_grads.values()))
-    ref_grads = dict(ref_grads, **{NORM: norm})
+    if NORM in grads and NORM not in ref_grads:
+        norm = torch.sqrt(sum(g.double().pow(2).sum() for g in ref_grads.values()))
+        ref_grads = dict(ref_grads, **{NORM: norm})
     errs = {n: rel(grads[n], ref_grads[n], 1e-3 * scale) for n in ref_grads if grads.get(n) is not None}
     worst = max(errs, key=errs.get)
     return {"grad_rel_err": errs[worst], "worst": worst, "norm_rel_err": errs.get(NORM),
