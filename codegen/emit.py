@@ -3,12 +3,15 @@
 The program reads top to bottom, in torchtitan's manner:
 
 - the plan as literals: the model spec, the ``ParallelConfig``, the stage split (layer units
-  per virtual stage), the recompute policy per stage, and the TP plan ``{module fqn: style}``
-  over the model's real module paths;
+  per virtual stage), the recompute policy per stage, and the TP plan torchtitan style:
+  ``BLOCK_TP_PLAN`` (per block stack, the style of each module inside one block, applied to
+  every block) and ``TP_PLAN`` (the other modules by path), expanded by
+  ``codegen.runtime.tp_plan.tp_plan_for`` to ``{module fqn: style}`` - checked here to be
+  exactly the plan's layout;
 - ``build``: the parallelisation recipe, one runtime helper per concern
   (``codegen/runtime/recipe.py``: ``check_runnable`` -> ``build_mesh`` -> ``split_stages`` ->
-  ``materialize`` -> ``apply_attention`` -> ``apply_tp`` -> ``apply_recompute`` -> ``apply_dp``
-  -> ``build_optimizer`` -> ``tie_weights`` -> ``build_schedule``), the same helpers
+  ``materialize`` -> ``tie_weights`` -> ``apply_attention`` -> ``apply_tp`` -> ``apply_recompute``
+  -> ``apply_dp`` -> ``build_optimizer`` -> ``build_schedule``), the same helpers
   ``codegen.runtime.train.parallelize`` calls;
 - ``train_step``: this rank's share of the global batch, the micro-batches (gradient
   accumulation) or the pipeline schedule's ``step``, the tied-weight gradients, clipping by
@@ -30,7 +33,9 @@ written with ``repr`` - nothing from a plan file is pasted as code.
 from __future__ import annotations
 
 import re
+from typing import Optional
 
+from codegen.runtime.tp_plan import block_stack, tp_plan_for
 from planner.plan import TP_ROLES, Plan, PlanError, write_atomic
 
 _SPEC = re.compile(r"^([A-Za-z0-9_][\w.-]*|[\w./-]+\.toml|[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*|hf:[\w./-]+)$")
@@ -61,6 +66,7 @@ from codegen.runtime.metrics import peak_memory_per_rank
 from codegen.runtime.optim import build_optimizer, warmup_cosine
 from codegen.runtime.recipe import (apply_attention, apply_dp, apply_recompute, apply_tp, build_schedule,
                                     check_runnable, materialize, split_stages, tie_weights)
+from codegen.runtime.tp_plan import tp_plan_for
 from codegen.runtime.train import ParallelModel, TokenLoss
 from planner import zoo
 from planner.plan import ModelFacts, ParallelConfig
@@ -73,7 +79,7 @@ CONFIG = ParallelConfig.parse({config!r})
 GLOBAL_BATCH, SEQ_LEN = {global_batch!r}, {seq_len!r}  # sequences per optimizer step, tokens per sequence
 STAGES = {stages}
 RECOMPUTE = {recompute!r}  # activation recomputation per virtual stage
-TP_PLAN = {tp_plan}
+{tp_plan}
 PREDICTED = {{"step_s": {step_s!r}, "memory_gib": {memory!r}}}
 
 
@@ -106,18 +112,20 @@ def make_optimizer(args: argparse.Namespace):
 
 def build(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> ParallelModel:
     """The plan applied to ``model`` on this rank (collective: every rank runs it)."""
-    adapter = adapter_for(model, order=[u for s in STAGES for u in s], seq_len=SEQ_LEN)
+    units = [u for s in STAGES for u in s]  # the model's layer units in order
+    adapter = adapter_for(model, order=units, seq_len=SEQ_LEN)
     check_runnable(CONFIG, adapter, FACTS, GLOBAL_BATCH, SEQ_LEN)  # refuse what cannot run, before building
     mesh = build_mesh(CONFIG)  # dims (pp, dp, cp, tp) = {mesh_shape!r}
     stages = split_stages(adapter, STAGES, RECOMPUTE, CONFIG, mesh)  # this pp rank's stage modules
     materialize(adapter, stages, device, args.seed)  # meta: initialise own units; else take rank 0's weights
+    # weights tied across pp ranks (pp > 1), found before TP splits them: their grads are summed
+    tied = tie_weights(adapter, stages, mesh)
     apply_attention(adapter, stages, CONFIG, mesh)  # {attention}
-    apply_tp(adapter, stages, TP_PLAN, mesh, CONFIG.sp)  # {tp}
+    apply_tp(adapter, stages, tp_plan_for(units, BLOCK_TP_PLAN, TP_PLAN), mesh, CONFIG.sp)  # {tp}
     apply_recompute(adapter, stages)  # checkpoint the blocks of "full" stages
     dp_mesh = apply_dp(adapter, stages, CONFIG, mesh)  # {dp}
     optimizer = build_optimizer(stages.modules, make_optimizer(args), CONFIG.zero, dp_mesh.size(),
                                 dp_mesh.get_group())  # one per stage module{zero1}
-    tied = tie_weights(adapter, stages, mesh)  # sums grads of weights tied across pp ranks (pp > 1)
     loss_fn = TokenLoss(dp_mesh.size())  # summed token loss / global token count * dp*cp size
     # {schedule}
     schedule = build_schedule(stages, CONFIG, mesh, GLOBAL_BATCH, loss_fn, device)
@@ -210,21 +218,70 @@ def stages_literal(stages: list[list[str]]) -> str:
     return "\n".join(out + ["]"])
 
 
-def tp_plan_literal(layout: dict[str, str], units: list[str], tp: int) -> str:
-    """The TP plan as a dict literal: module fqn -> style, the entries of one unit on their own
-    line(s), in the model's unit order; ``{}`` when tp == 1 (nothing is sharded)."""
-    if tp == 1 or not layout:
-        return "{}  # tp=1: no tensor parallelism"
+def _unit_of(fqn: str, units: list[str]) -> Optional[str]:
+    """The unit holding module ``fqn`` (the longest unit path that is ``fqn`` or a prefix of it)."""
+    return max((u for u in units if fqn == u or fqn.startswith(u + ".")), key=len, default=None)
 
-    def unit_of(fqn: str) -> int:
-        return next((i for i, u in enumerate(units) if fqn == u or fqn.startswith(u + ".")), len(units))
 
+def split_tp_plan(layout: dict[str, str], units: list[str]) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
+    """``(block_plan, rest)`` for ``tp_plan_for(units, block_plan, rest)``: a template per block
+    stack whose blocks all have the same entries (module path inside the block -> style), every
+    other entry by its full path. Checked: the expansion is exactly ``layout`` (else the
+    whole layout is written by path)."""
+    per_unit: dict[str, dict[str, str]] = {}
+    for fqn, style in layout.items():
+        u = _unit_of(fqn, units)
+        if u is not None:
+            per_unit.setdefault(u, {})[fqn[len(u) + 1:]] = style
+    stacks: dict[str, list[str]] = {}
+    for u in units:
+        if block_stack(u) is not None:
+            stacks.setdefault(block_stack(u), []).append(u)
+    block_plan: dict[str, dict[str, str]] = {}
+    for stack, blocks in stacks.items():
+        first = per_unit.get(blocks[0], {})
+        if first and all(per_unit.get(b, {}) == first for b in blocks) and "" not in first:
+            block_plan[stack] = first
+    templated = {u for u in units if block_stack(u) in block_plan}
+    rest = {f: s for f, s in layout.items() if _unit_of(f, units) not in templated}
+    if tp_plan_for(units, block_plan, rest) != layout:
+        return {}, dict(layout)
+    return block_plan, rest
+
+
+def _by_unit(entries: dict[str, str], units: list[str], indent: str) -> list[str]:
+    """``entries`` written ``'fqn': 'style',``, the entries of one unit on their own line(s), in
+    the model's unit order (entries outside every unit last)."""
+    order = {u: i for i, u in enumerate(units)}
     groups: dict[int, list[str]] = {}
-    for fqn in sorted(layout, key=lambda f: (unit_of(f), f)):
-        groups.setdefault(unit_of(fqn), []).append(f"{fqn!r}: {layout[fqn]!r}")
-    out = ["{  # module fqn -> tensor-parallel style (codegen/runtime/tensor_parallel.py)"]
-    for items in groups.values():
-        out.extend(_wrapped(items))
+    for fqn in sorted(entries, key=lambda f: (order.get(_unit_of(f, units), len(units)), f)):
+        groups.setdefault(order.get(_unit_of(fqn, units), len(units)), []).append(f"{fqn!r}: {entries[fqn]!r}")
+    return [line for items in groups.values() for line in _wrapped(items, indent)]
+
+
+def tp_plan_literal(layout: dict[str, str], units: list[str], tp: int) -> str:
+    """``BLOCK_TP_PLAN = {stack: {path in block: style}}`` and ``TP_PLAN = {fqn: style}`` (the
+    modules outside the templated blocks), torchtitan style (see :func:`split_tp_plan`);
+    both ``{}`` when tp == 1 (nothing is sharded)."""
+    if tp == 1 or not layout:
+        return "BLOCK_TP_PLAN, TP_PLAN = {}, {}  # tp=1: no tensor parallelism"
+    block_plan, rest = split_tp_plan(layout, units)
+    out = ["# tensor-parallel style per module (codegen/runtime/tensor_parallel.py), torchtitan style:",
+           "# per block stack, the style of each module inside one block, applied to every block of it"]
+    if block_plan:
+        out.append("BLOCK_TP_PLAN = {")
+        for stack, template in block_plan.items():
+            out.append(f"    {stack!r}: {{")
+            out.extend(_wrapped([f"{k!r}: {v!r}" for k, v in template.items()], " " * 8))
+            out.append("    },")
+        out.append("}")
+    else:
+        out.append("BLOCK_TP_PLAN = {}  # no stack of identical blocks")
+    one_line = "TP_PLAN = {" + ", ".join(f"{f!r}: {s!r}" for f, s in rest.items()) + "}  # other modules, by path"
+    if len(one_line) <= WIDTH:
+        return "\n".join(out + [one_line])
+    out.append("TP_PLAN = {  # the other modules, by path")
+    out.extend(_by_unit(rest, units, "    "))
     return "\n".join(out + ["}"])
 
 
@@ -267,8 +324,8 @@ def emit(plan: Plan) -> str:
         step_s=float(est["step_s"]), tokens=float(est["tokens_per_s"]), mfu=float(est["mfu"]),
         model=spec, adapter=str(plan.model.get("adapter", "zoo")), vocab=int(plan.model.get("vocab") or 0),
         facts=plan.facts.to_dict(), config=plan.config.to_str(), stages=stages_literal(stages),
-        recompute=[str(s["recompute"]) for s in plan.stages], tp_plan=tp_plan_literal(layout, list(names),
-                                                                                      plan.config.tp),
+        recompute=[str(s["recompute"]) for s in plan.stages],
+        tp_plan=tp_plan_literal(layout, [u for s in stages for u in s], plan.config.tp),
         global_batch=int(plan.batch["global"]), seq_len=int(plan.batch["seq_len"]),
         mesh_shape=tuple(int(x) for x in plan.config.mesh_shape),
         memory=[float(x) for x in est.get("memory_gib", [])], **_comments(plan))

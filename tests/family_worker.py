@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from dist_worker import compare  # noqa: E402
+from dist_worker import NORM, compare  # noqa: E402
 from codegen.runtime.mesh import init_distributed  # noqa: E402
 from codegen.runtime.train import parallelize  # noqa: E402
 from planner.plan import ParallelConfig, config_problems  # noqa: E402
@@ -94,6 +94,7 @@ def run(family: str) -> dict:
         losses.append(pm.step(b))
         if s == 0:
             grads = {n: gr for n, (p, gr) in pm.parameters_for_check().items()}
+            grads[NORM] = torch.tensor(pm.clip_grad_norm_(None), dtype=torch.float64)  # tied weights once
     return {"config": cfg.label(), "stages": stages, "limits": facts.limits, "problems": problems,
             "losses": losses, "ref_losses": ref_losses, "seconds": time.perf_counter() - t0,
             **compare(grads, ref_grads, losses, ref_losses)}

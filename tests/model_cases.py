@@ -1,6 +1,7 @@
 """The models the runtime parity tests train, each through its own adapter.
 
 - ``gpt-tiny``, ``llama-tiny``: the zoo (built on meta, materialised by the runtime);
+  ``gpt-tiny-tied``: gpt-tiny with its head tied to the token embedding;
 - ``hf-llama``: a transformers ``LlamaForCausalLM`` (grouped-query attention, RoPE, untied);
 - ``hf-gpt2``: a transformers ``GPT2LMHeadModel`` (tied embedding, learned positions,
   ``Conv1D`` linears with a packed q/k/v projection);
@@ -101,9 +102,18 @@ class Case:
         return losses, grads
 
 
+def zoo_config(name: str):
+    """The zoo config of case ``name``: a preset, or ``gpt-tiny-tied`` (gpt-tiny whose head
+    shares the token embedding's weight)."""
+    from planner import zoo
+    if name == "gpt-tiny-tied":
+        return zoo.preset("gpt-tiny").replace(name=name, tie_embeddings=True)
+    return zoo.preset(name)
+
+
 def _zoo(name: str) -> Case:
     from planner import zoo
-    cfg = zoo.preset(name)
+    cfg = zoo_config(name)
     return Case(name, "zoo", lambda dev: zoo.build_model(cfg, device=dev, seed=SEED), "meta", cfg.vocab)
 
 
@@ -132,7 +142,7 @@ def planner_view(name: str):
     model = c.build("meta") if c.parallel_device == "meta" else c.build("cpu")
     if c.kind == "zoo":
         from planner import zoo
-        cfg = zoo.preset(name)
+        cfg = zoo_config(name)
         ex = zoo.example_batch(cfg, 1, SEQ, device="meta")
         g = graph_of(model, ex, name=name, seq_len=SEQ, hidden=cfg.hidden, vocab=cfg.vocab)
     elif c.kind == "hf":

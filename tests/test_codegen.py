@@ -15,8 +15,8 @@ from planner.frontend import load_graph
 from planner.planning import plan_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RECIPE = ("check_runnable(", "build_mesh(", "split_stages(", "materialize(", "apply_attention(", "apply_tp(",
-          "apply_recompute(", "apply_dp(", "build_optimizer(", "tie_weights(", "build_schedule(")
+RECIPE = ("check_runnable(", "build_mesh(", "split_stages(", "materialize(", "tie_weights(", "apply_attention(",
+          "apply_tp(", "apply_recompute(", "apply_dp(", "build_optimizer(", "build_schedule(")
 
 
 def _plan(model="llama-tiny", cluster="local-cpu:2", gb=4):
@@ -25,15 +25,27 @@ def _plan(model="llama-tiny", cluster="local-cpu:2", gb=4):
     return p
 
 
-def _plan_for(spec: str, config: str, world: int, seq_len: int = 32, gb: int = 4):
-    """The plan of ``config`` (an even stage split) for ``spec`` on ``local-cpu:<world>``."""
+def _plan_for(spec: str, config: str, world: int, seq_len: int | None = 32, gb: int = 4, cluster: str = ""):
+    """The plan of ``config`` (an even stage split) for ``spec`` on ``cluster`` (default
+    ``local-cpu:<world>``)."""
     from planner.plan import ParallelConfig
     from planner.planning import build_plan, evaluate_config
 
-    g, c = load_graph(spec, batch=1, seq_len=seq_len), parse_cluster(f"local-cpu:{world}")
+    cluster = cluster or f"local-cpu:{world}"
+    g, c = load_graph(spec, batch=1, seq_len=seq_len), parse_cluster(cluster)
     e, problems = evaluate_config(g, c, ParallelConfig.parse(config), gb, even_split=True)
     assert not problems, problems
-    return build_plan(g, c, e, spec=spec, cluster_spec=f"local-cpu:{world}")
+    return build_plan(g, c, e, spec=spec, cluster_spec=cluster)
+
+
+def emitted_tp_plan(text: str) -> dict[str, str]:
+    """The emitted program's TP plan (``BLOCK_TP_PLAN`` and ``TP_PLAN``, evaluated alone)
+    expanded over its ``STAGES`` units the way the program does."""
+    from codegen.runtime.tp_plan import tp_plan_for
+
+    ns: dict = {}
+    exec(text[text.index("STAGES = ["):text.index("PREDICTED =")], ns)  # noqa: S102 - the emitted literals
+    return tp_plan_for([u for s in ns["STAGES"] for u in s], ns["BLOCK_TP_PLAN"], ns["TP_PLAN"])
 
 
 PP2TP2 = "pp=2,tp=2,sp=on,schedule=1f1b,mbs=1,dtype=fp32"
@@ -63,11 +75,10 @@ def test_emitted_pp2_tp2_program_writes_the_recipe_out():
     compile(text, "train.py", "exec")
     lines = text.splitlines()
     assert len(lines) <= 200, len(lines)
-    ns: dict = {}
-    tp_src = text[text.index("TP_PLAN = {"):text.index("PREDICTED =")]
-    exec(tp_src, ns)  # noqa: S102 - the emitted literal, evaluated alone
-    assert ns["TP_PLAN"] == plan.tp_layout and ns["TP_PLAN"]["layers.0.attn.q_proj"] == "column"
-    assert ns["TP_PLAN"]["head.proj"] == "vocab_head" and ns["TP_PLAN"]["layers.3.mlp.down_proj"] == "row"
+    tp = emitted_tp_plan(text)
+    assert tp == plan.tp_layout and tp["layers.0.attn.q_proj"] == "column"
+    assert tp["head.proj"] == "vocab_head" and tp["layers.3.mlp.down_proj"] == "row"
+    assert "    'layers': {" in lines and "'layers.0.attn.q_proj'" not in text  # one template for the blocks
     assert "    ['embed', 'layers.0', 'layers.1'],  # stage 0" in lines
     assert "    ['layers.2', 'layers.3', 'norm', 'head'],  # stage 1" in lines
     for step in ("inputs, targets = pm.local_batch(batch)", "pm.optimizer.zero_grad()",
@@ -81,6 +92,37 @@ def test_emitted_pp2_tp2_program_writes_the_recipe_out():
                  "--warmup-steps", "--weight-decay", "--beta1", "--beta2", "--clip", "--optimizer"):
         assert f'"{flag}"' in text, flag
     assert "all_gather_object" not in text and "parallelize(" not in text and "pm.microbatch(" not in text
+
+
+@pytest.mark.parametrize("spec,config", [
+    ("llama3-8b", "dp=2,pp=2,tp=4,sp=on,schedule=1f1b,mbs=1,recompute=full"),
+    ("gpt-small", "dp=4,tp=4,sp=on,mbs=1"),
+])
+def test_deep_model_tp_plan_is_one_template_per_block(spec, config):
+    """A 32-layer (and a 12-layer) model under TP on dgx-h100:2: the TP plan is written once
+    per block, so the program stays under 200 lines, and expands to the plan's layout."""
+    plan = _plan_for(spec, config, 16, seq_len=None, gb=64, cluster="dgx-h100:2")
+    text = emit(plan)
+    compile(text, "train.py", "exec")
+    assert len(text.splitlines()) <= 200, len(text.splitlines())
+    assert emitted_tp_plan(text) == plan.tp_layout and len(plan.tp_layout) > 90
+
+
+def test_heterogeneous_blocks_tp_plan_expands_to_the_layout():
+    """mllm-tiny (vision blocks and text blocks): one template per block stack; blocks of one
+    stack that differ are written by path; the expansion is always the plan's layout."""
+    from codegen.emit import split_tp_plan
+    from codegen.runtime.tp_plan import tp_plan_for
+
+    plan = _plan_for("mllm-tiny", "tp=2,mbs=1,dtype=fp32", 2)
+    text = emit(plan)
+    assert emitted_tp_plan(text) == plan.tp_layout
+    assert "    'vision.blocks': {" in text and "    'layers': {" in text
+    units = list(plan.model["layers"])
+    odd = {f: s for f, s in plan.tp_layout.items() if f != "layers.1.mlp.up_proj"}  # layers.1 differs
+    block_plan, rest = split_tp_plan(odd, units)
+    assert tp_plan_for(units, block_plan, rest) == odd
+    assert "layers" not in block_plan and "vision.blocks" in block_plan and "layers.0.attn.q_proj" in rest
 
 
 def one_process_losses(spec: str, steps: int, gb: int = 4, seq: int = 32) -> list[tuple[float, float]]:
@@ -157,16 +199,17 @@ def test_auto_parallelize(nproc, tmp_path):
 def test_emitted_pipeline_with_tied_embeddings_runs(tmp_path):
     """A model built on meta whose head shares the embedding: the first stage materialises the
     embedding (and re-ties the head to it), the last one only the head. Every rank must still
-    agree on the tied pairs (they create a process group together): this hung before. The
-    losses and gradient norms equal one process's (the tied weight's gradient is summed over
-    the two pp ranks and counted once in the clipping norm)."""
+    agree on the tied pairs (they create a process group together): this hung before. Under
+    PP2 x TP2 (+SP) both ends are vocabulary-sharded; their local shards' gradients are
+    summed over the two pp ranks per tp rank. The losses and gradient norms equal one
+    process's (the tied weight counted once in the clipping norm)."""
     import signal
 
     spec = tmp_path / "tied.toml"
     spec.write_text('name = "gpt-tied"\narch = "gpt"\nlayers = 2\nhidden = 32\nffn_hidden = 64\nheads = 2\n'
                     'kv_heads = 2\nvocab = 64\nseq_len = 32\ntie_embeddings = true\n')
     plan_path = tmp_path / "plan.json"
-    _plan_for(str(spec), "pp=2,schedule=1f1b,mbs=1,dtype=fp32", 2).save(str(plan_path))
+    _plan_for(str(spec), PP2TP2, 4).save(str(plan_path))
     p = subprocess.Popen([sys.executable, "-m", "planner.cli", "run", str(plan_path), "--steps", "3", "--dir",
                           str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
@@ -176,4 +219,4 @@ def test_emitted_pipeline_with_tied_embeddings_runs(tmp_path):
         os.killpg(p.pid, signal.SIGKILL)
         pytest.fail("the pipelined run of a tied model hung")
     assert p.returncode == 0, out[-2000:]
-    assert_matches_one_process(str(tmp_path / "run" / "train_log.jsonl"), str(spec), 3, world=2)
+    assert_matches_one_process(str(tmp_path / "run" / "train_log.jsonl"), str(spec), 3, world=4)

@@ -71,31 +71,78 @@ def build_schedule(stage_mods: Sequence[nn.Module], stage_idx: Sequence[int], n_
 
 
 class TiedWeights:
-    """Parameters tied across pipeline stages (a tied embedding and head, pp > 1).
+    """Parameters tied across pipeline ranks (a tied embedding and head, pp > 1).
 
-    The first and the last stage each hold a copy (``pairs`` from the adapter); after a
-    step's backward :meth:`sync_grads` sums the copies' gradients over the two pp ranks at
-    this rank's (dp, cp, tp) coordinate, so both copies take the same optimizer step (the
-    gradient of the one tied parameter), as Megatron's embedding group does. Collective
-    at construction (every rank creates every pair's process group)."""
+    ``pairs`` (fqns, agreed by every rank before tensor parallelism splits the ends into
+    separate DTensors) and ``holders`` (the pp ranks holding each fqn) come from
+    ``codegen.runtime.recipe.tie_weights``. Each end is found by name when used, so it is
+    the parameter tensor / data parallelism made of it. After a step's backward
+    :meth:`sync_grads` sums the LOCAL gradient shards of the ends over the pp ranks holding
+    them at this rank's (dp, cp, tp) coordinate - one process group per coordinate - so
+    every copy takes the same optimizer step (the gradient of the one tied parameter), as
+    Megatron's embedding group does. Both ends must be sharded alike (a vocabulary-parallel
+    embedding and head: ``Shard(0)`` over the vocabulary), checked at the first sync.
+    Collective at construction (every rank creates every coordinate's process group)."""
 
-    def __init__(self, pairs: Sequence[tuple[str, str]], stage_mods: Sequence[nn.Module], mesh):
-        names = {n for pair in pairs for n in pair}
-        self.params = [p for sm in stage_mods for n, p in sm.named_parameters() if n in names]
-        seconds = {b for _, b in pairs}
-        # the later stages' copies: a global gradient norm counts each tied parameter once
-        self.copies = [p for sm in stage_mods for n, p in sm.named_parameters() if n in seconds]
+    def __init__(self, pairs: Sequence[tuple[str, str]], holders: dict[str, int], stage_mods: Sequence[nn.Module],
+                 mesh):
+        self.pairs = [tuple(p) for p in pairs]
+        self.stage_mods = list(stage_mods)
+        ends = {tuple(sorted({holders[a], holders[b]})) for a, b in self.pairs}
+        if len(ends) != 1 or len(next(iter(ends))) != 2:
+            raise NotImplementedError(f"tied parameters {self.pairs} held by pp ranks {sorted(ends)}: the runtime "
+                                      "sums tied gradients between one pair of pp ranks")
+        pp_ranks = list(next(iter(ends)))
         grid = mesh.mesh  # [pp, dp, cp, tp] global ranks
         me = dist.get_rank()
         self.group = None
         for coord in torch.cartesian_prod(*(torch.arange(n) for n in grid.shape[1:])).reshape(-1, grid.dim() - 1):
-            ranks = sorted({int(grid[(0, *coord.tolist())]), int(grid[(-1, *coord.tolist())])})
+            ranks = [int(grid[(r, *coord.tolist())]) for r in pp_ranks]
             group = dist.new_group(ranks)
             if me in ranks:
                 self.group = group
+        self.checked = False
+
+    def _local(self, names: set[str]) -> list[nn.Parameter]:
+        return [p for sm in self.stage_mods for n, p in sm.named_parameters() if n in names]
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """This rank's end of each tied pair, in the order of the pairs (empty off the group)."""
+        found = {n: p for sm in self.stage_mods for n, p in sm.named_parameters()}
+        return [found[a] if a in found else found[b] for a, b in self.pairs if a in found or b in found]
+
+    @property
+    def copies(self) -> list[nn.Parameter]:
+        """This rank's later ends (the copies): a global gradient norm counts each tied
+        parameter once, so it leaves these out."""
+        return self._local({b for _, b in self.pairs})
+
+    def _check_alike(self) -> None:
+        """Every end of this group has the same local shape and placements (collective over
+        the group): else the summed shards would not be the same slice of the parameter."""
+        mine = [(tuple(p.shape), tuple(_local(p).shape), str(getattr(p, "placements", None))) for p in self.params]
+        seen: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(seen, mine, group=self.group)
+        if len({m for ranks in seen for m in ranks}) > 1:
+            raise ValueError(f"tied parameters {self.pairs} are sharded differently on the pipeline ranks "
+                             f"holding them: {seen}; untie them or give both ends the same TP style")
+        self.checked = True
 
     def sync_grads(self) -> None:
+        """Sum the ends' local gradient shards over the group (collective over it)."""
+        if not self.checked:
+            self._check_alike()
         for p in self.params:
-            if p.grad is not None:
-                g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
-                dist.all_reduce(g, group=self.group)
+            if p.grad is None:  # the other end has one: take part in the sum all the same
+                p.grad = torch.zeros_like(p)
+            elif isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                # e.g. a vocabulary-parallel embedding's gradient comes back Replicate: take this
+                # rank's shard of it (no communication), the slice the other end holds
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+            dist.all_reduce(_local(p.grad), group=self.group)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor, or the tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t

@@ -6,12 +6,13 @@ emitted program and by :func:`codegen.runtime.train.parallelize` alike (torchtit
 2. ``codegen.runtime.mesh.build_mesh`` - the ``[pp, dp, cp, tp]`` device mesh
 3. :func:`split_stages` - this pp rank's stage modules (fqn-preserving) of the stage split
 4. :func:`materialize` - a meta-built model's owned units initialised, or rank 0's weights
-5. :func:`apply_attention` - attention per block: kernel, ring attention (CP), selective recompute
-6. :func:`apply_tp` - tensor (and sequence) parallel from the TP plan ``{module fqn: style}``
-7. :func:`apply_recompute` - full recompute of the blocks whose stage asks for it
-8. :func:`apply_dp` - FSDP2 / replicate over the data-parallel mesh (dp x cp)
-9. ``codegen.runtime.optim.build_optimizer`` - one optimizer per stage module
-10. :func:`tie_weights` - the tied-weight group across pipeline ranks (pp > 1)
+5. :func:`tie_weights` - the weights tied across pipeline ranks and the groups summing
+   their gradients (pp > 1), before TP splits the two ends into separate DTensors
+6. :func:`apply_attention` - attention per block: kernel, ring attention (CP), selective recompute
+7. :func:`apply_tp` - tensor (and sequence) parallel from the TP plan ``{module fqn: style}``
+8. :func:`apply_recompute` - full recompute of the blocks whose stage asks for it
+9. :func:`apply_dp` - FSDP2 / replicate over the data-parallel mesh (dp x cp)
+10. ``codegen.runtime.optim.build_optimizer`` - one optimizer per stage module
 11. :func:`build_schedule` - the torch pipelining schedule (pp > 1)
 """
 from __future__ import annotations
@@ -148,16 +149,22 @@ def apply_dp(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, mesh: D
 
 
 def tie_weights(adapter: ModelAdapter, stages: Stages, mesh: DeviceMesh) -> Optional[ppar.TiedWeights]:
-    """With pp > 1, the group summing the gradients of parameters tied across pipeline ranks
-    (a tied embedding and head), or None. The pairs are what each rank sees after
-    materialising its own units, merged over the ranks: a stage that holds both ends
-    re-ties them, the others do not, and every rank must create the same process groups."""
+    """With pp > 1, the parameters tied across pipeline ranks (a tied embedding and head) and
+    the groups summing their gradients, or None. Call it right after :func:`materialize`,
+    before tensor parallelism splits each end into its own DTensor (the ends are then looked
+    up by name). The pairs are what each rank sees after materialising its own units,
+    merged over the ranks (a stage that holds both ends re-ties them, the others do not,
+    and every rank must create the same process groups)."""
     if mesh["pp"].size() == 1:
         return None
+    held = {n for sm in stages.modules for n, _ in sm.named_parameters(remove_duplicate=False)}
+    pp_rank = mesh["pp"].get_local_rank()
     seen: list = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, adapter.tied())
-    pairs = sorted({tuple(p) for ranks_pairs in seen for p in ranks_pairs})
-    return ppar.TiedWeights(pairs, stages.modules, mesh) if pairs else None
+    dist.all_gather_object(seen, (adapter.tied(), pp_rank, sorted(held)))
+    pairs = sorted({tuple(p) for ranks_pairs, _, _ in seen for p in ranks_pairs})
+    names = {n for pair in pairs for n in pair}
+    holders = {n: r for _, r, ns in seen for n in ns if n in names}
+    return ppar.TiedWeights(pairs, holders, stages.modules, mesh) if pairs else None
 
 
 def build_schedule(stages: Stages, cfg: ParallelConfig, mesh: DeviceMesh, global_batch: int, loss_fn,

@@ -5,11 +5,11 @@ through attribute names. Order of application (one public helper each in
 ``codegen/runtime/recipe.py``, which the emitted program calls in the same order): the
 feasibility rule (``planner.plan.config_problems``) on the plan and the adapter's limits,
 then the device mesh -> the pipeline stage split (this rank's stage modules, built by the
-adapter) -> materialisation of a meta-built model's owned units -> attention per block
+adapter) -> materialisation of a meta-built model's owned units -> the tied-weight pairs
+and groups (pp > 1; before tensor parallelism splits the ends apart) -> attention per block
 (kernel, ring attention for CP, selective recompute; installed on the model instance) ->
 tensor parallel -> full recompute -> data parallel (FSDP2 / replicate over ``dp`` x ``cp``)
--> optimizers (one per stage module, as torchtitan) -> the tied-weight group (pp > 1) ->
-the pipeline schedule (pp > 1).
+-> optimizers (one per stage module, as torchtitan) -> the pipeline schedule (pp > 1).
 
 A training step (``ParallelModel.step``, or written out in the emitted program):
 ``local_batch`` -> ``zero_grad`` -> ``microbatch`` per micro-batch (gradient accumulation)
@@ -240,12 +240,12 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     mesh = mesh if mesh is not None else build_mesh(cfg)
     split = recipe.split_stages(adapter, stages, stage_recompute, cfg, mesh)
     recipe.materialize(adapter, split, device, seed)
+    tied = recipe.tie_weights(adapter, split, mesh)  # before TP splits the tied ends apart
     recipe.apply_attention(adapter, split, cfg, mesh, load_balance)
     recipe.apply_tp(adapter, split, tp_layout, mesh, cfg.sp)
     recipe.apply_recompute(adapter, split)
     dp_mesh = recipe.apply_dp(adapter, split, cfg, mesh)
     optimizer = build_optimizer(split.modules, optimizer_factory, cfg.zero, dp_mesh.size(), dp_mesh.get_group())
-    tied = recipe.tie_weights(adapter, split, mesh)
     loss_fn = TokenLoss(dp_mesh.size())
     schedule = recipe.build_schedule(split, cfg, mesh, global_batch, loss_fn, device)
     return ParallelModel(adapter, cfg, mesh, split, optimizer, loss_fn, global_batch, device, dp_mesh=dp_mesh,

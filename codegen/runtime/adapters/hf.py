@@ -275,22 +275,24 @@ class HFAdapter(ModelAdapter):
     def materialize(self, units: Sequence[str], device: torch.device, seed: Optional[int]) -> None:
         """Allocate this rank's units (and the parameter-free modules every stage runs) of a
         meta-built model and initialise them with the model's own ``_init_weights``, each
-        submodule from its own generator seeded by (seed, fqn); an untied copy of a tied
-        head gets the embedding's numbers."""
+        submodule from its own generator seeded by (seed, fqn); a tied head is re-tied to
+        the embedding where the embedding is materialised, and a copy held without it gets
+        the embedding's numbers."""
         if not any(t.is_meta for t in list(self.model.parameters()) + list(self.model.buffers())):
             return
         seed = 0 if seed is None else seed
         unit_set = set(self.units)
+        tied = self.tied()  # before materialising: to_empty unties shared parameters
         for u in units:
             self._init(u, device, seed)
         for name, m in self.model.named_modules():  # shared modules: rotary tables and the like
             inside = any(name == u or name.startswith(u + ".") for u in unit_set)
             if name and not inside and any(b.is_meta for b in m.buffers(recurse=False)):
                 self._init(name, device, seed, recurse=False)
-        for a, b in self.tied():
+        for a, b in tied:
             ua, ub = (self._unit_of(a), self._unit_of(b))
             owned_a, owned_b = ua in units, ub in units
-            if owned_a and owned_b:
+            if owned_a:  # re-tied (a head this rank does not hold shares the embedding, as the zoo's)
                 _set_param(self.model, b, self.model.get_parameter(a))
             elif owned_b:  # the last stage's copy: the embedding's numbers
                 tmp = self.model.get_submodule(ua)
