@@ -93,8 +93,8 @@ import math
 import time
 
 from planner.partition_greedy import greedy_partition
-from planner.partition_problem import (PartitionProblem, PartitionResult, _no_pulp_deprecations, _Seg,
-                                       _segments, evaluate_partition, even_partition, segments, step_objective)
+from planner.partition_problem import (PartitionProblem, PartitionResult, quiet_pulp_deprecations, Segment,
+                                       segment_classes, evaluate_partition, even_partition, segments, step_objective)
 from planner.plan import Partition
 
 __all__ = [
@@ -148,7 +148,7 @@ def _quiet_highs():
     return _HiGHS
 
 
-@_no_pulp_deprecations
+@quiet_pulp_deprecations
 def _pick_solver(name: str, time_limit: float, gap_rel: float, warm: bool = False):
     import pulp
 
@@ -178,8 +178,8 @@ def _pick_solver(name: str, time_limit: float, gap_rel: float, warm: bool = Fals
 class _Model:
     """The segment-compressed ILP (see the module docstring)."""
 
-    @_no_pulp_deprecations
-    def __init__(self, pr: PartitionProblem, segs: list[_Seg], mode: str):
+    @quiet_pulp_deprecations
+    def __init__(self, pr: PartitionProblem, segs: list[Segment], mode: str):
         import pulp
 
         self.pr, self.segs, self.mode = pr, segs, mode
@@ -330,7 +330,7 @@ class _Model:
         return len(self.prob.variables())
 
     @property
-    @_no_pulp_deprecations
+    @quiet_pulp_deprecations
     def n_constraints(self) -> int:
         return len(self.prob.constraints)
 
@@ -378,7 +378,7 @@ class _Model:
         return Partition(bounds, rec)
 
 
-@_no_pulp_deprecations
+@quiet_pulp_deprecations
 def _run(model: "_Model", solver_name: str, time_limit: float, gap_rel: float, warm: bool = False):
     """Solve; returns (status, sol_status, solver label, solver's gap or None)."""
     solver, label = _pick_solver(solver_name, time_limit, gap_rel, warm)
@@ -393,7 +393,7 @@ def _run(model: "_Model", solver_name: str, time_limit: float, gap_rel: float, w
     return model.prob.status, model.prob.sol_status, label, gap
 
 
-@_no_pulp_deprecations
+@quiet_pulp_deprecations
 def _lp_bound(model: "_Model", solver_name: str, time_limit: float) -> float | None:
     import pulp
 
@@ -439,7 +439,7 @@ def solve_partition(problem: PartitionProblem, *, solver: str = "cbc", time_limi
 
     t0 = time.perf_counter()
     pr = problem
-    segs = _segments(pr)
+    segs = segment_classes(pr)
     greedy = greedy_partition(pr)
     n_vars = n_cons = 0
     if not greedy.feasible:

@@ -10,7 +10,7 @@ import math
 import time
 from typing import Callable, Sequence
 
-from planner.partition_problem import _MEM_TOL, PartitionProblem, PartitionResult, evaluate_partition
+from planner.partition_problem import MEM_TOL, PartitionProblem, PartitionResult, evaluate_partition
 from planner.plan import Partition
 
 
@@ -99,7 +99,7 @@ def _rank_policies(pr: PartitionProblem, px: _Prefix, bounds: list[tuple[int, in
     S, pp, P = pr.n_stages, pr.pp, pr.policies
     rec = [P[0]] * S
     ok_all = True
-    cap = pr.capacity * (1 + _MEM_TOL)
+    cap = pr.capacity * (1 + MEM_TOL)
     for r in range(pp):
         js = list(range(r, S, pp))
         tq = {(j, q): px.time(q, j, *bounds[j]) for j in js for q in P}

@@ -14,10 +14,10 @@ from typing import Sequence
 
 from planner.plan import RECOMPUTE, SCHEDULES, Partition
 
-_MEM_TOL = 1e-9          # relative slack when checking capacity
+MEM_TOL = 1e-9          # relative slack when checking capacity
 
 
-def _no_pulp_deprecations(fn):
+def quiet_pulp_deprecations(fn):
     """PuLP 3.x warns about its 4.0 API (LpVariable, PULP_CBC_CMD, constraints dict) on
     every call; the 2.8+ API used here still works, so keep the noise out of callers."""
     @functools.wraps(fn)
@@ -120,7 +120,8 @@ class PartitionResult:
 # segments
 # ---------------------------------------------------------------------------------------
 @dataclass
-class _Seg:
+class Segment:
+    """Consecutive layers of one signature: the ILP decides their stage boundaries as one class."""
     start: int
     end: int
     fwd: tuple[float, ...]
@@ -137,12 +138,12 @@ class _Seg:
 
 def segments(problem: PartitionProblem) -> list[tuple[int, int]]:
     """The decision classes as half-open layer ranges ``[start, end)``."""
-    return [(s.start, s.end) for s in _segments(problem)]
+    return [(s.start, s.end) for s in segment_classes(problem)]
 
 
-def _segments(pr: PartitionProblem) -> list[_Seg]:
+def segment_classes(pr: PartitionProblem) -> list[Segment]:
     P = pr.policies
-    out: list[_Seg] = []
+    out: list[Segment] = []
     for i in range(pr.n_layers):
         f = tuple(float(pr.fwd[i][q]) for q in P)
         b = tuple(float(pr.bwd[i][q]) for q in P)
@@ -151,7 +152,7 @@ def _segments(pr: PartitionProblem) -> list[_Seg]:
         if out and out[-1].key == key:
             out[-1].end = i + 1
         else:
-            out.append(_Seg(i, i + 1, f, b, a, float(pr.static[i]), float(pr.out_p2p[i]), key))
+            out.append(Segment(i, i + 1, f, b, a, float(pr.static[i]), float(pr.out_p2p[i]), key))
     return out
 
 
@@ -176,7 +177,7 @@ def _shortfall(problem: PartitionProblem, rank_memory: list[float]) -> dict | No
     cap = problem.capacity
     over = [mem - cap for mem in rank_memory]
     r = max(range(len(over)), key=lambda i: (over[i], -i))
-    if over[r] <= _MEM_TOL * max(1.0, abs(cap)):
+    if over[r] <= MEM_TOL * max(1.0, abs(cap)):
         return None
     return {"rank": r, "stage": r, "bytes": over[r], "gib": over[r] / 2**30,
             "rank_memory": rank_memory[r], "capacity": cap,

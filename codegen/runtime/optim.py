@@ -13,12 +13,12 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from codegen.runtime.data_parallel import ShardedOptimizer
 
@@ -77,34 +77,48 @@ def warmup_cosine(step: int, total_steps: int, lr: float, min_lr: float, warmup_
     return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _grad_groups(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """Parameters with a gradient, grouped so each group is homogeneous: plain tensors, or
-    DTensors on one device mesh (torch's norm and foreach ops do not mix them)."""
-    groups: dict = {}
-    for p in params:
-        if p.grad is not None:
-            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
-            groups.setdefault(key, []).append(p)
-    return list(groups.values())
-
-
 def clip_grad_norm_(params: Sequence[nn.Parameter], max_norm: Optional[float], pp_group=None) -> float:
     """Clip the gradients of ``params`` (this rank's, each parameter of the model once per pp
     rank) in place so their global L2 norm is at most ``max_norm``; returns the norm before
     clipping (every rank gets the same value). Collective over ``pp_group`` (the norms of the
     pipeline ranks' parameters add in square) and over DTensor meshes. ``max_norm`` None or
-    <= 0: nothing is clipped, the norm is still returned."""
-    groups = _grad_groups(params)
-    device = next((p.grad.device for g in groups for p in g), torch.device("cpu"))
+    <= 0: nothing is clipped, the norm is still returned.
+
+    Works on the local shards with plain foreach ops: a DTensor gradient's squares are summed
+    over the mesh dimensions it is sharded on (one all-reduce per set of them, not a DTensor
+    dispatch per parameter) and counted once over those it is replicated on."""
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
     square = torch.zeros((), dtype=torch.float32, device=device)
-    for g in groups:
-        n = torch.nn.utils.get_total_norm([p.grad for p in g], 2.0)
-        n = n.full_tensor() if isinstance(n, DTensor) else n
-        square = square + n.float() ** 2
+    for groups, local in _local_grad_groups(grads).items():
+        part = torch.stack([n.float() ** 2 for n in torch._foreach_norm(local, 2.0)]).sum()
+        for pg in groups:
+            dist.all_reduce(part, group=pg)
+        square = square + part
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(square, group=pp_group)
     norm = square.sqrt()
     if max_norm is not None and max_norm > 0:
-        for g in groups:
-            torch.nn.utils.clip_grads_with_norm_(g, max_norm, norm)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        with torch.no_grad():
+            torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
     return float(norm)
+
+
+def _local_grad_groups(grads: Sequence[torch.Tensor]) -> dict:
+    """Gradients by the process groups their squared norms are summed over: a tuple of the
+    groups of the mesh dimensions a DTensor is sharded on (``()`` for plain tensors and fully
+    replicated ones) -> their local tensors. A gradient still holding partial sums (a norm
+    weight under sequence parallel) is reduced first (its ``Partial`` dimensions made ``Replicate``)."""
+    out: dict = {}
+    for g in grads:
+        if not isinstance(g, DTensor):
+            out.setdefault((), []).append(g)
+            continue
+        if any(isinstance(pl, Partial) for pl in g.placements):
+            g = g.redistribute(g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
+        mesh = g.device_mesh
+        # every placement but Replicate splits the elements (Shard, and _StridedShard, which is not a Shard)
+        dims = tuple(mesh.get_group(d) for d, pl in enumerate(g.placements) if not pl.is_replicate())
+        out.setdefault(dims, []).append(g.to_local())
+    return out
