@@ -97,11 +97,14 @@ def _run(cmd, env=None, timeout=600):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["hf:llama-tiny", "tests.user_models:build"])
-def test_cli_plans_and_runs_a_model_autopar_did_not_write(model, tmp_path):
+def test_cli_plans_and_runs_a_model_autopar_did_not_write(model, tmp_path, monkeypatch):
+    from planner.cli import main
+
     plan = tmp_path / "plan.json"
     cli = [sys.executable, "-m", "planner.cli"]
-    _run(cli + ["plan", "--model", model, "--cluster", "local-cpu:2", "--global-batch", "4", "--seq-len", "32",
-                "-o", str(plan)])
+    monkeypatch.chdir(ROOT)  # `autopar plan` in this process (it starts nothing); `autopar run` as a user would
+    assert main(["plan", "--model", model, "--cluster", "local-cpu:2", "--global-batch", "4", "--seq-len", "32",
+                 "-o", str(plan)]) == 0
     p = json.loads(plan.read_text())
     assert p["model"]["adapter"] == ("hf" if model.startswith("hf:") else "module")
     _run(cli + ["run", str(plan), "--steps", "6", "--dir", str(tmp_path / "run"), "--data",
