@@ -36,13 +36,21 @@ def entropy_floor(vocab: int) -> float:
 
 def markov_tokens(succ: torch.Tensor, rows: int, length: int, g: torch.Generator) -> torch.Tensor:
     """``rows x length`` tokens of the first-order Markov source: a uniform first token, then
-    each token is ``succ[previous]`` with probability ``FOLLOW_P``, else uniform."""
+    each token is ``succ[previous]`` with probability ``FOLLOW_P``, else uniform.
+
+    Vectorised over the sequence (this runs every training step): a token ``d`` positions after
+    the last uniform draw ``r`` is ``succ`` applied ``d`` times to that draw, so the loop runs
+    over the longest such chain (tens of steps at FOLLOW_P = 0.9), not over the sequence."""
     vocab = succ.numel()
     noise = torch.randint(0, vocab, (rows, length), generator=g)
     follow = torch.rand(rows, length, generator=g) < FOLLOW_P
-    out = noise.clone()
-    for t in range(1, length):
-        out[:, t] = torch.where(follow[:, t], succ[out[:, t - 1]], noise[:, t])
+    follow[:, 0] = False  # the first token is always a uniform draw
+    pos = torch.arange(length).expand(rows, length)
+    last_draw = torch.where(follow, torch.zeros_like(pos), pos).cummax(dim=1).values
+    out = noise.gather(1, last_draw)
+    steps = pos - last_draw
+    for k in range(1, int(steps.max()) + 1):
+        out = torch.where(steps >= k, succ[out], out)
     return out
 
 
