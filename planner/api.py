@@ -91,7 +91,7 @@ def auto_parallelize(model: nn.Module, example_batch: dict[str, torch.Tensor], l
     from codegen.runtime.adapters import adapter_for, adapter_kind
     from planner.pins import Pins
     from codegen.runtime.mesh import init_distributed
-    from codegen.runtime.train import default_optimizer, parallelize
+    from codegen.runtime.train import default_optimizer, parallelize_plan
 
     if loss_fn is not None:
         if adapter_kind(model) != "module":
@@ -131,11 +131,9 @@ def auto_parallelize(model: nn.Module, example_batch: dict[str, torch.Tensor], l
     import json
 
     the_plan = Plan.from_dict(json.loads(box[0]), source="broadcast plan")
-    stages = [s["layers"] for s in the_plan.stages]
     adapter = adapter_for(model, module_spec, order=the_plan.model["layers"], seq_len=seq)
-    pm = parallelize(model, the_plan.config, stages, [s["recompute"] for s in the_plan.stages], the_plan.tp_layout,
-                     gb, seq, device, optimizer_factory=optimizer or default_optimizer, seed=seed, adapter=adapter,
-                     facts=the_plan.facts)
+    pm = parallelize_plan(model, the_plan, device, optimizer_factory=optimizer or default_optimizer, seed=seed,
+                          adapter=adapter)
     return Parallelized(pm, the_plan)
 
 
@@ -150,7 +148,13 @@ def _plan_on_rank0(model, example, cluster, world, gb, spec, profile, plan_path,
         if pins:
             raise AutoparError("auto_parallelize(plan=..., fix=...): a plan file is already chosen; drop fix= "
                                "or plan again with `autopar plan --fix`")
-        return Plan.load(plan_path)
+        p = Plan.load(plan_path)
+        shape = (int(example["input_ids"].shape[0]), int(example["input_ids"].shape[1]))
+        if (p.batch["global"], p.batch["seq_len"]) != shape:
+            raise AutoparError(f"plan {plan_path} is for {p.batch['global']} sequences of {p.batch['seq_len']} tokens "
+                               f"but the example batch is {shape[0]} x {shape[1]}: pass a batch of the plan's shape "
+                               "or plan again")
+        return p
     c = parse_cluster(detect_cluster(world) if cluster == "detect" else cluster)
     if c.world != world:
         raise AutoparError(f"cluster {c.name} has {c.world} devices but this job has {world} processes: "

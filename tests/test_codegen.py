@@ -220,3 +220,18 @@ def test_emitted_pipeline_with_tied_embeddings_runs(tmp_path):
         pytest.fail("the pipelined run of a tied model hung")
     assert p.returncode == 0, out[-2000:]
     assert_matches_one_process(str(tmp_path / "run" / "train_log.jsonl"), str(spec), 3, world=4)
+
+
+def test_auto_parallelize_refuses_a_plan_file_of_another_batch_shape(tmp_path):
+    """A plan file fixes the global batch and sequence length the runtime is built for; an
+    example batch of another shape is refused in one line before anything is built."""
+    from planner import api
+    from planner.errors import AutoparError
+
+    path = tmp_path / "plan.json"
+    _plan().save(str(path))  # llama-tiny, 4 sequences of 32 tokens
+    ok = {"input_ids": torch.zeros(4, 32, dtype=torch.long)}
+    assert api._plan_on_rank0(None, ok, "local-cpu:2", 2, 4, None, None, str(path), None).batch["global"] == 4
+    with pytest.raises(AutoparError, match="is for 4 sequences of 32 tokens but the example batch is 2 x 32"):
+        api._plan_on_rank0(None, {"input_ids": torch.zeros(2, 32, dtype=torch.long)}, "local-cpu:2", 2, 2, None,
+                           None, str(path), None)

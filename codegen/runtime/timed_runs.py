@@ -2,8 +2,7 @@
 
 ``python -m torch.distributed.run --nproc-per-node N -m codegen.runtime.timed_runs OUT.json
 PLAN.json [PLAN.json ...] --steps K``: every plan (all of world size N, zoo models) is built,
-parallelised exactly as its emitted program does (``parallelize`` with the plan's stages,
-recompute, TP layout and facts) and trained for ``warmup + K`` steps on the synthetic data;
+parallelised exactly as its emitted program does (``parallelize_plan``) and trained for ``warmup + K`` steps on the synthetic data;
 then it is torn down and the next one built, so N processes start once for all of them.
 Rank 0 writes ``{"runs": [{"plan", "step_s": [K floats], "memory_gib": [per rank]}]}``.
 
@@ -24,7 +23,7 @@ import torch.distributed as dist
 
 from codegen.runtime.data import synthetic
 from codegen.runtime.mesh import exit_process, init_distributed, teardown
-from codegen.runtime.train import parallelize
+from codegen.runtime.train import parallelize_plan
 from planner import zoo
 from planner.plan import Plan
 
@@ -39,9 +38,8 @@ def time_plan(plan: Plan, device: torch.device, steps: int, warmup: int, lr: flo
     spec = zoo.load_model_spec(plan.model["spec"])
     model = spec.build("meta")
     gb, seq = int(plan.batch["global"]), int(plan.batch["seq_len"])
-    pm = parallelize(model, plan.config, [s["layers"] for s in plan.stages], [s["recompute"] for s in plan.stages],
-                     dict(plan.tp_layout), gb, seq, device, seed=0, facts=plan.facts,
-                     optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1))
+    pm = parallelize_plan(model, plan, device, seed=0,
+                          optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1))
     data = synthetic(int(plan.model["vocab"]), gb, seq, 0)
     times = []
     for step in range(warmup + steps):

@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from planner.plan import ModelFacts, ParallelConfig
+from planner.plan import ModelFacts, ParallelConfig, Plan
 from codegen.runtime import context_parallel as cpar
 from codegen.runtime import data_parallel as dpar
 from codegen.runtime import recipe
@@ -250,3 +250,13 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     schedule = recipe.build_schedule(split, cfg, mesh, global_batch, loss_fn, device)
     return ParallelModel(adapter, cfg, mesh, split, optimizer, loss_fn, global_batch, device, dp_mesh=dp_mesh,
                          schedule=schedule, tied=tied, load_balance=load_balance)
+
+
+def parallelize_plan(model: nn.Module, plan: Plan, device: torch.device | str, *,
+                     optimizer_factory: OptimizerFactory = default_optimizer, seed: Optional[int] = None,
+                     adapter: Optional[ModelAdapter] = None) -> ParallelModel:
+    """:func:`parallelize` with everything a plan file fixes taken from ``plan``: configuration,
+    stage split, recompute per stage, TP layout, batch, sequence length and model facts."""
+    return parallelize(model, plan.config, [s["layers"] for s in plan.stages], [s["recompute"] for s in plan.stages],
+                       dict(plan.tp_layout), int(plan.batch["global"]), int(plan.batch["seq_len"]), device,
+                       optimizer_factory=optimizer_factory, seed=seed, adapter=adapter, facts=plan.facts)
