@@ -19,6 +19,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def worker_env() -> dict:
+    """The environment of the worker processes autopar launches on this machine: one intra-op
+    thread per rank (torchrun's own default for several processes) unless the user set one."""
+    import os
+
+    return dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+
+
 def torchrun_cmd(nproc: int, module_args: list[str]) -> list[str]:
     """torchrun on this machine: N processes, a free local port."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
@@ -82,7 +90,7 @@ def run_plan(plan_path: str, *, steps: int, run_dir: str, ckpt_every: int = 0, m
         print(f"  torchrun --nnodes {plan.cluster['nodes']} --nproc-per-node {plan.cluster['devices_per_node']} "
               f"--node-rank $NODE_RANK --master-addr $MASTER_ADDR --master-port 29500 " + " ".join(worker))
         return 0, log
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env = worker_env()
     rc = 1
     for attempt in range(max_restarts + 1):
         env["AUTOPAR_ATTEMPT"] = str(attempt)
@@ -101,7 +109,7 @@ def launch_timed_runs(plan_paths: list[str], out: str, *, world: int, steps: int
     import json
     import os
 
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env = worker_env()
     cmd = torchrun_cmd(world, ["-m", "codegen.runtime.timed_runs", out, *plan_paths, "--steps", str(steps),
                                "--warmup", str(warmup)])
     rc = run_killable(cmd, env, timeout_s)
