@@ -355,7 +355,7 @@ def print_table(res: dict[str, Any]) -> None:
                  f" ({v.get('note', 'not among the measured plans')})"))
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cluster", default="local-cpu:4")
     ap.add_argument("--models", default=f"gpt-small,{LLAMA_SPEC}")
@@ -378,35 +378,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-replan", action=argparse.BooleanOptionalAction, default=True,
                     help="run the calibrated planner's pick when it is not among the measured plans")
     ap.add_argument("--verbose", action="store_true", help="show the training programs' output")
-    args = ap.parse_args(argv)
-    t_start = time.perf_counter()
-    models = [m for m in args.models.split(",") if m]
-    cluster = parse_cluster(args.cluster)
-    os.makedirs(args.work, exist_ok=True)
-    out_dir = os.path.dirname(args.out) or "."
-    os.makedirs(out_dir, exist_ok=True)
-    timings: dict[str, float] = {}
+    return ap.parse_args(argv)
 
-    t0 = time.perf_counter()
+
+def load_profile(args: argparse.Namespace, models: list[str]) -> tuple[str | None, ProfileDB | None]:
+    """The measured profile the "before" predictions use (uncalibrated), or none for the roofline."""
     if args.profile == "none":
-        profile_path, profile = None, None
-    else:
-        profile_path = args.profile or profile_models(models, args.cluster, args.seq_len, args.profile_batches,
-                                                      args.profile_repeats, args.profile_sizes, args.work)
-        profile = ProfileDB.load(profile_path)
-        profile.calibration = {}  # predictions "before" are the uncalibrated model's
-    timings["profile_s"] = time.perf_counter() - t0
+        return None, None
+    path = args.profile or profile_models(models, args.cluster, args.seq_len, args.profile_batches,
+                                          args.profile_repeats, args.profile_sizes, args.work)
+    profile = ProfileDB.load(path)
+    profile.calibration = {}  # predictions "before" are the uncalibrated model's
+    return path, profile
 
-    forced = FORCED_BY_WORLD.get(cluster.world, {})
-    if args.forced:
-        forced = {k: [s for s in args.forced.split(";") if s] for k in FORCED}
-    cands = choose_plans(models, cluster, args.cluster, args.seq_len, args.global_batch, profile,
-                         args.search_alternatives, forced, args.max_plans)
-    write_plans(cands, cluster, args.cluster, args.work)
-    _log(f"{len(cands)} plans: " + "; ".join(f"{c.graph.name} {c.estimate.config.label()} ({c.origin})"
-                                             for c in cands))
-    t0 = time.perf_counter()
-    # every plan once, then the repeats of the first (spread out in time: drift shows as noise)
+
+def run_all(cands: list, args: argparse.Namespace, t_start: float) -> list[str]:
+    """Every plan once, then the repeats of the first (spread out in time: drift shows as noise);
+    returns the runs skipped for the time budget."""
     order = [(i, 0) for i in range(len(cands))] + [(0, k) for k in range(1, args.repeats)] if cands else []
     skipped = []
     for i, k in order:
@@ -419,53 +407,85 @@ def main(argv: list[str] | None = None) -> int:
         _log(f"[{i + 1}/{len(cands)}{f' repeat {k}' if k else ''}] {c.graph.name} {c.estimate.config.label()}: "
              f"rc {run['rc']}, predicted {c.estimate.step_s:.3f} s, measured "
              f"{run.get('median_s', float('nan')):.3f} s, wall {run['wall_s']:.0f} s")
+    return skipped
+
+
+def run_replans(new: list, res: dict, cluster, profile, args: argparse.Namespace, t_start: float) -> None:
+    """Run the calibrated planner's new picks (none of the measured plans is one) and record
+    their measured regret in ``res["replan_calibrated"]``."""
+    from planner.planning import build_plan, evaluate_config
+
+    for c in new:
+        if args.time_budget and time.perf_counter() - t_start > args.time_budget:
+            res["replan_calibrated"][c.graph.name]["note"] = "not run: time budget spent"
+            continue
+        d = os.path.join(args.work, f"replan-{c.graph.name}-{c.estimate.config.label().replace(' ', '_')}")
+        os.makedirs(d, exist_ok=True)
+        e0, _ = evaluate_config(c.graph, cluster, c.estimate.config, args.global_batch, profile=profile)
+        c.plan_path = os.path.join(d, "plan.json")
+        build_plan(c.graph, cluster, c.estimate, spec=c.model, cluster_spec=args.cluster).save(c.plan_path, force=True)
+        run = run_candidate(c, args.steps, args.warmup, "0", quiet=not args.verbose)
+        v = res["replan_calibrated"][c.graph.name]
+        v["run"] = {k: x for k, x in run.items() if k != "times"}
+        v["before_calibration_predicted_s"] = e0.step_s
+        if "median_s" in run:
+            best = min([r["measured_step_s"] for r in res["plans"] if r["model"] == c.graph.name] + [run["median_s"]])
+            v["after_measured_s"] = run["median_s"]
+            v["after_regret"] = run["median_s"] / best
+            v["after_regret_note"] = "vs the best of the measured plans and this one"
+        _log(f"replan {c.graph.name} {c.estimate.config.label()}: rc {run['rc']}, predicted "
+             f"{c.estimate.step_s:.3f} s (calibrated), measured {run.get('median_s', float('nan')):.3f} s")
+
+
+def noise_of(cands: list) -> dict | None:
+    """Run-to-run spread of the first plan's repeats, or None with fewer than two runs."""
+    rep = [r for r in cands[0].runs if "median_s" in r] if cands else []
+    if len(rep) < 2:
+        return None
+    meds = sorted(r["median_s"] for r in rep)
+    return {"label": f"{cands[0].graph.name} {cands[0].estimate.config.label()}", "runs": len(rep),
+            "run_medians_s": meds, "min_s": meds[0], "median_s": statistics.median(meds),
+            "max_s": meds[-1], "spread_pct": (meds[-1] - meds[0]) / statistics.median(meds) * 100,
+            "all_steps_min_s": min(t for r in rep for t in r["times"]),
+            "all_steps_max_s": max(t for r in rep for t in r["times"])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    models = [m for m in args.models.split(",") if m]
+    cluster = parse_cluster(args.cluster)
+    os.makedirs(args.work, exist_ok=True)
+    out_dir = os.path.dirname(args.out) or "."
+    os.makedirs(out_dir, exist_ok=True)
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    profile_path, profile = load_profile(args, models)
+    timings["profile_s"] = time.perf_counter() - t0
+
+    forced = FORCED_BY_WORLD.get(cluster.world, {})
+    if args.forced:
+        forced = {k: [s for s in args.forced.split(";") if s] for k in FORCED}
+    cands = choose_plans(models, cluster, args.cluster, args.seq_len, args.global_batch, profile,
+                         args.search_alternatives, forced, args.max_plans)
+    write_plans(cands, cluster, args.cluster, args.work)
+    _log(f"{len(cands)} plans: " + "; ".join(f"{c.graph.name} {c.estimate.config.label()} ({c.origin})"
+                                             for c in cands))
+    t0 = time.perf_counter()
+    skipped = run_all(cands, args, t_start)
     timings["runs_s"] = time.perf_counter() - t0
 
     res = analyse(cands, cluster, profile, profile_path, args.cluster, args.global_batch, args.seq_len, out_dir)
-    # the calibrated planner's new picks, where none of the measured plans is one: run them too
     new = res.pop("_replan_new", [])
     if new and args.run_replan:
-        from planner.planning import build_plan, evaluate_config
-
-        for c in new:
-            if args.time_budget and time.perf_counter() - t_start > args.time_budget:
-                res["replan_calibrated"][c.graph.name]["note"] = "not run: time budget spent"
-                continue
-            d = os.path.join(args.work, f"replan-{c.graph.name}-{c.estimate.config.label().replace(' ', '_')}")
-            os.makedirs(d, exist_ok=True)
-            e0, _ = evaluate_config(c.graph, cluster, c.estimate.config, args.global_batch, profile=profile)
-            c.plan_path = os.path.join(d, "plan.json")
-            build_plan(c.graph, cluster, c.estimate, spec=c.model, cluster_spec=args.cluster).save(c.plan_path,
-                                                                                                  force=True)
-            run = run_candidate(c, args.steps, args.warmup, "0", quiet=not args.verbose)
-            v = res["replan_calibrated"][c.graph.name]
-            v["run"] = {k: x for k, x in run.items() if k != "times"}
-            v["before_calibration_predicted_s"] = e0.step_s
-            if "median_s" in run:
-                best = min([r["measured_step_s"] for r in res["plans"] if r["model"] == c.graph.name]
-                           + [run["median_s"]])
-                v["after_measured_s"] = run["median_s"]
-                v["after_regret"] = run["median_s"] / best
-                v["after_regret_note"] = "vs the best of the measured plans and this one"
-            _log(f"replan {c.graph.name} {c.estimate.config.label()}: rc {run['rc']}, predicted "
-                 f"{c.estimate.step_s:.3f} s (calibrated), measured {run.get('median_s', float('nan')):.3f} s")
-    rep = [r for r in cands[0].runs if "median_s" in r] if cands else []
-    if len(rep) > 1:
-        meds = sorted(r["median_s"] for r in rep)
-        res["noise"] = {"label": f"{cands[0].graph.name} {cands[0].estimate.config.label()}", "runs": len(rep),
-                        "run_medians_s": meds, "min_s": meds[0], "median_s": statistics.median(meds),
-                        "max_s": meds[-1], "spread_pct": (meds[-1] - meds[0]) / statistics.median(meds) * 100,
-                        "all_steps_min_s": min(t for r in rep for t in r["times"]),
-                        "all_steps_max_s": max(t for r in rep for t in r["times"])}
+        run_replans(new, res, cluster, profile, args, t_start)
+    if (noise := noise_of(cands)) is not None:
+        res["noise"] = noise
     failed = [{"model": c.graph.name, "config": c.estimate.config.to_str(), "dirs": [r["dir"] for r in c.runs]}
               for c in cands if c.runs and not any(r["rc"] == 0 for r in c.runs)]
-    res["failed"] = failed
-    res["skipped_for_time"] = skipped
     timings["total_s"] = time.perf_counter() - t_start
-    res["timings"] = timings
-    res["args"] = vars(args)
-    res["profile"] = profile_path
-    res["targets"] = {"spearman": 0.9, "mape_pct": 15, "regret": 1.05, "memory_err_pct": 15}
+    res.update(failed=failed, skipped_for_time=skipped, timings=timings, args=vars(args), profile=profile_path,
+               targets={"spearman": 0.9, "mape_pct": 15, "regret": 1.05, "memory_err_pct": 15})
     print_table(res)
     if failed:
         print(f"{len(failed)} plan(s) failed to run: " + "; ".join(f["config"] for f in failed))

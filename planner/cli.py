@@ -419,6 +419,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = ap.add_subparsers(dest="cmd", parser_class=_Parser)
 
+    _add_planning_commands(sub)
+    _add_running_commands(sub)
+    _add_inspection_commands(sub)
+    return ap
+
+
+def _add_planning_commands(sub) -> None:
+    """graph, plan, evaluate."""
     g = sub.add_parser("graph", help="capture a model and print its layer table")
     _add_model_args(g)
     g.add_argument("--batch", type=int, default=1, help="sequences in the example batch")
@@ -442,6 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--even-split", action="store_true", help="equal layers per stage instead of the ILP split")
     p.set_defaults(fn=cmd_evaluate)
 
+
+def _add_running_commands(sub) -> None:
+    """codegen, run, demo."""
     p = sub.add_parser("codegen", help="emit the training program of a plan")
     p.add_argument("plan")
     p.add_argument("-o", "--out", default=None)
@@ -469,6 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default="runs/demo")
     p.set_defaults(fn=cmd_demo)
 
+
+def _add_inspection_commands(sub) -> None:
+    """report, profile, calibrate."""
     p = sub.add_parser("report", help="explain a plan: HTML, Markdown, Perfetto trace or a terminal summary")
     p.add_argument("plan", help="plan file written by `autopar plan -o`")
     p.add_argument("-o", "--out", default=None, help="self-contained HTML report to write")
@@ -498,7 +512,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-loo", action="store_true", help="skip the leave-one-out (held-out) error")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(fn=cmd_calibrate)
-    return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
