@@ -87,7 +87,9 @@ def clip_grad_norm_(params: Sequence[nn.Parameter], max_norm: Optional[float], p
     Works on the local shards with plain foreach ops: a DTensor gradient's squares are summed
     over the mesh dimensions it is sharded on (one all-reduce per set of them, not a DTensor
     dispatch per parameter) and counted once over those it is replicated on."""
-    grads = [p.grad for p in params if p.grad is not None]
+    params = [p for p in params if p.grad is not None]
+    _reduce_partial_grads(params)
+    grads = [p.grad for p in params]
     device = grads[0].device if grads else torch.device("cpu")
     square = torch.zeros((), dtype=torch.float32, device=device)
     for groups, local in _local_grad_groups(grads).items():
@@ -105,18 +107,26 @@ def clip_grad_norm_(params: Sequence[nn.Parameter], max_norm: Optional[float], p
     return float(norm)
 
 
+def _reduce_partial_grads(params: Sequence[nn.Parameter]) -> None:
+    """Reduce, in place of ``p.grad``, the gradients still holding partial sums (a norm weight
+    under sequence parallel): their ``Partial`` dimensions made ``Replicate``, once - the norm
+    and the optimizer then read the same reduced gradient instead of reducing it twice."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
+            p.grad = g.redistribute(g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl
+                                                    for pl in g.placements])
+
+
 def _local_grad_groups(grads: Sequence[torch.Tensor]) -> dict:
-    """Gradients by the process groups their squared norms are summed over: a tuple of the
-    groups of the mesh dimensions a DTensor is sharded on (``()`` for plain tensors and fully
-    replicated ones) -> their local tensors. A gradient still holding partial sums (a norm
-    weight under sequence parallel) is reduced first (its ``Partial`` dimensions made ``Replicate``)."""
+    """Gradients (none of them ``Partial``) by the process groups their squared norms are summed
+    over: a tuple of the groups of the mesh dimensions a DTensor is sharded on (``()`` for plain
+    tensors and fully replicated ones) -> their local tensors."""
     out: dict = {}
     for g in grads:
         if not isinstance(g, DTensor):
             out.setdefault((), []).append(g)
             continue
-        if any(isinstance(pl, Partial) for pl in g.placements):
-            g = g.redistribute(g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
         mesh = g.device_mesh
         # every placement but Replicate splits the elements (Shard, and _StridedShard, which is not a Shard)
         dims = tuple(mesh.get_group(d) for d, pl in enumerate(g.placements) if not pl.is_replicate())

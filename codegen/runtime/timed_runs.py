@@ -8,14 +8,14 @@ Rank 0 writes ``{"runs": [{"plan", "step_s": [K floats], "memory_gib": [per rank
 
 Step time is wall seconds per optimizer step on rank 0 after a barrier (the ranks start each
 step together, as the emitted program's steps do after the first); memory is every rank's peak
-RSS at the end of the plan's steps (GiB; it only grows, so later plans report the maximum so
-far - the first plan's figure is the one to compare).
+(``metrics.peak_memory_per_rank``: RSS on CPUs, allocated memory on GPUs) at the end of the
+plan's steps (GiB; a peak only grows, so later plans report the maximum so far - the first
+plan's figure is the one to compare).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import time
 
 import torch
@@ -23,14 +23,10 @@ import torch.distributed as dist
 
 from codegen.runtime.data import synthetic
 from codegen.runtime.mesh import exit_process, init_distributed, teardown
+from codegen.runtime.metrics import peak_memory_per_rank
 from codegen.runtime.train import parallelize_plan
 from planner import zoo
 from planner.plan import Plan
-
-
-def peak_rss_gib() -> float:
-    """This process's peak resident set size in GiB (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def time_plan(plan: Plan, device: torch.device, steps: int, warmup: int, lr: float) -> dict:
@@ -49,11 +45,9 @@ def time_plan(plan: Plan, device: torch.device, steps: int, warmup: int, lr: flo
         pm.step(batch)
         if step >= warmup:
             times.append(time.perf_counter() - t0)
-    mem = torch.tensor([0.0] * dist.get_world_size())
-    mem[dist.get_rank()] = peak_rss_gib()
-    dist.all_reduce(mem)
+    mem = peak_memory_per_rank(device)
     pm.close()
-    return {"plan": plan.config.label(), "step_s": times, "memory_gib": mem.tolist()}
+    return {"plan": plan.config.label(), "step_s": times, "memory_gib": mem}
 
 
 def main(argv: list[str] | None = None) -> int:
