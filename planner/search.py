@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, LayerCosts, estimate, inflight_closed, layer_pass_times
@@ -166,7 +166,9 @@ def _schedules(pp: int, m: int, n_layers: int, pins: Pins) -> list[tuple[str, in
     stage groups allow; a pinned schedule or vpp applies only when pp > 1."""
     if pp == 1:
         return [("1f1b", 1)]
-    vs = (2, 4) if "vpp" not in pins.hi else range(max(2, pins.lo.get("vpp", 2)), pins.hi["vpp"] + 1)
+    vs: Sequence[int] = (2, 4)
+    if "vpp" in pins.lo or "vpp" in pins.hi:  # a pinned range, up to one stage group per virtual stage
+        vs = range(max(2, pins.lo.get("vpp", 2)), pins.hi.get("vpp", n_layers // pp) + 1)
     out = [(s, 1) for s in ("gpipe", "1f1b", "zb-h1")]
     out += [("interleaved-1f1b", v) for v in vs if m % pp == 0 and pp * v <= n_layers]
     return [(s, v) for s, v in out if pins.allows("schedule", s) and pins.allows("vpp", v)]
@@ -264,7 +266,8 @@ def _tuples_with_floors(space: _Space, max_mbs: int) -> list[_Tuple]:
     cap = space.cluster.memory_bytes
     tuples = []
     pins = space.pins
-    max_mbs = pins.hi.get("mbs", max(max_mbs, pins.lo.get("mbs", 1)))  # a pinned mbs may pass the default cap
+    # a pinned mbs may pass the default cap: up to its upper bound, or uncapped under a lower bound only
+    max_mbs = pins.hi.get("mbs", math.inf if "mbs" in pins.lo else max_mbs)
     for dp, pp, cp, tp in degree_tuples(g, space.cluster, space.global_batch, rej, pins):
         per_replica = space.global_batch // dp
         sizes = [d for d in divisors(per_replica) if d <= max_mbs and pins.allows("mbs", d)]

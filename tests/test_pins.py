@@ -185,3 +185,17 @@ def test_report_shows_the_pins(small, tmp_path, capsys):
     unpinned = Plan.from_dict(dict(json.loads(plan.to_json()), search={}))
     from planner.report import build_report, render_markdown
     assert "pinned" not in render_markdown(build_report(unpinned, layers=False))
+
+
+def test_lower_bounds_on_vpp_and_mbs_reach_past_the_defaults(small):
+    """A lower bound alone opens the range above it: vpp>=8 tries interleaving with 8 or more
+    virtual stages per rank (not the default 2 and 4, which it excludes), mbs>=16 tries 32."""
+    from planner.search import _schedules
+
+    pins = Pins.parse("vpp>=8")
+    assert [v for _, v in _schedules(2, 8, 32, pins)] == list(range(8, 17))
+    assert _schedules(2, 8, 12, pins) == []  # 2 x 8 virtual stages need 16 stage groups
+    g, c = small
+    # one micro-batch of 64 costs least here (no pipeline, per-micro-batch op costs): reachable now
+    plan, _ = plan_model(g, c, 64, spec="gpt-small", cluster_spec="local-cpu:4", fix="dp=1,pp=1,mbs>=16")
+    assert plan.config.mbs == 64
