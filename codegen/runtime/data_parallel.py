@@ -105,8 +105,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.src = [dist.get_global_rank(group, r) for r in self.owner]
         mine = [p for p, o in zip(self.all_params, self.owner) if o == me]
         self.inner = factory(mine) if mine else None
-        # torch.optim.Optimizer bookkeeping (param_groups for schedulers / zero_grad).
-        super().__init__(self.all_params, {})
+        # torch.optim.Optimizer bookkeeping: one group over all parameters carrying the wrapped
+        # optimizer's hyperparameters; step() hands them on, so a set_lr or a torch LR scheduler
+        # on this optimizer reaches the one that steps
+        hyper = {k: v for k, v in self.inner.param_groups[0].items() if k != "params"} if self.inner else {}
+        super().__init__(self.all_params, hyper)
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         for p in self.all_params:
@@ -119,6 +122,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         if self.inner is not None:
+            hyper = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+            for g in self.inner.param_groups:
+                g.update(hyper)
             self.inner.step()
         for p, src in zip(self.all_params, self.src):
             dist.broadcast(_local(p), src=src, group=self.group)

@@ -45,11 +45,10 @@ class Optimizers:
             o.zero_grad(set_to_none=set_to_none)
 
     def set_lr(self, lr: float) -> None:
-        """Set the learning rate (per step, in the optimizer's units) of every parameter group,
-        including the groups ZeRO-1's wrapped optimizer steps."""
+        """Set the learning rate (per step, in the optimizer's units) of every parameter group
+        (ZeRO-1's :class:`ShardedOptimizer` hands it on to the optimizer it wraps)."""
         for o in self.optimizers:
-            inner = o.inner if isinstance(o, ShardedOptimizer) else o
-            for g in inner.param_groups if inner is not None else ():
+            for g in o.param_groups:
                 g["lr"] = lr
 
 
