@@ -113,7 +113,7 @@ def make_optimizer(args: argparse.Namespace):
 def build(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> ParallelModel:
     """The plan applied to ``model`` on this rank (collective: every rank runs it)."""
     units = [u for s in STAGES for u in s]  # the model's layer units in order
-    adapter = adapter_for(model, order=units, seq_len=SEQ_LEN)
+    adapter = adapter_for(model, order=units, seq_len=SEQ_LEN, facts=FACTS)
     check_runnable(CONFIG, adapter, FACTS, GLOBAL_BATCH, SEQ_LEN)  # refuse what cannot run, before building
     mesh = build_mesh(CONFIG)  # dims (pp, dp, cp, tp) = {mesh_shape!r}
     stages = split_stages(adapter, STAGES, RECOMPUTE, CONFIG, mesh)  # this pp rank's stage modules

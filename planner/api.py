@@ -131,7 +131,7 @@ def auto_parallelize(model: nn.Module, example_batch: dict[str, torch.Tensor], l
     import json
 
     the_plan = Plan.from_dict(json.loads(box[0]), source="broadcast plan")
-    adapter = adapter_for(model, module_spec, order=the_plan.model["layers"], seq_len=seq)
+    adapter = adapter_for(model, module_spec, order=the_plan.model["layers"], seq_len=seq, facts=the_plan.facts)
     pm = parallelize_plan(model, the_plan, device, optimizer_factory=optimizer or default_optimizer, seed=seed,
                           adapter=adapter)
     return Parallelized(pm, the_plan)

@@ -17,6 +17,7 @@ emitted program and by :func:`codegen.runtime.train.parallelize` alike (torchtit
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -54,13 +55,10 @@ class Stages:
 
 def check_runnable(cfg: ParallelConfig, adapter: ModelAdapter, facts: Optional[ModelFacts], global_batch: int,
                    seq_len: int, load_balance: str = "zigzag") -> None:
-    """Refuse, before anything is built, what this rank's runtime cannot run (one line);
-    the adapter keeps ``facts`` (head counts for its TP fix-ups)."""
+    """Refuse, before anything is built, what this rank's runtime cannot run (one line)."""
     cfg.validate()
-    adapter.facts = facts
-    facts = facts or ModelFacts(units=len(adapter.units), seq_len=seq_len)
-    facts = ModelFacts(facts.heads, facts.kv_heads, facts.hidden, len(adapter.units), seq_len,
-                       {**facts.limits, **adapter.limits()})
+    facts = dataclasses.replace(facts or ModelFacts(), units=len(adapter.units), seq_len=seq_len,
+                                limits={**(facts.limits if facts else {}), **adapter.limits()})
     problems = config_problems(cfg, facts)
     if global_batch % (cfg.dp * cfg.mbs):
         problems.append(f"global batch {global_batch} is not divisible by dp*mbs = {cfg.dp * cfg.mbs}")

@@ -235,7 +235,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     ``seed``). ``adapter`` defaults to :func:`codegen.runtime.adapters.adapter_for`.
     """
     device = torch.device(device)
-    adapter = adapter or adapter_for(model, order=[u for s in stages for u in s], seq_len=seq_len)
+    adapter = adapter or adapter_for(model, order=[u for s in stages for u in s], seq_len=seq_len, facts=facts)
     recipe.check_runnable(cfg, adapter, facts, global_batch, seq_len, load_balance)
     mesh = mesh if mesh is not None else build_mesh(cfg)
     split = recipe.split_stages(adapter, stages, stage_recompute, cfg, mesh)

@@ -66,11 +66,19 @@ def adapter_kind(model: nn.Module) -> str:
 
 
 def adapter_for(model: nn.Module, spec: Optional[Any] = None, *, order: Optional[Sequence[str]] = None,
-                seq_len: Optional[int] = None) -> ModelAdapter:
+                seq_len: Optional[int] = None, facts: Optional[Any] = None) -> ModelAdapter:
     """The adapter of ``model``. ``spec``: an explicit ``ModuleSpec`` for a plain module
     (also read from ``model.autopar_spec``); ``order``: the unit names in execution order (a
     plan's layers; how a plain module's units are known at run time); ``seq_len``: tokens
-    per sequence (decides whether a sliding window is active)."""
+    per sequence (decides whether a sliding window is active); ``facts``: the plan's
+    ``ModelFacts`` (head counts a plain module's TP fix-ups read)."""
+    adapter = _adapter_of_kind(model, spec, order, seq_len)
+    adapter.facts = facts
+    return adapter
+
+
+def _adapter_of_kind(model: nn.Module, spec: Optional[Any], order: Optional[Sequence[str]],
+                     seq_len: Optional[int]) -> ModelAdapter:
     kind = "module" if spec is not None else adapter_kind(model)
     if kind == "zoo":
         from codegen.runtime.adapters.zoo import ZooAdapter

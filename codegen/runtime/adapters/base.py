@@ -81,7 +81,7 @@ class ModelAdapter:
     def __init__(self, model: nn.Module, unit_list: Sequence[Unit]):
         self.model = model
         self.unit_list = list(unit_list)
-        self.facts = None  # the plan's ModelFacts (head counts, limits), set by parallelize
+        self.facts = None  # the plan's ModelFacts (head counts, limits), given to adapter_for
         for u in self.unit_list:
             if u.kind not in UNIT_KINDS:
                 raise ValueError(f"unit {u.name}: kind {u.kind!r} is not one of {UNIT_KINDS}")
