@@ -48,7 +48,7 @@ from cost_models.memory import (DTYPE_BYTES, RESERVE_CPU, RESERVE_GPU, layer_act
 from planner.errors import AutoparError
 from planner.graph import BLOCK_KINDS, ModelGraph
 from planner.pins import Pins
-from planner.plan import (RECOMPUTE, ZERO, ModelFacts, ParallelConfig, Partition, cp_problem, default_attention,
+from planner.plan import (RECOMPUTE, SCHEDULES, ZERO, ModelFacts, ParallelConfig, Partition, cp_problem, default_attention,
                           pp_problem, sp_problem, tp_problem, zero_problem)
 
 GiB = 2**30
@@ -169,7 +169,7 @@ def _schedules(pp: int, m: int, n_layers: int, pins: Pins) -> list[tuple[str, in
     vs: Sequence[int] = (2, 4)
     if "vpp" in pins.lo or "vpp" in pins.hi:  # a pinned range, up to one stage group per virtual stage
         vs = range(max(2, pins.lo.get("vpp", 2)), pins.hi.get("vpp", n_layers // pp) + 1)
-    out = [(s, 1) for s in ("gpipe", "1f1b", "zb-h1")]
+    out = [(s, 1) for s in SCHEDULES if s != "interleaved-1f1b"]
     out += [("interleaved-1f1b", v) for v in vs if m % pp == 0 and pp * v <= n_layers]
     return [(s, v) for s, v in out if pins.allows("schedule", s) and pins.allows("vpp", v)]
 
@@ -225,6 +225,7 @@ class _Tuple:
     mbs: int
     m: int = field(compare=False)
     n_var: int = field(compare=False)
+    costs: LayerCosts | None = field(compare=False, default=None)  # its layer costs (default sp)
 
     @property
     def label(self) -> str:
@@ -293,7 +294,7 @@ def _tuples_with_floors(space: _Space, max_mbs: int) -> list[_Tuple]:
             n_var = sum(1 for _ in _variants(dp, pp, cp, tp, mbs, m, space.facts.units, space.dtype, space.loss,
                                              space.facts, pins=pins))
             res.considered += n_var
-            t = _Tuple(floor_s, dp, pp, cp, tp, mbs, m, n_var)
+            t = _Tuple(floor_s, dp, pp, cp, tp, mbs, m, n_var, costs)
             if mem_floor > cap:
                 space.note_need(mem_floor, exact=False)
                 rej.add(f"OOM even with FSDP + full recompute: needs >= {mem_floor / GiB:.1f} GiB of "
@@ -302,6 +303,16 @@ def _tuples_with_floors(space: _Space, max_mbs: int) -> list[_Tuple]:
                 continue
             tuples.append(t)
     return sorted(tuples)
+
+
+def _balanced_stage_times(costs: LayerCosts, graph: ModelGraph, pp: int) -> dict[str, tuple[float, float]]:
+    """Per recompute policy, (forward, backward) seconds of one micro-batch on one of ``pp``
+    perfectly balanced stages, by the estimator's own per-layer rule (``layer_pass_times``)."""
+    out = {}
+    for policy in RECOMPUTE:
+        times = [layer_pass_times(*costs.get(l)[:5], policy) for l in graph.layers]
+        out[policy] = (sum(x.fwd for x in times) / pp, sum(x.bwd for x in times) / pp)
+    return out
 
 
 def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, str, Estimate]]:
@@ -317,27 +328,22 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, s
             res.pruned += t.n_var
             continue
         n_kept = 0
-        sp_default = sp_problem(t.tp, t.cp, space.facts) is None
-        costs = space.cost_cache[(t.tp, t.cp, t.mbs, sp_default)]
-        t_f = sum(costs.get(l)[0] for l in g.layers) / t.pp
-        t_b = sum(costs.get(l)[1] for l in g.layers) / t.pp
-        t_core = sum(costs.get(l)[4] for l in g.layers) / t.pp
-        t_comm = sum(costs.get(l)[2] + costs.get(l)[3] for l in g.layers) / t.pp
+        costs = t.costs
+        stage = _balanced_stage_times(costs, g, t.pp)
         for cfg in _variants(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, space.facts.units, space.dtype, space.loss,
                              space.facts, dominated=False, pins=space.pins):
             n_kept += 1
             # variant floor: this schedule on perfectly balanced stages, with its recompute
-            extra = {"none": 0.0, "selective": t_core, "full": t_f}[cfg.recompute]
+            f, b = stage[cfg.recompute]
             v = cfg.vpp
-            lb = (estimate_step(cfg.schedule, t.pp, t.m, (t_f + t_comm / 2) / v, (t_b + t_comm / 2 + extra) / v, v=v)
-                  if t.pp > 1 else t.m * (t_f + t_b + t_comm + extra))
+            lb = estimate_step(cfg.schedule, t.pp, t.m, f / v, b / v, v=v) if t.pp > 1 else t.m * (f + b)
             if lb >= best_s:
                 rej.add("time floor above the best step time found", cfg.label())
                 res.pruned += 1
                 continue
             part = even_split(g, t.pp * cfg.vpp, cfg.recompute)
             e = estimate(g, space.cluster, cfg, part, space.global_batch, profile=space.profile, fast=True,
-                         costs=costs if cfg.sp == sp_default else None)
+                         costs=costs if cfg.sp == costs.cfg.sp else None)
             res.estimated += 1
             if not e.fits:
                 r, over = e.shortfall()
