@@ -240,7 +240,8 @@ def summary_rows(r: Report) -> list[tuple[str, str, str, Any]]:
         ("calibration", "calibration", e.get("calibration", "uncalibrated"), e.get("calibration", "uncalibrated")),
     ]
     if p.search.get("fix"):  # after the configuration: what of it the user pinned
-        rows.insert(4, ("fix", "pinned (--fix)", f"{p.search['fix']} (the search kept to these and chose the rest)",
+        after_config = next(i for i, row in enumerate(rows) if row[0] == "config") + 1
+        rows.insert(after_config, ("fix", "pinned (--fix)", f"{p.search['fix']} (the search kept to these and chose the rest)",
                         p.search["fix"]))
     return rows
 

@@ -103,7 +103,7 @@ class TiedWeights:
                 self.group = group
         self.checked = False
 
-    def _local(self, names: set[str]) -> list[nn.Parameter]:
+    def _named(self, names: set[str]) -> list[nn.Parameter]:
         return [p for sm in self.stage_mods for n, p in sm.named_parameters() if n in names]
 
     @property
@@ -116,7 +116,7 @@ class TiedWeights:
     def copies(self) -> list[nn.Parameter]:
         """This rank's later ends (the copies): a global gradient norm counts each tied
         parameter once, so it leaves these out."""
-        return self._local({b for _, b in self.pairs})
+        return self._named({b for _, b in self.pairs})
 
     def _check_alike(self) -> None:
         """Every end of this group has the same local shape and placements (collective over
