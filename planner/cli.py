@@ -126,15 +126,15 @@ def _check_out(path: str, force: bool) -> None:
 # ---------------------------------------------------------------- plan / evaluate
 
 def _load_inputs(args: argparse.Namespace):
-    """The graph, cluster and profile the flags name; ``--fix`` is checked against the cluster
-    before the model is captured."""
+    """The graph, cluster, profile and pins the flags name; ``--fix`` is checked against the
+    cluster before the model is captured."""
     from cost_models.cluster import parse_cluster
     from cost_models.profile_db import ProfileDB
     from planner.frontend import load_graph
     from planner.pins import Pins
 
     cluster = parse_cluster(args.cluster)
-    Pins.parse(getattr(args, "fix", None)).check_world(cluster.world, cluster.name)
+    pins = Pins.parse(getattr(args, "fix", None)).check_world(cluster.world, cluster.name)
     profile = None
     prof_path = getattr(args, "profile", None) or cluster.profile
     if prof_path:
@@ -150,7 +150,7 @@ def _load_inputs(args: argparse.Namespace):
                                         progress=_progress)
         _progress(note)
     graph = load_graph(args.model, batch=1, seq_len=args.seq_len)
-    return graph, cluster, profile
+    return graph, cluster, profile, pins
 
 
 def _estimate_summary(e) -> dict:
@@ -182,16 +182,14 @@ def _print_estimate(con, e, title: str) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     import time
 
-    from planner.pins import Pins
     from planner.plan import write_atomic
     from planner.planning import plan_model
     from planner.report_data import fmt_n
 
     if args.out:
         _check_out(args.out, args.force)
-    pins = Pins.parse(args.fix)
     t0 = time.perf_counter()
-    graph, cluster, profile = _load_inputs(args)
+    graph, cluster, profile, pins = _load_inputs(args)
     _progress(f"captured {graph.name}: {len(graph.layers)} layers, {fmt_n(graph.params)} parameters "
               f"({time.perf_counter() - t0:.2f} s); searching {cluster.world} devices of {cluster.name}"
               + (f" with {pins.to_str()} pinned" if pins else ""))
@@ -226,13 +224,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from planner.pins import Pins
     from planner.plan import ParallelConfig, default_attention
     from planner.planning import evaluate_config
 
     cfg = ParallelConfig.parse(args.config)
-    pins = Pins.parse(args.fix)
-    graph, cluster, profile = _load_inputs(args)
+    graph, cluster, profile, pins = _load_inputs(args)
     if "attention=" not in args.config:
         cfg = cfg.replace(attention=default_attention(graph.limits))  # the default kernel may be one it cannot use
     _progress(f"pricing {cfg.label()} on {cluster.world} devices of {cluster.name}")
