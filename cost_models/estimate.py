@@ -29,13 +29,13 @@ Step time (seconds)::
   schedule torch's stages keep parameters unsharded and skip gradient sync until the
   last micro-batch, so it is one all-gather and one reduce-scatter per step. Each is
   issued per layer unit (the runtime wraps every layer): one call per layer of the rank,
-  each with its share of the bytes (and its own latency).
+  each with its share of the bytes (and its own latency) - except DDP / ZeRO-1 without a
+  pipeline or TP (``planner.plan.uses_ddp_reducer``), which all-reduce per 25 MiB bucket.
   **Overlap assumption**: gradient traffic overlaps the backward of the last
   micro-batch (per-micro-batch FSDP/ZeRO-2 traffic the whole forward and backward), with
   efficiency ``OVERLAP[backend]`` (streams on NCCL overlap well; gloo shares the CPU
-  with compute). :func:`exposed_s`: the last unit's share of the traffic (the runtime
-  wraps every block: its reduction starts only when the backward is over) is always
-  exposed; the rest only where it exceeds the window.
+  with compute). :func:`exposed_s`: the last call (unit or bucket: its reduction
+  starts only when the backward is over) is always exposed; the rest only where it exceeds the window.
 - Optimizer: torch's AdamW (the runtime's default, its multi-tensor "foreach" form) passes
   over the fp32 weights, gradients and two moments of every parameter the rank updates
   eight times: weight decay (8 B), the first moment's lerp (12), the second's mul and
@@ -64,6 +64,7 @@ layer times or collective times were used, ``roofline`` / ``model`` otherwise.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,7 +75,7 @@ from cost_models.compute import LayerTime, attn_core_flops, calibration, layer_t
 from cost_models.memory import DTYPE_BYTES, LayerTable, StageMemory, stage_memory
 from cost_models.shared_cores import compute_concurrency, core_speedup, shares_cores, spare_core
 from planner.graph import Layer, ModelGraph
-from planner.plan import SHARDED_PARAMS, ParallelConfig, Partition, PlanError
+from planner.plan import DDP_BUCKET_BYTES, SHARDED_PARAMS, ParallelConfig, Partition, PlanError, uses_ddp_reducer
 
 # DP-communication overlap efficiency: nccl 0.79 fitted on the published runs
 # (benchmarks/published_runs.py --fit; prior 0.8), gloo from the local fidelity runs.
@@ -304,13 +305,16 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, parti
 
 def _dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units: int, profile,
              comm_src: set) -> tuple[float, float]:
-    """(traffic that may overlap compute, traffic after the optimizer step) of the dp x cp group,
-    seconds, as the runtime issues it: one call per layer unit of the rank (module docstring)."""
+    """(traffic that may overlap compute, traffic after the optimizer step, seconds of its last
+    call) of the dp x cp group, as the runtime issues it: one call per DDP bucket under DDP's
+    reducer (``uses_ddp_reducer``), one per layer unit of the rank otherwise."""
     dpg = cfg.dp * cfg.cp
     if dpg == 1:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     flat = comm_mod.Mesh(pp=cfg.pp, dp=dpg, cp=1, tp=cfg.tp)
     nbytes = params * (4 if cfg.dtype == "fp32" else 2)  # gradients and parameters alike
+    if uses_ddp_reducer(cfg.zero, cfg.pp, cfg.tp):
+        units = max(1, math.ceil(nbytes / DDP_BUCKET_BYTES))
 
     def ct(kind: str) -> float:
         e = comm_mod.collective_time(kind, nbytes / units, cluster, flat, "dp", profile)
@@ -319,13 +323,15 @@ def _dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units
 
     per_microbatch = m if _per_microbatch_dp(cfg) else 1
     if cfg.zero == "ddp":
-        return ct("all_reduce"), 0.0
-    if cfg.zero == "zero1":
-        return ct("all_reduce"), ct("all_gather")  # owners broadcast the updated parameters
-    if cfg.zero == "zero2":
-        return per_microbatch * (ct("reduce_scatter") + ct("all_gather")), 0.0
-    gathers = 2 if _per_microbatch_dp(cfg) else 1  # fsdp: forward and backward, unless held by the pipeline
-    return per_microbatch * (gathers * ct("all_gather") + ct("reduce_scatter")), 0.0
+        comm, after = ct("all_reduce"), 0.0
+    elif cfg.zero == "zero1":
+        comm, after = ct("all_reduce"), ct("all_gather")  # owners broadcast the updated parameters
+    elif cfg.zero == "zero2":
+        comm, after = per_microbatch * (ct("reduce_scatter") + ct("all_gather")), 0.0
+    else:
+        gathers = 2 if _per_microbatch_dp(cfg) else 1  # fsdp: forward and backward, unless held by the pipeline
+        comm, after = per_microbatch * (gathers * ct("all_gather") + ct("reduce_scatter")), 0.0
+    return comm, after, comm / (per_microbatch * units)
 
 
 def _per_microbatch_dp(cfg: ParallelConfig) -> bool:
@@ -373,7 +379,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     P = max(sum(table.params[i] for j in js for i in range(*partition.bounds[j])) for js in on_rank)
     mine = on_rank[max(range(cfg.pp), key=lambda r: sum(stages[j].fwd + stages[j].bwd for j in on_rank[r]))]
     units = max(1, sum(hi - lo for lo, hi in (partition.bounds[j] for j in mine)))
-    dp_comm, after_step = _dp_comm(cluster, cfg, m, P, units, profile, comm_src)
+    dp_comm, after_step, last_call = _dp_comm(cluster, cfg, m, P, units, profile, comm_src)
     ov = OVERLAP.get(cluster.backend, 0.5)
     if not spare_core(cluster.cores_per_node, min(cfg.world, cluster.devices_per_node)):
         ov = 0.0  # no spare core for the communication thread: it competes with the compute it would hide behind
@@ -381,7 +387,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     rank_f = sum(stages[j].fwd for j in mine)
     rank_b = sum(stages[j].bwd for j in mine)
     window = (m * (rank_f + rank_b) if _per_microbatch_dp(cfg) else rank_b) * ov
-    dp_exposed = exposed_s(dp_comm, window, dp_comm / units) + after_step
+    dp_exposed = exposed_s(dp_comm, window, last_call) + after_step
     shard = cfg.dp * cfg.cp if cfg.zero != "ddp" else 1
     opt_s = OPT_BYTES_PER_PARAM * P / shard / memory_bandwidth(cluster, cal) * cal.get("opt_scale", 1.0)
 

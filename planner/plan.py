@@ -13,6 +13,14 @@ from typing import Any
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")   # pipeline schedules (cost_models/pipeline.py simulates them)
 ZERO = ("ddp", "zero1", "zero2", "fsdp")      # DP sharding modes (codegen/runtime/data_parallel.py)
 SHARDED_PARAMS = ("zero2", "fsdp")            # the ZERO modes that shard parameters over dp; ddp, zero1 replicate them
+DDP_BUCKET_BYTES = 25 * 2**20                  # gradient bucket of DDP's reducer (its default 25 MiB)
+
+
+def uses_ddp_reducer(zero: str, pp: int, tp: int) -> bool:
+    """Whether the runtime reduces gradients with DDP's bucketed reducer (replicated parameters,
+    no pipeline schedule, plain tensors: no TP) rather than FSDP2-style ``replicate``; the cost
+    model prices the gradient all-reduce per bucket for it (codegen/runtime/data_parallel.py)."""
+    return zero in ("ddp", "zero1") and pp == 1 and tp == 1
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("bf16", "fp16", "fp32")
 ATTN_KERNELS = ("flash", "eager")      # flash: no S x S scores kept (SDPA flash / our Triton kernel)

@@ -33,7 +33,7 @@ from codegen.runtime import tensor_parallel as tpar
 from codegen.runtime.adapters import ModelAdapter
 from codegen.runtime.attention import build_attention, ring_attention
 from codegen.runtime.mesh import dp_cp_mesh
-from planner.plan import ModelFacts, ParallelConfig, config_problems
+from planner.plan import ModelFacts, ParallelConfig, config_problems, uses_ddp_reducer
 
 
 @dataclass
@@ -142,7 +142,8 @@ def apply_dp(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, mesh: D
     """FSDP2 / replicate (``cfg.zero``) of each block and stage module over ``dp`` x ``cp``;
     returns that gradient-reduction mesh."""
     dp_mesh = dp_cp_mesh(mesh)
-    dpar.apply_dp(stages.modules, dp_mesh, cfg.zero, pipelined=cfg.pp > 1, blocks=adapter.blocks)
+    dpar.apply_dp(stages.modules, dp_mesh, cfg.zero, pipelined=cfg.pp > 1, blocks=adapter.blocks,
+                  reducer=uses_ddp_reducer(cfg.zero, cfg.pp, cfg.tp))
     return dp_mesh
 
 
