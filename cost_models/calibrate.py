@@ -15,6 +15,8 @@ compute_scale       multiplies every layer's forward/backward time   compute.lay
 eff_matmul          CPU roofline matmul efficiency (EFF_MATMUL_CPU)  compute.roofline_time
 eff_memory          CPU roofline bandwidth efficiency (EFF_MEMORY)   compute.roofline_time
 op_overhead_s       CPU per-op dispatch seconds (CPU_OP_OVERHEAD_S)  compute.roofline_time
+dtensor_module_s    CPU DTensor dispatch per TP-sharded module       compute.dtensor_dispatch_s
+                    (CPU_DTENSOR_MODULE_S)
 gpu.<coefficient>   a GPU kernel-model coefficient (GpuCoefficients) gpu_kernels
 
 comm_scale          multiplies every collective / p2p time           comm._group_time
@@ -29,9 +31,9 @@ mem_reserve_frac    + this fraction of the tensor bytes (CPU)        estimate.es
 =================== ================================================ =====================
 
 When every fitted run on a CPU cluster priced its layers with the roofline (no measured
-layers), ``compute_scale`` is folded into ``eff_matmul``, ``eff_memory`` and ``op_overhead_s``
-(the roofline is exactly proportional to 1/efficiency and to the per-op cost), so those are
-what is stored.
+layers), ``compute_scale`` is folded into ``eff_matmul``, ``eff_memory``, ``op_overhead_s`` and
+``dtensor_module_s`` (the roofline is exactly proportional to 1/efficiency and to the
+per-op and per-module costs), so those are what is stored.
 
 The fit. Step time: minimise the mean squared log error ``mean(log(pred/measured)^2)``
 over the runs, with a weak prior pulling each coefficient to its uncalibrated value
@@ -62,7 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from cost_models.cluster import Cluster
-from cost_models.compute import CPU_OP_OVERHEAD_S, EFF_MATMUL_CPU, EFF_MEMORY
+from cost_models.compute import CPU_DTENSOR_MODULE_S, CPU_OP_OVERHEAD_S, EFF_MATMUL_CPU, EFF_MEMORY
 from cost_models.estimate import OVERLAP, GiB, estimate
 from cost_models.profile_db import COLLECTIVE_KINDS, ProfileDB
 from planner.graph import ModelGraph
@@ -319,6 +321,7 @@ def fit(samples: Sequence[RunSample], profile: ProfileDB | None, *, keys: Sequen
         cal["eff_matmul"] = EFF_MATMUL_CPU / k
         cal["eff_memory"] = EFF_MEMORY / k
         cal["op_overhead_s"] = CPU_OP_OVERHEAD_S * k
+        cal["dtensor_module_s"] = CPU_DTENSOR_MODULE_S * k
     return {k: float(v) for k, v in sorted(cal.items())}
 
 

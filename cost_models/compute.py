@@ -11,7 +11,9 @@ Roofline (CPU), per part of a layer (attention, MLP, norm, ...):
 
 summed over the layer's parts (a part is either matmul-bound or memory-bound; summing
 the per-part maxima charges each its own bound), plus ``CPU_OP_OVERHEAD_S`` per tensor op
-eager mode dispatches (``Layer.fwd_ops`` / ``bwd_ops``, per micro-batch whatever its size).
+eager mode dispatches (``Layer.fwd_ops`` / ``bwd_ops``, per micro-batch whatever its size)
+and under TP ``CPU_DTENSOR_MODULE_S`` per DTensor-sharded module (:func:`dtensor_dispatch_s`;
+added to profiled layer times too: the profiler runs plain local shards).
 Backward takes the backward FLOPs and bytes of the capture. The efficiency factors are defined once, here:
 
 - ``EFF_MEMORY`` (0.70): fraction of memory bandwidth elementwise kernels sustain.
@@ -55,6 +57,13 @@ BWD_ATTN_CORE_FACTOR = 2.5  # flash backward = 2.5x its forward FLOPs
 # for its 654 captured ops: 0.264 s for 8 sequences in one micro-batch, 0.295 s in eight). It
 # makes small micro-batches cost what they do; ``compute_scale`` (calibration) scales it too.
 CPU_OP_OVERHEAD_S = 6e-6
+# DTensor tensor parallelism on a CPU adds its own dispatch (sharding propagation, wrapping and
+# unwrapping of local tensors, autograd nodes of the conversions) to every module it shards:
+# 1.15 ms per sharded module per micro-batch, forward and backward together, measured with
+# torch 2.13 on this 2-core EPYC (2 gloo ranks, 16 column + row linear pairs of 32 x 64 on 16
+# tokens: 45.2 ms fwd+bwd under ColwiseParallel / RowwiseParallel, 0.84 ms as plain local
+# shards, 7.7 ms of that the 32 all-reduces alone). A third of it in the forward.
+CPU_DTENSOR_MODULE_S = 1.15e-3
 
 
 @dataclass
@@ -191,6 +200,29 @@ def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parall
     return LayerTime(fwd + layer.fwd_ops * op_s, bwd + layer.bwd_ops * op_s, "roofline")
 
 
+def tp_modules(layer: Layer, cfg: ParallelConfig) -> int:
+    """Modules of ``layer`` that tensor parallelism turns into DTensor modules: its sharded
+    linears and vocabulary embeddings, and with sequence parallel its norms (0 without TP)."""
+    if cfg.tp == 1:
+        return 0
+    n = sum(1 for l in layer.linears if l.role in ("column", "row", "packed_qkv", "vocab"))
+    n += sum(1 for o in layer.ops if o.kind == "embedding" and o.tp_style == "vocab")
+    return n + (sum(1 for o in layer.ops if o.kind == "norm") if cfg.sp else 0)
+
+
+def dtensor_dispatch_s(layer: Layer, cluster: Cluster, cfg: ParallelConfig,
+                       cal: dict[str, float] | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds per micro-batch of DTensor dispatch in ``layer`` under TP on
+    a CPU cluster (``CPU_DTENSOR_MODULE_S`` per sharded module, :func:`tp_modules`); nothing
+    on GPUs, where it runs ahead of the kernels. ``compute_scale`` (calibration) scales it
+    with the layer time; a CPU roofline calibration stores the scaled figure as
+    ``dtensor_module_s``."""
+    if cluster.backend != "gloo":
+        return 0.0, 0.0
+    s = tp_modules(layer, cfg) * (cal or {}).get("dtensor_module_s", CPU_DTENSOR_MODULE_S)
+    return s / 3, 2 * s / 3
+
+
 def layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
                profile=None) -> LayerTime:
     """Forward and backward seconds of ``layer`` for one micro-batch of ``cfg.mbs`` sequences
@@ -199,9 +231,10 @@ def layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelC
     ``compute_scale`` multiplies either."""
     cal = calibration(profile)
     k = cal.get("compute_scale", 1.0)
+    df, db = dtensor_dispatch_s(layer, cluster, cfg, cal)
     if profile is not None:
         got = profile.layer_time(layer.signature, cfg.mbs, graph.seq_len, cfg.tp, cfg.cp)
-        if got is not None:
-            return LayerTime(got[0] * k, got[1] * k, "profile")
+        if got is not None:  # the profiler times plain local shards: no DTensor dispatch
+            return LayerTime((got[0] + df) * k, (got[1] + db) * k, "profile")
     t = roofline_time(layer, graph, cluster, cfg, cal)
-    return LayerTime(t.fwd_s * k, t.bwd_s * k, t.source) if k != 1.0 else t
+    return LayerTime((t.fwd_s + df) * k, (t.bwd_s + db) * k, t.source)

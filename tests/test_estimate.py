@@ -119,3 +119,42 @@ def test_config_parse_errors():
         assert "\n" not in str(e.value)
     c = ParallelConfig.parse("dp=2,pp=2,tp=2,schedule=interleaved-1f1b,vpp=2,sp=on,zero=fsdp")
     assert ParallelConfig.parse(c.to_str()) == c
+
+
+def test_ddp_reducer_all_reduces_per_bucket():
+    """DDP / ZeRO-1 without PP or TP run DDP's reducer: the gradient all-reduce is priced per
+    25 MiB bucket (32M fp32 parameters: 5 buckets), not per layer unit as under TP."""
+    import math
+
+    from cost_models import comm
+    from planner.plan import DDP_BUCKET_BYTES
+
+    g = load_graph("benchmarks/fidelity_llama.toml", batch=1, seq_len=64)
+    c = parse_cluster("local-cpu:2")  # 2 ranks, cores unknown or not: the window is what it is
+    e = _est(g, c, "dp=2,zero=ddp,mbs=4,dtype=fp32", gb=8)
+    nbytes = sum(layer.params for layer in g.layers) * 4
+    n = math.ceil(nbytes / DDP_BUCKET_BYTES)
+    assert n == 5
+    one = comm.collective_time("all_reduce", nbytes / n, c, comm.Mesh(dp=2), "dp").seconds
+    assert one * 1 - 1e-12 <= e.breakdown["dp_comm"] <= n * one + 1e-12  # the last bucket is always exposed
+    t = _est(g, c, "dp=1,tp=2,sp=on,mbs=8,dtype=fp32", gb=8)
+    assert t.breakdown["dp_comm"] == 0.0
+
+
+def test_dtensor_dispatch_priced_per_sharded_module_on_cpu():
+    """Under TP on a CPU cluster every DTensor-sharded module adds CPU_DTENSOR_MODULE_S per
+    micro-batch (a Llama block: q, k, v, o, gate, up, down, and with SP its two norms); not
+    without TP, not on GPUs."""
+    from cost_models.compute import CPU_DTENSOR_MODULE_S, dtensor_dispatch_s, tp_modules
+
+    g = load_graph("benchmarks/fidelity_llama.toml", batch=1, seq_len=64)
+    block = next(l for l in g.layers if l.name == "layers.0")
+    cpu, gpu = parse_cluster("local-cpu:2"), parse_cluster("dgx-h100:1")
+    assert tp_modules(block, ParallelConfig.parse("tp=2,sp=off")) == 7
+    assert tp_modules(block, ParallelConfig.parse("tp=2,sp=on")) == 9
+    assert tp_modules(block, ParallelConfig.parse("dp=2")) == 0
+    f, b = dtensor_dispatch_s(block, cpu, ParallelConfig.parse("tp=2,sp=on"))
+    assert f + b == pytest.approx(9 * CPU_DTENSOR_MODULE_S) and b == pytest.approx(2 * f)
+    assert dtensor_dispatch_s(block, gpu, ParallelConfig.parse("tp=2,sp=on")) == (0.0, 0.0)
+    tp = _est(g, cpu, "tp=2,sp=on,mbs=8,dtype=fp32", gb=8)
+    assert tp.breakdown["compute"] > sum(dtensor_dispatch_s(l, cpu, tp.config)[0] for l in g.layers) * 3

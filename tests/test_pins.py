@@ -97,11 +97,11 @@ def test_pins_must_fit_the_world(text, says):
 
 def test_search_honours_equality_and_bounds(small, unpinned):
     g, c = small
-    assert unpinned.config.tp == 4 and unpinned.config.zero == "ddp"  # what the pins below rule out
-    plan, res = plan_model(g, c, 8, spec="gpt-small", cluster_spec="local-cpu:4", fix="tp<=2")
-    assert plan.config.tp <= 2 and plan.config != unpinned.config
-    assert plan.search["fix"] == "tp<=2" and "fix" not in unpinned.search
-    assert all(ParallelConfig.parse(a["config"]).tp <= 2 for a in plan.alternatives)
+    assert unpinned.config.pp == 4  # what the pins below rule out
+    plan, res = plan_model(g, c, 8, spec="gpt-small", cluster_spec="local-cpu:4", fix="pp<=2")
+    assert plan.config.pp <= 2 and plan.config != unpinned.config
+    assert plan.search["fix"] == "pp<=2" and "fix" not in unpinned.search
+    assert all(ParallelConfig.parse(a["config"]).pp <= 2 for a in plan.alternatives)
     assert res.considered < unpinned.search["considered"]
     pins = Pins.parse("tp=2,pp=1,zero=fsdp,mbs=2")
     plan, res = plan_model(g, c, 8, spec="gpt-small", cluster_spec="local-cpu:4", fix=pins)
