@@ -303,35 +303,40 @@ def _rank_memory(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, parti
     return memory
 
 
+@dataclass(frozen=True)
+class DpTraffic:
+    """Gradient / parameter traffic of the dp x cp group in one step, seconds."""
+    overlappable: float   # may hide behind compute
+    after_step: float     # after the optimizer step (ZeRO-1's parameter broadcast)
+    last_call: float      # its last call, which nothing follows to hide it
+
+
 def _dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units: int, profile,
-             comm_src: set) -> tuple[float, float]:
-    """(traffic that may overlap compute, traffic after the optimizer step, seconds of its last
-    call) of the dp x cp group, as the runtime issues it: one call per DDP bucket under DDP's
-    reducer (``uses_ddp_reducer``), one per layer unit of the rank otherwise."""
+             comm_src: set) -> DpTraffic:
+    """The dp x cp group's traffic as the runtime issues it: one call per DDP bucket under DDP's
+    reducer (``uses_ddp_reducer``), one per layer unit of the rank (``units``) otherwise."""
     dpg = cfg.dp * cfg.cp
     if dpg == 1:
-        return 0.0, 0.0, 0.0
+        return DpTraffic(0.0, 0.0, 0.0)
     flat = comm_mod.Mesh(pp=cfg.pp, dp=dpg, cp=1, tp=cfg.tp)
     nbytes = params * (4 if cfg.dtype == "fp32" else 2)  # gradients and parameters alike
-    if uses_ddp_reducer(cfg.zero, cfg.pp, cfg.tp):
-        units = max(1, math.ceil(nbytes / DDP_BUCKET_BYTES))
+    calls = max(1, math.ceil(nbytes / DDP_BUCKET_BYTES)) if uses_ddp_reducer(cfg.zero, cfg.pp, cfg.tp) else units
 
     def ct(kind: str) -> float:
-        e = comm_mod.collective_time(kind, nbytes / units, cluster, flat, "dp", profile)
+        e = comm_mod.collective_time(kind, nbytes / calls, cluster, flat, "dp", profile)
         comm_src.add(e.source)
-        return e.seconds * units
+        return e.seconds * calls
 
     per_microbatch = m if _per_microbatch_dp(cfg) else 1
-    if cfg.zero == "ddp":
-        comm, after = ct("all_reduce"), 0.0
-    elif cfg.zero == "zero1":
-        comm, after = ct("all_reduce"), ct("all_gather")  # owners broadcast the updated parameters
+    after = ct("all_gather") if cfg.zero == "zero1" else 0.0  # owners broadcast the updated parameters
+    if cfg.zero in ("ddp", "zero1"):
+        comm = ct("all_reduce")
     elif cfg.zero == "zero2":
-        comm, after = per_microbatch * (ct("reduce_scatter") + ct("all_gather")), 0.0
+        comm = per_microbatch * (ct("reduce_scatter") + ct("all_gather"))
     else:
         gathers = 2 if _per_microbatch_dp(cfg) else 1  # fsdp: forward and backward, unless held by the pipeline
-        comm, after = per_microbatch * (gathers * ct("all_gather") + ct("reduce_scatter")), 0.0
-    return comm, after, comm / (per_microbatch * units)
+        comm = per_microbatch * (gathers * ct("all_gather") + ct("reduce_scatter"))
+    return DpTraffic(comm, after, comm / (per_microbatch * calls))
 
 
 def _per_microbatch_dp(cfg: ParallelConfig) -> bool:
@@ -379,7 +384,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     P = max(sum(table.params[i] for j in js for i in range(*partition.bounds[j])) for js in on_rank)
     mine = on_rank[max(range(cfg.pp), key=lambda r: sum(stages[j].fwd + stages[j].bwd for j in on_rank[r]))]
     units = max(1, sum(hi - lo for lo, hi in (partition.bounds[j] for j in mine)))
-    dp_comm, after_step, last_call = _dp_comm(cluster, cfg, m, P, units, profile, comm_src)
+    dp = _dp_comm(cluster, cfg, m, P, units, profile, comm_src)
     ov = OVERLAP.get(cluster.backend, 0.5)
     if not spare_core(cluster.cores_per_node, min(cfg.world, cluster.devices_per_node)):
         ov = 0.0  # no spare core for the communication thread: it competes with the compute it would hide behind
@@ -387,7 +392,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     rank_f = sum(stages[j].fwd for j in mine)
     rank_b = sum(stages[j].bwd for j in mine)
     window = (m * (rank_f + rank_b) if _per_microbatch_dp(cfg) else rank_b) * ov
-    dp_exposed = exposed_s(dp_comm, window, last_call) + after_step
+    dp_exposed = exposed_s(dp.overlappable, window, dp.last_call) + dp.after_step
     shard = cfg.dp * cfg.cp if cfg.zero != "ddp" else 1
     opt_s = OPT_BYTES_PER_PARAM * P / shard / memory_bandwidth(cluster, cal) * cal.get("opt_scale", 1.0)
 

@@ -54,8 +54,8 @@ def _ddp_replicate():
 def apply_dp(stage_mods: Sequence[nn.Module], dp_mesh: DeviceMesh, zero: str, pipelined: bool,
              blocks: Sequence[str], reducer: bool = False) -> None:
     """Wrap each stage module (and its ``blocks``, the model's repeated units) for data
-    parallelism over ``dp_mesh`` in place; ``reducer``: ddp / zero1 through DDP's reducer
-    (``planner.plan.uses_ddp_reducer``; not with ``pipelined`` or DTensor parameters)."""
+    parallelism over ``dp_mesh`` in place; ``reducer``: ddp / zero1 through DDP's reducer,
+    as ``planner.plan.uses_ddp_reducer`` decides (never with a pipeline or TP parameters)."""
     if dp_mesh.size() == 1:
         return
     blocks = set(blocks)
@@ -66,13 +66,10 @@ def apply_dp(stage_mods: Sequence[nn.Module], dp_mesh: DeviceMesh, zero: str, pi
             for block in own:
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
             fully_shard(sm, mesh=dp_mesh, reshard_after_forward=reshard)
-        elif zero in ZERO:  # ddp, zero1: replicated parameters
-            if reducer:
-                if pipelined or any(isinstance(p, DTensor) for p in sm.parameters()):
-                    raise ValueError("DDP's reducer needs plain parameters and no pipeline schedule")
-                _ddp_replicate()(sm, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True,
-                                 bucket_cap_mb=DDP_BUCKET_BYTES / 2**20)
-                continue
+        elif zero in ZERO and reducer:  # ddp, zero1 through DDP's bucketed reducer
+            _ddp_replicate()(sm, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True,
+                             bucket_cap_mb=DDP_BUCKET_BYTES / 2**20)
+        elif zero in ZERO:  # ddp, zero1 with FSDP2-style replicate (TP parameters or a pipeline)
             # per block, then the rest: each block's gradients are all-reduced as soon as its
             # backward ends (overlapping the earlier blocks' backward) and the fresh gradients
             # never all coexist with accumulated ones
