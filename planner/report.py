@@ -76,10 +76,9 @@ def _sec(sid: str, title: str, body: str) -> str:
     return f'<section id="{sid}"><h2>{escape(title)}</h2>{body}</section>'
 
 
-def render_html(r: Report) -> str:
-    p, e, cfg = r.plan, r.est, r.plan.config
-    parts: list[str] = []
-    # ---- summary
+def _summary_html(r: Report) -> str:
+    e = r.est
+    cfg = r.plan.config
     cards = [("predicted step time", fmt_s(e["step_s"]), "step_s", e["step_s"]),
              ("tokens/s", f"{e['tokens_per_s']:,.0f}", "tokens_per_s", e["tokens_per_s"]),
              ("MFU", f"{e['mfu'] * 100:.1f}%", "mfu", e["mfu"]),
@@ -88,8 +87,12 @@ def render_html(r: Report) -> str:
                          f'data-value="{escape(str(raw))}">{escape(v)}</div></div>' for k, v, key, raw in cards)
     dl = "".join(f'<dt>{escape(lab)}</dt><dd id="sum-{key}" data-value="{escape(str(raw), quote=True)}">{escape(txt)}</dd>'
                  for key, lab, txt, raw in summary_rows(r))
-    parts.append(_sec("summary", "Summary", f'<div class="cards">{cards_html}</div><dl class="sum">{dl}</dl>'))
-    # ---- mesh
+    return _sec("summary", "Summary", f'<div class="cards">{cards_html}</div><dl class="sum">{dl}</dl>')
+
+
+def _mesh_html(r: Report) -> str:
+    p = r.plan
+    cfg = r.plan.config
     nodes = int(p.cluster.get("nodes", 1) or 1)
     dpn = int(p.cluster.get("devices_per_node", 1) or 1)
     max_nodes = max(1, MAX_MESH_DEVICES // dpn)
@@ -103,8 +106,12 @@ def render_html(r: Report) -> str:
     if len(sn) > 64:
         rows.append(f"<tr><td colspan=3>… {len(sn) - 64} more stages</td></tr>")
     mesh_body.append(_table(["pp stage", "nodes", "node count"], rows, "mesh-stage-nodes"))
-    parts.append(_sec("mesh", "Mesh on the nodes", "".join(mesh_body)))
-    # ---- stages
+    return _sec("mesh", "Mesh on the nodes", "".join(mesh_body))
+
+
+def _stages_html(r: Report) -> str:
+    p = r.plan
+    cfg = r.plan.config
     rows = []
     for s in stage_rows(r):
         rows.append(f'<tr class="stage-row" data-stage="{s["stage"]}" data-rank="{s["rank"]}" '
@@ -116,21 +123,28 @@ def render_html(r: Report) -> str:
                     + _td(f'{s["memory_gib"]:.2f}', True) + "</tr>")
     head = ["virtual stage", "pp rank", "chunk", "layers", "#", "recompute", "fwd / micro-batch",
             "bwd / micro-batch", "busy per step", "rank memory GiB"]
-    parts.append(_sec("stages", "Pipeline stages", _table(head, rows, "stage-table") +
+    return (_sec("stages", "Pipeline stages", _table(head, rows, "stage-table") +
                       f'<p class="note">{p.batch["microbatches"]} micro-batches per step; '
                       f'schedule {cfg.schedule if cfg.pp > 1 else "none (pp = 1)"}'
                       f'{f", {cfg.vpp} chunks per rank" if cfg.vpp > 1 else ""}.</p>'))
-    # ---- memory
+
+
+def _memory_html(r: Report) -> str:
+    p = r.plan
+    e = r.est
     mem = e.get("memory") or []
     rows = []
     for rank, m in enumerate(mem):
         rows.append(f'<tr class="mem-row" data-rank="{rank}" data-total-gib="{e["memory_gib"][rank]}">' + _td(rank, True)
                     + "".join(_td(f"{m.get(c, 0) / GiB:.2f}", True) for c in MEM_CATS)
                     + _td(f'{e["memory_gib"][rank]:.2f}', True) + _td(m.get("inflight", ""), True) + "</tr>")
-    parts.append(_sec("memory", "Memory per pipeline rank",
+    return (_sec("memory", "Memory per pipeline rank",
                       svg.memory_svg(mem, float(e.get("capacity_gib", p.cluster.get("memory_gib", 0)))) +
                       _table(["pp rank", *MEM_CATS, "total", "in-flight micro-batches"], rows, "memory-table")))
-    # ---- timeline
+
+
+def _timeline_html(r: Report) -> str:
+    cfg = r.plan.config
     tl = r.timeline
     if tl.result is not None:
         res = tl.result
@@ -146,27 +160,36 @@ def render_html(r: Report) -> str:
                 f'{escape(tl.note)}</p>' + svg.timeline_svg(res.events, cfg.pp, cfg.vpp, res.step_s, tl.tail))
     else:
         body = f'<p class="note" id="timeline-caption">{escape(tl.note)}</p>'
-    parts.append(_sec("timeline", "Pipeline timeline of one step", body))
-    # ---- breakdown
+    return _sec("timeline", "Pipeline timeline of one step", body)
+
+
+def _breakdown_html(r: Report) -> str:
+    e = r.est
     bparts = breakdown_parts(r)
     total = sum(v for _, v in bparts)
     rows = [f'<tr class="bd-row" data-part="{k}" data-seconds="{v}">' + _td(k) + _td(_PART_DESC.get(k, k))
             + _td(fmt_s(v), True) + _td(f"{v / e['step_s'] * 100:.1f}%", True) + "</tr>" for k, v in bparts]
     rows.append("<tr>" + _td("total") + _td("sum of the above") + _td(fmt_s(total), True)
                 + _td(f"{total / e['step_s'] * 100:.1f}%", True) + "</tr>")
-    parts.append(_sec("breakdown", "Where the step time goes", svg.breakdown_svg(bparts, e["step_s"]) +
+    return (_sec("breakdown", "Where the step time goes", svg.breakdown_svg(bparts, e["step_s"]) +
                       _table(["part", "what", "seconds", "share of step"], rows, "breakdown-table") +
                       '<p class="note">Compute and TP/CP communication are those of the busiest pipeline rank; '
                       'communication counts only where not overlapped with compute.</p>'))
-    # ---- alternatives
+
+
+def _alternatives_html(r: Report) -> str:
+    p = r.plan
     rows = [f'<tr class="alt-row" data-step-s="{a["step_s"]}" data-delta-pct="{a["delta_pct"]}">' + _td(i + 1, True)
             + _td(a["label"]) + _td(fmt_s(a["step_s"]), True) + _td(f'{a["delta_pct"]:+.1f}%', True)
             + _td(f'{a["mfu"] * 100:.1f}%', True) + _td(f'{a["memory_gib"]:.1f}', True) + _td(a["why_not"]) + "</tr>"
             for i, a in enumerate(p.alternatives)]
     alt_body = _table(["#", "configuration", "step", "vs plan", "MFU", "peak GiB", "why not"], rows, "alt-table") \
         if rows else '<p class="note">No alternatives recorded.</p>'
-    parts.append(_sec("alternatives", f"Top {len(p.alternatives)} alternatives", alt_body))
-    # ---- rejected
+    return _sec("alternatives", f"Top {len(p.alternatives)} alternatives", alt_body)
+
+
+def _rejected_html(r: Report) -> str:
+    p = r.plan
     s = p.search
     body = [f'<p class="sub">{s.get("considered", "?")} configurations considered, {s.get("pruned", "?")} pruned by '
             f'bounds, {s.get("estimated", "?")} estimated, {s.get("fully_solved", "?")} fully solved.</p>']
@@ -187,11 +210,10 @@ def render_html(r: Report) -> str:
         body.append("<h3>By degree</h3>" + _table(["question", "best alternative with it", "rejections seen"], rows,
                                                   "why-not-table")
                     + '<p class="note">From the alternatives and the rejection examples the plan records.</p>')
-    parts.append(_sec("rejected", "Rejected configurations", "".join(body)))
-    # ---- measured
-    if r.run:
-        parts.append(_sec("measured", "Predicted and measured", _run_html(r)))
-    # ---- layers
+    return _sec("rejected", "Rejected configurations", "".join(body))
+
+
+def _layers_html(r: Report) -> str:
     rows = []
     full = any("kind" in x for x in r.layers)
     for x in r.layers:
@@ -203,8 +225,17 @@ def render_html(r: Report) -> str:
         rows.append(f'<tr class="layer-row">{cells}</tr>')
     head = ["#", "layer", "stage"] + (["kind", "module", "params", "fwd FLOPs", "bwd FLOPs", "activations MiB",
                                       "repeat of"] if full else [])
-    parts.append(_sec("layers", "Layers", f'<p class="note">{escape(r.layers_note)}</p>' + _table(head, rows, "layer-table")))
+    return _sec("layers", "Layers", f'<p class="note">{escape(r.layers_note)}</p>' + _table(head, rows, "layer-table"))
 
+
+def render_html(r: Report) -> str:
+    """The self-contained HTML report: one section per part of the plan (the ``_*_html`` helpers)."""
+    p, e, cfg = r.plan, r.est, r.plan.config
+    sections = [_summary_html(r), _mesh_html(r), _stages_html(r), _memory_html(r), _timeline_html(r),
+                _breakdown_html(r), _alternatives_html(r), _rejected_html(r)]
+    if r.run:
+        sections.append(_sec("measured", "Predicted and measured", _run_html(r)))
+    sections.append(_layers_html(r))
     title = f"autopar plan: {p.model.get('name')} on {p.cluster.get('name')} ({cfg.world} devices)"
     csp = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
@@ -214,7 +245,7 @@ def render_html(r: Report) -> str:
             f"<h1>{escape(title)}</h1><p class=\"sub\">{escape(cfg.label())} · predicted {fmt_s(e['step_s'])} per step "
             f"· {escape(str(e.get('source', '')))} estimate</p><pre id=\"js-errors\"></pre>"
             + "".join(f'<p class="bad warning">warning: {escape(w)}</p>' for w in warnings(r))
-            + "".join(parts) + "</body></html>\n")
+            + "".join(sections) + "</body></html>\n")
 
 
 def _run_html(r: Report) -> str:
