@@ -184,16 +184,29 @@ class _Model:
 
         self.pr, self.segs, self.mode = pr, segs, mode
         self.Mv = self.tj = self.G = None
-        L, S, K, pp, v, m = pr.n_layers, pr.n_stages, len(segs), pr.pp, pr.v, pr.m
-        P = pr.policies
-        nP = len(P)
-        prob = pulp.LpProblem(f"partition_{mode}", pulp.LpMinimize)
-        self.prob = prob
-        tscale = max(sum(min(pr.fwd[i][q] + pr.bwd[i][q] for q in P) for i in range(L)) / S, 1e-30)
-        mscale = pr.capacity if math.isfinite(pr.capacity) and pr.capacity > 0 else \
+        self.prob = pulp.LpProblem(f"partition_{mode}", pulp.LpMinimize)
+        S = pr.n_stages
+        self.tscale = max(sum(min(pr.fwd[i][q] + pr.bwd[i][q] for q in pr.policies) for i in range(pr.n_layers)) / S,
+                          1e-30)
+        self.mscale = pr.capacity if math.isfinite(pr.capacity) and pr.capacity > 0 else \
             max(max(sum(pr.static) + max(pr.inflight) * sum(max(a.values()) for a in pr.act), 1.0), 1.0)
+        self._boundaries()
+        self._policies()
+        self._stage_layers()
+        fwd, bwd, mem = self._stage_sums()
+        tie = self._tie_break()
+        if mode == "time":
+            self._time_objective(fwd, bwd, mem, tie)
+        else:
+            self._overrun_objective(mem, tie)
 
-        # boundaries: b_j in [j+1, L-S+j+1]
+    def _boundaries(self) -> None:
+        """Boundary b_j in [j+1, L-S+j+1] as a segment choice u_jk and an offset w_jk inside it;
+        boundaries strictly increasing."""
+        import pulp
+
+        pr, segs, prob = self.pr, self.segs, self.prob
+        L, S = pr.n_layers, pr.n_stages
         self.u: dict[tuple[int, int], pulp.LpVariable] = {}
         self.w: dict[tuple[int, int], pulp.LpVariable] = {}
         b_expr = []
@@ -214,22 +227,38 @@ class _Model:
             prob += b_expr[j] - b_expr[j - 1] >= 1, f"order_{j}"
         self.b_expr = b_expr
 
-        def C(j: int, k: int):
-            if j < 0:
-                return 0
-            if j == S - 1:
-                return segs[k].n
-            e = pulp.lpSum(segs[k].n * self.u[j, k2] for k2 in range(k + 1, K) if (j, k2) in self.u)
-            if (j, k) in self.w:
-                e = e + self.w[j, k]
-            return e
+    def _count(self, j: int, k: int):
+        """Layers of segment k in stages 0..j (an expression in u and w)."""
+        import pulp
 
-        # policies
+        segs, S = self.segs, self.pr.n_stages
+        if j < 0:
+            return 0
+        if j == S - 1:
+            return segs[k].n
+        e = pulp.lpSum(segs[k].n * self.u[j, k2] for k2 in range(k + 1, len(segs)) if (j, k2) in self.u)
+        if (j, k) in self.w:
+            e = e + self.w[j, k]
+        return e
+
+    def _policies(self) -> None:
+        """One recompute policy y_jq per stage (no variables with a single policy)."""
+        import pulp
+
+        P, S = self.pr.policies, self.pr.n_stages
         self.y = {(j, q): pulp.LpVariable(f"y_{j}_{qi}", cat="Binary")
-                  for j in range(S) for qi, q in enumerate(P)} if nP > 1 else {}
-        for j in range(S):
-            if nP > 1:
-                prob += pulp.lpSum(self.y[j, q] for q in P) == 1, f"pol_{j}"
+                  for j in range(S) for qi, q in enumerate(P)} if len(P) > 1 else {}
+        if len(P) > 1:
+            for j in range(S):
+                self.prob += pulp.lpSum(self.y[j, q] for q in P) == 1, f"pol_{j}"
+
+    def _stage_layers(self) -> None:
+        """z_jkq: layers of segment k in stage j under policy q (the count itself with one policy),
+        at most what fits the rank's memory under q when pricing time."""
+        import pulp
+
+        pr, segs, prob, mode = self.pr, self.segs, self.prob, self.mode
+        L, S, K, pp, P = pr.n_layers, pr.n_stages, len(segs), pr.pp, pr.policies
         z: dict[tuple[int, int, str], object] = {}
         # bytes stage j may use when the other chunks of its rank hold only their extra
         room = [pr.capacity - sum(pr.extra[j2] for j2 in range(j % pp, S, pp)) for j in range(S)]
@@ -239,8 +268,8 @@ class _Model:
                 capjk = min(s.end, hi_l) - max(s.start, lo_l)
                 if capjk <= 0:
                     continue
-                x = C(j, k) - C(j - 1, k)
-                if nP == 1:
+                x = self._count(j, k) - self._count(j - 1, k)
+                if len(P) == 1:
                     z[j, k, P[0]] = x
                     continue
                 zs = []
@@ -256,18 +285,23 @@ class _Model:
                     z[j, k, q] = var
                     zs.append(var)
                 prob += pulp.lpSum(zs) == x, f"zx_{j}_{k}"
-        if nP > 1:   # a stage is non-empty under its chosen policy (valid, tightens the LP)
+        if len(P) > 1:   # a stage is non-empty under its chosen policy (valid, tightens the LP)
             for j in range(S):
                 for qi, q in enumerate(P):
                     prob += pulp.lpSum(z[j, k, q] for k in range(K) if (j, k, q) in z) >= self.y[j, q], \
                         f"nonempty_{j}_{qi}"
         self.z = z
 
-        # stage times and memory
+    def _stage_sums(self) -> tuple[list, list, list]:
+        """Per stage: forward (with its outgoing p2p) and backward time over tscale, memory over mscale."""
+        import pulp
+
+        pr, segs, z, P = self.pr, self.segs, self.z, self.pr.policies
+        S, K, tscale, mscale = pr.n_stages, len(segs), self.tscale, self.mscale
+        qi = {q: i for i, q in enumerate(P)}
         Fj, Bj, memj = [], [], []
         for j in range(S):
             terms = [(k, q) for k in range(K) for q in P if (j, k, q) in z]
-            qi = {q: i for i, q in enumerate(P)}
             f = pulp.lpSum(segs[k].fwd[qi[q]] / tscale * z[j, k, q] for k, q in terms)
             if j < S - 1:
                 f = f + pulp.lpSum(segs[k].p2p / tscale * self.u[j, k] for k in range(K) if (j, k) in self.u)
@@ -278,52 +312,71 @@ class _Model:
             Fj.append(f)
             Bj.append(bb)
             memj.append(mem)
+        return Fj, Bj, memj
 
+    def _tie_break(self):
+        """A tiny term preferring earlier boundaries and lower policy indices among equal optima."""
+        import pulp
+
+        pr, P = self.pr, self.pr.policies
+        S, L, m, nP = pr.n_stages, pr.n_layers, pr.m, len(pr.policies)
         tie_w = 1e-6 * (m + S)
-        tie = pulp.lpSum((j + 1) * b_expr[j] for j in range(S - 1)) * (tie_w / max(1, L * S * S))
+        tie = pulp.lpSum((j + 1) * self.b_expr[j] for j in range(S - 1)) * (tie_w / max(1, L * S * S))
         if nP > 1:
             tie = tie + pulp.lpSum(qi * self.y[j, q] for j in range(S) for qi, q in enumerate(P)) * \
                 (tie_w / (S * nP))
+        return tie
 
-        if mode == "time":
-            if math.isfinite(pr.capacity):
-                for r in range(pp):
-                    prob += pulp.lpSum(memj[j] for j in range(r, S, pp)) <= pr.capacity / mscale, f"mem_{r}"
-                if nP > 1:
-                    # Perspective cuts (valid, tighten the LP): the part of stage j under
-                    # policy q fits in what the rank leaves it, scaled by y_jq. Without
-                    # them the relaxation mixes policies to meet memory exactly.
-                    qi = {q: i for i, q in enumerate(P)}
-                    for j in range(S):
-                        others = sum(pr.extra[j2] for j2 in range(j % pp, S, pp) if j2 != j)
-                        room = (pr.capacity - others - pr.extra[j]) / mscale
-                        for q in P:
-                            ks = [k for k in range(K) if (j, k, q) in z]
-                            prob += pulp.lpSum(
-                                (segs[k].static + pr.inflight[j] * segs[k].act[qi[q]]) / mscale * z[j, k, q]
-                                for k in ks) <= room * self.y[j, q], f"memq_{j}_{qi[q]}"
-            Mv = pulp.LpVariable("M", lowBound=0)
-            tj = [Fj[j] + Bj[j] for j in range(S)]
-            self.Mv, self.tj = Mv, tj
+    def _time_objective(self, Fj: list, Bj: list, memj: list, tie) -> None:
+        """Memory per rank within capacity (with perspective cuts per policy); minimise the
+        schedule's step time from the busiest rank M (module docstring)."""
+        import pulp
+
+        pr, segs, prob, z, P, mscale = self.pr, self.segs, self.prob, self.z, self.pr.policies, self.mscale
+        S, K, pp, v, m = pr.n_stages, len(segs), pr.pp, pr.v, pr.m
+        if math.isfinite(pr.capacity):
             for r in range(pp):
-                prob += Mv >= pulp.lpSum(tj[j] for j in range(r, S, pp)), f"M_{r}"
-            if pr.schedule == "zb-h1":
-                a = pr.wgrad_frac
-                beta = 1.0 - a - min(a, 1.0 - a)
-                G = [pulp.LpVariable(f"G_{j}", lowBound=0) for j in range(S)]
-                self.G, self.FB, self.beta = G, (Fj, Bj), beta
+                prob += pulp.lpSum(memj[j] for j in range(r, S, pp)) <= pr.capacity / mscale, f"mem_{r}"
+            if len(P) > 1:
+                # Perspective cuts (valid, tighten the LP): the part of stage j under
+                # policy q fits in what the rank leaves it, scaled by y_jq. Without
+                # them the relaxation mixes policies to meet memory exactly.
+                qi = {q: i for i, q in enumerate(P)}
                 for j in range(S):
-                    prob += G[j] >= Fj[j] + beta * Bj[j], f"Ga_{j}"
-                    prob += G[j] >= (1.0 - a) * Bj[j], f"Gb_{j}"
-                obj = m * Mv + (pp - 1) / pp * pulp.lpSum(G)
-            else:
-                obj = (m - 1.0 / v) * Mv + (1.0 / v) * pulp.lpSum(tj)
-            prob += obj + tie
-        else:   # min worst overrun (relative to capacity)
-            D = pulp.LpVariable("D")
-            for r in range(pp):
-                prob += D >= pulp.lpSum(memj[j] for j in range(r, S, pp)) - pr.capacity / mscale, f"D_{r}"
-            prob += D + tie * 1e-3
+                    others = sum(pr.extra[j2] for j2 in range(j % pp, S, pp) if j2 != j)
+                    room = (pr.capacity - others - pr.extra[j]) / mscale
+                    for q in P:
+                        ks = [k for k in range(K) if (j, k, q) in z]
+                        prob += pulp.lpSum(
+                            (segs[k].static + pr.inflight[j] * segs[k].act[qi[q]]) / mscale * z[j, k, q]
+                            for k in ks) <= room * self.y[j, q], f"memq_{j}_{qi[q]}"
+        Mv = pulp.LpVariable("M", lowBound=0)
+        tj = [Fj[j] + Bj[j] for j in range(S)]
+        self.Mv, self.tj = Mv, tj
+        for r in range(pp):
+            prob += Mv >= pulp.lpSum(tj[j] for j in range(r, S, pp)), f"M_{r}"
+        if pr.schedule == "zb-h1":
+            a = pr.wgrad_frac
+            beta = 1.0 - a - min(a, 1.0 - a)
+            G = [pulp.LpVariable(f"G_{j}", lowBound=0) for j in range(S)]
+            self.G, self.FB, self.beta = G, (Fj, Bj), beta
+            for j in range(S):
+                prob += G[j] >= Fj[j] + beta * Bj[j], f"Ga_{j}"
+                prob += G[j] >= (1.0 - a) * Bj[j], f"Gb_{j}"
+            obj = m * Mv + (pp - 1) / pp * pulp.lpSum(G)
+        else:
+            obj = (m - 1.0 / v) * Mv + (1.0 / v) * pulp.lpSum(tj)
+        prob += obj + tie
+
+    def _overrun_objective(self, memj: list, tie) -> None:
+        """Minimise the worst rank's memory overrun relative to capacity (no layout fits)."""
+        import pulp
+
+        pr, prob = self.pr, self.prob
+        D = pulp.LpVariable("D")
+        for r in range(pr.pp):
+            prob += D >= pulp.lpSum(memj[j] for j in range(r, pr.n_stages, pr.pp)) - pr.capacity / self.mscale, f"D_{r}"
+        prob += D + tie * 1e-3
 
     @property
     def n_vars(self) -> int:
