@@ -34,19 +34,19 @@ import copy
 import hashlib
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
+from planner.capture_records import UnitRecord, UnitRun, assemble, nbytes, tensors
 from planner.errors import AutoparError
 from planner.fx_graph import GraphBuilder, unit_costs
-from planner.graph import AttentionDims, Layer, Linear, ModelGraph, Op
-from planner.layer_kinds import ATTN_OPS, is_linear, layer_kind, lin_dims, part_kind
+from planner.graph import AttentionDims, ModelGraph
+from planner.layer_kinds import ATTN_OPS, is_linear, part_kind
 
 _VIEW_OPS_TAG = torch.Tag.view_copy if hasattr(torch.Tag, "view_copy") else None
 
@@ -107,38 +107,6 @@ def signature(m: nn.Module) -> str:
 
 # ---------------------------------------------------------------- recording -----
 
-@dataclass
-class _PartRec:
-    fwd_flops: float = 0.0
-    bwd_flops: float = 0.0
-    fwd_bytes: float = 0.0
-    ops: set = field(default_factory=set)
-    linears: list = field(default_factory=list)  # (name, module) in execution order
-
-
-@dataclass
-class _UnitRec:
-    name: str
-    module: nn.Module
-    parts: "OrderedDict[str, _PartRec]" = field(default_factory=OrderedDict)
-    bwd_bytes: float = 0.0
-    fwd_kernels: int = 0
-    bwd_kernels: int = 0
-    fwd_ops: int = 0
-    bwd_ops: int = 0
-    act_bytes: float = 0.0
-    act_bytes_tp: float = 0.0
-    act_core: float = 0.0
-    input_bytes: float = 0.0
-    output_bytes: float = 0.0
-    io_hidden: int = 0
-    attention: AttentionDims | None = None
-    ran: bool = False
-
-    def part(self, name: str) -> _PartRec:
-        return self.parts.setdefault(name, _PartRec())
-
-
 def _attention_flops(name: str, args: tuple) -> float:
     """FLOPs of an attention kernel the FLOP registry lacks (e.g. the CPU flash kernel):
     forward 4*B*H*Sq*Skv*D (Q K^T and P V), backward twice that (the registry's convention)."""
@@ -157,21 +125,13 @@ def _attention_flops(name: str, args: tuple) -> float:
     return mult * 4.0 * b * h * sq * k.shape[-2] * d
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    return [x for x in tree_flatten(obj)[0] if isinstance(x, torch.Tensor)]
-
-
 class _Recorder(TorchDispatchMode):
     """Sees every ATen op: appends it to the FX graph (``builder``, when set) with its FLOPs,
     bytes and (unit, part, phase), and notes which op kinds each part ran."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.unit: _UnitRec | None = None      # innermost running unit
+        self.unit: UnitRecord | None = None      # innermost running unit
         self.part = ""
         self.backward = False
         self.last_op = ""
@@ -193,8 +153,8 @@ class _Recorder(TorchDispatchMode):
             is_view = func.is_view or name in ("view", "_unsafe_view", "expand", "t", "transpose", "permute",
                                                  "detach", "alias", "slice", "select", "unsqueeze", "squeeze")
             # views move nothing; neither do ops that return no tensor (device / shape queries)
-            moves = not is_view and bool(_tensors(out))
-            nb = sum(_nbytes(t) for t in _tensors((args, kwargs, out))) if moves else 0
+            moves = not is_view and bool(tensors(out))
+            nb = sum(nbytes(t) for t in tensors((args, kwargs, out))) if moves else 0
             self.builder.record(func, args, kwargs, out, dict(
                 unit=unit.name if unit is not None else None, part=self.part, op=name, flops=flops, bytes=nb,
                 phase="bwd" if self.backward else "fwd"))
@@ -262,7 +222,7 @@ def _default_loss(out: Any) -> torch.Tensor:
     loss = getattr(out, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
-    ts = [t for t in _tensors(out) if t.is_floating_point() and t.requires_grad]
+    ts = [t for t in tensors(out) if t.is_floating_point() and t.requires_grad]
     if not ts:
         raise AutoparError("capture: the model's output has no differentiable tensor; "
                            "pass labels in the example batch or a loss_fn")
@@ -286,6 +246,146 @@ def capture(model: nn.Module, example: dict[str, Any] | tuple, *, name: str | No
                       units=units)[0]
 
 
+def _representatives(units: list[tuple[str, nn.Module, str | None]]):
+    """(signature per unit path, first unit path per (stack, signature), ids of the modules to
+    run): of each stack's members with one signature only the first runs."""
+    sigs = {path: signature(m) for path, m, _ in units}
+    reps: dict[tuple[str, str], str] = {}        # (stack, sig) -> first unit path
+    keep: set[int] = set()
+    for path, m, stack in units:
+        if stack is None or (stack, sigs[path]) not in reps:
+            if stack is not None:
+                reps[(stack, sigs[path])] = path
+            keep.add(id(m))
+    return sigs, reps, keep
+
+
+class _UnitHooks:
+    """Module hooks on the fake clone that keep ``rec.unit`` / ``rec.part`` on the unit and part
+    running (forward: pre/post hooks on units, their children and linears; backward: gradient
+    hooks on their outputs) and count what autograd saves per unit (:meth:`pack`)."""
+
+    def __init__(self, rec: "_Recorder", recs: dict[str, UnitRecord], clone: nn.Module, hidden: int | None):
+        self.rec, self.recs, self.hidden = rec, recs, hidden
+        self.order: list[str] = []          # unit paths in the order they first ran
+        self.handles: list = []
+        self.stack: list[tuple[UnitRecord | None, str]] = []
+        self.saved_seen: set[int] = set()
+        self.param_storages = {p.untyped_storage()._cdata for p in clone.parameters()}
+        self.lin_names: dict[int, str] = {}
+        self.tp_parts: dict[str, set[str]] = {}   # unit -> its parts TP splits (from the first forward)
+
+    def install(self) -> None:
+        for u in self.recs.values():
+            self.handles.append(u.module.register_forward_pre_hook(self.unit_pre(u), with_kwargs=True))
+            self.handles.append(u.module.register_forward_hook(self.unit_post(u), with_kwargs=True))
+            for pname, child in u.module.named_children():
+                self.handles.append(child.register_forward_pre_hook(self.part_pre(u, pname, None)))
+                self.handles.append(child.register_forward_hook(self.part_post(u, pname)))
+            for lname, sub in u.module.named_modules():
+                if is_linear(sub):
+                    self.lin_names[id(sub)] = lname
+                    top = lname.split(".")[0] if lname else ""
+                    self.handles.append(sub.register_forward_pre_hook(self.part_pre(u, top, sub)))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def unit_pre(self, u: UnitRecord):
+        def hook(mod, args, kwargs):
+            rec = self.rec
+            self.stack.append((rec.unit, rec.part))
+            rec.unit, rec.part = u, ""
+            if not u.ran:
+                u.ran = True
+                self.order.append(u.name)
+                u.input_bytes = sum(nbytes(t) for t in tensors((args, kwargs)) if t.is_floating_point())
+        return hook
+
+    def unit_post(self, u: UnitRecord):
+        def hook(mod, args, kwargs, out):
+            rec = self.rec
+            outs = tensors(out)
+            if not u.output_bytes:
+                u.output_bytes = sum(nbytes(t) for t in outs)
+                fl = [t for t in outs if t.is_floating_point() and t.dim() >= 1]
+                u.io_hidden = int(fl[0].shape[-1]) if fl else 0
+            for t in outs:
+                if t.requires_grad:
+                    t.register_hook(self.enter_backward(u, ""))
+            rec.unit, rec.part = self.stack.pop()
+            if rec.unit is None:
+                rec.unit, rec.part = u, ""  # root-level ops after a unit belong to it
+        return hook
+
+    def part_pre(self, u: UnitRecord, pname: str, lin: nn.Module | None):
+        def hook(mod, args):
+            rec = self.rec
+            if lin is None and rec.unit is u and rec.part == "" and not rec.backward:
+                rec.part = pname
+                self.stack.append((u, "<part>"))
+            if lin is not None and not rec.backward:
+                p = u.part(rec.part if rec.unit is u else pname)
+                if all(l is not lin for _, l in p.linears):
+                    p.linears.append((self.lin_names[id(lin)], lin))
+        return hook
+
+    def part_post(self, u: UnitRecord, pname: str):
+        def hook(mod, args, out):
+            if self.stack and self.stack[-1] == (u, "<part>") and self.rec.part == pname:
+                self.stack.pop()
+                self.rec.part = ""
+            for t in tensors(out):
+                if t.requires_grad:
+                    t.register_hook(self.enter_backward(u, pname))
+        return hook
+
+    def enter_backward(self, u: UnitRecord, pname: str):
+        def hook(grad):
+            self.rec.unit, self.rec.part = u, pname
+            return None
+        return hook
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """saved_tensors_hooks pack: count each saved storage once (not parameters) on its unit:
+        all of it, the attention-core part (square score-like tensors inside a part) and the
+        part inside TP-split parts that is not hidden-sized."""
+        rec, u = self.rec, self.rec.unit
+        if u is None:
+            return t
+        try:
+            sid = t.untyped_storage()._cdata
+        except Exception:
+            return t
+        if rec.builder is not None:
+            rec.builder.mark_saved(t)
+        if sid in self.param_storages or sid in self.saved_seen:
+            return t
+        self.saved_seen.add(sid)
+        nb = t.untyped_storage().nbytes()
+        u.act_bytes += nb
+        hid = u.io_hidden or self.hidden
+        core = t.dim() >= 2 and t.shape[-1] == t.shape[-2] and t.shape[-1] > 1 and t.dim() >= 3 \
+            and t.is_floating_point() and rec.part and t.shape[-1] != hid
+        if core:
+            u.act_core += nb
+        if rec.part in self.tp_parts.get(u.name, ()) and (t.dim() == 0 or t.shape[-1] != (hid or -1)):
+            u.act_bytes_tp += nb
+        return t
+
+    def note_part_kinds(self, vocab: int | None) -> None:
+        """After the first (no-grad) forward: each unit's TP-split parts; then reset the units
+        for the recorded run."""
+        for u in self.recs.values():
+            ch = dict(u.module.named_children())
+            kinds = {p: part_kind(r, ch.get(p, u.module if p == "" else None), vocab) for p, r in u.parts.items()}
+            self.tp_parts[u.name] = {p for p, (_, s) in kinds.items() if s != "replicated"}
+            u.parts.clear(); u.ran = False; u.attention = None; u.output_bytes = 0; u.input_bytes = 0
+        self.order.clear()
+        self.rec.unit, self.rec.part = None, ""
+
+
 def capture_fx(model: nn.Module, example: dict[str, Any] | tuple, *, name: str | None = None,
                loss_fn: Callable[[Any], torch.Tensor] | None = None, config: dict[str, Any] | None = None,
                hidden: int | None = None, vocab: int | None = None,
@@ -299,126 +399,21 @@ def capture_fx(model: nn.Module, example: dict[str, Any] | tuple, *, name: str |
     if not units:
         raise AutoparError("capture: the model has no submodules to split into layers; "
                            "wrap its computation in nn.Module children")
-    sigs = {path: signature(m) for path, m, _ in units}
-    reps: dict[tuple[str, str], str] = {}        # (stack, sig) -> first unit path
-    keep: set[int] = set()
-    for path, m, stack in units:
-        if stack is None or (stack, sigs[path]) not in reps:
-            if stack is not None:
-                reps[(stack, sigs[path])] = path
-            keep.add(id(m))
+    sigs, reps, keep = _representatives(units)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     clone = _fake_copy(model, fake_mode, keep, {id(m) for _, m, stack in units if stack is not None})
     cmods = dict(clone.named_modules())
     # The units the clone kept; paths inside shortened stacks kept their names (the keys).
-    recs: dict[str, _UnitRec] = {}
+    recs: dict[str, UnitRecord] = {}
     for path in (path for path, m, _ in units if id(m) in keep):
         if path not in cmods:
             raise AutoparError(f"capture: unit {path!r} not found in the model copy; "
                                "report this model to autopar")
-        recs[path] = _UnitRec(path, cmods[path])
+        recs[path] = UnitRecord(path, cmods[path])
 
     rec = _Recorder()
-    order: list[str] = []
-    handles = []
-    stack_state: list[tuple[_UnitRec | None, str]] = []
-    last_done: list[_UnitRec | None] = [None]
-    saved_seen: set[int] = set()
-    param_storages = {p.untyped_storage()._cdata for p in clone.parameters()}
-
-    def unit_pre(u: _UnitRec):
-        def hook(mod, args, kwargs):
-            stack_state.append((rec.unit, rec.part))
-            rec.unit, rec.part = u, ""
-            if not u.ran:
-                u.ran = True
-                order.append(u.name)
-                ins = _tensors((args, kwargs))
-                u.input_bytes = sum(_nbytes(t) for t in ins if t.is_floating_point())
-        return hook
-
-    def unit_post(u: _UnitRec):
-        def hook(mod, args, kwargs, out):
-            outs = _tensors(out)
-            if not u.output_bytes:
-                u.output_bytes = sum(_nbytes(t) for t in outs)
-                fl = [t for t in outs if t.is_floating_point() and t.dim() >= 1]
-                u.io_hidden = int(fl[0].shape[-1]) if fl else 0
-            for t in outs:
-                if t.requires_grad:
-                    t.register_hook(_enter_backward(u, ""))
-            rec.unit, rec.part = stack_state.pop()
-            last_done[0] = u
-            if rec.unit is None:
-                rec.unit, rec.part = u, ""  # root-level ops after a unit belong to it
-        return hook
-
-    def part_pre(u: _UnitRec, pname: str, lin: nn.Module | None):
-        def hook(mod, args):
-            if lin is None and rec.unit is u and rec.part == "" and not rec.backward:
-                rec.part = pname
-                stack_state.append((u, "<part>"))
-            if lin is not None and not rec.backward:
-                p = u.part(rec.part if rec.unit is u else pname)
-                if all(l is not lin for _, l in p.linears):
-                    p.linears.append((lin_names[id(lin)], lin))
-        return hook
-
-    def part_post(u: _UnitRec, pname: str):
-        def hook(mod, args, out):
-            if stack_state and stack_state[-1] == (u, "<part>") and rec.part == pname:
-                stack_state.pop()
-                rec.part = ""
-            for t in _tensors(out):
-                if t.requires_grad:
-                    t.register_hook(_enter_backward(u, pname))
-        return hook
-
-    def _enter_backward(u: _UnitRec, pname: str):
-        def hook(grad):
-            rec.unit, rec.part = u, pname
-            return None
-        return hook
-
-    lin_names: dict[int, str] = {}
-    for u in recs.values():
-        handles.append(u.module.register_forward_pre_hook(unit_pre(u), with_kwargs=True))
-        handles.append(u.module.register_forward_hook(unit_post(u), with_kwargs=True))
-        for pname, child in u.module.named_children():
-            handles.append(child.register_forward_pre_hook(part_pre(u, pname, None)))
-            handles.append(child.register_forward_hook(part_post(u, pname)))
-        for lname, sub in u.module.named_modules():
-            if is_linear(sub):
-                lin_names[id(sub)] = lname
-                top = lname.split(".")[0] if lname else ""
-                handles.append(sub.register_forward_pre_hook(part_pre(u, top, sub)))
-
-    def pack(t: torch.Tensor):
-        u = rec.unit
-        if u is None:
-            return t
-        try:
-            sid = t.untyped_storage()._cdata
-        except Exception:
-            return t
-        if rec.builder is not None:
-            rec.builder.mark_saved(t)
-        if sid in param_storages or sid in saved_seen:
-            return t
-        saved_seen.add(sid)
-        nb = t.untyped_storage().nbytes()
-        u.act_bytes += nb
-        hid = u.io_hidden or hidden
-        core = t.dim() >= 2 and t.shape[-1] == t.shape[-2] and t.shape[-1] > 1 and t.dim() >= 3 \
-            and t.is_floating_point() and rec.part and t.shape[-1] != hid
-        if core:
-            u.act_core += nb
-        in_tp_part = rec.part in _tp_parts.get(u.name, ())
-        if in_tp_part and (t.dim() == 0 or t.shape[-1] != (hid or -1)):
-            u.act_bytes_tp += nb
-        return t
-
-    _tp_parts: dict[str, set[str]] = {}
+    hooks = _UnitHooks(rec, recs, clone, hidden)
+    hooks.install()
     args, kwargs = (example, {}) if isinstance(example, tuple) else ((), example)
     fargs, fkwargs = _to_fake(args, fake_mode), _to_fake(kwargs, fake_mode)
     try:
@@ -427,15 +422,9 @@ def capture_fx(model: nn.Module, example: dict[str, Any] | tuple, *, name: str |
             # split of saved bytes), a second one records everything.
             with torch.no_grad(), rec:
                 clone(*fargs, **fkwargs)
-            for u in recs.values():
-                ch = dict(u.module.named_children())
-                kinds = {p: part_kind(r, ch.get(p, u.module if p == "" else None), vocab) for p, r in u.parts.items()}
-                _tp_parts[u.name] = {p for p, (_, s) in kinds.items() if s != "replicated"}
-                u.parts.clear(); u.ran = False; u.attention = None; u.output_bytes = 0; u.input_bytes = 0
-            order.clear()
-            rec.unit, rec.part = None, ""
+            hooks.note_part_kinds(vocab)
             rec.builder = GraphBuilder({id(p): n for n, p in clone.named_parameters(remove_duplicate=False)})
-            with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with rec, torch.autograd.graph.saved_tensors_hooks(hooks.pack, lambda t: t):
                 out = clone(*fargs, **fkwargs)
                 loss = loss_fn(out) if loss_fn is not None else _default_loss(out)
                 rec.backward = True
@@ -450,14 +439,13 @@ def capture_fx(model: nn.Module, example: dict[str, Any] | tuple, *, name: str |
                            f"{type(e).__name__}: {msg[:200]} -- make the forward run on fake tensors "
                            "(no .item()/.tolist()/data-dependent Python control flow), or rerun with --debug") from e
     finally:
-        for h in handles:
-            h.remove()
+        hooks.remove()
     _costs_from_graph(rec.builder.graph, recs)
-    graph = _assemble(model, units, sigs, reps, recs, order, example, t0, name, config, hidden, vocab)
+    graph = assemble(model, UnitRun(units, sigs, reps, recs, hooks.order), example, t0, name, config, hidden, vocab)
     return graph, rec.builder.graph
 
 
-def _costs_from_graph(fx_graph, recs: dict[str, _UnitRec]) -> None:
+def _costs_from_graph(fx_graph, recs: dict[str, UnitRecord]) -> None:
     """Each unit part's forward / backward FLOPs and bytes: sums over its FX graph nodes."""
     for (unit, part, phase), c in unit_costs(fx_graph).items():
         if unit not in recs:
@@ -473,108 +461,3 @@ def _costs_from_graph(fx_graph, recs: dict[str, _UnitRec]) -> None:
             recs[unit].bwd_bytes += c.bytes
             recs[unit].bwd_kernels += c.kernels
             recs[unit].bwd_ops += c.ops
-
-
-def _assemble(model, units, sigs, reps, recs, order, example, t0, name, config, hidden, vocab) -> ModelGraph:
-    units_by_path = {p: (m, s) for p, m, s in units}
-    # Parameters per unit on the ORIGINAL model, tied weights counted at first owner.
-    owner: dict[int, str] = {}
-    params: dict[str, tuple[int, int, str | None, int]] = {}
-    for path, m, _ in units:
-        n = nb = n_tied = 0
-        tied = None
-        for pn, p in m.named_parameters():
-            if id(p) in owner:
-                tied = f"{owner[id(p)]}.{pn}"
-                n_tied += p.numel()
-                continue
-            owner[id(p)] = path
-            n += p.numel()
-            nb += p.numel() * p.element_size()
-        params[path] = (n, nb, tied, n_tied)
-    root_params = sum(p.numel() for p in model.parameters() if id(p) not in owner)
-    # Execution order, expanded: the first member of a stack to run emits the stack.
-    full_order: list[tuple[str, str]] = []  # (unit path, rep path)
-    emitted_stacks: set[str] = set()
-    for path in order:
-        m, stack = units_by_path[path]
-        if stack is None:
-            full_order.append((path, path))
-        elif stack not in emitted_stacks:
-            emitted_stacks.add(stack)
-            for p2, m2, s2 in units:
-                if s2 == stack:
-                    full_order.append((p2, reps[(stack, sigs[p2])]))
-    ex_t = [t for t in _tensors(example) if t.dtype in (torch.int64, torch.int32) and t.dim() == 2]
-    batch = int(ex_t[0].shape[0]) if ex_t else 1
-    seq = 0
-    for r in recs.values():
-        if r.attention is not None and r.attention.causal:
-            seq = max(seq, r.attention.seq_len)
-    if not seq:
-        seq = max((r.attention.seq_len for r in recs.values() if r.attention), default=0) or (
-            int(ex_t[0].shape[1]) if ex_t else 1)
-    if vocab is None:
-        embs = [m for p, m, _ in units for m in m.modules() if isinstance(m, nn.Embedding)]
-        vocab = max((e.num_embeddings for e in embs), default=None)
-    if hidden is None:
-        blocks = [r for r in recs.values() if r.attention is not None]
-        hidden = blocks[-1].io_hidden if blocks else max((r.io_hidden for r in recs.values()), default=0)
-    p0 = next(model.parameters(), None)
-    dtype_bytes = p0.element_size() if p0 is not None else 4
-
-    layers: list[Layer] = []
-    for i, (path, rep) in enumerate(full_order):
-        r = recs[rep]
-        mods = dict(r.module.named_children())
-        ops, tp_flops, all_flops = [], 0.0, 0.0
-        kinds = {}
-        linears: list[Linear] = []
-        for pname, pr in r.parts.items():
-            kind, style = part_kind(pr, mods.get(pname, r.module if pname == "" else None), vocab)
-            kinds[pname] = (kind, style)
-            pparams = sum(p.numel() for p in mods[pname].parameters()) if pname in mods else 0
-            ops.append(Op(name=pname, kind=kind, tp_style=style, fwd_flops=pr.fwd_flops, bwd_flops=pr.bwd_flops,
-                          fwd_bytes=pr.fwd_bytes, params=pparams))
-            all_flops += pr.fwd_flops + pr.bwd_flops
-            if style != "replicated":
-                tp_flops += pr.fwd_flops + pr.bwd_flops
-            for j, (lname, lin) in enumerate(pr.linears):
-                fin, fout = lin_dims(lin)
-                if style == "vocab":
-                    role = "vocab"
-                elif style in ("heads", "col_row"):
-                    role = "row" if j == len(pr.linears) - 1 else "column"
-                else:
-                    role = "replicated"
-                linears.append(Linear(lname, fin, fout, getattr(lin, "bias", None) is not None, role))
-        attn = r.attention
-        if attn is not None:
-            cols = [l for l in linears if l.role == "column" and l.in_features == r.io_hidden]
-            outs = sorted({l.out_features for l in cols})
-            if len(cols) >= 3 and outs and outs[0] % attn.head_dim == 0:
-                attn = AttentionDims(attn.heads, min(attn.heads, outs[0] // attn.head_dim), attn.head_dim,
-                                     attn.seq_len, attn.kv_len, attn.causal)
-        n, nb, tied, n_tied = params[path]
-        fwd = sum(o.fwd_flops for o in ops)
-        bwd = sum(o.bwd_flops for o in ops)
-        layers.append(Layer(
-            name=path, kind=layer_kind(path, kinds, i == 0, attn), module_type=type(units_by_path[path][0]).__name__,
-            signature=sigs[path], repeat_of=None if rep == path else rep,
-            fwd_flops=fwd, bwd_flops=bwd, fwd_bytes=sum(o.fwd_bytes for o in ops), bwd_bytes=r.bwd_bytes,
-            params=n, param_bytes=nb, act_bytes=r.act_bytes, act_bytes_tp=r.act_bytes_tp,
-            act_bytes_attn_core=r.act_core, input_bytes=r.input_bytes, output_bytes=r.output_bytes,
-            tp_flops_frac=(tp_flops / all_flops) if all_flops else 0.0, ops=ops, linears=linears,
-            attention=attn, vocab=vocab if any(s == "vocab" for _, s in kinds.values()) else None, tied_to=tied,
-            tied_params=n_tied, fwd_kernels=r.fwd_kernels, bwd_kernels=r.bwd_kernels,
-            fwd_ops=r.fwd_ops, bwd_ops=r.bwd_ops))
-    notes = []
-    if root_params:
-        notes.append(f"{root_params} parameters outside every layer unit are not counted")
-    skipped = [p for p, _, _ in units if p not in {q for q, _ in full_order}]
-    if skipped:
-        notes.append(f"units never called in the forward: {', '.join(skipped[:5])}")
-    return ModelGraph(name=name or type(model).__name__, batch=batch, seq_len=seq, dtype_bytes=dtype_bytes,
-                      hidden=int(hidden or 0), vocab=vocab, layers=layers, capture_s=time.perf_counter() - t0,
-                      method="fake-tensor forward+backward under a dispatch mode", notes=notes,
-                      config=dict(config or {}))
