@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from cost_models import gpu_kernels as gk
 from cost_models.cluster import Cluster
-from planner.graph import Layer, Linear, ModelGraph
+from planner.graph import Layer, Linear, ModelGraph, MoEDims
 from planner.plan import ParallelConfig
 
 EFF_MATMUL_CPU = 0.70
@@ -104,12 +104,15 @@ def _gemm_shape(lin: Linear, tokens: float, tp: int) -> tuple[float, float, floa
 
 
 def _captured_tokens(layer: Layer, graph: ModelGraph) -> float:
-    """Rows of the layer's GEMMs at capture: its linear FLOPs over 2 x sum(in x out)."""
-    weights = sum(l.in_features * l.out_features for l in layer.linears)
-    if not weights:
+    """Tokens of the layer's GEMMs at capture: its matmul FLOPs (all but the attention core)
+    over 2 x sum(in x out) of its linears, plus 3 x 2 x top_k x hidden x expert_ffn per token
+    for routed experts."""
+    per_token = 2.0 * sum(l.in_features * l.out_features for l in layer.linears)
+    if layer.moe is not None:
+        per_token += 6.0 * layer.moe.top_k * graph.hidden * layer.moe.expert_ffn
+    if not per_token:
         return 0.0
-    lin_flops = layer.fwd_flops - attn_core_flops(layer, graph.batch)
-    return max(lin_flops, 0.0) / (2.0 * weights)
+    return max(layer.fwd_flops - attn_core_flops(layer, graph.batch), 0.0) / per_token
 
 
 def memory_bandwidth(cluster: Cluster, cal: dict[str, float] | None = None) -> float:
@@ -122,11 +125,19 @@ def memory_bandwidth(cluster: Cluster, cal: dict[str, float] | None = None) -> f
     return bw * (cal or {}).get("eff_memory", EFF_MEMORY)
 
 
+def expert_gemms(moe: MoEDims, tokens: float, hidden: int) -> list[tuple[float, float, float]]:
+    """(M, N, K) of one routed expert's forward GEMMs (gate, up: hidden -> expert_ffn; down:
+    back) when ``tokens`` tokens are routed ``top_k`` ways evenly over the experts."""
+    rows = tokens * moe.top_k / moe.experts
+    return [(rows, moe.expert_ffn, hidden), (rows, moe.expert_ffn, hidden), (rows, hidden, moe.expert_ffn)]
+
+
 def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
                    cal: dict[str, float] | None = None) -> LayerTime:
     """Forward and backward seconds of ``layer`` for one micro-batch on one GPU, from its
     kernels (cost_models/gpu_kernels.py): every linear's GEMMs at their sharded shapes
-    (backward: input and weight gradients), the fused attention core (causal-halved,
+    (backward: input and weight gradients), each routed expert's GEMMs at its share of the
+    rows (:func:`expert_gemms`, the balanced load), the fused attention core (causal-halved,
     divided by tp and cp, efficiency by the kv length each rank's blocks have), and each
     op's remaining bytes (norms, activations, rotary, softmax, loss) at HBM bandwidth,
     divided as TP / SP / CP divide that op, plus a launch floor per memory-bound kernel."""
@@ -146,6 +157,14 @@ def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Paral
         op = next((o.name for o in layer.ops if o.name and lin.name.startswith(o.name + ".")), "")
         io = m_cap * lin.in_features + lin.in_features * lin.out_features + m_cap * lin.out_features
         gemm_bytes_cap[op] = gemm_bytes_cap.get(op, 0.0) + io * graph.dtype_bytes
+    if layer.moe is not None:  # routed experts: per expert, its share of the rows (balanced load)
+        for m, n, k in expert_gemms(layer.moe, tokens, graph.hidden):
+            e = layer.moe.experts
+            fwd += e * gk.gemm_seconds(m, n, k, elem, gpu, co)
+            bwd += e * (gk.gemm_seconds(m, k, n, elem, gpu, co) + gk.gemm_seconds(n, k, m, elem, gpu, co))
+        rows_cap, h, f = m_cap * layer.moe.top_k, graph.hidden, layer.moe.expert_ffn
+        io = 3 * (rows_cap * h + layer.moe.experts * h * f + rows_cap * f)  # inputs, weights, outputs
+        gemm_bytes_cap[layer.moe.part] = gemm_bytes_cap.get(layer.moe.part, 0.0) + io * graph.dtype_bytes
     a = layer.attention
     if a is not None:
         core = attn_core_flops(layer, cfg.mbs) * (0.5 if a.causal else 1.0) / (cfg.tp * cfg.cp)

@@ -27,6 +27,9 @@ How it works
      is running (the engine runs one thread per device, so this is sequential).
    - Root-level ops outside every unit (an HF model's loss, concatenation of image
      and text tokens) belong to the unit that ran last (the first unit, before any).
+   - A module with a ``static_shapes = False`` attribute (the zoo's MoE layer: its rows per
+     expert depend on the routing) gets ``True`` on the fake copy and runs its static-shape
+     path (for MoE: the balanced load).
 """
 from __future__ import annotations
 
@@ -402,6 +405,9 @@ def capture_fx(model: nn.Module, example: dict[str, Any] | tuple, *, name: str |
     sigs, reps, keep = _representatives(units)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     clone = _fake_copy(model, fake_mode, keep, {id(m) for _, m, stack in units if stack is not None})
+    for m in clone.modules():  # data-dependent shapes (MoE routing) take their static path on fake tensors
+        if getattr(m, "static_shapes", None) is False:
+            m.static_shapes = True
     cmods = dict(clone.named_modules())
     # The units the clone kept; paths inside shortened stacks kept their names (the keys).
     recs: dict[str, UnitRecord] = {}

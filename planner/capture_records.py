@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from planner.graph import AttentionDims, Layer, Linear, ModelGraph, Op
+from planner.graph import AttentionDims, Layer, Linear, ModelGraph, MoEDims, Op
 from planner.layer_kinds import layer_kind, lin_dims, part_kind
 
 
@@ -180,6 +180,16 @@ def _attention_dims(r: UnitRecord, linears: list[Linear]) -> AttentionDims | Non
     return attn
 
 
+def moe_dims(unit: nn.Module) -> MoEDims | None:
+    """The routed experts inside ``unit``: a module with ``top_k``, ``shared_experts`` and stacked
+    expert weights ``w_gate`` [experts, hidden, expert_ffn] (the zoo's MoEFeedForward)."""
+    for name, m in unit.named_modules():
+        w = getattr(m, "w_gate", None)
+        if isinstance(getattr(m, "top_k", None), int) and isinstance(w, torch.Tensor) and w.dim() == 3:
+            return MoEDims(int(w.shape[0]), m.top_k, int(w.shape[-1]), int(getattr(m, "shared_experts", 0)), name)
+    return None
+
+
 def assemble(model: nn.Module, run: UnitRun, example, t0: float, name: str | None, config: dict | None,
               hidden: int | None, vocab: int | None) -> ModelGraph:
     """The ModelGraph: one Layer per unit in execution order (repeated blocks copy their
@@ -214,7 +224,7 @@ def assemble(model: nn.Module, run: UnitRun, example, t0: float, name: str | Non
             tp_flops_frac=tp_frac, ops=ops, linears=linears,
             attention=attn, vocab=vocab if any(s == "vocab" for _, s in kinds.values()) else None,
             tied_to=up.tied_to, tied_params=up.n_tied, fwd_kernels=r.fwd_kernels, bwd_kernels=r.bwd_kernels,
-            fwd_ops=r.fwd_ops, bwd_ops=r.bwd_ops))
+            fwd_ops=r.fwd_ops, bwd_ops=r.bwd_ops, moe=moe_dims(r.module)))
     notes = []
     if root_params:
         notes.append(f"{root_params} parameters outside every layer unit are not counted")

@@ -75,6 +75,17 @@ class AttentionDims:
 
 
 @dataclass
+class MoEDims:
+    """A mixture-of-experts MLP: ``experts`` routed SwiGLU experts (hidden -> ``expert_ffn`` ->
+    hidden), ``top_k`` per token, plus ``shared_experts`` every token passes (part ``part``)."""
+    experts: int
+    top_k: int
+    expert_ffn: int
+    shared_experts: int
+    part: str               # the op (relative module path) holding the experts, e.g. "mlp"
+
+
+@dataclass
 class Op:
     """A part of a layer (attention, MLP, norm, ...)."""
     name: str               # relative module path ("" for the layer itself)
@@ -118,6 +129,7 @@ class Layer:
     bwd_kernels: int = 0        # the GPU cost model's per-kernel launch floor
     fwd_ops: int = 0            # tensor ops eager mode dispatches in the forward / backward (views
     bwd_ops: int = 0            # included): the CPU cost model's per-op dispatch cost
+    moe: MoEDims | None = None  # routed experts (their GEMMs are not in ``linears``)
 
 
 @dataclass
@@ -208,5 +220,7 @@ class ModelGraph:
             ld["linears"] = [Linear(**x) for x in ld.get("linears", [])]
             if ld.get("attention") is not None:
                 ld["attention"] = AttentionDims(**ld["attention"])
+            if ld.get("moe") is not None:
+                ld["moe"] = MoEDims(**ld["moe"])
             layers.append(Layer(**ld))
         return ModelGraph(layers=layers, **d)

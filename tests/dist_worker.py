@@ -59,10 +59,14 @@ LAYOUTS = {
     ],
 }
 MODELS = ("gpt-tiny", "llama-tiny", "hf-llama", "hf-gpt2", "user-lm")
-MODELS_BY_WORLD = {2: MODELS, 4: MODELS + ("gpt-tiny-tied",), 8: ("gpt-tiny", "llama-tiny", "hf-llama")}
+MODELS_BY_WORLD = {2: MODELS + ("moe-tiny",), 4: MODELS + ("gpt-tiny-tied", "moe-tiny"),
+                   8: ("gpt-tiny", "llama-tiny", "hf-llama")}
 # models run under some layouts only: a zoo model built on meta whose head shares the token
 # embedding, under PP x TP (the tied weight split over tp and held by two pp ranks)
-ONLY_LAYOUTS = {"gpt-tiny-tied": ("pp2xtp2-1f1b-sp",)}
+ONLY_LAYOUTS = {"gpt-tiny-tied": ("pp2xtp2-1f1b-sp",),
+                # the zoo MoE (8 experts, top-2, a shared expert, a dense first block): DP, FSDP, PP,
+                # CP, their mix, and TP, which it refuses (expert parallelism is not built yet)
+                "moe-tiny": ("dp2-ddp", "dp2-fsdp", "pp2-1f1b", "cp2-zigzag", "tp2-sp", "dp2xcp2-fsdp")}
 
 
 def layouts_of(world: int, model_name: str) -> list[tuple[str, dict, int]]:

@@ -88,7 +88,10 @@ class Case:
         return user_loss(model(batch["input_ids"]), batch["labels"])
 
     def reference(self, data: list[dict], lr: float) -> tuple[list[float], dict]:
+        from codegen.runtime.experts import balance_experts, moe_layers
+
         model = self.build("cpu")
+        moe = moe_layers([model])  # MoE: the balancing bias moves after each step, as the runtime's
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         losses, grads = [], None
         for s, b in enumerate(data):
@@ -98,6 +101,7 @@ class Case:
             if s == 0:
                 grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
             opt.step()
+            balance_experts(moe, first_step=s == 0)
             losses.append(loss.item())
         return losses, grads
 

@@ -67,8 +67,9 @@ def apply_dp(stage_mods: Sequence[nn.Module], dp_mesh: DeviceMesh, zero: str, pi
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
             fully_shard(sm, mesh=dp_mesh, reshard_after_forward=reshard)
         elif zero in ZERO and reducer:  # ddp, zero1 through DDP's bucketed reducer
+            # no buffer broadcast: buffers are deterministic or kept equal by the runtime (MoE bias)
             _ddp_replicate()(sm, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True,
-                             bucket_cap_mb=DDP_BUCKET_BYTES / 2**20)
+                             bucket_cap_mb=DDP_BUCKET_BYTES / 2**20, broadcast_buffers=False)
         elif zero in ZERO:  # ddp, zero1 with FSDP2-style replicate (TP parameters or a pipeline)
             # per block, then the rest: each block's gradients are all-reduced as soon as its
             # backward ends (overlapping the earlier blocks' backward) and the fresh gradients

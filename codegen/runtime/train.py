@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from planner.plan import ModelFacts, ParallelConfig, Plan
 from codegen.runtime import context_parallel as cpar
 from codegen.runtime import data_parallel as dpar
+from codegen.runtime import experts
 from codegen.runtime import recipe
 from codegen.runtime import tensor_parallel as tpar
 from codegen.runtime.adapters import IGNORE_INDEX, ModelAdapter, adapter_for
@@ -102,6 +103,7 @@ class ParallelModel:
         self.tp_rank = mesh["tp"].get_local_rank()
         self.n_microbatches = global_batch // (cfg.dp * cfg.mbs)
         self.has_first, self.has_last = stages.has_first, stages.has_last
+        self.moe_layers = experts.moe_layers(stages.modules)
 
     # ---------------------------------------------------------------- data
     def local_batch(self, batch: dict[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -166,10 +168,12 @@ class ParallelModel:
         return clip_grad_norm_(params, max_norm, self.mesh["pp"].get_group())
 
     def optimizer_step(self, lr: Optional[float] = None) -> None:
-        """Step the optimizers (at learning rate ``lr`` when given) and count the step."""
+        """Step the optimizers (at learning rate ``lr`` when given), move the MoE layers'
+        balancing bias (codegen/runtime/experts.py) and count the step."""
         if lr is not None:
             self.optimizer.set_lr(lr)
         self.optimizer.step()
+        experts.balance_experts(self.moe_layers, self.dp_mesh.get_group(), first_step=self.step_count == 0)
         self.step_count += 1
 
     def global_loss(self, local: torch.Tensor) -> float:

@@ -13,7 +13,8 @@ from typing import Optional
 
 from planner.errors import AutoparError
 
-ARCHS = ("gpt", "llama", "mllm")
+ARCHS = ("gpt", "llama", "mllm", "moe")
+ROUTERS = ("softmax", "sigmoid")  # MoE router score functions (planner/zoo/moe.py)
 
 
 @dataclass
@@ -24,6 +25,9 @@ class ModelConfig:
     llama: RoPE (``rope_theta``), RMSNorm, SwiGLU, grouped-query attention, no biases.
     mllm: ViT encoder (``vision_*``, ``image_size``/``patch_size`` in pixels,
     ``channels``) -> 2-layer projector -> llama decoder.
+    moe: llama decoder whose MLPs after the first ``dense_layers`` (of ``ffn_hidden``) are
+    ``experts`` routed SwiGLU experts of ``expert_ffn_hidden``, ``top_k`` per token, scored by
+    ``router`` (softmax or sigmoid), plus ``shared_experts`` always-on ones of the same size.
     """
 
     name: str
@@ -46,6 +50,12 @@ class ModelConfig:
     image_size: int = 0
     patch_size: int = 0
     channels: int = 3
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn_hidden: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0
+    router: str = "softmax"
 
     def __post_init__(self) -> None:
         if self.max_seq_len is None:
@@ -83,6 +93,8 @@ class ModelConfig:
         if self.arch not in ARCHS:
             raise AutoparError(f"{where}: unknown arch {self.arch!r}; use one of {', '.join(ARCHS)}")
         ints = ["layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "seq_len", "max_seq_len"]
+        if self.arch == "moe":
+            ints += ["experts", "top_k", "expert_ffn_hidden"]
         if self.arch == "mllm":
             ints += ["vision_layers", "vision_hidden", "vision_heads", "vision_ffn_hidden",
                      "image_size", "patch_size", "channels"]
@@ -107,6 +119,18 @@ class ModelConfig:
         if self.arch == "gpt" and self.max_seq_len < self.seq_len:
             raise AutoparError(f"{where}: max_seq_len {self.max_seq_len} < seq_len {self.seq_len}; "
                                "raise max_seq_len")
+        if self.arch == "moe":
+            if self.top_k > self.experts:
+                raise AutoparError(f"{where}: top_k {self.top_k} exceeds experts {self.experts}; lower top_k")
+            for key in ("shared_experts", "dense_layers"):
+                val = getattr(self, key)
+                if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+                    raise AutoparError(f"{where}: {key!r} must be a non-negative integer, got {val!r}")
+            if self.dense_layers >= self.layers:
+                raise AutoparError(f"{where}: dense_layers {self.dense_layers} leaves no MoE layer of "
+                                   f"{self.layers}; lower dense_layers")
+            if self.router not in ROUTERS:
+                raise AutoparError(f"{where}: router {self.router!r}: use one of {', '.join(ROUTERS)}")
         if self.arch == "mllm":
             if self.image_size % self.patch_size:
                 raise AutoparError(f"{where}: image_size {self.image_size} is not a multiple of "
@@ -143,6 +167,11 @@ class ModelConfig:
         attn = 2 * h * h + 2 * h * kv
         block = attn + 3 * h * f + 2 * h
         total = v * h + self.layers * block + h + head
+        if self.arch == "moe":
+            moe_layers = self.layers - self.dense_layers
+            ef = self.expert_ffn_hidden
+            moe_mlp = h * self.experts + (self.experts + self.shared_experts) * 3 * h * ef
+            total += moe_layers * (moe_mlp - 3 * h * f)
         if self.arch == "mllm":
             vh, vf = self.vision_hidden, self.vision_ffn_hidden
             vblock = 4 * (vh * vh + vh) + vh * vf + vf + vf * vh + vh + 4 * vh
@@ -186,6 +215,22 @@ PRESETS: dict[str, ModelConfig] = {
         _llama("llama3-8b", 32, 4096, 14336, 32, 8),
         _llama("llama3-70b", 80, 8192, 28672, 64, 8),
         _llama("llama3-405b", 126, 16384, 53248, 128, 8),
+        # Mixtures of experts (planner/zoo/moe.py): a tiny one for tests (8 experts, top-2, a
+        # shared expert, the first block dense), Mixtral 8x7B / 8x22B, and a DeepSeek-V3-like
+        # model (61 layers, 3 dense, 256 fine-grained experts top-8 + 1 shared, sigmoid router;
+        # grouped-query attention in place of MLA, so about 1% fewer parameters than its 671B)
+        ModelConfig(name="moe-tiny", arch="moe", layers=4, hidden=64, ffn_hidden=176, heads=4, kv_heads=2,
+                    vocab=256, seq_len=32, rope_theta=500000.0, experts=8, top_k=2, expert_ffn_hidden=32,
+                    shared_experts=1, dense_layers=1),
+        ModelConfig(name="mixtral-8x7b", arch="moe", layers=32, hidden=4096, ffn_hidden=14336, heads=32,
+                    kv_heads=8, vocab=32000, seq_len=4096, rope_theta=1e6, experts=8, top_k=2,
+                    expert_ffn_hidden=14336),
+        ModelConfig(name="mixtral-8x22b", arch="moe", layers=56, hidden=6144, ffn_hidden=16384, heads=48,
+                    kv_heads=8, vocab=32768, seq_len=4096, rope_theta=1e6, experts=8, top_k=2,
+                    expert_ffn_hidden=16384),
+        ModelConfig(name="deepseek-v3-like", arch="moe", layers=61, hidden=7168, ffn_hidden=18432, heads=128,
+                    kv_heads=8, vocab=129280, seq_len=4096, rope_theta=10000.0, experts=256, top_k=8,
+                    expert_ffn_hidden=2048, shared_experts=1, dense_layers=3, router="sigmoid"),
         # ViT-B/16 encoder (196 patches) + a 12-layer, 1024-wide GQA decoder; 2048 tokens in all.
         ModelConfig(name="mllm-small", arch="mllm", layers=12, hidden=1024, ffn_hidden=4096, heads=16,
                     kv_heads=8, vocab=32000, seq_len=2048, rope_theta=500000.0, vision_layers=12,
@@ -201,4 +246,6 @@ PUBLISHED_PARAMS: dict[str, float] = {
     "llama3-8b": 8.03e9,
     "llama3-70b": 70.6e9,
     "llama3-405b": 405.9e9,
+    "mixtral-8x7b": 46.7e9,
+    "mixtral-8x22b": 140.6e9,
 }

@@ -30,9 +30,10 @@ from planner.zoo.config import PRESETS, ModelConfig
 from planner.zoo.gpt import GPT
 from planner.zoo.llama import Llama
 from planner.zoo.mllm import MLLM
+from planner.zoo.moe import MoE
 
 Device = Union[str, torch.device, None]
-_ARCH_CLASSES = {"gpt": GPT, "llama": Llama, "mllm": MLLM}
+_ARCH_CLASSES = {"gpt": GPT, "llama": Llama, "mllm": MLLM, "moe": MoE}
 # ``package.module:function``: the only form a model or data hook may name (nothing else is imported)
 FUNC_SPEC = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 _SPEC_HELP = "use a preset name, a .toml file, package.module:function or hf:<preset>"

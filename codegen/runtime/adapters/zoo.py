@@ -54,6 +54,8 @@ class ZooAdapter(ModelAdapter):
         if self.is_mllm:
             return {"cp": "image tokens are not sequence-sharded (vision layers)",
                     "sp": "the vision encoder is not sequence-sharded"}
+        if getattr(self.model.config, "arch", "") == "moe":
+            return {"tp": "its routed experts are not tensor-parallel (expert parallelism is not built yet)"}
         return {}
 
     def build_stage(self, units: Sequence[str], recompute: str) -> StageModule:

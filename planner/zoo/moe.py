@@ -1,0 +1,178 @@
+"""Mixture-of-experts decoder (Mixtral / DeepSeek-V3 shape): a Llama decoder whose MLPs,
+after ``dense_layers`` dense ones, are routed experts.
+
+``MoEFeedForward`` (the ``mlp`` of an MoE block), for tokens x [T, hidden]:
+
+1. **Router**: scores = ``score_func(router(x))`` over ``experts`` (softmax, Mixtral; or
+   sigmoid, DeepSeek-V3). Each token picks its ``top_k`` experts by ``scores + expert_bias``
+   (the bias only steers the choice: auxiliary-loss-free load balancing, DeepSeek-V3 §2.1.2);
+   its weights are the chosen scores, renormalised to sum 1 for sigmoid scores.
+2. **Dispatch**: the (token, choice) pairs are sorted by expert, so each expert's rows are
+   contiguous; ``counts`` [experts] says how many each got.
+3. **Experts**: SwiGLU per expert on its rows, with the stacked weights ``w_gate``, ``w_up``
+   [experts, hidden, expert_ffn] and ``w_down`` [experts, expert_ffn, hidden]
+   (:func:`grouped_swiglu`: ``torch._grouped_mm`` where it exists, a loop otherwise).
+4. **Combine**: each row times its weight, summed back onto its token; plus the
+   ``shared_experts`` (one SwiGLU of ``shared_experts * expert_ffn``) every token passes.
+
+``dispatcher`` (None: all experts local) is where expert parallelism plugs in, per
+instance: it takes the sorted rows and counts and returns the expert outputs in the same
+order. ``load`` accumulates the tokens per expert of the micro-batches differentiated since
+the last :meth:`take_load` (counted when the layer's output gradient arrives, so a forward
+that is never differentiated - a pipeline's shape probe, a recomputation - does not count); the runtime sums it over the data-parallel ranks before each optimizer
+step and calls :meth:`update_bias` (``codegen/runtime/experts.py``).
+
+Capture (planner/capture.py) runs the model on fake tensors, where data-dependent row
+counts do not exist: ``static_shapes = True`` on an instance makes it assume the balanced
+load (every expert ``T * top_k / experts`` rows, rounded up), which gives the expected
+FLOPs and activation bytes of the routed experts; nothing else changes.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from planner.zoo.attention import SelfAttention
+from planner.zoo.config import ModelConfig
+from planner.zoo.gpt import LMHead, ZooModel
+from planner.zoo.llama import SwiGLU, TokenEmbedding
+
+BIAS_RATE = 1e-3  # DeepSeek-V3's bias update speed gamma
+
+
+def grouped_swiglu(x: torch.Tensor, counts: list[int], w_gate: torch.Tensor, w_up: torch.Tensor,
+                   w_down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of each expert on its contiguous rows of ``x`` [sum(counts), hidden]."""
+    # split / unbind, not x[a:b] / w[e]: their backward is one concatenation / stack, where each
+    # slice's or index's would write a full-size gradient (experts^2 x weights of traffic); an
+    # expert without rows still runs (0 rows): its weights get zero gradients
+    outs = [(F.silu(rows @ g) * (rows @ u)) @ d
+            for rows, g, u, d in zip(x.split(counts), w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0))]
+    return torch.cat(outs)
+
+
+class MoEFeedForward(nn.Module):
+    """Routed experts plus optional shared experts (module docstring)."""
+
+    def __init__(self, hidden: int, expert_ffn: int, experts: int, top_k: int, shared_experts: int,
+                 score_func: str):
+        super().__init__()
+        self.experts, self.top_k, self.shared_experts, self.score_func = experts, top_k, shared_experts, score_func
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.w_gate = nn.Parameter(torch.empty(experts, hidden, expert_ffn))
+        self.w_up = nn.Parameter(torch.empty(experts, hidden, expert_ffn))
+        self.w_down = nn.Parameter(torch.empty(experts, expert_ffn, hidden))
+        self.shared = SwiGLU(hidden, shared_experts * expert_ffn) if shared_experts else None
+        self.register_buffer("expert_bias", torch.zeros(experts), persistent=True)
+        self.load: Optional[torch.Tensor] = None  # tokens per expert since take_load() (not a buffer)
+        self.dispatcher: Optional[Callable] = None
+        self.static_shapes = False
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, top_k], expert ids [T, top_k]) of tokens x [T, hidden]."""
+        logits = self.router(x).float()
+        scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
+        ids = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
+        w = scores.gather(-1, ids)
+        if self.score_func == "sigmoid":
+            w = w / w.sum(-1, keepdim=True)
+        return w.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = self.route(x)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // self.top_k
+        rows = x[token]
+        counts = torch.zeros(self.experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
+        if self.static_shapes:  # capture on fake tensors: the balanced load (module docstring)
+            per = math.ceil(rows.shape[0] / self.experts)
+            split = [per] * self.experts
+            rows = F.pad(rows, (0, 0, 0, per * self.experts - rows.shape[0]))
+        else:
+            split = [int(c) for c in counts.tolist()]
+        if self.dispatcher is not None:
+            out = self.dispatcher(self, rows, split)
+        else:
+            out = grouped_swiglu(rows, split, self.w_gate, self.w_up, self.w_down)
+        out = out[:token.shape[0]] * weights.reshape(-1)[order].unsqueeze(-1)
+        y = torch.zeros_like(x).index_add_(0, token, out)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        if y.requires_grad:  # counted when its gradient arrives: forwards never differentiated
+            y.register_hook(lambda grad, c=counts: self._add_load(c))  # (shape probes) do not count
+        return y.reshape(shape)
+
+    @torch.no_grad()
+    def _add_load(self, counts: torch.Tensor) -> None:
+        self.load = counts.float() if self.load is None else self.load + counts.float()
+
+    def take_load(self) -> torch.Tensor:
+        """Tokens each expert got since the last call ([experts], float), and reset."""
+        load = self.load if self.load is not None else torch.zeros_like(self.expert_bias)
+        self.load = None
+        return load
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor, rate: float = BIAS_RATE) -> None:
+        """Auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2): raise the bias of the experts that
+        got fewer than the mean of ``load`` (tokens per expert over the whole batch), lower it for
+        those that got more, by ``rate``."""
+        if load.sum() > 0:
+            self.expert_bias += rate * torch.sign(load.mean() - load)
+
+
+class MoEBlock(nn.Module):
+    """A Llama block whose ``mlp`` is a :class:`MoEFeedForward` (or a dense SwiGLU for the
+    first ``dense_layers`` blocks)."""
+
+    def __init__(self, cfg: ModelConfig, dense: bool):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.attn = SelfAttention(cfg.hidden, cfg.heads, cfg.kv_heads, bias=False, causal=True,
+                                  rope_theta=float(cfg.rope_theta))
+        self.mlp_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.hidden, cfg.ffn_hidden) if dense else MoEFeedForward(
+            cfg.hidden, cfg.expert_ffn_hidden, cfg.experts, cfg.top_k, cfg.shared_experts, cfg.router)
+
+    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class MoE(ZooModel):
+    """MoE decoder: ``embed``, ``layers`` (MoEBlock), ``norm``, ``head``.
+    ``forward(input_ids, labels=None, positions=None)`` as Llama's."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = TokenEmbedding(cfg.vocab, cfg.hidden)
+        self.layers = nn.ModuleList(MoEBlock(cfg, dense=i < cfg.dense_layers) for i in range(cfg.layers))
+        self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.head = LMHead(cfg.hidden, cfg.vocab)
+        self.tie_weights()
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits [B, S, vocab], or the mean loss if ``labels`` [B, S] is given."""
+        return self.run_decoder(self.embed(input_ids, positions), labels, positions)
+
+    def init_weights(self, seed: Optional[int] = None) -> None:
+        """As the other zoo models (the expert stacks N(0, 0.02)), the balancing bias zeroed."""
+        super().init_weights(seed)
+        for m in self.moe_layers():
+            if not m.expert_bias.is_meta:
+                m.expert_bias.zero_()
+            m.load = None
+
+    def moe_layers(self) -> list[MoEFeedForward]:
+        return [m for m in self.modules() if isinstance(m, MoEFeedForward)]
+
