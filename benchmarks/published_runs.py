@@ -19,8 +19,8 @@ layout (>= 1.0: at least as fast under the model) and how often the degrees matc
 
 Tiers: *exact* runs are expressed faithfully and make the headline figures;
 *approximate* ones (marked ~) ran on a runtime whose behaviour autopar's does not
-describe (DeepSpeed's 2021 ZeRO-3; torchtitan's per-op / per-layer selective
-checkpointing, which autopar's Megatron-style selective recompute is not) and are
+describe (DeepSpeed's 2021 ZeRO-3; torchtitan's per-layer selective checkpointing, which
+autopar's recompute policies are not; its per-op policy is autopar's ``selective-op``) and are
 printed, with the figures over all runs beside the headline. Stage splits are even
 (the published runs split layers evenly).
 
@@ -34,7 +34,8 @@ How a run is expressed (``express``), and what is assumed where a source is sile
   torchtitan's Llama 3 training configs (their MFU figures match it);
 - a global batch not stated: micro-batch x dp (torchtitan accumulates nothing by default);
 - recompute not stated: full for SC'21 (its Eq. 3 counts the recomputed forward),
-  selective otherwise; sequence parallel not stated: on when tp > 1; optimizer
+  selective otherwise; torchtitan's "selective" without an option: its default, per-op
+  (``selective-op``); sequence parallel not stated: on when tp > 1; optimizer
   sharding not stated: ddp for SC'21 (Megatron had no distributed optimizer then),
   zero1 (Megatron's distributed optimizer) for later Megatron runs.
 Skipped, with the reason printed: FP8 runs (autopar has no fp8 training),
@@ -91,8 +92,8 @@ def approx_reason(run: dict) -> str | None:
     in a way the cost model does not describe (None when the expression is faithful)."""
     if "DeepSpeed" in (run.get("zero_or_dist_optimizer") or ""):
         return "DeepSpeed ZeRO-3 (2021) priced as autopar's FSDP2"
-    if source_of(run) == "torchtitan" and "selective" in (run.get("activation_recompute") or ""):
-        return "torchtitan's selective checkpointing (per-op / per-layer policy) priced as autopar's selective"
+    if source_of(run) == "torchtitan" and "layer" in (run.get("activation_recompute") or ""):
+        return "torchtitan's per-layer selective checkpointing (every other block) priced as autopar's selective"
     return None
 
 
@@ -145,6 +146,10 @@ def express(run: dict) -> Case | str:
     rc_text = (run.get("activation_recompute") or "").lower()
     if rc_text.startswith("full") or (src == "SC21"):
         recompute = "full"
+    elif src == "torchtitan" and "selective" in rc_text and "layer" not in rc_text:
+        recompute = "selective-op"  # torchtitan's per-op policy (its default selective option, "op")
+        if "op" not in rc_text:
+            notes.append("selective = torchtitan's default option, op")
     elif "selective" in rc_text:
         recompute = "selective"
     else:

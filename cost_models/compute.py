@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 from cost_models import gpu_kernels as gk
 from cost_models.cluster import Cluster
+from cost_models.op_recompute import checkpointed, kept_linears
 from planner.graph import Layer, Linear, ModelGraph, MoEDims
 from planner.plan import ParallelConfig
 
@@ -68,9 +69,12 @@ CPU_DTENSOR_MODULE_S = 1.15e-3
 
 @dataclass
 class LayerTime:
+    """One layer, one micro-batch, one rank (seconds): forward, backward, and what per-op
+    recompute (``selective-op``) re-runs of the forward."""
     fwd_s: float
     bwd_s: float
     source: str  # "profile" | "roofline"
+    op_recompute_s: float = 0.0
 
 
 def attn_core_flops(layer: Layer, batch: int) -> float:
@@ -86,6 +90,25 @@ def _shard_factor(layer: Layer, cfg: ParallelConfig) -> float:
     f = layer.tp_flops_frac
     rest_div = cfg.tp if cfg.sp else 1
     return (f / cfg.tp + (1.0 - f) / rest_div) / cfg.cp
+
+
+def op_recompute_share(layer: Layer, graph: ModelGraph) -> float:
+    """Share of ``layer``'s forward FLOPs that per-op recompute (``selective-op``) runs again:
+    1 - (kept matmul FLOPs + attention-core FLOPs) / forward FLOPs, for the captured batch
+    (routed experts: half their GEMM FLOPs kept); 0 for layers the runtime does not
+    checkpoint. Where the layer time has no kernel breakdown (CPU roofline, profiled
+    layers) the recompute is this share of the forward time."""
+    if not checkpointed(layer) or layer.fwd_flops <= 0:
+        return 0.0
+    tokens = graph.batch * graph.seq_len
+    kept = sum(2.0 * tokens * lin.in_features * lin.out_features for lin in kept_linears(layer))
+    if layer.moe is not None:
+        m = layer.moe
+        kept += 3 * 2.0 * tokens * m.top_k * graph.hidden * m.expert_ffn / 2
+    a = layer.attention
+    if a is not None:
+        kept += attn_core_flops(layer, graph.batch) * (0.5 if a.causal else 1.0)
+    return min(1.0, max(0.0, 1.0 - kept / layer.fwd_flops))
 
 
 def calibration(profile) -> dict[str, float]:
@@ -148,11 +171,14 @@ def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Paral
     dscale = elem / graph.dtype_bytes
     m_cap = _captured_tokens(layer, graph)
     tokens = m_cap * scale / cfg.cp
-    fwd = bwd = 0.0
+    fwd = bwd = unkept = 0.0  # unkept: the forward GEMMs per-op recompute runs again
+    kept = {id(lin) for lin in kept_linears(layer)}
     gemm_bytes_cap: dict[str, float] = {}
     for lin in layer.linears:
         m, n, k = _gemm_shape(lin, tokens, cfg.tp)
-        fwd += gk.gemm_seconds(m, n, k, elem, gpu, co)
+        t = gk.gemm_seconds(m, n, k, elem, gpu, co)
+        fwd += t
+        unkept += 0.0 if id(lin) in kept else t
         bwd += gk.gemm_seconds(m, k, n, elem, gpu, co) + gk.gemm_seconds(n, k, m, elem, gpu, co)
         op = next((o.name for o in layer.ops if o.name and lin.name.startswith(o.name + ".")), "")
         io = m_cap * lin.in_features + lin.in_features * lin.out_features + m_cap * lin.out_features
@@ -160,7 +186,9 @@ def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Paral
     if layer.moe is not None:  # routed experts: per expert, its share of the rows (balanced load)
         for m, n, k in expert_gemms(layer.moe, tokens, graph.hidden):
             e = layer.moe.experts
-            fwd += e * gk.gemm_seconds(m, n, k, elem, gpu, co)
+            t = e * gk.gemm_seconds(m, n, k, elem, gpu, co)
+            fwd += t
+            unkept += t / 2  # every other expert matmul kept
             bwd += e * (gk.gemm_seconds(m, k, n, elem, gpu, co) + gk.gemm_seconds(n, k, m, elem, gpu, co))
         rows_cap, h, f = m_cap * layer.moe.top_k, graph.hidden, layer.moe.expert_ffn
         io = 3 * (rows_cap * h + layer.moe.experts * h * f + rows_cap * f)  # inputs, weights, outputs
@@ -181,9 +209,11 @@ def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Paral
     if not layer.ops:
         mem_f = layer.fwd_bytes * scale * dscale * _shard_factor(layer, cfg)
         mem_b = layer.bwd_bytes * scale * dscale * _shard_factor(layer, cfg)
-    fwd += gk.memory_seconds(mem_f, layer.fwd_kernels, gpu, co)
+    mem_fwd = gk.memory_seconds(mem_f, layer.fwd_kernels, gpu, co)
+    fwd += mem_fwd
     bwd += gk.memory_seconds(mem_b, layer.bwd_kernels, gpu, co)
-    return LayerTime(fwd, bwd, "roofline")
+    # per-op recompute re-runs the unkept GEMMs and every memory-bound kernel, not attention
+    return LayerTime(fwd, bwd, "roofline", op_recompute_s=unkept + mem_fwd if checkpointed(layer) else 0.0)
 
 
 def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
@@ -216,7 +246,8 @@ def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parall
         fwd = layer.fwd_bytes * dscale / bw * scale * shard
         bwd = layer.bwd_bytes * dscale / bw * scale * shard
     op_s = cal.get("op_overhead_s", CPU_OP_OVERHEAD_S)
-    return LayerTime(fwd + layer.fwd_ops * op_s, bwd + layer.bwd_ops * op_s, "roofline")
+    fwd += layer.fwd_ops * op_s
+    return LayerTime(fwd, bwd + layer.bwd_ops * op_s, "roofline", op_recompute_s=op_recompute_share(layer, graph) * fwd)
 
 
 def tp_modules(layer: Layer, cfg: ParallelConfig) -> int:
@@ -254,6 +285,9 @@ def layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelC
     if profile is not None:
         got = profile.layer_time(layer.signature, cfg.mbs, graph.seq_len, cfg.tp, cfg.cp)
         if got is not None:  # the profiler times plain local shards: no DTensor dispatch
-            return LayerTime((got[0] + df) * k, (got[1] + db) * k, "profile")
+            fwd = (got[0] + df) * k
+            return LayerTime(fwd, (got[1] + db) * k, "profile", op_recompute_s=op_recompute_share(layer, graph) * fwd)
     t = roofline_time(layer, graph, cluster, cfg, cal)
-    return LayerTime((t.fwd_s + df) * k, (t.bwd_s + db) * k, t.source)
+    share = t.op_recompute_s / t.fwd_s if t.fwd_s > 0 else 0.0
+    fwd = (t.fwd_s + df) * k
+    return LayerTime(fwd, (t.bwd_s + db) * k, t.source, op_recompute_s=share * fwd)

@@ -154,13 +154,30 @@ def _act_bytes_io(layer: Layer, graph: ModelGraph, cfg: ParallelConfig) -> float
     return layer.input_bytes * cfg.mbs / graph.batch * DTYPE_BYTES[cfg.dtype] / graph.dtype_bytes / cfg.cp
 
 
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer, one micro-batch, one rank (seconds): forward and backward compute, TP
+    communication (forward + backward), CP's exposed ring exchange (forward + backward), the
+    attention core's forward (what ``selective`` recomputes), what ``selective-op`` recomputes
+    of the forward compute (``LayerTime.op_recompute_s``), and where the compute and
+    communication figures came from."""
+    fwd: float
+    bwd: float
+    tp: float
+    cp: float
+    core: float
+    op_rc: float
+    source: str
+    comm_source: str
+
+
 class LayerCosts:
     """Per-layer forward/backward seconds incl. TP/CP communication, cached by signature."""
 
     def __init__(self, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, profile) -> None:
         self.g, self.c, self.cfg, self.profile = graph, cluster, cfg, profile
         self.mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
-        self.cache: dict[str, tuple[float, float, float, float, float, str, str]] = {}
+        self.cache: dict[str, LayerCost] = {}
         self.tables: dict[tuple, LayerTable] = {}
 
     def table(self, cfg: ParallelConfig) -> LayerTable:
@@ -171,9 +188,8 @@ class LayerCosts:
             t = self.tables[key] = LayerTable(self.g, cfg)
         return t
 
-    def get(self, layer: Layer) -> tuple[float, float, float, float, float, str, str]:
-        """(fwd compute, bwd compute, tp comm fwd+bwd, cp exposed fwd+bwd, attention-core fwd s,
-        compute source, comm source)."""
+    def get(self, layer: Layer) -> "LayerCost":
+        """The layer's seconds for one micro-batch under the config (cached by signature)."""
         hit = self.cache.get(layer.signature)
         if hit is not None:
             return hit
@@ -207,7 +223,8 @@ class LayerCosts:
                 fwd_comm = (cfg.cp - 1) * step.seconds
                 cp_s = max(0.0, fwd_comm - core_s) + max(0.0, 2 * fwd_comm - 2.5 * core_s)
                 csrc = step.source
-        out = (lt.fwd_s, lt.bwd_s, tp_s, cp_s, core_s, lt.source, csrc)
+        out = LayerCost(fwd=lt.fwd_s, bwd=lt.bwd_s, tp=tp_s, cp=cp_s, core=core_s,
+                        op_rc=lt.op_recompute_s, source=lt.source, comm_source=csrc)
         self.cache[layer.signature] = out
         return out
 
@@ -224,16 +241,28 @@ class PassTimes:
     recompute: float
 
 
-def layer_pass_times(lf: float, lb: float, tp_s: float, cp_s: float, core_s: float, policy: str) -> PassTimes:
+def recompute_seconds(c: LayerCost, policy: str) -> float:
+    """What ``policy`` re-runs in the backward of one layer and micro-batch: the whole forward
+    (communication included) for ``full``; for ``selective-op`` its unkept compute
+    (``op_rc``) and the forward TP communication at the same share of the forward (the
+    collectives feeding unkept outputs run again); the attention core for ``selective``;
+    nothing for ``none``."""
+    fwd = c.fwd + c.tp / 2 + c.cp / 3
+    if policy == "full":
+        return fwd
+    if policy == "selective-op":
+        return c.op_rc * (1 + c.tp / 2 / c.fwd) if c.fwd > 0 else 0.0
+    return c.core if policy == "selective" else 0.0
+
+
+def layer_pass_times(c: LayerCost, policy: str) -> PassTimes:
     """The one per-layer stage-time rule the estimator and the ILP (planner/search.py) share,
     from ``LayerCosts.get``'s figures: TP communication split evenly between forward and
-    backward, CP's exposed part 1:2 (the backward exchanges twice), and recompute added to the
-    backward - the whole forward again (communication included) for ``full``, the attention
-    core for ``selective``."""
-    fwd = lf + tp_s / 2 + cp_s / 3
-    extra = fwd if policy == "full" else (core_s if policy == "selective" else 0.0)
-    return PassTimes(fwd=fwd, bwd=lb + tp_s / 2 + 2 * cp_s / 3 + extra, compute_fwd=lf, compute_bwd=lb + extra,
-                     recompute=extra)
+    backward, CP's exposed part 1:2 (the backward exchanges twice), and the recompute
+    (:func:`recompute_seconds`) added to the backward."""
+    extra = recompute_seconds(c, policy)
+    return PassTimes(fwd=c.fwd + c.tp / 2 + c.cp / 3, bwd=c.bwd + c.tp / 2 + 2 * c.cp / 3 + extra,
+                     compute_fwd=c.fwd, compute_bwd=c.bwd + extra, recompute=extra)
 
 
 @dataclass
@@ -262,18 +291,18 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
         f = b = cf = cb = 0.0
         parts = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "recompute": 0.0}
         for i in range(lo, hi):
-            lf, lb, tp_s, cp_s, core_s, s1, s2 = costs.get(graph.layers[i])
-            comp_src.add(s1)
-            if tp_s or cp_s:
-                comm_src.add(s2)
-            t = layer_pass_times(lf, lb, tp_s, cp_s, core_s, rc)
+            c = costs.get(graph.layers[i])
+            comp_src.add(c.source)
+            if c.tp or c.cp:
+                comm_src.add(c.comm_source)
+            t = layer_pass_times(c, rc)
             f += t.fwd
             b += t.bwd
             cf += t.compute_fwd
             cb += t.compute_bwd
-            parts["compute"] += lf + lb
-            parts["tp_comm"] += tp_s
-            parts["cp_comm"] += cp_s
+            parts["compute"] += c.fwd + c.bwd
+            parts["tp_comm"] += c.tp
+            parts["cp_comm"] += c.cp
             parts["recompute"] += t.recompute
         out.append(_StageCost(f, b, cf, cb, parts))
     return out

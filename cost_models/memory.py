@@ -39,6 +39,8 @@ compute dtype, then divided:
 - everything by cp (each rank holds S/cp tokens);
 - selective recompute drops ``act_bytes_attn_core``; full recompute keeps only each
   layer's input (``input_bytes``) plus, transiently, one layer's full activations;
+  per-op recompute (``selective-op``) keeps what ``cost_models/op_recompute.py`` counts,
+  with the same transient;
 - the fused linear+cross-entropy kernel drops the head's vocabulary-sized tensors
   (logits, log-probabilities): the head keeps only its input.
 In-flight micro-batches per stage come from the pipeline simulator (1F1B holds
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from cost_models.op_recompute import checkpointed, op_saved_bytes
 from planner.graph import Layer, ModelGraph
 from planner.plan import RECOMPUTE, SHARDED_PARAMS, ZERO, ParallelConfig
 
@@ -104,6 +107,9 @@ def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recom
     scale = cfg.mbs / graph.batch * DTYPE_BYTES[cfg.dtype] / graph.dtype_bytes
     if recompute == "full":
         return layer.input_bytes * scale / cfg.cp / (cfg.tp if cfg.sp else 1)
+    if recompute == "selective-op" and checkpointed(layer):
+        kept = op_saved_bytes(layer, graph)
+        return (kept.tp_part / cfg.tp + kept.rest / (cfg.tp if cfg.sp else 1)) * scale / cfg.cp
     tp_part = layer.act_bytes_tp
     rest = layer.act_bytes - tp_part
     if cfg.loss == "fused" and layer.vocab and layer.kind in ("head", "loss"):
@@ -181,7 +187,7 @@ def stage_memory(graph: ModelGraph, layers: list[int], cfg: ParallelConfig, infl
         # (twice that under full recompute, which re-materialises the activations too), while
         # the layers after j in the stage have already released that micro-batch's
         # activations: the peak is the worst j.
-        mult = 2.0 if recompute == "full" else 1.0
+        mult = 2.0 if recompute in ("full", "selective-op") else 1.0
         held, best = 0.0, (-1.0, 0.0)
         for i in layers:
             held += t.act[recompute][i]

@@ -21,7 +21,25 @@ def uses_ddp_reducer(zero: str, pp: int, tp: int) -> bool:
     no pipeline schedule, plain tensors: no TP) rather than FSDP2-style ``replicate``; the cost
     model prices the gradient all-reduce per bucket for it (codegen/runtime/data_parallel.py)."""
     return zero in ("ddp", "zero1") and pp == 1 and tp == 1
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "selective-op", "full")  # codegen/runtime/recompute.py runs each
+SPLIT_BACKWARD = ("zb-h1",)  # schedules that run a block's backward in two passes (input, then weight grads)
+
+
+def recompute_policies(schedule: str, pp: int) -> tuple[str, ...]:
+    """The recompute policies the runtime can run under ``schedule``: all but ``selective-op``
+    where the schedule splits the backward (torch's per-op checkpointing frees each saved
+    output at the first recompute, and a split backward recomputes the block twice)."""
+    if pp > 1 and schedule in SPLIT_BACKWARD:
+        return tuple(r for r in RECOMPUTE if r != "selective-op")
+    return RECOMPUTE
+
+
+def recompute_problem(recompute: str, schedule: str, pp: int) -> str | None:
+    """Why ``recompute`` cannot run under ``schedule`` (one line with the fix), or None."""
+    if recompute in recompute_policies(schedule, pp):
+        return None
+    return (f"recompute={recompute} with schedule={schedule}: per-op checkpointing cannot be recomputed twice "
+            f"by a split backward; use recompute=full or selective, or another schedule")
 DTYPES = ("bf16", "fp16", "fp32")
 ATTN_KERNELS = ("flash", "eager")      # flash: no S x S scores kept (SDPA flash / our Triton kernel)
 LOSS_KERNELS = ("fused", "eager")      # fused: linear + cross-entropy without [tokens x vocab] logits
@@ -54,7 +72,7 @@ class ParallelConfig:
     schedule: str = "1f1b"       # pipeline schedule (ignored when pp == 1)
     vpp: int = 1                 # virtual stages (chunks) per pp rank, interleaved schedule only
     zero: str = "ddp"            # DP sharding: ddp | zero1 | zero2 | fsdp
-    recompute: str = "none"      # none | selective | full (uniform; a Partition may choose per stage)
+    recompute: str = "none"      # none | selective | selective-op | full (uniform; a Partition may choose per stage)
     sp: bool = False             # sequence parallel with TP
     dtype: str = "bf16"          # compute dtype (mixed precision with fp32 master weights unless fp32)
     attention: str = "flash"
@@ -273,6 +291,8 @@ def config_problems(cfg: "ParallelConfig", f: ModelFacts) -> list[str]:
         out.append(f"attention=flash: {f.limits['flash_attention']}")
     if (p := zero_problem(cfg.zero, cfg.tp, cfg.dp * cfg.cp, f)):
         out.append(p)
+    if (p := recompute_problem(cfg.recompute, cfg.schedule, cfg.pp)):
+        out.append(p)
     return out
 
 
@@ -384,6 +404,8 @@ class Plan:
                     raise PlanError("a stage names a layer the model does not have")
                 if s.get("recompute") not in RECOMPUTE:
                     raise PlanError(f"stage recompute {s.get('recompute')!r} is not one of {', '.join(RECOMPUTE)}")
+                if (p := recompute_problem(s["recompute"], cfg.schedule, cfg.pp)):
+                    raise PlanError(p)
             plan.partition().validate(len(names))
             for fqn, role in plan.tp_layout.items():
                 if not re.fullmatch(r"[A-Za-z_][\w]*(\.[\w]+)*", fqn) or role not in TP_ROLES:

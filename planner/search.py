@@ -7,7 +7,8 @@ dividing heads, kv heads and hidden, cp splitting the sequence into zigzag chunk
 most the number of stage groups), tp inside a node and dp dividing the global batch,
 times micro-batch size (divisors of the per-replica batch up to ``max_mbs``), schedule
 (GPipe, 1F1B, interleaved with v in {2, 4}, ZB-H1), DP sharding (DDP, ZeRO-1, FSDP),
-recompute (none, selective, full) and sequence parallel (on/off when tp > 1). Pipeline
+recompute (none, selective, selective-op, full; selective-op not under
+ZB-H1) and sequence parallel (on/off when tp > 1). Pipeline
 stages are cut between stage groups only (``ModelGraph.stage_groups``).
 
 Pruning keeps the space whole but cheap, with two bounds per degree tuple
@@ -49,7 +50,7 @@ from planner.errors import AutoparError
 from planner.graph import BLOCK_KINDS, ModelGraph
 from planner.pins import Pins
 from planner.plan import (RECOMPUTE, SCHEDULES, ZERO, ModelFacts, ParallelConfig, Partition, cp_problem, default_attention,
-                          pp_problem, sp_problem, tp_problem, zero_problem)
+                          pp_problem, recompute_policies, sp_problem, tp_problem, zero_problem)
 
 GiB = 2**30
 # The DP sharding modes the search tries: planner.plan.ZERO without zero2 (with pp > 1 it holds
@@ -152,7 +153,7 @@ def _variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: in
         for zero in zeros:
             if zero_problem(zero, tp, dp * cp, facts):
                 continue
-            for rc in (r for r in RECOMPUTE if pins.allows("recompute", r)):
+            for rc in (r for r in recompute_policies(sched, pp) if pins.allows("recompute", r)):
                 for sp in (s for s in ((False, True) if sp_ok else (False,)) if pins.allows("sp", s)):
                     if not dominated and sp_ok and not sp and pins.allows("sp", True):
                         continue
@@ -285,7 +286,7 @@ def _tuples_with_floors(space: _Space, max_mbs: int) -> list[_Tuple]:
                                   sp=sp_problem(tp, cp, space.facts) is None, attention=space.attention)
             costs = space.costs(base)
             # per micro-batch: compute + TP/CP communication (on the critical path in every variant)
-            t_rank = sum(sum(costs.get(l)[:4]) for l in g.layers) / pp
+            t_rank = sum(c.fwd + c.bwd + c.tp + c.cp for c in map(costs.get, g.layers)) / pp
             # bubble: no schedule here does better than interleaving with v = 4: (pp-1) t / 4
             floor_s = m * t_rank + (pp - 1) * t_rank / 4
             # memory floor: FSDP states (16 bytes/param over dp*cp) on the average rank
@@ -310,7 +311,7 @@ def _balanced_stage_times(costs: LayerCosts, graph: ModelGraph, pp: int) -> dict
     perfectly balanced stages, by the estimator's own per-layer rule (``layer_pass_times``)."""
     out = {}
     for policy in RECOMPUTE:
-        times = [layer_pass_times(*costs.get(l)[:5], policy) for l in graph.layers]
+        times = [layer_pass_times(costs.get(l), policy) for l in graph.layers]
         out[policy] = (sum(x.fwd for x in times) / pp, sum(x.bwd for x in times) / pp)
     return out
 
@@ -453,9 +454,9 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
         b = {p: 0.0 for p in RECOMPUTE}
         a = {p: 0.0 for p in RECOMPUTE}
         for l in graph.layers[lo:hi]:
-            lf, lb, tp_s, cp_s, core_s, _, _ = costs.get(l)
+            c = costs.get(l)
             for p in RECOMPUTE:
-                t = layer_pass_times(lf, lb, tp_s, cp_s, core_s, p)
+                t = layer_pass_times(c, p)
                 f[p] += t.fwd
                 b[p] += t.bwd
                 a[p] += layer_activation(l, graph, cfg, p)
@@ -510,7 +511,8 @@ def best_partition(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, glo
     from planner.partition import solve_partition
 
     prob = partition_problem(graph, cluster, cfg, global_batch, profile)
-    prob.policies = (cfg.recompute,) if cfg.recompute != "none" or uniform_recompute else RECOMPUTE
+    uniform = cfg.recompute != "none" or uniform_recompute
+    prob.policies = (cfg.recompute,) if uniform else recompute_policies(cfg.schedule, cfg.pp)
     r = solve_partition(prob, time_limit=time_limit)
     info = {"status": r.status, "gap": r.gap, "solve_s": r.solve_s, "solver": r.solver,
             "objective_s": r.objective_s}

@@ -46,6 +46,11 @@ LAYOUTS = {
         # recompute: per-stage policies (selective = attention core, full = whole blocks)
         ("pp2-1f1b-recompute", dict(pp=2, schedule="1f1b", recompute="selective"), 2),
         ("cp2-zigzag-selective", dict(cp=2, recompute="selective"), 1),
+        # per-op checkpointing (selective-op): FSDP, and PP with a fully recomputed second stage;
+        # refused under a split backward (ZB-H1)
+        ("dp2-fsdp-op", dict(dp=2, zero="fsdp", recompute="selective-op"), 1),
+        ("pp2-1f1b-op", dict(pp=2, schedule="1f1b", recompute="selective-op"), 2),
+        ("pp2-zb-h1-op", dict(pp=2, schedule="zb-h1", recompute="selective-op"), 2),
     ],
     4: [
         ("dp2xtp2-fsdp-sp", dict(dp=2, tp=2, sp=True, zero="fsdp"), 1),
@@ -53,6 +58,7 @@ LAYOUTS = {
         ("pp2xtp2-1f1b-sp", dict(pp=2, tp=2, sp=True, schedule="1f1b"), 2),
         ("pp2xcp2-1f1b", dict(pp=2, cp=2, schedule="1f1b"), 2),
         ("dp2xcp2-fsdp", dict(dp=2, cp=2, zero="fsdp"), 1),
+        ("dp2xtp2-fsdp-sp-op", dict(dp=2, tp=2, sp=True, zero="fsdp", recompute="selective-op"), 1),
     ],
     8: [
         ("dp2xpp2xtp2-fsdp-sp", dict(dp=2, pp=2, tp=2, sp=True, zero="fsdp", schedule="1f1b"), 2),
@@ -121,8 +127,9 @@ def run_layout(model_name, cfg_kw, n_virtual, data):
     pc = ParallelConfig(dtype="fp32", mbs=1, **cfg_kw).validate()
     _, layout, facts = planner_view(model_name)
     stages = stages_for(model_name, n_virtual)
-    policies = {"none": ["none"] * n_virtual, "selective": (["selective", "full"] * n_virtual)[:n_virtual]}
-    pm = parallelize(c.build(c.parallel_device), pc, stages, policies[pc.recompute], layout, GB, SEQ, "cpu",
+    # a policy other than none alternates with full over the virtual stages
+    policies = ["none"] * n_virtual if pc.recompute == "none" else ([pc.recompute, "full"] * n_virtual)[:n_virtual]
+    pm = parallelize(c.build(c.parallel_device), pc, stages, policies, layout, GB, SEQ, "cpu",
                      optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=LR), seed=SEED, facts=facts)
     losses, grads = [], None
     t0 = time.perf_counter()

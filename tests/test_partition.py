@@ -32,8 +32,10 @@ def _random_problem(rng: random.Random, L: int, pp: int, v: int, m: int, schedul
         f = rng.uniform(0.2, 3.0)
         a = rng.uniform(1.0, 6.0)
         fwd.append({q: f for q in POL})
-        bwd.append({"none": 2 * f, "selective": 2 * f + rng.uniform(0.05, 0.3) * f, "full": 3 * f})
-        act.append({"none": a, "selective": a * rng.uniform(0.3, 0.7), "full": a * rng.uniform(0.03, 0.15)})
+        bwd.append({"none": 2 * f, "selective": 2 * f + rng.uniform(0.05, 0.3) * f,
+                    "selective-op": 2 * f + rng.uniform(0.3, 0.6) * f, "full": 3 * f})
+        act.append({"none": a, "selective": a * rng.uniform(0.3, 0.7), "selective-op": a * rng.uniform(0.2, 0.4),
+                    "full": a * rng.uniform(0.03, 0.15)})
         static.append(rng.uniform(0.5, 4.0))
         p2p.append(rng.uniform(0.0, 0.2))
         cls.append(f"l{i}")
@@ -158,8 +160,8 @@ def _llama_like(blocks: int, pp: int, v: int, m: int, capacity: float, head_f: f
 
     def add(c: str, f: float, a: float, s: float) -> None:
         fwd.append({q: f for q in POL})
-        bwd.append({"none": 2 * f, "selective": 2.1 * f, "full": 3 * f})
-        act.append({"none": a, "selective": 0.5 * a, "full": 0.05 * a})
+        bwd.append({"none": 2 * f, "selective": 2.1 * f, "selective-op": 2.5 * f, "full": 3 * f})
+        act.append({"none": a, "selective": 0.5 * a, "selective-op": 0.35 * a, "full": 0.05 * a})
         st.append(s)
         p2p.append(0.001)
         cls.append(c)

@@ -10,7 +10,7 @@ emitted program and by :func:`codegen.runtime.train.parallelize` alike (torchtit
    their gradients (pp > 1), before TP splits the two ends into separate DTensors
 6. :func:`apply_attention` - attention per block: kernel, ring attention (CP), selective recompute
 7. :func:`apply_tp` - tensor (and sequence) parallel from the TP plan ``{module fqn: style}``
-8. :func:`apply_recompute` - full recompute of the blocks whose stage asks for it
+8. :func:`apply_recompute` - full or per-op recompute of the blocks whose stage asks for it
 9. :func:`apply_dp` - FSDP2 / replicate over the data-parallel mesh (dp x cp)
 10. ``codegen.runtime.optim.build_optimizer`` - one optimizer per stage module
 11. :func:`build_schedule` - the torch pipelining schedule (pp > 1)
@@ -131,11 +131,12 @@ def apply_tp(adapter: ModelAdapter, stages: Stages, tp_plan: dict[str, str], mes
 
 
 def apply_recompute(adapter: ModelAdapter, stages: Stages) -> None:
-    """Checkpoint (recompute in backward) every block whose stage's policy is ``full``."""
+    """Checkpoint (recompute in backward) every block whose stage's policy is ``full`` or
+    ``selective-op`` (the latter under the per-op save policy)."""
     blocks = set(adapter.blocks)
     for sm in stages.modules:
-        for u in (u for u in sm.units if u in blocks and stages.policy[u] == "full"):
-            rc.checkpoint_block(sm.get_submodule(u))
+        for u in (u for u in sm.units if u in blocks and stages.policy[u] in ("full", "selective-op")):
+            rc.checkpoint_block(sm.get_submodule(u), per_op=stages.policy[u] == "selective-op")
 
 
 def apply_dp(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, mesh: DeviceMesh) -> DeviceMesh:

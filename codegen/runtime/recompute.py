@@ -9,7 +9,17 @@
   ring) is checkpointed: the block's attention implementation is wrapped in
   :class:`SelectiveAttention` (``codegen/runtime/attention.py`` builds it per block);
   projections, norms and MLP keep their activations.
+- ``selective-op``: the block is checkpointed like ``full``, but under a per-op save policy
+  (torch's selective activation checkpointing, torchtitan's "op" mode): the outputs of every
+  other matmul (the 1st, 3rd, ... of each forward of the block), of the attention kernels and
+  of sequence-parallel reduce-scatters are kept; everything else (the other matmuls, norms,
+  activations, rotary, residual adds) is recomputed. :class:`OpSavePolicy` is that rule;
+  ``cost_models/op_recompute.py`` prices it.
 - ``none``: nothing.
+
+A block checkpointed per op can be recomputed only once per forward (torch frees each saved
+output when the recompute reads it), so ``selective-op`` does not run under schedules that
+split the backward (``planner.plan.recompute_problem``).
 """
 from __future__ import annotations
 
@@ -17,7 +27,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from planner.plan import RECOMPUTE as POLICIES
 
@@ -37,6 +47,73 @@ class SelectiveAttention:
         return self.inner(q, k, v, causal=causal, scale=scale)
 
 
+def _saved_ops() -> tuple[set, set]:
+    """(matmul ops saved alternately, ops always saved) of :class:`OpSavePolicy`; looked up
+    lazily so the attention / loss custom ops are registered first."""
+    import importlib
+
+    importlib.import_module("codegen.kernels.attention")  # registers torch.ops.autopar.*
+
+    aten = torch.ops.aten
+    always = {aten._scaled_dot_product_flash_attention.default,
+              aten._scaled_dot_product_efficient_attention.default,
+              aten._scaled_dot_product_flash_attention_for_cpu.default,
+              aten._scaled_dot_product_cudnn_attention.default,
+              torch.ops.autopar.flash_attn_fwd.default, torch.ops.autopar.attn_merge.default,
+              torch.ops._c10d_functional.reduce_scatter_tensor.default, aten.max.default}
+    return {aten.mm.default, aten.addmm.default}, always
+
+
+class OpSavePolicy:
+    """The ``selective-op`` save rule for one forward of one block (a fresh instance per
+    forward, so the matmul count restarts): keep the 1st, 3rd, 5th ... matmul output and every
+    attention / reduce-scatter output, recompute the rest. Torch asks it only during the
+    forward; the recompute replays the forward's decisions."""
+
+    def __init__(self) -> None:
+        self.matmuls, self.always = _saved_ops()
+        self.count = 0
+
+    def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if func in self.matmuls:
+            self.count += 1
+            return CheckpointPolicy.MUST_SAVE if self.count % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in self.always else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _Contexts:
+    """The (forward, recompute) contexts of one checkpointed forward: nothing or the per-op
+    save policy in forward; the hook switch, plus the policy's replay, in recompute."""
+
+    def __init__(self, switch: "_HookSwitch", per_op: bool) -> None:
+        self.switch, self.per_op = switch, per_op
+
+    def __call__(self):
+        import contextlib
+
+        if not self.per_op:
+            return contextlib.nullcontext(), self.switch
+        fwd, replay = create_selective_checkpoint_contexts(OpSavePolicy())
+        return fwd, _Both(self.switch, replay)
+
+
+class _Both:
+    """Two contexts entered in order and left in reverse (re-enterable: a fresh stack each time)."""
+
+    def __init__(self, first, second) -> None:
+        self.first, self.second, self.stack = first, second, None
+
+    def __enter__(self) -> None:
+        import contextlib
+
+        self.stack = contextlib.ExitStack()
+        self.stack.enter_context(self.first)
+        self.stack.enter_context(self.second)
+
+    def __exit__(self, *exc):
+        return self.stack.__exit__(*exc)
+
+
 class _HookSwitch:
     """Checkpoint hooks of one block: on, except while the block is being recomputed.
     A plain class (not a generator context manager), so one recomputation context can be
@@ -53,20 +130,20 @@ class _HookSwitch:
         self.on = self._prev
 
 
-def checkpoint_block(block: nn.Module) -> None:
-    """Recompute ``block`` in backward (hooks on that instance; idempotent)."""
-    import contextlib
-
+def checkpoint_block(block: nn.Module, per_op: bool = False) -> None:
+    """Recompute ``block`` in backward (hooks on that instance; idempotent): all of it, or with
+    ``per_op`` only what :class:`OpSavePolicy` does not keep."""
     from torch.utils.checkpoint import _DEFAULT_DETERMINISM_MODE, _checkpoint_without_reentrant_generator
 
     if getattr(block, "_autopar_ckpt", False):
         return
     switch = _HookSwitch()
+    contexts = _Contexts(switch, per_op)
 
     def pre(mod, args, kwargs):
         if switch.on:
             switch.gen = _checkpoint_without_reentrant_generator(
-                mod, True, lambda: (contextlib.nullcontext(), switch), _DEFAULT_DETERMINISM_MODE, False, True,
+                mod, True, contexts, _DEFAULT_DETERMINISM_MODE, False, True,
                 *args, **kwargs)
             next(switch.gen)
 
