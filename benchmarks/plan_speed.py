@@ -23,6 +23,8 @@ CASES = [
     ("llama3-405b", "dgx-h100:2048", 2048, 8192),  # 16,384 H100
     ("gpt3-175b", "dgx-a100-80g:128", 1536, 2048),
     ("mllm-small", "h200-8x:1", 64, None),
+    ("mixtral-8x22b", "dgx-h100:16", 1024, 4096),       # 128 H100: 8 experts, top-2
+    ("deepseek-v3-like", "dgx-h100:256", 4096, 4096),   # 2,048 H100: 256 fine-grained experts, top-8
 ]
 
 _CHILD = r"""
@@ -44,6 +46,7 @@ print(json.dumps({"model": model, "cluster": cluster, "devices": c.world, "globa
                   "import_s": t1 - t0, "capture_s": t2 - t1, "search_s": t3 - t2, "plan_s": t3 - t1,
                   "considered": res.considered, "pruned": res.pruned, "estimated": res.estimated,
                   "fully_solved": res.fully_solved, "best": b.config.label(), "step_s": b.step_s, "mfu": b.mfu,
+                  "tflops_per_device": b.tflops_per_device,
                   "partition": res.partition_info.get(b.config.to_str(), {})}))
 """
 
@@ -60,12 +63,12 @@ def main() -> None:
             print(f"{model} on {cluster}: failed: {r.stderr.strip().splitlines()[-1]}")
             continue
         rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    print(f"{'model':<12}{'devices':>8}{'import s':>9}{'capture s':>10}{'search s':>9}{'plan s':>8}{'considered':>11}"
-          f"{'pruned':>8}{'estimated':>10}{'solved':>7}  best (step s, MFU)")
+    print(f"{'model':<17}{'devices':>8}{'import s':>9}{'capture s':>10}{'search s':>9}{'plan s':>8}{'considered':>11}"
+          f"{'pruned':>8}{'estimated':>10}{'solved':>7}  best (step s, MFU, model TFLOP/s per device)")
     for r in rows:
-        print(f"{r['model']:<12}{r['devices']:>8}{r['import_s']:>9.2f}{r['capture_s']:>10.2f}{r['search_s']:>9.2f}{r['plan_s']:>8.2f}"
-              f"{r['considered']:>11}{r['pruned']:>8}{r['estimated']:>10}{r['fully_solved']:>7}  "
-              f"{r['best']} ({r['step_s']:.3g} s, {r['mfu'] * 100:.1f}%)")
+        print(f"{r['model']:<17}{r['devices']:>8}{r['import_s']:>9.2f}{r['capture_s']:>10.2f}{r['search_s']:>9.2f}"
+              f"{r['plan_s']:>8.2f}{r['considered']:>11}{r['pruned']:>8}{r['estimated']:>10}{r['fully_solved']:>7}  "
+              f"{r['best']} ({r['step_s']:.3g} s, {r['mfu'] * 100:.1f}%, {r['tflops_per_device']:.0f})")
     write_json(args.out, {"rows": rows, "cpus": os.cpu_count()})
 
 

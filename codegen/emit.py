@@ -10,8 +10,8 @@ The program reads top to bottom, in torchtitan's manner:
   exactly the plan's layout;
 - ``build``: the parallelisation recipe, one runtime helper per concern
   (``codegen/runtime/recipe.py``: ``check_runnable`` -> ``build_mesh`` -> ``split_stages`` ->
-  ``materialize`` -> ``tie_weights`` -> ``apply_attention`` -> ``apply_tp`` -> ``apply_recompute``
-  -> ``apply_dp`` -> ``build_optimizer`` -> ``build_schedule``), the same helpers
+  ``materialize`` -> ``tie_weights`` -> ``apply_attention`` -> ``apply_tp`` -> ``apply_ep`` ->
+  ``apply_recompute`` -> ``apply_dp`` -> ``build_optimizer`` -> ``build_schedule``), the same helpers
   ``codegen.runtime.train.parallelize`` calls;
 - ``train_step``: this rank's share of the global batch, the micro-batches (gradient
   accumulation) or the pipeline schedule's ``step``, the tied-weight gradients, clipping by
@@ -64,7 +64,7 @@ from codegen.runtime.data import synthetic, user_hook
 from codegen.runtime.mesh import build_mesh, exit_process, init_distributed, teardown
 from codegen.runtime.metrics import peak_memory_per_rank
 from codegen.runtime.optim import build_optimizer, warmup_cosine
-from codegen.runtime.recipe import (apply_attention, apply_dp, apply_recompute, apply_tp, build_schedule,
+from codegen.runtime.recipe import (apply_attention, apply_dp, apply_ep, apply_recompute, apply_tp, build_schedule,
                                     check_runnable, materialize, split_stages, tie_weights)
 from codegen.runtime.tp_plan import tp_plan_for
 from codegen.runtime.train import ParallelModel, TokenLoss
@@ -122,8 +122,9 @@ def build(model: torch.nn.Module, args: argparse.Namespace, device: torch.device
     tied = tie_weights(adapter, stages, mesh)
     apply_attention(adapter, stages, CONFIG, mesh)  # {attention}
     apply_tp(adapter, stages, tp_plan_for(units, BLOCK_TP_PLAN, TP_PLAN), mesh, CONFIG.sp)  # {tp}
+    experts = apply_ep(stages, CONFIG)  # {ep}
     apply_recompute(adapter, stages)  # checkpoint the blocks of "full" stages
-    dp_mesh = apply_dp(adapter, stages, CONFIG, mesh)  # {dp}
+    dp_mesh = apply_dp(adapter, stages, CONFIG, mesh, experts)  # {dp}
     optimizer = build_optimizer(stages.modules, make_optimizer(args), CONFIG.zero, dp_mesh.size(),
                                 dp_mesh.get_group())  # one per stage module{zero1}
     loss_fn = TokenLoss(dp_mesh.size())  # summed token loss / global token count * dp*cp size
@@ -297,7 +298,9 @@ def _comments(plan: Plan) -> dict[str, str]:
     else:
         schedule = "pp=1: None"
         step = ACCUMULATE.format(n=n, mbs=c.mbs)
-    return dict(attention=attention, dp=dp, schedule=schedule, forward_backward=step,
+    ep = (f"ep={c.ep}: each rank keeps {plan.facts.experts // c.ep} experts per routed layer, tokens by all-to-all"
+          if c.ep > 1 else "ep=1: nothing to do")
+    return dict(attention=attention, dp=dp, ep=ep, schedule=schedule, forward_backward=step,
                 tp=f"tp={c.tp}" + (", sequence parallel" if c.sp else "") if c.tp > 1 else "tp=1: nothing to do",
                 zero1=", ZeRO-1: this rank steps its share" if c.zero == "zero1" and c.dp * c.cp > 1 else "")
 

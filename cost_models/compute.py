@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 from cost_models import gpu_kernels as gk
 from cost_models.cluster import Cluster
+from cost_models.experts import expert_rows
 from cost_models.op_recompute import checkpointed, kept_linears
 from planner.graph import Layer, Linear, ModelGraph, MoEDims
 from planner.plan import ParallelConfig
@@ -148,10 +149,11 @@ def memory_bandwidth(cluster: Cluster, cal: dict[str, float] | None = None) -> f
     return bw * (cal or {}).get("eff_memory", EFF_MEMORY)
 
 
-def expert_gemms(moe: MoEDims, tokens: float, hidden: int) -> list[tuple[float, float, float]]:
-    """(M, N, K) of one routed expert's forward GEMMs (gate, up: hidden -> expert_ffn; down:
-    back) when ``tokens`` tokens are routed ``top_k`` ways evenly over the experts."""
-    rows = tokens * moe.top_k / moe.experts
+def expert_gemms(moe: MoEDims, tokens: float, hidden: int, ep: int = 1) -> list[tuple[float, float, float]]:
+    """(M, N, K) of one local routed expert's forward GEMMs (gate, up: hidden -> expert_ffn;
+    down: back) on the busiest rank when each of the ``ep`` ranks of an expert-parallel group
+    routes ``tokens`` tokens ``top_k`` ways (``cost_models.experts.expert_rows``)."""
+    rows = expert_rows(moe, tokens, ep)
     return [(rows, moe.expert_ffn, hidden), (rows, moe.expert_ffn, hidden), (rows, hidden, moe.expert_ffn)]
 
 
@@ -184,8 +186,8 @@ def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Paral
         io = m_cap * lin.in_features + lin.in_features * lin.out_features + m_cap * lin.out_features
         gemm_bytes_cap[op] = gemm_bytes_cap.get(op, 0.0) + io * graph.dtype_bytes
     if layer.moe is not None:  # routed experts: per expert, its share of the rows (balanced load)
-        for m, n, k in expert_gemms(layer.moe, tokens, graph.hidden):
-            e = layer.moe.experts
+        for m, n, k in expert_gemms(layer.moe, tokens, graph.hidden, cfg.ep):
+            e = layer.moe.experts // cfg.ep  # local experts
             t = e * gk.gemm_seconds(m, n, k, elem, gpu, co)
             fwd += t
             unkept += t / 2  # every other expert matmul kept

@@ -16,6 +16,10 @@ Step time (seconds)::
   (cp - 1 steps of 2 * mbs * S/cp * kv_heads * head_dim * dtype bytes); the backward
   sends K, V and their gradients (twice the bytes). Transfers overlap the attention
   compute of the previous step, so only ``max(0, comm - attention core time)`` is exposed.
+- EP (routed experts split over ``ep`` of the dp x cp ranks): each MoE layer's token
+  all-to-alls, dispatch and combine, forward and backward (cost_models/experts.py), on the
+  critical path like TP's; the experts' gradients are reduced over their own data-parallel
+  group (dp x cp / ep ranks), the dense ones over dp x cp.
 - PP: the simulator of cost_models/pipeline.py on the per-stage times (the closed
   form when ``fast=True``), p2p = the stage boundary's activation over the pp link.
 - DP (over the flattened dp x cp group, since CP ranks hold the same weights), as
@@ -72,7 +76,8 @@ from cost_models import comm as comm_mod
 from cost_models import pipeline as pipe_mod
 from cost_models.cluster import Cluster
 from cost_models.compute import LayerTime, attn_core_flops, calibration, layer_time, memory_bandwidth
-from cost_models.memory import DTYPE_BYTES, LayerTable, StageMemory, stage_memory
+from cost_models.experts import ep_mesh, expert_comm
+from cost_models.memory import DTYPE_BYTES, LayerTable, StageMemory, dp_group, stage_memory
 from cost_models.shared_cores import compute_concurrency, core_speedup, shares_cores, spare_core
 from planner.graph import Layer, ModelGraph
 from planner.plan import DDP_BUCKET_BYTES, SHARDED_PARAMS, ParallelConfig, Partition, PlanError, uses_ddp_reducer
@@ -169,6 +174,8 @@ class LayerCost:
     op_rc: float
     source: str
     comm_source: str
+    ep_fwd: float = 0.0    # expert all-to-alls (cost_models/experts.py): forward, backward
+    ep_bwd: float = 0.0
 
 
 class LayerCosts:
@@ -182,7 +189,7 @@ class LayerCosts:
 
     def table(self, cfg: ParallelConfig) -> LayerTable:
         """Per-layer memory figures for cfg (they depend on tp, cp, sp, mbs, dtype and kernels)."""
-        key = (cfg.tp, cfg.cp, cfg.sp, cfg.mbs, cfg.dtype, cfg.attention, cfg.loss)
+        key = (cfg.tp, cfg.cp, cfg.ep, cfg.sp, cfg.mbs, cfg.dtype, cfg.attention, cfg.loss)
         t = self.tables.get(key)
         if t is None:
             t = self.tables[key] = LayerTable(self.g, cfg)
@@ -223,8 +230,11 @@ class LayerCosts:
                 fwd_comm = (cfg.cp - 1) * step.seconds
                 cp_s = max(0.0, fwd_comm - core_s) + max(0.0, 2 * fwd_comm - 2.5 * core_s)
                 csrc = step.source
+        ex = expert_comm(layer, g, self.c, cfg, self.profile)
+        if ex.fwd:
+            csrc = ex.source
         out = LayerCost(fwd=lt.fwd_s, bwd=lt.bwd_s, tp=tp_s, cp=cp_s, core=core_s,
-                        op_rc=lt.op_recompute_s, source=lt.source, comm_source=csrc)
+                        op_rc=lt.op_recompute_s, source=lt.source, comm_source=csrc, ep_fwd=ex.fwd, ep_bwd=ex.bwd)
         self.cache[layer.signature] = out
         return out
 
@@ -247,7 +257,7 @@ def recompute_seconds(c: LayerCost, policy: str) -> float:
     (``op_rc``) and the forward TP communication at the same share of the forward (the
     collectives feeding unkept outputs run again); the attention core for ``selective``;
     nothing for ``none``."""
-    fwd = c.fwd + c.tp / 2 + c.cp / 3
+    fwd = c.fwd + c.tp / 2 + c.cp / 3 + c.ep_fwd
     if policy == "full":
         return fwd
     if policy == "selective-op":
@@ -258,10 +268,11 @@ def recompute_seconds(c: LayerCost, policy: str) -> float:
 def layer_pass_times(c: LayerCost, policy: str) -> PassTimes:
     """The one per-layer stage-time rule the estimator and the ILP (planner/search.py) share,
     from ``LayerCosts.get``'s figures: TP communication split evenly between forward and
-    backward, CP's exposed part 1:2 (the backward exchanges twice), and the recompute
-    (:func:`recompute_seconds`) added to the backward."""
+    backward, CP's exposed part 1:2 (the backward exchanges twice), the expert all-to-alls
+    where they run, and the recompute (:func:`recompute_seconds`) added to the backward."""
     extra = recompute_seconds(c, policy)
-    return PassTimes(fwd=c.fwd + c.tp / 2 + c.cp / 3, bwd=c.bwd + c.tp / 2 + 2 * c.cp / 3 + extra,
+    return PassTimes(fwd=c.fwd + c.tp / 2 + c.cp / 3 + c.ep_fwd,
+                     bwd=c.bwd + c.tp / 2 + 2 * c.cp / 3 + c.ep_bwd + extra,
                      compute_fwd=c.fwd, compute_bwd=c.bwd + extra, recompute=extra)
 
 
@@ -289,11 +300,11 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
     out = []
     for (lo, hi), rc in zip(partition.bounds, partition.recompute):
         f = b = cf = cb = 0.0
-        parts = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "recompute": 0.0}
+        parts = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "ep_comm": 0.0, "recompute": 0.0}
         for i in range(lo, hi):
             c = costs.get(graph.layers[i])
             comp_src.add(c.source)
-            if c.tp or c.cp:
+            if c.tp or c.cp or c.ep_fwd:
                 comm_src.add(c.comm_source)
             t = layer_pass_times(c, rc)
             f += t.fwd
@@ -303,6 +314,7 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
             parts["compute"] += c.fwd + c.bwd
             parts["tp_comm"] += c.tp
             parts["cp_comm"] += c.cp
+            parts["ep_comm"] += c.ep_fwd + c.ep_bwd
             parts["recompute"] += t.recompute
         out.append(_StageCost(f, b, cf, cb, parts))
     return out
@@ -341,13 +353,15 @@ class DpTraffic:
 
 
 def _dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units: int, profile,
-             comm_src: set) -> DpTraffic:
+             comm_src: set, experts: bool = False) -> DpTraffic:
     """The dp x cp group's traffic as the runtime issues it: one call per DDP bucket under DDP's
-    reducer (``uses_ddp_reducer``), one per layer unit of the rank (``units``) otherwise."""
-    dpg = cfg.dp * cfg.cp
+    reducer (``uses_ddp_reducer``), one per layer unit of the rank (``units``) otherwise; for
+    the routed experts (``experts``) over their own data-parallel group (dp x cp / ep ranks,
+    ``cost_models.experts.ep_mesh``)."""
+    dpg = dp_group(cfg, experts)
     if dpg == 1:
         return DpTraffic(0.0, 0.0, 0.0)
-    flat = comm_mod.Mesh(pp=cfg.pp, dp=dpg, cp=1, tp=cfg.tp)
+    flat = ep_mesh(cfg) if experts else comm_mod.Mesh(pp=cfg.pp, dp=dpg, cp=1, tp=cfg.tp)
     nbytes = params * (4 if cfg.dtype == "fp32" else 2)  # gradients and parameters alike
     calls = max(1, math.ceil(nbytes / DDP_BUCKET_BYTES)) if uses_ddp_reducer(cfg.zero, cfg.pp, cfg.tp) else units
 
@@ -383,8 +397,8 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     if len(partition.bounds) != n_stages:
         raise PlanError(f"partition has {len(partition.bounds)} stages, config needs pp*vpp = {n_stages}")
     m = microbatches(cfg, global_batch)
-    if costs is None or (costs.cfg.tp, costs.cfg.cp, costs.cfg.mbs, costs.cfg.sp, costs.cfg.dtype) != (
-            cfg.tp, cfg.cp, cfg.mbs, cfg.sp, cfg.dtype):
+    if costs is None or (costs.cfg.tp, costs.cfg.cp, costs.cfg.ep, costs.cfg.mbs, costs.cfg.sp, costs.cfg.dtype) != (
+            cfg.tp, cfg.cp, cfg.ep, cfg.mbs, cfg.sp, cfg.dtype):
         costs = LayerCosts(graph, cluster, cfg, profile)
     comp_src, comm_src = set(), set()
     stages = _stage_costs(graph, partition, costs, comp_src, comm_src)
@@ -410,10 +424,15 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     table = costs.table(cfg)
     memory = _rank_memory(graph, cluster, cfg, partition, table, inflight_chunks, cal)
     on_rank = [[j for j in range(n_stages) if j % cfg.pp == r] for r in range(cfg.pp)]
-    P = max(sum(table.params[i] for j in js for i in range(*partition.bounds[j])) for js in on_rank)
+    r_max = max(range(cfg.pp), key=lambda r: sum(table.params[i] for j in on_rank[r] for i in range(*partition.bounds[j])))
+    P = sum(table.params[i] for j in on_rank[r_max] for i in range(*partition.bounds[j]))
+    Pe = sum(table.experts[i] for j in on_rank[r_max] for i in range(*partition.bounds[j]))  # routed experts
     mine = on_rank[max(range(cfg.pp), key=lambda r: sum(stages[j].fwd + stages[j].bwd for j in on_rank[r]))]
     units = max(1, sum(hi - lo for lo, hi in (partition.bounds[j] for j in mine)))
-    dp = _dp_comm(cluster, cfg, m, P, units, profile, comm_src)
+    dp = _dp_comm(cluster, cfg, m, P - Pe, units, profile, comm_src)
+    if Pe:
+        ex = _dp_comm(cluster, cfg, m, Pe, units, profile, comm_src, experts=True)
+        dp = DpTraffic(dp.overlappable + ex.overlappable, dp.after_step + ex.after_step, max(dp.last_call, ex.last_call))
     ov = OVERLAP.get(cluster.backend, 0.5)
     if not spare_core(cluster.cores_per_node, min(cfg.world, cluster.devices_per_node)):
         ov = 0.0  # no spare core for the communication thread: it competes with the compute it would hide behind
@@ -422,12 +441,14 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     rank_b = sum(stages[j].bwd for j in mine)
     window = (m * (rank_f + rank_b) if _per_microbatch_dp(cfg) else rank_b) * ov
     dp_exposed = exposed_s(dp.overlappable, window, dp.last_call) + dp.after_step
-    shard = cfg.dp * cfg.cp if cfg.zero != "ddp" else 1
-    opt_s = OPT_BYTES_PER_PARAM * P / shard / memory_bandwidth(cluster, cal) * cal.get("opt_scale", 1.0)
+    shard, shard_e = (1, 1) if cfg.zero == "ddp" else (dp_group(cfg), dp_group(cfg, experts=True))
+    opt_params = (P - Pe) / shard + Pe / shard_e
+    opt_s = OPT_BYTES_PER_PARAM * opt_params / memory_bandwidth(cluster, cal) * cal.get("opt_scale", 1.0)
 
     overhead = cal.get("step_overhead_s", 0.0)
     step = pipe_s + dp_exposed + opt_s + overhead
-    breakdown = {k: m * sum(stages[j].parts[k] for j in mine) for k in ("compute", "recompute", "tp_comm", "cp_comm")}
+    breakdown = {k: m * sum(stages[j].parts[k] for j in mine)
+                 for k in ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm")}
     breakdown.update(p2p=0.0, bubble=max(0.0, pipe_s - m * (rank_f + rank_b)), dp_comm=dp_exposed, optimizer=opt_s)
     if overhead:
         breakdown["overhead"] = overhead

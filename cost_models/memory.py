@@ -91,15 +91,22 @@ class StageMemory:
         return d
 
 
-def layer_params_local(layer: Layer, tp: int, pp: int = 1) -> float:
-    """Parameters of ``layer`` held by one tp rank (TP-sharded ops divided, the rest replicated).
-    Under pipeline parallelism (``pp > 1``) a layer sharing a parameter with an earlier layer
-    (a tied head) holds its own copy of it (sharded like the layer's own ops)."""
+def layer_experts(layer: Layer, hidden: int) -> int:
+    """Routed-expert parameters of ``layer`` (0 without experts)."""
+    return layer.moe.expert_params(hidden) if layer.moe is not None else 0
+
+
+def layer_params_local(layer: Layer, tp: int, pp: int = 1, ep: int = 1, hidden: int = 0) -> float:
+    """Parameters of ``layer`` held by one tp rank (TP-sharded ops divided, the rest replicated),
+    of its routed experts ``1 / ep`` (``hidden``: the model's, to count them). Under pipeline
+    parallelism (``pp > 1``) a layer sharing a parameter with an earlier layer (a tied head)
+    holds its own copy of it (sharded like the layer's own ops)."""
+    experts = layer_experts(layer, hidden)
     sharded = sum(o.params for o in layer.ops if o.tp_style != "replicated")
-    sharded = min(sharded, layer.params)
+    sharded = min(sharded, layer.params - experts)
     tied = layer.tied_params if pp > 1 else 0
     tied_div = tp if any(o.tp_style != "replicated" for o in layer.ops) else 1
-    return sharded / tp + (layer.params - sharded) + tied / tied_div
+    return sharded / tp + (layer.params - experts - sharded) + experts / ep + tied / tied_div
 
 
 def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recompute: str) -> float:
@@ -129,16 +136,19 @@ class LayerTable:
     prices thousands of stage splits of one configuration; this keeps that linear."""
 
     def __init__(self, graph: ModelGraph, cfg: ParallelConfig) -> None:
-        self.params = [layer_params_local(l, cfg.tp, cfg.pp) for l in graph.layers]
+        self.params = [layer_params_local(l, cfg.tp, cfg.pp, cfg.ep, graph.hidden) for l in graph.layers]
+        self.experts = [layer_experts(l, graph.hidden) / cfg.ep for l in graph.layers]  # part of params
         self.act = {p: [layer_activation(l, graph, cfg, p) for l in graph.layers]
                     for p in RECOMPUTE}
 
 
-def per_param_bytes(cfg: ParallelConfig) -> dict[str, float]:
+def per_param_bytes(cfg: ParallelConfig, experts: bool = False) -> dict[str, float]:
     """Bytes per parameter a rank holds (``weights``, ``grads``, ``optimizer`` at rest,
     ``buffers`` held through the step) under ``cfg``'s dtype and DP sharding (the table in
-    the module docstring), plus the unsharded ``weights_full`` / ``grads_full``."""
-    dp = cfg.dp * cfg.cp  # CP ranks hold the same weights and reduce gradients with DP
+    the module docstring), plus the unsharded ``weights_full`` / ``grads_full``; for routed
+    experts (``experts``) the sharding group is the experts' data-parallel group,
+    ``dp * cp / ep`` ranks."""
+    dp = dp_group(cfg, experts)
     w, g, o = (4.0, 4.0, 8.0) if cfg.dtype == "fp32" else (2.0, 2.0, 12.0)
     if cfg.zero not in ZERO:
         raise ValueError(f"data-parallel sharding {cfg.zero!r}: use {', '.join(ZERO)}")
@@ -160,6 +170,12 @@ def per_param_bytes(cfg: ParallelConfig) -> dict[str, float]:
     return f
 
 
+def dp_group(cfg: ParallelConfig, experts: bool = False) -> int:
+    """Ranks holding the same parameters and reducing their gradients: dp x cp (CP ranks hold
+    the same weights), divided by ep for routed experts."""
+    return cfg.dp * cfg.cp // (cfg.ep if experts else 1)
+
+
 def stage_memory(graph: ModelGraph, layers: list[int], cfg: ParallelConfig, inflight: float,
                  recompute: str | None = None, device_is_gpu: bool = True,
                  table: LayerTable | None = None) -> StageMemory:
@@ -169,8 +185,9 @@ def stage_memory(graph: ModelGraph, layers: list[int], cfg: ParallelConfig, infl
     recompute = recompute or cfg.recompute
     t = table or LayerTable(graph, cfg)
     P = sum(t.params[i] for i in layers)
+    Pe = sum(t.experts[i] for i in layers)  # routed experts: sharded over their own dp group
     dp = cfg.dp * cfg.cp  # CP ranks hold the same weights and reduce gradients with DP
-    f = per_param_bytes(cfg)
+    f, fe = per_param_bytes(cfg), per_param_bytes(cfg, experts=True)
     w, g = f["weights_full"], f["grads_full"]
     big = max((t.params[i] for i in layers), default=0.0)
     if cfg.zero == "fsdp" and cfg.pp == 1 and dp > 1:
@@ -179,8 +196,8 @@ def stage_memory(graph: ModelGraph, layers: list[int], cfg: ParallelConfig, infl
         # backward working set: a layer's incoming weight gradient lives beside the accumulated
         # p.grad before it is added in (the largest layer sets it)
         buffers = big * g
-    buffers += P * f["buffers"]
-    weights, grads, opt = P * f["weights"], P * f["grads"], P * f["optimizer"]
+    buffers += (P - Pe) * f["buffers"] + Pe * fe["buffers"]
+    weights, grads, opt = ((P - Pe) * f[k] + Pe * fe[k] for k in ("weights", "grads", "optimizer"))
     act = sum(t.act[recompute][i] for i in layers) * inflight
     if layers:
         # Back-propagating through layer j materialises gradients the size of its activations

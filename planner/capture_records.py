@@ -182,9 +182,9 @@ def _attention_dims(r: UnitRecord, linears: list[Linear]) -> AttentionDims | Non
 
 def moe_dims(unit: nn.Module) -> MoEDims | None:
     """The routed experts inside ``unit``: a module with ``top_k``, ``shared_experts`` and stacked
-    expert weights ``w_gate`` [experts, hidden, expert_ffn] (the zoo's MoEFeedForward)."""
+    expert weights ``routed.w_gate`` [experts, hidden, expert_ffn] (the zoo's MoEFeedForward)."""
     for name, m in unit.named_modules():
-        w = getattr(m, "w_gate", None)
+        w = getattr(getattr(m, "routed", None), "w_gate", None)
         if isinstance(getattr(m, "top_k", None), int) and isinstance(w, torch.Tensor) and w.dim() == 3:
             return MoEDims(int(w.shape[0]), m.top_k, int(w.shape[-1]), int(getattr(m, "shared_experts", 0)), name)
     return None

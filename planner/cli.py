@@ -130,7 +130,7 @@ def _load_inputs(args: argparse.Namespace):
     cluster before the model is captured."""
     from cost_models.cluster import parse_cluster
     from cost_models.profile_db import ProfileDB
-    from planner.frontend import load_graph
+    from planner.frontend import load_graph, with_moe_imbalance
     from planner.pins import Pins
 
     cluster = parse_cluster(args.cluster)
@@ -149,7 +149,7 @@ def _load_inputs(args: argparse.Namespace):
         profile, note = machine_profile(cluster, enabled=not getattr(args, "no_calibrate", False),
                                         progress=_progress)
         _progress(note)
-    graph = load_graph(args.model, batch=1, seq_len=args.seq_len)
+    graph = with_moe_imbalance(load_graph(args.model, batch=1, seq_len=args.seq_len), args.moe_imbalance)
     return graph, cluster, profile, pins
 
 
@@ -399,8 +399,10 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="local-cpu: plan uncalibrated instead of with this machine's cached calibration "
                         "(profiled on first use, about 15-30 s)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--moe-imbalance", type=float, default=1.0, metavar="X",
+                   help="mixtures of experts: the busiest expert-parallel rank's tokens over the mean (default 1.0)")
     p.add_argument("--fix", default=None, metavar="PINS", help="keep part of the layout, e.g. 'tp=8,pp=1' or "
-                   "'tp<=4,zero=fsdp': dp pp cp tp mbs vpp with =, <=, >=; schedule zero recompute sp with = "
+                   "'tp<=4,zero=fsdp': dp pp cp tp ep mbs vpp with =, <=, >=; schedule zero recompute sp with = "
                    "(evaluate: check --config against them)")
 
 

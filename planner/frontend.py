@@ -186,3 +186,20 @@ def load_graph_and_fx(spec: str, *, batch: int = 1, seq_len: int | None = None):
         return graph_and_fx_of(model, (ex["input_ids"],), name=ms.name, seq_len=s,
                                loss_fn=lambda out: out.float().sum())
     return graph_and_fx_of(model, ex, name=ms.name, seq_len=s)
+
+
+def with_moe_imbalance(graph: ModelGraph, factor: float) -> ModelGraph:
+    """``graph`` with every MoE layer's expected load imbalance (``MoEDims.imbalance``: the
+    busiest expert-parallel rank's tokens over the mean) set to ``factor``, in place; 1.0
+    (balanced) is the default. One-line errors for a factor below 1 or a model without
+    routed experts."""
+    if factor == 1.0:
+        return graph
+    if not factor >= 1.0:
+        raise AutoparError(f"--moe-imbalance {factor}: must be >= 1.0 (the busiest rank's tokens over the mean)")
+    moe = [l.moe for l in graph.layers if l.moe is not None]
+    if not moe:
+        raise AutoparError(f"--moe-imbalance: {graph.name} has no routed experts; drop the option")
+    for m in moe:
+        m.imbalance = float(factor)
+    return graph

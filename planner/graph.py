@@ -83,6 +83,11 @@ class MoEDims:
     expert_ffn: int
     shared_experts: int
     part: str               # the op (relative module path) holding the experts, e.g. "mlp"
+    imbalance: float = 1.0  # tokens the busiest expert-parallel rank gets over the mean (a planning input)
+
+    def expert_params(self, hidden: int) -> int:
+        """Parameters of the routed experts (gate, up, down of each): 3 x experts x hidden x expert_ffn."""
+        return 3 * self.experts * hidden * self.expert_ffn
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 A pin string is comma-separated items ``key=value``, ``key<=value`` or ``key>=value``:
 
-- degrees ``dp``, ``pp``, ``cp``, ``tp`` and ``mbs``, ``vpp``: a positive integer, pinned
-  (``=``) or bounded (``<=``, ``>=``);
+- degrees ``dp``, ``pp``, ``cp``, ``tp`` and ``ep``, ``mbs``, ``vpp``: a positive integer,
+  pinned (``=``) or bounded (``<=``, ``>=``);
 - ``schedule`` (applies when pp > 1), ``zero`` (applies when dp * cp > 1), ``recompute``
   and ``sp`` (on/off): pinned with ``=`` only.
 
@@ -24,7 +24,7 @@ from planner.errors import AutoparError
 from planner.plan import RECOMPUTE, SCHEDULES, ZERO, ParallelConfig
 
 DEGREES = ("dp", "pp", "cp", "tp")
-INT_KEYS = DEGREES + ("mbs", "vpp")
+INT_KEYS = DEGREES + ("ep", "mbs", "vpp")  # ep: expert parallel, within dp x cp (not a mesh degree)
 CHOICES: dict[str, tuple[str, ...]] = {"schedule": SCHEDULES, "zero": ZERO, "recompute": RECOMPUTE,
                                        "sp": ("on", "off")}
 OPERATORS = ("=", "<=", ">=")

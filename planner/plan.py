@@ -63,11 +63,16 @@ def _bool(s: str) -> bool:
 @dataclass(frozen=True)
 class ParallelConfig:
     """One point of the search space. Degrees multiply to the world size; mesh order is
-    ``[pp, dp, cp, tp]`` outer to inner."""
+    ``[pp, dp, cp, tp]`` outer to inner. Expert parallelism (``ep``) is not a mesh dimension
+    of its own: it splits the dp x cp ranks (flattened, cp inner) into groups of ``ep``
+    consecutive ranks, each holding ``experts / ep`` of every MoE layer's routed experts;
+    the ranks at the same place in the other groups (``dp * cp / ep`` of them, the experts'
+    data-parallel group) hold the same experts (:func:`expert_groups`)."""
     dp: int = 1
     pp: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1                  # expert parallel degree (routed experts split over ep of the dp x cp ranks)
     mbs: int = 1                 # micro-batch size, sequences per micro-batch per dp rank
     schedule: str = "1f1b"       # pipeline schedule (ignored when pp == 1)
     vpp: int = 1                 # virtual stages (chunks) per pp rank, interleaved schedule only
@@ -87,7 +92,7 @@ class ParallelConfig:
         return (self.pp, self.dp, self.cp, self.tp)
 
     def validate(self) -> "ParallelConfig":
-        for k in ("dp", "pp", "cp", "tp", "mbs", "vpp"):
+        for k in ("dp", "pp", "cp", "tp", "ep", "mbs", "vpp"):
             v = getattr(self, k)
             if not isinstance(v, int) or v < 1:
                 raise PlanError(f"{k}={v!r}: must be a positive integer")
@@ -103,7 +108,9 @@ class ParallelConfig:
 
     def label(self) -> str:
         """Short human label, e.g. 'dp2 pp4 tp8 mbs1 1f1b fsdp sel sp'."""
-        parts = [f"dp{self.dp}", f"pp{self.pp}", f"cp{self.cp}", f"tp{self.tp}", f"mbs{self.mbs}"]
+        parts = [f"dp{self.dp}", f"pp{self.pp}", f"cp{self.cp}", f"tp{self.tp}"]
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []
+        parts.append(f"mbs{self.mbs}")
         if self.pp > 1:
             parts.append(self.schedule + (f"(v{self.vpp})" if self.vpp > 1 else ""))
         parts.append(self.zero)
@@ -200,8 +207,18 @@ class Partition:
 
 # ---------------------------------------------------------------------- what can run
 
-FEATURES = ("any", "tp", "sp", "cp", "pp", "fused_loss", "flash_attention",   # keys of ModelFacts.limits
+FEATURES = ("any", "tp", "sp", "cp", "pp", "ep", "fused_loss", "flash_attention",   # keys of ModelFacts.limits
             "fsdp_with_tp")
+
+
+def expert_groups(dp: int, cp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(expert-parallel groups, the experts' data-parallel groups) as indices into the
+    flattened dp x cp ranks (cp inner): ``ep`` consecutive ranks share one layer's experts
+    out; the ranks at the same place in each such group hold the same experts."""
+    n = dp * cp
+    ep_groups = [list(range(g * ep, (g + 1) * ep)) for g in range(n // ep)]
+    edp_groups = [list(range(i, n, ep)) for i in range(ep)]
+    return ep_groups, edp_groups
 
 
 @dataclass(frozen=True)
@@ -216,10 +233,12 @@ class ModelFacts:
     units: int = 1
     seq_len: int = 0
     limits: dict[str, str] = field(default_factory=dict)
+    experts: int = 0                # routed experts per MoE layer (0: no MoE layer)
 
     def to_dict(self) -> dict[str, Any]:
         return {"heads": list(self.heads), "kv_heads": list(self.kv_heads), "hidden": self.hidden,
-                "units": self.units, "seq_len": self.seq_len, "limits": dict(self.limits)}
+                "units": self.units, "seq_len": self.seq_len, "limits": dict(self.limits),
+                "experts": self.experts}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "ModelFacts":
@@ -227,7 +246,8 @@ class ModelFacts:
         if not isinstance(limits, dict) or any(k not in FEATURES or not isinstance(v, str) for k, v in limits.items()):
             raise PlanError(f"model.facts.limits must map {', '.join(FEATURES)} to reasons")
         return ModelFacts(tuple(int(x) for x in d.get("heads", ())), tuple(int(x) for x in d.get("kv_heads", ())),
-                          int(d.get("hidden", 0)), int(d.get("units", 1)), int(d.get("seq_len", 0)), dict(limits))
+                          int(d.get("hidden", 0)), int(d.get("units", 1)), int(d.get("seq_len", 0)), dict(limits),
+                          int(d.get("experts", 0)))
 
 
 def tp_problem(tp: int, f: ModelFacts) -> str | None:
@@ -266,6 +286,26 @@ def pp_problem(pp: int, f: ModelFacts) -> str | None:
     return None
 
 
+def ep_problem(ep: int, dp: int, cp: int, zero: str, f: ModelFacts) -> str | None:
+    """Why the runtime cannot split the routed experts ``ep`` ways: it needs routed experts,
+    ``ep`` dividing their count and the dp x cp ranks it splits (:func:`expert_groups`), and
+    sharded data parallelism (FSDP2 shards the experts over their own data-parallel group;
+    DDP's reducer would all-reduce them over every dp x cp rank)."""
+    if ep == 1:
+        return None
+    if not f.experts:
+        return f"ep={ep}: the model has no routed experts; use ep=1"
+    if "ep" in f.limits:
+        return f"ep={ep}: {f.limits['ep']}"
+    if f.experts % ep:
+        return f"ep={ep} does not divide the {f.experts} experts"
+    if (dp * cp) % ep:
+        return f"ep={ep} does not divide dp x cp = {dp * cp} (expert parallelism splits the data-parallel ranks)"
+    if zero not in SHARDED_PARAMS:
+        return f"ep={ep} with zero={zero}: the experts are sharded by FSDP over their own data-parallel group; use zero=fsdp"
+    return None
+
+
 def sp_problem(tp: int, cp: int, f: ModelFacts) -> str | None:
     """Why sequence parallel cannot run: it needs tp > 1, an adapter that shards the
     sequence, and each cp rank's ``seq_len / cp`` tokens divisible by tp."""
@@ -282,7 +322,8 @@ def config_problems(cfg: "ParallelConfig", f: ModelFacts) -> list[str]:
     """Everything about ``cfg`` the runtime cannot run for the model of ``f``: the one
     feasibility rule the search, ``autopar evaluate`` and the runtime all apply."""
     out = [f"this model cannot run: {f.limits['any']}"] if "any" in f.limits else []
-    out += [p for p in (tp_problem(cfg.tp, f), cp_problem(cfg.cp, f), pp_problem(cfg.pp * cfg.vpp, f)) if p]
+    out += [p for p in (tp_problem(cfg.tp, f), cp_problem(cfg.cp, f), pp_problem(cfg.pp * cfg.vpp, f),
+                        ep_problem(cfg.ep, cfg.dp, cfg.cp, cfg.zero, f)) if p]
     if cfg.sp and (p := sp_problem(cfg.tp, cfg.cp, f)):
         out.append(p)
     if cfg.loss == "fused" and "fused_loss" in f.limits:

@@ -14,7 +14,7 @@ from planner.plan import Plan, PlanError
 
 GiB = 2**30
 MEM_CATS = ("weights", "grads", "optimizer", "activations", "buffers", "reserve")
-TIME_PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "p2p", "bubble", "dp_comm", "optimizer")
+TIME_PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "p2p", "bubble", "dp_comm", "optimizer")
 MAX_SIM_MB = 64          # above this many micro-batches the timeline draws min(m, 4 pp)
 MAX_MESH_DEVICES = 32    # devices drawn in the mesh grid (whole nodes, at least one)
 WARMUP_STEPS = 2
@@ -156,7 +156,7 @@ def rejected_groups(plan: Plan) -> list[dict[str, Any]]:
     """Rejected reasons grouped into families: 'why not tp=16', 'out of memory', ..."""
     fams: dict[str, dict[str, Any]] = {}
     for reason, v in plan.rejected.items():
-        m = re.match(r"((?:dp|pp|cp|tp|mbs|vpp)=\d+)\b", reason)
+        m = re.match(r"((?:dp|pp|cp|tp|ep|mbs|vpp)=\d+)\b", reason)
         if m:
             title = f"why not {m.group(1)}"
         elif reason.startswith("OOM"):
@@ -170,7 +170,7 @@ def rejected_groups(plan: Plan) -> list[dict[str, Any]]:
         f["reasons"].sort(key=lambda r: -r["count"])
     def key(f: dict[str, Any]) -> tuple:
         m = re.match(r"why not (\w+)=(\d+)", f["title"])
-        return (0, ("dp", "pp", "cp", "tp", "mbs", "vpp").index(m.group(1)), int(m.group(2)), 0) if m \
+        return (0, ("dp", "pp", "cp", "tp", "ep", "mbs", "vpp").index(m.group(1)), int(m.group(2)), 0) if m \
             else (1, 0, 0, -f["count"])
 
     return sorted(fams.values(), key=key)
@@ -180,26 +180,33 @@ def why_not_degrees(plan: Plan) -> list[dict[str, Any]]:
     """For each degree value the plan did not take ('pp=2'), what happened to configurations
     with it: the best alternative that used it, and the rejection reasons its examples show."""
     cfg = plan.config
-    chosen = {"dp": cfg.dp, "pp": cfg.pp, "cp": cfg.cp, "tp": cfg.tp}
+    chosen = {"dp": cfg.dp, "pp": cfg.pp, "cp": cfg.cp, "tp": cfg.tp, "ep": cfg.ep}
     found: dict[tuple[str, int], dict[str, Any]] = {}
-    pat = re.compile(r"\b(dp|pp|cp|tp)=?(\d+)\b")
+    pat = re.compile(r"\b(dp|pp|cp|tp|ep)=?(\d+)\b")
 
     def entry(dim: str, val: int) -> dict[str, Any]:
         return found.setdefault((dim, val), {"degree": f"{dim}={val}", "alternative": None, "reasons": {}})
 
+    moe = bool(plan.facts.experts)
     for a in plan.alternatives:
-        for dim, val in pat.findall(a.get("label", "")):
+        degrees = pat.findall(a.get("label", ""))
+        if moe and not any(d == "ep" for d, _ in degrees):
+            degrees.append(("ep", "1"))  # labels name ep only above 1
+        for dim, val in degrees:
             if int(val) != chosen[dim]:
                 e = entry(dim, int(val))
                 if e["alternative"] is None or a["step_s"] < e["alternative"]["step_s"]:
                     e["alternative"] = a
     for reason, v in plan.rejected.items():
         for ex in v.get("examples", []):
-            for dim, val in pat.findall(ex):
+            degrees = pat.findall(ex)
+            if moe and degrees and not any(d == "ep" for d, _ in degrees) and re.search(r"\bdp\d", ex):
+                degrees.append(("ep", "1"))  # a configuration label: ep named only above 1
+            for dim, val in degrees:
                 if int(val) != chosen[dim]:
                     rs = entry(dim, int(val))["reasons"]
                     rs[reason] = rs.get(reason, 0) + 1
-    order = {"dp": 0, "pp": 1, "cp": 2, "tp": 3}
+    order = {"dp": 0, "pp": 1, "cp": 2, "tp": 3, "ep": 4}
     return [found[k] for k in sorted(found, key=lambda k: (order[k[0]], k[1]))]
 
 
@@ -224,7 +231,9 @@ def summary_rows(r: Report) -> list[tuple[str, str, str, Any]]:
          p.model.get("name")),
         ("cluster", "cluster", f"{c.get('name')}: {c.get('nodes')} node(s) x {c.get('devices_per_node')} "
                                f"{c.get('device', '')} ({float(c.get('memory_gib') or 0):.1f} GiB, {c.get('backend')})", c.get("name")),
-        ("degrees", "degrees", f"dp {cfg.dp} x pp {cfg.pp} x cp {cfg.cp} x tp {cfg.tp} = {cfg.world} devices", cfg.world),
+        ("degrees", "degrees", f"dp {cfg.dp} x pp {cfg.pp} x cp {cfg.cp} x tp {cfg.tp} = {cfg.world} devices"
+         + (f"; routed experts split ep {cfg.ep} ways ({p.facts.experts // cfg.ep} of {p.facts.experts} per rank)"
+            if p.facts.experts else ""), cfg.world),
         ("config", "configuration", cfg.label() + f"; {cfg.dtype}, attention {cfg.attention}, loss {cfg.loss}",
          cfg.to_str()),
         ("batch", "batch", f"{p.batch['global']} sequences x {p.batch['seq_len']} tokens; micro-batch {p.batch['micro']}, "
@@ -285,6 +294,7 @@ def breakdown_parts(r: Report) -> list[tuple[str, float]]:
 
 _PART_DESC = {"compute": "compute (busiest pipeline rank)", "recompute": "activation recomputation",
               "tp_comm": "exposed TP communication", "cp_comm": "exposed CP communication",
+              "ep_comm": "expert all-to-all (dispatch, combine)",
               "p2p": "pipeline send/recv", "bubble": "pipeline bubble", "dp_comm": "exposed DP communication",
               "optimizer": "optimizer step"}
 
@@ -308,6 +318,11 @@ def mesh_groups(plan: Plan) -> list[str]:
         else:
             lines.append(f"{dim}=1: no groups")
         stride *= deg
+    if cfg.ep > 1:  # expert parallelism: consecutive dp x cp ranks (planner.plan.expert_groups)
+        block = cfg.ep * cfg.tp
+        where = "inside one node" if block <= dpn and dpn % block == 0 else f"spanning {-(-block // dpn)} nodes"
+        lines.append(f"ep={cfg.ep}: groups of {cfg.ep} consecutive dp x cp ranks, {cfg.tp} apart ({where}) exchange "
+                     f"tokens; the experts' data-parallel groups have {cfg.dp * cfg.cp // cfg.ep} ranks")
     return lines
 
 

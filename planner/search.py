@@ -44,13 +44,14 @@ from typing import Callable, Iterator, Sequence
 from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, LayerCosts, estimate, inflight_closed, layer_pass_times
 from cost_models.pipeline import estimate_step
-from cost_models.memory import (DTYPE_BYTES, RESERVE_CPU, RESERVE_GPU, layer_activation, layer_params_local,
-                                 per_param_bytes)
+from cost_models.memory import (DTYPE_BYTES, RESERVE_CPU, RESERVE_GPU, layer_activation, layer_experts,
+                                 layer_params_local, per_param_bytes)
 from planner.errors import AutoparError
 from planner.graph import BLOCK_KINDS, ModelGraph
 from planner.pins import Pins
-from planner.plan import (RECOMPUTE, SCHEDULES, ZERO, ModelFacts, ParallelConfig, Partition, cp_problem, default_attention,
-                          pp_problem, recompute_policies, sp_problem, tp_problem, zero_problem)
+from planner.plan import (RECOMPUTE, SCHEDULES, ZERO, ModelFacts, ParallelConfig, Partition, cp_problem,
+                          default_attention, ep_problem, pp_problem, recompute_policies, sp_problem, tp_problem,
+                          zero_problem)
 
 GiB = 2**30
 # The DP sharding modes the search tries: planner.plan.ZERO without zero2 (with pp > 1 it holds
@@ -94,7 +95,7 @@ def facts_of(graph: ModelGraph) -> ModelFacts:
     return ModelFacts(heads=tuple(sorted({l.attention.heads for l in graph.layers if l.attention})),
                       kv_heads=tuple(sorted({l.attention.kv_heads for l in graph.layers if l.attention})),
                       hidden=graph.hidden, units=len(graph.stage_groups()), seq_len=graph.seq_len,
-                      limits=dict(graph.limits))
+                      limits=dict(graph.limits), experts=max((l.moe.experts for l in graph.layers if l.moe), default=0))
 
 
 def degree_tuples(graph: ModelGraph, cluster: Cluster, global_batch: int, rej: _Rejections,
@@ -136,7 +137,8 @@ def degree_tuples(graph: ModelGraph, cluster: Cluster, global_batch: int, rej: _
 
 
 def _variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: int, dtype: str,
-              loss: str, facts: ModelFacts, dominated: bool = True, pins: Pins | None = None) -> Iterator[ParallelConfig]:
+              loss: str, facts: ModelFacts, dominated: bool = True, pins: Pins | None = None,
+              ep: int = 1) -> Iterator[ParallelConfig]:
     """The variants of one degree tuple (``n_layers``: the stage groups) that the ``pins``
     admit. With ``dominated=False`` the variants the cost model proves no better are left
     out (see ``DOMINATED``) unless the pins leave out what dominates them. Sequence
@@ -151,14 +153,14 @@ def _variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: in
         if not dominated and sched == "gpipe" and pins.allows("schedule", "1f1b"):
             continue
         for zero in zeros:
-            if zero_problem(zero, tp, dp * cp, facts):
+            if zero_problem(zero, tp, dp * cp, facts) or ep_problem(ep, dp, cp, zero, facts):
                 continue
             for rc in (r for r in recompute_policies(sched, pp) if pins.allows("recompute", r)):
                 for sp in (s for s in ((False, True) if sp_ok else (False,)) if pins.allows("sp", s)):
                     if not dominated and sp_ok and not sp and pins.allows("sp", True):
                         continue
-                    yield ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, mbs=mbs, schedule=sched, vpp=v, zero=zero,
-                                         recompute=rc, sp=sp, dtype=dtype, loss=loss, attention=attention)
+                    yield ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, mbs=mbs, schedule=sched, vpp=v,
+                                         zero=zero, recompute=rc, sp=sp, dtype=dtype, loss=loss, attention=attention)
 
 
 def _schedules(pp: int, m: int, n_layers: int, pins: Pins) -> list[tuple[str, int]]:
@@ -209,7 +211,7 @@ class _Space:
             self.leanest = (need, exact)
 
     def costs(self, base: ParallelConfig) -> LayerCosts:
-        key = (base.tp, base.cp, base.mbs, base.sp)
+        key = (base.tp, base.cp, base.ep, base.mbs, base.sp)
         if key not in self.cost_cache:
             self.cost_cache[key] = LayerCosts(self.graph, self.cluster, base, self.profile)
         return self.cost_cache[key]
@@ -227,10 +229,13 @@ class _Tuple:
     m: int = field(compare=False)
     n_var: int = field(compare=False)
     costs: LayerCosts | None = field(compare=False, default=None)  # its layer costs (default sp)
+    ep: int = field(compare=False, default=1)
+    moe: bool = field(compare=False, default=False)  # the model has routed experts: ep is named, even ep=1
 
     @property
     def label(self) -> str:
-        return f"dp={self.dp} pp={self.pp} cp={self.cp} tp={self.tp} mbs={self.mbs}"
+        ep = f" ep={self.ep}" if self.moe else ""
+        return f"dp={self.dp} pp={self.pp} cp={self.cp} tp={self.tp}{ep} mbs={self.mbs}"
 
 
 def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=None, top_k: int = 5,
@@ -260,12 +265,11 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
 
 
 def _tuples_with_floors(space: _Space, max_mbs: int) -> list[_Tuple]:
-    """Every (dp, pp, cp, tp, mbs) the structural rules allow, with a time floor (compute and
-    TP/CP communication per rank plus the best schedule's bubble); tuples whose memory floor
+    """Every (dp, pp, cp, tp, ep, mbs) the structural rules allow, with a time floor (compute and
+    TP/CP/EP communication per rank plus the best schedule's bubble); tuples whose memory floor
     (FSDP states and full recompute) exceeds the device are rejected."""
-    g, res, rej = space.graph, space.res, space.rej
+    g, rej = space.graph, space.rej
     reserve = RESERVE_GPU if space.cluster.backend != "gloo" else RESERVE_CPU
-    cap = space.cluster.memory_bytes
     tuples = []
     pins = space.pins
     # a pinned mbs may pass the default cap: up to its upper bound, or uncapped under a lower bound only
@@ -282,28 +286,60 @@ def _tuples_with_floors(space: _Space, max_mbs: int) -> list[_Tuple]:
                 rej.add(f"{m} micro-batches for pp={pp}: the schedules need at least one per stage",
                         f"dp={dp} pp={pp} cp={cp} tp={tp} mbs={mbs}")
                 continue
-            base = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, mbs=mbs, dtype=space.dtype, loss=space.loss,
-                                  sp=sp_problem(tp, cp, space.facts) is None, attention=space.attention)
-            costs = space.costs(base)
-            # per micro-batch: compute + TP/CP communication (on the critical path in every variant)
-            t_rank = sum(c.fwd + c.bwd + c.tp + c.cp for c in map(costs.get, g.layers)) / pp
-            # bubble: no schedule here does better than interleaving with v = 4: (pp-1) t / 4
-            floor_s = m * t_rank + (pp - 1) * t_rank / 4
-            # memory floor: FSDP states (16 bytes/param over dp*cp) on the average rank
-            table = costs.table(base)
-            mem_floor = sum(table.params) / pp * 16 / (dp * cp) + min(table.act["full"]) + reserve
-            n_var = sum(1 for _ in _variants(dp, pp, cp, tp, mbs, m, space.facts.units, space.dtype, space.loss,
-                                             space.facts, pins=pins))
-            res.considered += n_var
-            t = _Tuple(floor_s, dp, pp, cp, tp, mbs, m, n_var, costs)
-            if mem_floor > cap:
-                space.note_need(mem_floor, exact=False)
-                rej.add(f"OOM even with FSDP + full recompute: needs >= {mem_floor / GiB:.1f} GiB of "
-                        f"{cap / GiB:.1f} GiB", t.label, n_var)
-                res.pruned += n_var
-                continue
-            tuples.append(t)
+            for ep in _ep_degrees(space, dp, cp):
+                t = _tuple_floor(space, dp, pp, cp, tp, ep, mbs, m, reserve)
+                if t is not None:
+                    tuples.append(t)
     return sorted(tuples)
+
+
+def _ep_degrees(space: _Space, dp: int, cp: int) -> list[int]:
+    """The expert-parallel degrees to try with ``dp`` x ``cp`` (1 for a model without routed
+    experts): every ``ep`` dividing both the experts and dp x cp that the pins admit; 1 stays
+    a candidate, because expert parallelism can lose. Degrees the runtime cannot run are
+    recorded as rejected."""
+    if not space.facts.experts:
+        return [1]
+    out = []
+    for ep in divisors(math.gcd(space.facts.experts, dp * cp)):
+        if not space.pins.allows("ep", ep):
+            continue
+        if ep > 1 and (why := ep_problem(ep, dp, cp, "fsdp", space.facts)):
+            space.rej.add(why, f"ep={ep}")
+            continue
+        out.append(ep)
+    return out
+
+
+def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs: int, m: int,
+                 reserve: float) -> "_Tuple | None":
+    """One degree tuple with its time floor, or None when its memory floor rejects it (recorded)."""
+    g, res, rej, pins = space.graph, space.res, space.rej, space.pins
+    cap = space.cluster.memory_bytes
+    base = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, mbs=mbs, dtype=space.dtype, loss=space.loss,
+                          sp=sp_problem(tp, cp, space.facts) is None, attention=space.attention,
+                          zero="fsdp" if ep > 1 else "ddp")
+    costs = space.costs(base)
+    # per micro-batch: compute + TP/CP/EP communication (on the critical path in every variant)
+    t_rank = sum(c.fwd + c.bwd + c.tp + c.cp + c.ep_fwd + c.ep_bwd for c in map(costs.get, g.layers)) / pp
+    # bubble: no schedule here does better than interleaving with v = 4: (pp-1) t / 4
+    floor_s = m * t_rank + (pp - 1) * t_rank / 4
+    # memory floor: FSDP states (16 bytes/param over dp*cp; routed experts over their dp*cp/ep) on the average rank
+    table = costs.table(base)
+    experts = sum(table.experts)
+    states = (sum(table.params) - experts) / (dp * cp) + experts * ep / (dp * cp)
+    mem_floor = states / pp * 16 + min(table.act["full"]) + reserve
+    n_var = sum(1 for _ in _variants(dp, pp, cp, tp, mbs, m, space.facts.units, space.dtype, space.loss,
+                                     space.facts, pins=pins, ep=ep))
+    res.considered += n_var
+    t = _Tuple(floor_s, dp, pp, cp, tp, mbs, m, n_var, costs, ep, moe=bool(space.facts.experts))
+    if mem_floor > cap:
+        space.note_need(mem_floor, exact=False)
+        rej.add(f"OOM even with FSDP + full recompute: needs >= {mem_floor / GiB:.1f} GiB of "
+                f"{cap / GiB:.1f} GiB", t.label, n_var)
+        res.pruned += n_var
+        return None
+    return t
 
 
 def _balanced_stage_times(costs: LayerCosts, graph: ModelGraph, pp: int) -> dict[str, tuple[float, float]]:
@@ -325,14 +361,15 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, s
     best_s = math.inf
     for t in tuples:
         if t.floor_s >= best_s:
-            rej.add("time floor above the best step time found", t.label, t.n_var)
+            # with routed experts, per expert-parallel degree: the report's "why not ep=..." reads it
+            rej.add((f"ep={t.ep}: " if t.moe else "") + "time floor above the best step time found", t.label, t.n_var)
             res.pruned += t.n_var
             continue
         n_kept = 0
         costs = t.costs
         stage = _balanced_stage_times(costs, g, t.pp)
         for cfg in _variants(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, space.facts.units, space.dtype, space.loss,
-                             space.facts, dominated=False, pins=space.pins):
+                             space.facts, dominated=False, pins=space.pins, ep=t.ep):
             n_kept += 1
             # variant floor: this schedule on perfectly balanced stages, with its recompute
             f, b = stage[cfg.recompute]
@@ -380,8 +417,12 @@ def _solve_best(space: _Space, ranked: list[tuple[float, str, Estimate]], solve_
         finals = [ranked[0]]
     res.best = finals[0][2]
     seen = {x[1] for x in finals}
-    alts = [x[2] for x in finals[1:]] + [x[2] for x in ranked if x[1] not in seen]
-    res.alternatives = alts[:top_k]
+    alts = ([x[2] for x in finals[1:]] + [x[2] for x in ranked if x[1] not in seen])[:top_k]
+    # with routed experts: the best layout of every other expert-parallel degree too, so the
+    # report can say why that degree lost (the nearest alternatives often share the winner's)
+    others = {x[2].config.ep for x in ranked} - {a.config.ep for a in alts} - {res.best.config.ep}
+    alts += sorted((next(x[2] for x in ranked if x[2].config.ep == ep) for ep in others), key=lambda e: e.step_s)
+    res.alternatives = alts
     res.rejected, res.rejected_counts = space.rej.examples, space.rej.counts
 
 
@@ -442,7 +483,8 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
     from cost_models.estimate import microbatches
 
     m = microbatches(cfg, global_batch)
-    per_param = sum(v for k, v in per_param_bytes(cfg).items() if k in ("weights", "grads", "optimizer", "buffers"))
+    per_param, per_expert = (sum(v for k, v in per_param_bytes(cfg, e).items() if k in ("weights", "grads", "optimizer",
+                                                                                    "buffers")) for e in (False, True))
     from cost_models import comm as comm_mod
 
     mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
@@ -463,7 +505,9 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
         fwd.append(f)
         bwd.append(b)
         act.append(a)
-        static.append(sum(layer_params_local(l, cfg.tp, cfg.pp) for l in graph.layers[lo:hi]) * per_param)
+        static.append(sum((layer_params_local(l, cfg.tp, cfg.pp, cfg.ep, graph.hidden) - layer_experts(l, graph.hidden)
+                           / cfg.ep) * per_param + layer_experts(l, graph.hidden) / cfg.ep * per_expert
+                          for l in graph.layers[lo:hi]))
         classes.append("|".join(l.signature for l in graph.layers[lo:hi]))
         if cfg.pp > 1 and g + 1 < len(groups):
             nxt = graph.layers[hi]

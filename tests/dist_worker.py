@@ -51,6 +51,10 @@ LAYOUTS = {
         ("dp2-fsdp-op", dict(dp=2, zero="fsdp", recompute="selective-op"), 1),
         ("pp2-1f1b-op", dict(pp=2, schedule="1f1b", recompute="selective-op"), 2),
         ("pp2-zb-h1-op", dict(pp=2, schedule="zb-h1", recompute="selective-op"), 2),
+        # expert parallelism (MoE models only): the experts' data-parallel group of one rank,
+        # and refused without sharded data parallelism
+        ("dp2-ep2-fsdp", dict(dp=2, ep=2, zero="fsdp"), 1),
+        ("dp2-ep2-ddp", dict(dp=2, ep=2, zero="ddp"), 1),
     ],
     4: [
         ("dp2xtp2-fsdp-sp", dict(dp=2, tp=2, sp=True, zero="fsdp"), 1),
@@ -59,26 +63,41 @@ LAYOUTS = {
         ("pp2xcp2-1f1b", dict(pp=2, cp=2, schedule="1f1b"), 2),
         ("dp2xcp2-fsdp", dict(dp=2, cp=2, zero="fsdp"), 1),
         ("dp2xtp2-fsdp-sp-op", dict(dp=2, tp=2, sp=True, zero="fsdp", recompute="selective-op"), 1),
+        # expert parallelism: EP4, EP2 with two ranks per expert (FSDP over them; per-op and
+        # full recompute), EP4 over dp x cp, PP2 x EP2, and TP2+SP, which MoE refuses
+        ("dp4-ep4-fsdp", dict(dp=4, ep=4, zero="fsdp"), 1),
+        ("dp4-ep2-fsdp-op", dict(dp=4, ep=2, zero="fsdp", recompute="selective-op"), 1),
+        ("dp4-ep2-zero2-full", dict(dp=4, ep=2, zero="zero2", recompute="full"), 1),
+        ("dp2xcp2-ep4-fsdp", dict(dp=2, cp=2, ep=4, zero="fsdp"), 1),
+        ("pp2xdp2-ep2-fsdp", dict(pp=2, dp=2, ep=2, zero="fsdp", schedule="1f1b"), 2),
+        ("dp2xtp2-ep2-sp", dict(dp=2, tp=2, sp=True, ep=2, zero="fsdp"), 1),
     ],
     8: [
         ("dp2xpp2xtp2-fsdp-sp", dict(dp=2, pp=2, tp=2, sp=True, zero="fsdp", schedule="1f1b"), 2),
     ],
 }
 MODELS = ("gpt-tiny", "llama-tiny", "hf-llama", "hf-gpt2", "user-lm")
-MODELS_BY_WORLD = {2: MODELS + ("moe-tiny",), 4: MODELS + ("gpt-tiny-tied", "moe-tiny"),
+MODELS_BY_WORLD = {2: MODELS + ("moe-tiny", "moe-tiny-skewed"), 4: MODELS + ("gpt-tiny-tied", "moe-tiny", "moe-tiny-skewed"),
                    8: ("gpt-tiny", "llama-tiny", "hf-llama")}
 # models run under some layouts only: a zoo model built on meta whose head shares the token
 # embedding, under PP x TP (the tied weight split over tp and held by two pp ranks)
 ONLY_LAYOUTS = {"gpt-tiny-tied": ("pp2xtp2-1f1b-sp",),
                 # the zoo MoE (8 experts, top-2, a shared expert, a dense first block): DP, FSDP, PP,
-                # CP, their mix, and TP, which it refuses (expert parallelism is not built yet)
-                "moe-tiny": ("dp2-ddp", "dp2-fsdp", "pp2-1f1b", "cp2-zigzag", "tp2-sp", "dp2xcp2-fsdp")}
+                # CP, their mix, TP (refused: the experts are split by EP instead) and EP
+                "moe-tiny": ("dp2-ddp", "dp2-fsdp", "pp2-1f1b", "cp2-zigzag", "tp2-sp", "dp2xcp2-fsdp",
+                             "dp2-ep2-fsdp", "dp2-ep2-ddp", "dp4-ep4-fsdp", "dp4-ep2-fsdp-op", "dp4-ep2-zero2-full",
+                             "dp2xcp2-ep4-fsdp", "pp2xdp2-ep2-fsdp", "dp2xtp2-ep2-sp"),
+                # experts 6 and 7 never routed to, uneven loads on the others (model_cases.py)
+                "moe-tiny-skewed": ("dp2-ep2-fsdp", "dp4-ep4-fsdp", "dp4-ep2-fsdp-op", "dp2xcp2-ep4-fsdp",
+                                    "pp2xdp2-ep2-fsdp")}
 
 
 def layouts_of(world: int, model_name: str) -> list[tuple[str, dict, int]]:
     """The layouts of ``world`` that ``model_name`` runs."""
     only = ONLY_LAYOUTS.get(model_name)
-    return [lay for lay in LAYOUTS[world] if only is None or lay[0] in only]
+    if only is None:  # expert parallelism only for the MoE models (the others have no experts to split)
+        return [lay for lay in LAYOUTS[world] if "ep" not in lay[1]]
+    return [lay for lay in LAYOUTS[world] if lay[0] in only]
 
 
 def units_of(model) -> list[str]:

@@ -110,6 +110,8 @@ def zoo_config(name: str):
     """The zoo config of case ``name``: a preset, or ``gpt-tiny-tied`` (gpt-tiny whose head
     shares the token embedding's weight)."""
     from planner import zoo
+    if name == "moe-tiny-skewed":
+        return zoo.preset("moe-tiny")
     if name == "gpt-tiny-tied":
         return zoo.preset("gpt-tiny").replace(name=name, tie_embeddings=True)
     return zoo.preset(name)
@@ -121,7 +123,23 @@ def _zoo(name: str) -> Case:
     return Case(name, "zoo", lambda dev: zoo.build_model(cfg, device=dev, seed=SEED), "meta", cfg.vocab)
 
 
+def _moe_skewed() -> Case:
+    """moe-tiny whose balancing bias starts skewed: experts 6 and 7 never get a token, 0 and 1
+    get more than the others (uneven all-to-all splits, experts with empty rows). Built on the
+    CPU with its weights (a meta build's initialisation would zero the bias)."""
+    from planner import zoo
+    cfg = zoo.preset("moe-tiny")
+
+    def build(dev: str) -> nn.Module:
+        model = zoo.build_model(cfg, device="cpu", seed=SEED)
+        for m in model.moe_layers():
+            m.expert_bias.copy_(torch.tensor([0.02, 0.01, 0.0, 0.0, 0.0, 0.0, -10.0, -10.0]))
+        return model.to(dev)
+    return Case("moe-tiny-skewed", "zoo", build, "cpu", cfg.vocab)
+
+
 CASES = {
+    "moe-tiny-skewed": _moe_skewed,
     "gpt-tiny": lambda: _zoo("gpt-tiny"),
     "llama-tiny": lambda: _zoo("llama-tiny"),
     "hf-llama": lambda: Case("hf-llama", "hf", functools.partial(build_hf, "hf-llama"), "meta", VOCAB),

@@ -27,7 +27,7 @@ def _reference(m: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
         s = m.router(t).softmax(-1) if m.score_func == "softmax" else m.router(t).sigmoid()
         ids = torch.topk(s + m.expert_bias, m.top_k).indices
         w = s[ids] / (s[ids].sum() if m.score_func == "sigmoid" else 1.0)
-        y = sum(w[j] * (F.silu(t @ m.w_gate[e]) * (t @ m.w_up[e])) @ m.w_down[e] for j, e in enumerate(ids))
+        y = sum(w[j] * (F.silu(t @ m.routed.w_gate[e]) * (t @ m.routed.w_up[e])) @ m.routed.w_down[e] for j, e in enumerate(ids))
         out.append(y + (m.shared(t) if m.shared is not None else 0.0))
     return torch.stack(out)
 
@@ -46,9 +46,9 @@ def test_experts_without_tokens_get_zero_gradients():
     m = _layer(shared=0)
     m.expert_bias.copy_(torch.tensor([10.0, 10.0, 0, 0, 0, 0, 0, 0]))  # every token picks experts 0 and 1
     m(torch.randn(3, 5, 16)).sum().backward()
-    g = m.w_gate.grad
+    g = m.routed.w_gate.grad
     assert g is not None and g[:2].abs().sum() > 0
-    assert torch.count_nonzero(g[2:]) == 0 and torch.count_nonzero(m.w_down.grad[2:]) == 0
+    assert torch.count_nonzero(g[2:]) == 0 and torch.count_nonzero(m.routed.w_down.grad[2:]) == 0
 
 
 def test_load_is_counted_once_per_differentiated_forward():

@@ -81,6 +81,18 @@ def apply_dp(stage_mods: Sequence[nn.Module], dp_mesh: DeviceMesh, zero: str, pi
             raise ValueError(f"data-parallel sharding {zero!r}: use {', '.join(ZERO)}")
 
 
+def shard_experts(routed: Sequence[nn.Module], edp_mesh: DeviceMesh, zero: str, pipelined: bool) -> None:
+    """FSDP2 on each routed-expert module over the experts' data-parallel mesh (the ranks
+    holding the same experts under expert parallelism), before the blocks are wrapped (their
+    units then leave these parameters to it). Gradients are averaged over that mesh; the
+    dispatcher has already divided them by ep (codegen/runtime/expert_parallel.py)."""
+    if zero not in SHARDED_PARAMS:
+        raise ValueError(f"expert parallelism shards the experts with FSDP: zero={zero} cannot; use fsdp or zero2")
+    reshard = zero == "fsdp" and not pipelined
+    for m in routed:
+        fully_shard(m, mesh=edp_mesh, reshard_after_forward=reshard)
+
+
 def sync_gradients(module: nn.Module, zero: str, last: bool) -> None:
     """Gradient accumulation without a pipeline schedule: with ``ddp`` / ``zero1``
     (``replicate``) gradients are all-reduced once, after the LAST micro-batch's backward,

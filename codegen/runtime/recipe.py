@@ -10,10 +10,12 @@ emitted program and by :func:`codegen.runtime.train.parallelize` alike (torchtit
    their gradients (pp > 1), before TP splits the two ends into separate DTensors
 6. :func:`apply_attention` - attention per block: kernel, ring attention (CP), selective recompute
 7. :func:`apply_tp` - tensor (and sequence) parallel from the TP plan ``{module fqn: style}``
-8. :func:`apply_recompute` - full or per-op recompute of the blocks whose stage asks for it
-9. :func:`apply_dp` - FSDP2 / replicate over the data-parallel mesh (dp x cp)
-10. ``codegen.runtime.optim.build_optimizer`` - one optimizer per stage module
-11. :func:`build_schedule` - the torch pipelining schedule (pp > 1)
+8. :func:`apply_ep` - expert parallelism: each rank keeps its routed experts (ep > 1)
+9. :func:`apply_recompute` - full or per-op recompute of the blocks whose stage asks for it
+10. :func:`apply_dp` - FSDP2 / replicate over the data-parallel mesh (dp x cp); the routed
+    experts over their own data-parallel group
+11. ``codegen.runtime.optim.build_optimizer`` - one optimizer per stage module
+12. :func:`build_schedule` - the torch pipelining schedule (pp > 1)
 """
 from __future__ import annotations
 
@@ -27,12 +29,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from codegen.runtime import data_parallel as dpar
+from codegen.runtime import expert_parallel as epar
 from codegen.runtime import pipeline_parallel as ppar
 from codegen.runtime import recompute as rc
 from codegen.runtime import tensor_parallel as tpar
 from codegen.runtime.adapters import ModelAdapter
 from codegen.runtime.attention import build_attention, ring_attention
-from codegen.runtime.mesh import dp_cp_mesh
+from codegen.runtime.mesh import device_type, dp_cp_mesh
 from planner.plan import ModelFacts, ParallelConfig, config_problems, uses_ddp_reducer
 
 
@@ -130,6 +133,24 @@ def apply_tp(adapter: ModelAdapter, stages: Stages, tp_plan: dict[str, str], mes
         adapter.tp_fixups(sm, mesh["tp"], tp_plan, sp)
 
 
+@dataclass
+class Experts:
+    """Expert parallelism on this rank: the ``[pp, edp, ep, tp]`` mesh and the routed-expert
+    modules whose experts it split."""
+    mesh: DeviceMesh
+    modules: list[nn.Module]
+
+
+def apply_ep(stages: Stages, cfg: ParallelConfig) -> Optional[Experts]:
+    """With ``cfg.ep > 1``: each routed layer keeps this rank's ``experts / ep`` experts and
+    exchanges tokens with its EP group (``codegen/runtime/expert_parallel.py``); None otherwise.
+    Call it after the weights are materialised (the whole stacks are cut here)."""
+    if cfg.ep == 1:
+        return None
+    mesh = epar.expert_mesh(cfg, device_type())
+    return Experts(mesh, epar.apply_ep(stages.modules, mesh))
+
+
 def apply_recompute(adapter: ModelAdapter, stages: Stages) -> None:
     """Checkpoint (recompute in backward) every block whose stage's policy is ``full`` or
     ``selective-op`` (the latter under the per-op save policy)."""
@@ -139,10 +160,14 @@ def apply_recompute(adapter: ModelAdapter, stages: Stages) -> None:
             rc.checkpoint_block(sm.get_submodule(u), per_op=stages.policy[u] == "selective-op")
 
 
-def apply_dp(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, mesh: DeviceMesh) -> DeviceMesh:
-    """FSDP2 / replicate (``cfg.zero``) of each block and stage module over ``dp`` x ``cp``;
-    returns that gradient-reduction mesh."""
+def apply_dp(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, mesh: DeviceMesh,
+             experts: Optional[Experts] = None) -> DeviceMesh:
+    """FSDP2 / replicate (``cfg.zero``) of each block and stage module over ``dp`` x ``cp``,
+    the routed experts of ``experts`` (expert parallelism) first over their own data-parallel
+    group; returns the dense gradient-reduction mesh."""
     dp_mesh = dp_cp_mesh(mesh)
+    if experts is not None:
+        dpar.shard_experts(experts.modules, experts.mesh["edp"], cfg.zero, pipelined=cfg.pp > 1)
     dpar.apply_dp(stages.modules, dp_mesh, cfg.zero, pipelined=cfg.pp > 1, blocks=adapter.blocks,
                   reducer=uses_ddp_reducer(cfg.zero, cfg.pp, cfg.tp))
     return dp_mesh

@@ -11,8 +11,8 @@
   projections, norms and MLP keep their activations.
 - ``selective-op``: the block is checkpointed like ``full``, but under a per-op save policy
   (torch's selective activation checkpointing, torchtitan's "op" mode): the outputs of every
-  other matmul (the 1st, 3rd, ... of each forward of the block), of the attention kernels and
-  of sequence-parallel reduce-scatters are kept; everything else (the other matmuls, norms,
+  other matmul (the 1st, 3rd, ... of each forward of the block), of the attention kernels, of
+  sequence-parallel reduce-scatters and of expert-parallel all-to-alls are kept; everything else (the other matmuls, norms,
   activations, rotary, residual adds) is recomputed. :class:`OpSavePolicy` is that rule;
   ``cost_models/op_recompute.py`` prices it.
 - ``none``: nothing.
@@ -60,7 +60,8 @@ def _saved_ops() -> tuple[set, set]:
               aten._scaled_dot_product_flash_attention_for_cpu.default,
               aten._scaled_dot_product_cudnn_attention.default,
               torch.ops.autopar.flash_attn_fwd.default, torch.ops.autopar.attn_merge.default,
-              torch.ops._c10d_functional.reduce_scatter_tensor.default, aten.max.default}
+              torch.ops._c10d_functional.reduce_scatter_tensor.default,
+              torch.ops._c10d_functional.all_to_all_single.default, aten.max.default}
     return {aten.mm.default, aten.addmm.default}, always
 
 

@@ -247,8 +247,9 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     tied = recipe.tie_weights(adapter, split, mesh)  # before TP splits the tied ends apart
     recipe.apply_attention(adapter, split, cfg, mesh, load_balance)
     recipe.apply_tp(adapter, split, tp_layout, mesh, cfg.sp)
+    experts = recipe.apply_ep(split, cfg)
     recipe.apply_recompute(adapter, split)
-    dp_mesh = recipe.apply_dp(adapter, split, cfg, mesh)
+    dp_mesh = recipe.apply_dp(adapter, split, cfg, mesh, experts)
     optimizer = build_optimizer(split.modules, optimizer_factory, cfg.zero, dp_mesh.size(), dp_mesh.get_group())
     loss_fn = TokenLoss(dp_mesh.size())
     schedule = recipe.build_schedule(split, cfg, mesh, global_batch, loss_fn, device)

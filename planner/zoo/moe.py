@@ -9,15 +9,17 @@ after ``dense_layers`` dense ones, are routed experts.
    its weights are the chosen scores, renormalised to sum 1 for sigmoid scores.
 2. **Dispatch**: the (token, choice) pairs are sorted by expert, so each expert's rows are
    contiguous; ``counts`` [experts] says how many each got.
-3. **Experts**: SwiGLU per expert on its rows, with the stacked weights ``w_gate``, ``w_up``
-   [experts, hidden, expert_ffn] and ``w_down`` [experts, expert_ffn, hidden]
-   (:func:`grouped_swiglu`: ``torch._grouped_mm`` where it exists, a loop otherwise).
+3. **Experts** (``routed``, a :class:`RoutedExperts`): SwiGLU per expert on its rows, with the
+   stacked weights ``w_gate``, ``w_up`` [experts, hidden, expert_ffn] and ``w_down``
+   [experts, expert_ffn, hidden] (:func:`grouped_swiglu`).
 4. **Combine**: each row times its weight, summed back onto its token; plus the
    ``shared_experts`` (one SwiGLU of ``shared_experts * expert_ffn``) every token passes.
 
-``dispatcher`` (None: all experts local) is where expert parallelism plugs in, per
-instance: it takes the sorted rows and counts and returns the expert outputs in the same
-order. ``load`` accumulates the tokens per expert of the micro-batches differentiated since
+``routed.dispatcher`` (None: all experts local) is where expert parallelism plugs in, per
+instance: it takes the routed module, the sorted rows and the rows per expert, and returns
+the expert outputs in the same order (``codegen/runtime/expert_parallel.py``). The experts
+are a submodule of their own so that data parallelism can shard them over a group of
+their own. ``load`` accumulates the tokens per expert of the micro-batches differentiated since
 the last :meth:`take_load` (counted when the layer's output gradient arrives, so a forward
 that is never differentiated - a pipeline's shape probe, a recomputation - does not count); the runtime sums it over the data-parallel ranks before each optimizer
 step and calls :meth:`update_bias` (``codegen/runtime/experts.py``).
@@ -55,6 +57,23 @@ def grouped_swiglu(x: torch.Tensor, counts: list[int], w_gate: torch.Tensor, w_u
     return torch.cat(outs)
 
 
+class RoutedExperts(nn.Module):
+    """The stacked routed experts; ``forward(rows, split)``: SwiGLU of expert e on its
+    ``split[e]`` contiguous rows, locally or through ``dispatcher`` (expert parallelism)."""
+
+    def __init__(self, hidden: int, expert_ffn: int, experts: int):
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.empty(experts, hidden, expert_ffn))
+        self.w_up = nn.Parameter(torch.empty(experts, hidden, expert_ffn))
+        self.w_down = nn.Parameter(torch.empty(experts, expert_ffn, hidden))
+        self.dispatcher: Optional[Callable] = None
+
+    def forward(self, rows: torch.Tensor, split: list[int]) -> torch.Tensor:
+        if self.dispatcher is not None:
+            return self.dispatcher(self, rows, split)
+        return grouped_swiglu(rows, split, self.w_gate, self.w_up, self.w_down)
+
+
 class MoEFeedForward(nn.Module):
     """Routed experts plus optional shared experts (module docstring)."""
 
@@ -63,13 +82,10 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.experts, self.top_k, self.shared_experts, self.score_func = experts, top_k, shared_experts, score_func
         self.router = nn.Linear(hidden, experts, bias=False)
-        self.w_gate = nn.Parameter(torch.empty(experts, hidden, expert_ffn))
-        self.w_up = nn.Parameter(torch.empty(experts, hidden, expert_ffn))
-        self.w_down = nn.Parameter(torch.empty(experts, expert_ffn, hidden))
+        self.routed = RoutedExperts(hidden, expert_ffn, experts)
         self.shared = SwiGLU(hidden, shared_experts * expert_ffn) if shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(experts), persistent=True)
         self.load: Optional[torch.Tensor] = None  # tokens per expert since take_load() (not a buffer)
-        self.dispatcher: Optional[Callable] = None
         self.static_shapes = False
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,10 +114,7 @@ class MoEFeedForward(nn.Module):
             rows = F.pad(rows, (0, 0, 0, per * self.experts - rows.shape[0]))
         else:
             split = [int(c) for c in counts.tolist()]
-        if self.dispatcher is not None:
-            out = self.dispatcher(self, rows, split)
-        else:
-            out = grouped_swiglu(rows, split, self.w_gate, self.w_up, self.w_down)
+        out = self.routed(rows, split)
         out = out[:token.shape[0]] * weights.reshape(-1)[order].unsqueeze(-1)
         y = torch.zeros_like(x).index_add_(0, token, out)
         if self.shared is not None:

@@ -1,0 +1,155 @@
+"""Expert parallelism priced and planned: the all-to-all bytes and grouped-GEMM FLOPs of one
+MoE layer against hand counts, the feasibility rule, the token permutation of the
+runtime's dispatcher, the skewed parity case's routing, and the search choosing ``ep``
+(within a node on a fast network, not at all on a slow one) with the report saying why.
+The runtime's EP parity is in tests/test_runtime_parity.py."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from codegen.runtime.expert_parallel import _by_expert
+from cost_models import comm as comm_mod
+from cost_models.cluster import load_preset
+from cost_models.compute import expert_gemms
+from cost_models.experts import alltoall_bytes, ep_mesh, expert_comm, expert_rows
+from cost_models.memory import per_param_bytes, stage_memory
+from planner.frontend import graph_of_config
+from planner.plan import ModelFacts, ParallelConfig, config_problems, expert_groups
+from planner.zoo import ModelConfig
+
+# a fine-grained MoE (DeepSeek-like routing: 128 experts, top-8, sigmoid), small enough to plan fast
+FINE = ModelConfig(name="moe-fine", arch="moe", layers=6, hidden=2048, ffn_hidden=5632, heads=16, kv_heads=4,
+                   vocab=32000, seq_len=2048, max_seq_len=2048, experts=128, top_k=8, expert_ffn_hidden=768,
+                   shared_experts=1, dense_layers=1, router="sigmoid")
+
+
+@functools.cache
+def _fine():
+    return graph_of_config(FINE)
+
+
+def _moe_layer(g):
+    return next(l for l in g.layers if l.moe is not None)
+
+
+def test_alltoall_bytes_and_time_match_hand_counts():
+    g = _fine()
+    layer = _moe_layer(g)
+    cfg = ParallelConfig(dp=16, ep=8, mbs=2, zero="fsdp", dtype="bf16")
+    # tokens x top_k x hidden x bytes: 2 x 2048 tokens, 8 choices, 2048 wide, bf16
+    assert alltoall_bytes(layer.moe, g, cfg) == 2 * 2048 * 8 * 2048 * 2
+    skewed = dataclasses.replace(layer.moe, imbalance=1.5)
+    assert alltoall_bytes(skewed, g, cfg) == pytest.approx(1.5 * 2 * 2048 * 8 * 2048 * 2)
+    cl = load_preset("dgx-h100")
+    cl.nodes = 2
+    one = comm_mod.collective_time("all_to_all", alltoall_bytes(layer.moe, g, cfg), cl, ep_mesh(cfg), "cp").seconds
+    # inside one node (ep 8 consecutive ranks): (n-1)/n x B / (bw x NCCL bus efficiency) + (n-1) alpha
+    bw = cl.intra.bandwidth_gbs * 1e9 * comm_mod.NCCL_BUS_EFF["intra"]
+    assert one == pytest.approx(7 / 8 * alltoall_bytes(layer.moe, g, cfg) / bw + 7 * cl.intra.latency_us * 1e-6, rel=1e-6)
+    ex = expert_comm(layer, g, cl, cfg)
+    assert ex.bwd == pytest.approx(2 * one)             # dispatch and combine, reversed
+    assert ex.fwd > ex.bwd                              # + the count exchange and the host sync
+    assert expert_comm(layer, g, cl, cfg.replace(ep=1)).fwd == 0.0
+
+
+def test_grouped_gemm_flops_match_hand_counts():
+    g = _fine()
+    m = _moe_layer(g).moe
+    tokens = 2 * 2048
+    for ep in (1, 4, 16):
+        rows = expert_rows(m, tokens, ep)
+        assert rows == tokens * 8 * ep / 128
+        local = m.experts // ep
+        flops = local * sum(2 * a * b * c for a, b, c in expert_gemms(m, tokens, g.hidden, ep))
+        # every rank multiplies its share of the routed rows: tokens x top_k x 3 GEMMs of hidden x ffn
+        assert flops == pytest.approx(tokens * 8 * 3 * 2 * 2048 * 768)
+    assert expert_rows(dataclasses.replace(m, imbalance=1.25), tokens, 4) == pytest.approx(1.25 * tokens * 8 * 4 / 128)
+    assert expert_rows(dataclasses.replace(m, imbalance=1.25), tokens, 1) == tokens * 8 / 128  # no EP: no skew
+
+
+def test_expert_memory_is_split_by_ep_and_sharded_over_the_rest():
+    g = _fine()
+    moe = [i for i, l in enumerate(g.layers) if l.moe is not None]
+    fsdp = ParallelConfig(dp=16, zero="fsdp", mbs=1)
+    with_ep = fsdp.replace(ep=8)
+    m1, m8 = stage_memory(g, moe, fsdp, 1), stage_memory(g, moe, with_ep, 1)
+    # at rest FSDP holds 1/16 of every expert either way (1/8 of them over a group of 2) ...
+    assert m8.weights == pytest.approx(m1.weights, rel=1e-6)
+    # ... but gathers only this rank's experts: the unsharded-layer buffers shrink
+    assert m8.buffers < m1.buffers / 4
+    assert per_param_bytes(with_ep, experts=True)["weights"] == 2.0 / 2   # bf16 over dp / ep = 2 ranks
+
+
+def test_feasibility_rule_for_ep():
+    f = ModelFacts(units=8, seq_len=64, experts=8)
+    ok = ParallelConfig(dp=4, ep=4, zero="fsdp")
+    assert config_problems(ok, f) == []
+    assert any("does not divide the 8 experts" in p for p in config_problems(ok.replace(dp=12, ep=12), f))
+    assert any("does not divide dp x cp = 4" in p for p in config_problems(ParallelConfig(dp=4, ep=8, zero="fsdp"), f))
+    assert any("use zero=fsdp" in p for p in config_problems(ok.replace(zero="ddp"), f))
+    assert any("no routed experts" in p for p in config_problems(ok, ModelFacts(units=8, seq_len=64)))
+    assert expert_groups(2, 2, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert ParallelConfig.parse("dp=4,ep=2,zero=fsdp").ep == 2
+    assert "ep2" in ParallelConfig(dp=4, ep=2, zero="fsdp").label()
+
+
+def test_dispatch_permutation_groups_rows_by_local_expert():
+    got = torch.tensor([[2, 0, 1], [1, 3, 0], [0, 0, 2]])  # [source rank, local expert] row counts
+    order = _by_expert(got)
+    # source blocks: s0 = rows 0-2 (e0 e0 e2), s1 = rows 3-6 (e0 e1 e1 e1), s2 = rows 7-8 (e2 e2)
+    assert order.tolist() == [0, 1, 3, 4, 5, 6, 2, 7, 8]
+    assert _by_expert(torch.zeros(2, 2, dtype=torch.long)).numel() == 0
+
+
+def test_skewed_parity_case_leaves_experts_empty_and_loads_uneven():
+    import sys, os
+    sys.path.insert(0, os.path.dirname(__file__))
+    from model_cases import case
+    c = case("moe-tiny-skewed")
+    model = c.build("cpu")
+    b = c.batches(1)[0]
+    c.loss(model, b).backward()
+    for m in model.moe_layers():
+        load = m.take_load()
+        assert load[6] == 0 and load[7] == 0
+        assert load[:6].min() < load[:6].max()
+
+
+def _plan_on(inter_gbs: float):
+    from planner.pins import Pins
+    from planner.search import search
+    cl = load_preset("dgx-h100")
+    cl.nodes = 4
+    cl.inter = dataclasses.replace(cl.inter, bandwidth_gbs=inter_gbs)
+    return search(_fine(), cl, 64, pins=Pins.parse("pp=1,tp=1,cp=1")), cl
+
+
+def _why_not_ep(r, cl) -> dict:
+    from planner.planning import build_plan
+    from planner.report_data import why_not_degrees
+    plan = build_plan(_fine(), cl, r.best, spec="moe-fine", cluster_spec="dgx-h100:4",
+                      alternatives=r.alternatives, rejected=r.rejected, counts=r.rejected_counts)
+    return {w["degree"]: w for w in why_not_degrees(plan) if w["degree"].startswith("ep=")}
+
+
+def test_fast_network_picks_expert_parallelism_within_a_node():
+    r, cl = _plan_on(400.0)
+    best = r.best.config
+    assert best.ep > 1 and best.ep * best.tp <= cl.devices_per_node
+    # the best layout of each wider ep was kept: crossing nodes costs all-to-all time
+    wider = [a for a in r.alternatives if a.config.ep > cl.devices_per_node]
+    assert wider and all(a.breakdown["ep_comm"] > r.best.breakdown["ep_comm"] for a in wider)
+    rows = _why_not_ep(r, cl)
+    assert "ep comm" in rows["ep=16"]["alternative"]["why_not"]
+    assert rows["ep=1"]["reasons"] or rows["ep=1"]["alternative"]  # ep=1 lost too, and the report says how
+
+
+def test_slow_network_keeps_experts_unsplit_and_the_report_says_why():
+    r, cl = _plan_on(1.0)
+    assert r.best.config.ep == 1
+    rows = _why_not_ep(r, cl)
+    assert "ep comm" in rows["ep=16"]["alternative"]["why_not"]
