@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from planner.errors import AutoparError
 from planner.graph import AttentionDims, Layer, Linear, ModelGraph, MoEDims, Op
 from planner.layer_kinds import layer_kind, lin_dims, part_kind
 
@@ -181,12 +182,22 @@ def _attention_dims(r: UnitRecord, linears: list[Linear]) -> AttentionDims | Non
 
 
 def moe_dims(unit: nn.Module) -> MoEDims | None:
-    """The routed experts inside ``unit``: a module with ``top_k``, ``shared_experts`` and stacked
-    expert weights ``routed.w_gate`` [experts, hidden, expert_ffn] (the zoo's MoEFeedForward)."""
+    """The routed experts inside ``unit``: a module with the routed-experts protocol
+    (``moe_shape()`` -> (experts, expert FFN width): the zoo's ``RoutedExperts``, a
+    transformers model's experts as ``codegen/runtime/adapters/hf_experts.py`` equips them),
+    its top-k from the nearest enclosing module (or one of its children) with an integer
+    ``top_k``, and shared experts from that module's ``shared_experts``."""
     for name, m in unit.named_modules():
-        w = getattr(getattr(m, "routed", None), "w_gate", None)
-        if isinstance(getattr(m, "top_k", None), int) and isinstance(w, torch.Tensor) and w.dim() == 3:
-            return MoEDims(int(w.shape[0]), m.top_k, int(w.shape[-1]), int(getattr(m, "shared_experts", 0)), name)
+        shape = getattr(m, "moe_shape", None)
+        if not callable(shape):
+            continue
+        experts, ffn = shape()
+        part = name.rsplit(".", 1)[0] if "." in name else ""
+        holder = unit.get_submodule(part) if part else unit
+        top_k = next((c.top_k for c in holder.modules() if isinstance(getattr(c, "top_k", None), int)), None)
+        if top_k is None:
+            raise AutoparError(f"capture: the experts at {name!r} have no router with an integer top_k")
+        return MoEDims(experts, top_k, ffn, int(getattr(holder, "shared_experts", 0) or 0), part)
     return None
 
 

@@ -77,7 +77,8 @@ LAYOUTS = {
     ],
 }
 MODELS = ("gpt-tiny", "llama-tiny", "hf-llama", "hf-gpt2", "user-lm")
-MODELS_BY_WORLD = {2: MODELS + ("moe-tiny", "moe-tiny-skewed"), 4: MODELS + ("gpt-tiny-tied", "moe-tiny", "moe-tiny-skewed"),
+MOE_MODELS = ("moe-tiny", "moe-tiny-skewed", "hf-mixtral")
+MODELS_BY_WORLD = {2: MODELS + MOE_MODELS, 4: MODELS + ("gpt-tiny-tied",) + MOE_MODELS,
                    8: ("gpt-tiny", "llama-tiny", "hf-llama")}
 # models run under some layouts only: a zoo model built on meta whose head shares the token
 # embedding, under PP x TP (the tied weight split over tp and held by two pp ranks)
@@ -89,7 +90,10 @@ ONLY_LAYOUTS = {"gpt-tiny-tied": ("pp2xtp2-1f1b-sp",),
                              "dp2xcp2-ep4-fsdp", "pp2xdp2-ep2-fsdp", "dp2xtp2-ep2-sp"),
                 # experts 6 and 7 never routed to, uneven loads on the others (model_cases.py)
                 "moe-tiny-skewed": ("dp2-ep2-fsdp", "dp4-ep4-fsdp", "dp4-ep2-fsdp-op", "dp2xcp2-ep4-fsdp",
-                                    "pp2xdp2-ep2-fsdp")}
+                                    "pp2xdp2-ep2-fsdp"),
+                # transformers' Mixtral, its experts run through ExpertsInterface (reference: its own loop)
+                "hf-mixtral": ("dp2-fsdp", "pp2-1f1b", "cp2-zigzag", "tp2-sp", "dp2-ep2-fsdp", "dp4-ep4-fsdp",
+                               "dp4-ep2-fsdp-op", "dp2xcp2-ep4-fsdp", "pp2xdp2-ep2-fsdp")}
 
 
 def layouts_of(world: int, model_name: str) -> list[tuple[str, dict, int]]:

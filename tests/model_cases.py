@@ -5,6 +5,8 @@
 - ``hf-llama``: a transformers ``LlamaForCausalLM`` (grouped-query attention, RoPE, untied);
 - ``hf-gpt2``: a transformers ``GPT2LMHeadModel`` (tied embedding, learned positions,
   ``Conv1D`` linears with a packed q/k/v projection);
+- ``hf-mixtral``: a transformers ``MixtralForCausalLM`` (8 experts, top-2; its reference runs
+  the library's own experts loop, the parallel run autopar's through ``ExpertsInterface``);
 - ``user-lm``: ``tests/user_models.UserLM``, a plain module in another style whose loss is
   computed outside the model.
 
@@ -32,7 +34,11 @@ GB, SEQ, VOCAB = 4, 32, 128
 
 
 def hf_config(kind: str):
-    from transformers import GPT2Config, LlamaConfig
+    from transformers import GPT2Config, LlamaConfig, MixtralConfig
+    if kind == "hf-mixtral":  # 8 experts, top-2, through transformers' ExpertsInterface
+        return MixtralConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=VOCAB, num_local_experts=8, num_experts_per_tok=2,
+                             max_position_embeddings=64, tie_word_embeddings=False)
     if kind == "hf-llama":
         return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
@@ -52,6 +58,8 @@ def build_hf(kind: str, device: str) -> nn.Module:
     if device != "meta":
         ad = adapter_for(model)
         ad.materialize(ad.units, torch.device(device), SEED)
+        if getattr(model.config, "_experts_implementation", None) == "autopar":
+            model.config._experts_implementation = "eager"  # the reference runs the library's own experts loop
     return model
 
 
@@ -144,6 +152,7 @@ CASES = {
     "llama-tiny": lambda: _zoo("llama-tiny"),
     "hf-llama": lambda: Case("hf-llama", "hf", functools.partial(build_hf, "hf-llama"), "meta", VOCAB),
     "hf-gpt2": lambda: Case("hf-gpt2", "hf", functools.partial(build_hf, "hf-gpt2"), "meta", VOCAB),
+    "hf-mixtral": lambda: Case("hf-mixtral", "hf", functools.partial(build_hf, "hf-mixtral"), "meta", VOCAB),
     "user-lm": lambda: Case("user-lm", "module", build_user, "cpu", VOCAB),
 }
 

@@ -33,7 +33,8 @@ def _graph(model, name):
 
 
 @pytest.mark.parametrize("model_type,kw,word", [
-    ("mixtral", dict(TINY, num_local_experts=4), "mixture-of-experts"),
+    ("jetmoe", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128, num_local_experts=4),
+     "ExpertsInterface"),
     ("falcon", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=128), "AttentionInterface"),
 ])
 def test_models_the_runtime_cannot_run_are_refused_in_one_line(model_type, kw, word):
@@ -41,6 +42,41 @@ def test_models_the_runtime_cannot_run_are_refused_in_one_line(model_type, kw, w
         _graph(_hf(model_type, **kw), model_type)
     msg = str(e.value)
     assert word in msg and "\n" not in msg and msg.startswith(f"{model_type}: cannot run")
+
+
+@pytest.mark.parametrize("model_type,kw,experts,top_k", [
+    ("mixtral", dict(TINY, num_local_experts=4), 4, 2),
+    ("qwen2_moe", dict(TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=64), 8, 2),
+    ("olmoe", dict(TINY, num_experts=4, num_experts_per_tok=2), 4, 2),
+])
+def test_transformers_moe_is_captured_through_experts_interface(model_type, kw, experts, top_k):
+    """Routed experts of transformers' ExpertsInterface families are captured (balanced load on
+    fake tensors) with their shape, and planned without TP (expert parallelism instead)."""
+    g = _graph(_hf(model_type, **kw), model_type)
+    moe = [l.moe for l in g.layers if l.moe is not None]
+    assert len(moe) == 2 and moe[0].experts == experts and moe[0].top_k == top_k
+    assert "routed experts" in g.limits["tp"] and "any" not in g.limits
+    blk = next(l for l in g.layers if l.moe is not None)
+    ffn = moe[0].expert_ffn
+    # the routed GEMMs' FLOPs at the balanced load: 32 tokens x top_k x 3 x 2 x hidden x ffn, at least
+    assert blk.fwd_flops >= 32 * top_k * 3 * 2 * 64 * ffn
+
+
+def test_experts_are_installed_on_one_instance_only():
+    """Two Mixtral models from ONE config object: autopar's experts implementation on one leaves
+    the other on the library's own, and both compute the same outputs."""
+    from codegen.runtime.adapters import adapter_for
+    cfg = transformers.MixtralConfig(**dict(TINY, num_local_experts=4), max_position_embeddings=64)
+    torch.manual_seed(0)
+    a = transformers.AutoModelForCausalLM.from_config(cfg)
+    b = transformers.AutoModelForCausalLM.from_config(cfg)
+    b.load_state_dict(a.state_dict())
+    adapter_for(a)
+    assert a.config._experts_implementation == "autopar" and b.config._experts_implementation != "autopar"
+    ids = torch.randint(0, 128, (2, 16))
+    torch.testing.assert_close(a(input_ids=ids, use_cache=False).logits, b(input_ids=ids, use_cache=False).logits,
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_plain_module_whose_units_do_not_compose_asks_for_a_spec():

@@ -17,8 +17,8 @@ forward, as torchtitan's and Megatron-Core's all-to-all dispatchers do it:
 2. **dispatch**: one variable-split all-to-all sends each row to its expert's rank (the
    rows are already sorted by expert, so each destination's rows are contiguous);
 3. the received rows, ordered (source, local expert), are permuted to (local expert,
-   source) so each local expert's rows are contiguous, run through the grouped SwiGLU, and
-   permuted back;
+   source) so each local expert's rows are contiguous, run through the module's own
+   ``run_local`` with this rank's stacks, and permuted back;
 4. **combine**: the reverse all-to-all returns each row's output to its token's rank.
 
 Both all-to-alls are torch's functional ``all_to_all_single_autograd`` (the backward is the
@@ -38,9 +38,6 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Shard
 
 from planner.plan import ParallelConfig
-from planner.zoo.moe import grouped_swiglu
-
-EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 
 
 def expert_mesh(cfg: ParallelConfig, device_type: str) -> DeviceMesh:
@@ -50,10 +47,11 @@ def expert_mesh(cfg: ParallelConfig, device_type: str) -> DeviceMesh:
 
 
 def routed_modules(stage_mods: Sequence[nn.Module]) -> list[nn.Module]:
-    """The routed-expert modules (stacked ``w_gate`` / ``w_up`` / ``w_down`` and a
-    ``dispatcher`` slot) of these stage modules."""
+    """The routed-expert modules of these stage modules: those with the routed-experts
+    protocol (``expert_weights``, ``run_local``, ``dispatcher``; the zoo's ``RoutedExperts``,
+    a transformers model's experts through ``adapters/hf_experts.py``)."""
     return [m for sm in stage_mods for m in sm.modules()
-            if hasattr(m, "dispatcher") and all(hasattr(m, w) for w in EXPERT_WEIGHTS)]
+            if hasattr(m, "dispatcher") and getattr(m, "expert_weights", None) and callable(getattr(m, "run_local", None))]
 
 
 class TokenDispatch:
@@ -75,8 +73,8 @@ class TokenDispatch:
         # an expert's gradient sums the rows of the whole EP group; data parallelism then averages
         # over the experts' dp x cp / ep ranks: 1 / ep here makes it the dense weights' average
         weights = [_GradScale.apply(w.to_local() if isinstance(w, DTensor) else w, 1.0 / ep)
-                   for w in (routed.w_gate, routed.w_up, routed.w_down)]
-        y = grouped_swiglu(x[order], got.sum(0).tolist(), *weights)
+                   for w in (getattr(routed, n) for n in routed.expert_weights)]
+        y = routed.run_local(x[order], got.sum(0).tolist(), weights)
         y = torch.empty_like(y).index_copy(0, order, y)  # back to (source, local expert) order
         return _exchange(y, send, recv, self.group)
 
@@ -120,10 +118,10 @@ def apply_ep(stage_mods: Sequence[nn.Module], mesh: DeviceMesh) -> list[nn.Modul
     ep, me = ep_mesh.size(), ep_mesh.get_local_rank()
     mods = routed_modules(stage_mods)
     for m in mods:
-        experts = m.w_gate.shape[0]
+        experts = getattr(m, m.expert_weights[0]).shape[0]
         if experts % ep:
             raise ValueError(f"ep={ep} does not divide the {experts} experts of a routed layer")
-        for name in EXPERT_WEIGHTS:
+        for name in m.expert_weights:
             full = getattr(m, name)
             mine = full.detach().chunk(ep, dim=0)[me].clone()
             setattr(m, name, nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False)))

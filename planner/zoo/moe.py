@@ -59,7 +59,14 @@ def grouped_swiglu(x: torch.Tensor, counts: list[int], w_gate: torch.Tensor, w_u
 
 class RoutedExperts(nn.Module):
     """The stacked routed experts; ``forward(rows, split)``: SwiGLU of expert e on its
-    ``split[e]`` contiguous rows, locally or through ``dispatcher`` (expert parallelism)."""
+    ``split[e]`` contiguous rows, locally or through ``dispatcher`` (expert parallelism).
+
+    The routed-experts protocol the runtime and the capture use (a transformers model's
+    experts get the same from ``codegen/runtime/adapters/hf_experts.py``): ``expert_weights``
+    (the stacks, experts on dim 0), ``run_local(rows, split, weights)``, ``dispatcher``,
+    ``moe_shape()`` -> (experts, expert FFN width)."""
+
+    expert_weights = ("w_gate", "w_up", "w_down")
 
     def __init__(self, hidden: int, expert_ffn: int, experts: int):
         super().__init__()
@@ -68,10 +75,16 @@ class RoutedExperts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(experts, expert_ffn, hidden))
         self.dispatcher: Optional[Callable] = None
 
+    def run_local(self, rows: torch.Tensor, split: list[int], weights: list[torch.Tensor]) -> torch.Tensor:
+        return grouped_swiglu(rows, split, *weights)
+
+    def moe_shape(self) -> tuple[int, int]:
+        return int(self.w_gate.shape[0]), int(self.w_gate.shape[2])
+
     def forward(self, rows: torch.Tensor, split: list[int]) -> torch.Tensor:
         if self.dispatcher is not None:
             return self.dispatcher(self, rows, split)
-        return grouped_swiglu(rows, split, self.w_gate, self.w_up, self.w_down)
+        return self.run_local(rows, split, [self.w_gate, self.w_up, self.w_down])
 
 
 class MoEFeedForward(nn.Module):

@@ -18,8 +18,12 @@ Stages run the model's own forward on a view with placeholders (``hf_stage.py``)
 pipeline stage may start only at a decoder layer after the first, at the final norm or at
 the head: the embedding prologue stays with the first layer (:meth:`stage_starts`).
 
+Routed experts (Mixtral, Qwen-MoE, ...): through the library's ``ExpertsInterface``
+(``hf_experts.py``), so capture, expert parallelism and the runtime run them autopar's way.
+
 What cannot run is said by :meth:`HFAdapter.limits` (and planned around): attention that
-bypasses ``AttentionInterface`` or mixture-of-experts layers (nothing runs); sliding
+bypasses ``AttentionInterface``, or mixture-of-experts layers outside ``ExpertsInterface``
+(nothing runs); routed experts under TP (expert parallelism splits them instead); sliding
 windows, attention soft-capping, attention dropout or non-causal attention (the model
 keeps its own attention: no flash kernel, no context parallelism); a TP plan that gathers
 or splits projections (no tensor parallelism); logit post-processing or a head bias (no
@@ -37,6 +41,7 @@ from torch import nn
 
 from codegen.runtime.adapters.base import (IGNORE_INDEX, AttentionImpl, ModelAdapter, StageModule, Unit,
                                           has_submodule)
+from codegen.runtime.adapters import hf_experts
 from codegen.runtime.adapters.hf_stage import HFStage, module_view, register_attention
 from codegen.runtime.recompute import SelectiveAttention
 
@@ -96,6 +101,9 @@ class HFAdapter(ModelAdapter):
         self.seq_len = seq_len
         super().__init__(model, self._discover(model, base, rel, order))
         self._attention_installed = False
+        self._config_owned = False
+        if hf_experts.experts_modules(model):  # routed experts run by autopar (capture and runtime alike)
+            hf_experts.install(model, self._own_config())
 
     # ---- structure ---------------------------------------------------------------------
     def _discover(self, model, base, rel, order) -> list[Unit]:
@@ -163,11 +171,16 @@ class HFAdapter(ModelAdapter):
 
     def limits(self) -> dict[str, str]:
         out: dict[str, str] = {}
-        moe = next((type(m).__name__ for m in self.model.modules()
-                    if "moe" in type(m).__name__.lower() or "experts" in dict(m.named_children())), None)
+        experts = hf_experts.experts_modules(self.model)
+        moe = next((type(m).__name__ for m in self.model.modules() if m is not self.model and (
+                    "moe" in type(m).__name__.lower() or "experts" in dict(m.named_children()))), None)
         block = self.model.get_submodule(self.blocks[0])
-        if moe:
-            out["any"] = f"mixture-of-experts layers ({moe}) are not supported yet"
+        why_not = next((f"{type(m).__name__}: {w}" for m in experts if (w := hf_experts.unsupported(m))), None)
+        if moe and not experts:
+            out["any"] = (f"mixture-of-experts layers ({moe}) that do not go through transformers' "
+                          "ExpertsInterface are not supported")
+        elif why_not:
+            out["any"] = f"routed experts with {why_not} are not supported"
         elif not self.attention_modules(block):
             out["any"] = (f"its attention ({type(block).__name__}) does not go through transformers' "
                           "AttentionInterface, so autopar cannot install its kernels")
@@ -179,7 +192,10 @@ class HFAdapter(ModelAdapter):
                          "which sequence parallel shards")
         plan = getattr(self.model, "_tp_plan", None) or {}
         gathered = sorted({s for k, s in plan.items() if k != self.head_name and s not in _PLAIN_STYLES})
-        if gathered:
+        if experts:
+            out["tp"] = ("its routed experts are not tensor-parallel (expert parallelism splits them over the "
+                         "dp x cp ranks instead)")
+        elif gathered:
             out["tp"] = (f"its own TP plan uses {', '.join(gathered)} (projections gathered or replicated), "
                          "which autopar does not run")
         head = self.model.get_submodule(self.head_name)
@@ -231,20 +247,27 @@ class HFAdapter(ModelAdapter):
     def build_stage(self, units: Sequence[str], recompute: str) -> StageModule:
         return HFStage(self, units, recompute)
 
+    def _own_config(self):
+        """This model's own config object (a copy its modules then share), so that selecting
+        autopar's attention or experts changes no other model."""
+        if not self._config_owned:
+            import copy as _copy
+            new_cfg = _copy.deepcopy(self.cfg)
+            for m in self.model.modules():
+                if getattr(m, "config", None) is self.cfg:
+                    m.config = new_cfg
+            self.cfg = new_cfg
+            self._config_owned = True
+        return self.cfg
+
     def _install_attention_name(self) -> None:
-        """Give this model its own config object (modules share it) set to autopar's attention
-        name, so no other model's attention changes."""
+        """Select autopar's attention name on this model's own config (:meth:`_own_config`)."""
         if self._attention_installed:
             return
-        import copy as _copy
         original = self.cfg._attn_implementation
         own = self._own_attention_reason() is not None
         name = register_attention(original if own else None)
-        new_cfg = _copy.deepcopy(self.cfg)
-        for m in self.model.modules():
-            if getattr(m, "config", None) is self.cfg:
-                m.config = new_cfg
-        self.cfg = new_cfg
+        new_cfg = self._own_config()
         new_cfg._attn_implementation = name
         self._original = original
         self._attention_installed = True
