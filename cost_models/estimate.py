@@ -428,7 +428,9 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     P = sum(table.params[i] for j in on_rank[r_max] for i in range(*partition.bounds[j]))
     Pe = sum(table.experts[i] for j in on_rank[r_max] for i in range(*partition.bounds[j]))  # routed experts
     mine = on_rank[max(range(cfg.pp), key=lambda r: sum(stages[j].fwd + stages[j].bwd for j in on_rank[r]))]
-    units = max(1, sum(hi - lo for lo, hi in (partition.bounds[j] for j in mine)))
+    per_module = cfg.zero in SHARDED_PARAMS  # FSDP / ZeRO-2 shard a very large block module by module
+    units = max(1, sum(len(table.units[i]) if per_module else 1
+                       for lo, hi in (partition.bounds[j] for j in mine) for i in range(lo, hi)))
     dp = _dp_comm(cluster, cfg, m, P - Pe, units, profile, comm_src)
     if Pe:
         ex = _dp_comm(cluster, cfg, m, Pe, units, profile, comm_src, experts=True)

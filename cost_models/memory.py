@@ -22,7 +22,9 @@ DP sharding, as the runtime (codegen/runtime/data_parallel.py) holds it at the p
 | zero1             | P w, P g, P o / dp                   | P w (``replicate`` too)                 |
 | zero2, pp = 1     | P w / dp, P g / dp, P o / dp         | P w: every layer stays gathered from    |
 |                   |                                      | forward to backward                     |
-| fsdp, pp = 1      | P w / dp, P g / dp, P o / dp         | 2 layers' unsharded weights + grads     |
+| fsdp, pp = 1      | P w / dp, P g / dp, P o / dp         | 2 units' unsharded weights + grads (a   |
+|                   |                                      | unit: the layer, or one module of a     |
+|                   |                                      | very large block, ``fsdp_units``)       |
 | zero2/fsdp, pp > 1| P w / dp, P g / dp, P o / dp         | P (w + g - g / dp): torch's pipeline    |
 |                   |                                      | stages keep parameters gathered and     |
 |                   |                                      | gradients unreduced until the last      |
@@ -57,7 +59,7 @@ from dataclasses import asdict, dataclass
 
 from cost_models.op_recompute import checkpointed, op_saved_bytes
 from planner.graph import Layer, ModelGraph
-from planner.plan import RECOMPUTE, SHARDED_PARAMS, ZERO, ParallelConfig
+from planner.plan import FSDP_MODULE_SHARE, RECOMPUTE, SHARDED_PARAMS, ZERO, ParallelConfig, fsdp_per_module
 
 GiB = 2**30
 RESERVE_GPU = 2.0 * GiB       # CUDA context (~0.5 GiB) + NCCL buffers + fragmentation
@@ -138,6 +140,8 @@ class LayerTable:
     def __init__(self, graph: ModelGraph, cfg: ParallelConfig) -> None:
         self.params = [layer_params_local(l, cfg.tp, cfg.pp, cfg.ep, graph.hidden) for l in graph.layers]
         self.experts = [layer_experts(l, graph.hidden) / cfg.ep for l in graph.layers]  # part of params
+        self.units = [fsdp_units(l, cfg, graph.hidden) for l in graph.layers]
+        self.unit = [max(u) for u in self.units]
         self.act = {p: [layer_activation(l, graph, cfg, p) for l in graph.layers]
                     for p in RECOMPUTE}
 
@@ -170,6 +174,21 @@ def per_param_bytes(cfg: ParallelConfig, experts: bool = False) -> dict[str, flo
     return f
 
 
+def fsdp_units(layer: Layer, cfg: ParallelConfig, hidden: int) -> list[float]:
+    """Parameters (per rank, unsharded) of each unit FSDP / ZeRO-2 (``SHARDED_PARAMS``) shards
+    ``layer`` into: the layer itself, or, for a block the runtime shards module by module
+    (``planner.plan.fsdp_per_module``), its linears and routed-expert stacks holding
+    ``FSDP_MODULE_SHARE`` of it or more, plus the rest."""
+    total = layer_params_local(layer, cfg.tp, cfg.pp, cfg.ep, hidden)
+    if not fsdp_per_module(total):
+        return [total]
+    sharded = ("column", "row", "packed_qkv", "vocab")
+    parts = [l.in_features * l.out_features / (cfg.tp if l.role in sharded else 1) for l in layer.linears]
+    parts.append(layer_experts(layer, hidden) / cfg.ep)
+    big = [p for p in parts if p >= FSDP_MODULE_SHARE * total]
+    return big + [max(0.0, total - sum(big))]
+
+
 def dp_group(cfg: ParallelConfig, experts: bool = False) -> int:
     """Ranks holding the same parameters and reducing their gradients: dp x cp (CP ranks hold
     the same weights), divided by ep for routed experts."""
@@ -191,7 +210,8 @@ def stage_memory(graph: ModelGraph, layers: list[int], cfg: ParallelConfig, infl
     w, g = f["weights_full"], f["grads_full"]
     big = max((t.params[i] for i in layers), default=0.0)
     if cfg.zero == "fsdp" and cfg.pp == 1 and dp > 1:
-        buffers = 2 * big * (w + g)  # 2 layers unsharded (one computing, one prefetched), with their grads
+        unit = max((t.unit[i] for i in layers), default=0.0)  # the largest FSDP unit (the layer, or one module)
+        buffers = 2 * unit * (w + g)  # 2 units unsharded (one computing, one prefetched), with their grads
     else:
         # backward working set: a layer's incoming weight gradient lives beside the accumulated
         # p.grad before it is added in (the largest layer sets it)

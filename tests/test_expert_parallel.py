@@ -1,8 +1,9 @@
 """Expert parallelism priced and planned: the all-to-all bytes and grouped-GEMM FLOPs of one
 MoE layer against hand counts, the feasibility rule, the token permutation of the
 runtime's dispatcher, the skewed parity case's routing, and the search choosing ``ep``
-(within a node on a fast network, not at all on a slow one) with the report saying why.
-The runtime's EP parity is in tests/test_runtime_parity.py."""
+(within a node on a fast network, not at all on a slow one) with the report saying why;
+also FSDP's units of a very large block (experts stacks and linears gathered one at a
+time). The runtime's EP parity is in tests/test_runtime_parity.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +17,7 @@ from cost_models import comm as comm_mod
 from cost_models.cluster import load_preset
 from cost_models.compute import expert_gemms
 from cost_models.experts import alltoall_bytes, ep_mesh, expert_comm, expert_rows
-from cost_models.memory import per_param_bytes, stage_memory
+from cost_models.memory import layer_params_local, per_param_bytes, stage_memory
 from planner.frontend import graph_of_config
 from planner.plan import ModelFacts, ParallelConfig, config_problems, expert_groups
 from planner.zoo import ModelConfig
@@ -153,3 +154,36 @@ def test_slow_network_keeps_experts_unsplit_and_the_report_says_why():
     assert r.best.config.ep == 1
     rows = _why_not_ep(r, cl)
     assert "ep comm" in rows["ep=16"]["alternative"]["why_not"]
+
+
+def test_a_very_large_block_is_sharded_module_by_module():
+    """A 530B-class dense block (5B parameters) is gathered one module at a time under FSDP, so
+    its transient buffers are the largest linear's, not the block's; a small block stays one unit."""
+    from cost_models.memory import fsdp_units
+    from planner.plan import FSDP_UNIT_PARAMS
+    big = ModelConfig(name="gpt-530b-block", arch="gpt", layers=2, hidden=20480, ffn_hidden=81920, heads=128,
+                      kv_heads=128, vocab=51200, seq_len=256, max_seq_len=256)
+    g = graph_of_config(big)
+    blk = next(l for l in g.layers if l.kind == "transformer_block")
+    cfg = ParallelConfig(dp=8, zero="fsdp", mbs=1)
+    units = fsdp_units(blk, cfg, g.hidden)
+    assert blk.params > FSDP_UNIT_PARAMS and len(units) == 7      # q, k, v, o, fc1, fc2 and the rest (norms, biases)
+    assert max(units) == 20480 * 81920 and sum(units) == pytest.approx(blk.params)
+    i = g.layers.index(blk)
+    whole = stage_memory(g, [i], cfg.replace(tp=1), 1)
+    assert whole.buffers < 2 * blk.params * 4                        # less than two gathered blocks with grads
+    moe = _moe_layer(_fine())                                        # 0.6B parameters: one unit
+    assert fsdp_units(moe, cfg, 2048) == [pytest.approx(layer_params_local(moe, 1, 1, 1, 2048))]
+
+
+def test_runtime_picks_the_modules_it_shards_alone(monkeypatch):
+    """The runtime's choice of per-module units follows the same rule (threshold lowered for a tiny block)."""
+    import planner.plan as plan_mod
+    from codegen.runtime.data_parallel import _module_units
+    from planner.zoo import build_model, preset
+    block = build_model(preset("llama-tiny"), device="cpu", seed=0).layers[0]
+    assert _module_units(block) == []
+    monkeypatch.setattr(plan_mod, "FSDP_UNIT_PARAMS", 1000)
+    names = {n for n, m in block.named_modules() if m in _module_units(block)}
+    assert {"attn.q_proj", "mlp.gate_proj", "mlp.down_proj"} <= names
+    assert not any("norm" in n for n in names)                       # under 1% of the block: stays in its unit

@@ -7,7 +7,9 @@ AVERAGED over that mesh; the runtime's loss scaling accounts for it.
 
 - ``fsdp``  -> FSDP2 ``fully_shard`` on every transformer block and on each stage module
   (root); ``reshard_after_forward=True`` without PP, ``False`` with PP (micro-batches
-  re-use the gathered parameters).
+  re-use the gathered parameters). A block above ``planner.plan.FSDP_UNIT_PARAMS``
+  parameters is sharded module by module (its large linears / expert stacks first), so
+  only one module at a time is gathered.
 - ``zero2`` -> FSDP2 ``fully_shard`` with ``reshard_after_forward=False`` everywhere:
   gradients reduce-scattered and optimizer states sharded, parameters kept gathered from
   forward to backward (ZeRO-2-like traffic; between steps parameters are stored
@@ -38,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from planner.plan import DDP_BUCKET_BYTES, SHARDED_PARAMS, ZERO
+from planner.plan import DDP_BUCKET_BYTES, FSDP_MODULE_SHARE, SHARDED_PARAMS, ZERO, fsdp_per_module
 
 
 def _replicate():
@@ -64,6 +66,8 @@ def apply_dp(stage_mods: Sequence[nn.Module], dp_mesh: DeviceMesh, zero: str, pi
         if zero in SHARDED_PARAMS:
             reshard = zero == "fsdp" and not pipelined
             for block in own:
+                for sub in _module_units(block):  # a very large block: one unit per large module first
+                    fully_shard(sub, mesh=dp_mesh, reshard_after_forward=reshard)
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
             fully_shard(sm, mesh=dp_mesh, reshard_after_forward=reshard)
         elif zero in ZERO and reducer:  # ddp, zero1 through DDP's bucketed reducer
@@ -79,6 +83,24 @@ def apply_dp(stage_mods: Sequence[nn.Module], dp_mesh: DeviceMesh, zero: str, pi
             _replicate()(sm, mesh=dp_mesh)
         else:
             raise ValueError(f"data-parallel sharding {zero!r}: use {', '.join(ZERO)}")
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+
+
+def _module_units(block: nn.Module) -> list[nn.Module]:
+    """The modules of ``block`` that FSDP shards as units of their own (``planner.plan.
+    fsdp_per_module``): those holding at least ``FSDP_MODULE_SHARE`` of its parameters
+    directly, unless already sharded (routed experts under expert parallelism); none for a
+    block at or under ``FSDP_UNIT_PARAMS``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    total = sum(_local_numel(p) for p in block.parameters())
+    if not fsdp_per_module(total):
+        return []
+    return [m for m in block.modules() if m is not block and not isinstance(m, FSDPModule)
+            and sum(_local_numel(p) for p in m.parameters(recurse=False)) >= FSDP_MODULE_SHARE * total]
 
 
 def shard_experts(routed: Sequence[nn.Module], edp_mesh: DeviceMesh, zero: str, pipelined: bool) -> None:
