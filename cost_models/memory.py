@@ -43,6 +43,8 @@ compute dtype, then divided:
   layer's input (``input_bytes``) plus, transiently, one layer's full activations;
   per-op recompute (``selective-op``) keeps what ``cost_models/op_recompute.py`` counts,
   with the same transient;
+- under expert parallelism with an expected imbalance (``MoEDims.imbalance``), the busiest
+  rank's extra routed rows (:func:`routed_excess_bytes`);
 - the fused linear+cross-entropy kernel drops the head's vocabulary-sized tensors
   (logits, log-probabilities): the head keeps only its input.
 In-flight micro-batches per stage come from the pipeline simulator (1F1B holds
@@ -129,7 +131,21 @@ def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recom
     if cfg.attention == "eager" and layer.attention is not None:
         a = layer.attention  # scores + probabilities (+ dropout mask) of an unfused attention
         tp_part += 2 * graph.batch * a.heads * a.seq_len * a.kv_len * graph.dtype_bytes  # / cp below, once
+    rest += routed_excess_bytes(layer, graph, cfg)
     return (tp_part / cfg.tp + rest / (cfg.tp if cfg.sp else 1)) * scale / cfg.cp
+
+
+def routed_excess_bytes(layer: Layer, graph: ModelGraph, cfg: ParallelConfig) -> float:
+    """Activations the busiest expert-parallel rank keeps beyond the balanced load the capture
+    measured, for the captured batch at the captured dtype: its routed rows are ``imbalance``
+    times the mean (``MoEDims.imbalance``, only under ep > 1), and each row keeps its input
+    (hidden) and the gate, up, activation and product outputs (4 x expert_ffn) of a SwiGLU
+    expert."""
+    m = layer.moe
+    if m is None or cfg.ep == 1 or m.imbalance <= 1.0:
+        return 0.0
+    rows = graph.batch * graph.seq_len * m.top_k
+    return (m.imbalance - 1.0) * rows * (graph.hidden + 4 * m.expert_ffn) * graph.dtype_bytes
 
 
 class LayerTable:

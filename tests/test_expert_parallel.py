@@ -85,6 +85,19 @@ def test_expert_memory_is_split_by_ep_and_sharded_over_the_rest():
     assert per_param_bytes(with_ep, experts=True)["weights"] == 2.0 / 2   # bf16 over dp / ep = 2 ranks
 
 
+def test_imbalance_adds_the_busiest_ranks_routed_activations():
+    from cost_models.memory import layer_activation
+    g = _fine()
+    layer = _moe_layer(g)
+    cfg = ParallelConfig(dp=16, ep=8, zero="fsdp", mbs=1, dtype="bf16")
+    even = layer_activation(layer, g, cfg, "none")
+    skewed = dataclasses.replace(layer, moe=dataclasses.replace(layer.moe, imbalance=1.5))
+    extra = layer_activation(skewed, g, cfg, "none") - even
+    # 0.5 x 2048 tokens x top-8 rows x (hidden 2048 + 4 x 768) x bf16
+    assert extra == pytest.approx(0.5 * 2048 * 8 * (2048 + 4 * 768) * 2)
+    assert layer_activation(skewed, g, cfg.replace(ep=1), "none") == layer_activation(layer, g, cfg.replace(ep=1), "none")
+
+
 def test_feasibility_rule_for_ep():
     f = ModelFacts(units=8, seq_len=64, experts=8)
     ok = ParallelConfig(dp=4, ep=4, zero="fsdp")
