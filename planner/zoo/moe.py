@@ -57,6 +57,31 @@ def grouped_swiglu(x: torch.Tensor, counts: list[int], w_gate: torch.Tensor, w_u
     return torch.cat(outs)
 
 
+def run_routed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: int, run: Callable,
+               static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``x`` [T, hidden] through their chosen experts ``ids`` [T, k], weighted by
+    ``weights`` [T, k]: the (token, choice) pairs sorted by expert, ``run(rows, split)`` on the
+    contiguous rows of each (``split[e]`` rows for expert e), each output times its weight and
+    added back onto its token. ``static`` (capture on fake tensors, where counts do not exist):
+    the balanced load, ``ceil(T k / experts)`` rows each. Returns (output [T, hidden], tokens
+    per expert [experts]). The zoo's layer and transformers' experts (through
+    ``codegen/runtime/adapters/hf_experts.py``) both route through it."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = order // ids.shape[-1]
+    rows = x[token]
+    counts = torch.zeros(experts, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    if static:
+        per = math.ceil(rows.shape[0] / experts)
+        split = [per] * experts
+        rows = F.pad(rows, (0, 0, 0, per * experts - rows.shape[0]))
+    else:
+        split = counts.tolist()
+    out = run(rows, split)[:token.shape[0]]
+    out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+    return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype)), counts
+
+
 class RoutedExperts(nn.Module):
     """The stacked routed experts; ``forward(rows, split)``: SwiGLU of expert e on its
     ``split[e]`` contiguous rows, locally or through ``dispatcher`` (expert parallelism).
@@ -115,21 +140,7 @@ class MoEFeedForward(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.route(x)
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token = order // self.top_k
-        rows = x[token]
-        counts = torch.zeros(self.experts, dtype=torch.long, device=x.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
-        if self.static_shapes:  # capture on fake tensors: the balanced load (module docstring)
-            per = math.ceil(rows.shape[0] / self.experts)
-            split = [per] * self.experts
-            rows = F.pad(rows, (0, 0, 0, per * self.experts - rows.shape[0]))
-        else:
-            split = [int(c) for c in counts.tolist()]
-        out = self.routed(rows, split)
-        out = out[:token.shape[0]] * weights.reshape(-1)[order].unsqueeze(-1)
-        y = torch.zeros_like(x).index_add_(0, token, out)
+        y, counts = run_routed(x, ids, weights, self.experts, self.routed, static=self.static_shapes)
         if self.shared is not None:
             y = y + self.shared(x)
         if y.requires_grad:  # counted when its gradient arrives: forwards never differentiated

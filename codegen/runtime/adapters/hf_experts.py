@@ -18,19 +18,19 @@ runtime and the capture use (the zoo's ``RoutedExperts`` has the same):
   cannot depend on the routing, which then assumes the balanced load;
 - ``moe_shape()``: (experts, expert FFN width).
 
-The experts forward itself (:func:`autopar_experts_forward`): sort the (token, choice)
-pairs by expert, run the experts on their rows, weight each output by its routing weight
-and add it back onto its token.
+The experts forward itself (:func:`autopar_experts_forward`) routes as the zoo's layer does
+(``planner.zoo.moe.run_routed``).
 """
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from planner.zoo.moe import run_routed
 
 EXPERTS_NAME = "autopar"
 
@@ -84,25 +84,15 @@ def moe_shape(m: nn.Module) -> tuple[int, int]:
 
 def autopar_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' experts forward signature: tokens [T, hidden], their experts and weights [T, k]."""
-    k = top_k_index.shape[-1]
-    flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    token = order // k
-    rows = hidden_states[token]
-    experts = self.num_experts
-    if self.static_shapes:  # capture on fake tensors: the balanced load
-        per = math.ceil(rows.shape[0] / experts)
-        split = [per] * experts
-        rows = F.pad(rows, (0, 0, 0, per * experts - rows.shape[0]))
-    else:
-        split = torch.bincount(flat, minlength=experts).tolist()
-    if self.dispatcher is not None:
-        out = self.dispatcher(self, rows, split)
-    else:
-        out = self.run_local(rows, split, [getattr(self, n) for n in self.expert_weights])
-    out = out[:token.shape[0]] * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-    return torch.zeros_like(hidden_states).index_add_(0, token, out.to(hidden_states.dtype))
+    """transformers' experts forward signature: tokens [T, hidden], their experts and weights
+    [T, k]; routed as the zoo's layer routes (``planner.zoo.moe.run_routed``)."""
+    def run(rows: torch.Tensor, split: list[int]) -> torch.Tensor:
+        if self.dispatcher is not None:
+            return self.dispatcher(self, rows, split)
+        return self.run_local(rows, split, [getattr(self, n) for n in self.expert_weights])
+
+    y, _ = run_routed(hidden_states, top_k_index, top_k_weights, self.num_experts, run, static=self.static_shapes)
+    return y
 
 
 def install(model: nn.Module, config) -> None:
