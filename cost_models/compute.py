@@ -47,7 +47,7 @@ from cost_models import gpu_kernels as gk
 from cost_models.cluster import Cluster
 from cost_models.experts import expert_rows
 from cost_models.op_recompute import checkpointed, kept_linears
-from planner.graph import Layer, Linear, ModelGraph, MoEDims
+from planner.graph import OUT_SPLIT_ROLES, TP_SPLIT_ROLES, Layer, Linear, ModelGraph, MoEDims
 from planner.plan import ParallelConfig
 
 EFF_MATMUL_CPU = 0.70
@@ -120,7 +120,7 @@ def calibration(profile) -> dict[str, float]:
 def _gemm_shape(lin: Linear, tokens: float, tp: int) -> tuple[float, float, float]:
     """(M, N, K) of a linear's forward GEMM on one tp rank, as the runtime shards it."""
     n, k = lin.out_features, lin.in_features
-    if tp > 1 and lin.role in ("column", "packed_qkv", "vocab"):
+    if tp > 1 and lin.role in OUT_SPLIT_ROLES:
         n = n / tp
     elif tp > 1 and lin.role == "row":
         k = k / tp
@@ -257,7 +257,7 @@ def tp_modules(layer: Layer, cfg: ParallelConfig) -> int:
     linears and vocabulary embeddings, and with sequence parallel its norms (0 without TP)."""
     if cfg.tp == 1:
         return 0
-    n = sum(1 for l in layer.linears if l.role in ("column", "row", "packed_qkv", "vocab"))
+    n = sum(1 for l in layer.linears if l.role in TP_SPLIT_ROLES)
     n += sum(1 for o in layer.ops if o.kind == "embedding" and o.tp_style == "vocab")
     return n + (sum(1 for o in layer.ops if o.kind == "norm") if cfg.sp else 0)
 

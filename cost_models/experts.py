@@ -37,12 +37,12 @@ from dataclasses import dataclass
 
 from cost_models import comm as comm_mod
 from cost_models.cluster import Cluster
+from cost_models.memory import DTYPE_BYTES
 from planner.graph import Layer, ModelGraph, MoEDims
 from planner.plan import ParallelConfig
 
 HOST_SYNC_S = 30e-6     # one device-to-host copy of the received counts (stream drained) per layer and pass
 COUNT_BYTES = 8         # int64 tokens-per-expert counts
-_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def ep_mesh(cfg: ParallelConfig) -> comm_mod.Mesh:
@@ -58,7 +58,7 @@ def rank_tokens(graph: ModelGraph, cfg: ParallelConfig) -> float:
 
 def alltoall_bytes(moe: MoEDims, graph: ModelGraph, cfg: ParallelConfig) -> float:
     """Per-rank buffer of one dispatch (or combine) all-to-all, bytes (module docstring)."""
-    return rank_tokens(graph, cfg) * moe.top_k * graph.hidden * _BYTES[cfg.dtype] * moe.imbalance
+    return rank_tokens(graph, cfg) * moe.top_k * graph.hidden * DTYPE_BYTES[cfg.dtype] * moe.imbalance
 
 
 def expert_rows(moe: MoEDims, tokens: float, ep: int) -> float:

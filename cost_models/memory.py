@@ -60,7 +60,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from cost_models.op_recompute import checkpointed, op_saved_bytes
-from planner.graph import Layer, ModelGraph
+from planner.graph import TP_SPLIT_ROLES, Layer, ModelGraph
 from planner.plan import FSDP_MODULE_SHARE, RECOMPUTE, SHARDED_PARAMS, ZERO, ParallelConfig, fsdp_per_module
 
 GiB = 2**30
@@ -198,8 +198,7 @@ def fsdp_units(layer: Layer, cfg: ParallelConfig, hidden: int) -> list[float]:
     total = layer_params_local(layer, cfg.tp, cfg.pp, cfg.ep, hidden)
     if not fsdp_per_module(total):
         return [total]
-    sharded = ("column", "row", "packed_qkv", "vocab")
-    parts = [l.in_features * l.out_features / (cfg.tp if l.role in sharded else 1) for l in layer.linears]
+    parts = [l.in_features * l.out_features / (cfg.tp if l.role in TP_SPLIT_ROLES else 1) for l in layer.linears]
     parts.append(layer_experts(layer, hidden) / cfg.ep)
     big = [p for p in parts if p >= FSDP_MODULE_SHARE * total]
     return big + [max(0.0, total - sum(big))]

@@ -28,10 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.graph import BLOCK_KINDS, Layer, ModelGraph
+from planner.graph import BLOCK_KINDS, OUT_SPLIT_ROLES, Layer, ModelGraph
 
 LSE_BYTES = 4  # the attention kernels keep their log-sum-exp in fp32
-TP_DIVIDED_ROLES = ("column", "packed_qkv", "vocab")
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,7 @@ def op_saved_bytes(layer: Layer, graph: ModelGraph) -> OpSaved:
     tp_part, rest = 0.0, float(layer.input_bytes)
     for lin in kept_linears(layer):
         out = tokens * lin.out_features * e
-        if lin.role in TP_DIVIDED_ROLES:
+        if lin.role in OUT_SPLIT_ROLES:
             tp_part += out
         else:
             rest += out
@@ -69,5 +68,5 @@ def op_saved_bytes(layer: Layer, graph: ModelGraph) -> OpSaved:
     if layer.moe is not None:
         m = layer.moe
         rest += tokens * m.top_k * (2 * m.expert_ffn + graph.hidden) * e / 2
-    none_tp, none_rest = layer.act_bytes_tp, layer.act_bytes - layer.act_bytes_tp
-    return OpSaved(tp_part=min(tp_part, none_tp), rest=min(rest, none_rest + max(0.0, none_tp - tp_part)))
+    # never more than the layer keeps without recompute, part by part
+    return OpSaved(tp_part=min(tp_part, layer.act_bytes_tp), rest=min(rest, layer.act_bytes - layer.act_bytes_tp))

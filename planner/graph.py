@@ -52,6 +52,9 @@ OP_KINDS = ("attention", "mlp", "norm", "linear", "embedding", "loss", "other")
 #   vocab      vocabulary-parallel embedding / head / loss
 #   replicated computed in full on every tp rank (norms; sharded by sequence under SP)
 TP_STYLES = ("heads", "col_row", "vocab", "replicated")
+# Linear.role values whose output features tensor parallelism splits, and all it splits (row: input)
+OUT_SPLIT_ROLES = ("column", "packed_qkv", "vocab")
+TP_SPLIT_ROLES = OUT_SPLIT_ROLES + ("row",)
 
 
 @dataclass
