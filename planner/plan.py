@@ -303,11 +303,10 @@ def pp_problem(pp: int, f: ModelFacts) -> str | None:
     return None
 
 
-def ep_problem(ep: int, dp: int, cp: int, zero: str, f: ModelFacts) -> str | None:
-    """Why the runtime cannot split the routed experts ``ep`` ways: it needs routed experts,
-    ``ep`` dividing their count and the dp x cp ranks it splits (:func:`expert_groups`), and
-    sharded data parallelism (FSDP2 shards the experts over their own data-parallel group;
-    DDP's reducer would all-reduce them over every dp x cp rank)."""
+def ep_problem(ep: int, dp: int, cp: int, f: ModelFacts) -> str | None:
+    """Why the runtime cannot split the routed experts ``ep`` ways: it needs routed experts and
+    ``ep`` dividing their count and the dp x cp ranks it splits (:func:`expert_groups`); the
+    data-parallel sharding it needs is :func:`zero_problem`'s."""
     if ep == 1:
         return None
     if not f.experts:
@@ -318,8 +317,6 @@ def ep_problem(ep: int, dp: int, cp: int, zero: str, f: ModelFacts) -> str | Non
         return f"ep={ep} does not divide the {f.experts} experts"
     if (dp * cp) % ep:
         return f"ep={ep} does not divide dp x cp = {dp * cp} (expert parallelism splits the data-parallel ranks)"
-    if zero not in SHARDED_PARAMS:
-        return f"ep={ep} with zero={zero}: the experts are sharded by FSDP over their own data-parallel group; use zero=fsdp"
     return None
 
 
@@ -340,14 +337,14 @@ def config_problems(cfg: "ParallelConfig", f: ModelFacts) -> list[str]:
     feasibility rule the search, ``autopar evaluate`` and the runtime all apply."""
     out = [f"this model cannot run: {f.limits['any']}"] if "any" in f.limits else []
     out += [p for p in (tp_problem(cfg.tp, f), cp_problem(cfg.cp, f), pp_problem(cfg.pp * cfg.vpp, f),
-                        ep_problem(cfg.ep, cfg.dp, cfg.cp, cfg.zero, f)) if p]
+                        ep_problem(cfg.ep, cfg.dp, cfg.cp, f)) if p]
     if cfg.sp and (p := sp_problem(cfg.tp, cfg.cp, f)):
         out.append(p)
     if cfg.loss == "fused" and "fused_loss" in f.limits:
         out.append(f"loss=fused: {f.limits['fused_loss']}")
     if cfg.attention == "flash" and "flash_attention" in f.limits:
         out.append(f"attention=flash: {f.limits['flash_attention']}")
-    if (p := zero_problem(cfg.zero, cfg.tp, cfg.dp * cfg.cp, f)):
+    if (p := zero_problem(cfg.zero, cfg.tp, cfg.dp * cfg.cp, f, cfg.ep)):
         out.append(p)
     if (p := recompute_problem(cfg.recompute, cfg.schedule, cfg.pp)):
         out.append(p)
@@ -360,10 +357,14 @@ def default_attention(limits: dict[str, str]) -> str:
     return "eager" if "flash_attention" in limits else "flash"
 
 
-def zero_problem(zero: str, tp: int, dp: int, f: ModelFacts) -> str | None:
-    """Why the runtime cannot shard this model's parameters over dp with ``zero`` under ``tp``."""
+def zero_problem(zero: str, tp: int, dp: int, f: ModelFacts, ep: int = 1) -> str | None:
+    """Why the runtime cannot shard this model's parameters over dp with ``zero`` under ``tp``
+    and ``ep``: expert parallelism needs sharded data parallelism (FSDP2 shards the experts
+    over their own data-parallel group; DDP's reducer would all-reduce them over every rank)."""
     if zero in SHARDED_PARAMS and tp > 1 and dp > 1 and "fsdp_with_tp" in f.limits:
         return f"zero={zero} with tp={tp}: {f.limits['fsdp_with_tp']}; use zero=ddp or zero1"
+    if ep > 1 and zero not in SHARDED_PARAMS:
+        return f"ep={ep} with zero={zero}: the experts are sharded by FSDP over their own data-parallel group; use zero=fsdp"
     return None
 
 

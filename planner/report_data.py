@@ -176,35 +176,40 @@ def rejected_groups(plan: Plan) -> list[dict[str, Any]]:
     return sorted(fams.values(), key=key)
 
 
+_DEGREE = re.compile(r"\b(dp|pp|cp|tp|ep)=?(\d+)\b")
+
+
+def _degrees(label: str, moe: bool) -> list[tuple[str, int]]:
+    """The degrees a configuration or rejection label names; for a model with routed experts a
+    layout label without ``ep`` (``ParallelConfig.label`` names it only above 1) has ep=1."""
+    out = [(d, int(v)) for d, v in _DEGREE.findall(label)]
+    if moe and any(d == "dp" for d, _ in out) and not any(d == "ep" for d, _ in out):
+        out.append(("ep", 1))
+    return out
+
+
 def why_not_degrees(plan: Plan) -> list[dict[str, Any]]:
     """For each degree value the plan did not take ('pp=2'), what happened to configurations
     with it: the best alternative that used it, and the rejection reasons its examples show."""
     cfg = plan.config
     chosen = {"dp": cfg.dp, "pp": cfg.pp, "cp": cfg.cp, "tp": cfg.tp, "ep": cfg.ep}
     found: dict[tuple[str, int], dict[str, Any]] = {}
-    pat = re.compile(r"\b(dp|pp|cp|tp|ep)=?(\d+)\b")
+    moe = bool(plan.facts.experts)
 
     def entry(dim: str, val: int) -> dict[str, Any]:
         return found.setdefault((dim, val), {"degree": f"{dim}={val}", "alternative": None, "reasons": {}})
 
-    moe = bool(plan.facts.experts)
     for a in plan.alternatives:
-        degrees = pat.findall(a.get("label", ""))
-        if moe and not any(d == "ep" for d, _ in degrees):
-            degrees.append(("ep", "1"))  # labels name ep only above 1
-        for dim, val in degrees:
-            if int(val) != chosen[dim]:
-                e = entry(dim, int(val))
+        for dim, val in _degrees(a.get("label", ""), moe):
+            if val != chosen[dim]:
+                e = entry(dim, val)
                 if e["alternative"] is None or a["step_s"] < e["alternative"]["step_s"]:
                     e["alternative"] = a
     for reason, v in plan.rejected.items():
         for ex in v.get("examples", []):
-            degrees = pat.findall(ex)
-            if moe and degrees and not any(d == "ep" for d, _ in degrees) and re.search(r"\bdp\d", ex):
-                degrees.append(("ep", "1"))  # a configuration label: ep named only above 1
-            for dim, val in degrees:
-                if int(val) != chosen[dim]:
-                    rs = entry(dim, int(val))["reasons"]
+            for dim, val in _degrees(ex, moe):
+                if val != chosen[dim]:
+                    rs = entry(dim, val)["reasons"]
                     rs[reason] = rs.get(reason, 0) + 1
     order = {"dp": 0, "pp": 1, "cp": 2, "tp": 3, "ep": 4}
     return [found[k] for k in sorted(found, key=lambda k: (order[k[0]], k[1]))]

@@ -153,7 +153,7 @@ def _variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: in
         if not dominated and sched == "gpipe" and pins.allows("schedule", "1f1b"):
             continue
         for zero in zeros:
-            if zero_problem(zero, tp, dp * cp, facts) or ep_problem(ep, dp, cp, zero, facts):
+            if zero_problem(zero, tp, dp * cp, facts, ep):
                 continue
             for rc in (r for r in recompute_policies(sched, pp) if pins.allows("recompute", r)):
                 for sp in (s for s in ((False, True) if sp_ok else (False,)) if pins.allows("sp", s)):
@@ -304,7 +304,7 @@ def _ep_degrees(space: _Space, dp: int, cp: int) -> list[int]:
     for ep in divisors(math.gcd(space.facts.experts, dp * cp)):
         if not space.pins.allows("ep", ep):
             continue
-        if ep > 1 and (why := ep_problem(ep, dp, cp, "fsdp", space.facts)):
+        if why := ep_problem(ep, dp, cp, space.facts):
             space.rej.add(why, f"ep={ep}")
             continue
         out.append(ep)
