@@ -382,6 +382,49 @@ def _dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units
     return DpTraffic(comm, after, comm / (per_microbatch * calls))
 
 
+def _p2p_hop_s(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition, profile,
+               comm_src: set) -> float:
+    """One pipeline hop: the largest stage boundary's activation over the pp link (0 without PP)."""
+    if cfg.pp == 1:
+        return 0.0
+    sizes = [_act_bytes_io(graph.layers[hi], graph, cfg) / (cfg.tp if cfg.sp else 1)
+             for (lo, hi) in partition.bounds[:-1] if hi < len(graph.layers)]
+    if not sizes:
+        return 0.0
+    est = comm_mod.p2p_time(max(sizes), cluster, comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp), profile)
+    comm_src.add(est.source)
+    return est.seconds
+
+
+def _dp_and_optimizer(cluster: Cluster, cfg: ParallelConfig, partition: Partition, table: LayerTable,
+                      on_rank: list[list[int]], mine: list[int], m: int, rank_fb: tuple[float, float], profile,
+                      comm_src: set) -> tuple[float, float]:
+    """(exposed DP communication, optimizer step) seconds: the gradient / parameter traffic of the
+    rank holding the most parameters (routed experts over their own group), hidden behind the
+    busiest rank's (``mine``) backward, or its whole step when FSDP / ZeRO-2 communicate every
+    micro-batch (forward and backward per micro-batch: ``rank_fb``), and its AdamW pass."""
+    cal = calibration(profile)
+    held = [(sum(table.params[i] for j in js for i in range(*partition.bounds[j])),
+             sum(table.experts[i] for j in js for i in range(*partition.bounds[j]))) for js in on_rank]
+    P, Pe = max(held)  # the rank with the most parameters, and its routed experts' share
+    per_module = cfg.zero in SHARDED_PARAMS  # FSDP / ZeRO-2 shard a very large block module by module
+    units = max(1, sum(len(table.units[i]) if per_module else 1
+                       for lo, hi in (partition.bounds[j] for j in mine) for i in range(lo, hi)))
+    dp = _dp_comm(cluster, cfg, m, P - Pe, units, profile, comm_src)
+    if Pe:
+        ex = _dp_comm(cluster, cfg, m, Pe, units, profile, comm_src, experts=True)
+        dp = DpTraffic(dp.overlappable + ex.overlappable, dp.after_step + ex.after_step, max(dp.last_call, ex.last_call))
+    ov = OVERLAP.get(cluster.backend, 0.5)
+    if not spare_core(cluster.cores_per_node, min(cfg.world, cluster.devices_per_node)):
+        ov = 0.0  # no spare core for the communication thread: it competes with the compute it would hide behind
+    ov = cal.get("overlap", ov)
+    window = (m * sum(rank_fb) if _per_microbatch_dp(cfg) else rank_fb[1]) * ov
+    dp_exposed = exposed_s(dp.overlappable, window, dp.last_call) + dp.after_step
+    shard, shard_e = (1, 1) if cfg.zero == "ddp" else (dp_group(cfg), dp_group(cfg, experts=True))
+    opt_params = (P - Pe) / shard + Pe / shard_e
+    return dp_exposed, OPT_BYTES_PER_PARAM * opt_params / memory_bandwidth(cluster, cal) * cal.get("opt_scale", 1.0)
+
+
 def _per_microbatch_dp(cfg: ParallelConfig) -> bool:
     """ZeRO-2 / FSDP without a pipeline communicate every micro-batch (module docstring)."""
     return cfg.zero in SHARDED_PARAMS and cfg.pp == 1
@@ -391,7 +434,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
              global_batch: int, *, profile=None, fast: bool = False, costs: "LayerCosts | None" = None) -> Estimate:
     """Price one configuration with one stage split. ``fast`` uses the pipeline's closed
     form (an upper bound, exact for uniform stages) instead of simulating it. ``costs``
-    shares per-layer costs between calls with the same tp, cp, mbs and sp (the search)."""
+    shares per-layer costs between calls with the same tp, cp, ep, mbs, sp and dtype (the search)."""
     cfg.validate()
     n_stages = cfg.pp * cfg.vpp
     if len(partition.bounds) != n_stages:
@@ -404,15 +447,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     stages = _stage_costs(graph, partition, costs, comp_src, comm_src)
 
     # ---- pipeline ----------------------------------------------------------------
-    p2p = 0.0
-    if cfg.pp > 1:
-        sizes = [_act_bytes_io(graph.layers[hi], graph, cfg) / (cfg.tp if cfg.sp else 1)
-                 for (lo, hi) in partition.bounds[:-1] if hi < len(graph.layers)]
-        if sizes:
-            est = comm_mod.p2p_time(max(sizes), cluster, comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp),
-                                    profile)
-            p2p = est.seconds
-            comm_src.add(est.source)
+    p2p = _p2p_hop_s(graph, cluster, cfg, partition, profile, comm_src)
     pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, p2p, fast)
     speed = _shared_core_speedup(cluster, cfg, bubble, result)
     if speed > 1.0:  # fewer ranks compute at once than the layer times assume: re-run at that speed
@@ -424,28 +459,11 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     table = costs.table(cfg)
     memory = _rank_memory(graph, cluster, cfg, partition, table, inflight_chunks, cal)
     on_rank = [[j for j in range(n_stages) if j % cfg.pp == r] for r in range(cfg.pp)]
-    r_max = max(range(cfg.pp), key=lambda r: sum(table.params[i] for j in on_rank[r] for i in range(*partition.bounds[j])))
-    P = sum(table.params[i] for j in on_rank[r_max] for i in range(*partition.bounds[j]))
-    Pe = sum(table.experts[i] for j in on_rank[r_max] for i in range(*partition.bounds[j]))  # routed experts
     mine = on_rank[max(range(cfg.pp), key=lambda r: sum(stages[j].fwd + stages[j].bwd for j in on_rank[r]))]
-    per_module = cfg.zero in SHARDED_PARAMS  # FSDP / ZeRO-2 shard a very large block module by module
-    units = max(1, sum(len(table.units[i]) if per_module else 1
-                       for lo, hi in (partition.bounds[j] for j in mine) for i in range(lo, hi)))
-    dp = _dp_comm(cluster, cfg, m, P - Pe, units, profile, comm_src)
-    if Pe:
-        ex = _dp_comm(cluster, cfg, m, Pe, units, profile, comm_src, experts=True)
-        dp = DpTraffic(dp.overlappable + ex.overlappable, dp.after_step + ex.after_step, max(dp.last_call, ex.last_call))
-    ov = OVERLAP.get(cluster.backend, 0.5)
-    if not spare_core(cluster.cores_per_node, min(cfg.world, cluster.devices_per_node)):
-        ov = 0.0  # no spare core for the communication thread: it competes with the compute it would hide behind
-    ov = cal.get("overlap", ov)
     rank_f = sum(stages[j].fwd for j in mine)
     rank_b = sum(stages[j].bwd for j in mine)
-    window = (m * (rank_f + rank_b) if _per_microbatch_dp(cfg) else rank_b) * ov
-    dp_exposed = exposed_s(dp.overlappable, window, dp.last_call) + dp.after_step
-    shard, shard_e = (1, 1) if cfg.zero == "ddp" else (dp_group(cfg), dp_group(cfg, experts=True))
-    opt_params = (P - Pe) / shard + Pe / shard_e
-    opt_s = OPT_BYTES_PER_PARAM * opt_params / memory_bandwidth(cluster, cal) * cal.get("opt_scale", 1.0)
+    dp_exposed, opt_s = _dp_and_optimizer(cluster, cfg, partition, table, on_rank, mine, m, (rank_f, rank_b),
+                                          profile, comm_src)
 
     overhead = cal.get("step_overhead_s", 0.0)
     step = pipe_s + dp_exposed + opt_s + overhead
