@@ -23,6 +23,7 @@ split the backward (``planner.plan.recompute_problem``).
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -47,9 +48,11 @@ class SelectiveAttention:
         return self.inner(q, k, v, causal=causal, scale=scale)
 
 
-def _saved_ops() -> tuple[set, set]:
+@functools.cache
+def _saved_ops() -> tuple[frozenset, frozenset]:
     """(matmul ops saved alternately, ops always saved) of :class:`OpSavePolicy`; looked up
-    lazily so the attention / loss custom ops are registered first."""
+    lazily (once) so the attention / loss custom ops are registered first; every forward of a
+    checkpointed block builds a policy, so this stays off that path."""
     import importlib
 
     importlib.import_module("codegen.kernels.attention")  # registers torch.ops.autopar.*
@@ -64,7 +67,7 @@ def _saved_ops() -> tuple[set, set]:
               torch.ops._c10d_functional.all_to_all_single.default, aten.max.default}
     # not aten.topk (a router's choice): transformers' Mixtral router divides its top-k values in
     # place, and torch refuses a kept output that is mutated
-    return {aten.mm.default, aten.addmm.default}, always
+    return frozenset({aten.mm.default, aten.addmm.default}), frozenset(always)
 
 
 class OpSavePolicy:
