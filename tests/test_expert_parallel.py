@@ -169,9 +169,10 @@ def test_slow_network_keeps_experts_unsplit_and_the_report_says_why():
     assert "ep comm" in rows["ep=16"]["alternative"]["why_not"]
 
 
-def test_a_very_large_block_is_sharded_module_by_module():
+def test_a_very_large_block_is_sharded_module_by_module(monkeypatch):
     """A 530B-class dense block (5B parameters) is gathered one module at a time under FSDP, so
     its transient buffers are the largest linear's, not the block's; a small block stays one unit."""
+    import planner.plan as plan_mod
     from cost_models.memory import fsdp_units
     from planner.plan import FSDP_UNIT_PARAMS
     big = ModelConfig(name="gpt-530b-block", arch="gpt", layers=2, hidden=20480, ffn_hidden=81920, heads=128,
@@ -183,8 +184,11 @@ def test_a_very_large_block_is_sharded_module_by_module():
     assert blk.params > FSDP_UNIT_PARAMS and len(units) == 7      # q, k, v, o, fc1, fc2 and the rest (norms, biases)
     assert max(units) == 20480 * 81920 and sum(units) == pytest.approx(blk.params)
     i = g.layers.index(blk)
-    whole = stage_memory(g, [i], cfg.replace(tp=1), 1)
-    assert whole.buffers < 2 * blk.params * 4                        # less than two gathered blocks with grads
+    per_module = stage_memory(g, [i], cfg, 1)
+    monkeypatch.setattr(plan_mod, "FSDP_UNIT_PARAMS", 10**12)         # as if the block were one unit
+    whole = stage_memory(g, [i], cfg, 1)
+    # two gathered units with their bf16 gradients (2 + 2 bytes each): block -> largest linear
+    assert whole.buffers - per_module.buffers == pytest.approx(2 * (blk.params - max(units)) * 4, rel=1e-6)
     moe = _moe_layer(_fine())                                        # 0.6B parameters: one unit
     assert fsdp_units(moe, cfg, 2048) == [pytest.approx(layer_params_local(moe, 1, 1, 1, 2048))]
 
