@@ -97,11 +97,14 @@ def test_pins_must_fit_the_world(text, says):
 
 def test_search_honours_equality_and_bounds(small, unpinned):
     g, c = small
-    assert unpinned.config.pp == 4  # what the pins below rule out
-    plan, res = plan_model(g, c, 8, spec="gpt-small", cluster_spec="local-cpu:4", fix="pp<=2")
-    assert plan.config.pp <= 2 and plan.config != unpinned.config
-    assert plan.search["fix"] == "pp<=2" and "fix" not in unpinned.search
-    assert all(ParallelConfig.parse(a["config"]).pp <= 2 for a in plan.alternatives)
+    # a bound that rules out the unpinned pick: which pick that is depends on this machine's
+    # measured speeds (the top layouts of gpt-small on local-cpu:4 lie within 2%)
+    pp = unpinned.config.pp
+    fix, ok = (f"pp<={pp // 2}", lambda v: v <= pp // 2) if pp > 1 else ("pp>=2", lambda v: v >= 2)
+    plan, res = plan_model(g, c, 8, spec="gpt-small", cluster_spec="local-cpu:4", fix=fix)
+    assert ok(plan.config.pp) and plan.config != unpinned.config
+    assert plan.search["fix"] == fix and "fix" not in unpinned.search
+    assert all(ok(ParallelConfig.parse(a["config"]).pp) for a in plan.alternatives)
     assert res.considered < unpinned.search["considered"]
     pins = Pins.parse("tp=2,pp=1,zero=fsdp,mbs=2")
     plan, res = plan_model(g, c, 8, spec="gpt-small", cluster_spec="local-cpu:4", fix=pins)
