@@ -140,7 +140,7 @@ def train_step(pm: ParallelModel, batch: dict, lr: float, clip: float) -> tuple[
     inputs, targets = pm.local_batch(batch)  # this rank's dp rows and cp sequence shard
     pm.optimizer.zero_grad()
 {forward_backward}
-    pm.sync_tied_grads()
+    pm.sync_grads()
     norm = pm.clip_grad_norm_(clip)  # torch.nn.utils clipping by the norm over all ranks' gradients
     pm.optimizer_step(lr)
     return pm.global_loss(loss), norm

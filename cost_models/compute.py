@@ -117,13 +117,17 @@ def calibration(profile) -> dict[str, float]:
     return getattr(profile, "calibration", None) or {}
 
 
-def _gemm_shape(lin: Linear, tokens: float, tp: int) -> tuple[float, float, float]:
-    """(M, N, K) of a linear's forward GEMM on one tp rank, as the runtime shards it."""
+def _gemm_shape(lin: Linear, tokens: float, tp: int, sp: bool = False) -> tuple[float, float, float]:
+    """(M, N, K) of a linear's forward GEMM on one tp rank, as the runtime shards it: a
+    TP-split linear by its features; one TP leaves whole (a router, a MoE layer's shared
+    experts) runs on the rank's sequence shard under sequence parallel."""
     n, k = lin.out_features, lin.in_features
     if tp > 1 and lin.role in OUT_SPLIT_ROLES:
         n = n / tp
     elif tp > 1 and lin.role == "row":
         k = k / tp
+    elif tp > 1 and sp:
+        tokens = tokens / tp
     return tokens, n, k
 
 
@@ -177,7 +181,7 @@ def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Paral
     kept = {id(lin) for lin in kept_linears(layer)}
     gemm_bytes_cap: dict[str, float] = {}
     for lin in layer.linears:
-        m, n, k = _gemm_shape(lin, tokens, cfg.tp)
+        m, n, k = _gemm_shape(lin, tokens, cfg.tp, cfg.sp)
         t = gk.gemm_seconds(m, n, k, elem, gpu, co)
         fwd += t
         unkept += 0.0 if id(lin) in kept else t
@@ -186,7 +190,8 @@ def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Paral
         io = m_cap * lin.in_features + lin.in_features * lin.out_features + m_cap * lin.out_features
         gemm_bytes_cap[op] = gemm_bytes_cap.get(op, 0.0) + io * graph.dtype_bytes
     if layer.moe is not None:  # routed experts: per expert, its share of the rows (balanced load)
-        for m, n, k in expert_gemms(layer.moe, tokens, graph.hidden, cfg.ep):
+        routed = tokens / (cfg.tp if cfg.sp else 1)  # under TP the rank routes its sequence shard
+        for m, n, k in expert_gemms(layer.moe, routed, graph.hidden, cfg.ep):
             e = layer.moe.experts // cfg.ep  # local experts
             t = e * gk.gemm_seconds(m, n, k, elem, gpu, co)
             fwd += t

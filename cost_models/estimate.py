@@ -19,7 +19,7 @@ Step time (seconds)::
 - EP (routed experts split over ``ep`` of the dp x cp ranks): each MoE layer's token
   all-to-alls, dispatch and combine, forward and backward (cost_models/experts.py), on the
   critical path like TP's; the experts' gradients are reduced over their own data-parallel
-  group (dp x cp / ep ranks), the dense ones over dp x cp.
+  group (dp x cp x tp / ep ranks), the dense ones over dp x cp.
 - PP: the simulator of cost_models/pipeline.py on the per-stage times (the closed
   form when ``fast=True``), p2p = the stage boundary's activation over the pp link.
 - DP (over the flattened dp x cp group, since CP ranks hold the same weights), as
@@ -356,7 +356,7 @@ def _dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units
              comm_src: set, experts: bool = False) -> DpTraffic:
     """The dp x cp group's traffic as the runtime issues it: one call per DDP bucket under DDP's
     reducer (``uses_ddp_reducer``), one per layer unit of the rank (``units``) otherwise; for
-    the routed experts (``experts``) over their own data-parallel group (dp x cp / ep ranks,
+    the routed experts (``experts``) over their own data-parallel group (``memory.dp_group``,
     ``cost_models.experts.ep_mesh``)."""
     dpg = dp_group(cfg, experts)
     if dpg == 1:
@@ -420,9 +420,26 @@ def _dp_and_optimizer(cluster: Cluster, cfg: ParallelConfig, partition: Partitio
     ov = cal.get("overlap", ov)
     window = (m * sum(rank_fb) if _per_microbatch_dp(cfg) else rank_fb[1]) * ov
     dp_exposed = exposed_s(dp.overlappable, window, dp.last_call) + dp.after_step
+    dp_exposed += _token_local_sync_s(cluster, cfg, partition, table, on_rank, profile, comm_src)
     shard, shard_e = (1, 1) if cfg.zero == "ddp" else (dp_group(cfg), dp_group(cfg, experts=True))
     opt_params = (P - Pe) / shard + Pe / shard_e
     return dp_exposed, OPT_BYTES_PER_PARAM * opt_params / memory_bandwidth(cluster, cal) * cal.get("opt_scale", 1.0)
+
+
+def _token_local_sync_s(cluster: Cluster, cfg: ParallelConfig, partition: Partition, table: LayerTable,
+                        on_rank: list[list[int]], profile, comm_src: set) -> float:
+    """The once-per-step all-reduce over tp of the gradients of the MoE parameters every tp rank
+    holds whole (``memory.layer_token_local``), on the rank holding the most of them, after
+    the backward (nothing hides it); sharded over dp x cp by FSDP / ZeRO-2."""
+    held = max((sum(table.token_local[i] for j in js for i in range(*partition.bounds[j])) for js in on_rank),
+               default=0.0)
+    if not held:
+        return 0.0
+    nbytes = held * (4 if cfg.dtype == "fp32" else 2) / (dp_group(cfg) if cfg.zero in SHARDED_PARAMS else 1)
+    mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
+    e = comm_mod.collective_time("all_reduce", nbytes, cluster, mesh, "tp", profile)
+    comm_src.add(e.source)
+    return e.seconds
 
 
 def _per_microbatch_dp(cfg: ParallelConfig) -> bool:

@@ -20,11 +20,12 @@ Under ``ep`` > 1 (``planner.plan.ParallelConfig.ep``; the runtime is
    combine); full recompute re-runs the forward's pair; per-op recompute keeps their
    outputs (``codegen/runtime/recompute.py`` saves all-to-all outputs), so it does not.
 
-The EP group is ``ep`` consecutive ranks of the flattened dp x cp ranks (tp inner to them):
-on the mesh ``[pp, dp*cp/ep, ep, tp]`` it is the third dimension, which :func:`ep_mesh`
-gives as the ``cp`` dimension of a ``comm.Mesh`` so the link classes (intra-node, across
-nodes, hierarchical) follow from ``comm.group_layout``. The experts' data-parallel group
-(who reduce the experts' gradients) is the second dimension (``dp`` of the same mesh).
+The EP group is ``ep`` consecutive ranks of the flattened dp x cp x tp ranks of a stage
+(``planner.plan.expert_groups``; tp inner, so it takes a node's tp ranks first): on the
+mesh ``[pp, dp*cp*tp/ep, ep]`` it is the last dimension, which :func:`ep_mesh` gives as
+the ``cp`` dimension of a ``comm.Mesh`` so the link classes (intra-node, across nodes,
+hierarchical) follow from ``comm.group_layout``. The experts' data-parallel group (who
+reduce the experts' gradients) is the second dimension (``dp`` of the same mesh).
 
 Grouped GEMMs: each rank runs ``experts / ep`` local experts, each on
 ``tokens x top_k x ep / experts x imbalance`` rows (:func:`expert_rows`), which is what
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 
 from cost_models import comm as comm_mod
 from cost_models.cluster import Cluster
-from cost_models.memory import DTYPE_BYTES
+from cost_models.memory import DTYPE_BYTES, dp_group
 from planner.graph import Layer, ModelGraph, MoEDims
 from planner.plan import ParallelConfig
 
@@ -46,9 +47,13 @@ COUNT_BYTES = 8         # int64 tokens-per-expert counts
 
 
 def ep_mesh(cfg: ParallelConfig) -> comm_mod.Mesh:
-    """The ``[pp, dp*cp/ep, ep, tp]`` mesh: the EP group is its ``cp`` dimension, the experts'
-    data-parallel group its ``dp`` dimension."""
-    return comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp * cfg.cp // cfg.ep, cp=cfg.ep, tp=cfg.tp)
+    """The experts' mesh as a ``comm.Mesh``: the EP group is its ``cp`` dimension, the experts'
+    data-parallel group (``memory.dp_group``) its ``dp`` dimension. Under EP that is
+    ``[pp, dp*cp*tp/ep, ep]`` (the EP group the innermost ranks, tp ones first); without it
+    the experts are replicated over tp like the rest of the block: ``[pp, dp*cp, 1, tp]``."""
+    if cfg.ep == 1:
+        return comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp * cfg.cp, cp=1, tp=cfg.tp)
+    return comm_mod.Mesh(pp=cfg.pp, dp=dp_group(cfg, experts=True), cp=cfg.ep, tp=1)
 
 
 def rank_tokens(graph: ModelGraph, cfg: ParallelConfig) -> float:

@@ -100,6 +100,18 @@ def layer_experts(layer: Layer, hidden: int) -> int:
     return layer.moe.expert_params(hidden) if layer.moe is not None else 0
 
 
+def layer_token_local(layer: Layer, cfg: ParallelConfig, hidden: int) -> float:
+    """Parameters of ``layer``'s MoE part (router, shared experts, and the routed experts when
+    they are not split by EP) that every tp rank holds whole and runs on its own sequence
+    shard (``planner.plan.ep_problem``): their gradients are summed over tp once per step
+    (0 without TP or a MoE layer)."""
+    m = layer.moe
+    if m is None or cfg.tp == 1:
+        return 0.0
+    part = sum(o.params for o in layer.ops if o.name == m.part)
+    return max(0.0, part - (layer_experts(layer, hidden) if cfg.ep > 1 else 0))
+
+
 def layer_params_local(layer: Layer, tp: int, pp: int = 1, ep: int = 1, hidden: int = 0) -> float:
     """Parameters of ``layer`` held by one tp rank (TP-sharded ops divided, the rest replicated),
     of its routed experts ``1 / ep`` (``hidden``: the model's, to count them). Under pipeline
@@ -156,6 +168,7 @@ class LayerTable:
     def __init__(self, graph: ModelGraph, cfg: ParallelConfig) -> None:
         self.params = [layer_params_local(l, cfg.tp, cfg.pp, cfg.ep, graph.hidden) for l in graph.layers]
         self.experts = [layer_experts(l, graph.hidden) / cfg.ep for l in graph.layers]  # part of params
+        self.token_local = [layer_token_local(l, cfg, graph.hidden) for l in graph.layers]  # part of params
         self.units = [fsdp_units(l, cfg, graph.hidden) for l in graph.layers]
         self.unit = [max(u) for u in self.units]
         self.act = {p: [layer_activation(l, graph, cfg, p) for l in graph.layers]
@@ -166,8 +179,8 @@ def per_param_bytes(cfg: ParallelConfig, experts: bool = False) -> dict[str, flo
     """Bytes per parameter a rank holds (``weights``, ``grads``, ``optimizer`` at rest,
     ``buffers`` held through the step) under ``cfg``'s dtype and DP sharding (the table in
     the module docstring), plus the unsharded ``weights_full`` / ``grads_full``; for routed
-    experts (``experts``) the sharding group is the experts' data-parallel group,
-    ``dp * cp / ep`` ranks."""
+    experts (``experts``) the sharding group is the experts' data-parallel group
+    (:func:`dp_group`)."""
     dp = dp_group(cfg, experts)
     w, g, o = (4.0, 4.0, 8.0) if cfg.dtype == "fp32" else (2.0, 2.0, 12.0)
     if cfg.zero not in ZERO:
@@ -206,8 +219,11 @@ def fsdp_units(layer: Layer, cfg: ParallelConfig, hidden: int) -> list[float]:
 
 def dp_group(cfg: ParallelConfig, experts: bool = False) -> int:
     """Ranks holding the same parameters and reducing their gradients: dp x cp (CP ranks hold
-    the same weights), divided by ep for routed experts."""
-    return cfg.dp * cfg.cp // (cfg.ep if experts else 1)
+    the same weights); for routed experts under expert parallelism the experts' own group,
+    dp x cp x tp / ep (``planner.plan.expert_groups``: the tp ranks route tokens of their own)."""
+    if experts and cfg.ep > 1:
+        return cfg.dp * cfg.cp * cfg.tp // cfg.ep
+    return cfg.dp * cfg.cp
 
 
 def stage_memory(graph: ModelGraph, layers: list[int], cfg: ParallelConfig, inflight: float,

@@ -85,7 +85,9 @@ def _set_tp_roles(graph: ModelGraph, fx, adapter) -> None:
     """Give each block linear its TP role: the dataflow analysis of the FX graph (a block
     linear it does not classify stays replicated), overridden by the model's own TP plan
     where it has one (a disagreement is a warning); heads from the analysis's reshapes; a
-    block the analysis cannot shard correctly makes ``tp`` a limit."""
+    block the analysis cannot shard correctly makes ``tp`` a limit. The linears of a MoE
+    layer (router, shared experts) stay replicated: under TP each rank runs the layer on
+    its own sequence shard (``planner.plan.ep_problem``)."""
     from planner.graph import AttentionDims
     from planner.tp_analysis import analyze
 
@@ -96,6 +98,9 @@ def _set_tp_roles(graph: ModelGraph, fx, adapter) -> None:
         rep = layer.repeat_of or layer.name  # the analysis saw the first block of each class
         block = layer.kind in BLOCK_KINDS
         for lin in layer.linears:
+            if layer.in_moe(lin.name):
+                lin.role = "replicated"
+                continue
             fqn = f"{layer.name}.{lin.name}" if lin.name else layer.name
             found = analysis.roles.get(f"{rep}.{lin.name}" if lin.name else rep)
             own = plan.get(fqn)

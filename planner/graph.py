@@ -139,6 +139,12 @@ class Layer:
     bwd_ops: int = 0            # included): the CPU cost model's per-op dispatch cost
     moe: MoEDims | None = None  # routed experts (their GEMMs are not in ``linears``)
 
+    def in_moe(self, path: str) -> bool:
+        """Whether the module ``path`` (relative to this layer) lies inside its MoE part (router,
+        shared and routed experts), which tensor parallelism leaves whole: under TP each rank
+        runs it on its own sequence shard."""
+        return self.moe is not None and bool(self.moe.part) and (path + ".").startswith(self.moe.part + ".")
+
 
 @dataclass
 class ModelGraph:

@@ -28,6 +28,8 @@ def part_kind(part, module: nn.Module | None, vocab: int | None) -> tuple[str, s
             isinstance(m, nn.Embedding) and m.num_embeddings == vocab for m in mods) else "replicated"
     if ops & LOSS_OPS and not part.linears:
         return "loss", "vocab"
+    if any(callable(getattr(m, "moe_shape", None)) for m in mods):
+        return "mlp", "replicated"  # a MoE layer: not tensor-parallel, each tp rank runs its sequence shard
     if len(part.linears) >= 2:
         return "mlp", "col_row"
     if len(part.linears) == 1:

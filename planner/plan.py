@@ -81,15 +81,17 @@ def _bool(s: str) -> bool:
 class ParallelConfig:
     """One point of the search space. Degrees multiply to the world size; mesh order is
     ``[pp, dp, cp, tp]`` outer to inner. Expert parallelism (``ep``) is not a mesh dimension
-    of its own: it splits the dp x cp ranks (flattened, cp inner) into groups of ``ep``
-    consecutive ranks, each holding ``experts / ep`` of every MoE layer's routed experts;
-    the ranks at the same place in the other groups (``dp * cp / ep`` of them, the experts'
-    data-parallel group) hold the same experts (:func:`expert_groups`)."""
+    of its own: it splits the ranks holding distinct tokens of one pipeline stage (dp x cp
+    x tp, flattened, tp inner: under TP the MoE layers run on each rank's sequence shard)
+    into groups of ``ep`` consecutive ranks, each holding ``experts / ep`` of every MoE
+    layer's routed experts; the ranks at the same place in the other groups (``dp * cp *
+    tp / ep`` of them, the experts' data-parallel group) hold the same experts
+    (:func:`expert_groups`)."""
     dp: int = 1
     pp: int = 1
     cp: int = 1
     tp: int = 1
-    ep: int = 1                  # expert parallel degree (routed experts split over ep of the dp x cp ranks)
+    ep: int = 1                  # expert parallel degree (routed experts split over ep of the dp x cp x tp ranks)
     mbs: int = 1                 # micro-batch size, sequences per micro-batch per dp rank
     schedule: str = "1f1b"       # pipeline schedule (ignored when pp == 1)
     vpp: int = 1                 # virtual stages (chunks) per pp rank, interleaved schedule only
@@ -228,11 +230,14 @@ FEATURES = ("any", "tp", "sp", "cp", "pp", "ep", "fused_loss", "flash_attention"
             "fsdp_with_tp")
 
 
-def expert_groups(dp: int, cp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+def expert_groups(dp: int, cp: int, ep: int, tp: int = 1) -> tuple[list[list[int]], list[list[int]]]:
     """(expert-parallel groups, the experts' data-parallel groups) as indices into the
-    flattened dp x cp ranks (cp inner): ``ep`` consecutive ranks share one layer's experts
-    out; the ranks at the same place in each such group hold the same experts."""
-    n = dp * cp
+    flattened dp x cp x tp ranks of one pipeline stage (tp inner, as the mesh numbers them):
+    ``ep`` consecutive ranks share one layer's experts out; the ranks at the same place in
+    each such group hold the same experts. With tp > 1 the MoE layers run on each rank's
+    sequence shard (sequence parallel, :func:`ep_problem`), so every one of these ranks
+    routes tokens of its own."""
+    n = dp * cp * tp
     ep_groups = [list(range(g * ep, (g + 1) * ep)) for g in range(n // ep)]
     edp_groups = [list(range(i, n, ep)) for i in range(ep)]
     return ep_groups, edp_groups
@@ -303,10 +308,17 @@ def pp_problem(pp: int, f: ModelFacts) -> str | None:
     return None
 
 
-def ep_problem(ep: int, dp: int, cp: int, f: ModelFacts) -> str | None:
-    """Why the runtime cannot split the routed experts ``ep`` ways: it needs routed experts and
-    ``ep`` dividing their count and the dp x cp ranks it splits (:func:`expert_groups`); the
-    data-parallel sharding it needs is :func:`zero_problem`'s."""
+def ep_problem(ep: int, dp: int, cp: int, f: ModelFacts, tp: int = 1, sp: bool = False) -> str | None:
+    """Why the runtime cannot run the routed experts split ``ep`` ways under ``tp`` / ``sp``.
+
+    Under TP the MoE layers (router, shared and routed experts) are not tensor-parallel
+    (expert tensor parallelism 1, as torchtitan's default): each tp rank runs them on its
+    own sequence shard, so a MoE model needs sequence parallel with tp > 1. ``ep`` needs
+    routed experts and must divide their count and the dp x cp x tp ranks it splits
+    (:func:`expert_groups`); the data-parallel sharding it needs is :func:`zero_problem`'s."""
+    if f.experts and tp > 1 and not sp:
+        return (f"tp={tp} without sequence parallel: the routed experts run on each tp rank's own "
+                "sequence shard (they are not tensor-parallel); use sp=on")
     if ep == 1:
         return None
     if not f.experts:
@@ -315,8 +327,9 @@ def ep_problem(ep: int, dp: int, cp: int, f: ModelFacts) -> str | None:
         return f"ep={ep}: {f.limits['ep']}"
     if f.experts % ep:
         return f"ep={ep} does not divide the {f.experts} experts"
-    if (dp * cp) % ep:
-        return f"ep={ep} does not divide dp x cp = {dp * cp} (expert parallelism splits the data-parallel ranks)"
+    if (dp * cp * tp) % ep:
+        return (f"ep={ep} does not divide dp x cp x tp = {dp * cp * tp} (expert parallelism splits the "
+                "ranks holding distinct tokens)")
     return None
 
 
@@ -337,7 +350,7 @@ def config_problems(cfg: "ParallelConfig", f: ModelFacts) -> list[str]:
     feasibility rule the search, ``autopar evaluate`` and the runtime all apply."""
     out = [f"this model cannot run: {f.limits['any']}"] if "any" in f.limits else []
     out += [p for p in (tp_problem(cfg.tp, f), cp_problem(cfg.cp, f), pp_problem(cfg.pp * cfg.vpp, f),
-                        ep_problem(cfg.ep, cfg.dp, cfg.cp, f)) if p]
+                        ep_problem(cfg.ep, cfg.dp, cfg.cp, f, cfg.tp, cfg.sp)) if p]
     if cfg.sp and (p := sp_problem(cfg.tp, cfg.cp, f)):
         out.append(p)
     if cfg.loss == "fused" and "fused_loss" in f.limits:
@@ -359,11 +372,13 @@ def default_attention(limits: dict[str, str]) -> str:
 
 def zero_problem(zero: str, tp: int, dp: int, f: ModelFacts, ep: int = 1) -> str | None:
     """Why the runtime cannot shard this model's parameters over dp with ``zero`` under ``tp``
-    and ``ep``: expert parallelism needs sharded data parallelism (FSDP2 shards the experts
-    over their own data-parallel group; DDP's reducer would all-reduce them over every rank)."""
+    and ``ep`` (``dp``: the dp x cp ranks): expert parallelism needs sharded data parallelism
+    (FSDP2 shards the experts over their own data-parallel group, ``dp * tp / ep`` ranks;
+    DDP's reducer would all-reduce them over every rank), unless there is no data
+    parallelism and no rank shares its experts (dp = 1, ep = tp)."""
     if zero in SHARDED_PARAMS and tp > 1 and dp > 1 and "fsdp_with_tp" in f.limits:
         return f"zero={zero} with tp={tp}: {f.limits['fsdp_with_tp']}; use zero=ddp or zero1"
-    if ep > 1 and zero not in SHARDED_PARAMS:
+    if ep > 1 and zero not in SHARDED_PARAMS and (dp > 1 or tp > ep):
         return f"ep={ep} with zero={zero}: the experts are sharded by FSDP over their own data-parallel group; use zero=fsdp"
     return None
 

@@ -323,11 +323,12 @@ def mesh_groups(plan: Plan) -> list[str]:
         else:
             lines.append(f"{dim}=1: no groups")
         stride *= deg
-    if cfg.ep > 1:  # expert parallelism: consecutive dp x cp ranks (planner.plan.expert_groups)
-        block = cfg.ep * cfg.tp
+    if cfg.ep > 1:  # expert parallelism: consecutive dp x cp x tp ranks (planner.plan.expert_groups)
+        block = cfg.ep
         where = "inside one node" if block <= dpn and dpn % block == 0 else f"spanning {-(-block // dpn)} nodes"
-        lines.append(f"ep={cfg.ep}: groups of {cfg.ep} consecutive dp x cp ranks, {cfg.tp} apart ({where}) exchange "
-                     f"tokens; the experts' data-parallel groups have {cfg.dp * cfg.cp // cfg.ep} ranks")
+        ranks = "dp x cp x tp" if cfg.tp > 1 else "dp x cp"
+        lines.append(f"ep={cfg.ep}: groups of {cfg.ep} consecutive {ranks} ranks ({where}) exchange tokens; the "
+                     f"experts' data-parallel groups have {cfg.dp * cfg.cp * cfg.tp // cfg.ep} ranks")
     return lines
 
 

@@ -44,7 +44,7 @@ from typing import Callable, Iterator, Sequence
 from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, LayerCosts, estimate, inflight_closed, layer_pass_times
 from cost_models.pipeline import estimate_step
-from cost_models.memory import (DTYPE_BYTES, RESERVE_CPU, RESERVE_GPU, layer_activation, layer_experts,
+from cost_models.memory import (DTYPE_BYTES, RESERVE_CPU, RESERVE_GPU, dp_group, layer_activation, layer_experts,
                                  layer_params_local, per_param_bytes)
 from planner.errors import AutoparError
 from planner.graph import BLOCK_KINDS, ModelGraph
@@ -157,6 +157,8 @@ def _variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: in
                 continue
             for rc in (r for r in recompute_policies(sched, pp) if pins.allows("recompute", r)):
                 for sp in (s for s in ((False, True) if sp_ok else (False,)) if pins.allows("sp", s)):
+                    if ep_problem(ep, dp, cp, facts, tp, sp):  # a MoE model under TP needs SP
+                        continue
                     if not dominated and sp_ok and not sp and pins.allows("sp", True):
                         continue
                     yield ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, mbs=mbs, schedule=sched, vpp=v,
@@ -286,25 +288,26 @@ def _tuples_with_floors(space: _Space, max_mbs: int) -> list[_Tuple]:
                 rej.add(f"{m} micro-batches for pp={pp}: the schedules need at least one per stage",
                         f"dp={dp} pp={pp} cp={cp} tp={tp} mbs={mbs}")
                 continue
-            for ep in _ep_degrees(space, dp, cp):
+            for ep in _ep_degrees(space, dp, cp, tp):
                 t = _tuple_floor(space, dp, pp, cp, tp, ep, mbs, m, reserve)
                 if t is not None:
                     tuples.append(t)
     return sorted(tuples)
 
 
-def _ep_degrees(space: _Space, dp: int, cp: int) -> list[int]:
-    """The expert-parallel degrees to try with ``dp`` x ``cp`` (1 for a model without routed
-    experts): every ``ep`` dividing both the experts and dp x cp that the pins admit; 1 stays
-    a candidate, because expert parallelism can lose. Degrees the runtime cannot run are
-    recorded as rejected."""
+def _ep_degrees(space: _Space, dp: int, cp: int, tp: int) -> list[int]:
+    """The expert-parallel degrees to try with ``dp`` x ``cp`` x ``tp`` (1 for a model without
+    routed experts): every ``ep`` dividing both the experts and dp x cp x tp that the pins
+    admit; 1 stays a candidate, because expert parallelism can lose. Degrees the runtime
+    cannot run (with tp > 1: without sequence parallel, every degree) are recorded as rejected."""
     if not space.facts.experts:
         return [1]
     out = []
-    for ep in divisors(math.gcd(space.facts.experts, dp * cp)):
+    sp = tp > 1 and sp_problem(tp, cp, space.facts) is None
+    for ep in divisors(math.gcd(space.facts.experts, dp * cp * tp)):
         if not space.pins.allows("ep", ep):
             continue
-        if why := ep_problem(ep, dp, cp, space.facts):
+        if why := ep_problem(ep, dp, cp, space.facts, tp, sp):
             space.rej.add(why, f"ep={ep}")
             continue
         out.append(ep)
@@ -324,10 +327,10 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     t_rank = sum(c.fwd + c.bwd + c.tp + c.cp + c.ep_fwd + c.ep_bwd for c in map(costs.get, g.layers)) / pp
     # bubble: no schedule here does better than interleaving with v = 4: (pp-1) t / 4
     floor_s = m * t_rank + (pp - 1) * t_rank / 4
-    # memory floor: FSDP states (16 bytes/param over dp*cp; routed experts over their dp*cp/ep) on the average rank
+    # memory floor: FSDP states (16 bytes/param over dp*cp; routed experts over their own group) on the average rank
     table = costs.table(base)
     experts = sum(table.experts)
-    states = (sum(table.params) - experts) / (dp * cp) + experts * ep / (dp * cp)
+    states = (sum(table.params) - experts) / (dp * cp) + experts / dp_group(base, experts=True)
     mem_floor = states / pp * 16 + min(table.act["full"]) + reserve
     n_var = sum(1 for _ in _variants(dp, pp, cp, tp, mbs, m, space.facts.units, space.dtype, space.loss,
                                      space.facts, pins=pins, ep=ep))

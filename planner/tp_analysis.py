@@ -231,7 +231,7 @@ def analyze(fx_graph: fx.Graph, model_graph: ModelGraph) -> TPAnalysis:
                 continue
             weight, data = found
             fqn = weight.rsplit(".", 1)[0]
-            if fqn in res.roles:
+            if fqn in res.roles or layer.in_moe(fqn[len(layer.name) + 1:]):  # a MoE layer stays whole
                 continue
             if _find([data], unit, _inputs, lambda m: m in sharded) is not None:
                 res.roles[fqn] = "row"

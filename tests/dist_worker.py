@@ -55,6 +55,9 @@ LAYOUTS = {
         # and refused without sharded data parallelism
         ("dp2-ep2-fsdp", dict(dp=2, ep=2, zero="fsdp"), 1),
         ("dp2-ep2-ddp", dict(dp=2, ep=2, zero="ddp"), 1),
+        # EP over the two tp ranks' sequence shards; MoE under TP refused without SP
+        ("tp2-ep2-sp", dict(tp=2, sp=True, ep=2), 1),
+        ("tp2-ep2-nosp", dict(tp=2, ep=2), 1),
     ],
     4: [
         ("dp2xtp2-fsdp-sp", dict(dp=2, tp=2, sp=True, zero="fsdp"), 1),
@@ -64,13 +67,17 @@ LAYOUTS = {
         ("dp2xcp2-fsdp", dict(dp=2, cp=2, zero="fsdp"), 1),
         ("dp2xtp2-fsdp-sp-op", dict(dp=2, tp=2, sp=True, zero="fsdp", recompute="selective-op"), 1),
         # expert parallelism: EP4, EP2 with two ranks per expert (FSDP over them; per-op and
-        # full recompute), EP4 over dp x cp, PP2 x EP2, and TP2+SP, which MoE refuses
+        # full recompute), EP4 over dp x cp, PP2 x EP2, and with TP2+SP: EP2 over the tp ranks
+        # (FSDP over dp), EP4 over dp x tp and over cp x tp, PP2 x TP2 x EP2
         ("dp4-ep4-fsdp", dict(dp=4, ep=4, zero="fsdp"), 1),
         ("dp4-ep2-fsdp-op", dict(dp=4, ep=2, zero="fsdp", recompute="selective-op"), 1),
         ("dp4-ep2-zero2-full", dict(dp=4, ep=2, zero="zero2", recompute="full"), 1),
         ("dp2xcp2-ep4-fsdp", dict(dp=2, cp=2, ep=4, zero="fsdp"), 1),
         ("pp2xdp2-ep2-fsdp", dict(pp=2, dp=2, ep=2, zero="fsdp", schedule="1f1b"), 2),
         ("dp2xtp2-ep2-sp", dict(dp=2, tp=2, sp=True, ep=2, zero="fsdp"), 1),
+        ("dp2xtp2-ep4-sp", dict(dp=2, tp=2, sp=True, ep=4, zero="fsdp"), 1),
+        ("cp2xtp2-ep4-sp", dict(cp=2, tp=2, sp=True, ep=4, zero="fsdp"), 1),
+        ("pp2xtp2-ep2-sp", dict(pp=2, tp=2, sp=True, ep=2, schedule="1f1b"), 2),
     ],
     8: [
         ("dp2xpp2xtp2-fsdp-sp", dict(dp=2, pp=2, tp=2, sp=True, zero="fsdp", schedule="1f1b"), 2),
@@ -84,16 +91,19 @@ MODELS_BY_WORLD = {2: MODELS + MOE_MODELS, 4: MODELS + ("gpt-tiny-tied",) + MOE_
 # embedding, under PP x TP (the tied weight split over tp and held by two pp ranks)
 ONLY_LAYOUTS = {"gpt-tiny-tied": ("pp2xtp2-1f1b-sp",),
                 # the zoo MoE (8 experts, top-2, a shared expert, a dense first block): DP, FSDP, PP,
-                # CP, their mix, TP (refused: the experts are split by EP instead) and EP
+                # CP, TP+SP (the MoE layers on each tp rank's sequence shard), their mix, and EP
                 "moe-tiny": ("dp2-ddp", "dp2-fsdp", "pp2-1f1b", "cp2-zigzag", "tp2-sp", "dp2xcp2-fsdp",
-                             "dp2-ep2-fsdp", "dp2-ep2-ddp", "dp4-ep4-fsdp", "dp4-ep2-fsdp-op", "dp4-ep2-zero2-full",
-                             "dp2xcp2-ep4-fsdp", "pp2xdp2-ep2-fsdp", "dp2xtp2-ep2-sp"),
+                             "dp2xtp2-fsdp-sp", "dp2-ep2-fsdp", "dp2-ep2-ddp", "tp2-ep2-sp", "tp2-ep2-nosp",
+                             "dp4-ep4-fsdp", "dp4-ep2-fsdp-op", "dp4-ep2-zero2-full", "dp2xcp2-ep4-fsdp",
+                             "pp2xdp2-ep2-fsdp", "dp2xtp2-ep2-sp", "dp2xtp2-ep4-sp", "cp2xtp2-ep4-sp",
+                             "pp2xtp2-ep2-sp"),
                 # experts 6 and 7 never routed to, uneven loads on the others (model_cases.py)
-                "moe-tiny-skewed": ("dp2-ep2-fsdp", "dp4-ep4-fsdp", "dp4-ep2-fsdp-op", "dp2xcp2-ep4-fsdp",
-                                    "pp2xdp2-ep2-fsdp"),
+                "moe-tiny-skewed": ("dp2-ep2-fsdp", "tp2-ep2-sp", "dp4-ep4-fsdp", "dp4-ep2-fsdp-op",
+                                    "dp2xcp2-ep4-fsdp", "pp2xdp2-ep2-fsdp", "dp2xtp2-ep4-sp"),
                 # transformers' Mixtral, its experts run through ExpertsInterface (reference: its own loop)
-                "hf-mixtral": ("dp2-fsdp", "pp2-1f1b", "cp2-zigzag", "tp2-sp", "dp2-ep2-fsdp", "dp4-ep4-fsdp",
-                               "dp4-ep2-fsdp-op", "dp2xcp2-ep4-fsdp", "pp2xdp2-ep2-fsdp")}
+                "hf-mixtral": ("dp2-fsdp", "pp2-1f1b", "cp2-zigzag", "tp2-sp", "dp2-ep2-fsdp", "tp2-ep2-sp",
+                               "dp4-ep4-fsdp", "dp4-ep2-fsdp-op", "dp2xcp2-ep4-fsdp", "pp2xdp2-ep2-fsdp",
+                               "dp2xtp2-ep4-sp")}
 
 
 def layouts_of(world: int, model_name: str) -> list[tuple[str, dict, int]]:

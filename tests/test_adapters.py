@@ -52,12 +52,25 @@ def test_models_the_runtime_cannot_run_are_refused_in_one_line(model_type, kw, w
 ])
 def test_transformers_moe_is_captured_through_experts_interface(model_type, kw, experts, top_k):
     """Routed experts of transformers' ExpertsInterface families are captured (balanced load on
-    fake tensors) with their shape, and planned without TP (expert parallelism instead)."""
+    fake tensors) with their shape; under TP the MoE layer stays whole (its router and shared
+    experts replicated, whatever the model's own TP plan says), the attention is split."""
+    from planner.tp_layout import tp_layout
+
     g = _graph(_hf(model_type, **kw), model_type)
     moe = [l.moe for l in g.layers if l.moe is not None]
     assert len(moe) == 2 and moe[0].experts == experts and moe[0].top_k == top_k
-    assert "routed experts" in g.limits["tp"] and "any" not in g.limits
+    assert "any" not in g.limits
+    if model_type == "olmoe":  # its attention normalises the whole q / k projections
+        assert "colwise_gather_output" in g.limits["tp"] and "experts" not in g.limits["tp"]
+    else:
+        assert "tp" not in g.limits
     blk = next(l for l in g.layers if l.moe is not None)
+    in_moe = [lin for lin in blk.linears if blk.in_moe(lin.name)]
+    assert all(lin.role == "replicated" for lin in in_moe)
+    if model_type == "qwen2_moe":  # an nn.Linear router and a shared expert, all left whole
+        assert len(in_moe) >= 4
+    layout = tp_layout(g)
+    assert not [f for f in layout if f".{moe[0].part}." in f] and any("q_proj" in f for f in layout)
     ffn = moe[0].expert_ffn
     # the routed GEMMs' FLOPs at the balanced load: 32 tokens x top_k x 3 x 2 x hidden x ffn, at least
     assert blk.fwd_flops >= 32 * top_k * 3 * 2 * 64 * ffn

@@ -82,7 +82,7 @@ def test_emitted_pp2_tp2_program_writes_the_recipe_out():
     assert "    ['embed', 'layers.0', 'layers.1'],  # stage 0" in lines
     assert "    ['layers.2', 'layers.3', 'norm', 'head'],  # stage 1" in lines
     for step in ("inputs, targets = pm.local_batch(batch)", "pm.optimizer.zero_grad()",
-                 "loss = pm.pipeline(inputs, targets)", "pm.sync_tied_grads()", "norm = pm.clip_grad_norm_(clip)",
+                 "loss = pm.pipeline(inputs, targets)", "pm.sync_grads()", "norm = pm.clip_grad_norm_(clip)",
                  "pm.optimizer_step(lr)", "lr = warmup_cosine(step, args.steps, args.lr, args.min_lr, args.warmup_steps)",
                  "mem = peak_memory_per_rank(device)"):
         assert step in text, step

@@ -85,6 +85,28 @@ def test_expert_memory_is_split_by_ep_and_sharded_over_the_rest():
     assert per_param_bytes(with_ep, experts=True)["weights"] == 2.0 / 2   # bf16 over dp / ep = 2 ranks
 
 
+def test_ep_under_tp_routes_the_sequence_shard_and_sums_the_whole_moe_parameters():
+    """dp4 x tp2 (SP) with ep8: each rank routes its sequence shard (half the tokens) to an EP
+    group of all 8 ranks; the experts' data-parallel group is dp x tp / ep = 1 rank; the router
+    and the shared expert are held whole by both tp ranks and summed over tp once per step."""
+    from cost_models.memory import layer_token_local
+    g = _fine()
+    layer = _moe_layer(g)
+    cfg = ParallelConfig(dp=4, tp=2, sp=True, ep=8, mbs=2, zero="fsdp", dtype="bf16")
+    assert alltoall_bytes(layer.moe, g, cfg) == 2 * 2048 / 2 * 8 * 2048 * 2
+    assert ep_mesh(cfg) == comm_mod.Mesh(pp=1, dp=1, cp=8, tp=1)
+    assert ep_mesh(cfg.replace(ep=1)) == comm_mod.Mesh(pp=1, dp=4, cp=1, tp=2)
+    assert per_param_bytes(cfg.replace(dp=8), experts=True)["weights"] == 2.0 / 2  # bf16 over 8 x 2 / 8 ranks
+    whole = 2048 * 128 + 3 * 2048 * 768  # router + one shared SwiGLU expert
+    assert layer_token_local(layer, cfg, g.hidden) == whole
+    assert layer_token_local(layer, cfg.replace(ep=1), g.hidden) == whole + layer.moe.expert_params(g.hidden)
+    assert layer_token_local(layer, cfg.replace(tp=1, sp=False), g.hidden) == 0
+    # TP splits the attention, not the MoE layer: only the experts are divided (by ep)
+    attn = next(o.params for o in layer.ops if o.kind == "attention")
+    assert layer_params_local(layer, 2, ep=8, hidden=g.hidden) == pytest.approx(
+        layer.params - attn / 2 - layer.moe.expert_params(g.hidden) * 7 / 8)
+
+
 def test_imbalance_adds_the_busiest_ranks_routed_activations():
     from cost_models.memory import layer_activation
     g = _fine()
@@ -103,10 +125,20 @@ def test_feasibility_rule_for_ep():
     ok = ParallelConfig(dp=4, ep=4, zero="fsdp")
     assert config_problems(ok, f) == []
     assert any("does not divide the 8 experts" in p for p in config_problems(ok.replace(dp=12, ep=12), f))
-    assert any("does not divide dp x cp = 4" in p for p in config_problems(ParallelConfig(dp=4, ep=8, zero="fsdp"), f))
+    assert any("does not divide dp x cp x tp = 4" in p for p in config_problems(ParallelConfig(dp=4, ep=8, zero="fsdp"), f))
     assert any("use zero=fsdp" in p for p in config_problems(ok.replace(zero="ddp"), f))
     assert any("no routed experts" in p for p in config_problems(ok, ModelFacts(units=8, seq_len=64)))
     assert expert_groups(2, 2, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    # under TP (with sequence parallel) the tp ranks route tokens of their own: EP may span them
+    tp_ok = ParallelConfig(dp=2, tp=2, sp=True, ep=4, zero="fsdp")
+    assert config_problems(tp_ok, f) == []
+    assert any("use sp=on" in p for p in config_problems(tp_ok.replace(sp=False), f))
+    assert any("use sp=on" in p for p in config_problems(tp_ok.replace(sp=False, ep=1), f))
+    # no data parallelism and no rank sharing its experts: nothing for FSDP to do
+    assert config_problems(ParallelConfig(tp=2, sp=True, ep=2), f) == []
+    assert any("use zero=fsdp" in p for p in config_problems(ParallelConfig(tp=4, sp=True, ep=2), f))
+    assert expert_groups(1, 1, 2, tp=4) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert expert_groups(2, 1, 4, tp=2) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
     assert ParallelConfig.parse("dp=4,ep=2,zero=fsdp").ep == 2
     assert "ep2" in ParallelConfig(dp=4, ep=2, zero="fsdp").label()
 
@@ -153,7 +185,7 @@ def _why_not_ep(r, cl) -> dict:
 def test_fast_network_picks_expert_parallelism_within_a_node():
     r, cl = _plan_on(400.0)
     best = r.best.config
-    assert best.ep > 1 and best.ep * best.tp <= cl.devices_per_node
+    assert best.ep > 1 and best.ep <= cl.devices_per_node  # ep consecutive ranks of dp x cp x tp
     # the best layout of each wider ep was kept: crossing nodes costs all-to-all time
     wider = [a for a in r.alternatives if a.config.ep > cl.devices_per_node]
     assert wider and all(a.breakdown["ep_comm"] > r.best.breakdown["ep_comm"] for a in wider)

@@ -1,6 +1,6 @@
 """The zoo mixture of experts (planner/zoo/moe.py): routing and experts against a per-token
 reference, gradients of experts without tokens, the balancing bias, capture's FLOPs and the
-planner on MoE presets (expert parallelism itself is not built yet: TP is refused)."""
+planner on MoE presets (under TP only with sequence parallel)."""
 from __future__ import annotations
 
 import pytest
@@ -108,9 +108,9 @@ def test_presets_match_published_sizes_and_validate():
         zoo.preset("moe-tiny").replace(router="relu")
 
 
-def test_planner_keeps_tp_off_for_moe():
-    """Mixtral 8x7B on 16 H100s plans without TP (its experts are not tensor-parallel yet), and
-    evaluating tp=2 says why."""
+def test_moe_under_tp_needs_sequence_parallel():
+    """Mixtral 8x7B on 16 H100s: the MoE layers run on each tp rank's sequence shard, so a layout
+    with tp > 1 needs sequence parallel; evaluating tp=2 without it says why, with it runs."""
     from cost_models.cluster import parse_cluster
     from planner.frontend import load_graph
     from planner.plan import ParallelConfig
@@ -119,6 +119,9 @@ def test_planner_keeps_tp_off_for_moe():
     g = load_graph("mixtral-8x7b", batch=1, seq_len=4096)
     c = parse_cluster("dgx-h100:2")
     plan, _ = plan_model(g, c, 64, spec="mixtral-8x7b", cluster_spec="dgx-h100:2")
-    assert plan.config.tp == 1
+    layouts = [plan.config] + [ParallelConfig.parse(a["config"]) for a in plan.alternatives]
+    assert any(x.tp > 1 for x in layouts) and all(x.sp for x in layouts if x.tp > 1)
     _, problems = evaluate_config(g, c, ParallelConfig.parse("dp=2,pp=4,tp=2,zero=fsdp"), 64)
-    assert any("routed experts" in p for p in problems), problems
+    assert any("routed experts" in p and "use sp=on" in p for p in problems), problems
+    _, problems = evaluate_config(g, c, ParallelConfig.parse("dp=2,pp=4,tp=2,sp=on,ep=4,zero=fsdp"), 64)
+    assert problems == []

@@ -66,10 +66,10 @@ def runs(tmp_path_factory) -> dict:
 CASES = [(world, f"{m}/{name}") for world in W.LAYOUTS for m in W.MODELS_BY_WORLD[world]
          for name, _, _ in W.layouts_of(world, m)]
 # (model, layout) the runtime must refuse before building, and a word of the reason
-REFUSED = {("hf-gpt2", "dp2xtp2-fsdp-sp"): "zero=fsdp with tp=2", ("moe-tiny", "tp2-sp"): "routed experts",
-           ("hf-gpt2", "dp2xtp2-fsdp-sp-op"): "zero=fsdp with tp=2", ("hf-mixtral", "tp2-sp"): "routed experts"}
+REFUSED = {("hf-gpt2", "dp2xtp2-fsdp-sp"): "zero=fsdp with tp=2",
+           ("hf-gpt2", "dp2xtp2-fsdp-sp-op"): "zero=fsdp with tp=2"}
 REFUSED_LAYOUTS = {"pp2-zb-h1-op": "split backward",  # refused for every model that runs them
-                   "dp2-ep2-ddp": "use zero=fsdp", "dp2xtp2-ep2-sp": "routed experts"}
+                   "dp2-ep2-ddp": "use zero=fsdp", "tp2-ep2-nosp": "use sp=on"}
 
 
 @pytest.mark.parametrize("world,key", CASES, ids=[k for _, k in CASES])

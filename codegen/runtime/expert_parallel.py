@@ -1,10 +1,18 @@
-"""Expert parallelism: each MoE layer's routed experts split over ``ep`` of the dp x cp ranks.
+"""Expert parallelism: each MoE layer's routed experts split over ``ep`` of the ranks holding
+distinct tokens, and MoE layers under tensor parallelism.
 
-The ranks (``planner.plan.expert_groups``): the flattened dp x cp ranks of one (pp, tp)
-position, cp inner, cut into groups of ``ep`` consecutive ones. :func:`expert_mesh` is
-that as a device mesh ``[pp, edp, ep, tp]`` (ranks numbered as the ``[pp, dp, cp, tp]``
-mesh numbers them): ``ep`` is a group exchanging tokens, ``edp`` the ``dp * cp / ep`` ranks
-holding the same experts, over which data parallelism shards and reduces them.
+The ranks (``planner.plan.expert_groups``): the flattened dp x cp x tp ranks of one pipeline
+stage, tp inner, cut into groups of ``ep`` consecutive ones. :func:`expert_mesh` is that as
+a device mesh ``[pp, edp, ep]`` (ranks numbered as the ``[pp, dp, cp, tp]`` mesh numbers
+them): ``ep`` is a group exchanging tokens, ``edp`` the ``dp * cp * tp / ep`` ranks holding
+the same experts, over which data parallelism shards and reduces them.
+
+Under TP (with sequence parallel, which the planner requires for MoE models) a MoE layer
+is not tensor-parallel: each tp rank runs the router, the shared experts and its routed
+rows on its own sequence shard (:func:`run_on_sequence_shard`: the layer's input, a
+sequence-parallel norm's DTensor, becomes the local shard). Its parameters other than the
+EP-split expert stacks are held whole by every tp rank, each computing the gradient of its
+own tokens: :func:`sum_over_tp` adds them up once per step (``tp_replicated_params``).
 
 :func:`apply_ep` keeps, on every rank, its ``experts / ep`` experts of every routed layer
 (the stacked weights become DTensors sharded on dim 0 over ``ep``: checkpoints and
@@ -41,9 +49,9 @@ from planner.plan import ParallelConfig
 
 
 def expert_mesh(cfg: ParallelConfig, device_type: str) -> DeviceMesh:
-    """The ``[pp, edp, ep, tp]`` mesh (module docstring); every rank calls it."""
-    return init_device_mesh(device_type, (cfg.pp, cfg.dp * cfg.cp // cfg.ep, cfg.ep, cfg.tp),
-                            mesh_dim_names=("pp", "edp", "ep", "tp"))
+    """The ``[pp, edp, ep]`` mesh (module docstring); every rank calls it."""
+    return init_device_mesh(device_type, (cfg.pp, cfg.dp * cfg.cp * cfg.tp // cfg.ep, cfg.ep),
+                            mesh_dim_names=("pp", "edp", "ep"))
 
 
 def routed_modules(stage_mods: Sequence[nn.Module]) -> list[nn.Module]:
@@ -57,8 +65,8 @@ def routed_modules(stage_mods: Sequence[nn.Module]) -> list[nn.Module]:
 class TokenDispatch:
     """The all-to-all path of one routed layer over the ``ep`` group (module docstring)."""
 
-    def __init__(self, group, ep: int, experts: int):
-        self.group, self.ep, self.local = group, ep, experts // ep
+    def __init__(self, group, ep: int, experts: int, tp: int = 1):
+        self.group, self.ep, self.local, self.tp = group, ep, experts // ep, tp
 
     def __call__(self, routed: nn.Module, rows: torch.Tensor, split: list[int]) -> torch.Tensor:
         ep, local = self.ep, self.local
@@ -71,8 +79,9 @@ class TokenDispatch:
         x = _exchange(rows, recv, send, self.group)
         order = _by_expert(got).to(rows.device)
         # an expert's gradient sums the rows of the whole EP group; data parallelism then averages
-        # over the experts' dp x cp / ep ranks: 1 / ep here makes it the dense weights' average
-        weights = [_GradScale.apply(w.to_local() if isinstance(w, DTensor) else w, 1.0 / ep)
+        # over the experts' dp x cp x tp / ep ranks: tp / ep here makes it the dense weights' (a
+        # sum over the tp ranks' sequence shards, an average over dp x cp)
+        weights = [_GradScale.apply(w.to_local() if isinstance(w, DTensor) else w, self.tp / ep)
                    for w in (getattr(routed, n) for n in routed.expert_weights)]
         y = routed.run_local(x[order], got.sum(0).tolist(), weights)
         y = torch.empty_like(y).index_copy(0, order, y)  # back to (source, local expert) order
@@ -110,7 +119,7 @@ def _by_expert(got: torch.Tensor) -> torch.Tensor:
     return torch.arange(n) + (starts - first_out).repeat_interleave(sizes)
 
 
-def apply_ep(stage_mods: Sequence[nn.Module], mesh: DeviceMesh) -> list[nn.Module]:
+def apply_ep(stage_mods: Sequence[nn.Module], mesh: DeviceMesh, tp: int = 1) -> list[nn.Module]:
     """Keep this rank's experts of every routed layer of ``stage_mods`` (the whole stacks,
     equal on every rank, are cut here) and route tokens through :class:`TokenDispatch` over
     ``mesh["ep"]``; returns the routed modules (for data parallelism over ``mesh["edp"]``)."""
@@ -125,5 +134,55 @@ def apply_ep(stage_mods: Sequence[nn.Module], mesh: DeviceMesh) -> list[nn.Modul
             full = getattr(m, name)
             mine = full.detach().chunk(ep, dim=0)[me].clone()
             setattr(m, name, nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False)))
-        m.dispatcher = TokenDispatch(ep_mesh.get_group(), ep, experts)
+        m.dispatcher = TokenDispatch(ep_mesh.get_group(), ep, experts, tp)
     return mods
+
+
+def moe_parts(stage_mods: Sequence[nn.Module]) -> list[nn.Module]:
+    """The MoE layers of these stage modules: the modules holding a routed-experts module
+    (:func:`routed_modules`) as a direct child (the zoo's ``MoEFeedForward``, transformers'
+    sparse MoE blocks)."""
+    routed = {id(m) for m in routed_modules(stage_mods)}
+    return [m for sm in stage_mods for m in sm.modules() if any(id(c) in routed for c in m.children())]
+
+
+def run_on_sequence_shard(parts: Sequence[nn.Module]) -> None:
+    """Under sequence parallel: each MoE layer of ``parts`` takes its hidden-state input (first
+    positional argument or ``hidden_states``) as this rank's local sequence shard (a
+    sequence-parallel norm hands it over as a DTensor; its gradient flows back as one)."""
+    def local(x):
+        return x.to_local() if isinstance(x, DTensor) else x
+
+    def hook(mod, args, kwargs):
+        if args:
+            return (local(args[0]), *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, dict(kwargs, hidden_states=local(kwargs["hidden_states"]))
+        return args, kwargs
+
+    for m in parts:
+        m.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def tp_replicated_params(parts: Sequence[nn.Module], ep: int) -> list[nn.Parameter]:
+    """The parameters of the MoE layers ``parts`` that every tp rank holds whole: all of them
+    but, under expert parallelism (``ep`` > 1), the routed-expert stacks it splits."""
+    out = []
+    for part in parts:
+        split = {id(getattr(r, n)) for r in routed_modules([part]) for n in r.expert_weights} if ep > 1 else set()
+        out += [p for p in part.parameters() if id(p) not in split]
+    return out
+
+
+@torch.no_grad()
+def sum_over_tp(params: Sequence[nn.Parameter], group) -> None:
+    """Sum the gradients of ``params`` over the tp ``group`` in place (one all-reduce of their
+    flattened local shards), after the backward and the data-parallel reduction, which
+    commutes with it: each tp rank's gradient covers only its own sequence shard."""
+    grads = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params) if g is not None]
+    if not grads or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))

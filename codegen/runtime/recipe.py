@@ -10,7 +10,8 @@ emitted program and by :func:`codegen.runtime.train.parallelize` alike (torchtit
    their gradients (pp > 1), before TP splits the two ends into separate DTensors
 6. :func:`apply_attention` - attention per block: kernel, ring attention (CP), selective recompute
 7. :func:`apply_tp` - tensor (and sequence) parallel from the TP plan ``{module fqn: style}``
-8. :func:`apply_ep` - expert parallelism: each rank keeps its routed experts (ep > 1)
+8. :func:`apply_ep` - MoE layers: on each tp rank's sequence shard (tp > 1); expert
+   parallelism: each rank keeps its routed experts (ep > 1)
 9. :func:`apply_recompute` - full or per-op recompute of the blocks whose stage asks for it
 10. :func:`apply_dp` - FSDP2 / replicate over the data-parallel mesh (dp x cp); the routed
     experts over their own data-parallel group
@@ -135,20 +136,24 @@ def apply_tp(adapter: ModelAdapter, stages: Stages, tp_plan: dict[str, str], mes
 
 @dataclass
 class Experts:
-    """Expert parallelism on this rank: the ``[pp, edp, ep, tp]`` mesh and the routed-expert
+    """Expert parallelism on this rank: the ``[pp, edp, ep]`` mesh and the routed-expert
     modules whose experts it split."""
     mesh: DeviceMesh
     modules: list[nn.Module]
 
 
 def apply_ep(stages: Stages, cfg: ParallelConfig) -> Optional[Experts]:
-    """With ``cfg.ep > 1``: each routed layer keeps this rank's ``experts / ep`` experts and
-    exchanges tokens with its EP group (``codegen/runtime/expert_parallel.py``); None otherwise.
-    Call it after the weights are materialised (the whole stacks are cut here)."""
+    """The MoE layers (``codegen/runtime/expert_parallel.py``): with tp > 1 (and so sequence
+    parallel) each runs on the rank's sequence shard; with ``cfg.ep > 1`` each routed layer
+    keeps this rank's ``experts / ep`` experts and exchanges tokens with its EP group
+    (returned), None otherwise. Call it after the weights are materialised (the whole stacks
+    are cut here)."""
+    if cfg.tp > 1:
+        epar.run_on_sequence_shard(epar.moe_parts(stages.modules))
     if cfg.ep == 1:
         return None
     mesh = epar.expert_mesh(cfg, device_type())
-    return Experts(mesh, epar.apply_ep(stages.modules, mesh))
+    return Experts(mesh, epar.apply_ep(stages.modules, mesh, cfg.tp))
 
 
 def apply_recompute(adapter: ModelAdapter, stages: Stages) -> None:
@@ -166,7 +171,7 @@ def apply_dp(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, mesh: D
     the routed experts of ``experts`` (expert parallelism) first over their own data-parallel
     group; returns the dense gradient-reduction mesh."""
     dp_mesh = dp_cp_mesh(mesh)
-    if experts is not None:
+    if experts is not None and (dp_mesh.size() > 1 or experts.mesh["edp"].size() > 1):
         dpar.shard_experts(experts.modules, experts.mesh["edp"], cfg.zero, pipelined=cfg.pp > 1)
     dpar.apply_dp(stages.modules, dp_mesh, cfg.zero, pipelined=cfg.pp > 1, blocks=adapter.blocks,
                   reducer=uses_ddp_reducer(cfg.zero, cfg.pp, cfg.tp))

@@ -13,7 +13,7 @@ tensor parallel -> full recompute -> data parallel (FSDP2 / replicate over ``dp`
 
 A training step (``ParallelModel.step``, or written out in the emitted program):
 ``local_batch`` -> ``zero_grad`` -> ``microbatch`` per micro-batch (gradient accumulation)
-or ``pipeline`` (the schedule runs them) -> ``sync_tied_grads`` -> ``clip_grad_norm_``
+or ``pipeline`` (the schedule runs them) -> ``sync_grads`` -> ``clip_grad_norm_``
 (optional) -> ``optimizer_step`` (optionally at a new learning rate) -> ``global_loss``.
 
 Batching: ``step(batch)`` receives the GLOBAL batch (``global_batch`` sequences) on every
@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from planner.plan import ModelFacts, ParallelConfig, Plan
 from codegen.runtime import context_parallel as cpar
 from codegen.runtime import data_parallel as dpar
+from codegen.runtime import expert_parallel as epar
 from codegen.runtime import experts
 from codegen.runtime import recipe
 from codegen.runtime import tensor_parallel as tpar
@@ -104,6 +105,8 @@ class ParallelModel:
         self.n_microbatches = global_batch // (cfg.dp * cfg.mbs)
         self.has_first, self.has_last = stages.has_first, stages.has_last
         self.moe_layers = experts.moe_layers(stages.modules)
+        # MoE parameters each tp rank holds whole and trains on its own sequence shard
+        self.tp_replicated = epar.tp_replicated_params(epar.moe_parts(stages.modules), cfg.ep) if cfg.tp > 1 else []
 
     # ---------------------------------------------------------------- data
     def local_batch(self, batch: dict[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -155,10 +158,14 @@ class ParallelModel:
             total += _scalar(loss)
         return total
 
-    def sync_tied_grads(self) -> None:
-        """Sum the gradients of the weights tied across pipeline ranks (pp > 1)."""
+    def sync_grads(self) -> None:
+        """After the backward, sum the gradients each rank holds only a part of: the weights
+        tied across pipeline ranks (pp > 1) and the MoE parameters every tp rank holds whole
+        (tp > 1, ``expert_parallel.sum_over_tp``)."""
         if self.tied is not None:
             self.tied.sync_grads()
+        if self.tp_replicated:
+            epar.sum_over_tp(self.tp_replicated, self.mesh["tp"].get_group())
 
     def clip_grad_norm_(self, max_norm: Optional[float]) -> float:
         """Clip all gradients to global L2 norm ``max_norm`` (None / <= 0: no clipping); returns
@@ -173,7 +180,8 @@ class ParallelModel:
         if lr is not None:
             self.optimizer.set_lr(lr)
         self.optimizer.step()
-        experts.balance_experts(self.moe_layers, self.dp_mesh.get_group(), first_step=self.step_count == 0)
+        groups = [self.dp_mesh.get_group()] + ([self.mesh["tp"].get_group()] if self.cfg.tp > 1 else [])
+        experts.balance_experts(self.moe_layers, groups, first_step=self.step_count == 0)
         self.step_count += 1
 
     def global_loss(self, local: torch.Tensor) -> float:
@@ -192,7 +200,7 @@ class ParallelModel:
             loss = sum(self.microbatch(inputs, targets, mb) for mb in range(self.n_microbatches))
         else:
             loss = self.pipeline(inputs, targets)
-        self.sync_tied_grads()
+        self.sync_grads()
         if max_norm is not None:
             self.clip_grad_norm_(max_norm)
         self.optimizer_step(lr)

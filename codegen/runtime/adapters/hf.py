@@ -191,11 +191,12 @@ class HFAdapter(ModelAdapter):
             out["sp"] = (f"{reason}: the model builds its attention masks from the embedding output's length, "
                          "which sequence parallel shards")
         plan = getattr(self.model, "_tp_plan", None) or {}
-        gathered = sorted({s for k, s in plan.items() if k != self.head_name and s not in _PLAIN_STYLES})
-        if experts:
-            out["tp"] = ("its routed experts are not tensor-parallel (expert parallelism splits them over the "
-                         "dp x cp ranks instead)")
-        elif gathered:
+        # the MoE layers (the experts' parents) are not tensor-parallel whatever the model's own
+        # plan says: under TP each rank runs them on its own sequence shard
+        moe_parts = {n.rpartition(".")[0] for n, m in block.named_modules() if any(m is e for e in experts)}
+        gathered = sorted({s for k, s in plan.items() if k != self.head_name and s not in _PLAIN_STYLES
+                           and not any(f".{p}." in f"{k}." for p in moe_parts)})
+        if gathered:
             out["tp"] = (f"its own TP plan uses {', '.join(gathered)} (projections gathered or replicated), "
                          "which autopar does not run")
         head = self.model.get_submodule(self.head_name)
