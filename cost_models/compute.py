@@ -167,7 +167,9 @@ def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Paral
     kernels (cost_models/gpu_kernels.py): every linear's GEMMs at their sharded shapes
     (backward: input and weight gradients), each routed expert's GEMMs at its share of the
     rows (:func:`expert_gemms`, the balanced load), the fused attention core (causal-halved,
-    divided by tp and cp, efficiency by the kv length each rank's blocks have), and each
+    divided by tp and cp, efficiency by the kv length each rank's blocks have: ``S / cp`` under
+    ring attention, ``S`` under Ulysses, whose heads are split instead; the ring's
+    log-sum-exp merges of partial outputs as memory-bound kernels), and each
     op's remaining bytes (norms, activations, rotary, softmax, loss) at HBM bandwidth,
     divided as TP / SP / CP divide that op, plus a launch floor per memory-bound kernel."""
     co = gk.GpuCoefficients.of(cal)
@@ -203,9 +205,13 @@ def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Paral
     a = layer.attention
     if a is not None:
         core = attn_core_flops(layer, cfg.mbs) * (0.5 if a.causal else 1.0) / (cfg.tp * cfg.cp)
-        kv = a.kv_len / cfg.cp
-        fwd += gk.attention_seconds(core, kv, gpu, co)
-        bwd += gk.attention_seconds(core, kv, gpu, co, backward=True)
+        ring = cfg.cp // cfg.ulysses  # CP's ring degree: each block call sees kv_len / ring keys
+        fwd += gk.attention_seconds(core, a.kv_len / ring, gpu, co)
+        bwd += gk.attention_seconds(core, a.kv_len / ring, gpu, co, backward=True)
+        if ring > 1:  # each ring step's partial output merged by log-sum-exp: read two, write one (fp32)
+            merge = 3 * cfg.mbs * (a.seq_len / cfg.cp) * (a.heads / cfg.tp) * (a.head_dim + 1) * 4
+            fwd += gk.memory_seconds((ring - 1) * merge, ring - 1, gpu, co)
+            bwd += gk.memory_seconds(2 * (ring - 1) * merge, 2 * (ring - 1), gpu, co)
     mem_f = mem_b = 0.0
     for op in layer.ops:
         div = (cfg.tp if op.tp_style != "replicated" else (cfg.tp if cfg.sp else 1)) * cfg.cp

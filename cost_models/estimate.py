@@ -12,10 +12,11 @@ Step time (seconds)::
   backward; with sequence parallel each becomes a reduce-scatter plus an all-gather
   (same bytes, no replicated norms). TP collectives sit on the critical path: fully
   exposed.
-- CP (ring attention): each attention layer passes K and V around the cp ring
-  (cp - 1 steps of 2 * mbs * S/cp * kv_heads * head_dim * dtype bytes); the backward
-  sends K, V and their gradients (twice the bytes). Transfers overlap the attention
-  compute of the previous step, so only ``max(0, comm - attention core time)`` is exposed.
+- CP (ring attention, Ulysses or their hybrid; cost_models/context_parallel.py): the ring
+  passes K and V around (cp / ulysses - 1 steps of 2 * mbs * S/cp * kv_heads * head_dim *
+  dtype bytes), overlapping the attention compute of the previous step, so only
+  ``max(0, comm - attention core time)`` is exposed (the backward sends K, V and their
+  gradients); Ulysses adds four all-to-alls of q, k, v and the output, forward and backward.
 - EP (routed experts split over ``ep`` of the dp x cp ranks): each MoE layer's token
   all-to-alls, dispatch and combine, forward and backward (cost_models/experts.py), on the
   critical path like TP's; the experts' gradients are reduced over their own data-parallel
@@ -76,6 +77,7 @@ from cost_models import comm as comm_mod
 from cost_models import pipeline as pipe_mod
 from cost_models.cluster import Cluster
 from cost_models.compute import LayerTime, attn_core_flops, calibration, layer_time, memory_bandwidth
+from cost_models.context_parallel import cp_comm
 from cost_models.experts import ep_mesh, expert_comm
 from cost_models.memory import DTYPE_BYTES, LayerTable, StageMemory, dp_group, stage_memory
 from cost_models.shared_cores import compute_concurrency, core_speedup, shares_cores, spare_core
@@ -187,6 +189,11 @@ class LayerCosts:
         self.cache: dict[str, LayerCost] = {}
         self.tables: dict[tuple, LayerTable] = {}
 
+    @staticmethod
+    def key(cfg: ParallelConfig) -> tuple:
+        """What the per-layer seconds depend on: configurations with the same key share them."""
+        return (cfg.tp, cfg.cp, cfg.ulysses, cfg.ep, cfg.mbs, cfg.sp, cfg.dtype)
+
     def table(self, cfg: ParallelConfig) -> LayerTable:
         """Per-layer memory figures for cfg (they depend on tp, cp, sp, mbs, dtype and kernels)."""
         key = (cfg.tp, cfg.cp, cfg.ep, cfg.sp, cfg.mbs, cfg.dtype, cfg.attention, cfg.loss)
@@ -223,13 +230,9 @@ class LayerCosts:
             peak = self.c.peak_flops("fp32" if self.c.backend == "gloo" else cfg.dtype)
             core = attn_core_flops(layer, cfg.mbs) * (0.5 if a.causal else 1.0) / (cfg.tp * cfg.cp)
             core_s = core / peak
-            if cfg.cp > 1:
-                kv = 2 * cfg.mbs * (a.seq_len / cfg.cp) * a.kv_heads * a.head_dim * DTYPE_BYTES[cfg.dtype]
-                kv /= min(cfg.tp, a.kv_heads)
-                step = comm_mod.collective_time("send_recv", kv, self.c, self.mesh, "cp", self.profile)
-                fwd_comm = (cfg.cp - 1) * step.seconds
-                cp_s = max(0.0, fwd_comm - core_s) + max(0.0, 2 * fwd_comm - 2.5 * core_s)
-                csrc = step.source
+            if cfg.cp > 1:  # ring, Ulysses or both (cost_models/context_parallel.py)
+                cpc = cp_comm(a, cfg, self.c, core_s, self.profile)
+                cp_s, csrc = cpc.exposed, cpc.source
         ex = expert_comm(layer, g, self.c, cfg, self.profile)
         if ex.fwd:
             csrc = ex.source
@@ -451,14 +454,13 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
              global_batch: int, *, profile=None, fast: bool = False, costs: "LayerCosts | None" = None) -> Estimate:
     """Price one configuration with one stage split. ``fast`` uses the pipeline's closed
     form (an upper bound, exact for uniform stages) instead of simulating it. ``costs``
-    shares per-layer costs between calls with the same tp, cp, ep, mbs, sp and dtype (the search)."""
+    shares per-layer costs between calls with the same ``LayerCosts.key`` (the search)."""
     cfg.validate()
     n_stages = cfg.pp * cfg.vpp
     if len(partition.bounds) != n_stages:
         raise PlanError(f"partition has {len(partition.bounds)} stages, config needs pp*vpp = {n_stages}")
     m = microbatches(cfg, global_batch)
-    if costs is None or (costs.cfg.tp, costs.cfg.cp, costs.cfg.ep, costs.cfg.mbs, costs.cfg.sp, costs.cfg.dtype) != (
-            cfg.tp, cfg.cp, cfg.ep, cfg.mbs, cfg.sp, cfg.dtype):
+    if costs is None or costs.key(costs.cfg) != costs.key(cfg):
         costs = LayerCosts(graph, cluster, cfg, profile)
     comp_src, comm_src = set(), set()
     stages = _stage_costs(graph, partition, costs, comp_src, comm_src)

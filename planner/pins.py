@@ -24,7 +24,7 @@ from planner.errors import AutoparError
 from planner.plan import RECOMPUTE, SCHEDULES, ZERO, ParallelConfig
 
 DEGREES = ("dp", "pp", "cp", "tp")
-INT_KEYS = DEGREES + ("ep", "mbs", "vpp")  # ep: expert parallel, within dp x cp (not a mesh degree)
+INT_KEYS = DEGREES + ("ep", "ulysses", "mbs", "vpp")  # ep, ulysses: within dp x cp x tp / cp (not mesh degrees)
 CHOICES: dict[str, tuple[str, ...]] = {"schedule": SCHEDULES, "zero": ZERO, "recompute": RECOMPUTE,
                                        "sp": ("on", "off")}
 OPERATORS = ("=", "<=", ">=")

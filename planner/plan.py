@@ -58,6 +58,7 @@ def recompute_problem(recompute: str, schedule: str, pp: int) -> str | None:
     return (f"recompute={recompute} with schedule={schedule}: per-op checkpointing cannot be recomputed twice "
             f"by a split backward; use recompute=full or selective, or another schedule")
 DTYPES = ("bf16", "fp16", "fp32")
+CP_METHODS = ("none", "ring", "ulysses", "hybrid")  # ParallelConfig.cp_method (codegen/runtime/context_parallel.py)
 ATTN_KERNELS = ("flash", "eager")      # flash: no S x S scores kept (SDPA flash / our Triton kernel)
 LOSS_KERNELS = ("fused", "eager")      # fused: linear + cross-entropy without [tokens x vocab] logits
 MESH_DIMS = ("pp", "dp", "cp", "tp")   # outer to inner
@@ -92,6 +93,7 @@ class ParallelConfig:
     cp: int = 1
     tp: int = 1
     ep: int = 1                  # expert parallel degree (routed experts split over ep of the dp x cp x tp ranks)
+    ulysses: int = 1             # CP's Ulysses degree (divides cp): 1 ring, cp Ulysses, between: the 2-D hybrid
     mbs: int = 1                 # micro-batch size, sequences per micro-batch per dp rank
     schedule: str = "1f1b"       # pipeline schedule (ignored when pp == 1)
     vpp: int = 1                 # virtual stages (chunks) per pp rank, interleaved schedule only
@@ -123,11 +125,26 @@ class ParallelConfig:
             raise PlanError(f"vpp={self.vpp} needs schedule=interleaved-1f1b")
         if self.sp and self.tp == 1:
             raise PlanError("sp=on needs tp > 1 (sequence parallel shards along the tp group)")
+        if self.cp % self.ulysses:
+            raise PlanError(f"ulysses={self.ulysses} must divide cp={self.cp} (the Ulysses degree times the ring "
+                            "degree is cp)")
         return self
+
+    @property
+    def cp_method(self) -> str:
+        """How context parallel runs (:data:`CP_METHODS`): ``ring`` (ring attention over cp),
+        ``ulysses`` (all-to-all trading the sequence split for a head split around attention,
+        over all cp ranks) or ``hybrid`` (Ulysses over groups of ``ulysses`` consecutive cp
+        ranks, ring attention across the ``cp / ulysses`` groups: USP / LoongTrain's 2-D CP);
+        ``none`` without CP."""
+        if self.cp == 1:
+            return "none"
+        return "ring" if self.ulysses == 1 else ("ulysses" if self.ulysses == self.cp else "hybrid")
 
     def label(self) -> str:
         """Short human label, e.g. 'dp2 pp4 tp8 mbs1 1f1b fsdp sel sp'."""
         parts = [f"dp{self.dp}", f"pp{self.pp}", f"cp{self.cp}", f"tp{self.tp}"]
+        parts[2:2] = [f"ulysses{self.ulysses}"] if self.ulysses > 1 else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
         parts.append(f"mbs{self.mbs}")
         if self.pp > 1:
@@ -140,7 +157,9 @@ class ParallelConfig:
         return " ".join(parts)
 
     def to_str(self) -> str:
-        return ",".join(f"{f.name}={_fmt(getattr(self, f.name))}" for f in fields(self))
+        """``key=value`` for every field (``ulysses`` only when CP uses it)."""
+        return ",".join(f"{f.name}={_fmt(getattr(self, f.name))}" for f in fields(self)
+                        if f.name != "ulysses" or self.ulysses > 1)
 
     @staticmethod
     def parse(s: str) -> "ParallelConfig":
@@ -286,14 +305,22 @@ def tp_problem(tp: int, f: ModelFacts) -> str | None:
     return None
 
 
-def cp_problem(cp: int, f: ModelFacts) -> str | None:
-    """Why the runtime cannot split this model's sequence ``cp`` ways (ring, zigzag)."""
+def cp_problem(cp: int, f: ModelFacts, ulysses: int = 1, tp: int = 1) -> str | None:
+    """Why the runtime cannot split this model's sequence ``cp`` ways (zigzag chunks) with a
+    Ulysses degree ``ulysses`` under ``tp``: each tp rank's heads and kv heads must split
+    ``ulysses`` ways (the all-to-all trades the sequence split for a head split; kv heads
+    are not replicated)."""
     if cp == 1:
         return None
     if "cp" in f.limits:
         return f"cp={cp}: {f.limits['cp']}"
     if f.seq_len % (2 * cp):
         return f"cp={cp} does not split sequence {f.seq_len} into 2*cp zigzag chunks"
+    if ulysses > 1 and cp % ulysses:
+        return f"ulysses={ulysses} does not divide cp={cp}"
+    if ulysses > 1 and any(h % (ulysses * tp) for h in f.heads + f.kv_heads):
+        return (f"ulysses={ulysses} x tp={tp} does not divide the {min(f.kv_heads + f.heads, default=0)} "
+                "(kv) heads each attention splits; use a smaller Ulysses degree (ring attention has no such limit)")
     return None
 
 
@@ -349,7 +376,7 @@ def config_problems(cfg: "ParallelConfig", f: ModelFacts) -> list[str]:
     """Everything about ``cfg`` the runtime cannot run for the model of ``f``: the one
     feasibility rule the search, ``autopar evaluate`` and the runtime all apply."""
     out = [f"this model cannot run: {f.limits['any']}"] if "any" in f.limits else []
-    out += [p for p in (tp_problem(cfg.tp, f), cp_problem(cfg.cp, f), pp_problem(cfg.pp * cfg.vpp, f),
+    out += [p for p in (tp_problem(cfg.tp, f), cp_problem(cfg.cp, f, cfg.ulysses, cfg.tp), pp_problem(cfg.pp * cfg.vpp, f),
                         ep_problem(cfg.ep, cfg.dp, cfg.cp, f, cfg.tp, cfg.sp)) if p]
     if cfg.sp and (p := sp_problem(cfg.tp, cfg.cp, f)):
         out.append(p)
@@ -436,7 +463,9 @@ class Plan:
                          "virtual_stages": self.config.vpp, "stages": self.stages},
             "tensor_parallel": {"degree": self.config.tp, "sequence_parallel": self.config.sp,
                                 "layout": self.tp_layout},
-            "context_parallel": {"degree": self.config.cp, "method": "ring", "load_balance": "zigzag"},
+            "context_parallel": {"degree": self.config.cp, "method": self.config.cp_method,
+                                 "ulysses": self.config.ulysses, "ring": self.config.cp // self.config.ulysses,
+                                 "load_balance": "zigzag"},
             "data_parallel": {"degree": self.config.dp, "sharding": self.config.zero},
             "estimate": self.estimate, "alternatives": self.alternatives, "rejected": self.rejected,
             "search": self.search,

@@ -156,7 +156,7 @@ def rejected_groups(plan: Plan) -> list[dict[str, Any]]:
     """Rejected reasons grouped into families: 'why not tp=16', 'out of memory', ..."""
     fams: dict[str, dict[str, Any]] = {}
     for reason, v in plan.rejected.items():
-        m = re.match(r"((?:dp|pp|cp|tp|ep|mbs|vpp)=\d+)\b", reason)
+        m = re.match(r"((?:dp|pp|cp|tp|ep|ulysses|mbs|vpp)=\d+)\b", reason)
         if m:
             title = f"why not {m.group(1)}"
         elif reason.startswith("OOM"):
@@ -170,21 +170,24 @@ def rejected_groups(plan: Plan) -> list[dict[str, Any]]:
         f["reasons"].sort(key=lambda r: -r["count"])
     def key(f: dict[str, Any]) -> tuple:
         m = re.match(r"why not (\w+)=(\d+)", f["title"])
-        return (0, ("dp", "pp", "cp", "tp", "ep", "mbs", "vpp").index(m.group(1)), int(m.group(2)), 0) if m \
+        return (0, ("dp", "pp", "cp", "ulysses", "tp", "ep", "mbs", "vpp").index(m.group(1)), int(m.group(2)), 0) if m \
             else (1, 0, 0, -f["count"])
 
     return sorted(fams.values(), key=key)
 
 
-_DEGREE = re.compile(r"\b(dp|pp|cp|tp|ep)=?(\d+)\b")
+_DEGREE = re.compile(r"\b(dp|pp|cp|tp|ep|ulysses)=?(\d+)\b")
 
 
 def _degrees(label: str, moe: bool) -> list[tuple[str, int]]:
     """The degrees a configuration or rejection label names; for a model with routed experts a
-    layout label without ``ep`` (``ParallelConfig.label`` names it only above 1) has ep=1."""
+    layout label without ``ep`` (``ParallelConfig.label`` names it only above 1) has ep=1, and
+    one with cp > 1 but no ``ulysses`` has ulysses=1 (ring attention)."""
     out = [(d, int(v)) for d, v in _DEGREE.findall(label)]
     if moe and any(d == "dp" for d, _ in out) and not any(d == "ep" for d, _ in out):
         out.append(("ep", 1))
+    if any(d == "cp" and v > 1 for d, v in out) and not any(d == "ulysses" for d, _ in out):
+        out.append(("ulysses", 1))
     return out
 
 
@@ -192,7 +195,7 @@ def why_not_degrees(plan: Plan) -> list[dict[str, Any]]:
     """For each degree value the plan did not take ('pp=2'), what happened to configurations
     with it: the best alternative that used it, and the rejection reasons its examples show."""
     cfg = plan.config
-    chosen = {"dp": cfg.dp, "pp": cfg.pp, "cp": cfg.cp, "tp": cfg.tp, "ep": cfg.ep}
+    chosen = {"dp": cfg.dp, "pp": cfg.pp, "cp": cfg.cp, "tp": cfg.tp, "ep": cfg.ep, "ulysses": cfg.ulysses}
     found: dict[tuple[str, int], dict[str, Any]] = {}
     moe = bool(plan.facts.experts)
 
@@ -211,7 +214,7 @@ def why_not_degrees(plan: Plan) -> list[dict[str, Any]]:
                 if val != chosen[dim]:
                     rs = entry(dim, val)["reasons"]
                     rs[reason] = rs.get(reason, 0) + 1
-    order = {"dp": 0, "pp": 1, "cp": 2, "tp": 3, "ep": 4}
+    order = {"dp": 0, "pp": 1, "cp": 2, "ulysses": 3, "tp": 4, "ep": 5}
     return [found[k] for k in sorted(found, key=lambda k: (order[k[0]], k[1]))]
 
 
@@ -238,7 +241,9 @@ def summary_rows(r: Report) -> list[tuple[str, str, str, Any]]:
                                f"{c.get('device', '')} ({float(c.get('memory_gib') or 0):.1f} GiB, {c.get('backend')})", c.get("name")),
         ("degrees", "degrees", f"dp {cfg.dp} x pp {cfg.pp} x cp {cfg.cp} x tp {cfg.tp} = {cfg.world} devices"
          + (f"; routed experts split ep {cfg.ep} ways ({p.facts.experts // cfg.ep} of {p.facts.experts} per rank)"
-            if p.facts.experts else ""), cfg.world),
+            if p.facts.experts else "")
+         + (f"; context parallel by {_CP_DESC[cfg.cp_method]} (Ulysses {cfg.ulysses} x ring {cfg.cp // cfg.ulysses})"
+            if cfg.cp > 1 else ""), cfg.world),
         ("config", "configuration", cfg.label() + f"; {cfg.dtype}, attention {cfg.attention}, loss {cfg.loss}",
          cfg.to_str()),
         ("batch", "batch", f"{p.batch['global']} sequences x {p.batch['seq_len']} tokens; micro-batch {p.batch['micro']}, "
@@ -297,6 +302,8 @@ def breakdown_parts(r: Report) -> list[tuple[str, float]]:
     return [(k, float(bd.get(k, 0.0))) for k in TIME_PARTS if k in bd]
 
 
+_CP_DESC = {"ring": "ring attention", "ulysses": "Ulysses all-to-all (heads for sequence)",
+            "hybrid": "Ulysses inside groups, ring attention across them"}
 _PART_DESC = {"compute": "compute (busiest pipeline rank)", "recompute": "activation recomputation",
               "tp_comm": "exposed TP communication", "cp_comm": "exposed CP communication",
               "ep_comm": "expert all-to-all (dispatch, combine)",
@@ -323,6 +330,12 @@ def mesh_groups(plan: Plan) -> list[str]:
         else:
             lines.append(f"{dim}=1: no groups")
         stride *= deg
+    if cfg.ulysses > 1:  # Ulysses groups: consecutive cp ranks (codegen/runtime/context_parallel.cp_rank)
+        block = cfg.ulysses * cfg.tp
+        where = "inside one node" if block <= dpn and dpn % block == 0 else f"spanning {-(-block // dpn)} nodes"
+        ring = cfg.cp // cfg.ulysses
+        lines.append(f"cp={cfg.cp} = Ulysses {cfg.ulysses} x ring {ring}: all-to-all groups of {cfg.ulysses} "
+                     f"consecutive cp ranks ({where})" + (f", ring across {ring} of them" if ring > 1 else ""))
     if cfg.ep > 1:  # expert parallelism: consecutive dp x cp x tp ranks (planner.plan.expert_groups)
         block = cfg.ep
         where = "inside one node" if block <= dpn and dpn % block == 0 else f"spanning {-(-block // dpn)} nodes"

@@ -138,7 +138,7 @@ def degree_tuples(graph: ModelGraph, cluster: Cluster, global_batch: int, rej: _
 
 def _variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: int, dtype: str,
               loss: str, facts: ModelFacts, dominated: bool = True, pins: Pins | None = None,
-              ep: int = 1) -> Iterator[ParallelConfig]:
+              ep: int = 1, ulysses: int = 1) -> Iterator[ParallelConfig]:
     """The variants of one degree tuple (``n_layers``: the stage groups) that the ``pins``
     admit. With ``dominated=False`` the variants the cost model proves no better are left
     out (see ``DOMINATED``) unless the pins leave out what dominates them. Sequence
@@ -161,7 +161,7 @@ def _variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: in
                         continue
                     if not dominated and sp_ok and not sp and pins.allows("sp", True):
                         continue
-                    yield ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, mbs=mbs, schedule=sched, vpp=v,
+                    yield ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, ulysses=ulysses, mbs=mbs, schedule=sched, vpp=v,
                                          zero=zero, recompute=rc, sp=sp, dtype=dtype, loss=loss, attention=attention)
 
 
@@ -233,11 +233,13 @@ class _Tuple:
     costs: LayerCosts | None = field(compare=False, default=None)  # its layer costs (default sp)
     ep: int = field(compare=False, default=1)
     moe: bool = field(compare=False, default=False)  # the model has routed experts: ep is named, even ep=1
+    ulysses: int = field(compare=False, default=1)   # CP's Ulysses degree (ParallelConfig.cp_method)
 
     @property
     def label(self) -> str:
         ep = f" ep={self.ep}" if self.moe else ""
-        return f"dp={self.dp} pp={self.pp} cp={self.cp} tp={self.tp}{ep} mbs={self.mbs}"
+        uly = f" ulysses={self.ulysses}" if self.ulysses > 1 else ""
+        return f"dp={self.dp} pp={self.pp} cp={self.cp}{uly} tp={self.tp}{ep} mbs={self.mbs}"
 
 
 def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=None, top_k: int = 5,
@@ -289,10 +291,27 @@ def _tuples_with_floors(space: _Space, max_mbs: int) -> list[_Tuple]:
                         f"dp={dp} pp={pp} cp={cp} tp={tp} mbs={mbs}")
                 continue
             for ep in _ep_degrees(space, dp, cp, tp):
-                t = _tuple_floor(space, dp, pp, cp, tp, ep, mbs, m, reserve)
-                if t is not None:
-                    tuples.append(t)
+                for u in _ulysses_degrees(space, cp, tp):
+                    t = _tuple_floor(space, dp, pp, cp, tp, ep, mbs, m, reserve, u)
+                    if t is not None:
+                        tuples.append(t)
     return sorted(tuples)
+
+
+def _ulysses_degrees(space: _Space, cp: int, tp: int) -> list[int]:
+    """The Ulysses degrees to try with ``cp`` x ``tp`` (``ParallelConfig.cp_method``): 1 (ring
+    attention), cp (Ulysses) and the divisors between (the 2-D hybrid) that split every
+    attention's heads and kv heads per tp rank and that the pins admit; the others are
+    recorded as rejected."""
+    out = []
+    for u in divisors(cp):
+        if not space.pins.allows("ulysses", u):
+            continue
+        if why := cp_problem(cp, space.facts, u, tp):
+            space.rej.add(why, f"cp={cp} ulysses={u} tp={tp}")
+            continue
+        out.append(u)
+    return out
 
 
 def _ep_degrees(space: _Space, dp: int, cp: int, tp: int) -> list[int]:
@@ -315,11 +334,12 @@ def _ep_degrees(space: _Space, dp: int, cp: int, tp: int) -> list[int]:
 
 
 def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs: int, m: int,
-                 reserve: float) -> "_Tuple | None":
+                 reserve: float, ulysses: int = 1) -> "_Tuple | None":
     """One degree tuple with its time floor, or None when its memory floor rejects it (recorded)."""
     g, res, rej, pins = space.graph, space.res, space.rej, space.pins
     cap = space.cluster.memory_bytes
-    base = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, mbs=mbs, dtype=space.dtype, loss=space.loss,
+    base = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, ulysses=ulysses, mbs=mbs, dtype=space.dtype,
+                          loss=space.loss,
                           sp=sp_problem(tp, cp, space.facts) is None, attention=space.attention,
                           zero="fsdp" if ep > 1 else "ddp")
     costs = space.costs(base)
@@ -333,9 +353,9 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     states = (sum(table.params) - experts) / (dp * cp) + experts / dp_group(base, experts=True)
     mem_floor = states / pp * 16 + min(table.act["full"]) + reserve
     n_var = sum(1 for _ in _variants(dp, pp, cp, tp, mbs, m, space.facts.units, space.dtype, space.loss,
-                                     space.facts, pins=pins, ep=ep))
+                                     space.facts, pins=pins, ep=ep, ulysses=ulysses))
     res.considered += n_var
-    t = _Tuple(floor_s, dp, pp, cp, tp, mbs, m, n_var, costs, ep, moe=bool(space.facts.experts))
+    t = _Tuple(floor_s, dp, pp, cp, tp, mbs, m, n_var, costs, ep, moe=bool(space.facts.experts), ulysses=ulysses)
     if mem_floor > cap:
         space.note_need(mem_floor, exact=False)
         rej.add(f"OOM even with FSDP + full recompute: needs >= {mem_floor / GiB:.1f} GiB of "
@@ -372,7 +392,7 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, s
         costs = t.costs
         stage = _balanced_stage_times(costs, g, t.pp)
         for cfg in _variants(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, space.facts.units, space.dtype, space.loss,
-                             space.facts, dominated=False, pins=space.pins, ep=t.ep):
+                             space.facts, dominated=False, pins=space.pins, ep=t.ep, ulysses=t.ulysses):
             n_kept += 1
             # variant floor: this schedule on perfectly balanced stages, with its recompute
             f, b = stage[cfg.recompute]
@@ -425,6 +445,11 @@ def _solve_best(space: _Space, ranked: list[tuple[float, str, Estimate]], solve_
     # report can say why that degree lost (the nearest alternatives often share the winner's)
     others = {x[2].config.ep for x in ranked} - {a.config.ep for a in alts} - {res.best.config.ep}
     alts += sorted((next(x[2] for x in ranked if x[2].config.ep == ep) for ep in others), key=lambda e: e.step_s)
+    # likewise the best layout of every other context-parallel method (ring, Ulysses, hybrid)
+    methods = {x[2].config.cp_method for x in ranked} - {a.config.cp_method for a in alts} - {
+        res.best.config.cp_method, "none"}
+    alts += sorted((next(x[2] for x in ranked if x[2].config.cp_method == cm) for cm in methods),
+                   key=lambda e: e.step_s)
     res.alternatives = alts
     res.rejected, res.rejected_counts = space.rej.examples, space.rej.counts
 

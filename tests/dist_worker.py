@@ -43,6 +43,7 @@ LAYOUTS = {
         ("pp2-interleaved-v2", dict(pp=2, schedule="interleaved-1f1b", vpp=2), 4),
         ("pp2-zb-h1", dict(pp=2, schedule="zb-h1"), 2),
         ("cp2-zigzag", dict(cp=2), 1),
+        ("cp2-ulysses", dict(cp=2, ulysses=2), 1),
         # recompute: per-stage policies (selective = attention core, full = whole blocks)
         ("pp2-1f1b-recompute", dict(pp=2, schedule="1f1b", recompute="selective"), 2),
         ("cp2-zigzag-selective", dict(cp=2, recompute="selective"), 1),
@@ -64,6 +65,11 @@ LAYOUTS = {
         ("dp2xtp2-ddp-sp", dict(dp=2, tp=2, sp=True, zero="ddp"), 1),
         ("pp2xtp2-1f1b-sp", dict(pp=2, tp=2, sp=True, schedule="1f1b"), 2),
         ("pp2xcp2-1f1b", dict(pp=2, cp=2, schedule="1f1b"), 2),
+        # Ulysses CP4, the 2-D hybrid (Ulysses 2 x ring 2), Ulysses with TP2 + SP, PP2 x Ulysses
+        ("cp4-ulysses", dict(cp=4, ulysses=4), 1),
+        ("cp4-hybrid", dict(cp=4, ulysses=2), 1),
+        ("cp2xtp2-ulysses-sp", dict(cp=2, ulysses=2, tp=2, sp=True), 1),
+        ("pp2xcp2-ulysses", dict(pp=2, cp=2, ulysses=2, schedule="1f1b"), 2),
         ("dp2xcp2-fsdp", dict(dp=2, cp=2, zero="fsdp"), 1),
         ("dp2xtp2-fsdp-sp-op", dict(dp=2, tp=2, sp=True, zero="fsdp", recompute="selective-op"), 1),
         # expert parallelism: EP4, EP2 with two ranks per expert (FSDP over them; per-op and
@@ -81,15 +87,20 @@ LAYOUTS = {
     ],
     8: [
         ("dp2xpp2xtp2-fsdp-sp", dict(dp=2, pp=2, tp=2, sp=True, zero="fsdp", schedule="1f1b"), 2),
+        # Ulysses CP4 and the hybrid 2 x 2 with TP2 + SP: 8 and 4 heads split per attention
+        ("cp4xtp2-ulysses-sp", dict(cp=4, ulysses=4, tp=2, sp=True), 1),
+        ("cp4xtp2-hybrid-sp", dict(cp=4, ulysses=2, tp=2, sp=True), 1),
     ],
 }
 MODELS = ("gpt-tiny", "llama-tiny", "hf-llama", "hf-gpt2", "user-lm")
 MOE_MODELS = ("moe-tiny", "moe-tiny-skewed", "hf-mixtral")
 MODELS_BY_WORLD = {2: MODELS + MOE_MODELS, 4: MODELS + ("gpt-tiny-tied",) + MOE_MODELS,
-                   8: ("gpt-tiny", "llama-tiny", "hf-llama")}
+                   8: ("gpt-tiny", "llama-tiny", "hf-llama", "gpt-tiny-h8")}
 # models run under some layouts only: a zoo model built on meta whose head shares the token
 # embedding, under PP x TP (the tied weight split over tp and held by two pp ranks)
 ONLY_LAYOUTS = {"gpt-tiny-tied": ("pp2xtp2-1f1b-sp",),
+                # gpt-tiny with 8 heads (head dim 8): Ulysses 4 x TP2 splits each attention's heads 8 ways
+                "gpt-tiny-h8": ("cp4xtp2-ulysses-sp", "cp4xtp2-hybrid-sp"),
                 # the zoo MoE (8 experts, top-2, a shared expert, a dense first block): DP, FSDP, PP,
                 # CP, TP+SP (the MoE layers on each tp rank's sequence shard), their mix, and EP
                 "moe-tiny": ("dp2-ddp", "dp2-fsdp", "pp2-1f1b", "cp2-zigzag", "tp2-sp", "dp2xcp2-fsdp",

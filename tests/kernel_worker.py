@@ -35,7 +35,8 @@ LAYOUTS = {
     1: [("pp1", dict(), 1)],
     2: [("tp2-sp", dict(tp=2, sp=True), 1),
         ("pp2-1f1b", dict(pp=2, schedule="1f1b"), 2),
-        ("cp2-zigzag", dict(cp=2), 1)],
+        ("cp2-zigzag", dict(cp=2), 1),
+        ("cp2-ulysses", dict(cp=2, ulysses=2), 1)],
 }
 KERNELS = {"kernels": dict(loss="fused", attention="flash"), "eager": dict(loss="eager", attention="eager")}
 MODELS = ("llama-tiny", "gpt-tiny")

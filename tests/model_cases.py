@@ -115,13 +115,15 @@ class Case:
 
 
 def zoo_config(name: str):
-    """The zoo config of case ``name``: a preset, or ``gpt-tiny-tied`` (gpt-tiny whose head
-    shares the token embedding's weight)."""
+    """The zoo config of case ``name``: a preset, ``gpt-tiny-tied`` (gpt-tiny whose head
+    shares the token embedding's weight) or ``gpt-tiny-h8`` (gpt-tiny with 8 heads)."""
     from planner import zoo
     if name == "moe-tiny-skewed":
         return zoo.preset("moe-tiny")
     if name == "gpt-tiny-tied":
         return zoo.preset("gpt-tiny").replace(name=name, tie_embeddings=True)
+    if name == "gpt-tiny-h8":
+        return zoo.preset("gpt-tiny").replace(name=name, heads=8, kv_heads=8)
     return zoo.preset(name)
 
 

@@ -3,7 +3,8 @@
 Runtime: ``tests/kernel_worker.py`` trains gpt-tiny and llama-tiny for 3 SGD steps (fp32,
 global batch 4, seq 32) with ``loss="fused"`` + ``attention="flash"`` and with the eager
 kernels, for pp=1 in one process and TP2+SP (vocabulary-parallel fused loss), PP2 1F1B
-(fused loss on the last stage) and CP2 zigzag (ring attention on the flash path) in one
+(fused loss on the last stage), CP2 zigzag (ring attention on the flash path) and CP2
+Ulysses (all-to-all around a ring of one, on the flash path) in one
 2-process launch (both launches run concurrently). Losses and first-step gradients must
 equal the single-process model (SDPA + logits cross-entropy) and the eager runtime within
 1e-5 relative, and the kernel paths must actually have run.
@@ -24,7 +25,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "kernel_worker.py")
 TOL = 1e-5
-LAYOUTS = {1: ["pp1"], 2: ["tp2-sp", "pp2-1f1b", "cp2-zigzag"]}
+LAYOUTS = {1: ["pp1"], 2: ["tp2-sp", "pp2-1f1b", "cp2-zigzag", "cp2-ulysses"]}
 MODELS = ("llama-tiny", "gpt-tiny")
 
 
@@ -76,7 +77,8 @@ def test_kernels_match_reference_and_eager_runtime(runs, case: str) -> None:
     # the kernel paths ran (counted over all ranks), the eager runtime used neither
     assert k["calls"]["linear_loss"] >= 12 and k["calls"]["flash_attention"] > 0, k["calls"]
     assert e["calls"] == {"linear_loss": 0, "flash_attention": 0}, e["calls"]
-    expected_impl = "RingAttention" if "cp2" in case else "FlashAttention"
+    expected_impl = {"cp2-zigzag": "RingAttention", "cp2-ulysses": "UlyssesAttention"}.get(case.split("/")[1],
+                                                                                         "FlashAttention")
     assert k["attention_impl"] == expected_impl
 
 

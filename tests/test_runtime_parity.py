@@ -68,6 +68,12 @@ CASES = [(world, f"{m}/{name}") for world in W.LAYOUTS for m in W.MODELS_BY_WORL
 # (model, layout) the runtime must refuse before building, and a word of the reason
 REFUSED = {("hf-gpt2", "dp2xtp2-fsdp-sp"): "zero=fsdp with tp=2",
            ("hf-gpt2", "dp2xtp2-fsdp-sp-op"): "zero=fsdp with tp=2"}
+# Ulysses splits each attention's kv heads ulysses x tp ways: the models with 2 kv heads (4 with
+# 8 ranks) cannot run the wider splits
+_KV2 = ("llama-tiny", "hf-llama", "user-lm")
+REFUSED.update({(m, lay): "does not divide the" for m in _KV2 for lay in ("cp4-ulysses", "cp2xtp2-ulysses-sp")})
+REFUSED.update({(m, "cp4xtp2-ulysses-sp"): "does not divide the" for m in ("gpt-tiny", "llama-tiny", "hf-llama")})
+REFUSED.update({(m, "cp4xtp2-hybrid-sp"): "does not divide the" for m in ("llama-tiny", "hf-llama")})
 REFUSED_LAYOUTS = {"pp2-zb-h1-op": "split backward",  # refused for every model that runs them
                    "dp2-ep2-ddp": "use zero=fsdp", "tp2-ep2-nosp": "use sp=on"}
 

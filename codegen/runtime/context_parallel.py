@@ -1,4 +1,5 @@
-"""Context parallelism: ring attention over the cp group, with zigzag load balancing.
+"""Context parallelism: ring attention, Ulysses and their 2-D hybrid over the cp group, with
+zigzag load balancing.
 
 torch's built-in ``context_parallel()`` only shards the CUDA SDPA kernels (on CPU it
 fails), so autopar ships its own ring attention:
@@ -25,6 +26,17 @@ fails), so autopar ships its own ring attention:
   pair with q/kv offsets) and partials merge with ``attn_merge``; otherwise the plain-torch
   :func:`partial_attention` / :func:`merge_partials` path.
 
+Ulysses (``ParallelConfig.ulysses`` = u > 1; DeepSpeed-Ulysses, and USP / LoongTrain's
+2-D hybrid when u < cp): the cp ranks form ``cp / u`` ring groups of ``u`` consecutive cp
+ranks (:func:`cp_rank`). Around each attention call :class:`UlyssesAttention` runs one
+all-to-all per tensor inside the Ulysses group: q, k, v [B, H, S/cp, D] become [B, H/u,
+u S/cp, D] (this rank's 1/u of the heads, the group's u sequence shards, rank order), the
+inner attention runs, and the output goes back the reverse way (the backward is the
+reverse exchange of the gradients). The inner attention is the ring over the ``cp / u``
+groups (a ring of one for pure Ulysses), whose ranks now hold the union of their
+group's zigzag chunks (:meth:`RingCompute.held_positions`): the causal masks, skipped
+blocks and flash offsets all follow from those global positions.
+
 Gradients of a cp-sharded model must be summed over cp and the loss divided by the
 global token count; the runtime folds cp into the data-parallel reduction.
 """
@@ -35,6 +47,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed import _functional_collectives as funcol
 
 from planner.zoo.attention import sdpa_attention
 
@@ -62,6 +75,12 @@ def local_positions(seq_len: int, cp: int, rank: int, load_balance: str = "zigza
                          f"({load_balance}); pick seq_len a multiple of {n_chunks}")
     c = seq_len // n_chunks
     return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in ids])
+
+
+def cp_rank(ring_rank: int, ulysses_rank: int, ulysses: int) -> int:
+    """The cp rank at (ring group ``ring_rank``, place ``ulysses_rank`` in it): Ulysses groups
+    are ``ulysses`` consecutive cp ranks, so they stay within a node before the ring does."""
+    return ring_rank * ulysses + ulysses_rank
 
 
 def shard_sequence(t: torch.Tensor, cp: int, rank: int, dim: int = 1, load_balance: str = "zigzag") -> torch.Tensor:
@@ -151,10 +170,10 @@ class RingCompute:
     """
 
     def __init__(self, cp: int, rank: int, load_balance: str = "zigzag", fallback: Optional[Callable] = None,
-                 flash: bool = False):
+                 flash: bool = False, ulysses: int = 1):
         if not 0 <= rank < cp:
             raise ValueError(f"cp rank {rank} is outside 0..{cp - 1}")
-        self.cp, self.rank = cp, rank
+        self.cp, self.rank, self.ulysses = cp, rank, ulysses  # cp: the ring's degree (cp / ulysses of CP's)
         self.load_balance = load_balance
         self.fallback = fallback or sdpa_attention
         self.flash = flash
@@ -166,13 +185,20 @@ class RingCompute:
         the same for every layer and step, and the skip test needs no device sync."""
         key = (seq, device)
         if key not in self._positions:
-            q = local_positions(seq, self.cp, self.rank, self.load_balance)
+            q = self.held_positions(seq, self.rank)
             steps = []
             for step in range(1, self.cp):
-                kv = local_positions(seq, self.cp, (self.rank - step) % self.cp, self.load_balance)
+                kv = self.held_positions(seq, (self.rank - step) % self.cp)
                 steps.append((kv.to(device), bool((kv.min() > q).all())))
             self._positions[key] = (q.to(device), steps)
         return self._positions[key]
+
+    def held_positions(self, seq: int, ring_rank: int) -> torch.Tensor:
+        """Global positions of the tokens ring rank ``ring_rank`` attends with: its cp rank's
+        zigzag chunks, or under Ulysses its group's (module docstring), in group rank order."""
+        u = self.ulysses
+        return torch.cat([local_positions(seq, self.cp * u, cp_rank(ring_rank, i, u), self.load_balance)
+                          for i in range(u)])
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  scale: Optional[float] = None) -> torch.Tensor:
@@ -209,8 +235,8 @@ class RingAttention(RingCompute):
     visiting K/V blocks really travel around the ring (:class:`_Rotate`)."""
 
     def __init__(self, group, load_balance: str = "zigzag", fallback: Optional[Callable] = None,
-                 flash: bool = False):
-        super().__init__(dist.get_world_size(group), dist.get_rank(group), load_balance, fallback, flash)
+                 flash: bool = False, ulysses: int = 1):
+        super().__init__(dist.get_world_size(group), dist.get_rank(group), load_balance, fallback, flash, ulysses)
         self.group = group
         self.nxt = dist.get_global_rank(group, (self.rank + 1) % self.cp)
         self.prv = dist.get_global_rank(group, (self.rank - 1) % self.cp)
@@ -218,3 +244,47 @@ class RingAttention(RingCompute):
     def _rotate(self, kv: torch.Tensor) -> torch.Tensor:
         """Send the packed K/V to the next cp rank, return the previous rank's (autograd-aware)."""
         return _Rotate.apply(kv, self.nxt, self.prv, self.group)
+
+
+# ------------------------------------------------------------------ Ulysses
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable all-to-all of equal slices of ``x`` along dim 0 over ``group``."""
+    n = dist.get_world_size(group)
+    split = [x.shape[0] // n] * n
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(x.contiguous(), split, split, group))
+
+
+def heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, H, S, D] (all heads of this rank's tokens) -> [B, H/u, u S, D]: the ``u`` ranks of
+    ``group`` trade heads for tokens, each keeping 1/u of the heads (consecutive ones, so a
+    query head and its kv head stay together) for the tokens of all u, in group rank order."""
+    u = dist.get_world_size(group)
+    b, h, s, d = x.shape
+    parts = x.reshape(b, u, h // u, s, d).transpose(0, 1)          # [u (to), B, H/u, S, D]
+    got = _all_to_all(parts, group)                                 # [u (from), B, H/u, S, D]
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // u, u * s, d)
+
+
+def sequence_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """The inverse of :func:`heads_to_sequence`: [B, H/u, u S, D] -> [B, H, S, D]."""
+    u = dist.get_world_size(group)
+    b, hu, us, d = x.shape
+    parts = x.reshape(b, hu, u, us // u, d).permute(2, 0, 1, 3, 4)  # [u (to), B, H/u, S, D]
+    got = _all_to_all(parts, group)                                 # [u (from: head group), B, H/u, S, D]
+    return got.transpose(0, 1).reshape(b, hu * u, us // u, d)
+
+
+class UlyssesAttention:
+    """Ulysses context parallelism around ``inner`` (module docstring): q, k, v trade their
+    sequence split for a head split inside ``group`` (the Ulysses group), ``inner`` attends
+    (a :class:`RingAttention` over the ring groups, built with the same ``ulysses``; a ring
+    of one rank for pure Ulysses), and the output trades back."""
+
+    def __init__(self, inner: Callable, group):
+        self.inner, self.group = inner, group
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                 scale: Optional[float] = None) -> torch.Tensor:
+        q, k, v = (heads_to_sequence(t, self.group) for t in (q, k, v))
+        return sequence_to_heads(self.inner(q, k, v, causal=causal, scale=scale), self.group)

@@ -91,6 +91,18 @@ def dp_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
         return mesh["dp", "cp"]._flatten("dp_cp")
 
 
+def cp_groups(cfg: ParallelConfig, mesh: DeviceMesh) -> tuple:
+    """(ring group, Ulysses group) of this rank's context parallelism: the cp group and None
+    for ring attention; with a Ulysses degree u, the groups of u consecutive cp ranks and the
+    groups of the ``cp / u`` ranks at the same place in them (context_parallel.cp_rank), from
+    a ``[pp, dp, cp_ring, cp_ulysses, tp]`` mesh over the same ranks (collective)."""
+    if cfg.ulysses == 1:
+        return mesh["cp"].get_group(), None
+    split = init_device_mesh(device_type(), (cfg.pp, cfg.dp, cfg.cp // cfg.ulysses, cfg.ulysses, cfg.tp),
+                             mesh_dim_names=("pp", "dp", "cp_ring", "cp_ulysses", "tp"))
+    return split["cp_ring"].get_group(), split["cp_ulysses"].get_group()
+
+
 def teardown() -> None:
     """Barrier, then destroy the default process group (avoids the gloo abort at exit)."""
     if dist.is_initialized():

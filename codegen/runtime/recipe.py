@@ -35,8 +35,8 @@ from codegen.runtime import pipeline_parallel as ppar
 from codegen.runtime import recompute as rc
 from codegen.runtime import tensor_parallel as tpar
 from codegen.runtime.adapters import ModelAdapter
-from codegen.runtime.attention import build_attention, ring_attention
-from codegen.runtime.mesh import device_type, dp_cp_mesh
+from codegen.runtime.attention import build_attention, context_attention
+from codegen.runtime.mesh import cp_groups, device_type, dp_cp_mesh
 from planner.plan import ModelFacts, ParallelConfig, config_problems, uses_ddp_reducer
 
 
@@ -117,9 +117,10 @@ def materialize(adapter: ModelAdapter, stages: Stages, device: torch.device, see
 
 def apply_attention(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, mesh: DeviceMesh,
                     load_balance: str = "zigzag") -> None:
-    """Every block's attention: the plan's kernel, ring attention over ``cp`` (one ring shared
-    by the blocks), checkpointed when its stage recomputes ``selective``."""
-    ring = ring_attention(cfg, mesh["cp"].get_group(), load_balance) if cfg.cp > 1 else None
+    """Every block's attention: the plan's kernel, context parallelism over ``cp`` (ring, Ulysses
+    or both; one instance shared by the blocks), checkpointed when its stage recomputes
+    ``selective``."""
+    ring = context_attention(cfg, *cp_groups(cfg, mesh), load_balance=load_balance) if cfg.cp > 1 else None
     blocks = set(adapter.blocks)
     for sm in stages.modules:
         for u in (u for u in sm.units if u in blocks):
