@@ -183,11 +183,12 @@ class LayerCost:
 class LayerCosts:
     """Per-layer forward/backward seconds incl. TP/CP communication, cached by signature."""
 
-    def __init__(self, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, profile) -> None:
+    def __init__(self, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, profile,
+                 tables: dict[tuple, LayerTable] | None = None) -> None:
         self.g, self.c, self.cfg, self.profile = graph, cluster, cfg, profile
         self.mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
         self.cache: dict[str, LayerCost] = {}
-        self.tables: dict[tuple, LayerTable] = {}
+        self.tables = tables if tables is not None else {}  # memory figures: may be shared by several (the search)
 
     @staticmethod
     def key(cfg: ParallelConfig) -> tuple:
@@ -195,8 +196,9 @@ class LayerCosts:
         return (cfg.tp, cfg.cp, cfg.ulysses, cfg.ep, cfg.mbs, cfg.sp, cfg.dtype)
 
     def table(self, cfg: ParallelConfig) -> LayerTable:
-        """Per-layer memory figures for cfg (they depend on tp, cp, sp, mbs, dtype and kernels)."""
-        key = (cfg.tp, cfg.cp, cfg.ep, cfg.sp, cfg.mbs, cfg.dtype, cfg.attention, cfg.loss)
+        """Per-layer memory figures for cfg (they depend on tp, cp, ep, sp, mbs, dtype, kernels and
+        whether a pipeline holds tied copies)."""
+        key = (cfg.tp, cfg.cp, cfg.ep, cfg.sp, cfg.mbs, cfg.dtype, cfg.attention, cfg.loss, cfg.pp > 1)
         t = self.tables.get(key)
         if t is None:
             t = self.tables[key] = LayerTable(self.g, cfg)

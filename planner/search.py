@@ -9,7 +9,11 @@ times micro-batch size (divisors of the per-replica batch up to ``max_mbs``), sc
 (GPipe, 1F1B, interleaved with v in {2, 4}, ZB-H1), DP sharding (DDP, ZeRO-1, FSDP),
 recompute (none, selective, selective-op, full; selective-op not under
 ZB-H1) and sequence parallel (on/off when tp > 1). Pipeline
-stages are cut between stage groups only (``ModelGraph.stage_groups``).
+stages are cut between stage groups only (``ModelGraph.stage_groups``). For a model with
+routed experts, every expert-parallel degree (``ep``) is a degree tuple of its own. With
+cp > 1 the context-parallel method (ring, Ulysses or the hybrid: ``ParallelConfig.ulysses``)
+changes only the layer times, so each tuple takes the Ulysses degree whose layers are
+fastest (``_best_ulysses``) and records the others as rejected with that reason.
 
 Pruning keeps the space whole but cheap, with two bounds per degree tuple
 (dp, pp, cp, tp, mbs), computed once for all its variants:
@@ -161,7 +165,8 @@ def _variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: in
                         continue
                     if not dominated and sp_ok and not sp and pins.allows("sp", True):
                         continue
-                    yield ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, ulysses=ulysses, mbs=mbs, schedule=sched, vpp=v,
+                    yield ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, ulysses=ulysses, mbs=mbs,
+                                         schedule=sched, vpp=v,
                                          zero=zero, recompute=rc, sp=sp, dtype=dtype, loss=loss, attention=attention)
 
 
@@ -205,6 +210,8 @@ class _Space:
     res: SearchResult
     pins: Pins = field(default_factory=Pins)
     cost_cache: dict = field(default_factory=dict)
+    table_cache: dict = field(default_factory=dict)   # memory tables, shared by the layer costs of every key
+    ulysses_cache: dict = field(default_factory=dict)  # (cp, tp, ep, mbs) -> (best Ulysses degree, feasible ones)
     leanest: tuple[float, bool] = (math.inf, False)   # least bytes per device any rejected layout needs, exact?
 
     def note_need(self, need: float, exact: bool) -> None:
@@ -213,9 +220,9 @@ class _Space:
             self.leanest = (need, exact)
 
     def costs(self, base: ParallelConfig) -> LayerCosts:
-        key = (base.tp, base.cp, base.ep, base.mbs, base.sp)
+        key = LayerCosts.key(base)
         if key not in self.cost_cache:
-            self.cost_cache[key] = LayerCosts(self.graph, self.cluster, base, self.profile)
+            self.cost_cache[key] = LayerCosts(self.graph, self.cluster, base, self.profile, self.table_cache)
         return self.cost_cache[key]
 
 
@@ -291,11 +298,46 @@ def _tuples_with_floors(space: _Space, max_mbs: int) -> list[_Tuple]:
                         f"dp={dp} pp={pp} cp={cp} tp={tp} mbs={mbs}")
                 continue
             for ep in _ep_degrees(space, dp, cp, tp):
-                for u in _ulysses_degrees(space, cp, tp):
-                    t = _tuple_floor(space, dp, pp, cp, tp, ep, mbs, m, reserve, u)
-                    if t is not None:
-                        tuples.append(t)
+                u = _best_ulysses(space, dp, pp, cp, tp, ep, mbs)
+                t = _tuple_floor(space, dp, pp, cp, tp, ep, mbs, m, reserve, u)
+                if t is not None:
+                    tuples.append(t)
     return sorted(tuples)
+
+
+def _base_config(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs: int,
+                 ulysses: int = 1) -> ParallelConfig:
+    """The configuration a degree tuple's layer costs and floors are priced with."""
+    return ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, ulysses=ulysses, mbs=mbs, dtype=space.dtype,
+                          loss=space.loss, sp=sp_problem(tp, cp, space.facts) is None, attention=space.attention,
+                          zero="fsdp" if ep > 1 else "ddp")
+
+
+def _rank_seconds(space: _Space, base: ParallelConfig) -> float:
+    """One micro-batch through every layer on one rank: compute + TP / CP / EP communication (on
+    the critical path in every variant of ``base``'s degrees)."""
+    costs = space.costs(base)
+    return sum(c.fwd + c.bwd + c.tp + c.cp + c.ep_fwd + c.ep_bwd for c in map(costs.get, space.graph.layers))
+
+
+def _best_ulysses(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs: int) -> int:
+    """The context-parallel method of a degree tuple: the Ulysses degree (``_ulysses_degrees``)
+    whose layers take the least time per micro-batch. Nothing else in a layout depends on it
+    (memory, schedules, sharding; nor dp and pp, the outer mesh dimensions), so it is chosen
+    once per (cp, tp, ep, mbs) and the others are recorded as rejected with that reason."""
+    if cp == 1:
+        return 1
+    key = (cp, tp, ep, mbs)
+    if key not in space.ulysses_cache:
+        degrees = _ulysses_degrees(space, cp, tp)
+        times = {u: _rank_seconds(space, _base_config(space, dp, pp, cp, tp, ep, mbs, u)) for u in degrees}
+        space.ulysses_cache[key] = (min(degrees, key=lambda u: (times[u], u)), degrees)
+    best, degrees = space.ulysses_cache[key]
+    for u in degrees:
+        if u != best:
+            space.rej.add(f"ulysses={u}: slower layers than ulysses={best} on the same degrees",
+                          _base_config(space, dp, pp, cp, tp, ep, mbs, u).label())
+    return best
 
 
 def _ulysses_degrees(space: _Space, cp: int, tp: int) -> list[int]:
@@ -336,15 +378,11 @@ def _ep_degrees(space: _Space, dp: int, cp: int, tp: int) -> list[int]:
 def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs: int, m: int,
                  reserve: float, ulysses: int = 1) -> "_Tuple | None":
     """One degree tuple with its time floor, or None when its memory floor rejects it (recorded)."""
-    g, res, rej, pins = space.graph, space.res, space.rej, space.pins
+    res, rej, pins = space.res, space.rej, space.pins
     cap = space.cluster.memory_bytes
-    base = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, ulysses=ulysses, mbs=mbs, dtype=space.dtype,
-                          loss=space.loss,
-                          sp=sp_problem(tp, cp, space.facts) is None, attention=space.attention,
-                          zero="fsdp" if ep > 1 else "ddp")
+    base = _base_config(space, dp, pp, cp, tp, ep, mbs, ulysses)
     costs = space.costs(base)
-    # per micro-batch: compute + TP/CP/EP communication (on the critical path in every variant)
-    t_rank = sum(c.fwd + c.bwd + c.tp + c.cp + c.ep_fwd + c.ep_bwd for c in map(costs.get, g.layers)) / pp
+    t_rank = _rank_seconds(space, base) / pp
     # bubble: no schedule here does better than interleaving with v = 4: (pp-1) t / 4
     floor_s = m * t_rank + (pp - 1) * t_rank / 4
     # memory floor: FSDP states (16 bytes/param over dp*cp; routed experts over their own group) on the average rank
@@ -404,7 +442,7 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, s
                 continue
             part = even_split(g, t.pp * cfg.vpp, cfg.recompute)
             e = estimate(g, space.cluster, cfg, part, space.global_batch, profile=space.profile, fast=True,
-                         costs=costs if cfg.sp == costs.cfg.sp else None)
+                         costs=costs if LayerCosts.key(cfg) == LayerCosts.key(costs.cfg) else None)
             res.estimated += 1
             if not e.fits:
                 r, over = e.shortfall()

@@ -5,6 +5,8 @@ heads and the links, with the report saying why. The runtime's parity is in
 tests/test_runtime_parity.py."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from cost_models import comm as comm_mod
@@ -12,6 +14,7 @@ from cost_models.cluster import load_preset
 from cost_models.context_parallel import cp_comm, cp_meshes, ring_step_bytes, ulysses_bytes
 from planner.graph import AttentionDims
 from planner.plan import ModelFacts, ParallelConfig, PlanError, config_problems
+from planner.report_data import build_report, mesh_groups, summary_rows
 
 MHA = AttentionDims(heads=32, kv_heads=32, head_dim=128, seq_len=32768, kv_len=32768, causal=True)
 
@@ -54,3 +57,77 @@ def test_pure_ulysses_has_no_ring_and_ring_no_alltoall():
     e = comm_mod.collective_time("send_recv", ring_step_bytes(MHA, ParallelConfig(cp=8, dtype="bf16")), cl,
                                  cp_meshes(ParallelConfig(cp=8))[0], "cp")
     assert bare.exposed == pytest.approx(7 * e.seconds + 2 * 7 * e.seconds)  # forward, backward (K, V and grads)
+
+
+@functools.cache
+def _graph(kv_heads: int, seq: int):
+    """A 4-block Llama-shaped model (32 heads, ``kv_heads`` kv heads) at ``seq`` tokens."""
+    from planner.frontend import graph_of_config
+    from planner.zoo import ModelConfig
+
+    return graph_of_config(ModelConfig(name="long-ctx", arch="llama", layers=4, hidden=4096, ffn_hidden=11008,
+                                       heads=32, kv_heads=kv_heads, vocab=32000, seq_len=seq, max_seq_len=seq))
+
+
+def _cluster(intra_gbs: float):
+    """One DGX H100 whose NVLink is set to ``intra_gbs``."""
+    import dataclasses
+
+    from cost_models.cluster import load_preset
+    cl = load_preset("dgx-h100")
+    cl.intra = dataclasses.replace(cl.intra, bandwidth_gbs=intra_gbs)
+    return cl
+
+
+def _search(kv_heads: int, intra_gbs: float, seq: int):
+    """The search for :func:`_graph` on :func:`_cluster`, context parallel pinned to 8, and its plan."""
+    from planner.pins import Pins
+    from planner.planning import build_plan
+    from planner.search import search
+
+    g, cl = _graph(kv_heads, seq), _cluster(intra_gbs)
+    r = search(g, cl, 8, pins=Pins.parse("cp=8"))
+    plan = build_plan(g, cl, r.best, spec="long-ctx", cluster_spec="dgx-h100", alternatives=r.alternatives,
+                      rejected=r.rejected, counts=r.rejected_counts)
+    return r, plan
+
+
+def _why_not_ulysses(plan) -> dict:
+    from planner.report_data import why_not_degrees
+    return {w["degree"]: w for w in why_not_degrees(plan) if w["degree"].startswith("ulysses=")}
+
+
+def test_many_heads_and_fast_links_pick_ulysses_and_the_report_says_why_not_the_ring():
+    """32 kv heads on NVLink at 32k tokens: the all-to-alls cost less than the ring's seven steps
+    of smaller, less efficient attention blocks and their merges."""
+    r, plan = _search(32, 450.0, 32768)
+    best = r.best.config
+    assert best.ulysses > 1
+    ring = _why_not_ulysses(plan)["ulysses=1"]
+    assert any(f"slower layers than ulysses={best.ulysses}" in reason for reason in ring["reasons"]), ring
+    # and by how much: the same layout with the ring, priced
+    from planner.planning import evaluate_config
+    e, problems = evaluate_config(_graph(32, 32768), _cluster(450.0), best.replace(ulysses=1), 8)
+    assert not problems and e.step_s > r.best.step_s and e.breakdown["compute"] > r.best.breakdown["compute"]
+    rows = {key: text for key, _, text, _ in summary_rows(build_report(plan, layers=False))}
+    assert "context parallel by Ulysses" in rows["degrees"] and "Ulysses" in " ".join(mesh_groups(plan))
+
+
+def test_few_kv_heads_and_slow_links_keep_the_ring():
+    """8 kv heads on 25 GB/s links at 128k tokens: the ring's K/V steps (8 kv heads) hide behind
+    the block attention, Ulysses' all-to-alls of q and the output (32 heads) cannot."""
+    r, plan = _search(8, 25.0, 131072)
+    assert r.best.config.cp_method == "ring"
+    rows = _why_not_ulysses(plan)
+    for u in (2, 4, 8):
+        assert any("slower layers than ulysses=1" in reason for reason in rows[f"ulysses={u}"]["reasons"])
+    from planner.planning import evaluate_config
+    e, _ = evaluate_config(_graph(8, 131072), _cluster(25.0), r.best.config.replace(ulysses=8), 8)
+    assert e.breakdown["cp_comm"] > r.best.breakdown["cp_comm"]  # the all-to-alls, unhidden
+
+
+def test_kv_heads_bound_the_ulysses_degree_and_the_rejection_says_so():
+    r, plan = _search(2, 450.0, 32768)
+    assert r.best.config.ulysses <= 2
+    rows = _why_not_ulysses(plan)
+    assert any("does not divide the 2" in reason for reason in rows["ulysses=4"]["reasons"])
