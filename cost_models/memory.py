@@ -166,13 +166,23 @@ class LayerTable:
     prices thousands of stage splits of one configuration; this keeps that linear."""
 
     def __init__(self, graph: ModelGraph, cfg: ParallelConfig) -> None:
-        self.params = [layer_params_local(l, cfg.tp, cfg.pp, cfg.ep, graph.hidden) for l in graph.layers]
-        self.experts = [layer_experts(l, graph.hidden) / cfg.ep for l in graph.layers]  # part of params
-        self.token_local = [layer_token_local(l, cfg, graph.hidden) for l in graph.layers]  # part of params
-        self.units = [fsdp_units(l, cfg, graph.hidden) for l in graph.layers]
+        rows: dict[tuple, tuple] = {}  # a repeated block has its representative's figures: computed once
+
+        def row(l: Layer) -> tuple:
+            key = (l.repeat_of or l.name, l.tied_params, l.moe.imbalance if l.moe else None)
+            if key not in rows:
+                rows[key] = (layer_params_local(l, cfg.tp, cfg.pp, cfg.ep, graph.hidden),
+                             layer_experts(l, graph.hidden) / cfg.ep,       # part of params
+                             layer_token_local(l, cfg, graph.hidden),       # part of params
+                             fsdp_units(l, cfg, graph.hidden),
+                             {p: layer_activation(l, graph, cfg, p) for p in RECOMPUTE})
+            return rows[key]
+
+        table = [row(l) for l in graph.layers]
+        self.params, self.experts, self.token_local = ([r[i] for r in table] for i in range(3))
+        self.units = [r[3] for r in table]
         self.unit = [max(u) for u in self.units]
-        self.act = {p: [layer_activation(l, graph, cfg, p) for l in graph.layers]
-                    for p in RECOMPUTE}
+        self.act = {p: [r[4][p] for r in table] for p in RECOMPUTE}
 
 
 def per_param_bytes(cfg: ParallelConfig, experts: bool = False) -> dict[str, float]:
