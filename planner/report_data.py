@@ -336,6 +336,8 @@ def mesh_groups(plan: Plan) -> list[str]:
         ring = cfg.cp // cfg.ulysses
         lines.append(f"cp={cfg.cp} = Ulysses {cfg.ulysses} x ring {ring}: all-to-all groups of {cfg.ulysses} "
                      f"consecutive cp ranks ({where})" + (f", ring across {ring} of them" if ring > 1 else ""))
+    if cfg.cp > 1 and (traffic := cp_traffic(plan)):
+        lines.append(traffic)
     if cfg.ep > 1:  # expert parallelism: consecutive dp x cp x tp ranks (planner.plan.expert_groups)
         block = cfg.ep
         where = "inside one node" if block <= dpn and dpn % block == 0 else f"spanning {-(-block // dpn)} nodes"
@@ -343,6 +345,26 @@ def mesh_groups(plan: Plan) -> list[str]:
         lines.append(f"ep={cfg.ep}: groups of {cfg.ep} consecutive {ranks} ranks ({where}) exchange tokens; the "
                      f"experts' data-parallel groups have {cfg.dp * cfg.cp * cfg.tp // cfg.ep} ranks")
     return lines
+
+
+def cp_traffic(plan: Plan) -> str | None:
+    """What context parallelism moves per attention layer and micro-batch on one rank (the
+    largest attention of the model's facts; ``cost_models/context_parallel.py``), or None
+    when the plan does not record the heads."""
+    from cost_models.context_parallel import ring_step_bytes, ulysses_bytes
+    from planner.graph import AttentionDims
+
+    cfg, f = plan.config, plan.facts
+    if not f.heads or not f.hidden:
+        return None
+    heads, kv = max(f.heads), max(f.kv_heads or f.heads)
+    seq = int(plan.batch.get("seq_len", f.seq_len) or f.seq_len)
+    a = AttentionDims(heads, kv, f.hidden // heads, seq, seq, True)
+    ring = cfg.cp // cfg.ulysses
+    parts = [f"all-to-alls {ulysses_bytes(a, cfg) / 2**20:.1f} MiB forward (again backward)"] if cfg.ulysses > 1 else []
+    if ring > 1:
+        parts.append(f"{ring - 1} ring steps of {ring_step_bytes(a, cfg) / 2**20:.1f} MiB (K, V; twice backward)")
+    return f"cp traffic per attention layer and micro-batch: {', '.join(parts)}"
 
 
 def stage_nodes(plan: Plan) -> list[tuple[int, int, int]]:

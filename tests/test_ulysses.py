@@ -111,6 +111,9 @@ def test_many_heads_and_fast_links_pick_ulysses_and_the_report_says_why_not_the_
     assert not problems and e.step_s > r.best.step_s and e.breakdown["compute"] > r.best.breakdown["compute"]
     rows = {key: text for key, _, text, _ in summary_rows(build_report(plan, layers=False))}
     assert "context parallel by Ulysses" in rows["degrees"] and "Ulysses" in " ".join(mesh_groups(plan))
+    # the mesh lines say what the all-to-alls move per attention layer and micro-batch
+    traffic = next(line for line in mesh_groups(plan) if line.startswith("cp traffic"))
+    assert f"all-to-alls {ulysses_bytes(MHA, best) / 2**20:.1f} MiB" in traffic
 
 
 def test_few_kv_heads_and_slow_links_keep_the_ring():
