@@ -7,10 +7,12 @@ it; the zoo's gpt-tiny with a tied head only under PP2 x TP2) for 3 SGD steps (f
 unmodified model in one process); the first-step gradients (full tensors, by fqn), their
 global norm (what clipping uses: each tied parameter counted once) and the 3 losses must
 match within 1e-5 relative. A layout the runtime cannot run for a model
-(``REFUSED``) must be refused, with its reason, before anything is built. One torchrun launch per world size runs all layouts of that size (2, 4 and 8
-processes) and writes JSON; the 2-process launch also trains mllm-tiny under an unequal
-PP2 split, the 4-process launch also runs the first half of the checkpoint test, and a
-second 4-process launch resumes from its DCP checkpoint.
+(``REFUSED``) must be refused, with its reason, before anything is built. Torchrun launches per
+world size (2, 4 and 8 processes; the models of a size split over a few launches,
+``dist_worker.SHARDS``, which keeps each process's groups few) run all layouts of that size
+and write JSON; the first 2-process launch also trains mllm-tiny under an unequal PP2 split,
+the first 4-process launch also runs the first half of the checkpoint test, and a last
+4-process launch resumes from its DCP checkpoint.
 """
 from __future__ import annotations
 
@@ -56,9 +58,12 @@ def runs(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("runtime")
     ckpt = d / "ckpt"
     ckpt.mkdir()
-    res = {2: _launch(2, "parity", str(d / "w2.json")),
-           4: _launch(4, "parity", str(d / "w4.json"), str(ckpt)),
-           8: _launch(8, "parity", str(d / "w8.json"))}
+    res: dict = {}
+    for world, shards in W.SHARDS.items():  # several launches per world size (dist_worker.SHARDS)
+        res[world] = {}
+        for i in range(len(shards)):
+            extra = (str(ckpt),) if (world, i) == (4, 0) else ()
+            res[world].update(_launch(world, f"parity:{i}", str(d / f"w{world}-{i}.json"), *extra))
     res["resume"] = _launch(4, "resume", str(d / "resume.json"), str(ckpt))
     return res
 
