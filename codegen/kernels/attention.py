@@ -11,6 +11,10 @@ Layouts and units
 * Causal mask: query ``i`` sees key ``j`` iff ``i + q_offset >= j + kv_offset``. With
   offsets one kernel serves local causal attention, a ring step, a zigzag chunk, and
   bottom-right-aligned Sq != Sk (``q_offset = Sk - Sq``).
+* Packed documents (``doc_start`` [B, Sq] int, causal only): query ``i`` also needs
+  ``j + kv_offset >= doc_start[b, i]``, its document's first global position, so no query
+  sees another document. The forward and dQ kernels skip the key blocks before the query
+  block's first document start; the dK/dV kernel masks (it does not skip).
 
 Ops (``torch.library.custom_op``, namespace ``autopar``)
 -------------------------------------------------------
@@ -44,6 +48,8 @@ try:  # Triton is optional: without it only the torch fallback exists.
 except ImportError:  # pragma: no cover
     triton = tl = None
     HAS_TRITON = False
+
+from codegen.kernels.attention_torch import flash_attn_bwd_torch, flash_attn_fwd_torch  # noqa: E402
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -100,10 +106,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                   offs_m, offs_d, lo, hi, Sk, q_offset, kv_offset, qk_scale,
+                   offs_m, offs_d, lo, hi, Sk, q_offset, kv_offset, qk_scale, dstart,
                    MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-                   PREC: tl.constexpr):
-        """Online-softmax sweep over key blocks [lo, hi); scores in base 2."""
+                   PREC: tl.constexpr, DOC: tl.constexpr):
+        """Online-softmax sweep over key blocks [lo, hi); scores in base 2. With DOC (and MASK),
+        a row sees only keys at or after its document's first position ``dstart``."""
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             kt = tl.load(k_base + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn,
@@ -118,6 +125,8 @@ if HAS_TRITON:
                 keep = offs_n[None, :] < Sk
                 if CAUSAL:
                     keep = keep & (offs_m[:, None] + q_offset >= offs_n[None, :] + kv_offset)
+                if DOC:
+                    keep = keep & (offs_n[None, :] + kv_offset >= dstart[:, None])
                 s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # fully masked so far
@@ -129,15 +138,17 @@ if HAS_TRITON:
         return acc, m_i, l_i
 
     @triton.jit
-    def _attn_fwd_kernel(Q, K, V, O, LSE,
+    def _attn_fwd_kernel(Q, K, V, O, LSE, DS,
                          stride_qb, stride_qh, stride_qm, stride_qd,
                          stride_kb, stride_kh, stride_kn, stride_kd,
                          stride_vb, stride_vh, stride_vn, stride_vd,
                          stride_ob, stride_oh, stride_om, stride_od,
                          H, GROUP, Sq, Sk, q_offset, kv_offset, qk_scale,
                          CAUSAL: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
-        """One program = BLOCK_M query rows of one (batch, head). qk_scale = sm_scale*log2(e)."""
+                         BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+                         HAS_DOC: tl.constexpr):
+        """One program = BLOCK_M query rows of one (batch, head). qk_scale = sm_scale*log2(e).
+        HAS_DOC: DS [B, Sq] int32 holds each row's document start (global key position)."""
         start_m = tl.program_id(0) * BLOCK_M
         bh = tl.program_id(1)
         b = bh // H
@@ -164,12 +175,22 @@ if HAS_TRITON:
             hi = Sk
             full_end = Sk
         full_end = (full_end // BLOCK_N) * BLOCK_N
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd,
-                                   stride_vn, stride_vd, offs_m, offs_d, 0, full_end, Sk,
-                                   q_offset, kv_offset, qk_scale, False, CAUSAL, BLOCK_N, DOT_F32, PREC)
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd,
-                                   stride_vn, stride_vd, offs_m, offs_d, full_end, hi, Sk,
-                                   q_offset, kv_offset, qk_scale, True, CAUSAL, BLOCK_N, DOT_F32, PREC)
+        if HAS_DOC:  # key blocks before the block's first document start are skipped; all masked
+            dstart = tl.load(DS + b * Sq + offs_m, mask=offs_m < Sq, other=1073741824)
+            lo = tl.minimum((tl.maximum(tl.min(dstart, 0) - kv_offset, 0) // BLOCK_N) * BLOCK_N, hi)
+            acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd,
+                                       stride_vn, stride_vd, offs_m, offs_d, lo, hi, Sk,
+                                       q_offset, kv_offset, qk_scale, dstart, True, CAUSAL, BLOCK_N, DOT_F32, PREC,
+                                       True)
+        else:
+            acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd,
+                                       stride_vn, stride_vd, offs_m, offs_d, 0, full_end, Sk,
+                                       q_offset, kv_offset, qk_scale, offs_m, False, CAUSAL, BLOCK_N, DOT_F32,
+                                       PREC, False)
+            acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd,
+                                       stride_vn, stride_vd, offs_m, offs_d, full_end, hi, Sk,
+                                       q_offset, kv_offset, qk_scale, offs_m, True, CAUSAL, BLOCK_N, DOT_F32,
+                                       PREC, False)
         empty = l_i == 0.0
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
         lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
@@ -199,11 +220,12 @@ if HAS_TRITON:
         tl.store(DELTA + bh * Sq + offs_m, delta, mask=ok)
 
     @triton.jit
-    def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_qd,
+    def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, ds_base, stride_qm, stride_qd,
                     stride_dm, stride_dd, offs_n, offs_d, lo, hi, Sq, q_offset, kv_offset, qk_scale,
                     MASK: tl.constexpr, BLOCK_M: tl.constexpr, DOT_F32: tl.constexpr,
-                    PREC: tl.constexpr):
-        """Accumulate dK, dV of one key block over query blocks [lo, hi) of one query head."""
+                    PREC: tl.constexpr, DOC: tl.constexpr):
+        """Accumulate dK, dV of one key block over query blocks [lo, hi) of one query head;
+        with DOC, only the rows whose document starts at or before each key."""
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             row_ok = offs_m < Sq
@@ -220,6 +242,9 @@ if HAS_TRITON:
             pt = tl.math.exp2(tl.dot(k, qt, input_precision=PREC) * qk_scale - lse[None, :])
             if MASK:
                 pt = tl.where(offs_m[None, :] + q_offset >= offs_n[:, None] + kv_offset, pt, 0.0)
+            if DOC:
+                dstart = tl.load(ds_base + offs_m, mask=row_ok, other=1073741824)
+                pt = tl.where(offs_n[:, None] + kv_offset >= dstart[None, :], pt, 0.0)
             dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
             dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
             dst = pt * (dpt - delta[None, :])
@@ -227,14 +252,15 @@ if HAS_TRITON:
         return dk, dv
 
     @triton.jit
-    def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+    def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS,
                               stride_qb, stride_qh, stride_qm, stride_qd,
                               stride_kb, stride_kh, stride_kn, stride_kd,
                               stride_vb, stride_vh, stride_vn, stride_vd,
                               stride_db, stride_dh, stride_dm, stride_dd,
                               H, KVH, GROUP, Sq, Sk, q_offset, kv_offset, qk_scale, sm_scale,
                               CAUSAL: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+                              BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+                              HAS_DOC: tl.constexpr):
         """One program = BLOCK_N keys of one (batch, KV head); loops over the GROUP query
         heads sharing it, so dK/dV are reduced in registers (deterministic, no atomics).
         DK/DV are contiguous [B, KVH, Sk, D]."""
@@ -269,21 +295,22 @@ if HAS_TRITON:
             do_base = DO + b * stride_db + h * stride_dh
             lse_base = LSE + (b * H + h) * Sq
             delta_base = DELTA + (b * H + h) * Sq
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm,
+            ds_base = DS + b * Sq
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, ds_base, stride_qm,
                                  stride_qd, stride_dm, stride_dd, offs_n, offs_d, lo, full, Sq,
-                                 q_offset, kv_offset, qk_scale, True, BLOCK_M, DOT_F32, PREC)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm,
+                                 q_offset, kv_offset, qk_scale, True, BLOCK_M, DOT_F32, PREC, HAS_DOC)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, ds_base, stride_qm,
                                  stride_qd, stride_dm, stride_dd, offs_n, offs_d, full, Sq, Sq,
-                                 q_offset, kv_offset, qk_scale, False, BLOCK_M, DOT_F32, PREC)
+                                 q_offset, kv_offset, qk_scale, False, BLOCK_M, DOT_F32, PREC, HAS_DOC)
         out_off = bkv * Sk * HEAD_D + offs_n[:, None] * HEAD_D + offs_d[None, :]
         tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
         tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
 
     @triton.jit
     def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                  offs_m, offs_d, lo, hi, Sk, q_offset, kv_offset, qk_scale,
+                  offs_m, offs_d, lo, hi, Sk, q_offset, kv_offset, qk_scale, dstart,
                   MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-                  PREC: tl.constexpr):
+                  PREC: tl.constexpr, DOC: tl.constexpr):
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             col_ok = offs_n < Sk
@@ -299,6 +326,8 @@ if HAS_TRITON:
                 keep = col_ok[None, :]
                 if CAUSAL:
                     keep = keep & (offs_m[:, None] + q_offset >= offs_n[None, :] + kv_offset)
+                if DOC:
+                    keep = keep & (offs_n[None, :] + kv_offset >= dstart[:, None])
                 p = tl.where(keep, p, 0.0)
             dp = tl.dot(do, vt, input_precision=PREC)
             ds = p * (dp - delta[:, None])
@@ -306,14 +335,15 @@ if HAS_TRITON:
         return dq
 
     @triton.jit
-    def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+    def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DS,
                             stride_qb, stride_qh, stride_qm, stride_qd,
                             stride_kb, stride_kh, stride_kn, stride_kd,
                             stride_vb, stride_vh, stride_vn, stride_vd,
                             stride_db, stride_dh, stride_dm, stride_dd,
                             H, GROUP, Sq, Sk, q_offset, kv_offset, qk_scale, sm_scale,
                             CAUSAL: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+                            BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+                            HAS_DOC: tl.constexpr):
         """One program = BLOCK_M query rows of one (batch, head). DQ contiguous [B, H, Sq, D]."""
         start_m = tl.program_id(0) * BLOCK_M
         bh = tl.program_id(1)
@@ -343,12 +373,19 @@ if HAS_TRITON:
             full_end = Sk
         full_end = (full_end // BLOCK_N) * BLOCK_N
         dq = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                       stride_vd, offs_m, offs_d, 0, full_end, Sk, q_offset, kv_offset, qk_scale,
-                       False, CAUSAL, BLOCK_N, DOT_F32, PREC)
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                       stride_vd, offs_m, offs_d, full_end, hi, Sk, q_offset, kv_offset, qk_scale,
-                       True, CAUSAL, BLOCK_N, DOT_F32, PREC)
+        if HAS_DOC:  # as the forward: key blocks before the rows' documents skipped, all masked
+            dstart = tl.load(DS + b * Sq + offs_m, mask=row_ok, other=1073741824)
+            lo = tl.minimum((tl.maximum(tl.min(dstart, 0) - kv_offset, 0) // BLOCK_N) * BLOCK_N, hi)
+            dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                           stride_vd, offs_m, offs_d, lo, hi, Sk, q_offset, kv_offset, qk_scale, dstart,
+                           True, CAUSAL, BLOCK_N, DOT_F32, PREC, True)
+        else:
+            dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                           stride_vd, offs_m, offs_d, 0, full_end, Sk, q_offset, kv_offset, qk_scale, offs_m,
+                           False, CAUSAL, BLOCK_N, DOT_F32, PREC, False)
+            dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                           stride_vd, offs_m, offs_d, full_end, hi, Sk, q_offset, kv_offset, qk_scale, offs_m,
+                           True, CAUSAL, BLOCK_N, DOT_F32, PREC, False)
         tl.store(DQ + bh * Sq * HEAD_D + offs_m[:, None] * HEAD_D + offs_d[None, :],
                  (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
@@ -368,9 +405,15 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"query heads {q.shape[1]} not a multiple of KV heads {k.shape[1]}")
 
 
+def _doc_arg(doc_start: Optional[Tensor], like: Tensor) -> Tensor:
+    """The kernels' DS argument: ``doc_start`` as contiguous int32, or any tensor (unused)."""
+    return doc_start.to(torch.int32).contiguous() if doc_start is not None else like
+
+
 def flash_attn_fwd_triton(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float,
                           q_offset: int = 0, kv_offset: int = 0,
-                          block_m: Optional[int] = None, block_n: Optional[int] = None):
+                          block_m: Optional[int] = None, block_n: Optional[int] = None,
+                          doc_start: Optional[Tensor] = None):
     """Launch the forward kernel; returns (out [B,H,Sq,D] q.dtype, lse [B,H,Sq] fp32)."""
     _check_shapes(q, k, v)
     B, H, Sq, D = q.shape
@@ -383,16 +426,18 @@ def flash_attn_fwd_triton(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scal
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     dot_f32, prec = _dot_flags(q.dtype)
     grid = (triton.cdiv(Sq, cfg["BLOCK_M"]), B * H)
-    _attn_fwd_kernel[grid](q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-                           H, H // KVH, Sq, Sk, q_offset, kv_offset, sm_scale * LOG2E,
-                           CAUSAL=causal, HEAD_D=D, DOT_F32=dot_f32, PREC=prec, **cfg)
+    _attn_fwd_kernel[grid](q, k, v, out, lse, _doc_arg(doc_start, lse), *q.stride(), *k.stride(), *v.stride(),
+                           *out.stride(), H, H // KVH, Sq, Sk, q_offset, kv_offset, sm_scale * LOG2E,
+                           CAUSAL=causal, HEAD_D=D, DOT_F32=dot_f32, PREC=prec, HAS_DOC=doc_start is not None,
+                           **cfg)
     return out, lse
 
 
 def flash_attn_bwd_triton(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                           dlse: Optional[Tensor], causal: bool, sm_scale: float,
                           q_offset: int = 0, kv_offset: int = 0,
-                          block_m: Optional[int] = None, block_n: Optional[int] = None):
+                          block_m: Optional[int] = None, block_n: Optional[int] = None,
+                          doc_start: Optional[Tensor] = None):
     """Launch delta + dK/dV + dQ kernels; returns (dq, dk, dv), contiguous, input dtypes."""
     _check_shapes(q, k, v)
     B, H, Sq, D = q.shape
@@ -414,88 +459,31 @@ def flash_attn_bwd_triton(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     dk = torch.empty((B, KVH, Sk, D), dtype=k.dtype, device=q.device)
     dv = torch.empty((B, KVH, Sk, D), dtype=v.dtype, device=q.device)
     dot_f32, prec = _dot_flags(q.dtype)
-    common = dict(CAUSAL=causal, HEAD_D=D, DOT_F32=dot_f32, PREC=prec, **cfg)
+    common = dict(CAUSAL=causal, HEAD_D=D, DOT_F32=dot_f32, PREC=prec, HAS_DOC=doc_start is not None, **cfg)
     strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
+    ds = _doc_arg(doc_start, delta)
     _attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg["BLOCK_N"]), B * KVH)](
-        q, k, v, dout, lse, delta, dk, dv, *strides, H, KVH, H // KVH, Sq, Sk,
+        q, k, v, dout, lse, delta, dk, dv, ds, *strides, H, KVH, H // KVH, Sq, Sk,
         q_offset, kv_offset, sm_scale * LOG2E, sm_scale, **common)
     _attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg["BLOCK_M"]), B * H)](
-        q, k, v, dout, lse, delta, dq, *strides, H, H // KVH, Sq, Sk,
+        q, k, v, dout, lse, delta, dq, ds, *strides, H, H // KVH, Sq, Sk,
         q_offset, kv_offset, sm_scale * LOG2E, sm_scale, **common)
     return dq, dk, dv
-
-
-# --------------------------------------------------------------------------- torch fallback
-_CHUNK = 1024  # query rows per step: bounds the fallback's score buffer to chunk x Sk
-
-
-def _scores(q5: Tensor, k: Tensor, rows: slice, causal, sm_scale, q_offset, kv_offset):
-    """fp32 scores [B, KVH, G, rows, Sk] with the causal mask applied as -inf."""
-    s = torch.matmul(q5[:, :, :, rows].float(), k.float().unsqueeze(2).transpose(-1, -2)) * sm_scale
-    if causal:
-        qi = torch.arange(rows.start, rows.stop, device=q5.device)[:, None] + q_offset
-        kj = torch.arange(k.shape[2], device=q5.device)[None, :] + kv_offset
-        s = s.masked_fill(qi < kj, float("-inf"))
-    return s
-
-
-def flash_attn_fwd_torch(q, k, v, causal, sm_scale, q_offset=0, kv_offset=0):
-    """Exact fp32 math, chunked over queries. Same contract as the Triton kernel."""
-    B, H, Sq, D = q.shape
-    KVH = k.shape[1]
-    q5 = q.view(B, KVH, H // KVH, Sq, D) if q.is_contiguous() else q.reshape(B, KVH, H // KVH, Sq, D)
-    out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
-    o5, l4 = out.view(B, KVH, H // KVH, Sq, D), lse.view(B, KVH, H // KVH, Sq)
-    for r0 in range(0, Sq, _CHUNK):
-        rows = slice(r0, min(Sq, r0 + _CHUNK))
-        s = _scores(q5, k, rows, causal, sm_scale, q_offset, kv_offset)
-        m = torch.logsumexp(s, dim=-1)                                   # -inf if all masked
-        p = torch.exp(s - m.masked_fill(m == float("-inf"), 0.0).unsqueeze(-1))
-        o5[:, :, :, rows] = torch.matmul(p, v.float().unsqueeze(2)).to(q.dtype)
-        l4[:, :, :, rows] = m
-    return out, lse
-
-
-def flash_attn_bwd_torch(dout, q, k, v, out, lse, dlse, causal, sm_scale, q_offset=0, kv_offset=0):
-    B, H, Sq, D = q.shape
-    KVH, G = k.shape[1], H // k.shape[1]
-    q5 = q.reshape(B, KVH, G, Sq, D)
-    do5 = dout.reshape(B, KVH, G, Sq, D).float()
-    delta = (dout.float() * out.float()).sum(-1)
-    if dlse is not None:
-        delta = delta - dlse.float()
-    delta5 = delta.reshape(B, KVH, G, Sq)
-    lse5 = lse.float().reshape(B, KVH, G, Sq)
-    lse5 = lse5.masked_fill(lse5 == float("-inf"), float("inf"))
-    kf, vf = k.float().unsqueeze(2), v.float().unsqueeze(2)
-    dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
-    dk = torch.zeros((B, KVH, k.shape[2], D), dtype=torch.float32, device=q.device)
-    dv = torch.zeros_like(dk)
-    dq5 = dq.view(B, KVH, G, Sq, D)
-    for r0 in range(0, Sq, _CHUNK):
-        rows = slice(r0, min(Sq, r0 + _CHUNK))
-        p = torch.exp(_scores(q5, k, rows, causal, sm_scale, q_offset, kv_offset) - lse5[..., rows, None])
-        do = do5[:, :, :, rows]
-        dv += torch.matmul(p.transpose(-1, -2), do).sum(2)
-        ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - delta5[..., rows, None])
-        dq5[:, :, :, rows] = (torch.matmul(ds, kf) * sm_scale).to(q.dtype)
-        dk += (torch.matmul(ds.transpose(-1, -2), q5[:, :, :, rows].float()) * sm_scale).sum(2)
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 # --------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("autopar::flash_attn_fwd", mutates_args=())
 def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float,
-                   q_offset: int = 0, kv_offset: int = 0, impl: str = "auto") -> tuple[Tensor, Tensor]:
+                   q_offset: int = 0, kv_offset: int = 0, impl: str = "auto",
+                   doc_start: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     if use_triton(impl, q.device):
-        return flash_attn_fwd_triton(q, k, v, causal, sm_scale, q_offset, kv_offset)
+        return flash_attn_fwd_triton(q, k, v, causal, sm_scale, q_offset, kv_offset, doc_start=doc_start)
     _check_shapes(q, k, v)
-    return flash_attn_fwd_torch(q, k, v, causal, sm_scale, q_offset, kv_offset)
+    return flash_attn_fwd_torch(q, k, v, causal, sm_scale, q_offset, kv_offset, doc_start)
 
 
 @flash_attn_fwd.register_fake
-def _(q, k, v, causal, sm_scale, q_offset=0, kv_offset=0, impl="auto"):
+def _(q, k, v, causal, sm_scale, q_offset=0, kv_offset=0, impl="auto", doc_start=None):
     B, H, Sq, D = q.shape
     return q.new_empty((B, H, Sq, D)), q.new_empty((B, H, Sq), dtype=torch.float32)
 
@@ -503,29 +491,31 @@ def _(q, k, v, causal, sm_scale, q_offset=0, kv_offset=0, impl="auto"):
 @torch.library.custom_op("autopar::flash_attn_bwd", mutates_args=())
 def flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    dlse: Optional[Tensor], causal: bool, sm_scale: float, q_offset: int = 0,
-                   kv_offset: int = 0, impl: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+                   kv_offset: int = 0, impl: str = "auto",
+                   doc_start: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     if use_triton(impl, q.device):
-        return flash_attn_bwd_triton(dout, q, k, v, out, lse, dlse, causal, sm_scale, q_offset, kv_offset)
-    return flash_attn_bwd_torch(dout, q, k, v, out, lse, dlse, causal, sm_scale, q_offset, kv_offset)
+        return flash_attn_bwd_triton(dout, q, k, v, out, lse, dlse, causal, sm_scale, q_offset, kv_offset,
+                                     doc_start=doc_start)
+    return flash_attn_bwd_torch(dout, q, k, v, out, lse, dlse, causal, sm_scale, q_offset, kv_offset, doc_start)
 
 
 @flash_attn_bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, causal, sm_scale, q_offset=0, kv_offset=0, impl="auto"):
+def _(dout, q, k, v, out, lse, dlse, causal, sm_scale, q_offset=0, kv_offset=0, impl="auto", doc_start=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _fwd_setup(ctx, inputs, output):
-    q, k, v, causal, sm_scale, q_offset, kv_offset, impl = inputs
-    ctx.save_for_backward(q, k, v, *output)
+    q, k, v, causal, sm_scale, q_offset, kv_offset, impl, doc_start = inputs
+    ctx.save_for_backward(q, k, v, *output, doc_start)
     ctx.args = (causal, sm_scale, q_offset, kv_offset, impl)
 
 
 def _fwd_backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, doc_start = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = flash_attn_bwd(dout, q, k, v, out, lse, dlse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
+    dq, dk, dv = flash_attn_bwd(dout, q, k, v, out, lse, dlse, *ctx.args, doc_start=doc_start)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 flash_attn_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
@@ -587,14 +577,19 @@ attn_merge.register_autograd(_merge_backward, setup_context=_merge_setup)
 # --------------------------------------------------------------------------- public wrapper
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
                     sm_scale: Optional[float] = None, q_offset: int = 0, kv_offset: int = 0,
-                    impl: str = "auto") -> tuple[Tensor, Tensor]:
+                    impl: str = "auto", doc_start: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Differentiable attention: returns (out [B,H,Sq,D], lse [B,H,Sq] fp32 natural log).
 
     Gradients flow to q, k, v from both ``out`` and ``lse``. ``sm_scale`` defaults to
-    1/sqrt(D). See the module docstring for layouts, masking and ``impl``."""
+    1/sqrt(D). ``doc_start`` [B, Sq] (integers; packed documents, causal only): the global
+    position of the first key each query may see. See the module docstring for layouts,
+    masking and ``impl``."""
     _check_shapes(q, k, v)
     if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dim {q.shape[-1]} unsupported; supported: {SUPPORTED_HEAD_DIMS}")
+    if doc_start is not None and (not causal or tuple(doc_start.shape) != (q.shape[0], q.shape[2])):
+        raise ValueError(f"doc_start must be [B, Sq] = {[q.shape[0], q.shape[2]]} with causal=True (packed "
+                         f"documents), got {list(doc_start.shape)} with causal={causal}")
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
-    return flash_attn_fwd(q, k, v, bool(causal), float(sm_scale), int(q_offset), int(kv_offset), impl)
+    return flash_attn_fwd(q, k, v, bool(causal), float(sm_scale), int(q_offset), int(kv_offset), impl, doc_start)

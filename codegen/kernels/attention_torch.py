@@ -1,0 +1,79 @@
+"""The flash-attention kernels' plain-torch fallback: exact fp32 math, chunked over queries.
+
+Same contract as the Triton kernels of ``codegen/kernels/attention.py`` (layouts, offsets,
+natural-log LSE, ``-inf`` rows), including packed documents: ``doc_start`` [B, Sq] (int)
+gives, per query, the global position of the first key it may see (its document's first
+token), so query ``i`` sees key ``j`` iff ``doc_start[b, i] <= j + kv_offset <= i + q_offset``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+CHUNK = 1024  # query rows per step: bounds the fallback's score buffer to chunk x Sk
+
+
+def _scores(q5: Tensor, k: Tensor, rows: slice, causal: bool, sm_scale: float, q_offset: int, kv_offset: int,
+            doc_start: Optional[Tensor]) -> Tensor:
+    """fp32 scores [B, KVH, G, rows, Sk] with the causal and document masks applied as -inf."""
+    s = torch.matmul(q5[:, :, :, rows].float(), k.float().unsqueeze(2).transpose(-1, -2)) * sm_scale
+    kj = torch.arange(k.shape[2], device=q5.device)[None, :] + kv_offset
+    if causal:
+        qi = torch.arange(rows.start, rows.stop, device=q5.device)[:, None] + q_offset
+        s = s.masked_fill(qi < kj, float("-inf"))
+    if doc_start is not None:  # [B, rows, Sk] -> broadcast over the kv heads and their groups
+        before = kj[None] < doc_start[:, rows, None].to(kj.device)
+        s = s.masked_fill(before[:, None, None], float("-inf"))
+    return s
+
+
+def flash_attn_fwd_torch(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float, q_offset: int = 0,
+                         kv_offset: int = 0, doc_start: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(out [B, H, Sq, D] q.dtype, lse [B, H, Sq] fp32)."""
+    B, H, Sq, D = q.shape
+    KVH = k.shape[1]
+    q5 = q.view(B, KVH, H // KVH, Sq, D) if q.is_contiguous() else q.reshape(B, KVH, H // KVH, Sq, D)
+    out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    o5, l4 = out.view(B, KVH, H // KVH, Sq, D), lse.view(B, KVH, H // KVH, Sq)
+    for r0 in range(0, Sq, CHUNK):
+        rows = slice(r0, min(Sq, r0 + CHUNK))
+        s = _scores(q5, k, rows, causal, sm_scale, q_offset, kv_offset, doc_start)
+        m = torch.logsumexp(s, dim=-1)                                   # -inf if all masked
+        p = torch.exp(s - m.masked_fill(m == float("-inf"), 0.0).unsqueeze(-1))
+        o5[:, :, :, rows] = torch.matmul(p, v.float().unsqueeze(2)).to(q.dtype)
+        l4[:, :, :, rows] = m
+    return out, lse
+
+
+def flash_attn_bwd_torch(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                         dlse: Optional[Tensor], causal: bool, sm_scale: float, q_offset: int = 0,
+                         kv_offset: int = 0, doc_start: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) in the input dtypes; ``dlse`` (optional) is the gradient of ``lse``."""
+    B, H, Sq, D = q.shape
+    KVH, G = k.shape[1], H // k.shape[1]
+    q5 = q.reshape(B, KVH, G, Sq, D)
+    do5 = dout.reshape(B, KVH, G, Sq, D).float()
+    delta = (dout.float() * out.float()).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.float()
+    delta5 = delta.reshape(B, KVH, G, Sq)
+    lse5 = lse.float().reshape(B, KVH, G, Sq)
+    lse5 = lse5.masked_fill(lse5 == float("-inf"), float("inf"))
+    kf, vf = k.float().unsqueeze(2), v.float().unsqueeze(2)
+    dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+    dk = torch.zeros((B, KVH, k.shape[2], D), dtype=torch.float32, device=q.device)
+    dv = torch.zeros_like(dk)
+    dq5 = dq.view(B, KVH, G, Sq, D)
+    for r0 in range(0, Sq, CHUNK):
+        rows = slice(r0, min(Sq, r0 + CHUNK))
+        s = _scores(q5, k, rows, causal, sm_scale, q_offset, kv_offset, doc_start)
+        p = torch.exp(s - lse5[..., rows, None])
+        do = do5[:, :, :, rows]
+        dv += torch.matmul(p.transpose(-1, -2), do).sum(2)
+        ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - delta5[..., rows, None])
+        dq5[:, :, :, rows] = (torch.matmul(ds, kf) * sm_scale).to(q.dtype)
+        dk += (torch.matmul(ds.transpose(-1, -2), q5[:, :, :, rows].float()) * sm_scale).sum(2)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
