@@ -46,7 +46,8 @@ def _round(build, graph, shifts, cfg, pc, gb: int, steps: int, warmup: int) -> f
     import torch
 
     from codegen.runtime.train import parallelize
-    from planner.search import even_split, facts_of
+    from planner.search import facts_of
+    from planner.stage_split import even_split
     from planner.tp_layout import tp_layout
 
     names = [l.name for l in graph.layers]

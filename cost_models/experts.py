@@ -21,7 +21,7 @@ Under ``ep`` > 1 (``planner.plan.ParallelConfig.ep``; the runtime is
    outputs (``codegen/runtime/recompute.py`` saves all-to-all outputs), so it does not.
 
 The EP group is ``ep`` consecutive ranks of the flattened dp x cp x tp ranks of a stage
-(``planner.plan.expert_groups``; tp inner, so it takes a node's tp ranks first): on the
+(``planner.feasibility.expert_groups``; tp inner, so it takes a node's tp ranks first): on the
 mesh ``[pp, dp*cp*tp/ep, ep]`` it is the last dimension, which :func:`ep_mesh` gives as
 the ``cp`` dimension of a ``comm.Mesh`` so the link classes (intra-node, across nodes,
 hierarchical) follow from ``comm.group_layout``. The experts' data-parallel group (who

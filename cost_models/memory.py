@@ -103,7 +103,7 @@ def layer_experts(layer: Layer, hidden: int) -> int:
 def layer_token_local(layer: Layer, cfg: ParallelConfig, hidden: int) -> float:
     """Parameters of ``layer``'s MoE part (router, shared experts, and the routed experts when
     they are not split by EP) that every tp rank holds whole and runs on its own sequence
-    shard (``planner.plan.ep_problem``): their gradients are summed over tp once per step
+    shard (``planner.feasibility.ep_problem``): their gradients are summed over tp once per step
     (0 without TP or a MoE layer)."""
     m = layer.moe
     if m is None or cfg.tp == 1:
@@ -230,7 +230,7 @@ def fsdp_units(layer: Layer, cfg: ParallelConfig, hidden: int) -> list[float]:
 def dp_group(cfg: ParallelConfig, experts: bool = False) -> int:
     """Ranks holding the same parameters and reducing their gradients: dp x cp (CP ranks hold
     the same weights); for routed experts under expert parallelism the experts' own group,
-    dp x cp x tp / ep (``planner.plan.expert_groups``: the tp ranks route tokens of their own)."""
+    dp x cp x tp / ep (``planner.feasibility.expert_groups``: the tp ranks route tokens of their own)."""
     if experts and cfg.ep > 1:
         return cfg.dp * cfg.cp * cfg.tp // cfg.ep
     return cfg.dp * cfg.cp

@@ -224,7 +224,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from planner.plan import ParallelConfig, default_attention
+    from planner.plan import ParallelConfig
+    from planner.feasibility import default_attention
     from planner.planning import evaluate_config
 
     cfg = ParallelConfig.parse(args.config)

@@ -87,7 +87,7 @@ def _set_tp_roles(graph: ModelGraph, fx, adapter) -> None:
     where it has one (a disagreement is a warning); heads from the analysis's reshapes; a
     block the analysis cannot shard correctly makes ``tp`` a limit. The linears of a MoE
     layer (router, shared experts) stay replicated: under TP each rank runs the layer on
-    its own sequence shard (``planner.plan.ep_problem``)."""
+    its own sequence shard (``planner.feasibility.ep_problem``)."""
     from planner.graph import AttentionDims
     from planner.tp_analysis import analyze
 

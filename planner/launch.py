@@ -41,7 +41,7 @@ def check_plan(plan, *, import_user_code: bool = True) -> None:
 
     from planner.frontend import load_graph
 
-    from planner.plan import config_problems
+    from planner.feasibility import config_problems
 
     problems = config_problems(plan.config, plan.facts)
     if problems:

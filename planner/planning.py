@@ -13,9 +13,11 @@ from cost_models.estimate import Estimate, estimate
 from planner.errors import AutoparError
 from planner.graph import ModelGraph
 from planner.pins import Pins, as_pins
-from planner.plan import ParallelConfig, Plan, config_problems
-from planner.search import SearchResult, facts_of, search, split_and_estimate
-from planner.search import even_split as split_evenly
+from planner.plan import ParallelConfig, Plan
+from planner.feasibility import config_problems
+from planner.search import SearchResult, facts_of, search
+from planner.stage_split import even_split as split_evenly
+from planner.stage_split import split_and_estimate
 from planner.tp_layout import tp_layout
 
 GiB = 2**30

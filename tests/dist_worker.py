@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from codegen.runtime.mesh import init_distributed  # noqa: E402
 from codegen.runtime.train import parallelize  # noqa: E402
 from planner import zoo  # noqa: E402
-from planner.plan import ParallelConfig, config_problems  # noqa: E402
+from planner.plan import ParallelConfig
+from planner.feasibility import config_problems  # noqa: E402
 
 from model_cases import GB, SEED, SEQ, case, planner_view, stages_for  # noqa: E402
 from worker_io import failure, finish, report  # noqa: E402

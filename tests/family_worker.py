@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dist_worker import NORM, compare  # noqa: E402
 from codegen.runtime.mesh import init_distributed  # noqa: E402
 from codegen.runtime.train import parallelize  # noqa: E402
-from planner.plan import ParallelConfig, config_problems  # noqa: E402
+from planner.plan import ParallelConfig
+from planner.feasibility import config_problems  # noqa: E402
 from worker_io import failure, finish, report, write_results  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_configs")

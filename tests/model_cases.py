@@ -188,7 +188,7 @@ def planner_view(name: str):
 
 def stages_for(name: str, n: int) -> list[list[str]]:
     """``n`` virtual stages of case ``name``: the planner's even split over its stage groups."""
-    from planner.search import even_split
+    from planner.stage_split import even_split
     g, _, _ = planner_view(name)
     part = even_split(g, n)
     names = [l.name for l in g.layers]

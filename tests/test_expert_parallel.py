@@ -19,7 +19,8 @@ from cost_models.compute import expert_gemms
 from cost_models.experts import alltoall_bytes, ep_mesh, expert_comm, expert_rows
 from cost_models.memory import layer_params_local, per_param_bytes, stage_memory
 from planner.frontend import graph_of_config
-from planner.plan import ModelFacts, ParallelConfig, config_problems, expert_groups
+from planner.plan import ModelFacts, ParallelConfig
+from planner.feasibility import config_problems, expert_groups
 from planner.zoo import ModelConfig
 
 # a fine-grained MoE (DeepSeek-like routing: 128 experts, top-8, sigmoid), small enough to plan fast

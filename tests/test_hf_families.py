@@ -45,7 +45,7 @@ REFUSED = {
 def test_family_plans_within_its_limits(family):
     from cost_models.cluster import parse_cluster
     from planner.frontend import load_graph
-    from planner.plan import config_problems
+    from planner.feasibility import config_problems
     from planner.planning import plan_model
     from planner.search import facts_of
 

@@ -13,7 +13,7 @@ import pytest
 from cost_models.cluster import parse_cluster
 from planner import machine_calibration as mcal
 from planner.frontend import load_graph
-from planner.plan import config_problems
+from planner.feasibility import config_problems
 from planner.search import facts_of
 
 

@@ -245,7 +245,7 @@ def test_ilp_and_estimator_price_a_stage_alike(policy: str) -> None:
     from cost_models.estimate import estimate
     from planner.frontend import load_graph
     from planner.plan import ParallelConfig
-    from planner.search import even_split, partition_problem
+    from planner.stage_split import even_split, partition_problem
 
     graph = load_graph("llama-tiny", seq_len=32)
     cluster = parse_cluster("dgx-h100")

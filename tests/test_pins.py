@@ -118,7 +118,7 @@ def test_pinned_recompute_holds_on_every_stage():
     8192 tokens on 16 H100s (pp4 x tp4) fits only with full recompute on the first stages: free,
     the ILP picks it; pinned to none, every stage keeps none (and so the layout does not fit)."""
     from planner.plan import ParallelConfig
-    from planner.search import best_partition
+    from planner.stage_split import best_partition
 
     g = load_graph("llama3-70b", batch=1, seq_len=8192)
     c = parse_cluster("dgx-h100:2")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from cost_models.cluster import parse_cluster
 from planner.frontend import load_graph
-from planner.plan import sp_problem
+from planner.feasibility import sp_problem
 from planner.search import facts_of, search
 
 

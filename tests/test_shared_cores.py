@@ -10,7 +10,7 @@ from cost_models.estimate import estimate
 from cost_models.pipeline import simulate
 from cost_models.shared_cores import BASE_SLICE_S, compute_concurrency, core_speedup, sync_wait_s
 from planner.plan import ParallelConfig
-from planner.search import even_split
+from planner.stage_split import even_split
 
 
 @dataclass

@@ -13,7 +13,8 @@ from cost_models import comm as comm_mod
 from cost_models.cluster import load_preset
 from cost_models.context_parallel import cp_comm, cp_meshes, ring_step_bytes, ulysses_bytes
 from planner.graph import AttentionDims
-from planner.plan import ModelFacts, ParallelConfig, PlanError, config_problems
+from planner.plan import ModelFacts, ParallelConfig, PlanError
+from planner.feasibility import config_problems
 from planner.report_data import build_report, mesh_groups, summary_rows
 
 MHA = AttentionDims(heads=32, kv_heads=32, head_dim=128, seq_len=32768, kv_len=32768, causal=True)

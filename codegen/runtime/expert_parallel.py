@@ -1,7 +1,7 @@
 """Expert parallelism: each MoE layer's routed experts split over ``ep`` of the ranks holding
 distinct tokens, and MoE layers under tensor parallelism.
 
-The ranks (``planner.plan.expert_groups``): the flattened dp x cp x tp ranks of one pipeline
+The ranks (``planner.feasibility.expert_groups``): the flattened dp x cp x tp ranks of one pipeline
 stage, tp inner, cut into groups of ``ep`` consecutive ones. :func:`expert_mesh` is that as
 a device mesh ``[pp, edp, ep]`` (ranks numbered as the ``[pp, dp, cp, tp]`` mesh numbers
 them): ``ep`` is a group exchanging tokens, ``edp`` the ``dp * cp * tp / ep`` ranks holding

@@ -37,7 +37,8 @@ from codegen.runtime import tensor_parallel as tpar
 from codegen.runtime.adapters import ModelAdapter
 from codegen.runtime.attention import build_attention, context_attention
 from codegen.runtime.mesh import cp_groups, device_type, dp_cp_mesh
-from planner.plan import ModelFacts, ParallelConfig, config_problems, uses_ddp_reducer
+from planner.plan import ModelFacts, ParallelConfig, uses_ddp_reducer
+from planner.feasibility import config_problems
 
 
 @dataclass

@@ -3,7 +3,7 @@
 The runtime talks to the model through its adapter (``codegen/runtime/adapters``), never
 through attribute names. Order of application (one public helper each in
 ``codegen/runtime/recipe.py``, which the emitted program calls in the same order): the
-feasibility rule (``planner.plan.config_problems``) on the plan and the adapter's limits,
+feasibility rule (``planner.feasibility.config_problems``) on the plan and the adapter's limits,
 then the device mesh -> the pipeline stage split (this rank's stage modules, built by the
 adapter) -> materialisation of a meta-built model's owned units -> the tied-weight pairs
 and groups (pp > 1; before tensor parallelism splits the ends apart) -> attention per block

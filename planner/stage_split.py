@@ -1,0 +1,128 @@
+"""Stage splits of one configuration: the even split Megatron-LM and torchtitan use (the search's
+first estimate), the ILP's inputs (``partition_problem``), and the ILP's split with its full
+estimate (``split_and_estimate`` / ``best_partition``; the solver is planner/partition.py).
+"""
+from __future__ import annotations
+
+from cost_models.cluster import Cluster
+from cost_models.estimate import Estimate, LayerCosts, estimate, inflight_closed, layer_pass_times
+from cost_models.memory import (DTYPE_BYTES, RESERVE_CPU, RESERVE_GPU, layer_activation, layer_experts,
+                                 layer_params_local, per_param_bytes)
+from planner.graph import BLOCK_KINDS, ModelGraph
+from planner.plan import RECOMPUTE, ParallelConfig, Partition, recompute_policies
+
+
+def even_split(graph: ModelGraph, stages: int, recompute: str = "none") -> Partition:
+    """Equal numbers of repeated blocks per stage, as Megatron-LM and torchtitan split a model
+    (the first stages take the remainder): the layers before the first block (embeddings) ride
+    with the first stage, those after a stage's last block (a projector, the final norm and
+    head) with the next stage or the last. Models with fewer blocks than stages: equal numbers
+    of stage groups (``ModelGraph.stage_groups``). In layers."""
+    groups = graph.stage_groups()
+    weight = [sum(graph.layers[i].kind in BLOCK_KINDS for i in range(lo, hi)) for lo, hi in groups]
+    total = sum(weight)
+    if total < stages:
+        return expand_groups(Partition.even(len(groups), stages, recompute), groups)
+    q, r = divmod(total, stages)
+    bounds, start, have = [], 0, 0
+    for g, w in enumerate(weight):
+        have += w
+        if len(bounds) < stages - 1 and have >= q + (1 if len(bounds) < r else 0):
+            bounds.append((start, g + 1))
+            start, have = g + 1, 0
+    bounds.append((start, len(groups)))
+    return expand_groups(Partition(bounds, [recompute] * stages), groups)
+
+
+def expand_groups(part: Partition, groups: list[tuple[int, int]]) -> Partition:
+    """A split of the stage groups as a split of the layers."""
+    return Partition([(groups[a][0], groups[b - 1][1]) for a, b in part.bounds], list(part.recompute))
+
+
+def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None):
+    """The ILP's inputs for one configuration: per stage group (layers a boundary may not
+    split, summed) times and bytes per recompute policy."""
+    from planner.partition import PartitionProblem
+    from cost_models.estimate import microbatches
+
+    m = microbatches(cfg, global_batch)
+    per_param, per_expert = (sum(v for k, v in per_param_bytes(cfg, e).items() if k in ("weights", "grads", "optimizer",
+                                                                                    "buffers")) for e in (False, True))
+    from cost_models import comm as comm_mod
+
+    mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
+    costs = LayerCosts(graph, cluster, cfg.replace(recompute="none"), profile)  # recompute is priced below
+    groups = graph.stage_groups()
+    fwd, bwd, act, static, out_p2p, classes = [], [], [], [], [], []
+    for g, (lo, hi) in enumerate(groups):
+        f = {p: 0.0 for p in RECOMPUTE}
+        b = {p: 0.0 for p in RECOMPUTE}
+        a = {p: 0.0 for p in RECOMPUTE}
+        for l in graph.layers[lo:hi]:
+            c = costs.get(l)
+            for p in RECOMPUTE:
+                t = layer_pass_times(c, p)
+                f[p] += t.fwd
+                b[p] += t.bwd
+                a[p] += layer_activation(l, graph, cfg, p)
+        fwd.append(f)
+        bwd.append(b)
+        act.append(a)
+        static.append(sum((layer_params_local(l, cfg.tp, cfg.pp, cfg.ep, graph.hidden) - layer_experts(l, graph.hidden)
+                           / cfg.ep) * per_param + layer_experts(l, graph.hidden) / cfg.ep * per_expert
+                          for l in graph.layers[lo:hi]))
+        classes.append("|".join(l.signature for l in graph.layers[lo:hi]))
+        if cfg.pp > 1 and g + 1 < len(groups):
+            nxt = graph.layers[hi]
+            nb = nxt.input_bytes * cfg.mbs / graph.batch * DTYPE_BYTES[cfg.dtype] / graph.dtype_bytes
+            nb /= cfg.cp * (cfg.tp if cfg.sp else 1)
+            out_p2p.append(comm_mod.p2p_time(nb, cluster, mesh, profile).seconds)
+        else:
+            out_p2p.append(0.0)
+    S = cfg.pp * cfg.vpp
+    sched = cfg.schedule if cfg.pp > 1 else "1f1b"
+    inflight = []
+    for j in range(S):
+        r = j % cfg.pp
+        inflight.append((inflight_closed(sched, cfg.pp, m, cfg.vpp, r) if cfg.pp > 1 else 1) / cfg.vpp)
+    reserve = RESERVE_GPU if cluster.backend != "gloo" else RESERVE_CPU
+    return PartitionProblem(fwd=fwd, bwd=bwd, act=act, static=static, out_p2p=out_p2p, classes=classes, pp=cfg.pp,
+                            v=cfg.vpp, m=m, schedule=sched, inflight=inflight,
+                            capacity=cluster.memory_bytes - reserve)
+
+
+def split_and_estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None,
+                       time_limit: float = 10.0, uniform_recompute: bool = False) -> tuple[Estimate, dict]:
+    """``cfg`` simulated in full on its best stage split: the ILP's, unless the simulator
+    rates the even split faster or the ILP's does not fit (the ILP optimises a linear model
+    of the schedule; the simulator is the judge). Returns the estimate and the solver info.
+    ``uniform_recompute``: every stage keeps ``cfg.recompute`` (a pinned policy)."""
+    part, info = best_partition(graph, cluster, cfg, global_batch, profile, time_limit, uniform_recompute)
+    e = estimate(graph, cluster, cfg, part, global_batch, profile=profile)
+    if cfg.pp * cfg.vpp > 1:
+        e_even = estimate(graph, cluster, cfg, even_split(graph, cfg.pp * cfg.vpp, cfg.recompute), global_batch,
+                          profile=profile)
+        if not e.fits or (e_even.fits and e_even.step_s < e.step_s):
+            e, info = e_even, dict(info, chosen="even split (simulated faster or the ILP split did not fit)")
+    return e, info
+
+
+def best_partition(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None,
+                   time_limit: float = 10.0, uniform_recompute: bool = False) -> tuple[Partition, dict]:
+    """The ILP's stage split (recompute per stage: with ``cfg.recompute = none`` the ILP may
+    choose any policy per stage, unless ``uniform_recompute``) for ``cfg``; an even split when
+    pp == 1."""
+    n = len(graph.layers)
+    if cfg.pp * cfg.vpp == 1:
+        return Partition.even(n, 1, cfg.recompute), {"status": "trivial (one stage)"}
+    from planner.partition import solve_partition
+
+    prob = partition_problem(graph, cluster, cfg, global_batch, profile)
+    uniform = cfg.recompute != "none" or uniform_recompute
+    prob.policies = (cfg.recompute,) if uniform else recompute_policies(cfg.schedule, cfg.pp)
+    r = solve_partition(prob, time_limit=time_limit)
+    info = {"status": r.status, "gap": r.gap, "solve_s": r.solve_s, "solver": r.solver,
+            "objective_s": r.objective_s}
+    if r.status == "infeasible" or r.partition is None:
+        return even_split(graph, cfg.pp * cfg.vpp, cfg.recompute), info
+    return expand_groups(r.partition, graph.stage_groups()), info
