@@ -60,7 +60,6 @@ def recompute_problem(recompute: str, schedule: str, pp: int) -> str | None:
 
 
 DTYPES = ("bf16", "fp16", "fp32")
-CP_METHODS = ("none", "ring", "ulysses", "hybrid")  # ParallelConfig.cp_method (codegen/runtime/context_parallel.py)
 ATTN_KERNELS = ("flash", "eager")      # flash: no S x S scores kept (SDPA flash / our Triton kernel)
 LOSS_KERNELS = ("fused", "eager")      # fused: linear + cross-entropy without [tokens x vocab] logits
 MESH_DIMS = ("pp", "dp", "cp", "tp")   # outer to inner
@@ -134,7 +133,7 @@ class ParallelConfig:
 
     @property
     def cp_method(self) -> str:
-        """How context parallel runs (:data:`CP_METHODS`): ``ring`` (ring attention over cp),
+        """How context parallel runs: ``ring`` (ring attention over cp),
         ``ulysses`` (all-to-all trading the sequence split for a head split around attention,
         over all cp ranks) or ``hybrid`` (Ulysses over groups of ``ulysses`` consecutive cp
         ranks, ring attention across the ``cp / ulysses`` groups: USP / LoongTrain's 2-D CP);
