@@ -205,6 +205,54 @@ SHARDS = {2: (MODELS, MOE_MODELS),
           8: (MODELS_BY_WORLD[8],)}
 
 
+# packed documents (tests/packed_documents.py) against every document run alone: the flash path
+# (the kernels' torch fallback on CPU) and eager SDPA, the ring, Ulysses and the hybrid, with
+# TP + SP, DP (two micro-batches per rank), FSDP and PP (the schedules interleave micro-batches;
+# recompute restores the documents of its forward)
+DOC_LAYOUTS = {
+    2: [("dp2-ddp", dict(dp=2, zero="ddp"), 1), ("tp2-sp", dict(tp=2, sp=True), 1),
+        ("cp2-zigzag", dict(cp=2), 1), ("cp2-zigzag-eager", dict(cp=2, attention="eager"), 1),
+        ("cp2-ulysses", dict(cp=2, ulysses=2), 1), ("cp2-zigzag-selective", dict(cp=2, recompute="selective"), 1),
+        ("pp2-1f1b", dict(pp=2, schedule="1f1b"), 2),
+        ("pp2-1f1b-selective", dict(pp=2, schedule="1f1b", recompute="selective"), 2),
+        ("pp2-interleaved-v2", dict(pp=2, schedule="interleaved-1f1b", vpp=2), 4),
+        ("pp2-zb-h1", dict(pp=2, schedule="zb-h1"), 2)],
+    4: [("cp4-zigzag", dict(cp=4), 1), ("cp4-zigzag-eager", dict(cp=4, attention="eager"), 1),
+        ("cp4-ulysses", dict(cp=4, ulysses=4), 1), ("cp4-hybrid", dict(cp=4, ulysses=2), 1),
+        ("cp2xtp2-sp", dict(cp=2, tp=2, sp=True), 1), ("cp2xtp2-ulysses-sp", dict(cp=2, ulysses=2, tp=2, sp=True), 1),
+        ("dp2xcp2-fsdp", dict(dp=2, cp=2, zero="fsdp"), 1),
+        ("pp2xcp2-1f1b-full", dict(pp=2, cp=2, schedule="1f1b", recompute="full"), 2),
+        ("pp2xcp2-ulysses", dict(pp=2, cp=2, ulysses=2, schedule="1f1b"), 2)],
+}
+DOC_MODELS = ("gpt-tiny", "llama-tiny", "hf-llama")
+
+
+def documents_group(world: int) -> dict:
+    from packed_documents import packed_batches, per_document_reference
+    results = {}
+    only = os.environ.get("AUTOPAR_ONLY")
+    for model_name in DOC_MODELS:
+        c = case(model_name)
+        data = packed_batches(c, STEPS)
+        ref_losses, ref_grads = per_document_reference(c, data, LR)
+        for name, kw, nv in DOC_LAYOUTS[world]:
+            if only and name not in only.split(","):
+                continue
+            key = f"{model_name}/{name}"
+            refused = config_problems(ParallelConfig(dtype="fp32", mbs=1, **kw), planner_view(model_name)[2])
+            if refused:
+                results[key] = {"refused": refused}
+                continue
+            try:
+                losses, grads, dt = run_layout(model_name, kw, nv, data)
+                results[key] = {"losses": losses, "ref_losses": ref_losses, "seconds": dt,
+                                **compare(grads, ref_grads, losses, ref_losses)}
+            except Exception as exc:
+                results[key] = failure(exc)
+            report(key, results[key])
+    return results
+
+
 def parity_group(world: int, shard: int = 0) -> dict:
     results = {}
     for model_name in (m for m in MODELS_BY_WORLD[world] if m in SHARDS[world][shard]):
@@ -339,6 +387,8 @@ def main() -> None:
             results.update(guarded("mllm-tiny/pp2-unequal", mllm_pp2))
         if world == 4 and len(sys.argv) > 3:
             results["ckpt"] = guarded("error", ckpt_first, sys.argv[3])
+    elif group == "documents":
+        results.update(documents_group(world))
     elif group == "resume":
         results["ckpt"] = guarded("error", ckpt_resume, sys.argv[3])
     elif group == "mllm":

@@ -16,9 +16,13 @@ fails), so autopar ships its own ring attention:
 - Per step, :func:`partial_attention` (plain torch, float32) attends the local queries
   to the visiting block with the causal mask built from global positions and returns
   the output and its natural-log LSE; partial outputs are merged by log-sum-exp.
-- A visiting block no query may see is skipped, but ``0.0 * kv.sum()`` is added so its
+- A visiting block no query may see is skipped, but a zero product with it is added so its
   rotate op stays in the autograd graph; otherwise the peer waits forever for that
   op's backward exchange.
+- Packed documents (``documents.Documents`` holds the micro-batch's ``doc_start``, full
+  sequence): each local query's document start is read at its global position; a query
+  sees a key only inside its document, and a visiting block no local query may see
+  (decided once per micro-batch for every step) is skipped as above.
 - Non-causal calls (the MLLM vision encoder, whose tokens are not sequence-sharded)
   fall through to the ``fallback`` local implementation.
 - ``flash=True`` (the plan's ``attention == "flash"``): each step's partial attention is
@@ -49,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
+from codegen.runtime.documents import Documents, any_visible, visible_mask
 from planner.zoo.attention import sdpa_attention
 
 _MASKED = -1e30
@@ -95,14 +100,16 @@ def shard_sequence(t: torch.Tensor, cp: int, rank: int, dim: int = 1, load_balan
 
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                       q_pos: Optional[torch.Tensor] = None, kv_pos: Optional[torch.Tensor] = None,
-                      scale: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      scale: Optional[float] = None,
+                      q_doc: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [B,H,Sq,D] to one K/V block [B,Hkv,Sk,D] -> (out [B,H,Sq,D] fp32, lse [B,H,Sq] fp32).
 
     ``lse`` is the natural-log sum of exp(scaled scores) over the visible keys (``scale``
     defaults to 1/sqrt(D)). With
     ``causal``, query at global position ``q_pos[i]`` sees key ``kv_pos[j]`` iff
-    ``kv_pos[j] <= q_pos[i]`` (defaults: ``arange``). Rows with no visible key get
-    ``lse`` ~ -1e30 (weight 0 when merged) and a finite dummy output.
+    ``kv_pos[j] <= q_pos[i]`` (defaults: ``arange``), and with packed documents (``q_doc``
+    [B, Sq], each query's document start) also ``kv_pos[j] >= q_doc[b, i]``. Rows with no
+    visible key get ``lse`` ~ -1e30 (weight 0 when merged) and a finite dummy output.
     """
     rep = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(rep, dim=1) if rep > 1 else k.float()
@@ -113,7 +120,10 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
             q_pos = torch.arange(q.shape[2], device=q.device)
         if kv_pos is None:
             kv_pos = torch.arange(k.shape[2], device=q.device)
-        visible = kv_pos[None, :] <= q_pos[:, None]
+        if q_doc is None:
+            visible = kv_pos[None, :] <= q_pos[:, None]
+        else:
+            visible = visible_mask(q_pos, kv_pos, q_doc)[:, None]  # [B, 1, Sq, Sk]
         scores = scores.masked_fill(~visible, _MASKED)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.exp(scores - lse[..., None]) @ vf
@@ -152,6 +162,15 @@ class _Rotate(torch.autograd.Function):
         return _exchange(grad, ctx.prv, ctx.nxt, ctx.group), None, None, None
 
 
+def _zero_use(kv: torch.Tensor) -> torch.Tensor:
+    """0 (a scalar) that depends on ``kv`` through a product with a saved zero: a skipped
+    visiting block's rotate stays in the autograd graph (its backward is the peer's
+    exchange), and under recompute the backward reaches a saved tensor before that exchange,
+    as it does through a computed block: every rank replays the checkpointed exchanges first,
+    then runs the backward ones, in the same order."""
+    return (kv.flatten()[:1] * torch.zeros(1, dtype=kv.dtype, device=kv.device)).sum()
+
+
 def _flash_head_dims() -> tuple[int, ...]:
     from codegen.kernels.attention import SUPPORTED_HEAD_DIMS
     return SUPPORTED_HEAD_DIMS
@@ -170,14 +189,16 @@ class RingCompute:
     """
 
     def __init__(self, cp: int, rank: int, load_balance: str = "zigzag", fallback: Optional[Callable] = None,
-                 flash: bool = False, ulysses: int = 1):
+                 flash: bool = False, ulysses: int = 1, documents: Optional[Documents] = None):
         if not 0 <= rank < cp:
             raise ValueError(f"cp rank {rank} is outside 0..{cp - 1}")
         self.cp, self.rank, self.ulysses = cp, rank, ulysses  # cp: the ring's degree (cp / ulysses of CP's)
         self.load_balance = load_balance
         self.fallback = fallback or sdpa_attention
         self.flash = flash
+        self.documents = documents
         self._positions: dict[tuple, tuple] = {}  # (seq, device) -> positions on that device
+        self._doc_view: tuple = (None, None, None)  # (documents.version, seq, (q_doc, seen per step))
 
     def _ring_positions(self, seq: int, device: torch.device) -> tuple[torch.Tensor, list]:
         """The local queries' global positions and, per ring step, the visiting block's
@@ -205,26 +226,41 @@ class RingCompute:
         if not causal:
             return self.fallback(q, k, v, causal=causal, scale=scale)
         q_pos, steps = self._ring_positions(q.shape[2] * self.cp, q.device)
+        q_doc, seen = self._document_view(q.shape[2] * self.cp, q_pos, steps)
         kv = torch.stack((k, v))
         if self.flash and q.shape[-1] in _flash_head_dims():
             from codegen.kernels.attention import attn_merge
             from codegen.runtime.kernels import ring_block_attention
             block = lambda q_, k_, v_, kv_pos: ring_block_attention(q_, k_, v_, q_pos, kv_pos,  # noqa: E731
-                                                                    scale=scale)
+                                                                    scale=scale, q_doc=q_doc)
             merge = attn_merge
         else:
             block = lambda q_, k_, v_, kv_pos: partial_attention(q_, k_, v_, causal=True, q_pos=q_pos,  # noqa: E731
-                                                                 kv_pos=kv_pos, scale=scale)
+                                                                 kv_pos=kv_pos, scale=scale, q_doc=q_doc)
             merge = merge_partials
         out, lse = block(q, k, v, q_pos)
-        for kv_pos, unseen in steps:
+        for (kv_pos, unseen), doc_seen in zip(steps, seen):
             kv = self._rotate(kv)
-            if unseen:
-                out = out + 0.0 * kv.sum()  # keep the rotate op in the graph (its backward exchanges)
+            if unseen or not doc_seen:
+                out = out + _zero_use(kv)  # keep the rotate op in the graph (its backward exchanges)
                 continue
             o_b, l_b = block(q, kv[0], kv[1], kv_pos)
             out, lse = merge(out, lse, o_b, l_b)
         return out.to(q.dtype)
+
+    def _document_view(self, seq: int, q_pos: torch.Tensor, steps: list) -> tuple[Optional[torch.Tensor], list]:
+        """(the local queries' document starts [B, Sq] or None, per ring step whether any local
+        query may see a key of the visiting block), once per micro-batch (``documents.version``)
+        for all layers: one device sync, none per layer."""
+        ds = self.documents.doc_start if self.documents is not None else None
+        if ds is None:
+            return None, [True] * len(steps)
+        version = self.documents.version
+        if self._doc_view[:2] != (version, seq):
+            q_doc = ds.to(q_pos.device).index_select(1, q_pos)
+            seen = [any_visible(q_pos, q_doc, kv_pos) for kv_pos, _ in steps]
+            self._doc_view = (version, seq, (q_doc, torch.stack(seen).tolist() if seen else []))
+        return self._doc_view[2]
 
     def _rotate(self, kv: torch.Tensor) -> torch.Tensor:
         return kv
@@ -235,8 +271,9 @@ class RingAttention(RingCompute):
     visiting K/V blocks really travel around the ring (:class:`_Rotate`)."""
 
     def __init__(self, group, load_balance: str = "zigzag", fallback: Optional[Callable] = None,
-                 flash: bool = False, ulysses: int = 1):
-        super().__init__(dist.get_world_size(group), dist.get_rank(group), load_balance, fallback, flash, ulysses)
+                 flash: bool = False, ulysses: int = 1, documents: Optional[Documents] = None):
+        super().__init__(dist.get_world_size(group), dist.get_rank(group), load_balance, fallback, flash, ulysses,
+                         documents)
         self.group = group
         self.nxt = dist.get_global_rank(group, (self.rank + 1) % self.cp)
         self.prv = dist.get_global_rank(group, (self.rank - 1) % self.cp)

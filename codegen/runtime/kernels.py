@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from codegen.kernels.attention import SUPPORTED_HEAD_DIMS, attn_merge, flash_attention
-from planner.zoo.attention import sdpa_attention
+from codegen.runtime.documents import Documents, EagerAttention
 
 IGNORE_INDEX = -100
 
@@ -38,18 +38,24 @@ IGNORE_INDEX = -100
 class FlashAttention:
     """Attention implementation ``fn(q, k, v, *, causal, scale=None)`` on ``flash_attention``.
 
-    ``fallback`` handles head dims the kernel does not support (default SDPA)."""
+    ``documents`` (``documents.Documents``): the current micro-batch's packed documents, whose
+    ``doc_start`` the kernel masks by (causal calls); ``fallback`` handles head dims the kernel
+    does not support (default: SDPA, with the same document mask)."""
 
-    def __init__(self, fallback: Optional[Callable] = None, impl: str = "auto"):
-        self.fallback = fallback or sdpa_attention
+    def __init__(self, fallback: Optional[Callable] = None, impl: str = "auto",
+                 documents: Optional[Documents] = None):
+        self.fallback = fallback or EagerAttention(documents)
         self.impl = impl
+        self.documents = documents
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  scale: Optional[float] = None) -> torch.Tensor:
         if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
             return self.fallback(q, k, v, causal=causal, scale=scale)
+        ds = self.documents.doc_start if self.documents is not None and causal else None
         # Top-left aligned causal mask (query i sees keys j <= i), as SDPA's is_causal.
-        out, _ = flash_attention(q, k, v, causal=causal, sm_scale=scale, impl=self.impl)
+        out, _ = flash_attention(q, k, v, causal=causal, sm_scale=scale, impl=self.impl,
+                                 doc_start=None if ds is None else ds.to(q.device))
         return out
 
 
@@ -65,8 +71,8 @@ def _runs(pos: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 def ring_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                         kv_pos: torch.Tensor, impl: str = "auto",
-                         scale: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         kv_pos: torch.Tensor, impl: str = "auto", scale: Optional[float] = None,
+                         q_doc: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of q [B,H,Sq,D] at global positions ``q_pos`` to one K/V block at
     ``kv_pos`` -> (out [B,H,Sq,D] fp32, lse [B,H,Sq] fp32 natural log; -inf if nothing visible).
 
@@ -74,7 +80,8 @@ def ring_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
     (query run, key run) pair is one ``flash_attention`` call with ``q_offset`` /
     ``kv_offset`` = the runs' first global positions. Pairs no query can see are skipped,
     pairs entirely visible run non-causal, and a query run's partials over the key runs
-    are merged with ``attn_merge``."""
+    are merged with ``attn_merge``. ``q_doc`` [B, Sq] (packed documents): each query's
+    document start, a global position; the kernels mask (and skip) by it."""
     q_runs, kv_runs = _runs(q_pos), _runs(kv_pos)
     outs, lses = [], []
     for qa, qn, qp in q_runs:
@@ -83,9 +90,10 @@ def ring_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
         for ka, kn, kp in kv_runs:
             if kp > qp + qn - 1:          # every key after every query: invisible
                 continue
-            causal = kp + kn - 1 > qp     # some key after some query: mask needed
+            causal = kp + kn - 1 > qp or q_doc is not None  # some key masked: the causal path
+            ds = None if q_doc is None else q_doc[:, qa:qa + qn].contiguous()
             ob, lb = flash_attention(qs, k[:, :, ka:ka + kn], v[:, :, ka:ka + kn], causal=causal,
-                                     sm_scale=scale, q_offset=qp, kv_offset=kp, impl=impl)
+                                     sm_scale=scale, q_offset=qp, kv_offset=kp, impl=impl, doc_start=ds)
             if o is None:
                 o, l = ob, lb
             else:

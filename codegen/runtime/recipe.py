@@ -21,7 +21,7 @@ emitted program and by :func:`codegen.runtime.train.parallelize` alike (torchtit
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -36,6 +36,7 @@ from codegen.runtime import recompute as rc
 from codegen.runtime import tensor_parallel as tpar
 from codegen.runtime.adapters import ModelAdapter
 from codegen.runtime.attention import build_attention, context_attention
+from codegen.runtime.documents import Documents
 from codegen.runtime.mesh import cp_groups, device_type, dp_cp_mesh
 from planner.plan import ModelFacts, ParallelConfig, uses_ddp_reducer
 from planner.feasibility import config_problems
@@ -48,6 +49,8 @@ class Stages:
     idx: list[int]                  # their virtual stage indices
     n_virtual: int                  # virtual stages in the whole pipeline (pp * vpp; 1 without PP)
     policy: dict[str, str]          # unit -> recompute policy of the plan stage holding it
+    # the current micro-batch's packed documents, read by every block's attention (documents.py)
+    documents: Documents = field(default_factory=Documents)
 
     @property
     def has_first(self) -> bool:
@@ -120,12 +123,15 @@ def apply_attention(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, 
                     load_balance: str = "zigzag") -> None:
     """Every block's attention: the plan's kernel, context parallelism over ``cp`` (ring, Ulysses
     or both; one instance shared by the blocks), checkpointed when its stage recomputes
-    ``selective``."""
-    ring = context_attention(cfg, *cp_groups(cfg, mesh), load_balance=load_balance) if cfg.cp > 1 else None
+    ``selective``; each masks by the packed documents of ``stages.documents``."""
+    docs = stages.documents
+    ring = context_attention(cfg, *cp_groups(cfg, mesh), load_balance=load_balance,
+                             documents=docs) if cfg.cp > 1 else None
     blocks = set(adapter.blocks)
     for sm in stages.modules:
         for u in (u for u in sm.units if u in blocks):
-            adapter.set_attention(sm.get_submodule(u), build_attention(cfg, stages.policy[u], ring=ring))
+            adapter.set_attention(sm.get_submodule(u), build_attention(cfg, stages.policy[u], ring=ring,
+                                                                       documents=docs))
 
 
 def apply_tp(adapter: ModelAdapter, stages: Stages, tp_plan: dict[str, str], mesh: DeviceMesh, sp: bool) -> None:
@@ -164,7 +170,8 @@ def apply_recompute(adapter: ModelAdapter, stages: Stages) -> None:
     blocks = set(adapter.blocks)
     for sm in stages.modules:
         for u in (u for u in sm.units if u in blocks and stages.policy[u] in ("full", "selective-op")):
-            rc.checkpoint_block(sm.get_submodule(u), per_op=stages.policy[u] == "selective-op")
+            rc.checkpoint_block(sm.get_submodule(u), per_op=stages.policy[u] == "selective-op",
+                                documents=stages.documents)
 
 
 def apply_dp(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, mesh: DeviceMesh,

@@ -23,6 +23,7 @@ split the backward (``planner.plan.recompute_problem``).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Callable, Optional
 
@@ -30,18 +31,21 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from codegen.runtime.documents import Documents, SameDocuments
 from planner.plan import RECOMPUTE as POLICIES
 
 
 class SelectiveAttention:
-    """An attention implementation whose call is checkpointed (recomputed in backward)."""
+    """An attention implementation whose call is checkpointed (recomputed in backward), under
+    the packed documents (``documents``) its forward saw."""
 
-    def __init__(self, inner: Callable):
-        self.inner = inner
+    def __init__(self, inner: Callable, documents: Optional[Documents] = None):
+        self.inner, self.documents = inner, documents
 
     def __call__(self, q, k, v, *, causal: bool, scale: Optional[float] = None):
         if torch.is_grad_enabled():
-            return checkpoint(self._call, q, k, v, causal, scale, use_reentrant=False)
+            return checkpoint(self._call, q, k, v, causal, scale, use_reentrant=False,
+                              context_fn=lambda: (contextlib.nullcontext(), SameDocuments(self.documents)))
         return self.inner(q, k, v, causal=causal, scale=scale)
 
     def _call(self, q, k, v, causal, scale):
@@ -91,16 +95,15 @@ class _Contexts:
     """The (forward, recompute) contexts of one checkpointed forward: nothing or the per-op
     save policy in forward; the hook switch, plus the policy's replay, in recompute."""
 
-    def __init__(self, switch: "_HookSwitch", per_op: bool) -> None:
-        self.switch, self.per_op = switch, per_op
+    def __init__(self, switch: "_HookSwitch", per_op: bool, documents: Optional[Documents] = None) -> None:
+        self.switch, self.per_op, self.documents = switch, per_op, documents
 
     def __call__(self):
-        import contextlib
-
+        recompute = _Both(self.switch, SameDocuments(self.documents))
         if not self.per_op:
-            return contextlib.nullcontext(), self.switch
+            return contextlib.nullcontext(), recompute
         fwd, replay = create_selective_checkpoint_contexts(OpSavePolicy())
-        return fwd, _Both(self.switch, replay)
+        return fwd, _Both(recompute, replay)
 
 
 class _Both:
@@ -110,8 +113,6 @@ class _Both:
         self.first, self.second, self.stack = first, second, None
 
     def __enter__(self) -> None:
-        import contextlib
-
         self.stack = contextlib.ExitStack()
         self.stack.enter_context(self.first)
         self.stack.enter_context(self.second)
@@ -136,15 +137,16 @@ class _HookSwitch:
         self.on = self._prev
 
 
-def checkpoint_block(block: nn.Module, per_op: bool = False) -> None:
+def checkpoint_block(block: nn.Module, per_op: bool = False, documents: Optional[Documents] = None) -> None:
     """Recompute ``block`` in backward (hooks on that instance; idempotent): all of it, or with
-    ``per_op`` only what :class:`OpSavePolicy` does not keep."""
+    ``per_op`` only what :class:`OpSavePolicy` does not keep; under the packed documents
+    (``documents``) its forward saw."""
     from torch.utils.checkpoint import _DEFAULT_DETERMINISM_MODE, _checkpoint_without_reentrant_generator
 
     if getattr(block, "_autopar_ckpt", False):
         return
     switch = _HookSwitch()
-    contexts = _Contexts(switch, per_op)
+    contexts = _Contexts(switch, per_op, documents)
 
     def pre(mod, args, kwargs):
         if switch.on:

@@ -21,7 +21,11 @@ rank. The adapter turns it into the first stage's inputs and per-position target
 transformers model's labels are shifted here, before any sharding); dp rank d takes rows
 ``[d*B/dp, (d+1)*B/dp)``, cp rank c the zigzag sequence shard (see context_parallel), and
 the rows are cut into ``global_batch / (dp * mbs)`` micro-batches of ``mbs`` sequences:
-pipeline micro-batches under PP, gradient accumulation without.
+pipeline micro-batches under PP, gradient accumulation without. A batch that packs several
+documents per row says so with ``cu_seqlens`` (codegen/runtime/documents.py): attention
+stays inside each document, positions restart at each, and no document's last token
+predicts the next one's first (under PP each stage gets its micro-batch's documents as
+keyword arguments of the schedule, and recomputation restores the ones its forward saw).
 
 Loss scaling: the last stage returns each micro-batch's SUMMED token loss; ``TokenLoss``
 divides it by N, the number of non-ignored targets of the whole global batch, times the
@@ -48,6 +52,7 @@ from torch.distributed.tensor import DTensor
 from planner.plan import ModelFacts, ParallelConfig, Plan
 from codegen.runtime import context_parallel as cpar
 from codegen.runtime import data_parallel as dpar
+from codegen.runtime import documents as docs
 from codegen.runtime import expert_parallel as epar
 from codegen.runtime import experts
 from codegen.runtime import recipe
@@ -96,6 +101,11 @@ class ParallelModel:
         self.mesh, self.dp_mesh = mesh, dp_mesh
         self.stage_idx, self.n_virtual, self.load_balance = stages.idx, stages.n_virtual, load_balance
         self.stage_modules = stages.modules
+        self.documents = stages.documents  # the micro-batch's packed documents, read by the attention
+        if schedule is not None:  # the schedule hands each stage its micro-batch's documents
+            for sm in stages.modules:
+                docs.install_stage_documents(sm, self.documents)
+        self._packed: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # this step's (doc_start, positions)
         self.global_batch, self.device = global_batch, device
         self.optimizer, self.loss_fn, self.schedule, self.tied = optimizer, loss_fn, schedule, tied
         self.step_count = 0
@@ -117,20 +127,48 @@ class ParallelModel:
             raise ValueError(f"step() expects the global batch of {self.global_batch} sequences, "
                              f"got {batch['input_ids'].shape[0]}")
         targets = self.adapter.targets(batch)
+        doc_start = self._doc_starts(batch, targets.shape[1])
+        if doc_start is not None:
+            targets = docs.mask_document_ends(targets, doc_start)
         self.loss_fn.n_tokens = int((targets != IGNORE_INDEX).sum())
         per = self.global_batch // self.cfg.dp
         rows = slice(self.dp_rank * per, (self.dp_rank + 1) * per)
         inputs = [t[rows] for t in self.adapter.inputs(batch)]
         targets = targets[rows]
+        seq = targets.shape[1]
         positions = None
         if self.cfg.cp > 1:
-            seq = targets.shape[1]
             inputs[0] = cpar.shard_sequence(inputs[0], self.cfg.cp, self.cp_rank, 1, self.load_balance)
             targets = cpar.shard_sequence(targets, self.cfg.cp, self.cp_rank, 1, self.load_balance)
             positions = cpar.local_positions(seq, self.cfg.cp, self.cp_rank, self.load_balance, self.device)
+        self._packed = None
+        if doc_start is not None:  # per micro-batch: the document mask and per-document positions
+            doc_start = doc_start[rows].to(self.device)
+            own = positions if positions is not None else torch.arange(seq, device=self.device)
+            self._packed = (doc_start, docs.document_positions(doc_start, own))
+        self.documents.set(None)
         for sm in self.stage_modules:
             sm.positions = positions
         return tuple(t.to(self.device) for t in inputs), targets.to(self.device)
+
+    def _doc_starts(self, batch: dict[str, torch.Tensor], seq: int) -> Optional[torch.Tensor]:
+        """The global batch's ``doc_start`` [B, S] from its ``cu_seqlens`` (None without);
+        refuses what cannot run with packed documents."""
+        if "cu_seqlens" not in batch:
+            return None
+        if "pixel_values" in batch:
+            raise ValueError("packed documents (batch['cu_seqlens']) are not supported for multimodal batches; "
+                             "drop cu_seqlens")
+        return docs.doc_starts(batch["cu_seqlens"], self.global_batch, seq)
+
+    def _use_microbatch(self, sl: slice) -> None:
+        """Point the attention and the stage modules at micro-batch ``sl``'s packed documents."""
+        if self._packed is None:
+            return
+        doc_start, positions = self._packed
+        self.documents.set(doc_start[sl])
+        for sm in self.stage_modules:
+            sm.positions = positions[sl]
 
     # ---------------------------------------------------------------- step parts
     def microbatch(self, inputs: Sequence[torch.Tensor], targets: torch.Tensor, mb: int) -> torch.Tensor:
@@ -139,6 +177,7 @@ class ParallelModel:
         sm, n, mbs = self.stage_modules[0], self.n_microbatches, self.cfg.mbs
         dpar.sync_gradients(sm, self.cfg.zero, last=mb == n - 1)
         sl = slice(mb * mbs, (mb + 1) * mbs)
+        self._use_microbatch(sl)
         with tpar.loss_context(self.cfg.tp):
             loss = self.loss_fn(sm(*(a[sl] for a in inputs), labels=targets[sl]), targets[sl])
             loss.backward()
@@ -151,6 +190,8 @@ class ParallelModel:
         # the last stage's outputs are scalar losses (nothing to merge); its forward gets the
         # micro-batch's targets as ``labels``, split like the schedule's target
         kw = dict(target=targets, losses=losses, labels=targets, return_outputs=False) if self.has_last else {}
+        if self._packed is not None:  # every stage: its micro-batch's documents (documents.install_stage_documents)
+            kw.update(doc_start=self._packed[0], doc_positions=self._packed[1])
         with tpar.loss_context(self.cfg.tp):
             self.schedule.step(*inputs, **kw) if self.has_first else self.schedule.step(**kw)
         total = torch.zeros((), dtype=torch.float64, device=self.device)  # nccl reduces device tensors only

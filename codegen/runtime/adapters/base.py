@@ -53,8 +53,9 @@ class StageModule(nn.Module):
       with what the previous stage returned (hidden states, a tensor or a tuple);
     - the last stage, given the keyword ``labels`` (per-position targets, ``-100`` ignored),
       returns the SUMMED token loss of its micro-batch (an fp32 scalar);
-    - ``positions`` (global token positions under context parallelism, else None) is set by
-      the runtime before each step; ``loss_kernel`` (``"fused"`` | ``"eager"``) and ``sp``
+    - ``positions`` (global token positions [S] under context parallelism, per-document
+      positions [mbs, S] with packed documents, else None) is set by the runtime before each
+      step (micro-batch, with documents); ``loss_kernel`` (``"fused"`` | ``"eager"``) and ``sp``
       (sequence parallel on) by ``parallelize``.
     """
 

@@ -148,7 +148,7 @@ class HFStage(StageModule):
             b, s = x.shape[0], self._local_seq(x)
             kw["inputs_embeds"] = torch.zeros(b, s, self.hidden_size, dtype=self.dtype, device=x.device)
         pos = self.positions if self.positions is not None else torch.arange(s, device=x.device)
-        kw["position_ids"] = pos.unsqueeze(0)
+        kw["position_ids"] = pos if pos.dim() == 2 else pos.unsqueeze(0)  # [B, S]: per-document positions
         return view(**kw)
 
     def _local_seq(self, x: torch.Tensor) -> int:

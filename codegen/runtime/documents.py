@@ -1,0 +1,178 @@
+"""Packed documents in the runtime: document boundaries from the batch to the attention, the
+positions and the loss.
+
+A training row of ``S`` tokens often packs several documents. A batch says so with
+``cu_seqlens``: the cumulative document lengths over the flattened global batch (1-D
+integers, ``0 = cu[0] < cu[1] < ... < cu[-1] = B x S``, flash-attn's varlen convention). A
+document that runs past a row's end continues as a new document at the next row's start.
+
+From it the runtime derives ``doc_start`` [B, S]: per token, the row position of its
+document's first token (:func:`doc_starts`), and with it
+
+- the attention mask: query ``i`` sees key ``j`` iff ``doc_start[i] <= j <= i``. The
+  attention implementations read the current micro-batch's ``doc_start`` (full sequence,
+  global positions) from one :class:`Documents` holder per parallelised model, which
+  ``ParallelModel`` sets before each micro-batch: :class:`EagerAttention` (SDPA with the
+  mask), ``kernels.FlashAttention`` (the kernels' ``doc_start``) and ring / Ulysses
+  attention (``context_parallel.RingCompute``: each query's start at its global position;
+  a visiting block no local query may see is skipped);
+- per-document positions ``position - doc_start`` (:func:`document_positions`): RoPE and
+  learned position embeddings restart at every document;
+- the loss (:func:`mask_document_ends`): a document's last token does not predict the next
+  document's first token (that target is ignored, ``-100``), so the mean counts each
+  document's own next-token predictions only.
+
+The holder is state on one model instance (like the stage modules' ``positions``): nothing
+process-wide. Without a pipeline the runtime sets it before each micro-batch; under one the
+schedule passes each stage its micro-batch's documents as keyword arguments
+(:func:`install_stage_documents`), and since other micro-batches run between a forward and
+its backward, a checkpoint's recomputation sets again the documents its forward saw
+(:class:`SameDocuments`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from planner.zoo.attention import sdpa_attention
+
+IGNORE_INDEX = -100
+
+
+class Documents:
+    """The current micro-batch's ``doc_start`` [mbs, S] (global positions; None: no packed
+    documents), shared by the attention implementations of one parallelised model;
+    ``version`` counts updates so implementations can cache what they derive from it."""
+
+    def __init__(self):
+        self.doc_start: Optional[torch.Tensor] = None
+        self.version = 0
+
+    def set(self, doc_start: Optional[torch.Tensor]) -> None:
+        self.doc_start = doc_start
+        self.version += 1
+
+
+def check_cu_seqlens(cu: torch.Tensor, rows: int, seq: int) -> None:
+    """Raise one line naming the problem with a batch's ``cu_seqlens`` (module docstring)."""
+    if cu.dim() != 1 or cu.dtype.is_floating_point or cu.numel() < 2:
+        raise ValueError(f"batch['cu_seqlens'] must be a 1-D integer tensor of cumulative document lengths "
+                         f"(0, ..., {rows * seq}); got shape {tuple(cu.shape)}, dtype {cu.dtype}")
+    if int(cu[0]) != 0 or int(cu[-1]) != rows * seq:
+        raise ValueError(f"batch['cu_seqlens'] must run from 0 to {rows} x {seq} = {rows * seq} tokens; "
+                         f"got {int(cu[0])} .. {int(cu[-1])}")
+    if bool((cu[1:] <= cu[:-1]).any()):
+        raise ValueError("batch['cu_seqlens'] must increase strictly (every document at least one token); "
+                         "drop empty documents")
+
+
+def doc_starts(cu_seqlens: torch.Tensor, rows: int, seq: int) -> torch.Tensor:
+    """[rows, seq] (int64): per token, the row position where its document starts (a document
+    crossing a row end restarts at the next row's position 0)."""
+    check_cu_seqlens(cu_seqlens, rows, seq)
+    cu = cu_seqlens.to(torch.int64).cpu()
+    t = torch.arange(rows * seq)
+    start = cu[torch.searchsorted(cu, t, right=True) - 1]
+    row0 = t - t % seq
+    return (torch.maximum(start, row0) - row0).view(rows, seq)
+
+
+def document_positions(doc_start: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[rows, len(positions)]: the position inside its document of each token at the (global)
+    ``positions`` of ``doc_start``'s rows."""
+    return positions[None, :] - doc_start.index_select(1, positions)
+
+
+def mask_document_ends(targets: torch.Tensor, doc_start: torch.Tensor) -> torch.Tensor:
+    """``targets`` [B, S] (per position, what it predicts) with the target of every document's
+    last token before another document in the row set to ``-100``."""
+    seq = targets.shape[1]
+    starts_next = doc_start[:, 1:] == torch.arange(1, seq, device=doc_start.device)
+    out = targets.clone()
+    out[:, :-1] = out[:, :-1].masked_fill(starts_next.to(targets.device), IGNORE_INDEX)
+    return out
+
+
+def visible_mask(q_pos: torch.Tensor, kv_pos: torch.Tensor, q_doc: torch.Tensor) -> torch.Tensor:
+    """[B, Sq, Sk] bool: query at ``q_pos`` (document start ``q_doc`` [B, Sq]) sees key at
+    ``kv_pos`` (all global positions)."""
+    causal = kv_pos[None, :] <= q_pos[:, None]
+    return causal[None] & (kv_pos[None, None, :] >= q_doc[:, :, None])
+
+
+def any_visible(q_pos: torch.Tensor, q_doc: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor: whether any query (positions ``q_pos``, document starts ``q_doc``
+    [B, Sq]) may see any key of a block at ``kv_pos``: some key in ``[q_doc, q_pos]``."""
+    kv = kv_pos.sort().values
+    lo = torch.searchsorted(kv, q_doc.contiguous())
+    hi = torch.searchsorted(kv, q_pos.expand_as(q_doc).contiguous(), right=True)
+    return (hi > lo).any()
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_start: torch.Tensor,
+                     scale: Optional[float] = None) -> torch.Tensor:
+    """Causal attention within documents through SDPA with a boolean mask [B, 1, S, S]."""
+    s = q.shape[2]
+    pos = torch.arange(s, device=q.device)
+    mask = visible_mask(pos, pos, doc_start.to(q.device))[:, None]
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+class EagerAttention:
+    """The plan's ``attention == "eager"``: SDPA, with the document mask when the current
+    micro-batch packs documents (``documents``, module docstring)."""
+
+    def __init__(self, documents: Optional[Documents] = None):
+        self.documents = documents
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                 scale: Optional[float] = None) -> torch.Tensor:
+        ds = self.documents.doc_start if self.documents is not None else None
+        if ds is None or not causal:
+            return sdpa_attention(q, k, v, causal=causal, scale=scale)
+        return masked_attention(q, k, v, ds, scale)
+
+
+class SameDocuments:
+    """A checkpoint's recompute context: the packed documents its forward saw (taken when the
+    context is made, at forward time) are current again while it is recomputed. Under a
+    pipeline schedule other micro-batches run between a forward and its backward."""
+
+    def __init__(self, documents: Optional[Documents]):
+        self.documents = documents
+        self.doc_start = documents.doc_start if documents is not None else None
+        self._prev: list = []
+
+    def __enter__(self) -> None:
+        if self.documents is not None:
+            self._prev.append(self.documents.doc_start)
+            if self.documents.doc_start is not self.doc_start:
+                self.documents.set(self.doc_start)
+
+    def __exit__(self, *exc) -> None:
+        if self.documents is not None:
+            prev = self._prev.pop()
+            if prev is not self.documents.doc_start:
+                self.documents.set(prev)
+
+
+def install_stage_documents(stage: torch.nn.Module, documents: Documents) -> None:
+    """Let a pipeline stage module take its micro-batch's packed documents as keyword arguments
+    (``doc_start`` [mbs, S], ``doc_positions`` [mbs, S_local]; the schedule splits them per
+    micro-batch and passes them to every stage): a forward pre-hook on that instance sets
+    ``documents`` and the stage's ``positions`` and drops the two keywords."""
+
+    def take(mod, args, kwargs):
+        if "doc_start" not in kwargs:
+            return None
+        kwargs = dict(kwargs)
+        documents.set(kwargs.pop("doc_start"))
+        mod.positions = kwargs.pop("doc_positions")
+        return args, kwargs
+
+    stage.register_forward_pre_hook(take, with_kwargs=True)
