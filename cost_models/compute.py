@@ -31,6 +31,13 @@ Sharding, the way the runtime shards (see codegen/runtime/tensor_parallel.py):
   against all keys, zigzag keeps it balanced).
 - Causal attention does half the S x S work of what the FLOP counter records; the
   time uses the halved figure (model FLOPs for MFU use the full one, as is customary).
+- Packed documents (``ModelGraph.documents``, cost_models/documents.py): a causal flash
+  attention core does ``attention_share`` of the work of one document filling the row
+  (:func:`attention_share`; FLOPs, times, per-op recompute and the model FLOPs of MFU
+  alike), and on GPUs its kernel efficiency sees the shorter of the token-weighted mean
+  document and the ring block's kv length. An eager (unfused) kernel computes and masks
+  every score: its time does not change. Nor does memory (flash activations are linear in
+  tokens; eager attention still materialises the masked S x S scores).
 - Micro-batch size scales FLOPs and bytes linearly from the captured batch.
 
 Calibration (``profile.calibration``, fitted to measured runs by ``autopar calibrate``,
@@ -41,7 +48,8 @@ shares the cores with collectives, the optimizer and the other ranks' Python).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from cost_models import gpu_kernels as gk
 from cost_models.cluster import Cluster
@@ -79,11 +87,44 @@ class LayerTime:
 
 
 def attn_core_flops(layer: Layer, batch: int) -> float:
-    """Forward FLOPs of Q K^T and P V for ``batch`` sequences (full square, no causal halving)."""
+    """Forward FLOPs of Q K^T and P V for ``batch`` sequences (full square, no causal halving):
+    the capture's figure, one document filling each sequence."""
     a = layer.attention
     if a is None:
         return 0.0
     return 4.0 * batch * a.heads * a.seq_len * a.kv_len * a.head_dim
+
+
+def attention_share(layer: Layer, graph: ModelGraph, cfg: ParallelConfig | None = None) -> float:
+    """The share of :func:`attn_core_flops` that ``layer``'s attention core really does with the
+    graph's packed documents (``DocumentMix.attention_share``); 1.0 without them, for a
+    non-causal core (e.g. a vision encoder's, not document-masked) and for an eager
+    (unfused) kernel under ``cfg``, which computes every score and masks it afterwards.
+    Without ``cfg``: the useful work (model FLOPs)."""
+    return graph.documents.attention_share if document_masked(layer, graph, cfg) else 1.0
+
+
+def document_masked(layer: Layer, graph: ModelGraph, cfg: ParallelConfig | None = None) -> bool:
+    """Whether ``layer``'s attention core skips the work its packed documents' masks leave out
+    (:func:`attention_share`): a causal core, with documents, not an eager kernel under ``cfg``."""
+    a = layer.attention
+    return (a is not None and a.causal and graph.documents is not None
+            and (cfg is None or cfg.attention != "eager"))
+
+
+def document_kv_len(layer: Layer, graph: ModelGraph, cfg: ParallelConfig | None = None) -> float:
+    """Keys a query's attention kernel sees at most with packed documents: the token-weighted
+    mean document length (``DocumentMix.mean_tokens``); infinite without (:func:`document_masked`)."""
+    return graph.documents.mean_tokens if document_masked(layer, graph, cfg) else math.inf
+
+
+def model_flops_per_seq(graph: ModelGraph) -> float:
+    """Forward + backward FLOPs of one sequence as MFU counts them: the capture's (full-square
+    attention), with packed documents the attention cores at their real, document-masked
+    work (``attention_share`` of forward and backward; the backward of Q K^T and P V is
+    twice their forward)."""
+    saved = sum(3.0 * attn_core_flops(l, graph.batch) * (1.0 - attention_share(l, graph)) for l in graph.layers)
+    return graph.flops_per_seq() - saved / graph.batch
 
 
 def _shard_factor(layer: Layer, cfg: ParallelConfig) -> float:
@@ -93,7 +134,7 @@ def _shard_factor(layer: Layer, cfg: ParallelConfig) -> float:
     return (f / cfg.tp + (1.0 - f) / rest_div) / cfg.cp
 
 
-def op_recompute_share(layer: Layer, graph: ModelGraph) -> float:
+def op_recompute_share(layer: Layer, graph: ModelGraph, cfg: ParallelConfig | None = None) -> float:
     """Share of ``layer``'s forward FLOPs that per-op recompute (``selective-op``) runs again:
     1 - (kept matmul FLOPs + attention-core FLOPs) / forward FLOPs, for the captured batch
     (routed experts: half their GEMM FLOPs kept); 0 for layers the runtime does not
@@ -107,9 +148,12 @@ def op_recompute_share(layer: Layer, graph: ModelGraph) -> float:
         m = layer.moe
         kept += 3 * 2.0 * tokens * m.top_k * graph.hidden * m.expert_ffn / 2
     a = layer.attention
+    fwd = layer.fwd_flops
     if a is not None:
-        kept += attn_core_flops(layer, graph.batch) * (0.5 if a.causal else 1.0)
-    return min(1.0, max(0.0, 1.0 - kept / layer.fwd_flops))
+        core, share = attn_core_flops(layer, graph.batch), attention_share(layer, graph, cfg)
+        kept += core * (0.5 if a.causal else 1.0) * share
+        fwd -= core * 0.5 * (1.0 - share)  # the work packed documents leave out (0 without them)
+    return min(1.0, max(0.0, 1.0 - kept / fwd)) if fwd > 0 else 0.0
 
 
 def calibration(profile) -> dict[str, float]:
@@ -204,10 +248,12 @@ def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Paral
         gemm_bytes_cap[layer.moe.part] = gemm_bytes_cap.get(layer.moe.part, 0.0) + io * graph.dtype_bytes
     a = layer.attention
     if a is not None:
-        core = attn_core_flops(layer, cfg.mbs) * (0.5 if a.causal else 1.0) / (cfg.tp * cfg.cp)
+        core = attn_core_flops(layer, cfg.mbs) * (0.5 if a.causal else 1.0) * attention_share(layer, graph, cfg)
+        core /= cfg.tp * cfg.cp
         ring = cfg.cp // cfg.ulysses  # CP's ring degree: each block call sees kv_len / ring keys
-        fwd += gk.attention_seconds(core, a.kv_len / ring, gpu, co)
-        bwd += gk.attention_seconds(core, a.kv_len / ring, gpu, co, backward=True)
+        kv = min(a.kv_len / ring, document_kv_len(layer, graph, cfg))  # packed documents: their mean length
+        fwd += gk.attention_seconds(core, kv, gpu, co)
+        bwd += gk.attention_seconds(core, kv, gpu, co, backward=True)
         if ring > 1:  # each ring step's partial output merged by log-sum-exp: read two, write one (fp32)
             merge = 3 * cfg.mbs * (a.seq_len / cfg.cp) * (a.heads / cfg.tp) * (a.head_dim + 1) * 4
             fwd += gk.memory_seconds((ring - 1) * merge, ring - 1, gpu, co)
@@ -241,7 +287,8 @@ def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parall
     scale = cfg.mbs / graph.batch
     dscale = (2 if cfg.dtype != "fp32" else 4) / graph.dtype_bytes
     core = attn_core_flops(layer, graph.batch)
-    causal_cut = 0.5 * core if layer.attention is not None and layer.attention.causal else 0.0
+    causal = layer.attention is not None and layer.attention.causal
+    causal_cut = core * (1.0 - 0.5 * attention_share(layer, graph, cfg)) if causal else 0.0  # + what documents skip
     fwd = bwd = 0.0
     shard = _shard_factor(layer, cfg)
     for op in layer.ops:
@@ -260,7 +307,8 @@ def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parall
         bwd = layer.bwd_bytes * dscale / bw * scale * shard
     op_s = cal.get("op_overhead_s", CPU_OP_OVERHEAD_S)
     fwd += layer.fwd_ops * op_s
-    return LayerTime(fwd, bwd + layer.bwd_ops * op_s, "roofline", op_recompute_s=op_recompute_share(layer, graph) * fwd)
+    return LayerTime(fwd, bwd + layer.bwd_ops * op_s, "roofline",
+                     op_recompute_s=op_recompute_share(layer, graph, cfg) * fwd)
 
 
 def tp_modules(layer: Layer, cfg: ParallelConfig) -> int:
@@ -286,6 +334,17 @@ def dtensor_dispatch_s(layer: Layer, cluster: Cluster, cfg: ParallelConfig,
     return s / 3, 2 * s / 3
 
 
+def _documents_scaled(got: tuple[float, float], layer: Layer, graph: ModelGraph, cluster: Cluster,
+                      cfg: ParallelConfig, cal: dict[str, float]) -> tuple[float, float]:
+    """A profiled (forward, backward) time, measured with one document filling each sequence,
+    scaled to the graph's packed documents by the model's own ratio of the two layer times."""
+    with_docs = roofline_time(layer, graph, cluster, cfg, cal)
+    without = roofline_time(layer, replace(graph, documents=None), cluster, cfg, cal)
+    f = with_docs.fwd_s / without.fwd_s if without.fwd_s > 0 else 1.0
+    b = with_docs.bwd_s / without.bwd_s if without.bwd_s > 0 else 1.0
+    return got[0] * f, got[1] * b
+
+
 def layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
                profile=None) -> LayerTime:
     """Forward and backward seconds of ``layer`` for one micro-batch of ``cfg.mbs`` sequences
@@ -297,9 +356,12 @@ def layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelC
     df, db = dtensor_dispatch_s(layer, cluster, cfg, cal)
     if profile is not None:
         got = profile.layer_time(layer.signature, cfg.mbs, graph.seq_len, cfg.tp, cfg.cp)
+        if got is not None and attention_share(layer, graph, cfg) != 1.0:
+            got = _documents_scaled(got, layer, graph, cluster, cfg, cal)
         if got is not None:  # the profiler times plain local shards: no DTensor dispatch
             fwd = (got[0] + df) * k
-            return LayerTime(fwd, (got[1] + db) * k, "profile", op_recompute_s=op_recompute_share(layer, graph) * fwd)
+            return LayerTime(fwd, (got[1] + db) * k, "profile",
+                             op_recompute_s=op_recompute_share(layer, graph, cfg) * fwd)
     t = roofline_time(layer, graph, cluster, cfg, cal)
     share = t.op_recompute_s / t.fwd_s if t.fwd_s > 0 else 0.0
     fwd = (t.fwd_s + df) * k

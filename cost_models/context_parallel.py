@@ -16,7 +16,11 @@ head dim, ``b`` bytes per element, heads already divided by tp):
   with the block attention of the step before: exposed ``max(0, comm - core)`` forward and
   ``max(0, 2 comm - 2.5 core)`` backward (K, V and their gradients travel; the backward's
   blocks cost 2.5x the forward's). Ring Attention, arXiv 2310.01889; USP, arXiv 2405.07719
-  for the 2-D arrangement.
+  for the 2-D arrangement. With packed documents (``ModelGraph.documents``) the transfers
+  hide only behind the work the visiting blocks really do: ``core`` times ``hide``, the
+  mix's share of the attention work on visiting blocks over that of one document filling
+  the row (``cost_models.documents.ring_hiding``; 1.0 without documents). Short documents
+  keep nearly all their work on a rank's own blocks, so the ring's transfers are exposed.
 
 The Ulysses group is ``u`` consecutive cp ranks (a group of ``u`` with tp's stride on the
 ``[pp, dp, cp, tp]`` mesh, so it stays inside a node first); the ring links ranks ``u x
@@ -65,9 +69,11 @@ def ring_step_bytes(a: AttentionDims, cfg: ParallelConfig) -> float:
     return kv / min(cfg.tp, a.kv_heads)
 
 
-def cp_comm(a: AttentionDims, cfg: ParallelConfig, cluster: Cluster, core_s: float, profile=None) -> CpComm:
+def cp_comm(a: AttentionDims, cfg: ParallelConfig, cluster: Cluster, core_s: float, profile=None,
+            hide: float = 1.0) -> CpComm:
     """The exposed CP communication of one attention layer whose core takes ``core_s`` seconds
-    forward on this rank (module docstring); zero without CP."""
+    forward on this rank, of which ``core_s x hide`` hides the ring's transfers (module
+    docstring); zero without CP."""
     if cfg.cp == 1:
         return CpComm(0.0, 0.0, "none")
     ring_mesh, uly_mesh = cp_meshes(cfg)
@@ -79,5 +85,6 @@ def cp_comm(a: AttentionDims, cfg: ParallelConfig, cluster: Cluster, core_s: flo
     if r > 1:
         step = comm_mod.collective_time("send_recv", ring_step_bytes(a, cfg), cluster, ring_mesh, "cp", profile)
         fwd = (r - 1) * step.seconds
-        ring, source = max(0.0, fwd - core_s) + max(0.0, 2 * fwd - 2.5 * core_s), step.source
+        window = core_s * hide
+        ring, source = max(0.0, fwd - window) + max(0.0, 2 * fwd - 2.5 * window), step.source
     return CpComm(ring + a2a, a2a, source)

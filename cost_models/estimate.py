@@ -63,7 +63,8 @@ the loss all-reduce and logging of the training loop: breakdown ``overhead``);
 reserve on CPU clusters (measured peak RSS includes the interpreter and torch, and the
 allocator's retained and fragmented memory grows with the tensors). compute.py and comm.py read their own keys.
 
-MFU = model FLOPs of the step (full-square attention, forward + backward) /
+MFU = model FLOPs of the step (full-square attention, forward + backward; with packed
+documents the attention at its document-masked work, ``compute.model_flops_per_seq``) /
 (step x world x peak). Every figure carries its source: ``profile`` where measured
 layer times or collective times were used, ``roofline`` / ``model`` otherwise.
 """
@@ -76,8 +77,10 @@ from typing import Any
 from cost_models import comm as comm_mod
 from cost_models import pipeline as pipe_mod
 from cost_models.cluster import Cluster
-from cost_models.compute import LayerTime, attn_core_flops, calibration, layer_time, memory_bandwidth
+from cost_models.compute import (LayerTime, attention_share, attn_core_flops, calibration, document_masked,
+                                  layer_time, memory_bandwidth, model_flops_per_seq)
 from cost_models.context_parallel import cp_comm
+from cost_models.documents import ring_hiding
 from cost_models.experts import ep_mesh, expert_comm
 from cost_models.memory import DTYPE_BYTES, LayerTable, StageMemory, dp_group, stage_memory
 from cost_models.shared_cores import compute_concurrency, core_speedup, shares_cores, spare_core
@@ -230,10 +233,11 @@ class LayerCosts:
         a = layer.attention
         if a is not None:
             peak = self.c.peak_flops("fp32" if self.c.backend == "gloo" else cfg.dtype)
-            core = attn_core_flops(layer, cfg.mbs) * (0.5 if a.causal else 1.0) / (cfg.tp * cfg.cp)
-            core_s = core / peak
+            core = attn_core_flops(layer, cfg.mbs) * (0.5 if a.causal else 1.0) * attention_share(layer, g, cfg)
+            core_s = core / (cfg.tp * cfg.cp) / peak
             if cfg.cp > 1:  # ring, Ulysses or both (cost_models/context_parallel.py)
-                cpc = cp_comm(a, cfg, self.c, core_s, self.profile)
+                hide = ring_hiding(g.documents, cfg.cp, cfg.ulysses) if document_masked(layer, g, cfg) else 1.0
+                cpc = cp_comm(a, cfg, self.c, core_s, self.profile, hide)
                 cp_s, csrc = cpc.exposed, cpc.source
         ex = expert_comm(layer, g, self.c, cfg, self.profile)
         if ex.fwd:
@@ -499,7 +503,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
         breakdown["p2p"] = min(breakdown["bubble"], n_hops * p2p)
         breakdown["bubble"] -= breakdown["p2p"]
     tokens = global_batch * graph.seq_len
-    model_flops = graph.flops_per_seq() * global_batch
+    model_flops = model_flops_per_seq(graph) * global_batch  # document-masked attention with packed documents
     peak = cluster.peak_flops("fp32" if cluster.backend == "gloo" else cfg.dtype)
     src = "profile" if comp_src == {"profile"} else ("roofline" if "profile" not in comp_src else "mixed")
     return Estimate(

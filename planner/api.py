@@ -73,7 +73,8 @@ class Parallelized:
 def auto_parallelize(model: nn.Module, example_batch: dict[str, torch.Tensor], loss_fn: Callable | None = None,
                      cluster: str = "detect", optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
                      *, spec: str | None = None, profile: str | None = None, seed: int | None = None,
-                     plan: str | None = None, module_spec: Any = None, fix: str | None = None) -> Parallelized:
+                     plan: str | None = None, module_spec: Any = None, fix: str | None = None,
+                     seq_lens: Any = None) -> Parallelized:
     """Capture ``model`` on ``example_batch``, plan it for ``cluster`` on rank 0, broadcast the
     plan, apply it; returns an object with ``.step(batch)``, ``.plan``, ``.save``, ``.load``.
 
@@ -82,7 +83,9 @@ def auto_parallelize(model: nn.Module, example_batch: dict[str, torch.Tensor], l
     replaces the token cross-entropy of a plain module (``module_spec`` =
     ``codegen.runtime.adapters.module.ModuleSpec(blocks=..., before=..., after=..., loss=...)``
     names its units explicitly); ``fix`` keeps part of the layout, as ``autopar plan --fix``
-    (``"tp=8,pp=1"``, ``"tp<=4,zero=fsdp"``: see planner/pins.py). Without ``profile``, a plan for
+    (``"tp=8,pp=1"``, ``"tp<=4,zero=fsdp"``: see planner/pins.py); ``seq_lens`` plans each sequence as
+    a row of packed documents of those lengths (a file, a list of lengths or {length: count}, as
+    ``autopar plan --seq-lens``; planner/seq_lens.py). Without ``profile``, a plan for
     this machine's CPUs uses its cached first-run calibration when there is one (``autopar plan``
     or ``autopar demo`` make it).
     """
@@ -122,7 +125,7 @@ def auto_parallelize(model: nn.Module, example_batch: dict[str, torch.Tensor], l
     if rank == 0:
         try:
             box[0] = _plan_on_rank0(model, example_batch, cluster, world, gb, spec, profile, plan,
-                                    module_spec, pins).to_json()
+                                    module_spec, pins, seq_lens).to_json()
         except AutoparError as e:
             box[0] = {"error": str(e)}
     dist.broadcast_object_list(box, src=0)
@@ -137,7 +140,8 @@ def auto_parallelize(model: nn.Module, example_batch: dict[str, torch.Tensor], l
     return Parallelized(pm, the_plan)
 
 
-def _plan_on_rank0(model, example, cluster, world, gb, spec, profile, plan_path, module_spec, pins=None) -> Plan:
+def _plan_on_rank0(model, example, cluster, world, gb, spec, profile, plan_path, module_spec, pins=None,
+                   seq_lens=None) -> Plan:
     from codegen.runtime.adapters import adapter_kind
     from cost_models.cluster import parse_cluster
     from cost_models.profile_db import ProfileDB
@@ -145,9 +149,9 @@ def _plan_on_rank0(model, example, cluster, world, gb, spec, profile, plan_path,
     from planner.planning import plan_model
 
     if plan_path:
-        if pins:
-            raise AutoparError("auto_parallelize(plan=..., fix=...): a plan file is already chosen; drop fix= "
-                               "or plan again with `autopar plan --fix`")
+        if pins or seq_lens is not None:
+            raise AutoparError("auto_parallelize(plan=..., fix=... or seq_lens=...): a plan file is already chosen; "
+                               "drop fix= / seq_lens= or plan again with `autopar plan --fix / --seq-lens`")
         p = Plan.load(plan_path)
         shape = (int(example["input_ids"].shape[0]), int(example["input_ids"].shape[1]))
         if (p.batch["global"], p.batch["seq_len"]) != shape:
@@ -177,6 +181,6 @@ def _plan_on_rank0(model, example, cluster, world, gb, spec, profile, plan_path,
         from planner.machine_calibration import machine_profile
 
         prof = machine_profile(c, allow_profile=False)[0]
-    p, _ = plan_model(graph, c, gb, spec=spec or name, cluster_spec=c.name, profile=prof, fix=pins)
+    p, _ = plan_model(graph, c, gb, spec=spec or name, cluster_spec=c.name, profile=prof, fix=pins, seq_lens=seq_lens)
     return p
 

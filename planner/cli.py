@@ -149,7 +149,20 @@ def _load_inputs(args: argparse.Namespace):
         profile, note = machine_profile(cluster, enabled=not getattr(args, "no_calibrate", False),
                                         progress=_progress)
         _progress(note)
-    graph = with_moe_imbalance(load_graph(args.model, batch=1, seq_len=args.seq_len), args.moe_imbalance)
+    hist, seq_len = None, args.seq_len
+    if getattr(args, "seq_lens", None):  # read (and refused) before the capture
+        from planner.seq_lens import default_budget, read_seq_lens
+
+        hist = read_seq_lens(args.seq_lens)
+        seq_len = seq_len or default_budget(hist)
+    graph = with_moe_imbalance(load_graph(args.model, batch=1, seq_len=seq_len), args.moe_imbalance)
+    if hist is not None:
+        import os
+
+        from planner.seq_lens import describe, with_documents
+
+        graph = with_documents(graph, hist, source=os.path.basename(args.seq_lens))
+        _progress(describe(graph))
     return graph, cluster, profile, pins
 
 
@@ -402,6 +415,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--moe-imbalance", type=float, default=1.0, metavar="X",
                    help="mixtures of experts: the busiest expert-parallel rank's tokens over the mean (default 1.0)")
+    p.add_argument("--seq-lens", default=None, metavar="FILE",
+                   help="document lengths packed into rows of --seq-len tokens (default: the longest, rounded up "
+                        "to 128): one length per line, a JSON list, {\"length\": count} or length,count lines")
     p.add_argument("--fix", default=None, metavar="PINS", help="keep part of the layout, e.g. 'tp=8,pp=1' or "
                    "'tp<=4,zero=fsdp': dp pp cp tp ep mbs vpp with =, <=, >=; schedule zero recompute sp with = "
                    "(evaluate: check --config against them)")

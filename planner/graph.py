@@ -29,6 +29,11 @@ Activation bytes are split by how parallelism divides them:
 Context parallelism divides all of them by cp (every saved tensor carries the
 sequence dimension, except attention-core tensors whose S x S area shrinks by cp
 as each rank holds S/cp queries).
+
+``documents`` (a :class:`DocumentMix`, a planning input like ``MoEDims.imbalance``) says that
+each sequence of ``seq_len`` tokens is a row of packed documents whose attention never
+crosses a document boundary; the FLOPs above stay those of the capture (one document
+filling the row), and the cost models scale the attention core by the mix.
 """
 from __future__ import annotations
 
@@ -91,6 +96,37 @@ class MoEDims:
     def expert_params(self, hidden: int) -> int:
         """Parameters of the routed experts (gate, up, down of each): 3 x experts x hidden x expert_ffn."""
         return 3 * self.experts * hidden * self.expert_ffn
+
+
+@dataclass(frozen=True)
+class DocumentMix:
+    """Packed documents in the micro-batch rows of ``seq_len`` tokens (``autopar plan --seq-lens``;
+    cost_models/documents.py computes it). Concatenate-and-split packing: documents (longer
+    ones first cut into ``seq_len`` pieces) follow each other in a shuffled order, and one
+    that crosses a row end continues as a new document in the next row; attention is
+    causal within each document (document masks). Lengths are in tokens.
+
+    ``attention_share``: the mean over rows of sum(L_i^2) / seq_len^2, the causal attention
+    work of a packed row relative to one document filling it (1.0: no saving);
+    ``mean_tokens``: the token-weighted mean document length in the rows, sum(L_i^2) /
+    sum(L_i) (the keys a query's kernel sees, where the capture assumed ``seq_len``);
+    ``pieces``: the simulated rows' documents in order, ``rows`` rows of ``seq_len`` tokens
+    each (row ends fall on multiples of ``seq_len`` of the running sum), from which the
+    cost model computes the share of the attention work a context-parallel ring's visiting
+    blocks do. The rest describes the source for reports."""
+    seq_len: int                  # the token budget of a row (the graph's seq_len)
+    documents: int                # documents in the source
+    tokens: int                   # tokens in the source
+    median: int                   # document lengths in the source (by document count)
+    p90: int
+    longest: int
+    cut: int                      # source documents longer than seq_len (cut into seq_len pieces)
+    rows: int                     # rows simulated
+    sampled: bool                 # the rows are a random sample of the source (it holds more)
+    attention_share: float
+    mean_tokens: float
+    pieces: tuple[int, ...] = ()
+    source: str = ""              # where the lengths came from (a file name)
 
 
 @dataclass
@@ -162,6 +198,7 @@ class ModelGraph:
     adapter: str = ""       # the runtime adapter that runs it: zoo | hf | module
     limits: dict[str, str] = field(default_factory=dict)  # feature -> why the runtime cannot run it
                                                           # (planner.plan.FEATURES)
+    documents: DocumentMix | None = None  # packed documents per row (a planning input; module docstring)
 
     # ---- derived figures -------------------------------------------------
     @property
@@ -208,7 +245,10 @@ class ModelGraph:
         return out
 
     def fingerprint(self) -> str:
-        """Hash of structure and shapes (layer names, kinds, signatures, sizes): not of weights."""
+        """Hash of structure and shapes (layer names, kinds, signatures, sizes): not of weights,
+        nor of the planning inputs (``documents``, ``MoEDims.imbalance``): a plan names the model
+        it runs, and ``autopar run`` / ``codegen`` check it against the model captured again
+        from its spec, which carries neither."""
         key = [(l.name, l.kind, l.signature, l.params, round(l.fwd_flops), round(l.act_bytes))
                for l in self.layers]
         key.append((self.batch, self.seq_len, self.dtype_bytes, self.hidden, self.vocab))
@@ -237,4 +277,7 @@ class ModelGraph:
             if ld.get("moe") is not None:
                 ld["moe"] = MoEDims(**ld["moe"])
             layers.append(Layer(**ld))
+        if d.get("documents") is not None:
+            docs = dict(d["documents"])
+            d["documents"] = DocumentMix(**dict(docs, pieces=tuple(docs.get("pieces", ()))))
         return ModelGraph(layers=layers, **d)

@@ -295,7 +295,8 @@ class Plan:
     model: dict[str, Any]               # name, spec, fingerprint, layers (unit names in order), params
     cluster: dict[str, Any]             # name, spec, fingerprint, nodes, devices_per_node, backend, memory_gib
     config: ParallelConfig
-    batch: dict[str, int]               # global, micro, microbatches, seq_len
+    batch: dict[str, Any]               # global, micro, microbatches, seq_len (ints); with packed documents
+                                        # ("--seq-lens") "documents": their summary (cost_models/documents.py)
     stages: list[dict[str, Any]]        # {"rank", "chunk", "layers": [names], "recompute"}
     tp_layout: dict[str, str]           # module fqn -> column | row | vocab_embed | embed | vocab_head | norm
     estimate: dict[str, Any]            # step_s, tokens_per_s, mfu, memory per stage, breakdown, source
@@ -385,6 +386,8 @@ class Plan:
             for k in ("global", "micro", "microbatches", "seq_len"):
                 if not _is_int(plan.batch.get(k)) or plan.batch[k] < 1:
                     raise PlanError(f"batch.{k} must be a positive integer")
+            if not isinstance(plan.batch.get("documents", {}), dict):
+                raise PlanError("batch.documents must be an object")
             for what, d in (("model", plan.model), ("cluster", plan.cluster)):
                 # names reach file names and the emitted program's docstring: no quotes, slashes, newlines
                 if not isinstance(d.get("name"), str) or not _NAME.fullmatch(d["name"]):

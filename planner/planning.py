@@ -16,6 +16,7 @@ from planner.pins import Pins, as_pins
 from planner.plan import ParallelConfig, Plan
 from planner.feasibility import config_problems
 from planner.search import SearchResult, facts_of, search
+from planner.seq_lens import SeqLens, as_histogram, with_documents
 from planner.stage_split import even_split as split_evenly
 from planner.stage_split import split_and_estimate
 from planner.tp_layout import tp_layout
@@ -41,12 +42,35 @@ def _rounded(x: Any) -> Any:
     return x
 
 
-def _why_not(alt: Estimate, best: Estimate) -> str:
-    """One line on why an alternative lost: the breakdown category that grew most."""
+def _why_not(alt: Estimate, best: Estimate, graph: ModelGraph | None = None) -> str:
+    """One line on why an alternative lost: the breakdown category that grew most (with packed
+    documents and exposed ring transfers, why they are exposed)."""
     diffs = {k: alt.breakdown.get(k, 0.0) - best.breakdown.get(k, 0.0) for k in alt.breakdown}
     k = max(diffs, key=lambda key: diffs[key])
     pct = (alt.step_s / best.step_s - 1) * 100
-    return f"{pct:+.1f}% step time, mostly {k.replace('_', ' ')} (+{diffs[k]:.3g} s)"
+    line = f"{pct:+.1f}% step time, mostly {k.replace('_', ' ')} (+{diffs[k]:.3g} s)"
+    cfg = alt.config
+    if k == "cp_comm" and graph is not None and graph.documents is not None and cfg.cp // cfg.ulysses > 1:
+        from cost_models.documents import full_row_share, visiting_share
+
+        share = visiting_share(graph.documents, cfg.cp, cfg.ulysses)
+        line += (f": its ring's K/V transfers are exposed, as only {share:.1%} of the attention work over the packed "
+                 f"documents falls on visiting blocks ({full_row_share(graph.seq_len, cfg.cp, cfg.ulysses):.1%} for "
+                 "one document filling the row)")
+    return line
+
+
+def _documents_record(graph: ModelGraph, cfg: ParallelConfig, world: int) -> dict[str, Any]:
+    """What the plan's ``batch.documents`` records (``cost_models.documents.summary``): the mix,
+    and the ring's visiting share for the chosen layout and for every plain ring of the device
+    count (what the report's "why not cp=..." reads)."""
+    from cost_models.documents import summary
+
+    rings = [(cfg.cp, cfg.ulysses)] + [(cp, 1) for cp in range(2, world + 1)
+                                       if world % cp == 0 and (cp, 1) != (cfg.cp, cfg.ulysses)]
+    out = summary(graph.documents, rings)
+    out["chosen"] = f"cp={cfg.cp}" + (f" ulysses={cfg.ulysses}" if cfg.ulysses > 1 else "")
+    return out
 
 
 def build_plan(graph: ModelGraph, cluster: Cluster, e: Estimate, *, spec: str, cluster_spec: str,
@@ -60,9 +84,13 @@ def build_plan(graph: ModelGraph, cluster: Cluster, e: Estimate, *, spec: str, c
                        "recompute": e.partition.recompute[j]})
     alts = [{"config": a.config.to_str(), "label": a.config.label(), "step_s": _rounded(a.step_s),
              "mfu": _rounded(a.mfu), "memory_gib": _rounded(max(m.total for m in a.memory) / GiB),
-             "delta_pct": _rounded((a.step_s / e.step_s - 1) * 100), "why_not": _why_not(a, e)}
+             "delta_pct": _rounded((a.step_s / e.step_s - 1) * 100), "why_not": _why_not(a, e, graph)}
             for a in alternatives]
     rej = {r: {"count": (counts or {}).get(r, len(ex)), "examples": ex} for r, ex in (rejected or {}).items()}
+    batch: dict[str, Any] = {"global": e.global_batch, "micro": cfg.mbs, "microbatches": e.microbatches,
+                             "seq_len": graph.seq_len}
+    if graph.documents is not None:
+        batch["documents"] = _rounded(_documents_record(graph, cfg, cluster.world))
     return Plan(
         model={"name": graph.name, "spec": spec, "fingerprint": graph.fingerprint(), "layers": names,
                "params": graph.params, "hidden": graph.hidden, "vocab": graph.vocab, "adapter": graph.adapter,
@@ -71,19 +99,26 @@ def build_plan(graph: ModelGraph, cluster: Cluster, e: Estimate, *, spec: str, c
                  "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node, "backend": cluster.backend,
                  "memory_gib": _rounded(cluster.memory_bytes / GiB), "device": cluster.device.name},
         config=cfg,
-        batch={"global": e.global_batch, "micro": cfg.mbs, "microbatches": e.microbatches, "seq_len": graph.seq_len},
+        batch=batch,
         stages=stages, tp_layout=tp_layout(graph) if cfg.tp > 1 else {},
         estimate=_estimate_dict(e), alternatives=alts, rejected=rej, search=_rounded(search_info or {}))
 
 
 def plan_model(graph: ModelGraph, cluster: Cluster, global_batch: int, *, spec: str, cluster_spec: str,
                profile=None, top_k: int = 5, progress: Callable[[str], None] | None = None,
-               fix: Pins | str | None = None, **search_kw: Any) -> tuple[Plan, SearchResult]:
+               fix: Pins | str | None = None, seq_lens: SeqLens | None = None,
+               **search_kw: Any) -> tuple[Plan, SearchResult]:
     """Search the space and return the plan with its search record. ``fix`` pins part of the
     layout (a pin string such as ``"tp=8,pp=1"`` or ``"tp<=4"``, see planner/pins.py): only
-    configurations it admits are searched, and the plan's ``search["fix"]`` records it."""
+    configurations it admits are searched, and the plan's ``search["fix"]`` records it.
+    ``seq_lens`` (a file as ``autopar plan --seq-lens`` reads, a list of document lengths or
+    a {length: count} mapping) plans each sequence of ``graph.seq_len`` tokens as a row of
+    those documents packed (planner/seq_lens.py); ``graph`` itself is left as it is."""
     if global_batch < 1:
         raise AutoparError(f"--global-batch must be a positive integer, got {global_batch}")
+    if seq_lens is not None:
+        hist, source = as_histogram(seq_lens)
+        graph = with_documents(graph, hist, source)
     pins = as_pins(fix).check_world(cluster.world, cluster.name)
     res = search(graph, cluster, global_batch, profile=profile, top_k=top_k, progress=progress, pins=pins,
                  **search_kw)

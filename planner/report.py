@@ -204,7 +204,8 @@ def _rejected_html(r: Report) -> str:
         rows = []
         for w in wn:
             alt = w["alternative"]
-            reasons = "; ".join(f"{k}" for k, _ in sorted(w["reasons"].items(), key=lambda kv: -kv[1])[:3])
+            reasons = "; ".join(([w["documents"]] if "documents" in w else [])
+                                + [f"{k}" for k, _ in sorted(w["reasons"].items(), key=lambda kv: -kv[1])[:3]])
             rows.append("<tr>" + _td(f'why not {w["degree"]}')
                         + _td(f'{alt["label"]}: {alt["delta_pct"]:+.1f}%' if alt else "—") + _td(reasons or "—") + "</tr>")
         body.append("<h3>By degree</h3>" + _table(["question", "best alternative with it", "rejections seen"], rows,

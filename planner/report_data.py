@@ -214,8 +214,47 @@ def why_not_degrees(plan: Plan) -> list[dict[str, Any]]:
                 if val != chosen[dim]:
                     rs = entry(dim, val)["reasons"]
                     rs[reason] = rs.get(reason, 0) + 1
+    for (dim, val), e in found.items():
+        if dim == "cp" and (why := _ring_documents(plan, f"cp={val}")):
+            e["documents"] = why
     order = {"dp": 0, "pp": 1, "cp": 2, "ulysses": 3, "tp": 4, "ep": 5}
     return [found[k] for k in sorted(found, key=lambda k: (order[k[0]], k[1]))]
+
+
+def _ring_documents(plan: Plan, layout: str) -> str | None:
+    """With packed documents, why a ring of that cp layout hides its K/V transfers behind little
+    compute (``batch.documents.ring_visiting``, cost_models/documents.py); None without."""
+    d = plan.batch.get("documents") or {}
+    v = d.get("ring_visiting", {}).get(layout)
+    if not v or not v["one_document"]:
+        return None
+    window = d["attention_share"] * v["share"] / v["one_document"]
+    return (f"{layout}: over the packed documents its ring's visiting blocks do {window:.1%} of the attention work "
+            f"they do with one document filling the row (the attention is {d['attention_share']:.1%} of one "
+            f"document's, {v['share']:.1%} of it on visiting blocks against {v['one_document']:.1%}), so the ring's "
+            "K/V transfers are exposed: the attention over short documents is too small to hide them")
+
+
+def documents_text(plan: Plan) -> str | None:
+    """The summary's line on the packed documents (``batch.documents``), or None without."""
+    d = plan.batch.get("documents")
+    if not d:
+        return None
+    src = f" from {d['source']}" if d.get("source") else ""
+    cut = (f"; {d['cut']:,} longer than the budget cut into {d['budget']}-token pieces" if d.get("cut") else "")
+    sample = f"{d['rows']} rows simulated" + (", a sample of the source" if d.get("sampled") else "")
+    text = (f"{d['documents']:,} documents{src} (median {d['median']:,}, p90 {d['p90']:,}, longest {d['longest']:,} "
+            f"tokens) packed into rows of {d['budget']:,} tokens (the budget; {sample}){cut}; causal attention work "
+            f"{d['attention_share']:.1%} of one document filling each row (token-weighted mean document "
+            f"{d['mean_tokens']:,.0f} tokens)")
+    chosen = d.get("chosen", "")
+    v = d.get("ring_visiting", {}).get(chosen)
+    if v:
+        text += (f"; the chosen {chosen} ring: {v['share']:.1%} of the attention work on visiting blocks "
+                 f"({v['one_document']:.1%} with one document per row)")
+    elif chosen:
+        text += f"; the chosen {chosen} runs no ring (no K/V transfers to hide)"
+    return text
 
 
 def build_report(plan: Plan, run_log: str | None = None, layers: bool = True) -> Report:
@@ -258,6 +297,9 @@ def summary_rows(r: Report) -> list[tuple[str, str, str, Any]]:
         ("source", "source of the figures", src_txt, src),
         ("calibration", "calibration", e.get("calibration", "uncalibrated"), e.get("calibration", "uncalibrated")),
     ]
+    if (docs := documents_text(p)) is not None:  # after the batch: what its rows hold
+        after_batch = next(i for i, row in enumerate(rows) if row[0] == "batch") + 1
+        rows.insert(after_batch, ("documents", "documents (--seq-lens)", docs, p.batch["documents"].get("documents")))
     if p.search.get("fix"):  # after the configuration: what of it the user pinned
         after_config = next(i for i, row in enumerate(rows) if row[0] == "config") + 1
         rows.insert(after_config, ("fix", "pinned (--fix)", f"{p.search['fix']} (the search kept to these and chose the rest)",

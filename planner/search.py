@@ -488,6 +488,9 @@ def _solve_best(space: _Space, ranked: list[tuple[float, str, Estimate]], solve_
         res.best.config.cp_method, "none"}
     alts += sorted((next(x[2] for x in ranked if x[2].config.cp_method == cm) for cm in methods),
                    key=lambda e: e.step_s)
+    if space.graph.documents is not None:  # packed documents: the best of every other cp degree, for "why not cp=..."
+        cps = {x[2].config.cp for x in ranked} - {a.config.cp for a in alts} - {res.best.config.cp}
+        alts += sorted((next(x[2] for x in ranked if x[2].config.cp == cp) for cp in cps), key=lambda e: e.step_s)
     res.alternatives = alts
     res.rejected, res.rejected_counts = space.rej.examples, space.rej.counts
 
