@@ -4,6 +4,11 @@ Same contract as the Triton kernels of ``codegen/kernels/attention.py`` (layouts
 natural-log LSE, ``-inf`` rows), including packed documents: ``doc_start`` [B, Sq] (int)
 gives, per query, the global position of the first key it may see (its document's first
 token), so query ``i`` sees key ``j`` iff ``doc_start[b, i] <= j + kv_offset <= i + q_offset``.
+
+Like the kernels, it skips work no query may see: each chunk of ``CHUNK`` query rows
+attends only the keys from its earliest document start to its last query (causal), so a
+causal call does about half the S x S work and packed short documents about the sum of
+their squared lengths (plus a chunk per document).
 """
 from __future__ import annotations
 
@@ -12,14 +17,24 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-CHUNK = 1024  # query rows per step: bounds the fallback's score buffer to chunk x Sk
+CHUNK = 128  # query rows per step: bounds the score buffer to chunk x Sk, and the keys skipped
 
 
-def _scores(q5: Tensor, k: Tensor, rows: slice, causal: bool, sm_scale: float, q_offset: int, kv_offset: int,
-            doc_start: Optional[Tensor]) -> Tensor:
-    """fp32 scores [B, KVH, G, rows, Sk] with the causal and document masks applied as -inf."""
+def _key_range(rows: slice, sk: int, causal: bool, q_offset: int, kv_offset: int,
+               doc_start: Optional[Tensor]) -> slice:
+    """The keys any query of ``rows`` may see: from the earliest document start (packed
+    documents) to the last query (causal); empty when none."""
+    hi = min(sk, max(0, rows.stop + q_offset - kv_offset)) if causal else sk
+    lo = 0 if doc_start is None else min(hi, max(0, int(doc_start[:, rows].min()) - kv_offset))
+    return slice(lo, hi)
+
+
+def _scores(q5: Tensor, k: Tensor, rows: slice, keys: slice, causal: bool, sm_scale: float, q_offset: int,
+            kv_offset: int, doc_start: Optional[Tensor]) -> Tensor:
+    """fp32 scores [B, KVH, G, rows, keys] with the causal and document masks applied as -inf."""
+    k = k[:, :, keys]
     s = torch.matmul(q5[:, :, :, rows].float(), k.float().unsqueeze(2).transpose(-1, -2)) * sm_scale
-    kj = torch.arange(k.shape[2], device=q5.device)[None, :] + kv_offset
+    kj = torch.arange(keys.start, keys.stop, device=q5.device)[None, :] + kv_offset
     if causal:
         qi = torch.arange(rows.start, rows.stop, device=q5.device)[:, None] + q_offset
         s = s.masked_fill(qi < kj, float("-inf"))
@@ -40,10 +55,14 @@ def flash_attn_fwd_torch(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale
     o5, l4 = out.view(B, KVH, H // KVH, Sq, D), lse.view(B, KVH, H // KVH, Sq)
     for r0 in range(0, Sq, CHUNK):
         rows = slice(r0, min(Sq, r0 + CHUNK))
-        s = _scores(q5, k, rows, causal, sm_scale, q_offset, kv_offset, doc_start)
+        keys = _key_range(rows, k.shape[2], causal, q_offset, kv_offset, doc_start)
+        if keys.stop <= keys.start:  # nothing visible
+            o5[:, :, :, rows], l4[:, :, :, rows] = 0, float("-inf")
+            continue
+        s = _scores(q5, k, rows, keys, causal, sm_scale, q_offset, kv_offset, doc_start)
         m = torch.logsumexp(s, dim=-1)                                   # -inf if all masked
         p = torch.exp(s - m.masked_fill(m == float("-inf"), 0.0).unsqueeze(-1))
-        o5[:, :, :, rows] = torch.matmul(p, v.float().unsqueeze(2)).to(q.dtype)
+        o5[:, :, :, rows] = torch.matmul(p, v[:, :, keys].float().unsqueeze(2)).to(q.dtype)
         l4[:, :, :, rows] = m
     return out, lse
 
@@ -69,11 +88,15 @@ def flash_attn_bwd_torch(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     dq5 = dq.view(B, KVH, G, Sq, D)
     for r0 in range(0, Sq, CHUNK):
         rows = slice(r0, min(Sq, r0 + CHUNK))
-        s = _scores(q5, k, rows, causal, sm_scale, q_offset, kv_offset, doc_start)
+        keys = _key_range(rows, k.shape[2], causal, q_offset, kv_offset, doc_start)
+        if keys.stop <= keys.start:  # nothing visible: no gradient
+            dq5[:, :, :, rows] = 0
+            continue
+        s = _scores(q5, k, rows, keys, causal, sm_scale, q_offset, kv_offset, doc_start)
         p = torch.exp(s - lse5[..., rows, None])
         do = do5[:, :, :, rows]
-        dv += torch.matmul(p.transpose(-1, -2), do).sum(2)
-        ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - delta5[..., rows, None])
-        dq5[:, :, :, rows] = (torch.matmul(ds, kf) * sm_scale).to(q.dtype)
-        dk += (torch.matmul(ds.transpose(-1, -2), q5[:, :, :, rows].float()) * sm_scale).sum(2)
+        dv[:, :, keys] += torch.matmul(p.transpose(-1, -2), do).sum(2)
+        ds = p * (torch.matmul(do, vf[..., keys, :].transpose(-1, -2)) - delta5[..., rows, None])
+        dq5[:, :, :, rows] = (torch.matmul(ds, kf[..., keys, :]) * sm_scale).to(q.dtype)
+        dk[:, :, keys] += (torch.matmul(ds.transpose(-1, -2), q5[:, :, :, rows].float()) * sm_scale).sum(2)
     return dq, dk.to(k.dtype), dv.to(v.dtype)

@@ -78,6 +78,35 @@ def synthetic(vocab: int, global_batch: int, seq_len: int, seed: int = 0, *, mll
     return batch
 
 
+def packed_documents(vocab: int, global_batch: int, seq_len: int, lengths: list[int], seed: int = 0,
+                     model_shifts_labels: bool = False) -> DataFn:
+    """``step -> batch`` of rows that pack whole documents of the synthetic source (each document
+    its own Markov chain from a uniform first token) with their ``cu_seqlens``
+    (codegen/runtime/documents.py). Document lengths are drawn from ``lengths`` (tokens,
+    uniformly, seeded by the step); a row's last document is cut at the row's end. ``labels``
+    are each document's next tokens (``input_ids`` when ``model_shifts_labels``)."""
+    succ = successor_table(vocab, seed)
+
+    def batch(step: int) -> dict:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        ids, labels, docs = [], [], []
+        for _ in range(global_batch):
+            row, used = [], 0
+            while used < seq_len:
+                n = min(lengths[int(torch.randint(len(lengths), (1,), generator=g))], seq_len - used)
+                row.append(markov_tokens(succ, 1, n + 1, g)[0])
+                docs.append(n)
+                used += n
+            ids.append(torch.cat([d[:-1] for d in row]))
+            labels.append(torch.cat([d[1:] for d in row]))
+        ids_t = torch.stack(ids)
+        cu = torch.cumsum(torch.tensor([0] + docs), 0)
+        return {"input_ids": ids_t, "labels": ids_t.clone() if model_shifts_labels else torch.stack(labels),
+                "cu_seqlens": cu}
+
+    return batch
+
+
 def user_hook(spec: str, global_batch: int, seq_len: int) -> DataFn:
     """Import ``package.module:function`` (only when the user names it) and return
     ``step -> function(step, global_batch, seq_len)``."""
