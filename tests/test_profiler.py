@@ -60,9 +60,9 @@ def test_ring_compute_covers_the_causal_attention_once(monkeypatch):
     seen = []
     real = cpar.partial_attention
 
-    def counting(q, k, v, *, causal, q_pos=None, kv_pos=None, scale=None):
+    def counting(q, k, v, *, causal, q_pos=None, kv_pos=None, scale=None, q_doc=None):
         seen.append(int((kv_pos[None, :] <= q_pos[:, None]).sum()))
-        return real(q, k, v, causal=causal, q_pos=q_pos, kv_pos=kv_pos, scale=scale)
+        return real(q, k, v, causal=causal, q_pos=q_pos, kv_pos=kv_pos, scale=scale, q_doc=q_doc)
 
     monkeypatch.setattr(cpar, "partial_attention", counting)
     seq, cp = 32, 4
