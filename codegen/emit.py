@@ -60,7 +60,7 @@ import torch.distributed as dist
 
 from codegen.runtime import checkpoint
 from codegen.runtime.adapters import adapter_for
-from codegen.runtime.data import synthetic, user_hook
+from codegen.runtime.data import packed_documents, synthetic, user_hook
 from codegen.runtime.mesh import build_mesh, exit_process, init_distributed, teardown
 from codegen.runtime.metrics import peak_memory_per_rank
 from codegen.runtime.optim import build_optimizer, warmup_cosine
@@ -77,6 +77,8 @@ MODEL, ADAPTER, VOCAB = {model!r}, {adapter!r}, {vocab!r}
 FACTS = ModelFacts.from_dict({facts!r})
 CONFIG = ParallelConfig.parse({config!r})
 GLOBAL_BATCH, SEQ_LEN = {global_batch!r}, {seq_len!r}  # sequences per optimizer step, tokens per sequence
+# planned with --seq-lens: synthetic rows pack documents of these lengths (drawn uniformly)
+DOCUMENT_LENGTHS = {document_lengths!r}
 STAGES = {stages}
 RECOMPUTE = {recompute!r}  # activation recomputation per virtual stage
 {tp_plan}
@@ -153,8 +155,13 @@ def main() -> None:
     model = spec.build(None if ADAPTER == "module" else "meta")
     pm = build(model, args, device)
     mllm = spec.cfg if spec.cfg is not None and spec.cfg.arch == "mllm" else None
-    data = user_hook(args.data, GLOBAL_BATCH, SEQ_LEN) if args.data else synthetic(
-        VOCAB, GLOBAL_BATCH, SEQ_LEN, args.seed, mllm=mllm, model_shifts_labels=ADAPTER == "hf")
+    if args.data:
+        data = user_hook(args.data, GLOBAL_BATCH, SEQ_LEN)
+    elif DOCUMENT_LENGTHS:  # packed documents, as planned: attention within each
+        data = packed_documents(VOCAB, GLOBAL_BATCH, SEQ_LEN, DOCUMENT_LENGTHS, args.seed,
+                                model_shifts_labels=ADAPTER == "hf")
+    else:
+        data = synthetic(VOCAB, GLOBAL_BATCH, SEQ_LEN, args.seed, mllm=mllm, model_shifts_labels=ADAPTER == "hf")
     start = checkpoint.load_latest(pm, args.ckpt_dir) or 0
     rank = dist.get_rank()
     if rank == 0:  # drop steps logged after the checkpoint we resume from (they are run again)
@@ -321,6 +328,10 @@ def emit(plan: Plan) -> str:
         if not isinstance(fqn, str) or not _FQN.fullmatch(fqn) or role not in TP_ROLES:
             raise PlanError(f"tensor-parallel entry {fqn!r}: {role!r} in the plan is not a module path and style")
     est = plan.estimate
+    lengths = (plan.batch.get("documents") or {}).get("lengths") or []
+    if not isinstance(lengths, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                                                for n in lengths):
+        raise PlanError("batch.documents.lengths in the plan must be a list of positive integers (token counts)")
     return TEMPLATE.format(
         model_name=plan.model["name"], label=plan.config.label(), world=plan.config.world,
         device="GPUs" if plan.cluster.get("backend") == "nccl" else "CPU processes", cluster=plan.cluster["name"],
@@ -329,7 +340,7 @@ def emit(plan: Plan) -> str:
         facts=plan.facts.to_dict(), config=plan.config.to_str(), stages=stages_literal(stages),
         recompute=[str(s["recompute"]) for s in plan.stages],
         tp_plan=tp_plan_literal(layout, [u for s in stages for u in s], plan.config.tp),
-        global_batch=int(plan.batch["global"]), seq_len=int(plan.batch["seq_len"]),
+        global_batch=int(plan.batch["global"]), seq_len=int(plan.batch["seq_len"]), document_lengths=lengths,
         mesh_shape=tuple(int(x) for x in plan.config.mesh_shape),
         memory=[float(x) for x in est.get("memory_gib", [])], **_comments(plan))
 

@@ -47,6 +47,7 @@ EXPAND_LIMIT = 2**20    # a histogram with more documents is sampled with replac
 BOUNDARY_BUDGET = 2**14  # a visiting share examines about this many chunk boundaries ...
 MIN_VISIT_ROWS = 8       # ... in at least this many rows
 SEED = 0
+SAMPLE_LENGTHS = 64     # source lengths a plan keeps for synthetic runs (quantile_lengths)
 
 
 def max_rows(seq_len: int) -> int:
@@ -98,6 +99,20 @@ def _percentile(hist: Mapping[int, int], q: int) -> int:
     return max(hist)
 
 
+def quantile_lengths(hist: Mapping[int, int], n: int = SAMPLE_LENGTHS) -> tuple[int, ...]:
+    """``n`` document lengths at the count quantiles (i + 1/2) / n of ``hist``: drawn uniformly,
+    they follow the source's distribution (what an ``autopar run`` on synthetic data packs)."""
+    total, out, seen = sum(hist.values()), [], 0
+    want = iter(range(n))
+    i = next(want)
+    for length in sorted(hist):
+        seen += hist[length]
+        while i is not None and (i + 0.5) * total / n <= seen:
+            out.append(length)
+            i = next(want, None)
+    return tuple(out)
+
+
 def _draw(hist: Mapping[int, int], seq_len: int, rng: random.Random) -> Iterator[int]:
     """Documents of ``hist`` in a shuffled order: the expanded histogram shuffled (then
     exhausted), or, above ``EXPAND_LIMIT`` documents, drawn with replacement for ever."""
@@ -145,7 +160,8 @@ def pack_mix(lengths: Iterable[int], seq_len: int, hist: Mapping[int, int] | Non
         seq_len=seq_len, documents=sum(hist.values()), tokens=tokens, median=_percentile(hist, 50),
         p90=_percentile(hist, 90), longest=max(hist), cut=sum(v for k, v in hist.items() if k > seq_len),
         rows=rows, sampled=sampled, attention_share=square / (rows * seq_len * seq_len),
-        mean_tokens=square / (rows * seq_len), pieces=tuple(pieces), source=source)
+        mean_tokens=square / (rows * seq_len), pieces=tuple(pieces), source=source,
+        lengths=quantile_lengths(hist))
 
 
 # ---------------------------------------------------------------- the ring's visiting work
@@ -267,7 +283,8 @@ def summary(mix: DocumentMix, ring: Iterable[tuple[int, int]] = ()) -> dict:
     visiting share against one full document's."""
     out = {"documents": mix.documents, "tokens": mix.tokens, "median": mix.median, "p90": mix.p90,
            "longest": mix.longest, "budget": mix.seq_len, "cut": mix.cut, "rows": mix.rows, "sampled": mix.sampled,
-           "attention_share": mix.attention_share, "mean_tokens": mix.mean_tokens, "source": mix.source}
+           "attention_share": mix.attention_share, "mean_tokens": mix.mean_tokens, "source": mix.source,
+           "lengths": list(mix.lengths)}
     visits = {}
     for cp, u in ring:
         if cp // u > 1 and mix.seq_len % (2 * cp) == 0:

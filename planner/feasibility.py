@@ -127,6 +127,21 @@ def config_problems(cfg: "ParallelConfig", f: ModelFacts) -> list[str]:
     return out
 
 
+def documents_problem(limits: dict[str, str], causal_only: bool = True) -> str | None:
+    """Why this model cannot train on packed documents (None if it can): only causal text
+    (``causal_only`` False: the model also has non-causal attention, a vision encoder), and
+    only where autopar's attention and token positions run, as context parallelism needs (a
+    model whose limits refuse ``cp`` or ``any`` keeps its own attention, which would attend
+    across documents, or takes no positions)."""
+    if not causal_only:
+        return "packed documents (--seq-lens, cu_seqlens) are for text-only causal models; this one has non-causal attention"
+    for key in ("any", "cp"):
+        if key in limits:
+            return ("packed documents (--seq-lens, cu_seqlens) need autopar's attention and token positions, as "
+                    f"context parallelism does: {limits[key]}")
+    return None
+
+
 def default_attention(limits: dict[str, str]) -> str:
     """The attention kernel to plan with: flash unless the model's limits (``ModelFacts.limits``)
     say it cannot use it."""

@@ -127,6 +127,7 @@ class DocumentMix:
     mean_tokens: float
     pieces: tuple[int, ...] = ()
     source: str = ""              # where the lengths came from (a file name)
+    lengths: tuple[int, ...] = ()  # source lengths at evenly spaced count quantiles: what a synthetic run draws
 
 
 @dataclass
@@ -279,5 +280,6 @@ class ModelGraph:
             layers.append(Layer(**ld))
         if d.get("documents") is not None:
             docs = dict(d["documents"])
-            d["documents"] = DocumentMix(**dict(docs, pieces=tuple(docs.get("pieces", ()))))
+            d["documents"] = DocumentMix(**dict(docs, pieces=tuple(docs.get("pieces", ())),
+                                                lengths=tuple(docs.get("lengths", ()))))
         return ModelGraph(layers=layers, **d)

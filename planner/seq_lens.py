@@ -135,7 +135,11 @@ def with_documents(graph: ModelGraph, hist: Mapping[int, int], source: str = "")
     ``hist`` (``ModelGraph.documents``, cost_models/documents.py), at the graph's
     ``seq_len`` as the budget. One-line error when the documents do not fill one row."""
     from cost_models.documents import document_mix
+    from planner.feasibility import documents_problem
 
+    causal = all(l.attention.causal for l in graph.layers if l.attention is not None)
+    if (why := documents_problem(graph.limits, causal)) is not None:
+        raise AutoparError(f"{graph.name}: {why}; plan without --seq-lens")
     total = sum(k * v for k, v in hist.items())
     if total < graph.seq_len:
         raise AutoparError(f"--seq-lens {source or 'seq_lens'}: the documents hold {total} tokens, fewer than one "

@@ -388,3 +388,56 @@ def test_plan_model_takes_seq_lens_and_leaves_the_graph_alone():
     base, _ = plan_model(g, parse_cluster("dgx-h100"), 8, spec="doc-llama", cluster_spec="dgx-h100")
     assert res.best.step_s < base.estimate["step_s"]
     assert dataclasses.replace(g, documents=None).fingerprint() == plan.model["fingerprint"]
+
+
+def test_quantile_lengths_follow_the_source():
+    assert docs.quantile_lengths({10: 3, 20: 1}, 4) == (10, 10, 10, 20)
+    hist = {n: 1 for n in range(1, 101)}
+    q = docs.quantile_lengths(hist, 10)
+    assert len(q) == 10 and q[0] == 5 and q[-1] == 95 and list(q) == sorted(q)
+
+
+def test_models_that_keep_their_own_attention_are_refused_one_line():
+    """Documents are masked by autopar's attention: a model whose own attention runs (its
+    limits refuse cp), or one with non-causal (vision) attention, cannot plan with them."""
+    from planner.feasibility import documents_problem
+    from planner.frontend import load_graph
+
+    assert documents_problem({}) is None
+    assert "as context parallelism does: sliding window" in documents_problem({"cp": "sliding window"})
+    assert "text-only causal" in documents_problem({}, causal_only=False)
+    g = load_graph("mllm-tiny", batch=1)
+    with pytest.raises(AutoparError, match="non-causal attention; plan without --seq-lens") as e:
+        with_documents(g, {16: 100})
+    assert len(str(e.value).splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_autopar_run_trains_on_the_planned_documents(tmp_path):
+    """A plan made with --seq-lens keeps a sample of the lengths; its program's synthetic data
+    packs documents of them (with cu_seqlens: the masked path), and `autopar run` trains."""
+    import os
+    import subprocess
+    import sys
+
+    from codegen.emit import emit
+    from planner.cli import main
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    lens = tmp_path / "lens.txt"
+    lens.write_text("\n".join(str(n) for n in (3, 5, 8, 13, 21)) + "\n")
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama-tiny", "--cluster", "local-cpu:2", "--global-batch", "4",
+                 "--seq-len", "32", "--seq-lens", str(lens), "--fix", "cp=2", "-o", str(plan)]) == 0
+    p = Plan.load(str(plan))
+    assert sorted(set(p.batch["documents"]["lengths"])) == [3, 5, 8, 13, 21]
+    assert "DOCUMENT_LENGTHS = [" in emit(p) and "packed_documents(VOCAB" in emit(p)
+    bad = Plan.from_dict(dict(json.loads(p.to_json()), batch=dict(p.batch, documents={"lengths": ["1; x"]})))
+    with pytest.raises(Exception, match="lengths in the plan must be a list of positive integers"):
+        emit(bad)
+    env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-m", "planner.cli", "run", str(plan), "--steps", "4", "--dir",
+                        str(tmp_path / "run")], cwd=root, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    recs = [json.loads(line) for line in open(tmp_path / "run" / "train_log.jsonl")]
+    assert [x["step"] for x in recs] == [1, 2, 3, 4] and all(x["loss"] == x["loss"] for x in recs)

@@ -49,6 +49,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from planner.feasibility import documents_problem
 from planner.plan import ModelFacts, ParallelConfig, Plan
 from codegen.runtime import context_parallel as cpar
 from codegen.runtime import data_parallel as dpar
@@ -156,9 +157,9 @@ class ParallelModel:
         refuses what cannot run with packed documents."""
         if "cu_seqlens" not in batch:
             return None
-        if "pixel_values" in batch:
-            raise ValueError("packed documents (batch['cu_seqlens']) are not supported for multimodal batches; "
-                             "drop cu_seqlens")
+        why = documents_problem(self.adapter.limits(), causal_only="pixel_values" not in batch)
+        if why is not None:
+            raise ValueError(f"{why}; drop batch['cu_seqlens']")
         return docs.doc_starts(batch["cu_seqlens"], self.global_batch, seq)
 
     def _use_microbatch(self, sl: slice) -> None:
