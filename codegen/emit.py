@@ -157,6 +157,8 @@ def main() -> None:
     mllm = spec.cfg if spec.cfg is not None and spec.cfg.arch == "mllm" else None
     if args.data:
         data = user_hook(args.data, GLOBAL_BATCH, SEQ_LEN)
+        if DOCUMENT_LENGTHS and dist.get_rank() == 0:
+            print("--data: this plan was made for packed documents (--seq-lens); give the batches cu_seqlens")
     elif DOCUMENT_LENGTHS:  # packed documents, as planned: attention within each
         data = packed_documents(VOCAB, GLOBAL_BATCH, SEQ_LEN, DOCUMENT_LENGTHS, args.seed,
                                 model_shifts_labels=ADAPTER == "hf")

@@ -280,7 +280,7 @@ def ring_hiding(mix: DocumentMix, cp: int, ulysses: int = 1) -> float:
 def summary(mix: DocumentMix, ring: Iterable[tuple[int, int]] = ()) -> dict:
     """What a plan records of the mix (JSON): the source's figures, the budget, the packed
     rows' attention share and, per (cp, ulysses) in ``ring`` that splits the row, the ring's
-    visiting share against one full document's."""
+    visiting share against one full document's and :func:`ring_hiding`."""
     out = {"documents": mix.documents, "tokens": mix.tokens, "median": mix.median, "p90": mix.p90,
            "longest": mix.longest, "budget": mix.seq_len, "cut": mix.cut, "rows": mix.rows, "sampled": mix.sampled,
            "attention_share": mix.attention_share, "mean_tokens": mix.mean_tokens, "source": mix.source,
@@ -289,7 +289,8 @@ def summary(mix: DocumentMix, ring: Iterable[tuple[int, int]] = ()) -> dict:
     for cp, u in ring:
         if cp // u > 1 and mix.seq_len % (2 * cp) == 0:
             name = f"cp={cp}" + (f" ulysses={u}" if u > 1 else "")
-            visits[name] = {"share": visiting_share(mix, cp, u), "one_document": full_row_share(mix.seq_len, cp, u)}
+            visits[name] = {"share": visiting_share(mix, cp, u), "one_document": full_row_share(mix.seq_len, cp, u),
+                            "hiding": ring_hiding(mix, cp, u)}
     if visits:
         out["ring_visiting"] = visits
     return out

@@ -228,7 +228,7 @@ def _ring_documents(plan: Plan, layout: str) -> str | None:
     v = d.get("ring_visiting", {}).get(layout)
     if not v or not v["one_document"]:
         return None
-    window = d["attention_share"] * v["share"] / v["one_document"]
+    window = d["attention_share"] * v["hiding"]  # the cost model's ring_hiding, as the plan recorded it
     return (f"{layout}: over the packed documents its ring's visiting blocks do {window:.1%} of the attention work "
             f"they do with one document filling the row (the attention is {d['attention_share']:.1%} of one "
             f"document's, {v['share']:.1%} of it on visiting blocks against {v['one_document']:.1%}), so the ring's "

@@ -18,7 +18,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dist_worker as W  # noqa: E402
-from test_runtime_parity import TOL, _launch  # noqa: E402
+from test_runtime_parity import TOL, launch  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ CASES = [(world, m, name) for world in W.DOC_LAYOUTS for m in W.DOC_MODELS for n
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("documents")
-    return {world: _launch(world, "documents", str(d / f"w{world}.json")) for world in W.DOC_LAYOUTS}
+    return {world: launch(world, "documents", str(d / f"w{world}.json")) for world in W.DOC_LAYOUTS}
 
 
 @pytest.mark.parametrize("world, model, layout", CASES, ids=[f"{m}/{lay}" for _, m, lay in CASES])

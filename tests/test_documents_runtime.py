@@ -3,8 +3,8 @@ loss mask, and a whole model's packed forward and backward through the attention
 runtime installs (flash: Triton under the CPU interpreter and the torch fallback; eager:
 masked SDPA) against every document run alone (``tests/packed_documents.py``).
 
-The multi-process cases (ring, Ulysses, hybrid, TP, DP; gloo) are in
-``tests/test_runtime_parity.py`` (group ``documents``).
+The multi-process cases (ring, Ulysses, hybrid, TP, DP, PP; gloo) are in
+``tests/test_documents_parity.py`` (``dist_worker``'s group ``documents``).
 """
 import os
 import sys

@@ -114,6 +114,31 @@ def test_ring_step_skips_keys_of_earlier_documents(impl):
         assert maxerr(g, r) < 2e-5
 
 
+def test_torch_fallback_skips_keys_chunk_by_chunk():
+    """The torch fallback attends each 128-row query chunk only to the keys from its earliest
+    document start to its last query: over four chunks at ring offsets (queries at 256..683,
+    keys at 0..255), with chunks whose queries see no key of the block (their document starts
+    at 512), the output, the log-sum-exp and the gradients equal the masked reference."""
+    from codegen.kernels.attention_torch import CHUNK
+
+    assert CHUNK == 128
+    sq, sk, q_off = 428, 256, 256
+    ds = doc_starts([[188, 324, 172], [684]])[:, q_off:]
+    q, k, v = qkv(2, 2, 1, sq, 16, seed=5, Sk=sk)
+    out, lse = flash_attention(q, k, v, causal=True, q_offset=q_off, kv_offset=0, impl="torch", doc_start=ds)
+    rout, rlse = masked_reference(q, k, v, ds, q_off, 0)
+    fin = torch.isfinite(rlse)
+    assert fin[0, :, :256].all() and not fin[0, :, 256:].any() and fin[1].all()
+    assert torch.equal(torch.isfinite(lse), fin) and (out[~fin] == 0).all()
+    assert maxerr(out, rout) < 1e-5 and maxerr(lse[fin], rlse[fin]) < 1e-5
+    gout, glse = torch.randn_like(rout), torch.randn_like(rlse)
+    obj = lambda o, l: (o.float() * gout).sum() + (torch.where(fin, l, 0.0) * glse).sum()  # noqa: E731
+    got = torch.autograd.grad(obj(out, lse), (q, k, v))
+    ref = torch.autograd.grad(obj(rout, rlse), (q, k, v))
+    for g, r in zip(got, ref):
+        assert maxerr(g, r) < 2e-5
+
+
 def test_doc_start_is_validated():
     q, k, v = qkv(1, 2, 2, 16, 16)
     with pytest.raises(ValueError, match="doc_start must be"):

@@ -40,7 +40,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(nproc: int, group: str, out: str, *extra: str, timeout: int = 600) -> dict:
+def launch(nproc: int, group: str, out: str, *extra: str, timeout: int = 600) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--master-port={_free_port()}", WORKER, group, out, *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -63,8 +63,8 @@ def runs(tmp_path_factory) -> dict:
         res[world] = {}
         for i in range(len(shards)):
             extra = (str(ckpt),) if (world, i) == (4, 0) else ()
-            res[world].update(_launch(world, f"parity:{i}", str(d / f"w{world}-{i}.json"), *extra))
-    res["resume"] = _launch(4, "resume", str(d / "resume.json"), str(ckpt))
+            res[world].update(launch(world, f"parity:{i}", str(d / f"w{world}-{i}.json"), *extra))
+    res["resume"] = launch(4, "resume", str(d / "resume.json"), str(ckpt))
     return res
 
 

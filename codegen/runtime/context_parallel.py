@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
-from codegen.runtime.documents import Documents, any_visible, visible_mask
+from codegen.runtime.documents import Documents, PerVersion, any_visible, visible_mask
 from planner.zoo.attention import sdpa_attention
 
 _MASKED = -1e30
@@ -198,7 +198,7 @@ class RingCompute:
         self.flash = flash
         self.documents = documents
         self._positions: dict[tuple, tuple] = {}  # (seq, device) -> positions on that device
-        self._doc_view: tuple = (None, None, None)  # (documents.version, seq, (q_doc, seen per step))
+        self._doc_views = PerVersion()  # (documents.version, seq) -> (q_doc, seen per step)
 
     def _ring_positions(self, seq: int, device: torch.device) -> tuple[torch.Tensor, list]:
         """The local queries' global positions and, per ring step, the visiting block's
@@ -250,17 +250,19 @@ class RingCompute:
 
     def _document_view(self, seq: int, q_pos: torch.Tensor, steps: list) -> tuple[Optional[torch.Tensor], list]:
         """(the local queries' document starts [B, Sq] or None, per ring step whether any local
-        query may see a key of the visiting block), once per micro-batch (``documents.version``)
-        for all layers: one device sync, none per layer."""
-        ds = self.documents.doc_start if self.documents is not None else None
-        if ds is None:
+        query may see a key of the visiting block), once per micro-batch (``documents.version``,
+        its recomputation included) for all layers: one device sync, none per layer."""
+        docs = self.documents
+        if docs is None or docs.doc_start is None:
             return None, [True] * len(steps)
-        version = self.documents.version
-        if self._doc_view[:2] != (version, seq):
-            q_doc = ds.to(q_pos.device).index_select(1, q_pos)
+        docs.used += 1
+
+        def view() -> tuple:
+            q_doc = docs.doc_start.to(q_pos.device).index_select(1, q_pos)
             seen = [any_visible(q_pos, q_doc, kv_pos) for kv_pos, _ in steps]
-            self._doc_view = (version, seq, (q_doc, torch.stack(seen).tolist() if seen else []))
-        return self._doc_view[2]
+            return q_doc, (torch.stack(seen).tolist() if seen else [])
+
+        return self._doc_views.get((docs.version, seq), view)
 
     def _rotate(self, kv: torch.Tensor) -> torch.Tensor:
         return kv

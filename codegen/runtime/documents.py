@@ -31,7 +31,7 @@ its backward, a checkpoint's recomputation sets again the documents its forward 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -43,16 +43,41 @@ IGNORE_INDEX = -100
 
 class Documents:
     """The current micro-batch's ``doc_start`` [mbs, S] (global positions; None: no packed
-    documents), shared by the attention implementations of one parallelised model;
-    ``version`` counts updates so implementations can cache what they derive from it."""
+    documents), shared by the attention implementations of one parallelised model.
+    ``version`` names each micro-batch's documents (a recomputation restores its forward's
+    pair, :class:`SameDocuments`), so implementations cache what they derive per version;
+    ``used`` counts the attention calls that masked by them (the runtime checks some did)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.doc_start: Optional[torch.Tensor] = None
         self.version = 0
+        self.used = 0
+        self._next = 0
 
     def set(self, doc_start: Optional[torch.Tensor]) -> None:
-        self.doc_start = doc_start
-        self.version += 1
+        """New documents (a new micro-batch): a new version."""
+        self._next += 1
+        self.doc_start, self.version = doc_start, self._next
+
+    def restore(self, doc_start: Optional[torch.Tensor], version: int) -> None:
+        """Documents seen before, under their version (what was cached for them stays valid)."""
+        self.doc_start, self.version = doc_start, version
+
+
+class PerVersion:
+    """A small cache of what an implementation derives from each version of the documents,
+    keyed by the version (and shapes): a pipeline keeps several micro-batches in flight and
+    their recomputation comes back to them. The oldest entry goes first."""
+
+    def __init__(self, size: int = 32) -> None:
+        self.size, self.items = size, {}
+
+    def get(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        if key not in self.items:
+            if len(self.items) >= self.size:
+                self.items.pop(next(iter(self.items)))
+            self.items[key] = make()
+        return self.items[key]
 
 
 def check_cu_seqlens(cu: torch.Tensor, rows: int, seq: int) -> None:
@@ -68,15 +93,25 @@ def check_cu_seqlens(cu: torch.Tensor, rows: int, seq: int) -> None:
                          "drop empty documents")
 
 
-def doc_starts(cu_seqlens: torch.Tensor, rows: int, seq: int) -> torch.Tensor:
-    """[rows, seq] (int64): per token, the row position where its document starts (a document
-    crossing a row end restarts at the next row's position 0)."""
+def doc_starts(cu_seqlens: torch.Tensor, rows: int, seq: int, first: int = 0,
+               count: Optional[int] = None) -> torch.Tensor:
+    """[count, seq] (int64) for rows ``first .. first + count`` of the ``rows`` (default: all):
+    per token, the row position where its document starts (a document crossing a row end
+    restarts at the next row's position 0)."""
     check_cu_seqlens(cu_seqlens, rows, seq)
+    count = rows - first if count is None else count
     cu = cu_seqlens.to(torch.int64).cpu()
-    t = torch.arange(rows * seq)
+    t = torch.arange(first * seq, (first + count) * seq)
     start = cu[torch.searchsorted(cu, t, right=True) - 1]
     row0 = t - t % seq
-    return (torch.maximum(start, row0) - row0).view(rows, seq)
+    return (torch.maximum(start, row0) - row0).view(count, seq)
+
+
+def document_end_targets(cu_seqlens: torch.Tensor, seq: int) -> torch.Tensor:
+    """Flattened positions (over the B x S tokens) of the targets :func:`mask_document_ends`
+    ignores: the last token of each document followed by another in its row."""
+    p = cu_seqlens[1:-1].to(torch.int64).cpu()
+    return p[p % seq != 0] - 1
 
 
 def document_positions(doc_start: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -111,31 +146,36 @@ def any_visible(q_pos: torch.Tensor, q_doc: torch.Tensor, kv_pos: torch.Tensor) 
     return (hi > lo).any()
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_start: torch.Tensor,
+def document_mask(doc_start: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """[B, 1, S, S] bool: causal attention within the documents of ``doc_start`` [B, S]."""
+    pos = torch.arange(q.shape[2], device=q.device)
+    return visible_mask(pos, pos, doc_start.to(q.device))[:, None]
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                      scale: Optional[float] = None) -> torch.Tensor:
-    """Causal attention within documents through SDPA with a boolean mask [B, 1, S, S]."""
-    s = q.shape[2]
-    pos = torch.arange(s, device=q.device)
-    mask = visible_mask(pos, pos, doc_start.to(q.device))[:, None]
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    """SDPA with a boolean ``mask`` [B, 1, Sq, Sk] (:func:`document_mask`); grouped-query k/v
+    without copies (``enable_gqa``, torch >= 2.5)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class EagerAttention:
     """The plan's ``attention == "eager"``: SDPA, with the document mask when the current
-    micro-batch packs documents (``documents``, module docstring)."""
+    micro-batch packs documents (``documents``, module docstring; one mask per micro-batch,
+    shared by the layers)."""
 
     def __init__(self, documents: Optional[Documents] = None):
         self.documents = documents
+        self._masks = PerVersion(4)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  scale: Optional[float] = None) -> torch.Tensor:
-        ds = self.documents.doc_start if self.documents is not None else None
-        if ds is None or not causal:
+        docs = self.documents
+        if docs is None or docs.doc_start is None or not causal:
             return sdpa_attention(q, k, v, causal=causal, scale=scale)
-        return masked_attention(q, k, v, ds, scale)
+        docs.used += 1
+        mask = self._masks.get((docs.version, q.shape[2], q.device), lambda: document_mask(docs.doc_start, q))
+        return masked_attention(q, k, v, mask, scale)
 
 
 class SameDocuments:
@@ -145,20 +185,17 @@ class SameDocuments:
 
     def __init__(self, documents: Optional[Documents]):
         self.documents = documents
-        self.doc_start = documents.doc_start if documents is not None else None
-        self._prev: list = []
+        self.seen = (documents.doc_start, documents.version) if documents is not None else None
+        self._prev: list[tuple] = []
 
     def __enter__(self) -> None:
         if self.documents is not None:
-            self._prev.append(self.documents.doc_start)
-            if self.documents.doc_start is not self.doc_start:
-                self.documents.set(self.doc_start)
+            self._prev.append((self.documents.doc_start, self.documents.version))
+            self.documents.restore(*self.seen)
 
     def __exit__(self, *exc) -> None:
         if self.documents is not None:
-            prev = self._prev.pop()
-            if prev is not self.documents.doc_start:
-                self.documents.set(prev)
+            self.documents.restore(*self._prev.pop())
 
 
 def install_stage_documents(stage: torch.nn.Module, documents: Documents) -> None:
@@ -167,7 +204,7 @@ def install_stage_documents(stage: torch.nn.Module, documents: Documents) -> Non
     micro-batch and passes them to every stage): a forward pre-hook on that instance sets
     ``documents`` and the stage's ``positions`` and drops the two keywords."""
 
-    def take(mod, args, kwargs):
+    def take(mod: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         if "doc_start" not in kwargs:
             return None
         kwargs = dict(kwargs)

@@ -53,6 +53,8 @@ class FlashAttention:
         if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
             return self.fallback(q, k, v, causal=causal, scale=scale)
         ds = self.documents.doc_start if self.documents is not None and causal else None
+        if ds is not None:
+            self.documents.used += 1
         # Top-left aligned causal mask (query i sees keys j <= i), as SDPA's is_causal.
         out, _ = flash_attention(q, k, v, causal=causal, sm_scale=scale, impl=self.impl,
                                  doc_start=None if ds is None else ds.to(q.device))

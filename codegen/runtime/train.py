@@ -107,6 +107,9 @@ class ParallelModel:
             for sm in stages.modules:
                 docs.install_stage_documents(sm, self.documents)
         self._packed: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # this step's (doc_start, positions)
+        self._documents_problem: Optional[str] = None  # documents_problem of the model's limits, once
+        blocks = set(adapter.blocks)
+        self.holds_blocks = any(u in blocks for sm in stages.modules for u in sm.units)
         self.global_batch, self.device = global_batch, device
         self.optimizer, self.loss_fn, self.schedule, self.tied = optimizer, loss_fn, schedule, tied
         self.step_count = 0
@@ -128,15 +131,18 @@ class ParallelModel:
             raise ValueError(f"step() expects the global batch of {self.global_batch} sequences, "
                              f"got {batch['input_ids'].shape[0]}")
         targets = self.adapter.targets(batch)
-        doc_start = self._doc_starts(batch, targets.shape[1])
-        if doc_start is not None:
-            targets = docs.mask_document_ends(targets, doc_start)
-        self.loss_fn.n_tokens = int((targets != IGNORE_INDEX).sum())
+        seq = targets.shape[1]
         per = self.global_batch // self.cfg.dp
         rows = slice(self.dp_rank * per, (self.dp_rank + 1) * per)
+        doc_start = self._doc_starts(batch, seq, rows)
+        self.loss_fn.n_tokens = int((targets != IGNORE_INDEX).sum())
+        if doc_start is not None:  # each document's last target is ignored: counted over the global batch
+            ends = docs.document_end_targets(batch["cu_seqlens"], seq)
+            self.loss_fn.n_tokens -= int((targets.flatten()[ends] != IGNORE_INDEX).sum())
         inputs = [t[rows] for t in self.adapter.inputs(batch)]
         targets = targets[rows]
-        seq = targets.shape[1]
+        if doc_start is not None:
+            targets = docs.mask_document_ends(targets, doc_start)
         positions = None
         if self.cfg.cp > 1:
             inputs[0] = cpar.shard_sequence(inputs[0], self.cfg.cp, self.cp_rank, 1, self.load_balance)
@@ -144,7 +150,7 @@ class ParallelModel:
             positions = cpar.local_positions(seq, self.cfg.cp, self.cp_rank, self.load_balance, self.device)
         self._packed = None
         if doc_start is not None:  # per micro-batch: the document mask and per-document positions
-            doc_start = doc_start[rows].to(self.device)
+            doc_start = doc_start.to(self.device)
             own = positions if positions is not None else torch.arange(seq, device=self.device)
             self._packed = (doc_start, docs.document_positions(doc_start, own))
         self.documents.set(None)
@@ -152,15 +158,24 @@ class ParallelModel:
             sm.positions = positions
         return tuple(t.to(self.device) for t in inputs), targets.to(self.device)
 
-    def _doc_starts(self, batch: dict[str, torch.Tensor], seq: int) -> Optional[torch.Tensor]:
-        """The global batch's ``doc_start`` [B, S] from its ``cu_seqlens`` (None without);
-        refuses what cannot run with packed documents."""
+    def _doc_starts(self, batch: dict[str, torch.Tensor], seq: int, rows: slice) -> Optional[torch.Tensor]:
+        """This rank's ``rows`` of the global batch's ``doc_start`` [B, S] from its
+        ``cu_seqlens`` (None without); refuses what cannot run with packed documents."""
         if "cu_seqlens" not in batch:
             return None
-        why = documents_problem(self.adapter.limits(), causal_only="pixel_values" not in batch)
-        if why is not None:
+        if self._documents_problem is None:  # the model's limits: once
+            self._documents_problem = documents_problem(self.adapter.limits()) or ""
+        why = self._documents_problem or documents_problem({}, causal_only="pixel_values" not in batch)
+        if why:
             raise ValueError(f"{why}; drop batch['cu_seqlens']")
-        return docs.doc_starts(batch["cu_seqlens"], self.global_batch, seq)
+        return docs.doc_starts(batch["cu_seqlens"], self.global_batch, seq, rows.start, rows.stop - rows.start)
+
+    def _check_documents_used(self) -> None:
+        """After a packed micro-batch's forward on a rank holding blocks: some attention masked
+        by the documents, or the model computes its own attention, which would cross them."""
+        if self._packed is not None and self.documents.used == 0 and self.holds_blocks:
+            raise ValueError("packed documents (cu_seqlens): no attention of this model went through autopar's "
+                             "(it computes its own), so it would attend across documents; drop cu_seqlens")
 
     def _use_microbatch(self, sl: slice) -> None:
         """Point the attention and the stage modules at micro-batch ``sl``'s packed documents."""
@@ -181,6 +196,7 @@ class ParallelModel:
         self._use_microbatch(sl)
         with tpar.loss_context(self.cfg.tp):
             loss = self.loss_fn(sm(*(a[sl] for a in inputs), labels=targets[sl]), targets[sl])
+            self._check_documents_used()
             loss.backward()
         return _scalar(loss)
 
@@ -195,6 +211,7 @@ class ParallelModel:
             kw.update(doc_start=self._packed[0], doc_positions=self._packed[1])
         with tpar.loss_context(self.cfg.tp):
             self.schedule.step(*inputs, **kw) if self.has_first else self.schedule.step(**kw)
+        self._check_documents_used()
         total = torch.zeros((), dtype=torch.float64, device=self.device)  # nccl reduces device tensors only
         for loss in losses:
             total += _scalar(loss)
