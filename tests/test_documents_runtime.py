@@ -51,9 +51,9 @@ def test_bad_cu_seqlens_get_one_line(cu, msg):
 
 def test_the_last_token_of_a_document_predicts_nothing():
     ds = torch.tensor([[0, 0, 2, 3, 3, 3]])
-    t = torch.arange(6)[None] + 10
-    got = docs.mask_document_ends(t, ds)
-    assert got.tolist() == [[10, -100, -100, 13, 14, 15]]  # ends of [0,2) and [2,3); row end kept
+    t = torch.arange(12).view(2, 6) + 10
+    got = docs.mask_document_ends(t, torch.tensor([0, 2, 3, 8, 12]))  # the third document crosses the row end
+    assert got.tolist() == [[10, -100, -100, 13, 14, 15], [16, -100, 18, 19, 20, 21]]  # ends of [0,2), [2,3), [3,8)
     assert docs.document_positions(ds, torch.tensor([1, 2, 5])).tolist() == [[1, 0, 2]]
 
 
@@ -75,7 +75,7 @@ def _packed_loss(c, model, b, impl) -> torch.Tensor:
     ds = docs.doc_starts(b["cu_seqlens"], GB, SEQ)
     holder.set(ds)
     pos = docs.document_positions(ds, torch.arange(SEQ))
-    targets = docs.mask_document_ends(ad.targets(b), ds)
+    targets = docs.mask_document_ends(ad.targets(b), b["cu_seqlens"])
     if c.kind == "hf":
         logits = model(input_ids=b["input_ids"], position_ids=pos, use_cache=False).logits
     else:

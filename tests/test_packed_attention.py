@@ -71,6 +71,15 @@ def maxerr(a, b):
     return (a.float() - b.float()).abs().max().item()
 
 
+def assert_grads_match(got, ref, fin, inputs):
+    """The gradients of ``inputs`` from (out, lse) ``got`` equal those from the reference's,
+    for random output and finite-lse cotangents (rows with nothing visible carry none)."""
+    gout, glse = torch.randn_like(ref[0]), torch.randn_like(ref[1])
+    obj = lambda o, l: (o.float() * gout).sum() + (torch.where(fin, l, 0.0) * glse).sum()  # noqa: E731
+    for g, r in zip(torch.autograd.grad(obj(*got), inputs), torch.autograd.grad(obj(*ref), inputs)):
+        assert maxerr(g, r) < 2e-5
+
+
 # boundaries inside the 64-row blocks, one-token documents, and a row holding one document
 LENGTHS = [[37, 1, 1, 64, 47], [150]]
 
@@ -106,12 +115,7 @@ def test_ring_step_skips_keys_of_earlier_documents(impl):
     # row 1: queries 128, 129 end document 0 and see every key; the document from 130 none of them
     assert torch.equal(torch.isfinite(lse), fin) and fin[1, :, :2].all() and not fin[1, :, 2:].any()
     assert (out[~fin] == 0).all() and maxerr(out, rout) < 1e-5 and maxerr(lse[fin], rlse[fin]) < 1e-5
-    gout, glse = torch.randn_like(rout), torch.randn_like(rlse)
-    obj = lambda o, l: (o.float() * gout).sum() + (torch.where(fin, l, 0.0) * glse).sum()  # noqa: E731
-    got = torch.autograd.grad(obj(out, lse), (q, k, v))
-    ref = torch.autograd.grad(obj(rout, rlse), (q, k, v))
-    for g, r in zip(got, ref):
-        assert maxerr(g, r) < 2e-5
+    assert_grads_match((out, lse), (rout, rlse), fin, (q, k, v))
 
 
 def test_torch_fallback_skips_keys_chunk_by_chunk():
@@ -131,12 +135,7 @@ def test_torch_fallback_skips_keys_chunk_by_chunk():
     assert fin[0, :, :256].all() and not fin[0, :, 256:].any() and fin[1].all()
     assert torch.equal(torch.isfinite(lse), fin) and (out[~fin] == 0).all()
     assert maxerr(out, rout) < 1e-5 and maxerr(lse[fin], rlse[fin]) < 1e-5
-    gout, glse = torch.randn_like(rout), torch.randn_like(rlse)
-    obj = lambda o, l: (o.float() * gout).sum() + (torch.where(fin, l, 0.0) * glse).sum()  # noqa: E731
-    got = torch.autograd.grad(obj(out, lse), (q, k, v))
-    ref = torch.autograd.grad(obj(rout, rlse), (q, k, v))
-    for g, r in zip(got, ref):
-        assert maxerr(g, r) < 2e-5
+    assert_grads_match((out, lse), (rout, rlse), fin, (q, k, v))
 
 
 def test_doc_start_is_validated():

@@ -107,26 +107,20 @@ def doc_starts(cu_seqlens: torch.Tensor, rows: int, seq: int, first: int = 0,
     return (torch.maximum(start, row0) - row0).view(count, seq)
 
 
-def document_end_targets(cu_seqlens: torch.Tensor, seq: int) -> torch.Tensor:
-    """Flattened positions (over the B x S tokens) of the targets :func:`mask_document_ends`
-    ignores: the last token of each document followed by another in its row."""
-    p = cu_seqlens[1:-1].to(torch.int64).cpu()
-    return p[p % seq != 0] - 1
-
-
 def document_positions(doc_start: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """[rows, len(positions)]: the position inside its document of each token at the (global)
     ``positions`` of ``doc_start``'s rows."""
     return positions[None, :] - doc_start.index_select(1, positions)
 
 
-def mask_document_ends(targets: torch.Tensor, doc_start: torch.Tensor) -> torch.Tensor:
-    """``targets`` [B, S] (per position, what it predicts) with the target of every document's
-    last token before another document in the row set to ``-100``."""
+def mask_document_ends(targets: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``targets`` [B, S] of the global batch (per position, what it predicts) with the target
+    of every document's last token before another document in its row set to ``-100``: the
+    positions just before each document start that is not a row start."""
     seq = targets.shape[1]
-    starts_next = doc_start[:, 1:] == torch.arange(1, seq, device=doc_start.device)
+    starts = cu_seqlens[1:-1].to(torch.int64).cpu()
     out = targets.clone()
-    out[:, :-1] = out[:, :-1].masked_fill(starts_next.to(targets.device), IGNORE_INDEX)
+    out.view(-1)[(starts[starts % seq != 0] - 1).to(out.device)] = IGNORE_INDEX
     return out
 
 

@@ -41,6 +41,7 @@ cross-entropy, no logits).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -107,7 +108,6 @@ class ParallelModel:
             for sm in stages.modules:
                 docs.install_stage_documents(sm, self.documents)
         self._packed: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # this step's (doc_start, positions)
-        self._documents_problem: Optional[str] = None  # documents_problem of the model's limits, once
         blocks = set(adapter.blocks)
         self.holds_blocks = any(u in blocks for sm in stages.modules for u in sm.units)
         self.global_batch, self.device = global_batch, device
@@ -135,14 +135,11 @@ class ParallelModel:
         per = self.global_batch // self.cfg.dp
         rows = slice(self.dp_rank * per, (self.dp_rank + 1) * per)
         doc_start = self._doc_starts(batch, seq, rows)
+        if doc_start is not None:  # each document's last target is ignored
+            targets = docs.mask_document_ends(targets, batch["cu_seqlens"])
         self.loss_fn.n_tokens = int((targets != IGNORE_INDEX).sum())
-        if doc_start is not None:  # each document's last target is ignored: counted over the global batch
-            ends = docs.document_end_targets(batch["cu_seqlens"], seq)
-            self.loss_fn.n_tokens -= int((targets.flatten()[ends] != IGNORE_INDEX).sum())
         inputs = [t[rows] for t in self.adapter.inputs(batch)]
         targets = targets[rows]
-        if doc_start is not None:
-            targets = docs.mask_document_ends(targets, doc_start)
         positions = None
         if self.cfg.cp > 1:
             inputs[0] = cpar.shard_sequence(inputs[0], self.cfg.cp, self.cp_rank, 1, self.load_balance)
@@ -163,12 +160,15 @@ class ParallelModel:
         ``cu_seqlens`` (None without); refuses what cannot run with packed documents."""
         if "cu_seqlens" not in batch:
             return None
-        if self._documents_problem is None:  # the model's limits: once
-            self._documents_problem = documents_problem(self.adapter.limits()) or ""
-        why = self._documents_problem or documents_problem({}, causal_only="pixel_values" not in batch)
+        why = documents_problem(self.model_limits, causal_only="pixel_values" not in batch)
         if why:
             raise ValueError(f"{why}; drop batch['cu_seqlens']")
         return docs.doc_starts(batch["cu_seqlens"], self.global_batch, seq, rows.start, rows.stop - rows.start)
+
+    @functools.cached_property
+    def model_limits(self) -> dict[str, str]:
+        """The adapter's limits (what the model cannot run), asked once."""
+        return self.adapter.limits()
 
     def _check_documents_used(self) -> None:
         """After a packed micro-batch's forward on a rank holding blocks: some attention masked
