@@ -277,6 +277,11 @@ def ring_hiding(mix: DocumentMix, cp: int, ulysses: int = 1) -> float:
     return (v * tf) / (t * vf)
 
 
+def visiting_text(share: float, one_document: float) -> str:
+    """The reports' phrase for a ring's visiting share against one full document's."""
+    return f"{share:.1%} of the attention work on visiting blocks ({one_document:.1%} with one document per row)"
+
+
 def summary(mix: DocumentMix, ring: Iterable[tuple[int, int]] = ()) -> dict:
     """What a plan records of the mix (JSON): the source's figures, the budget, the packed
     rows' attention share and, per (cp, ulysses) in ``ring`` that splits the row, the ring's

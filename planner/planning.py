@@ -51,12 +51,11 @@ def _why_not(alt: Estimate, best: Estimate, graph: ModelGraph | None = None) -> 
     line = f"{pct:+.1f}% step time, mostly {k.replace('_', ' ')} (+{diffs[k]:.3g} s)"
     cfg = alt.config
     if k == "cp_comm" and graph is not None and graph.documents is not None and cfg.cp // cfg.ulysses > 1:
-        from cost_models.documents import full_row_share, visiting_share
+        from cost_models.documents import full_row_share, visiting_share, visiting_text
 
-        share = visiting_share(graph.documents, cfg.cp, cfg.ulysses)
-        line += (f": its ring's K/V transfers are exposed, as only {share:.1%} of the attention work over the packed "
-                 f"documents falls on visiting blocks ({full_row_share(graph.seq_len, cfg.cp, cfg.ulysses):.1%} for "
-                 "one document filling the row)")
+        text = visiting_text(visiting_share(graph.documents, cfg.cp, cfg.ulysses),
+                             full_row_share(graph.seq_len, cfg.cp, cfg.ulysses))
+        line += f": its ring's K/V transfers are exposed, with only {text} over the packed documents"
     return line
 
 

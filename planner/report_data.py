@@ -228,10 +228,12 @@ def _ring_documents(plan: Plan, layout: str) -> str | None:
     v = d.get("ring_visiting", {}).get(layout)
     if not v or not v["one_document"]:
         return None
+    from cost_models.documents import visiting_text
+
     window = d["attention_share"] * v["hiding"]  # the cost model's ring_hiding, as the plan recorded it
     return (f"{layout}: over the packed documents its ring's visiting blocks do {window:.1%} of the attention work "
             f"they do with one document filling the row (the attention is {d['attention_share']:.1%} of one "
-            f"document's, {v['share']:.1%} of it on visiting blocks against {v['one_document']:.1%}), so the ring's "
+            f"document's, {visiting_text(v['share'], v['one_document'])}), so the ring's "
             "K/V transfers are exposed: the attention over short documents is too small to hide them")
 
 
@@ -250,8 +252,9 @@ def documents_text(plan: Plan) -> str | None:
     chosen = d.get("chosen", "")
     v = d.get("ring_visiting", {}).get(chosen)
     if v:
-        text += (f"; the chosen {chosen} ring: {v['share']:.1%} of the attention work on visiting blocks "
-                 f"({v['one_document']:.1%} with one document per row)")
+        from cost_models.documents import visiting_text
+
+        text += f"; the chosen {chosen} ring: {visiting_text(v['share'], v['one_document'])}"
     elif chosen:
         text += f"; the chosen {chosen} runs no ring (no K/V transfers to hide)"
     return text
