@@ -26,7 +26,7 @@ def _models(size: dict):
     import torch
 
     from planner import zoo
-    from planner.frontend import example_for_module, graph_of
+    from planner.frontend.load import example_for_module, graph_of
 
     cfg = zoo.preset("llama-tiny").replace(name="llama-bench", **size)
     seq = cfg.seq_len
@@ -46,9 +46,9 @@ def _round(build, graph, shifts, cfg, pc, gb: int, steps: int, warmup: int) -> f
     import torch
 
     from codegen.runtime.train import parallelize
-    from planner.search import facts_of
-    from planner.stage_split import even_split
-    from planner.tp_layout import tp_layout
+    from planner.search.space import facts_of
+    from planner.search.stage_split import even_split
+    from planner.frontend.tp_layout import tp_layout
 
     names = [l.name for l in graph.layers]
     stages = [names[a:b] for a, b in even_split(graph, pc.pp * pc.vpp).bounds]
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
         return 0
     import subprocess
 
-    from planner.launch import torchrun_cmd
+    from planner.entry.launch import torchrun_cmd
     cmd = torchrun_cmd(args.nproc, ["-m", "benchmarks.adapter_overhead", "--worker",
                                     *[a for a in (argv if argv is not None else sys.argv[1:]) if a != "--worker"]])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")

@@ -19,7 +19,7 @@ from benchmarks.results import write_json
 _CHILD = r"""
 import json, resource, sys, time
 t0 = time.perf_counter()
-from planner.frontend import load_graph
+from planner.frontend.load import load_graph
 t1 = time.perf_counter()
 g = load_graph(sys.argv[1], batch=1)
 t2 = time.perf_counter()

@@ -29,7 +29,7 @@ from benchmarks.results import write_json
 
 def _run_profiler(nproc: int, model: str, seq: int, batches: str, sizes: str, out: str, repeats: int) -> None:
     from cost_models.profiler import worker_args
-    from planner.launch import torchrun_cmd
+    from planner.entry.launch import torchrun_cmd
 
     cmd = torchrun_cmd(nproc, worker_args(f"local-cpu:{nproc}", model, out, seq_len=seq, batches=batches, sizes=sizes,
                                           repeats=repeats))

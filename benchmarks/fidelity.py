@@ -6,7 +6,7 @@
 2. For every model, take the planner's pick and its best distinct runner-ups (the
    search's ranked candidates), plus forced layouts priced with ``evaluate_config``
    (DP / TP+SP / CP / PP mixes, schedules, ZeRO stages) that fit and the runtime supports.
-3. Emit and run every plan's program (``planner.launch.run_plan``) for ``--steps`` steps;
+3. Emit and run every plan's program (``planner.entry.launch.run_plan``) for ``--steps`` steps;
    the measured step time is the median after ``--warmup`` steps, the measured memory
    every rank's peak RSS. The planner's pick of the first model runs ``--repeats``
    times (noise: min / median / max of the runs' medians; it enters the comparison
@@ -130,7 +130,7 @@ def _kind(graph) -> str:
 def profile_models(models: list[str], cluster_spec: str, seq: int, batches: str, repeats: int, sizes: str,
                    work: str) -> str:
     from cost_models.profiler import worker_args
-    from planner.launch import torchrun_cmd
+    from planner.entry.launch import torchrun_cmd
 
     cluster = parse_cluster(cluster_spec)
     merged: ProfileDB | None = None
@@ -159,9 +159,9 @@ def profile_models(models: list[str], cluster_spec: str, seq: int, batches: str,
 
 def choose_plans(models: list[str], cluster, cluster_spec: str, seq: int, gb: int, profile, per_model_search: int,
                  forced: dict[str, list[str]], max_plans: int) -> list[Candidate]:
-    from planner.frontend import load_graph
+    from planner.frontend.load import load_graph
     from planner.plan import ParallelConfig
-    from planner.planning import evaluate_config, plan_model
+    from planner.search.planning import evaluate_config, plan_model
 
     out: list[list[Candidate]] = []
     for model in models:
@@ -196,7 +196,7 @@ def choose_plans(models: list[str], cluster, cluster_spec: str, seq: int, gb: in
 
 
 def write_plans(cands: list[Candidate], cluster, cluster_spec: str, work: str) -> None:
-    from planner.planning import build_plan
+    from planner.search.planning import build_plan
 
     for i, c in enumerate(cands):
         d = os.path.join(work, f"{i:02d}-{c.graph.name}-{c.estimate.config.label().replace(' ', '_')}")
@@ -207,7 +207,7 @@ def write_plans(cands: list[Candidate], cluster, cluster_spec: str, work: str) -
 
 
 def run_candidate(c: Candidate, steps: int, warmup: int, tag: str, quiet: bool) -> dict:
-    from planner.launch import run_plan
+    from planner.entry.launch import run_plan
 
     d = os.path.join(os.path.dirname(c.plan_path), f"run{tag}")
     shutil.rmtree(d, ignore_errors=True)
@@ -262,7 +262,7 @@ def _regret(rows: list[dict], pred_key: str) -> dict[str, float]:
 
 def analyse(cands: list[Candidate], cluster, profile, profile_path: str | None, cluster_spec: str, gb: int,
             seq: int, out_dir: str) -> dict[str, Any]:
-    from planner.planning import plan_model
+    from planner.search.planning import plan_model
 
     samples, rows = [], []
     for c in cands:
@@ -413,7 +413,7 @@ def run_all(cands: list, args: argparse.Namespace, t_start: float) -> list[str]:
 def run_replans(new: list, res: dict, cluster, profile, args: argparse.Namespace, t_start: float) -> None:
     """Run the calibrated planner's new picks (none of the measured plans is one) and record
     their measured regret in ``res["replan_calibrated"]``."""
-    from planner.planning import build_plan, evaluate_config
+    from planner.search.planning import build_plan, evaluate_config
 
     for c in new:
         if args.time_budget and time.perf_counter() - t_start > args.time_budget:

@@ -44,7 +44,7 @@ def parse_summary(text: str) -> dict:
 def run_demo(cache: str, run_dir: str) -> dict:
     env = dict(os.environ, AUTOPAR_CACHE_DIR=cache, AUTOPAR_CALIBRATE="1")
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "planner.cli", "demo", "--dir", run_dir], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "planner.entry.cli", "demo", "--dir", run_dir], capture_output=True,
                        text=True, env=env, timeout=900)
     wall = time.perf_counter() - t0
     if r.returncode != 0:

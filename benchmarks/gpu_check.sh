@@ -34,7 +34,7 @@ timeout 60 python -m torch.distributed.run --nproc-per-node 1 -m cost_models.pro
 echo "== 3. plan -> emit -> run on nccl"
 PROFILE=()
 [ -s "$OUT/profile_h200.json" ] && PROFILE=(--profile "$OUT/profile_h200.json")  # uncalibrated roofline if step 2 failed
-timeout 60 python -m planner.cli plan --model llama-1b --cluster "$OUT/h200x1.toml" --global-batch 8 --seq-len 2048 \
+timeout 60 python -m planner.entry.cli plan --model llama-1b --cluster "$OUT/h200x1.toml" --global-batch 8 --seq-len 2048 \
   "${PROFILE[@]}" --force -o "$OUT/plan_h200.json" 2>&1 | tail -15
-timeout 120 python -m planner.cli run "$OUT/plan_h200.json" --steps 10 --dir "$OUT/run_h200" 2>&1 | tail -15
+timeout 120 python -m planner.entry.cli run "$OUT/plan_h200.json" --steps 10 --dir "$OUT/run_h200" 2>&1 | tail -15
 cp "$OUT/run_h200/train_log.jsonl" "$OUT/train_log_h200.jsonl" 2>/dev/null || true

@@ -119,7 +119,7 @@ def bench_attention(dev, seqs, tokens=16384, H=32, KVH=8, D=128):
                 t_f = do_bench(fn)
                 o = fn()
                 t_b = do_bench(lambda: o.backward(dout, retain_graph=True), grad_to_none=[q, k, v])
-                del o
+                o = None
                 row.update(fwd_ms=t_f, bwd_ms=t_b, fwd_tflops=fwd_flop / t_f * 1e-9,
                            bwd_tflops=2.5 * fwd_flop / t_b * 1e-9,
                            peak_mib=_peak_mib(lambda: fn().backward(dout)))
@@ -128,7 +128,7 @@ def bench_attention(dev, seqs, tokens=16384, H=32, KVH=8, D=128):
             q.grad = k.grad = v.grad = None
             rows.append(row)
             print(_fmt(row), flush=True)
-        del q, k, v, dout
+        q = k = v = dout = None  # free the inputs before the next length
         torch.cuda.empty_cache()
     return rows
 

@@ -70,12 +70,12 @@ def model_config(model: str, variant: str):
 
 
 def graph_for(model: str, variant: str, seq_len: int):
-    """The ModelGraph the planner would capture (``planner.frontend.load_graph``'s preset path),
+    """The ModelGraph the planner would capture (``planner.frontend.load.load_graph``'s preset path),
     for the preset or its untied variant, at batch 1."""
     import torch
     from planner import zoo
-    from planner.capture import capture
-    from planner.frontend import load_graph
+    from planner.frontend.trace import capture
+    from planner.frontend.load import load_graph
     if not variant:
         return load_graph(model, batch=1, seq_len=seq_len)
     cfg = model_config(model, variant)
@@ -266,7 +266,7 @@ def run_layout(model: str, variant: str, cfg_str: str, seq: int, gb: int, graphs
     from codegen.runtime.train import parallelize
     from planner import zoo
     from planner.plan import ParallelConfig
-    from planner.tp_layout import tp_layout
+    from planner.frontend.tp_layout import tp_layout
 
     pc = ParallelConfig.parse(cfg_str).validate()
     key = (model, variant)
@@ -307,7 +307,7 @@ def run_layout(model: str, variant: str, cfg_str: str, seq: int, gb: int, graphs
     res = {"rank": dist.get_rank(), "pp_rank": pm.mesh["pp"].get_local_rank(), "peak": tracker.peak,
            "start": start, "peak_phase": tracker.peak_phase, "losses": [loss1, loss2],
            "step1_s": t1 - t0, "step2_s": t3 - t2, **info}
-    del pm, m, tracker
+    pm = m = tracker = None  # free them before the next layout (the closures above hold names, not values)
     gc.collect()
     return res
 

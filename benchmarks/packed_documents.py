@@ -42,7 +42,7 @@ def unmasked(step: int, global_batch: int, seq_len: int) -> dict:
 
 
 def _autopar(*args: str) -> None:
-    from planner.cli import main as cli
+    from planner.entry.cli import main as cli
 
     if cli(list(args)) != 0:
         raise SystemExit(f"autopar {' '.join(args)} failed")
@@ -50,7 +50,7 @@ def _autopar(*args: str) -> None:
 
 def run_case(layout: str, pins: str, docs: bool, steps: int, work: str) -> dict:
     """Plan and run one case; returns its predicted and measured figures."""
-    from planner.launch import compare_run
+    from planner.entry.launch import compare_run
 
     name = f"{layout}-{'masked' if docs else 'unmasked'}"
     plan = os.path.join(work, f"{name}.json")

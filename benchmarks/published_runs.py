@@ -208,7 +208,7 @@ class Graphs:
         self.cache: dict[str, Any] = {}
 
     def get(self, model: dict[str, Any]):
-        from planner.frontend import graph_of_config
+        from planner.frontend.load import graph_of_config
         from planner.zoo import ModelConfig
 
         key = json.dumps(model, sort_keys=True)
@@ -225,7 +225,7 @@ def predict(c: Case, graphs: Graphs, cal: dict[str, float] | None = None) -> dic
     """Price ``c`` at its published layout with an even stage split (the published runs split
     layers evenly), with the defaults or the coefficients ``cal``."""
     from cost_models.calibrate import with_calibration
-    from planner.planning import evaluate_config
+    from planner.search.planning import evaluate_config
 
     cluster = cluster_for(c)
     profile = with_calibration(None, cal, cluster) if cal else None  # an empty profile carrying the coefficients
@@ -272,7 +272,7 @@ def _fmt(s: dict[str, float]) -> str:
 
 def plan_against(c: Case, graphs: Graphs) -> dict[str, Any]:
     """autopar's pick for the same job, priced by the same model as the published layout."""
-    from planner.planning import plan_model
+    from planner.search.planning import plan_model
 
     g, cl = graphs.get(c.model), cluster_for(c)
     plan, res = plan_model(g, cl, c.global_batch, spec=c.model["name"], cluster_spec=cl.name)

@@ -4,10 +4,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from planner.plan import write_atomic
+from planner.files import write_atomic
 
 
 def write_json(path: str, obj: Any) -> None:
     """Write ``obj`` to ``path`` as indented JSON, atomically, creating the folder and
-    replacing an earlier result (``planner.plan.write_atomic``)."""
+    replacing an earlier result (``planner.files.write_atomic``)."""
     write_atomic(path, json.dumps(obj, indent=1, default=str), force=True)

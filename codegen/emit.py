@@ -36,7 +36,8 @@ import re
 from typing import Optional
 
 from codegen.runtime.tp_plan import block_stack, tp_plan_for
-from planner.plan import TP_ROLES, Plan, PlanError, write_atomic
+from planner.files import write_atomic
+from planner.plan import TP_ROLES, Plan, PlanError
 
 _SPEC = re.compile(r"^([A-Za-z0-9_][\w.-]*|[\w./-]+\.toml|[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*|hf:[\w./-]+)$")
 _FQN = re.compile(r"[A-Za-z_][\w]*(\.[\w]+)*")

@@ -343,7 +343,7 @@ class Cluster:
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ClusterError(f"local-cpu needs a positive process count, got {n!r}: use local-cpu:N, e.g. local-cpu:2")
-        gemm_flops, copy_bps = _measure_cpu()
+        gemm_flops, copy_bps = measure_cpu()
         share = min(1.0, _cpu_count() / n)
         device = Device(
             name=f"cpu-{_cpu_model()}-{_cpu_count()}c",
@@ -378,7 +378,7 @@ def load_preset(name: str, nodes: int = 1) -> Cluster:
 
 
 @lru_cache(maxsize=None)
-def _detect_cached(n: int) -> Cluster:
+def detect_cached(n: int) -> Cluster:
     return Cluster.detect(n)
 
 
@@ -392,7 +392,7 @@ def parse_cluster(spec: str) -> Cluster:
     name, sep, count = spec.partition(":")
     if name == "local-cpu":  # without a count: one process per core, so no rank waits for a core
         n = _parse_count(count, spec, "processes") if sep else _cpu_count()
-        c = _detect_cached(n)
+        c = detect_cached(n)
         return Cluster.from_dict(c.to_dict(), source=spec)  # a fresh copy callers may mutate
     nodes = _parse_count(count, spec, "nodes") if sep else 1
     return load_preset(name, nodes)
@@ -493,7 +493,7 @@ def _best_time(fn: Any, repeats: int, budget_s: float) -> float:
     return best
 
 
-def _measure_cpu() -> tuple[float, float]:
+def measure_cpu() -> tuple[float, float]:
     """Single-thread fp32 GEMM FLOP/s and memory copy bandwidth (bytes/s read + written)."""
     import torch
 

@@ -275,7 +275,7 @@ def recompute_seconds(c: LayerCost, policy: str) -> float:
 
 
 def layer_pass_times(c: LayerCost, policy: str) -> PassTimes:
-    """The one per-layer stage-time rule the estimator and the ILP (planner/search.py) share,
+    """The one per-layer stage-time rule the estimator and the ILP (planner/search/space.py) share,
     from ``LayerCosts.get``'s figures: TP communication split evenly between forward and
     backward, CP's exposed part 1:2 (the backward exchanges twice), the expert all-to-alls
     where they run, and the recompute (:func:`recompute_seconds`) added to the backward."""

@@ -174,7 +174,7 @@ class ProfileDB:
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
         """Write atomically (a temporary file in the same folder, then os.replace)."""
-        from planner.plan import write_atomic
+        from planner.files import write_atomic
 
         write_atomic(str(path), json.dumps(self.to_dict(), indent=1) + "\n", force=True)
 

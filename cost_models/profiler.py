@@ -21,7 +21,7 @@ rank). The same code runs with gloo on CPUs and nccl on GPUs. It measures:
     (as all tp groups, or all dp groups, do in training), over message sizes.
 (c) **p2p**: send/recv between rank pairs, all pairs at once.
 
-Timing (:func:`_timeit`): after a warm-up call, ``--repeats`` batches of k back-to-back
+Timing (:func:`timeit`): after a warm-up call, ``--repeats`` batches of k back-to-back
 calls, k chosen so a batch lasts about 20 ms (1 for anything slower), and the median
 batch time / k. Batching amortises timer and scheduler jitter, which dominates
 sub-millisecond operations when ranks share cores. All ranks use one agreed k and
@@ -50,7 +50,7 @@ def _log(msg: str) -> None:
         print(f"[profile] {msg}", flush=True)
 
 
-def _timeit(fn: Callable[[], Any], repeats: int, sync: Callable[[], None], budget_s: float = 2.0,
+def timeit(fn: Callable[[], Any], repeats: int, sync: Callable[[], None], budget_s: float = 2.0,
             target_s: float = 0.02, agree: Callable[[int], int] | None = None,
             lockstep: Callable[[], None] | None = None) -> float:
     """Seconds per call of ``fn``: the median over ``n`` timed batches of ``k`` back-to-back
@@ -148,7 +148,7 @@ def measure_collectives(db, world: int, rank: int, sizes, repeats: int, device) 
                     out = torch.empty_like(x)
                     fn = lambda: dist.all_to_all_single(out, x, group=mine)
                 dist.barrier()
-                t = _timeit(fn, repeats, sync, budget_s=math.inf, agree=_agree_min)
+                t = timeit(fn, repeats, sync, budget_s=math.inf, agree=_agree_min)
                 tt = torch.tensor([t], dtype=torch.float64, device=device)
                 dist.all_reduce(tt, op=dist.ReduceOp.MAX)
                 db.add_collective(kind, n, "intra" if _same_node(groups[0]) else "inter", elems * 4, tt.item())
@@ -169,7 +169,7 @@ def measure_collectives(db, world: int, rank: int, sizes, repeats: int, device) 
                 dist.recv(x, peer)
                 dist.send(x, peer)
         dist.barrier()
-        t = _timeit(pingpong, repeats, sync, budget_s=math.inf, agree=_agree_min) / 2
+        t = timeit(pingpong, repeats, sync, budget_s=math.inf, agree=_agree_min) / 2
         tt = torch.tensor([t], dtype=torch.float64, device=device)
         dist.all_reduce(tt, op=dist.ReduceOp.MAX)
         db.add_collective("send_recv", 2, "intra" if _same_node([0, 1]) else "inter", x.numel() * 4, tt.item())
@@ -240,7 +240,7 @@ def shard_unit(unit, layer, tp: int):
     return u
 
 
-def _local_labels(args: tuple, kwargs: dict, layer, tp: int) -> tuple[tuple, dict]:
+def local_labels(args: tuple, kwargs: dict, layer, tp: int) -> tuple[tuple, dict]:
     """Under a vocabulary-parallel head, the loss sees vocab/tp logit columns: map label
     ids into that range (ignored labels stay ignored) so the local loss is well-defined."""
     import torch
@@ -263,8 +263,8 @@ def measure_layers(db, spec: str, seq_len: int, batches, tps, cps, repeats: int,
 
     from codegen.runtime.context_parallel import RingCompute
     from planner import zoo
-    from planner.frontend import load_graph
-    from planner.zoo.attention import SelfAttention, sdpa_attention
+    from planner.frontend.load import load_graph
+    from codegen.runtime.layers import SelfAttention, sdpa_attention
 
     graph = load_graph(spec, batch=1, seq_len=seq_len)
     ms = zoo.load_model_spec(spec)
@@ -301,7 +301,7 @@ def measure_layers(db, spec: str, seq_len: int, batches, tps, cps, repeats: int,
                         done += 1
                         continue
                     unit = shard_unit(model.get_submodule(layer.name), layer, tp)
-                    a, k = _local_labels(*inputs[layer.name], layer, tp)
+                    a, k = local_labels(*inputs[layer.name], layer, tp)
 
                     def fwd():
                         with torch.no_grad():
@@ -318,8 +318,8 @@ def measure_layers(db, spec: str, seq_len: int, batches, tps, cps, repeats: int,
                         if isinstance(m, SelfAttention):
                             m.attn_impl = ring
                     dist.barrier()
-                    tf = _timeit(fwd, repeats, sync, agree=_agree_min, lockstep=dist.barrier)
-                    tfb = _timeit(fwd_bwd, repeats, sync, agree=_agree_min, lockstep=dist.barrier)
+                    tf = timeit(fwd, repeats, sync, agree=_agree_min, lockstep=dist.barrier)
+                    tfb = timeit(fwd_bwd, repeats, sync, agree=_agree_min, lockstep=dist.barrier)
                     tt = torch.tensor([tf, max(tfb - tf, 0.0)], dtype=torch.float64, device=device)
                     dist.all_reduce(tt, op=dist.ReduceOp.MAX)
                     db.add_layer(sig, b, seq_len, tp, cp, tt[0].item(), tt[1].item())

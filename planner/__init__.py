@@ -14,13 +14,13 @@ __all__ = ["auto_parallelize", "capture", "plan_model", "load_plan"]
 
 def __getattr__(name: str):
     if name == "auto_parallelize":
-        from planner.api import auto_parallelize
+        from planner.entry.api import auto_parallelize
         return auto_parallelize
     if name == "capture":
-        from planner.capture import capture
+        from planner.frontend.trace import capture
         return capture
     if name == "plan_model":
-        from planner.planning import plan_model
+        from planner.search.planning import plan_model
         return plan_model
     if name == "load_plan":
         from planner.plan import Plan

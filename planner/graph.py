@@ -69,7 +69,7 @@ class Linear:
     in_features: int
     out_features: int
     bias: bool
-    role: str               # "column" | "row" | "packed_qkv" | "vocab" | "replicated" (planner/tp_layout.py)
+    role: str               # "column" | "row" | "packed_qkv" | "vocab" | "replicated" (planner/frontend/tp_layout.py)
 
 
 @dataclass

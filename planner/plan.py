@@ -10,6 +10,8 @@ import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from planner.errors import PlanError
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")   # pipeline schedules (cost_models/pipeline.py simulates them)
 ZERO = ("ddp", "zero1", "zero2", "fsdp")      # DP sharding modes (codegen/runtime/data_parallel.py)
 SHARDED_PARAMS = ("zero2", "fsdp")            # the ZERO modes that shard parameters over dp; ddp, zero1 replicate them
@@ -65,10 +67,6 @@ LOSS_KERNELS = ("fused", "eager")      # fused: linear + cross-entropy without [
 MESH_DIMS = ("pp", "dp", "cp", "tp")   # outer to inner
 ADAPTERS = ("zoo", "hf", "module")     # how the runtime reaches into the model (codegen/runtime/adapters)
 TP_ROLES = ("column", "row", "packed_qkv", "vocab_embed", "embed", "vocab_head", "norm")  # tensor_parallel.py
-
-
-class PlanError(ValueError):
-    """A malformed configuration or plan file; one line naming the problem and the fix."""
 
 
 def _bool(s: str) -> bool:
@@ -348,6 +346,7 @@ class Plan:
 
     @staticmethod
     def from_dict(d: Any, source: str = "plan") -> "Plan":
+        """The plan a JSON object describes, checked (:meth:`check`); one-line errors naming ``source``."""
         if not isinstance(d, dict):
             raise PlanError(f"{source}: not a plan (expected a JSON object); write it with `autopar plan`")
         v = d.get("version")
@@ -360,55 +359,67 @@ class Plan:
                         stages=list(d["pipeline"]["stages"]), tp_layout=dict(d["tensor_parallel"]["layout"]),
                         estimate=dict(d["estimate"]), alternatives=list(d.get("alternatives", [])),
                         rejected=dict(d.get("rejected", {})), search=dict(d.get("search", {})), version=v)
-            names = plan.model["layers"]
-            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-                raise PlanError("model.layers must be a list of layer names")
-            if plan.model.get("adapter", "zoo") not in ADAPTERS:
-                raise PlanError(f"model.adapter {plan.model.get('adapter')!r} is not one of {', '.join(ADAPTERS)}")
-            if not isinstance(plan.model.get("facts", {}), dict):
-                raise PlanError("model.facts must be an object")
-            if plan.model.get("vocab") is not None and (not _is_int(plan.model["vocab"]) or plan.model["vocab"] < 1):
-                raise PlanError("model.vocab must be a positive integer")
-            plan.facts  # validates the limits
-            if len(plan.stages) != cfg.pp * cfg.vpp:
-                raise PlanError(f"{len(plan.stages)} stages for pp*vpp = {cfg.pp * cfg.vpp}")
-            for s in plan.stages:
-                if not s.get("layers") or any(n not in names for n in s["layers"]):
-                    raise PlanError("a stage names a layer the model does not have")
-                if s.get("recompute") not in RECOMPUTE:
-                    raise PlanError(f"stage recompute {s.get('recompute')!r} is not one of {', '.join(RECOMPUTE)}")
-                if (p := recompute_problem(s["recompute"], cfg.schedule, cfg.pp)):
-                    raise PlanError(p)
-            plan.partition().validate(len(names))
-            for fqn, role in plan.tp_layout.items():
-                if not re.fullmatch(r"[A-Za-z_][\w]*(\.[\w]+)*", fqn) or role not in TP_ROLES:
-                    raise PlanError(f"bad tensor-parallel entry {fqn!r}: {role!r}")
-            for k in ("global", "micro", "microbatches", "seq_len"):
-                if not _is_int(plan.batch.get(k)) or plan.batch[k] < 1:
-                    raise PlanError(f"batch.{k} must be a positive integer")
-            if not isinstance(plan.batch.get("documents", {}), dict):
-                raise PlanError("batch.documents must be an object")
-            for what, d in (("model", plan.model), ("cluster", plan.cluster)):
-                # names reach file names and the emitted program's docstring: no quotes, slashes, newlines
-                if not isinstance(d.get("name"), str) or not _NAME.fullmatch(d["name"]):
-                    raise PlanError(f"{what}.name {d.get('name')!r} is not a plain name")
-                for k in ("spec", "fingerprint"):
-                    if not isinstance(d.get(k, ""), str):
-                        raise PlanError(f"{what}.{k} must be a string")
-            for k in ("nodes", "devices_per_node"):
-                if k in plan.cluster and (not _is_int(plan.cluster[k]) or plan.cluster[k] < 1):
-                    raise PlanError(f"cluster.{k} must be a positive integer")
-            for k in ("step_s", "tokens_per_s", "mfu"):
-                if not _is_num(plan.estimate.get(k)):
-                    raise PlanError(f"estimate.{k} must be a finite number")
-            mem = plan.estimate.get("memory_gib", [])
-            if not isinstance(mem, list) or not all(_is_num(x) for x in mem):
-                raise PlanError("estimate.memory_gib must be a list of numbers")
+            plan.check()
             return plan
         except PlanError as e:
             raise PlanError(f"{source}: {e}; plan again with `autopar plan`") from None
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise PlanError(f"{source}: malformed plan ({type(e).__name__}: {e}); plan again with `autopar plan`") from None
+
+    def check(self) -> None:
+        """Refuse (PlanError) a plan whose parts are malformed or do not fit together; nothing from a
+        plan file reaches a program unchecked (names are plain, layouts are module paths)."""
+        self._check_model()
+        self._check_stages()
+        for fqn, role in self.tp_layout.items():
+            if not re.fullmatch(r"[A-Za-z_][\w]*(\.[\w]+)*", fqn) or role not in TP_ROLES:
+                raise PlanError(f"bad tensor-parallel entry {fqn!r}: {role!r}")
+        for k in ("global", "micro", "microbatches", "seq_len"):
+            if not _is_int(self.batch.get(k)) or self.batch[k] < 1:
+                raise PlanError(f"batch.{k} must be a positive integer")
+        if not isinstance(self.batch.get("documents", {}), dict):
+            raise PlanError("batch.documents must be an object")
+        for k in ("nodes", "devices_per_node"):
+            if k in self.cluster and (not _is_int(self.cluster[k]) or self.cluster[k] < 1):
+                raise PlanError(f"cluster.{k} must be a positive integer")
+        for k in ("step_s", "tokens_per_s", "mfu"):
+            if not _is_num(self.estimate.get(k)):
+                raise PlanError(f"estimate.{k} must be a finite number")
+        mem = self.estimate.get("memory_gib", [])
+        if not isinstance(mem, list) or not all(_is_num(x) for x in mem):
+            raise PlanError("estimate.memory_gib must be a list of numbers")
+
+    def _check_model(self) -> None:
+        names = self.model["layers"]
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise PlanError("model.layers must be a list of layer names")
+        if self.model.get("adapter", "zoo") not in ADAPTERS:
+            raise PlanError(f"model.adapter {self.model.get('adapter')!r} is not one of {', '.join(ADAPTERS)}")
+        if not isinstance(self.model.get("facts", {}), dict):
+            raise PlanError("model.facts must be an object")
+        if self.model.get("vocab") is not None and (not _is_int(self.model["vocab"]) or self.model["vocab"] < 1):
+            raise PlanError("model.vocab must be a positive integer")
+        self.facts  # validates the limits
+        for what, d in (("model", self.model), ("cluster", self.cluster)):
+            # names reach file names and the emitted program's docstring: no quotes, slashes, newlines
+            if not isinstance(d.get("name"), str) or not _NAME.fullmatch(d["name"]):
+                raise PlanError(f"{what}.name {d.get('name')!r} is not a plain name")
+            for k in ("spec", "fingerprint"):
+                if not isinstance(d.get(k, ""), str):
+                    raise PlanError(f"{what}.{k} must be a string")
+
+    def _check_stages(self) -> None:
+        cfg, names = self.config, self.model["layers"]
+        if len(self.stages) != cfg.pp * cfg.vpp:
+            raise PlanError(f"{len(self.stages)} stages for pp*vpp = {cfg.pp * cfg.vpp}")
+        for s in self.stages:
+            if not s.get("layers") or any(n not in names for n in s["layers"]):
+                raise PlanError("a stage names a layer the model does not have")
+            if s.get("recompute") not in RECOMPUTE:
+                raise PlanError(f"stage recompute {s.get('recompute')!r} is not one of {', '.join(RECOMPUTE)}")
+            if (p := recompute_problem(s["recompute"], cfg.schedule, cfg.pp)):
+                raise PlanError(p)
+        self.partition().validate(len(names))
 
     @staticmethod
     def load(path: str) -> "Plan":
@@ -429,6 +440,8 @@ class Plan:
         return Plan.from_dict(d, source=path)
 
     def save(self, path: str, force: bool = False) -> None:
+        from planner.files import write_atomic
+
         """Atomic write (temporary file + rename); refuses to overwrite without ``force``."""
         write_atomic(path, self.to_json(), force=force)
 
@@ -452,57 +465,3 @@ def _is_num(v: Any) -> bool:
     import math
 
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def check_outputs(paths: list[str], force: bool = False) -> None:
-    """Refuse, before anything is written, every output of a command that ``write_atomic``
-    would refuse or fail on: two outputs naming one file, a folder, an existing file without
-    ``force``, a parent that is a file or a folder that cannot be written."""
-    import os
-
-    seen: set[str] = set()
-    for path in paths:
-        full = os.path.abspath(path)
-        if full in seen:
-            raise PlanError(f"two outputs name {path}: give each output its own path")
-        seen.add(full)
-        if os.path.isdir(path):
-            raise PlanError(f"{path} is a folder: give a file path for the output")
-        if os.path.exists(path) and not force:
-            raise PlanError(f"{path} exists: pass --force to overwrite it, or choose another output path")
-        folder = os.path.dirname(full)
-        while not os.path.exists(folder):  # write_atomic makes the missing folders
-            folder = os.path.dirname(folder)
-        if not os.path.isdir(folder):
-            raise PlanError(f"cannot write {path}: {folder} is a file, not a folder; choose another output path")
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise PlanError(f"cannot write {path}: folder {folder} is not writable; choose a writable output path")
-
-
-def write_atomic(path: str, text: str, force: bool = False) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same folder and os.replace;
-    an existing file is kept unless ``force``."""
-    import os
-    import tempfile
-
-    if os.path.exists(path) and not force:
-        raise PlanError(f"{path} exists: pass --force to overwrite it, or choose another output path")
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
-    except OSError as e:
-        raise PlanError(f"cannot write {path}: {e.strerror}: choose a writable output path") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; plans and reports are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise

@@ -10,7 +10,7 @@ if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Plans for local-cpu clusters use this machine's cached calibration and profile the machine
-# when there is none (planner/machine_calibration.py). Tests plan uncalibrated and never touch
+# when there is none (planner/entry/calibration.py). Tests plan uncalibrated and never touch
 # the user's cache, unless a test asks for it (tests/test_machine_calibration.py).
 os.environ["AUTOPAR_CALIBRATE"] = "0"
 os.environ.setdefault("AUTOPAR_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "autopar"))

@@ -282,8 +282,8 @@ def mllm_ilp_split(pc) -> tuple[list[list[str]], list[str]]:
     """The planner's ILP stage split of mllm-tiny for ``pc`` (unequal layers: vision blocks,
     projector, decoder blocks, head)."""
     from cost_models.cluster import parse_cluster
-    from planner.frontend import load_graph
-    from planner.planning import evaluate_config
+    from planner.frontend.load import load_graph
+    from planner.search.planning import evaluate_config
 
     g = load_graph("mllm-tiny", batch=1, seq_len=SEQ)
     e, _ = evaluate_config(g, parse_cluster(f"local-cpu:{pc.world}"), pc, GB)

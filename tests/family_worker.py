@@ -62,10 +62,10 @@ def layout_for(facts) -> ParallelConfig:
 
 def run(family: str) -> dict:
     from cost_models.cluster import parse_cluster
-    from planner.frontend import load_graph
-    from planner.planning import evaluate_config
-    from planner.search import facts_of
-    from planner.tp_layout import tp_layout
+    from planner.frontend.load import load_graph
+    from planner.search.planning import evaluate_config
+    from planner.search.space import facts_of
+    from planner.frontend.tp_layout import tp_layout
 
     graph = load_graph(spec(family), batch=1, seq_len=SEQ)
     facts = facts_of(graph)

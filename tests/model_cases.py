@@ -13,7 +13,7 @@
 A case builds the model for a parallel run (meta where the adapter can materialise it,
 else the same seeded weights on every rank), runs the single-process reference (the
 unmodified model, its own loss, SGD), and gives the planner's view of it: the TP layout
-and facts of ``planner.frontend.graph_of`` and an even stage split over the stage groups.
+and facts of ``planner.frontend.load.graph_of`` and an even stage split over the stage groups.
 """
 from __future__ import annotations
 
@@ -167,9 +167,9 @@ def case(name: str) -> Case:
 @functools.cache
 def planner_view(name: str):
     """(graph, TP layout, facts) the planner derives for case ``name`` (frontend.graph_of)."""
-    from planner.frontend import example_for_module, graph_of
-    from planner.search import facts_of
-    from planner.tp_layout import tp_layout
+    from planner.frontend.load import example_for_module, graph_of
+    from planner.search.space import facts_of
+    from planner.frontend.tp_layout import tp_layout
 
     c = case(name)
     model = c.build("meta") if c.parallel_device == "meta" else c.build("cpu")
@@ -188,7 +188,7 @@ def planner_view(name: str):
 
 def stages_for(name: str, n: int) -> list[list[str]]:
     """``n`` virtual stages of case ``name``: the planner's even split over its stage groups."""
-    from planner.stage_split import even_split
+    from planner.search.stage_split import even_split
     g, _, _ = planner_view(name)
     part = even_split(g, n)
     names = [l.name for l in g.layers]

@@ -28,7 +28,7 @@ def _hf(model_type: str, **kw):
 
 
 def _graph(model, name):
-    from planner.frontend import example_for_module, graph_of
+    from planner.frontend.load import example_for_module, graph_of
     return graph_of(model, example_for_module(model, 1, 32), name=name, seq_len=32)
 
 
@@ -54,7 +54,7 @@ def test_transformers_moe_is_captured_through_experts_interface(model_type, kw, 
     """Routed experts of transformers' ExpertsInterface families are captured (balanced load on
     fake tensors) with their shape; under TP the MoE layer stays whole (its router and shared
     experts replicated, whatever the model's own TP plan says), the attention is split."""
-    from planner.tp_layout import tp_layout
+    from planner.frontend.tp_layout import tp_layout
 
     g = _graph(_hf(model_type, **kw), model_type)
     moe = [l.moe for l in g.layers if l.moe is not None]
@@ -93,7 +93,7 @@ def test_experts_are_installed_on_one_instance_only():
 
 
 def test_plain_module_whose_units_do_not_compose_asks_for_a_spec():
-    from planner.frontend import graph_of
+    from planner.frontend.load import graph_of
     with pytest.raises(AutoparError) as e:
         graph_of(RootPositionsLM(), (torch.zeros(1, 32, dtype=torch.long),), name="root", seq_len=32,
                  loss_fn=lambda out: out.float().sum())
@@ -124,7 +124,7 @@ def test_attention_is_installed_on_one_instance_only():
 
     def counting(q, k, v, *, causal, scale=None):
         calls.append(causal)
-        from planner.zoo.attention import sdpa_attention
+        from codegen.runtime.layers import sdpa_attention
         return sdpa_attention(q, k, v, causal=causal, scale=scale)
 
     ad = adapter_for(a)
@@ -147,10 +147,10 @@ def _run(cmd, env=None, timeout=600):
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["hf:llama-tiny", "tests.user_models:build"])
 def test_cli_plans_and_runs_a_model_autopar_did_not_write(model, tmp_path, monkeypatch):
-    from planner.cli import main
+    from planner.entry.cli import main
 
     plan = tmp_path / "plan.json"
-    cli = [sys.executable, "-m", "planner.cli"]
+    cli = [sys.executable, "-m", "planner.entry.cli"]
     monkeypatch.chdir(ROOT)  # `autopar plan` in this process (it starts nothing); `autopar run` as a user would
     assert main(["plan", "--model", model, "--cluster", "local-cpu:2", "--global-batch", "4", "--seq-len", "32",
                  "-o", str(plan)]) == 0
@@ -165,7 +165,7 @@ def test_cli_plans_and_runs_a_model_autopar_did_not_write(model, tmp_path, monke
 
 @pytest.mark.slow
 def test_auto_parallelize_hf_same_losses_on_1_2_4_processes(tmp_path):
-    from planner.launch import torchrun_cmd
+    from planner.entry.launch import torchrun_cmd
     worker = os.path.join(ROOT, "tests", "api_hf_worker.py")
     res = {}
     for n in (1, 2, 4):

@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 
 from planner import zoo
-from planner.capture import capture
+from planner.frontend.trace import capture
 from planner.errors import AutoparError
-from planner.frontend import load_graph
+from planner.frontend.load import load_graph
 from planner.graph import ModelGraph
 
 
@@ -168,11 +168,11 @@ def test_hf_models_capture(spec, block):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "planner.entry.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_cli_graph_json_and_errors(capsys):
-    from planner.cli import main
+    from planner.entry.cli import main
 
     r = _cli("graph", "--model", "gpt-tiny", "--json")
     assert r.returncode == 0, r.stderr

@@ -11,8 +11,8 @@ import torch
 
 from cost_models.cluster import parse_cluster
 from codegen.emit import emit
-from planner.frontend import load_graph
-from planner.planning import plan_model
+from planner.frontend.load import load_graph
+from planner.search.planning import plan_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RECIPE = ("check_runnable(", "build_mesh(", "split_stages(", "materialize(", "tie_weights(", "apply_attention(",
@@ -29,7 +29,7 @@ def _plan_for(spec: str, config: str, world: int, seq_len: int | None = 32, gb: 
     """The plan of ``config`` (an even stage split) for ``spec`` on ``cluster`` (default
     ``local-cpu:<world>``)."""
     from planner.plan import ParallelConfig
-    from planner.planning import build_plan, evaluate_config
+    from planner.search.planning import build_plan, evaluate_config
 
     cluster = cluster or f"local-cpu:{world}"
     g, c = load_graph(spec, batch=1, seq_len=seq_len), parse_cluster(cluster)
@@ -167,7 +167,7 @@ def assert_matches_one_process(log: str, spec: str, steps: int, world: int, tol:
 def test_emitted_pp2_tp2_program_matches_one_process(tmp_path):
     """The emitted PP2 x TP2 program (4 processes), with its default optimizer, learning-rate
     schedule and clipping, gives the single-process losses and gradient norms step by step."""
-    from planner.launch import run_plan
+    from planner.entry.launch import run_plan
 
     plan_path = str(tmp_path / "plan.json")
     _plan_for("llama-tiny", PP2TP2, 4).save(plan_path)
@@ -184,7 +184,7 @@ def test_auto_parallelize(nproc, tmp_path):
         cmd = [sys.executable, os.path.join(HERE, "api_worker.py"), str(out), str(ck)]
         env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     else:
-        from planner.launch import torchrun_cmd
+        from planner.entry.launch import torchrun_cmd
 
         cmd = torchrun_cmd(2, [os.path.join(HERE, "api_worker.py"), str(out), str(ck)])
         env = dict(os.environ)
@@ -210,7 +210,7 @@ def test_emitted_pipeline_with_tied_embeddings_runs(tmp_path):
                     'kv_heads = 2\nvocab = 64\nseq_len = 32\ntie_embeddings = true\n')
     plan_path = tmp_path / "plan.json"
     _plan_for(str(spec), PP2TP2, 4).save(str(plan_path))
-    p = subprocess.Popen([sys.executable, "-m", "planner.cli", "run", str(plan_path), "--steps", "3", "--dir",
+    p = subprocess.Popen([sys.executable, "-m", "planner.entry.cli", "run", str(plan_path), "--steps", "3", "--dir",
                           str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     try:
@@ -225,13 +225,13 @@ def test_emitted_pipeline_with_tied_embeddings_runs(tmp_path):
 def test_auto_parallelize_refuses_a_plan_file_of_another_batch_shape(tmp_path):
     """A plan file fixes the global batch and sequence length the runtime is built for; an
     example batch of another shape is refused in one line before anything is built."""
-    from planner import api
+    from planner.entry import api
     from planner.errors import AutoparError
 
     path = tmp_path / "plan.json"
     _plan().save(str(path))  # llama-tiny, 4 sequences of 32 tokens
     ok = {"input_ids": torch.zeros(4, 32, dtype=torch.long)}
-    assert api._plan_on_rank0(None, ok, "local-cpu:2", 2, 4, None, None, str(path), None).batch["global"] == 4
+    req = api.PlanRequest(cluster="local-cpu:2", plan=str(path))
+    assert api.plan_for(None, ok, req, 2).batch["global"] == 4
     with pytest.raises(AutoparError, match="is for 4 sequences of 32 tokens but the example batch is 2 x 32"):
-        api._plan_on_rank0(None, {"input_ids": torch.zeros(2, 32, dtype=torch.long)}, "local-cpu:2", 2, 2, None,
-                           None, str(path), None)
+        api.plan_for(None, {"input_ids": torch.zeros(2, 32, dtype=torch.long)}, req, 2)

@@ -19,7 +19,7 @@ from cost_models.estimate import LayerCosts
 from planner.errors import AutoparError
 from planner.graph import ModelGraph
 from planner.plan import ParallelConfig, Plan
-from planner.seq_lens import as_histogram, default_budget, read_seq_lens, with_documents
+from planner.search.seq_lens import as_histogram, default_budget, read_seq_lens, with_documents
 
 
 # ---------------------------------------------------------------- reading the lengths
@@ -183,7 +183,7 @@ def test_the_graph_keeps_the_mix_through_json():
 @functools.cache
 def _graph(kv_heads: int, seq: int, layers: int = 2) -> ModelGraph:
     """A small Llama-shaped model (32 heads of 128, ``kv_heads`` kv heads) at ``seq`` tokens."""
-    from planner.frontend import graph_of_config
+    from planner.frontend.load import graph_of_config
     from planner.zoo import ModelConfig
 
     return graph_of_config(ModelConfig(name="doc-llama", arch="llama", layers=layers, hidden=4096, ffn_hidden=11008,
@@ -196,7 +196,7 @@ CONFIGS = ["dp=8,zero=fsdp", "dp=2,cp=4,zero=fsdp", "dp=1,cp=8,zero=fsdp,recompu
 
 @pytest.mark.parametrize("cfg", CONFIGS)
 def test_documents_filling_the_row_price_exactly_as_without(cfg):
-    from planner.planning import evaluate_config
+    from planner.search.planning import evaluate_config
 
     g = _graph(8, 32768)
     gd = with_documents(g, {32768: 4})
@@ -293,8 +293,8 @@ def _llama8b_plans():
     """Llama 3 8B at a 128K-token budget on two DGX H100 (16 GPUs), global batch 16, trained with
     FSDP and ring attention (``tp=1,ulysses=1`` pinned): planned as one 128K document per row, and
     for the long tail of short documents of :func:`_long_tail`."""
-    from planner.frontend import load_graph
-    from planner.planning import plan_model
+    from planner.frontend.load import load_graph
+    from planner.search.planning import plan_model
 
     g = load_graph("llama3-8b", seq_len=131072)
     cl = parse_cluster("dgx-h100:2")
@@ -321,7 +321,7 @@ def test_a_long_tail_of_short_documents_takes_a_smaller_cp_degree():
     assert d["attention_share"] < 0.06 and d["budget"] == 131072 and d["documents"] == 20000
     assert d["ring_visiting"]["cp=8"]["share"] < 0.5 * d["ring_visiting"]["cp=8"]["one_document"]
     # the no-document layout, priced for the documents: its exposed ring is what loses
-    from planner.planning import evaluate_config
+    from planner.search.planning import evaluate_config
 
     gd = with_documents(g, _long_tail(131072))
     e, problems = evaluate_config(gd, cl, one.config, 16)
@@ -331,7 +331,7 @@ def test_a_long_tail_of_short_documents_takes_a_smaller_cp_degree():
 
 
 def test_the_report_explains_the_documents_and_the_rejected_larger_cp():
-    from planner.report_data import build_report, summary_rows, why_not_degrees
+    from planner.report.data import build_report, summary_rows, why_not_degrees
 
     _, _, plans = _llama8b_plans()
     packed, _ = plans["docs"]
@@ -341,7 +341,7 @@ def test_the_report_explains_the_documents_and_the_rejected_larger_cp():
     assert "causal attention work" in rows["documents"]
     why = {w["degree"]: w for w in why_not_degrees(plan)}
     assert "visiting blocks" in why["cp=8"]["documents"] and "exposed" in why["cp=8"]["documents"]
-    from planner.report import render_html
+    from planner.report.render import render_html
 
     assert "K/V transfers are exposed: the attention over short documents is too small" in render_html(
         build_report(plan, layers=False))
@@ -351,7 +351,7 @@ def test_the_report_explains_the_documents_and_the_rejected_larger_cp():
 # ---------------------------------------------------------------- CLI and API
 
 def test_cli_plans_and_reports_a_document_distribution(tmp_path):
-    from planner.cli import main
+    from planner.entry.cli import main
 
     lens = tmp_path / "lens.txt"
     lens.write_text("\n".join(str(40 + (i * 37) % 160) for i in range(300)) + "\n1000\n")
@@ -368,7 +368,7 @@ def test_cli_plans_and_reports_a_document_distribution(tmp_path):
 
 
 def test_cli_refuses_bad_lengths_in_one_line(tmp_path, capsys):
-    from planner.cli import main
+    from planner.entry.cli import main
 
     bad = tmp_path / "bad.txt"
     bad.write_text("100\nmany\n")
@@ -379,7 +379,7 @@ def test_cli_refuses_bad_lengths_in_one_line(tmp_path, capsys):
 
 
 def test_plan_model_takes_seq_lens_and_leaves_the_graph_alone():
-    from planner.planning import plan_model
+    from planner.search.planning import plan_model
 
     g = _graph(8, 8192)
     plan, res = plan_model(g, parse_cluster("dgx-h100"), 8, spec="doc-llama", cluster_spec="dgx-h100",
@@ -401,7 +401,7 @@ def test_models_that_keep_their_own_attention_are_refused_one_line():
     """Documents are masked by autopar's attention: a model whose own attention runs (its
     limits refuse cp), or one with non-causal (vision) attention, cannot plan with them."""
     from planner.feasibility import documents_problem
-    from planner.frontend import load_graph
+    from planner.frontend.load import load_graph
 
     assert documents_problem({}) is None
     assert "as context parallelism does: sliding window" in documents_problem({"cp": "sliding window"})
@@ -421,7 +421,7 @@ def test_autopar_run_trains_on_the_planned_documents(tmp_path):
     import sys
 
     from codegen.emit import emit
-    from planner.cli import main
+    from planner.entry.cli import main
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     lens = tmp_path / "lens.txt"
@@ -436,7 +436,7 @@ def test_autopar_run_trains_on_the_planned_documents(tmp_path):
     with pytest.raises(Exception, match="lengths in the plan must be a list of positive integers"):
         emit(bad)
     env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run([sys.executable, "-m", "planner.cli", "run", str(plan), "--steps", "4", "--dir",
+    r = subprocess.run([sys.executable, "-m", "planner.entry.cli", "run", str(plan), "--steps", "4", "--dir",
                         str(tmp_path / "run")], cwd=root, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     recs = [json.loads(line) for line in open(tmp_path / "run" / "train_log.jsonl")]

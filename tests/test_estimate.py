@@ -7,7 +7,7 @@ from cost_models.cluster import parse_cluster
 from cost_models.estimate import estimate
 from cost_models.memory import stage_memory
 from cost_models.profile_db import ProfileDB
-from planner.frontend import load_graph
+from planner.frontend.load import load_graph
 from planner.plan import ZERO, ParallelConfig, Partition, PlanError
 
 GiB = 2**30

@@ -12,13 +12,13 @@ import functools
 import pytest
 import torch
 
-from codegen.runtime.expert_parallel import _by_expert
+from codegen.runtime.expert_parallel import by_expert
 from cost_models import comm as comm_mod
 from cost_models.cluster import load_preset
 from cost_models.compute import expert_gemms
 from cost_models.experts import alltoall_bytes, ep_mesh, expert_comm, expert_rows
 from cost_models.memory import layer_params_local, per_param_bytes, stage_memory
-from planner.frontend import graph_of_config
+from planner.frontend.load import graph_of_config
 from planner.plan import ModelFacts, ParallelConfig
 from planner.feasibility import config_problems, expert_groups
 from planner.zoo import ModelConfig
@@ -146,10 +146,10 @@ def test_feasibility_rule_for_ep():
 
 def test_dispatch_permutation_groups_rows_by_local_expert():
     got = torch.tensor([[2, 0, 1], [1, 3, 0], [0, 0, 2]])  # [source rank, local expert] row counts
-    order = _by_expert(got)
+    order = by_expert(got)
     # source blocks: s0 = rows 0-2 (e0 e0 e2), s1 = rows 3-6 (e0 e1 e1 e1), s2 = rows 7-8 (e2 e2)
     assert order.tolist() == [0, 1, 3, 4, 5, 6, 2, 7, 8]
-    assert _by_expert(torch.zeros(2, 2, dtype=torch.long)).numel() == 0
+    assert by_expert(torch.zeros(2, 2, dtype=torch.long)).numel() == 0
 
 
 def test_skewed_parity_case_leaves_experts_empty_and_loads_uneven():
@@ -167,8 +167,8 @@ def test_skewed_parity_case_leaves_experts_empty_and_loads_uneven():
 
 
 def _plan_on(inter_gbs: float):
-    from planner.pins import Pins
-    from planner.search import search
+    from planner.search.pins import Pins
+    from planner.search.space import search
     cl = load_preset("dgx-h100")
     cl.nodes = 4
     cl.inter = dataclasses.replace(cl.inter, bandwidth_gbs=inter_gbs)
@@ -176,8 +176,8 @@ def _plan_on(inter_gbs: float):
 
 
 def _why_not_ep(r, cl) -> dict:
-    from planner.planning import build_plan
-    from planner.report_data import why_not_degrees
+    from planner.search.planning import build_plan
+    from planner.report.data import why_not_degrees
     plan = build_plan(_fine(), cl, r.best, spec="moe-fine", cluster_spec="dgx-h100:4",
                       alternatives=r.alternatives, rejected=r.rejected, counts=r.rejected_counts)
     return {w["degree"]: w for w in why_not_degrees(plan) if w["degree"].startswith("ep=")}
@@ -229,11 +229,11 @@ def test_a_very_large_block_is_sharded_module_by_module(monkeypatch):
 def test_runtime_picks_the_modules_it_shards_alone(monkeypatch):
     """The runtime's choice of per-module units follows the same rule (threshold lowered for a tiny block)."""
     import planner.plan as plan_mod
-    from codegen.runtime.data_parallel import _module_units
+    from codegen.runtime.data_parallel import module_units
     from planner.zoo import build_model, preset
     block = build_model(preset("llama-tiny"), device="cpu", seed=0).layers[0]
-    assert _module_units(block) == []
+    assert module_units(block) == []
     monkeypatch.setattr(plan_mod, "FSDP_UNIT_PARAMS", 1000)
-    names = {n for n, m in block.named_modules() if m in _module_units(block)}
+    names = {n for n, m in block.named_modules() if m in module_units(block)}
     assert {"attn.q_proj", "mlp.gate_proj", "mlp.down_proj"} <= names
     assert not any("norm" in n for n in names)                       # under 1% of the block: stays in its unit

@@ -76,9 +76,9 @@ def _tensors(step_dir: str, tmp: str) -> dict:
 @pytest.mark.slow
 def test_killed_rank_is_relaunched_and_resumes_bitwise(tmp_path, monkeypatch, capfd):
     from cost_models.cluster import parse_cluster
-    from planner.launch import run_plan
-    from planner.frontend import load_graph
-    from planner.planning import plan_model
+    from planner.entry.launch import run_plan
+    from planner.frontend.load import load_graph
+    from planner.search.planning import plan_model
 
     plan, _ = plan_model(load_graph("llama-tiny", seq_len=32), parse_cluster("local-cpu:2"), 4, spec="llama-tiny",
                          cluster_spec="local-cpu:2")

@@ -19,9 +19,9 @@ import pytest
 from cost_models import calibrate as C
 from cost_models.cluster import parse_cluster
 from cost_models.profile_db import ProfileDB
-from planner.frontend import load_graph
+from planner.frontend.load import load_graph
 from planner.plan import ParallelConfig
-from planner.planning import evaluate_config
+from planner.search.planning import evaluate_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -102,7 +102,7 @@ def test_spearman_and_mape():
 
 
 def test_calibrate_cli_rejects_bad_run_arg(tmp_path, capsys):
-    from planner.cli import main
+    from planner.entry.cli import main
 
     p = ProfileDB(parse_cluster("local-cpu:2").fingerprint(), "gloo", 2)
     p.to_json(tmp_path / "p.json")
@@ -114,7 +114,7 @@ def test_calibrate_cli_rejects_bad_run_arg(tmp_path, capsys):
 def test_fidelity_smoke_two_processes(tmp_path, monkeypatch, capsys):
     """2 plans on local-cpu:2, 4 steps each: predicted and measured for each, then calibrate them."""
     from benchmarks import fidelity
-    from planner.cli import main
+    from planner.entry.cli import main
 
     monkeypatch.chdir(ROOT)
     out = tmp_path / "fidelity.json"

@@ -174,22 +174,22 @@ def test_fuzz_cluster_toml(text):
 @pytest.fixture
 def fake_detect():
     """``local-cpu:N`` without measuring the CPU for every N (and without touching the real cache)."""
-    real = cluster_mod._detect_cached
+    real = cluster_mod.detect_cached
     fake = {}
 
     def detect(n):
         if n not in fake:
-            saved = cluster_mod._measure_cpu
-            cluster_mod._measure_cpu = lambda: (1e10, 1e10)
+            saved = cluster_mod.measure_cpu
+            cluster_mod.measure_cpu = lambda: (1e10, 1e10)
             try:
                 fake[n] = Cluster.detect(n)
             finally:
-                cluster_mod._measure_cpu = saved
+                cluster_mod.measure_cpu = saved
         return fake[n]
 
-    cluster_mod._detect_cached = detect
+    cluster_mod.detect_cached = detect
     yield
-    cluster_mod._detect_cached = real
+    cluster_mod.detect_cached = real
 
 
 CLUSTER_WORDS = st.sampled_from(cluster_mod.preset_names() + ["local-cpu", "local-cpu:", "dgx", ":", "", " ",
@@ -316,8 +316,8 @@ def test_fuzz_parallel_config(s):
 @pytest.fixture(scope="module")
 def plan_dict():
     from cost_models.cluster import parse_cluster as pc
-    from planner.frontend import load_graph
-    from planner.planning import plan_model
+    from planner.frontend.load import load_graph
+    from planner.search.planning import plan_model
 
     plan, _ = plan_model(load_graph("llama-tiny"), pc("local-cpu:2"), 4, spec="llama-tiny",
                          cluster_spec="local-cpu:2")
@@ -412,7 +412,7 @@ def test_plan_files_are_json_only(plan_dict):
 def test_codegen_does_not_import_a_plans_model_function(plan_dict, tmp_path):
     import sys
 
-    from planner.launch import check_plan
+    from planner.entry.launch import check_plan
 
     d = copy.deepcopy(plan_dict)
     d["model"]["spec"] = "autopar_fuzz_never_imported:build"
@@ -430,7 +430,7 @@ def test_data_hook_is_a_dotted_name():
 
 
 def test_plan_for_another_model_or_machine_is_refused(plan_dict):
-    from planner.launch import check_plan
+    from planner.entry.launch import check_plan
 
     check_plan(Plan.from_dict(plan_dict))                      # the real one passes
     for key, what in (("model", "model"), ("cluster", "cluster")):

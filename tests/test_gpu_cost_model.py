@@ -120,7 +120,7 @@ def test_overlap_accounting():
 
 
 def test_tensor_parallel_shards_gemms_into_less_efficient_shapes():
-    from planner.frontend import load_graph
+    from planner.frontend.load import load_graph
 
     g = load_graph("gpt-small", batch=1, seq_len=1024)
     block = next(l for l in g.layers if l.kind == "transformer_block")

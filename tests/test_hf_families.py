@@ -44,10 +44,10 @@ REFUSED = {
 @pytest.mark.parametrize("family", FW.FAMILIES)
 def test_family_plans_within_its_limits(family):
     from cost_models.cluster import parse_cluster
-    from planner.frontend import load_graph
+    from planner.frontend.load import load_graph
     from planner.feasibility import config_problems
-    from planner.planning import plan_model
-    from planner.search import facts_of
+    from planner.search.planning import plan_model
+    from planner.search.space import facts_of
 
     g = load_graph(FW.spec(family), batch=1, seq_len=32)
     facts = facts_of(g)

@@ -90,7 +90,7 @@ PLANNER_CASE = dict(model="llama-1b", cluster="dgx-a100-80g", global_batch=64, s
 @pytest.fixture(scope="module")
 def planner_case():
     from cost_models.cluster import parse_cluster
-    from planner.frontend import load_graph
+    from planner.frontend.load import load_graph
     c = PLANNER_CASE
     return load_graph(c["model"], batch=1, seq_len=c["seq_len"]), parse_cluster(c["cluster"])
 
@@ -99,7 +99,7 @@ def test_fused_loss_changes_the_plan_for_a_128k_vocabulary(planner_case) -> None
     """llama-1b (vocab 128256, tied) at 40k tokens per sequence on 8 A100-80G, cp fixed to 1:
     with eager logits (40960 x 128256 per micro-batch) plain dp8 does not fit, so the planner
     pays for tp2+sp; with the fused loss dp8 fits and is faster."""
-    from planner.planning import plan_model
+    from planner.search.planning import plan_model
     g, cl = planner_case
     c = PLANNER_CASE
     best = {}
@@ -116,7 +116,7 @@ def test_fused_loss_changes_the_plan_for_a_128k_vocabulary(planner_case) -> None
 
 def test_fused_loss_lowers_head_stage_activations_and_makes_dp8_fit(planner_case) -> None:
     from planner.plan import ParallelConfig
-    from planner.planning import evaluate_config
+    from planner.search.planning import evaluate_config
     g, cl = planner_case
     est = {}
     for loss in ("eager", "fused"):

@@ -11,10 +11,10 @@ from dataclasses import replace
 import pytest
 
 from cost_models.cluster import parse_cluster
-from planner import machine_calibration as mcal
-from planner.frontend import load_graph
+from planner.entry import calibration as mcal
+from planner.frontend.load import load_graph
 from planner.feasibility import config_problems
-from planner.search import facts_of
+from planner.search.space import facts_of
 
 
 def _fake(cluster, **kw) -> mcal.MachineCalibration:
@@ -70,7 +70,7 @@ def test_machine_profile_uses_the_cache_and_says_so(tmp_path, monkeypatch) -> No
 
 
 def test_calibration_changes_the_plans_estimate(tmp_path, monkeypatch) -> None:
-    from planner.planning import plan_model
+    from planner.search.planning import plan_model
 
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("AUTOPAR_CALIBRATE", "1")
@@ -92,7 +92,7 @@ def test_demo_profiles_this_machine_once_then_plans_calibrated(tmp_path, monkeyp
     figures and writes the report; a later plan reuses the cache without launching anything."""
     env = dict(os.environ, AUTOPAR_CALIBRATE="1", AUTOPAR_CACHE_DIR=str(tmp_path / "cache"))
     run = tmp_path / "demo"
-    r = subprocess.run([sys.executable, "-m", "planner.cli", "demo", "--model", "llama-tiny", "--cluster",
+    r = subprocess.run([sys.executable, "-m", "planner.entry.cli", "demo", "--model", "llama-tiny", "--cluster",
                         "local-cpu:2", "--global-batch", "4", "--seq-len", "32", "--steps", "4", "--dir", str(run)],
                        capture_output=True, text=True, timeout=400, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -116,7 +116,7 @@ def test_demo_profiles_this_machine_once_then_plans_calibrated(tmp_path, monkeyp
     prof, note = mcal.machine_profile(parse_cluster("local-cpu:2"), progress=lambda m: pytest.fail(m))
     assert time.perf_counter() - t0 < 5 and cache[0].stat().st_mtime == before
     assert note.startswith("calibrated on this machine") and prof.calibration == d["calibration"]
-    from planner.planning import plan_model
+    from planner.search.planning import plan_model
     p, _ = plan_model(load_graph("llama-tiny"), parse_cluster("local-cpu:2"), 4, spec="llama-tiny",
                       cluster_spec="local-cpu:2", profile=prof)
     assert p.estimate["calibration"] == note

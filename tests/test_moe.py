@@ -85,7 +85,7 @@ def test_bias_update_moves_load_toward_balance():
 def test_capture_counts_the_routed_flops_of_the_balanced_load():
     """moe-tiny at 32 tokens: each MoE block's MLP = router 2*T*H*E + routed experts
     3 GEMMs * 2*(T*k)*H*F + the shared expert 3 * 2*T*H*F (T*k = 64 rows, 8 per expert)."""
-    from planner.frontend import load_graph
+    from planner.frontend.load import load_graph
 
     cfg = zoo.preset("moe-tiny")
     g = load_graph("moe-tiny", batch=1, seq_len=32)
@@ -112,9 +112,9 @@ def test_moe_under_tp_needs_sequence_parallel():
     """Mixtral 8x7B on 16 H100s: the MoE layers run on each tp rank's sequence shard, so a layout
     with tp > 1 needs sequence parallel; evaluating tp=2 without it says why, with it runs."""
     from cost_models.cluster import parse_cluster
-    from planner.frontend import load_graph
+    from planner.frontend.load import load_graph
     from planner.plan import ParallelConfig
-    from planner.planning import evaluate_config, plan_model
+    from planner.search.planning import evaluate_config, plan_model
 
     g = load_graph("mixtral-8x7b", batch=1, seq_len=4096)
     c = parse_cluster("dgx-h100:2")

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from planner.partition import (
+from planner.search.partition import (
     PartitionProblem, evaluate_partition, even_partition, greedy_partition, segments,
     solve_partition, step_objective,
 )
@@ -243,9 +243,9 @@ def test_ilp_and_estimator_price_a_stage_alike(policy: str) -> None:
     and exposed CP traffic included (they once charged full recompute differently)."""
     from cost_models.cluster import parse_cluster
     from cost_models.estimate import estimate
-    from planner.frontend import load_graph
+    from planner.frontend.load import load_graph
     from planner.plan import ParallelConfig
-    from planner.stage_split import even_split, partition_problem
+    from planner.search.stage_split import even_split, partition_problem
 
     graph = load_graph("llama-tiny", seq_len=32)
     cluster = parse_cluster("dgx-h100")

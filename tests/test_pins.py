@@ -8,12 +8,12 @@ import os
 import pytest
 
 from cost_models.cluster import parse_cluster
-from planner.cli import main
+from planner.entry.cli import main
 from planner.errors import AutoparError
-from planner.frontend import load_graph
-from planner.pins import Pins
+from planner.frontend.load import load_graph
+from planner.search.pins import Pins
 from planner.plan import ParallelConfig, Plan
-from planner.planning import plan_model
+from planner.search.planning import plan_model
 
 ARGS = ["--model", "gpt-small", "--seq-len", "64", "--cluster", "local-cpu:4", "--global-batch", "8"]
 
@@ -118,7 +118,7 @@ def test_pinned_recompute_holds_on_every_stage():
     8192 tokens on 16 H100s (pp4 x tp4) fits only with full recompute on the first stages: free,
     the ILP picks it; pinned to none, every stage keeps none (and so the layout does not fit)."""
     from planner.plan import ParallelConfig
-    from planner.stage_split import best_partition
+    from planner.search.stage_split import best_partition
 
     g = load_graph("llama3-70b", batch=1, seq_len=8192)
     c = parse_cluster("dgx-h100:2")
@@ -186,18 +186,18 @@ def test_report_shows_the_pins(small, tmp_path, capsys):
     assert "| pinned (--fix) | pp=1,tp<=2 (the search kept to these" in open(md).read()
     assert "pinned (--fix)" in capsys.readouterr().out
     unpinned = Plan.from_dict(dict(json.loads(plan.to_json()), search={}))
-    from planner.report import build_report, render_markdown
+    from planner.report.render import build_report, render_markdown
     assert "pinned" not in render_markdown(build_report(unpinned, layers=False))
 
 
 def test_lower_bounds_on_vpp_and_mbs_reach_past_the_defaults(small):
     """A lower bound alone opens the range above it: vpp>=8 tries interleaving with 8 or more
     virtual stages per rank (not the default 2 and 4, which it excludes), mbs>=16 tries 32."""
-    from planner.search import _schedules
+    from planner.search.space import schedule_choices
 
     pins = Pins.parse("vpp>=8")
-    assert [v for _, v in _schedules(2, 8, 32, pins)] == list(range(8, 17))
-    assert _schedules(2, 8, 12, pins) == []  # 2 x 8 virtual stages need 16 stage groups
+    assert [v for _, v in schedule_choices(2, 8, 32, pins)] == list(range(8, 17))
+    assert schedule_choices(2, 8, 12, pins) == []  # 2 x 8 virtual stages need 16 stage groups
     g, c = small
     # one micro-batch of 64 costs least here (no pipeline, per-micro-batch op costs): reachable now
     plan, _ = plan_model(g, c, 64, spec="gpt-small", cluster_spec="local-cpu:4", fix="dp=1,pp=1,mbs>=16")

@@ -9,9 +9,9 @@ import pytest
 
 from cost_models.cluster import parse_cluster
 from planner.errors import AutoparError
-from planner.frontend import load_graph
+from planner.frontend.load import load_graph
 from planner.plan import ParallelConfig, Plan, PlanError
-from planner.planning import evaluate_config, plan_model
+from planner.search.planning import evaluate_config, plan_model
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_evaluate_names_stage_and_shortfall(llama8b):
     assert not e.fits
     rank, over = e.shortfall()
     assert rank == 0 and over > 0
-    r = subprocess.run([sys.executable, "-m", "planner.cli", "evaluate", "--model", "llama3-8b", "--cluster",
+    r = subprocess.run([sys.executable, "-m", "planner.entry.cli", "evaluate", "--model", "llama3-8b", "--cluster",
                         "dgx-h100:1", "--global-batch", "64", "--config", "dp=8,zero=ddp", "--even-split"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "stage 0" in r.stderr and "GiB" in r.stderr
@@ -115,13 +115,13 @@ def test_ilp_split_beats_even_split(spec, cluster, cfg, gb, gain):
 def test_sequence_parallel_only_where_the_runtime_can_shard_the_sequence():
     """seq_len / cp must divide by tp for SP (the runtime refuses otherwise): the search never
     offers it there and evaluate names the problem."""
-    from planner.search import _variants, facts_of
+    from planner.search.space import variants, facts_of
 
     g = load_graph("llama-tiny", batch=1, seq_len=33)
     f33 = facts_of(g)
     f32 = facts_of(load_graph("llama-tiny", batch=1, seq_len=32))
-    odd = list(_variants(1, 1, 1, 2, 1, 2, len(g.layers), "fp32", "eager", f33, dominated=False))
-    even = list(_variants(1, 1, 1, 2, 1, 2, len(g.layers), "fp32", "eager", f32, dominated=False))
+    odd = list(variants(1, 1, 1, 2, 1, 2, len(g.layers), "fp32", "eager", f33, dominated=False))
+    even = list(variants(1, 1, 1, 2, 1, 2, len(g.layers), "fp32", "eager", f32, dominated=False))
     assert odd and not any(c.sp for c in odd)        # tp=2 still searched, without SP
     assert even and all(c.sp for c in even)          # where SP runs, sp=off is dominated
     _, problems = evaluate_config(g, parse_cluster("local-cpu:2"), ParallelConfig(tp=2, sp=True), 4)

@@ -13,7 +13,7 @@ from cost_models import profiler
 from cost_models.memory import layer_params_local
 from cost_models.profile_db import ProfileDB
 from planner import zoo
-from planner.frontend import load_graph
+from planner.frontend.load import load_graph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,7 +43,7 @@ def test_shard_unit_holds_a_tp_ranks_parameters_and_runs(spec):
         if layer.vocab or any(o.tp_style == "vocab" for o in layer.ops):
             vocab_layers += 1
             assert local < 0.6 * sum(p.numel() for p in full.parameters()), layer.name
-        a, k = profiler._local_labels(*inputs[layer.name], layer, 2)
+        a, k = profiler.local_labels(*inputs[layer.name], layer, 2)
         out = unit(*[x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
                      for x in a], **k)
         out = out if isinstance(out, torch.Tensor) else out[0]
@@ -83,7 +83,7 @@ def test_ring_compute_covers_the_causal_attention_once(monkeypatch):
 
 def test_timeit_batches_fast_calls_and_agrees_on_the_batch():
     calls, agreed, steps = [], [], []
-    t = profiler._timeit(lambda: calls.append(1), repeats=3, sync=lambda: None, target_s=0.005,
+    t = profiler.timeit(lambda: calls.append(1), repeats=3, sync=lambda: None, target_s=0.005,
                          agree=lambda x: agreed.append(x) or x + 1, lockstep=lambda: steps.append(1))
     k, n = agreed
     assert k > 10 and n == 3                       # a no-op is far below 5 ms: batched; 3 batches asked
@@ -96,7 +96,7 @@ def test_timeit_cuts_slow_calls_to_the_budget():
     import time
 
     calls = []
-    profiler._timeit(lambda: calls.append(time.sleep(0.01)), repeats=50, sync=lambda: None, budget_s=0.05,
+    profiler.timeit(lambda: calls.append(time.sleep(0.01)), repeats=50, sync=lambda: None, budget_s=0.05,
                      target_s=0.001)
     assert 2 + 3 <= len(calls) <= 2 + 6            # k = 1; about 0.05 s / 0.01 s batches, at least 3
 
@@ -126,7 +126,7 @@ def test_pin_cpu_rank_gives_each_rank_its_own_cores(monkeypatch):
 def test_profiler_two_processes(tmp_path):
     """One real profile on 2 gloo processes: every layer class at tp 1/2 x cp 1/2 x 2 batch
     sizes, every collective kind at both sizes, positive times."""
-    from planner.launch import torchrun_cmd
+    from planner.entry.launch import torchrun_cmd
 
     out = tmp_path / "p.json"
     cmd = torchrun_cmd(2, profiler.worker_args("local-cpu:2", "gpt-tiny", str(out), seq_len=32, batches="1,2",

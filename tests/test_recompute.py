@@ -13,7 +13,7 @@ from codegen.runtime.recompute import checkpoint_block
 from cost_models.memory import layer_activation
 from cost_models.compute import op_recompute_share
 from cost_models.op_recompute import op_saved_bytes
-from planner.frontend import graph_of_config
+from planner.frontend.load import graph_of_config
 from planner.plan import ParallelConfig, recompute_problem, ModelFacts
 from planner.feasibility import config_problems
 from planner.zoo import preset

@@ -14,11 +14,11 @@ from html.parser import HTMLParser
 import pytest
 
 from cost_models.cluster import parse_cluster
-from planner.cli import main
-from planner.frontend import load_graph
+from planner.entry.cli import main
+from planner.frontend.load import load_graph
 from planner.plan import ParallelConfig, Plan, PlanError
-from planner.planning import build_plan, evaluate_config, plan_model
-from planner.report import build_report, render_html, render_markdown, trace_events, write_reports
+from planner.search.planning import build_plan, evaluate_config, plan_model
+from planner.report.render import build_report, render_html, render_markdown, trace_events, write_reports
 
 SECTIONS = ("summary", "mesh", "stages", "memory", "timeline", "breakdown", "alternatives", "rejected", "layers")
 SVGS = ("mesh-svg", "memory-svg", "timeline-svg", "breakdown-svg")

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from cost_models.cluster import parse_cluster
-from planner.frontend import load_graph
+from planner.frontend.load import load_graph
 from planner.feasibility import sp_problem
-from planner.search import facts_of, search
+from planner.search.space import facts_of, search
 
 
 def test_tp_without_sequence_parallel_is_priced_when_the_sequence_does_not_split() -> None:

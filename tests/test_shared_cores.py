@@ -10,7 +10,7 @@ from cost_models.estimate import estimate
 from cost_models.pipeline import simulate
 from cost_models.shared_cores import BASE_SLICE_S, compute_concurrency, core_speedup, sync_wait_s
 from planner.plan import ParallelConfig
-from planner.stage_split import even_split
+from planner.search.stage_split import even_split
 
 
 @dataclass
@@ -43,7 +43,7 @@ def test_pipeline_concurrency_follows_the_bubble():
 
 
 def test_a_pipeline_on_shared_cores_is_priced_faster_and_lockstep_layouts_are_not():
-    from planner.frontend import load_graph
+    from planner.frontend.load import load_graph
 
     g = load_graph("gpt-tiny", batch=1)
     shared = parse_cluster("local-cpu:4")

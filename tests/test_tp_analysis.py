@@ -1,4 +1,4 @@
-"""Tensor-parallel roles read by dataflow from captured graphs (planner/tp_analysis.py).
+"""Tensor-parallel roles read by dataflow from captured graphs (planner/frontend/tp_analysis.py).
 
 Real captures of tiny models built on the meta device: the zoo, several transformers
 families (checked against the model's own ``_tp_plan`` where it has one), and a user
@@ -12,10 +12,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from planner import zoo
-from planner.capture import capture_fx
-from planner.frontend import graph_of
-from planner.tp_analysis import analyze
-from planner.tp_layout import tp_layout
+from planner.frontend.trace import capture_fx
+from planner.frontend.load import graph_of
+from planner.frontend.tp_analysis import analyze
+from planner.frontend.tp_layout import tp_layout
 
 IDS = {"input_ids": torch.zeros(1, 32, dtype=torch.long, device="meta"), "use_cache": False}
 HF_TINY = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=128,
@@ -57,7 +57,7 @@ def zoo_model(name: str):
 
 def layout_of(model, example) -> dict[str, str]:
     """The plan's TP layout the planner derives: frontend roles (this analysis, or the model's
-    own TP plan) through planner.tp_layout."""
+    own TP plan) through planner.frontend.tp_layout."""
     return tp_layout(graph_of(model, example, name="test", seq_len=32))
 
 
@@ -214,14 +214,14 @@ def test_layer_costs_are_sums_over_the_fx_graph_and_graph_fx_prints_a_block():
     import subprocess
     import sys
 
-    from planner.fx_graph import unit_nodes
+    from planner.frontend.fx_graph import unit_nodes
     model, graph, _ = hf("gpt2")
     _, fx = capture_fx(model, dict(IDS))
     block = graph.layer("transformer.h.0")
     fwd = sum(n.meta["flops"] for n in unit_nodes(fx, "transformer.h.0", "fwd"))
     bwd = sum(n.meta["flops"] for n in unit_nodes(fx, "transformer.h.0", "bwd"))
     assert fwd == block.fwd_flops > 0 and bwd == block.bwd_flops > 0
-    r = subprocess.run([sys.executable, "-m", "planner.cli", "graph", "--model", "hf:gpt-tiny", "--fx", "--layer",
+    r = subprocess.run([sys.executable, "-m", "planner.entry.cli", "graph", "--model", "hf:gpt-tiny", "--fx", "--layer",
                         "transformer.h.1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()

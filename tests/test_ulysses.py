@@ -15,7 +15,7 @@ from cost_models.context_parallel import cp_comm, cp_meshes, ring_step_bytes, ul
 from planner.graph import AttentionDims
 from planner.plan import ModelFacts, ParallelConfig, PlanError
 from planner.feasibility import config_problems
-from planner.report_data import build_report, mesh_groups, summary_rows
+from planner.report.data import build_report, mesh_groups, summary_rows
 
 MHA = AttentionDims(heads=32, kv_heads=32, head_dim=128, seq_len=32768, kv_len=32768, causal=True)
 
@@ -63,7 +63,7 @@ def test_pure_ulysses_has_no_ring_and_ring_no_alltoall():
 @functools.cache
 def _graph(kv_heads: int, seq: int):
     """A 4-block Llama-shaped model (32 heads, ``kv_heads`` kv heads) at ``seq`` tokens."""
-    from planner.frontend import graph_of_config
+    from planner.frontend.load import graph_of_config
     from planner.zoo import ModelConfig
 
     return graph_of_config(ModelConfig(name="long-ctx", arch="llama", layers=4, hidden=4096, ffn_hidden=11008,
@@ -82,9 +82,9 @@ def _cluster(intra_gbs: float):
 
 def _search(kv_heads: int, intra_gbs: float, seq: int):
     """The search for :func:`_graph` on :func:`_cluster`, context parallel pinned to 8, and its plan."""
-    from planner.pins import Pins
-    from planner.planning import build_plan
-    from planner.search import search
+    from planner.search.pins import Pins
+    from planner.search.planning import build_plan
+    from planner.search.space import search
 
     g, cl = _graph(kv_heads, seq), _cluster(intra_gbs)
     r = search(g, cl, 8, pins=Pins.parse("cp=8"))
@@ -94,7 +94,7 @@ def _search(kv_heads: int, intra_gbs: float, seq: int):
 
 
 def _why_not_ulysses(plan) -> dict:
-    from planner.report_data import why_not_degrees
+    from planner.report.data import why_not_degrees
     return {w["degree"]: w for w in why_not_degrees(plan) if w["degree"].startswith("ulysses=")}
 
 
@@ -107,7 +107,7 @@ def test_many_heads_and_fast_links_pick_ulysses_and_the_report_says_why_not_the_
     ring = _why_not_ulysses(plan)["ulysses=1"]
     assert any(f"slower layers than ulysses={best.ulysses}" in reason for reason in ring["reasons"]), ring
     # and by how much: the same layout with the ring, priced
-    from planner.planning import evaluate_config
+    from planner.search.planning import evaluate_config
     e, problems = evaluate_config(_graph(32, 32768), _cluster(450.0), best.replace(ulysses=1), 8)
     assert not problems and e.step_s > r.best.step_s and e.breakdown["compute"] > r.best.breakdown["compute"]
     rows = {key: text for key, _, text, _ in summary_rows(build_report(plan, layers=False))}
@@ -125,7 +125,7 @@ def test_few_kv_heads_and_slow_links_keep_the_ring():
     rows = _why_not_ulysses(plan)
     for u in (2, 4, 8):
         assert any("slower layers than ulysses=1" in reason for reason in rows[f"ulysses={u}"]["reasons"])
-    from planner.planning import evaluate_config
+    from planner.search.planning import evaluate_config
     e, _ = evaluate_config(_graph(8, 131072), _cluster(25.0), r.best.config.replace(ulysses=8), 8)
     assert e.breakdown["cp_comm"] > r.best.breakdown["cp_comm"]  # the all-to-alls, unhidden
 

@@ -11,10 +11,9 @@ import torch
 from torch import nn
 
 from planner.errors import AutoparError
-from planner.zoo import (PRESETS, PUBLISHED_PARAMS, ModelConfig, SelfAttention, build_model, example_batch,
-                         load_model_spec)
-
-attn_mod = sys.modules["planner.zoo.attention"]
+from codegen.runtime import layers as attn_mod
+from codegen.runtime.layers import SelfAttention
+from planner.zoo import PRESETS, PUBLISHED_PARAMS, ModelConfig, build_model, example_batch, load_model_spec
 TINY = ["gpt-tiny", "llama-tiny", "mllm-tiny"]
 
 
@@ -271,8 +270,8 @@ def test_spec_module_function(tmp_path, monkeypatch):
 def test_spec_function_that_cannot_build_a_model(spec, says, capsys):
     """A ``package.module:function`` that needs arguments, is no function, or returns no
     module is one line naming it and the fix, from the spec and from `autopar graph`."""
-    from planner.cli import main
-    from planner.frontend import load_graph
+    from planner.entry.cli import main
+    from planner.frontend.load import load_graph
 
     with pytest.raises(AutoparError) as exc:
         load_graph(spec)

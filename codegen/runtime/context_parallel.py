@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
 from codegen.runtime.documents import Documents, PerVersion, any_visible, visible_mask
-from planner.zoo.attention import sdpa_attention
+from codegen.runtime.layers import sdpa_attention
 
 _MASKED = -1e30
 

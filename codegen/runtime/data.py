@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import importlib
 import math
+import re
 from typing import Callable
 
 import torch
 
-from planner.zoo.spec import FUNC_SPEC as _HOOK
+# ``package.module:function``: the only form a model or data hook may name (nothing else is imported)
+FUNC_SPEC = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 DataFn = Callable[[int], dict]
 
@@ -110,7 +112,7 @@ def packed_documents(vocab: int, global_batch: int, seq_len: int, lengths: list[
 def user_hook(spec: str, global_batch: int, seq_len: int) -> DataFn:
     """Import ``package.module:function`` (only when the user names it) and return
     ``step -> function(step, global_batch, seq_len)``."""
-    if not _HOOK.match(spec):
+    if not FUNC_SPEC.match(spec):
         raise ValueError(f"--data {spec!r} is not package.module:function")
     mod, fn = spec.split(":")
     f = getattr(importlib.import_module(mod), fn)

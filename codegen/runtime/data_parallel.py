@@ -66,7 +66,7 @@ def apply_dp(stage_mods: Sequence[nn.Module], dp_mesh: DeviceMesh, zero: str, pi
         if zero in SHARDED_PARAMS:
             reshard = zero == "fsdp" and not pipelined
             for block in own:
-                for sub in _module_units(block):  # a very large block: one unit per large module first
+                for sub in module_units(block):  # a very large block: one unit per large module first
                     fully_shard(sub, mesh=dp_mesh, reshard_after_forward=reshard)
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
             fully_shard(sm, mesh=dp_mesh, reshard_after_forward=reshard)
@@ -89,7 +89,7 @@ def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
-def _module_units(block: nn.Module) -> list[nn.Module]:
+def module_units(block: nn.Module) -> list[nn.Module]:
     """The modules of ``block`` that FSDP shards as units of their own (``planner.plan.
     fsdp_per_module``): those holding at least ``FSDP_MODULE_SHARE`` of its parameters
     directly, unless already sharded (routed experts under expert parallelism); none for a

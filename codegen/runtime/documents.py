@@ -36,7 +36,7 @@ from typing import Any, Callable, Hashable, Optional
 import torch
 import torch.nn.functional as F
 
-from planner.zoo.attention import sdpa_attention
+from codegen.runtime.layers import sdpa_attention
 
 IGNORE_INDEX = -100
 

@@ -77,7 +77,7 @@ class TokenDispatch:
         send = counts.view(ep, local).sum(1).tolist()
         recv = got.sum(1).tolist()
         x = _exchange(rows, recv, send, self.group)
-        order = _by_expert(got).to(rows.device)
+        order = by_expert(got).to(rows.device)
         # an expert's gradient sums the rows of the whole EP group; data parallelism then averages
         # over the experts' dp x cp x tp / ep ranks: tp / ep here makes it the dense weights' (a
         # sum over the tp ranks' sequence shards, an average over dp x cp)
@@ -108,7 +108,7 @@ def _exchange(x: torch.Tensor, recv: list[int], send: list[int], group) -> torch
     return funcol.wait_tensor(out)
 
 
-def _by_expert(got: torch.Tensor) -> torch.Tensor:
+def by_expert(got: torch.Tensor) -> torch.Tensor:
     """Row indices that reorder rows received as [source][local expert] blocks (sizes ``got``)
     into [local expert][source] blocks."""
     flat = got.reshape(-1)

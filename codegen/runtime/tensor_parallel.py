@@ -17,7 +17,7 @@ Linears are ``nn.Linear`` or transformers' ``Conv1D`` (weight stored ``[in, out]
 Under sequence parallelism the parent of every ``row`` linear (the attention / MLP module)
 gets its hidden-state input (first positional argument, or ``hidden_states=``) gathered
 from the sequence shard (a block whose attention linears sit directly in it cannot run
-sequence parallel: the planner's ``sp`` limit, ``planner/frontend.py``). Attention modules must reshape with the local head count
+sequence parallel: the planner's ``sp`` limit, ``planner/frontend/load.py``). Attention modules must reshape with the local head count
 (``view(B, S, -1, head_dim)``), so sharding q/k/v by output features shards heads; kv heads
 are sharded, never replicated, so tp must divide them (the planner's feasibility rule).
 

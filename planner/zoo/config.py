@@ -205,7 +205,7 @@ PRESETS: dict[str, ModelConfig] = {
                     vocab=256, seq_len=32, rope_theta=500000.0, vision_layers=2, vision_hidden=32,
                     vision_heads=2, vision_ffn_hidden=128, image_size=16, patch_size=4),
         # The demo's model (autopar demo) and the reference the first-run calibration measures
-        # (planner/machine_calibration.py): small enough for a 2-core machine, and of two
+        # (planner/entry/calibration.py): small enough for a 2-core machine, and of two
         # architectures, so the demo's prediction is not checked on the model it was fitted to.
         _gpt("gpt-mini", 4, 256, 4, vocab=1024, seq_len=128, tie=False),
         _llama("llama-mini", 4, 256, 640, 4, 2, vocab=768, seq_len=96),

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from planner.zoo.attention import SelfAttention
+from codegen.runtime.layers import SelfAttention
 from planner.zoo.config import ModelConfig
 
 IGNORE_INDEX = -100
@@ -158,6 +158,12 @@ class ZooModel(nn.Module):
         self.tie_weights()
         aliases = {"head.proj.weight": "embed.tok.weight"} if self.config.tie_embeddings else None
         init_weights_(self, self.config, seed, aliases)
+
+    def autopar_adapter(self):
+        """The runtime adapter of this model (``codegen.runtime.adapters.adapter_for`` asks it)."""
+        from planner.zoo.adapter import ZooAdapter
+
+        return ZooAdapter(self)
 
     def run_decoder(self, x: torch.Tensor, labels: Optional[torch.Tensor],
                     positions: Optional[torch.Tensor]) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from planner.zoo.attention import SelfAttention
+from codegen.runtime.layers import SelfAttention
 from planner.zoo.config import ModelConfig
 from planner.zoo.gpt import LMHead, ZooModel
 

@@ -22,13 +22,7 @@ from planner.errors import AutoparError
 from planner.zoo.config import ModelConfig
 from planner.zoo.gpt import IGNORE_INDEX, GPTBlock
 from planner.zoo.llama import LlamaDecoder
-
-
-def patchify(pixel_values: torch.Tensor, patch: int) -> torch.Tensor:
-    """[B, C, H, W] -> [B, (H/p)*(W/p), C*p*p], patches in row-major order."""
-    b, c, h, w = pixel_values.shape
-    x = pixel_values.reshape(b, c, h // patch, patch, w // patch, patch)
-    return x.permute(0, 2, 4, 1, 3, 5).reshape(b, (h // patch) * (w // patch), c * patch * patch)
+from codegen.runtime.layers import patchify
 
 
 class PatchEmbedding(nn.Module):

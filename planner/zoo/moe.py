@@ -24,62 +24,24 @@ the last :meth:`take_load` (counted when the layer's output gradient arrives, so
 that is never differentiated - a pipeline's shape probe, a recomputation - does not count); the runtime sums it over the data-parallel ranks before each optimizer
 step and calls :meth:`update_bias` (``codegen/runtime/experts.py``).
 
-Capture (planner/capture.py) runs the model on fake tensors, where data-dependent row
+Capture (planner/frontend/trace.py) runs the model on fake tensors, where data-dependent row
 counts do not exist: ``static_shapes = True`` on an instance makes it assume the balanced
 load (every expert ``T * top_k / experts`` rows, rounded up), which gives the expected
 FLOPs and activation bytes of the routed experts; nothing else changes.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from planner.zoo.attention import SelfAttention
+from codegen.runtime.layers import SelfAttention, grouped_swiglu, run_routed
 from planner.zoo.config import ModelConfig
 from planner.zoo.gpt import LMHead, ZooModel
 from planner.zoo.llama import SwiGLU, TokenEmbedding
 
 BIAS_RATE = 1e-3  # DeepSeek-V3's bias update speed gamma
-
-
-def grouped_swiglu(x: torch.Tensor, counts: list[int], w_gate: torch.Tensor, w_up: torch.Tensor,
-                   w_down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of each expert on its contiguous rows of ``x`` [sum(counts), hidden]."""
-    # split / unbind, not x[a:b] / w[e]: their backward is one concatenation / stack, where each
-    # slice's or index's would write a full-size gradient (experts^2 x weights of traffic); an
-    # expert without rows still runs (0 rows): its weights get zero gradients
-    outs = [(F.silu(rows @ g) * (rows @ u)) @ d
-            for rows, g, u, d in zip(x.split(counts), w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0))]
-    return torch.cat(outs)
-
-
-def run_routed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: int, run: Callable,
-               static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens ``x`` [T, hidden] through their chosen experts ``ids`` [T, k], weighted by
-    ``weights`` [T, k]: the (token, choice) pairs sorted by expert, ``run(rows, split)`` on the
-    contiguous rows of each (``split[e]`` rows for expert e), each output times its weight and
-    added back onto its token. ``static`` (capture on fake tensors, where counts do not exist):
-    the balanced load, ``ceil(T k / experts)`` rows each. Returns (output [T, hidden], tokens
-    per expert [experts]). The zoo's layer and transformers' experts (through
-    ``codegen/runtime/adapters/hf_experts.py``) both route through it."""
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    token = order // ids.shape[-1]
-    rows = x[token]
-    counts = torch.zeros(experts, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-    if static:
-        per = math.ceil(rows.shape[0] / experts)
-        split = [per] * experts
-        rows = F.pad(rows, (0, 0, 0, per * experts - rows.shape[0]))
-    else:
-        split = counts.tolist()
-    out = run(rows, split)[:token.shape[0]]
-    out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-    return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype)), counts
 
 
 class RoutedExperts(nn.Module):

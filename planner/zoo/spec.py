@@ -18,7 +18,6 @@ import contextlib
 import difflib
 import importlib
 import os
-import re
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional, Union
 
@@ -27,6 +26,7 @@ from torch import nn
 
 from planner.errors import AutoparError
 from planner.zoo.config import PRESETS, ModelConfig
+from codegen.runtime.data import FUNC_SPEC
 from planner.zoo.gpt import GPT
 from planner.zoo.llama import Llama
 from planner.zoo.mllm import MLLM
@@ -34,8 +34,6 @@ from planner.zoo.moe import MoE
 
 Device = Union[str, torch.device, None]
 _ARCH_CLASSES = {"gpt": GPT, "llama": Llama, "mllm": MLLM, "moe": MoE}
-# ``package.module:function``: the only form a model or data hook may name (nothing else is imported)
-FUNC_SPEC = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 _SPEC_HELP = "use a preset name, a .toml file, package.module:function or hf:<preset>"
 
 

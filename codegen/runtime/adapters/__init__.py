@@ -37,10 +37,10 @@ names a model's attributes; it asks the model's :class:`ModelAdapter`:
 
 The tensor-parallel layout itself is data: ``{module fqn: role}`` in the plan (roles in
 ``codegen/runtime/tensor_parallel.py``), taken from the model's own TP plan where it has
-one and from the captured graph's dataflow otherwise (``planner/tp_layout.py``).
+one and from the captured graph's dataflow otherwise (``planner/frontend/tp_layout.py``).
 
-Implementations: :class:`~codegen.runtime.adapters.zoo.ZooAdapter` (autopar's reference
-models), :class:`~codegen.runtime.adapters.hf.HFAdapter` (any transformers causal LM,
+Implementations: a model's own, returned by its ``autopar_adapter()`` method (autopar's reference
+models: ``planner/zoo/adapter.py``), :class:`~codegen.runtime.adapters.hf.HFAdapter` (any transformers causal LM,
 found through the library's own metadata) and
 :class:`~codegen.runtime.adapters.module.ModuleAdapter` (a user's ``nn.Module`` with a
 repeated block stack, or an explicit :class:`~codegen.runtime.adapters.module.ModuleSpec`).
@@ -58,11 +58,19 @@ __all__ = ["IGNORE_INDEX", "ModelAdapter", "StageModule", "Unit", "adapter_for",
 
 
 def adapter_kind(model: nn.Module) -> str:
-    """``zoo``, ``hf`` (a transformers causal LM) or ``module``."""
+    """``zoo`` (a model that brings its own adapter: ``autopar_adapter()``), ``hf`` (a
+    transformers causal LM) or ``module``."""
     from codegen.runtime.adapters.hf import is_hf_causal_lm
-    from codegen.runtime.adapters.zoo import is_zoo_model
 
-    return "zoo" if is_zoo_model(model) else "hf" if is_hf_causal_lm(model) else "module"
+    if _own_adapter(model) is not None:
+        return _own_adapter(model)().kind
+    return "hf" if is_hf_causal_lm(model) else "module"
+
+
+def _own_adapter(model: nn.Module):
+    """The model's own adapter factory (a method ``autopar_adapter()`` of its class), or None."""
+    hook = getattr(type(model), "autopar_adapter", None)
+    return getattr(model, "autopar_adapter") if callable(hook) else None
 
 
 def adapter_for(model: nn.Module, spec: Optional[Any] = None, *, order: Optional[Sequence[str]] = None,
@@ -79,10 +87,9 @@ def adapter_for(model: nn.Module, spec: Optional[Any] = None, *, order: Optional
 
 def _adapter_of_kind(model: nn.Module, spec: Optional[Any], order: Optional[Sequence[str]],
                      seq_len: Optional[int]) -> ModelAdapter:
+    if spec is None and _own_adapter(model) is not None:
+        return _own_adapter(model)()
     kind = "module" if spec is not None else adapter_kind(model)
-    if kind == "zoo":
-        from codegen.runtime.adapters.zoo import ZooAdapter
-        return ZooAdapter(model)
     if kind == "hf":
         from codegen.runtime.adapters.hf import HFAdapter
         return HFAdapter(model, order=order, seq_len=seq_len)

@@ -99,7 +99,7 @@ class ModelAdapter:
         return [u.name for u in self.unit_list if u.kind == "block"]
 
     def capture_units(self) -> list[tuple[str, nn.Module, Optional[str]]]:
-        """``(name, module, stack)`` per unit for ``planner.capture`` (``stack``: the path of
+        """``(name, module, stack)`` per unit for ``planner.frontend.trace`` (``stack``: the path of
         the list holding a block, so repeated blocks are captured once)."""
         blocks = set(self.blocks)
         return [(u, self.model.get_submodule(u), u.rpartition(".")[0] if u in blocks else None) for u in self.units]

@@ -19,7 +19,7 @@ runtime and the capture use (the zoo's ``RoutedExperts`` has the same):
 - ``moe_shape()``: (experts, expert FFN width).
 
 The experts forward itself (:func:`autopar_experts_forward`) routes as the zoo's layer does
-(``planner.zoo.moe.run_routed``).
+(``codegen.runtime.layers.run_routed``).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from planner.zoo.moe import run_routed
+from codegen.runtime.layers import run_routed
 
 EXPERTS_NAME = "autopar"
 
@@ -85,7 +85,7 @@ def moe_shape(m: nn.Module) -> tuple[int, int]:
 def autopar_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts forward signature: tokens [T, hidden], their experts and weights
-    [T, k]; routed as the zoo's layer routes (``planner.zoo.moe.run_routed``)."""
+    [T, k]; routed as the zoo's layer routes (``codegen.runtime.layers.run_routed``)."""
     def run(rows: torch.Tensor, split: list[int]) -> torch.Tensor:
         if self.dispatcher is not None:
             return self.dispatcher(self, rows, split)

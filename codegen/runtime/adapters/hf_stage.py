@@ -186,7 +186,7 @@ def autopar_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     module without one (another model sharing the registry) gets SDPA."""
     impl: Optional[Callable] = module.__dict__.get("_autopar_attention")
     if impl is None:
-        from planner.zoo.attention import sdpa_attention
+        from codegen.runtime.layers import sdpa_attention
         impl = sdpa_attention
     out = impl(query, key, value, causal=getattr(module, "is_causal", True), scale=scaling)
     return out.transpose(1, 2).contiguous(), None

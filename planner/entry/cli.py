@@ -11,8 +11,8 @@ import sys
 from typing import Callable, Sequence
 
 from planner.errors import AutoparError
-from planner.launch import check_plan, compare_run, run_plan, torchrun_cmd
-from planner.launch import progress as _progress
+from planner.entry.launch import check_plan, compare_run, run_plan, torchrun_cmd
+from planner.entry.launch import progress as _progress
 from planner.plan import LOSS_KERNELS
 
 
@@ -40,7 +40,7 @@ def _console():
 # ---------------------------------------------------------------- graph ---------
 
 def cmd_graph(args: argparse.Namespace) -> int:
-    from planner.frontend import load_graph_and_fx
+    from planner.frontend.load import load_graph_and_fx
 
     g, fx = load_graph_and_fx(args.model, batch=args.batch, seq_len=args.seq_len)
     if args.fx:
@@ -50,7 +50,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
         return 0
     from rich.table import Table
 
-    from planner.report_data import fmt_n as _fmt_num
+    from planner.report.data import fmt_n as _fmt_num
 
     t = Table(title=f"{g.name}: batch {g.batch} x seq {g.seq_len}, captured in {g.capture_s:.2f} s")
     for col in ("#", "layer", "kind", "params", "fwd FLOPs", "bwd FLOPs", "activations", "output", "repeat of"):
@@ -71,7 +71,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
 
 def _print_fx(g, fx, layer: str | None) -> int:
     """The FX graph (forward and backward ATen ops) of one layer: ``layer`` or the first block."""
-    from planner.fx_graph import format_unit
+    from planner.frontend.fx_graph import format_unit
     from planner.graph import BLOCK_KINDS
 
     names = [l.name for l in g.layers]
@@ -118,7 +118,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def _check_out(path: str, force: bool) -> None:
     """Refuse an output ``write_atomic`` would refuse or fail on, before the work that makes it."""
-    from planner.plan import check_outputs
+    from planner.files import check_outputs
 
     check_outputs([path], force)
 
@@ -130,8 +130,8 @@ def _load_inputs(args: argparse.Namespace):
     cluster before the model is captured."""
     from cost_models.cluster import parse_cluster
     from cost_models.profile_db import ProfileDB
-    from planner.frontend import load_graph, with_moe_imbalance
-    from planner.pins import Pins
+    from planner.frontend.load import load_graph, with_moe_imbalance
+    from planner.search.pins import Pins
 
     cluster = parse_cluster(args.cluster)
     pins = Pins.parse(getattr(args, "fix", None)).check_world(cluster.world, cluster.name)
@@ -144,14 +144,14 @@ def _load_inputs(args: argparse.Namespace):
                                f"({profile.cluster_fingerprint} != {cluster.fingerprint()}): profile this cluster "
                                "with `autopar profile`")
     elif cluster.detected:
-        from planner.machine_calibration import machine_profile
+        from planner.entry.calibration import machine_profile
 
         profile, note = machine_profile(cluster, enabled=not getattr(args, "no_calibrate", False),
                                         progress=_progress)
         _progress(note)
     hist, seq_len = None, args.seq_len
     if getattr(args, "seq_lens", None):  # read (and refused) before the capture
-        from planner.seq_lens import default_budget, read_seq_lens
+        from planner.search.seq_lens import default_budget, read_seq_lens
 
         hist = read_seq_lens(args.seq_lens)
         seq_len = seq_len or default_budget(hist)
@@ -159,7 +159,7 @@ def _load_inputs(args: argparse.Namespace):
     if hist is not None:
         import os
 
-        from planner.seq_lens import describe, with_documents
+        from planner.search.seq_lens import describe, with_documents
 
         graph = with_documents(graph, hist, source=os.path.basename(args.seq_lens))
         _progress(describe(graph))
@@ -195,9 +195,9 @@ def _print_estimate(con, e, title: str) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     import time
 
-    from planner.plan import write_atomic
-    from planner.planning import plan_model
-    from planner.report_data import fmt_n
+    from planner.files import write_atomic
+    from planner.search.planning import plan_model
+    from planner.report.data import fmt_n
 
     if args.out:
         _check_out(args.out, args.force)
@@ -239,7 +239,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from planner.plan import ParallelConfig
     from planner.feasibility import default_attention
-    from planner.planning import evaluate_config
+    from planner.search.planning import evaluate_config
 
     cfg = ParallelConfig.parse(args.config)
     graph, cluster, profile, pins = _load_inputs(args)
@@ -299,7 +299,7 @@ def _print_comparison(c: dict) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from planner.zoo.spec import FUNC_SPEC
+    from codegen.runtime.data import FUNC_SPEC
 
     if args.data is not None and not FUNC_SPEC.match(args.data):
         raise AutoparError(f"--data {args.data!r} is not package.module:function (step, global_batch, seq_len) -> batch")
@@ -316,7 +316,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from planner.demo import run_demo, summary_lines
+    from planner.entry.demo import run_demo, summary_lines
 
     r = run_demo(args.model, args.cluster, args.global_batch, args.seq_len, args.steps, args.dir, lr=args.lr,
                  calibrate=not args.no_calibrate, progress=_progress)
@@ -326,7 +326,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from planner.report import build_report, print_text, write_reports
+    from planner.report.render import build_report, print_text, write_reports
     from planner.plan import Plan
 
     outs = [x for x in (args.out, args.md, args.trace) if x]
@@ -352,7 +352,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from cost_models import calibrate as cal
     from cost_models.cluster import parse_cluster
     from cost_models.profile_db import ProfileDB
-    from planner.frontend import load_graph
+    from planner.frontend.load import load_graph
 
     profile = ProfileDB.load(args.profile)
     by_plan: dict[str, list[str]] = {}

@@ -39,7 +39,7 @@ def check_plan(plan, *, import_user_code: bool = True) -> None:
     spec is imported only when ``import_user_code`` (running the program imports it anyway)."""
     import re
 
-    from planner.frontend import load_graph
+    from planner.frontend.load import load_graph
 
     from planner.feasibility import config_problems
 
@@ -105,12 +105,12 @@ def run_plan(plan_path: str, *, steps: int, run_dir: str, ckpt_every: int = 0, m
 def launch_timed_runs(plan_paths: list[str], out: str, *, world: int, steps: int, warmup: int,
                       timeout_s: float) -> list[dict]:
     """Time ``steps`` steps of each plan (all of ``world`` processes) in one torchrun launch
-    (``codegen/runtime/timed_runs.py``); returns its per-plan records."""
+    (``planner/entry/timed_runs.py``); returns its per-plan records."""
     import json
     import os
 
     env = worker_env()
-    cmd = torchrun_cmd(world, ["-m", "codegen.runtime.timed_runs", out, *plan_paths, "--steps", str(steps),
+    cmd = torchrun_cmd(world, ["-m", "planner.entry.timed_runs", out, *plan_paths, "--steps", str(steps),
                                "--warmup", str(warmup)])
     rc = run_killable(cmd, env, timeout_s)
     if rc != 0 or not os.path.exists(out):
@@ -137,8 +137,8 @@ def run_killable(cmd: list[str], env: dict, timeout_s: float | None) -> int:
 
 
 def compare_run(plan_path: str, log: str) -> dict:
-    """Predicted against measured for a finished run (``planner.report_data.compare_run``)."""
+    """Predicted against measured for a finished run (``planner.report.data.compare_run``)."""
     from planner.plan import Plan
-    from planner.report_data import compare_run as compare, load_run_log
+    from planner.report.data import compare_run as compare, load_run_log
 
     return compare(Plan.load(plan_path), load_run_log(log))

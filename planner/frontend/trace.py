@@ -45,11 +45,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
-from planner.capture_records import UnitRecord, UnitRun, assemble, nbytes, tensors
+from planner.frontend.records import UnitRecord, UnitRun, assemble, nbytes, tensors
 from planner.errors import AutoparError
-from planner.fx_graph import GraphBuilder, unit_costs
+from planner.frontend.fx_graph import GraphBuilder, unit_costs
 from planner.graph import AttentionDims, ModelGraph
-from planner.layer_kinds import ATTN_OPS, is_linear, part_kind
+from planner.frontend.layer_kinds import ATTN_OPS, is_linear, part_kind
 
 _VIEW_OPS_TAG = torch.Tag.view_copy if hasattr(torch.Tag, "view_copy") else None
 
@@ -394,7 +394,7 @@ def capture_fx(model: nn.Module, example: dict[str, Any] | tuple, *, name: str |
                hidden: int | None = None, vocab: int | None = None,
                units: list[tuple[str, nn.Module, str | None]] | None = None):
     """:func:`capture`, returning ``(ModelGraph, torch.fx.Graph)``: the graph of the step's
-    forward and backward ATen ops the layer costs were summed from (``planner/fx_graph.py``)."""
+    forward and backward ATen ops the layer costs were summed from (``planner/frontend/fx_graph.py``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     t0 = time.perf_counter()

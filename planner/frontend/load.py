@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from planner.capture import capture_fx
+from planner.frontend.trace import capture_fx
 from planner.errors import AutoparError
 from planner.graph import BLOCK_KINDS, ModelGraph
 
@@ -89,7 +89,7 @@ def _set_tp_roles(graph: ModelGraph, fx, adapter) -> None:
     layer (router, shared experts) stay replicated: under TP each rank runs the layer on
     its own sequence shard (``planner.feasibility.ep_problem``)."""
     from planner.graph import AttentionDims
-    from planner.tp_analysis import analyze
+    from planner.frontend.tp_analysis import analyze
 
     analysis = analyze(fx, graph)
     plan = adapter.tp_layout_from_plan() if hasattr(adapter, "tp_layout_from_plan") else {}

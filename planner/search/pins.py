@@ -7,7 +7,7 @@ A pin string is comma-separated items ``key=value``, ``key<=value`` or ``key>=va
 - ``schedule`` (applies when pp > 1), ``zero`` (applies when dp * cp > 1), ``recompute``
   and ``sp`` (on/off): pinned with ``=`` only.
 
-The search (planner/search.py) tries only what the pins admit; ``zero=zero2`` and
+The search (planner/search/space.py) tries only what the pins admit; ``zero=zero2`` and
 ``vpp`` values the search does not try by default are tried when pinned. Bad input is
 one line naming the problem and the fix.
 """

@@ -1,6 +1,6 @@
 """What a report shows, computed from a plan (and a run log): the re-simulated timeline,
 the layer table, predicted against measured, rejection groups, and the shared rows the
-HTML, Markdown, trace and terminal renderers (planner/report.py) draw.
+HTML, Markdown, trace and terminal renderers (planner/report/render.py) draw.
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def layer_rows(plan: Plan) -> tuple[list[dict[str, Any]], str]:
     if not spec:
         return rows, "the plan names no model spec: layer names only"
     try:
-        from planner.frontend import load_graph
+        from planner.frontend.load import load_graph
 
         g = load_graph(spec, batch=1, seq_len=plan.batch.get("seq_len"))
     except Exception as exc:  # noqa: BLE001 - any capture failure degrades to names
@@ -323,7 +323,7 @@ def stage_rows(r: Report) -> list[dict[str, Any]]:
     return out
 
 
-def _span(s: dict[str, Any]) -> str:
+def layer_span(s: dict[str, Any]) -> str:
     return f'{s["first"]} … {s["last"]}' if s["n_layers"] > 1 else s["first"]
 
 
@@ -349,7 +349,7 @@ def breakdown_parts(r: Report) -> list[tuple[str, float]]:
 
 _CP_DESC = {"ring": "ring attention", "ulysses": "Ulysses all-to-all (heads for sequence)",
             "hybrid": "Ulysses inside groups, ring attention across them"}
-_PART_DESC = {"compute": "compute (busiest pipeline rank)", "recompute": "activation recomputation",
+PART_DESC = {"compute": "compute (busiest pipeline rank)", "recompute": "activation recomputation",
               "tp_comm": "exposed TP communication", "cp_comm": "exposed CP communication",
               "ep_comm": "expert all-to-all (dispatch, combine)",
               "p2p": "pipeline send/recv", "bubble": "pipeline bubble", "dp_comm": "exposed DP communication",

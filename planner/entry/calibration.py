@@ -6,7 +6,7 @@ real step are not in it. The first plan for a ``local-cpu`` cluster on a machine
 runs a short profile (about 20-30 s on 2 cores): the reference model ``REFERENCE_MODEL``
 trained for a few steps under every layout family this machine can run (DP, TP + SP, PP
 1F1B; :func:`reference_configs`), all in one torchrun launch of one process per core
-(``codegen/runtime/timed_runs.py``). ``cost_models.calibrate.fit`` fits the time and
+(``planner/entry/timed_runs.py``). ``cost_models.calibrate.fit`` fits the time and
 memory coefficients to those runs and the result is cached in the user's cache directory
 (``$AUTOPAR_CACHE_DIR``, else ``$XDG_CACHE_HOME/autopar``, else ``~/.cache/autopar``) under
 the machine's fingerprint (CPU model, cores, memory, torch version). Later plans on the
@@ -124,8 +124,8 @@ def run_profile(progress: Callable[[str], None] | None = None) -> MachineCalibra
     """Profile this machine (module docstring), fit, write the cache; returns the calibration."""
     from cost_models import calibrate as cal
     from cost_models.cluster import parse_cluster
-    from planner.frontend import load_graph
-    from planner.launch import launch_timed_runs
+    from planner.frontend.load import load_graph
+    from planner.entry.launch import launch_timed_runs
 
     t0 = time.perf_counter()
     probe = parse_cluster("local-cpu")
@@ -155,7 +155,7 @@ def run_profile(progress: Callable[[str], None] | None = None) -> MachineCalibra
 
 def _reference_plans(graph, cluster: Cluster, spec: str, folder: str):
     """Plan files of the reference layouts on an even split (what the runs execute) and their estimates."""
-    from planner.planning import build_plan, evaluate_config
+    from planner.search.planning import build_plan, evaluate_config
 
     paths, estimates = [], []
     for i, cfg in enumerate(reference_configs(cluster.world)):
@@ -188,7 +188,7 @@ def save_cached(cluster: Cluster, mc: MachineCalibration) -> None:
         tmp.write_text(json.dumps(asdict(mc), indent=1, sort_keys=True), encoding="utf-8")
         os.replace(tmp, p)
     except OSError as e:  # an unwritable cache costs a profile per plan, not the plan
-        from planner.launch import progress
+        from planner.entry.launch import progress
         progress(f"could not cache the calibration in {p.parent} ({e.strerror}); set AUTOPAR_CACHE_DIR")
 
 

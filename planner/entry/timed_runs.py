@@ -1,6 +1,6 @@
 """Time a few training steps of several plans in one torchrun launch (the first-run calibration).
 
-``python -m torch.distributed.run --nproc-per-node N -m codegen.runtime.timed_runs OUT.json
+``python -m torch.distributed.run --nproc-per-node N -m planner.entry.timed_runs OUT.json
 PLAN.json [PLAN.json ...] --steps K``: every plan (all of world size N, zoo models) is built,
 parallelised exactly as its emitted program does (``parallelize_plan``) and trained for ``warmup + K`` steps on the synthetic data;
 then it is torn down and the next one built, so N processes start once for all of them.

@@ -1,6 +1,6 @@
 """A fast stage split, the ILP's warm start: a greedy min-max split with per-rank recompute
 policies, returning the ILP's PartitionResult (the ILP warm-starts from it; see
-planner/partition.py for the model, planner/partition_problem.py for the even split).
+planner/search/partition.py for the model, planner/search/partition_problem.py for the even split).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import math
 import time
 from typing import Callable, Sequence
 
-from planner.partition_problem import MEM_TOL, PartitionProblem, PartitionResult, evaluate_partition
+from planner.search.partition_problem import MEM_TOL, PartitionProblem, PartitionResult, evaluate_partition
 from planner.plan import Partition
 
 

@@ -1,11 +1,11 @@
-"""The one attention function every zoo model calls, plus the self-attention module.
+"""The primitives the runtime and every model it runs are built on: attention and expert routing.
 
-Every attention computation in the zoo (causal text attention in GPT/Llama, non-causal
-vision attention in the MLLM encoder) goes through a :class:`SelfAttention` module's
-``attn_impl``: ``None`` means :func:`sdpa_attention`; the runtime installs its kernels
-(flash attention, ring attention for context parallelism, selective recompute) by
-setting that attribute on the model's own modules, so two models in one process never
-see each other's choice and nothing process-wide is patched.
+Attention. Every attention of autopar's reference models goes through a :class:`SelfAttention`
+module's ``attn_impl`` (``None``: :func:`sdpa_attention`); the runtime installs its kernels (flash
+attention, ring attention for context parallelism, selective recompute) by setting that attribute
+on the model's own modules, so two models in one process never see each other's choice and nothing
+process-wide is patched. Other models' attention reaches the same implementations through their
+adapters (``codegen/runtime/adapters``).
 
 Layouts (no units; shapes only) of an :data:`AttentionImpl` ``fn(q, k, v, *, causal, scale=None)``:
 - ``q``: ``[B, H, S, D]``; ``k``, ``v``: ``[B, Hkv, Skv, D]`` with ``H % Hkv == 0``
@@ -18,6 +18,10 @@ Layouts (no units; shapes only) of an :data:`AttentionImpl` ``fn(q, k, v, *, cau
 :class:`SelfAttention` reshapes with the LOCAL head count (``view(B, S, -1, D)``) so a
 tensor-parallel runtime may shard ``q_proj``/``k_proj``/``v_proj`` by output features
 (heads) and ``o_proj`` by input features without changing the forward.
+
+Routing. :func:`run_routed` sends tokens through their chosen experts (the zoo's MoE layer and
+transformers' experts, through ``codegen/runtime/adapters/hf_experts.py``, both route through it);
+:func:`grouped_swiglu` runs each expert's SwiGLU on its contiguous rows.
 """
 from __future__ import annotations
 
@@ -103,6 +107,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def patchify(pixel_values: torch.Tensor, patch: int) -> torch.Tensor:
+    """Images [B, C, H, W] -> patches [B, (H/p)*(W/p), C*p*p], in row-major order (a ViT's input)."""
+    b, c, h, w = pixel_values.shape
+    x = pixel_values.reshape(b, c, h // patch, patch, w // patch, patch)
+    return x.permute(0, 2, 4, 1, 3, 5).reshape(b, (h // patch) * (w // patch), c * patch * patch)
+
+
 # --------------------------------------------------------------------------- module
 
 class SelfAttention(nn.Module):
@@ -141,3 +152,39 @@ class SelfAttention(nn.Module):
         out = attention(q, k, v, causal=self.causal, impl=self.attn_impl)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
+
+# --------------------------------------------------------------------------- routing
+
+def grouped_swiglu(x: torch.Tensor, counts: list[int], w_gate: torch.Tensor, w_up: torch.Tensor,
+                   w_down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of each expert on its contiguous rows of ``x`` [sum(counts), hidden]."""
+    # split / unbind, not x[a:b] / w[e]: their backward is one concatenation / stack, where each
+    # slice's or index's would write a full-size gradient (experts^2 x weights of traffic); an
+    # expert without rows still runs (0 rows): its weights get zero gradients
+    outs = [(F.silu(rows @ g) * (rows @ u)) @ d
+            for rows, g, u, d in zip(x.split(counts), w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0))]
+    return torch.cat(outs)
+
+
+def run_routed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: int, run: Callable,
+               static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``x`` [T, hidden] through their chosen experts ``ids`` [T, k], weighted by
+    ``weights`` [T, k]: the (token, choice) pairs sorted by expert, ``run(rows, split)`` on the
+    contiguous rows of each (``split[e]`` rows for expert e), each output times its weight and
+    added back onto its token. ``static`` (capture on fake tensors, where counts do not exist):
+    the balanced load, ``ceil(T k / experts)`` rows each. Returns (output [T, hidden], tokens
+    per expert [experts]). """
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = order // ids.shape[-1]
+    rows = x[token]
+    counts = torch.zeros(experts, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    if static:
+        per = math.ceil(rows.shape[0] / experts)
+        split = [per] * experts
+        rows = F.pad(rows, (0, 0, 0, per * experts - rows.shape[0]))
+    else:
+        split = counts.tolist()
+    out = run(rows, split)[:token.shape[0]]
+    out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+    return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype)), counts

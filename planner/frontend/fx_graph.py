@@ -16,7 +16,7 @@ of the (first) output, and ``saved`` once autograd saves the output for backward
 
 Capture's per-layer costs are sums over these nodes (:func:`unit_costs`); ``autopar
 graph --fx`` prints one unit's nodes (:func:`format_unit`); the tensor-parallel analysis of
-a model autopar did not write reads the forward nodes (``planner/tp_analysis.py``).
+a model autopar did not write reads the forward nodes (``planner/frontend/tp_analysis.py``).
 Only the first member of each class of repeated blocks is run, so the graph holds one
 block per class.
 """

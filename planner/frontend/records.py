@@ -1,4 +1,4 @@
-"""What capture records per layer unit, and the ModelGraph assembled from it (planner/capture.py
+"""What capture records per layer unit, and the ModelGraph assembled from it (planner/frontend/trace.py
 runs the model; this module only turns its records into Layers).
 
 - :class:`PartRecord` / :class:`UnitRecord`: FLOPs, bytes, op counts, saved bytes and linears of
@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 from planner.errors import AutoparError
 from planner.graph import AttentionDims, Layer, Linear, ModelGraph, MoEDims, Op
-from planner.layer_kinds import layer_kind, lin_dims, part_kind
+from planner.frontend.layer_kinds import layer_kind, lin_dims, part_kind
 
 
 @dataclass

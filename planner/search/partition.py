@@ -92,8 +92,8 @@ from __future__ import annotations
 import math
 import time
 
-from planner.partition_greedy import greedy_partition
-from planner.partition_problem import (PartitionProblem, PartitionResult, quiet_pulp_deprecations, Segment,
+from planner.search.partition_greedy import greedy_partition
+from planner.search.partition_problem import (PartitionProblem, PartitionResult, quiet_pulp_deprecations, Segment,
                                        segment_classes, evaluate_partition, even_partition, segments, step_objective)
 from planner.plan import Partition
 

@@ -1,9 +1,9 @@
 """``autopar demo``: plan a small model for this machine, run it, and say honestly how it went.
 
-Steps: this machine's calibration (profiled on first use, planner/machine_calibration.py) ->
+Steps: this machine's calibration (profiled on first use, planner/entry/calibration.py) ->
 capture and plan the model for ``local-cpu`` (one process per core: the demo never puts two
 ranks on a core) -> the same model and batch in one plain PyTorch process
-(planner/single_process.py) -> the plan's emitted program under torchrun on the learnable
+(planner/entry/single_process.py) -> the plan's emitted program under torchrun on the learnable
 synthetic data -> predicted against measured step time, the loss at the first and last step
 (and the data's entropy floor), the speedup over one process -> the HTML report of the plan
 with the run beside it.
@@ -46,13 +46,13 @@ def run_demo(model: str, cluster_spec: str, global_batch: int, seq_len: int | No
     """The whole demo (module docstring); raises AutoparError naming what failed."""
     from codegen.runtime.data import entropy_floor
     from cost_models.cluster import parse_cluster
-    from planner.frontend import load_graph
-    from planner.launch import compare_run, run_plan
-    from planner.machine_calibration import machine_profile
-    from planner.plan import write_atomic
-    from planner.planning import plan_model
-    from planner.report import write_reports
-    from planner.single_process import single_process_step
+    from planner.frontend.load import load_graph
+    from planner.entry.launch import compare_run, run_plan
+    from planner.entry.calibration import machine_profile
+    from planner.files import write_atomic
+    from planner.search.planning import plan_model
+    from planner.report.render import write_reports
+    from planner.entry.single_process import single_process_step
 
     t0 = time.perf_counter()
     cluster = parse_cluster(cluster_spec)

@@ -1,4 +1,4 @@
-"""Inline SVG charts for ``planner/report.py``: the mesh grid, memory per stage, the
+"""Inline SVG charts for ``planner/report/render.py``: the mesh grid, memory per stage, the
 pipeline timeline and the time breakdown.
 
 Everything is generated here as text (no plotting library, no scripts, no external

@@ -1,7 +1,7 @@
 """The stage-partition problem, its result, and how a given split is scored.
 
-Shared by the ILP (planner/partition.py) and the heuristics (planner/partition_greedy.py);
-the mathematics is in planner/partition.py's docstring.
+Shared by the ILP (planner/search/partition.py) and the heuristics (planner/search/partition_greedy.py);
+the mathematics is in planner/search/partition.py's docstring.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ From a plan file (and optionally the metrics log of a run of its program) this w
 
 The timeline is re-simulated from the plan's per-stage times (``cost_models.pipeline``);
 the layer table is re-captured from ``model.spec`` on meta tensors when possible. What is
-shown is computed in planner/report_data.py; this module renders it.
+shown is computed in planner/report/data.py; this module renders it.
 """
 from __future__ import annotations
 
@@ -20,11 +20,12 @@ import json
 from html import escape
 from typing import Any
 
-from planner.plan import Plan, check_outputs, write_atomic
-from planner import report_svg as svg
-from planner.report_data import (
+from planner.files import check_outputs, write_atomic
+from planner.plan import Plan
+from planner.report import svg
+from planner.report.data import (
     GiB, MEM_CATS, MAX_MESH_DEVICES, Report, fmt_s, fmt_n, rejected_groups, why_not_degrees, build_report,
-    summary_rows, stage_rows, _span, warnings, breakdown_parts, _PART_DESC, mesh_groups, stage_nodes)
+    summary_rows, stage_rows, layer_span, warnings, breakdown_parts, PART_DESC, mesh_groups, stage_nodes)
 
 
 # ====================================================================== HTML
@@ -117,7 +118,7 @@ def _stages_html(r: Report) -> str:
         rows.append(f'<tr class="stage-row" data-stage="{s["stage"]}" data-rank="{s["rank"]}" '
                     f'data-memory-gib="{s["memory_gib"]}" data-fwd-s="{s["fwd_s"]}" data-bwd-s="{s["bwd_s"]}">'
                     + _td(s["stage"], True) + _td(s["rank"], True) + _td(s["chunk"], True)
-                    + _td(_span(s))
+                    + _td(layer_span(s))
                     + _td(s["n_layers"], True) + _td(s["recompute"]) + _td(fmt_s(s["fwd_s"]), True)
                     + _td(fmt_s(s["bwd_s"]), True) + _td(fmt_s(s["step_compute_s"]), True)
                     + _td(f'{s["memory_gib"]:.2f}', True) + "</tr>")
@@ -167,7 +168,7 @@ def _breakdown_html(r: Report) -> str:
     e = r.est
     bparts = breakdown_parts(r)
     total = sum(v for _, v in bparts)
-    rows = [f'<tr class="bd-row" data-part="{k}" data-seconds="{v}">' + _td(k) + _td(_PART_DESC.get(k, k))
+    rows = [f'<tr class="bd-row" data-part="{k}" data-seconds="{v}">' + _td(k) + _td(PART_DESC.get(k, k))
             + _td(fmt_s(v), True) + _td(f"{v / e['step_s'] * 100:.1f}%", True) + "</tr>" for k, v in bparts]
     rows.append("<tr>" + _td("total") + _td("sum of the above") + _td(fmt_s(total), True)
                 + _td(f"{total / e['step_s'] * 100:.1f}%", True) + "</tr>")
@@ -285,11 +286,11 @@ def render_markdown(r: Report) -> str:
     L += [f"> **warning:** {w}" for w in warnings(r)] + ([""] if warnings(r) else [])
     L += ["#### Stages", ""]
     L += tbl(["stage", "pp rank", "chunk", "layers", "#", "recompute", "fwd/mb", "bwd/mb", "rank memory GiB"],
-             [[s["stage"], s["rank"], s["chunk"], _span(s),
+             [[s["stage"], s["rank"], s["chunk"], layer_span(s),
                s["n_layers"], s["recompute"], fmt_s(s["fwd_s"]), fmt_s(s["bwd_s"]), f'{s["memory_gib"]:.2f}']
               for s in stage_rows(r)]) + [""]
     L += ["#### Time breakdown", ""]
-    L += tbl(["part", "seconds", "share"], [[_PART_DESC.get(k, k), f"{v:.4g}", f"{v / e['step_s'] * 100:.1f}%"]
+    L += tbl(["part", "seconds", "share"], [[PART_DESC.get(k, k), f"{v:.4g}", f"{v / e['step_s'] * 100:.1f}%"]
                                             for k, v in breakdown_parts(r)]) + [""]
     if r.run:
         c = r.run
@@ -375,14 +376,14 @@ def print_text(r: Report, con: Any) -> None:
     for c in ("stage", "rank", "chunk", "layers", "#", "recompute", "fwd/mb", "bwd/mb", "memory GiB"):
         t.add_column(c, justify="left" if c in ("layers", "recompute") else "right")
     for s in stage_rows(r):
-        t.add_row(str(s["stage"]), str(s["rank"]), str(s["chunk"]), _span(s),
+        t.add_row(str(s["stage"]), str(s["rank"]), str(s["chunk"]), layer_span(s),
                   str(s["n_layers"]), s["recompute"], fmt_s(s["fwd_s"]), fmt_s(s["bwd_s"]), f'{s["memory_gib"]:.2f}')
     con.print(t)
     t = Table(title="time breakdown")
     for c in ("part", "seconds", "share"):
         t.add_column(c, justify="left" if c == "part" else "right")
     for k, v in breakdown_parts(r):
-        t.add_row(_PART_DESC.get(k, k), f"{v:.4g}", f"{v / e['step_s'] * 100:.1f}%")
+        t.add_row(PART_DESC.get(k, k), f"{v:.4g}", f"{v / e['step_s'] * 100:.1f}%")
     con.print(t)
     if r.timeline.result is not None:
         res = r.timeline.result
@@ -416,7 +417,7 @@ def print_text(r: Report, con: Any) -> None:
 def write_reports(plan_path: str, *, html: str | None = None, md: str | None = None, trace: str | None = None,
                   run_log: str | None = None, force: bool = False, layers: bool = True) -> Report:
     """Build the report of ``plan_path`` and write the requested files (atomic). Every output
-    is checked first (``planner.plan.check_outputs``: existing without ``force``, a parent
+    is checked first (``planner.files.check_outputs``: existing without ``force``, a parent
     that cannot be written), so a refused one leaves the others unwritten too."""
     check_outputs([x for x in (html, md, trace) if x], force)
     plan = Plan.load(plan_path)

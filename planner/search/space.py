@@ -30,10 +30,10 @@ tuple, each variant gets its own floor (its schedule's closed form on perfectly
 balanced stages, plus its recompute), and variants the cost model proves no better
 than another (``DOMINATED``) are skipped.
 Surviving variants get the closed-form estimate on an even stage split; the best
-``solve_top`` are then re-partitioned by the ILP (planner/partition.py) and
+``solve_top`` are then re-partitioned by the ILP (planner/search/partition.py) and
 simulated in full ("fully solved"), and the best of those is the plan.
 
-Pins (``planner.pins.Pins``, ``autopar plan --fix``) narrow the space before any of this:
+Pins (``planner.search.pins.Pins``, ``autopar plan --fix``) narrow the space before any of this:
 only the degrees, micro-batch sizes and variants they admit are enumerated, counted and
 priced; when none of those fits, the error names the pins and the least memory per device
 a pinned layout needs.
@@ -51,11 +51,11 @@ from cost_models.pipeline import estimate_step
 from cost_models.memory import RESERVE_CPU, RESERVE_GPU, dp_group
 from planner.errors import AutoparError
 from planner.graph import ModelGraph
-from planner.pins import Pins
+from planner.search.pins import Pins
 from planner.feasibility import (cp_problem, default_attention, ep_problem, pp_problem, sp_problem, tp_problem,
                                  zero_problem)
 from planner.plan import RECOMPUTE, SCHEDULES, ZERO, ModelFacts, ParallelConfig, recompute_policies
-from planner.stage_split import even_split, split_and_estimate
+from planner.search.stage_split import even_split, split_and_estimate
 
 GiB = 2**30
 # The DP sharding modes the search tries: planner.plan.ZERO without zero2 (with pp > 1 it holds
@@ -140,7 +140,7 @@ def degree_tuples(graph: ModelGraph, cluster: Cluster, global_batch: int, rej: _
                 yield dp, pp, cp, tp
 
 
-def _variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: int, dtype: str,
+def variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: int, dtype: str,
               loss: str, facts: ModelFacts, dominated: bool = True, pins: Pins | None = None,
               ep: int = 1, ulysses: int = 1) -> Iterator[ParallelConfig]:
     """The variants of one degree tuple (``n_layers``: the stage groups) that the ``pins``
@@ -153,7 +153,7 @@ def _variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: in
     attention = default_attention(facts.limits)
     zeros = ("ddp",) if dp * cp == 1 else tuple(z for z in (ZERO if "zero" in pins.choice else ZEROS)
                                                  if pins.allows("zero", z))
-    for sched, v in _schedules(pp, m, n_layers, pins):
+    for sched, v in schedule_choices(pp, m, n_layers, pins):
         if not dominated and sched == "gpipe" and pins.allows("schedule", "1f1b"):
             continue
         for zero in zeros:
@@ -170,7 +170,7 @@ def _variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: in
                                          zero=zero, recompute=rc, sp=sp, dtype=dtype, loss=loss, attention=attention)
 
 
-def _schedules(pp: int, m: int, n_layers: int, pins: Pins) -> list[tuple[str, int]]:
+def schedule_choices(pp: int, m: int, n_layers: int, pins: Pins) -> list[tuple[str, int]]:
     """(schedule, vpp) to try for ``pp`` stages and ``m`` micro-batches: every schedule,
     interleaved with v in {2, 4} (or the pinned vpp values) where the micro-batches and
     stage groups allow; a pinned schedule or vpp applies only when pp > 1."""
@@ -390,7 +390,7 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     experts = sum(table.experts)
     states = (sum(table.params) - experts) / (dp * cp) + experts / dp_group(base, experts=True)
     mem_floor = states / pp * 16 + min(table.act["full"]) + reserve
-    n_var = sum(1 for _ in _variants(dp, pp, cp, tp, mbs, m, space.facts.units, space.dtype, space.loss,
+    n_var = sum(1 for _ in variants(dp, pp, cp, tp, mbs, m, space.facts.units, space.dtype, space.loss,
                                      space.facts, pins=pins, ep=ep, ulysses=ulysses))
     res.considered += n_var
     t = _Tuple(floor_s, dp, pp, cp, tp, mbs, m, n_var, costs, ep, moe=bool(space.facts.experts), ulysses=ulysses)
@@ -429,7 +429,7 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, s
         n_kept = 0
         costs = t.costs
         stage = _balanced_stage_times(costs, g, t.pp)
-        for cfg in _variants(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, space.facts.units, space.dtype, space.loss,
+        for cfg in variants(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, space.facts.units, space.dtype, space.loss,
                              space.facts, dominated=False, pins=space.pins, ep=t.ep, ulysses=t.ulysses):
             n_kept += 1
             # variant floor: this schedule on perfectly balanced stages, with its recompute

@@ -12,14 +12,14 @@ from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
 from planner.errors import AutoparError
 from planner.graph import ModelGraph
-from planner.pins import Pins, as_pins
+from planner.search.pins import Pins, as_pins
 from planner.plan import ParallelConfig, Plan
 from planner.feasibility import config_problems
-from planner.search import SearchResult, facts_of, search
-from planner.seq_lens import SeqLens, as_histogram, with_documents
-from planner.stage_split import even_split as split_evenly
-from planner.stage_split import split_and_estimate
-from planner.tp_layout import tp_layout
+from planner.search.space import SearchResult, facts_of, search
+from planner.search.seq_lens import SeqLens, as_histogram, with_documents
+from planner.search.stage_split import even_split as split_evenly
+from planner.search.stage_split import split_and_estimate
+from planner.frontend.tp_layout import tp_layout
 
 GiB = 2**30
 
@@ -108,11 +108,11 @@ def plan_model(graph: ModelGraph, cluster: Cluster, global_batch: int, *, spec: 
                fix: Pins | str | None = None, seq_lens: SeqLens | None = None,
                **search_kw: Any) -> tuple[Plan, SearchResult]:
     """Search the space and return the plan with its search record. ``fix`` pins part of the
-    layout (a pin string such as ``"tp=8,pp=1"`` or ``"tp<=4"``, see planner/pins.py): only
+    layout (a pin string such as ``"tp=8,pp=1"`` or ``"tp<=4"``, see planner/search/pins.py): only
     configurations it admits are searched, and the plan's ``search["fix"]`` records it.
     ``seq_lens`` (a file as ``autopar plan --seq-lens`` reads, a list of document lengths or
     a {length: count} mapping) plans each sequence of ``graph.seq_len`` tokens as a row of
-    those documents packed (planner/seq_lens.py); ``graph`` itself is left as it is."""
+    those documents packed (planner/search/seq_lens.py); ``graph`` itself is left as it is."""
     if global_batch < 1:
         raise AutoparError(f"--global-batch must be a positive integer, got {global_batch}")
     if seq_lens is not None:

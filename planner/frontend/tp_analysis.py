@@ -1,7 +1,7 @@
 """Tensor-parallel roles of a model's block linears, read by dataflow from the captured FX graph.
 
 :func:`analyze` walks the forward ATen nodes of each block unit in the graph of
-:func:`planner.capture.capture_fx` (one block per class of repeated blocks) and never looks
+:func:`planner.frontend.trace.capture_fx` (one block per class of repeated blocks) and never looks
 at module or parameter names except to name what it found. Rules:
 
 - **Linear**: an ``mm`` / ``addmm`` / ``bmm`` / ``linear`` / ``matmul`` node one of whose
@@ -31,9 +31,9 @@ at module or parameter names except to name what it found. Rules:
   ``[.., h*d] -> [.., h, d']`` found tracing q and k back from the attention op; head
   dim is the last dim of q at the attention op.
 
-``planner/frontend.py`` gives every captured block linear its role from here (repeated
+``planner/frontend/load.py`` gives every captured block linear its role from here (repeated
 blocks from their class's representative) unless the model's own TP plan names it, and a
-problem makes tensor parallelism a limit of the model; ``planner/tp_layout.py`` turns the
+problem makes tensor parallelism a limit of the model; ``planner/frontend/tp_layout.py`` turns the
 roles into the plan's ``{fqn: role}`` layout.
 """
 from __future__ import annotations
@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from planner.fx_graph import unit_nodes
+from planner.frontend.fx_graph import unit_nodes
 from planner.graph import BLOCK_KINDS, ModelGraph
-from planner.layer_kinds import ATTN_OPS
+from planner.frontend.layer_kinds import ATTN_OPS
 
 _MATMULS = {"mm", "addmm", "bmm", "linear", "matmul"}
 _WEIGHT_PATH = {"t", "transpose", "view", "permute", "expand", "_unsafe_view", "reshape", "_to_copy", "alias",

@@ -1,6 +1,6 @@
 """Stage splits of one configuration: the even split Megatron-LM and torchtitan use (the search's
 first estimate), the ILP's inputs (``partition_problem``), and the ILP's split with its full
-estimate (``split_and_estimate`` / ``best_partition``; the solver is planner/partition.py).
+estimate (``split_and_estimate`` / ``best_partition``; the solver is planner/search/partition.py).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def expand_groups(part: Partition, groups: list[tuple[int, int]]) -> Partition:
 def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None):
     """The ILP's inputs for one configuration: per stage group (layers a boundary may not
     split, summed) times and bytes per recompute policy."""
-    from planner.partition import PartitionProblem
+    from planner.search.partition import PartitionProblem
     from cost_models.estimate import microbatches
 
     m = microbatches(cfg, global_batch)
@@ -115,7 +115,7 @@ def best_partition(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, glo
     n = len(graph.layers)
     if cfg.pp * cfg.vpp == 1:
         return Partition.even(n, 1, cfg.recompute), {"status": "trivial (one stage)"}
-    from planner.partition import solve_partition
+    from planner.search.partition import solve_partition
 
     prob = partition_problem(graph, cluster, cfg, global_batch, profile)
     uniform = cfg.recompute != "none" or uniform_recompute

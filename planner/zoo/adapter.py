@@ -1,4 +1,6 @@
-"""Adapter for autopar's own reference models (``planner.zoo``: GPT, Llama, the MLLM).
+"""The runtime adapter of autopar's own reference models (GPT, Llama, the MLLM, the MoE): every
+zoo model returns one from ``autopar_adapter()``, the hook by which a model brings its own adapter
+(``codegen.runtime.adapters.adapter_for``).
 
 Units: ``embed``, ``layers.<i>``, ``norm``, ``head`` (the MLLM adds ``vision.patch_embed``,
 ``vision.blocks.<i>``, ``vision.norm`` and ``projector`` in front). A stage runs its units
@@ -10,7 +12,7 @@ in order; what flows between stages:
 - the last stage, given ``labels``, returns the summed token cross-entropy (fused
   linear + cross-entropy from the head's input, or of the head's logits).
 
-Attention: each :class:`planner.zoo.attention.SelfAttention` of a block gets the runtime's
+Attention: each :class:`codegen.runtime.layers.SelfAttention` of a block gets the runtime's
 implementation as its ``attn_impl``. Initialisation of a meta-built model is per
 parameter, seeded by name (``ZooModel.init_weights``), so a stage's units get the same
 numbers as the whole model's.
@@ -24,6 +26,7 @@ from torch import nn
 
 from codegen.runtime.adapters.base import IGNORE_INDEX, AttentionImpl, ModelAdapter, StageModule, Unit, attach
 from codegen.runtime import kernels as kern
+from codegen.runtime.layers import SelfAttention, patchify
 
 
 def _zoo_units(model: nn.Module) -> list[Unit]:
@@ -36,11 +39,6 @@ def _zoo_units(model: nn.Module) -> list[Unit]:
     units += [Unit(f"layers.{i}", "block") for i in range(len(model.layers))]
     units += [Unit("norm", "after"), Unit("head", "head")]
     return units
-
-
-def is_zoo_model(model: nn.Module) -> bool:
-    from planner.zoo.gpt import ZooModel
-    return isinstance(model, ZooModel)
 
 
 class ZooAdapter(ModelAdapter):
@@ -60,7 +58,6 @@ class ZooAdapter(ModelAdapter):
         return ZooStage(self, units, recompute)
 
     def attention_modules(self, block: nn.Module) -> list[nn.Module]:
-        from planner.zoo.attention import SelfAttention
         return [m for m in block.modules() if isinstance(m, SelfAttention)]
 
     def set_attention(self, block: nn.Module, impl: AttentionImpl) -> None:
@@ -120,7 +117,6 @@ class ZooStage(StageModule):
         for fqn in self.units:
             mod = self.get_submodule(fqn)
             if fqn == "vision.patch_embed":
-                from planner.zoo.mllm import patchify
                 x = mod(patchify(pixel_values, self.patch_size))
             elif fqn == "embed":
                 text = mod(input_ids, pos)
