@@ -258,13 +258,15 @@ def local_labels(args: tuple, kwargs: dict, layer, tp: int) -> tuple[tuple, dict
 
 
 def measure_layers(db, spec: str, seq_len: int, batches, tps, cps, repeats: int, device) -> None:
+    """Time forward and backward of each distinct layer of ``spec`` (its representative) per
+    micro-batch size, TP degree and CP degree, as the runtime shards it; into ``db``."""
     import torch
     import torch.distributed as dist
 
     from codegen.runtime.context_parallel import RingCompute
+    from codegen.runtime.layers import sdpa_attention
     from planner import zoo
     from planner.frontend.load import load_graph
-    from codegen.runtime.layers import SelfAttention, sdpa_attention
 
     graph = load_graph(spec, batch=1, seq_len=seq_len)
     ms = zoo.load_model_spec(spec)
@@ -272,59 +274,68 @@ def measure_layers(db, spec: str, seq_len: int, batches, tps, cps, repeats: int,
         raise SystemExit("error: the profiler measures zoo models (presets or TOML specs); "
                          "profile a preset of the same shape")
     model = zoo.build_model(ms.cfg, device=device, seed=0)
-    reps = {}
-    for layer in graph.layers:
-        if layer.repeat_of is None:
-            reps[layer.signature] = layer
+    reps = {layer.signature: layer for layer in graph.layers if layer.repeat_of is None}
     sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
-    rank = dist.get_rank()
-    total = len(reps) * len(batches) * len(tps) * len(cps)
-    done = 0
+    total, done = len(reps) * len(batches) * len(tps) * len(cps), 0
     for cp in cps:
         # this rank plays cp rank (rank % cp): the zigzag layout gives every cp rank equal work
-        ring = RingCompute(cp, rank % cp, fallback=sdpa_attention) if cp > 1 else None
+        ring = RingCompute(cp, dist.get_rank() % cp, fallback=sdpa_attention) if cp > 1 else None
         for b in batches:
-            s = seq_len // cp
-            inputs: dict[str, tuple] = {}
-            hooks = []
-            for layer in reps.values():
-                mod = model.get_submodule(layer.name)
-                hooks.append(mod.register_forward_pre_hook(
-                    lambda m, a, k, name=layer.name: inputs.setdefault(name, (a, k)), with_kwargs=True))
-            with torch.no_grad():
-                model(**zoo.example_batch(ms.cfg, b, s, device=device))
-            for h in hooks:
-                h.remove()
+            inputs = _layer_inputs(model, reps.values(), zoo.example_batch(ms.cfg, b, seq_len // cp, device=device))
             for tp in tps:
                 for sig, layer in reps.items():
-                    if tp > 1 and layer.attention is not None and layer.attention.kv_heads % tp:
-                        done += 1
-                        continue
-                    unit = shard_unit(model.get_submodule(layer.name), layer, tp)
-                    a, k = local_labels(*inputs[layer.name], layer, tp)
-
-                    def fwd():
-                        with torch.no_grad():
-                            unit(*a, **k)
-
-                    def fwd_bwd():
-                        aa = [x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
-                              for x in a]
-                        out = unit(*aa, **k)
-                        out = out if isinstance(out, torch.Tensor) else out[0]
-                        (out.float().sum() if out.dim() else out).backward()
-
-                    for m in unit.modules():  # this unit's attention runs the ring's compute (or SDPA)
-                        if isinstance(m, SelfAttention):
-                            m.attn_impl = ring
-                    dist.barrier()
-                    tf = timeit(fwd, repeats, sync, agree=_agree_min, lockstep=dist.barrier)
-                    tfb = timeit(fwd_bwd, repeats, sync, agree=_agree_min, lockstep=dist.barrier)
-                    tt = torch.tensor([tf, max(tfb - tf, 0.0)], dtype=torch.float64, device=device)
-                    dist.all_reduce(tt, op=dist.ReduceOp.MAX)
-                    db.add_layer(sig, b, seq_len, tp, cp, tt[0].item(), tt[1].item())
                     done += 1
+                    if tp > 1 and layer.attention is not None and layer.attention.kv_heads % tp:
+                        continue
+                    tf, tb = _time_layer(model, layer, inputs[layer.name], tp, ring, repeats, sync, device)
+                    db.add_layer(sig, b, seq_len, tp, cp, tf, tb)
             _log(f"layers: {done}/{total} shapes measured (cp={cp}, batch={b})")
+
+
+def _layer_inputs(model, layers, batch: dict) -> dict[str, tuple]:
+    """Each layer's (args, kwargs) in one forward of ``model`` on ``batch``."""
+    import torch
+
+    inputs: dict[str, tuple] = {}
+    hooks = [model.get_submodule(layer.name).register_forward_pre_hook(
+        lambda m, a, k, name=layer.name: inputs.setdefault(name, (a, k)), with_kwargs=True) for layer in layers]
+    with torch.no_grad():
+        model(**batch)
+    for h in hooks:
+        h.remove()
+    return inputs
+
+
+def _time_layer(model, layer, inputs: tuple, tp: int, ring, repeats: int, sync, device) -> tuple[float, float]:
+    """(forward s, backward s) of ``layer``'s tp shard on ``inputs``, the slowest rank's, its
+    attention running ``ring``'s compute (or SDPA)."""
+    import torch
+    import torch.distributed as dist
+
+    from codegen.runtime.layers import SelfAttention
+
+    unit = shard_unit(model.get_submodule(layer.name), layer, tp)
+    a, k = local_labels(*inputs, layer, tp)
+
+    def fwd():
+        with torch.no_grad():
+            unit(*a, **k)
+
+    def fwd_bwd():
+        aa = [x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x for x in a]
+        out = unit(*aa, **k)
+        out = out if isinstance(out, torch.Tensor) else out[0]
+        (out.float().sum() if out.dim() else out).backward()
+
+    for m in unit.modules():
+        if isinstance(m, SelfAttention):
+            m.attn_impl = ring
+    dist.barrier()
+    tf = timeit(fwd, repeats, sync, agree=_agree_min, lockstep=dist.barrier)
+    tfb = timeit(fwd_bwd, repeats, sync, agree=_agree_min, lockstep=dist.barrier)
+    tt = torch.tensor([tf, max(tfb - tf, 0.0)], dtype=torch.float64, device=device)
+    dist.all_reduce(tt, op=dist.ReduceOp.MAX)
+    return tt[0].item(), tt[1].item()
 
 
 def worker_args(cluster: str, model: str, out: str, *, seq_len: int | None = None, batches: str | None = None,

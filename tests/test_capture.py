@@ -185,3 +185,32 @@ def test_cli_graph_json_and_errors(capsys):
         main(["graph", "--model", "gpt-tiny", "--batch", "x"])
     assert bad.value.code == 2
     assert main(["graph", "--model", "gpt-tiny"]) == 0 and "layers.0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, want", [
+    (["plan", "--global-batch", "-4"], "argument --global-batch: must be a positive integer, got -4"),
+    (["plan", "--global-batch", "4", "--seq-len", "0"], "argument --seq-len: must be a positive integer, got 0"),
+    (["plan", "--global-batch", "4", "--moe-imbalance", "0.5"], "argument --moe-imbalance: must be >= 1.0"),
+    (["plan", "--global-batch", "4", "--fix", "tp<4"], "bad --fix operator '<'"),
+    (["plan", "--global-batch", "4", "--seq-lens", "/nonexistent/lens.txt"], "lens.txt"),
+    (["evaluate", "--global-batch", "4", "--config", "dp=2,tp=two"], "--config tp='two': expected int"),
+])
+def test_bad_arguments_are_refused_before_calibration_or_capture(args, want, capsys, monkeypatch):
+    """A bad flag is one line before any work: neither this machine's calibration nor the
+    model's capture runs (both are replaced here by functions that fail the test)."""
+    from planner.entry import calibration
+    from planner.entry.cli import main
+    from planner.frontend import load
+
+    def never(*a, **k):
+        pytest.fail("work started before the arguments were checked")
+
+    monkeypatch.setattr(calibration, "machine_profile", never)
+    monkeypatch.setattr(load, "load_graph", never)
+    try:
+        rc = main([args[0], "--model", "llama-tiny", "--cluster", "local-cpu:2", *args[1:]])
+    except SystemExit as e:  # argparse's own refusals
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert want in err and err.startswith("error: ") and err.count("\n") == 1, err

@@ -15,14 +15,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from codegen.kernels import attention as A  # noqa: E402
+from codegen.kernels import attention_triton as T  # noqa: E402
 from codegen.runtime import documents as docs  # noqa: E402
 from codegen.runtime.adapters import adapter_for  # noqa: E402
 from codegen.runtime.kernels import FlashAttention  # noqa: E402
 from model_cases import GB, SEQ, case  # noqa: E402
 from packed_documents import document_loss_sum, packed_batches, row_documents  # noqa: E402
 
-TRITON = A.HAS_TRITON and A.interpreting()
+TRITON = T.HAS_TRITON and T.interpreting()
 
 
 def test_doc_starts_follow_the_documents_and_cut_at_row_ends():

@@ -15,11 +15,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from codegen.kernels import attention as A  # noqa: E402
+from codegen.kernels import attention_triton as T  # noqa: E402
 from codegen.kernels import fused_loss as L  # noqa: E402
 from codegen.kernels.attention import attn_merge, flash_attention  # noqa: E402
 from codegen.kernels.fused_loss import fused_linear_cross_entropy  # noqa: E402
 
-TRITON = A.HAS_TRITON and A.interpreting()
+TRITON = T.HAS_TRITON and T.interpreting()
 needs_triton = pytest.mark.skipif(not TRITON, reason="triton interpreter not available")
 IMPLS = [pytest.param("triton", marks=needs_triton), "torch"]
 
@@ -183,11 +184,11 @@ def test_attention_block_configs(bm, bn):
     """Other tilings (incl. the GPU's 128x64) through the diagonal/full split logic."""
     q, k, v = rand_qkv(1, 4, 2, 150, 170, 32, seed=10)
     args = (True, 1 / math.sqrt(32), 30, 10)
-    out, lse = A.flash_attn_fwd_triton(q.detach(), k.detach(), v.detach(), *args, block_m=bm, block_n=bn)
+    out, lse = T.flash_attn_fwd_triton(q.detach(), k.detach(), v.detach(), *args, block_m=bm, block_n=bn)
     rout, rlse = ref_attention(q, k, v, True, 30, 10)
     assert maxerr(out, rout) < 1e-5 and maxerr(lse, rlse) < 1e-5
     dout = torch.randn_like(rout)
-    got = A.flash_attn_bwd_triton(dout, q.detach(), k.detach(), v.detach(), out, lse, None, *args,
+    got = T.flash_attn_bwd_triton(dout, q.detach(), k.detach(), v.detach(), out, lse, None, *args,
                                   block_m=bm, block_n=bn)
     want = torch.autograd.grad((rout * dout).sum(), (q, k, v))
     for g, w in zip(got, want):
@@ -202,9 +203,9 @@ def test_attention_validation():
     with pytest.raises(ValueError, match="multiple of KV heads"):
         flash_attention(q, k, v)
     with pytest.raises(ValueError, match="powers of two"):
-        A.check_blocks(48, 64, 64)
+        T.check_blocks(48, 64, 64)
     with pytest.raises(ValueError, match="powers of two"):
-        A.check_blocks(8, 64, 64)
+        T.check_blocks(8, 64, 64)
     with pytest.raises(ValueError, match="impl"):
         A.use_triton("cuda", torch.device("cpu"))
 

@@ -119,4 +119,4 @@ def test_demo_profiles_this_machine_once_then_plans_calibrated(tmp_path, monkeyp
     from planner.search.planning import plan_model
     p, _ = plan_model(load_graph("llama-tiny"), parse_cluster("local-cpu:2"), 4, spec="llama-tiny",
                       cluster_spec="local-cpu:2", profile=prof)
-    assert p.estimate["calibration"] == note
+    assert p.estimate["calibration"].startswith(note[:-1]) and len(note) < 120  # the plan keeps the details

@@ -15,10 +15,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from codegen.kernels import attention as A  # noqa: E402
+from codegen.kernels import attention_triton as T  # noqa: E402
 from codegen.kernels.attention import flash_attention  # noqa: E402
 
-TRITON = A.HAS_TRITON and A.interpreting()
+TRITON = T.HAS_TRITON and T.interpreting()
 IMPLS = [pytest.param("triton", marks=pytest.mark.skipif(not TRITON, reason="triton interpreter not available")),
          "torch"]
 

@@ -53,10 +53,15 @@ class MachineCalibration:
     profile_s: float                  # wall seconds the profile took
     version: int = CACHE_VERSION
 
-    def describe(self) -> str:
-        fit = ", ".join(f"{r['label']} {r['measured_s']:.3g}/{r['fitted_s']:.3g} s" for r in self.runs)
+    def summary(self) -> str:
+        """One short line: when and on what this machine was calibrated."""
         return (f"calibrated on this machine ({self.created}, {len(self.runs)} reference runs of "
-                f"{REFERENCE_MODEL} on {self.world} processes; measured/fitted {fit})")
+                f"{REFERENCE_MODEL} on {self.world} processes)")
+
+    def describe(self) -> str:
+        """:meth:`summary` with each reference run's measured and fitted step time (what a plan records)."""
+        fit = ", ".join(f"{r['label']} {r['measured_s']:.3g}/{r['fitted_s']:.3g} s" for r in self.runs)
+        return f"{self.summary()[:-1]}; measured/fitted {fit})"
 
 
 def cache_dir() -> Path:
@@ -198,14 +203,14 @@ def calibration_enabled() -> bool:
 
 def machine_profile(cluster: Cluster, *, enabled: bool = True, allow_profile: bool = True,
                     progress: Callable[[str], None] | None = None):
-    """``(ProfileDB carrying this machine's calibration or None, one line saying which)`` for
+    """``(ProfileDB carrying this machine's calibration or None, one short line saying which)`` for
     planning on ``cluster``: the cached calibration of a ``local-cpu`` cluster, profiling the
     machine first when there is none and ``allow_profile``; None for other clusters, or when
     not ``enabled`` (``--no-calibrate``) or ``AUTOPAR_CALIBRATE=0``."""
     from cost_models.calibrate import with_calibration
 
     if not cluster.detected:
-        return None, "uncalibrated (no --profile for this cluster; `autopar profile` + `autopar calibrate` fit one)"
+        return None, "uncalibrated (no --profile for this cluster)"
     if not (enabled and calibration_enabled()):
         return None, "uncalibrated (calibration off: --no-calibrate or AUTOPAR_CALIBRATE=0)"
     mc = load_cached(cluster)
@@ -213,4 +218,4 @@ def machine_profile(cluster: Cluster, *, enabled: bool = True, allow_profile: bo
         mc = run_profile(progress)
     if mc is None:
         return None, "uncalibrated (this machine has not been profiled yet)"
-    return with_calibration(None, mc.calibration, cluster, source=mc.describe()), mc.describe()
+    return with_calibration(None, mc.calibration, cluster, source=mc.describe()), mc.summary()
