@@ -123,14 +123,14 @@ def tp_problem(tp: int, f: ModelFacts, cluster: ClusterShape) -> str | None:
     if tp == 1:
         return None
     if tp > cluster.devices_per_node:
-        return f"tp={tp} exceeds {cluster.devices_per_node} devices per node"
+        return f"tp={tp} exceeds {cluster.devices_per_node} devices per node; use tp <= {cluster.devices_per_node}"
     if "tp" in f.limits:
-        return f"tp={tp}: {f.limits['tp']}"
+        return f"tp={tp}: {f.limits['tp']}; use tp=1"
     if any(h % tp for h in f.heads) or (f.hidden and f.hidden % tp):
-        return f"tp={tp} does not divide {max(f.heads, default=1)} heads / hidden {f.hidden}"
+        return f"tp={tp} does not divide {max(f.heads, default=1)} heads / hidden {f.hidden}; use a tp dividing both"
     if any(h % tp for h in f.kv_heads):
-        return (f"tp={tp} does not divide the {min(f.kv_heads)} kv heads "
-                "(the runtime does not replicate kv heads yet)")
+        return (f"tp={tp} does not divide the {min(f.kv_heads)} kv heads (the runtime does not replicate kv "
+                f"heads yet); use a tp dividing {min(f.kv_heads)}")
     return None
 
 
@@ -148,8 +148,10 @@ def sequence_problem(seq_len: int, cp: int, load_balance: str = "zigzag") -> str
     if cp == 1 or seq_len % n == 0:
         return None
     if load_balance == "zigzag":
-        return f"cp={cp} does not split sequence {seq_len} into 2*cp zigzag chunks"
-    return f"cp={cp} does not split sequence {seq_len} into cp contiguous chunks"
+        return (f"cp={cp} does not split sequence {seq_len} into 2*cp zigzag chunks; use a sequence length that "
+                f"is a multiple of {n} or a smaller cp")
+    return (f"cp={cp} does not split sequence {seq_len} into cp contiguous chunks; use a sequence length that "
+            f"is a multiple of {n} or a smaller cp")
 
 
 def cp_problem(cp: int, f: ModelFacts, batch: Batch, ulysses: int = 1, tp: int = 1) -> str | None:
@@ -160,11 +162,11 @@ def cp_problem(cp: int, f: ModelFacts, batch: Batch, ulysses: int = 1, tp: int =
     if cp == 1:
         return None
     if "cp" in f.limits:
-        return f"cp={cp}: {f.limits['cp']}"
+        return f"cp={cp}: {f.limits['cp']}; use cp=1"
     if why := sequence_problem(batch.seq_len, cp, batch.load_balance):
         return why
     if ulysses > 1 and cp % ulysses:
-        return f"ulysses={ulysses} does not divide cp={cp}"
+        return f"ulysses={ulysses} does not divide cp={cp}; use a divisor of cp"
     if ulysses > 1 and any(h % (ulysses * tp) for h in f.heads + f.kv_heads):
         return (f"ulysses={ulysses} x tp={tp} does not divide the {min(f.kv_heads + f.heads, default=0)} "
                 "(kv) heads each attention splits; use a smaller Ulysses degree (ring attention has no such limit)")
@@ -177,9 +179,9 @@ def pp_problem(pp: int, f: ModelFacts, vpp: int = 1) -> str | None:
     if pp == 1:
         return None
     if "pp" in f.limits:
-        return f"pp={pp}: {f.limits['pp']}"
+        return f"pp={pp}: {f.limits['pp']}; use pp=1"
     if pp > f.units:
-        return f"pp={pp} exceeds the {f.units} pipeline stages this model can be cut into"
+        return f"pp={pp} exceeds the {f.units} pipeline stages this model can be cut into; use pp <= {f.units}"
     if pp * vpp > f.units:
         return (f"pp*vpp = {pp * vpp} virtual stages exceed the {f.units} pipeline stages this model can be "
                 "cut into; use a smaller vpp")
@@ -223,12 +225,12 @@ def expert_groups_problem(ep: int, dp: int, cp: int, f: ModelFacts, tp: int = 1)
     if not f.experts:
         return f"ep={ep}: the model has no routed experts; use ep=1"
     if "ep" in f.limits:
-        return f"ep={ep}: {f.limits['ep']}"
+        return f"ep={ep}: {f.limits['ep']}; use ep=1"
     if f.experts % ep:
-        return f"ep={ep} does not divide the {f.experts} experts"
+        return f"ep={ep} does not divide the {f.experts} experts; use an ep dividing {f.experts}"
     if (dp * cp * tp) % ep:
         return (f"ep={ep} does not divide dp x cp x tp = {dp * cp * tp} (expert parallelism splits the "
-                "ranks holding distinct tokens)")
+                f"ranks holding distinct tokens); use an ep dividing {dp * cp * tp}")
     return None
 
 
@@ -236,23 +238,25 @@ def sp_problem(tp: int, cp: int, f: ModelFacts, batch: Batch) -> str | None:
     """Why sequence parallel cannot run: it needs tp > 1, an adapter that shards the
     sequence, and each cp rank's ``seq_len / cp`` tokens divisible by tp."""
     if tp == 1:
-        return "sequence parallel needs tp > 1"
+        return "sequence parallel needs tp > 1; use sp=off"
     if "sp" in f.limits:
-        return f"sequence parallel: {f.limits['sp']}"
+        return f"sequence parallel: {f.limits['sp']}; use sp=off"
     if (batch.seq_len // cp) % tp:
-        return f"sequence parallel needs seq_len/cp = {batch.seq_len // cp} divisible by tp={tp}"
+        return f"sequence parallel needs seq_len/cp = {batch.seq_len // cp} divisible by tp={tp}; use sp=off"
     return None
 
 
 def loss_problem(loss: str, f: ModelFacts) -> str | None:
     """Why the fused linear + cross-entropy kernel cannot run for this model."""
-    return f"loss=fused: {f.limits['fused_loss']}" if loss == "fused" and "fused_loss" in f.limits else None
+    if loss == "fused" and "fused_loss" in f.limits:
+        return f"loss=fused: {f.limits['fused_loss']}; use loss=eager"
+    return None
 
 
 def attention_problem(attention: str, f: ModelFacts) -> str | None:
     """Why the flash attention kernel cannot run for this model (:func:`default_attention`)."""
     if attention == "flash" and "flash_attention" in f.limits:
-        return f"attention=flash: {f.limits['flash_attention']}"
+        return f"attention=flash: {f.limits['flash_attention']}; use attention=eager"
     return None
 
 
@@ -271,7 +275,8 @@ def zero_problem(zero: str, tp: int, dp: int, f: ModelFacts, ep: int = 1) -> str
     if zero in SHARDED_PARAMS and tp > 1 and dp > 1 and "fsdp_with_tp" in f.limits:
         return f"zero={zero} with tp={tp}: {f.limits['fsdp_with_tp']}; use zero=ddp or zero1"
     if ep > 1 and zero not in SHARDED_PARAMS and (dp > 1 or tp > ep):
-        return f"ep={ep} with zero={zero}: the experts are sharded by FSDP over their own data-parallel group; use zero=fsdp"
+        return (f"ep={ep} with zero={zero}: the experts are sharded by FSDP over their own data-parallel group; "
+                "use zero=fsdp")
     return None
 
 
@@ -281,7 +286,9 @@ def replicas_problem(global_batch: int, dp: int) -> str | None:
     """Why the global batch does not split over ``dp`` replicas (each takes whole sequences)."""
     if global_batch < 1:
         return f"global batch {global_batch}: give a positive number of sequences"
-    return f"global batch {global_batch} not divisible by dp={dp}" if global_batch % dp else None
+    if global_batch % dp:
+        return f"global batch {global_batch} not divisible by dp={dp}; use a global batch that is a multiple of {dp}"
+    return None
 
 
 def microbatch_problem(global_batch: int, dp: int, mbs: int) -> str | None:
@@ -306,7 +313,8 @@ def fill_problem(pp: int, m: int) -> str | None:
     """Why ``m`` micro-batches do not fill a pipeline of ``pp`` stages: every schedule here
     needs at least one per stage (:func:`schedule_problem`)."""
     if pp > 1 and m < pp:
-        return f"{m} micro-batches for pp={pp}: the schedules need at least one per stage"
+        return (f"{m} micro-batches for pp={pp}: the schedules need at least one per stage; raise the global "
+                "batch or lower pp or mbs")
     return None
 
 
@@ -357,11 +365,12 @@ def documents_problem(limits: Mapping[str, str], causal_only: bool = True) -> st
     model whose limits refuse ``cp`` or ``any`` keeps its own attention, which would attend
     across documents, or takes no positions)."""
     if not causal_only:
-        return "packed documents (--seq-lens, cu_seqlens) are for text-only causal models; this one has non-causal attention"
+        return ("packed documents (--seq-lens, cu_seqlens) are for text-only causal models; this one has non-causal "
+                "attention; plan without --seq-lens")
     for key in ("any", "cp"):
         if key in limits:
             return ("packed documents (--seq-lens, cu_seqlens) need autopar's attention and token positions, as "
-                    f"context parallelism does: {limits[key]}")
+                    f"context parallelism does: {limits[key]}; plan without --seq-lens")
     return None
 
 
