@@ -46,7 +46,7 @@ def _round(build, graph, shifts, cfg, pc, gb: int, steps: int, warmup: int) -> f
     import torch
 
     from codegen.runtime.train import parallelize
-    from planner.search.space import facts_of
+    from planner.search.candidates import facts_of
     from planner.search.stage_split import even_split
     from planner.frontend.tp_layout import tp_layout
 

@@ -36,6 +36,7 @@ import re
 from typing import Optional
 
 from codegen.runtime.tp_plan import block_stack, tp_plan_for
+from planner.feasibility import Nodes
 from planner.files import write_atomic
 from planner.plan import TP_ROLES, Plan, PlanError
 
@@ -70,6 +71,7 @@ from codegen.runtime.recipe import (apply_attention, apply_dp, apply_ep, apply_r
 from codegen.runtime.tp_plan import tp_plan_for
 from codegen.runtime.train import ParallelModel, TokenLoss
 from planner import zoo
+from planner.feasibility import Batch, Nodes
 from planner.plan import ModelFacts, ParallelConfig
 
 # ---- the plan --------------------------------------------------------------------------
@@ -77,6 +79,7 @@ MODEL, ADAPTER, VOCAB = {model!r}, {adapter!r}, {vocab!r}
 # what check_runnable checks before anything is built
 FACTS = ModelFacts.from_dict({facts!r})
 CONFIG = ParallelConfig.parse({config!r})
+CLUSTER = Nodes({cluster!r}, {nodes!r}, {devices_per_node!r})  # the cluster planned for
 GLOBAL_BATCH, SEQ_LEN = {global_batch!r}, {seq_len!r}  # sequences per optimizer step, tokens per sequence
 # planned with --seq-lens: synthetic rows pack documents of these lengths (drawn uniformly)
 DOCUMENT_LENGTHS = {document_lengths!r}
@@ -117,7 +120,8 @@ def build(model: torch.nn.Module, args: argparse.Namespace, device: torch.device
     """The plan applied to ``model`` on this rank (collective: every rank runs it)."""
     units = [u for s in STAGES for u in s]  # the model's layer units in order
     adapter = adapter_for(model, order=units, seq_len=SEQ_LEN, facts=FACTS)
-    check_runnable(CONFIG, adapter, FACTS, GLOBAL_BATCH, SEQ_LEN)  # refuse what cannot run, before building
+    batch = Batch(GLOBAL_BATCH, SEQ_LEN, documents=bool(DOCUMENT_LENGTHS))
+    check_runnable(CONFIG, adapter, FACTS, batch, CLUSTER)  # refuse what cannot run, before building
     mesh = build_mesh(CONFIG)  # dims (pp, dp, cp, tp) = {mesh_shape!r}
     stages = split_stages(adapter, STAGES, RECOMPUTE, CONFIG, mesh)  # this pp rank's stage modules
     materialize(adapter, stages, device, args.seed)  # meta: initialise own units; else take rank 0's weights
@@ -335,6 +339,7 @@ def emit(plan: Plan) -> str:
     if not isinstance(lengths, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
                                                 for n in lengths):
         raise PlanError("batch.documents.lengths in the plan must be a list of positive integers (token counts)")
+    shape = Nodes.of_plan(plan.cluster, plan.config.world)
     return TEMPLATE.format(
         model_name=plan.model["name"], label=plan.config.label(), world=plan.config.world,
         device="GPUs" if plan.cluster.get("backend") == "nccl" else "CPU processes", cluster=plan.cluster["name"],
@@ -344,7 +349,8 @@ def emit(plan: Plan) -> str:
         recompute=[str(s["recompute"]) for s in plan.stages],
         tp_plan=tp_plan_literal(layout, [u for s in stages for u in s], plan.config.tp),
         global_batch=int(plan.batch["global"]), seq_len=int(plan.batch["seq_len"]), document_lengths=lengths,
-        mesh_shape=tuple(int(x) for x in plan.config.mesh_shape),
+        mesh_shape=tuple(int(x) for x in plan.config.mesh_shape), nodes=shape.nodes,
+        devices_per_node=shape.devices_per_node,
         memory=[float(x) for x in est.get("memory_gib", [])], **_comments(plan))
 
 

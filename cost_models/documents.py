@@ -38,6 +38,7 @@ import bisect
 import random
 from typing import Iterable, Iterator, Mapping
 
+from planner.feasibility import sequence_problem
 from planner.graph import DocumentMix
 
 MAX_TOKENS = 2**24      # simulate about this many tokens ...
@@ -233,8 +234,8 @@ def visiting_pairs(mix: DocumentMix, cp: int, ulysses: int = 1) -> tuple[int, in
     """(visiting, all) causal pairs of the mix's rows (the first ``_rows_for(cp)`` of them)
     under context parallelism ``cp`` with Ulysses degree ``ulysses`` (module docstring), cached
     per (mix, cp, ulysses). ValueError when the row does not split into ``2 cp`` chunks."""
-    if mix.seq_len % (2 * cp) and cp > 1:
-        raise ValueError(f"cp={cp} does not split rows of {mix.seq_len} tokens into 2*cp zigzag chunks")
+    if why := sequence_problem(mix.seq_len, cp):
+        raise ValueError(why)
     key = (id(mix), cp, ulysses)
     hit = _CACHE.get(key)
     if hit is None or hit[0] is not mix:
@@ -270,7 +271,7 @@ def ring_hiding(mix: DocumentMix, cp: int, ulysses: int = 1) -> float:
     """The mix's visiting share over one full document's (exact ratio of integers: 1.0 for
     rows of one ``seq_len`` document; 1.0 without a ring). The cost model's window for the
     ring's transfers is the attention core's time times this (cost_models/context_parallel.py)."""
-    if cp // ulysses <= 1 or mix.seq_len % (2 * cp):  # no ring, or one the runtime cannot run (feasibility)
+    if cp // ulysses <= 1 or sequence_problem(mix.seq_len, cp):  # no ring, or one the runtime cannot run
         return 1.0
     v, t = visiting_pairs(mix, cp, ulysses)
     vf, tf = full_row_pairs(mix.seq_len, cp, ulysses)
@@ -292,7 +293,7 @@ def summary(mix: DocumentMix, ring: Iterable[tuple[int, int]] = ()) -> dict:
            "lengths": list(mix.lengths)}
     visits = {}
     for cp, u in ring:
-        if cp // u > 1 and mix.seq_len % (2 * cp) == 0:
+        if cp // u > 1 and sequence_problem(mix.seq_len, cp) is None:
             name = f"cp={cp}" + (f" ulysses={u}" if u > 1 else "")
             visits[name] = {"share": visiting_share(mix, cp, u), "one_document": full_row_share(mix.seq_len, cp, u),
                             "hiding": ring_hiding(mix, cp, u)}

@@ -84,6 +84,7 @@ from cost_models.documents import ring_hiding
 from cost_models.experts import ep_mesh, expert_comm
 from cost_models.memory import DTYPE_BYTES, LayerTable, StageMemory, dp_group, stage_memory
 from cost_models.shared_cores import compute_concurrency, core_speedup, shares_cores, spare_core
+from planner.feasibility import microbatches
 from planner.graph import Layer, ModelGraph
 from planner.plan import DDP_BUCKET_BYTES, SHARDED_PARAMS, ParallelConfig, Partition, PlanError, uses_ddp_reducer
 
@@ -149,14 +150,6 @@ def exposed_s(comm_s: float, window_s: float, tail_s: float = 0.0) -> float:
         return 0.0
     tail = min(max(tail_s, 0.0), comm_s)
     return tail + max(0.0, comm_s - tail - max(window_s, 0.0))
-
-
-def microbatches(cfg: ParallelConfig, global_batch: int) -> int:
-    per = cfg.dp * cfg.mbs
-    if global_batch % per:
-        raise PlanError(f"global batch {global_batch} is not divisible by dp*mbs = {per}: "
-                        f"choose a global batch that is a multiple of {per}")
-    return global_batch // per
 
 
 def _act_bytes_io(layer: Layer, graph: ModelGraph, cfg: ParallelConfig) -> float:

@@ -77,6 +77,7 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Sequence
 
+from planner.feasibility import interleave_problem
 from planner.plan import SCHEDULES  # the one list of schedules (callers of the simulator import it from here too)
 _F, _B, _W = 0, 1, 2
 _KIND_NAMES = ("F", "B", "W")
@@ -210,8 +211,8 @@ def _check_args(schedule: str, p: int, m: int, v: int) -> None:
             raise ScheduleError(f"pipeline {name} must be a positive integer, got {val!r}")
     if v > 1 and schedule != "interleaved-1f1b":
         raise ScheduleError(f"v = {v} chunks per rank needs schedule 'interleaved-1f1b', not {schedule!r}")
-    if schedule == "interleaved-1f1b" and v > 1 and m % p != 0:
-        raise ScheduleError(f"interleaved-1f1b needs micro-batches divisible by stages: m = {m}, p = {p}; pick m a multiple of {p}")
+    if schedule == "interleaved-1f1b" and (why := interleave_problem(p, v, m)):
+        raise ScheduleError(why)
 
 
 def _per_stage(name: str, values: Sequence[float] | float, n: int) -> list[float]:

@@ -380,12 +380,13 @@ def main(argv: list[str] | None = None) -> int:
         measure_collectives(db, world, rank, [int(s) for s in args.sizes.split(",")], args.repeats, device)
         if not args.skip_layers:
             from planner import zoo
+            from planner.feasibility import sequence_problem
 
             ms = zoo.load_model_spec(args.model)
             seq = args.seq_len or (ms.cfg.seq_len if ms.cfg else 128)
             heads = ms.cfg.kv_heads if ms.cfg else 1
             tps = [t for t in range(1, world + 1) if world % t == 0 and heads % t == 0]
-            cps = [c for c in range(1, world + 1) if world % c == 0 and seq % (2 * c) == 0]
+            cps = [c for c in range(1, world + 1) if world % c == 0 and sequence_problem(seq, c) is None]
             measure_layers(db, args.model, seq, [int(b) for b in args.batches.split(",")], tps, cps,
                            args.repeats, device)
         if rank == 0:

@@ -24,9 +24,8 @@ from codegen.runtime.mesh import init_distributed  # noqa: E402
 from codegen.runtime.train import parallelize  # noqa: E402
 from planner import zoo  # noqa: E402
 from planner.plan import ParallelConfig
-from planner.feasibility import config_problems  # noqa: E402
 
-from model_cases import GB, SEED, SEQ, case, planner_view, stages_for  # noqa: E402
+from model_cases import GB, SEED, SEQ, case, planner_view, refusals, stages_for  # noqa: E402
 from worker_io import failure, finish, report  # noqa: E402
 
 STEPS, LR = 3, 0.1
@@ -239,7 +238,7 @@ def documents_group(world: int) -> dict:
             if only and name not in only.split(","):
                 continue
             key = f"{model_name}/{name}"
-            refused = config_problems(ParallelConfig(dtype="fp32", mbs=1, **kw), planner_view(model_name)[2])
+            refused = refusals(ParallelConfig(dtype="fp32", mbs=1, **kw), planner_view(model_name)[2], documents=True)
             if refused:
                 results[key] = {"refused": refused}
                 continue
@@ -264,7 +263,7 @@ def parity_group(world: int, shard: int = 0) -> dict:
             if only and name not in only.split(","):
                 continue
             key = f"{model_name}/{name}"
-            refused = config_problems(ParallelConfig(dtype="fp32", mbs=1, **kw), planner_view(model_name)[2])
+            refused = refusals(ParallelConfig(dtype="fp32", mbs=1, **kw), planner_view(model_name)[2])
             if refused:  # the runtime refuses before building anything: record why
                 results[key] = {"refused": refused}
                 continue

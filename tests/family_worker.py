@@ -23,7 +23,7 @@ from dist_worker import NORM, compare  # noqa: E402
 from codegen.runtime.mesh import init_distributed  # noqa: E402
 from codegen.runtime.train import parallelize  # noqa: E402
 from planner.plan import ParallelConfig
-from planner.feasibility import config_problems  # noqa: E402
+from model_cases import fitting_problems  # noqa: E402
 from worker_io import failure, finish, report, write_results  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_configs")
@@ -53,9 +53,9 @@ def layout_for(facts) -> ParallelConfig:
                 attention="eager" if "flash_attention" in facts.limits else "flash",
                 loss="eager" if "fused_loss" in facts.limits else "fused")
     cfg = ParallelConfig(tp=2, sp=True, **base)
-    if any("sequence parallel" in p for p in config_problems(cfg, facts)):
+    if any("sequence parallel" in p for p in fitting_problems(cfg, facts)):
         cfg = cfg.replace(sp=False)
-    if config_problems(cfg, facts):
+    if fitting_problems(cfg, facts):
         cfg = ParallelConfig(dp=2, **base)
     return cfg
 
@@ -64,7 +64,7 @@ def run(family: str) -> dict:
     from cost_models.cluster import parse_cluster
     from planner.frontend.load import load_graph
     from planner.search.planning import evaluate_config
-    from planner.search.space import facts_of
+    from planner.search.candidates import facts_of
     from planner.frontend.tp_layout import tp_layout
 
     graph = load_graph(spec(family), batch=1, seq_len=SEQ)

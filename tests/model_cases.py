@@ -164,11 +164,28 @@ def case(name: str) -> Case:
     return CASES[name]() if name in CASES else _zoo(name)
 
 
+def refusals(cfg, facts, documents: bool = False) -> list[str]:
+    """What the runtime refuses of ``cfg`` for a case: ``planner.feasibility.problems`` on the
+    cases' batch (``GB`` rows of ``SEQ`` tokens, packed documents with ``documents``) and one
+    node of ``cfg``'s world."""
+    from planner.feasibility import Batch, Nodes, problems
+
+    return problems(cfg, facts, Batch(GB, SEQ, documents=documents), Nodes("local", 1, cfg.world))
+
+
+def fitting_problems(cfg, facts) -> list[str]:
+    """``planner.feasibility.problems`` of ``cfg`` on a batch and a cluster that fit its
+    degrees (one micro-batch per pipeline stage and replica, one node): the model's rules."""
+    from planner.feasibility import Batch, Nodes, problems
+
+    return problems(cfg, facts, Batch(cfg.dp * cfg.mbs * cfg.pp, facts.seq_len), Nodes("local", 1, cfg.world))
+
+
 @functools.cache
 def planner_view(name: str):
     """(graph, TP layout, facts) the planner derives for case ``name`` (frontend.graph_of)."""
     from planner.frontend.load import example_for_module, graph_of
-    from planner.search.space import facts_of
+    from planner.search.candidates import facts_of
     from planner.frontend.tp_layout import tp_layout
 
     c = case(name)

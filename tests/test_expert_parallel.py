@@ -20,7 +20,8 @@ from cost_models.experts import alltoall_bytes, ep_mesh, expert_comm, expert_row
 from cost_models.memory import layer_params_local, per_param_bytes, stage_memory
 from planner.frontend.load import graph_of_config
 from planner.plan import ModelFacts, ParallelConfig
-from planner.feasibility import config_problems, expert_groups
+from planner.feasibility import expert_groups
+from model_cases import fitting_problems
 from planner.zoo import ModelConfig
 
 # a fine-grained MoE (DeepSeek-like routing: 128 experts, top-8, sigmoid), small enough to plan fast
@@ -124,20 +125,20 @@ def test_imbalance_adds_the_busiest_ranks_routed_activations():
 def test_feasibility_rule_for_ep():
     f = ModelFacts(units=8, seq_len=64, experts=8)
     ok = ParallelConfig(dp=4, ep=4, zero="fsdp")
-    assert config_problems(ok, f) == []
-    assert any("does not divide the 8 experts" in p for p in config_problems(ok.replace(dp=12, ep=12), f))
-    assert any("does not divide dp x cp x tp = 4" in p for p in config_problems(ParallelConfig(dp=4, ep=8, zero="fsdp"), f))
-    assert any("use zero=fsdp" in p for p in config_problems(ok.replace(zero="ddp"), f))
-    assert any("no routed experts" in p for p in config_problems(ok, ModelFacts(units=8, seq_len=64)))
+    assert fitting_problems(ok, f) == []
+    assert any("does not divide the 8 experts" in p for p in fitting_problems(ok.replace(dp=12, ep=12), f))
+    assert any("does not divide dp x cp x tp = 4" in p for p in fitting_problems(ParallelConfig(dp=4, ep=8, zero="fsdp"), f))
+    assert any("use zero=fsdp" in p for p in fitting_problems(ok.replace(zero="ddp"), f))
+    assert any("no routed experts" in p for p in fitting_problems(ok, ModelFacts(units=8, seq_len=64)))
     assert expert_groups(2, 2, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
     # under TP (with sequence parallel) the tp ranks route tokens of their own: EP may span them
     tp_ok = ParallelConfig(dp=2, tp=2, sp=True, ep=4, zero="fsdp")
-    assert config_problems(tp_ok, f) == []
-    assert any("use sp=on" in p for p in config_problems(tp_ok.replace(sp=False), f))
-    assert any("use sp=on" in p for p in config_problems(tp_ok.replace(sp=False, ep=1), f))
+    assert fitting_problems(tp_ok, f) == []
+    assert any("use sp=on" in p for p in fitting_problems(tp_ok.replace(sp=False), f))
+    assert any("use sp=on" in p for p in fitting_problems(tp_ok.replace(sp=False, ep=1), f))
     # no data parallelism and no rank sharing its experts: nothing for FSDP to do
-    assert config_problems(ParallelConfig(tp=2, sp=True, ep=2), f) == []
-    assert any("use zero=fsdp" in p for p in config_problems(ParallelConfig(tp=4, sp=True, ep=2), f))
+    assert fitting_problems(ParallelConfig(tp=2, sp=True, ep=2), f) == []
+    assert any("use zero=fsdp" in p for p in fitting_problems(ParallelConfig(tp=4, sp=True, ep=2), f))
     assert expert_groups(1, 1, 2, tp=4) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
     assert expert_groups(2, 1, 4, tp=2) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
     assert ParallelConfig.parse("dp=4,ep=2,zero=fsdp").ep == 2

@@ -45,9 +45,9 @@ REFUSED = {
 def test_family_plans_within_its_limits(family):
     from cost_models.cluster import parse_cluster
     from planner.frontend.load import load_graph
-    from planner.feasibility import config_problems
+    from planner.feasibility import Batch, Nodes, problems
+    from planner.search.candidates import batch_of, facts_of
     from planner.search.planning import plan_model
-    from planner.search.space import facts_of
 
     g = load_graph(FW.spec(family), batch=1, seq_len=32)
     facts = facts_of(g)
@@ -55,10 +55,11 @@ def test_family_plans_within_its_limits(family):
     assert set(facts.limits) == set(REFUSED[family]), facts.limits
     for feature, word in REFUSED[family].items():
         assert word in facts.limits[feature], (feature, facts.limits[feature])
-    plan, res = plan_model(g, parse_cluster("local-cpu:4"), 8, spec=FW.spec(family), cluster_spec="local-cpu:4")
-    assert config_problems(plan.config, plan.facts) == []
+    cluster = parse_cluster("local-cpu:4")
+    plan, res = plan_model(g, cluster, 8, spec=FW.spec(family), cluster_spec="local-cpu:4")
+    assert problems(plan.config, plan.facts, Batch.of_plan(plan.batch), Nodes.of_plan(plan.cluster, 4)) == []
     for alt in res.alternatives:
-        assert config_problems(alt.config, facts) == []
+        assert problems(alt.config, facts, batch_of(g, 8), cluster) == []
 
 
 def _free_port() -> int:

@@ -13,8 +13,8 @@ import pytest
 from cost_models.cluster import parse_cluster
 from planner.entry import calibration as mcal
 from planner.frontend.load import load_graph
-from planner.feasibility import config_problems
-from planner.search.space import facts_of
+from planner.feasibility import Batch, problems
+from planner.search.candidates import facts_of
 
 
 def _fake(cluster, **kw) -> mcal.MachineCalibration:
@@ -32,7 +32,7 @@ def test_reference_layouts_run_for_the_reference_model() -> None:
         assert {c.world for c in cfgs} == {world}
         assert len(cfgs) == (1 if world == 1 else 3)
         for c in cfgs:
-            assert not config_problems(c, facts) and mcal.REFERENCE_BATCH % (c.dp * c.mbs) == 0
+            assert problems(c, facts, Batch(mcal.REFERENCE_BATCH, facts.seq_len), parse_cluster(f"local-cpu:{world}")) == []
     assert [mcal.profile_world(n) for n in (1, 2, 3, 4, 64)] == [1, 2, 2, 4, 4]
 
 

@@ -193,11 +193,12 @@ def test_report_shows_the_pins(small, tmp_path, capsys):
 def test_lower_bounds_on_vpp_and_mbs_reach_past_the_defaults(small):
     """A lower bound alone opens the range above it: vpp>=8 tries interleaving with 8 or more
     virtual stages per rank (not the default 2 and 4, which it excludes), mbs>=16 tries 32."""
-    from planner.search.space import schedule_choices
+    from planner.plan import ModelFacts
+    from planner.search.candidates import schedule_choices
 
     pins = Pins.parse("vpp>=8")
-    assert [v for _, v in schedule_choices(2, 8, 32, pins)] == list(range(8, 17))
-    assert schedule_choices(2, 8, 12, pins) == []  # 2 x 8 virtual stages need 16 stage groups
+    assert [v for _, v in schedule_choices(2, 8, ModelFacts(units=32), pins)] == list(range(8, 17))
+    assert schedule_choices(2, 8, ModelFacts(units=12), pins) == []  # 2 x 8 virtual stages need 16 stage groups
     g, c = small
     # one micro-batch of 64 costs least here (no pipeline, per-micro-batch op costs): reachable now
     plan, _ = plan_model(g, c, 64, spec="gpt-small", cluster_spec="local-cpu:4", fix="dp=1,pp=1,mbs>=16")

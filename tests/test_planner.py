@@ -115,13 +115,13 @@ def test_ilp_split_beats_even_split(spec, cluster, cfg, gb, gain):
 def test_sequence_parallel_only_where_the_runtime_can_shard_the_sequence():
     """seq_len / cp must divide by tp for SP (the runtime refuses otherwise): the search never
     offers it there and evaluate names the problem."""
-    from planner.search.space import variants, facts_of
+    from planner.search.candidates import Point, batch_of, facts_of, variants
 
     g = load_graph("llama-tiny", batch=1, seq_len=33)
-    f33 = facts_of(g)
-    f32 = facts_of(load_graph("llama-tiny", batch=1, seq_len=32))
-    odd = list(variants(1, 1, 1, 2, 1, 2, len(g.layers), "fp32", "eager", f33, dominated=False))
-    even = list(variants(1, 1, 1, 2, 1, 2, len(g.layers), "fp32", "eager", f32, dominated=False))
+    g32 = load_graph("llama-tiny", batch=1, seq_len=32)
+    tp2 = Point(dp=1, pp=1, cp=1, tp=2, mbs=1, m=2, ep=1, ulysses=(1,))
+    odd = list(variants(tp2, 1, facts_of(g), batch_of(g, 2), "fp32", "eager", dominated=False))
+    even = list(variants(tp2, 1, facts_of(g32), batch_of(g32, 2), "fp32", "eager", dominated=False))
     assert odd and not any(c.sp for c in odd)        # tp=2 still searched, without SP
     assert even and all(c.sp for c in even)          # where SP runs, sp=off is dominated
     _, problems = evaluate_config(g, parse_cluster("local-cpu:2"), ParallelConfig(tp=2, sp=True), 4)

@@ -15,7 +15,7 @@ from cost_models.compute import op_recompute_share
 from cost_models.op_recompute import op_saved_bytes
 from planner.frontend.load import graph_of_config
 from planner.plan import ParallelConfig, recompute_problem, ModelFacts
-from planner.feasibility import config_problems
+from model_cases import fitting_problems
 from planner.zoo import preset
 
 
@@ -123,4 +123,4 @@ def test_per_op_recompute_is_refused_under_a_split_backward():
     why = recompute_problem("selective-op", "zb-h1", 2)
     assert why and "split backward" in why and "use recompute=full" in why
     cfg = ParallelConfig(pp=2, schedule="zb-h1", recompute="selective-op")
-    assert any("split backward" in p for p in config_problems(cfg, ModelFacts(units=8, seq_len=32)))
+    assert any("split backward" in p for p in fitting_problems(cfg, ModelFacts(units=8, seq_len=32)))

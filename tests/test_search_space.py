@@ -4,7 +4,8 @@ from __future__ import annotations
 from cost_models.cluster import parse_cluster
 from planner.frontend.load import load_graph
 from planner.feasibility import sp_problem
-from planner.search.space import facts_of, search
+from planner.search.candidates import batch_of, facts_of
+from planner.search.space import search
 
 
 def test_tp_without_sequence_parallel_is_priced_when_the_sequence_does_not_split() -> None:
@@ -12,7 +13,7 @@ def test_tp_without_sequence_parallel_is_priced_when_the_sequence_does_not_split
     layer-cost cache was once filled under "sp possible" and read back under "tp > 1", a
     KeyError for exactly these tuples."""
     graph = load_graph("llama-tiny", seq_len=33)
-    assert sp_problem(2, 1, facts_of(graph)) is not None
+    assert sp_problem(2, 1, facts_of(graph), batch_of(graph, 1)) is not None
     # one sequence per step on 2 devices: dp2, pp2 (one micro-batch) and cp2 (33 tokens) cannot
     # run, so tp=2 is the only layout left, and the search must price it
     res = search(graph, parse_cluster("local-cpu:2"), 1)

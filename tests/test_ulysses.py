@@ -14,7 +14,7 @@ from cost_models.cluster import load_preset
 from cost_models.context_parallel import cp_comm, cp_meshes, ring_step_bytes, ulysses_bytes
 from planner.graph import AttentionDims
 from planner.plan import ModelFacts, ParallelConfig, PlanError
-from planner.feasibility import config_problems
+from model_cases import fitting_problems
 from planner.report.data import build_report, mesh_groups, summary_rows
 
 MHA = AttentionDims(heads=32, kv_heads=32, head_dim=128, seq_len=32768, kv_len=32768, causal=True)
@@ -32,9 +32,9 @@ def test_config_names_the_method_and_round_trips():
 
 def test_feasibility_splits_each_tp_ranks_heads():
     f = ModelFacts(heads=(32,), kv_heads=(8,), hidden=4096, units=8, seq_len=8192)
-    assert config_problems(ParallelConfig(cp=8, ulysses=8), f) == []
-    assert config_problems(ParallelConfig(cp=8, ulysses=4, tp=2, sp=True), f) == []
-    bad = config_problems(ParallelConfig(cp=8, ulysses=8, tp=2, sp=True), f)
+    assert fitting_problems(ParallelConfig(cp=8, ulysses=8), f) == []
+    assert fitting_problems(ParallelConfig(cp=8, ulysses=4, tp=2, sp=True), f) == []
+    bad = fitting_problems(ParallelConfig(cp=8, ulysses=8, tp=2, sp=True), f)
     assert any("ulysses=8 x tp=2 does not divide the 8" in p for p in bad), bad
 
 

@@ -39,7 +39,7 @@ from codegen.runtime.attention import build_attention, context_attention
 from codegen.runtime.documents import Documents
 from codegen.runtime.mesh import cp_groups, device_type, dp_cp_mesh
 from planner.plan import ModelFacts, ParallelConfig, uses_ddp_reducer
-from planner.feasibility import config_problems
+from planner.feasibility import Batch, ClusterShape, Nodes, problems
 
 
 @dataclass
@@ -61,22 +61,20 @@ class Stages:
         return self.n_virtual - 1 in self.idx
 
 
-def check_runnable(cfg: ParallelConfig, adapter: ModelAdapter, facts: Optional[ModelFacts], global_batch: int,
-                   seq_len: int, load_balance: str = "zigzag") -> None:
-    """Refuse, before anything is built, what this rank's runtime cannot run (one line)."""
-    cfg.validate()
-    facts = dataclasses.replace(facts or ModelFacts(), units=len(adapter.units), seq_len=seq_len,
-                                limits={**(facts.limits if facts else {}), **adapter.limits()})
-    problems = config_problems(cfg, facts)
-    if global_batch % (cfg.dp * cfg.mbs):
-        problems.append(f"global batch {global_batch} is not divisible by dp*mbs = {cfg.dp * cfg.mbs}")
-    elif cfg.pp > 1 and global_batch // (cfg.dp * cfg.mbs) < cfg.pp:
-        problems.append(f"{global_batch // (cfg.dp * cfg.mbs)} micro-batches for pp={cfg.pp}: "
-                        "need at least pp (raise the global batch)")
-    if cfg.cp > 1 and seq_len % (2 * cfg.cp if load_balance == "zigzag" else cfg.cp):
-        problems.append(f"seq_len {seq_len} must be a multiple of 2*cp = {2 * cfg.cp} for zigzag CP")
-    if problems:
-        raise ValueError(f"{cfg.label()} cannot run for this model: " + "; ".join(problems))
+def check_runnable(cfg: ParallelConfig, adapter: Optional[ModelAdapter], facts: Optional[ModelFacts], batch: Batch,
+                   cluster: Optional[ClusterShape] = None) -> None:
+    """Refuse, before anything is built, what this rank's runtime cannot run (ValueError, one
+    line): the planner's feasibility predicate (``planner.feasibility.problems``) on the plan's
+    model ``facts`` with the ``adapter``'s own units and limits (when given), ``batch`` and
+    ``cluster`` (None: one node holding this job's processes)."""
+    facts = facts or ModelFacts()
+    if adapter is not None:
+        facts = dataclasses.replace(facts, units=len(adapter.units), limits={**facts.limits, **adapter.limits()})
+    if cluster is None:
+        cluster = Nodes("this job", 1, dist.get_world_size() if dist.is_initialized() else cfg.world)
+    found = problems(cfg, facts, batch, cluster)
+    if found:
+        raise ValueError(f"{cfg.label()} cannot run for this model: " + "; ".join(found))
 
 
 def split_stages(adapter: ModelAdapter, stages: Sequence[Sequence[str]], recompute: Sequence[str],

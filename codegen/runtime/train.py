@@ -3,7 +3,7 @@
 The runtime talks to the model through its adapter (``codegen/runtime/adapters``), never
 through attribute names. Order of application (one public helper each in
 ``codegen/runtime/recipe.py``, which the emitted program calls in the same order): the
-feasibility rule (``planner.feasibility.config_problems``) on the plan and the adapter's limits,
+feasibility predicate (``planner.feasibility.problems``) on the plan and the adapter's limits,
 then the device mesh -> the pipeline stage split (this rank's stage modules, built by the
 adapter) -> materialisation of a meta-built model's owned units -> the tied-weight pairs
 and groups (pp > 1; before tensor parallelism splits the ends apart) -> attention per block
@@ -50,7 +50,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from planner.feasibility import documents_problem
+from planner.feasibility import Batch, documents_problem
 from planner.plan import ModelFacts, ParallelConfig, Plan
 from codegen.runtime import context_parallel as cpar
 from codegen.runtime import data_parallel as dpar
@@ -307,7 +307,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     """
     device = torch.device(device)
     adapter = adapter or adapter_for(model, order=[u for s in stages for u in s], seq_len=seq_len, facts=facts)
-    recipe.check_runnable(cfg, adapter, facts, global_batch, seq_len, load_balance)
+    recipe.check_runnable(cfg, adapter, facts, Batch(global_batch, seq_len, load_balance=load_balance))
     mesh = mesh if mesh is not None else build_mesh(cfg)
     split = recipe.split_stages(adapter, stages, stage_recompute, cfg, mesh)
     recipe.materialize(adapter, split, device, seed)

@@ -41,12 +41,12 @@ def check_plan(plan, *, import_user_code: bool = True) -> None:
 
     from planner.frontend.load import load_graph
 
-    from planner.feasibility import config_problems
+    from planner.feasibility import Batch, Nodes, problems
 
-    problems = config_problems(plan.config, plan.facts)
-    if problems:
+    found = problems(plan.config, plan.facts, Batch.of_plan(plan.batch), Nodes.of_plan(plan.cluster, plan.config.world))
+    if found:
         raise AutoparError(f"plan {plan.config.label()} cannot run for {plan.model.get('name')}: "
-                           f"{'; '.join(problems)}; plan again with `autopar plan`")
+                           f"{'; '.join(found)}; plan again with `autopar plan`")
     spec = plan.model.get("spec")
     if isinstance(spec, str) and (import_user_code or not re.fullmatch(r"[\w.]+:\w+", spec.strip())):
         g = load_graph(spec, batch=1, seq_len=plan.batch["seq_len"])

@@ -23,6 +23,8 @@ import torch.nn as nn
 
 from planner.frontend.trace import capture_fx
 from planner.errors import AutoparError
+from planner.feasibility import model_problem
+from planner.plan import ModelFacts
 from planner.graph import BLOCK_KINDS, ModelGraph
 
 
@@ -65,8 +67,8 @@ def graph_and_fx_of(model: nn.Module, example: dict[str, Any] | tuple, *, name: 
             adapter = adapter_for(model, order=[l.name for l in graph.layers], seq_len=seq_len)
         else:
             adapter = adapter_for(model, module_spec, seq_len=seq_len)
-            if "any" in (limits := adapter.limits()):  # before a capture that may not even run
-                raise AutoparError(f"cannot run on autopar's runtime: {limits['any']}")
+            if why := model_problem(ModelFacts(limits=adapter.limits())):  # before a capture that may not even run
+                raise AutoparError(why)
             graph, fx = capture_fx(model, example, units=adapter.capture_units(), **kw)
         if adapter.kind == "module":
             adapter.check_sequential(example)

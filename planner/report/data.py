@@ -162,7 +162,7 @@ def rejected_groups(plan: Plan) -> list[dict[str, Any]]:
         elif reason.startswith("OOM"):
             title = "out of memory"
         else:
-            title = reason.split(" (")[0].split(":")[0]
+            title = reason.split(" (")[0].split(":")[0].split(";")[0]
         f = fams.setdefault(title, {"title": title, "count": 0, "reasons": []})
         f["count"] += int(v.get("count", 0))
         f["reasons"].append({"reason": reason, "count": int(v.get("count", 0)), "examples": list(v.get("examples", []))})

@@ -10,12 +10,13 @@ from typing import Any, Callable
 
 from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
-from planner.errors import AutoparError
+from planner.errors import AutoparError, PlanError
 from planner.graph import ModelGraph
 from planner.search.pins import Pins, as_pins
 from planner.plan import ParallelConfig, Plan
-from planner.feasibility import config_problems
-from planner.search.space import SearchResult, facts_of, search
+from planner.feasibility import degrees_problem, expert_groups_problem, problems
+from planner.search.candidates import batch_of, facts_of
+from planner.search.space import SearchResult, search
 from planner.search.seq_lens import SeqLens, as_histogram, with_documents
 from planner.search.stage_split import even_split as split_evenly
 from planner.search.stage_split import split_and_estimate
@@ -136,23 +137,18 @@ def plan_model(graph: ModelGraph, cluster: Cluster, global_batch: int, *, spec: 
 def evaluate_config(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,
                     even_split: bool = False, profile=None) -> tuple[Estimate, list[str]]:
     """Price ``cfg``; returns the estimate and what the runtime cannot run of it (empty if
-    nothing): the same feasibility rule as the search and the runtime, plus the batch."""
-    cfg.validate()
-    if cfg.world != cluster.world:
-        raise AutoparError(f"dp*pp*cp*tp = {cfg.world} but {cluster.name} has {cluster.world} devices: "
-                           "make the degrees multiply to the device count")
+    nothing): the feasibility predicate (``planner.feasibility.problems``), as the search and
+    the runtime apply it. Where one of its problems leaves nothing to price (the degrees do not
+    cover the cluster, expert-parallel groups that do not exist, more stages than stage groups,
+    a global batch that does not split into micro-batches), AutoparError with every problem."""
     facts = facts_of(graph)
-    problems = config_problems(cfg, facts)
-    if cfg.tp > cluster.devices_per_node:
-        problems.append(f"tp={cfg.tp} exceeds {cluster.devices_per_node} devices per node")
-    m = global_batch // (cfg.dp * cfg.mbs) if global_batch % (cfg.dp * cfg.mbs) == 0 else 0
-    if not m:
-        problems.append(f"global batch {global_batch} is not divisible by dp*mbs = {cfg.dp * cfg.mbs}")
-    elif cfg.pp > 1 and m < cfg.pp:
-        problems.append(f"{m} micro-batches for pp={cfg.pp}: the schedules need at least one per stage")
-    if cfg.pp * cfg.vpp > facts.units:
-        raise AutoparError(f"pp*vpp = {cfg.pp * cfg.vpp} stages for {facts.units} stage groups: use fewer stages")
-    if even_split or cfg.pp * cfg.vpp == 1:
-        part = split_evenly(graph, cfg.pp * cfg.vpp, cfg.recompute)
-        return estimate(graph, cluster, cfg, part, global_batch, profile=profile), problems
-    return split_and_estimate(graph, cluster, cfg, global_batch, profile)[0], problems
+    found = problems(cfg, facts, batch_of(graph, global_batch), cluster)
+    try:
+        if degrees_problem(cfg, cluster) or expert_groups_problem(cfg.ep, cfg.dp, cfg.cp, facts, cfg.tp):
+            raise PlanError("no mesh to price")
+        if even_split or cfg.pp * cfg.vpp == 1:
+            part = split_evenly(graph, cfg.pp * cfg.vpp, cfg.recompute)
+            return estimate(graph, cluster, cfg, part, global_batch, profile=profile), found
+        return split_and_estimate(graph, cluster, cfg, global_batch, profile)[0], found
+    except PlanError as e:
+        raise AutoparError(f"{cfg.label()} cannot be priced: " + "; ".join(found or [str(e)])) from None

@@ -139,7 +139,7 @@ def with_documents(graph: ModelGraph, hist: Mapping[int, int], source: str = "")
 
     causal = all(l.attention.causal for l in graph.layers if l.attention is not None)
     if (why := documents_problem(graph.limits, causal)) is not None:
-        raise AutoparError(f"{graph.name}: {why}; plan without --seq-lens")
+        raise AutoparError(f"{graph.name}: {why}")
     total = sum(k * v for k, v in hist.items())
     if total < graph.seq_len:
         raise AutoparError(f"--seq-lens {source or 'seq_lens'}: the documents hold {total} tokens, fewer than one "

@@ -1,19 +1,13 @@
 """Search: every configuration of the device count, priced, pruned, ranked.
 
-Space. Every factorisation ``world = dp x pp x cp x tp`` that the runtime can run for
-this model (the one feasibility rule, ``planner.feasibility.tp_problem`` / ``cp_problem`` /
-``pp_problem`` / ``sp_problem`` on the graph's facts and its adapter's limits: tp
-dividing heads, kv heads and hidden, cp splitting the sequence into zigzag chunks, pp at
-most the number of stage groups), tp inside a node and dp dividing the global batch,
-times micro-batch size (divisors of the per-replica batch up to ``max_mbs``), schedule
-(GPipe, 1F1B, interleaved with v in {2, 4}, ZB-H1), DP sharding (DDP, ZeRO-1, FSDP),
-recompute (none, selective, selective-op, full; selective-op not under
-ZB-H1) and sequence parallel (on/off when tp > 1). Pipeline
-stages are cut between stage groups only (``ModelGraph.stage_groups``). For a model with
-routed experts, every expert-parallel degree (``ep``) is a degree tuple of its own. With
-cp > 1 the context-parallel method (ring, Ulysses or the hybrid: ``ParallelConfig.ulysses``)
-changes only the layer times, so each tuple takes the Ulysses degree whose layers are
-fastest (``_best_ulysses``) and records the others as rejected with that reason.
+Space: the candidates of planner/search/candidates.py - every degree tuple, micro-batch
+size, expert-parallel degree and variant (schedule, vpp, DP sharding, recompute, sequence
+parallel) the feasibility predicate's per-axis parts accept (planner/feasibility.py), within
+the search's documented space choices. Pipeline stages are cut between stage groups only
+(``ModelGraph.stage_groups``). With cp > 1 the context-parallel method (ring, Ulysses or the
+hybrid: ``ParallelConfig.ulysses``) changes only the layer times, so each tuple takes the
+Ulysses degree whose layers are fastest (``_best_ulysses``) and records the others as
+rejected with that reason.
 
 Pruning keeps the space whole but cheap, with two bounds per degree tuple
 (dp, pp, cp, tp, mbs), computed once for all its variants:
@@ -28,7 +22,7 @@ Pruning keeps the space whole but cheap, with two bounds per degree tuple
 Tuples are visited in increasing floor, so a good incumbent comes early. Inside a
 tuple, each variant gets its own floor (its schedule's closed form on perfectly
 balanced stages, plus its recompute), and variants the cost model proves no better
-than another (``DOMINATED``) are skipped.
+than another (``candidates.DOMINATED``) are skipped.
 Surviving variants get the closed-form estimate on an even stage split; the best
 ``solve_top`` are then re-partitioned by the ILP (planner/search/partition.py) and
 simulated in full ("fully solved"), and the best of those is the plan.
@@ -43,7 +37,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable
 
 from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, LayerCosts, estimate, layer_pass_times
@@ -51,17 +45,14 @@ from cost_models.pipeline import estimate_step
 from cost_models.memory import RESERVE_CPU, RESERVE_GPU, dp_group
 from planner.errors import AutoparError
 from planner.graph import ModelGraph
+from planner.feasibility import Batch, default_attention, sp_problem
+from planner.plan import RECOMPUTE, ModelFacts, ParallelConfig
+from planner.search.candidates import (DOMINATED_REASON, Point, Rejections, batch_of, facts_of, points,
+                                       request_problem, variants)
 from planner.search.pins import Pins
-from planner.feasibility import (cp_problem, default_attention, ep_problem, pp_problem, sp_problem, tp_problem,
-                                 zero_problem)
-from planner.plan import RECOMPUTE, SCHEDULES, ZERO, ModelFacts, ParallelConfig, recompute_policies
 from planner.search.stage_split import even_split, split_and_estimate
 
 GiB = 2**30
-# The DP sharding modes the search tries: planner.plan.ZERO without zero2 (with pp > 1 it holds
-# and moves what fsdp does; with pp = 1 it only trades fsdp's per-layer gathers for every layer
-# held gathered), to keep the space small; ``--fix zero=zero2`` prices it.
-ZEROS = tuple(z for z in ZERO if z != "zero2")
 
 
 @dataclass
@@ -78,122 +69,6 @@ class SearchResult:
     partition_info: dict = field(default_factory=dict)
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-class _Rejections:
-    def __init__(self) -> None:
-        self.examples: dict[str, list[str]] = {}
-        self.counts: dict[str, int] = {}
-
-    def add(self, reason: str, example: str, n: int = 1) -> None:
-        self.counts[reason] = self.counts.get(reason, 0) + n
-        ex = self.examples.setdefault(reason, [])
-        if len(ex) < 3:
-            ex.append(example)
-
-
-def facts_of(graph: ModelGraph) -> ModelFacts:
-    """What the feasibility rule (``planner.feasibility.config_problems``) needs of ``graph``."""
-    return ModelFacts(heads=tuple(sorted({l.attention.heads for l in graph.layers if l.attention})),
-                      kv_heads=tuple(sorted({l.attention.kv_heads for l in graph.layers if l.attention})),
-                      hidden=graph.hidden, units=len(graph.stage_groups()), seq_len=graph.seq_len,
-                      limits=dict(graph.limits), experts=max((l.moe.experts for l in graph.layers if l.moe), default=0))
-
-
-def degree_tuples(graph: ModelGraph, cluster: Cluster, global_batch: int, rej: _Rejections,
-                  pins: Pins | None = None) -> Iterator[tuple[int, int, int, int]]:
-    """(dp, pp, cp, tp) that the ``pins`` admit and that satisfy the structural constraints
-    (the runtime's feasibility rule per degree, the node size, the batch); the others are
-    recorded in ``rej`` (those the pins leave out are not)."""
-    world = cluster.world
-    facts = facts_of(graph)
-    pins = pins or Pins()
-    for tp in divisors(world):
-        if not pins.allows("tp", tp) or (tp == 1 and not pins.allows("sp", False)):
-            continue
-        if tp > cluster.devices_per_node:
-            rej.add(f"tp={tp} exceeds {cluster.devices_per_node} devices per node", f"tp={tp}")
-            continue
-        if why := tp_problem(tp, facts):
-            rej.add(why, f"tp={tp}")
-            continue
-        for cp in divisors(world // tp):
-            if not pins.allows("cp", cp):
-                continue
-            if why := cp_problem(cp, facts):
-                rej.add(why, f"cp={cp}")
-                continue
-            for pp in divisors(world // (tp * cp)):
-                if not pins.allows("pp", pp):
-                    continue
-                if why := pp_problem(pp, facts):
-                    rej.add(why, f"pp={pp}")
-                    continue
-                dp = world // (tp * cp * pp)
-                if not pins.allows("dp", dp):
-                    continue
-                if global_batch % dp:
-                    rej.add(f"global batch {global_batch} not divisible by dp={dp}", f"dp={dp} pp={pp} cp={cp} tp={tp}")
-                    continue
-                yield dp, pp, cp, tp
-
-
-def variants(dp: int, pp: int, cp: int, tp: int, mbs: int, m: int, n_layers: int, dtype: str,
-              loss: str, facts: ModelFacts, dominated: bool = True, pins: Pins | None = None,
-              ep: int = 1, ulysses: int = 1) -> Iterator[ParallelConfig]:
-    """The variants of one degree tuple (``n_layers``: the stage groups) that the ``pins``
-    admit. With ``dominated=False`` the variants the cost model proves no better are left
-    out (see ``DOMINATED``) unless the pins leave out what dominates them. Sequence
-    parallel is offered only where the runtime can run it (``planner.feasibility.sp_problem``);
-    the attention kernel is flash unless the model cannot use it."""
-    pins = pins or Pins()
-    sp_ok = sp_problem(tp, cp, facts) is None
-    attention = default_attention(facts.limits)
-    zeros = ("ddp",) if dp * cp == 1 else tuple(z for z in (ZERO if "zero" in pins.choice else ZEROS)
-                                                 if pins.allows("zero", z))
-    for sched, v in schedule_choices(pp, m, n_layers, pins):
-        if not dominated and sched == "gpipe" and pins.allows("schedule", "1f1b"):
-            continue
-        for zero in zeros:
-            if zero_problem(zero, tp, dp * cp, facts, ep):
-                continue
-            for rc in (r for r in recompute_policies(sched, pp) if pins.allows("recompute", r)):
-                for sp in (s for s in ((False, True) if sp_ok else (False,)) if pins.allows("sp", s)):
-                    if ep_problem(ep, dp, cp, facts, tp, sp):  # a MoE model under TP needs SP
-                        continue
-                    if not dominated and sp_ok and not sp and pins.allows("sp", True):
-                        continue
-                    yield ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, ulysses=ulysses, mbs=mbs,
-                                         schedule=sched, vpp=v,
-                                         zero=zero, recompute=rc, sp=sp, dtype=dtype, loss=loss, attention=attention)
-
-
-def schedule_choices(pp: int, m: int, n_layers: int, pins: Pins) -> list[tuple[str, int]]:
-    """(schedule, vpp) to try for ``pp`` stages and ``m`` micro-batches: every schedule,
-    interleaved with v in {2, 4} (or the pinned vpp values) where the micro-batches and
-    stage groups allow; a pinned schedule or vpp applies only when pp > 1."""
-    if pp == 1:
-        return [("1f1b", 1)]
-    vs: Sequence[int] = (2, 4)
-    if "vpp" in pins.lo or "vpp" in pins.hi:  # a pinned range, up to one stage group per virtual stage
-        vs = range(max(2, pins.lo.get("vpp", 2)), pins.hi.get("vpp", n_layers // pp) + 1)
-    out = [(s, 1) for s in SCHEDULES if s != "interleaved-1f1b"]
-    out += [("interleaved-1f1b", v) for v in vs if m % pp == 0 and pp * v <= n_layers]
-    return [(s, v) for s, v in out if pins.allows("schedule", s) and pins.allows("vpp", v)]
-
-
-# Variants the cost model never prefers, with the one that dominates them (no slower, no
-# more memory), so the search skips them and counts them as pruned:
-DOMINATED = {
-    "gpipe": "1f1b: the same step time with min(pp, m) instead of m micro-batches in flight",
-    "sp=off": "sp=on: the same TP traffic (reduce-scatter + all-gather = all-reduce) and sequence-sharded norms",
-}
-_DOMINATED_REASON = ("dominated (" + ", ".join(f"{k} by {v.split(':')[0]}" for k, v in DOMINATED.items())
-                     + ": no faster, more memory)")
-
-
 @dataclass
 class _Space:
     """One search: its inputs, the model's facts, the layer costs per (tp, cp, mbs, sp) and the
@@ -203,15 +78,16 @@ class _Space:
     global_batch: int
     profile: object
     facts: ModelFacts
+    batch: Batch
     dtype: str
     loss: str
     attention: str
-    rej: _Rejections
+    rej: Rejections
     res: SearchResult
     pins: Pins = field(default_factory=Pins)
     cost_cache: dict = field(default_factory=dict)
     table_cache: dict = field(default_factory=dict)   # memory tables, shared by the layer costs of every key
-    ulysses_cache: dict = field(default_factory=dict)  # (cp, tp, ep, mbs) -> (best Ulysses degree, feasible ones)
+    ulysses_cache: dict = field(default_factory=dict)  # (cp, tp, ep, mbs) -> the best Ulysses degree
     leanest: tuple[float, bool] = (math.inf, False)   # least bytes per device any rejected layout needs, exact?
 
     def note_need(self, need: float, exact: bool) -> None:
@@ -257,15 +133,13 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
     ``pins`` admit: degree tuples with their floors, then every variant's closed-form
     estimate on an even split, then the ILP split and the simulated schedule for the best few."""
     t0 = time.perf_counter()
-    facts = facts_of(graph)
-    if "any" in facts.limits:
-        raise AutoparError(f"{graph.name} cannot run on autopar's runtime: {facts.limits['any']}")
-    if loss == "fused" and "fused_loss" in facts.limits:
-        raise AutoparError(f"--loss fused: {facts.limits['fused_loss']}; plan with --loss eager")
+    facts, batch = facts_of(graph), batch_of(graph, global_batch)
+    if why := request_problem(facts, batch, loss):
+        raise AutoparError(f"{graph.name}: {why}")
     res = SearchResult(best=None, alternatives=[], rejected={}, rejected_counts={})  # type: ignore[arg-type]
-    space = _Space(graph, cluster, global_batch, profile, facts,
+    space = _Space(graph, cluster, global_batch, profile, facts, batch,
                    dtype or ("fp32" if cluster.backend == "gloo" else "bf16"), loss,
-                   default_attention(facts.limits), _Rejections(), res, pins or Pins())
+                   default_attention(facts.limits), Rejections(), res, pins or Pins())
     tuples = _tuples_with_floors(space, max_mbs)
     if progress:
         progress(f"{len(tuples)} degree tuples after the memory floor; {res.considered} configurations")
@@ -276,32 +150,20 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
 
 
 def _tuples_with_floors(space: _Space, max_mbs: int) -> list[_Tuple]:
-    """Every (dp, pp, cp, tp, ep, mbs) the structural rules allow, with a time floor (compute and
-    TP/CP/EP communication per rank plus the best schedule's bubble); tuples whose memory floor
-    (FSDP states and full recompute) exceeds the device are rejected."""
-    g, rej = space.graph, space.rej
+    """Every (dp, pp, cp, tp, ep, mbs) the feasibility predicate's per-degree parts allow
+    (``planner.search.candidates.points``), with a time floor (compute and TP/CP/EP
+    communication per rank plus the best schedule's bubble); tuples whose memory floor (FSDP
+    states and full recompute) exceeds the device are rejected."""
     reserve = RESERVE_GPU if space.cluster.backend != "gloo" else RESERVE_CPU
     tuples = []
     pins = space.pins
     # a pinned mbs may pass the default cap: up to its upper bound, or uncapped under a lower bound only
     max_mbs = pins.hi.get("mbs", math.inf if "mbs" in pins.lo else max_mbs)
-    for dp, pp, cp, tp in degree_tuples(g, space.cluster, space.global_batch, rej, pins):
-        per_replica = space.global_batch // dp
-        sizes = [d for d in divisors(per_replica) if d <= max_mbs and pins.allows("mbs", d)]
-        if not sizes:
-            rej.add(f"no micro-batch size {pins.describe('mbs')} divides the {per_replica} sequences per replica",
-                    f"dp={dp} pp={pp} cp={cp} tp={tp}")
-        for mbs in sizes:
-            m = per_replica // mbs
-            if pp > 1 and m < pp:  # the pipeline schedules need a micro-batch per stage at least
-                rej.add(f"{m} micro-batches for pp={pp}: the schedules need at least one per stage",
-                        f"dp={dp} pp={pp} cp={cp} tp={tp} mbs={mbs}")
-                continue
-            for ep in _ep_degrees(space, dp, cp, tp):
-                u = _best_ulysses(space, dp, pp, cp, tp, ep, mbs)
-                t = _tuple_floor(space, dp, pp, cp, tp, ep, mbs, m, reserve, u)
-                if t is not None:
-                    tuples.append(t)
+    for p in points(space.facts, space.cluster, space.batch, space.rej, pins, max_mbs):
+        u = _best_ulysses(space, p)
+        t = _tuple_floor(space, p.dp, p.pp, p.cp, p.tp, p.ep, p.mbs, p.m, reserve, u)
+        if t is not None:
+            tuples.append(t)
     return sorted(tuples)
 
 
@@ -309,7 +171,8 @@ def _base_config(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
                  ulysses: int = 1) -> ParallelConfig:
     """The configuration a degree tuple's layer costs and floors are priced with."""
     return ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, ulysses=ulysses, mbs=mbs, dtype=space.dtype,
-                          loss=space.loss, sp=sp_problem(tp, cp, space.facts) is None, attention=space.attention,
+                          loss=space.loss, sp=sp_problem(tp, cp, space.facts, space.batch) is None,
+                          attention=space.attention,
                           zero="fsdp" if ep > 1 else "ddp")
 
 
@@ -320,59 +183,25 @@ def _rank_seconds(space: _Space, base: ParallelConfig) -> float:
     return sum(c.fwd + c.bwd + c.tp + c.cp + c.ep_fwd + c.ep_bwd for c in map(costs.get, space.graph.layers))
 
 
-def _best_ulysses(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs: int) -> int:
-    """The context-parallel method of a degree tuple: the Ulysses degree (``_ulysses_degrees``)
-    whose layers take the least time per micro-batch. Nothing else in a layout depends on it
-    (memory, schedules, sharding; nor dp and pp, the outer mesh dimensions), so it is chosen
-    once per (cp, tp, ep, mbs) and the others are recorded as rejected with that reason."""
-    if cp == 1:
+def _best_ulysses(space: _Space, p: Point) -> int:
+    """The context-parallel method of a degree tuple: the Ulysses degree (of ``p.ulysses``, the
+    ones the runtime can run) whose layers take the least time per micro-batch. Nothing else in
+    a layout depends on it (memory, schedules, sharding; nor dp and pp, the outer mesh
+    dimensions), so it is chosen once per (cp, tp, ep, mbs) and the others are recorded as
+    rejected with that reason."""
+    if p.cp == 1:
         return 1
-    key = (cp, tp, ep, mbs)
+    key = (p.cp, p.tp, p.ep, p.mbs)
     if key not in space.ulysses_cache:
-        degrees = _ulysses_degrees(space, cp, tp)
-        times = {u: _rank_seconds(space, _base_config(space, dp, pp, cp, tp, ep, mbs, u)) for u in degrees}
-        space.ulysses_cache[key] = (min(degrees, key=lambda u: (times[u], u)), degrees)
-    best, degrees = space.ulysses_cache[key]
-    for u in degrees:
+        times = {u: _rank_seconds(space, _base_config(space, p.dp, p.pp, p.cp, p.tp, p.ep, p.mbs, u))
+                 for u in p.ulysses}
+        space.ulysses_cache[key] = min(p.ulysses, key=lambda u: (times[u], u))
+    best = space.ulysses_cache[key]
+    for u in p.ulysses:
         if u != best:
             space.rej.add(f"ulysses={u}: slower layers than ulysses={best} on the same degrees",
-                          _base_config(space, dp, pp, cp, tp, ep, mbs, u).label())
+                          _base_config(space, p.dp, p.pp, p.cp, p.tp, p.ep, p.mbs, u).label())
     return best
-
-
-def _ulysses_degrees(space: _Space, cp: int, tp: int) -> list[int]:
-    """The Ulysses degrees to try with ``cp`` x ``tp`` (``ParallelConfig.cp_method``): 1 (ring
-    attention), cp (Ulysses) and the divisors between (the 2-D hybrid) that split every
-    attention's heads and kv heads per tp rank and that the pins admit; the others are
-    recorded as rejected."""
-    out = []
-    for u in divisors(cp):
-        if not space.pins.allows("ulysses", u):
-            continue
-        if why := cp_problem(cp, space.facts, u, tp):
-            space.rej.add(why, f"cp={cp} ulysses={u} tp={tp}")
-            continue
-        out.append(u)
-    return out
-
-
-def _ep_degrees(space: _Space, dp: int, cp: int, tp: int) -> list[int]:
-    """The expert-parallel degrees to try with ``dp`` x ``cp`` x ``tp`` (1 for a model without
-    routed experts): every ``ep`` dividing both the experts and dp x cp x tp that the pins
-    admit; 1 stays a candidate, because expert parallelism can lose. Degrees the runtime
-    cannot run (with tp > 1: without sequence parallel, every degree) are recorded as rejected."""
-    if not space.facts.experts:
-        return [1]
-    out = []
-    sp = tp > 1 and sp_problem(tp, cp, space.facts) is None
-    for ep in divisors(math.gcd(space.facts.experts, dp * cp * tp)):
-        if not space.pins.allows("ep", ep):
-            continue
-        if why := ep_problem(ep, dp, cp, space.facts, tp, sp):
-            space.rej.add(why, f"ep={ep}")
-            continue
-        out.append(ep)
-    return out
 
 
 def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs: int, m: int,
@@ -390,8 +219,8 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     experts = sum(table.experts)
     states = (sum(table.params) - experts) / (dp * cp) + experts / dp_group(base, experts=True)
     mem_floor = states / pp * 16 + min(table.act["full"]) + reserve
-    n_var = sum(1 for _ in variants(dp, pp, cp, tp, mbs, m, space.facts.units, space.dtype, space.loss,
-                                     space.facts, pins=pins, ep=ep, ulysses=ulysses))
+    n_var = sum(1 for _ in variants(Point(dp, pp, cp, tp, mbs, m, ep, (ulysses,)), ulysses, space.facts, space.batch,
+                                     space.dtype, space.loss, pins=pins))
     res.considered += n_var
     t = _Tuple(floor_s, dp, pp, cp, tp, mbs, m, n_var, costs, ep, moe=bool(space.facts.experts), ulysses=ulysses)
     if mem_floor > cap:
@@ -429,8 +258,8 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, s
         n_kept = 0
         costs = t.costs
         stage = _balanced_stage_times(costs, g, t.pp)
-        for cfg in variants(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, space.facts.units, space.dtype, space.loss,
-                             space.facts, dominated=False, pins=space.pins, ep=t.ep, ulysses=t.ulysses):
+        for cfg in variants(Point(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, t.ep, (t.ulysses,)), t.ulysses, space.facts,
+                            space.batch, space.dtype, space.loss, dominated=False, pins=space.pins):
             n_kept += 1
             # variant floor: this schedule on perfectly balanced stages, with its recompute
             f, b = stage[cfg.recompute]
@@ -452,7 +281,7 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, s
             ranked.append((e.step_s, cfg.to_str(), e))
             best_s = min(best_s, e.step_s)
         if t.n_var - n_kept:
-            rej.add(_DOMINATED_REASON, t.label, t.n_var - n_kept)
+            rej.add(DOMINATED_REASON, t.label, t.n_var - n_kept)
             res.pruned += t.n_var - n_kept
     if not ranked:
         res.rejected, res.rejected_counts = rej.examples, rej.counts

@@ -43,7 +43,7 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
     """The ILP's inputs for one configuration: per stage group (layers a boundary may not
     split, summed) times and bytes per recompute policy."""
     from planner.search.partition import PartitionProblem
-    from cost_models.estimate import microbatches
+    from planner.feasibility import microbatches
 
     m = microbatches(cfg, global_batch)
     per_param, per_expert = (sum(v for k, v in per_param_bytes(cfg, e).items() if k in ("weights", "grads", "optimizer",

@@ -1,0 +1,277 @@
+"""The search's candidates: every configuration of the device count the runtime can run,
+enumerated degree by degree, each level pruned by the feasibility predicate's own part
+(``planner/feasibility.py``) before anything is priced.
+
+Levels, outer to inner, and the part each calls (its one-line reason is what the search
+records as rejected):
+
+- degrees ``world = dp x pp x cp x tp`` (:func:`degree_tuples`): ``tp_problem`` (node size,
+  heads, kv heads, hidden), ``cp_problem`` (the sequence's zigzag chunks), ``pp_problem``
+  (stage groups), ``replicas_problem`` (dp dividing the global batch);
+- micro-batch sizes (:func:`micro_batch_sizes`): divisors of each replica's sequences, and
+  ``fill_problem`` (at least one micro-batch per pipeline stage);
+- expert-parallel degrees (:func:`ep_degrees`): ``ep_problem``;
+- Ulysses degrees (:func:`ulysses_degrees`): ``cp_problem`` with the degree;
+- variants (:func:`variants`): ``schedule_problem`` and ``pp_problem`` with vpp (via
+  :func:`schedule_choices`), ``zero_problem``, ``recompute_problem``, ``sp_problem``,
+  ``ep_problem`` with the variant's sequence parallel.
+
+So every configuration enumerated has ``feasibility.problems(...) == []``, and every one it
+leaves out has a problem - except the search's deliberate space choices, which are not
+feasibility (tests/test_feasibility.py holds the search to exactly this):
+
+- micro-batch sizes up to ``max_mbs`` (8 unless pinned);
+- DP sharding without ``zero2`` (``ZEROS``), and only ``ddp`` without data parallelism
+  (dp x cp = 1: the modes differ only in what they shard over dp);
+- interleaving with v in {2, 4} (or the pinned range), never with v = 1 (it is 1F1B); with
+  pp = 1 the schedule is ``1f1b`` (none runs);
+- expert-parallel degrees among the common divisors of the experts and dp x cp x tp;
+- the attention kernel ``default_attention``, the loss and dtype of the request;
+- one Ulysses degree per degree tuple (the fastest, picked by the search by pricing);
+- ``DOMINATED`` variants, skipped only when the search prices (``dominated=False``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from planner.feasibility import (Batch, ClusterShape, cp_problem, default_attention, documents_problem, ep_problem,
+                                 fill_problem, loss_problem, model_problem, pp_problem, replicas_problem,
+                                 schedule_problem, sp_problem, tp_problem, zero_problem)
+from planner.graph import ModelGraph
+from planner.plan import SCHEDULES, ZERO, ModelFacts, ParallelConfig, recompute_policies
+from planner.search.pins import Pins
+
+# The DP sharding modes the search tries: planner.plan.ZERO without zero2 (with pp > 1 it holds
+# and moves what fsdp does; with pp = 1 it only trades fsdp's per-layer gathers for every layer
+# held gathered), to keep the space small; ``--fix zero=zero2`` prices it.
+ZEROS = tuple(z for z in ZERO if z != "zero2")
+
+# Variants the cost model never prefers, with the one that dominates them (no slower, no
+# more memory), so the search skips them and counts them as pruned:
+DOMINATED = {
+    "gpipe": "1f1b: the same step time with min(pp, m) instead of m micro-batches in flight",
+    "sp=off": "sp=on: the same TP traffic (reduce-scatter + all-gather = all-reduce) and sequence-sharded norms",
+}
+DOMINATED_REASON = ("dominated (" + ", ".join(f"{k} by {v.split(':')[0]}" for k, v in DOMINATED.items())
+                    + ": no faster, more memory)")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class Rejections:
+    """Why configurations were left out: reason -> count, and up to three examples each."""
+
+    def __init__(self) -> None:
+        self.examples: dict[str, list[str]] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, reason: str, example: str, n: int = 1) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + n
+        ex = self.examples.setdefault(reason, [])
+        if len(ex) < 3:
+            ex.append(example)
+
+
+def facts_of(graph: ModelGraph) -> ModelFacts:
+    """What the feasibility predicate (``planner.feasibility.problems``) needs of ``graph``."""
+    attn = [l.attention for l in graph.layers if l.attention]
+    return ModelFacts(heads=tuple(sorted({a.heads for a in attn})), kv_heads=tuple(sorted({a.kv_heads for a in attn})),
+                      hidden=graph.hidden, units=len(graph.stage_groups()), seq_len=graph.seq_len,
+                      limits=dict(graph.limits), experts=max((l.moe.experts for l in graph.layers if l.moe), default=0))
+
+
+def batch_of(graph: ModelGraph, global_batch: int) -> Batch:
+    """The batch the feasibility predicate checks for ``graph``: ``global_batch`` sequences of
+    its ``seq_len``, packed documents where it has them."""
+    return Batch(global_batch, graph.seq_len, documents=graph.documents is not None)
+
+
+def request_problem(facts: ModelFacts, batch: Batch, loss: str) -> str | None:
+    """What refuses every layout of a request, so the search stops before enumerating: the
+    model runs nowhere (``model_problem``), the requested loss kernel (``loss_problem``),
+    packed documents on this model (``documents_problem``)."""
+    return (model_problem(facts) or loss_problem(loss, facts)
+            or (documents_problem(facts.limits) if batch.documents else None))
+
+
+def degree_tuples(facts: ModelFacts, cluster: ClusterShape, batch: Batch, rej: Rejections,
+                  pins: Pins | None = None) -> Iterator[tuple[int, int, int, int]]:
+    """(dp, pp, cp, tp) multiplying to the cluster's device count that the ``pins`` admit and
+    that the predicate's per-degree parts accept; the others are recorded in ``rej`` (those
+    the pins leave out are not)."""
+    world = cluster.world
+    pins = pins or Pins()
+    for tp in divisors(world):
+        if not pins.allows("tp", tp) or (tp == 1 and not pins.allows("sp", False)):
+            continue
+        if why := tp_problem(tp, facts, cluster):
+            rej.add(why, f"tp={tp}")
+            continue
+        for cp in divisors(world // tp):
+            if not pins.allows("cp", cp):
+                continue
+            if why := cp_problem(cp, facts, batch):
+                rej.add(why, f"cp={cp}")
+                continue
+            for pp in divisors(world // (tp * cp)):
+                if not pins.allows("pp", pp):
+                    continue
+                if why := pp_problem(pp, facts):
+                    rej.add(why, f"pp={pp}")
+                    continue
+                dp = world // (tp * cp * pp)
+                if not pins.allows("dp", dp):
+                    continue
+                if why := replicas_problem(batch.global_batch, dp):
+                    rej.add(why, f"dp={dp} pp={pp} cp={cp} tp={tp}")
+                    continue
+                yield dp, pp, cp, tp
+
+
+def micro_batch_sizes(dp: int, pp: int, cp: int, tp: int, batch: Batch, max_mbs: float, rej: Rejections,
+                      pins: Pins) -> list[tuple[int, int]]:
+    """(micro-batch size, micro-batches per step) of one degree tuple: the divisors of each
+    replica's sequences up to ``max_mbs`` that the pins admit and that give every pipeline
+    stage a micro-batch (``fill_problem``); the others are recorded."""
+    label = f"dp={dp} pp={pp} cp={cp} tp={tp}"
+    per_replica = batch.global_batch // dp
+    sizes = [d for d in divisors(per_replica) if d <= max_mbs and pins.allows("mbs", d)]
+    if not sizes:
+        rej.add(f"no micro-batch size {pins.describe('mbs')} divides the {per_replica} sequences per replica", label)
+    out = []
+    for mbs in sizes:
+        if why := fill_problem(pp, per_replica // mbs):
+            rej.add(why, f"{label} mbs={mbs}")
+            continue
+        out.append((mbs, per_replica // mbs))
+    return out
+
+
+def ep_degrees(facts: ModelFacts, batch: Batch, dp: int, cp: int, tp: int, rej: Rejections,
+               pins: Pins) -> list[int]:
+    """The expert-parallel degrees to try with ``dp`` x ``cp`` x ``tp`` (1 for a model without
+    routed experts): every ``ep`` dividing both the experts and dp x cp x tp that the pins
+    admit; 1 stays a candidate, because expert parallelism can lose. Degrees the runtime
+    cannot run (with tp > 1: without sequence parallel, every degree) are recorded."""
+    if not facts.experts:
+        return [1]
+    out = []
+    sp = tp > 1 and sp_problem(tp, cp, facts, batch) is None
+    for ep in divisors(math.gcd(facts.experts, dp * cp * tp)):
+        if not pins.allows("ep", ep):
+            continue
+        if why := ep_problem(ep, dp, cp, facts, tp, sp):
+            rej.add(why, f"ep={ep}")
+            continue
+        out.append(ep)
+    return out
+
+
+def ulysses_degrees(facts: ModelFacts, batch: Batch, cp: int, tp: int, rej: Rejections, pins: Pins) -> list[int]:
+    """The Ulysses degrees to try with ``cp`` x ``tp`` (``ParallelConfig.cp_method``): 1 (ring
+    attention), cp (Ulysses) and the divisors between (the 2-D hybrid) that the pins admit
+    and that split every attention's heads and kv heads per tp rank; the others are recorded.
+    Without cp, 1."""
+    if cp == 1:
+        return [1]
+    out = []
+    for u in divisors(cp):
+        if not pins.allows("ulysses", u):
+            continue
+        if why := cp_problem(cp, facts, batch, u, tp):
+            rej.add(why, f"cp={cp} ulysses={u} tp={tp}")
+            continue
+        out.append(u)
+    return out
+
+
+@dataclass(frozen=True)
+class Point:
+    """One degree tuple of the search with its micro-batching and expert-parallel degree, and
+    the Ulysses degrees it may take (the search prices them and keeps the fastest)."""
+    dp: int
+    pp: int
+    cp: int
+    tp: int
+    mbs: int
+    m: int                          # micro-batches per optimizer step per replica
+    ep: int
+    ulysses: tuple[int, ...]
+
+
+def points(facts: ModelFacts, cluster: ClusterShape, batch: Batch, rej: Rejections, pins: Pins,
+           max_mbs: float) -> Iterator[Point]:
+    """Every (dp, pp, cp, tp, mbs, ep) the predicate's per-degree parts accept, with its Ulysses
+    degrees. A refused Ulysses degree is recorded once per (cp, tp, ep, mbs): the key the
+    search prices the Ulysses degrees under."""
+    seen: dict[tuple[int, int, int, int], tuple[int, ...]] = {}
+    for dp, pp, cp, tp in degree_tuples(facts, cluster, batch, rej, pins):
+        for mbs, m in micro_batch_sizes(dp, pp, cp, tp, batch, max_mbs, rej, pins):
+            for ep in ep_degrees(facts, batch, dp, cp, tp, rej, pins):
+                key = (cp, tp, ep, mbs)
+                if key not in seen:
+                    seen[key] = tuple(ulysses_degrees(facts, batch, cp, tp, rej, pins))
+                if seen[key]:
+                    yield Point(dp, pp, cp, tp, mbs, m, ep, seen[key])
+
+
+def schedule_choices(pp: int, m: int, facts: ModelFacts, pins: Pins) -> list[tuple[str, int]]:
+    """(schedule, vpp) to try for ``pp`` stages and ``m`` micro-batches: every schedule the
+    runtime can run (``schedule_problem``), interleaved with v in {2, 4} (or the pinned vpp
+    values) where the stage groups allow (``pp_problem``); a pinned schedule or vpp applies
+    only when pp > 1."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    vs: Sequence[int] = (2, 4)
+    if "vpp" in pins.lo or "vpp" in pins.hi:  # a pinned range, up to one stage group per virtual stage
+        vs = range(max(2, pins.lo.get("vpp", 2)), pins.hi.get("vpp", facts.units // pp) + 1)
+    out = [(s, 1) for s in SCHEDULES if s != "interleaved-1f1b"] + [("interleaved-1f1b", v) for v in vs]
+    return [(s, v) for s, v in out if schedule_problem(s, pp, v, m) is None and pp_problem(pp, facts, v) is None
+            and pins.allows("schedule", s) and pins.allows("vpp", v)]
+
+
+def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str, loss: str,
+             dominated: bool = True, pins: Pins | None = None) -> Iterator[ParallelConfig]:
+    """The variants of one degree tuple with Ulysses degree ``ulysses`` that the ``pins``
+    admit: schedule and vpp, DP sharding, recompute, sequence parallel - each where the
+    runtime can run it. With ``dominated=False`` the variants the cost model proves no better
+    are left out (see ``DOMINATED``) unless the pins leave out what dominates them. The
+    attention kernel is flash unless the model cannot use it."""
+    pins = pins or Pins()
+    dp, pp, cp, tp, ep = p.dp, p.pp, p.cp, p.tp, p.ep
+    sp_ok = sp_problem(tp, cp, facts, batch) is None
+    attention = default_attention(facts.limits)
+    zeros = ("ddp",) if dp * cp == 1 else tuple(z for z in (ZERO if "zero" in pins.choice else ZEROS)
+                                                 if pins.allows("zero", z))
+    for sched, v in schedule_choices(pp, p.m, facts, pins):
+        if not dominated and sched == "gpipe" and pins.allows("schedule", "1f1b"):
+            continue
+        for zero in zeros:
+            if zero_problem(zero, tp, dp * cp, facts, ep):
+                continue
+            for rc in (r for r in recompute_policies(sched, pp) if pins.allows("recompute", r)):
+                for sp in (s for s in ((False, True) if sp_ok else (False,)) if pins.allows("sp", s)):
+                    if ep_problem(ep, dp, cp, facts, tp, sp):  # a MoE model under TP needs SP
+                        continue
+                    if not dominated and sp_ok and not sp and pins.allows("sp", True):
+                        continue
+                    yield ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, ulysses=ulysses, mbs=p.mbs,
+                                         schedule=sched, vpp=v, zero=zero, recompute=rc, sp=sp, dtype=dtype,
+                                         loss=loss, attention=attention)
+
+
+def configurations(facts: ModelFacts, cluster: ClusterShape, batch: Batch, *, dtype: str, loss: str,
+                   max_mbs: float = 8, pins: Pins | None = None) -> Iterator[ParallelConfig]:
+    """Every configuration the search enumerates, before any pricing: each point's variants
+    under each of its Ulysses degrees (dominated ones included); none where
+    :func:`request_problem` refuses the request."""
+    pins = pins or Pins()
+    if request_problem(facts, batch, loss):
+        return
+    for p in points(facts, cluster, batch, Rejections(), pins, max_mbs):
+        for u in p.ulysses:
+            yield from variants(p, u, facts, batch, dtype, loss, pins=pins)
