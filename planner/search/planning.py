@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
+from cost_models.pipeline import ScheduleError
 from planner.errors import AutoparError, PlanError
 from planner.graph import ModelGraph
 from planner.search.pins import Pins, as_pins
@@ -140,7 +141,8 @@ def evaluate_config(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, gl
     nothing): the feasibility predicate (``planner.feasibility.problems``), as the search and
     the runtime apply it. Where one of its problems leaves nothing to price (the degrees do not
     cover the cluster, expert-parallel groups that do not exist, more stages than stage groups,
-    a global batch that does not split into micro-batches), AutoparError with every problem."""
+    a global batch that does not split into micro-batches, micro-batches the schedule cannot order),
+    AutoparError with every problem."""
     facts = facts_of(graph)
     found = problems(cfg, facts, batch_of(graph, global_batch), cluster)
     try:
@@ -150,5 +152,5 @@ def evaluate_config(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, gl
             part = split_evenly(graph, cfg.pp * cfg.vpp, cfg.recompute)
             return estimate(graph, cluster, cfg, part, global_batch, profile=profile), found
         return split_and_estimate(graph, cluster, cfg, global_batch, profile)[0], found
-    except PlanError as e:
+    except (PlanError, ScheduleError) as e:
         raise AutoparError(f"{cfg.label()} cannot be priced: " + "; ".join(found or [str(e)])) from None
