@@ -1,6 +1,9 @@
 """Plan -> a standalone, readable training program (``autopar codegen plan.json -o train.py``).
 
-The program reads top to bottom, in torchtitan's manner:
+The program is ``codegen/program_template.py`` (a real module that linters check) with the
+plan filled in: its docstring, the block of plan literals between its markers, and the
+comments that say what each call does under this plan (``planner.describe``, the words the
+report prints). It reads top to bottom, in torchtitan's manner:
 
 - the plan as literals: the model spec, the ``ParallelConfig``, the stage split (layer units
   per virtual stage), the recompute policy per stage, and the TP plan torchtitan style:
@@ -32,10 +35,13 @@ written with ``repr`` - nothing from a plan file is pasted as code.
 """
 from __future__ import annotations
 
+import ast
 import re
+from pathlib import Path
 from typing import Optional
 
 from codegen.runtime.tp_plan import block_stack, tp_plan_for
+from planner.describe import describe
 from planner.feasibility import Nodes
 from planner.files import write_atomic
 from planner.plan import TP_ROLES, Plan, PlanError
@@ -43,169 +49,6 @@ from planner.plan import TP_ROLES, Plan, PlanError
 _SPEC = re.compile(r"^([A-Za-z0-9_][\w.-]*|[\w./-]+\.toml|[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*|hf:[\w./-]+)$")
 _FQN = re.compile(r"[A-Za-z_][\w]*(\.[\w]+)*")
 WIDTH = 110  # columns of the literal dict and list lines
-
-TEMPLATE = '''#!/usr/bin/env python
-"""Train {model_name} with {label} on {world} {device} ({cluster}).
-
-Emitted by autopar from a plan; predicted step {step_s:.4g} s, {tokens:,.0f} tokens/s, MFU {mfu:.1%}.
-Run: torchrun --nproc-per-node {world} {{this file}} --steps 20
-
-build() applies the plan, one codegen/runtime helper per concern; train_step() is one optimizer step.
-"""
-import argparse
-import contextlib
-import json
-import time
-
-import torch
-import torch.distributed as dist
-
-from codegen.runtime import checkpoint
-from codegen.runtime.adapters import adapter_for
-from codegen.runtime.data import packed_documents, synthetic, user_hook
-from codegen.runtime.mesh import build_mesh, exit_process, init_distributed, teardown
-from codegen.runtime.metrics import peak_memory_per_rank
-from codegen.runtime.optim import build_optimizer, warmup_cosine
-from codegen.runtime.recipe import (apply_attention, apply_dp, apply_ep, apply_recompute, apply_tp, build_schedule,
-                                    check_runnable, materialize, split_stages, tie_weights)
-from codegen.runtime.tp_plan import tp_plan_for
-from codegen.runtime.train import ParallelModel, TokenLoss
-from planner import zoo
-from planner.feasibility import Batch, Nodes
-from planner.plan import ModelFacts, ParallelConfig
-
-# ---- the plan --------------------------------------------------------------------------
-MODEL, ADAPTER, VOCAB = {model!r}, {adapter!r}, {vocab!r}
-# what check_runnable checks before anything is built
-FACTS = ModelFacts.from_dict({facts!r})
-CONFIG = ParallelConfig.parse({config!r})
-CLUSTER = Nodes({cluster!r}, {nodes!r}, {devices_per_node!r})  # the cluster planned for
-GLOBAL_BATCH, SEQ_LEN = {global_batch!r}, {seq_len!r}  # sequences per optimizer step, tokens per sequence
-# planned with --seq-lens: synthetic rows pack documents of these lengths (drawn uniformly)
-DOCUMENT_LENGTHS = {document_lengths!r}
-STAGES = {stages}
-RECOMPUTE = {recompute!r}  # activation recomputation per virtual stage
-{tp_plan}
-PREDICTED = {{"step_s": {step_s!r}, "memory_gib": {memory!r}}}
-
-
-def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--ckpt-dir", default="checkpoints")
-    ap.add_argument("--ckpt-every", type=int, default=0, help="save every K steps (0: never)")
-    ap.add_argument("--metrics", default="train_log.jsonl", help="JSON-lines log of every step")
-    ap.add_argument("--data", default=None, help="package.module:function(step, global_batch, seq_len) -> batch")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
-    ap.add_argument("--min-lr", type=float, default=3e-5, help="learning rate of the last step (cosine decay)")
-    ap.add_argument("--warmup-steps", type=int, default=2, help="steps of linear warmup to --lr")
-    ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--beta1", type=float, default=0.9, help="AdamW beta1 (SGD: momentum)")
-    ap.add_argument("--beta2", type=float, default=0.999)
-    ap.add_argument("--clip", type=float, default=1.0, help="max global gradient norm (0: no clipping)")
-    return ap.parse_args()
-
-
-def make_optimizer(args: argparse.Namespace):
-    """params -> optimizer with the command line's settings (one per stage module)."""
-    if args.optimizer == "sgd":
-        return lambda ps: torch.optim.SGD(ps, lr=args.lr, momentum=args.beta1, weight_decay=args.weight_decay)
-    return lambda ps: torch.optim.AdamW(ps, lr=args.lr, betas=(args.beta1, args.beta2),
-                                        weight_decay=args.weight_decay)
-
-
-def build(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> ParallelModel:
-    """The plan applied to ``model`` on this rank (collective: every rank runs it)."""
-    units = [u for s in STAGES for u in s]  # the model's layer units in order
-    adapter = adapter_for(model, order=units, seq_len=SEQ_LEN, facts=FACTS)
-    batch = Batch(GLOBAL_BATCH, SEQ_LEN, documents=bool(DOCUMENT_LENGTHS))
-    check_runnable(CONFIG, adapter, FACTS, batch, CLUSTER)  # refuse what cannot run, before building
-    mesh = build_mesh(CONFIG)  # dims (pp, dp, cp, tp) = {mesh_shape!r}
-    stages = split_stages(adapter, STAGES, RECOMPUTE, CONFIG, mesh)  # this pp rank's stage modules
-    materialize(adapter, stages, device, args.seed)  # meta: initialise own units; else take rank 0's weights
-    # weights tied across pp ranks (pp > 1), found before TP splits them: their grads are summed
-    tied = tie_weights(adapter, stages, mesh)
-    apply_attention(adapter, stages, CONFIG, mesh)  # {attention}
-    apply_tp(adapter, stages, tp_plan_for(units, BLOCK_TP_PLAN, TP_PLAN), mesh, CONFIG.sp)  # {tp}
-    experts = apply_ep(stages, CONFIG)  # {ep}
-    apply_recompute(adapter, stages)  # checkpoint the blocks of "full" stages
-    dp_mesh = apply_dp(adapter, stages, CONFIG, mesh, experts)  # {dp}
-    optimizer = build_optimizer(stages.modules, make_optimizer(args), CONFIG.zero, dp_mesh.size(),
-                                dp_mesh.get_group())  # one per stage module{zero1}
-    loss_fn = TokenLoss(dp_mesh.size())  # summed token loss / global token count * dp*cp size
-    # {schedule}
-    schedule = build_schedule(stages, CONFIG, mesh, GLOBAL_BATCH, loss_fn, device)
-    return ParallelModel(adapter, CONFIG, mesh, stages, optimizer, loss_fn, GLOBAL_BATCH, device,
-                         dp_mesh=dp_mesh, schedule=schedule, tied=tied)
-
-
-def train_step(pm: ParallelModel, batch: dict, lr: float, clip: float) -> tuple[float, float]:
-    """One optimizer step on the GLOBAL batch (the same on every rank) at learning rate ``lr``;
-    returns (mean token loss of the batch, global gradient norm before clipping)."""
-    inputs, targets = pm.local_batch(batch)  # this rank's dp rows and cp sequence shard
-    pm.optimizer.zero_grad()
-{forward_backward}
-    pm.sync_grads()
-    norm = pm.clip_grad_norm_(clip)  # torch.nn.utils clipping by the norm over all ranks' gradients
-    pm.optimizer_step(lr)
-    return pm.global_loss(loss), norm
-
-
-def main() -> None:
-    args = parse_args()
-    device = init_distributed()  # gloo on CPU, nccl on GPU
-    spec = zoo.load_model_spec(MODEL)
-    model = spec.build(None if ADAPTER == "module" else "meta")
-    pm = build(model, args, device)
-    mllm = spec.cfg if spec.cfg is not None and spec.cfg.arch == "mllm" else None
-    if args.data:
-        data = user_hook(args.data, GLOBAL_BATCH, SEQ_LEN)
-        if DOCUMENT_LENGTHS and dist.get_rank() == 0:
-            print("--data: this plan was made for packed documents (--seq-lens); give the batches cu_seqlens")
-    elif DOCUMENT_LENGTHS:  # packed documents, as planned: attention within each
-        data = packed_documents(VOCAB, GLOBAL_BATCH, SEQ_LEN, DOCUMENT_LENGTHS, args.seed,
-                                model_shifts_labels=ADAPTER == "hf")
-    else:
-        data = synthetic(VOCAB, GLOBAL_BATCH, SEQ_LEN, args.seed, mllm=mllm, model_shifts_labels=ADAPTER == "hf")
-    start = checkpoint.load_latest(pm, args.ckpt_dir) or 0
-    rank = dist.get_rank()
-    if rank == 0:  # drop steps logged after the checkpoint we resume from (they are run again)
-        checkpoint.trim_log(args.metrics, start)
-    with (open(args.metrics, "a") if rank == 0 else contextlib.nullcontext()) as log:
-        for step in range(start, args.steps):
-            batch = data(step)
-            lr = warmup_cosine(step, args.steps, args.lr, args.min_lr, args.warmup_steps)
-            t0 = time.perf_counter()
-            loss, norm = train_step(pm, batch, lr, args.clip)
-            step_s = time.perf_counter() - t0
-            mem = peak_memory_per_rank(device)  # GiB, one all-reduce of a tensor
-            if log:  # logged before the checkpoint, so a checkpointed step is always in the log
-                rec = {{"step": step + 1, "loss": loss, "step_s": step_s, "memory_gib": mem, "lr": lr,
-                       "grad_norm": norm, "tokens_per_s": GLOBAL_BATCH * SEQ_LEN / step_s}}
-                log.write(json.dumps(rec) + "\\n")
-                log.flush()
-                print(f"step {{step + 1:4d}}  loss {{loss:.4f}}  {{step_s * 1e3:8.1f}} ms  "
-                      f"{{rec['tokens_per_s']:,.0f}} tok/s  peak {{max(mem):.2f}} GiB", flush=True)
-            if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
-                checkpoint.save(pm, args.ckpt_dir)
-    pm.close()
-    teardown()
-    exit_process(0)
-
-
-if __name__ == "__main__":
-    main()
-'''
-
-PIPELINE = '''\
-    # the {schedule} schedule: forward and backward of {n} micro-batches of {mbs} over the pp ranks
-    loss = pm.pipeline(inputs, targets)'''
-ACCUMULATE = '''\
-    loss = torch.zeros((), dtype=torch.float64, device=pm.device)
-    for mb in range(pm.n_microbatches):  # gradient accumulation: {n} micro-batches of {mbs} sequences
-        loss += pm.microbatch(inputs, targets, mb)  # forward + backward of one micro-batch'''
 
 
 def _wrapped(items: list[str], indent: str = "    ") -> list[str]:
@@ -300,58 +143,96 @@ def tp_plan_literal(layout: dict[str, str], units: list[str], tp: int) -> str:
     return "\n".join(out + ["}"])
 
 
-def _comments(plan: Plan) -> dict[str, str]:
-    """The end-of-line comments of ``build`` and the step's forward/backward, per the plan."""
-    c = plan.config
-    n = int(plan.batch["global"]) // (c.dp * c.mbs)
-    attention = ("ring attention over cp, " if c.cp > 1 else "") + f"{c.attention} attention kernel"
-    dp = (f"{c.zero} over dp x cp = {c.dp * c.cp} ranks" if c.dp * c.cp > 1 else "dp x cp = 1: nothing to do")
-    if c.pp > 1:
-        schedule = f"{c.schedule}, {n} micro-batches" + (f", {c.vpp} stages per pp rank" if c.vpp > 1 else "")
-        step = PIPELINE.format(schedule=c.schedule, n=n, mbs=c.mbs)
-    else:
-        schedule = "pp=1: None"
-        step = ACCUMULATE.format(n=n, mbs=c.mbs)
-    ep = (f"ep={c.ep}: each rank keeps {plan.facts.experts // c.ep} experts per routed layer, tokens by all-to-all"
-          if c.ep > 1 else "ep=1: nothing to do")
-    return dict(attention=attention, dp=dp, ep=ep, schedule=schedule, forward_backward=step,
-                tp=f"tp={c.tp}" + (", sequence parallel" if c.sp else "") if c.tp > 1 else "tp=1: nothing to do",
-                zero1=", ZeRO-1: this rank steps its share" if c.zero == "zero1" and c.dp * c.cp > 1 else "")
+TEMPLATE_PATH = Path(__file__).with_name("program_template.py")
+PLAN_START, PLAN_END = "# ---- the plan ", "# ---- end of the plan "
+_WORD = re.compile(r"(#.*?)@([a-z_]+)")
 
 
-def emit(plan: Plan) -> str:
-    """The program text for ``plan``."""
+def header(plan: Plan) -> str:
+    """The program's docstring: what it trains, how, where, and what the plan predicts."""
+    c, est = plan.config, plan.estimate
+    device = "GPUs" if plan.cluster.get("backend") == "nccl" else "CPU processes"
+    return (f'"""Train {plan.model["name"]} with {c.label()} on {c.world} {device} ({plan.cluster["name"]}).\n\n'
+            f"Emitted by autopar from a plan; predicted step {float(est['step_s']):.4g} s, "
+            f"{float(est['tokens_per_s']):,.0f} tokens/s, MFU {float(est['mfu']):.1%}.\n"
+            f"Run: torchrun --nproc-per-node {c.world} {{this file}} --steps 20\n\n"
+            "build() applies the plan, one codegen/runtime helper per concern; train_step() is one optimizer step.\n"
+            '"""')
+
+
+def plan_block(plan: Plan, stages: list[list[str]], layout: dict[str, str], lengths: list[int]) -> list[str]:
+    """The plan's literals (the lines between the template's plan markers), all ``repr``-written."""
+    est, shape = plan.estimate, Nodes.of_plan(plan.cluster, plan.config.world)
+    spec = plan.model.get("spec") or plan.model["name"]
+    adapter, vocab = str(plan.model.get("adapter", "zoo")), int(plan.model.get("vocab") or 0)
+    memory = [float(x) for x in est.get("memory_gib", [])]
+    return [
+        f"MODEL, ADAPTER, VOCAB = {spec!r}, {adapter!r}, {vocab!r}",
+        "# what check_runnable checks before anything is built",
+        f"FACTS = ModelFacts.from_dict({plan.facts.to_dict()!r})",
+        f"CONFIG = ParallelConfig.parse({plan.config.to_str()!r})",
+        f"CLUSTER = Nodes({plan.cluster['name']!r}, {shape.nodes!r}, {shape.devices_per_node!r})  # the cluster planned for",
+        f"GLOBAL_BATCH, SEQ_LEN = {int(plan.batch['global'])!r}, {int(plan.batch['seq_len'])!r}"
+        "  # sequences per optimizer step, tokens per sequence",
+        "# planned with --seq-lens: synthetic rows pack documents of these lengths (drawn uniformly)",
+        f"DOCUMENT_LENGTHS = {lengths!r}",
+        f"STAGES = {stages_literal(stages)}",
+        f"RECOMPUTE = {[str(s['recompute']) for s in plan.stages]!r}  # activation recomputation per virtual stage",
+        tp_plan_literal(layout, [u for s in stages for u in s], plan.config.tp),
+        f"PREDICTED = {{'step_s': {float(est['step_s'])!r}, 'memory_gib': {memory!r}}}"
+        "  # per step, per rank: printed beside what the run measures",
+    ]
+
+
+def comment_words(plan: Plan) -> dict[str, str]:
+    """What each ``@name`` in the template's comments becomes: the plan's words
+    (``planner.describe``) and its mesh shape."""
+    return dict(describe(plan).as_dict(), mesh=repr(tuple(int(x) for x in plan.config.mesh_shape)))
+
+
+def fill_template(template: str, docstring: str, block: list[str], words: dict[str, str]) -> str:
+    """``template`` with its module docstring replaced by ``docstring``, the lines between its
+    plan markers by ``block`` and every ``@name`` in a comment by ``words[name]``."""
+    lines = template.splitlines()
+    doc = ast.parse(template).body[0]
+    start = next(i for i, line in enumerate(lines) if line.startswith(PLAN_START))
+    end = next(i for i, line in enumerate(lines) if line.startswith(PLAN_END))
+    out = lines[:doc.lineno - 1] + docstring.splitlines() + lines[doc.end_lineno:start + 1] + block + lines[end:]
+
+    def word(m: re.Match) -> str:
+        if m.group(2) not in words:
+            raise KeyError(f"{TEMPLATE_PATH.name}: no words for @{m.group(2)}")
+        return m.group(1) + words[m.group(2)]
+    return "\n".join(_WORD.sub(word, line) for line in out) + "\n"
+
+
+def check_plan(plan: Plan) -> tuple[list[list[str]], dict[str, str], list[int]]:
+    """The plan's stages, TP layout and document lengths, each checked to be what may be
+    written into a program (module paths, styles of ``TP_ROLES``, positive integers)."""
     spec = plan.model.get("spec") or plan.model["name"]
     if not isinstance(spec, str) or not _SPEC.match(spec):
         raise PlanError(f"model spec {spec!r} in the plan is not a preset, .toml path or package.module:function")
     names = plan.model["layers"]
     stages = [list(s["layers"]) for s in plan.stages]
-    for s in stages:
-        for n in s:
-            if n not in names or not _FQN.fullmatch(n):
-                raise PlanError(f"layer name {n!r} in the plan is not a module path")
+    for n in (n for s in stages for n in s):
+        if n not in names or not _FQN.fullmatch(n):
+            raise PlanError(f"layer name {n!r} in the plan is not a module path")
     layout = dict(plan.tp_layout)
     for fqn, role in layout.items():
         if not isinstance(fqn, str) or not _FQN.fullmatch(fqn) or role not in TP_ROLES:
             raise PlanError(f"tensor-parallel entry {fqn!r}: {role!r} in the plan is not a module path and style")
-    est = plan.estimate
     lengths = (plan.batch.get("documents") or {}).get("lengths") or []
     if not isinstance(lengths, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
                                                 for n in lengths):
         raise PlanError("batch.documents.lengths in the plan must be a list of positive integers (token counts)")
-    shape = Nodes.of_plan(plan.cluster, plan.config.world)
-    return TEMPLATE.format(
-        model_name=plan.model["name"], label=plan.config.label(), world=plan.config.world,
-        device="GPUs" if plan.cluster.get("backend") == "nccl" else "CPU processes", cluster=plan.cluster["name"],
-        step_s=float(est["step_s"]), tokens=float(est["tokens_per_s"]), mfu=float(est["mfu"]),
-        model=spec, adapter=str(plan.model.get("adapter", "zoo")), vocab=int(plan.model.get("vocab") or 0),
-        facts=plan.facts.to_dict(), config=plan.config.to_str(), stages=stages_literal(stages),
-        recompute=[str(s["recompute"]) for s in plan.stages],
-        tp_plan=tp_plan_literal(layout, [u for s in stages for u in s], plan.config.tp),
-        global_batch=int(plan.batch["global"]), seq_len=int(plan.batch["seq_len"]), document_lengths=lengths,
-        mesh_shape=tuple(int(x) for x in plan.config.mesh_shape), nodes=shape.nodes,
-        devices_per_node=shape.devices_per_node,
-        memory=[float(x) for x in est.get("memory_gib", [])], **_comments(plan))
+    return stages, layout, lengths
+
+
+def emit(plan: Plan) -> str:
+    """The program text for ``plan``: ``program_template.py`` filled in."""
+    stages, layout, lengths = check_plan(plan)
+    return fill_template(TEMPLATE_PATH.read_text(encoding="utf-8"), header(plan),
+                         plan_block(plan, stages, layout, lengths), comment_words(plan))
 
 
 def write_program(plan: Plan, path: str, force: bool = False) -> None:

@@ -10,6 +10,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from planner.describe import CP_METHODS, describe
 from planner.plan import Plan, PlanError
 
 GiB = 2**30
@@ -271,7 +272,7 @@ def build_report(plan: Plan, run_log: str | None = None, layers: bool = True) ->
 def summary_rows(r: Report) -> list[tuple[str, str, str, Any]]:
     """(key, label, text, raw value) for the summary."""
     p, e, cfg = r.plan, r.est, r.plan.config
-    c = p.cluster
+    c, words = p.cluster, describe(p)
     src = e.get("source", "?")
     srcs = e.get("sources") or {}
     src_txt = src + (f" (compute: {srcs.get('compute')}, communication: {srcs.get('comm')})" if srcs else "")
@@ -284,12 +285,15 @@ def summary_rows(r: Report) -> list[tuple[str, str, str, Any]]:
         ("degrees", "degrees", f"dp {cfg.dp} x pp {cfg.pp} x cp {cfg.cp} x tp {cfg.tp} = {cfg.world} devices"
          + (f"; routed experts split ep {cfg.ep} ways ({p.facts.experts // cfg.ep} of {p.facts.experts} per rank)"
             if p.facts.experts else "")
-         + (f"; context parallel by {_CP_DESC[cfg.cp_method]} (Ulysses {cfg.ulysses} x ring {cfg.cp // cfg.ulysses})"
+         + (f"; context parallel by {CP_METHODS[cfg.cp_method]} (Ulysses {cfg.ulysses} x ring {cfg.cp // cfg.ulysses})"
             if cfg.cp > 1 else ""), cfg.world),
         ("config", "configuration", cfg.label() + f"; {cfg.dtype}, attention {cfg.attention}, loss {cfg.loss}",
          cfg.to_str()),
         ("batch", "batch", f"{p.batch['global']} sequences x {p.batch['seq_len']} tokens; micro-batch {p.batch['micro']}, "
                            f"{p.batch['microbatches']} micro-batches per step", p.batch["global"]),
+        ("step", "each step", words.step, cfg.schedule if cfg.pp > 1 else "accumulate"),
+        ("attention", "attention", words.attention, cfg.cp_method),
+        ("recompute", "recomputation", words.recompute, [s["recompute"] for s in p.stages]),
         ("step_s", "predicted step time", fmt_s(e["step_s"]), e["step_s"]),
         ("tokens_per_s", "tokens/s", f"{e['tokens_per_s']:,.0f}", e["tokens_per_s"]),
         ("mfu", "MFU", f"{e['mfu'] * 100:.1f}%", e["mfu"]),
@@ -347,8 +351,6 @@ def breakdown_parts(r: Report) -> list[tuple[str, float]]:
     return [(k, float(bd.get(k, 0.0))) for k in TIME_PARTS if k in bd]
 
 
-_CP_DESC = {"ring": "ring attention", "ulysses": "Ulysses all-to-all (heads for sequence)",
-            "hybrid": "Ulysses inside groups, ring attention across them"}
 PART_DESC = {"compute": "compute (busiest pipeline rank)", "recompute": "activation recomputation",
               "tp_comm": "exposed TP communication", "cp_comm": "exposed CP communication",
               "ep_comm": "expert all-to-all (dispatch, combine)",

@@ -1,0 +1,178 @@
+"""The training program autopar emits, before a plan fills it in (``codegen/emit.py``).
+
+This file is the program: ``emit`` replaces this docstring with the plan's summary, the
+block between the "the plan" and "end of the plan" lines with the plan's literals, and
+each ``@name`` in a comment with the plan's words for that concern (``planner.describe``,
+the phrases the report prints). Everything else is copied as it is, so what a reader of an
+emitted program sees is this code, and a linter checks it here.
+"""
+import argparse
+import contextlib
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from codegen.runtime import checkpoint
+from codegen.runtime.adapters import adapter_for
+from codegen.runtime.data import packed_documents, synthetic, user_hook
+from codegen.runtime.mesh import build_mesh, exit_process, init_distributed, teardown
+from codegen.runtime.metrics import peak_memory_per_rank
+from codegen.runtime.optim import build_optimizer, warmup_cosine
+from codegen.runtime.recipe import (
+    apply_attention,
+    apply_dp,
+    apply_ep,
+    apply_recompute,
+    apply_tp,
+    build_schedule,
+    check_runnable,
+    materialize,
+    split_stages,
+    tie_weights,
+)
+from codegen.runtime.tp_plan import tp_plan_for
+from codegen.runtime.train import ParallelModel, TokenLoss
+from planner import zoo
+from planner.feasibility import Batch, Nodes
+from planner.plan import ModelFacts, ParallelConfig
+
+# ---- the plan --------------------------------------------------------------------------
+MODEL, ADAPTER, VOCAB = "llama-tiny", "zoo", 256
+# what check_runnable checks before anything is built
+FACTS = ModelFacts.from_dict({})
+CONFIG = ParallelConfig.parse("dp=1")
+CLUSTER = Nodes("local-cpu", 1, 1)  # the cluster planned for
+GLOBAL_BATCH, SEQ_LEN = 1, 32  # sequences per optimizer step, tokens per sequence
+# planned with --seq-lens: synthetic rows pack documents of these lengths (drawn uniformly)
+DOCUMENT_LENGTHS = []
+STAGES = [["embed", "layers.0", "norm", "head"]]  # layer units per virtual stage; stage j runs on pp rank j % pp
+RECOMPUTE = ["none"]  # activation recomputation per virtual stage
+BLOCK_TP_PLAN, TP_PLAN = {}, {}  # tp=1: no tensor parallelism
+PREDICTED = {"step_s": 0.0, "memory_gib": [0.0]}  # per step, per rank: printed beside what the run measures
+# ---- end of the plan -------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--ckpt-dir", default="checkpoints")
+    ap.add_argument("--ckpt-every", type=int, default=0, help="save every K steps (0: never)")
+    ap.add_argument("--metrics", default="train_log.jsonl", help="JSON-lines log of every step")
+    ap.add_argument("--data", default=None, help="package.module:function(step, global_batch, seq_len) -> batch")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
+    ap.add_argument("--min-lr", type=float, default=3e-5, help="learning rate of the last step (cosine decay)")
+    ap.add_argument("--warmup-steps", type=int, default=2, help="steps of linear warmup to --lr")
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--beta1", type=float, default=0.9, help="AdamW beta1 (SGD: momentum)")
+    ap.add_argument("--beta2", type=float, default=0.999)
+    ap.add_argument("--clip", type=float, default=1.0, help="max global gradient norm (0: no clipping)")
+    return ap.parse_args()
+
+
+def make_optimizer(args: argparse.Namespace):
+    """params -> optimizer with the command line's settings (one per stage module)."""
+    if args.optimizer == "sgd":
+        return lambda ps: torch.optim.SGD(ps, lr=args.lr, momentum=args.beta1, weight_decay=args.weight_decay)
+    return lambda ps: torch.optim.AdamW(ps, lr=args.lr, betas=(args.beta1, args.beta2),
+                                        weight_decay=args.weight_decay)
+
+
+def build(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> ParallelModel:
+    """The plan applied to ``model`` on this rank (collective: every rank runs it)."""
+    units = [u for s in STAGES for u in s]  # the model's layer units in order
+    adapter = adapter_for(model, order=units, seq_len=SEQ_LEN, facts=FACTS)
+    batch = Batch(GLOBAL_BATCH, SEQ_LEN, documents=bool(DOCUMENT_LENGTHS))
+    check_runnable(CONFIG, adapter, FACTS, batch, CLUSTER)  # refuse what cannot run, before building
+    mesh = build_mesh(CONFIG)  # dims (pp, dp, cp, tp) = @mesh
+    stages = split_stages(adapter, STAGES, RECOMPUTE, CONFIG, mesh)  # this pp rank's stage modules
+    materialize(adapter, stages, device, args.seed)  # meta: initialise own units; else take rank 0's weights
+    # weights tied across pp ranks (pp > 1), found before TP splits them: their grads are summed
+    tied = tie_weights(adapter, stages, mesh)
+    apply_attention(adapter, stages, CONFIG, mesh)  # @attention
+    apply_tp(adapter, stages, tp_plan_for(units, BLOCK_TP_PLAN, TP_PLAN), mesh, CONFIG.sp)  # @tp
+    experts = apply_ep(stages, CONFIG)  # @ep
+    apply_recompute(adapter, stages)  # @recompute
+    dp_mesh = apply_dp(adapter, stages, CONFIG, mesh, experts)  # @dp
+    optimizer = build_optimizer(stages.modules, make_optimizer(args), CONFIG.zero, dp_mesh.size(),
+                                dp_mesh.get_group())  # @optimizer
+    loss_fn = TokenLoss(dp_mesh.size())  # summed token loss / global token count * dp*cp size
+    schedule = build_schedule(stages, CONFIG, mesh, GLOBAL_BATCH, loss_fn, device)  # @step
+    return ParallelModel(adapter, CONFIG, mesh, stages, optimizer, loss_fn, GLOBAL_BATCH, device,
+                         dp_mesh=dp_mesh, schedule=schedule, tied=tied)
+
+
+def train_step(pm: ParallelModel, batch: dict, lr: float, clip: float) -> tuple[float, float]:
+    """One optimizer step on the GLOBAL batch (the same on every rank) at learning rate ``lr``;
+    returns (mean token loss of the batch, global gradient norm before clipping)."""
+    inputs, targets = pm.local_batch(batch)  # this rank's dp rows and cp sequence shard
+    pm.optimizer.zero_grad()
+    if pm.schedule is not None:  # pp > 1: the schedule runs forward and backward of every micro-batch
+        loss = pm.pipeline(inputs, targets)
+    else:  # gradient accumulation over the micro-batches
+        loss = torch.zeros((), dtype=torch.float64, device=pm.device)
+        for mb in range(pm.n_microbatches):
+            loss += pm.microbatch(inputs, targets, mb)  # forward + backward of one micro-batch
+    pm.sync_grads()
+    norm = pm.clip_grad_norm_(clip)  # @clip
+    pm.optimizer_step(lr)
+    return pm.global_loss(loss), norm
+
+
+def make_data(args: argparse.Namespace, spec: zoo.ModelSpec):
+    """step -> the global batch: the user's hook, packed documents as planned, or synthetic rows."""
+    mllm = spec.cfg if spec.cfg is not None and spec.cfg.arch == "mllm" else None
+    if args.data:
+        if DOCUMENT_LENGTHS and dist.get_rank() == 0:
+            print("--data: this plan was made for packed documents (--seq-lens); give the batches cu_seqlens")
+        return user_hook(args.data, GLOBAL_BATCH, SEQ_LEN)
+    if DOCUMENT_LENGTHS:  # packed documents, as planned: attention within each
+        return packed_documents(VOCAB, GLOBAL_BATCH, SEQ_LEN, DOCUMENT_LENGTHS, args.seed,
+                                model_shifts_labels=ADAPTER == "hf")
+    return synthetic(VOCAB, GLOBAL_BATCH, SEQ_LEN, args.seed, mllm=mllm, model_shifts_labels=ADAPTER == "hf")
+
+
+def main() -> None:
+    args = parse_args()
+    device = init_distributed()  # gloo on CPU, nccl on GPU
+    spec = zoo.load_model_spec(MODEL)
+    model = spec.build(None if ADAPTER == "module" else "meta")
+    pm = build(model, args, device)
+    data = make_data(args, spec)
+    start = checkpoint.load_latest(pm, args.ckpt_dir) or 0
+    rank = dist.get_rank()
+    if rank == 0:  # drop steps logged after the checkpoint we resume from (they are run again)
+        checkpoint.trim_log(args.metrics, start)
+    times, mem = [], [0.0]
+    with (open(args.metrics, "a") if rank == 0 else contextlib.nullcontext()) as log:
+        for step in range(start, args.steps):
+            batch = data(step)
+            lr = warmup_cosine(step, args.steps, args.lr, args.min_lr, args.warmup_steps)
+            t0 = time.perf_counter()
+            loss, norm = train_step(pm, batch, lr, args.clip)
+            step_s = time.perf_counter() - t0
+            times.append(step_s)
+            mem = peak_memory_per_rank(device)  # GiB, one all-reduce of a tensor
+            if log:  # logged before the checkpoint, so a checkpointed step is always in the log
+                rec = {"step": step + 1, "loss": loss, "step_s": step_s, "memory_gib": mem, "lr": lr,
+                       "grad_norm": norm, "tokens_per_s": GLOBAL_BATCH * SEQ_LEN / step_s}
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+                print(f"step {step + 1:4d}  loss {loss:.4f}  {step_s * 1e3:8.1f} ms  "
+                      f"{rec['tokens_per_s']:,.0f} tok/s  peak {max(mem):.2f} GiB", flush=True)
+            if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
+                checkpoint.save(pm, args.ckpt_dir)
+    if rank == 0 and times:
+        print(f"median step {statistics.median(times):.4g} s (predicted {PREDICTED['step_s']:.4g} s); "
+              f"peak {max(mem):.2f} GiB (predicted {max(PREDICTED['memory_gib']):.2f} GiB)", flush=True)
+    pm.close()
+    teardown()
+    exit_process(0)
+
+
+if __name__ == "__main__":
+    main()

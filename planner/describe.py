@@ -1,0 +1,96 @@
+"""A plan in words: one phrase per concern, the same for the report and the emitted program.
+
+:func:`describe` reads only the :class:`~planner.plan.Plan` (the layout, the stages' recompute
+policies, the batch) and says what each part of the training step does under it: the
+attention (context-parallel method and kernel), tensor, expert and data parallelism, the
+optimizer's sharding, recomputation, the step's micro-batches or pipeline schedule, and
+gradient clipping. The report prints these phrases (``planner/report/data.py``) and the
+emitted program writes them as the comments of the calls they describe
+(``codegen/emit.py``), so the two cannot disagree with each other or with the plan.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from planner.plan import Plan
+
+# How context parallelism splits attention (ParallelConfig.cp_method -> words).
+CP_METHODS = {"ring": "ring attention", "ulysses": "Ulysses all-to-all (heads for sequence)",
+              "hybrid": "Ulysses inside groups, ring attention across them"}
+# What each recompute policy recomputes in the backward (planner.plan.RECOMPUTE).
+RECOMPUTE_WORDS = {"none": "keeps every activation",
+                   "selective": "recomputes the attention core (the rest kept)",
+                   "selective-op": "checkpoints each block, keeping every other matmul and the attention output",
+                   "full": "checkpoints each block whole (recomputes its forward in the backward)"}
+
+
+@dataclass(frozen=True)
+class PlanWords:
+    """One phrase per concern of a plan (see :func:`describe`)."""
+    attention: str
+    tp: str
+    ep: str
+    dp: str
+    optimizer: str
+    recompute: str
+    step: str
+    clip: str
+
+    def as_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+def attention_words(plan: Plan) -> str:
+    c = plan.config
+    kernel = f"{c.attention} attention kernel"
+    if c.cp == 1:
+        return f"cp=1: {kernel}"
+    method = CP_METHODS[c.cp_method]
+    ring = c.cp // c.ulysses
+    shape = f" (Ulysses {c.ulysses} x ring {ring})" if c.cp_method == "hybrid" else ""
+    return f"{method} over cp={c.cp}{shape}, {kernel}"
+
+
+def recompute_words(plan: Plan) -> str:
+    """Which virtual stages recompute what, in stage order (runs of the same policy merged)."""
+    policies = [str(s["recompute"]) for s in plan.stages]
+    if len(set(policies)) <= 1:
+        policy = policies[0] if policies else "none"
+        return f"every stage: {policy}, {RECOMPUTE_WORDS[policy]}"
+    runs: list[tuple[int, int, str]] = []
+    for j, p in enumerate(policies):
+        if runs and runs[-1][2] == p:
+            runs[-1] = (runs[-1][0], j, p)
+        else:
+            runs.append((j, j, p))
+    return "; ".join((f"stage {a}" if a == b else f"stages {a}-{b}") + f": {p} ({RECOMPUTE_WORDS[p]})"
+                     for a, b, p in runs)
+
+
+def step_words(plan: Plan) -> str:
+    c = plan.config
+    n = int(plan.batch["global"]) // (c.dp * c.mbs)
+    if c.pp > 1:
+        chunks = f", {c.vpp} stages per pp rank" if c.vpp > 1 else ""
+        return f"the {c.schedule} schedule: {n} micro-batches of {c.mbs} sequences over pp={c.pp}{chunks}"
+    return f"gradient accumulation: {n} micro-batches of {c.mbs} sequences (pp=1)"
+
+
+def describe(plan: Plan) -> PlanWords:
+    """The plan's phrases: what each call of the training step does under it."""
+    c = plan.config
+    replicas = c.dp * c.cp
+    experts = plan.facts.experts
+    return PlanWords(
+        attention=attention_words(plan),
+        tp=(f"tp={c.tp}" + (", sequence parallel between the blocks" if c.sp else "")) if c.tp > 1
+        else "tp=1: nothing to shard",
+        ep=(f"ep={c.ep}: each rank keeps {experts // c.ep} of {experts} experts per routed layer, tokens by all-to-all"
+            if c.ep > 1 else "ep=1: every rank keeps all experts" if experts else "ep=1: no routed experts"),
+        dp=(f"{c.zero} over dp x cp = {replicas} ranks" if replicas > 1 else "dp x cp = 1: nothing to replicate"),
+        optimizer=("ZeRO-1: each rank steps its share of the optimizer state" if c.zero == "zero1" and replicas > 1
+                   else "one optimizer per stage module"),
+        recompute=recompute_words(plan),
+        step=step_words(plan),
+        clip="clip by the global gradient norm over all ranks (ParallelModel.clip_grad_norm_)",
+    )
