@@ -183,6 +183,37 @@ class Layer:
         return self.moe is not None and bool(self.moe.part) and (path + ".").startswith(self.moe.part + ".")
 
 
+def op_linears(op: Op, ops: list[Op], linears: list[Linear]) -> list[Linear]:
+    """The linears (paths relative to the layer) inside ``op``: each belongs to the op of
+    ``ops`` with the longest path holding it (the layer's own op ``""`` keeps those directly
+    in the layer that no other op holds)."""
+    def owner(lin: Linear) -> str:
+        return max((o.name for o in ops if not o.name or lin.name == o.name or lin.name.startswith(o.name + ".")),
+                   key=len, default="")
+    return [lin for lin in linears if owner(lin) == op.name]
+
+
+def op_tp_style(op: Op, ops: list[Op], linears: list[Linear]) -> str:
+    """How tensor parallelism treats ``op``, read from its linears' roles (``Linear.role``, the
+    one sharding spec: the front end's dataflow analysis overridden by the model's own TP plan):
+    a vocabulary-parallel op stays ``vocab``; an op holding a linear TP splits is ``heads``
+    (attention) or ``col_row``; one whose linears all stay whole is ``replicated``; an op
+    without linears (a norm, an activation) keeps its captured style."""
+    mine = op_linears(op, ops, linears)
+    if op.tp_style == "vocab" or not mine:
+        return op.tp_style
+    if not any(lin.role in TP_SPLIT_ROLES for lin in mine):
+        return "replicated"
+    return "heads" if op.kind == "attention" else "col_row"
+
+
+def tp_flops_frac(ops: list[Op]) -> float:
+    """Fraction of the ops' forward + backward FLOPs that tensor parallelism divides."""
+    total = sum(o.fwd_flops + o.bwd_flops for o in ops)
+    split = sum(o.fwd_flops + o.bwd_flops for o in ops if o.tp_style != "replicated")
+    return split / total if total else 0.0
+
+
 @dataclass
 class ModelGraph:
     name: str

@@ -228,3 +228,33 @@ def test_layer_costs_are_sums_over_the_fx_graph_and_graph_fx_prints_a_block():
     assert "transformer.h.1" in lines[0] and "transformer.h.0" in lines[0]  # captured as its class's first block
     assert any(l.startswith("fwd  attn") and "addmm" in l and "c_attn.weight" in l for l in lines)
     assert any(l.startswith("bwd") for l in lines)
+
+
+@pytest.mark.parametrize("spec", ["llama-tiny", "moe-tiny", "tests.user_models:build", "hf:tests/hf_configs/opt-tiny.json",
+                                  "hf:tests/hf_configs/gpt_neox-tiny.json"])
+def test_op_styles_follow_the_linear_roles(spec):
+    """One sharding spec: an op's TP style (what compute and memory divide by tp) is read from its
+    linears' roles (what the runtime shards). OPT's ``fc2`` sits directly in the block; the
+    capture first styled it replicated while the analysis makes it row-parallel, so the cost
+    model priced on every tp rank a matmul the runtime splits."""
+    from planner.frontend.load import load_graph
+    from planner.graph import TP_SPLIT_ROLES, op_linears
+
+    g = load_graph(spec, batch=1, seq_len=32)
+    checked = 0
+    for layer in g.layers:
+        for op in layer.ops:
+            mine = op_linears(op, layer.ops, layer.linears)
+            if not mine or op.tp_style == "vocab":
+                continue
+            checked += 1
+            split = any(lin.role in TP_SPLIT_ROLES for lin in mine)
+            assert (op.tp_style != "replicated") == split, (layer.name, op.name, op.tp_style, [l.role for l in mine])
+        total = sum(o.fwd_flops + o.bwd_flops for o in layer.ops)
+        if total:
+            split_flops = sum(o.fwd_flops + o.bwd_flops for o in layer.ops if o.tp_style != "replicated")
+            assert layer.tp_flops_frac == pytest.approx(split_flops / total)
+    assert checked
+    if "opt" in spec:
+        fc2 = next(o for layer in g.layers for o in layer.ops if o.name == "fc2")
+        assert fc2.tp_style == "col_row"

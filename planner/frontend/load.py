@@ -90,7 +90,7 @@ def _set_tp_roles(graph: ModelGraph, fx, adapter) -> None:
     block the analysis cannot shard correctly makes ``tp`` a limit. The linears of a MoE
     layer (router, shared experts) stay replicated: under TP each rank runs the layer on
     its own sequence shard (``planner.feasibility.ep_problem``)."""
-    from planner.graph import AttentionDims
+    from planner.graph import AttentionDims, op_tp_style, tp_flops_frac
     from planner.frontend.tp_analysis import analyze
 
     analysis = analyze(fx, graph)
@@ -110,6 +110,9 @@ def _set_tp_roles(graph: ModelGraph, fx, adapter) -> None:
                 disagree.append(f"{fqn}: its TP plan says {own}, the dataflow says {found}")
             if block:  # outside blocks (embeddings, head) the capture's vocabulary roles stand
                 lin.role = own or found or "replicated"
+        for op in layer.ops:  # compute and memory shard what the runtime shards
+            op.tp_style = op_tp_style(op, layer.ops, layer.linears)
+        layer.tp_flops_frac = tp_flops_frac(layer.ops)
         heads = analysis.heads.get(rep)
         if block and heads is not None:
             a = layer.attention

@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from planner.errors import AutoparError
-from planner.graph import AttentionDims, Layer, Linear, ModelGraph, MoEDims, Op
+from planner.graph import AttentionDims, Layer, Linear, ModelGraph, MoEDims, Op, tp_flops_frac
 from planner.frontend.layer_kinds import layer_kind, lin_dims, part_kind
 
 
@@ -143,7 +143,7 @@ def _ops_and_linears(r: UnitRecord, vocab: int | None):
     """A unit record's parts as Ops, its linears with their TP roles, each part's (kind, style)
     and the fraction of its FLOPs that TP splits."""
     mods = dict(r.module.named_children())
-    ops, tp_flops, all_flops = [], 0.0, 0.0
+    ops = []
     kinds = {}
     linears: list[Linear] = []
     for pname, pr in r.parts.items():
@@ -152,9 +152,6 @@ def _ops_and_linears(r: UnitRecord, vocab: int | None):
         pparams = sum(p.numel() for p in mods[pname].parameters()) if pname in mods else 0
         ops.append(Op(name=pname, kind=kind, tp_style=style, fwd_flops=pr.fwd_flops, bwd_flops=pr.bwd_flops,
                       fwd_bytes=pr.fwd_bytes, params=pparams))
-        all_flops += pr.fwd_flops + pr.bwd_flops
-        if style != "replicated":
-            tp_flops += pr.fwd_flops + pr.bwd_flops
         for j, (lname, lin) in enumerate(pr.linears):
             fin, fout = lin_dims(lin)
             if style == "vocab":
@@ -164,7 +161,7 @@ def _ops_and_linears(r: UnitRecord, vocab: int | None):
             else:
                 role = "replicated"
             linears.append(Linear(lname, fin, fout, getattr(lin, "bias", None) is not None, role))
-    return ops, linears, kinds, (tp_flops / all_flops) if all_flops else 0.0
+    return ops, linears, kinds, tp_flops_frac(ops)
 
 
 def _attention_dims(r: UnitRecord, linears: list[Linear]) -> AttentionDims | None:
