@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Optional
 
 from codegen.runtime.tp_plan import block_stack, tp_plan_for
+from codegen.runtime.tp_styles import IMPORTS, sources_for
 from planner.describe import describe
 from planner.feasibility import Nodes
 from planner.files import write_atomic
@@ -108,39 +109,62 @@ def split_tp_plan(layout: dict[str, str], units: list[str]) -> tuple[dict[str, d
 
 
 def _by_unit(entries: dict[str, str], units: list[str], indent: str) -> list[str]:
-    """``entries`` written ``'fqn': 'style',``, the entries of one unit on their own line(s), in
+    """``entries`` (fqn -> style source) written ``'fqn': Style(...),``, the entries of one unit on their own line(s), in
     the model's unit order (entries outside every unit last)."""
     order = {u: i for i, u in enumerate(units)}
     groups: dict[int, list[str]] = {}
     for fqn in sorted(entries, key=lambda f: (order.get(_unit_of(f, units), len(units)), f)):
-        groups.setdefault(order.get(_unit_of(fqn, units), len(units)), []).append(f"{fqn!r}: {entries[fqn]!r}")
+        groups.setdefault(order.get(_unit_of(fqn, units), len(units)), []).append(f"{fqn!r}: {entries[fqn]}")
     return [line for items in groups.values() for line in _wrapped(items, indent)]
 
 
-def tp_plan_literal(layout: dict[str, str], units: list[str], tp: int) -> str:
-    """``BLOCK_TP_PLAN = {stack: {path in block: style}}`` and ``TP_PLAN = {fqn: style}`` (the
-    modules outside the templated blocks), torchtitan style (see :func:`split_tp_plan`);
-    both ``{}`` when tp == 1 (nothing is sharded)."""
+def tp_plan_literal(layout: dict[str, str], units: list[str], tp: int, sp: bool) -> str:
+    """``BLOCK_TP_PLAN = {stack: {path in block: ParallelStyle}}`` and ``TP_PLAN = {fqn:
+    ParallelStyle}`` (the modules outside the templated blocks), torchtitan style (see
+    :func:`split_tp_plan`), each style written as ``codegen.runtime.tp_styles.style_source``
+    states it for the plan's role; both ``{}`` when tp == 1 (nothing is sharded)."""
     if tp == 1 or not layout:
         return "BLOCK_TP_PLAN, TP_PLAN = {}, {}  # tp=1: no tensor parallelism"
-    block_plan, rest = split_tp_plan(layout, units)
-    out = ["# tensor-parallel style per module (codegen/runtime/tensor_parallel.py), torchtitan style:",
+    block_plan, rest = split_tp_plan(sources_for(layout, sp), units)
+    out = ["# tensor-parallel style per module (torch's ParallelStyle; ours in codegen/runtime/tensor_parallel.py):",
            "# per block stack, the style of each module inside one block, applied to every block of it"]
     if block_plan:
         out.append("BLOCK_TP_PLAN = {")
         for stack, template in block_plan.items():
             out.append(f"    {stack!r}: {{")
-            out.extend(_wrapped([f"{k!r}: {v!r}" for k, v in template.items()], " " * 8))
+            out.extend(f"        {k!r}: {v}," for k, v in template.items())
             out.append("    },")
         out.append("}")
     else:
         out.append("BLOCK_TP_PLAN = {}  # no stack of identical blocks")
-    one_line = "TP_PLAN = {" + ", ".join(f"{f!r}: {s!r}" for f, s in rest.items()) + "}  # other modules, by path"
+    one_line = "TP_PLAN = {" + ", ".join(f"{f!r}: {s}" for f, s in rest.items()) + "}  # other modules, by path"
     if len(one_line) <= WIDTH:
         return "\n".join(out + [one_line])
     out.append("TP_PLAN = {  # the other modules, by path")
     out.extend(_by_unit(rest, units, "    "))
     return "\n".join(out + ["}"])
+
+
+def import_lines(module: str, names: list[str]) -> list[str]:
+    """``from module import names`` as isort writes it: one line within 88 columns, else one
+    name per line in parentheses."""
+    line = f"from {module} import {', '.join(names)}"
+    if len(line) <= 88:
+        return [line]
+    return [f"from {module} import ("] + [f"    {n}," for n in names] + [")"]
+
+
+def prune_style_imports(lines: list[str], block: str) -> list[str]:
+    """The template's style imports (``codegen.runtime.tp_styles.IMPORTS``) cut to the names
+    ``block`` uses; an import left with no name is dropped."""
+    text = "\n".join(lines)
+    for m in re.finditer(r"^from ([\w.]+) import (\(([^)]*)\)|[\w, ]+)$", text, flags=re.M):
+        if m.group(1) not in IMPORTS:
+            continue
+        names = [n.strip() for n in (m.group(3) or m.group(2)).replace("\n", " ").split(",") if n.strip()]
+        used = [n for n in names if re.search(rf"\b{n}\(", block)]
+        text = text.replace(m.group(0), "\n".join(import_lines(m.group(1), used)) if used else "\0", 1)
+    return [line for line in text.split("\n") if line != "\0"]
 
 
 TEMPLATE_PATH = Path(__file__).with_name("program_template.py")
@@ -178,7 +202,7 @@ def plan_block(plan: Plan, stages: list[list[str]], layout: dict[str, str], leng
         f"DOCUMENT_LENGTHS = {lengths!r}",
         f"STAGES = {stages_literal(stages)}",
         f"RECOMPUTE = {[str(s['recompute']) for s in plan.stages]!r}  # activation recomputation per virtual stage",
-        tp_plan_literal(layout, [u for s in stages for u in s], plan.config.tp),
+        tp_plan_literal(layout, [u for s in stages for u in s], plan.config.tp, plan.config.sp),
         f"PREDICTED = {{'step_s': {float(est['step_s'])!r}, 'memory_gib': {memory!r}}}"
         "  # per step, per rank: printed beside what the run measures",
     ]
@@ -197,7 +221,8 @@ def fill_template(template: str, docstring: str, block: list[str], words: dict[s
     doc = ast.parse(template).body[0]
     start = next(i for i, line in enumerate(lines) if line.startswith(PLAN_START))
     end = next(i for i, line in enumerate(lines) if line.startswith(PLAN_END))
-    out = lines[:doc.lineno - 1] + docstring.splitlines() + lines[doc.end_lineno:start + 1] + block + lines[end:]
+    head = prune_style_imports(lines[doc.end_lineno:start + 1], "\n".join(block))
+    out = lines[:doc.lineno - 1] + docstring.splitlines() + head + block + lines[end:]
 
     def word(m: re.Match) -> str:
         if m.group(2) not in words:

@@ -14,6 +14,12 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from codegen.runtime import checkpoint
 from codegen.runtime.adapters import adapter_for
@@ -33,6 +39,11 @@ from codegen.runtime.recipe import (
     split_stages,
     tie_weights,
 )
+from codegen.runtime.tensor_parallel import (
+    GatherSequenceInput,
+    PackedColwise,
+    ReplicatedEmbedding,
+)
 from codegen.runtime.tp_plan import tp_plan_for
 from codegen.runtime.train import ParallelModel, TokenLoss
 from planner import zoo
@@ -50,7 +61,19 @@ GLOBAL_BATCH, SEQ_LEN = 1, 32  # sequences per optimizer step, tokens per sequen
 DOCUMENT_LENGTHS = []
 STAGES = [["embed", "layers.0", "norm", "head"]]  # layer units per virtual stage; stage j runs on pp rank j % pp
 RECOMPUTE = ["none"]  # activation recomputation per virtual stage
-BLOCK_TP_PLAN, TP_PLAN = {}, {}  # tp=1: no tensor parallelism
+# tensor-parallel style per module (emit keeps the imports of those it writes)
+BLOCK_TP_PLAN = {
+    "layers": {
+        "attn": GatherSequenceInput(),
+        "attn.qkv": PackedColwise(),
+        "attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "mlp.up_proj": ColwiseParallel(),
+        "norm": SequenceParallel(),
+    },
+}
+TP_PLAN = {"embed.tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+           "embed.pos": ReplicatedEmbedding(sp=True),
+           "head.proj": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
 PREDICTED = {"step_s": 0.0, "memory_gib": [0.0]}  # per step, per rank: printed beside what the run measures
 # ---- end of the plan -------------------------------------------------------------------
 

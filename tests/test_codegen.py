@@ -39,13 +39,22 @@ def _plan_for(spec: str, config: str, world: int, seq_len: int | None = 32, gb: 
 
 
 def emitted_tp_plan(text: str) -> dict[str, str]:
-    """The emitted program's TP plan (``BLOCK_TP_PLAN`` and ``TP_PLAN``, evaluated alone)
-    expanded over its ``STAGES`` units the way the program does."""
+    """The emitted program's TP plan (``BLOCK_TP_PLAN`` and ``TP_PLAN``, evaluated alone over the
+    style names it imports) expanded over its ``STAGES`` units the way the program does, read
+    back as ``{fqn: role}`` (codegen.runtime.tp_styles.roles_of)."""
     from codegen.runtime.tp_plan import tp_plan_for
+    from codegen.runtime.tp_styles import STYLE_NAMES, roles_of
 
-    ns: dict = {}
+    ns: dict = dict(STYLE_NAMES)
     exec(text[text.index("STAGES = ["):text.index("PREDICTED =")], ns)  # noqa: S102 - the emitted literals
-    return tp_plan_for([u for s in ns["STAGES"] for u in s], ns["BLOCK_TP_PLAN"], ns["TP_PLAN"])
+    return roles_of(tp_plan_for([u for s in ns["STAGES"] for u in s], ns["BLOCK_TP_PLAN"], ns["TP_PLAN"]))
+
+
+def styled(plan) -> dict[str, str]:
+    """The plan's layout without the roles that get no style (norms without sequence parallel)."""
+    from codegen.runtime.tp_styles import style_source
+
+    return {f: r for f, r in plan.tp_layout.items() if style_source(r, plan.config.sp) is not None}
 
 
 PP2TP2 = "pp=2,tp=2,sp=on,schedule=1f1b,mbs=1,dtype=fp32"
@@ -59,7 +68,7 @@ def test_emitted_program_is_readable_python():
     plan = _plan_for("llama-tiny", "dp=2,zero=fsdp,mbs=1,dtype=fp32", 2)
     text = emit(plan)
     compile(text, "train.py", "exec")
-    assert len(text.splitlines()) <= 200
+    assert len(text.splitlines()) <= 230
     assert repr(plan.config.to_str()) in text and "checkpoint.load_latest" in text
     assert "parallelize(" not in text and "all_gather_object" not in text
     body = text[text.index("def build("):text.index("def train_step(")]
@@ -69,14 +78,14 @@ def test_emitted_program_is_readable_python():
 
 def test_emitted_pp2_tp2_program_writes_the_recipe_out():
     """A PP2 x TP2 plan: the TP plan as a literal dict over the model's module paths, the stage
-    split, the pipeline schedule's step, clipping and the learning-rate schedule, in < 200 lines."""
+    split, the pipeline schedule's step, clipping and the learning-rate schedule, in < 230 lines."""
     plan = _plan_for("llama-tiny", PP2TP2, 4)
     text = emit(plan)
     compile(text, "train.py", "exec")
     lines = text.splitlines()
-    assert len(lines) <= 200, len(lines)
+    assert len(lines) <= 230, len(lines)
     tp = emitted_tp_plan(text)
-    assert tp == plan.tp_layout and tp["layers.0.attn.q_proj"] == "column"
+    assert tp == styled(plan) and tp["layers.0.attn.q_proj"] == "column"
     assert tp["head.proj"] == "vocab_head" and tp["layers.3.mlp.down_proj"] == "row"
     assert "    'layers': {" in lines and "'layers.0.attn.q_proj'" not in text  # one template for the blocks
     assert "    ['embed', 'layers.0', 'layers.1'],  # stage 0" in lines
@@ -100,12 +109,12 @@ def test_emitted_pp2_tp2_program_writes_the_recipe_out():
 ])
 def test_deep_model_tp_plan_is_one_template_per_block(spec, config):
     """A 32-layer (and a 12-layer) model under TP on dgx-h100:2: the TP plan is written once
-    per block, so the program stays under 200 lines, and expands to the plan's layout."""
+    per block, so the program stays under 230 lines, and expands to the plan's layout."""
     plan = _plan_for(spec, config, 16, seq_len=None, gb=64, cluster="dgx-h100:2")
     text = emit(plan)
     compile(text, "train.py", "exec")
-    assert len(text.splitlines()) <= 200, len(text.splitlines())
-    assert emitted_tp_plan(text) == plan.tp_layout and len(plan.tp_layout) > 90
+    assert len(text.splitlines()) <= 230, len(text.splitlines())
+    assert emitted_tp_plan(text) == styled(plan) and len(plan.tp_layout) > 90
 
 
 def test_heterogeneous_blocks_tp_plan_expands_to_the_layout():
@@ -116,13 +125,39 @@ def test_heterogeneous_blocks_tp_plan_expands_to_the_layout():
 
     plan = _plan_for("mllm-tiny", "tp=2,mbs=1,dtype=fp32", 2)
     text = emit(plan)
-    assert emitted_tp_plan(text) == plan.tp_layout
+    assert emitted_tp_plan(text) == styled(plan)
     assert "    'vision.blocks': {" in text and "    'layers': {" in text
     units = list(plan.model["layers"])
     odd = {f: s for f, s in plan.tp_layout.items() if f != "layers.1.mlp.up_proj"}  # layers.1 differs
     block_plan, rest = split_tp_plan(odd, units)
     assert tp_plan_for(units, block_plan, rest) == odd
     assert "layers" not in block_plan and "vision.blocks" in block_plan and "layers.0.attn.q_proj" in rest
+
+
+def test_tp_styles_are_one_text_read_both_ways():
+    """Each role's ParallelStyle is one source text (codegen.runtime.tp_styles.style_source): the
+    in-process API builds the object from it and the program writes it; reading the object
+    back gives the role (what the adapters' fix-ups need), and the layouts are torch's."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from codegen.runtime.tp_styles import role_of, sources_for, style_for, style_source, styles_for
+    from planner.plan import TP_ROLES
+
+    for sp in (False, True):
+        for role in TP_ROLES:
+            src = style_source(role, sp)
+            if src is None:
+                assert role == "norm" and not sp
+                continue
+            assert role_of(style_for(src)) == role, (role, sp, src)
+    row = style_for(style_source("row", True))
+    assert isinstance(row, RowwiseParallel) and row.output_layouts == (Shard(1),)
+    head = style_for(style_source("vocab_head", False))
+    assert isinstance(head, ColwiseParallel) and head.input_layouts == (Replicate(),) and not head.use_local_output
+    layout = {"layers.0.attn.q": "column", "layers.0.attn.o": "row", "layers.0.norm": "norm"}
+    assert sources_for(layout, True)["layers.0.attn"] == "GatherSequenceInput()"
+    assert "layers.0.attn" not in sources_for(layout, False) and "layers.0.norm" not in styles_for(layout, False)
 
 
 LINTED = [("llama-tiny", PP2TP2, 4), ("llama-tiny", "dp=2,cp=2,ulysses=2,mbs=1,dtype=fp32", 4),

@@ -28,12 +28,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from codegen.runtime import data_parallel as dpar
 from codegen.runtime import expert_parallel as epar
 from codegen.runtime import pipeline_parallel as ppar
 from codegen.runtime import recompute as rc
 from codegen.runtime import tensor_parallel as tpar
+from codegen.runtime.tp_styles import roles_of
 from codegen.runtime.adapters import ModelAdapter
 from codegen.runtime.attention import build_attention, context_attention
 from codegen.runtime.documents import Documents
@@ -132,12 +134,15 @@ def apply_attention(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, 
                                                                        documents=docs))
 
 
-def apply_tp(adapter: ModelAdapter, stages: Stages, tp_plan: dict[str, str], mesh: DeviceMesh, sp: bool) -> None:
-    """Shard the stage modules over ``mesh["tp"]`` per ``tp_plan`` (module fqn -> style; fqns
-    another rank's stages hold are skipped), then the adapter's local-size fix-ups."""
+def apply_tp(adapter: ModelAdapter, stages: Stages, tp_plan: dict[str, ParallelStyle], mesh: DeviceMesh,
+             sp: bool) -> None:
+    """Shard the stage modules over ``mesh["tp"]`` per ``tp_plan`` (module fqn -> ParallelStyle,
+    ``codegen/runtime/tp_styles.py``; fqns another rank's stages hold are skipped), then the
+    adapter's local-size fix-ups for the roles those styles give."""
+    roles = roles_of(tp_plan)
     for sm in stages.modules:
-        tpar.apply_tp(sm, mesh["tp"], tp_plan, sp)
-        adapter.tp_fixups(sm, mesh["tp"], tp_plan, sp)
+        tpar.apply_tp(sm, mesh["tp"], tp_plan)
+        adapter.tp_fixups(sm, mesh["tp"], roles, sp)
 
 
 @dataclass

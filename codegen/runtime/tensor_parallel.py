@@ -1,6 +1,7 @@
-"""Tensor (and sequence) parallelism from the plan's ``{fqn: role}`` layout, with DTensor.
+"""Tensor (and sequence) parallelism with DTensor: the styles torch lacks, and applying a TP plan.
 
-Roles (the plan's ``tensor_parallel.layout``; :data:`ROLES`):
+The plan's ``{fqn: role}`` layout becomes ``{fqn: ParallelStyle}`` in
+``codegen/runtime/tp_styles.py``; the roles (``planner.plan.TP_ROLES``):
 
 - ``column``      a linear split by output features (q/k/v, MLP up/gate, fc1)
 - ``row``         a linear split by input features (attention output, MLP down, fc2)
@@ -33,16 +34,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel, loss_parallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from planner.plan import TP_ROLES as ROLES
-
-
-def _parent(fqn: str) -> str:
-    return fqn.rsplit(".", 1)[0] if "." in fqn else ""
 
 
 def is_conv1d(m: nn.Module) -> bool:
@@ -165,51 +160,28 @@ class ReplicatedEmbedding(ParallelStyle):
         return module
 
 
-def _linear_style(module: nn.Module, role: str, sp: bool) -> ParallelStyle:
-    seq = Shard(1) if sp else Replicate()
-    conv = is_conv1d(module)
-    if role == "column":
-        return Conv1DColwise() if conv else ColwiseParallel()
-    if role == "row":
-        return Conv1DRowwise(output_layouts=seq) if conv else RowwiseParallel(output_layouts=seq)
-    return PackedColwise()
+def for_module(style: ParallelStyle, module: nn.Module) -> ParallelStyle:
+    """``style`` as it applies to ``module``: torch's Colwise/RowwiseParallel know ``nn.Linear``
+    and ``nn.Embedding``; on a transformers ``Conv1D`` (weight ``[in, out]``) the same layouts
+    run through :class:`Conv1DColwise` / :class:`Conv1DRowwise`."""
+    kind = {ColwiseParallel: Conv1DColwise, RowwiseParallel: Conv1DRowwise}.get(type(style))
+    if kind is None or not is_conv1d(module):
+        return style
+    out = kind.__new__(kind)
+    out.__dict__.update(style.__dict__)
+    return out
 
 
-def tp_plan(model: nn.Module, layout: dict[str, str], sp: bool) -> dict[str, object]:
-    """The ``parallelize_module`` plan (fqn -> ParallelStyle) for ``layout`` on ``model``.
-
-    Under SP the head's input is the sequence shard (a local tensor, or the final norm's
-    DTensor): the head gathers it."""
-    plan: dict[str, object] = {}
-    seq = Shard(1) if sp else Replicate()
-    for fqn, role in layout.items():
-        if role not in ROLES:
-            raise ValueError(f"unknown tensor-parallel role {role!r} for {fqn}; roles: {', '.join(ROLES)}")
-        if role in ("column", "row", "packed_qkv"):
-            plan[fqn] = _linear_style(model.get_submodule(fqn), role, sp)
-            if role == "row" and sp:
-                plan[_parent(fqn)] = GatherSequenceInput()
-        elif role == "vocab_embed":
-            plan[fqn] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-        elif role == "embed":
-            plan[fqn] = ReplicatedEmbedding(sp)
-        elif role == "vocab_head":
-            plan[fqn] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
-        elif role == "norm" and sp:
-            plan[fqn] = SequenceParallel()
-    return plan
-
-
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, layout: dict[str, str], sp: bool) -> nn.Module:
-    """Shard ``model`` (a stage module) in place over ``tp_mesh`` per ``layout``; fqns absent
-    from ``model`` are skipped. With ``sp`` the residual stream between blocks is
-    sequence-sharded (local tensors [B, S/tp, d]). Returns ``model``."""
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, styles: dict[str, ParallelStyle]) -> nn.Module:
+    """Shard ``model`` (a stage module) in place over ``tp_mesh`` per ``styles`` ({module fqn:
+    ParallelStyle}, ``codegen/runtime/tp_styles.py``); fqns absent from ``model`` are skipped.
+    Returns ``model``."""
     if tp_mesh.size() == 1:
         return model
-    present = {n for n, _ in model.named_modules()}
-    layout = {f: r for f, r in layout.items() if f in present}
+    present = dict(model.named_modules())
+    plan = {f: for_module(s, present[f]) for f, s in styles.items() if f in present}
     ties = _tied_params(model)
-    parallelize_module(model, tp_mesh, tp_plan(model, layout, sp))
+    parallelize_module(model, tp_mesh, plan)
     _retie(model, ties)
     return model
 

@@ -59,6 +59,7 @@ from codegen.runtime import expert_parallel as epar
 from codegen.runtime import experts
 from codegen.runtime import recipe
 from codegen.runtime import tensor_parallel as tpar
+from codegen.runtime.tp_styles import styles_for
 from codegen.runtime.adapters import IGNORE_INDEX, ModelAdapter, adapter_for
 from codegen.runtime.mesh import build_mesh
 from codegen.runtime.optim import OptimizerFactory, Optimizers, build_optimizer, clip_grad_norm_, default_optimizer
@@ -313,7 +314,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     recipe.materialize(adapter, split, device, seed)
     tied = recipe.tie_weights(adapter, split, mesh)  # before TP splits the tied ends apart
     recipe.apply_attention(adapter, split, cfg, mesh, load_balance)
-    recipe.apply_tp(adapter, split, tp_layout, mesh, cfg.sp)
+    recipe.apply_tp(adapter, split, styles_for(tp_layout, cfg.sp), mesh, cfg.sp)
     experts = recipe.apply_ep(split, cfg)
     recipe.apply_recompute(adapter, split)
     dp_mesh = recipe.apply_dp(adapter, split, cfg, mesh, experts)

@@ -1,0 +1,93 @@
+"""The plan's tensor-parallel roles as torch ParallelStyle objects, written once as source text.
+
+The plan records each module's role (``planner.plan.TP_ROLES``); training applies a
+``ParallelStyle`` per module. :func:`style_source` is the one statement of which style a
+role gets: the emitted program writes that text as its TP plan's literals (so a user edits
+a layout where they see it, as in torchtitan), and :func:`style_for` builds the object by
+evaluating the same text over :data:`STYLE_NAMES` alone (no builtins), so the in-process
+API and the program cannot apply different styles. Under sequence parallelism the module
+around each row-parallel linear gathers its hidden-state input (``GatherSequenceInput``).
+
+:func:`role_of` reads a style back as the role the adapters' local-size fix-ups need (which
+modules are column-parallel, which norms run on the sequence shard), for styles a user
+wrote too.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from codegen.runtime.tensor_parallel import GatherSequenceInput, PackedColwise, ReplicatedEmbedding
+from planner.plan import TP_ROLES
+
+# every name a style's source text may use, and where the emitted program imports it from
+STYLE_NAMES = {"Replicate": Replicate, "Shard": Shard, "ColwiseParallel": ColwiseParallel,
+               "RowwiseParallel": RowwiseParallel, "SequenceParallel": SequenceParallel,
+               "GatherSequenceInput": GatherSequenceInput, "PackedColwise": PackedColwise,
+               "ReplicatedEmbedding": ReplicatedEmbedding}
+IMPORTS = {"torch.distributed.tensor": ("Replicate", "Shard"),
+           "torch.distributed.tensor.parallel": ("ColwiseParallel", "RowwiseParallel", "SequenceParallel"),
+           "codegen.runtime.tensor_parallel": ("GatherSequenceInput", "PackedColwise", "ReplicatedEmbedding")}
+GATHER = "GatherSequenceInput()"
+
+
+def style_source(role: str, sp: bool) -> Optional[str]:
+    """The ParallelStyle (as Python source) for a module of ``role``; None where the module
+    is left as it is (a norm without sequence parallelism). ``sp``: the residual stream
+    between blocks is sharded by sequence (dim 1)."""
+    if role not in TP_ROLES:
+        raise ValueError(f"unknown tensor-parallel role {role!r}: use one of {', '.join(TP_ROLES)}")
+    seq = "Shard(1)" if sp else "Replicate()"
+    return {"column": "ColwiseParallel()",
+            "row": f"RowwiseParallel(output_layouts={seq})",
+            "packed_qkv": "PackedColwise()",
+            "vocab_embed": f"RowwiseParallel(input_layouts=Replicate(), output_layouts={seq})",
+            "embed": f"ReplicatedEmbedding(sp={sp})",
+            "vocab_head": f"ColwiseParallel(input_layouts={seq}, output_layouts=Shard(-1), use_local_output=False)",
+            "norm": "SequenceParallel()" if sp else None}[role]
+
+
+def sources_for(layout: Mapping[str, str], sp: bool) -> dict[str, str]:
+    """``{module fqn: style source}`` for the plan's ``{fqn: role}`` layout, with the gather
+    of the sequence shard on the parent of every row-parallel linear under ``sp``."""
+    out: dict[str, str] = {}
+    for fqn, role in layout.items():
+        src = style_source(role, sp)
+        if src is not None:
+            out[fqn] = src
+        if role == "row" and sp:
+            out.setdefault(fqn.rpartition(".")[0], GATHER)
+    return out
+
+
+def style_for(source: str) -> ParallelStyle:
+    """The style object ``source`` (one of :func:`style_source`'s texts) writes."""
+    return eval(source, {"__builtins__": {}}, dict(STYLE_NAMES))  # noqa: S307 - our own texts, names above only
+
+
+def styles_for(layout: Mapping[str, str], sp: bool) -> dict[str, ParallelStyle]:
+    """``{module fqn: ParallelStyle}`` for the plan's layout (see :func:`sources_for`)."""
+    return {fqn: style_for(src) for fqn, src in sources_for(layout, sp).items()}
+
+
+def role_of(style: ParallelStyle) -> Optional[str]:
+    """The role ``style`` gives its module (None: the sequence gather around row linears)."""
+    if isinstance(style, PackedColwise):
+        return "packed_qkv"
+    if isinstance(style, ColwiseParallel):
+        return "column" if style.use_local_output else "vocab_head"
+    if isinstance(style, RowwiseParallel):
+        return "vocab_embed" if style.input_layouts == (Replicate(),) else "row"
+    if isinstance(style, SequenceParallel):
+        return "norm"
+    if isinstance(style, ReplicatedEmbedding):
+        return "embed"
+    return None
+
+
+def roles_of(styles: Mapping[str, ParallelStyle]) -> dict[str, str]:
+    """``{fqn: role}`` of the styled modules (the gathers left out)."""
+    return {fqn: role for fqn, s in styles.items() if (role := role_of(s)) is not None}
