@@ -130,7 +130,7 @@ def model_flops_per_seq(graph: ModelGraph) -> float:
 def _shard_factor(layer: Layer, cfg: ParallelConfig) -> float:
     """Fraction of a layer's per-token work one rank does under tp / sp / cp."""
     f = layer.tp_flops_frac
-    rest_div = cfg.tp if cfg.sp else 1
+    rest_div = cfg.seq_shards
     return (f / cfg.tp + (1.0 - f) / rest_div) / cfg.cp
 
 
@@ -236,7 +236,7 @@ def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Paral
         io = m_cap * lin.in_features + lin.in_features * lin.out_features + m_cap * lin.out_features
         gemm_bytes_cap[op] = gemm_bytes_cap.get(op, 0.0) + io * graph.dtype_bytes
     if layer.moe is not None:  # routed experts: per expert, its share of the rows (balanced load)
-        routed = tokens / (cfg.tp if cfg.sp else 1)  # under TP the rank routes its sequence shard
+        routed = tokens / cfg.seq_shards  # under TP the rank routes its sequence shard
         for m, n, k in expert_gemms(layer.moe, routed, graph.hidden, cfg.ep):
             e = layer.moe.experts // cfg.ep  # local experts
             t = e * gk.gemm_seconds(m, n, k, elem, gpu, co)
@@ -260,7 +260,7 @@ def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Paral
             bwd += gk.memory_seconds(2 * (ring - 1) * merge, 2 * (ring - 1), gpu, co)
     mem_f = mem_b = 0.0
     for op in layer.ops:
-        div = (cfg.tp if op.tp_style != "replicated" else (cfg.tp if cfg.sp else 1)) * cfg.cp
+        div = (cfg.tp if op.tp_style != "replicated" else cfg.seq_shards) * cfg.cp
         share = (op.fwd_bytes / layer.fwd_bytes) if layer.fwd_bytes else 0.0
         mm = gemm_bytes_cap.get(op.name, 0.0)
         mem_f += max(op.fwd_bytes - mm, 0.0) * scale * dscale / div
@@ -296,7 +296,7 @@ def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parall
         if op.kind == "attention" and causal_cut:
             f_fwd -= causal_cut
             f_bwd -= causal_cut * BWD_ATTN_CORE_FACTOR
-        op_div = (cfg.tp if op.tp_style != "replicated" else (cfg.tp if cfg.sp else 1)) * cfg.cp
+        op_div = (cfg.tp if op.tp_style != "replicated" else cfg.seq_shards) * cfg.cp
         bytes_f = op.fwd_bytes * dscale
         fwd += max(max(f_fwd, 0.0) / (peak * eff), bytes_f / bw) * scale / op_div
         share = (op.fwd_bytes / layer.fwd_bytes) if layer.fwd_bytes else 0.0

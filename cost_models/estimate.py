@@ -389,7 +389,7 @@ def _p2p_hop_s(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partiti
     """One pipeline hop: the largest stage boundary's activation over the pp link (0 without PP)."""
     if cfg.pp == 1:
         return 0.0
-    sizes = [_act_bytes_io(graph.layers[hi], graph, cfg) / (cfg.tp if cfg.sp else 1)
+    sizes = [_act_bytes_io(graph.layers[hi], graph, cfg) / cfg.seq_shards
              for (lo, hi) in partition.bounds[:-1] if hi < len(graph.layers)]
     if not sizes:
         return 0.0

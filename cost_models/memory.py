@@ -129,10 +129,10 @@ def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recom
     """Saved-for-backward bytes of ``layer`` for one micro-batch on one rank."""
     scale = cfg.mbs / graph.batch * DTYPE_BYTES[cfg.dtype] / graph.dtype_bytes
     if recompute == "full":
-        return layer.input_bytes * scale / cfg.cp / (cfg.tp if cfg.sp else 1)
+        return layer.input_bytes * scale / cfg.cp / cfg.seq_shards
     if recompute == "selective-op" and checkpointed(layer):
         kept = op_saved_bytes(layer, graph)
-        return (kept.tp_part / cfg.tp + kept.rest / (cfg.tp if cfg.sp else 1)) * scale / cfg.cp
+        return (kept.tp_part / cfg.tp + kept.rest / cfg.seq_shards) * scale / cfg.cp
     tp_part = layer.act_bytes_tp
     rest = layer.act_bytes - tp_part
     if cfg.loss == "fused" and layer.vocab and layer.kind in ("head", "loss"):
@@ -144,7 +144,7 @@ def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recom
         a = layer.attention  # scores + probabilities (+ dropout mask) of an unfused attention
         tp_part += 2 * graph.batch * a.heads * a.seq_len * a.kv_len * graph.dtype_bytes  # / cp below, once
     rest += routed_excess_bytes(layer, graph, cfg)
-    return (tp_part / cfg.tp + rest / (cfg.tp if cfg.sp else 1)) * scale / cfg.cp
+    return (tp_part / cfg.tp + rest / cfg.seq_shards) * scale / cfg.cp
 
 
 def routed_excess_bytes(layer: Layer, graph: ModelGraph, cfg: ParallelConfig) -> float:
@@ -230,9 +230,9 @@ def fsdp_units(layer: Layer, cfg: ParallelConfig, hidden: int) -> list[float]:
 def dp_group(cfg: ParallelConfig, experts: bool = False) -> int:
     """Ranks holding the same parameters and reducing their gradients: dp x cp (CP ranks hold
     the same weights); for routed experts under expert parallelism the experts' own group,
-    dp x cp x tp / ep (``planner.feasibility.expert_groups``: the tp ranks route tokens of their own)."""
+    dp x cp x tp / ep (``ParallelConfig.expert_mesh``: the tp ranks route tokens of their own)."""
     if experts and cfg.ep > 1:
-        return cfg.dp * cfg.cp * cfg.tp // cfg.ep
+        return cfg.expert_mesh[0]
     return cfg.dp * cfg.cp
 
 

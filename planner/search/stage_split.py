@@ -75,7 +75,7 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
         if cfg.pp > 1 and g + 1 < len(groups):
             nxt = graph.layers[hi]
             nb = nxt.input_bytes * cfg.mbs / graph.batch * DTYPE_BYTES[cfg.dtype] / graph.dtype_bytes
-            nb /= cfg.cp * (cfg.tp if cfg.sp else 1)
+            nb /= cfg.cp * cfg.seq_shards
             out_p2p.append(comm_mod.p2p_time(nb, cluster, mesh, profile).seconds)
         else:
             out_p2p.append(0.0)
