@@ -71,7 +71,7 @@ layer times or collective times were used, ``roofline`` / ``model`` otherwise.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cost_models import comm as comm_mod
@@ -82,7 +82,8 @@ from cost_models.compute import (LayerTime, attention_share, attn_core_flops, ca
 from cost_models.context_parallel import cp_comm
 from cost_models.documents import ring_hiding
 from cost_models.experts import ep_mesh, expert_comm
-from cost_models.memory import DTYPE_BYTES, LayerTable, StageMemory, dp_group, stage_memory
+from cost_models.memory import (DTYPE_BYTES, LayerTable, MemoryRule, StageMemory, chunk_memory, dp_group,
+                                 framework_reserve, rank_memory)
 from cost_models.shared_cores import compute_concurrency, core_speedup, shares_cores, spare_core
 from planner.feasibility import microbatches
 from planner.graph import Layer, ModelGraph
@@ -324,25 +325,17 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
 
 def _rank_memory(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
                  table: LayerTable, inflight_chunks: list[int], cal: dict[str, float]) -> list[StageMemory]:
-    """Memory of every pp rank: its chunks' memory with the in-flight micro-batches the pipeline
-    holds there; on CPUs a calibrated per-process reserve."""
-    is_gpu = cluster.backend != "gloo"
+    """Memory of every pp rank (``memory.rank_memory``): its chunks with the in-flight
+    (chunk, micro-batch) pairs the pipeline holds there, spread evenly over the chunks."""
+    rule = MemoryRule(graph, cfg, table)
+    reserve = framework_reserve(cluster.backend != "gloo", cal)
     n_stages = len(partition.bounds)
     memory = []
     for r in range(cfg.pp):
         chunks = [j for j in range(n_stages) if j % cfg.pp == r]
-        per_chunk = inflight_chunks[r] / len(chunks)  # in-flight (chunk, micro-batch) pairs over the chunks
-        mems = [stage_memory(graph, list(range(*partition.bounds[j])), cfg, per_chunk, partition.recompute[j],
-                             is_gpu, table) for j in chunks]
-        reserve = mems[0].reserve
-        if not is_gpu and ("mem_reserve_gib" in cal or "mem_reserve_frac" in cal):
-            tensors = sum(x.tensors for x in mems)
-            reserve = cal.get("mem_reserve_gib", 0.0) * GiB + cal.get("mem_reserve_frac", 0.0) * tensors
-        memory.append(StageMemory(weights=sum(x.weights for x in mems), grads=sum(x.grads for x in mems),
-                                  optimizer=sum(x.optimizer for x in mems),
-                                  activations=sum(x.activations for x in mems),
-                                  buffers=max(x.buffers for x in mems), reserve=reserve,
-                                  inflight=inflight_chunks[r]))
+        mems = [chunk_memory(rule, range(*partition.bounds[j]), partition.recompute[j]) for j in chunks]
+        m = rank_memory(mems, [inflight_chunks[r] / len(chunks)] * len(chunks), reserve)
+        memory.append(replace(m, inflight=inflight_chunks[r]))
     return memory
 
 

@@ -50,10 +50,20 @@ equal the closed forms of ``cost_models.pipeline.estimate_step`` exactly:
 For uneven stages they are the standard linear approximation (bottleneck throughput
 plus the sum-of-stages pipeline fill).
 
-Memory of rank ``r``::
+Memory of rank ``r`` (``cost_models.memory.rank_memory``, the one memory rule; the inputs are
+its per-group figures, ``planner.search.stage_split.partition_problem``)::
 
     mem_r = sum_{j % pp == r} [ sum_{i in I_j} static[i] + inflight[j] * sum_{i in I_j} act[i][q_j] + extra[j] ]
+          + max_{j % pp == r} O_j + max_{j % pp == r, i in I_j} transient[i]
+    O_j   = the overshoot of stage j's layers composed in order, o <- max(o - act[i][q_j], peak[i][q_j])
     mem_r <= capacity
+
+(``peak`` and ``transient`` default to 0: then the rank's memory is linear.) In the ILP the two
+maxima are continuous ``X_r``, ``T_r`` bounded below through binaries ``p_jk`` (segment k has
+layers in stage j): ``T_r >= transient_k p_jk``; ``X_r >= X_j >= peak_kq - sum_{k' > k} act_k'q
+z_jk'q - peak_kq (2 - p_jk - y_jq)`` (within a segment its last layer in the stage is the
+worst). They are least at the maxima, so the constraint charges every split exactly
+(``ilp_rank_memory``; tests/test_memory_model.py). ``inflight[j] >= 1`` when peaks are given.
 
 ILP with segment compression
 ----------------------------
@@ -91,10 +101,12 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 from planner.search.partition_greedy import greedy_partition
 from planner.search.partition_problem import (PartitionProblem, PartitionResult, quiet_pulp_deprecations, Segment,
-                                       segment_classes, evaluate_partition, even_partition, segments, step_objective)
+                                       chunk_overshoot, segment_classes, evaluate_partition, even_partition, segments,
+                                       step_objective)
 from planner.plan import Partition
 
 __all__ = [
@@ -194,11 +206,12 @@ class _Model:
         self._policies()
         self._stage_layers()
         fwd, bwd, mem = self._stage_sums()
+        self.mem_rank = self._rank_memory(mem)
         tie = self._tie_break()
         if mode == "time":
             self._time_objective(fwd, bwd, mem, tie)
         else:
-            self._overrun_objective(mem, tie)
+            self._overrun_objective(tie)
 
     def _boundaries(self) -> None:
         """Boundary b_j in [j+1, L-S+j+1] as a segment choice u_jk and an offset w_jk inside it;
@@ -314,6 +327,48 @@ class _Model:
             memj.append(mem)
         return Fj, Bj, memj
 
+    def _rank_memory(self, memj: list) -> list:
+        """Per rank, over mscale: its stages' memory plus what it holds once (module docstring):
+        ``X_r`` >= every chunk's overshoot, ``T_r`` >= every layer's weight-gradient working set,
+        through binaries ``p_jk`` (segment k has layers in stage j). Minimal at the maxima, so
+        the rank's memory of any split is ``cost_models.memory.rank_memory``'s."""
+        import pulp
+
+        pr, segs, z, P, ms = self.pr, self.segs, self.z, self.pr.policies, self.mscale
+        S, K, pp = pr.n_stages, len(segs), pr.pp
+        qi = {q: i for i, q in enumerate(P)}
+        self.p, self.X, self.Xr, self.Tr = {}, {}, [], []
+        if not any(s.transient or any(s.peak) for s in segs):
+            return [pulp.lpSum(memj[j] for j in range(r, S, pp)) for r in range(pp)]
+        for j in range(S):
+            ks = sorted({k for (j2, k, _) in z if j2 == j})
+            self.X[j] = pulp.LpVariable(f"X_{j}", lowBound=0)
+            for k in ks:
+                x = pulp.lpSum(z[j, k, q] for q in P if (j, k, q) in z)
+                cap = min(segs[k].n, pr.n_layers)
+                self.p[j, k] = pulp.LpVariable(f"p_{j}_{k}", cat="Binary")
+                self.prob += x <= cap * self.p[j, k], f"p_{j}_{k}"
+                for q in P:
+                    pk = segs[k].peak[qi[q]] / ms
+                    if pk <= 0:
+                        continue
+                    after = pulp.lpSum(segs[k2].act[qi[q2]] / ms * z[j, k2, q2]
+                                       for k2 in ks if k2 > k for q2 in P if (j, k2, q2) in z)
+                    off = 1 - self.p[j, k] + ((1 - self.y[j, q]) if len(P) > 1 else 0)
+                    self.prob += self.X[j] >= pk - after - pk * off, f"X_{j}_{k}_{qi[q]}"
+        out = []
+        for r in range(pp):
+            Xr, Tr = pulp.LpVariable(f"Xr_{r}", lowBound=0), pulp.LpVariable(f"Tr_{r}", lowBound=0)
+            for j in range(r, S, pp):
+                self.prob += Xr >= self.X[j], f"Xr_{r}_{j}"
+                for k in range(K):
+                    if (j, k) in self.p and segs[k].transient > 0:
+                        self.prob += Tr >= segs[k].transient / ms * self.p[j, k], f"Tr_{r}_{j}_{k}"
+            self.Xr.append(Xr)
+            self.Tr.append(Tr)
+            out.append(pulp.lpSum(memj[j] for j in range(r, S, pp)) + Xr + Tr)
+        return out
+
     def _tie_break(self):
         """A tiny term preferring earlier boundaries and lower policy indices among equal optima."""
         import pulp
@@ -336,7 +391,7 @@ class _Model:
         S, K, pp, v, m = pr.n_stages, len(segs), pr.pp, pr.v, pr.m
         if math.isfinite(pr.capacity):
             for r in range(pp):
-                prob += pulp.lpSum(memj[j] for j in range(r, S, pp)) <= pr.capacity / mscale, f"mem_{r}"
+                prob += self.mem_rank[r] <= pr.capacity / mscale, f"mem_{r}"
             if len(P) > 1:
                 # Perspective cuts (valid, tighten the LP): the part of stage j under
                 # policy q fits in what the rank leaves it, scaled by y_jq. Without
@@ -368,14 +423,14 @@ class _Model:
             obj = (m - 1.0 / v) * Mv + (1.0 / v) * pulp.lpSum(tj)
         prob += obj + tie
 
-    def _overrun_objective(self, memj: list, tie) -> None:
+    def _overrun_objective(self, tie) -> None:
         """Minimise the worst rank's memory overrun relative to capacity (no layout fits)."""
         import pulp
 
         pr, prob = self.pr, self.prob
         D = pulp.LpVariable("D")
         for r in range(pr.pp):
-            prob += D >= pulp.lpSum(memj[j] for j in range(r, pr.n_stages, pr.pp)) - pr.capacity / self.mscale, f"D_{r}"
+            prob += D >= self.mem_rank[r] - pr.capacity / self.mscale, f"D_{r}"
         prob += D + tie * 1e-3
 
     @property
@@ -407,6 +462,15 @@ class _Model:
                     n = max(0, min(hi, sg.end) - max(lo, sg.start))
                     if (j, k, q) in self.z and n:
                         self.z[j, k, q].varValue = float(n)
+        for (j, k), var in self.p.items():
+            lo, hi = part.bounds[j]
+            var.varValue = float(min(hi, segs[k].end) > max(lo, segs[k].start))
+        for j, var in self.X.items():
+            var.varValue = chunk_overshoot(pr, *part.bounds[j], part.recompute[j]) / self.mscale
+        for r in range(len(self.Xr)):
+            js = range(r, S, pr.pp)
+            self.Xr[r].varValue = max(self.X[j].varValue for j in js)
+            self.Tr[r].varValue = max(pr.transient[i] for j in js for i in range(*part.bounds[j])) / self.mscale
         if self.Mv is not None:
             self.Mv.varValue = max(sum(pulp.value(self.tj[j]) for j in range(r, S, pr.pp)) for r in range(pr.pp))
         if self.G is not None:
@@ -429,6 +493,28 @@ class _Model:
         else:
             rec = [max(P, key=lambda q, j=j: (self.y[j, q].value() or 0.0, -P.index(q))) for j in range(S)]
         return Partition(bounds, rec)
+
+
+@quiet_pulp_deprecations
+def ilp_rank_memory(problem: PartitionProblem, partition: Partition) -> list[float]:
+    """Bytes per pp rank the ILP's memory constraint charges for ``partition``: the split's
+    variables fixed at their values, the rank maxima (``X``, ``T``) the least the constraints
+    allow (an LP). What the property tests hold equal to ``cost_models.memory.rank_memory``."""
+    import pulp
+
+    pr = replace(problem, capacity=math.inf)  # no constraint to meet; bytes scaled by the problem's own size
+    model = _Model(pr, segment_classes(pr), "time")
+    model.set_start(partition)
+    free = {v.name for v in [*model.X.values(), *model.Xr, *model.Tr]}
+    for v in model.prob.variables():
+        if v.name not in free:
+            v.lowBound = v.upBound = v.varValue
+    model.prob.setObjective(pulp.lpSum(model.mem_rank))
+    if free:
+        model.prob.solve(pulp.PULP_CBC_CMD(msg=False, threads=1))
+        if model.prob.status != pulp.LpStatusOptimal:
+            raise RuntimeError(f"the ILP rejects its own split {partition}: {pulp.LpStatus[model.prob.status]}")
+    return [pulp.value(e) * model.mscale for e in model.mem_rank]
 
 
 @quiet_pulp_deprecations
