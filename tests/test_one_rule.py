@@ -48,3 +48,14 @@ def test_expert_mesh_matches_the_listed_groups():
         groups, edp_groups = expert_groups(dp, cp, ep, tp)
         assert (len(groups), len(groups[0]), len(edp_groups), len(edp_groups[0])) == (edp, e, e, edp)
         assert sorted(r for g in groups for r in g) == list(range(dp * cp * tp))
+
+
+def test_reserve_chosen_once():
+    assert not offenders(r"\bRESERVE_(GPU|CPU)\b", {"cost_models/memory.py"}), "use cost_models.memory.framework_reserve"
+    assert not offenders(r"""(\.get\(|\[)["']mem_reserve_(gib|frac)""", {"cost_models/memory.py"}), \
+        "read the calibrated reserve through cost_models.memory.framework_reserve"
+
+
+def test_zb_h1_split_stated_once():
+    assert not offenders(r"wgrad\w*\s*(:\s*float\s*)?=\s*0\.5|1\.0 - a - min\(a|x / 2 for x in b", set()), \
+        "use cost_models.pipeline.WGRAD_FRAC / split_backward / zb_h1_bubble_terms"

@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from cost_models.pipeline import WGRAD_FRAC, linear_step
 from planner.plan import RECOMPUTE, SCHEDULES, Partition
 
 MEM_TOL = 1e-9          # relative slack when checking capacity
@@ -50,7 +51,7 @@ class PartitionProblem:
     policies: tuple[str, ...] = RECOMPUTE
     peak: list[dict[str, float]] = field(default_factory=list)  # per layer: {policy: overshoot} (default 0)
     transient: list[float] = field(default_factory=list)        # per layer: weight-gradient working set (default 0)
-    wgrad_frac: float = 0.5           # zb-h1: share of bwd that is the weight gradient (W)
+    wgrad_frac: float = WGRAD_FRAC    # zb-h1: share of bwd that is the weight gradient (W)
 
     def __post_init__(self) -> None:
         L = len(self.fwd)
@@ -117,6 +118,7 @@ class PartitionResult:
     n_vars: int = 0                   # ILP size (0 for heuristics)
     n_constraints: int = 0
     n_segments: int = 0
+    ilp_objective_s: float = math.nan  # the solver's own objective at its split (tie-break aside); nan if not the ILP's
 
     @property
     def feasible(self) -> bool:
@@ -175,17 +177,9 @@ def segment_classes(pr: PartitionProblem) -> list[Segment]:
 # evaluation (the one objective everything shares)
 # ---------------------------------------------------------------------------------------
 def step_objective(problem: PartitionProblem, stage_fwd: Sequence[float], stage_bwd: Sequence[float]) -> float:
-    """The module's objective from per-virtual-stage F_j (incl. p2p) and B_j."""
-    pp, v, m = problem.pp, problem.v, problem.m
-    t = [f + b for f, b in zip(stage_fwd, stage_bwd)]
-    R = [sum(t[r::pp]) for r in range(pp)]
-    M = max(R)
-    if problem.schedule == "zb-h1":
-        a = problem.wgrad_frac
-        beta = 1.0 - a - min(a, 1.0 - a)
-        G = [max(f + beta * b, (1.0 - a) * b) for f, b in zip(stage_fwd, stage_bwd)]
-        return m * M + (pp - 1) / pp * sum(G)
-    return m * M + (sum(t) - M) / v
+    """The module's objective from per-virtual-stage F_j (incl. p2p) and B_j:
+    ``cost_models.pipeline.linear_step``."""
+    return linear_step(problem.schedule, problem.pp, problem.m, problem.v, stage_fwd, stage_bwd, problem.wgrad_frac)
 
 
 def _shortfall(problem: PartitionProblem, rank_memory: list[float]) -> dict | None:
