@@ -54,7 +54,7 @@ from dataclasses import dataclass, replace
 from cost_models import gpu_kernels as gk
 from cost_models.cluster import Cluster
 from cost_models.experts import expert_rows
-from cost_models.op_recompute import checkpointed, kept_linears
+from cost_models.op_recompute import checkpointed, kept_flops, kept_linears, routed_unkept_share
 from planner.graph import OUT_SPLIT_ROLES, TP_SPLIT_ROLES, Layer, Linear, ModelGraph, MoEDims
 from planner.plan import ParallelConfig
 
@@ -137,16 +137,12 @@ def _shard_factor(layer: Layer, cfg: ParallelConfig) -> float:
 def op_recompute_share(layer: Layer, graph: ModelGraph, cfg: ParallelConfig | None = None) -> float:
     """Share of ``layer``'s forward FLOPs that per-op recompute (``selective-op``) runs again:
     1 - (kept matmul FLOPs + attention-core FLOPs) / forward FLOPs, for the captured batch
-    (routed experts: half their GEMM FLOPs kept); 0 for layers the runtime does not
+    (``op_recompute.kept_flops``); 0 for layers the runtime does not
     checkpoint. Where the layer time has no kernel breakdown (CPU roofline, profiled
     layers) the recompute is this share of the forward time."""
     if not checkpointed(layer) or layer.fwd_flops <= 0:
         return 0.0
-    tokens = graph.batch * graph.seq_len
-    kept = sum(2.0 * tokens * lin.in_features * lin.out_features for lin in kept_linears(layer))
-    if layer.moe is not None:
-        m = layer.moe
-        kept += 3 * 2.0 * tokens * m.top_k * graph.hidden * m.expert_ffn / 2
+    kept = kept_flops(layer, graph)
     a = layer.attention
     fwd = layer.fwd_flops
     if a is not None:
@@ -241,7 +237,7 @@ def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Paral
             e = layer.moe.experts // cfg.ep  # local experts
             t = e * gk.gemm_seconds(m, n, k, elem, gpu, co)
             fwd += t
-            unkept += t / 2  # every other expert matmul kept
+            unkept += t * routed_unkept_share(layer)
             bwd += e * (gk.gemm_seconds(m, k, n, elem, gpu, co) + gk.gemm_seconds(n, k, m, elem, gpu, co))
         rows_cap, h, f = m_cap * layer.moe.top_k, graph.hidden, layer.moe.expert_ffn
         io = 3 * (rows_cap * h + layer.moe.experts * h * f + rows_cap * f)  # inputs, weights, outputs
