@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from cost_models.cluster import Cluster
-from cost_models.estimate import Estimate, LayerCosts, estimate, layer_pass_times
+from cost_models.estimate import Estimate, estimate
+from cost_models.layer_costs import LayerCosts, layer_pass_times
 from cost_models.pipeline import estimate_step
 from cost_models.compute import calibration
 from cost_models.memory import Reserve, framework_reserve, memory_floor

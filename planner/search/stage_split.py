@@ -5,7 +5,8 @@ estimate (``split_and_estimate`` / ``best_partition``; the solver is planner/sea
 from __future__ import annotations
 
 from cost_models.cluster import Cluster
-from cost_models.estimate import Estimate, LayerCosts, estimate, inflight_closed, layer_pass_times
+from cost_models.estimate import Estimate, estimate, inflight_closed
+from cost_models.layer_costs import LayerCosts, layer_pass_times
 from cost_models.compute import calibration
 from cost_models.memory import DTYPE_BYTES, MemoryRule, chunk_memory, framework_reserve
 from planner.graph import BLOCK_KINDS, ModelGraph
