@@ -66,13 +66,14 @@ import hashlib
 import json
 import math
 import os
-import time
 import tomllib
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
+
+from cost_models import machine
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 BACKENDS = ("nccl", "gloo")
@@ -343,18 +344,18 @@ class Cluster:
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ClusterError(f"local-cpu needs a positive process count, got {n!r}: use local-cpu:N, e.g. local-cpu:2")
-        gemm_flops, copy_bps = measure_cpu()
-        share = min(1.0, _cpu_count() / n)
+        gemm_flops, copy_bps = machine.measure_cpu()
+        share = min(1.0, machine.cpu_count() / n)
         device = Device(
-            name=f"cpu-{_cpu_model()}-{_cpu_count()}c",
-            memory_gib=_total_ram_bytes() / n / 2**30,
+            name=f"cpu-{machine.cpu_model()}-{machine.cpu_count()}c",
+            memory_gib=machine.total_ram_bytes() / n / 2**30,
             peak_tflops={"fp32": gemm_flops * share / 1e12},
             mem_bw_gbs=copy_bps * share / 1e9,
         )
         link = Link(bandwidth_gbs=GLOO_LINK_GBS, latency_us=GLOO_LATENCY_US)
         return cls(name=f"local-cpu:{n}", nodes=1, devices_per_node=n, device=device,
                    intra=link, inter=Link(link.bandwidth_gbs, link.latency_us),
-                   backend="gloo", detected=True, cores_per_node=_cpu_count())
+                   backend="gloo", detected=True, cores_per_node=machine.cpu_count())
 
 
 # ---- presets -------------------------------------------------------------------------
@@ -391,7 +392,7 @@ def parse_cluster(spec: str) -> Cluster:
         return Cluster.from_toml(spec)
     name, sep, count = spec.partition(":")
     if name == "local-cpu":  # without a count: one process per core, so no rank waits for a core
-        n = _parse_count(count, spec, "processes") if sep else _cpu_count()
+        n = _parse_count(count, spec, "processes") if sep else machine.cpu_count()
         c = detect_cached(n)
         return Cluster.from_dict(c.to_dict(), source=spec)  # a fresh copy callers may mutate
     nodes = _parse_count(count, spec, "nodes") if sep else 1
@@ -448,71 +449,3 @@ def _str(v: Any, source: str, key: str) -> str:
     if not isinstance(v, str) or not v:
         raise ClusterError(f"{source}: {key} must be a non-empty string, got {v!r}")
     return v
-
-
-# ---- local measurements --------------------------------------------------------------
-def _cpu_count() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    return "-".join(model.split())[:48] or "unknown"
-    except OSError:
-        pass
-    return "unknown"
-
-
-def _total_ram_bytes() -> int:
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-
-def _best_time(fn: Any, repeats: int, budget_s: float) -> float:
-    best = math.inf
-    t_end = time.perf_counter() + budget_s
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-        if time.perf_counter() > t_end:
-            break
-    return best
-
-
-def measure_cpu() -> tuple[float, float]:
-    """Single-thread fp32 GEMM FLOP/s and memory copy bandwidth (bytes/s read + written)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        n = 384
-        a = torch.randn(n, n)
-        b = torch.randn(n, n)
-        out = torch.empty(n, n)
-        torch.mm(a, b, out=out)  # warm-up
-        t = _best_time(lambda: torch.mm(a, b, out=out), repeats=8, budget_s=0.5)
-        gemm = 2.0 * n**3 / max(t, 1e-9)
-        src = torch.empty(16 * 2**20 // 4)  # 16 MiB: larger than the last-level cache on most CPUs
-        src.fill_(1.0)
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        t = _best_time(lambda: dst.copy_(src), repeats=6, budget_s=0.4)
-        copy = 2.0 * src.numel() * 4 / max(t, 1e-9)
-    finally:
-        torch.set_num_threads(threads)
-    return gemm, copy

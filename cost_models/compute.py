@@ -54,7 +54,7 @@ from dataclasses import dataclass, replace
 from cost_models import gpu_kernels as gk
 from cost_models.cluster import Cluster
 from cost_models.experts import expert_rows
-from cost_models.op_recompute import checkpointed, kept_linears
+from cost_models.op_recompute import checkpointed, kept_flops, kept_linears, routed_unkept_share
 from planner.graph import OUT_SPLIT_ROLES, TP_SPLIT_ROLES, Layer, Linear, ModelGraph, MoEDims
 from planner.plan import ParallelConfig
 
@@ -130,23 +130,19 @@ def model_flops_per_seq(graph: ModelGraph) -> float:
 def _shard_factor(layer: Layer, cfg: ParallelConfig) -> float:
     """Fraction of a layer's per-token work one rank does under tp / sp / cp."""
     f = layer.tp_flops_frac
-    rest_div = cfg.tp if cfg.sp else 1
+    rest_div = cfg.seq_shards
     return (f / cfg.tp + (1.0 - f) / rest_div) / cfg.cp
 
 
 def op_recompute_share(layer: Layer, graph: ModelGraph, cfg: ParallelConfig | None = None) -> float:
     """Share of ``layer``'s forward FLOPs that per-op recompute (``selective-op``) runs again:
     1 - (kept matmul FLOPs + attention-core FLOPs) / forward FLOPs, for the captured batch
-    (routed experts: half their GEMM FLOPs kept); 0 for layers the runtime does not
+    (``op_recompute.kept_flops``); 0 for layers the runtime does not
     checkpoint. Where the layer time has no kernel breakdown (CPU roofline, profiled
     layers) the recompute is this share of the forward time."""
     if not checkpointed(layer) or layer.fwd_flops <= 0:
         return 0.0
-    tokens = graph.batch * graph.seq_len
-    kept = sum(2.0 * tokens * lin.in_features * lin.out_features for lin in kept_linears(layer))
-    if layer.moe is not None:
-        m = layer.moe
-        kept += 3 * 2.0 * tokens * m.top_k * graph.hidden * m.expert_ffn / 2
+    kept = kept_flops(layer, graph)
     a = layer.attention
     fwd = layer.fwd_flops
     if a is not None:
@@ -219,60 +215,86 @@ def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Paral
     co = gk.GpuCoefficients.of(cal)
     elem = 4 if cfg.dtype == "fp32" else 2
     gpu = gk.GpuSpec(peak=cluster.peak_flops(cfg.dtype), bw=cluster.device.mem_bw_gbs * 1e9, sms=cluster.device.sms)
-    scale = cfg.mbs / graph.batch
-    dscale = elem / graph.dtype_bytes
-    m_cap = _captured_tokens(layer, graph)
-    tokens = m_cap * scale / cfg.cp
-    fwd = bwd = unkept = 0.0  # unkept: the forward GEMMs per-op recompute runs again
-    kept = {id(lin) for lin in kept_linears(layer)}
-    gemm_bytes_cap: dict[str, float] = {}
-    for lin in layer.linears:
-        m, n, k = _gemm_shape(lin, tokens, cfg.tp, cfg.sp)
-        t = gk.gemm_seconds(m, n, k, elem, gpu, co)
-        fwd += t
-        unkept += 0.0 if id(lin) in kept else t
-        bwd += gk.gemm_seconds(m, k, n, elem, gpu, co) + gk.gemm_seconds(n, k, m, elem, gpu, co)
-        op = next((o.name for o in layer.ops if o.name and lin.name.startswith(o.name + ".")), "")
-        io = m_cap * lin.in_features + lin.in_features * lin.out_features + m_cap * lin.out_features
-        gemm_bytes_cap[op] = gemm_bytes_cap.get(op, 0.0) + io * graph.dtype_bytes
-    if layer.moe is not None:  # routed experts: per expert, its share of the rows (balanced load)
-        routed = tokens / (cfg.tp if cfg.sp else 1)  # under TP the rank routes its sequence shard
-        for m, n, k in expert_gemms(layer.moe, routed, graph.hidden, cfg.ep):
-            e = layer.moe.experts // cfg.ep  # local experts
-            t = e * gk.gemm_seconds(m, n, k, elem, gpu, co)
-            fwd += t
-            unkept += t / 2  # every other expert matmul kept
-            bwd += e * (gk.gemm_seconds(m, k, n, elem, gpu, co) + gk.gemm_seconds(n, k, m, elem, gpu, co))
-        rows_cap, h, f = m_cap * layer.moe.top_k, graph.hidden, layer.moe.expert_ffn
-        io = 3 * (rows_cap * h + layer.moe.experts * h * f + rows_cap * f)  # inputs, weights, outputs
-        gemm_bytes_cap[layer.moe.part] = gemm_bytes_cap.get(layer.moe.part, 0.0) + io * graph.dtype_bytes
-    a = layer.attention
-    if a is not None:
+    g = _GpuPass(layer, graph, cfg, gpu, co, elem)
+    g.gemms()
+    g.attention()
+    mem_fwd = g.memory_bound()
+    # per-op recompute re-runs the unkept GEMMs and every memory-bound kernel, not attention
+    return LayerTime(g.fwd, g.bwd, "roofline", op_recompute_s=g.unkept + mem_fwd if checkpointed(layer) else 0.0)
+
+
+class _GpuPass:
+    """One layer's GPU kernels for one micro-batch, summed in order: GEMMs, attention, memory-bound."""
+
+    def __init__(self, layer: Layer, graph: ModelGraph, cfg: ParallelConfig, gpu, co, elem: int) -> None:
+        self.layer, self.graph, self.cfg, self.gpu, self.co, self.elem = layer, graph, cfg, gpu, co, elem
+        self.scale = cfg.mbs / graph.batch
+        self.m_cap = _captured_tokens(layer, graph)
+        self.tokens = self.m_cap * self.scale / cfg.cp
+        self.fwd = self.bwd = self.unkept = 0.0  # unkept: the forward GEMMs per-op recompute runs again
+        self.gemm_bytes_cap: dict[str, float] = {}
+
+    def gemm(self, m: float, n: float, k: float, times: float = 1.0) -> float:
+        """Add ``times`` GEMMs of (m, n, k) forward and their two backward GEMMs; the forward seconds."""
+        gpu, co, elem = self.gpu, self.co, self.elem
+        t = times * gk.gemm_seconds(m, n, k, elem, gpu, co)
+        self.fwd += t
+        self.bwd += times * (gk.gemm_seconds(m, k, n, elem, gpu, co) + gk.gemm_seconds(n, k, m, elem, gpu, co))
+        return t
+
+    def gemms(self) -> None:
+        """Every linear at its sharded shape; routed experts per expert at its share of the rows."""
+        layer, graph, cfg, m_cap = self.layer, self.graph, self.cfg, self.m_cap
+        kept = {id(lin) for lin in kept_linears(layer)}
+        for lin in layer.linears:
+            t = self.gemm(*_gemm_shape(lin, self.tokens, cfg.tp, cfg.sp))
+            self.unkept += 0.0 if id(lin) in kept else t
+            op = next((o.name for o in layer.ops if o.name and lin.name.startswith(o.name + ".")), "")
+            io = m_cap * lin.in_features + lin.in_features * lin.out_features + m_cap * lin.out_features
+            self.gemm_bytes_cap[op] = self.gemm_bytes_cap.get(op, 0.0) + io * graph.dtype_bytes
+        if layer.moe is not None:  # routed experts: per expert, its share of the rows (balanced load)
+            routed = self.tokens / cfg.seq_shards  # under TP the rank routes its sequence shard
+            for m, n, k in expert_gemms(layer.moe, routed, graph.hidden, cfg.ep):
+                t = self.gemm(m, n, k, layer.moe.experts // cfg.ep)  # local experts
+                self.unkept += t * routed_unkept_share(layer)
+            rows_cap, h, f = m_cap * layer.moe.top_k, graph.hidden, layer.moe.expert_ffn
+            io = 3 * (rows_cap * h + layer.moe.experts * h * f + rows_cap * f)  # inputs, weights, outputs
+            self.gemm_bytes_cap[layer.moe.part] = self.gemm_bytes_cap.get(layer.moe.part, 0.0) + io * graph.dtype_bytes
+
+    def attention(self) -> None:
+        """The fused attention core, and the ring's log-sum-exp merges."""
+        layer, graph, cfg, gpu, co, a = self.layer, self.graph, self.cfg, self.gpu, self.co, self.layer.attention
+        if a is None:
+            return
         core = attn_core_flops(layer, cfg.mbs) * (0.5 if a.causal else 1.0) * attention_share(layer, graph, cfg)
         core /= cfg.tp * cfg.cp
         ring = cfg.cp // cfg.ulysses  # CP's ring degree: each block call sees kv_len / ring keys
         kv = min(a.kv_len / ring, document_kv_len(layer, graph, cfg))  # packed documents: their mean length
-        fwd += gk.attention_seconds(core, kv, gpu, co)
-        bwd += gk.attention_seconds(core, kv, gpu, co, backward=True)
+        self.fwd += gk.attention_seconds(core, kv, gpu, co)
+        self.bwd += gk.attention_seconds(core, kv, gpu, co, backward=True)
         if ring > 1:  # each ring step's partial output merged by log-sum-exp: read two, write one (fp32)
             merge = 3 * cfg.mbs * (a.seq_len / cfg.cp) * (a.heads / cfg.tp) * (a.head_dim + 1) * 4
-            fwd += gk.memory_seconds((ring - 1) * merge, ring - 1, gpu, co)
-            bwd += gk.memory_seconds(2 * (ring - 1) * merge, 2 * (ring - 1), gpu, co)
-    mem_f = mem_b = 0.0
-    for op in layer.ops:
-        div = (cfg.tp if op.tp_style != "replicated" else (cfg.tp if cfg.sp else 1)) * cfg.cp
-        share = (op.fwd_bytes / layer.fwd_bytes) if layer.fwd_bytes else 0.0
-        mm = gemm_bytes_cap.get(op.name, 0.0)
-        mem_f += max(op.fwd_bytes - mm, 0.0) * scale * dscale / div
-        mem_b += max(layer.bwd_bytes * share - 2 * mm, 0.0) * scale * dscale / div
-    if not layer.ops:
-        mem_f = layer.fwd_bytes * scale * dscale * _shard_factor(layer, cfg)
-        mem_b = layer.bwd_bytes * scale * dscale * _shard_factor(layer, cfg)
-    mem_fwd = gk.memory_seconds(mem_f, layer.fwd_kernels, gpu, co)
-    fwd += mem_fwd
-    bwd += gk.memory_seconds(mem_b, layer.bwd_kernels, gpu, co)
-    # per-op recompute re-runs the unkept GEMMs and every memory-bound kernel, not attention
-    return LayerTime(fwd, bwd, "roofline", op_recompute_s=unkept + mem_fwd if checkpointed(layer) else 0.0)
+            self.fwd += gk.memory_seconds((ring - 1) * merge, ring - 1, gpu, co)
+            self.bwd += gk.memory_seconds(2 * (ring - 1) * merge, 2 * (ring - 1), gpu, co)
+
+    def memory_bound(self) -> float:
+        """Each op's bytes beyond its GEMMs at HBM bandwidth; returns the forward's seconds."""
+        layer, cfg, scale = self.layer, self.cfg, self.scale
+        dscale = self.elem / self.graph.dtype_bytes
+        mem_f = mem_b = 0.0
+        for op in layer.ops:
+            div = (cfg.tp if op.tp_style != "replicated" else cfg.seq_shards) * cfg.cp
+            share = (op.fwd_bytes / layer.fwd_bytes) if layer.fwd_bytes else 0.0
+            mm = self.gemm_bytes_cap.get(op.name, 0.0)
+            mem_f += max(op.fwd_bytes - mm, 0.0) * scale * dscale / div
+            mem_b += max(layer.bwd_bytes * share - 2 * mm, 0.0) * scale * dscale / div
+        if not layer.ops:
+            mem_f = layer.fwd_bytes * scale * dscale * _shard_factor(layer, cfg)
+            mem_b = layer.bwd_bytes * scale * dscale * _shard_factor(layer, cfg)
+        mem_fwd = gk.memory_seconds(mem_f, layer.fwd_kernels, self.gpu, self.co)
+        self.fwd += mem_fwd
+        self.bwd += gk.memory_seconds(mem_b, layer.bwd_kernels, self.gpu, self.co)
+        return mem_fwd
 
 
 def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
@@ -296,7 +318,7 @@ def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parall
         if op.kind == "attention" and causal_cut:
             f_fwd -= causal_cut
             f_bwd -= causal_cut * BWD_ATTN_CORE_FACTOR
-        op_div = (cfg.tp if op.tp_style != "replicated" else (cfg.tp if cfg.sp else 1)) * cfg.cp
+        op_div = (cfg.tp if op.tp_style != "replicated" else cfg.seq_shards) * cfg.cp
         bytes_f = op.fwd_bytes * dscale
         fwd += max(max(f_fwd, 0.0) / (peak * eff), bytes_f / bw) * scale / op_div
         share = (op.fwd_bytes / layer.fwd_bytes) if layer.fwd_bytes else 0.0

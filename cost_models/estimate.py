@@ -71,21 +71,20 @@ layer times or collective times were used, ``roofline`` / ``model`` otherwise.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cost_models import comm as comm_mod
 from cost_models import pipeline as pipe_mod
 from cost_models.cluster import Cluster
-from cost_models.compute import (LayerTime, attention_share, attn_core_flops, calibration, document_masked,
-                                  layer_time, memory_bandwidth, model_flops_per_seq)
-from cost_models.context_parallel import cp_comm
-from cost_models.documents import ring_hiding
-from cost_models.experts import ep_mesh, expert_comm
-from cost_models.memory import DTYPE_BYTES, LayerTable, StageMemory, dp_group, stage_memory
+from cost_models.compute import calibration, memory_bandwidth, model_flops_per_seq
+from cost_models.experts import ep_mesh
+from cost_models.layer_costs import LayerCosts, act_bytes_io, layer_pass_times
+from cost_models.memory import (LayerTable, MemoryRule, StageMemory, chunk_memory, dp_group, framework_reserve,
+                                 rank_memory)
 from cost_models.shared_cores import compute_concurrency, core_speedup, shares_cores, spare_core
 from planner.feasibility import microbatches
-from planner.graph import Layer, ModelGraph
+from planner.graph import ModelGraph
 from planner.plan import DDP_BUCKET_BYTES, SHARDED_PARAMS, ParallelConfig, Partition, PlanError, uses_ddp_reducer
 
 # DP-communication overlap efficiency: nccl 0.79 fitted on the published runs
@@ -152,132 +151,6 @@ def exposed_s(comm_s: float, window_s: float, tail_s: float = 0.0) -> float:
     return tail + max(0.0, comm_s - tail - max(window_s, 0.0))
 
 
-def _act_bytes_io(layer: Layer, graph: ModelGraph, cfg: ParallelConfig) -> float:
-    """Bytes of one micro-batch's hidden activation at this layer's input, per cp rank."""
-    return layer.input_bytes * cfg.mbs / graph.batch * DTYPE_BYTES[cfg.dtype] / graph.dtype_bytes / cfg.cp
-
-
-@dataclass(frozen=True)
-class LayerCost:
-    """One layer, one micro-batch, one rank (seconds): forward and backward compute, TP
-    communication (forward + backward), CP's exposed ring exchange (forward + backward), the
-    attention core's forward (what ``selective`` recomputes), what ``selective-op`` recomputes
-    of the forward compute (``LayerTime.op_recompute_s``), and where the compute and
-    communication figures came from."""
-    fwd: float
-    bwd: float
-    tp: float
-    cp: float
-    core: float
-    op_rc: float
-    source: str
-    comm_source: str
-    ep_fwd: float = 0.0    # expert all-to-alls (cost_models/experts.py): forward, backward
-    ep_bwd: float = 0.0
-
-
-class LayerCosts:
-    """Per-layer forward/backward seconds incl. TP/CP communication, cached by signature."""
-
-    def __init__(self, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, profile,
-                 tables: dict[tuple, LayerTable] | None = None) -> None:
-        self.g, self.c, self.cfg, self.profile = graph, cluster, cfg, profile
-        self.mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
-        self.cache: dict[str, LayerCost] = {}
-        self.tables = tables if tables is not None else {}  # memory figures: may be shared by several (the search)
-
-    @staticmethod
-    def key(cfg: ParallelConfig) -> tuple:
-        """What the per-layer seconds depend on: configurations with the same key share them."""
-        return (cfg.tp, cfg.cp, cfg.ulysses, cfg.ep, cfg.mbs, cfg.sp, cfg.dtype)
-
-    def table(self, cfg: ParallelConfig) -> LayerTable:
-        """Per-layer memory figures for cfg (they depend on tp, cp, ep, sp, mbs, dtype, kernels and
-        whether a pipeline holds tied copies)."""
-        key = (cfg.tp, cfg.cp, cfg.ep, cfg.sp, cfg.mbs, cfg.dtype, cfg.attention, cfg.loss, cfg.pp > 1)
-        t = self.tables.get(key)
-        if t is None:
-            t = self.tables[key] = LayerTable(self.g, cfg)
-        return t
-
-    def get(self, layer: Layer) -> "LayerCost":
-        """The layer's seconds for one micro-batch under the config (cached by signature)."""
-        hit = self.cache.get(layer.signature)
-        if hit is not None:
-            return hit
-        g, cfg = self.g, self.cfg
-        lt: LayerTime = layer_time(layer, g, self.c, cfg, self.profile)
-        tp_s, csrc = 0.0, "model"
-        if cfg.tp > 1:
-            n_red = sum(1 for l in layer.linears if l.role == "row")
-            n_red += sum(1 for o in layer.ops if o.kind == "embedding" and o.tp_style == "vocab")
-            nbytes = _act_bytes_io(layer, g, cfg)
-            if n_red and nbytes:
-                if cfg.sp:
-                    rs = comm_mod.collective_time("reduce_scatter", nbytes, self.c, self.mesh, "tp", self.profile)
-                    ag = comm_mod.collective_time("all_gather", nbytes, self.c, self.mesh, "tp", self.profile)
-                    one, csrc = rs.seconds + ag.seconds, rs.source
-                else:
-                    ar = comm_mod.collective_time("all_reduce", nbytes, self.c, self.mesh, "tp", self.profile)
-                    one, csrc = ar.seconds, ar.source
-                tp_s = 2 * n_red * one  # forward and backward
-        core_s = 0.0
-        cp_s = 0.0
-        a = layer.attention
-        if a is not None:
-            peak = self.c.peak_flops("fp32" if self.c.backend == "gloo" else cfg.dtype)
-            core = attn_core_flops(layer, cfg.mbs) * (0.5 if a.causal else 1.0) * attention_share(layer, g, cfg)
-            core_s = core / (cfg.tp * cfg.cp) / peak
-            if cfg.cp > 1:  # ring, Ulysses or both (cost_models/context_parallel.py)
-                hide = ring_hiding(g.documents, cfg.cp, cfg.ulysses) if document_masked(layer, g, cfg) else 1.0
-                cpc = cp_comm(a, cfg, self.c, core_s, self.profile, hide)
-                cp_s, csrc = cpc.exposed, cpc.source
-        ex = expert_comm(layer, g, self.c, cfg, self.profile)
-        if ex.fwd:
-            csrc = ex.source
-        out = LayerCost(fwd=lt.fwd_s, bwd=lt.bwd_s, tp=tp_s, cp=cp_s, core=core_s,
-                        op_rc=lt.op_recompute_s, source=lt.source, comm_source=csrc, ep_fwd=ex.fwd, ep_bwd=ex.bwd)
-        self.cache[layer.signature] = out
-        return out
-
-
-@dataclass(frozen=True)
-class PassTimes:
-    """One layer, one micro-batch, under a recompute policy (seconds): what the pipeline runs
-    forward and backward (exposed TP / CP communication included), their compute parts, and
-    the recompute the backward carries."""
-    fwd: float
-    bwd: float
-    compute_fwd: float
-    compute_bwd: float
-    recompute: float
-
-
-def recompute_seconds(c: LayerCost, policy: str) -> float:
-    """What ``policy`` re-runs in the backward of one layer and micro-batch: the whole forward
-    (communication included) for ``full``; for ``selective-op`` its unkept compute
-    (``op_rc``) and the forward TP communication at the same share of the forward (the
-    collectives feeding unkept outputs run again); the attention core for ``selective``;
-    nothing for ``none``."""
-    fwd = c.fwd + c.tp / 2 + c.cp / 3 + c.ep_fwd
-    if policy == "full":
-        return fwd
-    if policy == "selective-op":
-        return c.op_rc * (1 + c.tp / 2 / c.fwd) if c.fwd > 0 else 0.0
-    return c.core if policy == "selective" else 0.0
-
-
-def layer_pass_times(c: LayerCost, policy: str) -> PassTimes:
-    """The one per-layer stage-time rule the estimator and the ILP (planner/search/space.py) share,
-    from ``LayerCosts.get``'s figures: TP communication split evenly between forward and
-    backward, CP's exposed part 1:2 (the backward exchanges twice), the expert all-to-alls
-    where they run, and the recompute (:func:`recompute_seconds`) added to the backward."""
-    extra = recompute_seconds(c, policy)
-    return PassTimes(fwd=c.fwd + c.tp / 2 + c.cp / 3 + c.ep_fwd,
-                     bwd=c.bwd + c.tp / 2 + 2 * c.cp / 3 + c.ep_bwd + extra,
-                     compute_fwd=c.fwd, compute_bwd=c.bwd + extra, recompute=extra)
-
-
 @dataclass
 class _StageCost:
     """One virtual stage, one micro-batch: the times the pipeline runs (seconds, exposed TP/CP
@@ -324,25 +197,17 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
 
 def _rank_memory(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
                  table: LayerTable, inflight_chunks: list[int], cal: dict[str, float]) -> list[StageMemory]:
-    """Memory of every pp rank: its chunks' memory with the in-flight micro-batches the pipeline
-    holds there; on CPUs a calibrated per-process reserve."""
-    is_gpu = cluster.backend != "gloo"
+    """Memory of every pp rank (``memory.rank_memory``): its chunks with the in-flight
+    (chunk, micro-batch) pairs the pipeline holds there, spread evenly over the chunks."""
+    rule = MemoryRule(graph, cfg, table)
+    reserve = framework_reserve(cluster.backend != "gloo", cal)
     n_stages = len(partition.bounds)
     memory = []
     for r in range(cfg.pp):
         chunks = [j for j in range(n_stages) if j % cfg.pp == r]
-        per_chunk = inflight_chunks[r] / len(chunks)  # in-flight (chunk, micro-batch) pairs over the chunks
-        mems = [stage_memory(graph, list(range(*partition.bounds[j])), cfg, per_chunk, partition.recompute[j],
-                             is_gpu, table) for j in chunks]
-        reserve = mems[0].reserve
-        if not is_gpu and ("mem_reserve_gib" in cal or "mem_reserve_frac" in cal):
-            tensors = sum(x.tensors for x in mems)
-            reserve = cal.get("mem_reserve_gib", 0.0) * GiB + cal.get("mem_reserve_frac", 0.0) * tensors
-        memory.append(StageMemory(weights=sum(x.weights for x in mems), grads=sum(x.grads for x in mems),
-                                  optimizer=sum(x.optimizer for x in mems),
-                                  activations=sum(x.activations for x in mems),
-                                  buffers=max(x.buffers for x in mems), reserve=reserve,
-                                  inflight=inflight_chunks[r]))
+        mems = [chunk_memory(rule, range(*partition.bounds[j]), partition.recompute[j]) for j in chunks]
+        m = rank_memory(mems, [inflight_chunks[r] / len(chunks)] * len(chunks), reserve)
+        memory.append(replace(m, inflight=inflight_chunks[r]))
     return memory
 
 
@@ -389,7 +254,7 @@ def _p2p_hop_s(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partiti
     """One pipeline hop: the largest stage boundary's activation over the pp link (0 without PP)."""
     if cfg.pp == 1:
         return 0.0
-    sizes = [_act_bytes_io(graph.layers[hi], graph, cfg) / (cfg.tp if cfg.sp else 1)
+    sizes = [act_bytes_io(graph.layers[hi], graph, cfg) / cfg.seq_shards
              for (lo, hi) in partition.bounds[:-1] if hi < len(graph.layers)]
     if not sizes:
         return 0.0

@@ -58,7 +58,7 @@ def ep_mesh(cfg: ParallelConfig) -> comm_mod.Mesh:
 
 def rank_tokens(graph: ModelGraph, cfg: ParallelConfig) -> float:
     """Tokens one rank routes per micro-batch: mbs x seq / cp (/ tp under sequence parallel)."""
-    return cfg.mbs * graph.seq_len / cfg.cp / (cfg.tp if cfg.sp else 1)
+    return cfg.mbs * graph.seq_len / cfg.cp / cfg.seq_shards
 
 
 def alltoall_bytes(moe: MoEDims, graph: ModelGraph, cfg: ParallelConfig) -> float:

@@ -50,14 +50,26 @@ compute dtype, then divided:
 In-flight micro-batches per stage come from the pipeline simulator (1F1B holds
 ``pp - s`` on stage s, GPipe all ``m``).
 
-Framework reserve: ``RESERVE_GPU`` on GPUs (CUDA context, NCCL buffers, allocator
-fragmentation) and ``RESERVE_CPU`` for local CPU processes (interpreter + torch).
-Measured tensor peaks (torch's allocator stats, live-tensor tracking) do not see
-the reserve, so comparisons use ``tensors`` (the total without it).
+Framework reserve (:func:`framework_reserve`, the one place it is chosen): ``RESERVE_GPU`` on
+GPUs (CUDA context, NCCL buffers, allocator fragmentation); on CPUs ``RESERVE_CPU``, or the
+calibrated ``mem_reserve_gib`` + ``mem_reserve_frac`` x tensor bytes (``autopar calibrate``:
+peak RSS includes the interpreter and torch). Measured tensor peaks (torch's allocator stats,
+live-tensor tracking) do not see the reserve, so comparisons use ``tensors`` (the total without it).
+
+One rank's peak (:func:`rank_memory`, the rule the estimate, the ILP and the search floor share)
+is composed from per-chunk figures (:func:`chunk_memory`, a :class:`ChunkMemory`): model states and
+the DP buffers every chunk holds; each chunk's activations times its in-flight micro-batches;
+plus, once per rank, the largest back-propagation overshoot of a chunk (its working set at the
+worst layer beyond what the back-propagated micro-batch still holds) and the largest layer's
+weight-gradient working set (or, FSDP without a pipeline, its two unsharded units). A chunk
+composed of two runs of layers has ``peak = max(first.peak - second.act, second.peak)``: the
+ILP (planner/search/stage_split.py) prices splits with that identity, so its memory of any
+split equals this rule's.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Mapping, Sequence
 
 from cost_models.op_recompute import checkpointed, op_saved_bytes
 from planner.graph import TP_SPLIT_ROLES, Layer, ModelGraph
@@ -129,10 +141,10 @@ def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recom
     """Saved-for-backward bytes of ``layer`` for one micro-batch on one rank."""
     scale = cfg.mbs / graph.batch * DTYPE_BYTES[cfg.dtype] / graph.dtype_bytes
     if recompute == "full":
-        return layer.input_bytes * scale / cfg.cp / (cfg.tp if cfg.sp else 1)
+        return layer.input_bytes * scale / cfg.cp / cfg.seq_shards
     if recompute == "selective-op" and checkpointed(layer):
         kept = op_saved_bytes(layer, graph)
-        return (kept.tp_part / cfg.tp + kept.rest / (cfg.tp if cfg.sp else 1)) * scale / cfg.cp
+        return (kept.tp_part / cfg.tp + kept.rest / cfg.seq_shards) * scale / cfg.cp
     tp_part = layer.act_bytes_tp
     rest = layer.act_bytes - tp_part
     if cfg.loss == "fused" and layer.vocab and layer.kind in ("head", "loss"):
@@ -144,7 +156,7 @@ def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recom
         a = layer.attention  # scores + probabilities (+ dropout mask) of an unfused attention
         tp_part += 2 * graph.batch * a.heads * a.seq_len * a.kv_len * graph.dtype_bytes  # / cp below, once
     rest += routed_excess_bytes(layer, graph, cfg)
-    return (tp_part / cfg.tp + rest / (cfg.tp if cfg.sp else 1)) * scale / cfg.cp
+    return (tp_part / cfg.tp + rest / cfg.seq_shards) * scale / cfg.cp
 
 
 def routed_excess_bytes(layer: Layer, graph: ModelGraph, cfg: ParallelConfig) -> float:
@@ -230,51 +242,144 @@ def fsdp_units(layer: Layer, cfg: ParallelConfig, hidden: int) -> list[float]:
 def dp_group(cfg: ParallelConfig, experts: bool = False) -> int:
     """Ranks holding the same parameters and reducing their gradients: dp x cp (CP ranks hold
     the same weights); for routed experts under expert parallelism the experts' own group,
-    dp x cp x tp / ep (``planner.feasibility.expert_groups``: the tp ranks route tokens of their own)."""
+    dp x cp x tp / ep (``ParallelConfig.expert_mesh``: the tp ranks route tokens of their own)."""
     if experts and cfg.ep > 1:
-        return cfg.dp * cfg.cp * cfg.tp // cfg.ep
+        return cfg.expert_mesh[0]
     return cfg.dp * cfg.cp
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """Framework memory beside the tensors: ``fixed`` bytes plus ``frac`` x the tensor bytes."""
+    fixed: float
+    frac: float = 0.0
+
+    def of(self, tensors: float) -> float:
+        """Bytes reserved beside ``tensors`` bytes of tensors."""
+        return self.fixed + self.frac * tensors
+
+    def tensor_room(self, capacity: float) -> float:
+        """The most tensor bytes that fit ``capacity`` bytes with this reserve beside them."""
+        return (capacity - self.fixed) / (1.0 + self.frac)
+
+
+def framework_reserve(device_is_gpu: bool, cal: Mapping[str, float] | None = None) -> Reserve:
+    """The reserve of one process (module docstring): ``RESERVE_GPU`` on GPUs; on CPUs the
+    calibrated ``mem_reserve_gib`` / ``mem_reserve_frac`` (``cal``: a profile's fitted
+    coefficients) when fitted, else ``RESERVE_CPU``."""
+    cal = cal or {}
+    if device_is_gpu:
+        return Reserve(RESERVE_GPU)
+    if "mem_reserve_gib" in cal or "mem_reserve_frac" in cal:
+        return Reserve(cal.get("mem_reserve_gib", 0.0) * GiB, cal.get("mem_reserve_frac", 0.0))
+    return Reserve(RESERVE_CPU)
+
+
+@dataclass(frozen=True)
+class ChunkMemory:
+    """A run of consecutive layers of one chunk under one recompute policy, bytes per rank:
+    ``weights``, ``grads``, ``optimizer`` at rest and ``pinned`` (DP buffers held through the
+    step) are held once; ``act`` is kept per in-flight micro-batch; ``peak`` is the worst
+    back-propagation overshoot, ``max_j (held(j) + work(j)) - act`` >= 0 (back-propagating
+    through layer j holds the activations up to j plus a working set ``work(j)``), ``work``
+    that working set at the worst j; ``transient`` the largest layer's weight-gradient working
+    set (FSDP without a pipeline: two unsharded units)."""
+    weights: float
+    grads: float
+    optimizer: float
+    pinned: float
+    act: float
+    peak: float
+    work: float
+    transient: float
+
+    @property
+    def states(self) -> float:
+        """Bytes held once, whatever the schedule: model states and pinned DP buffers."""
+        return self.weights + self.grads + self.optimizer + self.pinned
+
+
+class MemoryRule:
+    """Per-layer memory figures of one (graph, config): what :func:`chunk_memory` sums."""
+
+    def __init__(self, graph: ModelGraph, cfg: ParallelConfig, table: LayerTable | None = None) -> None:
+        self.cfg, self.t = cfg, table or LayerTable(graph, cfg)
+        self.f, self.fe = per_param_bytes(cfg), per_param_bytes(cfg, experts=True)
+        w, g = self.f["weights_full"], self.f["grads_full"]
+        if cfg.zero == "fsdp" and cfg.pp == 1 and cfg.dp * cfg.cp > 1:
+            # 2 units unsharded (one computing, one prefetched), with their grads
+            self.transient = [2 * u * (w + g) for u in self.t.unit]
+        else:
+            # a layer's incoming weight gradient lives beside the accumulated p.grad before it is added in
+            self.transient = [p * g for p in self.t.params]
+
+    def work(self, i: int, policy: str) -> float:
+        """Back-propagating through layer ``i`` materialises gradients the size of its
+        activations (twice that when the policy re-materialises them: full, selective-op)."""
+        return (2.0 if policy in ("full", "selective-op") else 1.0) * self.t.act["none"][i]
+
+
+def chunk_memory(rule: MemoryRule, layers: Sequence[int], policy: str) -> ChunkMemory:
+    """The figures of ``layers`` (consecutive indices into graph.layers) under ``policy``."""
+    t, f, fe = rule.t, rule.f, rule.fe
+    P = sum(t.params[i] for i in layers)
+    Pe = sum(t.experts[i] for i in layers)  # routed experts: sharded over their own dp group
+    weights, grads, opt, pinned = ((P - Pe) * f[k] + Pe * fe[k] for k in ("weights", "grads", "optimizer", "buffers"))
+    act = t.act[policy]
+    held, best, work = 0.0, -1.0, 0.0
+    for i in layers:  # the worst layer j (the later one on ties)
+        held += act[i]
+        w = rule.work(i, policy)
+        if held + w >= best:
+            best, work = held + w, w
+    return ChunkMemory(weights=weights, grads=grads, optimizer=opt, pinned=pinned, act=held,
+                       peak=max(0.0, best - held) if layers else 0.0, work=work,
+                       transient=max((rule.transient[i] for i in layers), default=0.0))
+
+
+def overshoot(chunk: ChunkMemory, inflight: float) -> float:
+    """Bytes a chunk adds at its rank's peak beyond ``inflight`` x its activations and its
+    states: its back-propagation overshoot, with the back-propagated micro-batch counted
+    whole when fewer than one is in flight on average (an interleaved rank's chunk)."""
+    return chunk.peak + max(0.0, 1.0 - inflight) * chunk.act
+
+
+def rank_memory(chunks: Sequence[ChunkMemory], inflight: Sequence[float], reserve: Reserve) -> StageMemory:
+    """Peak bytes of one rank holding ``chunks`` (its virtual stages), ``inflight[c]`` micro-batches
+    of chunk c's activations held (module docstring): states of all chunks, their activations,
+    the largest overshoot (one micro-batch is back-propagated at a time) and the largest weight-
+    gradient working set, and the reserve."""
+    if not chunks:
+        return StageMemory(0.0, 0.0, 0.0, 0.0, 0.0, reserve.of(0.0), 0)
+    c = max(range(len(chunks)), key=lambda k: (overshoot(chunks[k], inflight[k]), k))
+    over = overshoot(chunks[c], inflight[c])
+    act = sum(x.act * n for x, n in zip(chunks, inflight)) + over - chunks[c].work
+    buffers = sum(x.pinned for x in chunks) + max(x.transient for x in chunks) + chunks[c].work
+    out = StageMemory(weights=sum(x.weights for x in chunks), grads=sum(x.grads for x in chunks),
+                      optimizer=sum(x.optimizer for x in chunks), activations=act, buffers=buffers,
+                      reserve=0.0, inflight=sum(inflight))
+    out.reserve = reserve.of(out.tensors)
+    return out
 
 
 def stage_memory(graph: ModelGraph, layers: list[int], cfg: ParallelConfig, inflight: float,
                  recompute: str | None = None, device_is_gpu: bool = True,
                  table: LayerTable | None = None) -> StageMemory:
-    """Peak memory of one rank holding ``layers`` (indices into graph.layers; for interleaved
-    schedules pass all chunks of the rank) with ``inflight`` micro-batches of activations;
-    ``recompute`` defaults to the config's; ``table`` caches per-layer figures."""
-    recompute = recompute or cfg.recompute
-    t = table or LayerTable(graph, cfg)
-    P = sum(t.params[i] for i in layers)
-    Pe = sum(t.experts[i] for i in layers)  # routed experts: sharded over their own dp group
-    dp = cfg.dp * cfg.cp  # CP ranks hold the same weights and reduce gradients with DP
-    f, fe = per_param_bytes(cfg), per_param_bytes(cfg, experts=True)
-    w, g = f["weights_full"], f["grads_full"]
-    big = max((t.params[i] for i in layers), default=0.0)
-    if cfg.zero == "fsdp" and cfg.pp == 1 and dp > 1:
-        unit = max((t.unit[i] for i in layers), default=0.0)  # the largest FSDP unit (the layer, or one module)
-        buffers = 2 * unit * (w + g)  # 2 units unsharded (one computing, one prefetched), with their grads
-    else:
-        # backward working set: a layer's incoming weight gradient lives beside the accumulated
-        # p.grad before it is added in (the largest layer sets it)
-        buffers = big * g
-    buffers += (P - Pe) * f["buffers"] + Pe * fe["buffers"]
-    weights, grads, opt = ((P - Pe) * f[k] + Pe * fe[k] for k in ("weights", "grads", "optimizer"))
-    act = sum(t.act[recompute][i] for i in layers) * inflight
-    if layers:
-        # Back-propagating through layer j materialises gradients the size of its activations
-        # (twice that under full recompute, which re-materialises the activations too), while
-        # the layers after j in the stage have already released that micro-batch's
-        # activations: the peak is the worst j.
-        mult = 2.0 if recompute in ("full", "selective-op") else 1.0
-        held, best = 0.0, (-1.0, 0.0)
-        for i in layers:
-            held += t.act[recompute][i]
-            work = mult * t.act["none"][i]
-            if held + work >= best[0]:
-                best = (held + work, work)
-        total = sum(t.act[recompute][i] for i in layers)
-        if inflight >= 1:
-            act -= total - (best[0] - best[1])  # the back-propagated micro-batch holds only up to j
-        buffers += best[1]
-    return StageMemory(weights=weights, grads=grads, optimizer=opt, activations=act, buffers=buffers,
-                       reserve=RESERVE_GPU if device_is_gpu else RESERVE_CPU, inflight=inflight)
+    """Peak memory of one rank holding the one chunk ``layers`` (indices into graph.layers) with
+    ``inflight`` micro-batches of activations (:func:`rank_memory`; an interleaved rank's chunks:
+    :func:`chunk_memory` each); ``recompute`` defaults to the config's; ``table`` caches per-layer
+    figures."""
+    rule = MemoryRule(graph, cfg, table)
+    return rank_memory([chunk_memory(rule, layers, recompute or cfg.recompute)], [inflight],
+                       framework_reserve(device_is_gpu))
+
+
+def memory_floor(graph: ModelGraph, cfg: ParallelConfig, table: LayerTable | None = None) -> float:
+    """Tensor bytes no variant of ``cfg``'s degrees (any DP sharding, recompute, schedule, split)
+    goes below on its fullest rank: the model states FSDP leaves (:func:`chunk_memory` of every
+    layer under ``zero=fsdp``) over ``pp`` ranks on average, plus the smallest layer's activations
+    under full recompute (a rank holds at least one layer and one micro-batch). The search's
+    memory floor (planner/search/space.py), a lower bound of :func:`rank_memory`."""
+    rule = MemoryRule(graph, cfg.replace(zero="fsdp"), table)
+    whole = chunk_memory(rule, range(len(graph.layers)), "full")
+    return (whole.weights + whole.grads + whole.optimizer) / cfg.pp + min(rule.t.act["full"])

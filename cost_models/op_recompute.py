@@ -9,11 +9,13 @@ are checkpointed; other layers keep everything.
 
 Priced from the graph, per layer, at the captured batch and dtype:
 
-- kept bytes (:func:`op_saved_bytes`): the block input, plus each kept linear's output
-  (``tokens x out_features``; ``layer.linears`` is in call order), plus the attention output
-  (``tokens x heads x head_dim``) and its log-sum-exp (fp32, ``tokens x heads``), plus, for
-  routed experts, half their matmul outputs (``tokens x top_k x (2 F + H) / 2``: three
-  matmuls per expert, every other one kept). Never more than the layer keeps without
+- which matmuls are kept: ``planner.graph.keeps_matmul`` over the captured forward's matmul
+  calls (``Layer.matmuls``: the ATen ``MATMUL_OPS`` the runtime's policy counts, each with the
+  Linear that ran it; routed experts' matmuls are bare). Graphs captured without them fall back
+  to every other Linear and half the routed experts' matmuls.
+- kept bytes (:func:`op_saved_bytes`): the block input, plus each kept matmul's output, plus
+  the attention output (``tokens x heads x head_dim``) and its log-sum-exp (fp32,
+  ``tokens x heads``). Never more than the layer keeps without
   recompute. Split like ``Layer.act_bytes``: outputs of column / vocab linears and of the
   attention are divided by tp, the rest (block input, row outputs) by tp only under
   sequence parallel.
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.graph import BLOCK_KINDS, OUT_SPLIT_ROLES, Layer, ModelGraph
+from planner.graph import BLOCK_KINDS, OUT_SPLIT_ROLES, Layer, Linear, Matmul, ModelGraph, keeps_matmul
 
 LSE_BYTES = 4  # the attention kernels keep their log-sum-exp in fp32
 
@@ -46,9 +48,38 @@ def checkpointed(layer: Layer) -> bool:
     return layer.kind in BLOCK_KINDS
 
 
-def kept_linears(layer: Layer) -> list:
-    """The linears whose outputs the per-op policy keeps: the 1st, 3rd, ... called."""
-    return layer.linears[0::2]
+def kept_matmuls(layer: Layer) -> list[Matmul]:
+    """The captured forward matmuls whose outputs the per-op policy keeps
+    (``planner.graph.keeps_matmul`` over ``Layer.matmuls``, the runtime's own count)."""
+    return [mm for k, mm in enumerate(layer.matmuls) if keeps_matmul(k)]
+
+
+def kept_linears(layer: Layer) -> list[Linear]:
+    """The linears whose outputs the per-op policy keeps: those running a kept matmul (a graph
+    captured without its matmul calls: every other linear called, the 1st, 3rd, ...)."""
+    if not layer.matmuls:
+        return [lin for k, lin in enumerate(layer.linears) if keeps_matmul(k)]
+    names = {mm.linear for mm in kept_matmuls(layer)}
+    return [lin for lin in layer.linears if lin.name in names]
+
+
+def routed_unkept_share(layer: Layer) -> float:
+    """Share of the routed experts' matmuls (the bare ones, outside every Linear) the per-op
+    policy recomputes; one half for a graph captured without its matmul calls."""
+    bare = [k for k, mm in enumerate(layer.matmuls) if not mm.linear]
+    return sum(not keeps_matmul(k) for k in bare) / len(bare) if bare else 0.5
+
+
+def kept_flops(layer: Layer, graph: ModelGraph) -> float:
+    """Forward FLOPs of the kept matmuls for the captured batch (attention aside)."""
+    if layer.matmuls:
+        return sum(mm.flops for mm in kept_matmuls(layer))
+    tokens = graph.batch * graph.seq_len
+    kept = sum(2.0 * tokens * lin.in_features * lin.out_features for lin in kept_linears(layer))
+    if layer.moe is not None:
+        m = layer.moe
+        kept += 3 * 2.0 * tokens * m.top_k * graph.hidden * m.expert_ffn * (1 - routed_unkept_share(layer))
+    return kept
 
 
 def op_saved_bytes(layer: Layer, graph: ModelGraph) -> OpSaved:
@@ -56,17 +87,21 @@ def op_saved_bytes(layer: Layer, graph: ModelGraph) -> OpSaved:
     tokens = graph.batch * graph.seq_len
     e = graph.dtype_bytes
     tp_part, rest = 0.0, float(layer.input_bytes)
-    for lin in kept_linears(layer):
-        out = tokens * lin.out_features * e
-        if lin.role in OUT_SPLIT_ROLES:
-            tp_part += out
+    roles = {lin.name: lin.role for lin in layer.linears}
+    if layer.matmuls:
+        outs = [(mm.out_elems * e, roles.get(mm.linear, "replicated")) for mm in kept_matmuls(layer)]
+    else:
+        outs = [(tokens * lin.out_features * e, lin.role) for lin in kept_linears(layer)]
+        if layer.moe is not None:
+            m = layer.moe
+            outs.append((tokens * m.top_k * (2 * m.expert_ffn + graph.hidden) * e / 2, "replicated"))
+    for nbytes, role in outs:
+        if role in OUT_SPLIT_ROLES:
+            tp_part += nbytes
         else:
-            rest += out
+            rest += nbytes
     a = layer.attention
     if a is not None:
         tp_part += tokens * a.heads * (a.head_dim * e + LSE_BYTES)
-    if layer.moe is not None:
-        m = layer.moe
-        rest += tokens * m.top_k * (2 * m.expert_ffn + graph.hidden) * e / 2
     # never more than the layer keeps without recompute, part by part
     return OpSaved(tp_part=min(tp_part, layer.act_bytes_tp), rest=min(rest, layer.act_bytes - layer.act_bytes_tp))

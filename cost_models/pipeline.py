@@ -55,6 +55,22 @@ Result
   both are the same.
 - ``events``: one :class:`Event` per operation, sorted by (start, rank).
 
+zb-h1 without measured weight-gradient times splits a backward ``b`` into ``(1 - WGRAD_FRAC) b``
+input gradient (B) and ``WGRAD_FRAC b`` weight gradient (W): :func:`split_backward`, for all.
+
+Linear form (:func:`linear_step`, the ILP's objective)
+------------------------------------------------------
+Per virtual stage ``t_j = F_j + B_j``, rank load ``R_r = sum_{j % p == r} t_j``, ``M = max_r R_r``::
+
+    gpipe, 1f1b, interleaved-1f1b   m M + (sum_j t_j - M) / v
+    zb-h1                           m M + (p-1)/p sum_j max(F_j + beta B_j, gamma B_j)
+
+(:func:`zb_h1_bubble_terms` gives ``beta, gamma``). Linear in the stage times, so an ILP can
+minimise it; for uniform stages (m >= p for zb-h1, p2p = 0) it equals the simulator and the
+closed form exactly. For uneven stages it is an approximation, bounded like the simulator:
+``m M <= linear_step <= estimate_step`` (:func:`throughput_floor`, the busiest rank's work, is
+a lower bound of every schedule; the closed form is an upper bound of both).
+
 Closed form (:func:`estimate_step`)
 -----------------------------------
 With ``f = max(fwd) + p2p``, ``b = max(bwd) + p2p``, ``w = max(wgrad)`` (per chunk
@@ -81,6 +97,36 @@ from planner.feasibility import interleave_problem
 from planner.plan import SCHEDULES  # the one list of schedules (callers of the simulator import it from here too)
 _F, _B, _W = 0, 1, 2
 _KIND_NAMES = ("F", "B", "W")
+WGRAD_FRAC = 0.5  # zb-h1 without measured W: the weight gradient's share of the backward (module docstring)
+
+
+def split_backward(bwd: float, wgrad_frac: float = WGRAD_FRAC) -> tuple[float, float]:
+    """(input-gradient B, weight-gradient W) seconds of a backward of ``bwd`` seconds."""
+    return bwd * (1.0 - wgrad_frac), bwd * wgrad_frac
+
+
+def zb_h1_bubble_terms(wgrad_frac: float = WGRAD_FRAC) -> tuple[float, float]:
+    """``(beta, gamma)`` of zb-h1's per-stage bubble increment ``max(F + beta B, gamma B)`` for a
+    stage of forward F and whole backward B (Qi et al. 2023's ``max(f + b - min(w, b), b)``
+    with ``b, w = split_backward(B)``)."""
+    b, w = split_backward(1.0, wgrad_frac)
+    return b - min(w, b), b
+
+
+def throughput_floor(p: int, m: int, fwd: Sequence[float], bwd: Sequence[float]) -> float:
+    """``m`` times the busiest rank's forward + backward seconds: no schedule finishes sooner."""
+    return m * max(sum(fwd[j] + bwd[j] for j in range(r, len(fwd), p)) for r in range(p))
+
+
+def linear_step(schedule: str, p: int, m: int, v: int, fwd: Sequence[float], bwd: Sequence[float],
+                wgrad_frac: float = WGRAD_FRAC) -> float:
+    """The step seconds linear in the stage times (module docstring): the ILP's objective."""
+    t = [f + b for f, b in zip(fwd, bwd)]
+    M = max(sum(t[r::p]) for r in range(p))
+    if schedule == "zb-h1":
+        beta, gamma = zb_h1_bubble_terms(wgrad_frac)
+        return m * M + (p - 1) / p * sum(max(f + beta * b, gamma * b) for f, b in zip(fwd, bwd))
+    return m * M + (sum(t) - M) / v
 
 
 class ScheduleError(ValueError):
@@ -279,7 +325,7 @@ def simulate(schedule: str, p: int, m: int, fwd: Sequence[float] | float, bwd: S
 
     ``fwd``/``bwd`` (and ``wgrad`` for zb-h1) give one entry per virtual stage
     (``p * v``), or a single number for all. For zb-h1, ``bwd`` is the input-gradient
-    time B and ``wgrad`` the weight-gradient time W (default: B = W = bwd / 2).
+    time B and ``wgrad`` the weight-gradient time W (default: :func:`split_backward`).
     """
     _check_args(schedule, p, m, v)
     f, b, wt = _durations(schedule, p * v, fwd, bwd, wgrad)
@@ -377,8 +423,8 @@ def _durations(schedule: str, n_stages: int, fwd: Sequence[float] | float, bwd: 
     b = _per_stage("bwd", bwd, n_stages)
     if schedule == "zb-h1":
         if wgrad is None:
-            b = [x / 2 for x in b]
-            return f, b, list(b)
+            bw = [split_backward(x) for x in b]
+            return f, [x for x, _ in bw], [w for _, w in bw]
         return f, b, _per_stage("wgrad", wgrad, n_stages)
     if wgrad is not None:
         raise ScheduleError(f"wgrad is only used by 'zb-h1'; for {schedule!r} put the whole backward in bwd")

@@ -195,9 +195,9 @@ def expert_groups(dp: int, cp: int, ep: int, tp: int = 1) -> tuple[list[list[int
     each such group hold the same experts. With tp > 1 the MoE layers run on each rank's
     sequence shard (sequence parallel, :func:`ep_problem`), so every one of these ranks
     routes tokens of its own."""
-    n = dp * cp * tp
-    ep_groups = [list(range(g * ep, (g + 1) * ep)) for g in range(n // ep)]
-    edp_groups = [list(range(i, n, ep)) for i in range(ep)]
+    edp, ep = ParallelConfig(dp=dp, cp=cp, tp=tp, ep=ep).expert_mesh
+    ep_groups = [list(range(g * ep, (g + 1) * ep)) for g in range(edp)]
+    edp_groups = [list(range(i, edp * ep, ep)) for i in range(ep)]
     return ep_groups, edp_groups
 
 

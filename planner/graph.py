@@ -42,7 +42,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-GRAPH_SCHEMA_VERSION = 1
+GRAPH_SCHEMA_VERSION = 2
 
 LAYER_KINDS = (
     "embedding", "transformer_block", "vision_block", "vision_embedding", "projector",
@@ -60,6 +60,24 @@ TP_STYLES = ("heads", "col_row", "vocab", "replicated")
 # Linear.role values whose output features tensor parallelism splits, and all it splits (row: input)
 OUT_SPLIT_ROLES = ("column", "packed_qkv", "vocab")
 TP_SPLIT_ROLES = OUT_SPLIT_ROLES + ("row",)
+# Per-op recompute (``selective-op``): the ATen ops it alternates on, and which of them it keeps;
+# the one rule the runtime's save policy (codegen/runtime/recompute.py) and the cost model (on the
+# captured ``Layer.matmuls``, cost_models/op_recompute.py) both apply.
+MATMUL_OPS = ("mm", "addmm")
+
+
+def keeps_matmul(index: int) -> bool:
+    """Whether per-op recompute keeps the output of the ``index``-th (0-based) ``MATMUL_OPS`` call
+    of one forward of a checkpointed block: the 1st, 3rd, 5th ..."""
+    return index % 2 == 0
+
+
+@dataclass
+class Matmul:
+    """One ``MATMUL_OPS`` call of a layer's forward, in call order (capture records them)."""
+    linear: str             # the Linear (path relative to the layer) that ran it; "" for a bare matmul
+    out_elems: float        # output elements for the captured batch
+    flops: float            # forward FLOPs for the captured batch
 
 
 @dataclass
@@ -175,6 +193,7 @@ class Layer:
     fwd_ops: int = 0            # tensor ops eager mode dispatches in the forward / backward (views
     bwd_ops: int = 0            # included): the CPU cost model's per-op dispatch cost
     moe: MoEDims | None = None  # routed experts (their GEMMs are not in ``linears``)
+    matmuls: list[Matmul] = field(default_factory=list)  # the forward's MATMUL_OPS calls, in order
 
     def in_moe(self, path: str) -> bool:
         """Whether the module ``path`` (relative to this layer) lies inside its MoE part (router,
@@ -304,6 +323,7 @@ class ModelGraph:
             ld = dict(ld)
             ld["ops"] = [Op(**o) for o in ld.get("ops", [])]
             ld["linears"] = [Linear(**x) for x in ld.get("linears", [])]
+            ld["matmuls"] = [Matmul(**x) for x in ld.get("matmuls", [])]
             if ld.get("attention") is not None:
                 ld["attention"] = AttentionDims(**ld["attention"])
             if ld.get("moe") is not None:

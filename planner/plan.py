@@ -111,6 +111,24 @@ class ParallelConfig:
     def mesh_shape(self) -> tuple[int, int, int, int]:
         return (self.pp, self.dp, self.cp, self.tp)
 
+    @property
+    def seq_shards(self) -> int:
+        """Pieces the tp group cuts each cp rank's sequence into outside the tensor-parallel
+        ops: tp under sequence parallel, else 1 (every tp rank holds the whole shard)."""
+        return self.tp if self.sp else 1
+
+    @property
+    def expert_mesh(self) -> tuple[int, int]:
+        """``(edp, ep)``: one pipeline stage's dp x cp x tp ranks (flattened, tp inner: under TP
+        the MoE layers run on each rank's sequence shard) as the experts' data-parallel group
+        times the expert-parallel group, ep inner: ``ep`` consecutive ranks share a layer's
+        experts out, the ``edp = dp * cp * tp / ep`` ranks at the same place in each group hold
+        the same experts. The one statement of the groups: ``planner.feasibility.expert_groups``
+        lists their ranks, ``cost_models.memory.dp_group`` sizes the experts' sharding, the
+        runtime's ``codegen.runtime.expert_parallel.expert_mesh`` builds them. (With ep = 1 the
+        routed experts are not split: they shard and reduce like the rest of the block.)"""
+        return self.dp * self.cp * self.tp // self.ep, self.ep
+
     def validate(self) -> "ParallelConfig":
         for k in ("dp", "pp", "cp", "tp", "ep", "mbs", "vpp"):
             v = getattr(self, k)

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("planner", "cost_models", "codegen", "benchmarks")
 
 CONTRACTS = {"planner.errors", "planner.files", "planner.graph", "planner.plan", "planner.feasibility",
-             "planner.describe", "cost_models.cluster"}
+             "planner.describe", "cost_models.cluster", "cost_models.machine"}  # machine: the figures a local-cpu cluster is measured from
 # layer -> the layers it may import (besides itself)
 MAY_IMPORT = {
     "contract": set(),
@@ -41,11 +41,7 @@ LIBRARY = ("planner", "cost_models", "codegen")  # size limits apply here (bench
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 500, 60
 # Still over the limits, each to be split by the change that next works there; the test fails when one
 # of these fits again (take it off the list) or when anything else grows over.
-KNOWN_OVERSIZE = {
-    "planner/search/partition.py", "cost_models/cluster.py",
-    "cost_models/estimate.py", "planner/search/partition.py:solve_partition",
-    "cost_models/compute.py:gpu_layer_time",
-}
+KNOWN_OVERSIZE: set[str] = set()
 
 
 def layer(mod: str) -> str:

@@ -15,7 +15,7 @@ import pytest
 from cost_models import documents as docs
 from cost_models.cluster import parse_cluster
 from cost_models.compute import attention_share, layer_time, model_flops_per_seq
-from cost_models.estimate import LayerCosts
+from cost_models.layer_costs import LayerCosts
 from planner.errors import AutoparError
 from planner.graph import ModelGraph
 from planner.plan import ParallelConfig, Plan

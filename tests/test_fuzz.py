@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cost_models.cluster as cluster_mod
+import cost_models.machine as machine_mod
 from codegen.emit import emit
 from cost_models.cluster import Cluster, ClusterError, parse_cluster
 from planner import zoo
@@ -179,12 +180,12 @@ def fake_detect():
 
     def detect(n):
         if n not in fake:
-            saved = cluster_mod.measure_cpu
-            cluster_mod.measure_cpu = lambda: (1e10, 1e10)
+            saved = machine_mod.measure_cpu
+            machine_mod.measure_cpu = lambda: (1e10, 1e10)
             try:
                 fake[n] = Cluster.detect(n)
             finally:
-                cluster_mod.measure_cpu = saved
+                machine_mod.measure_cpu = saved
         return fake[n]
 
     cluster_mod.detect_cached = detect

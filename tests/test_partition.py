@@ -238,7 +238,7 @@ def test_highs_matches_cbc() -> None:
 
 @pytest.mark.parametrize("policy", ["none", "selective", "full"])
 def test_ilp_and_estimator_price_a_stage_alike(policy: str) -> None:
-    """One per-stage time rule (cost_models.estimate.layer_pass_times): the ILP's per-group
+    """One per-stage time rule (cost_models.layer_costs.layer_pass_times): the ILP's per-group
     forward / backward times summed over a stage equal the estimator's stage times, recompute
     and exposed CP traffic included (they once charged full recompute differently)."""
     from cost_models.cluster import parse_cluster

@@ -50,7 +50,7 @@ from planner.plan import ParallelConfig
 
 def expert_mesh(cfg: ParallelConfig, device_type: str) -> DeviceMesh:
     """The ``[pp, edp, ep]`` mesh (module docstring); every rank calls it."""
-    return init_device_mesh(device_type, (cfg.pp, cfg.dp * cfg.cp * cfg.tp // cfg.ep, cfg.ep),
+    return init_device_mesh(device_type, (cfg.pp, *cfg.expert_mesh),
                             mesh_dim_names=("pp", "edp", "ep"))
 
 

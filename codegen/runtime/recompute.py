@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from codegen.runtime.documents import Documents, SameDocuments
+from planner.graph import MATMUL_OPS, keeps_matmul
 from planner.plan import RECOMPUTE as POLICIES
 
 
@@ -71,13 +72,14 @@ def _saved_ops() -> tuple[frozenset, frozenset]:
               torch.ops._c10d_functional.all_to_all_single.default, aten.max.default}
     # not aten.topk (a router's choice): transformers' Mixtral router divides its top-k values in
     # place, and torch refuses a kept output that is mutated
-    return frozenset({aten.mm.default, aten.addmm.default}), frozenset(always)
+    return frozenset(getattr(aten, name).default for name in MATMUL_OPS), frozenset(always)
 
 
 class OpSavePolicy:
     """The ``selective-op`` save rule for one forward of one block (a fresh instance per
-    forward, so the matmul count restarts): keep the 1st, 3rd, 5th ... matmul output and every
-    attention / reduce-scatter output, recompute the rest. Torch asks it only during the
+    forward, so the matmul count restarts): keep the matmul outputs ``planner.graph.keeps_matmul``
+    names (the 1st, 3rd, 5th ... ``MATMUL_OPS`` call) and every attention / reduce-scatter
+    output, recompute the rest. Torch asks it only during the
     forward; the recompute replays the forward's decisions."""
 
     def __init__(self) -> None:
@@ -87,7 +89,7 @@ class OpSavePolicy:
     def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
         if func in self.matmuls:
             self.count += 1
-            return CheckpointPolicy.MUST_SAVE if self.count % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE if keeps_matmul(self.count - 1) else CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if func in self.always else CheckpointPolicy.PREFER_RECOMPUTE
 
 

@@ -54,6 +54,7 @@ class UnitRecord:
     io_hidden: int = 0
     attention: AttentionDims | None = None
     ran: bool = False
+    matmuls: list = field(default_factory=list)  # Matmul per MATMUL_OPS call of the forward
 
     def part(self, name: str) -> PartRecord:
         return self.parts.setdefault(name, PartRecord())
@@ -232,7 +233,7 @@ def assemble(model: nn.Module, run: UnitRun, example, t0: float, name: str | Non
             tp_flops_frac=tp_frac, ops=ops, linears=linears,
             attention=attn, vocab=vocab if any(s == "vocab" for _, s in kinds.values()) else None,
             tied_to=up.tied_to, tied_params=up.n_tied, fwd_kernels=r.fwd_kernels, bwd_kernels=r.bwd_kernels,
-            fwd_ops=r.fwd_ops, bwd_ops=r.bwd_ops, moe=moe_dims(r.module)))
+            fwd_ops=r.fwd_ops, bwd_ops=r.bwd_ops, moe=moe_dims(r.module), matmuls=list(r.matmuls)))
     notes = []
     if root_params:
         notes.append(f"{root_params} parameters outside every layer unit are not counted")

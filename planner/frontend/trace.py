@@ -48,7 +48,7 @@ from torch.utils.flop_counter import flop_registry
 from planner.frontend.records import UnitRecord, UnitRun, assemble, nbytes, tensors
 from planner.errors import AutoparError
 from planner.frontend.fx_graph import GraphBuilder, unit_costs
-from planner.graph import AttentionDims, ModelGraph
+from planner.graph import MATMUL_OPS, AttentionDims, Matmul, ModelGraph
 from planner.frontend.layer_kinds import ATTN_OPS, is_linear, part_kind
 
 _VIEW_OPS_TAG = torch.Tag.view_copy if hasattr(torch.Tag, "view_copy") else None
@@ -138,6 +138,7 @@ class _Recorder(TorchDispatchMode):
         self.part = ""
         self.backward = False
         self.last_op = ""
+        self.linear = ""                         # the Linear running (path relative to its unit)
         self.builder: GraphBuilder | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -166,6 +167,10 @@ class _Recorder(TorchDispatchMode):
         unit.part(self.part)
         if not self.backward:
             unit.part(self.part).ops.add(name)
+            if name in MATMUL_OPS:
+                fn = flop_registry.get(func.overloadpacket)
+                unit.matmuls.append(Matmul(self.linear, float(out.numel()),
+                                           float(fn(*args, **kwargs, out_val=out)) if fn is not None else 0.0))
             if name in ATTN_OPS and unit.attention is None:
                 q, k = args[0], args[1]
                 causal = bool(kwargs.get("is_causal", args[4] if len(args) > 4 and isinstance(args[4], bool)
@@ -290,6 +295,7 @@ class _UnitHooks:
                     self.lin_names[id(sub)] = lname
                     top = lname.split(".")[0] if lname else ""
                     self.handles.append(sub.register_forward_pre_hook(self.part_pre(u, top, sub)))
+                    self.handles.append(sub.register_forward_hook(self.linear_post()))
 
     def remove(self) -> None:
         for h in self.handles:
@@ -329,9 +335,15 @@ class _UnitHooks:
                 rec.part = pname
                 self.stack.append((u, "<part>"))
             if lin is not None and not rec.backward:
+                rec.linear = self.lin_names[id(lin)]
                 p = u.part(rec.part if rec.unit is u else pname)
                 if all(l is not lin for _, l in p.linears):
                     p.linears.append((self.lin_names[id(lin)], lin))
+        return hook
+
+    def linear_post(self):
+        def hook(mod, args, out):
+            self.rec.linear = ""
         return hook
 
     def part_post(self, u: UnitRecord, pname: str):
@@ -385,6 +397,7 @@ class _UnitHooks:
             kinds = {p: part_kind(r, ch.get(p, u.module if p == "" else None), vocab) for p, r in u.parts.items()}
             self.tp_parts[u.name] = {p for p, (_, s) in kinds.items() if s != "replicated"}
             u.parts.clear(); u.ran = False; u.attention = None; u.output_bytes = 0; u.input_bytes = 0
+            u.matmuls.clear()
         self.order.clear()
         self.rec.unit, self.rec.part = None, ""
 

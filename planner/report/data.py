@@ -385,12 +385,12 @@ def mesh_groups(plan: Plan) -> list[str]:
                      f"consecutive cp ranks ({where})" + (f", ring across {ring} of them" if ring > 1 else ""))
     if cfg.cp > 1 and (traffic := cp_traffic(plan)):
         lines.append(traffic)
-    if cfg.ep > 1:  # expert parallelism: consecutive dp x cp x tp ranks (planner.feasibility.expert_groups)
+    if cfg.ep > 1:  # expert parallelism: consecutive dp x cp x tp ranks (ParallelConfig.expert_mesh)
         block = cfg.ep
         where = "inside one node" if block <= dpn and dpn % block == 0 else f"spanning {-(-block // dpn)} nodes"
         ranks = "dp x cp x tp" if cfg.tp > 1 else "dp x cp"
         lines.append(f"ep={cfg.ep}: groups of {cfg.ep} consecutive {ranks} ranks ({where}) exchange tokens; the "
-                     f"experts' data-parallel groups have {cfg.dp * cfg.cp * cfg.tp // cfg.ep} ranks")
+                     f"experts' data-parallel groups have {cfg.expert_mesh[0]} ranks")
     return lines
 
 

@@ -38,7 +38,7 @@ shrunk ``v`` times by interleaving::
 
     gpipe, 1f1b, interleaved-1f1b:   T = m * M + (sum_j t_j - M) / v
     zb-h1:                           T = m * M + (pp-1)/pp * sum_j G_j
-        G_j = max(F_j + (1 - a - min(a, 1-a)) B_j,  (1 - a) B_j),  a = wgrad_frac
+        G_j = max(F_j + beta B_j,  gamma B_j)    (``cost_models.pipeline.zb_h1_bubble_terms``)
 
 (zb-h1 splits the backward into input-gradient ``(1-a) B_j`` and weight-gradient
 ``a B_j``; ``G_j`` is the per-stage bubble increment ``max(f + b - min(w, b), b)`` of
@@ -48,12 +48,24 @@ equal the closed forms of ``cost_models.pipeline.estimate_step`` exactly:
 ``(m + pp - 1) t`` (gpipe/1f1b), ``(m v + pp - 1) t`` with ``t`` per chunk
 (interleaved), ``m (f+b+w) + (pp-1) max(f + b - min(w,b), b)`` (zb-h1, m >= pp).
 For uneven stages they are the standard linear approximation (bottleneck throughput
-plus the sum-of-stages pipeline fill).
+plus the sum-of-stages pipeline fill): ``cost_models.pipeline.linear_step``, bounded like the
+simulator by ``throughput_floor`` below and ``estimate_step`` above (tests/test_step_model.py);
+the simulator judges the split it proposes (``planner.search.stage_split.split_and_estimate``).
 
-Memory of rank ``r``::
+Memory of rank ``r`` (``cost_models.memory.rank_memory``, the one memory rule; the inputs are
+its per-group figures, ``planner.search.stage_split.partition_problem``)::
 
     mem_r = sum_{j % pp == r} [ sum_{i in I_j} static[i] + inflight[j] * sum_{i in I_j} act[i][q_j] + extra[j] ]
+          + max_{j % pp == r} O_j + max_{j % pp == r, i in I_j} transient[i]
+    O_j   = the overshoot of stage j's layers composed in order, o <- max(o - act[i][q_j], peak[i][q_j])
     mem_r <= capacity
+
+(``peak`` and ``transient`` default to 0: then the rank's memory is linear.) In the ILP the two
+maxima are continuous ``X_r``, ``T_r`` bounded below through binaries ``p_jk`` (segment k has
+layers in stage j): ``T_r >= transient_k p_jk``; ``X_r >= X_j >= peak_kq - sum_{k' > k} act_k'q
+z_jk'q - peak_kq (2 - p_jk - y_jq)`` (within a segment its last layer in the stage is the
+worst). They are least at the maxima, so the constraint charges every split exactly
+(``ilp_rank_memory``; tests/test_memory_model.py). ``inflight[j] >= 1`` when peaks are given.
 
 ILP with segment compression
 ----------------------------
@@ -91,11 +103,14 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
-from planner.search.partition_greedy import greedy_partition
-from planner.search.partition_problem import (PartitionProblem, PartitionResult, quiet_pulp_deprecations, Segment,
-                                       segment_classes, evaluate_partition, even_partition, segments, step_objective)
 from planner.plan import Partition
+from planner.search.partition_greedy import greedy_partition
+from planner.search.partition_ilp import PartitionILP
+from planner.search.partition_problem import (PartitionProblem, PartitionResult, evaluate_partition, even_partition,
+                                              quiet_pulp_deprecations, segment_classes, segments, step_objective)
+from planner.search.partition_solvers import lp_bound, run_model
 
 __all__ = [
     "PartitionProblem", "PartitionResult", "solve_partition", "greedy_partition",
@@ -103,365 +118,26 @@ __all__ = [
 ]
 
 
-# ---------------------------------------------------------------------------------------
-# ILP
-# ---------------------------------------------------------------------------------------
-def _quiet_highs():
-    """pulp.HiGHS that keeps highspy's construction banner off stdout and accepts a
-    start solution (the variables' current values) like CBC's warmStart."""
+@quiet_pulp_deprecations
+def ilp_rank_memory(problem: PartitionProblem, partition: Partition) -> list[float]:
+    """Bytes per pp rank the ILP's memory constraint charges for ``partition``: the split's
+    variables fixed at their values, the rank maxima (``X``, ``T``) the least the constraints
+    allow (an LP). What the property tests hold equal to ``cost_models.memory.rank_memory``."""
     import pulp
 
-    base = getattr(pulp, "HiGHS", None)
-    if base is None or not base().available():
-        return None
-
-    class _HiGHS(base):  # type: ignore[misc, valid-type]
-        warm: bool = False
-
-        def createAndConfigureSolver(self, lp):  # noqa: N802 - pulp's name
-            import os
-            import sys
-            sys.stdout.flush()
-            saved = os.dup(1)
-            try:
-                with open(os.devnull, "w") as devnull:
-                    os.dup2(devnull.fileno(), 1)
-                    super().createAndConfigureSolver(lp)
-            finally:
-                os.dup2(saved, 1)
-                os.close(saved)
-
-        def buildSolverModel(self, lp):  # noqa: N802
-            super().buildSolverModel(lp)
-            if self.warm:
-                import highspy
-                cols = lp.variables()
-                if all(v.varValue is not None for v in cols):
-                    sol = highspy.HighsSolution()
-                    sol.col_value = [float(v.varValue) for v in cols]
-                    sol.value_valid = True
-                    try:
-                        lp.solverModel.setSolution(sol)
-                    except Exception:  # pragma: no cover - older highspy
-                        pass
-
-    return _HiGHS
-
-
-@quiet_pulp_deprecations
-def _pick_solver(name: str, time_limit: float, gap_rel: float, warm: bool = False):
-    import pulp
-
-    name = name.lower()
-    if name not in ("auto", "cbc", "highs"):
-        raise ValueError(f"solver={name!r}: choose auto, cbc or highs")
-    if name in ("auto", "highs"):
-        cls = _quiet_highs()
-        if cls is not None:
-            s = cls(msg=False, timeLimit=time_limit, gapRel=gap_rel, threads=1, random_seed=0)
-            s.warm = warm
-            return s, "highs"
-        cmd = getattr(pulp, "HiGHS_CMD", None)
-        if cmd is not None:
-            s = cmd(msg=False, timeLimit=time_limit, gapRel=gap_rel, threads=1)
-            if s.available():
-                return s, "highs"
-        if name == "highs":
-            from planner.errors import AutoparError
-
-            raise AutoparError("solver=highs: HiGHS is not available: pip install 'autopar[highs]' (highspy) "
-                               "or use solver='auto' (CBC)")
-    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap_rel, threads=1,
-                             warmStart=warm, options=["randomSeed 1", "randomCbcSeed 1"]), "cbc"
-
-
-class _Model:
-    """The segment-compressed ILP (see the module docstring)."""
-
-    @quiet_pulp_deprecations
-    def __init__(self, pr: PartitionProblem, segs: list[Segment], mode: str):
-        import pulp
-
-        self.pr, self.segs, self.mode = pr, segs, mode
-        self.Mv = self.tj = self.G = None
-        self.prob = pulp.LpProblem(f"partition_{mode}", pulp.LpMinimize)
-        S = pr.n_stages
-        self.tscale = max(sum(min(pr.fwd[i][q] + pr.bwd[i][q] for q in pr.policies) for i in range(pr.n_layers)) / S,
-                          1e-30)
-        self.mscale = pr.capacity if math.isfinite(pr.capacity) and pr.capacity > 0 else \
-            max(max(sum(pr.static) + max(pr.inflight) * sum(max(a.values()) for a in pr.act), 1.0), 1.0)
-        self._boundaries()
-        self._policies()
-        self._stage_layers()
-        fwd, bwd, mem = self._stage_sums()
-        tie = self._tie_break()
-        if mode == "time":
-            self._time_objective(fwd, bwd, mem, tie)
-        else:
-            self._overrun_objective(mem, tie)
-
-    def _boundaries(self) -> None:
-        """Boundary b_j in [j+1, L-S+j+1] as a segment choice u_jk and an offset w_jk inside it;
-        boundaries strictly increasing."""
-        import pulp
-
-        pr, segs, prob = self.pr, self.segs, self.prob
-        L, S = pr.n_layers, pr.n_stages
-        self.u: dict[tuple[int, int], pulp.LpVariable] = {}
-        self.w: dict[tuple[int, int], pulp.LpVariable] = {}
-        b_expr = []
-        for j in range(S - 1):
-            blo, bhi = j + 1, L - S + j + 1
-            ks = [k for k, s in enumerate(segs) if s.start < bhi and s.end >= blo]   # (s_k, e_k] meets [blo, bhi]
-            for k in ks:
-                s = segs[k]
-                self.u[j, k] = pulp.LpVariable(f"u_{j}_{k}", cat="Binary")
-                wlo, whi = max(1, blo - s.start), min(s.n, bhi - s.start)
-                self.w[j, k] = pulp.LpVariable(f"w_{j}_{k}", lowBound=0, upBound=whi, cat="Integer")
-                prob += self.w[j, k] >= wlo * self.u[j, k], f"wlo_{j}_{k}"
-                prob += self.w[j, k] <= whi * self.u[j, k], f"whi_{j}_{k}"
-            prob += pulp.lpSum(self.u[j, k] for k in ks) == 1, f"one_{j}"
-            b_expr.append(pulp.lpSum(s.start * self.u[j, k] + self.w[j, k]
-                                     for k, s in enumerate(segs) if (j, k) in self.u))
-        for j in range(1, S - 1):
-            prob += b_expr[j] - b_expr[j - 1] >= 1, f"order_{j}"
-        self.b_expr = b_expr
-
-    def _count(self, j: int, k: int):
-        """Layers of segment k in stages 0..j (an expression in u and w)."""
-        import pulp
-
-        segs, S = self.segs, self.pr.n_stages
-        if j < 0:
-            return 0
-        if j == S - 1:
-            return segs[k].n
-        e = pulp.lpSum(segs[k].n * self.u[j, k2] for k2 in range(k + 1, len(segs)) if (j, k2) in self.u)
-        if (j, k) in self.w:
-            e = e + self.w[j, k]
-        return e
-
-    def _policies(self) -> None:
-        """One recompute policy y_jq per stage (no variables with a single policy)."""
-        import pulp
-
-        P, S = self.pr.policies, self.pr.n_stages
-        self.y = {(j, q): pulp.LpVariable(f"y_{j}_{qi}", cat="Binary")
-                  for j in range(S) for qi, q in enumerate(P)} if len(P) > 1 else {}
-        if len(P) > 1:
-            for j in range(S):
-                self.prob += pulp.lpSum(self.y[j, q] for q in P) == 1, f"pol_{j}"
-
-    def _stage_layers(self) -> None:
-        """z_jkq: layers of segment k in stage j under policy q (the count itself with one policy),
-        at most what fits the rank's memory under q when pricing time."""
-        import pulp
-
-        pr, segs, prob, mode = self.pr, self.segs, self.prob, self.mode
-        L, S, K, pp, P = pr.n_layers, pr.n_stages, len(segs), pr.pp, pr.policies
-        z: dict[tuple[int, int, str], object] = {}
-        # bytes stage j may use when the other chunks of its rank hold only their extra
-        room = [pr.capacity - sum(pr.extra[j2] for j2 in range(j % pp, S, pp)) for j in range(S)]
-        for j in range(S):
-            lo_l, hi_l = j, L - S + j + 1           # layers stage j may hold: [j, L-S+j+1)
-            for k, s in enumerate(segs):
-                capjk = min(s.end, hi_l) - max(s.start, lo_l)
-                if capjk <= 0:
-                    continue
-                x = self._count(j, k) - self._count(j - 1, k)
-                if len(P) == 1:
-                    z[j, k, P[0]] = x
-                    continue
-                zs = []
-                for qi, q in enumerate(P):
-                    ub = capjk
-                    if mode == "time" and math.isfinite(pr.capacity):
-                        # integer rounding: at most N layers of this segment fit the stage
-                        per = s.static + pr.inflight[j] * s.act[qi]
-                        if per > 0:
-                            ub = min(ub, max(0, math.floor(room[j] / per * (1 + 1e-9))))
-                    var = pulp.LpVariable(f"z_{j}_{k}_{qi}", lowBound=0, upBound=capjk)
-                    prob += var <= ub * self.y[j, q], f"zy_{j}_{k}_{qi}"
-                    z[j, k, q] = var
-                    zs.append(var)
-                prob += pulp.lpSum(zs) == x, f"zx_{j}_{k}"
-        if len(P) > 1:   # a stage is non-empty under its chosen policy (valid, tightens the LP)
-            for j in range(S):
-                for qi, q in enumerate(P):
-                    prob += pulp.lpSum(z[j, k, q] for k in range(K) if (j, k, q) in z) >= self.y[j, q], \
-                        f"nonempty_{j}_{qi}"
-        self.z = z
-
-    def _stage_sums(self) -> tuple[list, list, list]:
-        """Per stage: forward (with its outgoing p2p) and backward time over tscale, memory over mscale."""
-        import pulp
-
-        pr, segs, z, P = self.pr, self.segs, self.z, self.pr.policies
-        S, K, tscale, mscale = pr.n_stages, len(segs), self.tscale, self.mscale
-        qi = {q: i for i, q in enumerate(P)}
-        Fj, Bj, memj = [], [], []
-        for j in range(S):
-            terms = [(k, q) for k in range(K) for q in P if (j, k, q) in z]
-            f = pulp.lpSum(segs[k].fwd[qi[q]] / tscale * z[j, k, q] for k, q in terms)
-            if j < S - 1:
-                f = f + pulp.lpSum(segs[k].p2p / tscale * self.u[j, k] for k in range(K) if (j, k) in self.u)
-            bb = pulp.lpSum(segs[k].bwd[qi[q]] / tscale * z[j, k, q] for k, q in terms)
-            # sum_q z_jkq = x_jk, so the static bytes ride on z as well
-            mem = pulp.lpSum((segs[k].static + pr.inflight[j] * segs[k].act[qi[q]]) / mscale * z[j, k, q]
-                             for k, q in terms) + pr.extra[j] / mscale
-            Fj.append(f)
-            Bj.append(bb)
-            memj.append(mem)
-        return Fj, Bj, memj
-
-    def _tie_break(self):
-        """A tiny term preferring earlier boundaries and lower policy indices among equal optima."""
-        import pulp
-
-        pr, P = self.pr, self.pr.policies
-        S, L, m, nP = pr.n_stages, pr.n_layers, pr.m, len(pr.policies)
-        tie_w = 1e-6 * (m + S)
-        tie = pulp.lpSum((j + 1) * self.b_expr[j] for j in range(S - 1)) * (tie_w / max(1, L * S * S))
-        if nP > 1:
-            tie = tie + pulp.lpSum(qi * self.y[j, q] for j in range(S) for qi, q in enumerate(P)) * \
-                (tie_w / (S * nP))
-        return tie
-
-    def _time_objective(self, Fj: list, Bj: list, memj: list, tie) -> None:
-        """Memory per rank within capacity (with perspective cuts per policy); minimise the
-        schedule's step time from the busiest rank M (module docstring)."""
-        import pulp
-
-        pr, segs, prob, z, P, mscale = self.pr, self.segs, self.prob, self.z, self.pr.policies, self.mscale
-        S, K, pp, v, m = pr.n_stages, len(segs), pr.pp, pr.v, pr.m
-        if math.isfinite(pr.capacity):
-            for r in range(pp):
-                prob += pulp.lpSum(memj[j] for j in range(r, S, pp)) <= pr.capacity / mscale, f"mem_{r}"
-            if len(P) > 1:
-                # Perspective cuts (valid, tighten the LP): the part of stage j under
-                # policy q fits in what the rank leaves it, scaled by y_jq. Without
-                # them the relaxation mixes policies to meet memory exactly.
-                qi = {q: i for i, q in enumerate(P)}
-                for j in range(S):
-                    others = sum(pr.extra[j2] for j2 in range(j % pp, S, pp) if j2 != j)
-                    room = (pr.capacity - others - pr.extra[j]) / mscale
-                    for q in P:
-                        ks = [k for k in range(K) if (j, k, q) in z]
-                        prob += pulp.lpSum(
-                            (segs[k].static + pr.inflight[j] * segs[k].act[qi[q]]) / mscale * z[j, k, q]
-                            for k in ks) <= room * self.y[j, q], f"memq_{j}_{qi[q]}"
-        Mv = pulp.LpVariable("M", lowBound=0)
-        tj = [Fj[j] + Bj[j] for j in range(S)]
-        self.Mv, self.tj = Mv, tj
-        for r in range(pp):
-            prob += Mv >= pulp.lpSum(tj[j] for j in range(r, S, pp)), f"M_{r}"
-        if pr.schedule == "zb-h1":
-            a = pr.wgrad_frac
-            beta = 1.0 - a - min(a, 1.0 - a)
-            G = [pulp.LpVariable(f"G_{j}", lowBound=0) for j in range(S)]
-            self.G, self.FB, self.beta = G, (Fj, Bj), beta
-            for j in range(S):
-                prob += G[j] >= Fj[j] + beta * Bj[j], f"Ga_{j}"
-                prob += G[j] >= (1.0 - a) * Bj[j], f"Gb_{j}"
-            obj = m * Mv + (pp - 1) / pp * pulp.lpSum(G)
-        else:
-            obj = (m - 1.0 / v) * Mv + (1.0 / v) * pulp.lpSum(tj)
-        prob += obj + tie
-
-    def _overrun_objective(self, memj: list, tie) -> None:
-        """Minimise the worst rank's memory overrun relative to capacity (no layout fits)."""
-        import pulp
-
-        pr, prob = self.pr, self.prob
-        D = pulp.LpVariable("D")
-        for r in range(pr.pp):
-            prob += D >= pulp.lpSum(memj[j] for j in range(r, pr.n_stages, pr.pp)) - pr.capacity / self.mscale, f"D_{r}"
-        prob += D + tie * 1e-3
-
-    @property
-    def n_vars(self) -> int:
-        return len(self.prob.variables())
-
-    @property
-    @quiet_pulp_deprecations
-    def n_constraints(self) -> int:
-        return len(self.prob.constraints)
-
-    def set_start(self, part: Partition) -> None:
-        """Give every variable its value under ``part`` (a warm start)."""
-        import pulp
-
-        pr, segs, P = self.pr, self.segs, self.pr.policies
-        S = pr.n_stages
-        for v in self.prob.variables():
-            v.varValue = 0.0
-        for j, (lo, hi) in enumerate(part.bounds[:-1]):
-            for k, sg in enumerate(segs):
-                if sg.start < hi <= sg.end and (j, k) in self.u:
-                    self.u[j, k].varValue = 1.0
-                    self.w[j, k].varValue = float(hi - sg.start)
-        for j, ((lo, hi), q) in enumerate(zip(part.bounds, part.recompute)):
-            if len(P) > 1:
-                self.y[j, q].varValue = 1.0
-                for k, sg in enumerate(segs):
-                    n = max(0, min(hi, sg.end) - max(lo, sg.start))
-                    if (j, k, q) in self.z and n:
-                        self.z[j, k, q].varValue = float(n)
-        if self.Mv is not None:
-            self.Mv.varValue = max(sum(pulp.value(self.tj[j]) for j in range(r, S, pr.pp)) for r in range(pr.pp))
-        if self.G is not None:
-            Fj, Bj = self.FB
-            a = pr.wgrad_frac
-            for j in range(S):
-                f, b = pulp.value(Fj[j]), pulp.value(Bj[j])
-                self.G[j].varValue = max(f + self.beta * b, (1.0 - a) * b)
-
-    def extract(self) -> Partition:
-        pr, S, L = self.pr, self.pr.n_stages, self.pr.n_layers
-        cuts = [int(round(e.value())) for e in self.b_expr]
-        bounds, a = [], 0
-        for c in cuts + [L]:
-            bounds.append((a, c))
-            a = c
-        P = pr.policies
-        if len(P) == 1:
-            rec = [P[0]] * S
-        else:
-            rec = [max(P, key=lambda q, j=j: (self.y[j, q].value() or 0.0, -P.index(q))) for j in range(S)]
-        return Partition(bounds, rec)
-
-
-@quiet_pulp_deprecations
-def _run(model: "_Model", solver_name: str, time_limit: float, gap_rel: float, warm: bool = False):
-    """Solve; returns (status, sol_status, solver label, solver's gap or None)."""
-    solver, label = _pick_solver(solver_name, time_limit, gap_rel, warm)
-    model.prob.solve(solver)
-    gap = None
-    if label == "highs" and getattr(model.prob, "solverModel", None) is not None:
-        try:
-            g = float(model.prob.solverModel.getInfo().mip_gap)
-            gap = g if math.isfinite(g) else None
-        except Exception:  # pragma: no cover - HiGHS_CMD or old highspy
-            gap = None
-    return model.prob.status, model.prob.sol_status, label, gap
-
-
-@quiet_pulp_deprecations
-def _lp_bound(model: "_Model", solver_name: str, time_limit: float) -> float | None:
-    import pulp
-
-    saved = {v.name: (v.cat, v.varValue) for v in model.prob.variables()}
+    pr = replace(problem, capacity=math.inf)  # no constraint to meet; bytes scaled by the problem's own size
+    model = PartitionILP(pr, segment_classes(pr), "time")
+    model.set_start(partition)
+    free = {v.name for v in [*model.X.values(), *model.Xr, *model.Tr]}
     for v in model.prob.variables():
-        v.cat = pulp.LpContinuous
-    try:
-        solver, _ = _pick_solver(solver_name, time_limit, 1e-9)
-        model.prob.solve(solver)
-        if model.prob.status == pulp.LpStatusOptimal:
-            return float(pulp.value(model.prob.objective))
-        return None
-    finally:
-        for v in model.prob.variables():
-            v.cat, v.varValue = saved[v.name]
+        if v.name not in free:
+            v.lowBound = v.upBound = v.varValue
+    model.prob.setObjective(pulp.lpSum(model.mem_rank))
+    if free:
+        model.prob.solve(pulp.PULP_CBC_CMD(msg=False, threads=1))
+        if model.prob.status != pulp.LpStatusOptimal:
+            raise RuntimeError(f"the ILP rejects its own split {partition}: {pulp.LpStatus[model.prob.status]}")
+    return [pulp.value(e) * model.mscale for e in model.mem_rank]
 
 
 def _infeasible(pr: PartitionProblem, res: PartitionResult) -> PartitionResult:
@@ -488,69 +164,85 @@ def solve_partition(problem: PartitionProblem, *, solver: str = "cbc", time_limi
     ``status`` is "optimal" (within ``gap_rel``) or "feasible (gap X%)" when the time
     limit stopped the search (gap from the solver, or against the LP bound). If the
     solver returns nothing in time, the greedy answer comes back, labelled so."""
+    t0 = time.perf_counter()
+    segs = segment_classes(problem)
+    start, decided = _feasibility_phase(problem, segs, solver, time_limit)
+    if decided is not None:
+        res = decided
+    else:
+        model = PartitionILP(problem, segs, "time")
+        res = _time_phase(problem, model, start, solver, time_limit, gap_rel, warm_start)
+        res.n_vars, res.n_constraints = model.n_vars, model.n_constraints
+    res.solve_s = time.perf_counter() - t0
+    res.n_segments = len(segs)
+    return res
+
+
+@quiet_pulp_deprecations
+def _feasibility_phase(pr: PartitionProblem, segs: list, solver: str,
+                       time_limit: float) -> tuple[PartitionResult, PartitionResult | None]:
+    """(the time ILP's start, or the answer when no split fits): the greedy split; when it does
+    not fit, the exact min-max-memory split decides (v = 1) or the memory ILP (v > 1)."""
     import pulp
 
-    t0 = time.perf_counter()
-    pr = problem
-    segs = segment_classes(pr)
     greedy = greedy_partition(pr)
-    n_vars = n_cons = 0
-    if not greedy.feasible:
-        if pr.v == 1:     # greedy's fallback is the exact min-max-memory split
-            res = _infeasible(pr, greedy)
-            res.solve_s = time.perf_counter() - t0
-            res.n_segments = len(segs)
-            return res
-        mm = _Model(pr, segs, "memory")
-        st2, sol2, label, _ = _run(mm, solver, min(time_limit, 1.0), 1e-3)
-        n_vars, n_cons = mm.n_vars, mm.n_constraints
-        best_effort = None
-        if sol2 in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-            best_effort = evaluate_partition(pr, mm.extract(), solver=label)
-            if best_effort.feasible:
-                greedy = best_effort     # fits: a start for the time ILP
-            else:
-                proven = st2 == pulp.LpStatusOptimal and sol2 == pulp.LpSolutionOptimal
-                lb = None if proven else _lp_bound(mm, solver, time_limit)
-                if proven or (lb is not None and lb > 1e-9):
-                    res = _infeasible(pr, best_effort)
-                    res.solve_s = time.perf_counter() - t0
-                    res.n_vars, res.n_constraints, res.n_segments = n_vars, n_cons, len(segs)
-                    return res
-        if best_effort is not None and not greedy.feasible and \
-                max(best_effort.rank_memory) < max(greedy.rank_memory):
-            greedy = best_effort
-    model = _Model(pr, segs, "time")
-    warm = warm_start and greedy.feasible
+    if greedy.feasible:
+        return greedy, None
+    if pr.v == 1:     # greedy's fallback is the exact min-max-memory split
+        return greedy, _infeasible(pr, greedy)
+    mm = PartitionILP(pr, segs, "memory")
+    st2, sol2, label, _ = run_model(mm, solver, min(time_limit, 1.0), 1e-3)
+    best_effort = None
+    if sol2 in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        best_effort = evaluate_partition(pr, mm.extract(), solver=label)
+        if best_effort.feasible:
+            return best_effort, None     # fits: a start for the time ILP
+        proven = st2 == pulp.LpStatusOptimal and sol2 == pulp.LpSolutionOptimal
+        lb = None if proven else lp_bound(mm, solver, time_limit)
+        if proven or (lb is not None and lb > 1e-9):
+            res = _infeasible(pr, best_effort)
+            res.n_vars, res.n_constraints = mm.n_vars, mm.n_constraints
+            return greedy, res
+    if best_effort is not None and max(best_effort.rank_memory) < max(greedy.rank_memory):
+        greedy = best_effort
+    return greedy, None
+
+
+@quiet_pulp_deprecations
+def _time_phase(pr: PartitionProblem, model: PartitionILP, start: PartitionResult, solver: str, time_limit: float,
+                gap_rel: float, warm_start: bool) -> PartitionResult:
+    """The time ILP from ``start`` (warm when it fits): its split, never worse than the start,
+    labelled with its optimality gap; the start when the solver finds nothing."""
+    import pulp
+
+    warm = warm_start and start.feasible
     if warm:
-        model.set_start(greedy.partition)
-    status, sol_status, label, gap = _run(model, solver, time_limit, gap_rel, warm)
-    have = sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
-    if have:
-        res = evaluate_partition(pr, model.extract(), solver=label)
-        if greedy.feasible and greedy.objective_s < res.objective_s * (1 - 1e-9):
-            res = evaluate_partition(pr, greedy.partition, solver=label)   # never worse than the start
-        proven = status == pulp.LpStatusOptimal and sol_status == pulp.LpSolutionOptimal
-        if gap is None:
-            if proven:
-                gap = 0.0
-            else:
-                obj = pulp.value(model.prob.objective)
-                lb = _lp_bound(model, solver, time_limit)
-                gap = max(0.0, (obj - lb) / abs(obj)) if (lb is not None and obj) else math.nan
-        if res.shortfall is not None:   # solver tolerance at the capacity edge
-            res = _infeasible(pr, res)
-        elif (proven and (gap is None or gap <= gap_rel)) or gap <= gap_rel:
-            res.status = "optimal"
-        else:
-            res.status = f"feasible (gap {100 * gap:.1f}%)"
-        res.gap = gap
-    elif status == pulp.LpStatusInfeasible and not greedy.feasible:   # v > 1, memory ILP undecided
-        res = _infeasible(pr, greedy)
-    else:   # time limit without any solution: the heuristic's answer
-        res = greedy
+        model.set_start(start.partition)
+    status, sol_status, label, gap = run_model(model, solver, time_limit, gap_rel, warm)
+    if sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        if status == pulp.LpStatusInfeasible and not start.feasible:   # v > 1, memory ILP undecided
+            return _infeasible(pr, start)
+        res = start   # time limit without any solution: the heuristic's answer
         res.status, res.gap = ("feasible (gap unknown)", math.nan) if res.feasible else ("infeasible", math.nan)
         res.solver = f"{label}+greedy"
-    res.solve_s = time.perf_counter() - t0
-    res.n_vars, res.n_constraints, res.n_segments = model.n_vars, model.n_constraints, len(segs)
+        return res
+    res = evaluate_partition(pr, model.extract(), solver=label)
+    res.ilp_objective_s = model.objective_s()
+    if start.feasible and start.objective_s < res.objective_s * (1 - 1e-9):
+        res = evaluate_partition(pr, start.partition, solver=label)   # never worse than the start
+    proven = status == pulp.LpStatusOptimal and sol_status == pulp.LpSolutionOptimal
+    if gap is None:
+        if proven:
+            gap = 0.0
+        else:
+            obj = pulp.value(model.prob.objective)
+            lb = lp_bound(model, solver, time_limit)
+            gap = max(0.0, (obj - lb) / abs(obj)) if (lb is not None and obj) else math.nan
+    if res.shortfall is not None:   # solver tolerance at the capacity edge
+        res = _infeasible(pr, res)
+    elif (proven and (gap is None or gap <= gap_rel)) or gap <= gap_rel:
+        res.status = "optimal"
+    else:
+        res.status = f"feasible (gap {100 * gap:.1f}%)"
+    res.gap = gap
     return res

@@ -10,7 +10,8 @@ import math
 import time
 from typing import Callable, Sequence
 
-from planner.search.partition_problem import MEM_TOL, PartitionProblem, PartitionResult, evaluate_partition
+from planner.search.partition_problem import (MEM_TOL, PartitionProblem, PartitionResult, chunk_overshoot,
+                                              evaluate_partition)
 from planner.plan import Partition
 
 
@@ -37,14 +38,19 @@ class _Prefix:
         for i in range(L):
             s.append(s[-1] + pr.static[i])
         self.Sx = s
+        self.once = any(pr.transient) or any(any(d.values()) for d in pr.peak)
 
     def time(self, q: str, j: int, lo: int, hi: int) -> float:
         T = self.T[q][hi] - self.T[q][lo]
         return T + (self.pr.out_p2p[hi - 1] if j < self.pr.n_stages - 1 else 0.0)
 
     def mem(self, q: str, j: int, lo: int, hi: int) -> float:
-        return (self.Sx[hi] - self.Sx[lo] + self.pr.inflight[j] * (self.A[q][hi] - self.A[q][lo])
-                + self.pr.extra[j])
+        """Stage j's bytes as a rank of its own (exact for v = 1; for v > 1 the sum over a rank's
+        chunks over-counts what the rank holds once, a safe side for a heuristic)."""
+        pr = self.pr
+        once = chunk_overshoot(pr, lo, hi, q) + max(pr.transient[lo:hi], default=0.0) if self.once else 0.0
+        return (self.Sx[hi] - self.Sx[lo] + pr.inflight[j] * (self.A[q][hi] - self.A[q][lo])
+                + pr.extra[j] + once)
 
 
 def _furthest(lo: int, hi: int, ok: Callable[[int], bool]) -> int:

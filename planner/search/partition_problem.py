@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from cost_models.pipeline import WGRAD_FRAC, linear_step
 from planner.plan import RECOMPUTE, SCHEDULES, Partition
 
 MEM_TOL = 1e-9          # relative slack when checking capacity
@@ -48,7 +49,9 @@ class PartitionProblem:
     capacity: float                   # bytes per rank (after reserve and buffers); inf = no limit
     extra: list[float] = field(default_factory=list)   # per virtual stage extra bytes (default 0)
     policies: tuple[str, ...] = RECOMPUTE
-    wgrad_frac: float = 0.5           # zb-h1: share of bwd that is the weight gradient (W)
+    peak: list[dict[str, float]] = field(default_factory=list)  # per layer: {policy: overshoot} (default 0)
+    transient: list[float] = field(default_factory=list)        # per layer: weight-gradient working set (default 0)
+    wgrad_frac: float = WGRAD_FRAC    # zb-h1: share of bwd that is the weight gradient (W)
 
     def __post_init__(self) -> None:
         L = len(self.fwd)
@@ -69,6 +72,15 @@ class PartitionProblem:
             raise ValueError(f"{S} virtual stages for {L} layers: use at most {L} stages")
         if not self.extra:
             self.extra = [0.0] * S
+        if not self.peak:
+            self.peak = [{q: 0.0 for q in self.policies} for _ in range(L)]
+        if not self.transient:
+            self.transient = [0.0] * L
+        if len(self.peak) != L or len(self.transient) != L:
+            raise ValueError(f"PartitionProblem.peak/transient need {L} entries, got {len(self.peak)}/{len(self.transient)}")
+        if any(x < 1.0 for x in self.inflight) and any(any(d.values()) for d in self.peak):
+            raise ValueError("PartitionProblem.inflight: at least one micro-batch per virtual stage when peak is given "
+                             "(cost_models.memory.overshoot counts the back-propagated one whole)")
         if len(self.inflight) != S or len(self.extra) != S:
             raise ValueError(f"inflight/extra need {S} entries (one per virtual stage), "
                              f"got {len(self.inflight)}/{len(self.extra)}")
@@ -76,7 +88,7 @@ class PartitionProblem:
             raise ValueError("PartitionProblem.policies is empty")
         self.policies = tuple(self.policies)
         for i in range(L):
-            for name in ("fwd", "bwd", "act"):
+            for name in ("fwd", "bwd", "act", "peak"):
                 missing = [q for q in self.policies if q not in getattr(self, name)[i]]
                 if missing:
                     raise ValueError(f"layer {i}: {name} lacks policies {missing}")
@@ -106,6 +118,7 @@ class PartitionResult:
     n_vars: int = 0                   # ILP size (0 for heuristics)
     n_constraints: int = 0
     n_segments: int = 0
+    ilp_objective_s: float = math.nan  # the solver's own objective at its split (tie-break aside); nan if not the ILP's
 
     @property
     def feasible(self) -> bool:
@@ -130,6 +143,8 @@ class Segment:
     static: float
     p2p: float
     key: tuple
+    peak: tuple[float, ...] = ()
+    transient: float = 0.0
 
     @property
     def n(self) -> int:
@@ -148,11 +163,13 @@ def segment_classes(pr: PartitionProblem) -> list[Segment]:
         f = tuple(float(pr.fwd[i][q]) for q in P)
         b = tuple(float(pr.bwd[i][q]) for q in P)
         a = tuple(float(pr.act[i][q]) for q in P)
-        key = (pr.classes[i], f, b, a, float(pr.static[i]), float(pr.out_p2p[i]))
+        pk = tuple(float(pr.peak[i][q]) for q in P)
+        key = (pr.classes[i], f, b, a, float(pr.static[i]), float(pr.out_p2p[i]), pk, float(pr.transient[i]))
         if out and out[-1].key == key:
             out[-1].end = i + 1
         else:
-            out.append(Segment(i, i + 1, f, b, a, float(pr.static[i]), float(pr.out_p2p[i]), key))
+            out.append(Segment(i, i + 1, f, b, a, float(pr.static[i]), float(pr.out_p2p[i]), key, pk,
+                               float(pr.transient[i])))
     return out
 
 
@@ -160,17 +177,9 @@ def segment_classes(pr: PartitionProblem) -> list[Segment]:
 # evaluation (the one objective everything shares)
 # ---------------------------------------------------------------------------------------
 def step_objective(problem: PartitionProblem, stage_fwd: Sequence[float], stage_bwd: Sequence[float]) -> float:
-    """The module's objective from per-virtual-stage F_j (incl. p2p) and B_j."""
-    pp, v, m = problem.pp, problem.v, problem.m
-    t = [f + b for f, b in zip(stage_fwd, stage_bwd)]
-    R = [sum(t[r::pp]) for r in range(pp)]
-    M = max(R)
-    if problem.schedule == "zb-h1":
-        a = problem.wgrad_frac
-        beta = 1.0 - a - min(a, 1.0 - a)
-        G = [max(f + beta * b, (1.0 - a) * b) for f, b in zip(stage_fwd, stage_bwd)]
-        return m * M + (pp - 1) / pp * sum(G)
-    return m * M + (sum(t) - M) / v
+    """The module's objective from per-virtual-stage F_j (incl. p2p) and B_j:
+    ``cost_models.pipeline.linear_step``."""
+    return linear_step(problem.schedule, problem.pp, problem.m, problem.v, stage_fwd, stage_bwd, problem.wgrad_frac)
 
 
 def _shortfall(problem: PartitionProblem, rank_memory: list[float]) -> dict | None:
@@ -184,9 +193,29 @@ def _shortfall(problem: PartitionProblem, rank_memory: list[float]) -> dict | No
             "virtual_stages": list(range(r, problem.n_stages, problem.pp))}
 
 
+def chunk_overshoot(pr: PartitionProblem, lo: int, hi: int, q: str) -> float:
+    """The back-propagation overshoot of layers ``[lo, hi)`` as one chunk under ``q``: the
+    figures of consecutive runs compose as ``max(first - second's act, second)``
+    (``cost_models.memory.ChunkMemory``); 0 for no layers."""
+    o = 0.0
+    for i in range(lo, hi):
+        o = max(o - pr.act[i][q], pr.peak[i][q])
+    return o
+
+
+def rank_once(pr: PartitionProblem, bounds: Sequence[tuple[int, int]], rec: Sequence[str], r: int) -> float:
+    """Bytes rank ``r`` holds once beyond its chunks' states and in-flight activations
+    (``cost_models.memory.rank_memory``): the largest chunk overshoot and the largest layer's
+    weight-gradient working set."""
+    js = range(r, pr.n_stages, pr.pp)
+    return (max(chunk_overshoot(pr, *bounds[j], rec[j]) for j in js)
+            + max(pr.transient[i] for j in js for i in range(*bounds[j])))
+
+
 def _stage_numbers(pr: PartitionProblem, bounds: Sequence[tuple[int, int]], rec: Sequence[str]):
     S = pr.n_stages
-    F, B, mem = [], [], [0.0] * pr.pp
+    F, B = [], []
+    mem = [rank_once(pr, bounds, rec, r) for r in range(pr.pp)]
     for j, ((lo, hi), q) in enumerate(zip(bounds, rec)):
         f = sum(pr.fwd[i][q] for i in range(lo, hi)) + (pr.out_p2p[hi - 1] if j < S - 1 else 0.0)
         b = sum(pr.bwd[i][q] for i in range(lo, hi))

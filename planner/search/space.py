@@ -11,8 +11,9 @@ rejected with that reason.
 
 Pruning keeps the space whole but cheap, with two bounds per degree tuple
 (dp, pp, cp, tp, mbs), computed once for all its variants:
-- **memory floor**: the model states that FSDP with full recompute leaves on the
-  fullest rank (at least the average over pp ranks) plus the reserve. Above the
+- **memory floor** (``cost_models.memory.memory_floor``, a lower bound of the one memory
+  rule): the model states that FSDP with full recompute leaves on the fullest rank (at
+  least the average over pp ranks) plus the reserve. Above the
   device memory, no variant can fit; all are rejected with that reason.
 - **time floor**: the rank's compute and TP/CP communication (critical-path work
   every variant does) with perfect pipeline balance, no recompute, plus the
@@ -40,9 +41,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from cost_models.cluster import Cluster
-from cost_models.estimate import Estimate, LayerCosts, estimate, layer_pass_times
+from cost_models.estimate import Estimate, estimate
+from cost_models.layer_costs import LayerCosts, layer_pass_times
 from cost_models.pipeline import estimate_step
-from cost_models.memory import RESERVE_CPU, RESERVE_GPU, dp_group
+from cost_models.compute import calibration
+from cost_models.memory import Reserve, framework_reserve, memory_floor
 from planner.errors import AutoparError
 from planner.graph import ModelGraph
 from planner.feasibility import Batch, default_attention, sp_problem
@@ -154,7 +157,7 @@ def _tuples_with_floors(space: _Space, max_mbs: int) -> list[_Tuple]:
     (``planner.search.candidates.points``), with a time floor (compute and TP/CP/EP
     communication per rank plus the best schedule's bubble); tuples whose memory floor (FSDP
     states and full recompute) exceeds the device are rejected."""
-    reserve = RESERVE_GPU if space.cluster.backend != "gloo" else RESERVE_CPU
+    reserve = framework_reserve(space.cluster.backend != "gloo", calibration(space.profile))
     tuples = []
     pins = space.pins
     # a pinned mbs may pass the default cap: up to its upper bound, or uncapped under a lower bound only
@@ -205,7 +208,7 @@ def _best_ulysses(space: _Space, p: Point) -> int:
 
 
 def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs: int, m: int,
-                 reserve: float, ulysses: int = 1) -> "_Tuple | None":
+                 reserve: Reserve, ulysses: int = 1) -> "_Tuple | None":
     """One degree tuple with its time floor, or None when its memory floor rejects it (recorded)."""
     res, rej, pins = space.res, space.rej, space.pins
     cap = space.cluster.memory_bytes
@@ -214,11 +217,7 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     t_rank = _rank_seconds(space, base) / pp
     # bubble: no schedule here does better than interleaving with v = 4: (pp-1) t / 4
     floor_s = m * t_rank + (pp - 1) * t_rank / 4
-    # memory floor: FSDP states (16 bytes/param over dp*cp; routed experts over their own group) on the average rank
-    table = costs.table(base)
-    experts = sum(table.experts)
-    states = (sum(table.params) - experts) / (dp * cp) + experts / dp_group(base, experts=True)
-    mem_floor = states / pp * 16 + min(table.act["full"]) + reserve
+    mem_floor = reserve.of(memory_floor(space.graph, base, costs.table(base)))
     n_var = sum(1 for _ in variants(Point(dp, pp, cp, tp, mbs, m, ep, (ulysses,)), ulysses, space.facts, space.batch,
                                      space.dtype, space.loss, pins=pins))
     res.considered += n_var

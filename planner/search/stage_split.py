@@ -5,9 +5,10 @@ estimate (``split_and_estimate`` / ``best_partition``; the solver is planner/sea
 from __future__ import annotations
 
 from cost_models.cluster import Cluster
-from cost_models.estimate import Estimate, LayerCosts, estimate, inflight_closed, layer_pass_times
-from cost_models.memory import (DTYPE_BYTES, RESERVE_CPU, RESERVE_GPU, layer_activation, layer_experts,
-                                 layer_params_local, per_param_bytes)
+from cost_models.estimate import Estimate, estimate, inflight_closed
+from cost_models.layer_costs import LayerCosts, layer_pass_times
+from cost_models.compute import calibration
+from cost_models.memory import DTYPE_BYTES, MemoryRule, chunk_memory, framework_reserve
 from planner.graph import BLOCK_KINDS, ModelGraph
 from planner.plan import RECOMPUTE, ParallelConfig, Partition, recompute_policies
 
@@ -41,41 +42,35 @@ def expand_groups(part: Partition, groups: list[tuple[int, int]]) -> Partition:
 
 def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None):
     """The ILP's inputs for one configuration: per stage group (layers a boundary may not
-    split, summed) times and bytes per recompute policy."""
+    split) times per recompute policy (``layer_pass_times``) and its memory figures
+    (``cost_models.memory.chunk_memory`` of the group: states, activations, overshoot,
+    weight-gradient working set), the schedule's in-flight micro-batches per virtual stage
+    and the tensor bytes a device holds beside the reserve (``framework_reserve``)."""
     from planner.search.partition import PartitionProblem
     from planner.feasibility import microbatches
 
     m = microbatches(cfg, global_batch)
-    per_param, per_expert = (sum(v for k, v in per_param_bytes(cfg, e).items() if k in ("weights", "grads", "optimizer",
-                                                                                    "buffers")) for e in (False, True))
     from cost_models import comm as comm_mod
 
     mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
     costs = LayerCosts(graph, cluster, cfg.replace(recompute="none"), profile)  # recompute is priced below
+    rule = MemoryRule(graph, cfg, costs.table(cfg))
     groups = graph.stage_groups()
-    fwd, bwd, act, static, out_p2p, classes = [], [], [], [], [], []
+    fwd, bwd, act, peak, static, transient, out_p2p, classes = [], [], [], [], [], [], [], []
     for g, (lo, hi) in enumerate(groups):
-        f = {p: 0.0 for p in RECOMPUTE}
-        b = {p: 0.0 for p in RECOMPUTE}
-        a = {p: 0.0 for p in RECOMPUTE}
-        for l in graph.layers[lo:hi]:
-            c = costs.get(l)
-            for p in RECOMPUTE:
-                t = layer_pass_times(c, p)
-                f[p] += t.fwd
-                b[p] += t.bwd
-                a[p] += layer_activation(l, graph, cfg, p)
-        fwd.append(f)
-        bwd.append(b)
-        act.append(a)
-        static.append(sum((layer_params_local(l, cfg.tp, cfg.pp, cfg.ep, graph.hidden) - layer_experts(l, graph.hidden)
-                           / cfg.ep) * per_param + layer_experts(l, graph.hidden) / cfg.ep * per_expert
-                          for l in graph.layers[lo:hi]))
+        passes = {p: [layer_pass_times(costs.get(l), p) for l in graph.layers[lo:hi]] for p in RECOMPUTE}
+        fwd.append({p: sum(t.fwd for t in ts) for p, ts in passes.items()})
+        bwd.append({p: sum(t.bwd for t in ts) for p, ts in passes.items()})
+        mem = {p: chunk_memory(rule, range(lo, hi), p) for p in RECOMPUTE}
+        act.append({p: c.act for p, c in mem.items()})
+        peak.append({p: c.peak for p, c in mem.items()})
+        static.append(mem["none"].states)
+        transient.append(mem["none"].transient)
         classes.append("|".join(l.signature for l in graph.layers[lo:hi]))
         if cfg.pp > 1 and g + 1 < len(groups):
             nxt = graph.layers[hi]
             nb = nxt.input_bytes * cfg.mbs / graph.batch * DTYPE_BYTES[cfg.dtype] / graph.dtype_bytes
-            nb /= cfg.cp * (cfg.tp if cfg.sp else 1)
+            nb /= cfg.cp * cfg.seq_shards
             out_p2p.append(comm_mod.p2p_time(nb, cluster, mesh, profile).seconds)
         else:
             out_p2p.append(0.0)
@@ -85,10 +80,10 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
     for j in range(S):
         r = j % cfg.pp
         inflight.append((inflight_closed(sched, cfg.pp, m, cfg.vpp, r) if cfg.pp > 1 else 1) / cfg.vpp)
-    reserve = RESERVE_GPU if cluster.backend != "gloo" else RESERVE_CPU
+    reserve = framework_reserve(cluster.backend != "gloo", calibration(profile))
     return PartitionProblem(fwd=fwd, bwd=bwd, act=act, static=static, out_p2p=out_p2p, classes=classes, pp=cfg.pp,
-                            v=cfg.vpp, m=m, schedule=sched, inflight=inflight,
-                            capacity=cluster.memory_bytes - reserve)
+                            v=cfg.vpp, m=m, schedule=sched, inflight=inflight, peak=peak, transient=transient,
+                            capacity=reserve.tensor_room(cluster.memory_bytes))
 
 
 def split_and_estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None,

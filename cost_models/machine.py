@@ -1,0 +1,81 @@
+"""This machine's own figures: cores, CPU model, memory, and a single-thread GEMM and copy
+measurement (about 1 s). ``cost_models.cluster.Cluster.detect`` builds a local-cpu cluster from
+them; like the cluster contract, this module imports nothing of ours (torch only, when measuring).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+
+def cpu_count() -> int:
+    """Cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def cpu_model() -> str:
+    """The CPU's model name, dashed (``unknown`` when /proc/cpuinfo does not say)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    return "-".join(model.split())[:48] or "unknown"
+    except OSError:
+        pass
+    return "unknown"
+
+
+def total_ram_bytes() -> int:
+    """The machine's memory, bytes."""
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def best_time(fn: Any, repeats: int, budget_s: float) -> float:
+    """Least seconds of ``fn()`` over up to ``repeats`` runs within about ``budget_s``."""
+    best = math.inf
+    t_end = time.perf_counter() + budget_s
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() > t_end:
+            break
+    return best
+
+
+def measure_cpu() -> tuple[float, float]:
+    """Single-thread fp32 GEMM FLOP/s and memory copy bandwidth (bytes/s read + written)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        n = 384
+        a = torch.randn(n, n)
+        b = torch.randn(n, n)
+        out = torch.empty(n, n)
+        torch.mm(a, b, out=out)  # warm-up
+        t = best_time(lambda: torch.mm(a, b, out=out), repeats=8, budget_s=0.5)
+        gemm = 2.0 * n**3 / max(t, 1e-9)
+        src = torch.empty(16 * 2**20 // 4)  # 16 MiB: larger than the last-level cache on most CPUs
+        src.fill_(1.0)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        t = best_time(lambda: dst.copy_(src), repeats=6, budget_s=0.4)
+        copy = 2.0 * src.numel() * 4 / max(t, 1e-9)
+    finally:
+        torch.set_num_threads(threads)
+    return gemm, copy
