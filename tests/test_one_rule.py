@@ -59,3 +59,10 @@ def test_reserve_chosen_once():
 def test_zb_h1_split_stated_once():
     assert not offenders(r"wgrad\w*\s*(:\s*float\s*)?=\s*0\.5|1\.0 - a - min\(a|x / 2 for x in b", set()), \
         "use cost_models.pipeline.WGRAD_FRAC / split_backward / zb_h1_bubble_terms"
+
+
+def test_pipeline_bubble_stated_once():
+    """The bubble of a schedule ((pp - 1) x a stage's time, / v interleaved) is the step-time model's
+    (cost_models/pipeline.py); the search's floor calls its linear form."""
+    assert not offenders(r"\(\s*(pp|p|cfg\.pp)\s*-\s*1\s*\)\s*\*\s*\w+\s*/\s*\d", {"cost_models/pipeline.py"}), \
+        "use cost_models.pipeline.linear_step / estimate_step"

@@ -17,8 +17,9 @@ Pruning keeps the space whole but cheap, with two bounds per degree tuple
   device memory, no variant can fit; all are rejected with that reason.
 - **time floor**: the rank's compute and TP/CP communication (critical-path work
   every variant does) with perfect pipeline balance, no recompute, plus the
-  smallest bubble any schedule here reaches (interleaving with v = 4:
-  ``(pp-1) t / 4``), i.e. ``m t + (pp-1) t / 4`` with ``t = sum(fwd + bwd + comm) / pp``.
+  smallest bubble any schedule here reaches (interleaving with the most chunks tried, v = 4
+  unless ``--fix vpp`` allows more: ``(pp-1) t / v``), i.e. ``m t + (pp-1) t / v`` with
+  ``t = sum(fwd + bwd + comm) / pp`` (``cost_models.pipeline.linear_step`` on equal stages).
   At or above the incumbent's step time, no variant can win; all are pruned.
 Tuples are visited in increasing floor, so a good incumbent comes early. Inside a
 tuple, each variant gets its own floor (its schedule's closed form on perfectly
@@ -43,7 +44,7 @@ from typing import Callable
 from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
 from cost_models.layer_costs import LayerCosts, layer_pass_times
-from cost_models.pipeline import estimate_step
+from cost_models.pipeline import estimate_step, linear_step
 from cost_models.compute import calibration
 from cost_models.memory import Reserve, framework_reserve, memory_floor
 from planner.errors import AutoparError
@@ -51,7 +52,7 @@ from planner.graph import ModelGraph
 from planner.feasibility import Batch, default_attention, sp_problem
 from planner.plan import RECOMPUTE, ModelFacts, ParallelConfig
 from planner.search.candidates import (DOMINATED_REASON, Point, Rejections, batch_of, facts_of, points,
-                                       request_problem, variants)
+                                       request_problem, schedule_choices, variants)
 from planner.search.pins import Pins
 from planner.search.stage_split import even_split, split_and_estimate
 
@@ -215,8 +216,10 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     base = _base_config(space, dp, pp, cp, tp, ep, mbs, ulysses)
     costs = space.costs(base)
     t_rank = _rank_seconds(space, base) / pp
-    # bubble: no schedule here does better than interleaving with v = 4: (pp-1) t / 4
-    floor_s = m * t_rank + (pp - 1) * t_rank / 4
+    # bubble: no schedule here does better than interleaving with the most chunks tried (v >= 4; zb-h1's
+    # bubble is at least (pp-1) t / 2): the step-time model's linear form on perfectly balanced stages
+    v = max([4] + [v for _, v in schedule_choices(pp, m, space.facts, pins)])
+    floor_s = linear_step("interleaved-1f1b", pp, m, v, [t_rank] * pp, [0.0] * pp)
     mem_floor = reserve.of(memory_floor(space.graph, base, costs.table(base)))
     n_var = sum(1 for _ in variants(Point(dp, pp, cp, tp, mbs, m, ep, (ulysses,)), ulysses, space.facts, space.batch,
                                      space.dtype, space.loss, pins=pins))
