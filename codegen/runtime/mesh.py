@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from codegen.runtime.torch_compat import flatten_mesh
 from planner.plan import MESH_DIMS, ParallelConfig
 
 
@@ -88,7 +89,7 @@ def dp_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     try:
         return mesh["dp_cp"]
     except (KeyError, RuntimeError, ValueError):
-        return mesh["dp", "cp"]._flatten("dp_cp")
+        return flatten_mesh(mesh["dp", "cp"], "dp_cp")
 
 
 def cp_groups(cfg: ParallelConfig, mesh: DeviceMesh) -> tuple:

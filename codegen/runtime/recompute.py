@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from codegen.runtime.documents import Documents, SameDocuments
+from codegen.runtime.torch_compat import checkpoint_generator, saved_attention_ops, saved_collective_ops
 from planner.plan import RECOMPUTE as POLICIES
 
 
@@ -62,13 +63,8 @@ def _saved_ops() -> tuple[frozenset, frozenset]:
     importlib.import_module("codegen.kernels.attention")  # registers torch.ops.autopar.*
 
     aten = torch.ops.aten
-    always = {aten._scaled_dot_product_flash_attention.default,
-              aten._scaled_dot_product_efficient_attention.default,
-              aten._scaled_dot_product_flash_attention_for_cpu.default,
-              aten._scaled_dot_product_cudnn_attention.default,
-              torch.ops.autopar.flash_attn_fwd.default, torch.ops.autopar.attn_merge.default,
-              torch.ops._c10d_functional.reduce_scatter_tensor.default,
-              torch.ops._c10d_functional.all_to_all_single.default, aten.max.default}
+    always = {torch.ops.autopar.flash_attn_fwd.default, torch.ops.autopar.attn_merge.default, aten.max.default,
+              *saved_attention_ops(), *saved_collective_ops()}
     # not aten.topk (a router's choice): transformers' Mixtral router divides its top-k values in
     # place, and torch refuses a kept output that is mutated
     return frozenset({aten.mm.default, aten.addmm.default}), frozenset(always)
@@ -141,8 +137,6 @@ def checkpoint_block(block: nn.Module, per_op: bool = False, documents: Optional
     """Recompute ``block`` in backward (hooks on that instance; idempotent): all of it, or with
     ``per_op`` only what :class:`OpSavePolicy` does not keep; under the packed documents
     (``documents``) its forward saw."""
-    from torch.utils.checkpoint import _DEFAULT_DETERMINISM_MODE, _checkpoint_without_reentrant_generator
-
     if getattr(block, "_autopar_ckpt", False):
         return
     switch = _HookSwitch()
@@ -150,9 +144,7 @@ def checkpoint_block(block: nn.Module, per_op: bool = False, documents: Optional
 
     def pre(mod, args, kwargs):
         if switch.on:
-            switch.gen = _checkpoint_without_reentrant_generator(
-                mod, True, contexts, _DEFAULT_DETERMINISM_MODE, False, True,
-                *args, **kwargs)
+            switch.gen = checkpoint_generator(mod, contexts, *args, **kwargs)
             next(switch.gen)
 
     def post(mod, args, output):

@@ -202,8 +202,7 @@ class ModuleAdapter(ModelAdapter):
     def check_sequential(self, example: tuple | dict) -> None:
         """Raise ValueError unless running the units in sequence performs the model's own
         floating-point ops in the same order (fake tensors: nothing is allocated)."""
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.utils._python_dispatch import TorchDispatchMode
+        from codegen.runtime.torch_compat import FakeTensorMode, TorchDispatchMode
 
         class Log(TorchDispatchMode):
             def __init__(self):
