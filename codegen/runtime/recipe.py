@@ -169,7 +169,7 @@ def apply_recompute(adapter: ModelAdapter, stages: Stages) -> None:
     for sm in stages.modules:
         for u in (u for u in sm.units if u in blocks and stages.policy[u] in ("full", "selective-op")):
             rc.checkpoint_block(sm.get_submodule(u), per_op=stages.policy[u] == "selective-op",
-                                documents=stages.documents)
+                                documents=stages.documents, installs=adapter.installs)
 
 
 def apply_dp(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, mesh: DeviceMesh,

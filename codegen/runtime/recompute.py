@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from codegen.runtime.documents import Documents, SameDocuments
+from codegen.runtime.installs import Installs
 from codegen.runtime.torch_compat import checkpoint_generator, saved_attention_ops, saved_collective_ops
 from planner.plan import RECOMPUTE as POLICIES
 
@@ -133,11 +134,12 @@ class _HookSwitch:
         self.on = self._prev
 
 
-def checkpoint_block(block: nn.Module, per_op: bool = False, documents: Optional[Documents] = None) -> None:
-    """Recompute ``block`` in backward (hooks on that instance; idempotent): all of it, or with
-    ``per_op`` only what :class:`OpSavePolicy` does not keep; under the packed documents
-    (``documents``) its forward saw."""
-    if getattr(block, "_autopar_ckpt", False):
+def checkpoint_block(block: nn.Module, per_op: bool = False, documents: Optional[Documents] = None,
+                     installs: Optional[Installs] = None) -> None:
+    """Recompute ``block`` in backward (hooks on that instance, removed when the build's
+    ``installs`` close; once per build): all of it, or with ``per_op`` only what
+    :class:`OpSavePolicy` does not keep; under the packed documents (``documents``) its forward saw."""
+    if installs is not None and not installs.first_time(block, "checkpoint"):
         return
     switch = _HookSwitch()
     contexts = _Contexts(switch, per_op, documents)
@@ -157,7 +159,6 @@ def checkpoint_block(block: nn.Module, per_op: bool = False, documents: Optional
 
     block.register_forward_pre_hook(pre, with_kwargs=True)
     block.register_forward_hook(post, prepend=True, always_call=True)
-    block._autopar_ckpt = True
 
 
 def check_policy(policy: str) -> str:

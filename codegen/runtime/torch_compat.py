@@ -28,6 +28,9 @@ these, this module is the one place to change. Each entry, and why we need it:
   over, one dimension for FSDP2 / replicate.
 - :func:`live_process_groups` (``torch.distributed.distributed_c10d._world.pg_map``): the
   process groups that exist now, so a build can destroy exactly the ones it created.
+- :func:`module_hook_dicts` (``nn.Module._forward_pre_hooks`` and the other hook dicts): a
+  closed build removes the hooks it registered on a model's modules, by id, whoever
+  registered them (``codegen/runtime/installs.py``).
 - :data:`FakeTensorMode` (``torch._subclasses.fake_tensor``), :data:`TorchDispatchMode`
   and :func:`is_traceable_wrapper_subclass` (``torch.utils._python_dispatch``),
   :func:`tree_map` / :func:`tree_flatten` (``torch.utils._pytree``): capture on fake tensors
@@ -48,7 +51,7 @@ CHECKED_ON = ("2.13.0",)
 
 __all__ = ["CHECKED_ON", "FakeTensorMode", "StridedShard", "TorchDispatchMode", "checkpoint_generator",
            "ddp_replicate", "flatten_mesh", "foreach_mul_", "foreach_norm", "funcol", "is_traceable_wrapper_subclass",
-           "live_process_groups", "replicate", "replicate_ddp_class", "saved_attention_ops",
+           "live_process_groups", "module_hook_dicts", "replicate", "replicate_ddp_class", "saved_attention_ops",
            "saved_collective_ops", "tree_flatten", "tree_map"]
 
 
@@ -112,3 +115,9 @@ def live_process_groups() -> list:
     """The process groups this process has now (the default one included), oldest first."""
     from torch.distributed import distributed_c10d as c10d
     return list(c10d._world.pg_map)
+
+
+def module_hook_dicts(module: torch.nn.Module) -> dict[str, dict]:
+    """``{name: dict}`` of ``module``'s hook registries (forward / backward / state-dict hooks
+    and their flag sets keyed by hook id), as ``nn.Module.__init__`` creates them."""
+    return {k: v for k, v in module.__dict__.items() if k.startswith("_") and "hooks" in k and isinstance(v, dict)}

@@ -61,6 +61,7 @@ from codegen.runtime import recipe
 from codegen.runtime import tensor_parallel as tpar
 from codegen.runtime.adapters import IGNORE_INDEX, ModelAdapter, adapter_for
 from codegen.runtime.mesh import build_mesh
+from codegen.runtime.torch_compat import live_process_groups
 from codegen.runtime.optim import OptimizerFactory, Optimizers, build_optimizer, clip_grad_norm_, default_optimizer
 
 __all__ = ["ParallelModel", "TokenLoss", "parallelize", "default_optimizer"]
@@ -266,7 +267,15 @@ class ParallelModel:
         return self.global_loss(loss)
 
     def close(self) -> None:
-        """Nothing process-wide was installed; kept so callers can release the model uniformly."""
+        """Release what the build installed (collective: every rank calls it): after a barrier,
+        the process groups it created are destroyed, transformers registry entries removed, the
+        model's modules get back their attributes and lose the hooks (``codegen/runtime/installs.py``).
+        The model is not trained again. Idempotent."""
+        if self.adapter.installs.closed:
+            return
+        if dist.is_initialized():
+            dist.barrier()
+        self.adapter.close()
 
     # ---------------------------------------------------------------- checks
     def named_parameters(self):
@@ -308,6 +317,19 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     device = torch.device(device)
     adapter = adapter or adapter_for(model, order=[u for s in stages for u in s], seq_len=seq_len, facts=facts)
     recipe.check_runnable(cfg, adapter, facts, Batch(global_batch, seq_len, load_balance=load_balance))
+    before = live_process_groups()
+    try:
+        return _build(adapter, cfg, stages, stage_recompute, tp_layout, global_batch, device, mesh,
+                      optimizer_factory, seed, load_balance)
+    finally:  # the groups made on the way (meshes, tied-weight groups): the build's, destroyed when it closes
+        adapter.installs.own_groups_since(before)
+
+
+def _build(adapter: ModelAdapter, cfg: ParallelConfig, stages: Sequence[Sequence[str]],
+           stage_recompute: Sequence[str], tp_layout: dict[str, str], global_batch: int, device: torch.device,
+           mesh: Optional[DeviceMesh], optimizer_factory: OptimizerFactory, seed: Optional[int],
+           load_balance: str) -> ParallelModel:
+    """The recipe's steps after the feasibility check (:func:`parallelize`)."""
     mesh = mesh if mesh is not None else build_mesh(cfg)
     split = recipe.split_stages(adapter, stages, stage_recompute, cfg, mesh)
     recipe.materialize(adapter, split, device, seed)

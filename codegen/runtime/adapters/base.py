@@ -11,6 +11,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from codegen.runtime.installs import Installs
+
 UNIT_KINDS = ("before", "block", "after", "head")
 IGNORE_INDEX = -100
 AttentionImpl = Callable[..., torch.Tensor]  # fn(q, k, v, *, causal, scale=None) -> out [B, H, S, D]
@@ -83,6 +85,9 @@ class ModelAdapter:
         self.model = model
         self.unit_list = list(unit_list)
         self.facts = None  # the plan's ModelFacts (head counts, limits), given to adapter_for
+        # what this adapter and the build using it install on the model and in the process;
+        # undone by close() (codegen/runtime/installs.py)
+        self.installs = Installs(model)
         for u in self.unit_list:
             if u.kind not in UNIT_KINDS:
                 raise ValueError(f"unit {u.name}: kind {u.kind!r} is not one of {UNIT_KINDS}")
@@ -157,3 +162,8 @@ class ModelAdapter:
 
     def tp_fixups(self, stage: StageModule, tp_mesh, layout: dict[str, str], sp: bool) -> None:
         """Instance state that must follow tensor-parallel sharding (local sizes); default none."""
+
+    def close(self) -> None:
+        """Undo what this adapter and the build using it installed (:attr:`installs`): the model's
+        attributes and hooks, registry entries, process groups. The model is not trained again."""
+        self.installs.close()

@@ -160,13 +160,12 @@ class ModuleAdapter(ModelAdapter):
                    if r in ("column", "packed_qkv") and has_submodule(stage, f)}
         for name in parents:
             mod = stage.get_submodule(name)
-            if getattr(mod, "_autopar_tp_fixed", None) == tp:
+            if not self.installs.first_time(mod, "tp sizes"):
                 continue
             for attr, v in list(vars(mod).items()):
                 if (isinstance(v, int) and not isinstance(v, bool) and "head" in attr and "dim" not in attr
                         and "size" not in attr and v in heads and v % tp == 0):
                     setattr(mod, attr, v // tp)
-            mod._autopar_tp_fixed = tp
 
     def attention_modules(self, block: nn.Module) -> list[nn.Module]:
         return [block]
@@ -174,7 +173,6 @@ class ModuleAdapter(ModelAdapter):
     def set_attention(self, block: nn.Module, impl: AttentionImpl) -> None:
         """Route ``block``'s SDPA calls to ``impl`` while it runs (hooks on that instance)."""
         route = _SDPARoute(impl)
-        block._autopar_sdpa = route
 
         def enter(mod, args):
             route.__enter__()
