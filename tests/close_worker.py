@@ -38,7 +38,7 @@ BUILDS = [
     ("llama-tiny", dict(cp=2, ulysses=2), 1),
     ("hf-gpt2", dict(pp=2, schedule="1f1b", recompute="selective"), 2),
     ("moe-tiny", dict(tp=2, sp=True, ep=2), 1),
-    ("hf-llama", dict(cp=2, recompute="selective"), 1),
+    ("hf-llama", dict(tp=2, sp=True, recompute="selective"), 1),  # the mesh of build 1 again: DTensor caches
     ("user-lm", dict(tp=2, sp=True, recompute="full"), 1),
     ("gemma2", dict(dp=2, zero="ddp", attention="eager"), 1),
 ]

@@ -30,7 +30,7 @@ from typing import Any, Callable, Hashable, Optional
 
 from torch import nn
 
-from codegen.runtime.torch_compat import live_process_groups, module_hook_dicts
+from codegen.runtime.torch_compat import clear_dtensor_caches, live_process_groups, module_hook_dicts
 
 _TAGS = itertools.count(1)
 _MISSING = object()
@@ -83,6 +83,9 @@ class Installs:
     def _destroy_groups(self) -> None:
         import torch.distributed as dist
 
+        if not self._groups:
+            return
+        clear_dtensor_caches()  # cached DTensor specs hold meshes over these groups (torch_compat)
         live = {id(g) for g in live_process_groups()}
         for g in reversed(self._groups):  # the default group (if ours) was created first: it goes last
             if id(g) in live:

@@ -28,6 +28,13 @@ these, this module is the one place to change. Each entry, and why we need it:
   over, one dimension for FSDP2 / replicate.
 - :func:`live_process_groups` (``torch.distributed.distributed_c10d._world.pg_map``): the
   process groups that exist now, so a build can destroy exactly the ones it created.
+- :func:`clear_dtensor_caches` (``torch._C._clear_DTensor_sharding_propagator_cache``, the C++
+  dispatch fast path's; ``DTensor._op_dispatcher.sharding_propagator``'s
+  ``propagate_op_sharding`` cache, ``_redistribute._gen_transform_infos`` and the redistribute
+  planner cache): a DeviceMesh compares equal to another of the same shape and names whatever
+  its process groups, so DTensor's sharding cache hands a new build output specs holding an
+  older build's mesh; once that build's groups are destroyed the cached specs name groups that
+  no longer exist (``Could not resolve the process group``). Cleared when groups are destroyed.
 - :func:`module_hook_dicts` (``nn.Module._forward_pre_hooks`` and the other hook dicts): a
   closed build removes the hooks it registered on a model's modules, by id, whoever
   registered them (``codegen/runtime/installs.py``).
@@ -51,7 +58,7 @@ CHECKED_ON = ("2.13.0",)
 
 __all__ = ["CHECKED_ON", "FakeTensorMode", "StridedShard", "TorchDispatchMode", "checkpoint_generator",
            "ddp_replicate", "flatten_mesh", "foreach_mul_", "foreach_norm", "funcol", "is_traceable_wrapper_subclass",
-           "live_process_groups", "module_hook_dicts", "replicate", "replicate_ddp_class", "saved_attention_ops",
+           "clear_dtensor_caches", "live_process_groups", "module_hook_dicts", "replicate", "replicate_ddp_class", "saved_attention_ops",
            "saved_collective_ops", "tree_flatten", "tree_map"]
 
 
@@ -121,3 +128,14 @@ def module_hook_dicts(module: torch.nn.Module) -> dict[str, dict]:
     """``{name: dict}`` of ``module``'s hook registries (forward / backward / state-dict hooks
     and their flag sets keyed by hook id), as ``nn.Module.__init__`` creates them."""
     return {k: v for k, v in module.__dict__.items() if k.startswith("_") and "hooks" in k and isinstance(v, dict)}
+
+
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions and redistribute plans (they hold meshes)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch fast path's
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()

@@ -7,7 +7,7 @@ feasibility predicate (``planner.feasibility.problems``) on the plan and the ada
 then the device mesh -> the pipeline stage split (this rank's stage modules, built by the
 adapter) -> materialisation of a meta-built model's owned units -> the tied-weight pairs
 and groups (pp > 1; before tensor parallelism splits the ends apart) -> attention per block
-(kernel, ring attention for CP, selective recompute; installed on the model instance) ->
+(kernel, ring attention for CP, selective recompute; held by the build, undone by close) ->
 tensor parallel -> full recompute -> data parallel (FSDP2 / replicate over ``dp`` x ``cp``)
 -> optimizers (one per stage module, as torchtitan) -> the pipeline schedule (pp > 1).
 
@@ -24,8 +24,10 @@ the rows are cut into ``global_batch / (dp * mbs)`` micro-batches of ``mbs`` seq
 pipeline micro-batches under PP, gradient accumulation without. A batch that packs several
 documents per row says so with ``cu_seqlens`` (codegen/runtime/documents.py): attention
 stays inside each document, positions restart at each, and no document's last token
-predicts the next one's first (under PP each stage gets its micro-batch's documents as
-keyword arguments of the schedule, and recomputation restores the ones its forward saw).
+predicts the next one's first. Per-step state travels as forward arguments: every stage
+module gets its micro-batch's ``positions`` and ``doc_start`` as keyword arguments (from
+``microbatch``, or split per micro-batch by the pipeline schedule), and recomputation
+restores the documents its forward saw; nothing is held on the model.
 
 Loss scaling: the last stage returns each micro-batch's SUMMED token loss; ``TokenLoss``
 divides it by N, the number of non-ignored targets of the whole global batch, times the
@@ -105,10 +107,9 @@ class ParallelModel:
         self.stage_idx, self.n_virtual, self.load_balance = stages.idx, stages.n_virtual, load_balance
         self.stage_modules = stages.modules
         self.documents = stages.documents  # the micro-batch's packed documents, read by the attention
-        if schedule is not None:  # the schedule hands each stage its micro-batch's documents
-            for sm in stages.modules:
-                docs.install_stage_documents(sm, self.documents)
-        self._packed: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # this step's (doc_start, positions)
+        # this step's per-step stage arguments, [rows of this rank, S_local] each: positions
+        # (under CP or with packed documents) and doc_start (packed documents); cut per micro-batch
+        self._step_args: dict[str, torch.Tensor] = {}
         blocks = set(adapter.blocks)
         self.holds_blocks = any(u in blocks for sm in stages.modules for u in sm.units)
         self.global_batch, self.device = global_batch, device
@@ -146,14 +147,14 @@ class ParallelModel:
             inputs[0] = cpar.shard_sequence(inputs[0], self.cfg.cp, self.cp_rank, 1, self.load_balance)
             targets = cpar.shard_sequence(targets, self.cfg.cp, self.cp_rank, 1, self.load_balance)
             positions = cpar.local_positions(seq, self.cfg.cp, self.cp_rank, self.load_balance, self.device)
-        self._packed = None
+        self._step_args = {}
         if doc_start is not None:  # per micro-batch: the document mask and per-document positions
             doc_start = doc_start.to(self.device)
             own = positions if positions is not None else torch.arange(seq, device=self.device)
-            self._packed = (doc_start, docs.document_positions(doc_start, own))
+            self._step_args = dict(doc_start=doc_start, positions=docs.document_positions(doc_start, own))
+        elif positions is not None:  # the same global positions on every row
+            self._step_args = dict(positions=positions.expand(per, -1))
         self.documents.set(None)
-        for sm in self.stage_modules:
-            sm.positions = positions
         return tuple(t.to(self.device) for t in inputs), targets.to(self.device)
 
     def _doc_starts(self, batch: dict[str, torch.Tensor], seq: int, rows: slice) -> Optional[torch.Tensor]:
@@ -174,18 +175,9 @@ class ParallelModel:
     def _check_documents_used(self) -> None:
         """After a packed micro-batch's forward on a rank holding blocks: some attention masked
         by the documents, or the model computes its own attention, which would cross them."""
-        if self._packed is not None and self.documents.used == 0 and self.holds_blocks:
+        if "doc_start" in self._step_args and self.documents.used == 0 and self.holds_blocks:
             raise ValueError("packed documents (cu_seqlens): no attention of this model went through autopar's "
                              "(it computes its own), so it would attend across documents; drop cu_seqlens")
-
-    def _use_microbatch(self, sl: slice) -> None:
-        """Point the attention and the stage modules at micro-batch ``sl``'s packed documents."""
-        if self._packed is None:
-            return
-        doc_start, positions = self._packed
-        self.documents.set(doc_start[sl])
-        for sm in self.stage_modules:
-            sm.positions = positions[sl]
 
     # ---------------------------------------------------------------- step parts
     def microbatch(self, inputs: Sequence[torch.Tensor], targets: torch.Tensor, mb: int) -> torch.Tensor:
@@ -194,9 +186,9 @@ class ParallelModel:
         sm, n, mbs = self.stage_modules[0], self.n_microbatches, self.cfg.mbs
         dpar.sync_gradients(sm, self.cfg.zero, last=mb == n - 1)
         sl = slice(mb * mbs, (mb + 1) * mbs)
-        self._use_microbatch(sl)
+        step_args = {k: v[sl] for k, v in self._step_args.items()}  # the stage's per-step arguments
         with tpar.loss_context(self.cfg.tp):
-            loss = self.loss_fn(sm(*(a[sl] for a in inputs), labels=targets[sl]), targets[sl])
+            loss = self.loss_fn(sm(*(a[sl] for a in inputs), labels=targets[sl], **step_args), targets[sl])
             self._check_documents_used()
             loss.backward()
         return _scalar(loss)
@@ -208,8 +200,7 @@ class ParallelModel:
         # the last stage's outputs are scalar losses (nothing to merge); its forward gets the
         # micro-batch's targets as ``labels``, split like the schedule's target
         kw = dict(target=targets, losses=losses, labels=targets, return_outputs=False) if self.has_last else {}
-        if self._packed is not None:  # every stage: its micro-batch's documents (documents.install_stage_documents)
-            kw.update(doc_start=self._packed[0], doc_positions=self._packed[1])
+        kw.update(self._step_args)  # every stage: its micro-batch's positions and documents
         with tpar.loss_context(self.cfg.tp):
             self.schedule.step(*inputs, **kw) if self.has_first else self.schedule.step(**kw)
         self._check_documents_used()

@@ -135,7 +135,7 @@ class HFStage(StageModule):
             x = DTensor.from_local(x, self.tp_mesh, [Shard(1)], run_check=False)
         return x
 
-    def _call_view(self, view: nn.Module, args):
+    def _call_view(self, view: nn.Module, args, positions: Optional[torch.Tensor]):
         """The model's forward on ``view``: token ids on the first stage, zeros of the hidden
         shape elsewhere; positions always explicit (under sequence parallel the embedding
         output holds S/tp tokens, from which the model would derive the wrong ones)."""
@@ -149,7 +149,7 @@ class HFStage(StageModule):
             self._received = x
             b, s = x.shape[0], self._local_seq(x)
             kw["inputs_embeds"] = torch.zeros(b, s, self.hidden_size, dtype=self.dtype, device=x.device)
-        pos = self.positions if self.positions is not None else torch.arange(s, device=x.device)
+        pos = positions if positions is not None else torch.arange(s, device=x.device)
         kw["position_ids"] = pos if pos.dim() == 2 else pos.unsqueeze(0)  # [B, S]: per-document positions
         return view(**kw)
 
@@ -157,10 +157,12 @@ class HFStage(StageModule):
         """Tokens of this rank's sequence: the received tensor's, times tp under sequence parallel."""
         return x.shape[1] * (self.tp_mesh.size() if self.sp and self.tp_mesh is not None else 1)
 
-    def forward(self, *args: torch.Tensor, labels: Optional[torch.Tensor] = None):
+    def forward(self, *args: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None, doc_start: Optional[torch.Tensor] = None):
         fused = self.is_last and labels is not None and self.loss_kernel == "fused"
+        pos = self.take_step(positions, doc_start)
         try:
-            out = self._call_view(self._view_fused if fused else self._view, args)
+            out = self._call_view(self._view_fused if fused else self._view, args, pos)
         except StageOutput as done:
             if fused:  # the head's input: the final hidden state after the model's own epilogue
                 head = self.get_submodule(self.adapter.head_name)

@@ -242,10 +242,12 @@ class ModuleStage(StageModule):
         for u in self.units:
             attach(self, u, adapter.model.get_submodule(u))
 
-    def forward(self, *args: torch.Tensor, labels: Optional[torch.Tensor] = None):
+    def forward(self, *args: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None, doc_start: Optional[torch.Tensor] = None):
         x = args[0]
         seq = x.shape[1] * (self.tp_size if self.sp and not self.is_first else 1)
-        pos = self.positions if self.positions is not None else torch.arange(seq, device=x.device)
+        pos = self.take_step(positions, doc_start)
+        pos = pos if pos is not None else torch.arange(seq, device=x.device)
         body = self.units[:-1] if self.is_last and labels is not None else self.units
         x = self.adapter.sequential(x, pos, body) if body else x
         if not (self.is_last and labels is not None):
