@@ -63,7 +63,7 @@ import torch.distributed as dist
 from codegen.runtime import checkpoint
 from codegen.runtime.adapters import adapter_for
 from codegen.runtime.data import packed_documents, synthetic, user_hook
-from codegen.runtime.mesh import build_mesh, exit_process, init_distributed, teardown
+from codegen.runtime.mesh import build_mesh, init_distributed, teardown
 from codegen.runtime.metrics import peak_memory_per_rank
 from codegen.runtime.optim import build_optimizer, warmup_cosine
 from codegen.runtime.recipe import (apply_attention, apply_dp, apply_ep, apply_recompute, apply_tp, build_schedule,
@@ -190,9 +190,8 @@ def main() -> None:
                       f"{{rec['tokens_per_s']:,.0f}} tok/s  peak {{max(mem):.2f}} GiB", flush=True)
             if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
                 checkpoint.save(pm, args.ckpt_dir)
-    pm.close()
-    teardown()
-    exit_process(0)
+    pm.close()  # the build's process groups, hooks and registry entries
+    teardown()  # a barrier, then the default process group
 
 
 if __name__ == "__main__":
