@@ -43,7 +43,6 @@ cross-entropy, no logits).
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional, Sequence
 
 import torch
@@ -52,7 +51,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from planner.feasibility import Batch, documents_problem
+from planner.feasibility import Batch, Nodes, problems
 from planner.plan import ModelFacts, ParallelConfig, Plan
 from codegen.runtime import context_parallel as cpar
 from codegen.runtime import data_parallel as dpar
@@ -110,6 +109,7 @@ class ParallelModel:
         # this step's per-step stage arguments, [rows of this rank, S_local] each: positions
         # (under CP or with packed documents) and doc_start (packed documents); cut per micro-batch
         self._step_args: dict[str, torch.Tensor] = {}
+        self._documents_checked: dict[int, list[str]] = {}  # sequence length -> packed-document problems
         blocks = set(adapter.blocks)
         self.holds_blocks = any(u in blocks for sm in stages.modules for u in sm.units)
         self.global_batch, self.device = global_batch, device
@@ -162,15 +162,22 @@ class ParallelModel:
         ``cu_seqlens`` (None without); refuses what cannot run with packed documents."""
         if "cu_seqlens" not in batch:
             return None
-        why = documents_problem(self.model_limits, causal_only="pixel_values" not in batch)
+        why = self._documents_problems(seq)
         if why:
-            raise ValueError(f"{why}; drop batch['cu_seqlens']")
+            raise ValueError(f"{'; '.join(why)}; drop batch['cu_seqlens']")
         return docs.doc_starts(batch["cu_seqlens"], self.global_batch, seq, rows.start, rows.stop - rows.start)
 
-    @functools.cached_property
-    def model_limits(self) -> dict[str, str]:
-        """The adapter's limits (what the model cannot run), asked once."""
-        return self.adapter.limits()
+    def _documents_problems(self, seq: int) -> list[str]:
+        """What the feasibility predicate (``planner.feasibility.problems``) finds for this
+        layout and model with packed documents and not without them (the rest was checked
+        when the model was built), for sequences of ``seq`` tokens; asked once per length."""
+        if seq not in self._documents_checked:
+            facts = ModelFacts(units=len(self.adapter.units), limits=self.adapter.limits())
+            cluster = Nodes("this job", 1, dist.get_world_size())
+            found = {d: problems(self.cfg, facts, Batch(self.global_batch, seq, documents=d,
+                                                        load_balance=self.load_balance), cluster) for d in (True, False)}
+            self._documents_checked[seq] = [p for p in found[True] if p not in found[False]]
+        return self._documents_checked[seq]
 
     def _check_documents_used(self) -> None:
         """After a packed micro-batch's forward on a rank holding blocks: some attention masked
