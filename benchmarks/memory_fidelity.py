@@ -103,7 +103,7 @@ def predict(graph, pc, global_batch: int) -> tuple[list[dict], int]:
 def _storages_of(t) -> list:
     """Untyped storages behind tensor ``t`` (inner tensors of wrapper subclasses such as DTensor)."""
     import torch
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    from codegen.runtime.torch_compat import is_traceable_wrapper_subclass
     if not isinstance(t, torch.Tensor):
         return []
     if is_traceable_wrapper_subclass(t):
@@ -122,8 +122,7 @@ def _storages_of(t) -> list:
 
 def _make_tracker_cls():
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
+    from codegen.runtime.torch_compat import TorchDispatchMode, tree_flatten
 
     class LiveTensorTracker(TorchDispatchMode):
         """Live bytes of tensor storages: each storage counted once, from creation (an op

@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import (
 from codegen.runtime import checkpoint
 from codegen.runtime.adapters import adapter_for
 from codegen.runtime.data import packed_documents, synthetic, user_hook
-from codegen.runtime.mesh import build_mesh, exit_process, init_distributed, teardown
+from codegen.runtime.mesh import build_mesh, init_distributed, teardown
 from codegen.runtime.metrics import peak_memory_per_rank
 from codegen.runtime.optim import build_optimizer, warmup_cosine
 from codegen.runtime.recipe import (
@@ -192,9 +192,8 @@ def main() -> None:
     if rank == 0 and times:
         print(f"median step {statistics.median(times):.4g} s (predicted {PREDICTED['step_s']:.4g} s); "
               f"peak {max(mem):.2f} GiB (predicted {max(PREDICTED['memory_gib']):.2f} GiB)", flush=True)
-    pm.close()
-    teardown()
-    exit_process(0)
+    pm.close()  # the build's process groups, hooks and registry entries
+    teardown()  # a barrier, then the default process group
 
 
 if __name__ == "__main__":

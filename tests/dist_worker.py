@@ -195,15 +195,6 @@ def rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
     return float((a - b).abs().max() / max(float(b.abs().max()), floor))
 
 
-# the models of one world size split over several launches: every layout builds its own device
-# meshes and process groups, which a process keeps; one launch of all 65 4-rank layouts ran its
-# last layouts 10-20x slower than the same ones early (mostly kernel time) and once lost a rank
-# to SIGSEGV in CI
-SHARDS = {2: (MODELS, MOE_MODELS),
-          4: (("gpt-tiny", "llama-tiny", "hf-llama"), ("hf-gpt2", "user-lm", "gpt-tiny-tied"), MOE_MODELS),
-          8: (MODELS_BY_WORLD[8],)}
-
-
 # packed documents (tests/packed_documents.py) against every document run alone: the flash path
 # (the kernels' torch fallback on CPU) and eager SDPA, the ring, Ulysses and the hybrid, with
 # TP + SP, DP (two micro-batches per rank), FSDP and PP (the schedules interleave micro-batches;
@@ -252,9 +243,11 @@ def documents_group(world: int) -> dict:
     return results
 
 
-def parity_group(world: int, shard: int = 0) -> dict:
+def parity_group(world: int) -> dict:
+    """Every model and layout of ``world`` in this one launch: each build is closed before the
+    next (``ParallelModel.close`` destroys its process groups; tests/test_close.py)."""
     results = {}
-    for model_name in (m for m in MODELS_BY_WORLD[world] if m in SHARDS[world][shard]):
+    for model_name in MODELS_BY_WORLD[world]:
         c = case(model_name)
         data = c.batches(STEPS)
         ref_losses, ref_grads = c.reference(data, LR)
@@ -379,10 +372,9 @@ def main() -> None:
             return {key: failure(exc)}
 
     results: dict = {}
-    if group.startswith("parity"):  # parity or parity:<shard>
-        shard = int(group.partition(":")[2] or 0)
-        results.update(parity_group(world, shard))
-        if world == 2 and shard == 0 and not os.environ.get("AUTOPAR_ONLY"):
+    if group == "parity":
+        results.update(parity_group(world))
+        if world == 2 and not os.environ.get("AUTOPAR_ONLY"):
             results.update(guarded("mllm-tiny/pp2-unequal", mllm_pp2))
         if world == 4 and len(sys.argv) > 3:
             results["ckpt"] = guarded("error", ckpt_first, sys.argv[3])

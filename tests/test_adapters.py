@@ -86,7 +86,8 @@ def test_experts_are_installed_on_one_instance_only():
     b = transformers.AutoModelForCausalLM.from_config(cfg)
     b.load_state_dict(a.state_dict())
     adapter_for(a)
-    assert a.config._experts_implementation == "autopar" and b.config._experts_implementation != "autopar"
+    assert a.config._experts_implementation.startswith("autopar_")
+    assert not b.config._experts_implementation.startswith("autopar")
     ids = torch.randint(0, 128, (2, 16))
     torch.testing.assert_close(a(input_ids=ids, use_cache=False).logits, b(input_ids=ids, use_cache=False).logits,
                                rtol=1e-5, atol=1e-5)
@@ -132,7 +133,7 @@ def test_attention_is_installed_on_one_instance_only():
         ad.set_attention(a.get_submodule(blk), counting)
     a(input_ids=ids, use_cache=False)
     assert calls == [True] * len(ad.blocks)
-    assert b.config._attn_implementation == "sdpa" and a.config._attn_implementation == "autopar"
+    assert b.config._attn_implementation == "sdpa" and a.config._attn_implementation.startswith("autopar_")
     assert torch.equal(b(input_ids=ids, use_cache=False).logits, before)
     assert len(calls) == len(ad.blocks)  # b did not call it
 

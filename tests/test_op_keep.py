@@ -12,10 +12,10 @@ import os
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from codegen.runtime.recompute import OpSavePolicy
+from codegen.runtime.torch_compat import TorchDispatchMode
 from cost_models.op_recompute import checkpointed, kept_linears, kept_matmuls
 from planner.frontend.layer_kinds import is_linear
 from planner.frontend.load import graph_of

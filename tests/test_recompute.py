@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from codegen.runtime.torch_compat import TorchDispatchMode
 
 from codegen.runtime.recompute import checkpoint_block
 from cost_models.memory import layer_activation

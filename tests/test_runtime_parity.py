@@ -7,10 +7,9 @@ it; the zoo's gpt-tiny with a tied head only under PP2 x TP2) for 3 SGD steps (f
 unmodified model in one process); the first-step gradients (full tensors, by fqn), their
 global norm (what clipping uses: each tied parameter counted once) and the 3 losses must
 match within 1e-5 relative. A layout the runtime cannot run for a model
-(``REFUSED``) must be refused, with its reason, before anything is built. Torchrun launches per
-world size (2, 4 and 8 processes; the models of a size split over a few launches,
-``dist_worker.SHARDS``, which keeps each process's groups few) run all layouts of that size
-and write JSON; the first 2-process launch also trains mllm-tiny under an unequal PP2 split,
+(``REFUSED``) must be refused, with its reason, before anything is built. One torchrun launch per
+world size (2, 4 and 8 processes; each build closed before the next, which destroys its process
+groups) runs all models and layouts of that size and writes JSON; the first 2-process launch also trains mllm-tiny under an unequal PP2 split,
 the first 4-process launch also runs the first half of the checkpoint test, and a last
 4-process launch resumes from its DCP checkpoint.
 """
@@ -59,11 +58,9 @@ def runs(tmp_path_factory) -> dict:
     ckpt = d / "ckpt"
     ckpt.mkdir()
     res: dict = {}
-    for world, shards in W.SHARDS.items():  # several launches per world size (dist_worker.SHARDS)
-        res[world] = {}
-        for i in range(len(shards)):
-            extra = (str(ckpt),) if (world, i) == (4, 0) else ()
-            res[world].update(launch(world, f"parity:{i}", str(d / f"w{world}-{i}.json"), *extra))
+    for world in W.LAYOUTS:  # one launch per world size
+        extra = (str(ckpt),) if world == 4 else ()
+        res[world] = launch(world, "parity", str(d / f"w{world}.json"), *extra, timeout=1200)
     res["resume"] = launch(4, "resume", str(d / "resume.json"), str(ckpt))
     return res
 

@@ -51,7 +51,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed import _functional_collectives as funcol
+from codegen.runtime.torch_compat import funcol
 
 from codegen.runtime.documents import Documents, PerVersion, any_visible, visible_mask
 from codegen.runtime.layers import sdpa_attention

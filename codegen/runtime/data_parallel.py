@@ -40,17 +40,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from codegen.runtime import torch_compat
 from planner.plan import DDP_BUCKET_BYTES, FSDP_MODULE_SHARE, SHARDED_PARAMS, ZERO, fsdp_per_module
 
 
 def _replicate():
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-    return replicate
+    return torch_compat.replicate()
 
 
 def _ddp_replicate():
-    from torch.distributed._composable.replicate import replicate
-    return replicate
+    return torch_compat.ddp_replicate()
 
 
 def apply_dp(stage_mods: Sequence[nn.Module], dp_mesh: DeviceMesh, zero: str, pipelined: bool,
@@ -121,10 +120,9 @@ def sync_gradients(module: nn.Module, zero: str, last: bool) -> None:
     and accumulate unreduced before it (no extra memory: they are unsharded anyway).
     ``zero2`` / ``fsdp`` keep reducing every micro-batch, so gradients stay sharded between
     micro-batches (the memory model assumes it). Pipeline schedules do this themselves."""
-    from torch.distributed._composable.replicate import DDP
     from torch.distributed.fsdp import FSDPModule
 
-    if zero not in SHARDED_PARAMS and isinstance(module, (FSDPModule, DDP)):
+    if zero not in SHARDED_PARAMS and isinstance(module, (FSDPModule, torch_compat.replicate_ddp_class())):
         module.set_requires_gradient_sync(last)
 
 

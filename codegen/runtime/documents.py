@@ -11,8 +11,8 @@ document's first token (:func:`doc_starts`), and with it
 
 - the attention mask: query ``i`` sees key ``j`` iff ``doc_start[i] <= j <= i``. The
   attention implementations read the current micro-batch's ``doc_start`` (full sequence,
-  global positions) from one :class:`Documents` holder per parallelised model, which
-  ``ParallelModel`` sets before each micro-batch: :class:`EagerAttention` (SDPA with the
+  global positions) from one :class:`Documents` holder per parallelised model, which each
+  stage's forward points at its micro-batch's documents: :class:`EagerAttention` (SDPA with the
   mask), ``kernels.FlashAttention`` (the kernels' ``doc_start``) and ring / Ulysses
   attention (``context_parallel.RingCompute``: each query's start at its global position;
   a visiting block no local query may see is skipped);
@@ -22,11 +22,13 @@ document's first token (:func:`doc_starts`), and with it
   document's first token (that target is ignored, ``-100``), so the mean counts each
   document's own next-token predictions only.
 
-The holder is state on one model instance (like the stage modules' ``positions``): nothing
-process-wide. Without a pipeline the runtime sets it before each micro-batch; under one the
-schedule passes each stage its micro-batch's documents as keyword arguments
-(:func:`install_stage_documents`), and since other micro-batches run between a forward and
-its backward, a checkpoint's recomputation sets again the documents its forward saw
+The holder is a context object of one build (``ParallelModel.documents``), handed to the
+attention implementations and the stage modules when they are built: nothing process-wide,
+nothing on the model. Each stage's forward gets its micro-batch's ``doc_start`` (and
+per-document ``positions``) as keyword arguments, from ``ParallelModel.microbatch`` or split
+per micro-batch by the pipeline schedule, and points the holder at them
+(``StageModule.take_step``); since other micro-batches run between a forward and its
+backward, a checkpoint's recomputation sets again the documents its forward saw
 (:class:`SameDocuments`).
 """
 from __future__ import annotations
@@ -190,20 +192,3 @@ class SameDocuments:
     def __exit__(self, *exc) -> None:
         if self.documents is not None:
             self.documents.restore(*self._prev.pop())
-
-
-def install_stage_documents(stage: torch.nn.Module, documents: Documents) -> None:
-    """Let a pipeline stage module take its micro-batch's packed documents as keyword arguments
-    (``doc_start`` [mbs, S], ``doc_positions`` [mbs, S_local]; the schedule splits them per
-    micro-batch and passes them to every stage): a forward pre-hook on that instance sets
-    ``documents`` and the stage's ``positions`` and drops the two keywords."""
-
-    def take(mod: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-        if "doc_start" not in kwargs:
-            return None
-        kwargs = dict(kwargs)
-        documents.set(kwargs.pop("doc_start"))
-        mod.positions = kwargs.pop("doc_positions")
-        return args, kwargs
-
-    stage.register_forward_pre_hook(take, with_kwargs=True)

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed import _functional_collectives as funcol
+from codegen.runtime.torch_compat import funcol
 from torch.distributed.tensor import DTensor, Shard
 
 from planner.plan import ParallelConfig

@@ -2,8 +2,12 @@
 
 ``init_distributed`` always initialises the default process group explicitly (an
 implicit init through ``init_device_mesh`` leaves ``dist.get_backend()`` undefined) and
-``teardown`` ends with a barrier before ``destroy_process_group`` (without it, gloo
-ranks abort at exit with ``terminate called without an active exception``).
+``teardown`` ends with a barrier before ``destroy_process_group``. A gloo group whose
+threads are still running when the interpreter tears down can abort the rank at exit
+(``terminate called without an active exception``, about one run in 35 of
+``benchmarks/clean_exit.py`` before builds destroyed their groups): a build's groups are
+destroyed by its ``close()``, or by the ``atexit`` hook it registers
+(``codegen/runtime/installs.py``), which also collects the garbage holding them.
 
 On CPUs every rank is pinned to its own slice of the machine's cores
 (:func:`pin_cpu_rank`): left to the scheduler, ranks sharing cores migrate and the same
@@ -21,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from codegen.runtime.torch_compat import flatten_mesh
 from planner.plan import MESH_DIMS, ParallelConfig
 
 
@@ -88,7 +93,7 @@ def dp_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     try:
         return mesh["dp_cp"]
     except (KeyError, RuntimeError, ValueError):
-        return mesh["dp", "cp"]._flatten("dp_cp")
+        return flatten_mesh(mesh["dp", "cp"], "dp_cp")
 
 
 def cp_groups(cfg: ParallelConfig, mesh: DeviceMesh) -> tuple:
@@ -114,12 +119,10 @@ def teardown() -> None:
 
 def exit_process(code: int = 0) -> None:
     """End a distributed program after :func:`teardown`: flush stdio and leave without running
-    C++ static destructors. With gloo on torch 2.13, a finished rank still aborted at
-    interpreter exit (``terminate called without an active exception``) in about one run
-    in three launched by ``autopar run`` (measured on this 2-core machine), and once in a
-    CI run of an ``mp.spawn`` test, after all its work was written; everything the
-    program owns is closed before this call. Emitted programs, the profiler, the
-    benchmarks' and the tests' workers end with it."""
+    C++ static destructors. Kept for the profiler, the timed runs and the benchmarks' and
+    tests' workers, which ended this way before builds closed their process groups (a gloo
+    rank then aborted at exit about once in three ``autopar run`` launches); emitted
+    programs and ``auto_parallelize`` scripts end normally (module docstring)."""
     import sys
 
     sys.stdout.flush()

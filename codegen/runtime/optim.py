@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from codegen.runtime.data_parallel import ShardedOptimizer
+from codegen.runtime.torch_compat import foreach_mul_, foreach_norm
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 
@@ -92,7 +93,7 @@ def clip_grad_norm_(params: Sequence[nn.Parameter], max_norm: Optional[float], p
     device = grads[0].device if grads else torch.device("cpu")
     square = torch.zeros((), dtype=torch.float32, device=device)
     for groups, local in _local_grad_groups(grads).items():
-        part = torch.stack([n.float() ** 2 for n in torch._foreach_norm(local, 2.0)]).sum()
+        part = torch.stack([n.float() ** 2 for n in foreach_norm(local, 2.0)]).sum()
         for pg in groups:
             dist.all_reduce(part, group=pg)
         square = square + part
@@ -102,7 +103,7 @@ def clip_grad_norm_(params: Sequence[nn.Parameter], max_norm: Optional[float], p
     if max_norm is not None and max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         with torch.no_grad():
-            torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
+            foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
     return float(norm)
 
 

@@ -3,9 +3,8 @@
 Each virtual stage is the model adapter's :class:`~codegen.runtime.adapters.StageModule`
 for a contiguous run of the model's units (``codegen/runtime/adapters``: what flows
 between stages, and how the last stage returns its loss, is the adapter's calling
-protocol). ``positions`` (global indices under context parallelism) are not data but a
-function of the cp rank and the sequence length, identical for every micro-batch; the
-runtime sets ``stage.positions`` before a step.
+protocol). Per-step state (``positions``, packed documents' ``doc_start``) goes to every
+stage as keyword arguments of ``schedule.step``, split per micro-batch by the schedule.
 
 Schedules (``schedule_class``): gpipe -> ``ScheduleGPipe``, 1f1b -> ``Schedule1F1B``
 (one stage per rank, stage r on pp rank r); interleaved-1f1b ->

@@ -94,9 +94,10 @@ def split_stages(adapter: ModelAdapter, stages: Sequence[Sequence[str]], recompu
     if len(stages) != cfg.pp * cfg.vpp:
         raise ValueError(f"{len(stages)} stages for pp={cfg.pp} x vpp={cfg.vpp}; give pp*vpp stage lists")
     idx, mods = ppar.build_stages(adapter, stages, recompute, mesh["pp"].get_local_rank(), cfg.pp)
+    out = Stages(mods, idx, len(stages), policy)
     for sm in mods:
-        sm.loss_kernel, sm.sp = cfg.loss, cfg.sp
-    return Stages(mods, idx, len(stages), policy)
+        sm.loss_kernel, sm.sp, sm.documents = cfg.loss, cfg.sp, out.documents
+    return out
 
 
 def materialize(adapter: ModelAdapter, stages: Stages, device: torch.device, seed: Optional[int]) -> None:
@@ -174,7 +175,7 @@ def apply_recompute(adapter: ModelAdapter, stages: Stages) -> None:
     for sm in stages.modules:
         for u in (u for u in sm.units if u in blocks and stages.policy[u] in ("full", "selective-op")):
             rc.checkpoint_block(sm.get_submodule(u), per_op=stages.policy[u] == "selective-op",
-                                documents=stages.documents)
+                                documents=stages.documents, installs=adapter.installs)
 
 
 def apply_dp(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, mesh: DeviceMesh,

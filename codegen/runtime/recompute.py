@@ -32,6 +32,8 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from codegen.runtime.documents import Documents, SameDocuments
+from codegen.runtime.installs import Installs
+from codegen.runtime.torch_compat import checkpoint_generator, saved_attention_ops, saved_collective_ops
 from planner.graph import MATMUL_OPS, keeps_matmul
 from planner.plan import RECOMPUTE as POLICIES
 
@@ -63,13 +65,8 @@ def _saved_ops() -> tuple[frozenset, frozenset]:
     importlib.import_module("codegen.kernels.attention")  # registers torch.ops.autopar.*
 
     aten = torch.ops.aten
-    always = {aten._scaled_dot_product_flash_attention.default,
-              aten._scaled_dot_product_efficient_attention.default,
-              aten._scaled_dot_product_flash_attention_for_cpu.default,
-              aten._scaled_dot_product_cudnn_attention.default,
-              torch.ops.autopar.flash_attn_fwd.default, torch.ops.autopar.attn_merge.default,
-              torch.ops._c10d_functional.reduce_scatter_tensor.default,
-              torch.ops._c10d_functional.all_to_all_single.default, aten.max.default}
+    always = {torch.ops.autopar.flash_attn_fwd.default, torch.ops.autopar.attn_merge.default, aten.max.default,
+              *saved_attention_ops(), *saved_collective_ops()}
     # not aten.topk (a router's choice): transformers' Mixtral router divides its top-k values in
     # place, and torch refuses a kept output that is mutated
     return frozenset(getattr(aten, name).default for name in MATMUL_OPS), frozenset(always)
@@ -139,22 +136,19 @@ class _HookSwitch:
         self.on = self._prev
 
 
-def checkpoint_block(block: nn.Module, per_op: bool = False, documents: Optional[Documents] = None) -> None:
-    """Recompute ``block`` in backward (hooks on that instance; idempotent): all of it, or with
-    ``per_op`` only what :class:`OpSavePolicy` does not keep; under the packed documents
-    (``documents``) its forward saw."""
-    from torch.utils.checkpoint import _DEFAULT_DETERMINISM_MODE, _checkpoint_without_reentrant_generator
-
-    if getattr(block, "_autopar_ckpt", False):
+def checkpoint_block(block: nn.Module, per_op: bool = False, documents: Optional[Documents] = None,
+                     installs: Optional[Installs] = None) -> None:
+    """Recompute ``block`` in backward (hooks on that instance, removed when the build's
+    ``installs`` close; once per build): all of it, or with ``per_op`` only what
+    :class:`OpSavePolicy` does not keep; under the packed documents (``documents``) its forward saw."""
+    if installs is not None and not installs.first_time(block, "checkpoint"):
         return
     switch = _HookSwitch()
     contexts = _Contexts(switch, per_op, documents)
 
     def pre(mod, args, kwargs):
         if switch.on:
-            switch.gen = _checkpoint_without_reentrant_generator(
-                mod, True, contexts, _DEFAULT_DETERMINISM_MODE, False, True,
-                *args, **kwargs)
+            switch.gen = checkpoint_generator(mod, contexts, *args, **kwargs)
             next(switch.gen)
 
     def post(mod, args, output):
@@ -167,7 +161,6 @@ def checkpoint_block(block: nn.Module, per_op: bool = False, documents: Optional
 
     block.register_forward_pre_hook(pre, with_kwargs=True)
     block.register_forward_hook(post, prepend=True, always_call=True)
-    block._autopar_ckpt = True
 
 
 def check_policy(policy: str) -> str:

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
-from torch.distributed.tensor.placement_types import _StridedShard
+from codegen.runtime.torch_compat import StridedShard
 
 
 
@@ -80,12 +80,12 @@ class Conv1DRowwise(RowwiseParallel):
 
 class PackedColwise(ColwiseParallel):
     """A column linear computing ``[q | k | v]`` (three equal parts): every rank keeps chunk r
-    of each part, ``_StridedShard(split_factor=3)``, and gets its local ``[q_r | k_r | v_r]``."""
+    of each part, ``StridedShard(split_factor=3)``, and gets its local ``[q_r | k_r | v_r]``."""
 
     def _partition_linear_fn(self, name, module, device_mesh):
         out_dim = 1 if is_conv1d(module) else 0
-        _distribute(module, "weight", device_mesh, _StridedShard(out_dim, split_factor=3))
-        _distribute(module, "bias", device_mesh, _StridedShard(0, split_factor=3))
+        _distribute(module, "weight", device_mesh, StridedShard(out_dim, split_factor=3))
+        _distribute(module, "bias", device_mesh, StridedShard(0, split_factor=3))
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):

@@ -7,7 +7,7 @@ feasibility predicate (``planner.feasibility.problems``) on the plan and the ada
 then the device mesh -> the pipeline stage split (this rank's stage modules, built by the
 adapter) -> materialisation of a meta-built model's owned units -> the tied-weight pairs
 and groups (pp > 1; before tensor parallelism splits the ends apart) -> attention per block
-(kernel, ring attention for CP, selective recompute; installed on the model instance) ->
+(kernel, ring attention for CP, selective recompute; held by the build, undone by close) ->
 tensor parallel -> full recompute -> data parallel (FSDP2 / replicate over ``dp`` x ``cp``)
 -> optimizers (one per stage module, as torchtitan) -> the pipeline schedule (pp > 1).
 
@@ -24,8 +24,10 @@ the rows are cut into ``global_batch / (dp * mbs)`` micro-batches of ``mbs`` seq
 pipeline micro-batches under PP, gradient accumulation without. A batch that packs several
 documents per row says so with ``cu_seqlens`` (codegen/runtime/documents.py): attention
 stays inside each document, positions restart at each, and no document's last token
-predicts the next one's first (under PP each stage gets its micro-batch's documents as
-keyword arguments of the schedule, and recomputation restores the ones its forward saw).
+predicts the next one's first. Per-step state travels as forward arguments: every stage
+module gets its micro-batch's ``positions`` and ``doc_start`` as keyword arguments (from
+``microbatch``, or split per micro-batch by the pipeline schedule), and recomputation
+restores the documents its forward saw; nothing is held on the model.
 
 Loss scaling: the last stage returns each micro-batch's SUMMED token loss; ``TokenLoss``
 divides it by N, the number of non-ignored targets of the whole global batch, times the
@@ -41,7 +43,6 @@ cross-entropy, no logits).
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional, Sequence
 
 import torch
@@ -50,7 +51,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from planner.feasibility import Batch, documents_problem
+from planner.feasibility import Batch, Nodes, problems
 from planner.plan import ModelFacts, ParallelConfig, Plan
 from codegen.runtime import context_parallel as cpar
 from codegen.runtime import data_parallel as dpar
@@ -62,6 +63,7 @@ from codegen.runtime import tensor_parallel as tpar
 from codegen.runtime.tp_styles import styles_for
 from codegen.runtime.adapters import IGNORE_INDEX, ModelAdapter, adapter_for
 from codegen.runtime.mesh import build_mesh
+from codegen.runtime.torch_compat import live_process_groups
 from codegen.runtime.optim import OptimizerFactory, Optimizers, build_optimizer, clip_grad_norm_, default_optimizer
 
 __all__ = ["ParallelModel", "TokenLoss", "parallelize", "default_optimizer"]
@@ -105,10 +107,10 @@ class ParallelModel:
         self.stage_idx, self.n_virtual, self.load_balance = stages.idx, stages.n_virtual, load_balance
         self.stage_modules = stages.modules
         self.documents = stages.documents  # the micro-batch's packed documents, read by the attention
-        if schedule is not None:  # the schedule hands each stage its micro-batch's documents
-            for sm in stages.modules:
-                docs.install_stage_documents(sm, self.documents)
-        self._packed: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # this step's (doc_start, positions)
+        # this step's per-step stage arguments, [rows of this rank, S_local] each: positions
+        # (under CP or with packed documents) and doc_start (packed documents); cut per micro-batch
+        self._step_args: dict[str, torch.Tensor] = {}
+        self._documents_checked: dict[int, list[str]] = {}  # sequence length -> packed-document problems
         blocks = set(adapter.blocks)
         self.holds_blocks = any(u in blocks for sm in stages.modules for u in sm.units)
         self.global_batch, self.device = global_batch, device
@@ -146,14 +148,14 @@ class ParallelModel:
             inputs[0] = cpar.shard_sequence(inputs[0], self.cfg.cp, self.cp_rank, 1, self.load_balance)
             targets = cpar.shard_sequence(targets, self.cfg.cp, self.cp_rank, 1, self.load_balance)
             positions = cpar.local_positions(seq, self.cfg.cp, self.cp_rank, self.load_balance, self.device)
-        self._packed = None
+        self._step_args = {}
         if doc_start is not None:  # per micro-batch: the document mask and per-document positions
             doc_start = doc_start.to(self.device)
             own = positions if positions is not None else torch.arange(seq, device=self.device)
-            self._packed = (doc_start, docs.document_positions(doc_start, own))
+            self._step_args = dict(doc_start=doc_start, positions=docs.document_positions(doc_start, own))
+        elif positions is not None:  # the same global positions on every row
+            self._step_args = dict(positions=positions.expand(per, -1))
         self.documents.set(None)
-        for sm in self.stage_modules:
-            sm.positions = positions
         return tuple(t.to(self.device) for t in inputs), targets.to(self.device)
 
     def _doc_starts(self, batch: dict[str, torch.Tensor], seq: int, rows: slice) -> Optional[torch.Tensor]:
@@ -161,31 +163,29 @@ class ParallelModel:
         ``cu_seqlens`` (None without); refuses what cannot run with packed documents."""
         if "cu_seqlens" not in batch:
             return None
-        why = documents_problem(self.model_limits, causal_only="pixel_values" not in batch)
+        why = self._documents_problems(seq)
         if why:
-            raise ValueError(f"{why}; drop batch['cu_seqlens']")
+            raise ValueError(f"{'; '.join(why)}; drop batch['cu_seqlens']")
         return docs.doc_starts(batch["cu_seqlens"], self.global_batch, seq, rows.start, rows.stop - rows.start)
 
-    @functools.cached_property
-    def model_limits(self) -> dict[str, str]:
-        """The adapter's limits (what the model cannot run), asked once."""
-        return self.adapter.limits()
+    def _documents_problems(self, seq: int) -> list[str]:
+        """What the feasibility predicate (``planner.feasibility.problems``) finds for this
+        layout and model with packed documents and not without them (the rest was checked
+        when the model was built), for sequences of ``seq`` tokens; asked once per length."""
+        if seq not in self._documents_checked:
+            facts = ModelFacts(units=len(self.adapter.units), limits=self.adapter.limits())
+            cluster = Nodes("this job", 1, dist.get_world_size())
+            found = {d: problems(self.cfg, facts, Batch(self.global_batch, seq, documents=d,
+                                                        load_balance=self.load_balance), cluster) for d in (True, False)}
+            self._documents_checked[seq] = [p for p in found[True] if p not in found[False]]
+        return self._documents_checked[seq]
 
     def _check_documents_used(self) -> None:
         """After a packed micro-batch's forward on a rank holding blocks: some attention masked
         by the documents, or the model computes its own attention, which would cross them."""
-        if self._packed is not None and self.documents.used == 0 and self.holds_blocks:
+        if "doc_start" in self._step_args and self.documents.used == 0 and self.holds_blocks:
             raise ValueError("packed documents (cu_seqlens): no attention of this model went through autopar's "
                              "(it computes its own), so it would attend across documents; drop cu_seqlens")
-
-    def _use_microbatch(self, sl: slice) -> None:
-        """Point the attention and the stage modules at micro-batch ``sl``'s packed documents."""
-        if self._packed is None:
-            return
-        doc_start, positions = self._packed
-        self.documents.set(doc_start[sl])
-        for sm in self.stage_modules:
-            sm.positions = positions[sl]
 
     # ---------------------------------------------------------------- step parts
     def microbatch(self, inputs: Sequence[torch.Tensor], targets: torch.Tensor, mb: int) -> torch.Tensor:
@@ -194,9 +194,9 @@ class ParallelModel:
         sm, n, mbs = self.stage_modules[0], self.n_microbatches, self.cfg.mbs
         dpar.sync_gradients(sm, self.cfg.zero, last=mb == n - 1)
         sl = slice(mb * mbs, (mb + 1) * mbs)
-        self._use_microbatch(sl)
+        step_args = {k: v[sl] for k, v in self._step_args.items()}  # the stage's per-step arguments
         with tpar.loss_context(self.cfg.tp):
-            loss = self.loss_fn(sm(*(a[sl] for a in inputs), labels=targets[sl]), targets[sl])
+            loss = self.loss_fn(sm(*(a[sl] for a in inputs), labels=targets[sl], **step_args), targets[sl])
             self._check_documents_used()
             loss.backward()
         return _scalar(loss)
@@ -208,8 +208,7 @@ class ParallelModel:
         # the last stage's outputs are scalar losses (nothing to merge); its forward gets the
         # micro-batch's targets as ``labels``, split like the schedule's target
         kw = dict(target=targets, losses=losses, labels=targets, return_outputs=False) if self.has_last else {}
-        if self._packed is not None:  # every stage: its micro-batch's documents (documents.install_stage_documents)
-            kw.update(doc_start=self._packed[0], doc_positions=self._packed[1])
+        kw.update(self._step_args)  # every stage: its micro-batch's positions and documents
         with tpar.loss_context(self.cfg.tp):
             self.schedule.step(*inputs, **kw) if self.has_first else self.schedule.step(**kw)
         self._check_documents_used()
@@ -267,7 +266,15 @@ class ParallelModel:
         return self.global_loss(loss)
 
     def close(self) -> None:
-        """Nothing process-wide was installed; kept so callers can release the model uniformly."""
+        """Release what the build installed (collective: every rank calls it): after a barrier,
+        the process groups it created are destroyed, transformers registry entries removed, the
+        model's modules get back their attributes and lose the hooks (``codegen/runtime/installs.py``).
+        The model is not trained again. Idempotent."""
+        if self.adapter.installs.closed:
+            return
+        if dist.is_initialized():
+            dist.barrier()
+        self.adapter.close()
 
     # ---------------------------------------------------------------- checks
     def named_parameters(self):
@@ -309,6 +316,19 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     device = torch.device(device)
     adapter = adapter or adapter_for(model, order=[u for s in stages for u in s], seq_len=seq_len, facts=facts)
     recipe.check_runnable(cfg, adapter, facts, Batch(global_batch, seq_len, load_balance=load_balance))
+    before = live_process_groups()
+    try:
+        return _build(adapter, cfg, stages, stage_recompute, tp_layout, global_batch, device, mesh,
+                      optimizer_factory, seed, load_balance)
+    finally:  # the groups made on the way (meshes, tied-weight groups): the build's, destroyed when it closes
+        adapter.installs.own_groups_since(before)
+
+
+def _build(adapter: ModelAdapter, cfg: ParallelConfig, stages: Sequence[Sequence[str]],
+           stage_recompute: Sequence[str], tp_layout: dict[str, str], global_batch: int, device: torch.device,
+           mesh: Optional[DeviceMesh], optimizer_factory: OptimizerFactory, seed: Optional[int],
+           load_balance: str) -> ParallelModel:
+    """The recipe's steps after the feasibility check (:func:`parallelize`)."""
     mesh = mesh if mesh is not None else build_mesh(cfg)
     split = recipe.split_stages(adapter, stages, stage_recompute, cfg, mesh)
     recipe.materialize(adapter, split, device, seed)

@@ -43,10 +43,11 @@ def detect_cluster(world: int) -> str:
 
 
 class Parallelized:
-    """The model parallelised per ``plan`` on this rank."""
+    """The model parallelised per ``plan`` on this rank; ``installs``: what ``auto_parallelize``
+    set up in the process (environment, the default process group), undone by :meth:`close`."""
 
-    def __init__(self, pm: Any, plan: Plan):
-        self._pm, self.plan = pm, plan
+    def __init__(self, pm: Any, plan: Plan, installs: Any = None):
+        self._pm, self.plan, self._installs = pm, plan, installs
 
     def step(self, batch: dict[str, torch.Tensor]) -> float:
         """One optimizer step on the global batch (the same on every rank); returns the loss."""
@@ -68,7 +69,11 @@ class Parallelized:
         return checkpoint.load_latest(self._pm, ckpt_dir)
 
     def close(self) -> None:
+        """Release the model's build (collective), then the process group and environment
+        variables ``auto_parallelize`` created. Without it, the groups are destroyed at exit."""
         self._pm.close()
+        if self._installs is not None:
+            self._installs.close()
 
 
 @dataclass(frozen=True)
@@ -113,13 +118,20 @@ def auto_parallelize(model: nn.Module, example_batch: dict[str, torch.Tensor], l
     req = PlanRequest(cluster, spec, profile, plan, module_spec, Pins.parse(fix), seq_lens)  # a bad pin fails
     if not isinstance(example_batch, dict) or "input_ids" not in example_batch:             # on every rank
         raise AutoparError("example_batch must be a dict with input_ids (and labels): the global batch of one step")
-    device = _init_process_group()
-    the_plan = _broadcast_plan(model, example_batch, req)
-    adapter = adapter_for(model, module_spec, order=the_plan.model["layers"], seq_len=_sequence(model, example_batch),
-                          facts=the_plan.facts)
-    pm = parallelize_plan(model, the_plan, device, optimizer_factory=optimizer or default_optimizer, seed=seed,
-                          adapter=adapter)
-    return Parallelized(pm, the_plan)
+    from codegen.runtime.installs import Installs
+
+    installs = Installs()
+    try:
+        device = _init_process_group(installs)
+        the_plan = _broadcast_plan(model, example_batch, req)
+        adapter = adapter_for(model, module_spec, order=the_plan.model["layers"],
+                              seq_len=_sequence(model, example_batch), facts=the_plan.facts)
+        pm = parallelize_plan(model, the_plan, device, optimizer_factory=optimizer or default_optimizer, seed=seed,
+                              adapter=adapter)
+    except BaseException:
+        installs.close()
+        raise
+    return Parallelized(pm, the_plan, installs)
 
 
 def _module_spec(model: nn.Module, loss_fn: Callable | None, module_spec: Any) -> Any:
@@ -138,18 +150,22 @@ def _module_spec(model: nn.Module, loss_fn: Callable | None, module_spec: Any) -
     return ModuleSpec(module_spec.blocks, module_spec.before, module_spec.after, loss_fn)
 
 
-def _init_process_group() -> torch.device:
-    """This process's group (a one-rank group for a plain single process) and its device."""
+def _init_process_group(installs: Any) -> torch.device:
+    """This process's group (a one-rank group for a plain single process) and its device; the
+    environment variables set and the group created are recorded in ``installs``."""
     from codegen.runtime.mesh import init_distributed
+    from codegen.runtime.torch_compat import live_process_groups
 
     if "WORLD_SIZE" not in os.environ:  # a plain single process: a one-rank group
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         from planner.entry.launch import free_port
 
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-    return init_distributed()
+        for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                           ("MASTER_PORT", str(free_port()))):
+            installs.setenv(key, value)
+    before = live_process_groups()
+    device = init_distributed()
+    installs.own_groups_since(before)
+    return device
 
 
 def _sequence(model: nn.Module, example: dict[str, torch.Tensor]) -> int:

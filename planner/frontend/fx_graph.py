@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_map
+from codegen.runtime.torch_compat import tree_map
 
 
 @dataclass

@@ -80,6 +80,7 @@ def graph_and_fx_of(model: nn.Module, example: dict[str, Any] | tuple, *, name: 
     for layer in graph.layers:
         layer.stage_start = starts.get(layer.name, True)
     _set_tp_roles(graph, fx, adapter)
+    adapter.close()  # the capture leaves nothing on the model or in transformers' registries
     return graph, fx
 
 

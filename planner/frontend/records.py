@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
+from codegen.runtime.torch_compat import tree_flatten
 
 from planner.errors import AutoparError
 from planner.graph import AttentionDims, Layer, Linear, ModelGraph, MoEDims, Op, tp_flops_frac

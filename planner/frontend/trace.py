@@ -41,8 +41,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from codegen.runtime.torch_compat import TorchDispatchMode, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from planner.frontend.records import UnitRecord, UnitRun, assemble, nbytes, tensors
@@ -408,7 +407,7 @@ def capture_fx(model: nn.Module, example: dict[str, Any] | tuple, *, name: str |
                units: list[tuple[str, nn.Module, str | None]] | None = None):
     """:func:`capture`, returning ``(ModelGraph, torch.fx.Graph)``: the graph of the step's
     forward and backward ATen ops the layer costs were summed from (``planner/frontend/fx_graph.py``)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from codegen.runtime.torch_compat import FakeTensorMode
 
     t0 = time.perf_counter()
     units = list(units) if units is not None else find_units(model)

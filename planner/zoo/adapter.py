@@ -111,9 +111,10 @@ class ZooStage(StageModule):
             return x, input_ids.clamp(0, self.vocab - 1), None
         return args[0], None, None
 
-    def forward(self, *args: torch.Tensor, labels: Optional[torch.Tensor] = None):
+    def forward(self, *args: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None, doc_start: Optional[torch.Tensor] = None):
         x, input_ids, pixel_values = self._inputs(args)
-        pos = self.positions
+        pos = self.take_step(positions, doc_start)
         for fqn in self.units:
             mod = self.get_submodule(fqn)
             if fqn == "vision.patch_embed":

@@ -11,6 +11,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from codegen.runtime.installs import Installs
+
 UNIT_KINDS = ("before", "block", "after", "head")
 IGNORE_INDEX = -100
 AttentionImpl = Callable[..., torch.Tensor]  # fn(q, k, v, *, causal, scale=None) -> out [B, H, S, D]
@@ -53,17 +55,21 @@ class StageModule(nn.Module):
       with what the previous stage returned (hidden states, a tensor or a tuple);
     - the last stage, given the keyword ``labels`` (per-position targets, ``-100`` ignored),
       returns the SUMMED token loss of its micro-batch (an fp32 scalar);
-    - ``positions`` (global token positions [S] under context parallelism, per-document
-      positions [mbs, S] with packed documents, else None) is set by the runtime before each
-      step (micro-batch, with documents); ``loss_kernel`` (``"fused"`` | ``"eager"``) and ``sp``
-      (sequence parallel on) by ``parallelize``.
+    - per-step state travels as keyword arguments of every stage's forward (the pipeline
+      schedule splits them per micro-batch): ``positions`` [mbs, S] (each row's token
+      positions: global ones under context parallelism, per-document ones with packed
+      documents; None: ``arange(S)``) and ``doc_start`` [mbs, S] (packed documents, else None);
+      :meth:`take_step` reads them;
+    - ``loss_kernel`` (``"fused"`` | ``"eager"``), ``sp`` (sequence parallel on) and
+      ``documents`` (the build's packed-document context, which the attention reads:
+      ``codegen/runtime/documents.py``) are set once by ``parallelize``.
     """
 
     def __init__(self, units: Sequence[str], all_units: Sequence[str], recompute: str = "none"):
         super().__init__()
         self.units = list(units)
         self.recompute = recompute
-        self.positions: Optional[torch.Tensor] = None
+        self.documents = None  # the build's Documents (codegen/runtime/documents.py), set by split_stages
         self.loss_kernel = "eager"
         self.sp = False
         first, last = all_units.index(self.units[0]), all_units.index(self.units[-1])
@@ -71,6 +77,17 @@ class StageModule(nn.Module):
             raise ValueError(f"stage units {self.units} are not a contiguous run of the model's units")
         self.is_first = first == 0
         self.is_last = last == len(all_units) - 1
+
+
+    def take_step(self, positions: Optional[torch.Tensor], doc_start: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """This call's per-step arguments: points the build's documents context at ``doc_start``
+        (when given) and returns the positions the units get: ``positions`` per row [mbs, S] with
+        packed documents, one row [S] without (every row's are the same), or None."""
+        if doc_start is not None and self.documents is not None:
+            self.documents.set(doc_start)
+        if positions is None or doc_start is not None:
+            return positions
+        return positions[0]
 
 
 class ModelAdapter:
@@ -83,6 +100,9 @@ class ModelAdapter:
         self.model = model
         self.unit_list = list(unit_list)
         self.facts = None  # the plan's ModelFacts (head counts, limits), given to adapter_for
+        # what this adapter and the build using it install on the model and in the process;
+        # undone by close() (codegen/runtime/installs.py)
+        self.installs = Installs(model)
         for u in self.unit_list:
             if u.kind not in UNIT_KINDS:
                 raise ValueError(f"unit {u.name}: kind {u.kind!r} is not one of {UNIT_KINDS}")
@@ -157,3 +177,8 @@ class ModelAdapter:
 
     def tp_fixups(self, stage: StageModule, tp_mesh, layout: dict[str, str], sp: bool) -> None:
         """Instance state that must follow tensor-parallel sharding (local sizes); default none."""
+
+    def close(self) -> None:
+        """Undo what this adapter and the build using it installed (:attr:`installs`): the model's
+        attributes and hooks, registry entries, process groups. The model is not trained again."""
+        self.installs.close()

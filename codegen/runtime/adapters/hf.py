@@ -102,8 +102,12 @@ class HFAdapter(ModelAdapter):
         super().__init__(model, self._discover(model, base, rel, order))
         self._attention_installed = False
         self._config_owned = False
+        # per attention module: the runtime's implementation, or (models keeping their own
+        # attention) the original function and its wrapper; read by the functions this build registers
+        self.attention_impls: dict[nn.Module, AttentionImpl] = {}
+        self.own_attention: dict[nn.Module, tuple] = {}
         if hf_experts.experts_modules(model):  # routed experts run by autopar (capture and runtime alike)
-            hf_experts.install(model, self._own_config())
+            hf_experts.install(model, self._own_config(), self.installs)
 
     # ---- structure ---------------------------------------------------------------------
     def _discover(self, model, base, rel, order) -> list[Unit]:
@@ -238,11 +242,11 @@ class HFAdapter(ModelAdapter):
             parent = stage.get_submodule(fqn.rsplit(".", 1)[0])
             lin = stage.get_submodule(fqn)
             packed_part = _out_features(lin) // 3 if role == "packed_qkv" else None  # global: E
+            fix = self.installs.first_time(parent, "tp sizes")
             for attr, v in list(vars(parent).items()):
-                if isinstance(v, int) and not isinstance(v, bool) and getattr(parent, "_autopar_tp_fixed", None) != tp:
+                if isinstance(v, int) and not isinstance(v, bool) and fix:
                     if attr in _HEAD_COUNT_ATTRS or (packed_part is not None and v == packed_part):
                         setattr(parent, attr, v // tp)
-            parent._autopar_tp_fixed = tp
 
     # ---- per-run behaviour ---------------------------------------------------------------
     def build_stage(self, units: Sequence[str], recompute: str) -> StageModule:
@@ -267,7 +271,7 @@ class HFAdapter(ModelAdapter):
             return
         original = self.cfg._attn_implementation
         own = self._own_attention_reason() is not None
-        name = register_attention(original if own else None)
+        name = register_attention(self.installs, self.attention_impls, self.own_attention, original if own else None)
         new_cfg = self._own_config()
         new_cfg._attn_implementation = name
         self._original = original
@@ -277,14 +281,13 @@ class HFAdapter(ModelAdapter):
         self._install_attention_name()
         for m in self.attention_modules(block):
             if self._own_attention_reason() is None:
-                m._autopar_attention = impl
+                self.attention_impls[m] = impl
             else:  # the model's own function, checkpointed when the block's policy is selective
                 from transformers import AttentionInterface
                 import sys
                 eager = getattr(sys.modules[type(m).__module__], "eager_attention_forward", None)
-                m._autopar_original = (eager if self._original == "eager"
-                                       else AttentionInterface._global_mapping.get(self._original, eager))
-                m._autopar_wrap = _checkpointed if isinstance(impl, SelectiveAttention) else None
+                fn = eager if self._original == "eager" else AttentionInterface._global_mapping.get(self._original, eager)
+                self.own_attention[m] = (fn, _checkpointed if isinstance(impl, SelectiveAttention) else None)
 
     def inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return (batch["input_ids"],)

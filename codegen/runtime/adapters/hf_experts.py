@@ -3,7 +3,8 @@
 transformers dispatches the forward of every experts class decorated with
 ``use_experts_implementation`` (Mixtral, Qwen-MoE, DeepSeek, ...) through its
 ``ExpertsInterface`` by the name in ``config._experts_implementation``. :func:`install`
-registers one more name, :data:`EXPERTS_NAME` (no existing entry changes), sets it on the
+registers one more name, ``autopar_<tag>`` of the build (no existing entry changes; the
+build's close removes it), sets it on the
 model's own config and gives each experts instance the routed-experts protocol the
 runtime and the capture use (the zoo's ``RoutedExperts`` has the same):
 
@@ -32,7 +33,7 @@ from torch import nn
 
 from codegen.runtime.layers import run_routed
 
-EXPERTS_NAME = "autopar"
+EXPERTS_NAME = "autopar"  # + _<tag> of the build
 
 
 def experts_modules(model: nn.Module) -> list[nn.Module]:
@@ -95,15 +96,17 @@ def autopar_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     return y
 
 
-def install(model: nn.Module, config) -> None:
-    """Register :data:`EXPERTS_NAME`, select it on ``config`` (the model's own copy: the
+def install(model: nn.Module, config, installs) -> None:
+    """Register :func:`autopar_experts_forward` as ``autopar_<tag>`` (``installs``: this build's
+    record, which removes it at close), select it on ``config`` (the model's own copy: the
     caller gives every module of this model that copy) and give each experts instance the
-    routed-experts protocol (module docstring). Idempotent."""
+    routed-experts protocol (module docstring; the build's close removes it). Idempotent."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    if EXPERTS_NAME not in ALL_EXPERTS_FUNCTIONS:
-        ALL_EXPERTS_FUNCTIONS.register(EXPERTS_NAME, autopar_experts_forward)
-    config._experts_implementation = EXPERTS_NAME
+    name = f"{EXPERTS_NAME}_{installs.tag}"
+    if name not in ALL_EXPERTS_FUNCTIONS:
+        installs.register(ALL_EXPERTS_FUNCTIONS, name, autopar_experts_forward)
+    config._experts_implementation = name
     for m in experts_modules(model):
         if getattr(m, "expert_weights", None) is not None:
             continue

@@ -23,17 +23,19 @@ positions under context parallelism). The stage module itself holds the owned un
 under their fqns (FSDP, TP and checkpoints see ``model.layers.3...``); the view is not a
 registered child.
 
-Attention goes through :func:`autopar_attention`, registered once in transformers'
-``AttentionInterface`` under :data:`ATTN_NAME`; it calls the implementation installed on
-the attention module instance (``module._autopar_attention``), so only this model's
-modules see it. Models that keep their own attention (sliding windows, soft-capping) use
-``autopar_masked_<their implementation>`` instead: transformers builds their masks as for
-that implementation and :func:`autopar_masked_attention` calls their function, under
-selective recompute when the block's policy asks for it.
+Attention goes through :func:`autopar_attention`, registered in transformers'
+``AttentionInterface`` under a name of this build (``autopar_<tag>``, removed when the build
+closes) and bound to the build's ``{attention module: implementation}`` dict (the adapter's),
+so only this model's modules see it and nothing is stamped on them. Models that keep their
+own attention (sliding windows, soft-capping) use ``autopar_masked_<tag>_<their
+implementation>`` instead: transformers builds their masks as for that implementation and
+:func:`autopar_masked_attention` calls their function, under selective recompute when the
+block's policy asks for it.
 """
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -43,8 +45,8 @@ from torch.distributed.tensor import DTensor, Shard
 from codegen.runtime import kernels as kern
 from codegen.runtime.adapters.base import StageModule, attach
 
-ATTN_NAME = "autopar"                # causal attention through the runtime's implementation, no masks built
-ATTN_MASKED_PREFIX = "autopar_masked_"  # + the model's own implementation name: its attention, its masks
+ATTN_NAME = "autopar"                # + _<tag>: causal attention through the runtime's implementation, no masks
+ATTN_MASKED_PREFIX = "autopar_masked_"  # + <tag>_<the model's own implementation name>: its attention, its masks
 
 
 class StageOutput(Exception):
@@ -133,7 +135,7 @@ class HFStage(StageModule):
             x = DTensor.from_local(x, self.tp_mesh, [Shard(1)], run_check=False)
         return x
 
-    def _call_view(self, view: nn.Module, args):
+    def _call_view(self, view: nn.Module, args, positions: Optional[torch.Tensor]):
         """The model's forward on ``view``: token ids on the first stage, zeros of the hidden
         shape elsewhere; positions always explicit (under sequence parallel the embedding
         output holds S/tp tokens, from which the model would derive the wrong ones)."""
@@ -147,7 +149,7 @@ class HFStage(StageModule):
             self._received = x
             b, s = x.shape[0], self._local_seq(x)
             kw["inputs_embeds"] = torch.zeros(b, s, self.hidden_size, dtype=self.dtype, device=x.device)
-        pos = self.positions if self.positions is not None else torch.arange(s, device=x.device)
+        pos = positions if positions is not None else torch.arange(s, device=x.device)
         kw["position_ids"] = pos if pos.dim() == 2 else pos.unsqueeze(0)  # [B, S]: per-document positions
         return view(**kw)
 
@@ -155,10 +157,12 @@ class HFStage(StageModule):
         """Tokens of this rank's sequence: the received tensor's, times tp under sequence parallel."""
         return x.shape[1] * (self.tp_mesh.size() if self.sp and self.tp_mesh is not None else 1)
 
-    def forward(self, *args: torch.Tensor, labels: Optional[torch.Tensor] = None):
+    def forward(self, *args: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None, doc_start: Optional[torch.Tensor] = None):
         fused = self.is_last and labels is not None and self.loss_kernel == "fused"
+        pos = self.take_step(positions, doc_start)
         try:
-            out = self._call_view(self._view_fused if fused else self._view, args)
+            out = self._call_view(self._view_fused if fused else self._view, args, pos)
         except StageOutput as done:
             if fused:  # the head's input: the final hidden state after the model's own epilogue
                 head = self.get_submodule(self.adapter.head_name)
@@ -178,13 +182,13 @@ def _to_wire(x):
 
 # ------------------------------------------------------------------ attention routing
 
-def autopar_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def autopar_attention(impls: dict, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
                       **kwargs):
-    """transformers attention function: the runtime's implementation installed on ``module``
-    (``fn(q, k, v, *, causal, scale)`` on [B, H, S, D]), returning ([B, S, H, D], None); a
-    module without one (another model sharing the registry) gets SDPA."""
-    impl: Optional[Callable] = module.__dict__.get("_autopar_attention")
+    """transformers attention function (``impls`` bound by :func:`register_attention`): the
+    runtime's implementation for ``module`` (``fn(q, k, v, *, causal, scale)`` on [B, H, S, D]),
+    returning ([B, S, H, D], None); a module without one gets SDPA."""
+    impl: Optional[Callable] = impls.get(module)
     if impl is None:
         from codegen.runtime.layers import sdpa_attention
         impl = sdpa_attention
@@ -192,28 +196,29 @@ def autopar_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     return out.transpose(1, 2).contiguous(), None
 
 
-def autopar_masked_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
+def autopar_masked_attention(own: dict, module: nn.Module, query, key, value, attention_mask, **kwargs):
     """transformers attention function for models that keep their own attention (sliding
-    windows, soft-capping): the model's original function, under the installed wrapper
-    (``module._autopar_wrap``: selective recompute or nothing)."""
-    fn = module.__dict__["_autopar_original"]
-    wrap = module.__dict__.get("_autopar_wrap")
+    windows, soft-capping; ``own`` bound by :func:`register_attention`): ``module``'s
+    original function, under its wrapper (selective recompute or None)."""
+    fn, wrap = own[module]
     if wrap is None:
         return fn(module, query, key, value, attention_mask, **kwargs)
     return wrap(lambda q, k, v: fn(module, q, k, v, attention_mask, **kwargs), query, key, value)
 
 
-def register_attention(original: Optional[str] = None) -> str:
-    """Register :data:`ATTN_NAME` (and, with ``original``, ``autopar_masked_<original>`` with
-    that implementation's mask builder) in transformers' registries; returns the name to use.
-    Only new names are added: no existing entry is changed."""
+def register_attention(installs, impls: dict, own: dict, original: Optional[str] = None) -> str:
+    """Register, under names unique to this build (``installs.tag``; removed when it closes),
+    :func:`autopar_attention` over ``impls`` or, with ``original``, :func:`autopar_masked_attention`
+    over ``own`` with that implementation's mask builder in transformers' registries; returns
+    the name to select. No existing entry is changed."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     if original is None:
-        AttentionInterface.register(ATTN_NAME, autopar_attention)
-        return ATTN_NAME
-    name = ATTN_MASKED_PREFIX + original
-    AttentionInterface.register(name, autopar_masked_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
+        name = f"{ATTN_NAME}_{installs.tag}"
+        installs.register(AttentionInterface, name, functools.partial(autopar_attention, impls))
+        return name
+    name = f"{ATTN_MASKED_PREFIX}{installs.tag}_{original}"
+    installs.register(AttentionInterface, name, functools.partial(autopar_masked_attention, own))
+    installs.register(ALL_MASK_ATTENTION_FUNCTIONS, name, ALL_MASK_ATTENTION_FUNCTIONS[original])
     return name

@@ -160,13 +160,12 @@ class ModuleAdapter(ModelAdapter):
                    if r in ("column", "packed_qkv") and has_submodule(stage, f)}
         for name in parents:
             mod = stage.get_submodule(name)
-            if getattr(mod, "_autopar_tp_fixed", None) == tp:
+            if not self.installs.first_time(mod, "tp sizes"):
                 continue
             for attr, v in list(vars(mod).items()):
                 if (isinstance(v, int) and not isinstance(v, bool) and "head" in attr and "dim" not in attr
                         and "size" not in attr and v in heads and v % tp == 0):
                     setattr(mod, attr, v // tp)
-            mod._autopar_tp_fixed = tp
 
     def attention_modules(self, block: nn.Module) -> list[nn.Module]:
         return [block]
@@ -174,7 +173,6 @@ class ModuleAdapter(ModelAdapter):
     def set_attention(self, block: nn.Module, impl: AttentionImpl) -> None:
         """Route ``block``'s SDPA calls to ``impl`` while it runs (hooks on that instance)."""
         route = _SDPARoute(impl)
-        block._autopar_sdpa = route
 
         def enter(mod, args):
             route.__enter__()
@@ -202,8 +200,7 @@ class ModuleAdapter(ModelAdapter):
     def check_sequential(self, example: tuple | dict) -> None:
         """Raise ValueError unless running the units in sequence performs the model's own
         floating-point ops in the same order (fake tensors: nothing is allocated)."""
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.utils._python_dispatch import TorchDispatchMode
+        from codegen.runtime.torch_compat import FakeTensorMode, TorchDispatchMode
 
         class Log(TorchDispatchMode):
             def __init__(self):
@@ -245,10 +242,12 @@ class ModuleStage(StageModule):
         for u in self.units:
             attach(self, u, adapter.model.get_submodule(u))
 
-    def forward(self, *args: torch.Tensor, labels: Optional[torch.Tensor] = None):
+    def forward(self, *args: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None, doc_start: Optional[torch.Tensor] = None):
         x = args[0]
         seq = x.shape[1] * (self.tp_size if self.sp and not self.is_first else 1)
-        pos = self.positions if self.positions is not None else torch.arange(seq, device=x.device)
+        pos = self.take_step(positions, doc_start)
+        pos = pos if pos is not None else torch.arange(seq, device=x.device)
         body = self.units[:-1] if self.is_last and labels is not None else self.units
         x = self.adapter.sequential(x, pos, body) if body else x
         if not (self.is_last and labels is not None):

@@ -1,0 +1,141 @@
+"""Every private torch API autopar uses, in one place (checked on torch 2.13.0, CPU build).
+
+No other module of ours names a torch attribute or module starting with ``_``
+(``tests/test_torch_private.py`` walks the code and fails on one); when torch moves one of
+these, this module is the one place to change. Each entry, and why we need it:
+
+- :data:`StridedShard` (``torch.distributed.tensor.placement_types._StridedShard``): a
+  packed q/k/v projection (GPT-2's ``c_attn``) sharded so each tp rank keeps its heads of
+  every part; the public ``Shard`` would give rank 0 all of q (``tensor_parallel.py``).
+- :data:`funcol` (``torch.distributed._functional_collectives``): the autograd-aware
+  all-to-all (``all_to_all_single_autograd``, ``wait_tensor``) of Ulysses attention and of
+  expert parallelism's token exchange; no public differentiable all-to-all exists.
+- :func:`replicate` / :func:`ddp_replicate` / :func:`replicate_ddp_class`
+  (``torch.distributed._composable.replicate_with_fsdp`` and ``._composable.replicate``):
+  replicate (DDP semantics) applied in place, keeping the model's fqns, with FSDP2's
+  machinery under a pipeline or TP and DDP's reducer otherwise; ``DistributedDataParallel``
+  wraps (renames) the module.
+- :func:`foreach_norm` / :func:`foreach_mul_` (``torch._foreach_norm``, ``torch._foreach_mul_``):
+  the per-group gradient norms and the clipping scale on local shards, as
+  ``torch.nn.utils.clip_grad_norm_`` does internally (it cannot reduce over our groups).
+- :func:`checkpoint_generator` (``torch.utils.checkpoint._checkpoint_without_reentrant_generator``
+  and ``_DEFAULT_DETERMINISM_MODE``): non-reentrant checkpointing driven by forward
+  pre/post hooks (fqns unchanged; a block recomputed twice by zero-bubble schedules), as
+  torch's composable ``checkpoint`` does internally.
+- :func:`saved_attention_ops` / :func:`saved_collective_ops` (``aten._scaled_dot_product_*``,
+  ``torch.ops._c10d_functional.*``): the ops selective per-op recompute always keeps.
+- :func:`flatten_mesh` (``DeviceMesh._flatten``): the dp x cp mesh gradients are reduced
+  over, one dimension for FSDP2 / replicate.
+- :func:`live_process_groups` (``torch.distributed.distributed_c10d._world.pg_map``): the
+  process groups that exist now, so a build can destroy exactly the ones it created.
+- :func:`clear_dtensor_caches` (``torch._C._clear_DTensor_sharding_propagator_cache``, the C++
+  dispatch fast path's; ``DTensor._op_dispatcher.sharding_propagator``'s
+  ``propagate_op_sharding`` cache, ``_redistribute._gen_transform_infos`` and the redistribute
+  planner cache): a DeviceMesh compares equal to another of the same shape and names whatever
+  its process groups, so DTensor's sharding cache hands a new build output specs holding an
+  older build's mesh; once that build's groups are destroyed the cached specs name groups that
+  no longer exist (``Could not resolve the process group``). Cleared when groups are destroyed.
+- :func:`module_hook_dicts` (``nn.Module._forward_pre_hooks`` and the other hook dicts): a
+  closed build removes the hooks it registered on a model's modules, by id, whoever
+  registered them (``codegen/runtime/installs.py``).
+- :data:`FakeTensorMode` (``torch._subclasses.fake_tensor``), :data:`TorchDispatchMode`
+  and :func:`is_traceable_wrapper_subclass` (``torch.utils._python_dispatch``),
+  :func:`tree_map` / :func:`tree_flatten` (``torch.utils._pytree``): capture on fake tensors
+  and the op-level logs of the capture, the adapters' sequential check and the benchmarks.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten, tree_map
+
+CHECKED_ON = ("2.13.0",)
+
+__all__ = ["CHECKED_ON", "FakeTensorMode", "StridedShard", "TorchDispatchMode", "checkpoint_generator",
+           "ddp_replicate", "flatten_mesh", "foreach_mul_", "foreach_norm", "funcol", "is_traceable_wrapper_subclass",
+           "clear_dtensor_caches", "live_process_groups", "module_hook_dicts", "replicate", "replicate_ddp_class", "saved_attention_ops",
+           "saved_collective_ops", "tree_flatten", "tree_map"]
+
+
+def replicate():
+    """``replicate`` on FSDP2's machinery (``_composable.replicate_with_fsdp``)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate as fn
+    return fn
+
+
+def ddp_replicate():
+    """``replicate`` through DDP's reducer (``_composable.replicate``)."""
+    from torch.distributed._composable.replicate import replicate as fn
+    return fn
+
+
+def replicate_ddp_class() -> type:
+    """The class a module becomes under :func:`ddp_replicate` (``_composable.replicate.DDP``)."""
+    from torch.distributed._composable.replicate import DDP
+    return DDP
+
+
+def foreach_norm(tensors: list[torch.Tensor], ord: float = 2.0) -> list[torch.Tensor]:
+    """Each tensor's ``ord``-norm (one fused kernel)."""
+    return torch._foreach_norm(tensors, ord)
+
+
+def foreach_mul_(tensors: list[torch.Tensor], scale: torch.Tensor) -> None:
+    """Multiply every tensor by ``scale`` in place."""
+    torch._foreach_mul_(tensors, scale)
+
+
+def checkpoint_generator(module: torch.nn.Module, contexts, *args, **kwargs):
+    """torch's non-reentrant checkpoint as a generator: ``next()`` before the forward, again
+    after it (``contexts() -> (forward ctx, recompute ctx)``; preserving RNG state; default
+    determinism check; no debug)."""
+    from torch.utils.checkpoint import _DEFAULT_DETERMINISM_MODE, _checkpoint_without_reentrant_generator
+    return _checkpoint_without_reentrant_generator(module, True, contexts, _DEFAULT_DETERMINISM_MODE, False, True,
+                                                   *args, **kwargs)
+
+
+def saved_attention_ops() -> set:
+    """ATen's fused attention kernels (their outputs are what selective recompute keeps)."""
+    aten = torch.ops.aten
+    return {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            aten._scaled_dot_product_cudnn_attention.default}
+
+
+def saved_collective_ops() -> set:
+    """The functional collectives whose outputs selective recompute keeps (reduce-scatter, all-to-all)."""
+    ops = torch.ops._c10d_functional
+    return {ops.reduce_scatter_tensor.default, ops.all_to_all_single.default}
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """``mesh`` (a multi-dimensional DeviceMesh slice) as one dimension called ``name``."""
+    return mesh._flatten(name)
+
+
+def live_process_groups() -> list:
+    """The process groups this process has now (the default one included), oldest first."""
+    from torch.distributed import distributed_c10d as c10d
+    return list(c10d._world.pg_map)
+
+
+def module_hook_dicts(module: torch.nn.Module) -> dict[str, dict]:
+    """``{name: dict}`` of ``module``'s hook registries (forward / backward / state-dict hooks
+    and their flag sets keyed by hook id), as ``nn.Module.__init__`` creates them."""
+    return {k: v for k, v in module.__dict__.items() if k.startswith("_") and "hooks" in k and isinstance(v, dict)}
+
+
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions and redistribute plans (they hold meshes)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch fast path's
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
