@@ -27,7 +27,7 @@ from model_cases import fitting_problems  # noqa: E402
 from worker_io import failure, finish, report, write_results  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_configs")
-FAMILIES = ("qwen2", "phi", "gpt_neox", "gemma2", "cohere", "stablelm", "opt", "phi3", "olmo2")
+FAMILIES = ("qwen2", "phi", "gpt_neox", "gemma2", "cohere", "stablelm", "opt", "phi3", "olmo2", "deepseek_v3")
 GB, SEQ, STEPS, LR, SEED = 4, 32, 3, 0.1, 1234
 
 

@@ -38,6 +38,7 @@ REFUSED = {
     "opt": {"sp": "directly", "fused_loss": "post-processes"},
     "phi3": {"tp": "colwise_gather_output"},
     "olmo2": {"tp": "colwise_gather_output"},
+    "deepseek_v3": {"tp": "moe_tp_experts"},  # its shared experts are a module, not a count
 }
 
 

@@ -197,8 +197,20 @@ def moe_dims(unit: nn.Module) -> MoEDims | None:
         top_k = next((c.top_k for c in holder.modules() if isinstance(getattr(c, "top_k", None), int)), None)
         if top_k is None:
             raise AutoparError(f"capture: the experts at {name!r} have no router with an integer top_k")
-        return MoEDims(experts, top_k, ffn, int(getattr(holder, "shared_experts", 0) or 0), part)
+        return MoEDims(experts, top_k, ffn, shared_experts(holder, m, experts), part)
     return None
+
+
+def shared_experts(holder: nn.Module, routed: nn.Module, experts: int) -> int:
+    """How many always-on experts ``holder`` runs beside its ``routed`` experts: its
+    ``shared_experts`` count (the zoo), or, where ``shared_experts`` is the module itself
+    (transformers' DeepSeek-V3: one MLP of n_shared_experts x the expert width), its
+    parameters in routed experts' worth (the nearest whole number)."""
+    shared = getattr(holder, "shared_experts", None)
+    if isinstance(shared, nn.Module):
+        per_expert = sum(p.numel() for p in routed.parameters()) / max(experts, 1)
+        return round(sum(p.numel() for p in shared.parameters()) / per_expert) if per_expert else 0
+    return int(shared or 0)
 
 
 def assemble(model: nn.Module, run: UnitRun, example, t0: float, name: str | None, config: dict | None,
