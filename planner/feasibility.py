@@ -15,6 +15,8 @@ degree to prune before any variant is priced (planner/search/candidates.py), and
 program call ``problems``. The parts:
 
 - :func:`model_problem`: the model's adapter runs nothing (limit ``any``);
+- :func:`length_problem`: the sequence is longer than the model's learned positions
+  (``ModelFacts.max_seq_len``);
 - :func:`degrees_problem`: dp x pp x cp x tp is the cluster's device count;
 - :func:`tp_problem`: tp inside a node, dividing every attention's heads and kv heads and
   the hidden size (limit ``tp``);
@@ -106,6 +108,16 @@ class Batch:
 def model_problem(f: ModelFacts) -> str | None:
     """Why the runtime runs this model in no layout at all (its adapter's ``any`` limit)."""
     return f"cannot run on autopar's runtime: {f.limits['any']}" if "any" in f.limits else None
+
+
+def length_problem(seq_len: int, f: ModelFacts) -> str | None:
+    """Why sequences of ``seq_len`` tokens cannot run through this model: its learned position
+    table (``ModelFacts.max_seq_len`` rows, e.g. transformers' ``max_position_embeddings``) has
+    no row for the later positions (every layout looks up the global positions, cp too)."""
+    if not f.max_seq_len or seq_len <= f.max_seq_len:
+        return None
+    return (f"seq_len {seq_len} exceeds the {f.max_seq_len} positions the model learned (its position table); "
+            f"use --seq-len {f.max_seq_len} or less, or raise the model's max positions (max_position_embeddings)")
 
 
 def degrees_problem(cfg: ParallelConfig, cluster: ClusterShape) -> str | None:
@@ -381,7 +393,7 @@ def problems(cfg: ParallelConfig, f: ModelFacts, batch: Batch, cluster: ClusterS
     ``cluster``, one line each (empty: it runs): the composition of the per-axis parts (module
     docstring). PlanError for a malformed ``cfg`` (``ParallelConfig.validate``)."""
     cfg.validate()
-    parts = (model_problem(f), degrees_problem(cfg, cluster), tp_problem(cfg.tp, f, cluster),
+    parts = (model_problem(f), length_problem(batch.seq_len, f), degrees_problem(cfg, cluster), tp_problem(cfg.tp, f, cluster),
              cp_problem(cfg.cp, f, batch, cfg.ulysses, cfg.tp), pp_problem(cfg.pp, f, cfg.vpp),
              ep_problem(cfg.ep, cfg.dp, cfg.cp, f, cfg.tp, cfg.sp),
              sp_problem(cfg.tp, cfg.cp, f, batch) if cfg.sp else None,

@@ -83,6 +83,8 @@ def test_a_layout_that_fits_has_no_problem():
     (ParallelConfig(pp=4, vpp=2, schedule="interleaved-1f1b"), FACTS, Batch(6, 32), None,
      "interleaved-1f1b needs micro-batches divisible by pp: m = 6, pp = 4"),
     (ParallelConfig(pp=4, schedule="zb-h1"), FACTS, Batch(9, 32), None, "zb-h1 runs 9 micro-batches in 2 rounds"),
+    (ParallelConfig(dp=2), dataclasses.replace(FACTS, max_seq_len=16), None, None,
+     "seq_len 32 exceeds the 16 positions the model learned"),
     (ParallelConfig(), dataclasses.replace(FACTS, limits={"any": "no adapter"}), None, None,
      "cannot run on autopar's runtime: no adapter"),
     (ParallelConfig(), dataclasses.replace(FACTS, limits={"cp": "own attention"}), Batch(64, 32, documents=True),
@@ -134,7 +136,8 @@ def facts_st(draw) -> ModelFacts:
         limits["any"] = "no adapter"
     return ModelFacts(heads=(heads,), kv_heads=(kv,), hidden=heads * draw(st.sampled_from([4, 6, 8])),
                       units=draw(st.integers(1, 10)), seq_len=draw(st.sampled_from([12, 16, 24, 32, 33, 48])),
-                      limits=limits, experts=draw(st.sampled_from([0, 0, 2, 4, 6, 8])))
+                      limits=limits, experts=draw(st.sampled_from([0, 0, 2, 4, 6, 8])),
+                      max_seq_len=draw(st.sampled_from([0, 0, 0, 16, 64])))
 
 
 @st.composite

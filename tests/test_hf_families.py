@@ -63,6 +63,30 @@ def test_family_plans_within_its_limits(family):
         assert problems(alt.config, facts, batch_of(g, 8), cluster) == []
 
 
+def test_learned_positions_bound_the_sequence():
+    """OPT learns 64 positions (a table of 66 rows: OPT's offset of 2): a plan for 128 tokens is
+    refused at plan time in one line (it crashed every rank with ``IndexError: index out of range
+    in self``), the plan's facts carry the bound to the runtime's check; a RoPE model has none."""
+    from cost_models.cluster import parse_cluster
+    from planner.errors import AutoparError
+    from planner.feasibility import Batch, Nodes, problems
+    from planner.frontend.load import load_graph
+    from planner.plan import ModelFacts, ParallelConfig
+    from planner.search.candidates import facts_of
+    from planner.search.planning import plan_model
+
+    g = load_graph(FW.spec("opt"), batch=1, seq_len=128)
+    facts = facts_of(g)
+    assert facts.max_seq_len == 64 and ModelFacts.from_dict(facts.to_dict()) == facts
+    with pytest.raises(AutoparError) as e:
+        plan_model(g, parse_cluster("local-cpu:2"), 4, spec=FW.spec("opt"), cluster_spec="local-cpu:2")
+    assert "seq_len 128 exceeds the 64 positions" in str(e.value) and "\n" not in str(e.value)
+    assert problems(ParallelConfig(dp=2), facts, Batch(4, 128), Nodes("box", 1, 2)) == [
+        str(e.value).split(": ", 1)[1]]
+    assert problems(ParallelConfig(dp=2), facts, Batch(4, 64), Nodes("box", 1, 2)) == []
+    assert facts_of(load_graph(FW.spec("qwen2"), batch=1, seq_len=128)).max_seq_len == 0  # RoPE
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

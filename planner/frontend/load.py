@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from planner.frontend.positions import max_positions
 from planner.frontend.trace import capture_fx
 from planner.errors import AutoparError
 from planner.feasibility import model_problem
@@ -76,6 +77,7 @@ def graph_and_fx_of(model: nn.Module, example: dict[str, Any] | tuple, *, name: 
         raise AutoparError(f"{name}: {e}") from None
     graph.adapter = adapter.kind
     graph.limits = adapter.limits()
+    graph.max_seq_len = max_positions(model, fx)
     starts = dict(zip(adapter.units, adapter.stage_starts()))
     for layer in graph.layers:
         layer.stage_start = starts.get(layer.name, True)
