@@ -245,7 +245,7 @@ class Partition:
 # ---------------------------------------------------------------------- model facts (rule: planner/feasibility.py)
 
 FEATURES = ("any", "tp", "sp", "cp", "pp", "ep", "fused_loss", "flash_attention",   # keys of ModelFacts.limits
-            "fsdp_with_tp")
+            "fsdp_with_tp", "attention")  # attention: autopar cannot run its attention in place of the model's
 
 
 @dataclass(frozen=True)

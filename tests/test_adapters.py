@@ -35,7 +35,6 @@ def _graph(model, name):
 @pytest.mark.parametrize("model_type,kw,word", [
     ("jetmoe", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128, num_local_experts=4),
      "ExpertsInterface"),
-    ("falcon", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=128), "AttentionInterface"),
 ])
 def test_models_the_runtime_cannot_run_are_refused_in_one_line(model_type, kw, word):
     with pytest.raises(AutoparError) as e:

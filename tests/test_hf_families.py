@@ -39,6 +39,9 @@ REFUSED = {
     "phi3": {"tp": "colwise_gather_output"},
     "olmo2": {"tp": "colwise_gather_output"},
     "deepseek_v3": {"tp": "moe_tp_experts"},  # its shared experts are a module, not a count
+    # their own attention (outside AttentionInterface): TP, CP, flash, selective recompute refused
+    "falcon": {"attention": "AttentionInterface"},
+    "bloom": {"attention": "AttentionInterface"},
 }
 
 
@@ -61,6 +64,10 @@ def test_family_plans_within_its_limits(family):
     assert problems(plan.config, plan.facts, Batch.of_plan(plan.batch), Nodes.of_plan(plan.cluster, 4)) == []
     for alt in res.alternatives:
         assert problems(alt.config, facts, batch_of(g, 8), cluster) == []
+    if "attention" in facts.limits:  # it runs its own attention: data and pipeline parallelism only
+        for c in [plan.config] + [a.config for a in res.alternatives]:
+            assert c.tp == c.cp == 1 and c.attention == "eager" and c.recompute != "selective", c.label()
+        assert all(s["recompute"] != "selective" for s in plan.stages)
 
 
 def test_learned_positions_bound_the_sequence():
@@ -113,5 +120,5 @@ def test_family_trains_like_one_process(runs, family):
     assert not r["missing"], r["missing"]
     assert r["loss_rel_err"] < TOL, (r["losses"], r["ref_losses"])
     assert r["grad_rel_err"] < TOL, (r["worst"], r["grad_rel_err"])
-    tp_refused = "tp" in REFUSED[family]
+    tp_refused = "tp" in REFUSED[family] or "attention" in REFUSED[family]  # its own attention: no TP
     assert ("tp2" in r["config"]) != tp_refused and "pp2" in r["config"], r["config"]

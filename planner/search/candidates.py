@@ -37,8 +37,9 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from planner.feasibility import (Batch, ClusterShape, cp_problem, default_attention, documents_problem, ep_problem,
-                                 fill_problem, length_problem, loss_problem, model_problem, pp_problem, replicas_problem,
-                                 schedule_problem, sp_problem, tp_problem, zero_problem)
+                                 fill_problem, length_problem, loss_problem, model_problem, pp_problem,
+                                 recompute_attention_problem, replicas_problem, schedule_problem, sp_problem,
+                                 tp_problem, zero_problem)
 from planner.graph import ModelGraph
 from planner.plan import SCHEDULES, ZERO, ModelFacts, ParallelConfig, recompute_policies
 from planner.search.pins import Pins
@@ -255,7 +256,8 @@ def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str
         for zero in zeros:
             if zero_problem(zero, tp, dp * cp, facts, ep):
                 continue
-            for rc in (r for r in recompute_policies(sched, pp) if pins.allows("recompute", r)):
+            for rc in (r for r in recompute_policies(sched, pp) if pins.allows("recompute", r)
+                       and not recompute_attention_problem(r, facts.limits)):
                 for sp in (s for s in ((False, True) if sp_ok else (False,)) if pins.allows("sp", s)):
                     if ep_problem(ep, dp, cp, facts, tp, sp):  # a MoE model under TP needs SP
                         continue
