@@ -135,6 +135,9 @@ def _limits_from_roles(graph: ModelGraph, analysis) -> None:
         # bias on that same dimension and describe the global layout wrongly
         graph.limits.setdefault("fsdp_with_tp", f"{packed} is a packed q/k/v projection whose tensor-parallel "
                                                 "shard FSDP cannot shard again")
+        if graph.adapter == "module":  # the adapter rewrites head counts only (ModuleAdapter.tp_fixups)
+            graph.limits.setdefault("tp", f"{packed} is a packed q/k/v projection, which a plain module splits by "
+                                          "its global width (sizes autopar does not rewrite)")
     flat = next((l.name for l in graph.layers if l.kind in BLOCK_KINDS
                  and any(lin.role == "row" and "." not in lin.name for lin in l.linears)), None)
     if flat is not None and "sp" not in graph.limits:
