@@ -99,6 +99,33 @@ def test_plain_module_whose_units_do_not_compose_asks_for_a_spec():
     assert "ModuleSpec(blocks=" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_capture_failures_are_one_line_naming_the_module_and_op(monkeypatch):
+    """An exception inside a unit's forward (a chain feeding an embedding the hidden state) or
+    while reading a unit's captured record is one AutoparError naming the module and the op."""
+    from planner.frontend import records
+    from planner.frontend.load import graph_of
+    from user_models import TwoStreamLM
+
+    def capture(model):
+        return graph_of(model, (torch.zeros(1, 32, dtype=torch.long),), name="m", seq_len=32,
+                        loss_fn=lambda out: out.float().sum())
+
+    with pytest.raises(AutoparError) as e:
+        capture(TwoStreamLM())
+    msg = str(e.value)
+    assert msg.startswith("m: capture failed in mix (aten.embedding)") and "indices" in msg, msg
+    assert "ModuleSpec(blocks=" in msg and "\n" not in msg and e.value.__cause__ is not None
+
+    def boom(unit):
+        raise TypeError("int() argument must be a string, not 'DeepseekV3MLP'")
+
+    monkeypatch.setattr(records, "moe_dims", boom)
+    with pytest.raises(AutoparError) as e:
+        capture(UserLM())
+    assert str(e.value).startswith("m: capture failed in module 'transformer.wte' (reading its captured ops): "
+                                   "TypeError: int() argument"), str(e.value)
+
+
 def test_nanogpt_runs_its_own_prologue():
     """nanoGPT sums ``wte(ids) + wpe(arange(S))`` at the root of its forward: its units are no
     chain (wpe fed wte's output failed at plan time with a traceback). The model's own forward

@@ -161,3 +161,35 @@ class NanoGPT(nn.Module):
 def build_nanogpt() -> nn.Module:
     torch.manual_seed(0)
     return NanoGPT(tied=True)
+
+
+class TokenMix(nn.Module):
+    """A second table looked up with the token ids (not the running hidden state)."""
+
+    def __init__(self, vocab: int, d: int):
+        super().__init__()
+        self.table = nn.Embedding(vocab, d)
+
+    def forward(self, ids: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.table(ids)
+
+
+class TwoStreamLM(UserLM):
+    """Adds a second embedding of the token ids at the root (``x = wte(ids) + mix(ids)``); ``mix``
+    takes positions, so its units run as a chain, which feeds ``mix`` the hidden state: no
+    chain computes this forward (an explicit spec is needed)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.mix = TokenMix(self.lm_head.out_features, self.lm_head.in_features)
+
+    def forward(self, idx: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = self.transformer.wte(idx) + self.mix(idx)
+        for block in self.transformer.h:
+            x = block(x, positions)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def build_two_stream() -> nn.Module:
+    torch.manual_seed(0)
+    return TwoStreamLM()

@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from planner.frontend.positions import max_positions
 from planner.frontend.trace import capture_fx
-from planner.errors import AutoparError
+from planner.errors import AutoparError, first_line
 from planner.feasibility import model_problem
 from planner.plan import ModelFacts
 from planner.graph import BLOCK_KINDS, ModelGraph
@@ -73,15 +73,18 @@ def graph_and_fx_of(model: nn.Module, example: dict[str, Any] | tuple, *, name: 
             graph, fx = capture_fx(model, example, units=adapter.capture_units(), **kw)
         if adapter.kind == "module":
             adapter.check_sequential(example)
+        graph.adapter = adapter.kind
+        graph.limits = adapter.limits()
+        graph.max_seq_len = max_positions(model, fx)
+        starts = dict(zip(adapter.units, adapter.stage_starts()))
+        for layer in graph.layers:
+            layer.stage_start = starts.get(layer.name, True)
+        _set_tp_roles(graph, fx, adapter)
     except ValueError as e:
-        raise AutoparError(f"{name}: {e}") from None
-    graph.adapter = adapter.kind
-    graph.limits = adapter.limits()
-    graph.max_seq_len = max_positions(model, fx)
-    starts = dict(zip(adapter.units, adapter.stage_starts()))
-    for layer in graph.layers:
-        layer.stage_start = starts.get(layer.name, True)
-    _set_tp_roles(graph, fx, adapter)
+        raise AutoparError(f"{name}: {e}") from e  # the traceback under --debug
+    except Exception as e:  # after the capture: reading its graph (one line, not a traceback)
+        raise AutoparError(f"{name}: capture failed (reading the captured graph): {first_line(e)}; report this "
+                           "model to autopar, or rerun with --debug") from e
     return graph, fx
 
 

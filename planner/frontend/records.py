@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from planner.errors import AutoparError
+from planner.errors import AutoparError, first_line
 from planner.graph import AttentionDims, Layer, Linear, ModelGraph, MoEDims, Op
 from planner.frontend.layer_kinds import layer_kind, lin_dims, part_kind
 
@@ -234,8 +234,14 @@ def assemble(model: nn.Module, run: UnitRun, example, t0: float, name: str | Non
     layers: list[Layer] = []
     for i, (path, rep) in enumerate(full_order):
         r = run.recs[rep]
-        ops, linears, kinds, tp_frac = _ops_and_linears(r, vocab)
-        attn = _attention_dims(r, linears)
+        try:
+            ops, linears, kinds, tp_frac = _ops_and_linears(r, vocab)
+            attn, moe = _attention_dims(r, linears), moe_dims(r.module)
+        except AutoparError:
+            raise
+        except Exception as e:  # one line naming the unit, not a traceback
+            raise AutoparError(f"capture failed in module '{path}' (reading its captured ops): {first_line(e)}; "
+                               "report this model to autopar, or rerun with --debug") from e
         up = params[path]
         layers.append(Layer(
             name=path, kind=layer_kind(path, kinds, i == 0, attn), module_type=type(units_by_path[path]).__name__,
@@ -247,7 +253,7 @@ def assemble(model: nn.Module, run: UnitRun, example, t0: float, name: str | Non
             tp_flops_frac=tp_frac, ops=ops, linears=linears,
             attention=attn, vocab=vocab if any(s == "vocab" for _, s in kinds.values()) else None,
             tied_to=up.tied_to, tied_params=up.n_tied, fwd_kernels=r.fwd_kernels, bwd_kernels=r.bwd_kernels,
-            fwd_ops=r.fwd_ops, bwd_ops=r.bwd_ops, moe=moe_dims(r.module)))
+            fwd_ops=r.fwd_ops, bwd_ops=r.bwd_ops, moe=moe))
     notes = []
     if root_params:
         notes.append(f"{root_params} parameters outside every layer unit are not counted")

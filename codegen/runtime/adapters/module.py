@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from codegen.runtime import kernels as kern
 from codegen.runtime.adapters.base import AttentionImpl, ModelAdapter, StageModule, Unit, attach, has_submodule
+from planner.errors import first_line
 
 POSITION_ARGS = ("positions", "position_ids", "pos")
 
@@ -249,6 +250,7 @@ class ModuleAdapter(ModelAdapter):
                 self.ops = []
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.last = func.overloadpacket.__name__
                 out = func(*args, **(kwargs or {}))
                 if isinstance(out, torch.Tensor) and out.is_floating_point():
                     self.ops.append((func.overloadpacket.__name__, tuple(out.shape)))
@@ -262,7 +264,7 @@ class ModuleAdapter(ModelAdapter):
             with Log() as full:
                 self.model(fake_ids, *args[1:], **{k: v for k, v in kwargs.items() if k != "input_ids"})
             with Log() as seq:
-                self.sequential(fake_ids)
+                self._run_units_or_explain(fake_ids, seq)
         if full.ops != seq.ops:
             at = next((i for i, (a, b) in enumerate(zip(full.ops, seq.ops)) if a != b), min(len(full.ops), len(seq.ops)))
             raise ValueError(
@@ -271,6 +273,25 @@ class ModuleAdapter(ModelAdapter):
                 f"{full.ops[at:at + 1] or 'end'} vs {seq.ops[at:at + 1] or 'end'}); pass an explicit "
                 "ModuleSpec(blocks=..., before=..., after=..., loss=...) (auto_parallelize(..., module_spec=...), "
                 "or set model.autopar_spec)")
+
+
+    def _run_units_or_explain(self, ids: torch.Tensor, log) -> None:
+        """:meth:`sequential` on ``ids``; a failure is one ValueError naming the unit and the op
+        (``log.last``, the last ATen op dispatched) where the units stop composing."""
+        where = {"unit": self.units[0]}
+        hooks = [self.model.get_submodule(u).register_forward_pre_hook(lambda m, a, u=u: where.update(unit=u))
+                 for u in self.units]
+        try:
+            self.sequential(ids)
+        except Exception as e:
+            raise ValueError(
+                f"capture failed in {where['unit']} (aten.{getattr(log, 'last', '?')}) running "
+                f"{type(self.model).__name__}'s units one after another: {first_line(e)}; they do not compute its "
+                "forward: pass an explicit ModuleSpec(blocks=..., before=..., after=..., loss=...) "
+                "(auto_parallelize(..., module_spec=...), or set model.autopar_spec)") from e
+        finally:
+            for h in hooks:
+                h.remove()
 
 
 class ModuleStage(StageModule):
