@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from codegen.runtime.recipe import check_runnable
 from cost_models.cluster import load_preset
 from planner.errors import AutoparError, PlanError
-from planner.feasibility import (LOAD_BALANCES, Batch, Nodes, microbatches, problems, schedule_problem,
-                                 sequence_problem)
+from planner.feasibility import (LOAD_BALANCES, Batch, Nodes, default_attention, microbatches, problems,
+                                 schedule_problem, sequence_problem)
 from planner.plan import FEATURES, RECOMPUTE, SCHEDULES, ModelFacts, ParallelConfig
 from planner.search.candidates import ZEROS, configurations, divisors
 
@@ -205,7 +205,7 @@ def test_search_enumerates_exactly_what_the_predicate_accepts(req, loss, rnd):
     assert len(enumerated) == len(set(enumerated))
     for cfg in enumerated:
         assert problems(cfg, f, batch, cluster) == [], cfg.label()
-    attention = "eager" if "flash_attention" in f.limits else "flash"
+    attention = default_attention(f.limits)
     domain = search_domain(f, cluster.world, loss, attention)
     found = set(enumerated)
     for cfg in rnd.sample(domain, min(len(domain), 400)):
