@@ -15,6 +15,8 @@ degree to prune before any variant is priced (planner/search/candidates.py), and
 program call ``problems``. The parts:
 
 - :func:`model_problem`: the model's adapter runs nothing (limit ``any``);
+- :func:`length_problem`: the sequence is longer than the model's learned positions
+  (``ModelFacts.max_seq_len``);
 - :func:`degrees_problem`: dp x pp x cp x tp is the cluster's device count;
 - :func:`tp_problem`: tp inside a node, dividing every attention's heads and kv heads and
   the hidden size (limit ``tp``);
@@ -27,6 +29,11 @@ program call ``problems``. The parts:
 - :func:`sp_problem`: sequence parallel shards ``seq_len / cp`` over tp (limit ``sp``);
 - :func:`loss_problem`, :func:`attention_problem`: the fused loss and flash attention kernels
   where the model allows them;
+- :func:`substitution_problem`: what runs autopar's attention in place of the model's
+  (:data:`SUBSTITUTES`: TP's head split, CP, the flash kernel, selective recompute, packed
+  documents) where the model's attention cannot be substituted (limit ``attention``); data
+  and pipeline parallelism run the model's own attention and need nothing of it. The parts
+  of those axes call it;
 - :func:`zero_problem`: the data-parallel sharding the model and ep allow;
 - ``recompute_problem``: the recompute policy under the schedule (planner/plan.py, since plan
   files check it per stage too);
@@ -101,11 +108,41 @@ class Batch:
         return Batch(int(batch["global"]), int(batch["seq_len"]), "documents" in batch, load_balance)
 
 
+# What runs autopar's attention in place of the model's (ModelAdapter.set_attention installs it):
+# use -> (what, the fix). Refused where the model's attention cannot be substituted (limit ``attention``).
+SUBSTITUTES = {"tp": ("tensor parallelism splits the heads inside", "use tp=1"),
+               "cp": ("context parallelism runs", "use cp=1"),
+               "flash": ("attention=flash runs", "use attention=eager"),
+               "selective": ("recompute=selective checkpoints the core of", "use recompute=none, selective-op or full"),
+               "documents": ("packed documents (--seq-lens, cu_seqlens) mask by document in",
+                             "plan without --seq-lens")}
+
+
+def substitution_problem(use: str, limits: Mapping[str, str]) -> str | None:
+    """Why ``use`` (a key of :data:`SUBSTITUTES`) cannot run for a model whose ``limits``
+    (``ModelFacts.limits``) say autopar cannot run its attention in place of the model's own
+    (transformers Falcon, Bloom: attention outside ``AttentionInterface``)."""
+    if "attention" not in limits:
+        return None
+    what, fix = SUBSTITUTES[use]
+    return f"{what} autopar's attention, but {limits['attention']}; {fix}"
+
+
 # ---------------------------------------------------------------------- the model and the mesh
 
 def model_problem(f: ModelFacts) -> str | None:
     """Why the runtime runs this model in no layout at all (its adapter's ``any`` limit)."""
     return f"cannot run on autopar's runtime: {f.limits['any']}" if "any" in f.limits else None
+
+
+def length_problem(seq_len: int, f: ModelFacts) -> str | None:
+    """Why sequences of ``seq_len`` tokens cannot run through this model: its learned position
+    table (``ModelFacts.max_seq_len`` rows, e.g. transformers' ``max_position_embeddings``) has
+    no row for the later positions (every layout looks up the global positions, cp too)."""
+    if not f.max_seq_len or seq_len <= f.max_seq_len:
+        return None
+    return (f"seq_len {seq_len} exceeds the {f.max_seq_len} positions the model learned (its position table); "
+            f"use --seq-len {f.max_seq_len} or less, or raise the model's max positions (max_position_embeddings)")
 
 
 def degrees_problem(cfg: ParallelConfig, cluster: ClusterShape) -> str | None:
@@ -126,6 +163,8 @@ def tp_problem(tp: int, f: ModelFacts, cluster: ClusterShape) -> str | None:
         return f"tp={tp} exceeds {cluster.devices_per_node} devices per node; use tp <= {cluster.devices_per_node}"
     if "tp" in f.limits:
         return f"tp={tp}: {f.limits['tp']}; use tp=1"
+    if why := substitution_problem("tp", f.limits):
+        return f"tp={tp}: {why}"
     if any(h % tp for h in f.heads) or (f.hidden and f.hidden % tp):
         return f"tp={tp} does not divide {max(f.heads, default=1)} heads / hidden {f.hidden}; use a tp dividing both"
     if any(h % tp for h in f.kv_heads):
@@ -163,6 +202,8 @@ def cp_problem(cp: int, f: ModelFacts, batch: Batch, ulysses: int = 1, tp: int =
         return None
     if "cp" in f.limits:
         return f"cp={cp}: {f.limits['cp']}; use cp=1"
+    if why := substitution_problem("cp", f.limits):
+        return f"cp={cp}: {why}"
     if why := sequence_problem(batch.seq_len, cp, batch.load_balance):
         return why
     if ulysses > 1 and cp % ulysses:
@@ -257,13 +298,19 @@ def attention_problem(attention: str, f: ModelFacts) -> str | None:
     """Why the flash attention kernel cannot run for this model (:func:`default_attention`)."""
     if attention == "flash" and "flash_attention" in f.limits:
         return f"attention=flash: {f.limits['flash_attention']}; use attention=eager"
-    return None
+    return substitution_problem("flash", f.limits) if attention == "flash" else None
+
+
+def recompute_attention_problem(recompute: str, limits: Mapping[str, str]) -> str | None:
+    """Why ``recompute`` cannot run for a model of ``limits``: ``selective`` checkpoints the
+    attention core autopar installs (:func:`substitution_problem`)."""
+    return substitution_problem("selective", limits) if recompute == "selective" else None
 
 
 def default_attention(limits: Mapping[str, str]) -> str:
     """The attention kernel to plan with: flash unless the model's limits (``ModelFacts.limits``)
-    say it cannot use it."""
-    return "eager" if "flash_attention" in limits else "flash"
+    say it cannot use it (:func:`attention_problem`)."""
+    return "eager" if "flash_attention" in limits or "attention" in limits else "flash"
 
 
 def zero_problem(zero: str, tp: int, dp: int, f: ModelFacts, ep: int = 1) -> str | None:
@@ -371,7 +418,7 @@ def documents_problem(limits: Mapping[str, str], causal_only: bool = True) -> st
         if key in limits:
             return ("packed documents (--seq-lens, cu_seqlens) need autopar's attention and token positions, as "
                     f"context parallelism does: {limits[key]}; plan without --seq-lens")
-    return None
+    return substitution_problem("documents", limits)
 
 
 # ---------------------------------------------------------------------- the predicate
@@ -381,12 +428,13 @@ def problems(cfg: ParallelConfig, f: ModelFacts, batch: Batch, cluster: ClusterS
     ``cluster``, one line each (empty: it runs): the composition of the per-axis parts (module
     docstring). PlanError for a malformed ``cfg`` (``ParallelConfig.validate``)."""
     cfg.validate()
-    parts = (model_problem(f), degrees_problem(cfg, cluster), tp_problem(cfg.tp, f, cluster),
+    parts = (model_problem(f), length_problem(batch.seq_len, f), degrees_problem(cfg, cluster), tp_problem(cfg.tp, f, cluster),
              cp_problem(cfg.cp, f, batch, cfg.ulysses, cfg.tp), pp_problem(cfg.pp, f, cfg.vpp),
              ep_problem(cfg.ep, cfg.dp, cfg.cp, f, cfg.tp, cfg.sp),
              sp_problem(cfg.tp, cfg.cp, f, batch) if cfg.sp else None,
              loss_problem(cfg.loss, f), attention_problem(cfg.attention, f),
              zero_problem(cfg.zero, cfg.tp, cfg.dp * cfg.cp, f, cfg.ep),
-             recompute_problem(cfg.recompute, cfg.schedule, cfg.pp), batch_problem(cfg, batch),
+             recompute_problem(cfg.recompute, cfg.schedule, cfg.pp),
+             recompute_attention_problem(cfg.recompute, f.limits), batch_problem(cfg, batch),
              documents_problem(f.limits) if batch.documents else None)
     return [p for p in parts if p]

@@ -250,6 +250,7 @@ class ModelGraph:
     limits: dict[str, str] = field(default_factory=dict)  # feature -> why the runtime cannot run it
                                                           # (planner.plan.FEATURES)
     documents: DocumentMix | None = None  # packed documents per row (a planning input; module docstring)
+    max_seq_len: int = 0    # tokens its learned position table covers (0: none; planner/frontend/positions.py)
 
     # ---- derived figures -------------------------------------------------
     @property

@@ -263,15 +263,17 @@ class Partition:
 # ---------------------------------------------------------------------- model facts (rule: planner/feasibility.py)
 
 FEATURES = ("any", "tp", "sp", "cp", "pp", "ep", "fused_loss", "flash_attention",   # keys of ModelFacts.limits
-            "fsdp_with_tp")
+            "fsdp_with_tp", "attention")  # attention: autopar cannot run its attention in place of the model's
 
 
 @dataclass(frozen=True)
 class ModelFacts:
     """What the feasibility rule needs to know of a model, from its captured graph and its
     runtime adapter: attention head counts (one entry per attention layer kind), hidden
-    size, ``units`` (the most pipeline stages it can be cut into), sequence length, and
-    ``limits``: feature (:data:`FEATURES`) -> one-line reason the runtime cannot run it."""
+    size, ``units`` (the most pipeline stages it can be cut into), sequence length,
+    ``limits``: feature (:data:`FEATURES`) -> one-line reason the runtime cannot run it, and
+    ``max_seq_len``: the longest sequence its learned position table covers (0: no such table;
+    planner/frontend/positions.py finds it)."""
     heads: tuple[int, ...] = ()
     kv_heads: tuple[int, ...] = ()
     hidden: int = 0
@@ -279,11 +281,12 @@ class ModelFacts:
     seq_len: int = 0
     limits: dict[str, str] = field(default_factory=dict)
     experts: int = 0                # routed experts per MoE layer (0: no MoE layer)
+    max_seq_len: int = 0            # tokens its learned positions cover (0: no learned positions)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"heads": list(self.heads), "kv_heads": list(self.kv_heads), "hidden": self.hidden,
-                "units": self.units, "seq_len": self.seq_len, "limits": dict(self.limits),
-                "experts": self.experts}
+        d = {"heads": list(self.heads), "kv_heads": list(self.kv_heads), "hidden": self.hidden,
+             "units": self.units, "seq_len": self.seq_len, "limits": dict(self.limits), "experts": self.experts}
+        return {**d, "max_seq_len": self.max_seq_len} if self.max_seq_len else d  # unlimited: as before
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "ModelFacts":
@@ -292,7 +295,7 @@ class ModelFacts:
             raise PlanError(f"model.facts.limits must map {', '.join(FEATURES)} to reasons")
         return ModelFacts(tuple(int(x) for x in d.get("heads", ())), tuple(int(x) for x in d.get("kv_heads", ())),
                           int(d.get("hidden", 0)), int(d.get("units", 1)), int(d.get("seq_len", 0)), dict(limits),
-                          int(d.get("experts", 0)))
+                          int(d.get("experts", 0)), int(d.get("max_seq_len", 0)))
 
 
 # ---------------------------------------------------------------------- the plan file

@@ -22,12 +22,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dist_worker import NORM, compare  # noqa: E402
 from codegen.runtime.mesh import init_distributed  # noqa: E402
 from codegen.runtime.train import parallelize  # noqa: E402
-from planner.plan import ParallelConfig
+from planner.feasibility import default_attention  # noqa: E402
+from planner.plan import ParallelConfig  # noqa: E402
 from model_cases import fitting_problems  # noqa: E402
 from worker_io import failure, finish, report, write_results  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_configs")
-FAMILIES = ("qwen2", "phi", "gpt_neox", "gemma2", "cohere", "stablelm", "opt", "phi3", "olmo2")
+FAMILIES = ("qwen2", "phi", "gpt_neox", "gemma2", "cohere", "stablelm", "opt", "phi3", "olmo2", "deepseek_v3",
+            "falcon", "bloom")
 GB, SEQ, STEPS, LR, SEED = 4, 32, 3, 0.1, 1234
 
 
@@ -50,7 +52,7 @@ def build(family: str, device: str):
 def layout_for(facts) -> ParallelConfig:
     """pp2 x tp2 with what the model allows switched on; pp2 x dp2 where tp is refused."""
     base = dict(pp=2, schedule="1f1b", dtype="fp32", mbs=1,
-                attention="eager" if "flash_attention" in facts.limits else "flash",
+                attention=default_attention(facts.limits),
                 loss="eager" if "fused_loss" in facts.limits else "fused")
     cfg = ParallelConfig(tp=2, sp=True, **base)
     if any("sequence parallel" in p for p in fitting_problems(cfg, facts)):

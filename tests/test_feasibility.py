@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from codegen.runtime.recipe import check_runnable
 from cost_models.cluster import load_preset
 from planner.errors import AutoparError, PlanError
-from planner.feasibility import (LOAD_BALANCES, Batch, Nodes, microbatches, problems, schedule_problem,
-                                 sequence_problem)
+from planner.feasibility import (LOAD_BALANCES, Batch, Nodes, default_attention, microbatches, problems,
+                                 schedule_problem, sequence_problem)
 from planner.plan import FEATURES, RECOMPUTE, SCHEDULES, ModelFacts, ParallelConfig
 from planner.search.candidates import ZEROS, configurations, divisors
 
@@ -83,6 +83,18 @@ def test_a_layout_that_fits_has_no_problem():
     (ParallelConfig(pp=4, vpp=2, schedule="interleaved-1f1b"), FACTS, Batch(6, 32), None,
      "interleaved-1f1b needs micro-batches divisible by pp: m = 6, pp = 4"),
     (ParallelConfig(pp=4, schedule="zb-h1"), FACTS, Batch(9, 32), None, "zb-h1 runs 9 micro-batches in 2 rounds"),
+    (ParallelConfig(dp=2), dataclasses.replace(FACTS, max_seq_len=16), None, None,
+     "seq_len 32 exceeds the 16 positions the model learned"),
+    (ParallelConfig(tp=2, attention="eager"), dataclasses.replace(FACTS, limits={"attention": "its own"}), None, None,
+     "tp=2: tensor parallelism splits the heads inside autopar's attention, but its own; use tp=1"),
+    (ParallelConfig(cp=2, attention="eager"), dataclasses.replace(FACTS, limits={"attention": "its own"}), None, None,
+     "cp=2: context parallelism runs autopar's attention, but its own; use cp=1"),
+    (ParallelConfig(dp=2), dataclasses.replace(FACTS, limits={"attention": "its own"}), None, None,
+     "attention=flash runs autopar's attention, but its own; use attention=eager"),
+    (ParallelConfig(dp=2, attention="eager", recompute="selective"),
+     dataclasses.replace(FACTS, limits={"attention": "its own"}), None, None, "recompute=selective checkpoints"),
+    (ParallelConfig(attention="eager"), dataclasses.replace(FACTS, limits={"attention": "its own"}),
+     Batch(64, 32, documents=True), None, "packed documents (--seq-lens, cu_seqlens) mask by document in"),
     (ParallelConfig(), dataclasses.replace(FACTS, limits={"any": "no adapter"}), None, None,
      "cannot run on autopar's runtime: no adapter"),
     (ParallelConfig(), dataclasses.replace(FACTS, limits={"cp": "own attention"}), Batch(64, 32, documents=True),
@@ -93,6 +105,16 @@ def test_each_rule_refuses_with_its_line(cfg, facts, batch, cluster, words):
     assert words in line
     if "cannot run on autopar's runtime" not in line:  # the adapter's reason: no layout avoids it
         assert any(f in line for f in FIXES), line
+
+
+def test_own_attention_leaves_data_and_pipeline_parallelism():
+    """A model whose attention autopar cannot substitute (limit ``attention``) still runs every
+    layout of data and pipeline parallelism with its own attention, eager, no selective recompute."""
+    f = dataclasses.replace(FACTS, limits={"attention": "its own"})
+    for cfg in (ParallelConfig(dp=4, zero="fsdp", recompute="full", attention="eager"),
+                ParallelConfig(dp=2, pp=2, schedule="zb-h1", attention="eager"),
+                ParallelConfig(pp=4, vpp=2, schedule="interleaved-1f1b", recompute="selective-op", attention="eager")):
+        assert problems(cfg, f, Batch(64, 32), Nodes("box", 1, 4)) == [], cfg.label()
 
 
 def test_torch_schedule_rules_are_stated_as_torch_states_them():
@@ -134,7 +156,8 @@ def facts_st(draw) -> ModelFacts:
         limits["any"] = "no adapter"
     return ModelFacts(heads=(heads,), kv_heads=(kv,), hidden=heads * draw(st.sampled_from([4, 6, 8])),
                       units=draw(st.integers(1, 10)), seq_len=draw(st.sampled_from([12, 16, 24, 32, 33, 48])),
-                      limits=limits, experts=draw(st.sampled_from([0, 0, 2, 4, 6, 8])))
+                      limits=limits, experts=draw(st.sampled_from([0, 0, 2, 4, 6, 8])),
+                      max_seq_len=draw(st.sampled_from([0, 0, 0, 16, 64])))
 
 
 @st.composite
@@ -182,7 +205,7 @@ def test_search_enumerates_exactly_what_the_predicate_accepts(req, loss, rnd):
     assert len(enumerated) == len(set(enumerated))
     for cfg in enumerated:
         assert problems(cfg, f, batch, cluster) == [], cfg.label()
-    attention = "eager" if "flash_attention" in f.limits else "flash"
+    attention = default_attention(f.limits)
     domain = search_domain(f, cluster.world, loss, attention)
     found = set(enumerated)
     for cfg in rnd.sample(domain, min(len(domain), 400)):

@@ -38,6 +38,10 @@ REFUSED = {
     "opt": {"sp": "directly", "fused_loss": "post-processes"},
     "phi3": {"tp": "colwise_gather_output"},
     "olmo2": {"tp": "colwise_gather_output"},
+    "deepseek_v3": {"tp": "moe_tp_experts"},  # its shared experts are a module, not a count
+    # their own attention (outside AttentionInterface): TP, CP, flash, selective recompute refused
+    "falcon": {"attention": "AttentionInterface"},
+    "bloom": {"attention": "AttentionInterface"},
 }
 
 
@@ -60,6 +64,34 @@ def test_family_plans_within_its_limits(family):
     assert problems(plan.config, plan.facts, Batch.of_plan(plan.batch), Nodes.of_plan(plan.cluster, 4)) == []
     for alt in res.alternatives:
         assert problems(alt.config, facts, batch_of(g, 8), cluster) == []
+    if "attention" in facts.limits:  # it runs its own attention: data and pipeline parallelism only
+        for c in [plan.config] + [a.config for a in res.alternatives]:
+            assert c.tp == c.cp == 1 and c.attention == "eager" and c.recompute != "selective", c.label()
+        assert all(s["recompute"] != "selective" for s in plan.stages)
+
+
+def test_learned_positions_bound_the_sequence():
+    """OPT learns 64 positions (a table of 66 rows: OPT's offset of 2): a plan for 128 tokens is
+    refused at plan time in one line (it crashed every rank with ``IndexError: index out of range
+    in self``), the plan's facts carry the bound to the runtime's check; a RoPE model has none."""
+    from cost_models.cluster import parse_cluster
+    from planner.errors import AutoparError
+    from planner.feasibility import Batch, Nodes, problems
+    from planner.frontend.load import load_graph
+    from planner.plan import ModelFacts, ParallelConfig
+    from planner.search.candidates import facts_of
+    from planner.search.planning import plan_model
+
+    g = load_graph(FW.spec("opt"), batch=1, seq_len=128)
+    facts = facts_of(g)
+    assert facts.max_seq_len == 64 and ModelFacts.from_dict(facts.to_dict()) == facts
+    with pytest.raises(AutoparError) as e:
+        plan_model(g, parse_cluster("local-cpu:2"), 4, spec=FW.spec("opt"), cluster_spec="local-cpu:2")
+    assert "seq_len 128 exceeds the 64 positions" in str(e.value) and "\n" not in str(e.value)
+    assert problems(ParallelConfig(dp=2), facts, Batch(4, 128), Nodes("box", 1, 2)) == [
+        str(e.value).split(": ", 1)[1]]
+    assert problems(ParallelConfig(dp=2), facts, Batch(4, 64), Nodes("box", 1, 2)) == []
+    assert facts_of(load_graph(FW.spec("qwen2"), batch=1, seq_len=128)).max_seq_len == 0  # RoPE
 
 
 def _free_port() -> int:
@@ -88,5 +120,5 @@ def test_family_trains_like_one_process(runs, family):
     assert not r["missing"], r["missing"]
     assert r["loss_rel_err"] < TOL, (r["losses"], r["ref_losses"])
     assert r["grad_rel_err"] < TOL, (r["worst"], r["grad_rel_err"])
-    tp_refused = "tp" in REFUSED[family]
+    tp_refused = "tp" in REFUSED[family] or "attention" in REFUSED[family]  # its own attention: no TP
     assert ("tp2" in r["config"]) != tp_refused and "pp2" in r["config"], r["config"]

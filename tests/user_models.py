@@ -110,3 +110,86 @@ def fixed_tokens(step: int, global_batch: int, seq_len: int) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 128, (global_batch, seq_len), generator=g)
     return {"input_ids": ids, "labels": ids}
+
+
+class NanoBlock(nn.Module):
+    """nanoGPT's block: one fused q/k/v ``c_attn`` Linear split in three, ``c_proj`` out."""
+
+    def __init__(self, d: int, n_head: int):
+        super().__init__()
+        self.n_head = n_head
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+        q, k, v = (t.view(b, s, self.n_head, d // self.n_head).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT-style: learned token and position embeddings ``wte`` / ``wpe`` summed at the root
+    of the forward, blocks in a ModuleList, ``forward(input_ids) -> logits``, the head tied to
+    ``wte`` when ``tied``."""
+
+    def __init__(self, vocab: int = 128, d: int = 64, n_layer: int = 2, n_head: int = 4, block_size: int = 64,
+                 tied: bool = False):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(block_size, d)
+        self.h = nn.ModuleList(NanoBlock(d, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.lm_head.weight = self.wte.weight
+        for m in self.modules():  # nanoGPT's init: N(0, 0.02) weights (a tied head then starts near uniform)
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.wte(input_ids) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def build_nanogpt() -> nn.Module:
+    torch.manual_seed(0)
+    return NanoGPT(tied=True)
+
+
+class TokenMix(nn.Module):
+    """A second table looked up with the token ids (not the running hidden state)."""
+
+    def __init__(self, vocab: int, d: int):
+        super().__init__()
+        self.table = nn.Embedding(vocab, d)
+
+    def forward(self, ids: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.table(ids)
+
+
+class TwoStreamLM(UserLM):
+    """Adds a second embedding of the token ids at the root (``x = wte(ids) + mix(ids)``); ``mix``
+    takes positions, so its units run as a chain, which feeds ``mix`` the hidden state: no
+    chain computes this forward (an explicit spec is needed)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.mix = TokenMix(self.lm_head.out_features, self.lm_head.in_features)
+
+    def forward(self, idx: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = self.transformer.wte(idx) + self.mix(idx)
+        for block in self.transformer.h:
+            x = block(x, positions)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def build_two_stream() -> nn.Module:
+    torch.manual_seed(0)
+    return TwoStreamLM()

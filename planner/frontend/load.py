@@ -21,8 +21,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from planner.frontend.positions import max_positions
 from planner.frontend.trace import capture_fx
-from planner.errors import AutoparError
+from planner.errors import AutoparError, first_line
 from planner.feasibility import model_problem
 from planner.plan import ModelFacts
 from planner.graph import BLOCK_KINDS, ModelGraph
@@ -61,6 +62,7 @@ def graph_and_fx_of(model: nn.Module, example: dict[str, Any] | tuple, *, name: 
     from codegen.runtime.adapters import adapter_for, adapter_kind
 
     kw = dict(name=name, config=config, hidden=hidden, vocab=vocab, loss_fn=loss_fn)
+    adapter = None
     try:
         if module_spec is None and adapter_kind(model) == "module" and getattr(model, "autopar_spec", None) is None:
             graph, fx = capture_fx(model, example, **kw)
@@ -72,15 +74,21 @@ def graph_and_fx_of(model: nn.Module, example: dict[str, Any] | tuple, *, name: 
             graph, fx = capture_fx(model, example, units=adapter.capture_units(), **kw)
         if adapter.kind == "module":
             adapter.check_sequential(example)
+        graph.adapter = adapter.kind
+        graph.limits = adapter.limits()
+        graph.max_seq_len = max_positions(model, fx)
+        starts = dict(zip(adapter.units, adapter.stage_starts()))
+        for layer in graph.layers:
+            layer.stage_start = starts.get(layer.name, True)
+        _set_tp_roles(graph, fx, adapter)
     except ValueError as e:
-        raise AutoparError(f"{name}: {e}") from None
-    graph.adapter = adapter.kind
-    graph.limits = adapter.limits()
-    starts = dict(zip(adapter.units, adapter.stage_starts()))
-    for layer in graph.layers:
-        layer.stage_start = starts.get(layer.name, True)
-    _set_tp_roles(graph, fx, adapter)
-    adapter.close()  # the capture leaves nothing on the model or in transformers' registries
+        raise AutoparError(f"{name}: {e}") from e  # the traceback under --debug
+    except Exception as e:  # after the capture: reading its graph (one line, not a traceback)
+        raise AutoparError(f"{name}: capture failed (reading the captured graph): {first_line(e)}; report this "
+                           "model to autopar, or rerun with --debug") from e
+    finally:
+        if adapter is not None:
+            adapter.close()  # the capture leaves nothing on the model or in transformers' registries
     return graph, fx
 
 
@@ -137,6 +145,9 @@ def _limits_from_roles(graph: ModelGraph, analysis) -> None:
         # bias on that same dimension and describe the global layout wrongly
         graph.limits.setdefault("fsdp_with_tp", f"{packed} is a packed q/k/v projection whose tensor-parallel "
                                                 "shard FSDP cannot shard again")
+        if graph.adapter == "module":  # the adapter rewrites head counts only (ModuleAdapter.tp_fixups)
+            graph.limits.setdefault("tp", f"{packed} is a packed q/k/v projection, which a plain module splits by "
+                                          "its global width (sizes autopar does not rewrite)")
     flat = next((l.name for l in graph.layers if l.kind in BLOCK_KINDS
                  and any(lin.role == "row" and "." not in lin.name for lin in l.linears)), None)
     if flat is not None and "sp" not in graph.limits:

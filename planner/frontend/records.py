@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from codegen.runtime.torch_compat import tree_flatten
 
-from planner.errors import AutoparError
+from planner.errors import AutoparError, first_line
 from planner.graph import AttentionDims, Layer, Linear, ModelGraph, MoEDims, Op, tp_flops_frac
 from planner.frontend.layer_kinds import layer_kind, lin_dims, part_kind
 
@@ -195,8 +195,20 @@ def moe_dims(unit: nn.Module) -> MoEDims | None:
         top_k = next((c.top_k for c in holder.modules() if isinstance(getattr(c, "top_k", None), int)), None)
         if top_k is None:
             raise AutoparError(f"capture: the experts at {name!r} have no router with an integer top_k")
-        return MoEDims(experts, top_k, ffn, int(getattr(holder, "shared_experts", 0) or 0), part)
+        return MoEDims(experts, top_k, ffn, shared_experts(holder, m, experts), part)
     return None
+
+
+def shared_experts(holder: nn.Module, routed: nn.Module, experts: int) -> int:
+    """How many always-on experts ``holder`` runs beside its ``routed`` experts: its
+    ``shared_experts`` count (the zoo), or, where ``shared_experts`` is the module itself
+    (transformers' DeepSeek-V3: one MLP of n_shared_experts x the expert width), its
+    parameters in routed experts' worth (the nearest whole number)."""
+    shared = getattr(holder, "shared_experts", None)
+    if isinstance(shared, nn.Module):
+        per_expert = sum(p.numel() for p in routed.parameters()) / max(experts, 1)
+        return round(sum(p.numel() for p in shared.parameters()) / per_expert) if per_expert else 0
+    return int(shared or 0)
 
 
 def assemble(model: nn.Module, run: UnitRun, example, t0: float, name: str | None, config: dict | None,
@@ -220,8 +232,14 @@ def assemble(model: nn.Module, run: UnitRun, example, t0: float, name: str | Non
     layers: list[Layer] = []
     for i, (path, rep) in enumerate(full_order):
         r = run.recs[rep]
-        ops, linears, kinds, tp_frac = _ops_and_linears(r, vocab)
-        attn = _attention_dims(r, linears)
+        try:
+            ops, linears, kinds, tp_frac = _ops_and_linears(r, vocab)
+            attn, moe = _attention_dims(r, linears), moe_dims(r.module)
+        except AutoparError:
+            raise
+        except Exception as e:  # one line naming the unit, not a traceback
+            raise AutoparError(f"capture failed in module '{path}' (reading its captured ops): {first_line(e)}; "
+                               "report this model to autopar, or rerun with --debug") from e
         up = params[path]
         layers.append(Layer(
             name=path, kind=layer_kind(path, kinds, i == 0, attn), module_type=type(units_by_path[path]).__name__,
@@ -233,7 +251,7 @@ def assemble(model: nn.Module, run: UnitRun, example, t0: float, name: str | Non
             tp_flops_frac=tp_frac, ops=ops, linears=linears,
             attention=attn, vocab=vocab if any(s == "vocab" for _, s in kinds.values()) else None,
             tied_to=up.tied_to, tied_params=up.n_tied, fwd_kernels=r.fwd_kernels, bwd_kernels=r.bwd_kernels,
-            fwd_ops=r.fwd_ops, bwd_ops=r.bwd_ops, moe=moe_dims(r.module), matmuls=list(r.matmuls)))
+            fwd_ops=r.fwd_ops, bwd_ops=r.bwd_ops, moe=moe, matmuls=list(r.matmuls)))
     notes = []
     if root_params:
         notes.append(f"{root_params} parameters outside every layer unit are not counted")

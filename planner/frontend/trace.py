@@ -45,7 +45,7 @@ from codegen.runtime.torch_compat import TorchDispatchMode, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from planner.frontend.records import UnitRecord, UnitRun, assemble, nbytes, tensors
-from planner.errors import AutoparError
+from planner.errors import AutoparError, first_line
 from planner.frontend.fx_graph import GraphBuilder, unit_costs
 from planner.graph import MATMUL_OPS, AttentionDims, Matmul, ModelGraph
 from planner.frontend.layer_kinds import ATTN_OPS, is_linear, part_kind
@@ -452,9 +452,8 @@ def capture_fx(model: nn.Module, example: dict[str, Any] | tuple, *, name: str |
     except Exception as e:  # a tracing failure: name the module and the op
         where = rec.unit.name if rec.unit is not None else "(model root)"
         part = f".{rec.part}" if rec.part else ""
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise AutoparError(f"capture failed in module '{where}{part}' at op aten.{rec.last_op}: "
-                           f"{type(e).__name__}: {msg[:200]} -- make the forward run on fake tensors "
+                           f"{first_line(e)} -- make the forward run on fake tensors "
                            "(no .item()/.tolist()/data-dependent Python control flow), or rerun with --debug") from e
     finally:
         hooks.remove()

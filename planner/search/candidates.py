@@ -37,8 +37,9 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from planner.feasibility import (Batch, ClusterShape, cp_problem, default_attention, documents_problem, ep_problem,
-                                 fill_problem, loss_problem, model_problem, pp_problem, replicas_problem,
-                                 schedule_problem, sp_problem, tp_problem, zero_problem)
+                                 fill_problem, length_problem, loss_problem, model_problem, pp_problem,
+                                 recompute_attention_problem, replicas_problem, schedule_problem, sp_problem,
+                                 tp_problem, zero_problem)
 from planner.graph import ModelGraph
 from planner.plan import SCHEDULES, ZERO, ModelFacts, ParallelConfig, recompute_policies
 from planner.search.pins import Pins
@@ -81,7 +82,8 @@ def facts_of(graph: ModelGraph) -> ModelFacts:
     attn = [l.attention for l in graph.layers if l.attention]
     return ModelFacts(heads=tuple(sorted({a.heads for a in attn})), kv_heads=tuple(sorted({a.kv_heads for a in attn})),
                       hidden=graph.hidden, units=len(graph.stage_groups()), seq_len=graph.seq_len,
-                      limits=dict(graph.limits), experts=max((l.moe.experts for l in graph.layers if l.moe), default=0))
+                      limits=dict(graph.limits), experts=max((l.moe.experts for l in graph.layers if l.moe), default=0),
+                      max_seq_len=graph.max_seq_len)
 
 
 def batch_of(graph: ModelGraph, global_batch: int) -> Batch:
@@ -93,8 +95,9 @@ def batch_of(graph: ModelGraph, global_batch: int) -> Batch:
 def request_problem(facts: ModelFacts, batch: Batch, loss: str) -> str | None:
     """What refuses every layout of a request, so the search stops before enumerating: the
     model runs nowhere (``model_problem``), the requested loss kernel (``loss_problem``),
-    packed documents on this model (``documents_problem``)."""
-    return (model_problem(facts) or loss_problem(loss, facts)
+    packed documents on this model (``documents_problem``), a sequence longer than its
+    learned positions (``length_problem``)."""
+    return (model_problem(facts) or length_problem(batch.seq_len, facts) or loss_problem(loss, facts)
             or (documents_problem(facts.limits) if batch.documents else None))
 
 
@@ -253,7 +256,8 @@ def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str
         for zero in zeros:
             if zero_problem(zero, tp, dp * cp, facts, ep):
                 continue
-            for rc in (r for r in recompute_policies(sched, pp) if pins.allows("recompute", r)):
+            for rc in (r for r in recompute_policies(sched, pp) if pins.allows("recompute", r)
+                       and not recompute_attention_problem(r, facts.limits)):
                 for sp in (s for s in ((False, True) if sp_ok else (False,)) if pins.allows("sp", s)):
                     if ep_problem(ep, dp, cp, facts, tp, sp):  # a MoE model under TP needs SP
                         continue

@@ -9,6 +9,7 @@ from cost_models.estimate import Estimate, estimate, inflight_closed
 from cost_models.layer_costs import LayerCosts, layer_pass_times
 from cost_models.compute import calibration
 from cost_models.memory import DTYPE_BYTES, MemoryRule, chunk_memory, framework_reserve
+from planner.feasibility import recompute_attention_problem
 from planner.graph import BLOCK_KINDS, ModelGraph
 from planner.plan import RECOMPUTE, ParallelConfig, Partition, recompute_policies
 
@@ -114,7 +115,8 @@ def best_partition(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, glo
 
     prob = partition_problem(graph, cluster, cfg, global_batch, profile)
     uniform = cfg.recompute != "none" or uniform_recompute
-    prob.policies = (cfg.recompute,) if uniform else recompute_policies(cfg.schedule, cfg.pp)
+    prob.policies = (cfg.recompute,) if uniform else tuple(
+        r for r in recompute_policies(cfg.schedule, cfg.pp) if not recompute_attention_problem(r, graph.limits))
     r = solve_partition(prob, time_limit=time_limit)
     info = {"status": r.status, "gap": r.gap, "solve_s": r.solve_s, "solver": r.solver,
             "objective_s": r.objective_s}

@@ -21,9 +21,10 @@ the head: the embedding prologue stays with the first layer (:meth:`stage_starts
 Routed experts (Mixtral, Qwen-MoE, ...): through the library's ``ExpertsInterface``
 (``hf_experts.py``), so capture, expert parallelism and the runtime run them autopar's way.
 
-What cannot run is said by :meth:`HFAdapter.limits` (and planned around): attention that
-bypasses ``AttentionInterface``, or mixture-of-experts layers outside ``ExpertsInterface``
-(nothing runs); routed experts under TP (expert parallelism splits them instead); sliding
+What cannot run is said by :meth:`HFAdapter.limits` (and planned around): mixture-of-experts
+layers outside ``ExpertsInterface`` (nothing runs); attention that bypasses
+``AttentionInterface`` (the model's own attention runs: data and pipeline parallelism, not
+what needs autopar's attention, ``planner.feasibility.substitution_problem``); routed experts under TP (expert parallelism splits them instead); sliding
 windows, attention soft-capping, attention dropout or non-causal attention (the model
 keeps its own attention: no flash kernel, no context parallelism); a TP plan that gathers
 or splits projections (no tensor parallelism); logit post-processing or a head bias (no
@@ -185,9 +186,9 @@ class HFAdapter(ModelAdapter):
                           "ExpertsInterface are not supported")
         elif why_not:
             out["any"] = f"routed experts with {why_not} are not supported"
-        elif not self.attention_modules(block):
-            out["any"] = (f"its attention ({type(block).__name__}) does not go through transformers' "
-                          "AttentionInterface, so autopar cannot install its kernels")
+        elif not self.attention_modules(block):  # it runs its own: planner.feasibility.substitution_problem
+            out["attention"] = (f"its attention ({type(block).__name__}) does not go through transformers' "
+                                "AttentionInterface")
         reason = self._own_attention_reason()
         if reason:
             out["cp"] = f"{reason}: ring attention covers plain causal attention only"
@@ -278,6 +279,8 @@ class HFAdapter(ModelAdapter):
         self._attention_installed = True
 
     def set_attention(self, block: nn.Module, impl: AttentionImpl) -> None:
+        if not self.attention_modules(block):  # the model's own attention runs (limit "attention")
+            return
         self._install_attention_name()
         for m in self.attention_modules(block):
             if self._own_attention_reason() is None:

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
+import re
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -63,9 +65,10 @@ class Placeholder(nn.Module):
     its first argument, as a decoder layer that is skipped), ``inject`` (returns the hidden
     state received from the previous stage), ``stop`` (raises :class:`StageOutput`)."""
 
-    def __init__(self, mode: str, stage: "HFStage", name: str):
+    def __init__(self, mode: str, stage: "HFStage", name: str, as_tuple: bool = False):
         super().__init__()
         self.mode, self.name = mode, name
+        self.as_tuple = as_tuple  # a decoder layer of a model whose loop takes [0] of each layer's output
         object.__setattr__(self, "_stage", stage)  # not a child module
 
     def forward(self, *args, **kwargs):
@@ -73,10 +76,22 @@ class Placeholder(nn.Module):
         if self.mode == "zeros":
             return torch.zeros((), dtype=self._stage.dtype, device=self._stage.device)
         if self.mode == "identity":
-            return first
+            return (first,) if self.as_tuple else first
         if self.mode == "inject":
-            return self._stage.received_as(self.name)
+            x = self._stage.received_as(self.name)
+            return (x,) if self.as_tuple else x
         raise StageOutput(first)
+
+
+@functools.lru_cache(maxsize=None)
+def layers_return_tuples(cls: type) -> bool:
+    """Whether the forward of ``cls`` (the module looping over the decoder layers) takes ``outputs[0]`` of each
+    decoder layer (Falcon, Bloom, MPT: a layer returns (hidden state, attention weights))
+    rather than the hidden state itself (the library's current convention)."""
+    try:
+        return re.search(r"=\s*\w*outputs\[0\]", inspect.getsource(cls.forward)) is not None
+    except (OSError, TypeError):
+        return False
 
 
 def module_view(module: nn.Module, replace: dict[str, nn.Module], prefix: str = "") -> nn.Module:
@@ -111,6 +126,7 @@ class HFStage(StageModule):
         all_units = adapter.units
         first, last = all_units.index(self.units[0]), all_units.index(self.units[-1])
         replace: dict[str, nn.Module] = {}
+        tuples = layers_return_tuples(type(lm.get_submodule(adapter.layers_path.rpartition(".")[0])))
         for i, u in enumerate(all_units):
             if first <= i <= last:
                 continue
@@ -121,7 +137,7 @@ class HFStage(StageModule):
                 mode = "zeros" if kind == "before" else "identity"
             else:
                 mode = "stop" if i == last + 1 else "identity"
-            replace[u] = Placeholder(mode, self, u)
+            replace[u] = Placeholder(mode, self, u, as_tuple=tuples and kind == "block")
         object.__setattr__(self, "_view", module_view(lm, replace))
         # the last stage's view for the fused loss: the head hands its input over instead
         stop_head = dict(replace, **{adapter.head_name: Placeholder("stop", self, adapter.head_name)})

@@ -5,7 +5,10 @@ Units come from the planner's capture (every member of the block stack, and ever
 child on the way down to it; the plan names them) or from an explicit :class:`ModuleSpec`.
 A stage runs its units in sequence, each fed the previous unit's output; a unit whose
 ``forward`` takes one of :data:`POSITION_ARGS` also gets the token positions (global ones
-under context parallelism). :meth:`ModuleAdapter.check_sequential` verifies once, on fake
+under context parallelism). Several units before the blocks, none taking positions (nanoGPT's
+``wte(ids) + wpe(arange(S))`` summed at the root of the forward), are not a chain: the model's
+own forward runs them, from the token ids up to the first block's input
+(:meth:`ModuleAdapter.prologue`), and a pipeline stage holds them all. :meth:`ModuleAdapter.check_sequential` verifies once, on fake
 tensors, that this sequence computes what the model's own forward computes (the same
 floating-point ATen ops in the same order); when it does not (the forward adds positions
 at the root, mixes two streams...), it says to pass an explicit spec.
@@ -30,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from codegen.runtime import kernels as kern
 from codegen.runtime.adapters.base import AttentionImpl, ModelAdapter, StageModule, Unit, attach, has_submodule
+from planner.errors import first_line
 
 POSITION_ARGS = ("positions", "position_ids", "pos")
 
@@ -103,6 +107,14 @@ class _SDPARoute(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _BlockInput(Exception):
+    """Stops a model's forward at its first block, carrying that block's input."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__("first block reached")
+        self.hidden = hidden
+
+
 def _position_kw(mod: nn.Module) -> Optional[str]:
     params = inspect.signature(mod.forward).parameters
     return next((p for p in POSITION_ARGS if p in params), None)
@@ -125,6 +137,30 @@ class ModuleAdapter(ModelAdapter):
         super().__init__(model, unit_list)
         self.pos_kw = {u: _position_kw(model.get_submodule(u)) for u in self.units}
         self.head = self.unit_list[-1].name
+        before = [u.name for u in self.unit_list if u.kind == "before"]
+        # the units the model's own forward runs up to the first block (module docstring)
+        self.root_prologue = before if len(before) > 1 and not any(self.pos_kw[u] for u in before) else []
+
+    def stage_starts(self) -> list[bool]:
+        """A stage may start anywhere but inside the root prologue (:meth:`prologue`)."""
+        return [u.name not in self.root_prologue[1:] for u in self.unit_list]
+
+    def prologue(self, ids: torch.Tensor) -> torch.Tensor:
+        """The model's own forward on the token ids ``ids`` up to its first block's input (the
+        first block does not run: a pre-hook, removed on return, stops the forward there)."""
+        first = self.model.get_submodule(self.blocks[0])
+
+        def stop(mod, args, kwargs):
+            raise _BlockInput(args[0] if args else next(iter(kwargs.values())))
+
+        handle = first.register_forward_pre_hook(stop, with_kwargs=True)
+        try:
+            self.model(ids)
+        except _BlockInput as reached:
+            return reached.hidden
+        finally:
+            handle.remove()
+        raise ValueError(f"{type(self.model).__name__}'s forward never reached its first block {self.blocks[0]}")
 
     def limits(self) -> dict[str, str]:
         out: dict[str, str] = {}
@@ -191,7 +227,10 @@ class ModuleAdapter(ModelAdapter):
     def sequential(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None,
                    units: Optional[Sequence[str]] = None) -> torch.Tensor:
         """Run ``units`` (default all) in sequence from ``x`` (see the module docstring)."""
-        for u in units or self.units:
+        units = list(units or self.units)
+        if self.root_prologue and units[0] == self.root_prologue[0]:
+            x, units = self.prologue(x), units[len(self.root_prologue):]
+        for u in units:
             mod = self.model.get_submodule(u)
             kw = {self.pos_kw[u]: positions} if self.pos_kw[u] and positions is not None else {}
             x = mod(x, **kw)
@@ -208,6 +247,7 @@ class ModuleAdapter(ModelAdapter):
                 self.ops = []
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.last = func.overloadpacket.__name__
                 out = func(*args, **(kwargs or {}))
                 if isinstance(out, torch.Tensor) and out.is_floating_point():
                     self.ops.append((func.overloadpacket.__name__, tuple(out.shape)))
@@ -221,7 +261,7 @@ class ModuleAdapter(ModelAdapter):
             with Log() as full:
                 self.model(fake_ids, *args[1:], **{k: v for k, v in kwargs.items() if k != "input_ids"})
             with Log() as seq:
-                self.sequential(fake_ids)
+                self._run_units_or_explain(fake_ids, seq)
         if full.ops != seq.ops:
             at = next((i for i, (a, b) in enumerate(zip(full.ops, seq.ops)) if a != b), min(len(full.ops), len(seq.ops)))
             raise ValueError(
@@ -230,6 +270,25 @@ class ModuleAdapter(ModelAdapter):
                 f"{full.ops[at:at + 1] or 'end'} vs {seq.ops[at:at + 1] or 'end'}); pass an explicit "
                 "ModuleSpec(blocks=..., before=..., after=..., loss=...) (auto_parallelize(..., module_spec=...), "
                 "or set model.autopar_spec)")
+
+
+    def _run_units_or_explain(self, ids: torch.Tensor, log) -> None:
+        """:meth:`sequential` on ``ids``; a failure is one ValueError naming the unit and the op
+        (``log.last``, the last ATen op dispatched) where the units stop composing."""
+        where = {"unit": self.units[0]}
+        hooks = [self.model.get_submodule(u).register_forward_pre_hook(lambda m, a, u=u: where.update(unit=u))
+                 for u in self.units]
+        try:
+            self.sequential(ids)
+        except Exception as e:
+            raise ValueError(
+                f"capture failed in {where['unit']} (aten.{getattr(log, 'last', '?')}) running "
+                f"{type(self.model).__name__}'s units one after another: {first_line(e)}; they do not compute its "
+                "forward: pass an explicit ModuleSpec(blocks=..., before=..., after=..., loss=...) "
+                "(auto_parallelize(..., module_spec=...), or set model.autopar_spec)") from e
+        finally:
+            for h in hooks:
+                h.remove()
 
 
 class ModuleStage(StageModule):
