@@ -51,10 +51,11 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-from codegen.runtime.torch_compat import funcol
 
 from codegen.runtime.documents import Documents, PerVersion, any_visible, visible_mask
 from codegen.runtime.layers import sdpa_attention
+from codegen.runtime.torch_compat import funcol
+from planner.feasibility import sequence_chunks, sequence_problem
 
 _MASKED = -1e30
 
@@ -74,11 +75,9 @@ def local_positions(seq_len: int, cp: int, rank: int, load_balance: str = "zigza
                     device: Optional[torch.device] = None) -> torch.Tensor:
     """Global token positions [seq_len / cp] held by cp rank ``rank`` of a ``seq_len`` sequence."""
     ids = chunk_ids(cp, rank, load_balance)
-    n_chunks = 2 * cp if load_balance == "zigzag" else cp
-    if seq_len % n_chunks:
-        raise ValueError(f"sequence length {seq_len} is not divisible into {n_chunks} chunks for cp={cp} "
-                         f"({load_balance}); pick seq_len a multiple of {n_chunks}")
-    c = seq_len // n_chunks
+    if why := sequence_problem(seq_len, cp, load_balance):
+        raise ValueError(why)
+    c = seq_len // sequence_chunks(cp, load_balance)
     return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in ids])
 
 

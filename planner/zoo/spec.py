@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 from planner.errors import AutoparError
+from planner.feasibility import length_problem
+from planner.plan import ModelFacts
 from planner.zoo.config import PRESETS, ModelConfig
 from codegen.runtime.data import FUNC_SPEC
 from planner.zoo.gpt import GPT
@@ -76,9 +78,8 @@ def example_batch(cfg: ModelConfig, batch: int, seq_len: Optional[int] = None, d
     if text <= 0:
         raise AutoparError(f"example_batch: seq_len {seq} leaves no text after the {cfg.num_patches} image "
                            f"tokens of {cfg.name}; use seq_len > {cfg.num_patches}")
-    if cfg.arch == "gpt" and seq > cfg.max_seq_len:
-        raise AutoparError(f"example_batch: seq_len {seq} exceeds max_seq_len {cfg.max_seq_len} of {cfg.name}'s "
-                           "learned positions; raise max_seq_len in the config")
+    if cfg.arch == "gpt" and (why := length_problem(seq, ModelFacts(max_seq_len=cfg.max_seq_len))):
+        raise AutoparError(f"example_batch: {cfg.name}: {why}")
     dev = torch.device(device) if device is not None else torch.get_default_device()
     out: dict[str, torch.Tensor] = {}
     if dev.type == "meta":
