@@ -302,8 +302,9 @@ def run_layout(model: str, variant: str, cfg_str: str, seq: int, gb: int, graphs
     t3 = time.perf_counter()
     pm.optimizer.step = orig_step
     info = classify_peak(tracker, pm)
+    pp_rank = pm.mesh["pp"].get_local_rank()  # before close() destroys the mesh's groups
     pm.close()
-    res = {"rank": dist.get_rank(), "pp_rank": pm.mesh["pp"].get_local_rank(), "peak": tracker.peak,
+    res = {"rank": dist.get_rank(), "pp_rank": pp_rank, "peak": tracker.peak,
            "start": start, "peak_phase": tracker.peak_phase, "losses": [loss1, loss2],
            "step1_s": t1 - t0, "step2_s": t3 - t2, **info}
     pm = m = tracker = None  # free them before the next layout (the closures above hold names, not values)

@@ -155,6 +155,15 @@ def test_tp_styles_are_one_text_read_both_ways():
     assert isinstance(row, RowwiseParallel) and row.output_layouts == (Shard(1),)
     head = style_for(style_source("vocab_head", False))
     assert isinstance(head, ColwiseParallel) and head.input_layouts == (Replicate(),) and not head.use_local_output
+    from transformers.pytorch_utils import Conv1D
+
+    from codegen.runtime.tensor_parallel import Conv1DColwise, Conv1DRowwise, for_module
+
+    conv_row = for_module(row, Conv1D(8, 4))  # transformers' Conv1D: torch's layouts through our Conv1D styles
+    assert isinstance(conv_row, Conv1DRowwise) and conv_row.output_layouts == (Shard(1),)
+    assert conv_row.desired_input_layouts == (Shard(-1),) and conv_row.use_local_output
+    assert isinstance(for_module(style_for(style_source("column", True)), Conv1D(8, 4)), Conv1DColwise)
+    assert for_module(row, torch.nn.Linear(4, 8)) is row
     layout = {"layers.0.attn.q": "column", "layers.0.attn.o": "row", "layers.0.norm": "norm"}
     assert sources_for(layout, True)["layers.0.attn"] == "GatherSequenceInput()"
     assert "layers.0.attn" not in sources_for(layout, False) and "layers.0.norm" not in styles_for(layout, False)

@@ -18,6 +18,7 @@ turns it off.
 """
 from __future__ import annotations
 
+import gc
 import os
 from typing import Optional
 
@@ -109,12 +110,16 @@ def cp_groups(cfg: ParallelConfig, mesh: DeviceMesh) -> tuple:
 
 
 def teardown() -> None:
-    """Barrier, then destroy the default process group (avoids the gloo abort at exit)."""
+    """Barrier, destroy the default process group, then collect the garbage holding the
+    process-group objects: gloo's worker threads end only when those objects are freed, and a
+    program that leaves them to the interpreter's own teardown lost a rank to SIGABRT
+    (``terminate called without an active exception``) in about one run in twelve."""
     if dist.is_initialized():
         try:
             dist.barrier()
         finally:
             dist.destroy_process_group()
+            gc.collect()
 
 
 def exit_process(code: int = 0) -> None:

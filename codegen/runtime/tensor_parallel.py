@@ -167,9 +167,8 @@ def for_module(style: ParallelStyle, module: nn.Module) -> ParallelStyle:
     kind = {ColwiseParallel: Conv1DColwise, RowwiseParallel: Conv1DRowwise}.get(type(style))
     if kind is None or not is_conv1d(module):
         return style
-    out = kind.__new__(kind)
-    out.__dict__.update(style.__dict__)
-    return out
+    return kind(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+                use_local_output=style.use_local_output)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, styles: dict[str, ParallelStyle]) -> nn.Module:
