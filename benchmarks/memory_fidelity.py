@@ -120,77 +120,80 @@ def _storages_of(t) -> list:
         return []
 
 
+class LiveBytes:
+    """Live bytes of tensor storages: each storage counted once, from creation (an op output)
+    or the start (``add_existing``) until it dies or is resized; tracks the peak. The
+    bookkeeping of :func:`_make_tracker_cls`'s dispatch mode (a cooperative base class)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, tuple[Any, int, str]] = {}   # id(storage) -> (weakref, nbytes, label)
+        self.total = 0
+        self.peak = 0
+        self.peak_snapshot: list[tuple[Any, int, str]] = []
+        self.peak_phase = ""
+        self.phase = "fwd/bwd"
+
+    def _dead(self, key: int):
+        def cb(_ref):
+            ent = self.live.pop(key, None)
+            if ent is not None:
+                self.total -= ent[1]
+        return cb
+
+    def track(self, st, label: str) -> None:
+        key = id(st)
+        if key in self.live:
+            return
+        nb = int(st.nbytes())
+        self.live[key] = (weakref.ref(st, self._dead(key)), nb, label)
+        self.total += nb
+        self._bump()
+
+    def resized(self, st, label: str) -> None:
+        ent = self.live.get(id(st))
+        if ent is None:
+            self.track(st, label)
+            return
+        nb = int(st.nbytes())
+        self.total += nb - ent[1]
+        self.live[id(st)] = (ent[0], nb, ent[2])
+        self._bump()
+
+    def _bump(self) -> None:
+        if self.total > self.peak:
+            self.peak = self.total
+            self.peak_phase = self.phase
+            self.peak_snapshot = list(self.live.values())
+
+    def add_existing(self) -> None:
+        """Count every tensor storage alive now (Python-visible tensors, via gc)."""
+        import warnings
+
+        import torch
+
+        gc.collect()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            objs = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+        for obj in objs:
+            try:
+                for st in _storages_of(obj):
+                    self.track(st, "existing")
+            except Exception:  # noqa: BLE001 - exotic objects: skip
+                continue
+        self.peak = self.total
+        self.peak_snapshot = list(self.live.values())
+        self.peak_phase = "start"
+
+
 def _make_tracker_cls():
+    """:class:`LiveBytes` as a torch dispatch mode: every op output's storages are tracked, and
+    ``UntypedStorage.resize_`` (FSDP frees and regrows its unsharded parameters) while it is on."""
     import torch
     from codegen.runtime.torch_compat import TorchDispatchMode, tree_flatten
 
-    class LiveTensorTracker(TorchDispatchMode):
-        """Live bytes of tensor storages: each storage counted once, from creation (an op
-        output) or the start (``add_existing``) until it dies or is resized; tracks the peak."""
-
-        def __init__(self):
-            super().__init__()
-            self.live: dict[int, tuple[Any, int, str]] = {}   # id(storage) -> (weakref, nbytes, label)
-            self.total = 0
-            self.peak = 0
-            self.peak_snapshot: list[tuple[Any, int, str]] = []
-            self.peak_phase = ""
-            self.phase = "fwd/bwd"
-            self._orig_resize = None
-
-        # bookkeeping
-        def _dead(self, key: int):
-            def cb(_ref):
-                ent = self.live.pop(key, None)
-                if ent is not None:
-                    self.total -= ent[1]
-            return cb
-
-        def track(self, st, label: str) -> None:
-            key = id(st)
-            if key in self.live:
-                return
-            nb = int(st.nbytes())
-            self.live[key] = (weakref.ref(st, self._dead(key)), nb, label)
-            self.total += nb
-            self._bump()
-
-        def _resized(self, st, label: str) -> None:
-            key = id(st)
-            ent = self.live.get(key)
-            if ent is None:
-                self.track(st, label)
-                return
-            nb = int(st.nbytes())
-            self.total += nb - ent[1]
-            self.live[key] = (ent[0], nb, ent[2])
-            self._bump()
-
-        def _bump(self) -> None:
-            if self.total > self.peak:
-                self.peak = self.total
-                self.peak_phase = self.phase
-                self.peak_snapshot = list(self.live.values())
-
-        def add_existing(self) -> None:
-            """Count every tensor storage alive now (Python-visible tensors, via gc)."""
-            gc.collect()
-            import warnings
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                objs = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-            for obj in objs:
-                try:
-                    if isinstance(obj, torch.Tensor):
-                        for st in _storages_of(obj):
-                            self.track(st, "existing")
-                except Exception:  # noqa: BLE001 - exotic objects: skip
-                    continue
-            self.peak = self.total
-            self.peak_snapshot = list(self.live.values())
-            self.peak_phase = "start"
-
-        # interception
+    class LiveTensorTracker(LiveBytes, TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             flat, _ = tree_flatten(out)
@@ -201,12 +204,11 @@ def _make_tracker_cls():
             return out
 
         def __enter__(self):
-            tracker = self
             self._orig_resize = orig = torch.UntypedStorage.resize_
 
             def resize_(st, size):
                 r = orig(st, size)
-                tracker._resized(st, "resize_")
+                self.resized(st, "resize_")
                 return r
             torch.UntypedStorage.resize_ = resize_
             return super().__enter__()
