@@ -33,7 +33,8 @@ t0 = time.perf_counter()
 from cost_models.cluster import parse_cluster
 from planner.frontend.load import load_graph
 from planner.search.planning import plan_model
-import torch._dynamo  # torch loads it lazily on the first nn.Module built under a device context (~0.9 s)
+from codegen.runtime.torch_compat import preload_dynamo
+preload_dynamo()  # torch loads torch._dynamo lazily on the first nn.Module built under a device context (~0.9 s)
 t1 = time.perf_counter()
 model, cluster, gb, seq = sys.argv[1], sys.argv[2], int(sys.argv[3]), (int(sys.argv[4]) if sys.argv[4] != "None" else None)
 g = load_graph(model, batch=1, seq_len=seq)

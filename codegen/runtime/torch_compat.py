@@ -42,6 +42,7 @@ these, this module is the one place to change. Each entry, and why we need it:
   and :func:`is_traceable_wrapper_subclass` (``torch.utils._python_dispatch``),
   :func:`tree_map` / :func:`tree_flatten` (``torch.utils._pytree``): capture on fake tensors
   and the op-level logs of the capture, the adapters' sequential check and the benchmarks.
+- :func:`preload_dynamo` (``torch._dynamo``): the plan-speed benchmark times its import apart.
 """
 from __future__ import annotations
 
@@ -57,9 +58,18 @@ from torch.utils._pytree import tree_flatten, tree_map
 CHECKED_ON = ("2.13.0",)
 
 __all__ = ["CHECKED_ON", "FakeTensorMode", "StridedShard", "TorchDispatchMode", "checkpoint_generator",
-           "ddp_replicate", "flatten_mesh", "foreach_mul_", "foreach_norm", "funcol", "is_traceable_wrapper_subclass",
-           "clear_dtensor_caches", "live_process_groups", "module_hook_dicts", "replicate", "replicate_ddp_class", "saved_attention_ops",
-           "saved_collective_ops", "tree_flatten", "tree_map"]
+           "clear_dtensor_caches", "ddp_replicate", "flatten_mesh", "foreach_mul_", "foreach_norm", "funcol",
+           "is_traceable_wrapper_subclass", "live_process_groups", "module_hook_dicts", "preload_dynamo", "replicate",
+           "replicate_ddp_class", "saved_attention_ops", "saved_collective_ops", "tree_flatten", "tree_map"]
+
+
+def preload_dynamo() -> None:
+    """Import ``torch._dynamo`` now: torch loads it lazily on the first ``nn.Module`` built under a
+    device context (~0.9 s), which a timing of the capture would otherwise count
+    (``benchmarks/plan_speed.py`` counts it as import time)."""
+    import importlib
+
+    importlib.import_module("torch._dynamo")
 
 
 def replicate():
