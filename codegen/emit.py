@@ -155,16 +155,23 @@ def import_lines(module: str, names: list[str]) -> list[str]:
 
 
 def prune_style_imports(lines: list[str], block: str) -> list[str]:
-    """The template's style imports (``codegen.runtime.tp_styles.IMPORTS``) cut to the names
-    ``block`` uses; an import left with no name is dropped."""
-    text = "\n".join(lines)
-    for m in re.finditer(r"^from ([\w.]+) import (\(([^)]*)\)|[\w, ]+)$", text, flags=re.M):
-        if m.group(1) not in IMPORTS:
+    """The template's style imports (``codegen.runtime.tp_styles.IMPORTS``, on one line or
+    parenthesised over several) cut to the names ``block`` calls; an import left with no
+    name is dropped."""
+    out, i = [], 0
+    while i < len(lines):
+        m = re.fullmatch(r"from ([\w.]+) import (\(?)(.*)", lines[i])
+        i += 1
+        if m is None or m.group(1) not in IMPORTS:
+            out.append(lines[i - 1])
             continue
-        names = [n.strip() for n in (m.group(3) or m.group(2)).replace("\n", " ").split(",") if n.strip()]
-        used = [n for n in names if re.search(rf"\b{n}\(", block)]
-        text = text.replace(m.group(0), "\n".join(import_lines(m.group(1), used)) if used else "\0", 1)
-    return [line for line in text.split("\n") if line != "\0"]
+        names = m.group(3)
+        while m.group(2) and lines[i - 1] != ")":  # the parenthesised names, up to the line ")"
+            names += " " + lines[i]
+            i += 1
+        used = [n for n in re.findall(r"\w+", names) if re.search(rf"\b{n}\(", block)]
+        out += import_lines(m.group(1), used) if used else []
+    return out
 
 
 TEMPLATE_PATH = Path(__file__).with_name("program_template.py")

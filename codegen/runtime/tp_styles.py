@@ -14,23 +14,22 @@ wrote too.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Mapping, Optional
 
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from codegen.runtime.tensor_parallel import GatherSequenceInput, PackedColwise, ReplicatedEmbedding
+from codegen.runtime.tensor_parallel import PackedColwise, ReplicatedEmbedding
 from planner.plan import TP_ROLES
 
-# every name a style's source text may use, and where the emitted program imports it from
-STYLE_NAMES = {"Replicate": Replicate, "Shard": Shard, "ColwiseParallel": ColwiseParallel,
-               "RowwiseParallel": RowwiseParallel, "SequenceParallel": SequenceParallel,
-               "GatherSequenceInput": GatherSequenceInput, "PackedColwise": PackedColwise,
-               "ReplicatedEmbedding": ReplicatedEmbedding}
+# every name a style's source text may use, by the module the emitted program imports it from
 IMPORTS = {"torch.distributed.tensor": ("Replicate", "Shard"),
            "torch.distributed.tensor.parallel": ("ColwiseParallel", "RowwiseParallel", "SequenceParallel"),
            "codegen.runtime.tensor_parallel": ("GatherSequenceInput", "PackedColwise", "ReplicatedEmbedding")}
+STYLE_NAMES = {name: getattr(importlib.import_module(module), name) for module, names in IMPORTS.items()
+               for name in names}
 GATHER = "GatherSequenceInput()"
 
 
