@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from planner.entry.launch import torchrun_cmd, worker_env
+
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # torchrun launches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "close_worker.py")
@@ -28,7 +30,7 @@ import close_worker as CW  # noqa: E402
 
 
 def _run(cmd: list[str], out: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(worker_env(), PYTHONWARNINGS="ignore")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -40,11 +42,7 @@ def _run(cmd: list[str], out: str) -> dict:
 @pytest.fixture(scope="module")
 def closed(tmp_path_factory) -> dict:
     out = str(tmp_path_factory.mktemp("close") / "close.json")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",
-                 WORKER, out], out)
+    return _run(torchrun_cmd(2, [WORKER, out]), out)
 
 
 @pytest.mark.parametrize("i", range(len(CW.BUILDS)), ids=[f"{i}:{b[0]}" for i, b in enumerate(CW.BUILDS)])
@@ -58,8 +56,9 @@ def test_close_restores_process_and_model(closed, i):
     assert r["modules"] == [], r["modules"]    # every module's attributes, children and hooks
 
 
-def test_ten_builds_in_one_process():
-    assert len(CW.BUILDS) == 10
+def test_ten_builds_in_one_process(closed):
+    """All ten builds ran in the one launch, one after another, and each reported."""
+    assert len(CW.BUILDS) == 10 and sorted(closed) == sorted(f"{i}:{b[0]}" for i, b in enumerate(CW.BUILDS))
 
 
 def test_auto_parallelize_close_removes_its_environment_and_group(tmp_path):

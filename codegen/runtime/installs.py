@@ -83,7 +83,7 @@ class Installs:
     def _at_exit(self) -> None:
         """The program ends without closing: destroy the groups, then collect the garbage still
         holding them, so each gloo group's threads are joined now, not during the interpreter's
-        teardown (where one run in about sixteen aborted: ``benchmarks/clean_exit.py``)."""
+        teardown (where a rank can abort: ``codegen/runtime/mesh.py``)."""
         import gc
 
         self._destroy_groups()

@@ -4,10 +4,10 @@
 implicit init through ``init_device_mesh`` leaves ``dist.get_backend()`` undefined) and
 ``teardown`` ends with a barrier before ``destroy_process_group``. A gloo group whose
 threads are still running when the interpreter tears down can abort the rank at exit
-(``terminate called without an active exception``, about one run in 35 of
-``benchmarks/clean_exit.py`` before builds destroyed their groups): a build's groups are
-destroyed by its ``close()``, or by the ``atexit`` hook it registers
-(``codegen/runtime/installs.py``), which also collects the garbage holding them.
+(``terminate called without an active exception``; how often: ``benchmarks/clean_exit.py``
+and README's benchmark table): a build's groups are destroyed by its ``close()``, or by the
+``atexit`` hook it registers (``codegen/runtime/installs.py``), which also collects the
+garbage holding them; ``teardown`` collects it after destroying the default group.
 
 On CPUs every rank is pinned to its own slice of the machine's cores
 (:func:`pin_cpu_rank`): left to the scheduler, ranks sharing cores migrate and the same
@@ -112,8 +112,8 @@ def cp_groups(cfg: ParallelConfig, mesh: DeviceMesh) -> tuple:
 def teardown() -> None:
     """Barrier, destroy the default process group, then collect the garbage holding the
     process-group objects: gloo's worker threads end only when those objects are freed, and a
-    program that leaves them to the interpreter's own teardown lost a rank to SIGABRT
-    (``terminate called without an active exception``) in about one run in twelve."""
+    program that leaves them to the interpreter's own teardown can lose a rank to SIGABRT at
+    exit (module docstring)."""
     if dist.is_initialized():
         try:
             dist.barrier()

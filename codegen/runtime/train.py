@@ -314,14 +314,20 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     ``seed``). ``adapter`` defaults to :func:`codegen.runtime.adapters.adapter_for`.
     """
     device = torch.device(device)
+    own = adapter is None  # an adapter made here is undone here if the build fails
     adapter = adapter or adapter_for(model, order=[u for s in stages for u in s], seq_len=seq_len, facts=facts)
-    recipe.check_runnable(cfg, adapter, facts, Batch(global_batch, seq_len, load_balance=load_balance))
     before = live_process_groups()
     try:
-        return _build(adapter, cfg, stages, stage_recompute, tp_layout, global_batch, device, mesh,
-                      optimizer_factory, seed, load_balance)
-    finally:  # the groups made on the way (meshes, tied-weight groups): the build's, destroyed when it closes
+        recipe.check_runnable(cfg, adapter, facts, Batch(global_batch, seq_len, load_balance=load_balance))
+        pm = _build(adapter, cfg, stages, stage_recompute, tp_layout, global_batch, device, mesh,
+                    optimizer_factory, seed, load_balance)
+    except BaseException:
         adapter.installs.own_groups_since(before)
+        if own:
+            adapter.installs.close()  # registry entries, config copy, hooks and groups of the failed build
+        raise
+    adapter.installs.own_groups_since(before)  # meshes, tied-weight groups: destroyed when the build closes
+    return pm
 
 
 def _build(adapter: ModelAdapter, cfg: ParallelConfig, stages: Sequence[Sequence[str]],
