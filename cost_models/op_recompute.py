@@ -94,7 +94,8 @@ def op_saved_bytes(layer: Layer, graph: ModelGraph) -> OpSaved:
         outs = [(tokens * lin.out_features * e, lin.role) for lin in kept_linears(layer)]
         if layer.moe is not None:
             m = layer.moe
-            outs.append((tokens * m.top_k * (2 * m.expert_ffn + graph.hidden) * e / 2, "replicated"))
+            outs.append((tokens * m.top_k * (2 * m.expert_ffn + graph.hidden) * e * (1 - routed_unkept_share(layer)),
+                         "replicated"))
     for nbytes, role in outs:
         if role in OUT_SPLIT_ROLES:
             tp_part += nbytes

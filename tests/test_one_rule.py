@@ -43,8 +43,11 @@ def test_expert_mesh_matches_the_listed_groups():
     from planner.feasibility import expert_groups
     from planner.plan import ParallelConfig
 
-    for dp, cp, tp, ep in [(2, 2, 1, 2), (1, 1, 4, 2), (2, 1, 2, 4), (4, 2, 2, 8)]:
+    # (dp, cp, tp, ep) -> (experts' data-parallel degree, ep): the dp x cp x tp ranks in groups of ep
+    for (dp, cp, tp, ep), want in {(2, 2, 1, 2): (2, 2), (1, 1, 4, 2): (2, 2), (2, 1, 2, 4): (1, 4),
+                                   (4, 2, 2, 8): (2, 8)}.items():
         edp, e = ParallelConfig(dp=dp, cp=cp, tp=tp, ep=ep).expert_mesh
+        assert (edp, e) == want
         groups, edp_groups = expert_groups(dp, cp, ep, tp)
         assert (len(groups), len(groups[0]), len(edp_groups), len(edp_groups[0])) == (edp, e, e, edp)
         assert sorted(r for g in groups for r in g) == list(range(dp * cp * tp))

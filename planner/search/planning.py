@@ -145,9 +145,9 @@ def evaluate_config(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, gl
     AutoparError with every problem."""
     facts = facts_of(graph)
     found = problems(cfg, facts, batch_of(graph, global_batch), cluster)
+    if degrees_problem(cfg, cluster) or expert_groups_problem(cfg.ep, cfg.dp, cfg.cp, facts, cfg.tp):  # no mesh
+        raise AutoparError(f"{cfg.label()} cannot be priced: " + "; ".join(found))
     try:
-        if degrees_problem(cfg, cluster) or expert_groups_problem(cfg.ep, cfg.dp, cfg.cp, facts, cfg.tp):
-            raise PlanError("no mesh to price")
         if even_split or cfg.pp * cfg.vpp == 1:
             part = split_evenly(graph, cfg.pp * cfg.vpp, cfg.recompute)
             return estimate(graph, cluster, cfg, part, global_batch, profile=profile), found

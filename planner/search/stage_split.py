@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate, inflight_closed
-from cost_models.layer_costs import LayerCosts, layer_pass_times
+from cost_models.layer_costs import LayerCosts, act_bytes_io, layer_pass_times
 from cost_models.compute import calibration
-from cost_models.memory import DTYPE_BYTES, MemoryRule, chunk_memory, framework_reserve
+from cost_models.memory import MemoryRule, chunk_memory, framework_reserve
 from planner.feasibility import recompute_attention_problem
 from planner.graph import BLOCK_KINDS, ModelGraph
 from planner.plan import RECOMPUTE, ParallelConfig, Partition, recompute_policies
@@ -70,8 +70,7 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
         classes.append("|".join(l.signature for l in graph.layers[lo:hi]))
         if cfg.pp > 1 and g + 1 < len(groups):
             nxt = graph.layers[hi]
-            nb = nxt.input_bytes * cfg.mbs / graph.batch * DTYPE_BYTES[cfg.dtype] / graph.dtype_bytes
-            nb /= cfg.cp * cfg.seq_shards
+            nb = act_bytes_io(nxt, graph, cfg) / cfg.seq_shards
             out_p2p.append(comm_mod.p2p_time(nb, cluster, mesh, profile).seconds)
         else:
             out_p2p.append(0.0)
