@@ -42,6 +42,17 @@ class LayerCost:
     ep_fwd: float = 0.0    # expert all-to-alls (cost_models/experts.py): forward, backward
     ep_bwd: float = 0.0
 
+    @property
+    def fwd_pass(self) -> float:
+        """The forward pass on the stage: compute, half the TP communication, a third of CP's
+        exposed exchange (the backward exchanges twice), the expert all-to-alls."""
+        return self.fwd + self.tp / 2 + self.cp / 3 + self.ep_fwd
+
+    @property
+    def bwd_pass(self) -> float:
+        """The backward pass without recompute: compute and the rest of the communication."""
+        return self.bwd + self.tp / 2 + 2 * self.cp / 3 + self.ep_bwd
+
 
 class LayerCosts:
     """Per-layer forward/backward seconds incl. TP/CP communication, cached by signature."""
@@ -126,9 +137,8 @@ def recompute_seconds(c: LayerCost, policy: str) -> float:
     (``op_rc``) and the forward TP communication at the same share of the forward (the
     collectives feeding unkept outputs run again); the attention core for ``selective``;
     nothing for ``none``."""
-    fwd = c.fwd + c.tp / 2 + c.cp / 3 + c.ep_fwd
     if policy == "full":
-        return fwd
+        return c.fwd_pass
     if policy == "selective-op":
         return c.op_rc * (1 + c.tp / 2 / c.fwd) if c.fwd > 0 else 0.0
     return c.core if policy == "selective" else 0.0
@@ -140,6 +150,5 @@ def layer_pass_times(c: LayerCost, policy: str) -> PassTimes:
     backward, CP's exposed part 1:2 (the backward exchanges twice), the expert all-to-alls
     where they run, and the recompute (:func:`recompute_seconds`) added to the backward."""
     extra = recompute_seconds(c, policy)
-    return PassTimes(fwd=c.fwd + c.tp / 2 + c.cp / 3 + c.ep_fwd,
-                     bwd=c.bwd + c.tp / 2 + 2 * c.cp / 3 + c.ep_bwd + extra,
+    return PassTimes(fwd=c.fwd_pass, bwd=c.bwd_pass + extra,
                      compute_fwd=c.fwd, compute_bwd=c.bwd + extra, recompute=extra)

@@ -184,7 +184,7 @@ def _rank_seconds(space: _Space, base: ParallelConfig) -> float:
     """One micro-batch through every layer on one rank: compute + TP / CP / EP communication (on
     the critical path in every variant of ``base``'s degrees)."""
     costs = space.costs(base)
-    return sum(c.fwd + c.bwd + c.tp + c.cp + c.ep_fwd + c.ep_bwd for c in map(costs.get, space.graph.layers))
+    return sum(c.fwd_pass + c.bwd_pass for c in map(costs.get, space.graph.layers))
 
 
 def _best_ulysses(space: _Space, p: Point) -> int:
