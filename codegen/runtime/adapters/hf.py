@@ -241,13 +241,13 @@ class HFAdapter(ModelAdapter):
             if role not in ("column", "packed_qkv") or not has_submodule(stage, fqn):
                 continue
             parent = stage.get_submodule(fqn.rsplit(".", 1)[0])
-            lin = stage.get_submodule(fqn)
-            packed_part = _out_features(lin) // 3 if role == "packed_qkv" else None  # global: E
-            fix = self.installs.first_time(parent, "tp sizes")
+            if not self.installs.first_time(parent, "tp sizes"):
+                continue
+            packed_part = _out_features(stage.get_submodule(fqn)) // 3 if role == "packed_qkv" else None  # global: E
             for attr, v in list(vars(parent).items()):
-                if isinstance(v, int) and not isinstance(v, bool) and fix:
-                    if attr in _HEAD_COUNT_ATTRS or (packed_part is not None and v == packed_part):
-                        setattr(parent, attr, v // tp)
+                if isinstance(v, int) and not isinstance(v, bool) and (
+                        attr in _HEAD_COUNT_ATTRS or (packed_part is not None and v == packed_part)):
+                    setattr(parent, attr, v // tp)
 
     # ---- per-run behaviour ---------------------------------------------------------------
     def build_stage(self, units: Sequence[str], recompute: str) -> StageModule:
@@ -279,11 +279,13 @@ class HFAdapter(ModelAdapter):
         self._attention_installed = True
 
     def set_attention(self, block: nn.Module, impl: AttentionImpl) -> None:
-        if not self.attention_modules(block):  # the model's own attention runs (limit "attention")
+        modules = self.attention_modules(block)
+        if not modules:  # the model's own attention runs (limit "attention")
             return
         self._install_attention_name()
-        for m in self.attention_modules(block):
-            if self._own_attention_reason() is None:
+        substituted = self._own_attention_reason() is None
+        for m in modules:
+            if substituted:
                 self.attention_impls[m] = impl
             else:  # the model's own function, checkpointed when the block's policy is selective
                 from transformers import AttentionInterface
