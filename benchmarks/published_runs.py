@@ -52,147 +52,18 @@ import math
 import os
 import statistics
 import sys
-from dataclasses import dataclass, field
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.results import write_json  # noqa: E402
 from cost_models.cluster import Cluster, load_preset  # noqa: E402
-from planner.plan import ParallelConfig  # noqa: E402
+from benchmarks.published_express import Case, approx_reason, express, published_step_s  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DATA = os.path.join(HERE, "published", "published_runs_dev.json")  # a copy of shared/data's development set
-H100_500W = os.path.join(HERE, "published", "h100-96g-500w.toml")
-TORCHTITAN_SEQ = 8192
-
-
-@dataclass
-class Case:
-    """One published run, expressed in autopar's terms."""
-    run_id: str
-    source: str
-    model: dict[str, Any]          # ModelConfig keys
-    cluster: str                   # preset name or TOML path
-    nodes: int
-    cfg: ParallelConfig
-    global_batch: int
-    metric: str                    # iteration_time | tokens_per_s | tflops_eq3
-    published: float               # in the metric's unit (s, tokens/s per GPU, TFLOP/s per GPU)
-    assumptions: list[str] = field(default_factory=list)
-
-
-def source_of(run: dict) -> str:
-    p = run["source_paper"]
-    return "torchtitan" if "torchtitan" in p else ("MegaScale" if "MegaScale" in p else "SC21")
-
-
-def approx_reason(run: dict) -> str | None:
-    """Why autopar can price ``run`` only approximately: its runtime differs from autopar's
-    in a way the cost model does not describe (None when the expression is faithful)."""
-    if "DeepSpeed" in (run.get("zero_or_dist_optimizer") or ""):
-        return "DeepSpeed ZeRO-3 (2021) priced as autopar's FSDP2"
-    if source_of(run) == "torchtitan" and "layer" in (run.get("activation_recompute") or ""):
-        return "torchtitan's per-layer selective checkpointing (every other block) priced as autopar's selective"
-    return None
-
-
-def skip_reason(run: dict) -> str | None:
-    """Why autopar cannot express ``run`` (None when it can)."""
-    if "FP8" in (run.get("precision") or "").upper():
-        return "FP8 training: autopar has no fp8 mode"
-    if "compile" in (run.get("notes") or "") or "compile" in run["id"]:
-        return "torch.compile: autopar runs eager"
-    if "parallel transformer block" in run["arch"]:
-        return "parallel blocks + sliding-window attention + LAMB: not a zoo architecture"
-    return None
-
-
-def _model(run: dict, seq: int) -> dict[str, Any]:
-    h, heads = run["hidden_size"], run["num_attention_heads"]
-    llama = "SwiGLU" in run["arch"]
-    return {"name": run["model_name"].replace(" ", "-").lower(), "arch": "llama" if llama else "gpt",
-            "layers": run["num_layers"], "hidden": h, "ffn_hidden": run["ffn_hidden_size"] or 4 * h,
-            "heads": heads, "kv_heads": run["num_kv_heads"] or heads, "vocab": run["vocab_size"],
-            "seq_len": seq, "tie_embeddings": False, **({"rope_theta": 500000.0} if llama else {})}
-
-
-def express(run: dict) -> Case | str:
-    """The run as a Case, or the reason it cannot be expressed."""
-    why = skip_reason(run)
-    if why:
-        return why
-    src, notes = source_of(run), []
-    seq = run["seq_length"]
-    if seq is None:
-        seq = TORCHTITAN_SEQ
-        notes.append(f"seq {seq} (torchtitan default)")
-    tp, pp, dp, cp = run["tp"], run["pp"], run["dp"], run["cp"] or 1
-    mbs = run["micro_batch_size"] or 1
-    if run["micro_batch_size"] is None:
-        notes.append("mbs 1")
-    gb = run["global_batch_size_seqs"]
-    if gb is None:
-        gb = mbs * dp
-        notes.append(f"global batch {gb} = mbs x dp")
-    opt = (run.get("zero_or_dist_optimizer") or "").lower()
-    if "zero-3" in opt or "fsdp" in opt:
-        zero = "fsdp"
-    elif src == "SC21":
-        zero = "ddp"
-    else:
-        zero = "zero1"
-        notes.append("distributed optimizer (zero1)")
-    rc_text = (run.get("activation_recompute") or "").lower()
-    if rc_text.startswith("full") or (src == "SC21"):
-        recompute = "full"
-    elif src == "torchtitan" and "selective" in rc_text and "layer" not in rc_text:
-        recompute = "selective-op"  # torchtitan's per-op policy (its default selective option, "op")
-        if "op" not in rc_text:
-            notes.append("selective = torchtitan's default option, op")
-    elif "selective" in rc_text:
-        recompute = "selective"
-    else:
-        recompute = "selective"
-        notes.append("selective recompute")
-    sp = run["sequence_parallel"]
-    if sp is None:
-        sp = tp > 1
-        if sp:
-            notes.append("sequence parallel")
-    vpp = run["virtual_pipeline_stages"] or 1
-    sched = "interleaved-1f1b" if vpp > 1 else "1f1b"
-    cfg = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, mbs=mbs, schedule=sched, vpp=vpp, zero=zero,
-                         recompute=recompute, sp=bool(sp and tp > 1), dtype="bf16")
-    gpu = run["gpu_type"] or ""
-    cluster = H100_500W if gpu.startswith("H100") else "dgx-a100-80g"
-    if "Ampere" in gpu:
-        notes.append("A100 80GB")
-    if run.get("iteration_time_s"):
-        metric, value = "iteration_time", float(run["iteration_time_s"])
-    elif run.get("tokens_per_sec_per_gpu"):
-        metric, value = "tokens_per_s", float(run["tokens_per_sec_per_gpu"])
-    else:
-        metric, value = "tflops_eq3", float(run["tflops_per_gpu"])
-    n = run["num_gpus"]
-    return Case(run["id"], src, _model(run, seq), cluster, n // 8, cfg, gb, metric, value, notes)
-
-
-def eq3_flops(model: dict[str, Any], batch: int) -> float:
-    """FLOPs of one step as Narayanan et al. (SC'21) count them, Eq. 3:
-    96 B s l h^2 (1 + s / 6h + V / 16 l h) (forward, recomputed forward and backward)."""
-    s, l, h, v = model["seq_len"], model["layers"], model["hidden"], model["vocab"]
-    return 96.0 * batch * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
-
-
-def published_step_s(c: Case) -> float:
-    """The published throughput as a step time for ``c``'s global batch."""
-    if c.metric == "iteration_time":
-        return c.published
-    n = c.cfg.world
-    if c.metric == "tokens_per_s":
-        return c.global_batch * c.model["seq_len"] / (c.published * n)
-    return eq3_flops(c.model, c.global_batch) / (c.published * 1e12 * n)
+# copies of the team's shared/data development set
+DATA = [os.path.join(HERE, "published", "published_runs_dev.json"),
+        os.path.join(HERE, "published", "published_runs_dev2.json")]
 
 
 def cluster_for(c: Case) -> Cluster:
@@ -230,7 +101,7 @@ def predict(c: Case, graphs: Graphs, cal: dict[str, float] | None = None) -> dic
     cluster = cluster_for(c)
     profile = with_calibration(None, cal, cluster) if cal else None  # an empty profile carrying the coefficients
     e, problems = evaluate_config(graphs.get(c.model), cluster, c.cfg, c.global_batch, even_split=True,
-                                  profile=profile)
+                                  profile=profile, engine=c.engine)
     pub = published_step_s(c)
     return {"step_s": e.step_s, "published_step_s": pub, "error": pub / e.step_s - 1.0, "fits": e.fits,
             "memory_gib": max(m.total for m in e.memory) / 2**30, "problems": problems,
@@ -285,12 +156,12 @@ def plan_against(c: Case, graphs: Graphs) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default=DATA)
+    ap.add_argument("--data", nargs="+", default=DATA, help="development-set files (default: both)")
     ap.add_argument("--fit", action="store_true", help="fit the coefficients and print leave-one-source-out errors")
     ap.add_argument("--plan", action="store_true", help="plan every exactly expressed job and compare picks")
     ap.add_argument("--out", default="benchmarks/results/published_runs.json")
     args = ap.parse_args()
-    runs = json.load(open(args.data, encoding="utf-8"))["runs"]
+    runs = [r for path in args.data for r in json.load(open(path, encoding="utf-8"))["runs"]]
     graphs = Graphs()
     cases, tier, skipped = [], {}, []
     for run in runs:

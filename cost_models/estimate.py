@@ -41,13 +41,18 @@ Step time (seconds)::
   efficiency ``OVERLAP[backend]`` (streams on NCCL overlap well; gloo shares the CPU
   with compute). :func:`exposed_s`: the last call (unit or bucket: its reduction
   starts only when the backward is over) is always exposed; the rest only where it exceeds the window.
-- Optimizer: torch's AdamW (the runtime's default, its multi-tensor "foreach" form) passes
-  over the fp32 weights, gradients and two moments of every parameter the rank updates
-  eight times: weight decay (8 B), the first moment's lerp (12), the second's mul and
-  addcmul (8 + 12), its square root, bias correction and epsilon (3 x 8) and the
-  addcdiv update (16): ``OPT_BYTES_PER_PARAM`` = 80 bytes per parameter at the device's
-  effective memory bandwidth (``compute.memory_bandwidth``). (A fused AdamW would move 28.)
-  Measured here: 2.5 ns per parameter for one process (32 GB/s effective).
+- Optimizer: AdamW over every parameter the rank updates, at the device's effective memory
+  bandwidth (``compute.memory_bandwidth``): the engine's bytes per parameter
+  (``Engine.optimizer_bytes_per_param``: torch's foreach AdamW in autopar's runtime, a
+  fused kernel in Megatron and torchtitan). Measured here: 2.5 ns per parameter for one
+  process (32 GB/s effective).
+- Engine (cost_models/engines.py): what the engine that runs the layout hides. autopar's
+  runtime by default; published runs under their own. Its switches decide whether TP
+  collectives hide behind the layer's GEMMs, whether gradient reduction hides behind the
+  backward (else all of it is exposed), ZeRO-1's form (all-reduce + broadcast, or
+  reduce-scatter + all-gather) and whether its parameter gather hides behind the next
+  forward, and whether pipeline p2p hides behind the steady state (then only the fill and
+  drain hops, ``2 (pp - 1)``, are exposed).
 - Shared cores: a pipeline's compute is sped up by how many ranks are idle at once
   (cost_models/shared_cores.py); DP traffic on a node with more ranks than cores hides
   behind nothing (overlap 0): gloo's communication needs the cores the compute holds.
@@ -78,6 +83,7 @@ from cost_models import comm as comm_mod
 from cost_models import pipeline as pipe_mod
 from cost_models.cluster import Cluster
 from cost_models.compute import calibration, memory_bandwidth, model_flops_per_seq
+from cost_models.engines import Engine, engine_of, exposed_s
 from cost_models.experts import ep_mesh
 from cost_models.layer_costs import LayerCosts, act_bytes_io, layer_pass_times
 from cost_models.memory import (LayerTable, MemoryRule, StageMemory, chunk_memory, dp_group, framework_reserve,
@@ -90,7 +96,6 @@ from planner.plan import DDP_BUCKET_BYTES, SHARDED_PARAMS, ParallelConfig, Parti
 # DP-communication overlap efficiency: nccl 0.79 fitted on the published runs
 # (benchmarks/published_runs.py --fit; prior 0.8), gloo from the local fidelity runs.
 OVERLAP = {"nccl": 0.79, "gloo": 0.3}
-OPT_BYTES_PER_PARAM = 80.0  # torch AdamW (foreach), fp32 states: see the module docstring
 GiB = 2**30
 
 
@@ -138,17 +143,6 @@ class Estimate:
             "source": self.source, "sources": self.sources, "calibration": self.calibration,
             "partition": self.partition.to_dict(),
         }
-
-
-def exposed_s(comm_s: float, window_s: float, tail_s: float = 0.0) -> float:
-    """Seconds a collective adds to the step when it runs beside ``window_s`` seconds of
-    compute it can hide behind; ``tail_s`` of it can start only after that compute (the
-    last bucket), so it is never hidden: ``tail + max(0, comm - tail - window)``. A fully
-    hidden collective without a tail adds nothing; one without a window adds all of it."""
-    if comm_s <= 0:
-        return 0.0
-    tail = min(max(tail_s, 0.0), comm_s)
-    return tail + max(0.0, comm_s - tail - max(window_s, 0.0))
 
 
 @dataclass
@@ -220,7 +214,7 @@ class DpTraffic:
 
 
 def _dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units: int, profile,
-             comm_src: set, experts: bool = False) -> DpTraffic:
+             comm_src: set, engine: Engine, experts: bool = False) -> DpTraffic:
     """The dp x cp group's traffic as the runtime issues it: one call per DDP bucket under DDP's
     reducer (``uses_ddp_reducer``), one per layer unit of the rank (``units``) otherwise; for
     the routed experts (``experts``) over their own data-parallel group (``memory.dp_group``,
@@ -239,7 +233,9 @@ def _dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units
 
     per_microbatch = m if _per_microbatch_dp(cfg) else 1
     after = ct("all_gather") if cfg.zero == "zero1" else 0.0  # owners broadcast the updated parameters
-    if cfg.zero in ("ddp", "zero1"):
+    if cfg.zero == "zero1" and engine.dist_opt_reduce_scatter:
+        comm = ct("reduce_scatter")  # each owner receives only its shard's gradients
+    elif cfg.zero in ("ddp", "zero1"):
         comm = ct("all_reduce")
     elif cfg.zero == "zero2":
         comm = per_microbatch * (ct("reduce_scatter") + ct("all_gather"))
@@ -265,7 +261,7 @@ def _p2p_hop_s(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partiti
 
 def _dp_and_optimizer(cluster: Cluster, cfg: ParallelConfig, partition: Partition, table: LayerTable,
                       on_rank: list[list[int]], mine: list[int], m: int, rank_fb: tuple[float, float], profile,
-                      comm_src: set) -> tuple[float, float]:
+                      comm_src: set, engine: Engine) -> tuple[float, float]:
     """(exposed DP communication, optimizer step) seconds: the gradient / parameter traffic of the
     rank holding the most parameters (routed experts over their own group), hidden behind the
     busiest rank's (``mine``) backward, or its whole step when FSDP / ZeRO-2 communicate every
@@ -277,20 +273,22 @@ def _dp_and_optimizer(cluster: Cluster, cfg: ParallelConfig, partition: Partitio
     per_module = cfg.zero in SHARDED_PARAMS  # FSDP / ZeRO-2 shard a very large block module by module
     units = max(1, sum(len(table.units[i]) if per_module else 1
                        for lo, hi in (partition.bounds[j] for j in mine) for i in range(lo, hi)))
-    dp = _dp_comm(cluster, cfg, m, P - Pe, units, profile, comm_src)
+    dp = _dp_comm(cluster, cfg, m, P - Pe, units, profile, comm_src, engine)
     if Pe:
-        ex = _dp_comm(cluster, cfg, m, Pe, units, profile, comm_src, experts=True)
+        ex = _dp_comm(cluster, cfg, m, Pe, units, profile, comm_src, engine, experts=True)
         dp = DpTraffic(dp.overlappable + ex.overlappable, dp.after_step + ex.after_step, max(dp.last_call, ex.last_call))
     ov = OVERLAP.get(cluster.backend, 0.5)
     if not spare_core(cluster.cores_per_node, min(cfg.world, cluster.devices_per_node)):
         ov = 0.0  # no spare core for the communication thread: it competes with the compute it would hide behind
-    ov = cal.get("overlap", ov)
+    ov = cal.get("overlap", ov) if engine.dp_overlap else 0.0
     window = (m * sum(rank_fb) if _per_microbatch_dp(cfg) else rank_fb[1]) * ov
-    dp_exposed = exposed_s(dp.overlappable, window, dp.last_call) + dp.after_step
+    after = exposed_s(dp.after_step, rank_fb[0] * ov) if engine.param_gather_overlap else dp.after_step
+    dp_exposed = exposed_s(dp.overlappable, window, dp.last_call) + after
     dp_exposed += _token_local_sync_s(cluster, cfg, partition, table, on_rank, profile, comm_src)
     shard, shard_e = (1, 1) if cfg.zero == "ddp" else (dp_group(cfg), dp_group(cfg, experts=True))
     opt_params = (P - Pe) / shard + Pe / shard_e
-    return dp_exposed, OPT_BYTES_PER_PARAM * opt_params / memory_bandwidth(cluster, cal) * cal.get("opt_scale", 1.0)
+    opt_s = engine.optimizer_bytes_per_param * opt_params / memory_bandwidth(cluster, cal)
+    return dp_exposed, opt_s * cal.get("opt_scale", 1.0)
 
 
 def _token_local_sync_s(cluster: Cluster, cfg: ParallelConfig, partition: Partition, table: LayerTable,
@@ -315,27 +313,30 @@ def _per_microbatch_dp(cfg: ParallelConfig) -> bool:
 
 
 def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
-             global_batch: int, *, profile=None, fast: bool = False, costs: "LayerCosts | None" = None) -> Estimate:
-    """Price one configuration with one stage split. ``fast`` uses the pipeline's closed
-    form (an upper bound, exact for uniform stages) instead of simulating it. ``costs``
-    shares per-layer costs between calls with the same ``LayerCosts.key`` (the search)."""
+             global_batch: int, *, profile=None, fast: bool = False, costs: "LayerCosts | None" = None,
+             engine: "Engine | str | None" = None) -> Estimate:
+    """Price one configuration with one stage split on ``engine`` (cost_models/engines.py; None:
+    autopar's runtime). ``fast`` uses the pipeline's closed form (an upper bound, exact for
+    uniform stages) instead of simulating it. ``costs`` shares per-layer costs between calls
+    with the same ``LayerCosts.key`` (the search)."""
     cfg.validate()
     n_stages = cfg.pp * cfg.vpp
     if len(partition.bounds) != n_stages:
         raise PlanError(f"partition has {len(partition.bounds)} stages, config needs pp*vpp = {n_stages}")
     m = microbatches(cfg, global_batch)
-    if costs is None or costs.key(costs.cfg) != costs.key(cfg):
-        costs = LayerCosts(graph, cluster, cfg, profile)
+    eng = engine_of(engine)
+    if costs is None or costs.key(costs.cfg) != costs.key(cfg) or costs.engine != eng:
+        costs = LayerCosts(graph, cluster, cfg, profile, engine=eng)
     comp_src, comm_src = set(), set()
     stages = _stage_costs(graph, partition, costs, comp_src, comm_src)
 
     # ---- pipeline ----------------------------------------------------------------
     p2p = _p2p_hop_s(graph, cluster, cfg, partition, profile, comm_src)
-    pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, p2p, fast)
+    pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, p2p, fast, eng.p2p_overlap)
     speed = _shared_core_speedup(cluster, cfg, bubble, result)
     if speed > 1.0:  # fewer ranks compute at once than the layer times assume: re-run at that speed
         stages = [st.sped_up(speed) for st in stages]
-        pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, p2p, fast)
+        pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, p2p, fast, eng.p2p_overlap)
 
     # ---- per-rank memory, data parallel, optimizer ------------------------------------------
     cal = calibration(profile)
@@ -346,7 +347,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     rank_f = sum(stages[j].fwd for j in mine)
     rank_b = sum(stages[j].bwd for j in mine)
     dp_exposed, opt_s = _dp_and_optimizer(cluster, cfg, partition, table, on_rank, mine, m, (rank_f, rank_b),
-                                          profile, comm_src)
+                                          profile, comm_src, eng)
 
     overhead = cal.get("step_overhead_s", 0.0)
     step = pipe_s + dp_exposed + opt_s + overhead
@@ -382,12 +383,18 @@ def calibration_note(profile) -> str:
     return profile.calibration_source or "calibrated (autopar calibrate)"
 
 
-def _pipeline(cfg: ParallelConfig, m: int, stages: list[_StageCost], p2p: float, fast: bool):
+def _pipeline(cfg: ParallelConfig, m: int, stages: list[_StageCost], p2p: float, fast: bool,
+              p2p_overlap: bool = False):
     """(pipeline seconds, peak in-flight chunks per rank, bubble fraction, PipelineResult or None):
-    the simulator, or its closed form when ``fast``; pp = 1 runs the micro-batches back to back."""
+    the simulator, or its closed form when ``fast``; pp = 1 runs the micro-batches back to back.
+    With ``p2p_overlap`` (the engine's asynchronous p2p) the steady state hides every hop: the
+    schedule runs without them and only the fill and drain hops, ``2 (pp - 1)``, are added."""
     fwd, bwd = [st.fwd for st in stages], [st.bwd for st in stages]
     if cfg.pp == 1:
         return m * (fwd[0] + bwd[0]), [1], 0.0, None
+    if p2p_overlap and p2p > 0:
+        pipe_s, inflight, bubble, result = _pipeline(cfg, m, stages, 0.0, fast)
+        return pipe_s + 2 * (cfg.pp - 1) * p2p, inflight, bubble, result
     sched, n_stages = cfg.schedule, len(fwd)
     if fast:
         pipe_s = pipe_mod.estimate_step(sched, cfg.pp, m, fwd, bwd, p2p=p2p, v=cfg.vpp)

@@ -13,6 +13,7 @@ from cost_models.cluster import Cluster
 from cost_models.compute import LayerTime, attention_share, attn_core_flops, document_masked, layer_time
 from cost_models.context_parallel import cp_comm
 from cost_models.documents import ring_hiding
+from cost_models.engines import DEFAULT_ENGINE, Engine, exposed_s
 from cost_models.experts import expert_comm
 from cost_models.memory import DTYPE_BYTES, LayerTable
 from planner.graph import Layer, ModelGraph
@@ -58,8 +59,8 @@ class LayerCosts:
     """Per-layer forward/backward seconds incl. TP/CP communication, cached by signature."""
 
     def __init__(self, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, profile,
-                 tables: dict[tuple, LayerTable] | None = None) -> None:
-        self.g, self.c, self.cfg, self.profile = graph, cluster, cfg, profile
+                 tables: dict[tuple, LayerTable] | None = None, engine: Engine = DEFAULT_ENGINE) -> None:
+        self.g, self.c, self.cfg, self.profile, self.engine = graph, cluster, cfg, profile, engine
         self.mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
         self.cache: dict[str, LayerCost] = {}
         self.tables = tables if tables is not None else {}  # memory figures: may be shared by several (the search)
@@ -99,6 +100,8 @@ class LayerCosts:
                     ar = comm_mod.collective_time("all_reduce", nbytes, self.c, self.mesh, "tp", self.profile)
                     one, csrc = ar.seconds, ar.source
                 tp_s = 2 * n_red * one  # forward and backward
+                if self.engine.tp_overlap:  # chunked beside the GEMMs; the first ring step waits
+                    tp_s = exposed_s(tp_s, lt.fwd_s + lt.bwd_s, tp_s / cfg.tp)
         core_s = 0.0
         cp_s = 0.0
         a = layer.attention

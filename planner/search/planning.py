@@ -136,13 +136,14 @@ def plan_model(graph: ModelGraph, cluster: Cluster, global_batch: int, *, spec: 
 
 
 def evaluate_config(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,
-                    even_split: bool = False, profile=None) -> tuple[Estimate, list[str]]:
+                    even_split: bool = False, profile=None, engine=None) -> tuple[Estimate, list[str]]:
     """Price ``cfg``; returns the estimate and what the runtime cannot run of it (empty if
     nothing): the feasibility predicate (``planner.feasibility.problems``), as the search and
     the runtime apply it. Where one of its problems leaves nothing to price (the degrees do not
     cover the cluster, expert-parallel groups that do not exist, more stages than stage groups,
     a global batch that does not split into micro-batches, micro-batches the schedule cannot order),
-    AutoparError with every problem."""
+    AutoparError with every problem. ``engine`` (cost_models/engines.py; None: autopar's runtime)
+    is the engine whose overlaps are priced."""
     facts = facts_of(graph)
     found = problems(cfg, facts, batch_of(graph, global_batch), cluster)
     if degrees_problem(cfg, cluster) or expert_groups_problem(cfg.ep, cfg.dp, cfg.cp, facts, cfg.tp):  # no mesh
@@ -150,7 +151,7 @@ def evaluate_config(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, gl
     try:
         if even_split or cfg.pp * cfg.vpp == 1:
             part = split_evenly(graph, cfg.pp * cfg.vpp, cfg.recompute)
-            return estimate(graph, cluster, cfg, part, global_batch, profile=profile), found
-        return split_and_estimate(graph, cluster, cfg, global_batch, profile)[0], found
+            return estimate(graph, cluster, cfg, part, global_batch, profile=profile, engine=engine), found
+        return split_and_estimate(graph, cluster, cfg, global_batch, profile, engine=engine)[0], found
     except (PlanError, ScheduleError) as e:
         raise AutoparError(f"{cfg.label()} cannot be priced: " + "; ".join(found or [str(e)])) from None

@@ -87,16 +87,18 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
 
 
 def split_and_estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None,
-                       time_limit: float = 10.0, uniform_recompute: bool = False) -> tuple[Estimate, dict]:
+                       time_limit: float = 10.0, uniform_recompute: bool = False,
+                       engine=None) -> tuple[Estimate, dict]:
     """``cfg`` simulated in full on its best stage split: the ILP's, unless the simulator
     rates the even split faster or the ILP's does not fit (the ILP optimises a linear model
     of the schedule; the simulator is the judge). Returns the estimate and the solver info.
-    ``uniform_recompute``: every stage keeps ``cfg.recompute`` (a pinned policy)."""
+    ``uniform_recompute``: every stage keeps ``cfg.recompute`` (a pinned policy). ``engine``
+    (cost_models/engines.py) prices both splits; the ILP's coefficients are autopar's."""
     part, info = best_partition(graph, cluster, cfg, global_batch, profile, time_limit, uniform_recompute)
-    e = estimate(graph, cluster, cfg, part, global_batch, profile=profile)
+    e = estimate(graph, cluster, cfg, part, global_batch, profile=profile, engine=engine)
     if cfg.pp * cfg.vpp > 1:
         e_even = estimate(graph, cluster, cfg, even_split(graph, cfg.pp * cfg.vpp, cfg.recompute), global_batch,
-                          profile=profile)
+                          profile=profile, engine=engine)
         if not e.fits or (e_even.fits and e_even.step_s < e.step_s):
             e, info = e_even, dict(info, chosen="even split (simulated faster or the ILP split did not fit)")
     return e, info

@@ -1,0 +1,117 @@
+"""The training engine an estimate prices: which communication it hides, and how.
+
+The same layout runs at different speeds on different engines because they overlap
+different things. Each engine is a set of explicit switches, each the documented
+behaviour of a named engine (the flag or default that turns it on is cited):
+
+- ``tp_overlap``: tensor-parallel collectives (the all-reduce, or sequence parallel's
+  all-gather / reduce-scatter) run in chunks beside the GEMMs that consume or produce
+  them (Megatron-Core ``--tp-comm-overlap``, Transformer Engine userbuffers; torchtitan's
+  async TP). Each collective is cut into ``tp`` ring steps, each overlapped with a GEMM
+  chunk; the first step waits for nothing to hide behind, so a layer's TP traffic ``C``
+  beside its compute ``W`` costs ``exposed_s(C, W, C / tp)``.
+- ``dp_overlap``: gradient reduction issued bucket by bucket while the backward still runs
+  (torch DDP and FSDP2 by default; Megatron-Core ``--overlap-grad-reduce``; absent from
+  2021-22 Megatron-LM, whose local DDP reduced after the backward: Korthikanti et al.
+  2022, Sec. 6, "no data-parallel overlap").
+- ``dist_opt_reduce_scatter``: a distributed optimizer (ZeRO-1) reduce-scatters the
+  gradients and all-gathers the updated parameters (Megatron-Core's distributed optimizer,
+  the same bytes as one all-reduce); otherwise all-reduce, then each parameter broadcast
+  from its owner (autopar's runtime).
+- ``param_gather_overlap``: ZeRO-1's parameter all-gather runs behind the next step's first
+  forward (Megatron-Core ``--overlap-param-gather``); otherwise after the optimizer step.
+- ``p2p_overlap``: pipeline sends and receives are asynchronous and hide behind the other
+  micro-batches' compute in the steady state; only the fill and drain hops stay exposed
+  (Megatron-Core ``overlap_p2p_comm`` for interleaved schedules; Llama 3's async P2P).
+- ``ep_overlap``: expert all-to-alls hidden behind another micro-batch's compute under
+  1F1B (Megatron-Core ``--overlap-moe-expert-parallel-comm``).
+- ``fused_optimizer``: one fused AdamW kernel per parameter group (Apex / TE FusedAdam in
+  Megatron; torchtitan's default ``fused``): ``FUSED_OPT_BYTES_PER_PARAM`` instead of the
+  eight passes of torch's foreach AdamW (``FOREACH_OPT_BYTES_PER_PARAM``).
+
+What "hidden" means is one rule, :func:`exposed_s`: a collective of ``C`` seconds beside
+``W`` seconds of compute it can run under adds ``tail + max(0, C - tail - W)``, where
+``tail`` is the part that can start only when that compute is over.
+
+Plans are priced under ``autopar`` (what codegen emits runs on it); published runs under
+the engine that ran them (benchmarks/published_express.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_models.cluster import ClusterError
+
+# torch's AdamW in its multi-tensor "foreach" form (autopar's runtime) passes over the fp32
+# weights, gradients and two moments eight times: weight decay (8 B), the first moment's lerp
+# (12), the second's mul and addcmul (8 + 12), its square root, bias correction and epsilon
+# (3 x 8) and the addcdiv update (16). Measured on CPU: 2.5 ns per parameter, one process.
+FOREACH_OPT_BYTES_PER_PARAM = 80.0
+# Fused AdamW, fp32 states: read the parameter, gradient and two moments, write the
+# parameter and the moments (7 x 4 bytes) per parameter, in one pass.
+FUSED_OPT_BYTES_PER_PARAM = 28.0
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One engine's overlap switches (module docstring: what each means and who has it)."""
+    name: str
+    tp_overlap: bool = False
+    dp_overlap: bool = True
+    dist_opt_reduce_scatter: bool = False
+    param_gather_overlap: bool = False
+    p2p_overlap: bool = False
+    ep_overlap: bool = False
+    fused_optimizer: bool = False
+    doc: str = ""
+
+    @property
+    def optimizer_bytes_per_param(self) -> float:
+        """Bytes the AdamW step moves per parameter it updates."""
+        return FUSED_OPT_BYTES_PER_PARAM if self.fused_optimizer else FOREACH_OPT_BYTES_PER_PARAM
+
+
+ENGINES: dict[str, Engine] = {e.name: e for e in (
+    Engine("autopar", doc="autopar's runtime (codegen/runtime): FSDP2 / DDP gradient overlap, foreach AdamW, "
+                          "blocking collectives elsewhere"),
+    Engine("megatron-2021", dp_overlap=False, fused_optimizer=True,
+           doc="Megatron-LM 2021-22 (Narayanan et al. SC'21, Korthikanti et al. 2022): gradients reduced "
+               "after the backward, Apex FusedAdam"),
+    Engine("megatron-core-2023", dp_overlap=False, dist_opt_reduce_scatter=True, p2p_overlap=True,
+           fused_optimizer=True,
+           doc="Megatron-LM with its default flags (no --overlap-grad-reduce, no --tp-comm-overlap), the "
+               "distributed optimizer and overlapped p2p of the interleaved schedule (MegaScale's baseline)"),
+    Engine("megatron-core", tp_overlap=True, dp_overlap=True, dist_opt_reduce_scatter=True,
+           param_gather_overlap=True, p2p_overlap=True, fused_optimizer=True,
+           doc="Megatron-Core with --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap "
+               "(the flags of its README's H100 scaling table)"),
+    Engine("llama3", dp_overlap=True, p2p_overlap=True, fused_optimizer=True,
+           doc="Meta's Llama 3 stack as its paper describes it: FSDP (ZeRO-2-like) with overlapped "
+               "reduction, asynchronous pipeline P2P"),
+    Engine("torchtitan", dp_overlap=True, fused_optimizer=True,
+           doc="torchtitan: FSDP2 with prefetch and overlapped reduce-scatter, fused AdamW (its default), "
+               "eager TP without async TP"),
+)}
+DEFAULT_ENGINE = ENGINES["autopar"]
+
+
+def engine_of(name: str | Engine | None) -> Engine:
+    """The engine named ``name`` (None: autopar's runtime)."""
+    if name is None:
+        return DEFAULT_ENGINE
+    if isinstance(name, Engine):
+        return name
+    if name not in ENGINES:
+        raise ClusterError(f"unknown engine {name!r}: use one of {', '.join(ENGINES)}")
+    return ENGINES[name]
+
+
+def exposed_s(comm_s: float, window_s: float, tail_s: float = 0.0) -> float:
+    """Seconds a collective adds to the step when it runs beside ``window_s`` seconds of
+    compute it can hide behind; ``tail_s`` of it can start only after that compute (the
+    last bucket), so it is never hidden: ``tail + max(0, comm - tail - window)``. A fully
+    hidden collective without a tail adds nothing; one without a window adds all of it."""
+    if comm_s <= 0:
+        return 0.0
+    tail = min(max(tail_s, 0.0), comm_s)
+    return tail + max(0.0, comm_s - tail - max(window_s, 0.0))
