@@ -14,6 +14,10 @@ case (printed by ``benchmarks/published_runs.py``):
   Korthikanti et al. state it), the README and MegaScale's baseline Megatron-Core with
   the overlap flags the README lists (MegaScale's 2023 baseline: Megatron-LM's default flags), Llama 3 Meta's own stack as its paper describes it,
   torchtitan runs torchtitan;
+- attention: flash everywhere. 2021-22 Megatron-LM ran it unfused (scores materialised);
+  priced so (``attention=eager``, cost_models/compute.py) SC21's models up to 39B come
+  out 15-24 % slow, so the unfused kernel's speed is not yet what the model says: flash
+  is the closer figure for them today;
 - zoo architectures: "GPT" -> gpt (GELU MLP, learned positions, untied head), SwiGLU ->
   llama (GQA, RoPE); a GPT row without an FFN size: 4h;
 - clusters: A100 runs on ``dgx-a100-80g`` (MegaScale's "Ampere" GPUs taken as A100 80 GB:

@@ -270,12 +270,30 @@ class _GpuPass:
         core /= cfg.tp * cfg.cp
         ring = cfg.cp // cfg.ulysses  # CP's ring degree: each block call sees kv_len / ring keys
         kv = min(a.kv_len / ring, document_kv_len(layer, graph, cfg))  # packed documents: their mean length
+        if cfg.attention == "eager":
+            self.eager_attention(a)
+            return
         self.fwd += gk.attention_seconds(core, kv, gpu, co)
         self.bwd += gk.attention_seconds(core, kv, gpu, co, backward=True)
         if ring > 1:  # each ring step's partial output merged by log-sum-exp: read two, write one (fp32)
             merge = 3 * cfg.mbs * (a.seq_len / cfg.cp) * (a.heads / cfg.tp) * (a.head_dim + 1) * 4
             self.fwd += gk.memory_seconds((ring - 1) * merge, ring - 1, gpu, co)
             self.bwd += gk.memory_seconds(2 * (ring - 1) * merge, 2 * (ring - 1), gpu, co)
+
+    def eager_attention(self, a) -> None:
+        """Unfused attention (``attention=eager``; Megatron-LM before flash attention): the scores
+        materialised over the full square (no causal skipping), two batched GEMMs per pass -
+        Q K^T of (S, S, d) and P V of (S, d, S) per head, with their backward GEMMs - and the
+        fused scale-mask-softmax reading and writing the scores in HBM (backward: reading the
+        probabilities and their gradient, writing the scores' gradient)."""
+        cfg, gpu, co = self.cfg, self.gpu, self.co
+        rows = cfg.mbs * (a.heads / cfg.tp) * (a.seq_len / cfg.cp)  # (sequence, head, query) rows
+        kv = a.kv_len
+        self.gemm(rows, kv, a.head_dim)
+        self.gemm(rows, a.head_dim, kv)
+        scores = rows * kv * self.elem
+        self.fwd += gk.memory_seconds(2 * scores, 1, gpu, co)
+        self.bwd += gk.memory_seconds(3 * scores, 1, gpu, co)
 
     def memory_bound(self) -> float:
         """Each op's bytes beyond its GEMMs at HBM bandwidth; returns the forward's seconds."""

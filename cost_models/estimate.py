@@ -315,10 +315,9 @@ def _per_microbatch_dp(cfg: ParallelConfig) -> bool:
 def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
              global_batch: int, *, profile=None, fast: bool = False, costs: "LayerCosts | None" = None,
              engine: "Engine | str | None" = None) -> Estimate:
-    """Price one configuration with one stage split on ``engine`` (cost_models/engines.py; None:
-    autopar's runtime). ``fast`` uses the pipeline's closed form (an upper bound, exact for
-    uniform stages) instead of simulating it. ``costs`` shares per-layer costs between calls
-    with the same ``LayerCosts.key`` (the search)."""
+    """Price one configuration with one stage split on ``engine`` (None: autopar's runtime). ``fast``:
+    the pipeline's closed form (an upper bound, exact for uniform stages) instead of simulating it.
+    ``costs`` shares per-layer costs between calls with the same ``LayerCosts.key`` (the search)."""
     cfg.validate()
     n_stages = cfg.pp * cfg.vpp
     if len(partition.bounds) != n_stages:

@@ -152,7 +152,7 @@ def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recom
         rest = max(rest, layer.input_bytes)
     if recompute == "selective":
         tp_part -= min(layer.act_bytes_attn_core, tp_part)
-    if cfg.attention == "eager" and layer.attention is not None:
+    if cfg.attention == "eager" and layer.attention is not None and recompute != "selective":
         a = layer.attention  # scores + probabilities (+ dropout mask) of an unfused attention
         tp_part += 2 * graph.batch * a.heads * a.seq_len * a.kv_len * graph.dtype_bytes  # / cp below, once
     rest += routed_excess_bytes(layer, graph, cfg)

@@ -1,0 +1,113 @@
+"""Each engine switch (cost_models/engines.py) prices its overlap: a fully hidden collective
+adds nothing, an exposed one adds its time, a partly hidden one the rest."""
+from __future__ import annotations
+
+import pytest
+
+from cost_models.cluster import parse_cluster
+from cost_models.engines import (ENGINES, FOREACH_OPT_BYTES_PER_PARAM, FUSED_OPT_BYTES_PER_PARAM, Engine, engine_of,
+                                 exposed_s)
+from cost_models.estimate import estimate
+from cost_models.layer_costs import LayerCosts
+from planner.frontend.load import load_graph
+from planner.plan import ParallelConfig
+from planner.search.stage_split import even_split
+
+PLAIN = Engine("plain", dp_overlap=False)
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return load_graph("gpt-small", batch=1, seq_len=1024)
+
+
+def _est(graph, cfg: ParallelConfig, engine: Engine, cluster: str = "dgx-h100:4", batch: int = 64):
+    part = even_split(graph, cfg.pp * cfg.vpp, cfg.recompute)
+    return estimate(graph, parse_cluster(cluster), cfg, part, batch, engine=engine)
+
+
+def test_engines_are_named_and_unknown_ones_refused():
+    assert engine_of(None).name == "autopar"
+    assert engine_of("megatron-core").tp_overlap
+    with pytest.raises(ValueError, match="unknown engine 'megatron'"):
+        engine_of("megatron")
+    assert all(e.doc for e in ENGINES.values())
+
+
+def test_tp_overlap_hides_tp_traffic_behind_the_layer_compute_but_its_first_ring_step(graph):
+    cfg = ParallelConfig(tp=8, mbs=4, sp=True)
+    cl = parse_cluster("dgx-h100")
+    block = next(l for l in graph.layers if l.kind == "transformer_block")
+    plain = LayerCosts(graph, cl, cfg, None, engine=PLAIN).get(block)
+    hidden = LayerCosts(graph, cl, cfg, None, engine=Engine("o", tp_overlap=True)).get(block)
+    assert plain.tp > 0
+    window = plain.fwd + plain.bwd
+    assert hidden.tp == pytest.approx(exposed_s(plain.tp, window, plain.tp / 8))
+    if plain.tp <= window:  # fully hidden but for the first step
+        assert hidden.tp == pytest.approx(plain.tp / 8)
+    else:                   # partly hidden: the rest beyond the window
+        assert hidden.tp == pytest.approx(plain.tp - window)
+
+
+def test_gradient_reduction_exposed_without_dp_overlap_hidden_with_it(graph):
+    cfg = ParallelConfig(dp=32, mbs=2)
+    exposed = _est(graph, cfg, PLAIN).breakdown["dp_comm"]
+    hidden = _est(graph, cfg, Engine("o", dp_overlap=True)).breakdown["dp_comm"]
+    assert exposed > 0 and hidden < exposed
+    cal_free = _est(graph, ParallelConfig(dp=1, mbs=2), PLAIN, cluster="dgx-h100").breakdown["dp_comm"]
+    assert cal_free == 0.0  # no data parallelism: nothing to expose
+
+
+def test_distributed_optimizer_reduce_scatters_instead_of_all_reducing(graph):
+    cfg = ParallelConfig(dp=32, mbs=2, zero="zero1")
+    ar = _est(graph, cfg, PLAIN).breakdown["dp_comm"]
+    rs = _est(graph, cfg, Engine("o", dp_overlap=False, dist_opt_reduce_scatter=True)).breakdown["dp_comm"]
+    assert rs < ar  # reduce-scatter + all-gather move two thirds of all-reduce + all-gather
+
+
+def test_parameter_gather_overlap_hides_zero1_gather_behind_the_next_forward(graph):
+    cfg = ParallelConfig(dp=32, mbs=2, zero="zero1")
+    after = _est(graph, cfg, Engine("o", dp_overlap=True)).breakdown["dp_comm"]
+    hidden = _est(graph, cfg, Engine("o", dp_overlap=True, param_gather_overlap=True)).breakdown["dp_comm"]
+    assert hidden < after
+
+
+def test_async_p2p_leaves_only_the_fill_and_drain_hops(graph):
+    from cost_models.pipeline import simulate
+
+    cfg = ParallelConfig(pp=4, mbs=1, schedule="1f1b")
+    plain = _est(graph, cfg, PLAIN, cluster="dgx-h100")
+    asyn = _est(graph, cfg, Engine("o", dp_overlap=False, p2p_overlap=True), cluster="dgx-h100")
+    hop = asyn.p2p_hop_s
+    assert hop > 0
+    m = asyn.microbatches
+    bare = simulate("1f1b", 4, m, asyn.stage_fwd_s, asyn.stage_bwd_s, p2p=0.0).step_s
+    pipe = asyn.step_s - asyn.breakdown["dp_comm"] - asyn.breakdown["optimizer"]
+    assert pipe == pytest.approx(bare + 2 * 3 * hop)  # the steady state hides every other hop
+    assert asyn.step_s < plain.step_s
+
+
+def test_fused_optimizer_moves_fewer_bytes(graph):
+    cfg = ParallelConfig(dp=1, mbs=1)
+    foreach = _est(graph, cfg, PLAIN, cluster="dgx-h100").breakdown["optimizer"]
+    fused = _est(graph, cfg, Engine("o", fused_optimizer=True), cluster="dgx-h100").breakdown["optimizer"]
+    assert fused / foreach == pytest.approx(FUSED_OPT_BYTES_PER_PARAM / FOREACH_OPT_BYTES_PER_PARAM)
+
+
+def test_default_engine_is_autopar_and_plans_price_on_it(graph):
+    cfg = ParallelConfig(dp=8, mbs=2)
+    assert _est(graph, cfg, engine_of(None)).step_s == _est(graph, cfg, ENGINES["autopar"]).step_s
+
+
+def test_unfused_attention_costs_more_than_flash_and_selective_drops_its_scores(graph):
+    from cost_models.compute import gpu_layer_time
+    from cost_models.memory import layer_activation
+
+    cl = parse_cluster("dgx-h100")
+    block = next(l for l in graph.layers if l.kind == "transformer_block")
+    flash, eager = ParallelConfig(mbs=4), ParallelConfig(mbs=4, attention="eager")
+    tf, te = gpu_layer_time(block, graph, cl, flash), gpu_layer_time(block, graph, cl, eager)
+    assert te.fwd_s > tf.fwd_s and te.bwd_s > tf.bwd_s  # full-square scores written and read in HBM
+    kept = layer_activation(block, graph, eager, "none")
+    assert kept > layer_activation(block, graph, flash, "none")
+    assert layer_activation(block, graph, eager, "selective") <= layer_activation(block, graph, flash, "none")
