@@ -173,7 +173,8 @@ def _attention_dims(r: UnitRecord, linears: list[Linear]) -> AttentionDims | Non
         return None
     cols = [l for l in linears if l.role == "column" and l.in_features == r.io_hidden]
     outs = sorted({l.out_features for l in cols})
-    if len(cols) >= 3 and outs and outs[0] % attn.head_dim == 0:
+    # (MLA's latent down-projections are column linears too: a width not dividing the heads is not k/v)
+    if len(cols) >= 3 and outs and outs[0] % attn.head_dim == 0 and attn.heads % max(1, outs[0] // attn.head_dim) == 0:
         attn = AttentionDims(attn.heads, min(attn.heads, outs[0] // attn.head_dim), attn.head_dim,
                              attn.seq_len, attn.kv_len, attn.causal)
     return attn
