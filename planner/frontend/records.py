@@ -29,6 +29,7 @@ class PartRecord:
     fwd_flops: float = 0.0
     bwd_flops: float = 0.0
     fwd_bytes: float = 0.0
+    act: float = 0.0  # saved-for-backward bytes of its ops (each storage once)
     ops: set = field(default_factory=set)
     linears: list = field(default_factory=list)  # (name, module) in execution order
 
@@ -236,6 +237,8 @@ def assemble(model: nn.Module, run: UnitRun, example, t0: float, name: str | Non
         try:
             ops, linears, kinds, tp_frac = _ops_and_linears(r, vocab)
             attn, moe = _attention_dims(r, linears), moe_dims(r.module)
+            if moe is not None and moe.part in r.parts:
+                moe.act_bytes = r.parts[moe.part].act
         except AutoparError:
             raise
         except Exception as e:  # one line naming the unit, not a traceback

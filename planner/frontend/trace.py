@@ -384,6 +384,7 @@ class _UnitHooks:
         self.saved_alive.append(t.untyped_storage())
         nb = t.untyped_storage().nbytes()
         u.act_bytes += nb
+        u.part(rec.part).act += nb
         hid = u.io_hidden or self.hidden
         core = t.dim() >= 2 and t.shape[-1] == t.shape[-2] and t.shape[-1] > 1 and t.dim() >= 3 \
             and t.is_floating_point() and rec.part and t.shape[-1] != hid
