@@ -53,7 +53,7 @@ from dataclasses import dataclass, replace
 
 from cost_models import gpu_kernels as gk
 from cost_models.cluster import Cluster
-from cost_models.experts import expert_rows
+from cost_models.moe_layer import DISPATCH_KERNELS, MOE_ENGINES, dispatch_bytes, expert_rows, grouped_gemm_seconds
 from cost_models.op_recompute import checkpointed, kept_flops, kept_linears, routed_unkept_share
 from planner.graph import OUT_SPLIT_ROLES, TP_SPLIT_ROLES, Layer, Linear, ModelGraph, MoEDims
 from planner.plan import ParallelConfig
@@ -196,7 +196,7 @@ def memory_bandwidth(cluster: Cluster, cal: dict[str, float] | None = None) -> f
 def expert_gemms(moe: MoEDims, tokens: float, hidden: int, ep: int = 1) -> list[tuple[float, float, float]]:
     """(M, N, K) of one local routed expert's forward GEMMs (gate, up: hidden -> expert_ffn;
     down: back) on the busiest rank when each of the ``ep`` ranks of an expert-parallel group
-    routes ``tokens`` tokens ``top_k`` ways (``cost_models.experts.expert_rows``)."""
+    routes ``tokens`` tokens ``top_k`` ways (``cost_models.moe_layer.expert_rows``)."""
     rows = expert_rows(moe, tokens, ep)
     return [(rows, moe.expert_ffn, hidden), (rows, moe.expert_ffn, hidden), (rows, hidden, moe.expert_ffn)]
 
@@ -242,6 +242,15 @@ class _GpuPass:
         self.bwd += times * (gk.gemm_seconds(m, k, n, elem, gpu, co) + gk.gemm_seconds(n, k, m, elem, gpu, co))
         return t
 
+    def grouped(self, groups: int, m: float, n: float, k: float) -> float:
+        """Add a grouped GEMM of ``groups`` (m, n, k) forward and its two backward ones
+        (``cost_models.moe_layer.grouped_gemm_seconds``); the forward seconds."""
+        gpu, co, elem = self.gpu, self.co, self.elem
+        t = grouped_gemm_seconds(groups, m, n, k, elem, gpu, co)
+        self.fwd += t
+        self.bwd += grouped_gemm_seconds(groups, m, k, n, elem, gpu, co) + grouped_gemm_seconds(groups, n, k, m, elem, gpu, co)
+        return t
+
     def gemms(self) -> None:
         """Every linear at its sharded shape; routed experts per expert at its share of the rows."""
         layer, graph, cfg, m_cap = self.layer, self.graph, self.cfg, self.m_cap
@@ -254,8 +263,12 @@ class _GpuPass:
             self.gemm_bytes_cap[op] = self.gemm_bytes_cap.get(op, 0.0) + io * graph.dtype_bytes
         if layer.moe is not None:  # routed experts: per expert, its share of the rows (balanced load)
             routed = self.tokens / cfg.seq_shards  # under TP the rank routes its sequence shard
+            local = layer.moe.experts // cfg.ep
             for m, n, k in expert_gemms(layer.moe, routed, graph.hidden, cfg.ep):
-                t = self.gemm(m, n, k, layer.moe.experts // cfg.ep)  # local experts
+                if MOE_ENGINES[layer.moe.engine].grouped:  # one kernel over the local experts
+                    t = self.grouped(local, m, n, k)
+                else:
+                    t = self.gemm(m, n, k, local)
                 self.unkept += t * routed_unkept_share(layer)
             rows_cap, h, f = m_cap * layer.moe.top_k, graph.hidden, layer.moe.expert_ffn
             io = 3 * (rows_cap * h + layer.moe.experts * h * f + rows_cap * f)  # inputs, weights, outputs
@@ -300,8 +313,17 @@ class _GpuPass:
         layer, cfg, scale = self.layer, self.cfg, self.scale
         dscale = self.elem / self.graph.dtype_bytes
         mem_f = mem_b = 0.0
+        kern_f, kern_b = layer.fwd_kernels, layer.bwd_kernels
+        fused = layer.moe is not None and MOE_ENGINES[layer.moe.engine].fused
         for op in layer.ops:
             div = (cfg.tp if op.tp_style != "replicated" else cfg.seq_shards) * cfg.cp
+            if fused and op.name == layer.moe.part:  # the engine's fused dispatcher, not the capture's kernels
+                f, b = dispatch_bytes(layer.moe, self.tokens / cfg.seq_shards, self.graph.hidden, self.elem, cfg.ep)
+                mem_f, mem_b = mem_f + f, mem_b + b
+                share = op.fwd_bytes / layer.fwd_bytes if layer.fwd_bytes else 0.0  # its kernels, by its bytes
+                kern_f = kern_f - share * layer.fwd_kernels + DISPATCH_KERNELS[0]
+                kern_b = kern_b - share * layer.bwd_kernels + DISPATCH_KERNELS[1]
+                continue
             share = (op.fwd_bytes / layer.fwd_bytes) if layer.fwd_bytes else 0.0
             mm = self.gemm_bytes_cap.get(op.name, 0.0)
             mem_f += max(op.fwd_bytes - mm, 0.0) * scale * dscale / div
@@ -309,9 +331,9 @@ class _GpuPass:
         if not layer.ops:
             mem_f = layer.fwd_bytes * scale * dscale * _shard_factor(layer, cfg)
             mem_b = layer.bwd_bytes * scale * dscale * _shard_factor(layer, cfg)
-        mem_fwd = gk.memory_seconds(mem_f, layer.fwd_kernels, self.gpu, self.co)
+        mem_fwd = gk.memory_seconds(mem_f, kern_f, self.gpu, self.co)
         self.fwd += mem_fwd
-        self.bwd += gk.memory_seconds(mem_b, layer.bwd_kernels, self.gpu, self.co)
+        self.bwd += gk.memory_seconds(mem_b, kern_b, self.gpu, self.co)
         return mem_fwd
 
 

@@ -28,17 +28,33 @@ hierarchical) follow from ``comm.group_layout``. The experts' data-parallel grou
 reduce the experts' gradients) is the second dimension (``dp`` of the same mesh).
 
 Grouped GEMMs: each rank runs ``experts / ep`` local experts, each on
-``tokens x top_k x ep / experts x imbalance`` rows (:func:`expert_rows`), which is what
+``tokens x top_k x ep / experts x imbalance`` rows (``cost_models.moe_layer.expert_rows``), which is what
 makes expert parallelism pay on GPUs: larger per-expert GEMMs run nearer peak
 (``cost_models/compute.py``'s wave-quantised GEMM model).
+
+How an engine runs the layer (grouped GEMMs, fused permute, what it keeps, ``MoEDims.engine``)
+is ``cost_models/moe_layer.py``; here, its communication: the all-to-all of an EP group
+spanning nodes is NCCL's (``comm.py``'s hierarchical all-to-all) unless the engine
+deduplicates by node (DeepEP's normal kernels, Megatron-Core ``--moe-token-dispatcher-type
+flex``; DeepSeek-V3 §3.2.2): a token bound for several experts on one node crosses the
+network once, to the GPU of its own local index there, and is forwarded over NVLink, both
+phases pipelined (:func:`node_dedup_seconds`). Under the engine's 1F1B all-to-all overlap
+(``MoEDims.a2a_overlap``; Megatron-Core ``--overlap-moe-expert-parallel-comm``; off in
+autopar's runtime) the dispatch and combine of one micro-batch run while another
+micro-batch computes the same layer, so a layer's all-to-alls ``C`` beside its forward and
+backward compute ``W`` add ``max(0, C - W)`` (:func:`exposed_comm_s`); the warm-up and
+cool-down micro-batches, which have no partner, are not separated out (under 2 % of the
+micro-batches of the published runs).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from cost_models import comm as comm_mod
 from cost_models.cluster import Cluster
 from cost_models.memory import DTYPE_BYTES, dp_group
+from cost_models.moe_layer import MOE_ENGINES
 from planner.graph import Layer, ModelGraph, MoEDims
 from planner.plan import ParallelConfig
 
@@ -66,13 +82,6 @@ def alltoall_bytes(moe: MoEDims, graph: ModelGraph, cfg: ParallelConfig) -> floa
     return rank_tokens(graph, cfg) * moe.top_k * graph.hidden * DTYPE_BYTES[cfg.dtype] * moe.imbalance
 
 
-def expert_rows(moe: MoEDims, tokens: float, ep: int) -> float:
-    """Rows each local expert of the busiest rank multiplies per micro-batch: ``tokens`` routed
-    ``top_k`` ways over ``experts``, from the ``ep`` ranks of the group; ``imbalance`` applies
-    only under EP (without it each rank runs every expert on its own tokens)."""
-    return tokens * moe.top_k * ep / moe.experts * (moe.imbalance if ep > 1 else 1.0)
-
-
 @dataclass(frozen=True)
 class ExpertComm:
     """One MoE layer, one micro-batch, one rank (seconds): forward (count exchange, host sync,
@@ -83,12 +92,58 @@ class ExpertComm:
     source: str
 
 
-def expert_comm(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, profile=None) -> ExpertComm:
-    """The all-to-all time of ``layer`` under ``cfg.ep`` (zero without experts or EP)."""
-    if layer.moe is None or cfg.ep == 1:
+def expert_comm(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, profile=None,
+                window_s: float = 0.0) -> ExpertComm:
+    """The all-to-all time of ``layer`` under ``cfg.ep`` (zero without experts or EP) that the
+    step waits for: all of it, or under the engine's 1F1B overlap (``MoEDims.a2a_overlap``) what
+    ``window_s`` (the layer's forward plus backward compute, seconds) does not hide."""
+    m = layer.moe
+    if m is None or cfg.ep == 1:
         return ExpertComm(0.0, 0.0, "none")
     mesh = ep_mesh(cfg)
-    rows = comm_mod.collective_time("all_to_all", alltoall_bytes(layer.moe, graph, cfg), cluster, mesh, "cp", profile)
-    counts = comm_mod.collective_time("all_to_all", layer.moe.experts * COUNT_BYTES, cluster, mesh, "cp", profile)
+    nbytes = alltoall_bytes(m, graph, cfg)
+    lay = comm_mod.group_layout(cluster, mesh, "cp")
+    if MOE_ENGINES[m.engine].node_dedup and lay.link == "mixed":
+        one, source = node_dedup_seconds(m, nbytes, lay, cluster), "model"
+    else:
+        rows = comm_mod.collective_time("all_to_all", nbytes, cluster, mesh, "cp", profile)
+        one, source = rows.seconds, rows.source
+    counts = comm_mod.collective_time("all_to_all", m.experts * COUNT_BYTES, cluster, mesh, "cp", profile)
     sync = HOST_SYNC_S if cluster.backend != "gloo" else 0.0  # gloo's counts are already on the host
-    return ExpertComm(fwd=2 * rows.seconds + counts.seconds + sync, bwd=2 * rows.seconds, source=rows.source)
+    fwd, bwd = 2 * one + counts.seconds + sync, 2 * one
+    if m.a2a_overlap:
+        exposed = exposed_comm_s(fwd + bwd, window_s)
+        fwd, bwd = (fwd * exposed / (fwd + bwd), bwd * exposed / (fwd + bwd)) if fwd + bwd else (0.0, 0.0)
+    return ExpertComm(fwd=fwd, bwd=bwd, source=source)
+
+
+def exposed_comm_s(comm_s: float, window_s: float) -> float:
+    """Seconds ``comm_s`` of communication adds beside ``window_s`` of compute it runs under:
+    nothing when fully hidden, all of it without a window, the rest when partly hidden."""
+    return max(0.0, comm_s - max(window_s, 0.0)) if comm_s > 0 else 0.0
+
+
+def remote_nodes(moe: MoEDims, ep: int, per_node: int) -> float:
+    """Expected nodes other than its own a token's ``top_k`` experts sit on, the ``experts``
+    spread evenly over the ``ep / per_node`` nodes of the group and chosen uniformly (the
+    balanced load): each other node holds ``experts * per_node / ep`` of them and is missed
+    with probability C(experts - those, k) / C(experts, k)."""
+    nodes = max(1, ep // max(per_node, 1))
+    on_node = moe.experts // nodes
+    miss = math.comb(moe.experts - on_node, moe.top_k) / math.comb(moe.experts, moe.top_k)
+    return (nodes - 1) * (1.0 - miss)
+
+
+def node_dedup_seconds(moe: MoEDims, nbytes: float, lay: comm_mod.GroupLayout, cluster: Cluster) -> float:
+    """One node-deduplicated dispatch (or combine) of a ``nbytes`` per-rank buffer over an EP
+    group spanning ``lay.nodes`` nodes: each token crosses the network once per remote node it
+    needs (:func:`remote_nodes`), then every copy is forwarded inside its node over NVLink; the
+    two phases are pipelined (DeepEP), so the slower one sets the time."""
+    n_remote = remote_nodes(moe, lay.size, lay.per_node)
+    token_bytes = nbytes / moe.top_k  # one token's hidden state (times the imbalance)
+    net = token_bytes * n_remote * lay.nodes / (lay.nodes - 1)  # link_time charges (k-1)/k of it
+    inter = comm_mod.link_time("all_to_all", net, lay.nodes, cluster, "inter")
+    intra = comm_mod.link_time("all_to_all", nbytes, lay.per_node, cluster, "intra")
+    return max(inter, intra)
+
+

@@ -113,7 +113,7 @@ class LayerCosts:
                 hide = ring_hiding(g.documents, cfg.cp, cfg.ulysses) if document_masked(layer, g, cfg) else 1.0
                 cpc = cp_comm(a, cfg, self.c, core_s, self.profile, hide)
                 cp_s, csrc = cpc.exposed, cpc.source
-        ex = expert_comm(layer, g, self.c, cfg, self.profile)
+        ex = expert_comm(layer, g, self.c, cfg, self.profile, window_s=lt.fwd_s + lt.bwd_s)
         if ex.fwd:
             csrc = ex.source
         out = LayerCost(fwd=lt.fwd_s, bwd=lt.bwd_s, tp=tp_s, cp=cp_s, core=core_s,

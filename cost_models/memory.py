@@ -71,6 +71,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Mapping, Sequence
 
+from cost_models.moe_layer import MOE_ENGINES, routed_saved_bytes
 from cost_models.op_recompute import checkpointed, op_saved_bytes
 from planner.graph import TP_SPLIT_ROLES, Layer, ModelGraph
 from planner.plan import FSDP_MODULE_SHARE, RECOMPUTE, SHARDED_PARAMS, ZERO, ParallelConfig, fsdp_per_module
@@ -155,7 +156,13 @@ def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recom
     if cfg.attention == "eager" and layer.attention is not None and recompute != "selective":
         a = layer.attention  # scores + probabilities (+ dropout mask) of an unfused attention
         tp_part += 2 * graph.batch * a.heads * a.seq_len * a.kv_len * graph.dtype_bytes  # / cp below, once
-    rest += routed_excess_bytes(layer, graph, cfg)
+    m = layer.moe
+    if m is not None and MOE_ENGINES[m.engine].fused:  # the engine's MoE layer keeps its own tensors
+        tokens = graph.batch * graph.seq_len
+        rest += routed_saved_bytes(m, tokens, graph.hidden, graph.dtype_bytes, cfg.ep, recompute == "selective") \
+            - min(m.act_bytes, rest)
+    else:
+        rest += routed_excess_bytes(layer, graph, cfg)
     return (tp_part / cfg.tp + rest / cfg.seq_shards) * scale / cfg.cp
 
 

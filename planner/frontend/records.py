@@ -29,6 +29,7 @@ class PartRecord:
     fwd_flops: float = 0.0
     bwd_flops: float = 0.0
     fwd_bytes: float = 0.0
+    act: float = 0.0  # saved-for-backward bytes of its ops (each storage once)
     ops: set = field(default_factory=set)
     linears: list = field(default_factory=list)  # (name, module) in execution order
 
@@ -173,7 +174,8 @@ def _attention_dims(r: UnitRecord, linears: list[Linear]) -> AttentionDims | Non
         return None
     cols = [l for l in linears if l.role == "column" and l.in_features == r.io_hidden]
     outs = sorted({l.out_features for l in cols})
-    if len(cols) >= 3 and outs and outs[0] % attn.head_dim == 0:
+    # (MLA's latent down-projections are column linears too: a width not dividing the heads is not k/v)
+    if len(cols) >= 3 and outs and outs[0] % attn.head_dim == 0 and attn.heads % max(1, outs[0] // attn.head_dim) == 0:
         attn = AttentionDims(attn.heads, min(attn.heads, outs[0] // attn.head_dim), attn.head_dim,
                              attn.seq_len, attn.kv_len, attn.causal)
     return attn
@@ -235,6 +237,8 @@ def assemble(model: nn.Module, run: UnitRun, example, t0: float, name: str | Non
         try:
             ops, linears, kinds, tp_frac = _ops_and_linears(r, vocab)
             attn, moe = _attention_dims(r, linears), moe_dims(r.module)
+            if moe is not None and moe.part in r.parts:
+                moe.act_bytes = r.parts[moe.part].act
         except AutoparError:
             raise
         except Exception as e:  # one line naming the unit, not a traceback

@@ -278,6 +278,10 @@ class _UnitHooks:
         self.handles: list = []
         self.stack: list[tuple[UnitRecord | None, str]] = []
         self.saved_seen: set[int] = set()
+        # the storages counted, held until the capture ends: a saved tensor whose graph node is
+        # freed early (a branch the loss does not reach) would free its storage, and a later one
+        # allocated at the same address would be taken for it (captures varied run to run)
+        self.saved_alive: list = []
         self.param_storages = {p.untyped_storage()._cdata for p in clone.parameters()}
         self.lin_names: dict[int, str] = {}
         self.tp_parts: dict[str, set[str]] = {}   # unit -> its parts TP splits (from the first forward)
@@ -377,8 +381,10 @@ class _UnitHooks:
         if sid in self.param_storages or sid in self.saved_seen:
             return t
         self.saved_seen.add(sid)
+        self.saved_alive.append(t.untyped_storage())
         nb = t.untyped_storage().nbytes()
         u.act_bytes += nb
+        u.part(rec.part).act += nb
         hid = u.io_hidden or self.hidden
         core = t.dim() >= 2 and t.shape[-1] == t.shape[-2] and t.shape[-1] > 1 and t.dim() >= 3 \
             and t.is_floating_point() and rec.part and t.shape[-1] != hid
@@ -408,6 +414,7 @@ def capture_fx(model: nn.Module, example: dict[str, Any] | tuple, *, name: str |
     """:func:`capture`, returning ``(ModelGraph, torch.fx.Graph)``: the graph of the step's
     forward and backward ATen ops the layer costs were summed from (``planner/frontend/fx_graph.py``)."""
     from codegen.runtime.torch_compat import FakeTensorMode
+    from planner.frontend.mla import EqualHeadAttention
 
     t0 = time.perf_counter()
     units = list(units) if units is not None else find_units(model)
@@ -435,7 +442,7 @@ def capture_fx(model: nn.Module, example: dict[str, Any] | tuple, *, name: str |
     args, kwargs = (example, {}) if isinstance(example, tuple) else ((), example)
     fargs, fkwargs = _to_fake(args, fake_mode), _to_fake(kwargs, fake_mode)
     try:
-        with fake_mode:
+        with fake_mode, EqualHeadAttention():  # MLA's narrower value heads as a fused kernel runs them
             # A first forward without grad-saving fixes each part's kind (for the TP
             # split of saved bytes), a second one records everything.
             with torch.no_grad(), rec:

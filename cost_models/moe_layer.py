@@ -1,0 +1,128 @@
+"""How an engine runs a mixture-of-experts layer: its grouped GEMMs, its dispatcher's
+memory-bound passes, and what it keeps for backward.
+
+Routing: each rank routes ``tokens`` (its micro-batch's tokens after CP and sequence-parallel
+cuts) ``top_k`` ways; with its ``experts / ep`` local experts it multiplies
+:func:`rank_rows` rows, :func:`expert_rows` per local expert (``imbalance``: the busiest rank's
+load over the mean, under EP). The communication is ``cost_models/experts.py``.
+
+The engine's MoE layer (``MoEDims.engine``, :data:`MOE_ENGINES`; a planning input like the
+imbalance, set with :func:`with_moe_engine`): plans are priced as autopar's runtime runs the
+layer (``codegen/runtime/layers.py``: one GEMM per local expert, eager permute and combine, what
+the capture saved); published runs as their engine ran it:
+
+- **grouped GEMM** (Megatron-Core ``--moe-grouped-gemm``; torchtitan ``torch._grouped_mm``): the
+  local experts' GEMMs are one kernel, so the waves of 128 x 128 output tiles are counted over
+  all of them, each expert's rows rounded up to whole tiles (:func:`grouped_gemm_seconds`):
+  efficiency rises with the rows each local expert gets, ``tokens x top_k x ep / experts``;
+- **fused permute / unpermute** (Megatron-Core ``--moe-permute-fusion``): the dispatcher's
+  memory-bound work is its passes over the rows (:func:`dispatch_bytes`), not the eager
+  kernels the capture saw, and its layer keeps per routed row the expert input, the first
+  GEMM's output and the activation (recomputed under selective recompute: Megatron's
+  ``--recompute-modules moe_act``) and the second GEMM's output the weighted combine
+  differentiates (:func:`routed_saved_bytes`);
+- **node-deduplicated dispatch** and the **1F1B all-to-all overlap** (``MoEDims.a2a_overlap``)
+  change the communication: ``cost_models/experts.py``.
+
+Every figure above is a count of bytes or tiles of the shapes involved; no coefficient is
+fitted here (the GEMM and HBM efficiencies are ``cost_models/gpu_kernels.py``'s).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+from cost_models import gpu_kernels as gk
+from planner.graph import ModelGraph, MoEDims
+
+
+def expert_rows(moe: MoEDims, tokens: float, ep: int) -> float:
+    """Rows each local expert of the busiest rank multiplies per micro-batch: ``tokens`` routed
+    ``top_k`` ways over ``experts``, from the ``ep`` ranks of the group; ``imbalance`` applies
+    only under EP (without it each rank runs every expert on its own tokens)."""
+    return tokens * moe.top_k * ep / moe.experts * (moe.imbalance if ep > 1 else 1.0)
+
+
+@dataclass(frozen=True)
+class MoEEngine:
+    """How an engine runs a MoE layer (module docstring): ``grouped`` GEMMs, a ``fused``
+    permute / unpermute (its passes and saved tensors, not the capture's), ``node_dedup``
+    dispatch across nodes."""
+    name: str
+    grouped: bool = False
+    fused: bool = False
+    node_dedup: bool = False
+    doc: str = ""
+
+
+MOE_ENGINES: dict[str, MoEEngine] = {e.name: e for e in (
+    MoEEngine("autopar", doc="autopar's runtime: a GEMM per local expert, eager permute and combine, NCCL all-to-all"),
+    MoEEngine("megatron-alltoall", grouped=True, fused=True,
+              doc="Megatron-Core --moe-grouped-gemm --moe-permute-fusion --moe-token-dispatcher-type alltoall"),
+    MoEEngine("megatron-deepep", grouped=True, fused=True, node_dedup=True,
+              doc="Megatron-Core --moe-grouped-gemm --moe-permute-fusion, flex dispatcher with DeepEP"),
+)}
+
+
+def with_moe_engine(graph: ModelGraph, engine: str, a2a_overlap: bool = False) -> ModelGraph:
+    """A copy of ``graph`` whose MoE layers run as ``engine`` (:data:`MOE_ENGINES`), their
+    all-to-alls overlapped under 1F1B or not; one line naming the choices for an unknown one."""
+    if engine not in MOE_ENGINES:
+        raise ValueError(f"unknown MoE engine {engine!r}: use one of {', '.join(MOE_ENGINES)}")
+    g = copy.deepcopy(graph)
+    for layer in g.layers:
+        if layer.moe is not None:
+            layer.moe.engine, layer.moe.a2a_overlap = engine, bool(a2a_overlap)
+    return g
+
+
+def grouped_gemm_seconds(groups: int, m: float, n: float, k: float, elem_bytes: float, gpu: gk.GpuSpec,
+                         co: gk.GpuCoefficients) -> float:
+    """One grouped GEMM: ``groups`` GEMMs of (m, n, k) in one kernel. Its tiles are scheduled
+    together, so wave quantisation is over all of them, each group's rows padded to whole
+    128-row tiles (``gk.TILE``); every group reads its own weights (``k x n``)."""
+    if groups <= 0 or m <= 0:
+        return 0.0
+    stacked = groups * math.ceil(m / gk.TILE) * gk.TILE
+    t = gk.gemm_seconds(stacked, n, k, elem_bytes, gpu, co)
+    return max(t, gk.memory_seconds(groups * (m * k + k * n + m * n) * elem_bytes, 0, gpu, co))
+
+
+DISPATCH_KERNELS = (4, 8)  # fused router (scores + top-k), permute, activation, unpermute; twice backward
+
+
+def rank_rows(moe: MoEDims, tokens: float, ep: int) -> float:
+    """Routed rows one rank's local experts multiply per micro-batch (:func:`expert_rows` each)."""
+    return expert_rows(moe, tokens, ep) * (moe.experts // ep)
+
+
+def dispatch_bytes(moe: MoEDims, tokens: float, hidden: int, elem: int, ep: int) -> tuple[float, float]:
+    """Forward and backward HBM bytes of a fused dispatcher's memory-bound passes on one rank
+    for ``tokens`` routed tokens: the router's fp32 scores and top-k (``experts`` per token,
+    read and written), the permute (tokens read, ``top_k`` copies written), the SwiGLU activation
+    (two expert_ffn inputs read, one written, per row), the weighted unpermute (rows and
+    probabilities read, tokens written) and the shared experts' activation, and under EP the
+    sort of the received rows by local expert and its inverse before the combine; the backward
+    moves each twice (gradients in, gradients out)."""
+    rows = rank_rows(moe, tokens, ep)
+    router = 3 * tokens * moe.experts * 4
+    permute = (tokens + rows) * hidden * elem
+    act = 3 * (rows + tokens * moe.shared_experts) * moe.expert_ffn * elem
+    unpermute = (rows + tokens) * hidden * elem + rows * 4
+    chunks = 4 * rows * hidden * elem if ep > 1 else 0.0
+    fwd = router + permute + act + unpermute + chunks
+    return fwd, 2 * fwd
+
+
+def routed_saved_bytes(moe: MoEDims, tokens: float, hidden: int, elem: int, ep: int, recompute_act: bool) -> float:
+    """Bytes a fused MoE layer keeps for backward on one rank for ``tokens`` routed tokens:
+    per routed row the expert input (hidden), the first GEMM's output (2 x expert_ffn), the
+    activation (expert_ffn, unless recomputed) and the second GEMM's output the weighted
+    combine differentiates (hidden); per token its router input (hidden), fp32 scores
+    (experts) and top-k indices and weights; the shared experts as one SwiGLU per token."""
+    rows = rank_rows(moe, tokens, ep)
+    per_row = (2 * hidden + (2 if recompute_act else 3) * moe.expert_ffn) * elem
+    shared = tokens * moe.shared_experts * moe.expert_ffn * (2 if recompute_act else 3) * elem
+    per_token = hidden * elem + moe.experts * 4 + moe.top_k * 12
+    return rows * per_row + shared + tokens * per_token
