@@ -65,12 +65,13 @@ def moe_config(run: dict) -> ParallelConfig:
                           zero="zero1", recompute=recompute, sp=run["tp"] > 1, dtype="bf16")
 
 
-def moe_engine(run: dict) -> tuple[str, bool]:
-    """How ``run``'s engine ran its MoE layers (``cost_models.moe_layer.MOE_ENGINES``):
-    Megatron-Core with its all-to-all or DeepEP dispatcher (``moe_dispatcher``), and its EP
-    all-to-alls hidden behind the other micro-batch under 1F1B where the run turned that on
-    (``ep_a2a_overlap``)."""
-    return "megatron-" + run["moe_dispatcher"], bool(run.get("ep_a2a_overlap"))
+def moe_engine(run: dict) -> str:
+    """The engine that ran ``run`` (``cost_models.engines.ENGINES``): Megatron-Core with its
+    all-to-all or DeepEP dispatcher (``moe_dispatcher``), and its EP all-to-alls hidden behind
+    the other micro-batch under 1F1B where the run turned that on (``ep_a2a_overlap``)."""
+    if run["moe_dispatcher"] == "alltoall":
+        return "megatron-moe"
+    return "megatron-moe-deepep" + ("-overlap" if run.get("ep_a2a_overlap") else "")
 
 
 def hf_config_of(run: dict):
@@ -86,14 +87,13 @@ def hf_config_of(run: dict):
 def moe_graph(run: dict):
     """``run``'s model captured from its transformers config (built on meta, through the
     ``hf:<config.json>`` model spec) at its sequence length."""
-    from cost_models.moe_layer import with_moe_engine
     from planner.frontend.load import load_graph
 
     with tempfile.TemporaryDirectory() as d:
         hf_config_of(run).save_pretrained(d)
         g = load_graph("hf:" + d, seq_len=run["seq_length"])
     g.name = run["model_name"]
-    return with_moe_engine(g, *moe_engine(run))
+    return g
 
 
 def megatron_step_flops(run: dict) -> float:
@@ -124,7 +124,8 @@ def price(run: dict, graph=None) -> dict[str, Any]:
     cluster = load_preset(CLUSTER)
     cluster.nodes = run["num_gpus"] // run["gpus_per_node"]
     graph = graph if graph is not None else moe_graph(run)
-    e, problems = evaluate_config(graph, cluster, moe_config(run), run["global_batch_size_seqs"], even_split=True)
+    e, problems = evaluate_config(graph, cluster, moe_config(run), run["global_batch_size_seqs"], even_split=True,
+                                  engine=moe_engine(run))
     pub = published_step_s(run)
     return {"id": run["id"], "step_s": e.step_s, "published_step_s": pub, "error": pub / e.step_s - 1.0,
             "fits": e.fits, "memory_gib": max(m.total for m in e.memory) / 2**30, "problems": problems}
@@ -133,7 +134,7 @@ def price(run: dict, graph=None) -> dict[str, Any]:
 def main() -> None:
     graphs: dict[str, Any] = {}
     for run in load_runs():
-        key = (run["model_name"], moe_engine(run))
+        key = run["model_name"]
         if key not in graphs:
             graphs[key] = moe_graph(run)
         r = price(run, graphs[key])

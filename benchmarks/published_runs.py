@@ -142,16 +142,23 @@ def _fmt(s: dict[str, float]) -> str:
 
 
 def plan_against(c: Case, graphs: Graphs) -> dict[str, Any]:
-    """autopar's pick for the same job, priced by the same model as the published layout."""
-    from planner.search.planning import plan_model
+    """autopar's pick for the same job against the published layout, both priced by the same
+    model on autopar's runtime (the engine the pick would run on), and why they differ: the
+    step-time categories (``Estimate.breakdown``) that move most between the two."""
+    from planner.search.planning import evaluate_config, plan_model
 
     g, cl = graphs.get(c.model), cluster_for(c)
-    plan, res = plan_model(g, cl, c.global_batch, spec=c.model["name"], cluster_spec=cl.name)
+    _, res = plan_model(g, cl, c.global_batch, spec=c.model["name"], cluster_spec=cl.name)
     ours = res.best
-    theirs = predict(c, graphs)["step_s"]
+    theirs, _ = evaluate_config(g, cl, c.cfg, c.global_batch, even_split=True)
     deg = ("dp", "pp", "cp", "tp")
-    return {"pick": ours.config.label(), "speedup": theirs / ours.step_s,
-            "degrees_match": all(getattr(ours.config, k) == getattr(c.cfg, k) for k in deg)}
+    keys = set(ours.breakdown) | set(theirs.breakdown)
+    delta = {k: theirs.breakdown.get(k, 0.0) - ours.breakdown.get(k, 0.0) for k in keys}
+    top = sorted(delta.items(), key=lambda kv: -abs(kv[1]))[:3]
+    why = ", ".join(f"{k} {'-' if d > 0 else '+'}{abs(d) / theirs.step_s * 100:.0f}%" for k, d in top if abs(d) > 0.01 * theirs.step_s)
+    return {"pick": ours.config.label(), "speedup": theirs.step_s / ours.step_s, "theirs_fits": theirs.fits,
+            "degrees_match": all(getattr(ours.config, k) == getattr(c.cfg, k) for k in deg),
+            "why": why or "same costs", "theirs_on_autopar_s": theirs.step_s, "ours_s": ours.step_s}
 
 
 def main() -> None:
@@ -209,9 +216,11 @@ def main() -> None:
         out["fit"] = {"coefficients": cal, "in_sample": summary(ins), "leave_one_source_out": summary(held)}
     if args.plan:
         picks = [dict(id=c.run_id, **plan_against(c, graphs)) for c in exact]
+        print("autopar's pick against the published layout, both on autopar's runtime; why: the step's share "
+              "each category saves (-) or adds (+) in our pick")
         for p in picks:
-            print(f"  {p['id']:<44} our pick {p['pick']:<56} {p['speedup']:.3f}x  "
-                  f"{'same degrees' if p['degrees_match'] else ''}")
+            print(f"  {p['id']:<44} {p['pick']:<60} {p['speedup']:.3f}x  "
+                  f"{'same degrees; ' if p['degrees_match'] else ''}{'' if p['theirs_fits'] else 'theirs OOM; '}{p['why']}")
         sp = [p["speedup"] for p in picks]
         print(f"planner vs published layouts: median {statistics.median(sp):.3f}x, min {min(sp):.3f}x, "
               f"degrees match {sum(p['degrees_match'] for p in picks)} of {len(picks)}")

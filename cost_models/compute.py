@@ -53,7 +53,8 @@ from dataclasses import dataclass, replace
 
 from cost_models import gpu_kernels as gk
 from cost_models.cluster import Cluster
-from cost_models.moe_layer import DISPATCH_KERNELS, MOE_ENGINES, dispatch_bytes, expert_rows, grouped_gemm_seconds
+from cost_models.engines import DEFAULT_ENGINE, Engine
+from cost_models.moe_layer import DISPATCH_KERNELS, dispatch_bytes, expert_rows, grouped_gemm_seconds
 from cost_models.op_recompute import checkpointed, kept_flops, kept_linears, routed_unkept_share
 from planner.graph import OUT_SPLIT_ROLES, TP_SPLIT_ROLES, Layer, Linear, ModelGraph, MoEDims
 from planner.plan import ParallelConfig
@@ -202,7 +203,7 @@ def expert_gemms(moe: MoEDims, tokens: float, hidden: int, ep: int = 1) -> list[
 
 
 def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
-                   cal: dict[str, float] | None = None) -> LayerTime:
+                   cal: dict[str, float] | None = None, engine: Engine = DEFAULT_ENGINE) -> LayerTime:
     """Forward and backward seconds of ``layer`` for one micro-batch on one GPU, from its
     kernels (cost_models/gpu_kernels.py): every linear's GEMMs at their sharded shapes
     (backward: input and weight gradients), each routed expert's GEMMs at its share of the
@@ -215,7 +216,7 @@ def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Paral
     co = gk.GpuCoefficients.of(cal)
     elem = 4 if cfg.dtype == "fp32" else 2
     gpu = gk.GpuSpec(peak=cluster.peak_flops(cfg.dtype), bw=cluster.device.mem_bw_gbs * 1e9, sms=cluster.device.sms)
-    g = _GpuPass(layer, graph, cfg, gpu, co, elem)
+    g = _GpuPass(layer, graph, cfg, gpu, co, elem, engine)
     g.gemms()
     g.attention()
     mem_fwd = g.memory_bound()
@@ -226,8 +227,10 @@ def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Paral
 class _GpuPass:
     """One layer's GPU kernels for one micro-batch, summed in order: GEMMs, attention, memory-bound."""
 
-    def __init__(self, layer: Layer, graph: ModelGraph, cfg: ParallelConfig, gpu, co, elem: int) -> None:
+    def __init__(self, layer: Layer, graph: ModelGraph, cfg: ParallelConfig, gpu, co, elem: int,
+                 engine: Engine = DEFAULT_ENGINE) -> None:
         self.layer, self.graph, self.cfg, self.gpu, self.co, self.elem = layer, graph, cfg, gpu, co, elem
+        self.engine = engine
         self.scale = cfg.mbs / graph.batch
         self.m_cap = _captured_tokens(layer, graph)
         self.tokens = self.m_cap * self.scale / cfg.cp
@@ -265,7 +268,7 @@ class _GpuPass:
             routed = self.tokens / cfg.seq_shards  # under TP the rank routes its sequence shard
             local = layer.moe.experts // cfg.ep
             for m, n, k in expert_gemms(layer.moe, routed, graph.hidden, cfg.ep):
-                if MOE_ENGINES[layer.moe.engine].grouped:  # one kernel over the local experts
+                if self.engine.moe_grouped_gemm:  # one kernel over the local experts
                     t = self.grouped(local, m, n, k)
                 else:
                     t = self.gemm(m, n, k, local)
@@ -314,7 +317,7 @@ class _GpuPass:
         dscale = self.elem / self.graph.dtype_bytes
         mem_f = mem_b = 0.0
         kern_f, kern_b = layer.fwd_kernels, layer.bwd_kernels
-        fused = layer.moe is not None and MOE_ENGINES[layer.moe.engine].fused
+        fused = layer.moe is not None and self.engine.moe_fused_permute
         for op in layer.ops:
             div = (cfg.tp if op.tp_style != "replicated" else cfg.seq_shards) * cfg.cp
             if fused and op.name == layer.moe.part:  # the engine's fused dispatcher, not the capture's kernels
@@ -338,11 +341,12 @@ class _GpuPass:
 
 
 def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
-                  cal: dict[str, float] | None = None) -> LayerTime:
-    """The model's layer time: the GPU kernel model on GPU clusters, the roofline on CPUs."""
+                  cal: dict[str, float] | None = None, engine: Engine = DEFAULT_ENGINE) -> LayerTime:
+    """The model's layer time: the GPU kernel model on GPU clusters (as ``engine`` runs the
+    layer), the roofline on CPUs."""
     cal = cal or {}
     if cluster.backend != "gloo":
-        return gpu_layer_time(layer, graph, cluster, cfg, cal)
+        return gpu_layer_time(layer, graph, cluster, cfg, cal, engine)
     peak = cluster.peak_flops("fp32")
     eff = cal.get("eff_matmul", EFF_MATMUL_CPU)
     bw = cluster.device.mem_bw_gbs * 1e9 * cal.get("eff_memory", EFF_MEMORY)
@@ -408,7 +412,7 @@ def _documents_scaled(got: tuple[float, float], layer: Layer, graph: ModelGraph,
 
 
 def layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
-               profile=None) -> LayerTime:
+               profile=None, engine: Engine = DEFAULT_ENGINE) -> LayerTime:
     """Forward and backward seconds of ``layer`` for one micro-batch of ``cfg.mbs`` sequences
     on one rank: from ``profile`` (a ProfileDB) when it measured this layer class at this
     tp/cp, interpolated across shapes; from the roofline otherwise. A calibrated profile's
@@ -424,7 +428,7 @@ def layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelC
             fwd = (got[0] + df) * k
             return LayerTime(fwd, (got[1] + db) * k, "profile",
                              op_recompute_s=op_recompute_share(layer, graph, cfg) * fwd)
-    t = roofline_time(layer, graph, cluster, cfg, cal)
+    t = roofline_time(layer, graph, cluster, cfg, cal, engine)
     share = t.op_recompute_s / t.fwd_s if t.fwd_s > 0 else 0.0
     fwd = (t.fwd_s + df) * k
     return LayerTime(fwd, (t.bwd_s + db) * k, t.source, op_recompute_s=share * fwd)

@@ -24,7 +24,15 @@ behaviour of a named engine (the flag or default that turns it on is cited):
   micro-batches' compute in the steady state; only the fill and drain hops stay exposed
   (Megatron-Core ``overlap_p2p_comm`` for interleaved schedules; Llama 3's async P2P).
 - ``ep_overlap``: expert all-to-alls hidden behind another micro-batch's compute under
-  1F1B (Megatron-Core ``--overlap-moe-expert-parallel-comm``).
+  1F1B (Megatron-Core ``--overlap-moe-expert-parallel-comm``): a layer's all-to-alls beside
+  its own forward and backward compute add what that compute does not hide.
+- ``moe_grouped_gemm``: the local experts' GEMMs as one grouped kernel (Megatron-Core
+  ``--moe-grouped-gemm``; torchtitan ``torch._grouped_mm``), waves counted over all of them.
+- ``moe_fused_permute``: the dispatcher's permute / unpermute fused (Megatron-Core
+  ``--moe-permute-fusion``): its passes and saved tensors, not the capture's eager kernels.
+- ``ep_node_dedup``: node-deduplicated dispatch across nodes (DeepEP; Megatron-Core
+  ``--moe-token-dispatcher-type flex``): a token crosses the network once per remote node.
+  (The MoE mechanisms themselves: cost_models/moe_layer.py and cost_models/experts.py.)
 - ``fused_optimizer``: one fused AdamW kernel per parameter group (Apex / TE FusedAdam in
   Megatron; torchtitan's default ``fused``): ``FUSED_OPT_BYTES_PER_PARAM`` instead of the
   eight passes of torch's foreach AdamW (``FOREACH_OPT_BYTES_PER_PARAM``).
@@ -62,6 +70,9 @@ class Engine:
     param_gather_overlap: bool = False
     p2p_overlap: bool = False
     ep_overlap: bool = False
+    moe_grouped_gemm: bool = False
+    moe_fused_permute: bool = False
+    ep_node_dedup: bool = False
     fused_optimizer: bool = False
     doc: str = ""
 
@@ -85,6 +96,17 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
            param_gather_overlap=True, p2p_overlap=True, fused_optimizer=True,
            doc="Megatron-Core with --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap "
                "(the flags of its README's H100 scaling table)"),
+    Engine("megatron-moe", dp_overlap=True, dist_opt_reduce_scatter=True, param_gather_overlap=True,
+           p2p_overlap=True, fused_optimizer=True, moe_grouped_gemm=True, moe_fused_permute=True,
+           doc="Megatron-Core MoE model zoo: --moe-grouped-gemm --moe-permute-fusion, all-to-all dispatcher, "
+               "--overlap-grad-reduce --overlap-param-gather"),
+    Engine("megatron-moe-deepep", dp_overlap=True, dist_opt_reduce_scatter=True, param_gather_overlap=True,
+           p2p_overlap=True, fused_optimizer=True, moe_grouped_gemm=True, moe_fused_permute=True,
+           ep_node_dedup=True, doc="megatron-moe with the flex dispatcher on DeepEP"),
+    Engine("megatron-moe-deepep-overlap", dp_overlap=True, dist_opt_reduce_scatter=True,
+           param_gather_overlap=True, p2p_overlap=True, fused_optimizer=True, moe_grouped_gemm=True,
+           moe_fused_permute=True, ep_node_dedup=True, ep_overlap=True,
+           doc="megatron-moe-deepep with --overlap-moe-expert-parallel-comm (1F1B all-to-all overlap)"),
     Engine("llama3", dp_overlap=True, p2p_overlap=True, fused_optimizer=True,
            doc="Meta's Llama 3 stack as its paper describes it: FSDP (ZeRO-2-like) with overlapped "
                "reduction, asynchronous pipeline P2P"),

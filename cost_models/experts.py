@@ -32,17 +32,17 @@ Grouped GEMMs: each rank runs ``experts / ep`` local experts, each on
 makes expert parallelism pay on GPUs: larger per-expert GEMMs run nearer peak
 (``cost_models/compute.py``'s wave-quantised GEMM model).
 
-How an engine runs the layer (grouped GEMMs, fused permute, what it keeps, ``MoEDims.engine``)
+How an engine runs the layer (grouped GEMMs, fused permute, what it keeps: ``Engine.moe_*``)
 is ``cost_models/moe_layer.py``; here, its communication: the all-to-all of an EP group
 spanning nodes is NCCL's (``comm.py``'s hierarchical all-to-all) unless the engine
 deduplicates by node (DeepEP's normal kernels, Megatron-Core ``--moe-token-dispatcher-type
 flex``; DeepSeek-V3 §3.2.2): a token bound for several experts on one node crosses the
 network once, to the GPU of its own local index there, and is forwarded over NVLink, both
 phases pipelined (:func:`node_dedup_seconds`). Under the engine's 1F1B all-to-all overlap
-(``MoEDims.a2a_overlap``; Megatron-Core ``--overlap-moe-expert-parallel-comm``; off in
+(``Engine.ep_overlap``; Megatron-Core ``--overlap-moe-expert-parallel-comm``; off in
 autopar's runtime) the dispatch and combine of one micro-batch run while another
 micro-batch computes the same layer, so a layer's all-to-alls ``C`` beside its forward and
-backward compute ``W`` add ``max(0, C - W)`` (:func:`exposed_comm_s`); the warm-up and
+backward compute ``W`` add ``max(0, C - W)`` (``cost_models.engines.exposed_s``); the warm-up and
 cool-down micro-batches, which have no partner, are not separated out (under 2 % of the
 micro-batches of the published runs).
 """
@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from cost_models import comm as comm_mod
 from cost_models.cluster import Cluster
 from cost_models.memory import DTYPE_BYTES, dp_group
-from cost_models.moe_layer import MOE_ENGINES
+from cost_models.engines import DEFAULT_ENGINE, Engine, exposed_s
 from planner.graph import Layer, ModelGraph, MoEDims
 from planner.plan import ParallelConfig
 
@@ -93,9 +93,9 @@ class ExpertComm:
 
 
 def expert_comm(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, profile=None,
-                window_s: float = 0.0) -> ExpertComm:
+                window_s: float = 0.0, engine: Engine = DEFAULT_ENGINE) -> ExpertComm:
     """The all-to-all time of ``layer`` under ``cfg.ep`` (zero without experts or EP) that the
-    step waits for: all of it, or under the engine's 1F1B overlap (``MoEDims.a2a_overlap``) what
+    step waits for: all of it, or under the engine's 1F1B overlap (``Engine.ep_overlap``) what
     ``window_s`` (the layer's forward plus backward compute, seconds) does not hide."""
     m = layer.moe
     if m is None or cfg.ep == 1:
@@ -103,7 +103,7 @@ def expert_comm(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parallel
     mesh = ep_mesh(cfg)
     nbytes = alltoall_bytes(m, graph, cfg)
     lay = comm_mod.group_layout(cluster, mesh, "cp")
-    if MOE_ENGINES[m.engine].node_dedup and lay.link == "mixed":
+    if engine.ep_node_dedup and lay.link == "mixed":
         one, source = node_dedup_seconds(m, nbytes, lay, cluster), "model"
     else:
         rows = comm_mod.collective_time("all_to_all", nbytes, cluster, mesh, "cp", profile)
@@ -111,16 +111,10 @@ def expert_comm(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parallel
     counts = comm_mod.collective_time("all_to_all", m.experts * COUNT_BYTES, cluster, mesh, "cp", profile)
     sync = HOST_SYNC_S if cluster.backend != "gloo" else 0.0  # gloo's counts are already on the host
     fwd, bwd = 2 * one + counts.seconds + sync, 2 * one
-    if m.a2a_overlap:
-        exposed = exposed_comm_s(fwd + bwd, window_s)
+    if engine.ep_overlap:
+        exposed = exposed_s(fwd + bwd, window_s)
         fwd, bwd = (fwd * exposed / (fwd + bwd), bwd * exposed / (fwd + bwd)) if fwd + bwd else (0.0, 0.0)
     return ExpertComm(fwd=fwd, bwd=bwd, source=source)
-
-
-def exposed_comm_s(comm_s: float, window_s: float) -> float:
-    """Seconds ``comm_s`` of communication adds beside ``window_s`` of compute it runs under:
-    nothing when fully hidden, all of it without a window, the rest when partly hidden."""
-    return max(0.0, comm_s - max(window_s, 0.0)) if comm_s > 0 else 0.0
 
 
 def remote_nodes(moe: MoEDims, ep: int, per_node: int) -> float:

@@ -73,10 +73,11 @@ class LayerCosts:
     def table(self, cfg: ParallelConfig) -> LayerTable:
         """Per-layer memory figures for cfg (they depend on tp, cp, ep, sp, mbs, dtype, kernels and
         whether a pipeline holds tied copies)."""
-        key = (cfg.tp, cfg.cp, cfg.ep, cfg.sp, cfg.mbs, cfg.dtype, cfg.attention, cfg.loss, cfg.pp > 1)
+        key = (cfg.tp, cfg.cp, cfg.ep, cfg.sp, cfg.mbs, cfg.dtype, cfg.attention, cfg.loss, cfg.pp > 1,
+               self.engine.name)
         t = self.tables.get(key)
         if t is None:
-            t = self.tables[key] = LayerTable(self.g, cfg)
+            t = self.tables[key] = LayerTable(self.g, cfg, self.engine)
         return t
 
     def get(self, layer: Layer) -> "LayerCost":
@@ -85,7 +86,7 @@ class LayerCosts:
         if hit is not None:
             return hit
         g, cfg = self.g, self.cfg
-        lt: LayerTime = layer_time(layer, g, self.c, cfg, self.profile)
+        lt: LayerTime = layer_time(layer, g, self.c, cfg, self.profile, self.engine)
         tp_s, csrc = 0.0, "model"
         if cfg.tp > 1:
             n_red = sum(1 for l in layer.linears if l.role == "row")
@@ -113,7 +114,7 @@ class LayerCosts:
                 hide = ring_hiding(g.documents, cfg.cp, cfg.ulysses) if document_masked(layer, g, cfg) else 1.0
                 cpc = cp_comm(a, cfg, self.c, core_s, self.profile, hide)
                 cp_s, csrc = cpc.exposed, cpc.source
-        ex = expert_comm(layer, g, self.c, cfg, self.profile, window_s=lt.fwd_s + lt.bwd_s)
+        ex = expert_comm(layer, g, self.c, cfg, self.profile, window_s=lt.fwd_s + lt.bwd_s, engine=self.engine)
         if ex.fwd:
             csrc = ex.source
         out = LayerCost(fwd=lt.fwd_s, bwd=lt.bwd_s, tp=tp_s, cp=cp_s, core=core_s,

@@ -71,7 +71,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Mapping, Sequence
 
-from cost_models.moe_layer import MOE_ENGINES, routed_saved_bytes
+from cost_models.engines import DEFAULT_ENGINE, Engine
+from cost_models.moe_layer import routed_saved_bytes
 from cost_models.op_recompute import checkpointed, op_saved_bytes
 from planner.graph import TP_SPLIT_ROLES, Layer, ModelGraph
 from planner.plan import FSDP_MODULE_SHARE, RECOMPUTE, SHARDED_PARAMS, ZERO, ParallelConfig, fsdp_per_module
@@ -138,8 +139,9 @@ def layer_params_local(layer: Layer, tp: int, pp: int = 1, ep: int = 1, hidden: 
     return sharded / tp + (layer.params - experts - sharded) + experts / ep + tied / tied_div
 
 
-def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recompute: str) -> float:
-    """Saved-for-backward bytes of ``layer`` for one micro-batch on one rank."""
+def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recompute: str,
+                     engine: Engine = DEFAULT_ENGINE) -> float:
+    """Saved-for-backward bytes of ``layer`` for one micro-batch on one rank, as ``engine`` runs it."""
     scale = cfg.mbs / graph.batch * DTYPE_BYTES[cfg.dtype] / graph.dtype_bytes
     if recompute == "full":
         return layer.input_bytes * scale / cfg.cp / cfg.seq_shards
@@ -157,7 +159,7 @@ def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recom
         a = layer.attention  # scores + probabilities (+ dropout mask) of an unfused attention
         tp_part += 2 * graph.batch * a.heads * a.seq_len * a.kv_len * graph.dtype_bytes  # / cp below, once
     m = layer.moe
-    if m is not None and MOE_ENGINES[m.engine].fused:  # the engine's MoE layer keeps its own tensors
+    if m is not None and engine.moe_fused_permute:  # the engine's MoE layer keeps its own tensors
         tokens = graph.batch * graph.seq_len
         rest += routed_saved_bytes(m, tokens, graph.hidden, graph.dtype_bytes, cfg.ep, recompute == "selective") \
             - min(m.act_bytes, rest)
@@ -184,7 +186,7 @@ class LayerTable:
     tp rank and activation bytes per micro-batch under each recompute policy. The search
     prices thousands of stage splits of one configuration; this keeps that linear."""
 
-    def __init__(self, graph: ModelGraph, cfg: ParallelConfig) -> None:
+    def __init__(self, graph: ModelGraph, cfg: ParallelConfig, engine: Engine = DEFAULT_ENGINE) -> None:
         rows: dict[tuple, tuple] = {}  # a repeated block has its representative's figures: computed once
 
         def row(l: Layer) -> tuple:
@@ -194,7 +196,7 @@ class LayerTable:
                              layer_experts(l, graph.hidden) / cfg.ep,       # part of params
                              layer_token_local(l, cfg, graph.hidden),       # part of params
                              fsdp_units(l, cfg, graph.hidden),
-                             {p: layer_activation(l, graph, cfg, p) for p in RECOMPUTE})
+                             {p: layer_activation(l, graph, cfg, p, engine) for p in RECOMPUTE})
             return rows[key]
 
         table = [row(l) for l in graph.layers]

@@ -6,8 +6,8 @@ cuts) ``top_k`` ways; with its ``experts / ep`` local experts it multiplies
 :func:`rank_rows` rows, :func:`expert_rows` per local expert (``imbalance``: the busiest rank's
 load over the mean, under EP). The communication is ``cost_models/experts.py``.
 
-The engine's MoE layer (``MoEDims.engine``, :data:`MOE_ENGINES`; a planning input like the
-imbalance, set with :func:`with_moe_engine`): plans are priced as autopar's runtime runs the
+The engine's MoE layer (its switches ``moe_grouped_gemm``, ``moe_fused_permute``,
+``ep_node_dedup``, ``ep_overlap``: cost_models/engines.py): plans are priced as autopar's runtime runs the
 layer (``codegen/runtime/layers.py``: one GEMM per local expert, eager permute and combine, what
 the capture saved); published runs as their engine ran it:
 
@@ -21,7 +21,7 @@ the capture saved); published runs as their engine ran it:
   GEMM's output and the activation (recomputed under selective recompute: Megatron's
   ``--recompute-modules moe_act``) and the second GEMM's output the weighted combine
   differentiates (:func:`routed_saved_bytes`);
-- **node-deduplicated dispatch** and the **1F1B all-to-all overlap** (``MoEDims.a2a_overlap``)
+- **node-deduplicated dispatch** and the **1F1B all-to-all overlap** (``Engine.ep_overlap``)
   change the communication: ``cost_models/experts.py``.
 
 Every figure above is a count of bytes or tiles of the shapes involved; no coefficient is
@@ -29,12 +29,10 @@ fitted here (the GEMM and HBM efficiencies are ``cost_models/gpu_kernels.py``'s)
 """
 from __future__ import annotations
 
-import copy
 import math
-from dataclasses import dataclass
 
 from cost_models import gpu_kernels as gk
-from planner.graph import ModelGraph, MoEDims
+from planner.graph import MoEDims
 
 
 def expert_rows(moe: MoEDims, tokens: float, ep: int) -> float:
@@ -42,39 +40,6 @@ def expert_rows(moe: MoEDims, tokens: float, ep: int) -> float:
     ``top_k`` ways over ``experts``, from the ``ep`` ranks of the group; ``imbalance`` applies
     only under EP (without it each rank runs every expert on its own tokens)."""
     return tokens * moe.top_k * ep / moe.experts * (moe.imbalance if ep > 1 else 1.0)
-
-
-@dataclass(frozen=True)
-class MoEEngine:
-    """How an engine runs a MoE layer (module docstring): ``grouped`` GEMMs, a ``fused``
-    permute / unpermute (its passes and saved tensors, not the capture's), ``node_dedup``
-    dispatch across nodes."""
-    name: str
-    grouped: bool = False
-    fused: bool = False
-    node_dedup: bool = False
-    doc: str = ""
-
-
-MOE_ENGINES: dict[str, MoEEngine] = {e.name: e for e in (
-    MoEEngine("autopar", doc="autopar's runtime: a GEMM per local expert, eager permute and combine, NCCL all-to-all"),
-    MoEEngine("megatron-alltoall", grouped=True, fused=True,
-              doc="Megatron-Core --moe-grouped-gemm --moe-permute-fusion --moe-token-dispatcher-type alltoall"),
-    MoEEngine("megatron-deepep", grouped=True, fused=True, node_dedup=True,
-              doc="Megatron-Core --moe-grouped-gemm --moe-permute-fusion, flex dispatcher with DeepEP"),
-)}
-
-
-def with_moe_engine(graph: ModelGraph, engine: str, a2a_overlap: bool = False) -> ModelGraph:
-    """A copy of ``graph`` whose MoE layers run as ``engine`` (:data:`MOE_ENGINES`), their
-    all-to-alls overlapped under 1F1B or not; one line naming the choices for an unknown one."""
-    if engine not in MOE_ENGINES:
-        raise ValueError(f"unknown MoE engine {engine!r}: use one of {', '.join(MOE_ENGINES)}")
-    g = copy.deepcopy(graph)
-    for layer in g.layers:
-        if layer.moe is not None:
-            layer.moe.engine, layer.moe.a2a_overlap = engine, bool(a2a_overlap)
-    return g
 
 
 def grouped_gemm_seconds(groups: int, m: float, n: float, k: float, elem_bytes: float, gpu: gk.GpuSpec,

@@ -111,8 +111,6 @@ class MoEDims:
     part: str               # the op (relative module path) holding the experts, e.g. "mlp"
     imbalance: float = 1.0  # tokens the busiest expert-parallel rank gets over the mean (a planning input)
     act_bytes: float = 0.0  # saved for backward inside ``part`` (router, dispatch, experts, combine), captured batch
-    engine: str = "autopar"  # whose MoE layer runs it (cost_models.experts.MOE_ENGINES; a planning input)
-    a2a_overlap: bool = False  # the engine hides the EP all-to-alls behind another micro-batch (planning input)
 
     def expert_params(self, hidden: int) -> int:
         """Parameters of the routed experts (gate, up, down of each): 3 x experts x hidden x expert_ffn."""

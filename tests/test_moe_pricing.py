@@ -8,8 +8,9 @@ import pytest
 
 from cost_models import gpu_kernels as gk
 from cost_models.cluster import load_preset
-from cost_models.experts import alltoall_bytes, expert_comm, exposed_comm_s, remote_nodes
-from cost_models.moe_layer import grouped_gemm_seconds, with_moe_engine
+from cost_models.engines import ENGINES, Engine, exposed_s
+from cost_models.experts import alltoall_bytes, expert_comm, remote_nodes
+from cost_models.moe_layer import grouped_gemm_seconds
 from planner.frontend.load import graph_of_config, load_graph
 from planner.graph import MoEDims
 from planner.plan import ParallelConfig
@@ -38,24 +39,24 @@ def moe_layer(g):
 
 
 def test_exposed_comm_hidden_exposed_partly():
-    assert exposed_comm_s(2.0, 5.0) == 0.0          # fully hidden: adds nothing
-    assert exposed_comm_s(2.0, 0.0) == 2.0          # no compute beside it: all of it
-    assert exposed_comm_s(2.0, 0.5) == pytest.approx(1.5)  # partly hidden: the rest
+    assert exposed_s(2.0, 5.0) == 0.0          # fully hidden: adds nothing
+    assert exposed_s(2.0, 0.0) == 2.0          # no compute beside it: all of it
+    assert exposed_s(2.0, 0.5) == pytest.approx(1.5)  # partly hidden: the rest
 
 
 def test_ep_overlap_switch_hides_all_to_all(moe32):
     cl, cfg = h100(4), ParallelConfig(dp=32, ep=32, mbs=4)
-    plain = moe_layer(moe32)
-    over = moe_layer(with_moe_engine(moe32, "autopar", a2a_overlap=True))
+    plain = over = moe_layer(moe32)
+    ov = {"engine": Engine("o", ep_overlap=True)}
     base = expert_comm(plain, moe32, cl, cfg, window_s=1.0)  # no overlap: the window does not matter
     total = base.fwd + base.bwd
     assert total > 0
     assert expert_comm(plain, moe32, cl, cfg, window_s=0.0).fwd == base.fwd
-    hidden = expert_comm(over, moe32, cl, cfg, window_s=10 * total)
+    hidden = expert_comm(over, moe32, cl, cfg, window_s=10 * total, **ov)
     assert hidden.fwd + hidden.bwd == 0.0
-    exposed = expert_comm(over, moe32, cl, cfg, window_s=0.0)
+    exposed = expert_comm(over, moe32, cl, cfg, window_s=0.0, **ov)
     assert exposed.fwd + exposed.bwd == pytest.approx(total)
-    part = expert_comm(over, moe32, cl, cfg, window_s=total / 4)
+    part = expert_comm(over, moe32, cl, cfg, window_s=total / 4, **ov)
     assert part.fwd + part.bwd == pytest.approx(0.75 * total)
 
 
@@ -67,7 +68,7 @@ def test_ep_inside_node_cheaper_per_byte_than_across(moe32):
     t32 = expert_comm(layer, moe32, h100(4), ep32)
     assert t8.fwd / b8 < t32.fwd / b32
     # DeepEP-style node deduplication sends each token over the network once per remote node
-    dedup = expert_comm(moe_layer(with_moe_engine(moe32, "megatron-deepep")), moe32, h100(4), ep32)
+    dedup = expert_comm(layer, moe32, h100(4), ep32, engine=ENGINES["megatron-moe-deepep"])
     assert dedup.fwd < t32.fwd
 
 
