@@ -93,9 +93,9 @@ from planner.feasibility import microbatches
 from planner.graph import ModelGraph
 from planner.plan import DDP_BUCKET_BYTES, SHARDED_PARAMS, ParallelConfig, Partition, PlanError, uses_ddp_reducer
 
-# DP-communication overlap efficiency: nccl 0.79 fitted on the published runs
-# (benchmarks/published_runs.py --fit; prior 0.8), gloo from the local fidelity runs.
-OVERLAP = {"nccl": 0.79, "gloo": 0.3}
+# DP-communication overlap efficiency where the engine overlaps it: nccl 0.82 fitted on the
+# published runs (benchmarks/published_runs.py --fit; prior 0.8), gloo from the local fidelity runs.
+OVERLAP = {"nccl": 0.82, "gloo": 0.3}
 GiB = 2**30
 
 
@@ -120,6 +120,7 @@ class Estimate:
     pipeline: Any = None              # PipelineResult (events) when simulated
     p2p_hop_s: float = 0.0            # one activation send between stages (the simulator's edge weight)
     calibration: str = "uncalibrated"  # or what the profile's fitted coefficients were fitted on
+    engine: str = "autopar"           # the engine whose overlaps are priced (cost_models/engines.py)
 
     @property
     def fits(self) -> bool:
@@ -140,7 +141,7 @@ class Estimate:
             "memory": [m.to_dict() for m in self.memory], "capacity_gib": self.capacity / GiB,
             "breakdown": self.breakdown, "bubble_frac": self.bubble_frac,
             "stage_fwd_s": self.stage_fwd_s, "stage_bwd_s": self.stage_bwd_s, "p2p_hop_s": self.p2p_hop_s,
-            "source": self.source, "sources": self.sources, "calibration": self.calibration,
+            "source": self.source, "sources": self.sources, "calibration": self.calibration, "engine": self.engine,
             "partition": self.partition.to_dict(),
         }
 
@@ -371,7 +372,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
         breakdown=breakdown, stage_fwd_s=[st.fwd for st in stages], stage_bwd_s=[st.bwd for st in stages],
         bubble_frac=max(0.0, bubble), source=src,
         sources={"compute": src, "comm": "profile" if comm_src == {"profile"} else ("model" if comm_src else "none")},
-        pipeline=result, p2p_hop_s=p2p, calibration=calibration_note(profile))
+        pipeline=result, p2p_hop_s=p2p, calibration=calibration_note(profile), engine=eng.name)
 
 
 def calibration_note(profile) -> str:

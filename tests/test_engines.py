@@ -111,3 +111,21 @@ def test_unfused_attention_costs_more_than_flash_and_selective_drops_its_scores(
     kept = layer_activation(block, graph, eager, "none")
     assert kept > layer_activation(block, graph, flash, "none")
     assert layer_activation(block, graph, eager, "selective") <= layer_activation(block, graph, flash, "none")
+
+
+def test_cli_evaluate_names_and_prices_the_engine(capsys):
+    import json
+
+    from planner.entry.cli import main
+
+    args = ["evaluate", "--model", "gpt-small", "--cluster", "dgx-h100:4", "--global-batch", "64", "--seq-len", "1024",
+            "--config", "dp=4,tp=8,mbs=2,zero=zero1,sp=on", "--even-split", "--json"]
+    assert main(args) == 0
+    ours = json.loads(capsys.readouterr().out)
+    assert main(args + ["--engine", "megatron-core"]) == 0
+    theirs = json.loads(capsys.readouterr().out)
+    assert (ours["engine"], theirs["engine"]) == ("autopar", "megatron-core")
+    assert theirs["step_s"] < ours["step_s"]  # TP and gradient traffic hidden, a fused optimizer
+    with pytest.raises(SystemExit):
+        main(args + ["--engine", "megatron"])
+    assert "invalid choice: 'megatron'" in capsys.readouterr().err

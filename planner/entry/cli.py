@@ -10,6 +10,7 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
+from cost_models.engines import ENGINES
 from planner.entry import commands as cmd
 from planner.entry import measure
 from planner.errors import AutoparError
@@ -115,6 +116,8 @@ def _add_planning_commands(sub) -> None:
     p.add_argument("--config", required=True,
                    help="e.g. dp=8,pp=2,cp=1,tp=4,mbs=1,schedule=1f1b,vpp=1,zero=fsdp,recompute=selective,sp=on")
     p.add_argument("--even-split", action="store_true", help="equal layers per stage instead of the ILP split")
+    p.add_argument("--engine", choices=list(ENGINES), default="autopar",
+                   help="price the overlaps of this engine (cost_models/engines.py); plans run on autopar's")
     p.set_defaults(fn=cmd.cmd_evaluate)
 
 

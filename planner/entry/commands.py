@@ -140,7 +140,7 @@ def _estimate_summary(e) -> dict:
             "tokens_per_s": e.tokens_per_s, "mfu": e.mfu, "tflops_per_device": e.tflops_per_device,
             "fits": e.fits, "peak_memory_gib": [m.total / 2**30 for m in e.memory],
             "capacity_gib": e.capacity / 2**30, "breakdown": e.breakdown, "source": e.source,
-            "calibration": e.calibration,
+            "calibration": e.calibration, "engine": e.engine,
             "stages": [list(b) for b in e.partition.bounds], "recompute": e.partition.recompute}
 
 
@@ -150,7 +150,7 @@ def _print_estimate(con, e, title: str) -> None:
     con.print(f"[bold]{title}[/bold]: {e.config.label()}")
     con.print(f"  step {e.step_s:.4g} s   {e.tokens_per_s:,.0f} tokens/s   MFU {e.mfu * 100:.1f}%   "
               f"{e.tflops_per_device:.1f} model TFLOP/s per device   source: {e.source}")
-    con.print(f"  calibration: {e.calibration}")
+    con.print(f"  calibration: {e.calibration}   engine: {e.engine}")
     t = Table(title="memory per pipeline rank (GiB)")
     for c in ("rank", "weights", "grads", "optimizer", "activations", "buffers", "reserve", "total", "capacity"):
         t.add_column(c, justify="right")
@@ -216,7 +216,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         cfg = cfg.replace(attention=default_attention(graph.limits))  # the default kernel may be one it cannot use
     _progress(f"pricing {cfg.label()} on {cluster.world} devices of {cluster.name}")
     e, problems = evaluate_config(graph, cluster, cfg, args.global_batch, even_split=args.even_split,
-                                  profile=profile)
+                                  profile=profile, engine=args.engine)
     checked = pins.check(cfg)
     if args.json:
         d = _estimate_summary(e)
