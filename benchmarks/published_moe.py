@@ -28,6 +28,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from dataclasses import replace  # noqa: E402
+
+from cost_models.engines import ENGINES, Engine  # noqa: E402
 from planner.plan import ParallelConfig  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -65,13 +68,21 @@ def moe_config(run: dict) -> ParallelConfig:
                           zero="zero1", recompute=recompute, sp=run["tp"] > 1, dtype="bf16")
 
 
-def moe_engine(run: dict) -> str:
+def moe_engine(run: dict) -> Engine:
     """The engine that ran ``run`` (``cost_models.engines.ENGINES``): Megatron-Core with its
     all-to-all or DeepEP dispatcher (``moe_dispatcher``), and its EP all-to-alls hidden behind
-    the other micro-batch under 1F1B where the run turned that on (``ep_a2a_overlap``)."""
+    the other micro-batch under 1F1B where the run turned that on (``ep_a2a_overlap``). A run
+    whose recompute is Megatron's ``--recompute-modules layernorm moe_act`` ("norm, act", priced
+    under autopar's ``selective``) has them as the engine's ``recompute_modules``: the norms'
+    outputs and the experts' activations are not kept (a published-run-only expression)."""
     if run["moe_dispatcher"] == "alltoall":
-        return "megatron-moe"
-    return "megatron-moe-deepep" + ("-overlap" if run.get("ep_a2a_overlap") else "")
+        name = "megatron-moe"
+    else:
+        name = "megatron-moe-deepep" + ("-overlap" if run.get("ep_a2a_overlap") else "")
+    rc = (run["activation_recompute"] or "").lower()
+    modules = tuple(m for m, word in (("layernorm", "norm"), ("moe_act", "act")) if rc.startswith("selective")
+                    and word in rc.split(":", 1)[-1])
+    return replace(ENGINES[name], recompute_modules=modules) if modules else ENGINES[name]
 
 
 def hf_config_of(run: dict):

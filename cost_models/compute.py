@@ -54,6 +54,7 @@ from dataclasses import dataclass, replace
 from cost_models import gpu_kernels as gk
 from cost_models.cluster import Cluster
 from cost_models.engines import DEFAULT_ENGINE, Engine
+from cost_models.fused_elementwise import fused_op
 from cost_models.moe_layer import DISPATCH_KERNELS, dispatch_bytes, expert_rows, grouped_gemm_seconds
 from cost_models.op_recompute import checkpointed, kept_flops, kept_linears, routed_unkept_share
 from planner.graph import OUT_SPLIT_ROLES, TP_SPLIT_ROLES, Layer, Linear, ModelGraph, MoEDims
@@ -317,10 +318,10 @@ class _GpuPass:
         dscale = self.elem / self.graph.dtype_bytes
         mem_f = mem_b = 0.0
         kern_f, kern_b = layer.fwd_kernels, layer.bwd_kernels
-        fused = layer.moe is not None and self.engine.moe_fused_permute
+        fused_moe = layer.moe is not None and self.engine.moe_fused_permute
         for op in layer.ops:
             div = (cfg.tp if op.tp_style != "replicated" else cfg.seq_shards) * cfg.cp
-            if fused and op.name == layer.moe.part:  # the engine's fused dispatcher, not the capture's kernels
+            if fused_moe and op.name == layer.moe.part:  # the engine's fused dispatcher, not the capture's kernels
                 f, b = dispatch_bytes(layer.moe, self.tokens / cfg.seq_shards, self.graph.hidden, self.elem, cfg.ep)
                 mem_f, mem_b = mem_f + f, mem_b + b
                 share = op.fwd_bytes / layer.fwd_bytes if layer.fwd_bytes else 0.0  # its kernels, by its bytes
@@ -328,6 +329,14 @@ class _GpuPass:
                 kern_b = kern_b - share * layer.bwd_kernels + DISPATCH_KERNELS[1]
                 continue
             share = (op.fwd_bytes / layer.fwd_bytes) if layer.fwd_bytes else 0.0
+            fused = fused_op(op, layer, self.graph, self.elem) if self.engine.fused_elementwise else None
+            if fused is not None:  # the engine's fused kernels (cost_models/fused_elementwise.py)
+                tokens = (self.m_cap or self.graph.batch * self.graph.seq_len) * scale
+                mem_f += fused.fwd_bytes * tokens / div
+                mem_b += fused.bwd_bytes * tokens / div
+                kern_f += fused.fwd_kernels - share * layer.fwd_kernels  # its eager kernels, by its bytes
+                kern_b += fused.bwd_kernels - share * layer.bwd_kernels
+                continue
             mm = self.gemm_bytes_cap.get(op.name, 0.0)
             mem_f += max(op.fwd_bytes - mm, 0.0) * scale * dscale / div
             mem_b += max(layer.bwd_bytes * share - 2 * mm, 0.0) * scale * dscale / div

@@ -33,6 +33,14 @@ behaviour of a named engine (the flag or default that turns it on is cited):
 - ``ep_node_dedup``: node-deduplicated dispatch across nodes (DeepEP; Megatron-Core
   ``--moe-token-dispatcher-type flex``): a token crosses the network once per remote node.
   (The MoE mechanisms themselves: cost_models/moe_layer.py and cost_models/experts.py.)
+- ``fused_elementwise``: a block's norms, rotary embedding and activation run as fused kernels
+  (Transformer Engine's fused RMSNorm / LayerNorm and RoPE, Megatron-Core's fused bias-SwiGLU /
+  bias-GeLU), moving and keeping what those kernels do rather than the eager ops the capture
+  recorded (cost_models/fused_elementwise.py); off in autopar's runtime and torchtitan (eager).
+- ``recompute_modules``: what Megatron-Core's selective recompute (``--recompute-modules``) drops
+  besides the attention core: ``layernorm`` (the norms' outputs, recomputed from their kept
+  inputs) and ``moe_act`` (the experts' activation outputs); set per run where a run states it
+  (benchmarks/published_moe.py), empty in every registered engine.
 - ``fused_optimizer``: one fused AdamW kernel per parameter group (Apex / TE FusedAdam in
   Megatron; torchtitan's default ``fused``): ``FUSED_OPT_BYTES_PER_PARAM`` instead of the
   eight passes of torch's foreach AdamW (``FOREACH_OPT_BYTES_PER_PARAM``).
@@ -74,6 +82,8 @@ class Engine:
     moe_fused_permute: bool = False
     ep_node_dedup: bool = False
     fused_optimizer: bool = False
+    fused_elementwise: bool = False
+    recompute_modules: tuple[str, ...] = ()
     doc: str = ""
 
     @property
@@ -97,15 +107,15 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
            doc="Megatron-Core with --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap "
                "(the flags of its README's H100 scaling table)"),
     Engine("megatron-moe", dp_overlap=True, dist_opt_reduce_scatter=True, param_gather_overlap=True,
-           p2p_overlap=True, fused_optimizer=True, moe_grouped_gemm=True, moe_fused_permute=True,
+           p2p_overlap=True, fused_optimizer=True, moe_grouped_gemm=True, moe_fused_permute=True, fused_elementwise=True,
            doc="Megatron-Core MoE model zoo: --moe-grouped-gemm --moe-permute-fusion, all-to-all dispatcher, "
                "--overlap-grad-reduce --overlap-param-gather"),
     Engine("megatron-moe-deepep", dp_overlap=True, dist_opt_reduce_scatter=True, param_gather_overlap=True,
-           p2p_overlap=True, fused_optimizer=True, moe_grouped_gemm=True, moe_fused_permute=True,
+           p2p_overlap=True, fused_optimizer=True, moe_grouped_gemm=True, moe_fused_permute=True, fused_elementwise=True,
            ep_node_dedup=True, doc="megatron-moe with the flex dispatcher on DeepEP"),
     Engine("megatron-moe-deepep-overlap", dp_overlap=True, dist_opt_reduce_scatter=True,
            param_gather_overlap=True, p2p_overlap=True, fused_optimizer=True, moe_grouped_gemm=True,
-           moe_fused_permute=True, ep_node_dedup=True, ep_overlap=True,
+           moe_fused_permute=True, fused_elementwise=True, ep_node_dedup=True, ep_overlap=True,
            doc="megatron-moe-deepep with --overlap-moe-expert-parallel-comm (1F1B all-to-all overlap)"),
     Engine("llama3", dp_overlap=True, p2p_overlap=True, fused_optimizer=True,
            doc="Meta's Llama 3 stack as its paper describes it: FSDP (ZeRO-2-like) with overlapped "

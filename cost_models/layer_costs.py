@@ -74,7 +74,7 @@ class LayerCosts:
         """Per-layer memory figures for cfg (they depend on tp, cp, ep, sp, mbs, dtype, kernels and
         whether a pipeline holds tied copies)."""
         key = (cfg.tp, cfg.cp, cfg.ep, cfg.sp, cfg.mbs, cfg.dtype, cfg.attention, cfg.loss, cfg.pp > 1,
-               self.engine.name)
+               self.engine)
         t = self.tables.get(key)
         if t is None:
             t = self.tables[key] = LayerTable(self.g, cfg, self.engine)

@@ -72,6 +72,7 @@ from dataclasses import asdict, dataclass
 from typing import Mapping, Sequence
 
 from cost_models.engines import DEFAULT_ENGINE, Engine
+from cost_models.fused_elementwise import block_saved
 from cost_models.moe_layer import routed_saved_bytes
 from cost_models.op_recompute import checkpointed, op_saved_bytes
 from planner.graph import TP_SPLIT_ROLES, Layer, ModelGraph
@@ -148,21 +149,26 @@ def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recom
     if recompute == "selective-op" and checkpointed(layer):
         kept = op_saved_bytes(layer, graph)
         return (kept.tp_part / cfg.tp + kept.rest / cfg.seq_shards) * scale / cfg.cp
+    m = layer.moe
+    dropped = set(engine.recompute_modules) if recompute == "selective" else set()
+    tokens = graph.batch * graph.seq_len
     tp_part = layer.act_bytes_tp
     rest = layer.act_bytes - tp_part
+    blk = block_saved(layer, graph, graph.dtype_bytes, "layernorm" in dropped) if engine.fused_elementwise else None
+    if blk is not None:  # fused norms / rope / activation: what they keep (cost_models/fused_elementwise.py)
+        moe_part = min(m.act_bytes, rest) if m is not None else 0.0
+        tp_part, rest = blk[0] * tokens, blk[1] * tokens + moe_part
     if cfg.loss == "fused" and layer.vocab and layer.kind in ("head", "loss"):
         tp_part = 0.0  # no logits / log-probabilities kept
         rest = max(rest, layer.input_bytes)
-    if recompute == "selective":
+    if recompute == "selective" and blk is None:
         tp_part -= min(layer.act_bytes_attn_core, tp_part)
     if cfg.attention == "eager" and layer.attention is not None and recompute != "selective":
         a = layer.attention  # scores + probabilities (+ dropout mask) of an unfused attention
         tp_part += 2 * graph.batch * a.heads * a.seq_len * a.kv_len * graph.dtype_bytes  # / cp below, once
-    m = layer.moe
     if m is not None and engine.moe_fused_permute:  # the engine's MoE layer keeps its own tensors
-        tokens = graph.batch * graph.seq_len
-        rest += routed_saved_bytes(m, tokens, graph.hidden, graph.dtype_bytes, cfg.ep, recompute == "selective") \
-            - min(m.act_bytes, rest)
+        rest += routed_saved_bytes(m, tokens, graph.hidden, graph.dtype_bytes, cfg.ep, "moe_act" in dropped,
+                                   "layernorm" in dropped) - min(m.act_bytes, rest)
     else:
         rest += routed_excess_bytes(layer, graph, cfg)
     return (tp_part / cfg.tp + rest / cfg.seq_shards) * scale / cfg.cp

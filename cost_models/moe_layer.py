@@ -18,9 +18,9 @@ the capture saved); published runs as their engine ran it:
 - **fused permute / unpermute** (Megatron-Core ``--moe-permute-fusion``): the dispatcher's
   memory-bound work is its passes over the rows (:func:`dispatch_bytes`), not the eager
   kernels the capture saw, and its layer keeps per routed row the expert input, the first
-  GEMM's output and the activation (recomputed under selective recompute: Megatron's
-  ``--recompute-modules moe_act``) and the second GEMM's output the weighted combine
-  differentiates (:func:`routed_saved_bytes`);
+  GEMM's output and the activation (recomputed under Megatron's ``--recompute-modules moe_act``:
+  ``Engine.recompute_modules``) and its routing probability, which Megatron-Core applies inside
+  the fused weighted SwiGLU (:func:`routed_saved_bytes`);
 - **node-deduplicated dispatch** and the **1F1B all-to-all overlap** (``Engine.ep_overlap``)
   change the communication: ``cost_models/experts.py``.
 
@@ -80,14 +80,18 @@ def dispatch_bytes(moe: MoEDims, tokens: float, hidden: int, elem: int, ep: int)
     return fwd, 2 * fwd
 
 
-def routed_saved_bytes(moe: MoEDims, tokens: float, hidden: int, elem: int, ep: int, recompute_act: bool) -> float:
-    """Bytes a fused MoE layer keeps for backward on one rank for ``tokens`` routed tokens:
-    per routed row the expert input (hidden), the first GEMM's output (2 x expert_ffn), the
-    activation (expert_ffn, unless recomputed) and the second GEMM's output the weighted
-    combine differentiates (hidden); per token its router input (hidden), fp32 scores
-    (experts) and top-k indices and weights; the shared experts as one SwiGLU per token."""
+def routed_saved_bytes(moe: MoEDims, tokens: float, hidden: int, elem: int, ep: int, recompute_act: bool,
+                       recompute_norm: bool = False) -> float:
+    """Bytes a fused MoE layer keeps for backward on one rank for ``tokens`` routed tokens: per
+    routed row the expert input (hidden), the first GEMM's output (2 x expert_ffn), the
+    activation (expert_ffn, the second GEMM's input; unless recomputed: ``--recompute-modules
+    moe_act``) and its fp32 routing probability (Megatron-Core applies the probabilities inside
+    the fused weighted SwiGLU, so the combine is an unweighted sum that keeps nothing); per token
+    its router input (hidden: the norm's output, unless the norms are recomputed:
+    ``--recompute-modules layernorm``), fp32 scores (experts) and top-k indices and weights; the
+    shared experts as one SwiGLU per token."""
     rows = rank_rows(moe, tokens, ep)
-    per_row = (2 * hidden + (2 if recompute_act else 3) * moe.expert_ffn) * elem
+    per_row = (hidden + (2 if recompute_act else 3) * moe.expert_ffn) * elem + 4
     shared = tokens * moe.shared_experts * moe.expert_ffn * (2 if recompute_act else 3) * elem
-    per_token = hidden * elem + moe.experts * 4 + moe.top_k * 12
+    per_token = (0 if recompute_norm else hidden * elem) + moe.experts * 4 + moe.top_k * 12
     return rows * per_row + shared + tokens * per_token

@@ -162,9 +162,34 @@ def test_hf_models_capture(spec, block):
     blk = g.layer(block)
     assert blk.kind == "transformer_block" and blk.attention is not None
     assert blk.fwd_flops > 0 and blk.act_bytes > 0
+    assert blk.attention.causal  # a causal LM (transformers hands the kernel an explicit mask under fake tensors)
     model = zoo.load_model_spec(spec).build("meta")
     assert g.params == sum(p.numel() for p in model.parameters())
     assert any(l.kind == "head" for l in g.layers)
+
+
+def test_kernel_causal_reads_the_flag_or_the_masked_module():
+    """An attention kernel is causal by its own flag (wherever its schema puts it), or, handed a
+    mask, by the ``is_causal`` attribute of the module running it; never for a module that says
+    it is not causal or says nothing."""
+    from planner.frontend.layer_kinds import kernel_causal
+
+    cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    eff = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    q, mask = torch.zeros(1, 2, 4, 8), torch.ones(4, 4, dtype=torch.bool)
+
+    def attn(flag):
+        m = nn.Module()
+        m.inner = nn.Linear(2, 2)
+        if flag is not None:
+            m.inner.is_causal = flag
+        return m
+    assert kernel_causal(cpu, (q, q, q, 0.0, True), {}, None)
+    assert kernel_causal(eff, (q, q, q, None, False, 0.0, True), {}, None)  # is_causal is its 7th argument
+    assert not kernel_causal(cpu, (q, q, q, 0.0, False), {}, attn(True))  # no mask: the flag decides
+    assert kernel_causal(cpu, (q, q, q, 0.0, False), {"attn_mask": mask}, attn(True))
+    assert not kernel_causal(cpu, (q, q, q, 0.0, False), {"attn_mask": mask}, attn(False))
+    assert not kernel_causal(cpu, (q, q, q, 0.0, False), {"attn_mask": mask}, attn(None))
 
 
 def _cli(*args):

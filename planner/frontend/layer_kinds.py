@@ -41,6 +41,23 @@ def part_kind(part, module: nn.Module | None, vocab: int | None) -> tuple[str, s
     return "other", "replicated"
 
 
+def kernel_causal(func, args: tuple, kwargs: dict, module: nn.Module | None) -> bool:
+    """Whether an attention kernel call (``ATTN_OPS``) computes causal attention: its own
+    ``is_causal`` argument (read by name from the ATen schema: its position differs between the
+    kernels), or, when it was handed an explicit mask, the ``is_causal`` attribute of the
+    attention module running it (``module``: the part, searched with its submodules).
+    transformers passes an explicit causal mask under the capture's fake tensors (its packed-
+    sequence check cannot read fake position ids) where a real run passes ``is_causal=True``;
+    the attribute is what it builds that mask from and what autopar's runtime runs its
+    attention by (codegen/runtime/adapters/hf_stage.py, ``autopar_attention``)."""
+    bound = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
+    if bound.get("is_causal"):
+        return True
+    if bound.get("attn_mask", bound.get("attn_bias")) is None or module is None:
+        return False
+    return next((m.is_causal for m in module.modules() if isinstance(getattr(m, "is_causal", None), bool)), False)
+
+
 def lin_dims(m: nn.Module) -> tuple[int, int]:
     if isinstance(m, nn.Linear):
         return m.in_features, m.out_features

@@ -48,7 +48,7 @@ from planner.frontend.records import UnitRecord, UnitRun, assemble, nbytes, tens
 from planner.errors import AutoparError, first_line
 from planner.frontend.fx_graph import GraphBuilder, unit_costs
 from planner.graph import MATMUL_OPS, AttentionDims, Matmul, ModelGraph
-from planner.frontend.layer_kinds import ATTN_OPS, is_linear, part_kind
+from planner.frontend.layer_kinds import ATTN_OPS, is_linear, kernel_causal, part_kind
 
 _VIEW_OPS_TAG = torch.Tag.view_copy if hasattr(torch.Tag, "view_copy") else None
 
@@ -127,6 +127,12 @@ def _attention_flops(name: str, args: tuple) -> float:
     return mult * 4.0 * b * h * sq * k.shape[-2] * d
 
 
+def part_module(unit: nn.Module, part: str) -> nn.Module:
+    """The child ``part`` of a unit's module (the unit itself for ``""`` or a name it lacks)."""
+    child = getattr(unit, part, None) if part else None
+    return child if isinstance(child, nn.Module) else unit
+
+
 class _Recorder(TorchDispatchMode):
     """Sees every ATen op: appends it to the FX graph (``builder``, when set) with its FLOPs,
     bytes and (unit, part, phase), and notes which op kinds each part ran."""
@@ -172,8 +178,7 @@ class _Recorder(TorchDispatchMode):
                                            float(fn(*args, **kwargs, out_val=out)) if fn is not None else 0.0))
             if name in ATTN_OPS and unit.attention is None:
                 q, k = args[0], args[1]
-                causal = bool(kwargs.get("is_causal", args[4] if len(args) > 4 and isinstance(args[4], bool)
-                                         else False))
+                causal = kernel_causal(func, args, kwargs, part_module(unit.module, self.part))
                 unit.attention = AttentionDims(heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[-1],
                                                seq_len=q.shape[-2], kv_len=k.shape[-2], causal=causal)
         return out
