@@ -32,7 +32,7 @@ angles are recomputed); a dense MLP its fc1 input (w e), the activation's input 
 input (r e). Under Megatron-Core's ``--recompute-modules layernorm`` (``Engine.recompute_modules``)
 the norms' outputs - the GEMM inputs w e - are dropped and recomputed from the kept norm inputs.
 Tensor-parallel parts (heads, FFN width) are divided by tp, hidden-sized ones by tp only with
-sequence parallel, as ``planner.graph.Layer.act_bytes_tp`` splits the capture's.
+sequence parallel, as the capture's ``act_bytes_tp`` (``planner.graph.Layer``) splits the capture's.
 
 Only blocks whose ops are all of these kinds are expressed (:func:`block_saved` is None
 otherwise and the capture's figures stand); no coefficient is fitted here.

@@ -43,6 +43,8 @@ these, this module is the one place to change. Each entry, and why we need it:
   :func:`tree_map` / :func:`tree_flatten` (``torch.utils._pytree``): capture on fake tensors
   and the op-level logs of the capture, the adapters' sequential check and the benchmarks.
 - :func:`preload_dynamo` (``torch._dynamo``): the plan-speed benchmark times its import apart.
+- :func:`op_argument_names` (``OpOverload._schema``): an ATen op's argument names, so the
+  capture reads a kernel's ``is_causal`` by name wherever its schema puts it.
 """
 from __future__ import annotations
 
@@ -115,6 +117,11 @@ def saved_attention_ops() -> set:
     return {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
             aten._scaled_dot_product_flash_attention_for_cpu.default,
             aten._scaled_dot_product_cudnn_attention.default}
+
+
+def op_argument_names(op: Any) -> list[str]:
+    """The names of an ATen op overload's arguments, in schema order."""
+    return [a.name for a in op._schema.arguments]
 
 
 def saved_collective_ops() -> set:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from codegen.runtime.torch_compat import op_argument_names
 from planner.graph import AttentionDims
 
 ATTN_OPS = {
@@ -50,7 +51,7 @@ def kernel_causal(func, args: tuple, kwargs: dict, module: nn.Module | None) -> 
     sequence check cannot read fake position ids) where a real run passes ``is_causal=True``;
     the attribute is what it builds that mask from and what autopar's runtime runs its
     attention by (codegen/runtime/adapters/hf_stage.py, ``autopar_attention``)."""
-    bound = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
+    bound = dict(zip(op_argument_names(func), args), **kwargs)
     if bound.get("is_causal"):
         return True
     if bound.get("attn_mask", bound.get("attn_bias")) is None or module is None:
