@@ -180,6 +180,7 @@ def test_model_flops_is_korthikanti_eq7_for_a_gpt():
     assert model_flops(m, 1) == pytest.approx(eq7, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_published_runs_are_predicted_within_the_target():
     graphs = pr.Graphs()
     exact = [c for r in _runs() if not isinstance(c := px.express(r), str) and px.approx_reason(r) is None]
