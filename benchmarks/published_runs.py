@@ -1,46 +1,29 @@
 """The GPU cost model against published training runs (the development set).
 
-Every run of the development set (``benchmarks/published/published_runs_dev.json``, a
-copy of the team's ``shared/data/published_runs_dev.json``) that autopar can express is
-priced at its published layout with ``evaluate_config`` (what ``autopar evaluate``
-calls) and compared with its published throughput on the run's own counting basis:
+Every run of the development set (``benchmarks/published/published_runs_dev.json`` and
+``published_runs_dev2.json``, copies of the team's ``shared/data`` files) that autopar can
+express (``benchmarks/published_express.py``: how, and what is assumed where a source is
+silent) is priced at its published layout with ``evaluate_config`` (what ``autopar
+evaluate`` calls) on the engine that ran it (``cost_models/engines.py``), with an even
+stage split (the published runs split layers evenly), and compared with its published
+throughput on the run's own counting basis: step time when the run gives it; tokens/s
+per GPU; or TFLOP/s per GPU counted the way its source counts them (SC'21's Eq. 3, which
+includes the recomputed forward, or model FLOPs: the MFU basis of the others).
 
-- a run that gives its iteration time is compared on step time;
-- one that gives tokens/s per GPU, on tokens/s (the step's tokens / step time);
-- one that gives only TFLOP/s per GPU, on TFLOP/s counted the way its paper counts
-  them (SC'21: Eq. 3 of Narayanan et al., which includes the recomputed forward).
-
-On each basis the error is ``predicted throughput / published throughput - 1``
-(positive: predicted too fast). Printed: per run, the median absolute error, the share
-within 25 %, per source; with ``--fit`` also the fitted coefficients and the
-leave-one-source-out errors (every source predicted by a fit on the other sources); with
-``--plan``, autopar's own pick for each job, priced by the same model, over the published
-layout (>= 1.0: at least as fast under the model) and how often the degrees match.
+The error is ``predicted throughput / published throughput - 1`` (positive: predicted too
+fast). Printed: per run, the median absolute error, the share within 25 %, per source;
+with ``--fit`` the coefficients fitted on every exact run and the leave-one-source-out
+errors (every source predicted by a fit on the other sources: the headline); with
+``--plan``, autopar's own pick for each job against the published layout, both priced on
+autopar's runtime (>= 1.0: ours at least as fast), whether the degrees match, and why they
+differ (the breakdown categories that move most).
 
 Tiers: *exact* runs are expressed faithfully and make the headline figures;
-*approximate* ones (marked ~) ran on a runtime whose behaviour autopar's does not
-describe (DeepSpeed's 2021 ZeRO-3; torchtitan's per-layer selective checkpointing, which
-autopar's recompute policies are not; its per-op policy is autopar's ``selective-op``) and are
-printed, with the figures over all runs beside the headline. Stage splits are even
-(the published runs split layers evenly).
-
-How a run is expressed (``express``), and what is assumed where a source is silent:
-- zoo architectures: "GPT" -> gpt (GELU MLP, learned positions, untied head),
-  Llama -> llama (SwiGLU, GQA, RoPE); sizes from the run;
-- clusters: A100 runs on the ``dgx-a100-80g`` preset (MegaScale's "Ampere" GPUs are
-  taken as A100 80 GB: its MFU figures use the A100's 312 TFLOP/s); torchtitan's H100s
-  are 96 GB parts at 500 W: ``benchmarks/published/h100-96g-500w.toml``;
-- torchtitan rows that do not state a sequence length: 8192, the length of
-  torchtitan's Llama 3 training configs (their MFU figures match it);
-- a global batch not stated: micro-batch x dp (torchtitan accumulates nothing by default);
-- recompute not stated: full for SC'21 (its Eq. 3 counts the recomputed forward),
-  selective otherwise; torchtitan's "selective" without an option: its default, per-op
-  (``selective-op``); sequence parallel not stated: on when tp > 1; optimizer
-  sharding not stated: ddp for SC'21 (Megatron had no distributed optimizer then),
-  zero1 (Megatron's distributed optimizer) for later Megatron runs.
-Skipped, with the reason printed: FP8 runs (autopar has no fp8 training),
-torch.compile runs (autopar runs eager), MegaScale's own system (parallel blocks,
-sliding-window attention and LAMB are not a zoo architecture).
+*approximate* ones (marked ~) ran on a runtime whose behaviour no engine describes
+(DeepSpeed's 2021 ZeRO-3; torchtitan's per-layer selective checkpointing) and are printed,
+with the figures over all runs beside the headline. Skipped, with the reason printed:
+FP8 runs, torch.compile runs, MegaScale's own system. The mixtures of experts are
+``benchmarks/published_moe.py``.
 
     python -m benchmarks.published_runs [--fit] [--plan] [--out benchmarks/results/published_runs.json]
 """
