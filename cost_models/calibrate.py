@@ -17,6 +17,10 @@ eff_memory          CPU roofline bandwidth efficiency (EFF_MEMORY)   compute.roo
 op_overhead_s       CPU per-op dispatch seconds (CPU_OP_OVERHEAD_S)  compute.roofline_time
 dtensor_module_s    CPU DTensor dispatch per TP-sharded module       compute.dtensor_dispatch_s
                     (CPU_DTENSOR_MODULE_S)
+replicate_unit_s,   CPU data-parallel wrapper work per unit and      cpu_runtime.wrapper_unit_s
+fsdp_unit_s,        micro-batch (replicate; fully_shard; its
+fsdp_reduce_unit_s  gradient reduction)
+ep_dispatch_s       CPU EP dispatch host work per MoE layer          cpu_runtime.ep_dispatch_s
 gpu.<coefficient>   a GPU kernel-model coefficient (GpuCoefficients) gpu_kernels
 
 comm_scale          multiplies every collective / p2p time           comm._group_time
@@ -31,9 +35,10 @@ mem_reserve_frac    + this fraction of the tensor bytes (CPU)        estimate.es
 =================== ================================================ =====================
 
 When every fitted run on a CPU cluster priced its layers with the roofline (no measured
-layers), ``compute_scale`` is folded into ``eff_matmul``, ``eff_memory``, ``op_overhead_s`` and
-``dtensor_module_s`` (the roofline is exactly proportional to 1/efficiency and to the
-per-op and per-module costs), so those are what is stored.
+layers), ``compute_scale`` is folded into ``eff_matmul``, ``eff_memory``, ``op_overhead_s``,
+``dtensor_module_s`` and the CPU runtime's per-call figures (cost_models/cpu_runtime.py: the
+roofline is exactly proportional to 1/efficiency and to the per-op and per-module costs), so
+those are what is stored.
 
 The fit. Step time: minimise the mean squared log error ``mean(log(pred/measured)^2)``
 over the runs, with a weak prior pulling each coefficient to its uncalibrated value
@@ -63,6 +68,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from cost_models import cpu_runtime
 from cost_models.cluster import Cluster
 from cost_models.compute import CPU_DTENSOR_MODULE_S, CPU_OP_OVERHEAD_S, EFF_MATMUL_CPU, EFF_MEMORY
 from cost_models.estimate import OVERLAP, GiB, estimate
@@ -322,6 +328,8 @@ def fit(samples: Sequence[RunSample], profile: ProfileDB | None, *, keys: Sequen
         cal["eff_memory"] = EFF_MEMORY / k
         cal["op_overhead_s"] = CPU_OP_OVERHEAD_S * k
         cal["dtensor_module_s"] = CPU_DTENSOR_MODULE_S * k
+        for key in cpu_runtime.KEYS:  # the runtime's own per-call work, CPU time like the per-op cost
+            cal[key] = cpu_runtime.DEFAULTS[key] * k
     return {k: float(v) for k, v in sorted(cal.items())}
 
 
