@@ -329,7 +329,7 @@ def fit(samples: Sequence[RunSample], profile: ProfileDB | None, *, keys: Sequen
         cal["op_overhead_s"] = CPU_OP_OVERHEAD_S * k
         cal["dtensor_module_s"] = CPU_DTENSOR_MODULE_S * k
         for key in cpu_runtime.KEYS:  # the runtime's own per-call work, CPU time like the per-op cost
-            cal[key] = cpu_runtime.DEFAULTS[key] * k
+            cal[key] = cpu_runtime.measured(key, profile) * k
     return {k: float(v) for k, v in sorted(cal.items())}
 
 

@@ -4,8 +4,8 @@ On a local CPU cluster (gloo, eager PyTorch, one Python thread driving each rank
 machinery that makes a layout run costs CPU time of its own, per micro-batch, that neither
 the roofline nor the collectives' alpha-beta times contain. Priced here as mechanisms, each
 a count the layout decides times a per-call figure measured on this machine's kind of CPU
-(torch 2.13, 2 gloo ranks of one thread on a 2-core EPYC; the script that measured them is
-quoted beside each):
+(torch 2.13, 2 gloo ranks of one thread on a 2-core Xeon; how each was measured is written
+beside it, and the profiler measures them again the same way):
 
 - **Data-parallel wrappers** (codegen/runtime/data_parallel.py), per wrapped unit (the runtime
   wraps every layer unit and the stage root) and micro-batch, forward and backward:
@@ -23,14 +23,16 @@ quoted beside each):
   (``.tolist()``), the sort of the received rows by expert, and torch's functional uneven
   all-to-all with its autograd node and wait: ``CPU_EP_DISPATCH_S``, forward and backward.
 
-Nothing on GPU clusters (there the host runs ahead of the kernels; unmeasured: 0). The
-calibration keys ``replicate_unit_s``, ``fsdp_unit_s``, ``fsdp_reduce_unit_s`` and
+Nothing on GPU clusters (there the host runs ahead of the kernels; unmeasured: 0). A profile
+of the cluster measures each again (``cost_models.profiler.measure_runtime``, the same setups
+as the defaults; ``ProfileDB.runtime``), which replaces the default. The calibration keys ``replicate_unit_s``, ``fsdp_unit_s``, ``fsdp_reduce_unit_s`` and
 ``ep_dispatch_s`` replace the defaults; a CPU roofline calibration scales them with its
 ``compute_scale`` (cost_models/calibrate.py), as it does the per-op and DTensor costs.
 """
 from __future__ import annotations
 
 from cost_models.cluster import Cluster
+from cost_models.compute import calibration
 from planner.graph import Layer
 from planner.plan import SHARDED_PARAMS, ParallelConfig, uses_ddp_reducer
 
@@ -53,12 +55,18 @@ DEFAULTS = {"replicate_unit_s": CPU_REPLICATE_UNIT_S, "fsdp_unit_s": CPU_FSDP_UN
             "fsdp_reduce_unit_s": CPU_FSDP_REDUCE_UNIT_S, "ep_dispatch_s": CPU_EP_DISPATCH_S}
 
 
-def figure(key: str, cal: dict[str, float] | None = None) -> float:
-    """One per-call figure (seconds): the calibrated value, else the measured default."""
-    return (cal or {}).get(key, DEFAULTS[key])
+def measured(key: str, profile=None) -> float:
+    """One per-call figure (seconds) as measured: the profile's (``ProfileDB.runtime``, written by
+    ``cost_models.profiler.measure_runtime``), else the default measured above."""
+    return (getattr(profile, "runtime", None) or {}).get(key, DEFAULTS[key])
 
 
-def wrapper_unit_s(cluster: Cluster, cfg: ParallelConfig, cal: dict[str, float] | None = None) -> tuple[float, float]:
+def figure(key: str, profile=None) -> float:
+    """One per-call figure (seconds) as priced: the profile's calibrated value, else :func:`measured`."""
+    return calibration(profile).get(key, measured(key, profile))
+
+
+def wrapper_unit_s(cluster: Cluster, cfg: ParallelConfig, profile=None) -> tuple[float, float]:
     """(forward, backward) seconds the data-parallel wrapper adds per wrapped unit and
     micro-batch under ``cfg`` on ``cluster`` (module docstring); (0, 0) on GPUs, without data
     parallelism (dp x cp = 1) and under DDP's reducer. A third in the forward (the pre-forward
@@ -66,20 +74,19 @@ def wrapper_unit_s(cluster: Cluster, cfg: ParallelConfig, cal: dict[str, float] 
     if cluster.backend != "gloo" or cfg.dp * cfg.cp == 1 or uses_ddp_reducer(cfg.zero, cfg.pp, cfg.tp):
         return 0.0, 0.0
     if cfg.zero in SHARDED_PARAMS:
-        s = figure("fsdp_unit_s", cal)
+        s = figure("fsdp_unit_s", profile)
         if cfg.pp == 1:  # gradients reduce-scattered every micro-batch (pipelines: once per step)
-            s += figure("fsdp_reduce_unit_s", cal)
+            s += figure("fsdp_reduce_unit_s", profile)
     else:
-        s = figure("replicate_unit_s", cal)
+        s = figure("replicate_unit_s", profile)
     return s / 3, 2 * s / 3
 
 
-def ep_dispatch_s(layer: Layer, cluster: Cluster, cfg: ParallelConfig,
-                  cal: dict[str, float] | None = None) -> tuple[float, float]:
+def ep_dispatch_s(layer: Layer, cluster: Cluster, cfg: ParallelConfig, profile=None) -> tuple[float, float]:
     """(forward, backward) seconds of the EP dispatch's host-side work in one MoE ``layer`` per
     micro-batch on a CPU cluster (module docstring), half each way; (0, 0) without experts,
     without EP or on GPUs."""
     if layer.moe is None or cfg.ep == 1 or cluster.backend != "gloo":
         return 0.0, 0.0
-    s = figure("ep_dispatch_s", cal)
+    s = figure("ep_dispatch_s", profile)
     return s / 2, s / 2

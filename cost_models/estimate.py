@@ -179,7 +179,7 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
     """Per virtual stage: its layers' compute, TP/CP communication and recompute (sources noted),
     and the CPU runtime's data-parallel wrapper work per wrapped unit (cost_models/cpu_runtime.py)."""
     out = []
-    wf, wb = wrapper_unit_s(costs.c, costs.cfg, calibration(costs.profile))
+    wf, wb = wrapper_unit_s(costs.c, costs.cfg, costs.profile)
     for (lo, hi), rc in zip(partition.bounds, partition.recompute):
         f, b = (hi - lo) * wf, (hi - lo) * wb  # one wrapped unit per layer (the stage root holds the rest)
         cf, cb = f, b

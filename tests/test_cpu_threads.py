@@ -185,8 +185,6 @@ def test_wrapper_work_grows_with_units_and_micro_batches_on_cpu_only() -> None:
     assert runtime(c, pp=2, schedule="1f1b", mbs=1) == 0.0  # no data parallelism, no wrapper
     f, b = cpu_runtime.wrapper_unit_s(c, ParallelConfig(dp=2, zero="fsdp"))
     assert f + b == pytest.approx(cpu_runtime.CPU_FSDP_UNIT_S + cpu_runtime.CPU_FSDP_REDUCE_UNIT_S)
-    assert cpu_runtime.wrapper_unit_s(c, ParallelConfig(dp=2, zero="fsdp"), {"fsdp_unit_s": 0.0,
-                                                                              "fsdp_reduce_unit_s": 0.0}) == (0, 0)
     gpu = load_preset("dgx-h100", 1)
     assert cpu_runtime.wrapper_unit_s(gpu, ParallelConfig(dp=8, zero="fsdp")) == (0.0, 0.0)
     e, _ = evaluate_config(load_graph("gpt-small"), gpu, ParallelConfig(dp=8, zero="fsdp", mbs=1), 64)
@@ -212,3 +210,23 @@ def test_dtensor_and_ep_dispatch_priced_per_sharded_op_on_cpu_only() -> None:
     e1, _ = evaluate_config(moe, c, cfg.replace(mbs=1, dtype="fp32"), 8)
     n_moe = sum(1 for l in moe.layers if l.moe is not None)
     assert e1.breakdown["ep_comm"] - e4.breakdown["ep_comm"] >= 3 * n_moe * cpu_runtime.CPU_EP_DISPATCH_S * 0.99
+
+
+def test_measured_runtime_work_replaces_the_default_and_calibration_wins(tmp_path) -> None:
+    from cost_models.profile_db import ProfileDB
+
+    db = ProfileDB(cluster_fingerprint="x", backend="gloo", world=2)
+    assert cpu_runtime.figure("fsdp_unit_s", db) == cpu_runtime.CPU_FSDP_UNIT_S
+    db.runtime = {"fsdp_unit_s": 4e-3, "ep_dispatch_s": 1e-3}
+    db.to_json(tmp_path / "p.json")
+    back = ProfileDB.load(tmp_path / "p.json")
+    assert back.runtime == db.runtime and cpu_runtime.figure("fsdp_unit_s", back) == 4e-3
+    back.calibration = {"fsdp_unit_s": 5e-3}
+    assert cpu_runtime.figure("fsdp_unit_s", back) == 5e-3 and cpu_runtime.measured("fsdp_unit_s", back) == 4e-3
+    f, b = cpu_runtime.wrapper_unit_s(cpu(2, 2), ParallelConfig(dp=2, zero="fsdp", pp=1), back)
+    assert f + b == pytest.approx(5e-3 + cpu_runtime.CPU_FSDP_REDUCE_UNIT_S)
+    bad = json.loads((tmp_path / "p.json").read_text())
+    bad["runtime"]["fsdp_unit_s"] = -1.0
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="runtime holds a negative"):
+        ProfileDB.load(tmp_path / "bad.json")
