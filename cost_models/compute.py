@@ -54,6 +54,7 @@ from dataclasses import dataclass, replace
 from cost_models import gpu_kernels as gk
 from cost_models.cluster import Cluster
 from cost_models.experts import expert_rows
+from cost_models.shared_cores import thread_op_s
 from cost_models.op_recompute import checkpointed, kept_flops, kept_linears, routed_unkept_share
 from planner.graph import OUT_SPLIT_ROLES, TP_SPLIT_ROLES, Layer, Linear, ModelGraph, MoEDims
 from planner.plan import ParallelConfig
@@ -327,7 +328,7 @@ def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parall
     if not layer.ops:
         fwd = layer.fwd_bytes * dscale / bw * scale * shard
         bwd = layer.bwd_bytes * dscale / bw * scale * shard
-    op_s = cal.get("op_overhead_s", CPU_OP_OVERHEAD_S)
+    op_s = cal.get("op_overhead_s", CPU_OP_OVERHEAD_S) + thread_op_s(cluster, cfg)  # + the threads' wake-up
     fwd += layer.fwd_ops * op_s
     return LayerTime(fwd, bwd + layer.bwd_ops * op_s, "roofline",
                      op_recompute_s=op_recompute_share(layer, graph, cfg) * fwd)

@@ -28,7 +28,10 @@ threads (ranks x threads = cores). :func:`ranks_cluster` is the cluster such a l
 runs on: ``world`` devices, each computing at :func:`rank_speed` times the detected
 per-process figure (its threads' GEMM speedup, :func:`thread_scaling`, from the measured
 ``Cluster.thread_speedup``, over the share of a core each detected process had), with the
-node's memory split ``world`` ways. The estimate prices every layout on it
+node's memory split ``world`` ways, and each op a rank with several threads dispatches pays
+their wake-up and join (:func:`thread_op_s`, the measured ``Cluster.thread_sync_us``: about
+nothing on free cores, a scheduler slice per op while another process holds one). The
+estimate prices every layout on it
 (cost_models/estimate.py, cost_models/layer_costs.py); a layout with the detected process
 count and one thread each is priced on the cluster itself.
 """
@@ -119,6 +122,15 @@ def thread_scaling(cluster: Cluster, threads: int) -> float:
         return 1.0
     full = cluster.thread_speedup or float(cores)
     return t ** (math.log(max(full, 1.0)) / math.log(cores))
+
+
+def thread_op_s(cluster: Cluster, cfg: ParallelConfig) -> float:
+    """Seconds each op a rank of ``cfg`` dispatches adds for its intra-op threads' wake-up and
+    join: the measured ``cluster.thread_sync_us`` when the rank runs more than one thread
+    (every op counted: at these sizes torch parallelises nearly all), else 0."""
+    if not local_cpu(cluster) or rank_threads(cfg.threads, cluster.cores_per_node, cfg.world) < 2:
+        return 0.0
+    return cluster.thread_sync_us * 1e-6
 
 
 def rank_speed(cluster: Cluster, ranks: int, threads: int) -> float:

@@ -24,7 +24,7 @@ from planner.search.planning import evaluate_config, plan_model
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def cpu(n: int = 2, cores: int = 2, speedup: float = 1.8) -> Cluster:
+def cpu(n: int = 2, cores: int = 2, speedup: float = 1.8, sync_us: float = 0.0) -> Cluster:
     """``n`` gloo processes on ``cores`` cores, per-process figures as detect() writes them."""
     share = min(1.0, cores / n)
     return Cluster.from_dict({
@@ -32,7 +32,7 @@ def cpu(n: int = 2, cores: int = 2, speedup: float = 1.8) -> Cluster:
         "device": {"name": "cpu-test", "memory_gib": 8.0 / n, "mem_bw_gbs": 10.0 * share,
                    "peak_tflops": {"fp32": 0.1 * share}},
         "intra": {"bandwidth_gbs": 1.0, "latency_us": 130.0}, "inter": {"bandwidth_gbs": 1.0, "latency_us": 130.0},
-        "detected": True, "cores_per_node": cores, "thread_speedup": speedup})
+        "detected": True, "cores_per_node": cores, "thread_speedup": speedup, "thread_sync_us": sync_us})
 
 
 # ---------------------------------------------------------------------- threads per rank
@@ -87,6 +87,17 @@ def test_search_weighs_one_process_with_every_thread() -> None:
     # priced with the threads: the same layout on one thread's speed is slower
     e1, _ = evaluate_config(g, fast, picked_one.config.replace(threads=1), 8)
     assert e1.step_s > picked_one.step_s
+    # while another process holds a core each parallel op waits a scheduler slice for its
+    # second thread (measured thread_sync_us): one process then loses to two
+    busy = cpu(2, 2, speedup=2.0, sync_us=5000.0)
+    e_busy, _ = evaluate_config(g, busy, picked_one.config, 8)
+    n_ops = sum(l.fwd_ops + l.bwd_ops for l in g.layers)
+    assert e_busy.step_s - picked_one.step_s == pytest.approx(n_ops * 5e-3 * picked_one.microbatches, rel=0.05)
+    _, res_busy = plan_model(g, busy, 8, spec="gpt-tiny", cluster_spec="local-cpu:2")
+    assert res_busy.best.config.world == 2
+    e_two, _ = evaluate_config(g, busy, ParallelConfig(dp=2, mbs=4, dtype="fp32"), 8)
+    e_two_free, _ = evaluate_config(g, fast, ParallelConfig(dp=2, mbs=4, dtype="fp32"), 8)
+    assert e_two.step_s == pytest.approx(e_two_free.step_s)  # one thread each: no wake-ups
 
 
 def test_plan_without_threads_loads_and_writes_as_before(tmp_path) -> None:
