@@ -21,6 +21,7 @@ replicate_unit_s,   CPU data-parallel wrapper work per unit and      cpu_runtime
 fsdp_unit_s,        micro-batch (replicate; fully_shard; its
 fsdp_reduce_unit_s  gradient reduction)
 ep_dispatch_s       CPU EP dispatch host work per MoE layer          cpu_runtime.ep_dispatch_s
+                    (these four: given, not fitted; the profile measures them)
 gpu.<coefficient>   a GPU kernel-model coefficient (GpuCoefficients) gpu_kernels
 
 comm_scale          multiplies every collective / p2p time           comm._group_time
@@ -35,10 +36,10 @@ mem_reserve_frac    + this fraction of the tensor bytes (CPU)        estimate.es
 =================== ================================================ =====================
 
 When every fitted run on a CPU cluster priced its layers with the roofline (no measured
-layers), ``compute_scale`` is folded into ``eff_matmul``, ``eff_memory``, ``op_overhead_s``,
-``dtensor_module_s`` and the CPU runtime's per-call figures (cost_models/cpu_runtime.py: the
-roofline is exactly proportional to 1/efficiency and to the per-op and per-module costs), so
-those are what is stored.
+layers), ``compute_scale`` is folded into ``eff_matmul``, ``eff_memory``, ``op_overhead_s`` and
+``dtensor_module_s`` (the roofline is exactly proportional to 1/efficiency and to the per-op and
+per-module costs), so those are what is stored. The CPU runtime's per-call figures
+(cost_models/cpu_runtime.py) are measured, not scaled: their keys replace them only when given.
 
 The fit. Step time: minimise the mean squared log error ``mean(log(pred/measured)^2)``
 over the runs, with a weak prior pulling each coefficient to its uncalibrated value
@@ -68,7 +69,6 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from cost_models import cpu_runtime
 from cost_models.cluster import Cluster
 from cost_models.compute import CPU_DTENSOR_MODULE_S, CPU_OP_OVERHEAD_S, EFF_MATMUL_CPU, EFF_MEMORY
 from cost_models.estimate import OVERLAP, GiB, estimate
@@ -328,8 +328,6 @@ def fit(samples: Sequence[RunSample], profile: ProfileDB | None, *, keys: Sequen
         cal["eff_memory"] = EFF_MEMORY / k
         cal["op_overhead_s"] = CPU_OP_OVERHEAD_S * k
         cal["dtensor_module_s"] = CPU_DTENSOR_MODULE_S * k
-        for key in cpu_runtime.KEYS:  # the runtime's own per-call work, CPU time like the per-op cost
-            cal[key] = cpu_runtime.measured(key, profile) * k
     return {k: float(v) for k, v in sorted(cal.items())}
 
 

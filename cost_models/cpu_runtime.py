@@ -25,9 +25,10 @@ beside it, and the profiler measures them again the same way):
 
 Nothing on GPU clusters (there the host runs ahead of the kernels; unmeasured: 0). A profile
 of the cluster measures each again (``cost_models.profiler.measure_runtime``, the same setups
-as the defaults; ``ProfileDB.runtime``), which replaces the default. The calibration keys ``replicate_unit_s``, ``fsdp_unit_s``, ``fsdp_reduce_unit_s`` and
-``ep_dispatch_s`` replace the defaults; a CPU roofline calibration scales them with its
-``compute_scale`` (cost_models/calibrate.py), as it does the per-op and DTensor costs.
+as the defaults; ``ProfileDB.runtime``), which replaces the default. The calibration keys
+``replicate_unit_s``, ``fsdp_unit_s``, ``fsdp_reduce_unit_s`` and ``ep_dispatch_s`` replace the
+measured figures where a calibration gives them (``autopar calibrate`` does not fit them yet:
+cost_models/calibrate.py).
 """
 from __future__ import annotations
 
