@@ -20,10 +20,12 @@
    planned again with it.
 
     python -m benchmarks.fidelity [--cluster local-cpu:4] [--seq-len 64] [--global-batch 8]
-        [--steps 8] [--repeats 3] [--models gpt-small,benchmarks/fidelity_llama.toml]
+        [--steps 8] [--repeats 3] [--models gpt-small,benchmarks/fidelity_llama.toml,benchmarks/fidelity_moe.toml]
         [--out benchmarks/results/fidelity.json]
 
-Targets (issue): Spearman >= 0.9, MAPE <= 15 %, regret <= 1.05, peak memory within 15 %.
+Targets (issue): Spearman >= 0.9, MAPE <= 15 %, regret <= 1.05, peak memory within 15 %; the
+expert-parallel layouts (benchmarks/fidelity_moe.toml) within 25 %. The forced layouts include fewer processes than
+the cluster's with more threads each (``ParallelConfig.threads``), down to one process.
 Memory: the programs log peak RSS, which includes the interpreter and torch; the
 uncalibrated model predicts tensor bytes only (RESERVE_CPU = 0), calibration fits the
 per-process reserve (``mem_reserve_gib``).
@@ -49,6 +51,7 @@ from cost_models.profile_db import ProfileDB  # noqa: E402
 from benchmarks.results import write_json
 
 LLAMA_SPEC = "benchmarks/fidelity_llama.toml"
+MOE_SPEC = "benchmarks/fidelity_moe.toml"
 RUN_TIMEOUT_S = 300  # a plan whose run hangs is killed and counted as failed
 
 # Forced layouts per model kind and world size (those that do not fit, that the planner's
@@ -75,7 +78,18 @@ FORCED = {
         "tp=2,sp=on",
         "dp=2,zero=zero1",
     ],
+    "moe": [
+        "dp=4,ep=4,zero=fsdp,mbs=2",
+        "dp=2,tp=2,sp=on,ep=4,zero=fsdp,mbs=4",
+        "dp=4,ep=2,zero=fsdp,mbs=2",
+        "dp=4,zero=zero1,mbs=2",
+    ],
 }
+# fewer processes than the cluster's, more threads each (ParallelConfig.threads): on 2 cores two
+# single-thread ranks and one process with both threads, beside the 4-rank layouts above
+for _kind_name, _extra in (("gpt", ["dp=2,zero=zero1,mbs=4", "threads=2,mbs=8"]),
+                           ("llama", ["dp=2,zero=zero1,mbs=4", "threads=2,mbs=8"])):
+    FORCED[_kind_name] = FORCED[_kind_name] + _extra
 
 # world = 2: every mesh dimension alone, the schedules and the DP sharding modes.
 FORCED_2 = {
@@ -96,7 +110,11 @@ FORCED_2 = {
         "pp=2,schedule=zb-h1,mbs=2",
     ],
     "tiny": ["pp=2,schedule=1f1b", "tp=2,sp=on", "dp=2,zero=zero1"],
+    "moe": ["dp=2,ep=2,zero=fsdp,mbs=4", "tp=2,sp=on,ep=2,mbs=8", "dp=2,zero=zero1,mbs=4", "pp=2,schedule=1f1b,mbs=2",
+            "threads=2,mbs=8"],
 }
+for _kind_name in ("gpt", "llama"):  # one process with both cores' threads
+    FORCED_2[_kind_name] = FORCED_2[_kind_name] + ["threads=2,mbs=8"]
 FORCED_BY_WORLD = {4: FORCED, 2: FORCED_2}
 
 
@@ -116,10 +134,13 @@ def _log(msg: str) -> None:
 
 def _layout_key(cfg) -> tuple:
     """Layouts that differ only by recompute (the same run on CPU at these sizes) count as one."""
-    return (cfg.dp, cfg.pp, cfg.cp, cfg.tp, cfg.mbs, cfg.zero, cfg.schedule if cfg.pp > 1 else "-", cfg.vpp, cfg.sp)
+    return (cfg.dp, cfg.pp, cfg.cp, cfg.tp, cfg.ep, cfg.mbs, cfg.zero, cfg.schedule if cfg.pp > 1 else "-", cfg.vpp,
+            cfg.sp, cfg.threads)
 
 
 def _kind(graph) -> str:
+    if any(layer.moe is not None for layer in graph.layers):
+        return "moe"
     if graph.name.endswith("-tiny"):
         return "tiny"
     return "llama" if "llama" in graph.name else "gpt"
@@ -358,7 +379,7 @@ def print_table(res: dict[str, Any]) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cluster", default="local-cpu:4")
-    ap.add_argument("--models", default=f"gpt-small,{LLAMA_SPEC}")
+    ap.add_argument("--models", default=f"gpt-small,{LLAMA_SPEC},{MOE_SPEC}")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=8)

@@ -161,7 +161,7 @@ def make_data(args: argparse.Namespace, spec: zoo.ModelSpec):
 
 def main() -> None:
     args = parse_args()
-    device = init_distributed()  # gloo on CPU, nccl on GPU
+    device = init_distributed(threads=CONFIG.threads)  # gloo on CPU (the plan's threads per rank), nccl on GPU
     spec = zoo.load_model_spec(MODEL)
     model = spec.build(None if ADAPTER == "module" else "meta")
     pm = build(model, args, device)

@@ -35,6 +35,8 @@ TOML format (every key required unless marked optional; no other keys)::
     backend = "nccl"            # "nccl" or "gloo"
     profile = "profile.json"    # optional: a ProfileDB measured on this cluster
     cores_per_node = 2          # optional: CPU cores a node's processes share (local CPU clusters)
+    thread_speedup = 1.8        # optional: a GEMM on cores_per_node threads over one thread (measured)
+    thread_sync_us = 10         # optional: what each parallel op adds on cores_per_node threads (measured)
     [device]
     name = "H100-SXM"
     memory_gib = 80
@@ -163,6 +165,8 @@ class Cluster:
     backend: str = "nccl"
     detected: bool = False
     cores_per_node: int = 0  # CPU cores a node's processes share (local-cpu); 0: each device computes alone
+    thread_speedup: float = 0.0  # a GEMM on cores_per_node intra-op threads over one (local-cpu); 0: not measured
+    thread_sync_us: float = 0.0  # microseconds each parallel op adds on cores_per_node threads (local-cpu)
 
     # ---- derived figures -------------------------------------------------------
     @property
@@ -215,12 +219,17 @@ class Cluster:
             d["detected"] = True
         if self.cores_per_node:
             d["cores_per_node"] = self.cores_per_node
+        if self.thread_speedup:
+            d["thread_speedup"] = float(self.thread_speedup)
+        if self.thread_sync_us:
+            d["thread_sync_us"] = float(self.thread_sync_us)
         return d
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "cluster") -> "Cluster":
         """Build and validate a Cluster from the TOML layout; ``source`` names it in errors."""
-        _check_keys(data, source, "", required=_TOP_REQUIRED, optional=("profile", "detected", "cores_per_node"))
+        _check_keys(data, source, "", required=_TOP_REQUIRED, optional=("profile", "detected", "cores_per_node",
+                                                                               "thread_speedup", "thread_sync_us"))
         dev = data["device"]
         _check_table(dev, source, "device")
         _check_keys(dev, source, "device.", required=("name", "memory_gib", "mem_bw_gbs", "peak_tflops"),
@@ -263,6 +272,10 @@ class Cluster:
             backend=_str(data["backend"], source, "backend"),
             detected=detected,
             cores_per_node=_int(data["cores_per_node"], source, "cores_per_node") if "cores_per_node" in data else 0,
+            thread_speedup=(_num(data["thread_speedup"], source, "thread_speedup") if "thread_speedup" in data
+                            else 0.0),
+            thread_sync_us=(_num(data["thread_sync_us"], source, "thread_sync_us", allow_zero=True)
+                            if "thread_sync_us" in data else 0.0),
         )
         cluster.validate(source=source)
         return cluster
@@ -325,6 +338,8 @@ class Cluster:
         d.pop("profile", None)
         if self.detected:  # (the core count is in the device name)
             d.pop("cores_per_node", None)
+            d.pop("thread_speedup", None)
+            d.pop("thread_sync_us", None)
             d["device"] = {"name": self.device.name, "memory_gib": round(self.device.memory_gib, 3)}
             d.pop("intra")
             d.pop("inter")
@@ -339,12 +354,17 @@ class Cluster:
         Assumptions: each process runs one intra-op thread (torchrun sets
         OMP_NUM_THREADS=1 when it starts several processes) and the ``n`` processes
         share the cores, so per-process figures = single-thread figures x
-        min(1, cores / n). Memory per process = total RAM / n. Links: the gloo
+        min(1, cores / n). ``thread_speedup``: a GEMM on every core's thread over one
+        (``machine.thread_speedup``), and ``thread_sync_us``, what each op torch runs in
+        parallel then adds (``machine.thread_sync_s``: milliseconds while another process
+        holds a core): what a plan with fewer ranks and more threads per rank runs at
+        (``cost_models.shared_cores.ranks_cluster``, ``thread_op_s``). Memory per process = total RAM / n. Links: the gloo
         defaults above (``GLOO_LINK_GBS``, ``GLOO_LATENCY_US``); nodes = 1.
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ClusterError(f"local-cpu needs a positive process count, got {n!r}: use local-cpu:N, e.g. local-cpu:2")
         gemm_flops, copy_bps = machine.measure_cpu()
+        speedup, sync_us = machine.thread_speedup(), machine.thread_sync_s() * 1e6
         share = min(1.0, machine.cpu_count() / n)
         device = Device(
             name=f"cpu-{machine.cpu_model()}-{machine.cpu_count()}c",
@@ -355,7 +375,8 @@ class Cluster:
         link = Link(bandwidth_gbs=GLOO_LINK_GBS, latency_us=GLOO_LATENCY_US)
         return cls(name=f"local-cpu:{n}", nodes=1, devices_per_node=n, device=device,
                    intra=link, inter=Link(link.bandwidth_gbs, link.latency_us),
-                   backend="gloo", detected=True, cores_per_node=machine.cpu_count())
+                   backend="gloo", detected=True, cores_per_node=machine.cpu_count(), thread_speedup=speedup,
+                   thread_sync_us=sync_us)
 
 
 # ---- presets -------------------------------------------------------------------------

@@ -56,6 +56,7 @@ from cost_models.cluster import Cluster
 from cost_models.engines import DEFAULT_ENGINE, Engine
 from cost_models.fused_elementwise import fused_op
 from cost_models.moe_layer import DISPATCH_KERNELS, dispatch_bytes, expert_rows, grouped_gemm_seconds
+from cost_models.shared_cores import thread_op_s
 from cost_models.op_recompute import checkpointed, kept_flops, kept_linears, routed_unkept_share
 from planner.graph import OUT_SPLIT_ROLES, TP_SPLIT_ROLES, Layer, Linear, ModelGraph, MoEDims
 from planner.plan import ParallelConfig
@@ -380,7 +381,7 @@ def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parall
     if not layer.ops:
         fwd = layer.fwd_bytes * dscale / bw * scale * shard
         bwd = layer.bwd_bytes * dscale / bw * scale * shard
-    op_s = cal.get("op_overhead_s", CPU_OP_OVERHEAD_S)
+    op_s = cal.get("op_overhead_s", CPU_OP_OVERHEAD_S) + thread_op_s(cluster, cfg)  # + the threads' wake-up
     fwd += layer.fwd_ops * op_s
     return LayerTime(fwd, bwd + layer.bwd_ops * op_s, "roofline",
                      op_recompute_s=op_recompute_share(layer, graph, cfg) * fwd)
@@ -420,12 +421,25 @@ def _documents_scaled(got: tuple[float, float], layer: Layer, graph: ModelGraph,
     return got[0] * f, got[1] * b
 
 
+def _speed_scaled(got: tuple[float, float], layer: Layer, graph: ModelGraph, cluster: Cluster,
+                  profiled_on: Cluster, cfg: ParallelConfig, cal: dict[str, float]) -> tuple[float, float]:
+    """A profiled (forward, backward) time, measured on ``profiled_on``'s ranks, on ``cluster``'s
+    (other CPU ranks and threads: ``cost_models.shared_cores.ranks_cluster``), scaled by the
+    roofline's own ratio of the two (its per-op cost does not speed up with threads)."""
+    now = roofline_time(layer, graph, cluster, cfg, cal)
+    then = roofline_time(layer, graph, profiled_on, cfg, cal)
+    f = now.fwd_s / then.fwd_s if then.fwd_s > 0 else 1.0
+    b = now.bwd_s / then.bwd_s if then.bwd_s > 0 else 1.0
+    return got[0] * f, got[1] * b
+
+
 def layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
-               profile=None, engine: Engine = DEFAULT_ENGINE) -> LayerTime:
+               profile=None, engine: Engine = DEFAULT_ENGINE, profiled_on: Cluster | None = None) -> LayerTime:
     """Forward and backward seconds of ``layer`` for one micro-batch of ``cfg.mbs`` sequences
     on one rank: from ``profile`` (a ProfileDB) when it measured this layer class at this
     tp/cp, interpolated across shapes; from the roofline otherwise. A calibrated profile's
-    ``compute_scale`` multiplies either."""
+    ``compute_scale`` multiplies either. ``profiled_on``: the cluster the profile measured when
+    ``cluster`` is another (fewer CPU ranks with more threads, :func:`_speed_scaled`)."""
     cal = calibration(profile)
     k = cal.get("compute_scale", 1.0)
     df, db = dtensor_dispatch_s(layer, cluster, cfg, cal)
@@ -433,6 +447,8 @@ def layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelC
         got = profile.layer_time(layer.signature, cfg.mbs, graph.seq_len, cfg.tp, cfg.cp)
         if got is not None and attention_share(layer, graph, cfg) != 1.0:
             got = _documents_scaled(got, layer, graph, cluster, cfg, cal)
+        if got is not None and profiled_on is not None and profiled_on is not cluster:
+            got = _speed_scaled(got, layer, graph, cluster, profiled_on, cfg, cal)
         if got is not None:  # the profiler times plain local shards: no DTensor dispatch
             fwd = (got[0] + df) * k
             return LayerTime(fwd, (got[1] + db) * k, "profile",

@@ -53,6 +53,9 @@ Step time (seconds)::
   reduce-scatter + all-gather) and whether its parameter gather hides behind the next
   forward, and whether pipeline p2p hides behind the steady state (then only the fill and
   drain hops, ``2 (pp - 1)``, are exposed).
+- CPU runtime work (cost_models/cpu_runtime.py): the data-parallel wrappers' per-unit work each
+  micro-batch (breakdown ``runtime``), the EP dispatch's host work (in ``ep_comm``); the ranks
+  a layout runs with fewer CPU processes and more threads each: ``shared_cores.ranks_cluster``.
 - Shared cores: a pipeline's compute is sped up by how many ranks are idle at once
   (cost_models/shared_cores.py); DP traffic on a node with more ranks than cores hides
   behind nothing (overlap 0): gloo's communication needs the cores the compute holds.
@@ -83,6 +86,7 @@ from cost_models import comm as comm_mod
 from cost_models import pipeline as pipe_mod
 from cost_models.cluster import Cluster
 from cost_models.compute import calibration, memory_bandwidth, model_flops_per_seq
+from cost_models.cpu_runtime import wrapper_unit_s
 from cost_models.engines import Engine, engine_of, exposed_s
 from cost_models.experts import ep_mesh
 from cost_models.layer_costs import LayerCosts, act_bytes_io, layer_pass_times
@@ -159,18 +163,22 @@ class _StageCost:
 
     def sped_up(self, speed: float) -> "_StageCost":
         cut = 1 - 1 / speed
-        parts = dict(self.parts, compute=self.parts["compute"] / speed, recompute=self.parts["recompute"] / speed)
+        parts = dict(self.parts, compute=self.parts["compute"] / speed, recompute=self.parts["recompute"] / speed,
+                     runtime=self.parts["runtime"] / speed)
         return _StageCost(self.fwd - self.compute_fwd * cut, self.bwd - self.compute_bwd * cut,
                           self.compute_fwd / speed, self.compute_bwd / speed, parts)
 
 
 def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, comp_src: set,
                  comm_src: set) -> list[_StageCost]:
-    """Per virtual stage: its layers' compute, TP/CP communication and recompute (sources noted)."""
+    """Per virtual stage: its layers' compute, TP/CP communication and recompute (sources noted),
+    and the CPU runtime's data-parallel wrapper work per wrapped unit (cost_models/cpu_runtime.py)."""
     out = []
+    wf, wb = wrapper_unit_s(costs.c, costs.cfg, costs.profile)
     for (lo, hi), rc in zip(partition.bounds, partition.recompute):
-        f = b = cf = cb = 0.0
-        parts = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "ep_comm": 0.0, "recompute": 0.0}
+        f, b = (hi - lo) * wf, (hi - lo) * wb  # one wrapped unit per layer (the stage root holds the rest)
+        cf, cb = f, b
+        parts = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "ep_comm": 0.0, "recompute": 0.0, "runtime": f + b}
         for i in range(lo, hi):
             c = costs.get(graph.layers[i])
             comp_src.add(c.source)
@@ -327,6 +335,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     eng = engine_of(engine)
     if costs is None or costs.key(costs.cfg) != costs.key(cfg) or costs.engine != eng:
         costs = LayerCosts(graph, cluster, cfg, profile, engine=eng)
+    cluster = costs.c  # the ranks cfg runs: fewer CPU ranks with more threads each (shared_cores.ranks_cluster)
     comp_src, comm_src = set(), set()
     stages = _stage_costs(graph, partition, costs, comp_src, comm_src)
 
@@ -344,15 +353,14 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     memory = _rank_memory(graph, cluster, cfg, partition, table, inflight_chunks, cal)
     on_rank = [[j for j in range(n_stages) if j % cfg.pp == r] for r in range(cfg.pp)]
     mine = on_rank[max(range(cfg.pp), key=lambda r: sum(stages[j].fwd + stages[j].bwd for j in on_rank[r]))]
-    rank_f = sum(stages[j].fwd for j in mine)
-    rank_b = sum(stages[j].bwd for j in mine)
+    rank_f, rank_b = (sum(getattr(stages[j], k) for j in mine) for k in ("fwd", "bwd"))
     dp_exposed, opt_s = _dp_and_optimizer(cluster, cfg, partition, table, on_rank, mine, m, (rank_f, rank_b),
                                           profile, comm_src, eng)
 
     overhead = cal.get("step_overhead_s", 0.0)
     step = pipe_s + dp_exposed + opt_s + overhead
-    breakdown = {k: m * sum(stages[j].parts[k] for j in mine)
-                 for k in ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm")}
+    breakdown = {k: v for k in ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "runtime")  # runtime: CPU only
+                 for v in [m * sum(stages[j].parts[k] for j in mine)] if v or k != "runtime"}
     breakdown.update(p2p=0.0, bubble=max(0.0, pipe_s - m * (rank_f + rank_b)), dp_comm=dp_exposed, optimizer=opt_s)
     if overhead:
         breakdown["overhead"] = overhead

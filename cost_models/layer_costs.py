@@ -11,11 +11,13 @@ from dataclasses import dataclass
 from cost_models import comm as comm_mod
 from cost_models.cluster import Cluster
 from cost_models.compute import LayerTime, attention_share, attn_core_flops, document_masked, layer_time
+from cost_models.cpu_runtime import ep_dispatch_s
 from cost_models.context_parallel import cp_comm
 from cost_models.documents import ring_hiding
 from cost_models.engines import DEFAULT_ENGINE, Engine, exposed_s
 from cost_models.experts import expert_comm
 from cost_models.memory import DTYPE_BYTES, LayerTable
+from cost_models.shared_cores import ranks_cluster
 from planner.graph import Layer, ModelGraph
 from planner.plan import ParallelConfig
 
@@ -60,7 +62,8 @@ class LayerCosts:
 
     def __init__(self, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, profile,
                  tables: dict[tuple, LayerTable] | None = None, engine: Engine = DEFAULT_ENGINE) -> None:
-        self.g, self.c, self.cfg, self.profile, self.engine = graph, cluster, cfg, profile, engine
+        self.g, self.cfg, self.profile, self.engine = graph, cfg, profile, engine
+        self.base, self.c = cluster, ranks_cluster(cluster, cfg)  # the ranks cfg runs (shared_cores.py)
         self.mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
         self.cache: dict[str, LayerCost] = {}
         self.tables = tables if tables is not None else {}  # memory figures: may be shared by several (the search)
@@ -68,7 +71,7 @@ class LayerCosts:
     @staticmethod
     def key(cfg: ParallelConfig) -> tuple:
         """What the per-layer seconds depend on: configurations with the same key share them."""
-        return (cfg.tp, cfg.cp, cfg.ulysses, cfg.ep, cfg.mbs, cfg.sp, cfg.dtype)
+        return (cfg.tp, cfg.cp, cfg.ulysses, cfg.ep, cfg.mbs, cfg.sp, cfg.dtype, cfg.world, cfg.threads)
 
     def table(self, cfg: ParallelConfig) -> LayerTable:
         """Per-layer memory figures for cfg (they depend on tp, cp, ep, sp, mbs, dtype, kernels and
@@ -86,7 +89,7 @@ class LayerCosts:
         if hit is not None:
             return hit
         g, cfg = self.g, self.cfg
-        lt: LayerTime = layer_time(layer, g, self.c, cfg, self.profile, self.engine)
+        lt: LayerTime = layer_time(layer, g, self.c, cfg, self.profile, self.engine, profiled_on=self.base)
         tp_s, csrc = 0.0, "model"
         if cfg.tp > 1:
             n_red = sum(1 for l in layer.linears if l.role == "row")
@@ -117,8 +120,9 @@ class LayerCosts:
         ex = expert_comm(layer, g, self.c, cfg, self.profile, window_s=lt.fwd_s + lt.bwd_s, engine=self.engine)
         if ex.fwd:
             csrc = ex.source
-        out = LayerCost(fwd=lt.fwd_s, bwd=lt.bwd_s, tp=tp_s, cp=cp_s, core=core_s,
-                        op_rc=lt.op_recompute_s, source=lt.source, comm_source=csrc, ep_fwd=ex.fwd, ep_bwd=ex.bwd)
+        dis_f, dis_b = ep_dispatch_s(layer, self.c, cfg, self.profile)  # the CPU dispatch's own work
+        out = LayerCost(fwd=lt.fwd_s, bwd=lt.bwd_s, tp=tp_s, cp=cp_s, core=core_s, op_rc=lt.op_recompute_s,
+                        source=lt.source, comm_source=csrc, ep_fwd=ex.fwd + dis_f, ep_bwd=ex.bwd + dis_b)
         self.cache[layer.signature] = out
         return out
 

@@ -56,6 +56,61 @@ def best_time(fn: Any, repeats: int, budget_s: float) -> float:
     return best
 
 
+def thread_speedup(n: int = 384) -> float:
+    """How much faster an fp32 GEMM of ``n`` x ``n`` runs on every core's intra-op thread
+    (``cpu_count()`` threads) than on one: 1.0 on one core (about 0.9 s)."""
+    import torch
+
+    cores = cpu_count()
+    if cores == 1:
+        return 1.0
+    threads = torch.get_num_threads()
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    times = {}
+    try:
+        for t in (1, cores):
+            torch.set_num_threads(t)
+            t_end = time.perf_counter() + 0.15
+            while time.perf_counter() < t_end:  # warm-up: the thread pool starts (its first calls are slow)
+                torch.mm(a, b, out=out)
+            times[t] = best_time(lambda: torch.mm(a, b, out=out), repeats=8, budget_s=0.3)
+    finally:
+        torch.set_num_threads(threads)
+    return max(1.0, min(float(cores), times[1] / max(times[cores], 1e-9)))
+
+
+def thread_sync_s(n: int = 1 << 16, calls: int = 100) -> float:
+    """Mean seconds an op that torch runs in parallel (an add of ``n`` floats, above its grain
+    size) takes longer on every core's intra-op thread than on one: the threads' wake-up and
+    join. Near 0 when the cores are free; a scheduler slice (milliseconds) when another process
+    holds a core, since every parallel op then waits for its descheduled thread. 0 on one core."""
+    import statistics
+
+    import torch
+
+    cores = cpu_count()
+    if cores == 1:
+        return 0.0
+    threads = torch.get_num_threads()
+    x, y, out = torch.randn(n), torch.randn(n), torch.empty(n)
+    mean = {}
+    try:
+        for t in (1, cores):
+            torch.set_num_threads(t)
+            for _ in range(10):  # warm-up: the thread pool starts
+                torch.add(x, y, out=out)
+            times = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                torch.add(x, y, out=out)
+                times.append(time.perf_counter() - t0)
+            mean[t] = statistics.mean(times)
+    finally:
+        torch.set_num_threads(threads)
+    return max(0.0, mean[cores] - mean[1])
+
+
 def measure_cpu() -> tuple[float, float]:
     """Single-thread fp32 GEMM FLOP/s and memory copy bandwidth (bytes/s read + written)."""
     import torch

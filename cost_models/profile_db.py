@@ -10,7 +10,11 @@ JSON layout (``version`` 1)::
      "collectives": {"all_reduce/8/intra": [{"nbytes": 1024, "seconds": 1.2e-5}, ...]},
      "layers": {"<layer signature>": [{"shape": {"batch": 1, "seq_len": 2048, "tp": 2, "cp": 1},
                                         "fwd_s": 0.004, "bwd_s": 0.008}, ...]},
+     "runtime": {"replicate_unit_s": 2.6e-4, ...},
      "calibration": {"compute_scale": 1.1, "overlap": 0.2, "comm_scale": 1.3, ...}}
+
+``runtime`` (optional, CPU clusters) holds the CPU runtime's own per-call work the profiler
+measured (cost_models/cpu_runtime.py lists the keys: data-parallel wrappers, EP dispatch).
 
 ``calibration`` (optional; absent = ``{}``) holds the cost-model coefficients fitted to
 measured training runs by ``autopar calibrate`` (cost_models/calibrate.py lists the
@@ -102,6 +106,7 @@ class ProfileDB:
     layers: dict[str, list[LayerSample]] = field(default_factory=dict)
     version: int = PROFILE_VERSION
     calibration: dict[str, float] = field(default_factory=dict)  # fitted by `autopar calibrate`
+    runtime: dict[str, float] = field(default_factory=dict)  # measured CPU runtime work (cpu_runtime.KEYS)
     calibration_source: str = ""  # one line: what the calibration was fitted on (shown in plans)
 
     # ---- building ----------------------------------------------------------------
@@ -139,6 +144,8 @@ class ProfileDB:
         }
         if self.calibration:
             d["calibration"] = {str(k): float(v) for k, v in sorted(self.calibration.items())}
+        if self.runtime:
+            d["runtime"] = {str(k): float(v) for k, v in sorted(self.runtime.items())}
         if self.calibration_source:
             d["calibration_source"] = self.calibration_source
         return d
@@ -165,9 +172,12 @@ class ProfileDB:
             calibration = {str(k): float(v) for k, v in (data.get("calibration") or {}).items()}
             if not all(math.isfinite(v) for v in calibration.values()):
                 raise ValueError("calibration holds a non-finite coefficient")
+            runtime = {str(k): float(v) for k, v in (data.get("runtime") or {}).items()}
+            if not all(math.isfinite(v) and v >= 0 for v in runtime.values()):
+                raise ValueError("runtime holds a negative or non-finite figure")
             return cls(cluster_fingerprint=str(data["cluster_fingerprint"]), backend=str(data["backend"]),
                        world=int(data["world"]), collectives=collectives, layers=layers, version=version,
-                       calibration=calibration,
+                       calibration=calibration, runtime=runtime,
                        calibration_source=str(data.get("calibration_source") or ""))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"{source}: malformed profile ({type(e).__name__}: {e}): run `autopar profile` again") from None

@@ -21,11 +21,29 @@ vanishes. The estimate re-simulates the pipeline once with the sped-up stage tim
 Every blocking collective is a synchronisation point: on shared cores the last peer to
 arrive may be waiting for a time slice, so each call also pays :func:`sync_wait_s`
 (cost_models/comm.py adds it).
+
+Threads per rank (``ParallelConfig.threads``, ``planner.feasibility.rank_threads``): a layout may run
+fewer processes than the local cluster's ``devices_per_node``, each with more intra-op
+threads (ranks x threads = cores). :func:`ranks_cluster` is the cluster such a layout really
+runs on: ``world`` devices, each computing at :func:`rank_speed` times the detected
+per-process figure (its threads' GEMM speedup, :func:`thread_scaling`, from the measured
+``Cluster.thread_speedup``, over the share of a core each detected process had), with the
+node's memory split ``world`` ways, and each op a rank with several threads dispatches pays
+their wake-up and join (:func:`thread_op_s`, the measured ``Cluster.thread_sync_us``: about
+nothing on free cores, a scheduler slice per op while another process holds one). The
+estimate prices every layout on it
+(cost_models/estimate.py, cost_models/layer_costs.py); a layout with the detected process
+count and one thread each is priced on the cluster itself.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Iterable, Protocol
+
+from cost_models.cluster import Cluster
+from planner.feasibility import rank_threads
+from planner.plan import ParallelConfig
 
 # Linux: a runnable task runs a slice of at least 0.75 ms x (1 + log2(cpus)) before another
 # may take its core (EEVDF's base_slice_ns since 6.6, CFS's sched_min_granularity_ns
@@ -86,3 +104,56 @@ def sync_wait_s(cores: int, ranks: int) -> float:
     if not shares_cores(cores, ranks):
         return 0.0
     return BASE_SLICE_S * (1 + math.floor(math.log2(cores)))
+
+
+def local_cpu(cluster: Cluster) -> bool:
+    """A one-node CPU cluster whose cores are known (``local-cpu``): threads per rank apply."""
+    return cluster.backend == "gloo" and cluster.nodes == 1 and cluster.cores_per_node > 0
+
+
+def thread_scaling(cluster: Cluster, threads: int) -> float:
+    """How much faster one process computes on ``threads`` intra-op threads than on one: the
+    measured ``cluster.thread_speedup`` on all ``cores_per_node`` threads, as the power law
+    ``threads ** (log speedup / log cores)`` between (exact at 1 and at every core; linear
+    when not measured); threads past the cores add nothing."""
+    cores = cluster.cores_per_node
+    t = min(max(threads, 1), max(cores, 1))
+    if t == 1 or cores <= 1:
+        return 1.0
+    full = cluster.thread_speedup or float(cores)
+    return t ** (math.log(max(full, 1.0)) / math.log(cores))
+
+
+def thread_op_s(cluster: Cluster, cfg: ParallelConfig) -> float:
+    """Seconds each op a rank of ``cfg`` dispatches adds for its intra-op threads' wake-up and
+    join: the measured ``cluster.thread_sync_us`` when the rank runs more than one thread
+    (every op counted: at these sizes torch parallelises nearly all), else 0."""
+    if not local_cpu(cluster) or rank_threads(cfg.threads, cluster.cores_per_node, cfg.world) < 2:
+        return 0.0
+    return cluster.thread_sync_us * 1e-6
+
+
+def rank_speed(cluster: Cluster, ranks: int, threads: int) -> float:
+    """Compute speed of one of ``ranks`` processes running ``threads`` threads each, over the
+    cluster's per-device figure (``devices_per_node`` single-thread processes sharing the
+    cores, ``Cluster.detect``): ``thread_scaling x min(1, cores / (ranks x threads))`` over
+    ``min(1, cores / devices_per_node)``."""
+    cores = cluster.cores_per_node
+    base = min(1.0, cores / cluster.devices_per_node)
+    return thread_scaling(cluster, threads) * min(1.0, cores / (ranks * max(threads, 1))) / base
+
+
+def ranks_cluster(cluster: Cluster, cfg: ParallelConfig) -> Cluster:
+    """The cluster ``cfg`` runs on (module docstring): ``cluster`` itself unless it is a local
+    CPU cluster and ``cfg`` runs another process count or thread count than its detected one."""
+    if not local_cpu(cluster):
+        return cluster
+    n, cores = cluster.devices_per_node, cluster.cores_per_node
+    threads = rank_threads(cfg.threads, cores, cfg.world)
+    if cfg.world == n and threads == rank_threads(0, cores, n):
+        return cluster
+    k = rank_speed(cluster, cfg.world, threads)
+    d = cluster.device
+    device = replace(d, memory_gib=d.memory_gib * n / cfg.world, mem_bw_gbs=d.mem_bw_gbs * k,
+                     peak_tflops={key: v * k for key, v in d.peak_tflops.items()})
+    return replace(cluster, devices_per_node=cfg.world, device=device)

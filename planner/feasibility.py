@@ -17,7 +17,8 @@ program call ``problems``. The parts:
 - :func:`model_problem`: the model's adapter runs nothing (limit ``any``);
 - :func:`length_problem`: the sequence is longer than the model's learned positions
   (``ModelFacts.max_seq_len``);
-- :func:`degrees_problem`: dp x pp x cp x tp is the cluster's device count;
+- :func:`degrees_problem`: dp x pp x cp x tp is the cluster's device count, or on a local CPU
+  cluster one of its process counts (:func:`rank_counts`: fewer ranks, more threads each);
 - :func:`tp_problem`: tp inside a node, dividing every attention's heads and kv heads and
   the hidden size (limit ``tp``);
 - :func:`cp_problem`: the sequence cuts into the load balance's chunks
@@ -63,10 +64,12 @@ ROUND_SCHEDULES = ("interleaved-1f1b", "zb-h1")
 
 
 class ClusterShape(Protocol):
-    """What the predicate needs of a cluster: its name (for messages), its device count and
-    the devices of one node (``cost_models.cluster.Cluster`` and :class:`Nodes` are ones)."""
+    """What the predicate needs of a cluster: its name (for messages), its device count,
+    the devices of one node and, on a local CPU cluster, the cores they share (0 otherwise)
+    (``cost_models.cluster.Cluster`` and :class:`Nodes` are ones)."""
     name: str
     devices_per_node: int
+    cores_per_node: int
 
     @property
     def world(self) -> int: ...
@@ -78,6 +81,7 @@ class Nodes:
     name: str
     nodes: int
     devices_per_node: int
+    cores_per_node: int = 0
 
     @property
     def world(self) -> int:
@@ -89,7 +93,7 @@ class Nodes:
         over its nodes, one node by default)."""
         nodes = int(cluster.get("nodes", 1))
         return Nodes(str(cluster.get("name", "the cluster")), nodes,
-                     int(cluster.get("devices_per_node", max(world // nodes, 1))))
+                     int(cluster.get("devices_per_node", max(world // nodes, 1))), int(cluster.get("cores_per_node", 0)))
 
 
 @dataclass(frozen=True)
@@ -145,10 +149,43 @@ def length_problem(seq_len: int, f: ModelFacts) -> str | None:
             f"use --seq-len {f.max_seq_len} or less, or raise the model's max positions (max_position_embeddings)")
 
 
+def rank_threads(threads: int, cores: int, ranks: int) -> int:
+    """Intra-op threads each of ``ranks`` processes on a node of ``cores`` CPU cores runs: the
+    plan's ``ParallelConfig.threads`` when set, else ``cores // ranks`` (ranks x threads =
+    cores), at least 1 (more ranks than cores: one each; ``cores`` 0, unknown: 1)."""
+    if threads:
+        return threads
+    return max(1, cores // max(ranks, 1)) if cores > 0 else 1
+
+
+def rank_counts(cluster: ClusterShape) -> list[int]:
+    """The process counts a layout may use on ``cluster``, largest first: its device count; on a
+    local CPU cluster (one node whose cores are known) every divisor of it too, each rank then
+    running more intra-op threads (:func:`layout_threads`): fewer processes with more threads
+    can beat one single-thread process per core, and one process with every core is a layout."""
+    n = cluster.world
+    if cluster.cores_per_node <= 0 or cluster.world != cluster.devices_per_node:
+        return [n]
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def layout_threads(cluster: ClusterShape, world: int) -> int:
+    """``ParallelConfig.threads`` the search gives a layout of ``world`` ranks on ``cluster``:
+    the cores per rank (:func:`rank_threads`: ranks x threads = cores) when that is
+    more than one, else 0 (the default: one thread per rank, or unknown cores)."""
+    t = rank_threads(0, cluster.cores_per_node, min(world, cluster.devices_per_node))
+    return t if t > 1 else 0
+
+
 def degrees_problem(cfg: ParallelConfig, cluster: ClusterShape) -> str | None:
-    """Why the degrees do not cover the cluster: dp x pp x cp x tp must be its device count."""
-    if cfg.world == cluster.world:
+    """Why the degrees do not cover the cluster: dp x pp x cp x tp must be its device count
+    (on a local CPU cluster: one of :func:`rank_counts`)."""
+    counts = rank_counts(cluster)
+    if cfg.world in counts:
         return None
+    if len(counts) > 1:
+        return (f"dp*pp*cp*tp = {cfg.world} but {cluster.name} runs {' or '.join(map(str, counts))} processes: "
+                "make the degrees multiply to one of them")
     return (f"dp*pp*cp*tp = {cfg.world} but {cluster.name} has {cluster.world} devices: "
             "make the degrees multiply to the device count")
 

@@ -102,6 +102,7 @@ class ParallelConfig:
     dtype: str = "bf16"          # compute dtype (mixed precision with fp32 master weights unless fp32)
     attention: str = "flash"
     loss: str = "eager"
+    threads: int = 0             # intra-op threads per rank (CPU clusters); 0: cores / ranks (feasibility.rank_threads)
 
     @property
     def world(self) -> int:
@@ -134,6 +135,8 @@ class ParallelConfig:
             v = getattr(self, k)
             if not isinstance(v, int) or v < 1:
                 raise PlanError(f"{k}={v!r}: must be a positive integer")
+        if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 0:
+            raise PlanError(f"threads={self.threads!r}: must be 0 (cores / ranks per node) or a positive integer")
         for k, allowed in (("schedule", SCHEDULES), ("zero", ZERO), ("recompute", RECOMPUTE),
                            ("dtype", DTYPES), ("attention", ATTN_KERNELS), ("loss", LOSS_KERNELS)):
             if getattr(self, k) not in allowed:
@@ -171,12 +174,19 @@ class ParallelConfig:
             parts.append(f"rc-{self.recompute}")
         if self.sp:
             parts.append("sp")
+        if self.threads:
+            parts.append(f"threads{self.threads}")
         return " ".join(parts)
 
     def to_str(self) -> str:
-        """``key=value`` for every field (``ulysses`` only when CP uses it)."""
+        """``key=value`` for every field (``ulysses`` only when CP uses it, ``threads`` only when
+        set: plans without it read and write as before)."""
         return ",".join(f"{f.name}={_fmt(getattr(self, f.name))}" for f in fields(self)
-                        if f.name != "ulysses" or self.ulysses > 1)
+                        if (f.name != "ulysses" or self.ulysses > 1) and (f.name != "threads" or self.threads))
+
+    def fields_dict(self) -> dict[str, Any]:
+        """Every field by name, as the plan file's ``parallel`` section records them (``threads`` when set)."""
+        return {k: v for k, v in asdict(self).items() if k != "threads" or v}
 
     @staticmethod
     def parse(s: str) -> "ParallelConfig":
@@ -346,7 +356,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return {
             "version": self.version, "model": self.model, "cluster": self.cluster,
-            "mesh": self.mesh, "config": self.config.to_str(), "parallel": asdict(self.config),
+            "mesh": self.mesh, "config": self.config.to_str(), "parallel": self.config.fields_dict(),
             "batch": self.batch, "kernels": self.kernels,
             "pipeline": {"schedule": self.config.schedule if self.config.pp > 1 else "none",
                          "virtual_stages": self.config.vpp, "stages": self.stages},

@@ -106,7 +106,7 @@ def test_search_honours_equality_and_bounds(small, unpinned):
     assert plan.search["fix"] == fix and "fix" not in unpinned.search
     assert all(ok(ParallelConfig.parse(a["config"]).pp) for a in plan.alternatives)
     assert res.considered < unpinned.search["considered"]
-    pins = Pins.parse("tp=2,pp=1,zero=fsdp,mbs=2")
+    pins = Pins.parse("dp=2,tp=2,pp=1,zero=fsdp,mbs=2")  # dp=2: with dp1 (two processes) the zero pin is moot
     plan, res = plan_model(g, c, 8, spec="gpt-small", cluster_spec="local-cpu:4", fix=pins)
     cfg = plan.config
     assert (cfg.tp, cfg.pp, cfg.zero, cfg.mbs) == (2, 1, "fsdp", 2) and pins.admits(cfg)

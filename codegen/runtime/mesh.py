@@ -51,11 +51,13 @@ def pin_cpu_rank() -> Optional[set[int]]:
     return mine
 
 
-def init_distributed(backend: Optional[str] = None) -> torch.device:
+def init_distributed(backend: Optional[str] = None, threads: int = 0) -> torch.device:
     """Initialise the default process group from the torchrun environment; returns this rank's device.
 
     ``backend`` defaults to nccl on CUDA, gloo on CPU. On CUDA the device is chosen by
-    ``LOCAL_RANK``. Calling it twice is harmless.
+    ``LOCAL_RANK``. On CPU the rank is pinned to its cores (:func:`pin_cpu_rank`) and, when
+    ``threads`` (the plan's ``ParallelConfig.threads``) is set, runs that many intra-op threads
+    (0: the environment's, ``OMP_NUM_THREADS``). Calling it twice is harmless.
     """
     dev_type = device_type()
     if dev_type == "cuda":
@@ -65,6 +67,8 @@ def init_distributed(backend: Optional[str] = None) -> torch.device:
     else:
         device = torch.device("cpu")
         pin_cpu_rank()
+        if threads:
+            torch.set_num_threads(threads)
     if not dist.is_initialized():
         backend = backend or ("nccl" if dev_type == "cuda" else "gloo")
         kw = {"device_id": device} if dev_type == "cuda" else {}

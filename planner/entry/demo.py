@@ -1,8 +1,9 @@
 """``autopar demo``: plan a small model for this machine, run it, and say honestly how it went.
 
 Steps: this machine's calibration (profiled on first use, planner/entry/calibration.py) ->
-capture and plan the model for ``local-cpu`` (one process per core: the demo never puts two
-ranks on a core) -> the same model and batch in one plain PyTorch process
+capture and plan the model for ``local-cpu`` (at most one process per core: the demo never puts
+two ranks on a core; the search also weighs fewer processes with more threads each, down to one
+process with every core) -> the same model and batch in one plain PyTorch process
 (planner/entry/single_process.py) -> the plan's emitted program under torchrun on the learnable
 synthetic data -> predicted against measured step time, the loss at the first and last step
 (and the data's entropy floor), the speedup over one process -> the HTML report of the plan
@@ -51,6 +52,7 @@ def run_demo(model: str, cluster_spec: str, global_batch: int, seq_len: int | No
     from planner.entry.calibration import machine_profile
     from planner.files import write_atomic
     from planner.search.planning import plan_model
+    from planner.report.data import threads_text
     from planner.report.render import write_reports
     from planner.entry.single_process import single_process_step
 
@@ -68,6 +70,8 @@ def run_demo(model: str, cluster_spec: str, global_batch: int, seq_len: int | No
     write_atomic(plan_path, plan.to_json(), force=True)
     progress(f"plan for {graph.name} ({graph.params / 1e6:.1f} M parameters, {global_batch} x {graph.seq_len} "
              f"tokens) on {cluster.name}: {res.best.config.label()}, predicted {res.best.step_s:.3f} s/step")
+    if (threads := threads_text(plan)) is not None:
+        progress(threads)
     base = single_process_step(model, global_batch, graph.seq_len, lr=lr)
     progress(f"one plain PyTorch process ({base.threads} threads): {base.step_s:.3f} s/step; "
              f"running the plan for {steps} steps")

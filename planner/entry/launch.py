@@ -19,12 +19,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_env() -> dict:
-    """The environment of the worker processes autopar launches on this machine: one intra-op
-    thread per rank (torchrun's own default for several processes) unless the user set one."""
+def worker_env(threads: int = 0) -> dict:
+    """The environment of the worker processes autopar launches on this machine: ``threads``
+    intra-op threads per rank (a plan's ``ParallelConfig.threads``; 0: one, torchrun's own
+    default for several processes) unless the user set ``OMP_NUM_THREADS``. The emitted
+    program sets a plan's threads itself too (``codegen.runtime.mesh.init_distributed``)."""
     import os
 
-    return dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(threads, 1))))
 
 
 def torchrun_cmd(nproc: int, module_args: list[str]) -> list[str]:
@@ -90,7 +92,7 @@ def run_plan(plan_path: str, *, steps: int, run_dir: str, ckpt_every: int = 0, m
         print(f"  torchrun --nnodes {plan.cluster['nodes']} --nproc-per-node {plan.cluster['devices_per_node']} "
               f"--node-rank $NODE_RANK --master-addr $MASTER_ADDR --master-port 29500 " + " ".join(worker))
         return 0, log
-    env = worker_env()
+    env = worker_env(plan.config.threads)
     rc = 1
     for attempt in range(max_restarts + 1):
         env["AUTOPAR_ATTEMPT"] = str(attempt)

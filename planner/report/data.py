@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from planner.describe import CP_METHODS, describe
-from planner.plan import Plan, PlanError
+from planner.plan import ParallelConfig, Plan, PlanError
 
 GiB = 2**30
 MEM_CATS = ("weights", "grads", "optimizer", "activations", "buffers", "reserve")
-TIME_PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "p2p", "bubble", "dp_comm", "optimizer")
+TIME_PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "runtime", "p2p", "bubble", "dp_comm",
+              "optimizer")
 MAX_SIM_MB = 64          # above this many micro-batches the timeline draws min(m, 4 pp)
 MAX_MESH_DEVICES = 32    # devices drawn in the mesh grid (whole nodes, at least one)
 WARMUP_STEPS = 2
@@ -261,6 +262,23 @@ def documents_text(plan: Plan) -> str | None:
     return text
 
 
+def threads_text(plan: Plan) -> str | None:
+    """The summary's line on the plan's intra-op threads per rank (``ParallelConfig.threads``),
+    None when it has none set; when one process with every thread won, it says so and what the
+    fastest layout with more processes was predicted to take (``alternatives``)."""
+    cfg = plan.config
+    if not cfg.threads:
+        return None
+    if cfg.world > 1:
+        return f"{cfg.world} processes x {cfg.threads} intra-op threads each"
+    step = float(plan.estimate.get("step_s", 0.0))
+    more = [a for a in plan.alternatives if ParallelConfig.parse(a["config"]).world > 1]
+    best = min(more, key=lambda a: a["step_s"], default=None)
+    beside = (f", against {fmt_s(best['step_s'])} for {best['label']}, the fastest with more processes"
+              if best else "")
+    return f"one process with {cfg.threads} threads is fastest: {fmt_s(step)} per step{beside}"
+
+
 def build_report(plan: Plan, run_log: str | None = None, layers: bool = True) -> Report:
     rows, note = layer_rows(plan) if layers else ([], "layer table not requested")
     run = compare_run(plan, load_run_log(run_log)) if run_log else None
@@ -304,6 +322,9 @@ def summary_rows(r: Report) -> list[tuple[str, str, str, Any]]:
         ("source", "source of the figures", src_txt, src),
         ("calibration", "calibration", e.get("calibration", "uncalibrated"), e.get("calibration", "uncalibrated")),
     ]
+    if (threads := threads_text(p)) is not None:  # after the degrees: how many threads each rank runs
+        after_degrees = next(i for i, row in enumerate(rows) if row[0] == "degrees") + 1
+        rows.insert(after_degrees, ("threads", "threads per rank", threads, cfg.threads))
     if (docs := documents_text(p)) is not None:  # after the batch: what its rows hold
         after_batch = next(i for i, row in enumerate(rows) if row[0] == "batch") + 1
         rows.insert(after_batch, ("documents", "documents (--seq-lens)", docs, p.batch["documents"].get("documents")))
@@ -354,6 +375,7 @@ def breakdown_parts(r: Report) -> list[tuple[str, float]]:
 PART_DESC = {"compute": "compute (busiest pipeline rank)", "recompute": "activation recomputation",
               "tp_comm": "exposed TP communication", "cp_comm": "exposed CP communication",
               "ep_comm": "expert all-to-all (dispatch, combine)",
+              "runtime": "CPU runtime work (data-parallel wrappers)",
               "p2p": "pipeline send/recv", "bubble": "pipeline bubble", "dp_comm": "exposed DP communication",
               "optimizer": "optimizer step"}
 

@@ -5,7 +5,9 @@ enumerated degree by degree, each level pruned by the feasibility predicate's ow
 Levels, outer to inner, and the part each calls (its one-line reason is what the search
 records as rejected):
 
-- degrees ``world = dp x pp x cp x tp`` (:func:`degree_tuples`): ``tp_problem`` (node size,
+- degrees ``world = dp x pp x cp x tp``, for each process count ``rank_counts`` allows (the
+  device count; on a local CPU cluster its divisors too, fewer ranks with more threads each:
+  ``layout_threads``) (:func:`degree_tuples`): ``tp_problem`` (node size,
   heads, kv heads, hidden), ``cp_problem`` (the sequence's zigzag chunks), ``pp_problem``
   (stage groups), ``replicas_problem`` (dp dividing the global batch);
 - micro-batch sizes (:func:`micro_batch_sizes`): divisors of each replica's sequences, and
@@ -37,7 +39,8 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from planner.feasibility import (Batch, ClusterShape, cp_problem, default_attention, documents_problem, ep_problem,
-                                 fill_problem, length_problem, loss_problem, model_problem, pp_problem,
+                                 fill_problem, layout_threads, length_problem, loss_problem, model_problem,
+                                 pp_problem, rank_counts,
                                  recompute_attention_problem, replicas_problem, schedule_problem, sp_problem,
                                  tp_problem, zero_problem)
 from planner.graph import ModelGraph
@@ -103,11 +106,15 @@ def request_problem(facts: ModelFacts, batch: Batch, loss: str) -> str | None:
 
 def degree_tuples(facts: ModelFacts, cluster: ClusterShape, batch: Batch, rej: Rejections,
                   pins: Pins | None = None) -> Iterator[tuple[int, int, int, int]]:
-    """(dp, pp, cp, tp) multiplying to the cluster's device count that the ``pins`` admit and
-    that the predicate's per-degree parts accept; the others are recorded in ``rej`` (those
-    the pins leave out are not)."""
-    world = cluster.world
-    pins = pins or Pins()
+    """(dp, pp, cp, tp) multiplying to one of the cluster's process counts (``rank_counts``,
+    largest first) that the ``pins`` admit and that the predicate's per-degree parts accept;
+    the others are recorded in ``rej`` (those the pins leave out are not)."""
+    for world in rank_counts(cluster):
+        yield from _degree_tuples(world, facts, cluster, batch, rej, pins or Pins())
+
+
+def _degree_tuples(world: int, facts: ModelFacts, cluster: ClusterShape, batch: Batch, rej: Rejections,
+                   pins: Pins) -> Iterator[tuple[int, int, int, int]]:
     for tp in divisors(world):
         if not pins.allows("tp", tp) or (tp == 1 and not pins.allows("sp", False)):
             continue
@@ -204,6 +211,7 @@ class Point:
     m: int                          # micro-batches per optimizer step per replica
     ep: int
     ulysses: tuple[int, ...]
+    threads: int = 0                # ParallelConfig.threads (feasibility.layout_threads)
 
 
 def points(facts: ModelFacts, cluster: ClusterShape, batch: Batch, rej: Rejections, pins: Pins,
@@ -219,7 +227,7 @@ def points(facts: ModelFacts, cluster: ClusterShape, batch: Batch, rej: Rejectio
                 if key not in seen:
                     seen[key] = tuple(ulysses_degrees(facts, batch, cp, tp, rej, pins))
                 if seen[key]:
-                    yield Point(dp, pp, cp, tp, mbs, m, ep, seen[key])
+                    yield Point(dp, pp, cp, tp, mbs, m, ep, seen[key], layout_threads(cluster, dp * pp * cp * tp))
 
 
 def schedule_choices(pp: int, m: int, facts: ModelFacts, pins: Pins) -> list[tuple[str, int]]:
@@ -265,7 +273,7 @@ def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str
                         continue
                     yield ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, ulysses=ulysses, mbs=p.mbs,
                                          schedule=sched, vpp=v, zero=zero, recompute=rc, sp=sp, dtype=dtype,
-                                         loss=loss, attention=attention)
+                                         loss=loss, attention=attention, threads=p.threads)
 
 
 def configurations(facts: ModelFacts, cluster: ClusterShape, batch: Batch, *, dtype: str, loss: str,

@@ -47,9 +47,10 @@ from cost_models.layer_costs import LayerCosts, layer_pass_times
 from cost_models.pipeline import estimate_step, linear_step
 from cost_models.compute import calibration
 from cost_models.memory import Reserve, framework_reserve, memory_floor
+from cost_models.shared_cores import ranks_cluster
 from planner.errors import AutoparError
 from planner.graph import ModelGraph
-from planner.feasibility import Batch, default_attention, sp_problem
+from planner.feasibility import Batch, default_attention, layout_threads, sp_problem
 from planner.plan import RECOMPUTE, ModelFacts, ParallelConfig
 from planner.search.candidates import (DOMINATED_REASON, Point, Rejections, batch_of, facts_of, points,
                                        request_problem, schedule_choices, variants)
@@ -177,7 +178,7 @@ def _base_config(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     return ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, ulysses=ulysses, mbs=mbs, dtype=space.dtype,
                           loss=space.loss, sp=sp_problem(tp, cp, space.facts, space.batch) is None,
                           attention=space.attention,
-                          zero="fsdp" if ep > 1 else "ddp")
+                          zero="fsdp" if ep > 1 else "ddp", threads=layout_threads(space.cluster, dp * pp * cp * tp))
 
 
 def _rank_seconds(space: _Space, base: ParallelConfig) -> float:
@@ -212,8 +213,8 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
                  reserve: Reserve, ulysses: int = 1) -> "_Tuple | None":
     """One degree tuple with its time floor, or None when its memory floor rejects it (recorded)."""
     res, rej, pins = space.res, space.rej, space.pins
-    cap = space.cluster.memory_bytes
     base = _base_config(space, dp, pp, cp, tp, ep, mbs, ulysses)
+    cap = ranks_cluster(space.cluster, base).memory_bytes  # fewer CPU ranks: each has more of the memory
     costs = space.costs(base)
     t_rank = _rank_seconds(space, base) / pp
     # bubble: no schedule here does better than interleaving with the most chunks tried (v >= 4; zb-h1's
@@ -221,8 +222,8 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     v = max([4] + [v for _, v in schedule_choices(pp, m, space.facts, pins)])
     floor_s = linear_step("interleaved-1f1b", pp, m, v, [t_rank] * pp, [0.0] * pp)
     mem_floor = reserve.of(memory_floor(space.graph, base, costs.table(base)))
-    n_var = sum(1 for _ in variants(Point(dp, pp, cp, tp, mbs, m, ep, (ulysses,)), ulysses, space.facts, space.batch,
-                                     space.dtype, space.loss, pins=pins))
+    n_var = sum(1 for _ in variants(Point(dp, pp, cp, tp, mbs, m, ep, (ulysses,), base.threads), ulysses, space.facts,
+                                     space.batch, space.dtype, space.loss, pins=pins))
     res.considered += n_var
     t = _Tuple(floor_s, dp, pp, cp, tp, mbs, m, n_var, costs, ep, moe=bool(space.facts.experts), ulysses=ulysses)
     if mem_floor > cap:
@@ -260,8 +261,9 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, s
         n_kept = 0
         costs = t.costs
         stage = _balanced_stage_times(costs, g, t.pp)
-        for cfg in variants(Point(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, t.ep, (t.ulysses,)), t.ulysses, space.facts,
-                            space.batch, space.dtype, space.loss, dominated=False, pins=space.pins):
+        threads = layout_threads(space.cluster, t.dp * t.pp * t.cp * t.tp)
+        for cfg in variants(Point(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, t.ep, (t.ulysses,), threads), t.ulysses,
+                            space.facts, space.batch, space.dtype, space.loss, dominated=False, pins=space.pins):
             n_kept += 1
             # variant floor: this schedule on perfectly balanced stages, with its recompute
             f, b = stage[cfg.recompute]

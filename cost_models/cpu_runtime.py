@@ -1,0 +1,93 @@
+"""The CPU runtime's own work per micro-batch, beside the layers' compute and the collectives.
+
+On a local CPU cluster (gloo, eager PyTorch, one Python thread driving each rank) the
+machinery that makes a layout run costs CPU time of its own, per micro-batch, that neither
+the roofline nor the collectives' alpha-beta times contain. Priced here as mechanisms, each
+a count the layout decides times a per-call figure measured on this machine's kind of CPU
+(torch 2.13, 2 gloo ranks of one thread on a 2-core Xeon; how each was measured is written
+beside it, and the profiler measures them again the same way):
+
+- **Data-parallel wrappers** (codegen/runtime/data_parallel.py), per wrapped unit (the runtime
+  wraps every layer unit and the stage root) and micro-batch, forward and backward:
+  FSDP2's ``replicate`` (ddp / zero1 with TP parameters or a pipeline) copies each parameter
+  in and out of its buffers and runs its hooks: ``CPU_REPLICATE_UNIT_S``; ``fully_shard``
+  (fsdp / zero2) adds its unshard / reshard bookkeeping and the copies around every
+  all-gather beyond the collective itself: ``CPU_FSDP_UNIT_S``, and around every gradient
+  reduce-scatter (each micro-batch without a pipeline): ``CPU_FSDP_REDUCE_UNIT_S``. DDP's
+  bucketed reducer (``planner.plan.uses_ddp_reducer``) measured 0.006-0.02 ms per unit: 0.
+- **DTensor dispatch** per TP-sharded module: ``cost_models.compute.dtensor_dispatch_s``
+  (``CPU_DTENSOR_MODULE_S``), priced with the layer time.
+- **EP dispatch on gloo** (codegen/runtime/expert_parallel.py ``TokenDispatch``), per MoE
+  layer and micro-batch: beside the count exchange and the two row all-to-alls that
+  cost_models/experts.py prices from the collective model, the host copies of the counts
+  (``.tolist()``), the sort of the received rows by expert, and torch's functional uneven
+  all-to-all with its autograd node and wait: ``CPU_EP_DISPATCH_S``, forward and backward.
+
+Nothing on GPU clusters (there the host runs ahead of the kernels; unmeasured: 0). A profile
+of the cluster measures each again (``cost_models.profiler.measure_runtime``, the same setups
+as the defaults; ``ProfileDB.runtime``), which replaces the default. The calibration keys
+``replicate_unit_s``, ``fsdp_unit_s``, ``fsdp_reduce_unit_s`` and ``ep_dispatch_s`` replace the
+measured figures where a calibration gives them (``autopar calibrate`` does not fit them yet:
+cost_models/calibrate.py).
+"""
+from __future__ import annotations
+
+from cost_models.cluster import Cluster
+from cost_models.compute import calibration
+from planner.graph import Layer
+from planner.plan import SHARDED_PARAMS, ParallelConfig, uses_ddp_reducer
+
+# Medians of four runs of 2 gloo ranks (one thread each, pinned by nothing, load average 1-3),
+# per unit and micro-batch, forward + backward, over an unwrapped stack of 8 units of two
+# 64 x 64 linears on [4, 16, 64]: replicate 0.24 / 0.29 / 0.24 / 0.28 ms (0.27 at 4 ranks);
+# fully_shard with gradient sync off, less its two all-gathers of the unit (0.21 ms each),
+# 1.3 / 1.5 / 2.3 / 3.3 ms; sync on over sync off, less the unit's reduce-scatter (0.30-0.43
+# ms), 1.3 / 3.0 / 1.3 / 0.7 ms.
+CPU_REPLICATE_UNIT_S = 0.26e-3
+CPU_FSDP_UNIT_S = 1.9e-3
+CPU_FSDP_REDUCE_UNIT_S = 1.3e-3
+# One MoE layer's TokenDispatch forward + backward (64 rows of 64, 4 experts over 2 ranks) less
+# the local expert GEMMs, four row all-to-alls and one count all-to-all timed alone: 6.9 / 1.4 /
+# 2.8 / 3.1 ms (8.2 at 4 ranks on the 2 cores: waiting, not computing, so not scaled by them).
+CPU_EP_DISPATCH_S = 3.0e-3
+
+KEYS = ("replicate_unit_s", "fsdp_unit_s", "fsdp_reduce_unit_s", "ep_dispatch_s")
+DEFAULTS = {"replicate_unit_s": CPU_REPLICATE_UNIT_S, "fsdp_unit_s": CPU_FSDP_UNIT_S,
+            "fsdp_reduce_unit_s": CPU_FSDP_REDUCE_UNIT_S, "ep_dispatch_s": CPU_EP_DISPATCH_S}
+
+
+def measured(key: str, profile=None) -> float:
+    """One per-call figure (seconds) as measured: the profile's (``ProfileDB.runtime``, written by
+    ``cost_models.profiler.measure_runtime``), else the default measured above."""
+    return (getattr(profile, "runtime", None) or {}).get(key, DEFAULTS[key])
+
+
+def figure(key: str, profile=None) -> float:
+    """One per-call figure (seconds) as priced: the profile's calibrated value, else :func:`measured`."""
+    return calibration(profile).get(key, measured(key, profile))
+
+
+def wrapper_unit_s(cluster: Cluster, cfg: ParallelConfig, profile=None) -> tuple[float, float]:
+    """(forward, backward) seconds the data-parallel wrapper adds per wrapped unit and
+    micro-batch under ``cfg`` on ``cluster`` (module docstring); (0, 0) on GPUs, without data
+    parallelism (dp x cp = 1) and under DDP's reducer. A third in the forward (the pre-forward
+    gather or copy-in), the rest in the backward (copy-out, reduction bookkeeping)."""
+    if cluster.backend != "gloo" or cfg.dp * cfg.cp == 1 or uses_ddp_reducer(cfg.zero, cfg.pp, cfg.tp):
+        return 0.0, 0.0
+    if cfg.zero in SHARDED_PARAMS:
+        s = figure("fsdp_unit_s", profile)
+        if cfg.pp == 1:  # gradients reduce-scattered every micro-batch (pipelines: once per step)
+            s += figure("fsdp_reduce_unit_s", profile)
+    else:
+        s = figure("replicate_unit_s", profile)
+    return s / 3, 2 * s / 3
+
+
+def ep_dispatch_s(layer: Layer, cluster: Cluster, cfg: ParallelConfig, profile=None) -> tuple[float, float]:
+    """(forward, backward) seconds of the EP dispatch's host-side work in one MoE ``layer`` per
+    micro-batch on a CPU cluster (module docstring), half each way; (0, 0) without experts,
+    without EP or on GPUs."""
+    if layer.moe is None or cfg.ep == 1 or cluster.backend != "gloo":
+        return 0.0, 0.0
+    s = figure("ep_dispatch_s", profile)
+    return s / 2, s / 2
