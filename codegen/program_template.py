@@ -26,7 +26,7 @@ from codegen.runtime.adapters import adapter_for
 from codegen.runtime.data import packed_documents, synthetic, user_hook
 from codegen.runtime.mesh import build_mesh, init_distributed, teardown
 from codegen.runtime.metrics import peak_memory_per_rank
-from codegen.runtime.optim import build_optimizer, warmup_cosine
+from codegen.runtime.optim import adamw, build_optimizer, warmup_cosine
 from codegen.runtime.recipe import (
     apply_attention,
     apply_dp,
@@ -101,8 +101,7 @@ def make_optimizer(args: argparse.Namespace):
     """params -> optimizer with the command line's settings (one per stage module)."""
     if args.optimizer == "sgd":
         return lambda ps: torch.optim.SGD(ps, lr=args.lr, momentum=args.beta1, weight_decay=args.weight_decay)
-    return lambda ps: torch.optim.AdamW(ps, lr=args.lr, betas=(args.beta1, args.beta2),
-                                        weight_decay=args.weight_decay)
+    return lambda ps: adamw(ps, lr=args.lr, betas=(args.beta1, args.beta2), weight_decay=args.weight_decay)
 
 
 def build(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> ParallelModel:

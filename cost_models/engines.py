@@ -42,7 +42,8 @@ behaviour of a named engine (the flag or default that turns it on is cited):
   inputs) and ``moe_act`` (the experts' activation outputs); set per run where a run states it
   (benchmarks/published_moe.py), empty in every registered engine.
 - ``fused_optimizer``: one fused AdamW kernel per parameter group (Apex / TE FusedAdam in
-  Megatron; torchtitan's default ``fused``): ``FUSED_OPT_BYTES_PER_PARAM`` instead of the
+  Megatron; torchtitan's default ``fused``; autopar's runtime, ``codegen.runtime.optim.adamw``):
+  ``FUSED_OPT_BYTES_PER_PARAM`` instead of the
   eight passes of torch's foreach AdamW (``FOREACH_OPT_BYTES_PER_PARAM``).
 
 What "hidden" means is one rule, :func:`exposed_s`: a collective of ``C`` seconds beside
@@ -93,8 +94,10 @@ class Engine:
 
 
 ENGINES: dict[str, Engine] = {e.name: e for e in (
-    Engine("autopar", doc="autopar's runtime (codegen/runtime): FSDP2 / DDP gradient overlap, foreach AdamW, "
-                          "blocking collectives elsewhere"),
+    Engine("autopar", fused_optimizer=True,
+           doc="autopar's runtime (codegen/runtime): FSDP2 / DDP gradient overlap, fused AdamW "
+               "(codegen.runtime.optim.adamw; the per-parameter loop where plain and DTensor parameters mix), "
+               "blocking collectives elsewhere"),
     Engine("megatron-2021", dp_overlap=False, fused_optimizer=True,
            doc="Megatron-LM 2021-22 (Narayanan et al. SC'21, Korthikanti et al. 2022): gradients reduced "
                "after the backward, Apex FusedAdam"),

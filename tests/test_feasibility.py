@@ -177,10 +177,11 @@ def _schedules(pp: int) -> list[tuple[str, int]]:
     return [(s, 1) for s in SCHEDULES if s != "interleaved-1f1b"] + [("interleaved-1f1b", v) for v in (2, 4)]
 
 
-def search_domain(f: ModelFacts, world: int, loss: str, attention: str) -> list[ParallelConfig]:
+def search_domain(f: ModelFacts, world: int, loss: str, attention: str, global_batch: int) -> list[ParallelConfig]:
     """Every configuration within the search's deliberate space choices (planner/search/candidates.py:
-    mbs <= 8, no zero2, ddp alone without dp x cp, interleaving with v in {2, 4}, 1f1b without a
-    pipeline, the default attention kernel), feasible or not."""
+    mbs <= 8 and, without a pipeline, the whole replica batch; no zero2, ddp alone without dp x cp,
+    interleaving with v in {2, 4}, 1f1b without a pipeline, the default attention kernel), feasible
+    or not."""
     out = []
     for tp, cp, pp in itertools.product(divisors(world), repeat=3):
         if world % (tp * cp * pp):
@@ -188,8 +189,9 @@ def search_domain(f: ModelFacts, world: int, loss: str, attention: str) -> list[
         dp = world // (tp * cp * pp)
         zeros = ("ddp",) if dp * cp == 1 else ZEROS
         sps = (False, True) if tp > 1 else (False,)
+        whole = [global_batch // dp] if pp == 1 and global_batch % dp == 0 and global_batch // dp > 8 else []
         for ep, u, mbs, (sched, v), zero, rc, sp in itertools.product(
-                divisors(dp * cp * tp), divisors(cp), range(1, 9), _schedules(pp), zeros, RECOMPUTE, sps):
+                divisors(dp * cp * tp), divisors(cp), [*range(1, 9), *whole], _schedules(pp), zeros, RECOMPUTE, sps):
             out.append(ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, ulysses=u, mbs=mbs, schedule=sched, vpp=v,
                                       zero=zero, recompute=rc, sp=sp, dtype="fp32", loss=loss, attention=attention))
     return out
@@ -206,7 +208,7 @@ def test_search_enumerates_exactly_what_the_predicate_accepts(req, loss, rnd):
     for cfg in enumerated:
         assert problems(cfg, f, batch, cluster) == [], cfg.label()
     attention = default_attention(f.limits)
-    domain = search_domain(f, cluster.world, loss, attention)
+    domain = search_domain(f, cluster.world, loss, attention, batch.global_batch)
     found = set(enumerated)
     for cfg in rnd.sample(domain, min(len(domain), 400)):
         why = problems(cfg, f, batch, cluster)

@@ -39,7 +39,8 @@ def _free_port() -> int:
 def runs(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("kernels")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env.pop("TRITON_INTERPRET", None)  # impl="auto" on CPU: the torch fallbacks
+    env.pop("TRITON_INTERPRET", None)
+    env["AUTOPAR_KERNEL_IMPL"] = "torch"  # the torch fallbacks on every call (auto: SDPA for local attention)
     one = dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(_free_port()))
     cmds = {1: ([sys.executable, WORKER, str(d / "w1.json")], one),
@@ -128,3 +129,30 @@ def test_fused_loss_lowers_head_stage_activations_and_makes_dp8_fit(planner_case
     # the saving is at least one bf16 copy of the logits of a micro-batch: 40960 x 128256 x 2 bytes
     assert e.activations - f.activations >= 40960 * 128256 * 2 * 0.99
     assert not est["eager"].fits and est["fused"].fits
+
+
+def test_local_flash_attention_on_cpu_is_torch_sdpa_unless_the_fallback_is_forced(monkeypatch):
+    """Without Triton, a local call (no documents, no ring) runs torch's fused SDPA kernel; with
+    ``AUTOPAR_KERNEL_IMPL=torch`` the plain-torch fallback; both agree, GQA and gradients included."""
+    import torch
+
+    from codegen.runtime import kernels as kern
+
+    calls = []
+    real = kern.flash_attention
+    monkeypatch.setattr(kern, "flash_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 48, 16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 48, 16, requires_grad=True) for _ in range(2))
+    outs, grads = [], []
+    for forced in (None, "torch"):
+        if forced:
+            monkeypatch.setenv("AUTOPAR_KERNEL_IMPL", forced)
+        else:
+            monkeypatch.delenv("AUTOPAR_KERNEL_IMPL", raising=False)
+        out = kern.FlashAttention()(q, k, v, causal=True)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
+    assert len(calls) == 1  # only the forced run went through the fallback kernel
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(*grads))

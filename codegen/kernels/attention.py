@@ -30,7 +30,9 @@ Ops (``torch.library.custom_op``, namespace ``autopar``)
 
 ``impl``: ``"triton"`` forces the Triton kernels (on CPU only under ``TRITON_INTERPRET=1``),
 ``"torch"`` the fallback, ``"auto"`` (default) picks Triton on CUDA and torch elsewhere; the
-environment variable ``AUTOPAR_KERNEL_IMPL`` overrides ``"auto"``.
+environment variable ``AUTOPAR_KERNEL_IMPL`` overrides ``"auto"``. :func:`resolved_impl`
+names the choice; the runtime (``codegen/runtime/kernels.py``) runs a local call that neither
+chose explicitly on torch's own fused SDPA kernel where Triton does not run.
 """
 from __future__ import annotations
 
@@ -45,13 +47,18 @@ from codegen.kernels.attention_torch import flash_attn_bwd_torch, flash_attn_fwd
 from codegen.kernels.attention_triton import (HAS_TRITON, SUPPORTED_HEAD_DIMS, check_shapes, flash_attn_bwd_triton,
                                               flash_attn_fwd_triton, interpreting)
 
-__all__ = ["SUPPORTED_HEAD_DIMS", "attn_merge", "flash_attention", "flash_attn_bwd", "flash_attn_fwd", "use_triton"]
+__all__ = ["SUPPORTED_HEAD_DIMS", "attn_merge", "flash_attention", "flash_attn_bwd", "flash_attn_fwd", "resolved_impl",
+           "use_triton"]
+
+
+def resolved_impl(impl: str) -> str:
+    """``impl`` with ``"auto"`` replaced by ``AUTOPAR_KERNEL_IMPL`` when that is set."""
+    return os.environ.get("AUTOPAR_KERNEL_IMPL", "auto") if impl == "auto" else impl
 
 
 def use_triton(impl: str, device: torch.device) -> bool:
     """Resolve ``impl`` ("auto" | "triton" | "torch") for a tensor on ``device``."""
-    if impl == "auto":
-        impl = os.environ.get("AUTOPAR_KERNEL_IMPL", "auto")
+    impl = resolved_impl(impl)
     if impl == "torch":
         return False
     if impl == "triton":

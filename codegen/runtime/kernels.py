@@ -25,9 +25,10 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from codegen.kernels.attention import SUPPORTED_HEAD_DIMS, attn_merge, flash_attention
+from codegen.kernels.attention import SUPPORTED_HEAD_DIMS, attn_merge, flash_attention, resolved_impl, use_triton
 from codegen.runtime.documents import Documents, EagerAttention
 
 IGNORE_INDEX = -100
@@ -40,7 +41,12 @@ class FlashAttention:
 
     ``documents`` (``documents.Documents``): the current micro-batch's packed documents, whose
     ``doc_start`` the kernel masks by (causal calls); ``fallback`` handles head dims the kernel
-    does not support (default: SDPA, with the same document mask)."""
+    does not support (default: SDPA, with the same document mask). Where the Triton kernels do
+    not run (CPU) and no implementation was forced (``impl`` / ``AUTOPAR_KERNEL_IMPL`` "auto"), a
+    call without documents is torch's own fused SDPA kernel (flash on CPU: nothing of S x S kept,
+    six to seven times the plain-torch fallback's speed); the fallback
+    (``codegen/kernels/attention_torch.py``) still serves documents and ring steps, which need
+    its offsets, masks and log-sum-exp."""
 
     def __init__(self, fallback: Optional[Callable] = None, impl: str = "auto",
                  documents: Optional[Documents] = None):
@@ -55,6 +61,9 @@ class FlashAttention:
         ds = self.documents.doc_start if self.documents is not None and causal else None
         if ds is not None:
             self.documents.used += 1
+        elif resolved_impl(self.impl) == "auto" and not use_triton(self.impl, q.device):  # CPU: torch's fused kernel
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                                  enable_gqa=k.shape[1] != q.shape[1])
         # Top-left aligned causal mask (query i sees keys j <= i), as SDPA's is_causal.
         out, _ = flash_attention(q, k, v, causal=causal, sm_scale=scale, impl=self.impl,
                                  doc_start=None if ds is None else ds.to(q.device))
@@ -152,6 +161,5 @@ def linear_loss(weight: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, *, 
 def logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """SUMMED token cross-entropy of ``logits`` [.., V] against ``labels`` (fp32); vocabulary-
     sharded DTensor logits are handled by ``loss_parallel`` (the runtime's ``loss_context``)."""
-    import torch.nn.functional as F
     return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")

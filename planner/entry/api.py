@@ -208,6 +208,7 @@ def plan_for(model: nn.Module | None, example: dict[str, torch.Tensor], req: Pla
                                f"but the example batch is {gb} x {seq}: pass a batch of the plan's shape or plan again")
         return p
     from cost_models.cluster import parse_cluster
+    from planner.search.pins import Pins
     from planner.search.planning import plan_model
 
     c = parse_cluster(detect_cluster(world) if req.cluster == "detect" else req.cluster)
@@ -215,8 +216,10 @@ def plan_for(model: nn.Module | None, example: dict[str, torch.Tensor], req: Pla
         raise AutoparError(f"cluster {c.name} has {c.world} devices but this job has {world} processes: "
                            "launch one process per device or pass a matching cluster")
     graph, name = _capture(model, example, req.module_spec)
+    pins = req.pins or Pins()  # the job's processes are launched: a layout uses every one of them
+    pins = Pins({**pins.lo, "world": world}, {**pins.hi, "world": world}, pins.choice)
     p, _ = plan_model(graph, c, gb, spec=req.spec or name, cluster_spec=c.name, profile=_profile(c, req.profile),
-                      fix=req.pins, seq_lens=req.seq_lens)
+                      fix=pins, seq_lens=req.seq_lens)
     return p
 
 

@@ -22,7 +22,8 @@ So every configuration enumerated has ``feasibility.problems(...) == []``, and e
 leaves out has a problem - except the search's deliberate space choices, which are not
 feasibility (tests/test_feasibility.py holds the search to exactly this):
 
-- micro-batch sizes up to ``max_mbs`` (8 unless pinned);
+- micro-batch sizes up to ``max_mbs`` (8 unless pinned), and without a pipeline the whole
+  replica batch in one micro-batch;
 - DP sharding without ``zero2`` (``ZEROS``), and only ``ddp`` without data parallelism
   (dp x cp = 1: the modes differ only in what they shard over dp);
 - interleaving with v in {2, 4} (or the pinned range), never with v = 1 (it is 1F1B); with
@@ -109,8 +110,9 @@ def degree_tuples(facts: ModelFacts, cluster: ClusterShape, batch: Batch, rej: R
     """(dp, pp, cp, tp) multiplying to one of the cluster's process counts (``rank_counts``,
     largest first) that the ``pins`` admit and that the predicate's per-degree parts accept;
     the others are recorded in ``rej`` (those the pins leave out are not)."""
-    for world in rank_counts(cluster):
-        yield from _degree_tuples(world, facts, cluster, batch, rej, pins or Pins())
+    pins = pins or Pins()
+    for world in (w for w in rank_counts(cluster) if pins.allows("world", w)):
+        yield from _degree_tuples(world, facts, cluster, batch, rej, pins)
 
 
 def _degree_tuples(world: int, facts: ModelFacts, cluster: ClusterShape, batch: Batch, rej: Rejections,
@@ -149,7 +151,8 @@ def micro_batch_sizes(dp: int, pp: int, cp: int, tp: int, batch: Batch, max_mbs:
     stage a micro-batch (``fill_problem``); the others are recorded."""
     label = f"dp={dp} pp={pp} cp={cp} tp={tp}"
     per_replica = batch.global_batch // dp
-    sizes = [d for d in divisors(per_replica) if d <= max_mbs and pins.allows("mbs", d)]
+    sizes = [d for d in divisors(per_replica) if (d <= max_mbs or (d == per_replica and pp == 1))
+             and pins.allows("mbs", d)]  # beyond the cap: the whole replica batch at once (what one process runs)
     if not sizes:
         rej.add(f"no micro-batch size {pins.describe('mbs')} divides the {per_replica} sequences per replica", label)
     out = []

@@ -3,7 +3,9 @@
 A pin string is comma-separated items ``key=value``, ``key<=value`` or ``key>=value``:
 
 - degrees ``dp``, ``pp``, ``cp``, ``tp`` and ``ep``, ``mbs``, ``vpp``: a positive integer,
-  pinned (``=``) or bounded (``<=``, ``>=``);
+  pinned (``=``) or bounded (``<=``, ``>=``); ``world``, the processes of the layout
+  (dp x pp x cp x tp: on a local CPU cluster the search also weighs fewer processes with
+  more threads each; ``auto_parallelize`` pins it to the job's processes);
 - ``schedule`` (applies when pp > 1), ``zero`` (applies when dp * cp > 1), ``recompute``
   and ``sp`` (on/off): pinned with ``=`` only.
 
@@ -24,7 +26,7 @@ from planner.errors import AutoparError
 from planner.plan import RECOMPUTE, SCHEDULES, ZERO, ParallelConfig
 
 DEGREES = ("dp", "pp", "cp", "tp")
-INT_KEYS = DEGREES + ("ep", "ulysses", "mbs", "vpp")  # ep, ulysses: within dp x cp x tp / cp (not mesh degrees)
+INT_KEYS = DEGREES + ("ep", "ulysses", "mbs", "vpp", "world")  # ep, ulysses: within dp x cp x tp / cp (not mesh degrees)
 CHOICES: dict[str, tuple[str, ...]] = {"schedule": SCHEDULES, "zero": ZERO, "recompute": RECOMPUTE,
                                        "sp": ("on", "off")}
 OPERATORS = ("=", "<=", ">=")
