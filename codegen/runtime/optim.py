@@ -108,7 +108,7 @@ def clip_grad_norm_(params: Sequence[nn.Parameter], max_norm: Optional[float], p
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(square, group=pp_group)
     norm = square.sqrt()
-    if max_norm is not None and max_norm > 0:
+    if max_norm is not None and max_norm > 0 and float(norm) + 1e-6 > max_norm:  # else torch's coefficient is 1
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         with torch.no_grad():
             foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
