@@ -91,9 +91,14 @@ class Nodes:
     def of_plan(cluster: Mapping[str, Any], world: int) -> "Nodes":
         """The shape a plan file's ``cluster`` section records (without one: ``world`` devices
         over its nodes, one node by default)."""
-        nodes = int(cluster.get("nodes", 1))
-        return Nodes(str(cluster.get("name", "the cluster")), nodes,
-                     int(cluster.get("devices_per_node", max(world // nodes, 1))), int(cluster.get("cores_per_node", 0)))
+        def whole(key: str, default: int) -> int:
+            v = cluster.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, (int, str)) or not str(v).strip().isdigit():
+                raise PlanError(f"the plan's cluster {key} = {v!r} is not a whole number: write one (or plan again)")
+            return int(v)
+        nodes = max(whole("nodes", 1), 1)
+        return Nodes(str(cluster.get("name", "the cluster")), nodes, whole("devices_per_node", max(world // nodes, 1)),
+                     whole("cores_per_node", 0))
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ def test_killed_rank_is_relaunched_and_resumes_bitwise(tmp_path, monkeypatch, ca
     from planner.search.planning import plan_model
 
     plan, _ = plan_model(load_graph("llama-tiny", seq_len=32), parse_cluster("local-cpu:2"), 4, spec="llama-tiny",
-                         cluster_spec="local-cpu:2")
+                         cluster_spec="local-cpu:2", fix="world=2")  # two ranks: one of them is killed
     plan_path = str(tmp_path / "plan.json")
     plan.save(plan_path)
     monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

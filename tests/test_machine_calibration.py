@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -102,7 +103,10 @@ def test_demo_profiles_this_machine_once_then_plans_calibrated(tmp_path, monkeyp
         assert want in out, out
     assert os.path.exists(out.split("report: ")[1].split()[0])
     recs = [json.loads(l) for l in open(run / "train_log.jsonl")]
-    assert [x["step"] for x in recs] == [1, 2, 3, 4] and len(recs[0]["memory_gib"]) == 2
+    plan = json.loads((run / "plan.json").read_text())
+    world = math.prod(int(kv.split("=")[1]) for kv in plan["config"].split(",") if kv.split("=")[0] in ("dp", "pp", "cp", "tp"))
+    assert [x["step"] for x in recs] == [1, 2, 3, 4] and len(recs[0]["memory_gib"]) == world  # one per rank
+    assert world in (1, 2)  # two single-thread ranks, or one process with both cores
     cache = list((tmp_path / "cache").glob("machine-*.json"))
     assert len(cache) == 1
     d = json.loads(cache[0].read_text())
