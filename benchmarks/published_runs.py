@@ -144,6 +144,36 @@ def plan_against(c: Case, graphs: Graphs) -> dict[str, Any]:
             "why": why or "same costs", "theirs_on_autopar_s": theirs.step_s, "ours_s": ours.step_s}
 
 
+def fit_report(exact: list[Case], graphs: Graphs) -> dict[str, Any]:
+    """Fit on every exact run, then leave each source out in turn; print and return the errors."""
+    cal = fit(exact, graphs)
+    print("fitted on all exact runs:", {k: round(v, 3) for k, v in cal.items()})
+    ins = [predict(c, graphs, cal)["error"] for c in exact]
+    print("  in-sample:          ", _fmt(summary(ins)))
+    held = []
+    for src in sorted({c.source for c in exact}):
+        cal_src = fit([c for c in exact if c.source != src], graphs)
+        e = [predict(c, graphs, cal_src)["error"] for c in exact if c.source == src]
+        held += e
+        print(f"  held out {src:<11}", _fmt(summary(e)), {k: round(v, 3) for k, v in cal_src.items()})
+    print("  leave-one-source-out:", _fmt(summary(held)))
+    return {"coefficients": cal, "in_sample": summary(ins), "leave_one_source_out": summary(held)}
+
+
+def plan_report(exact: list[Case], graphs: Graphs) -> list[dict[str, Any]]:
+    """autopar's pick for every exact run against its published layout (``plan_against``), printed."""
+    picks = [dict(id=c.run_id, **plan_against(c, graphs)) for c in exact]
+    print("autopar's pick against the published layout, both on autopar's runtime; why: the step's share "
+          "each category saves (-) or adds (+) in our pick")
+    for p in picks:
+        print(f"  {p['id']:<44} {p['pick']:<60} {p['speedup']:.3f}x  "
+              f"{'same degrees; ' if p['degrees_match'] else ''}{'' if p['theirs_fits'] else 'theirs OOM; '}{p['why']}")
+    sp = [p["speedup"] for p in picks]
+    print(f"planner vs published layouts: median {statistics.median(sp):.3f}x, min {min(sp):.3f}x, "
+          f"degrees match {sum(p['degrees_match'] for p in picks)} of {len(picks)}")
+    return picks
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", nargs="+", default=DATA, help="development-set files (default: both)")
@@ -184,30 +214,9 @@ def main() -> None:
     print(f"judged to fit: {len(fits)} of {len(rows)} (exact: {sum(r['fits'] for r in rows if not r['approximate'])}"
           f" of {len(exact)})")
     if args.fit:
-        cal = fit(exact, graphs)
-        print("fitted on all exact runs:", {k: round(v, 3) for k, v in cal.items()})
-        ins = [predict(c, graphs, cal)["error"] for c in exact]
-        print("  in-sample:          ", _fmt(summary(ins)))
-        held = []
-        for src in sorted({c.source for c in exact}):
-            train = [c for c in exact if c.source != src]
-            cal_src = fit(train, graphs)
-            e = [predict(c, graphs, cal_src)["error"] for c in exact if c.source == src]
-            held += e
-            print(f"  held out {src:<11}", _fmt(summary(e)), {k: round(v, 3) for k, v in cal_src.items()})
-        print("  leave-one-source-out:", _fmt(summary(held)))
-        out["fit"] = {"coefficients": cal, "in_sample": summary(ins), "leave_one_source_out": summary(held)}
+        out["fit"] = fit_report(exact, graphs)
     if args.plan:
-        picks = [dict(id=c.run_id, **plan_against(c, graphs)) for c in exact]
-        print("autopar's pick against the published layout, both on autopar's runtime; why: the step's share "
-              "each category saves (-) or adds (+) in our pick")
-        for p in picks:
-            print(f"  {p['id']:<44} {p['pick']:<60} {p['speedup']:.3f}x  "
-                  f"{'same degrees; ' if p['degrees_match'] else ''}{'' if p['theirs_fits'] else 'theirs OOM; '}{p['why']}")
-        sp = [p["speedup"] for p in picks]
-        print(f"planner vs published layouts: median {statistics.median(sp):.3f}x, min {min(sp):.3f}x, "
-              f"degrees match {sum(p['degrees_match'] for p in picks)} of {len(picks)}")
-        out["plans"] = picks
+        out["plans"] = plan_report(exact, graphs)
     write_json(args.out, out)
 
 
