@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -17,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from user_models import RootPositionsLM, UserLM  # noqa: E402
+from launches import run_launch  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128)
@@ -193,7 +193,7 @@ def test_attention_is_installed_on_one_instance_only():
 
 def _run(cmd, env=None, timeout=600):
     env = dict(os.environ if env is None else env, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    r = run_launch(cmd, env=env, timeout=timeout)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     return r
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -27,13 +26,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "close_worker.py")
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import close_worker as CW  # noqa: E402
+from launches import run_launch  # noqa: E402
 
 
 def _run(cmd: list[str], out: str) -> dict:
     env = dict(worker_env(), PYTHONWARNINGS="ignore")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_launch(cmd, env=env, timeout=900)
     assert proc.returncode == 0 and os.path.exists(out), (proc.stdout[-3000:], proc.stderr[-5000:])
     with open(out) as fh:
         return json.load(fh)

@@ -13,6 +13,7 @@ from cost_models.cluster import parse_cluster
 from codegen.emit import emit
 from planner.frontend.load import load_graph
 from planner.search.planning import plan_model
+from launches import run_launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RECIPE = ("check_runnable(", "build_mesh(", "split_stages(", "materialize(", "tie_weights(", "apply_attention(",
@@ -280,7 +281,7 @@ def test_auto_parallelize(nproc, tmp_path):
 
         cmd = torchrun_cmd(2, [os.path.join(HERE, "api_worker.py"), str(out), str(ck)])
         env = dict(os.environ)
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    r = run_launch(cmd, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     d = json.loads(out.read_text())
     assert d["losses"][1] < d["losses"][0]

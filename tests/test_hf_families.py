@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -24,6 +23,7 @@ pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import family_worker as FW  # noqa: E402
+from launches import run_launch  # noqa: E402
 
 TOL = 1e-5
 # family -> {feature: a word of the reason it is refused}; features not listed must be allowed
@@ -103,10 +103,11 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("families") / "families.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", f"--master-port={_free_port()}",
-           os.path.join(ROOT, "tests", "family_worker.py"), str(out)]
+    def cmd() -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", f"--master-port={_free_port()}",
+                os.path.join(ROOT, "tests", "family_worker.py"), str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_launch(cmd, env=env, timeout=900)
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"family worker failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return json.loads(out.read_text())

@@ -38,7 +38,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("kernels")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")  # tests/launches.py
     env.pop("TRITON_INTERPRET", None)
     env["AUTOPAR_KERNEL_IMPL"] = "torch"  # the torch fallbacks on every call (auto: SDPA for local attention)
     one = dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",

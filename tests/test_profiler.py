@@ -3,7 +3,6 @@ core pinning, and one real 2-process profile."""
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from cost_models.memory import layer_params_local
 from cost_models.profile_db import ProfileDB
 from planner import zoo
 from planner.frontend.load import load_graph
+from launches import run_launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -131,8 +131,7 @@ def test_profiler_two_processes(tmp_path):
     out = tmp_path / "p.json"
     cmd = torchrun_cmd(2, profiler.worker_args("local-cpu:2", "gpt-tiny", str(out), seq_len=32, batches="1,2",
                                                sizes="1024,65536", repeats=2))
-    r = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                       timeout=300)
+    r = run_launch(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     db = ProfileDB.load(out)
     graph = load_graph("gpt-tiny", batch=1, seq_len=32)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -29,6 +28,7 @@ TOL = 1e-5
 
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import dist_worker as W  # noqa: E402
+from launches import run_launch  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -40,10 +40,11 @@ def _free_port() -> int:
 
 
 def launch(nproc: int, group: str, out: str, *extra: str, timeout: int = 600) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={_free_port()}", WORKER, group, out, *extra]
+    def cmd() -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                f"--master-port={_free_port()}", WORKER, group, out, *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_launch(cmd, env=env, timeout=timeout)
     if proc.returncode != 0 or not os.path.exists(out):
         raise AssertionError(f"torchrun {nproc} {group} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-6000:]}")

@@ -23,10 +23,12 @@ def worker_env(threads: int = 0) -> dict:
     """The environment of the worker processes autopar launches on this machine: ``threads``
     intra-op threads per rank (a plan's ``ParallelConfig.threads``; 0: one, torchrun's own
     default for several processes) unless the user set ``OMP_NUM_THREADS``. The emitted
-    program sets a plan's threads itself too (``codegen.runtime.mesh.init_distributed``)."""
+    program sets a plan's threads itself too (``codegen.runtime.mesh.init_distributed``). A rank
+    that crashes inside torch prints its Python stack (``PYTHONFAULTHANDLER``, unless set)."""
     import os
 
-    return dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(threads, 1))))
+    return dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(threads, 1))),
+                PYTHONFAULTHANDLER=os.environ.get("PYTHONFAULTHANDLER", "1"))
 
 
 def torchrun_cmd(nproc: int, module_args: list[str]) -> list[str]:
