@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 from cost_models import comm as comm_mod
 from cost_models.cluster import Cluster
-from cost_models.memory import DTYPE_BYTES
 from planner.graph import AttentionDims
 from planner.plan import ParallelConfig
+from planner.precision import DTYPE_BYTES
 
 
 @dataclass(frozen=True)

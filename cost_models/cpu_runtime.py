@@ -14,7 +14,7 @@ beside it, and the profiler measures them again the same way):
   (fsdp / zero2) adds its unshard / reshard bookkeeping and the copies around every
   all-gather beyond the collective itself: ``CPU_FSDP_UNIT_S``, and around every gradient
   reduce-scatter (each micro-batch without a pipeline): ``CPU_FSDP_REDUCE_UNIT_S``. DDP's
-  bucketed reducer (``planner.plan.uses_ddp_reducer``) measured 0.006-0.02 ms per unit: 0.
+  bucketed reducer (``planner.sharding.uses_ddp_reducer``) measured 0.006-0.02 ms per unit: 0.
 - **DTensor dispatch** per TP-sharded module: ``cost_models.compute.dtensor_dispatch_s``
   (``CPU_DTENSOR_MODULE_S``), priced with the layer time.
 - **EP dispatch on gloo** (codegen/runtime/expert_parallel.py ``TokenDispatch``), per MoE
@@ -35,7 +35,8 @@ from __future__ import annotations
 from cost_models.cluster import Cluster
 from cost_models.compute import calibration
 from planner.graph import Layer
-from planner.plan import SHARDED_PARAMS, ParallelConfig, uses_ddp_reducer
+from planner.plan import ParallelConfig
+from planner.sharding import dp_wrapper
 
 # Medians of four runs of 2 gloo ranks (one thread each, pinned by nothing, load average 1-3),
 # per unit and micro-batch, forward + backward, over an unwrapped stack of 8 units of two
@@ -69,12 +70,14 @@ def figure(key: str, profile=None) -> float:
 
 def wrapper_unit_s(cluster: Cluster, cfg: ParallelConfig, profile=None) -> tuple[float, float]:
     """(forward, backward) seconds the data-parallel wrapper adds per wrapped unit and
-    micro-batch under ``cfg`` on ``cluster`` (module docstring); (0, 0) on GPUs, without data
-    parallelism (dp x cp = 1) and under DDP's reducer. A third in the forward (the pre-forward
+    micro-batch under ``cfg`` on ``cluster`` (module docstring); (0, 0) on GPUs, without a
+    wrapper (``planner.sharding.dp_wrapper``) and under DDP's reducer. A third in the forward (the pre-forward
     gather or copy-in), the rest in the backward (copy-out, reduction bookkeeping)."""
-    if cluster.backend != "gloo" or cfg.dp * cfg.cp == 1 or uses_ddp_reducer(cfg.zero, cfg.pp, cfg.tp):
+    dp = cfg.dp * cfg.cp
+    wrapper = dp_wrapper(cfg.zero, cfg.pp, cfg.tp, dp, cfg.dtype)
+    if cluster.backend != "gloo" or wrapper in ("none", "ddp-reducer"):
         return 0.0, 0.0
-    if cfg.zero in SHARDED_PARAMS:
+    if wrapper == "fully_shard":
         s = figure("fsdp_unit_s", profile)
         if cfg.pp == 1:  # gradients reduce-scattered every micro-batch (pipelines: once per step)
             s += figure("fsdp_reduce_unit_s", profile)

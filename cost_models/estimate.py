@@ -35,7 +35,7 @@ Step time (seconds)::
   last micro-batch, so it is one all-gather and one reduce-scatter per step. Each is
   issued per layer unit (the runtime wraps every layer): one call per layer of the rank,
   each with its share of the bytes (and its own latency) - except DDP / ZeRO-1 without a
-  pipeline or TP (``planner.plan.uses_ddp_reducer``), which all-reduce per 25 MiB bucket.
+  pipeline or TP (``planner.sharding.uses_ddp_reducer``), which all-reduce per 25 MiB bucket.
   **Overlap assumption**: gradient traffic overlaps the backward of the last
   micro-batch (per-micro-batch FSDP/ZeRO-2 traffic the whole forward and backward), with
   efficiency ``OVERLAP[backend]`` (streams on NCCL overlap well; gloo shares the CPU
@@ -96,7 +96,9 @@ from cost_models.memory import (LayerTable, MemoryRule, StageMemory, chunk_memor
 from cost_models.shared_cores import compute_concurrency, core_speedup, shares_cores, spare_core
 from planner.feasibility import microbatches
 from planner.graph import ModelGraph
-from planner.plan import DDP_BUCKET_BYTES, SHARDED_PARAMS, ParallelConfig, Partition, PlanError, uses_ddp_reducer
+from planner.plan import ParallelConfig, Partition, PlanError
+from planner.sharding import DDP_BUCKET_BYTES, SHARDED_PARAMS, uses_ddp_reducer
+from planner.precision import DTYPE_BYTES, GRAD_REDUCE_BYTES, MASTER_BYTES
 
 # DP-communication overlap efficiency where the engine overlaps it: nccl 0.82 fitted on the
 # published runs (benchmarks/published_runs.py --fit; prior 0.8), gloo from the local fidelity runs.
@@ -233,25 +235,29 @@ def _dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units
     if dpg == 1:
         return DpTraffic(0.0, 0.0, 0.0)
     flat = ep_mesh(cfg) if experts else comm_mod.Mesh(pp=cfg.pp, dp=dpg, cp=1, tp=cfg.tp)
-    nbytes = params * (4 if cfg.dtype == "fp32" else 2)  # gradients and parameters alike
-    calls = max(1, math.ceil(nbytes / DDP_BUCKET_BYTES)) if uses_ddp_reducer(cfg.zero, cfg.pp, cfg.tp) else units
+    grads = params * GRAD_REDUCE_BYTES  # gradients are reduced in fp32 (planner.precision.mixed_precision)
+    calls = max(1, math.ceil(grads / DDP_BUCKET_BYTES)) if uses_ddp_reducer(cfg.zero, cfg.pp, cfg.tp, cfg.dtype) \
+        else units
 
-    def ct(kind: str) -> float:
-        e = comm_mod.collective_time(kind, nbytes / calls, cluster, flat, "dp", profile)
+    def ct(kind: str, per_param: float = GRAD_REDUCE_BYTES) -> float:
+        e = comm_mod.collective_time(kind, params * per_param / calls, cluster, flat, "dp", profile)
         comm_src.add(e.source)
         return e.seconds * calls
 
     per_microbatch = m if _per_microbatch_dp(cfg) else 1
-    after = ct("all_gather") if cfg.zero == "zero1" else 0.0  # owners broadcast the updated parameters
+    gather = DTYPE_BYTES[cfg.dtype]  # parameters are gathered as their compute copies
+    # the optimizer's owners send the updated parameters: Megatron's distributed optimizer its
+    # compute copies, autopar's ShardedOptimizer the fp32 master weights
+    after = ct("all_gather", gather if engine.dist_opt_reduce_scatter else MASTER_BYTES) if cfg.zero == "zero1" else 0.0
     if cfg.zero == "zero1" and engine.dist_opt_reduce_scatter:
         comm = ct("reduce_scatter")  # each owner receives only its shard's gradients
     elif cfg.zero in ("ddp", "zero1"):
         comm = ct("all_reduce")
     elif cfg.zero == "zero2":
-        comm = per_microbatch * (ct("reduce_scatter") + ct("all_gather"))
+        comm = per_microbatch * (ct("reduce_scatter") + ct("all_gather", gather))
     else:
         gathers = 2 if _per_microbatch_dp(cfg) else 1  # fsdp: forward and backward, unless held by the pipeline
-        comm = per_microbatch * (gathers * ct("all_gather") + ct("reduce_scatter"))
+        comm = per_microbatch * (gathers * ct("all_gather", gather) + ct("reduce_scatter"))
     return DpTraffic(comm, after, comm / (per_microbatch * calls))
 
 
@@ -310,7 +316,7 @@ def _token_local_sync_s(cluster: Cluster, cfg: ParallelConfig, partition: Partit
                default=0.0)
     if not held:
         return 0.0
-    nbytes = held * (4 if cfg.dtype == "fp32" else 2) / (dp_group(cfg) if cfg.zero in SHARDED_PARAMS else 1)
+    nbytes = held * GRAD_REDUCE_BYTES / (dp_group(cfg) if cfg.zero in SHARDED_PARAMS else 1)
     mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
     e = comm_mod.collective_time("all_reduce", nbytes, cluster, mesh, "tp", profile)
     comm_src.add(e.source)

@@ -53,10 +53,11 @@ from dataclasses import dataclass
 
 from cost_models import comm as comm_mod
 from cost_models.cluster import Cluster
-from cost_models.memory import DTYPE_BYTES, dp_group
+from cost_models.memory import dp_group
 from cost_models.engines import DEFAULT_ENGINE, Engine, exposed_s
 from planner.graph import Layer, ModelGraph, MoEDims
 from planner.plan import ParallelConfig
+from planner.precision import DTYPE_BYTES
 
 HOST_SYNC_S = 30e-6     # one device-to-host copy of the received counts (stream drained) per layer and pass
 COUNT_BYTES = 8         # int64 tokens-per-expert counts

@@ -16,10 +16,11 @@ from cost_models.context_parallel import cp_comm
 from cost_models.documents import ring_hiding
 from cost_models.engines import DEFAULT_ENGINE, Engine, exposed_s
 from cost_models.experts import expert_comm
-from cost_models.memory import DTYPE_BYTES, LayerTable
+from cost_models.memory import LayerTable
 from cost_models.shared_cores import ranks_cluster
 from planner.graph import Layer, ModelGraph
 from planner.plan import ParallelConfig
+from planner.precision import DTYPE_BYTES
 
 
 def act_bytes_io(layer: Layer, graph: ModelGraph, cfg: ParallelConfig) -> float:

@@ -7,30 +7,34 @@ peak(stage) = weights + gradients + optimizer states            (model states)
             + framework reserve
 
 Model states, per parameter held by this rank (``P`` = stage parameters / tp for
-the TP-sharded part), AdamW:
+the TP-sharded part), AdamW, as the runtime holds them (``planner.precision.mixed_precision``;
+codegen/runtime/precision.py):
 
-| dtype            | weights | grads | master | Adam m, v |
-|------------------|---------|-------|--------|-----------|
-| bf16/fp16 mixed  | 2       | 2     | 4      | 4 + 4     |   (16 bytes, Megatron's accounting)
-| fp32             | 4       | 4     | -      | 4 + 4     |   (16 bytes)
+| dtype            | weights (master) | grads | Adam m, v | compute copy ``c`` (gathered / cast per unit) |
+|------------------|------------------|-------|-----------|-----------------------------------------------|
+| bf16/fp16 mixed  | 4                | 4     | 4 + 4     | 2 (gradients reduced and accumulated in fp32) |
+| fp32             | 4                | 4     | 4 + 4     | 4                                             |
 
-DP sharding, as the runtime (codegen/runtime/data_parallel.py) holds it at the peak:
+(16 bytes at rest either way, as torchtitan's FSDP2 mixed precision holds them; Megatron's
+distributed optimizer holds 2 + 4 + 12 / dp instead.) DP sharding, as the runtime
+(codegen/runtime/data_parallel.py) holds it at the peak:
 
 | zero              | at rest (weights, grads, optimizer)  | buffers during the step                 |
 |-------------------|--------------------------------------|-----------------------------------------|
-| ddp               | P w, P g, P o                        | P w: ``replicate``'s unsharded copy     |
-| zero1             | P w, P g, P o / dp                   | P w (``replicate`` too)                 |
-| zero2, pp = 1     | P w / dp, P g / dp, P o / dp         | P w: every layer stays gathered from    |
+| ddp               | P w, P g, P o                        | P c: ``replicate``'s unsharded copy     |
+| zero1             | P w, P g, P o / dp                   | P c (``replicate`` too)                 |
+| zero2, pp = 1     | P w / dp, P g / dp, P o / dp         | P c: every layer stays gathered from    |
 |                   |                                      | forward to backward                     |
 | fsdp, pp = 1      | P w / dp, P g / dp, P o / dp         | 2 units' unsharded weights + grads (a   |
 |                   |                                      | unit: the layer, or one module of a     |
 |                   |                                      | very large block, ``fsdp_units``)       |
-| zero2/fsdp, pp > 1| P w / dp, P g / dp, P o / dp         | P (w + g - g / dp): torch's pipeline    |
+| zero2/fsdp, pp > 1| P w / dp, P g / dp, P o / dp         | P (c + g - g / dp): torch's pipeline    |
 |                   |                                      | stages keep parameters gathered and     |
 |                   |                                      | gradients unreduced until the last      |
 |                   |                                      | micro-batch (sharded grads come later)  |
 
-(with dp = 1 nothing is copied or gathered). In backward, the largest layer's fresh
+With one data-parallel rank nothing is copied or gathered in fp32; in mixed precision the
+rank still holds the compute copy (``replicate`` on one rank makes it: P c). In backward, the largest layer's fresh
 weight gradient coexists with the accumulated one, and the gradients of its
 activations with the activations (one layer's worth: the working set).
 
@@ -76,13 +80,14 @@ from cost_models.fused_elementwise import block_saved
 from cost_models.moe_layer import routed_saved_bytes
 from cost_models.op_recompute import checkpointed, op_saved_bytes
 from planner.graph import TP_SPLIT_ROLES, Layer, ModelGraph
-from planner.plan import FSDP_MODULE_SHARE, RECOMPUTE, SHARDED_PARAMS, ZERO, ParallelConfig, fsdp_per_module
+from planner.plan import RECOMPUTE, ParallelConfig
+from planner.sharding import FSDP_MODULE_SHARE, ZERO, dp_wrapper, fsdp_per_module, reshard_after_forward
+from planner.precision import DTYPE_BYTES, GRAD_REDUCE_BYTES, MASTER_BYTES, mixed_precision
 
 GiB = 2**30
 RESERVE_GPU = 2.0 * GiB       # CUDA context (~0.5 GiB) + NCCL buffers + fragmentation
 RESERVE_CPU = 0.0             # live tensors only; process overhead is not tensor memory
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 @dataclass
@@ -214,36 +219,38 @@ class LayerTable:
 
 def per_param_bytes(cfg: ParallelConfig, experts: bool = False) -> dict[str, float]:
     """Bytes per parameter a rank holds (``weights``, ``grads``, ``optimizer`` at rest,
-    ``buffers`` held through the step) under ``cfg``'s dtype and DP sharding (the table in
-    the module docstring), plus the unsharded ``weights_full`` / ``grads_full``; for routed
-    experts (``experts``) the sharding group is the experts' data-parallel group
-    (:func:`dp_group`)."""
+    ``buffers`` held through the step) under ``cfg``'s dtype and DP wrapper (the tables in
+    the module docstring), plus the unsharded compute copies ``weights_full`` / ``grads_full``
+    (a unit gathered, or cast, for its forward and backward); for routed experts
+    (``experts``) the sharding group is the experts' data-parallel group (:func:`dp_group`)."""
     dp = dp_group(cfg, experts)
-    w, g, o = (4.0, 4.0, 8.0) if cfg.dtype == "fp32" else (2.0, 2.0, 12.0)
+    c = DTYPE_BYTES[cfg.dtype]  # the compute copy: the plan's dtype
+    w, g, o = MASTER_BYTES, GRAD_REDUCE_BYTES, ADAM_STATE_BYTES
     if cfg.zero not in ZERO:
         raise ValueError(f"data-parallel sharding {cfg.zero!r}: use {', '.join(ZERO)}")
-    f = {"weights_full": w, "grads_full": g, "weights": w, "grads": g, "optimizer": o, "buffers": 0.0}
-    if dp == 1:
+    f = {"weights_full": c, "grads_full": c, "weights": w, "grads": g, "optimizer": o, "buffers": 0.0}
+    wrapper = dp_wrapper(cfg.zero, cfg.pp, cfg.tp, dp, cfg.dtype)
+    if wrapper == "none":
         return f
-    if cfg.zero not in SHARDED_PARAMS:  # ddp, zero1
-        f["buffers"] = w  # runtime DP is FSDP2's replicate: an unsharded parameter copy
+    if wrapper != "fully_shard":  # ddp, zero1: replicated parameters
+        f["buffers"] = c  # replicate's unsharded compute copy, forward to backward
         if cfg.zero == "zero1":
             f["optimizer"] = o / dp
         return f
     f.update(weights=w / dp, grads=g / dp, optimizer=o / dp)
     if cfg.pp > 1:
-        # gathered parameters, and unreduced gradients until the last micro-batch's
+        # gathered parameters, and unreduced gradients (accumulated in fp32) until the last micro-batch's
         # reduce-scatter (their sharded result, counted in grads, comes after the peak)
-        f["buffers"] = w + g - g / dp
-    elif cfg.zero == "zero2":
-        f["buffers"] = w  # reshard_after_forward=False: every layer gathered from forward to backward
+        f["buffers"] = c + g - g / dp
+    elif not reshard_after_forward(cfg.zero, cfg.pp, dp):
+        f["buffers"] = c  # zero2: every layer gathered from forward to backward
     return f
 
 
 def fsdp_units(layer: Layer, cfg: ParallelConfig, hidden: int) -> list[float]:
     """Parameters (per rank, unsharded) of each unit FSDP / ZeRO-2 (``SHARDED_PARAMS``) shards
     ``layer`` into: the layer itself, or, for a block the runtime shards module by module
-    (``planner.plan.fsdp_per_module``), its linears and routed-expert stacks holding
+    (``planner.sharding.fsdp_per_module``), its linears and routed-expert stacks holding
     ``FSDP_MODULE_SHARE`` of it or more, plus the rest."""
     total = layer_params_local(layer, cfg.tp, cfg.pp, cfg.ep, hidden)
     if not fsdp_per_module(total):
@@ -252,6 +259,9 @@ def fsdp_units(layer: Layer, cfg: ParallelConfig, hidden: int) -> list[float]:
     parts.append(layer_experts(layer, hidden) / cfg.ep)
     big = [p for p in parts if p >= FSDP_MODULE_SHARE * total]
     return big + [max(0.0, total - sum(big))]
+
+
+ADAM_STATE_BYTES = 8.0  # AdamW's two fp32 moments per parameter
 
 
 def dp_group(cfg: ParallelConfig, experts: bool = False) -> int:
@@ -321,12 +331,14 @@ class MemoryRule:
         self.cfg, self.t = cfg, table or LayerTable(graph, cfg)
         self.f, self.fe = per_param_bytes(cfg), per_param_bytes(cfg, experts=True)
         w, g = self.f["weights_full"], self.f["grads_full"]
-        if cfg.zero == "fsdp" and cfg.pp == 1 and cfg.dp * cfg.cp > 1:
+        cast = GRAD_REDUCE_BYTES if mixed_precision(cfg.dtype) else 0.0  # a unit's gradient cast to fp32
+        dp = dp_group(cfg)
+        if dp_wrapper(cfg.zero, cfg.pp, cfg.tp, dp, cfg.dtype) == "fully_shard" and reshard_after_forward(cfg.zero, cfg.pp, dp):
             # 2 units unsharded (one computing, one prefetched), with their grads
-            self.transient = [2 * u * (w + g) for u in self.t.unit]
+            self.transient = [2 * u * (w + g) + u * cast for u in self.t.unit]
         else:
             # a layer's incoming weight gradient lives beside the accumulated p.grad before it is added in
-            self.transient = [p * g for p in self.t.params]
+            self.transient = [p * (g + cast) for p in self.t.params]
 
     def work(self, i: int, policy: str) -> float:
         """Back-propagating through layer ``i`` materialises gradients the size of its

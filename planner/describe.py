@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from planner.plan import Plan
+from planner.plan import ParallelConfig, Plan
+from planner.precision import mixed_precision
 
 # How context parallelism splits attention (ParallelConfig.cp_method -> words).
 CP_METHODS = {"ring": "ring attention", "ulysses": "Ulysses all-to-all (heads for sequence)",
@@ -76,6 +77,18 @@ def step_words(plan: Plan) -> str:
     return f"gradient accumulation: {n} micro-batches of {c.mbs} sequences (pp=1)"
 
 
+def dp_words(c: ParallelConfig) -> str:
+    """The data-parallel wrapper's phrase, with the plan's precision (``planner.sharding.dp_wrapper``)."""
+    replicas = c.dp * c.cp
+    mixed = f"; {c.dtype} compute copies of fp32 master weights, fp32 gradient reduction" \
+        if mixed_precision(c.dtype) else ""
+    if replicas > 1:
+        return f"{c.zero} over dp x cp = {replicas} ranks{mixed}"
+    if mixed:
+        return f"dp x cp = 1: fully_shard on this rank casts each unit{mixed}"
+    return "dp x cp = 1: nothing to replicate"
+
+
 def describe(plan: Plan) -> PlanWords:
     """The plan's phrases: what each call of the training step does under it."""
     c = plan.config
@@ -87,7 +100,7 @@ def describe(plan: Plan) -> PlanWords:
         else "tp=1: nothing to shard",
         ep=(f"ep={c.ep}: each rank keeps {experts // c.ep} of {experts} experts per routed layer, tokens by all-to-all"
             if c.ep > 1 else "ep=1: every rank keeps all experts" if experts else "ep=1: no routed experts"),
-        dp=(f"{c.zero} over dp x cp = {replicas} ranks" if replicas > 1 else "dp x cp = 1: nothing to replicate"),
+        dp=dp_words(c),
         optimizer=("ZeRO-1: each rank steps its share of the optimizer state" if c.zero == "zero1" and replicas > 1
                    else "one optimizer per stage module"),
         recompute=recompute_words(plan),

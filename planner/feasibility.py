@@ -53,7 +53,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
 from planner.errors import PlanError
-from planner.plan import SHARDED_PARAMS, ModelFacts, ParallelConfig, recompute_problem
+from planner.plan import ModelFacts, ParallelConfig, recompute_problem
+from planner.sharding import SHARDED_PARAMS
 
 # How a sequence lies over the cp ranks (codegen/runtime/context_parallel.py): zigzag cuts it into
 # 2 cp chunks, rank r holding chunks r and 2 cp - 1 - r (equal causal work); contiguous into cp.
@@ -463,6 +464,14 @@ def documents_problem(limits: Mapping[str, str], causal_only: bool = True) -> st
     return substitution_problem("documents", limits)
 
 
+def dtype_problem(dtype: str) -> str | None:
+    """Why the runtime cannot train in compute ``dtype`` (one line with the fix), or None: fp16
+    needs a loss scaler (its gradients underflow), which the runtime does not run."""
+    if dtype == "fp16":
+        return "dtype=fp16 needs loss scaling, which autopar's runtime does not run; use dtype=bf16 (or fp32)"
+    return None
+
+
 # ---------------------------------------------------------------------- the predicate
 
 def problems(cfg: ParallelConfig, f: ModelFacts, batch: Batch, cluster: ClusterShape) -> list[str]:
@@ -478,5 +487,5 @@ def problems(cfg: ParallelConfig, f: ModelFacts, batch: Batch, cluster: ClusterS
              zero_problem(cfg.zero, cfg.tp, cfg.dp * cfg.cp, f, cfg.ep),
              recompute_problem(cfg.recompute, cfg.schedule, cfg.pp),
              recompute_attention_problem(cfg.recompute, f.limits), batch_problem(cfg, batch),
-             documents_problem(f.limits) if batch.documents else None)
+             documents_problem(f.limits) if batch.documents else None, dtype_problem(cfg.dtype))
     return [p for p in parts if p]

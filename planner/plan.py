@@ -11,35 +11,11 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from planner.errors import PlanError
+from planner.precision import DTYPES
+from planner.sharding import ZERO
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")   # pipeline schedules (cost_models/pipeline.py simulates them)
-ZERO = ("ddp", "zero1", "zero2", "fsdp")      # DP sharding modes (codegen/runtime/data_parallel.py)
-SHARDED_PARAMS = ("zero2", "fsdp")            # the ZERO modes that shard parameters over dp; ddp, zero1 replicate them
-DDP_BUCKET_BYTES = 25 * 2**20                  # gradient bucket of DDP's reducer (its default 25 MiB)
 
-
-FSDP_UNIT_PARAMS = 10**9  # a block holding more parameters (per rank, unsharded) is sharded module by module
-
-
-def fsdp_per_module(block_params: float) -> bool:
-    """Whether FSDP shards a block module by module (each module holding at least
-    ``FSDP_MODULE_SHARE`` of the block's parameters its own unit, gathered alone) instead of
-    as one unit: when the block holds more than ``FSDP_UNIT_PARAMS`` parameters on a rank.
-    Gathering a block of 5 billion parameters at once (a 530B dense model's) needs 20 GB
-    for it and its gradients, twice with the prefetch; DeepSpeed's ZeRO-3 bounds what it
-    holds gathered the same way (``stage3_max_live_parameters``, 1e9 by default). The
-    runtime (codegen/runtime/data_parallel.py) and the memory model both ask this."""
-    return block_params > FSDP_UNIT_PARAMS
-
-
-FSDP_MODULE_SHARE = 0.01  # under fsdp_per_module, smaller modules (norms) stay in the block's own unit
-
-
-def uses_ddp_reducer(zero: str, pp: int, tp: int) -> bool:
-    """Whether the runtime reduces gradients with DDP's bucketed reducer (replicated parameters,
-    no pipeline schedule, plain tensors: no TP) rather than FSDP2-style ``replicate``; the cost
-    model prices the gradient all-reduce per bucket for it (codegen/runtime/data_parallel.py)."""
-    return zero in ("ddp", "zero1") and pp == 1 and tp == 1
 RECOMPUTE = ("none", "selective", "selective-op", "full")  # codegen/runtime/recompute.py runs each
 SPLIT_BACKWARD = ("zb-h1",)  # schedules that run a block's backward in two passes (input, then weight grads)
 
@@ -61,7 +37,6 @@ def recompute_problem(recompute: str, schedule: str, pp: int) -> str | None:
             f"by a split backward; use recompute=full or selective, or another schedule")
 
 
-DTYPES = ("bf16", "fp16", "fp32")
 ATTN_KERNELS = ("flash", "eager")      # flash: no S x S scores kept (SDPA flash / our Triton kernel)
 LOSS_KERNELS = ("fused", "eager")      # fused: linear + cross-entropy without [tokens x vocab] logits
 MESH_DIMS = ("pp", "dp", "cp", "tp")   # outer to inner

@@ -8,7 +8,8 @@ from cost_models.estimate import estimate
 from cost_models.memory import stage_memory
 from cost_models.profile_db import ProfileDB
 from planner.frontend.load import load_graph
-from planner.plan import ZERO, ParallelConfig, Partition, PlanError
+from planner.plan import ParallelConfig, Partition, PlanError
+from planner.sharding import ZERO
 
 GiB = 2**30
 
@@ -127,7 +128,7 @@ def test_ddp_reducer_all_reduces_per_bucket():
     import math
 
     from cost_models import comm
-    from planner.plan import DDP_BUCKET_BYTES
+    from planner.sharding import DDP_BUCKET_BYTES
 
     g = load_graph("benchmarks/fidelity_llama.toml", batch=1, seq_len=64)
     c = parse_cluster("local-cpu:2")

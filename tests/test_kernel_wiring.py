@@ -121,7 +121,7 @@ def test_fused_loss_lowers_head_stage_activations_and_makes_dp8_fit(planner_case
     g, cl = planner_case
     est = {}
     for loss in ("eager", "fused"):
-        cfg = ParallelConfig(dp=8, zero="zero1", mbs=1, dtype="bf16", loss=loss)
+        cfg = ParallelConfig(dp=8, zero="fsdp", mbs=1, dtype="bf16", loss=loss)
         est[loss], problems = evaluate_config(g, cl, cfg, PLANNER_CASE["global_batch"])
         assert not problems, problems
     e, f = est["eager"].memory[-1], est["fused"].memory[-1]

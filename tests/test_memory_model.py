@@ -18,7 +18,8 @@ from cost_models.cluster import parse_cluster
 from cost_models.estimate import estimate
 from cost_models.memory import MemoryRule, chunk_memory, framework_reserve, memory_floor, rank_memory
 from planner.frontend.load import load_graph
-from planner.plan import RECOMPUTE, ZERO, ParallelConfig, Partition
+from planner.plan import RECOMPUTE, ParallelConfig, Partition
+from planner.sharding import ZERO
 from planner.search.partition import ilp_rank_memory
 from planner.search.partition_problem import evaluate_partition
 from planner.search.stage_split import expand_groups, partition_problem

@@ -115,23 +115,24 @@ def test_search_honours_equality_and_bounds(small, unpinned):
 
 def test_pinned_recompute_holds_on_every_stage():
     """With recompute pinned the stage ILP may not pick another policy per stage. llama3-70b at
-    8192 tokens on 16 H100s (pp4 x tp4) fits only with full recompute on the first stages: free,
-    the ILP picks it; pinned to none, every stage keeps none (and so the layout does not fit)."""
+    8192 tokens on 24 H100s (pp6 x tp4; bf16 compute copies of fp32 masters, held from the first
+    forward to the last backward under a pipeline) fits only with recompute on the first stages:
+    free, the ILP picks it; pinned to none, every stage keeps none (and so the layout does not fit)."""
     from planner.plan import ParallelConfig
     from planner.search.stage_split import best_partition
 
     g = load_graph("llama3-70b", batch=1, seq_len=8192)
-    c = parse_cluster("dgx-h100:2")
-    cfg = ParallelConfig(pp=4, tp=4, sp=True, schedule="1f1b", recompute="none", dtype="bf16")
+    c = parse_cluster("dgx-h100:3")
+    cfg = ParallelConfig(pp=6, tp=4, sp=True, schedule="1f1b", recompute="none", dtype="bf16")
     free, _ = best_partition(g, c, cfg, 16)
     assert set(free.recompute) != {"none"}
     pinned, info = best_partition(g, c, cfg, 16, uniform_recompute=True)
     assert set(pinned.recompute) == {"none"} and info["status"] == "infeasible"
     # and through the search: free, that layout plans with recompute; pinned to none, nothing fits
-    plan, _ = plan_model(g, c, 16, spec="llama3-70b", cluster_spec="dgx-h100:2", fix="pp=4,tp=4")
-    assert plan.config.pp == 4 and {s["recompute"] for s in plan.stages} != {"none"}
-    with pytest.raises(AutoparError, match="no layout with pp=4,tp=4,recompute=none fits"):
-        plan_model(g, c, 16, spec="llama3-70b", cluster_spec="dgx-h100:2", fix="pp=4,tp=4,recompute=none")
+    plan, _ = plan_model(g, c, 16, spec="llama3-70b", cluster_spec="dgx-h100:3", fix="pp=6,tp=4")
+    assert plan.config.pp == 6 and {s["recompute"] for s in plan.stages} != {"none"}
+    with pytest.raises(AutoparError, match="no layout with pp=6,tp=4,recompute=none fits"):
+        plan_model(g, c, 16, spec="llama3-70b", cluster_spec="dgx-h100:3", fix="pp=6,tp=4,recompute=none")
 
 
 def test_unfittable_pin_names_the_shortfall():

@@ -7,7 +7,7 @@ AVERAGED over that mesh; the runtime's loss scaling accounts for it.
 
 - ``fsdp``  -> FSDP2 ``fully_shard`` on every transformer block and on each stage module
   (root); ``reshard_after_forward=True`` without PP, ``False`` with PP (micro-batches
-  re-use the gathered parameters). A block above ``planner.plan.FSDP_UNIT_PARAMS``
+  re-use the gathered parameters). A block above ``planner.sharding.FSDP_UNIT_PARAMS``
   parameters is sharded module by module (its large linears / expert stacks first), so
   only one module at a time is gathered.
 - ``zero2`` -> FSDP2 ``fully_shard`` with ``reshard_after_forward=False`` everywhere:
@@ -28,6 +28,11 @@ AVERAGED over that mesh; the runtime's loss scaling accounts for it.
   autopar's own optimizer-state sharding: each dp rank owns a balanced subset of the
   parameters, steps only those with the wrapped optimizer, then broadcasts them.
   (torch's ``ZeroRedundancyOptimizer`` is not used: it assumes plain tensors.)
+
+Which wrapper a plan gets is ``planner.sharding.dp_wrapper``. Under mixed precision every
+wrapper is FSDP2's (DDP's reducer casts nothing), with the plan's ``MixedPrecisionPolicy``
+(codegen/runtime/precision.py); one data-parallel rank is wrapped too, by ``fully_shard``
+on that rank, which casts each unit for its forward and backward.
 """
 from __future__ import annotations
 
@@ -41,7 +46,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from codegen.runtime import torch_compat
-from planner.plan import DDP_BUCKET_BYTES, FSDP_MODULE_SHARE, SHARDED_PARAMS, ZERO, fsdp_per_module
+from codegen.runtime.precision import mp_policy
+from planner.sharding import DDP_BUCKET_BYTES, DP_WRAPPERS, FSDP_MODULE_SHARE, SHARDED_PARAMS, fsdp_per_module
 
 
 def _replicate():
@@ -52,36 +58,39 @@ def _ddp_replicate():
     return torch_compat.ddp_replicate()
 
 
-def apply_dp(stage_mods: Sequence[nn.Module], dp_mesh: DeviceMesh, zero: str, pipelined: bool,
-             blocks: Sequence[str], reducer: bool = False) -> None:
+def apply_dp(stage_mods: Sequence[nn.Module], dp_mesh: DeviceMesh, wrapper: str, blocks: Sequence[str], *,
+             reshard: bool = False, dtype: str = "fp32") -> None:
     """Wrap each stage module (and its ``blocks``, the model's repeated units) for data
-    parallelism over ``dp_mesh`` in place; ``reducer``: ddp / zero1 through DDP's reducer,
-    as ``planner.plan.uses_ddp_reducer`` decides (never with a pipeline or TP parameters)."""
-    if dp_mesh.size() == 1:
+    parallelism over ``dp_mesh`` in place with ``wrapper`` (``planner.sharding.dp_wrapper``:
+    fully_shard, ddp-reducer, replicate, or none); ``reshard``: fully_shard frees a unit's
+    gathered parameters after its forward (``planner.sharding.reshard_after_forward``).
+    ``dtype``: the plan's compute dtype, cast per unit under mixed precision
+    (codegen/runtime/precision.py)."""
+    if wrapper == "none":
         return
+    if wrapper not in DP_WRAPPERS:
+        raise ValueError(f"data-parallel wrapper {wrapper!r}: use {', '.join(DP_WRAPPERS)}")
+    mp = mp_policy(dtype)
     blocks = set(blocks)
     for sm in stage_mods:
         own = [sm.get_submodule(u) for u in sm.units if u in blocks]
-        if zero in SHARDED_PARAMS:
-            reshard = zero == "fsdp" and not pipelined
+        if wrapper == "fully_shard":
             for block in own:
                 for sub in module_units(block):  # a very large block: one unit per large module first
-                    fully_shard(sub, mesh=dp_mesh, reshard_after_forward=reshard)
-                fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
-            fully_shard(sm, mesh=dp_mesh, reshard_after_forward=reshard)
-        elif zero in ZERO and reducer:  # ddp, zero1 through DDP's bucketed reducer
+                    fully_shard(sub, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+                fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+            fully_shard(sm, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        elif wrapper == "ddp-reducer":  # ddp, zero1 in fp32 through DDP's bucketed reducer
             # no buffer broadcast: buffers are deterministic or kept equal by the runtime (MoE bias)
             _ddp_replicate()(sm, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True,
                              bucket_cap_mb=DDP_BUCKET_BYTES / 2**20, broadcast_buffers=False)
-        elif zero in ZERO:  # ddp, zero1 with FSDP2-style replicate (TP parameters or a pipeline)
+        else:  # replicate: ddp, zero1 with TP parameters, a pipeline or mixed precision
             # per block, then the rest: each block's gradients are all-reduced as soon as its
             # backward ends (overlapping the earlier blocks' backward) and the fresh gradients
             # never all coexist with accumulated ones
             for block in own:
-                _replicate()(block, mesh=dp_mesh)
-            _replicate()(sm, mesh=dp_mesh)
-        else:
-            raise ValueError(f"data-parallel sharding {zero!r}: use {', '.join(ZERO)}")
+                _replicate()(block, mesh=dp_mesh, mp_policy=mp)
+            _replicate()(sm, mesh=dp_mesh, mp_policy=mp)
 
 
 def _local_numel(p: torch.Tensor) -> int:
@@ -102,7 +111,8 @@ def module_units(block: nn.Module) -> list[nn.Module]:
             and sum(_local_numel(p) for p in m.parameters(recurse=False)) >= FSDP_MODULE_SHARE * total]
 
 
-def shard_experts(routed: Sequence[nn.Module], edp_mesh: DeviceMesh, zero: str, pipelined: bool) -> None:
+def shard_experts(routed: Sequence[nn.Module], edp_mesh: DeviceMesh, zero: str, pipelined: bool,
+                  dtype: str = "fp32") -> None:
     """FSDP2 on each routed-expert module over the experts' data-parallel mesh (the ranks
     holding the same experts under expert parallelism), before the blocks are wrapped (their
     units then leave these parameters to it). Gradients are averaged over that mesh; the
@@ -111,7 +121,7 @@ def shard_experts(routed: Sequence[nn.Module], edp_mesh: DeviceMesh, zero: str, 
         raise ValueError(f"expert parallelism shards the experts with FSDP: zero={zero} cannot; use fsdp or zero2")
     reshard = zero == "fsdp" and not pipelined
     for m in routed:
-        fully_shard(m, mesh=edp_mesh, reshard_after_forward=reshard)
+        fully_shard(m, mesh=edp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy(dtype))
 
 
 def sync_gradients(module: nn.Module, zero: str, last: bool) -> None:

@@ -40,7 +40,8 @@ from codegen.runtime.adapters import ModelAdapter
 from codegen.runtime.attention import build_attention, context_attention
 from codegen.runtime.documents import Documents
 from codegen.runtime.mesh import cp_groups, device_type, dp_cp_mesh
-from planner.plan import ModelFacts, ParallelConfig, uses_ddp_reducer
+from planner.plan import ModelFacts, ParallelConfig
+from planner.sharding import dp_wrapper, reshard_after_forward
 from planner.feasibility import Batch, ClusterShape, Nodes, problems
 
 
@@ -185,9 +186,10 @@ def apply_dp(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, mesh: D
     group; returns the dense gradient-reduction mesh."""
     dp_mesh = dp_cp_mesh(mesh)
     if experts is not None and (dp_mesh.size() > 1 or experts.mesh["edp"].size() > 1):
-        dpar.shard_experts(experts.modules, experts.mesh["edp"], cfg.zero, pipelined=cfg.pp > 1)
-    dpar.apply_dp(stages.modules, dp_mesh, cfg.zero, pipelined=cfg.pp > 1, blocks=adapter.blocks,
-                  reducer=uses_ddp_reducer(cfg.zero, cfg.pp, cfg.tp))
+        dpar.shard_experts(experts.modules, experts.mesh["edp"], cfg.zero, pipelined=cfg.pp > 1, dtype=cfg.dtype)
+    n = dp_mesh.size()
+    dpar.apply_dp(stages.modules, dp_mesh, dp_wrapper(cfg.zero, cfg.pp, cfg.tp, n, cfg.dtype), adapter.blocks,
+                  reshard=reshard_after_forward(cfg.zero, cfg.pp, n), dtype=cfg.dtype)
     return dp_mesh
 
 

@@ -45,10 +45,11 @@ from planner.feasibility import (Batch, ClusterShape, cp_problem, default_attent
                                  recompute_attention_problem, replicas_problem, schedule_problem, sp_problem,
                                  tp_problem, zero_problem)
 from planner.graph import ModelGraph
-from planner.plan import SCHEDULES, ZERO, ModelFacts, ParallelConfig, recompute_policies
+from planner.plan import SCHEDULES, ModelFacts, ParallelConfig, recompute_policies
+from planner.sharding import ZERO
 from planner.search.pins import Pins
 
-# The DP sharding modes the search tries: planner.plan.ZERO without zero2 (with pp > 1 it holds
+# The DP sharding modes the search tries: planner.sharding.ZERO without zero2 (with pp > 1 it holds
 # and moves what fsdp does; with pp = 1 it only trades fsdp's per-layer gathers for every layer
 # held gathered), to keep the space small; ``--fix zero=zero2`` prices it.
 ZEROS = tuple(z for z in ZERO if z != "zero2")

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from planner.errors import AutoparError
-from planner.plan import RECOMPUTE, SCHEDULES, ZERO, ParallelConfig
+from planner.plan import RECOMPUTE, SCHEDULES, ParallelConfig
+from planner.sharding import ZERO
 
 DEGREES = ("dp", "pp", "cp", "tp")
 INT_KEYS = DEGREES + ("ep", "ulysses", "mbs", "vpp", "world")  # ep, ulysses: within dp x cp x tp / cp (not mesh degrees)

@@ -1,0 +1,65 @@
+"""Data-parallel rules (leaf contract: imports nothing of autopar but the precision rules): the
+sharding modes, how the runtime wraps a stage for each, and when FSDP shards module by module.
+
+codegen/runtime/data_parallel.py applies them; the memory model (cost_models/memory.py), the
+time model (cost_models/estimate.py) and the CPU runtime terms (cost_models/cpu_runtime.py)
+price what they say.
+"""
+from __future__ import annotations
+
+from planner.precision import mixed_precision
+
+ZERO = ("ddp", "zero1", "zero2", "fsdp")      # DP sharding modes (codegen/runtime/data_parallel.py)
+SHARDED_PARAMS = ("zero2", "fsdp")            # the ZERO modes that shard parameters over dp; ddp, zero1 replicate them
+DDP_BUCKET_BYTES = 25 * 2**20                  # gradient bucket of DDP's reducer (its default 25 MiB)
+
+
+FSDP_UNIT_PARAMS = 10**9  # a block holding more parameters (per rank, unsharded) is sharded module by module
+
+
+def fsdp_per_module(block_params: float) -> bool:
+    """Whether FSDP shards a block module by module (each module holding at least
+    ``FSDP_MODULE_SHARE`` of the block's parameters its own unit, gathered alone) instead of
+    as one unit: when the block holds more than ``FSDP_UNIT_PARAMS`` parameters on a rank.
+    Gathering a block of 5 billion parameters at once (a 530B dense model's) needs 20 GB
+    for it and its gradients, twice with the prefetch; DeepSpeed's ZeRO-3 bounds what it
+    holds gathered the same way (``stage3_max_live_parameters``, 1e9 by default). The
+    runtime (codegen/runtime/data_parallel.py) and the memory model both ask this."""
+    return block_params > FSDP_UNIT_PARAMS
+
+
+FSDP_MODULE_SHARE = 0.01  # under fsdp_per_module, smaller modules (norms) stay in the block's own unit
+
+
+def uses_ddp_reducer(zero: str, pp: int, tp: int, dtype: str = "fp32") -> bool:
+    """Whether the runtime reduces gradients with DDP's bucketed reducer (replicated parameters,
+    no pipeline schedule, plain tensors: no TP, full precision) rather than FSDP2-style
+    ``replicate``; the cost model prices the gradient all-reduce per bucket for it
+    (codegen/runtime/data_parallel.py). Mixed precision always runs FSDP2's machinery (its
+    ``MixedPrecisionPolicy`` casts the parameters per unit and reduces in fp32)."""
+    return zero in ("ddp", "zero1") and pp == 1 and tp == 1 and not mixed_precision(dtype)
+
+
+DP_WRAPPERS = ("none", "ddp-reducer", "replicate", "fully_shard")  # codegen/runtime/data_parallel.py applies each
+
+
+def dp_wrapper(zero: str, pp: int, tp: int, dp_group: int, dtype: str) -> str:
+    """How the runtime wraps a stage for data parallelism (``DP_WRAPPERS``) over ``dp_group``
+    (dp x cp) ranks: ``fully_shard`` for the sharding modes (``SHARDED_PARAMS``), DDP's
+    reducer where :func:`uses_ddp_reducer`, else FSDP2's ``replicate``. On one rank nothing,
+    unless the plan is mixed precision: then ``fully_shard`` on that one rank, which casts each
+    unit's parameters for its forward and backward and frees them after (what ``replicate``
+    would hold for the whole step)."""
+    if dp_group == 1:
+        return "fully_shard" if mixed_precision(dtype) else "none"
+    if zero in SHARDED_PARAMS:
+        return "fully_shard"
+    return "ddp-reducer" if uses_ddp_reducer(zero, pp, tp, dtype) else "replicate"
+
+
+def reshard_after_forward(zero: str, pp: int, dp_group: int) -> bool:
+    """Whether ``fully_shard`` frees a unit's gathered (cast) parameters after its forward and
+    gathers them again for its backward: under ``fsdp`` (and on one mixed-precision rank)
+    without a pipeline; ``zero2`` and pipelines keep them from forward to backward (pipeline
+    micro-batches reuse them)."""
+    return pp == 1 and (zero == "fsdp" or dp_group == 1)
