@@ -187,7 +187,8 @@ def main() -> None:
                 print(f"step {step + 1:4d}  loss {loss:.4f}  {step_s * 1e3:8.1f} ms  "
                       f"{rec['tokens_per_s']:,.0f} tok/s  peak {max(mem):.2f} GiB", flush=True)
             if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
-                checkpoint.save(pm, args.ckpt_dir)
+                about = {"model": MODEL, "adapter": ADAPTER, "config": CONFIG.to_str()}  # which model: autopar export
+                checkpoint.save(pm, args.ckpt_dir, about=about)
     if rank == 0 and times:
         print(f"median step {statistics.median(times):.4g} s (predicted {PREDICTED['step_s']:.4g} s); "
               f"peak {max(mem):.2f} GiB (predicted {max(PREDICTED['memory_gib']):.2f} GiB)", flush=True)

@@ -122,7 +122,7 @@ def _add_planning_commands(sub) -> None:
 
 
 def _add_running_commands(sub) -> None:
-    """codegen, run, demo."""
+    """codegen, run, export, demo."""
     p = sub.add_parser("codegen", help="emit the training program of a plan")
     p.add_argument("plan")
     p.add_argument("-o", "--out", default=None)
@@ -138,6 +138,16 @@ def _add_running_commands(sub) -> None:
     p.add_argument("--data", default=None,
                    help="package.module:function(step, global_batch, seq_len) -> batch (default: synthetic tokens)")
     p.set_defaults(fn=cmd.cmd_run)
+
+    p = sub.add_parser("export", help="gather a run's sharded checkpoint into the model's own format")
+    p.add_argument("ckpt", help="a run's checkpoint folder (its newest complete step) or one step-N folder")
+    p.add_argument("-o", "--out", required=True, help="folder to write (save_pretrained for transformers models)")
+    p.add_argument("--plan", default=None, help="the run's plan (checkpoints that do not say which model they hold)")
+    p.add_argument("--model", default=None, help="the model spec, instead of --plan")
+    p.add_argument("--format", choices=("safetensors", "pt"), default="safetensors",
+                   help="other than transformers models: model.safetensors or model.pt (torch.save)")
+    p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
+    p.set_defaults(fn=cmd.cmd_export)
 
     p = sub.add_parser("demo", help="plan a model for this machine, run it, compare predicted and measured")
     p.add_argument("--model", default="gpt-mini")

@@ -1,5 +1,5 @@
 """What each ``autopar`` command does (the parser is ``planner/entry/cli.py``): graph, plan,
-evaluate, codegen, run, demo and report. Profiling and calibration are ``planner/entry/measure.py``.
+evaluate, codegen, run, export, demo and report. Profiling and calibration are ``planner/entry/measure.py``.
 """
 from __future__ import annotations
 
@@ -279,6 +279,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if os.path.exists(log):
         _print_comparison(compare_run(args.plan, log))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from planner.entry.export import export
+
+    if args.plan is not None and args.model is not None:
+        raise AutoparError("give --plan or --model, not both: the plan names its model")
+    r = export(args.ckpt, args.out, plan=args.plan, model=args.model, fmt=args.format, force=args.force)
+    for pair, d in r.tied_drift.items():
+        if d > 0:
+            _progress(f"tied {pair}: the two saved copies differ by up to {d:.3g}; exported the first")
+    how = (f"AutoModelForCausalLM.from_pretrained({args.out!r})" if r.kind == "hf" else
+           f"{r.spec}: model.load_state_dict(...) of {r.files[0]}")
+    print(f"wrote {args.out} ({', '.join(r.files)}): {r.params:,} parameters from {r.step_dir}; load with {how}")
     return 0
 
 
