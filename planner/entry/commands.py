@@ -248,6 +248,19 @@ def cmd_codegen(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     check_plan(plan, import_user_code=False)
     out = args.out or f"train_{plan.model['name'].replace('-', '_')}.py"
+    if args.launcher == "slurm":
+        import os
+
+        from planner.entry.slurm import write_slurm_script
+
+        script = os.path.splitext(out)[0] + ".sbatch"
+        check_out(script, args.force)
+        write_program(plan, out, force=args.force)
+        here = os.getcwd()
+        submit = write_slurm_script(plan, script, out, ["--steps", "20"], workdir=here,
+                                    log_dir=os.path.dirname(os.path.abspath(script)), force=args.force)
+        print(f"wrote {out} and {script}: submit with `{submit}`")
+        return 0
     write_program(plan, out, force=args.force)
     print(f"wrote {out}: torchrun --nproc-per-node {plan.config.world} {out} --steps 20")
     return 0
@@ -270,6 +283,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.data is not None and not FUNC_SPEC.match(args.data):
         raise AutoparError(f"--data {args.data!r} is not package.module:function (step, global_batch, seq_len) -> batch")
+    if args.launcher == "slurm":
+        return _write_run_script(args)
     rc, log = run_plan(args.plan, steps=args.steps, run_dir=args.dir, ckpt_every=args.ckpt_every,
                        max_restarts=args.max_restarts, extra=["--data", args.data] if args.data else None)
     if rc != 0:
@@ -279,6 +294,26 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if os.path.exists(log):
         _print_comparison(compare_run(args.plan, log))
+    return 0
+
+
+def _write_run_script(args: argparse.Namespace) -> int:
+    """``autopar run --launcher slurm``: the program and ``DIR/job.sbatch`` for the plan's
+    cluster, paths as given from this folder; prints the sbatch command, submits nothing."""
+    import os
+
+    from planner.entry.launch import prepare_run
+    from planner.entry.slurm import write_slurm_script
+
+    if args.max_restarts:
+        _progress("--max-restarts is for local runs; under Slurm, requeue the job (sbatch --requeue): "
+                  "the program resumes from its newest checkpoint")
+    plan, prog, _, prog_args = prepare_run(args.plan, steps=args.steps, run_dir=args.dir, ckpt_every=args.ckpt_every,
+                                           extra=["--data", args.data] if args.data else None, here=False)
+    script = os.path.join(args.dir, "job.sbatch")
+    submit = write_slurm_script(plan, script, prog, prog_args, workdir=os.getcwd(),
+                                log_dir=os.path.abspath(args.dir), force=True)
+    print(f"wrote {script} ({plan.config.world} ranks on {plan.cluster.get('name')}); submit it with: {submit}")
     return 0
 
 
