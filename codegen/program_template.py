@@ -25,7 +25,7 @@ from codegen.runtime import checkpoint
 from codegen.runtime.adapters import adapter_for
 from codegen.runtime.data import packed_documents, synthetic, user_hook
 from codegen.runtime.mesh import build_mesh, init_distributed, teardown
-from codegen.runtime.metrics import peak_memory_per_rank
+from codegen.runtime.metrics import ScalarLog, peak_memory_per_rank
 from codegen.runtime.optim import adamw, build_optimizer, warmup_cosine
 from codegen.runtime.recipe import (
     apply_attention,
@@ -170,7 +170,8 @@ def main() -> None:
     if rank == 0:  # drop steps logged after the checkpoint we resume from (they are run again)
         checkpoint.trim_log(args.metrics, start)
     times, mem = [], [0.0]
-    with (open(args.metrics, "a") if rank == 0 else contextlib.nullcontext()) as log:
+    with (open(args.metrics, "a") if rank == 0 else contextlib.nullcontext()) as log, \
+            (ScalarLog(args.metrics, start) if rank == 0 else contextlib.nullcontext()) as scalars:
         for step in range(start, args.steps):
             batch = data(step)
             lr = warmup_cosine(step, args.steps, args.lr, args.min_lr, args.warmup_steps)
@@ -184,10 +185,12 @@ def main() -> None:
                        "grad_norm": norm, "tokens_per_s": GLOBAL_BATCH * SEQ_LEN / step_s}
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
+                scalars.write(rec)  # TensorBoard scalars beside the log, when tensorboard is installed
                 print(f"step {step + 1:4d}  loss {loss:.4f}  {step_s * 1e3:8.1f} ms  "
                       f"{rec['tokens_per_s']:,.0f} tok/s  peak {max(mem):.2f} GiB", flush=True)
             if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
-                checkpoint.save(pm, args.ckpt_dir)
+                about = {"model": MODEL, "adapter": ADAPTER, "config": CONFIG.to_str()}  # which model: autopar export
+                checkpoint.save(pm, args.ckpt_dir, about=about)
     if rank == 0 and times:
         print(f"median step {statistics.median(times):.4g} s (predicted {PREDICTED['step_s']:.4g} s); "
               f"peak {max(mem):.2f} GiB (predicted {max(PREDICTED['memory_gib']):.2f} GiB)", flush=True)

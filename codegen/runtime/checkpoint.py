@@ -14,13 +14,21 @@ ZeRO-1's :class:`ShardedOptimizer` keeps each parameter's optimizer state on its
 only; it is saved per fqn (``zero1.<fqn>.<state>``) by the owner, so each key has exactly
 one writer, and loaded back by the owner. Hyperparameters (lr, betas) come from the
 program, not the checkpoint.
+
+Which model: ``<step dir>/autopar.json`` (:data:`ABOUT`), written by rank 0 when the caller
+gives ``about`` (the emitted program: the model spec, its adapter kind, the layout), before
+``latest`` is repointed; checkpoints without it still load. :func:`read_model_state` reads a
+step's model weights back in one process, without the job's world (``autopar export``).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
+import warnings
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -29,7 +37,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.checkpoint.stateful import Stateful
 
 LATEST = "latest"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+ABOUT = "autopar.json"
+ROOT = "train"  # the state dict DCP saves is {ROOT: TrainState}; its "model" entry: weights per fqn
+STEP_DIR = re.compile(r"^step-(\d+)$")
 _OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -83,7 +93,6 @@ def _zero1_state(sm: Any, opt: Any) -> dict[str, Any]:
 def _materialize_zero1_state(pm: Any) -> None:
     """Create the (lazily built) optimizer state of ZeRO-1 shards so DCP can load into it:
     one step with zero gradients and learning rate 0 leaves the parameters unchanged."""
-    import torch
 
     for opt in pm.optimizer.optimizers:
         if not _is_zero1(opt) or opt.inner is None or opt.inner.state:
@@ -111,22 +120,30 @@ def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata"))
 
 
-def save(pm: Any, ckpt_dir: str) -> str:
-    """Save at ``pm.step_count`` into ``<ckpt_dir>/step-<n>`` and repoint ``latest``. Collective."""
+def save(pm: Any, ckpt_dir: str, about: Optional[dict] = None) -> str:
+    """Save at ``pm.step_count`` into ``<ckpt_dir>/step-<n>`` and repoint ``latest``. Collective.
+    ``about``: small JSON-able facts of the run (model spec, adapter, layout) rank 0 writes
+    to ``<step dir>/autopar.json``, so the checkpoint says which model it holds."""
     path = step_dir(ckpt_dir, pm.step_count)
-    dcp.save({"train": TrainState(pm)}, checkpoint_id=path)
+    dcp.save({ROOT: TrainState(pm)}, checkpoint_id=path)
     dist.barrier()
     if dist.get_rank() == 0:
         if not is_complete(path):
             raise RuntimeError(f"checkpoint {path} has no .metadata after save; not repointing {LATEST}")
-        tmp = os.path.join(ckpt_dir, LATEST + ".tmp")
-        with open(tmp, "w") as fh:
-            fh.write(os.path.basename(path) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, os.path.join(ckpt_dir, LATEST))
+        if about is not None:
+            _write_atomic(os.path.join(path, ABOUT), json.dumps(dict(about, step=pm.step_count), indent=1) + "\n")
+        _write_atomic(os.path.join(ckpt_dir, LATEST), os.path.basename(path) + "\n")
     dist.barrier()
     return path
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
 
 
 def latest_path(ckpt_dir: str) -> Optional[str]:
@@ -141,7 +158,7 @@ def latest_path(ckpt_dir: str) -> Optional[str]:
             return path
     if not os.path.isdir(ckpt_dir):
         return None
-    steps = sorted((int(m.group(1)), n) for n in os.listdir(ckpt_dir) if (m := _STEP_DIR.match(n)))
+    steps = sorted((int(m.group(1)), n) for n in os.listdir(ckpt_dir) if (m := STEP_DIR.match(n)))
     for _, n in reversed(steps):
         if is_complete(os.path.join(ckpt_dir, n)):
             return os.path.join(ckpt_dir, n)
@@ -154,8 +171,6 @@ def trim_log(path: str, step: int) -> None:
     A resumed run calls it with the checkpoint's step: the steps logged after that
     checkpoint, before the crash, are run again and logged again, so the log never
     holds a step twice nor misses one. A line cut short by the crash is dropped too."""
-    import json
-
     if not os.path.isfile(path):
         return
     keep = []
@@ -181,5 +196,33 @@ def load_latest(pm: Any, ckpt_dir: str) -> Optional[int]:
     if path is None:
         return None
     _materialize_zero1_state(pm)
-    dcp.load({"train": TrainState(pm)}, checkpoint_id=path)
+    dcp.load({ROOT: TrainState(pm)}, checkpoint_id=path)
     return pm.step_count
+
+
+def read_about(path: str) -> Optional[dict]:
+    """The step directory's ``autopar.json`` (which model, which layout), or None (older checkpoints)."""
+    f = os.path.join(path, ABOUT)
+    if not os.path.isfile(f):
+        return None
+    with open(f, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def read_model_state(path: str) -> dict[str, torch.Tensor]:
+    """The model weights of the complete step directory ``path``, per fqn, as full (unsharded)
+    CPU tensors, read in this one process without a process group (DCP keeps each tensor's
+    logical shape: TP / FSDP / EP shards and every pipeline stage's units come back whole).
+    Optimizer state is not read. Entries that are not tensors are left out."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = FileSystemReader(path)
+    prefix = f"{ROOT}.model."
+    model = {k[len(prefix):]: torch.empty(m.size, dtype=m.properties.dtype)
+             for k, m in reader.read_metadata().state_dict_metadata.items()
+             if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({ROOT: {"model": model}}, storage_reader=reader, no_dist=True)
+    return model

@@ -60,7 +60,9 @@ class Parallelized:
     def save(self, ckpt_dir: str) -> str:
         from codegen.runtime import checkpoint
 
-        return checkpoint.save(self._pm, ckpt_dir)
+        about = {"model": self.plan.model.get("spec"), "adapter": self.plan.model.get("adapter"),
+                 "config": self.plan.config.to_str()}
+        return checkpoint.save(self._pm, ckpt_dir, about=about)
 
     def load(self, ckpt_dir: str) -> int | None:
         """Load the newest complete checkpoint; returns its step (None when there is none)."""

@@ -57,6 +57,16 @@ def imbalance(text: str) -> float:
     return v
 
 
+def launcher(text: str) -> str:
+    """``--launcher``: one autopar has (``planner.entry.slurm.LAUNCHERS``)."""
+    from planner.entry.slurm import check_launcher
+
+    try:
+        return check_launcher(text)
+    except AutoparError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
     p.add_argument("--cluster", required=True, help="preset[:nodes] (dgx-h100:128), local-cpu:N or cluster.toml")
@@ -122,11 +132,13 @@ def _add_planning_commands(sub) -> None:
 
 
 def _add_running_commands(sub) -> None:
-    """codegen, run, demo."""
+    """codegen, run, export, demo."""
     p = sub.add_parser("codegen", help="emit the training program of a plan")
     p.add_argument("plan")
     p.add_argument("-o", "--out", default=None)
     p.add_argument("--force", action="store_true", help="overwrite an existing program")
+    p.add_argument("--launcher", type=launcher, default="local",
+                   help="slurm: also write OUT.sbatch, a Slurm job script for the plan's cluster (default: local)")
     p.set_defaults(fn=cmd.cmd_codegen)
 
     p = sub.add_parser("run", help="emit and run a plan's program on this machine (torchrun)")
@@ -137,7 +149,20 @@ def _add_running_commands(sub) -> None:
     p.add_argument("--max-restarts", type=count, default=0, help="relaunch a job whose process died")
     p.add_argument("--data", default=None,
                    help="package.module:function(step, global_batch, seq_len) -> batch (default: synthetic tokens)")
+    p.add_argument("--launcher", type=launcher, default="local",
+                   help="local: torchrun here (default); slurm: write DIR/job.sbatch for the plan's cluster and "
+                        "print the sbatch command (nothing is submitted)")
     p.set_defaults(fn=cmd.cmd_run)
+
+    p = sub.add_parser("export", help="gather a run's sharded checkpoint into the model's own format")
+    p.add_argument("ckpt", help="a run's checkpoint folder (its newest complete step) or one step-N folder")
+    p.add_argument("-o", "--out", required=True, help="folder to write (save_pretrained for transformers models)")
+    p.add_argument("--plan", default=None, help="the run's plan (checkpoints that do not say which model they hold)")
+    p.add_argument("--model", default=None, help="the model spec, instead of --plan")
+    p.add_argument("--format", choices=("safetensors", "pt"), default="safetensors",
+                   help="other than transformers models: model.safetensors or model.pt (torch.save)")
+    p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
+    p.set_defaults(fn=cmd.cmd_export)
 
     p = sub.add_parser("demo", help="plan a model for this machine, run it, compare predicted and measured")
     p.add_argument("--model", default="gpt-mini")

@@ -1,5 +1,5 @@
 """What each ``autopar`` command does (the parser is ``planner/entry/cli.py``): graph, plan,
-evaluate, codegen, run, demo and report. Profiling and calibration are ``planner/entry/measure.py``.
+evaluate, codegen, run, export, demo and report. Profiling and calibration are ``planner/entry/measure.py``.
 """
 from __future__ import annotations
 
@@ -248,6 +248,19 @@ def cmd_codegen(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     check_plan(plan, import_user_code=False)
     out = args.out or f"train_{plan.model['name'].replace('-', '_')}.py"
+    if args.launcher == "slurm":
+        import os
+
+        from planner.entry.slurm import write_slurm_script
+
+        script = os.path.splitext(out)[0] + ".sbatch"
+        check_out(script, args.force)
+        write_program(plan, out, force=args.force)
+        here = os.getcwd()
+        submit = write_slurm_script(plan, script, out, ["--steps", "20"], workdir=here,
+                                    log_dir=os.path.dirname(os.path.abspath(script)), force=args.force)
+        print(f"wrote {out} and {script}: submit with `{submit}`")
+        return 0
     write_program(plan, out, force=args.force)
     print(f"wrote {out}: torchrun --nproc-per-node {plan.config.world} {out} --steps 20")
     return 0
@@ -270,6 +283,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.data is not None and not FUNC_SPEC.match(args.data):
         raise AutoparError(f"--data {args.data!r} is not package.module:function (step, global_batch, seq_len) -> batch")
+    if args.launcher == "slurm":
+        return _write_run_script(args)
     rc, log = run_plan(args.plan, steps=args.steps, run_dir=args.dir, ckpt_every=args.ckpt_every,
                        max_restarts=args.max_restarts, extra=["--data", args.data] if args.data else None)
     if rc != 0:
@@ -279,6 +294,41 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if os.path.exists(log):
         _print_comparison(compare_run(args.plan, log))
+    return 0
+
+
+def _write_run_script(args: argparse.Namespace) -> int:
+    """``autopar run --launcher slurm``: the program and ``DIR/job.sbatch`` for the plan's
+    cluster, paths as given from this folder; prints the sbatch command, submits nothing."""
+    import os
+
+    from planner.entry.launch import prepare_run
+    from planner.entry.slurm import write_slurm_script
+
+    if args.max_restarts:
+        _progress("--max-restarts is for local runs; under Slurm, requeue the job (sbatch --requeue): "
+                  "the program resumes from its newest checkpoint")
+    plan, prog, _, prog_args = prepare_run(args.plan, steps=args.steps, run_dir=args.dir, ckpt_every=args.ckpt_every,
+                                           extra=["--data", args.data] if args.data else None, here=False)
+    script = os.path.join(args.dir, "job.sbatch")
+    submit = write_slurm_script(plan, script, prog, prog_args, workdir=os.getcwd(),
+                                log_dir=os.path.abspath(args.dir), force=True)
+    print(f"wrote {script} ({plan.config.world} ranks on {plan.cluster.get('name')}); submit it with: {submit}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from planner.entry.export import export
+
+    if args.plan is not None and args.model is not None:
+        raise AutoparError("give --plan or --model, not both: the plan names its model")
+    r = export(args.ckpt, args.out, plan=args.plan, model=args.model, fmt=args.format, force=args.force)
+    for pair, d in r.tied_drift.items():
+        if d > 0:
+            _progress(f"tied {pair}: the two saved copies differ by up to {d:.3g}; exported the first")
+    how = (f"AutoModelForCausalLM.from_pretrained({args.out!r})" if r.kind == "hf" else
+           f"{r.spec}: model.load_state_dict(...) of {r.files[0]}")
+    print(f"wrote {args.out} ({', '.join(r.files)}): {r.params:,} parameters from {r.step_dir}; load with {how}")
     return 0
 
 

@@ -68,6 +68,27 @@ def check_plan(plan, *, import_user_code: bool = True) -> None:
         plan.check_fingerprints(cluster_fp=parse_cluster(cspec).fingerprint())
 
 
+def prepare_run(plan_path: str, *, steps: int, run_dir: str, ckpt_every: int = 0, extra: list[str] | None = None,
+                force: bool = True, here: bool = True):
+    """Check a plan and emit its program into ``run_dir``; returns (plan, program path, log
+    path, the program's arguments). ``here``: the job runs on this machine (its user code is
+    imported and a GPU plan needs a GPU here); False for a job script run elsewhere."""
+    import os
+
+    from codegen.emit import write_program
+    from planner.plan import Plan
+
+    plan = Plan.load(plan_path)
+    check_plan(plan, import_user_code=here)
+    os.makedirs(run_dir, exist_ok=True)
+    prog = os.path.join(run_dir, f"train_{plan.model['name'].replace('-', '_')}.py")
+    write_program(plan, prog, force=force)
+    log = os.path.join(run_dir, "train_log.jsonl")
+    args = ["--steps", str(steps), "--metrics", log, "--ckpt-dir", os.path.join(run_dir, "checkpoints"),
+            "--ckpt-every", str(ckpt_every), *(extra or [])]
+    return plan, prog, log, args
+
+
 def run_plan(plan_path: str, *, steps: int, run_dir: str, ckpt_every: int = 0, max_restarts: int = 0,
              extra: list[str] | None = None, force: bool = True, timeout_s: float | None = None) -> tuple[int, str]:
     """Emit and launch a plan's program on this machine with torchrun; returns (rc, log path).
@@ -76,21 +97,11 @@ def run_plan(plan_path: str, *, steps: int, run_dir: str, ckpt_every: int = 0, m
     A relaunch loop (not torchrun's elastic restart, which cannot reconnect gloo workers)
     restarts a job whose process died, up to ``max_restarts`` times; the program resumes
     from its newest complete checkpoint."""
-    import os
-
-    from codegen.emit import write_program
-    from planner.plan import Plan
-
-    plan = Plan.load(plan_path)
-    check_plan(plan)
-    os.makedirs(run_dir, exist_ok=True)
-    prog = os.path.join(run_dir, f"train_{plan.model['name'].replace('-', '_')}.py")
-    write_program(plan, prog, force=force)
-    log = os.path.join(run_dir, "train_log.jsonl")
-    worker = [prog, "--steps", str(steps), "--metrics", log, "--ckpt-dir", os.path.join(run_dir, "checkpoints"),
-              "--ckpt-every", str(ckpt_every), *(extra or [])]
+    plan, prog, log, args = prepare_run(plan_path, steps=steps, run_dir=run_dir, ckpt_every=ckpt_every,
+                                        extra=extra, force=force)
+    worker = [prog, *args]
     if plan.cluster.get("nodes", 1) > 1:
-        print("run on every node (set NODE_RANK and MASTER_ADDR):")
+        print("run on every node (set NODE_RANK and MASTER_ADDR), or write a Slurm script with --launcher slurm:")
         print(f"  torchrun --nnodes {plan.cluster['nodes']} --nproc-per-node {plan.cluster['devices_per_node']} "
               f"--node-rank $NODE_RANK --master-addr $MASTER_ADDR --master-port 29500 " + " ".join(worker))
         return 0, log
