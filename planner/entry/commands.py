@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from planner.entry.launch import check_plan, compare_run, run_plan
+from planner.entry.launch import check_plan, compare_run, data_args, run_plan
 from planner.entry.launch import progress as _progress
 from planner.errors import AutoparError
 
@@ -266,12 +266,11 @@ def _print_comparison(c: dict) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from codegen.runtime.data import FUNC_SPEC
+    from planner.plan import Plan
 
-    if args.data is not None and not FUNC_SPEC.match(args.data):
-        raise AutoparError(f"--data {args.data!r} is not package.module:function (step, global_batch, seq_len) -> batch")
+    extra = data_args(args.data, Plan.load(args.plan), args.data_dtype, args.data_eos)  # before any process
     rc, log = run_plan(args.plan, steps=args.steps, run_dir=args.dir, ckpt_every=args.ckpt_every,
-                       max_restarts=args.max_restarts, extra=["--data", args.data] if args.data else None)
+                       max_restarts=args.max_restarts, extra=extra)
     if rc != 0:
         raise AutoparError(f"the training job failed (torchrun exit {rc}); its output is above; "
                            "rerun with fewer processes or check the plan with `autopar report`")
