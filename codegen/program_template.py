@@ -23,7 +23,8 @@ from torch.distributed.tensor.parallel import (
 
 from codegen.runtime import checkpoint
 from codegen.runtime.adapters import adapter_for
-from codegen.runtime.data import packed_documents, synthetic, user_hook
+from codegen.runtime.corpus import DTYPES, is_hook, open_tokens, token_batches
+from codegen.runtime.data import batch_digest, packed_documents, synthetic, user_hook
 from codegen.runtime.mesh import build_mesh, init_distributed, teardown
 from codegen.runtime.metrics import ScalarLog, peak_memory_per_rank
 from codegen.runtime.optim import adamw, build_optimizer, warmup_cosine
@@ -84,7 +85,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--ckpt-dir", default="checkpoints")
     ap.add_argument("--ckpt-every", type=int, default=0, help="save every K steps (0: never)")
     ap.add_argument("--metrics", default="train_log.jsonl", help="JSON-lines log of every step")
-    ap.add_argument("--data", default=None, help="package.module:function(step, global_batch, seq_len) -> batch")
+    ap.add_argument("--data", default=None, help="a flat file of token ids, hf:PATH (a saved tokenized dataset) or "
+                    "package.module:function(step, global_batch, seq_len) -> batch (default: synthetic tokens)")
+    ap.add_argument("--data-dtype", choices=tuple(DTYPES), default=None,
+                    help="a token file's ids (default: uint16 if the vocabulary fits, else uint32)")
+    ap.add_argument("--data-eos", type=int, default=None, help="token id that ends each document of a token file")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
@@ -146,12 +151,22 @@ def train_step(pm: ParallelModel, batch: dict, lr: float, clip: float) -> tuple[
 
 
 def make_data(args: argparse.Namespace, spec: zoo.ModelSpec):
-    """step -> the global batch: the user's hook, packed documents as planned, or synthetic rows."""
+    """step -> the global batch: the user's hook, windows of a token file or dataset (packed
+    documents where the plan packs them and the data marks them), or synthetic rows."""
     mllm = spec.cfg if spec.cfg is not None and spec.cfg.arch == "mllm" else None
-    if args.data:
+    if args.data and is_hook(args.data):
         if DOCUMENT_LENGTHS and dist.get_rank() == 0:
             print("--data: this plan was made for packed documents (--seq-lens); give the batches cu_seqlens")
         return user_hook(args.data, GLOBAL_BATCH, SEQ_LEN)
+    if args.data:  # windows drawn from (seed, step) alone: the same batches under any layout
+        if mllm is not None:
+            raise ValueError("--data: token data has no images for this image-text model; use a "
+                             "package.module:function hook that returns pixel_values")
+        src = open_tokens(args.data, VOCAB, SEQ_LEN, args.data_dtype, args.data_eos)
+        if DOCUMENT_LENGTHS and not src.marks_documents and dist.get_rank() == 0:
+            print("--data: this plan packs documents (--seq-lens) but the data marks none (--data-eos); plain rows")
+        return token_batches(src, GLOBAL_BATCH, SEQ_LEN, args.seed, documents=bool(DOCUMENT_LENGTHS),
+                             model_shifts_labels=ADAPTER == "hf", vocab=VOCAB)
     if DOCUMENT_LENGTHS:  # packed documents, as planned: attention within each
         return packed_documents(VOCAB, GLOBAL_BATCH, SEQ_LEN, DOCUMENT_LENGTHS, args.seed,
                                 model_shifts_labels=ADAPTER == "hf")
@@ -182,7 +197,8 @@ def main() -> None:
             mem = peak_memory_per_rank(device)  # GiB, one all-reduce of a tensor
             if log:  # logged before the checkpoint, so a checkpointed step is always in the log
                 rec = {"step": step + 1, "loss": loss, "step_s": step_s, "memory_gib": mem, "lr": lr,
-                       "grad_norm": norm, "tokens_per_s": GLOBAL_BATCH * SEQ_LEN / step_s}
+                       "grad_norm": norm, "tokens_per_s": GLOBAL_BATCH * SEQ_LEN / step_s,
+                       "batch": batch_digest(batch)}
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
                 scalars.write(rec)  # TensorBoard scalars beside the log, when tensorboard is installed

@@ -6,6 +6,7 @@ seed and the step: a resumed run sees exactly the batches an uninterrupted one s
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import math
 import re
@@ -107,6 +108,16 @@ def packed_documents(vocab: int, global_batch: int, seq_len: int, lengths: list[
                 "cu_seqlens": cu}
 
     return batch
+
+
+def batch_digest(batch: dict) -> str:
+    """16 hex digits naming a batch's tokens (``input_ids``, ``labels`` and ``cu_seqlens``):
+    the program logs it per step, so two runs can be shown to have trained on the same data."""
+    h = hashlib.blake2b(digest_size=8)
+    for key in ("input_ids", "labels", "cu_seqlens"):
+        if key in batch:
+            h.update(key.encode() + batch[key].to(torch.int64).cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def user_hook(spec: str, global_batch: int, seq_len: int) -> DataFn:

@@ -147,8 +147,15 @@ def _add_running_commands(sub) -> None:
     p.add_argument("--dir", default="runs/latest", help="where the program, log and checkpoints go")
     p.add_argument("--ckpt-every", type=count, default=0, help="checkpoint every K steps")
     p.add_argument("--max-restarts", type=count, default=0, help="relaunch a job whose process died")
-    p.add_argument("--data", default=None,
-                   help="package.module:function(step, global_batch, seq_len) -> batch (default: synthetic tokens)")
+    p.add_argument("--data", default=None, metavar="PATH|hf:PATH|pkg.mod:fn",
+                   help="a flat file of token ids (nanoGPT/Megatron .bin), hf:PATH (a tokenized dataset saved with "
+                        "save_to_disk) or package.module:function(step, global_batch, seq_len) -> batch "
+                        "(default: synthetic tokens)")
+    p.add_argument("--data-dtype", default=None, metavar="uint16|uint32",
+                   help="a token file's ids (default: uint16 if the model's vocabulary fits, else uint32)")
+    p.add_argument("--data-eos", type=count, default=None, metavar="ID",
+                   help="token id that ends each document of a token file (plans made with --seq-lens then "
+                        "train on packed documents)")
     p.add_argument("--launcher", type=launcher, default="local",
                    help="local: torchrun here (default); slurm: write DIR/job.sbatch for the plan's cluster and "
                         "print the sbatch command (nothing is submitted)")

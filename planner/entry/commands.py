@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from planner.entry.launch import check_plan, compare_run, run_plan
+from planner.entry.launch import check_plan, compare_run, data_args, run_plan
 from planner.entry.launch import progress as _progress
 from planner.errors import AutoparError
 
@@ -279,14 +279,15 @@ def _print_comparison(c: dict) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from codegen.runtime.data import FUNC_SPEC
+    from planner.plan import Plan
 
-    if args.data is not None and not FUNC_SPEC.match(args.data):
-        raise AutoparError(f"--data {args.data!r} is not package.module:function (step, global_batch, seq_len) -> batch")
+    plan = Plan.load(args.plan)
+    # the data is checked before any process starts, unless the job runs elsewhere (Slurm: read there)
+    extra = data_args(args.data, plan, args.data_dtype, args.data_eos, check=args.launcher != "slurm")
     if args.launcher == "slurm":
-        return _write_run_script(args)
+        return _write_run_script(args, extra)
     rc, log = run_plan(args.plan, steps=args.steps, run_dir=args.dir, ckpt_every=args.ckpt_every,
-                       max_restarts=args.max_restarts, extra=["--data", args.data] if args.data else None)
+                       max_restarts=args.max_restarts, extra=extra)
     if rc != 0:
         raise AutoparError(f"the training job failed (torchrun exit {rc}); its output is above; "
                            "rerun with fewer processes or check the plan with `autopar report`")
@@ -297,7 +298,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_run_script(args: argparse.Namespace) -> int:
+def _write_run_script(args: argparse.Namespace, extra: list[str]) -> int:
     """``autopar run --launcher slurm``: the program and ``DIR/job.sbatch`` for the plan's
     cluster, paths as given from this folder; prints the sbatch command, submits nothing."""
     import os
@@ -309,7 +310,7 @@ def _write_run_script(args: argparse.Namespace) -> int:
         _progress("--max-restarts is for local runs; under Slurm, requeue the job (sbatch --requeue): "
                   "the program resumes from its newest checkpoint")
     plan, prog, _, prog_args = prepare_run(args.plan, steps=args.steps, run_dir=args.dir, ckpt_every=args.ckpt_every,
-                                           extra=["--data", args.data] if args.data else None, here=False)
+                                           extra=extra, here=False)
     script = os.path.join(args.dir, "job.sbatch")
     submit = write_slurm_script(plan, script, prog, prog_args, workdir=os.getcwd(),
                                 log_dir=os.path.abspath(args.dir), force=True)

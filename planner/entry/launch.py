@@ -89,6 +89,32 @@ def prepare_run(plan_path: str, *, steps: int, run_dir: str, ckpt_every: int = 0
     return plan, prog, log, args
 
 
+def data_args(spec: str | None, plan, dtype: str | None = None, eos: int | None = None,
+              check: bool = True) -> list[str]:
+    """The program's data flags for ``--data spec`` (with ``--data-dtype`` and ``--data-eos``),
+    checked before any process starts: a ``package.module:function`` hook as it is; a token file
+    or a saved dataset (codegen/runtime/corpus.py) opened and scanned for ids outside ``plan``'s
+    model's vocabulary (not with ``check=False``: a job script run on another machine, which the
+    program checks there). Raises AutoparError (one line naming the fix)."""
+    from codegen.runtime.corpus import check_ids, is_hook, open_tokens
+
+    if spec is None or is_hook(spec):
+        if dtype is not None or eos is not None:
+            raise AutoparError("--data-dtype and --data-eos describe a token file: name it with --data PATH")
+        return ["--data", spec] if spec else []
+    if not check:
+        return ["--data", spec, *(["--data-dtype", dtype] if dtype else []),
+                *(["--data-eos", str(eos)] if eos is not None else [])]
+    vocab = int(plan.model.get("vocab") or 0)
+    src = open_tokens(spec, vocab, int(plan.batch["seq_len"]), dtype, eos)
+    check_ids(src, vocab)
+    if (plan.batch.get("documents") or {}).get("lengths") and not src.marks_documents:
+        progress(f"--data {spec}: the plan packs documents (--seq-lens) but the data marks none: plain rows "
+                 "(give --data-eos ID, the id that ends each document)")
+    return ["--data", spec, *(["--data-dtype", dtype] if dtype else []),
+            *(["--data-eos", str(eos)] if eos is not None else [])]
+
+
 def run_plan(plan_path: str, *, steps: int, run_dir: str, ckpt_every: int = 0, max_restarts: int = 0,
              extra: list[str] | None = None, force: bool = True, timeout_s: float | None = None) -> tuple[int, str]:
     """Emit and launch a plan's program on this machine with torchrun; returns (rc, log path).
