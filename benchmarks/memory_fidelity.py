@@ -51,6 +51,12 @@ LAYOUTS: dict[int, list[tuple[str, str, str]]] = {
         ("pp2-dp2-1f1b", "pp=2,dp=2,schedule=1f1b,dtype=fp32", "untied"),
         ("pp2-dp2-fsdp", "pp=2,dp=2,schedule=1f1b,zero=fsdp,dtype=fp32", "untied"),
         ("dp4-recompute-full", "dp=4,recompute=full,dtype=fp32", ""),
+        # bf16 mixed precision (codegen/runtime/precision.py): fp32 masters, bf16 compute copies
+        ("dp4-ddp-bf16", "dp=4,zero=ddp,dtype=bf16", ""),
+        ("dp4-fsdp-bf16", "dp=4,zero=fsdp,dtype=bf16", ""),
+        ("dp2-tp2-sp-bf16", "dp=2,tp=2,sp=on,dtype=bf16", ""),
+        ("pp2-dp2-fsdp-bf16", "pp=2,dp=2,schedule=1f1b,zero=fsdp,dtype=bf16", "untied"),
+        ("pp4-1f1b-bf16", "pp=4,schedule=1f1b,dtype=bf16", "untied"),
     ],
     2: [
         ("dp2-ddp", "dp=2,zero=ddp,dtype=fp32", ""),

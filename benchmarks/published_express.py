@@ -95,13 +95,36 @@ def approx_reason(run: dict) -> str | None:
 
 def skip_reason(run: dict) -> str | None:
     """Why autopar cannot express ``run`` (None when it can)."""
-    if "FP8" in (run.get("precision") or "").upper():
-        return "FP8 training: autopar has no fp8 mode"
-    if "compile" in (run.get("notes") or "") or "compile" in run["id"]:
-        return "torch.compile: autopar runs eager"
     if "parallel transformer block" in run["arch"]:
         return "parallel blocks + sliding-window attention + LAMB: not a zoo architecture"
     return None
+
+
+def _fp8(run: dict, notes: list[str]) -> str:
+    """The float8 recipe of a run: rowwise where its precision says so, else tensorwise (torchao's
+    default recipe, the one torchtitan's published float8 runs name); none without FP8."""
+    text = (run.get("precision") or "").lower()
+    if "fp8" not in text and "float8" not in text:
+        return "none"
+    recipe = "rowwise" if "rowwise" in text else "tensorwise"
+    notes.append(f"float8 {recipe}" + ("" if "tensorwise" in text or "rowwise" in text else " (torchao's default)"))
+    return recipe
+
+
+def _compiled(run: dict, notes: list[str]) -> bool:
+    """Whether the run's blocks went through torch.compile (its notes or id say so)."""
+    on = "compile" in (run.get("notes") or "").lower() or "compile" in run["id"].lower()
+    if on:
+        notes.append("torch.compile")
+    return on
+
+
+def _engine(run: dict, src: str) -> str:
+    """The engine of the run's source; torchtitan's runs with async TP (their id ends in asyncTP)
+    have it on."""
+    if src == "torchtitan" and run["id"].lower().rsplit("_", 1)[-1] == "asynctp":
+        return "torchtitan-asynctp"
+    return ENGINE_OF_SOURCE[src]
 
 
 def _model(run: dict, seq: int) -> dict[str, Any]:
@@ -141,13 +164,17 @@ def _recompute(run: dict, src: str, notes: list[str]) -> str:
     return "none"
 
 
-def _schedule(run: dict, layers: int, pp: int, notes: list[str]) -> tuple[str, int]:
+def _schedule(run: dict, layers: int, pp: int, src: str, notes: list[str]) -> tuple[str, int]:
     vpp = run["virtual_pipeline_stages"] or 1
     text = (run.get("pipeline_schedule") or "").lower()
-    if pp > 1 and vpp == 1 and "interleaved" in text and "1f1b" not in run["id"].lower():
-        per_stage = (layers + 2) // pp  # the embedding and the head count as layers (Llama 3 drops one per end)
-        vpp = max(v for v in range(1, per_stage + 1) if per_stage % v == 0)
-        notes.append(f"interleaved, chunks per stage not given: {vpp} (one layer per chunk)")
+    if pp > 1 and vpp == 1 and "interleaved" in text:
+        if src == "torchtitan":  # its interleaved schedules build two stages per pp rank unless split otherwise
+            vpp = 2
+            notes.append("interleaved, chunks per stage not given: 2 (torchtitan's default)")
+        else:
+            per_stage = (layers + 2) // pp  # the embedding and the head count as layers (Llama 3 drops one per end)
+            vpp = max(v for v in range(1, per_stage + 1) if per_stage % v == 0)
+            notes.append(f"interleaved, chunks per stage not given: {vpp} (one layer per chunk)")
     return ("interleaved-1f1b" if vpp > 1 else "1f1b"), vpp
 
 
@@ -167,7 +194,7 @@ def express(run: dict) -> Case | str:
     if why:
         return why
     src, notes = source_of(run), []
-    engine = ENGINE_OF_SOURCE[src]
+    engine = _engine(run, src)
     seq = run["seq_length"]
     if seq is None:
         seq = TORCHTITAN_SEQ
@@ -176,18 +203,24 @@ def express(run: dict) -> Case | str:
     mbs = run["micro_batch_size"] or 1
     if run["micro_batch_size"] is None:
         notes.append("mbs 1")
+    elif pp > 1 and src == "torchtitan":
+        # torchtitan prints each dp rank's batch ("local batch ... split into microbatches by PP", as its
+        # Table 5 notes say), which its pipeline cuts into micro-batches of one (its default)
+        mbs = 1
+        notes.append("the local batch is the pipeline's: micro-batches of 1 (torchtitan's default)")
     gb = run["global_batch_size_seqs"]
     if gb is None:
-        gb = mbs * dp
-        notes.append(f"global batch {gb} = mbs x dp")
+        gb = (run["micro_batch_size"] or 1) * dp  # the printed batch per dp rank, times dp
+        notes.append(f"global batch {gb} = the printed batch x dp")
     sp = run["sequence_parallel"]
     if sp is None:
         sp = tp > 1 and engine != "megatron-2021"
         if sp:
             notes.append("sequence parallel")
-    sched, vpp = _schedule(run, run["num_layers"], pp, notes)
+    sched, vpp = _schedule(run, run["num_layers"], pp, src, notes)
     cfg = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, mbs=mbs, schedule=sched, vpp=vpp, zero=_zero(run, src, notes),
-                         recompute=_recompute(run, src, notes), sp=bool(sp and tp > 1), dtype="bf16")
+                         recompute=_recompute(run, src, notes), sp=bool(sp and tp > 1), dtype="bf16",
+                         fp8=_fp8(run, notes), compile=_compiled(run, notes))
     gpu = run["gpu_type"] or ""
     if "HBM2e" in gpu or "96GB" in gpu:
         cluster = H100_500W

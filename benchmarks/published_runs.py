@@ -131,7 +131,8 @@ def plan_against(c: Case, graphs: Graphs) -> dict[str, Any]:
     from planner.search.planning import evaluate_config, plan_model
 
     g, cl = graphs.get(c.model), cluster_for(c)
-    _, res = plan_model(g, cl, c.global_batch, spec=c.model["name"], cluster_spec=cl.name)
+    _, res = plan_model(g, cl, c.global_batch, spec=c.model["name"], cluster_spec=cl.name, fp8=c.cfg.fp8,
+                        compile=c.cfg.compile)
     ours = res.best
     theirs, _ = evaluate_config(g, cl, c.cfg, c.global_batch, even_split=True)
     deg = ("dp", "pp", "cp", "tp")
@@ -174,6 +175,11 @@ def plan_report(exact: list[Case], graphs: Graphs) -> list[dict[str, Any]]:
     return picks
 
 
+def _new_modes(c: Case) -> bool:
+    """Whether a run trains with float8 linears or compiled blocks (the modes issue 27 added)."""
+    return c.cfg.fp8 != "none" or c.cfg.compile
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", nargs="+", default=DATA, help="development-set files (default: both)")
@@ -209,6 +215,11 @@ def main() -> None:
     print("exact runs:         ", _fmt(out["summary"]))
     for src in sorted({c.source for c in exact}):
         print(f"  {src:<18}", _fmt(summary([err[c.run_id] for c in exact if c.source == src])))
+    for name, sub in (("  eager bf16 runs", [c for c in exact if not _new_modes(c)]),
+                      ("  FP8 / compile runs", [c for c in exact if _new_modes(c)])):
+        if sub:
+            out[name.strip()] = summary([err[c.run_id] for c in sub])
+            print(f"{name:<20}", _fmt(out[name.strip()]))
     print("exact + approximate:", _fmt(summary(list(err.values()))))
     fits = [r for r in rows if r["fits"]]
     print(f"judged to fit: {len(fits)} of {len(rows)} (exact: {sum(r['fits'] for r in rows if not r['approximate'])}"

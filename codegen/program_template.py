@@ -30,8 +30,10 @@ from codegen.runtime.metrics import ScalarLog, peak_memory_per_rank
 from codegen.runtime.optim import adamw, build_optimizer, warmup_cosine
 from codegen.runtime.recipe import (
     apply_attention,
+    apply_compile,
     apply_dp,
     apply_ep,
+    apply_fp8,
     apply_recompute,
     apply_tp,
     build_schedule,
@@ -123,7 +125,9 @@ def build(model: torch.nn.Module, args: argparse.Namespace, device: torch.device
     apply_attention(adapter, stages, CONFIG, mesh)  # @attention
     apply_tp(adapter, stages, tp_plan_for(units, BLOCK_TP_PLAN, TP_PLAN), mesh, CONFIG.sp)  # @tp
     experts = apply_ep(stages, CONFIG)  # @ep
+    apply_fp8(adapter, stages, CONFIG, device)  # @float_eight
     apply_recompute(adapter, stages)  # @recompute
+    apply_compile(adapter, stages, CONFIG)  # @compile
     dp_mesh = apply_dp(adapter, stages, CONFIG, mesh, experts)  # @dp
     optimizer = build_optimizer(stages.modules, make_optimizer(args), CONFIG.zero, dp_mesh.size(),
                                 dp_mesh.get_group())  # @optimizer

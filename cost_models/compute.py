@@ -53,7 +53,7 @@ from dataclasses import dataclass, replace
 
 from cost_models import gpu_kernels as gk
 from cost_models.cluster import Cluster
-from cost_models.engines import DEFAULT_ENGINE, Engine
+from cost_models.engines import DEFAULT_ENGINE, Engine, fuses_elementwise
 from cost_models.fused_elementwise import fused_op
 from cost_models.moe_layer import DISPATCH_KERNELS, dispatch_bytes, expert_rows, grouped_gemm_seconds
 from cost_models.shared_cores import thread_op_s
@@ -219,11 +219,20 @@ def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Paral
     elem = 4 if cfg.dtype == "fp32" else 2
     gpu = gk.GpuSpec(peak=cluster.peak_flops(cfg.dtype), bw=cluster.device.mem_bw_gbs * 1e9, sms=cluster.device.sms)
     g = _GpuPass(layer, graph, cfg, gpu, co, elem, engine)
+    if cfg.fp8 != "none" and layer.kind == "transformer_block":  # the blocks' linears in float8 (torchao)
+        g.fp8 = gk.GpuSpec(peak=cluster.peak_flops("fp8"), bw=gpu.bw, sms=gpu.sms)
     g.gemms()
     g.attention()
     mem_fwd = g.memory_bound()
     # per-op recompute re-runs the unkept GEMMs and every memory-bound kernel, not attention
     return LayerTime(g.fwd, g.bwd, "roofline", op_recompute_s=g.unkept + mem_fwd if checkpointed(layer) else 0.0)
+
+
+# Bytes per element a float8 cast moves, by whether the block is compiled: eager, torchao reads the
+# bf16 tensor for its amax, then reads it again and writes 1 byte (2 + 2 + 1); under torch.compile
+# the amax is taken in the kernel that produced the tensor, leaving the cast's read and write (2 + 1).
+# At 2 bytes per bf16 element (scaled to the compute dtype's size).
+FP8_CAST_BYTES = {False: 5.0, True: 3.0}
 
 
 class _GpuPass:
@@ -238,6 +247,7 @@ class _GpuPass:
         self.tokens = self.m_cap * self.scale / cfg.cp
         self.fwd = self.bwd = self.unkept = 0.0  # unkept: the forward GEMMs per-op recompute runs again
         self.gemm_bytes_cap: dict[str, float] = {}
+        self.fp8: gk.GpuSpec | None = None  # float8 linears: the device at its fp8 peak
 
     def gemm(self, m: float, n: float, k: float, times: float = 1.0) -> float:
         """Add ``times`` GEMMs of (m, n, k) forward and their two backward GEMMs; the forward seconds."""
@@ -245,6 +255,19 @@ class _GpuPass:
         t = times * gk.gemm_seconds(m, n, k, elem, gpu, co)
         self.fwd += t
         self.bwd += times * (gk.gemm_seconds(m, k, n, elem, gpu, co) + gk.gemm_seconds(n, k, m, elem, gpu, co))
+        return t
+
+    def fp8_linear(self, m: float, n: float, k: float) -> float:
+        """Add a float8 linear (torchao's recipe: all three GEMMs in float8, at the device's fp8
+        peak, 1-byte operands) and its casts (``FP8_CAST_BYTES``): forward X [m, k] and W [k, n],
+        backward dY [m, n] and the transposed float8 copies of X and W; the forward seconds."""
+        gpu8, co = self.fp8, self.co
+        t = gk.gemm_seconds(m, n, k, 1, gpu8, co)
+        self.fwd += t
+        self.bwd += gk.gemm_seconds(m, k, n, 1, gpu8, co) + gk.gemm_seconds(n, k, m, 1, gpu8, co)
+        cast = FP8_CAST_BYTES[self.cfg.compile] * self.elem / 2
+        self.fwd += gk.memory_seconds(cast * (m * k + k * n), 4, self.gpu, co)
+        self.bwd += gk.memory_seconds(cast * m * n + 2 * (m * k + k * n), 4, self.gpu, co)
         return t
 
     def grouped(self, groups: int, m: float, n: float, k: float) -> float:
@@ -261,7 +284,8 @@ class _GpuPass:
         layer, graph, cfg, m_cap = self.layer, self.graph, self.cfg, self.m_cap
         kept = {id(lin) for lin in kept_linears(layer)}
         for lin in layer.linears:
-            t = self.gemm(*_gemm_shape(lin, self.tokens, cfg.tp, cfg.sp))
+            shape = _gemm_shape(lin, self.tokens, cfg.tp, cfg.sp)
+            t = self.fp8_linear(*shape) if self.fp8 is not None else self.gemm(*shape)
             self.unkept += 0.0 if id(lin) in kept else t
             op = next((o.name for o in layer.ops if o.name and lin.name.startswith(o.name + ".")), "")
             io = m_cap * lin.in_features + lin.in_features * lin.out_features + m_cap * lin.out_features
@@ -330,7 +354,7 @@ class _GpuPass:
                 kern_b = kern_b - share * layer.bwd_kernels + DISPATCH_KERNELS[1]
                 continue
             share = (op.fwd_bytes / layer.fwd_bytes) if layer.fwd_bytes else 0.0
-            fused = fused_op(op, layer, self.graph, self.elem) if self.engine.fused_elementwise else None
+            fused = fused_op(op, layer, self.graph, self.elem) if fuses_elementwise(self.engine, cfg) else None
             if fused is not None:  # the engine's fused kernels (cost_models/fused_elementwise.py)
                 tokens = (self.m_cap or self.graph.batch * self.graph.seq_len) * scale
                 mem_f += fused.fwd_bytes * tokens / div

@@ -126,6 +126,9 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine("torchtitan", dp_overlap=True, fused_optimizer=True,
            doc="torchtitan: FSDP2 with prefetch and overlapped reduce-scatter, fused AdamW (its default), "
                "eager TP without async TP"),
+    Engine("torchtitan-asynctp", tp_overlap=True, dp_overlap=True, fused_optimizer=True,
+           doc="torchtitan with --parallelism.enable_async_tensor_parallel (under torch.compile): the TP "
+               "all-gather / reduce-scatter decomposed and overlapped with the GEMMs (micro-pipelined)"),
 )}
 DEFAULT_ENGINE = ENGINES["autopar"]
 
@@ -139,6 +142,14 @@ def engine_of(name: str | Engine | None) -> Engine:
     if name not in ENGINES:
         raise ClusterError(f"unknown engine {name!r}: use one of {', '.join(ENGINES)}")
     return ENGINES[name]
+
+
+def fuses_elementwise(engine: Engine, cfg) -> bool:
+    """Whether a block's norms, rotary embedding and activation run as fused kernels
+    (cost_models/fused_elementwise.py): the engine's own (Transformer Engine) or inductor's,
+    under regional ``torch.compile`` (``ParallelConfig.compile``), which fuses each of them
+    (and the residual adds beside them) into one kernel per pass."""
+    return engine.fused_elementwise or bool(getattr(cfg, "compile", False))
 
 
 def exposed_s(comm_s: float, window_s: float, tail_s: float = 0.0) -> float:

@@ -226,7 +226,7 @@ class DpTraffic:
 
 
 def _dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units: int, profile,
-             comm_src: set, engine: Engine, experts: bool = False) -> DpTraffic:
+             comm_src: set, engine: Engine, experts: bool = False, fp8_share: float = 0.0) -> DpTraffic:
     """The dp x cp group's traffic as the runtime issues it: one call per DDP bucket under DDP's
     reducer (``uses_ddp_reducer``), one per layer unit of the rank (``units``) otherwise; for
     the routed experts (``experts``) over their own data-parallel group (``memory.dp_group``,
@@ -245,7 +245,10 @@ def _dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units
         return e.seconds * calls
 
     per_microbatch = m if _per_microbatch_dp(cfg) else 1
-    gather = DTYPE_BYTES[cfg.dtype]  # parameters are gathered as their compute copies
+    # parameters are gathered as their compute copies; under float8 tensorwise the blocks' linears
+    # (``fp8_share`` of them) as float8 (torchao's FSDP float8 all-gather)
+    f8 = fp8_share if cfg.fp8 == "tensorwise" else 0.0
+    gather = DTYPE_BYTES[cfg.dtype] * (1 - f8) + 1.0 * f8
     # the optimizer's owners send the updated parameters: Megatron's distributed optimizer its
     # compute copies, autopar's ShardedOptimizer the fp32 master weights
     after = ct("all_gather", gather if engine.dist_opt_reduce_scatter else MASTER_BYTES) if cfg.zero == "zero1" else 0.0
@@ -286,10 +289,12 @@ def _dp_and_optimizer(cluster: Cluster, cfg: ParallelConfig, partition: Partitio
     held = [(sum(table.params[i] for j in js for i in range(*partition.bounds[j])),
              sum(table.experts[i] for j in js for i in range(*partition.bounds[j]))) for js in on_rank]
     P, Pe = max(held)  # the rank with the most parameters, and its routed experts' share
+    lin = max(sum(table.fp8_params[i] for j in js for i in range(*partition.bounds[j])) for js in on_rank)
     per_module = cfg.zero in SHARDED_PARAMS  # FSDP / ZeRO-2 shard a very large block module by module
     units = max(1, sum(len(table.units[i]) if per_module else 1
                        for lo, hi in (partition.bounds[j] for j in mine) for i in range(lo, hi)))
-    dp = _dp_comm(cluster, cfg, m, P - Pe, units, profile, comm_src, engine)
+    dp = _dp_comm(cluster, cfg, m, P - Pe, units, profile, comm_src, engine,
+                  fp8_share=lin / (P - Pe) if cfg.fp8 != "none" and P > Pe else 0.0)
     if Pe:
         ex = _dp_comm(cluster, cfg, m, Pe, units, profile, comm_src, engine, experts=True)
         dp = DpTraffic(dp.overlappable + ex.overlappable, dp.after_step + ex.after_step, max(dp.last_call, ex.last_call))

@@ -72,13 +72,14 @@ class LayerCosts:
     @staticmethod
     def key(cfg: ParallelConfig) -> tuple:
         """What the per-layer seconds depend on: configurations with the same key share them."""
-        return (cfg.tp, cfg.cp, cfg.ulysses, cfg.ep, cfg.mbs, cfg.sp, cfg.dtype, cfg.world, cfg.threads)
+        return (cfg.tp, cfg.cp, cfg.ulysses, cfg.ep, cfg.mbs, cfg.sp, cfg.dtype, cfg.world, cfg.threads, cfg.fp8,
+                cfg.compile)
 
     def table(self, cfg: ParallelConfig) -> LayerTable:
         """Per-layer memory figures for cfg (they depend on tp, cp, ep, sp, mbs, dtype, kernels and
         whether a pipeline holds tied copies)."""
         key = (cfg.tp, cfg.cp, cfg.ep, cfg.sp, cfg.mbs, cfg.dtype, cfg.attention, cfg.loss, cfg.pp > 1,
-               self.engine)
+               cfg.compile, self.engine)
         t = self.tables.get(key)
         if t is None:
             t = self.tables[key] = LayerTable(self.g, cfg, self.engine)

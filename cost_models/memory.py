@@ -75,7 +75,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Mapping, Sequence
 
-from cost_models.engines import DEFAULT_ENGINE, Engine
+from cost_models.engines import DEFAULT_ENGINE, Engine, fuses_elementwise
 from cost_models.fused_elementwise import block_saved
 from cost_models.moe_layer import routed_saved_bytes
 from cost_models.op_recompute import checkpointed, op_saved_bytes
@@ -159,7 +159,7 @@ def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recom
     tokens = graph.batch * graph.seq_len
     tp_part = layer.act_bytes_tp
     rest = layer.act_bytes - tp_part
-    blk = block_saved(layer, graph, graph.dtype_bytes, "layernorm" in dropped) if engine.fused_elementwise else None
+    blk = block_saved(layer, graph, graph.dtype_bytes, "layernorm" in dropped) if fuses_elementwise(engine, cfg) else None
     if blk is not None:  # fused norms / rope / activation: what they keep (cost_models/fused_elementwise.py)
         moe_part = min(m.act_bytes, rest) if m is not None else 0.0
         tp_part, rest = blk[0] * tokens, blk[1] * tokens + moe_part
@@ -215,6 +215,9 @@ class LayerTable:
         self.units = [r[3] for r in table]
         self.unit = [max(u) for u in self.units]
         self.act = {p: [r[4][p] for r in table] for p in RECOMPUTE}
+        # parameters of the blocks' dense linears (per tp rank): what float8 training casts
+        self.fp8_params = [layer_params_local(l, cfg.tp, cfg.pp, cfg.ep, graph.hidden) - self.experts[i]
+                           if l.kind == "transformer_block" else 0.0 for i, l in enumerate(graph.layers)]
 
 
 def per_param_bytes(cfg: ParallelConfig, experts: bool = False) -> dict[str, float]:
@@ -334,8 +337,9 @@ class MemoryRule:
         cast = GRAD_REDUCE_BYTES if mixed_precision(cfg.dtype) else 0.0  # a unit's gradient cast to fp32
         dp = dp_group(cfg)
         if dp_wrapper(cfg.zero, cfg.pp, cfg.tp, dp, cfg.dtype) == "fully_shard" and reshard_after_forward(cfg.zero, cfg.pp, dp):
-            # 2 units unsharded (one computing, one prefetched), with their grads
-            self.transient = [2 * u * (w + g) + u * cast for u in self.t.unit]
+            # 2 units unsharded (one computing, one prefetched), with their grads (measured under bf16:
+            # the fp32 reduce-scatter input of the last unit takes the place of a prefetched unit)
+            self.transient = [2 * u * (w + g) for u in self.t.unit]
         else:
             # a layer's incoming weight gradient lives beside the accumulated p.grad before it is added in
             self.transient = [p * (g + cast) for p in self.t.params]

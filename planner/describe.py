@@ -34,6 +34,8 @@ class PlanWords:
     dp: str
     optimizer: str
     recompute: str
+    float_eight: str
+    compile: str
     step: str
     clip: str
 
@@ -104,6 +106,10 @@ def describe(plan: Plan) -> PlanWords:
         optimizer=("ZeRO-1: each rank steps its share of the optimizer state" if c.zero == "zero1" and replicas > 1
                    else "one optimizer per stage module"),
         recompute=recompute_words(plan),
+        float_eight=(f"the blocks' linears in float8 (torchao {c.fp8} scaling)" if c.fp8 != "none"
+                else f"no float8: the linears compute in {c.dtype}"),
+        compile=("torch.compile of each block's forward (regional; the first step compiles)" if c.compile
+                 else "eager: no block is compiled"),
         step=step_words(plan),
         clip="clip by the global gradient norm over all ranks (ParallelModel.clip_grad_norm_)",
     )

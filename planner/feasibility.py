@@ -464,11 +464,18 @@ def documents_problem(limits: Mapping[str, str], causal_only: bool = True) -> st
     return substitution_problem("documents", limits)
 
 
-def dtype_problem(dtype: str) -> str | None:
-    """Why the runtime cannot train in compute ``dtype`` (one line with the fix), or None: fp16
-    needs a loss scaler (its gradients underflow), which the runtime does not run."""
+def modes_problem(dtype: str, fp8: str = "none", compile: bool = False, tp: int = 1, cp: int = 1) -> str | None:
+    """Why the runtime cannot train in these modes on a layout (one line with the fix), or None:
+    fp16 needs a loss scaler, which the runtime does not run; float8 linears under TP need
+    torchao's float8 TP styles, which it does not apply; compiled blocks failed under TP (a
+    DTensor redistribute in the backward) and hung under CP's in-block collectives (torch 2.13, gloo)."""
     if dtype == "fp16":
         return "dtype=fp16 needs loss scaling, which autopar's runtime does not run; use dtype=bf16 (or fp32)"
+    if fp8 != "none" and tp > 1:
+        return f"fp8={fp8} with tp > 1: autopar does not apply torchao's float8 tensor-parallel styles; use tp=1 or fp8=none"
+    if compile and (tp > 1 or cp > 1):
+        return (f"compile=on with {'tp' if tp > 1 else 'cp'} > 1: autopar's {'tensor' if tp > 1 else 'context'}-parallel "
+                f"blocks do not run compiled yet; use {'tp' if tp > 1 else 'cp'}=1 or compile=off")
     return None
 
 
@@ -487,5 +494,6 @@ def problems(cfg: ParallelConfig, f: ModelFacts, batch: Batch, cluster: ClusterS
              zero_problem(cfg.zero, cfg.tp, cfg.dp * cfg.cp, f, cfg.ep),
              recompute_problem(cfg.recompute, cfg.schedule, cfg.pp),
              recompute_attention_problem(cfg.recompute, f.limits), batch_problem(cfg, batch),
-             documents_problem(f.limits) if batch.documents else None, dtype_problem(cfg.dtype))
+             documents_problem(f.limits) if batch.documents else None,
+             modes_problem(cfg.dtype, cfg.fp8, cfg.compile, cfg.tp, cfg.cp))
     return [p for p in parts if p]

@@ -37,6 +37,8 @@ def recompute_problem(recompute: str, schedule: str, pp: int) -> str | None:
             f"by a split backward; use recompute=full or selective, or another schedule")
 
 
+FP8_RECIPES = ("none", "tensorwise", "rowwise")  # torchao float8 training recipes (codegen/runtime/fp8.py)
+QUIET_DEFAULTS = {"threads": 0, "fp8": "none", "compile": False}  # fields a plan records only when set
 ATTN_KERNELS = ("flash", "eager")      # flash: no S x S scores kept (SDPA flash / our Triton kernel)
 LOSS_KERNELS = ("fused", "eager")      # fused: linear + cross-entropy without [tokens x vocab] logits
 MESH_DIMS = ("pp", "dp", "cp", "tp")   # outer to inner
@@ -78,6 +80,8 @@ class ParallelConfig:
     attention: str = "flash"
     loss: str = "eager"
     threads: int = 0             # intra-op threads per rank (CPU clusters); 0: cores / ranks (feasibility.rank_threads)
+    fp8: str = "none"            # the blocks' linears in float8 (torchao): none | tensorwise | rowwise (FP8_RECIPES)
+    compile: bool = False        # each block through torch.compile (regional compilation)
 
     @property
     def world(self) -> int:
@@ -116,6 +120,12 @@ class ParallelConfig:
                            ("dtype", DTYPES), ("attention", ATTN_KERNELS), ("loss", LOSS_KERNELS)):
             if getattr(self, k) not in allowed:
                 raise PlanError(f"{k}={getattr(self, k)!r}: choose one of {', '.join(allowed)}")
+        if self.fp8 not in FP8_RECIPES:
+            raise PlanError(f"fp8={self.fp8!r}: choose one of {', '.join(FP8_RECIPES)}")
+        if not isinstance(self.compile, bool):
+            raise PlanError(f"compile={self.compile!r}: must be on or off")
+        if self.fp8 != "none" and self.dtype == "fp32":
+            raise PlanError(f"fp8={self.fp8} casts the bf16 compute copies: it needs dtype=bf16")
         if self.vpp > 1 and self.schedule != "interleaved-1f1b":
             raise PlanError(f"vpp={self.vpp} needs schedule=interleaved-1f1b")
         if self.sp and self.tp == 1:
@@ -151,17 +161,23 @@ class ParallelConfig:
             parts.append("sp")
         if self.threads:
             parts.append(f"threads{self.threads}")
+        parts += [f"fp8-{self.fp8}"] if self.fp8 != "none" else []
+        parts += ["compiled"] if self.compile else []
         return " ".join(parts)
 
     def to_str(self) -> str:
-        """``key=value`` for every field (``ulysses`` only when CP uses it, ``threads`` only when
-        set: plans without it read and write as before)."""
+        """``key=value`` for every field (``ulysses`` only when CP uses it, ``threads``, ``fp8`` and
+        ``compile`` only when set: plans without them read and write as before)."""
         return ",".join(f"{f.name}={_fmt(getattr(self, f.name))}" for f in fields(self)
-                        if (f.name != "ulysses" or self.ulysses > 1) and (f.name != "threads" or self.threads))
+                        if (f.name != "ulysses" or self.ulysses > 1) and not self._quiet(f.name))
 
     def fields_dict(self) -> dict[str, Any]:
-        """Every field by name, as the plan file's ``parallel`` section records them (``threads`` when set)."""
-        return {k: v for k, v in asdict(self).items() if k != "threads" or v}
+        """Every field by name, as the plan file's ``parallel`` section records them (the quiet
+        ones, ``QUIET_DEFAULTS``, when set)."""
+        return {k: v for k, v in asdict(self).items() if not self._quiet(k)}
+
+    def _quiet(self, name: str) -> bool:
+        return name in QUIET_DEFAULTS and getattr(self, name) == QUIET_DEFAULTS[name]
 
     @staticmethod
     def parse(s: str) -> "ParallelConfig":

@@ -40,7 +40,10 @@ LAYOUTS = {
         ("tp2-sp", dict(tp=2, sp=True), 1), ("pp2-1f1b", dict(pp=2, schedule="1f1b"), 2),
         ("pp2-interleaved-v2", dict(pp=2, schedule="interleaved-1f1b", vpp=2), 4),
         ("cp2-zigzag", dict(cp=2), 1), ("cp2-ulysses", dict(cp=2, ulysses=2), 1),
-        ("dp2-ep2-fsdp", dict(dp=2, ep=2, zero="fsdp"), 1), ("tp2-ep2-sp", dict(tp=2, sp=True, ep=2), 1)],
+        ("dp2-ep2-fsdp", dict(dp=2, ep=2, zero="fsdp"), 1), ("tp2-ep2-sp", dict(tp=2, sp=True, ep=2), 1),
+        # regional torch.compile (inductor on CPU) under FSDP and a pipeline
+        ("dp2-fsdp-compiled", dict(dp=2, zero="fsdp", compile=True), 1),
+        ("pp2-1f1b-compiled", dict(pp=2, schedule="1f1b", compile=True), 2)],
     4: [("dp2xtp2-fsdp-sp", dict(dp=2, tp=2, sp=True, zero="fsdp"), 1),
         ("pp2xdp2-fsdp", dict(pp=2, dp=2, zero="fsdp", schedule="1f1b"), 2),
         ("pp2xtp2-1f1b-sp", dict(pp=2, tp=2, sp=True, schedule="1f1b"), 2),
@@ -48,6 +51,7 @@ LAYOUTS = {
         ("dp2xcp2-ep4-fsdp", dict(dp=2, cp=2, ep=4, zero="fsdp"), 1)],
 }
 MODELS = {2: ("llama-tiny", "hf-llama", "moe-tiny"), 4: ("llama-tiny", "moe-tiny")}
+COMPILED_MODELS = ("llama-tiny",)  # compiled layouts run for these only (each compile takes ~30 s on 2 cores)
 FP32_CONTROL = ("dp2-ddp", "tp2-sp", "dp2xtp2-fsdp-sp")  # the same layouts in fp32: nothing may be cast
 BF16 = torch.bfloat16
 
@@ -57,9 +61,10 @@ MOE_DENSE = ("dp2-fsdp", "pp2-1f1b", "pp2xdp2-fsdp")  # the dense layouts the Mo
 
 def layouts_of(world: int, model: str) -> list[tuple[str, dict, int]]:
     """Expert parallelism for the MoE model only (and a few dense layouts)."""
+    lays = [lay for lay in LAYOUTS[world] if model in COMPILED_MODELS or not lay[1].get("compile")]
     if model.startswith("moe"):
-        return [lay for lay in LAYOUTS[world] if "ep" in lay[1] or lay[0] in MOE_DENSE]
-    return [lay for lay in LAYOUTS[world] if "ep" not in lay[1]]
+        return [lay for lay in lays if "ep" in lay[1] or lay[0] in MOE_DENSE]
+    return [lay for lay in lays if "ep" not in lay[1]]
 
 
 def mixed_reference(model_name: str, data: list[dict]) -> tuple[list[float], dict]:

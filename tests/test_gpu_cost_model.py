@@ -147,7 +147,10 @@ def test_every_run_is_expressed_approximated_or_skipped_with_a_reason():
     runs = _runs()
     cases = [px.express(r) for r in runs]
     skipped = [c for c in cases if isinstance(c, str)]
-    assert len(runs) == 54 + 33 and len(skipped) == 30 + 4
+    # FP8 and torch.compile runs are expressed (issue 27); only the parallel-block architecture is not
+    assert len(runs) == 54 + 33 and len(skipped) == 8 and all("parallel blocks" in c for c in skipped)
+    modes = [c for c in cases if not isinstance(c, str) and (c.cfg.fp8 != "none" or c.cfg.compile)]
+    assert len(modes) == 26 and {c.cfg.fp8 for c in modes} == {"none", "tensorwise"}
     for run, c in zip(runs, cases):
         if isinstance(c, str):
             continue
@@ -184,10 +187,12 @@ def test_model_flops_is_korthikanti_eq7_for_a_gpt():
 def test_published_runs_are_predicted_within_the_target():
     graphs = pr.Graphs()
     exact = [c for r in _runs() if not isinstance(c := px.express(r), str) and px.approx_reason(r) is None]
-    assert len(exact) == 46
+    assert len(exact) == 72
     rows = [pr.predict(c, graphs) for c in exact]
-    s = pr.summary([r["error"] for r in rows])
-    assert s["median_abs"] <= 0.08 and s["within_25"] >= 0.9, s
+    # issue 26's target on the eager bf16 runs; the float8 / compiled ones are reported beside them
+    eager = [r for c, r in zip(exact, rows) if c.cfg.fp8 == "none" and not c.cfg.compile]
+    s = pr.summary([r["error"] for r in eager])
+    assert len(eager) == 46 and s["median_abs"] <= 0.08 and s["within_25"] >= 0.9, s
     fits = {c.source: [] for c in exact}
     for c, r in zip(exact, rows):
         fits[c.source].append(r["fits"])

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from cost_models.memory import per_param_bytes
-from planner.feasibility import dtype_problem
+from planner.feasibility import modes_problem
 from planner.plan import ParallelConfig
 from planner.sharding import dp_wrapper, reshard_after_forward, uses_ddp_reducer
 from planner.precision import mixed_precision
@@ -58,7 +58,7 @@ def test_mixed_precision_rule_and_policy():
     # one mixed-precision rank: fully_shard casts each unit and frees it after the forward (not under a pipeline)
     assert dp_wrapper("ddp", 1, 1, 1, "bf16") == "fully_shard" and reshard_after_forward("ddp", 1, 1)
     assert not reshard_after_forward("ddp", 2, 1) and not reshard_after_forward("zero2", 1, 4)
-    assert dtype_problem("fp16") and "bf16" in dtype_problem("fp16") and dtype_problem("bf16") is None
+    assert modes_problem("fp16") and "bf16" in modes_problem("fp16") and modes_problem("bf16") is None
 
 
 @pytest.mark.parametrize("zero", ["ddp", "zero1", "zero2", "fsdp"])

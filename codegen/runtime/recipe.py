@@ -40,6 +40,8 @@ from codegen.runtime.adapters import ModelAdapter
 from codegen.runtime.attention import build_attention, context_attention
 from codegen.runtime.documents import Documents
 from codegen.runtime.mesh import cp_groups, device_type, dp_cp_mesh
+from codegen.runtime.fp8 import convert_blocks, fp8_device_problem
+from codegen.runtime.regional_compile import compile_blocks
 from planner.plan import ModelFacts, ParallelConfig
 from planner.sharding import dp_wrapper, reshard_after_forward
 from planner.feasibility import Batch, ClusterShape, Nodes, problems
@@ -177,6 +179,30 @@ def apply_recompute(adapter: ModelAdapter, stages: Stages) -> None:
         for u in (u for u in sm.units if u in blocks and stages.policy[u] in ("full", "selective-op")):
             rc.checkpoint_block(sm.get_submodule(u), per_op=stages.policy[u] == "selective-op",
                                 documents=stages.documents, installs=adapter.installs)
+
+
+def apply_fp8(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, device: torch.device) -> int:
+    """With ``cfg.fp8``, the linears of each block this rank holds as torchao float8 linears
+    (codegen/runtime/fp8.py), before data parallelism shards them; refused in one line on a
+    device without float8 matmuls. Returns how many linears were converted."""
+    if cfg.fp8 == "none":
+        return 0
+    if why := fp8_device_problem(cfg.fp8, torch.device(device)):
+        raise ValueError(why)
+    blocks = set(adapter.blocks)
+    return convert_blocks((sm.get_submodule(u) for sm in stages.modules for u in sm.units if u in blocks), cfg.fp8,
+                          fsdp=cfg.dp * cfg.cp > 1 and dp_wrapper(cfg.zero, cfg.pp, cfg.tp, cfg.dp * cfg.cp,
+                                                                  cfg.dtype) == "fully_shard")
+
+
+def apply_compile(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig) -> int:
+    """With ``cfg.compile``, each block this rank holds through ``torch.compile``
+    (codegen/runtime/regional_compile.py), after recomputation and before data parallelism,
+    whose hooks stay outside the compiled forwards; returns how many were compiled."""
+    if not cfg.compile:
+        return 0
+    blocks = set(adapter.blocks)
+    return compile_blocks(sm.get_submodule(u) for sm in stages.modules for u in sm.units if u in blocks)
 
 
 def apply_dp(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, mesh: DeviceMesh,

@@ -14,7 +14,7 @@ from cost_models.engines import ENGINES
 from planner.entry import commands as cmd
 from planner.entry import measure
 from planner.errors import AutoparError
-from planner.plan import LOSS_KERNELS
+from planner.plan import FP8_RECIPES, LOSS_KERNELS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -117,6 +117,9 @@ def _add_planning_commands(sub) -> None:
     _add_plan_args(p)
     p.add_argument("--top-k", type=count, default=5, help="alternatives to keep")
     p.add_argument("--loss", choices=LOSS_KERNELS, default="eager", help="loss kernel to plan with")
+    p.add_argument("--fp8", choices=FP8_RECIPES, default="none",
+                   help="the blocks' linears in float8 (torchao recipe; H100/H200-class GPUs; bf16 plans)")
+    p.add_argument("--compile", action="store_true", help="each block through torch.compile (regional compilation)")
     p.add_argument("-o", "--out", default=None, help="plan file to write (JSON)")
     p.add_argument("--force", action="store_true", help="overwrite an existing plan file")
     p.set_defaults(fn=cmd.cmd_plan)

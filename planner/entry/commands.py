@@ -176,7 +176,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"({time.perf_counter() - t0:.2f} s); searching {cluster.world} devices of {cluster.name}"
               + (f" with {pins.to_str()} pinned" if pins else ""))
     plan, res = plan_model(graph, cluster, args.global_batch, spec=args.model, cluster_spec=args.cluster,
-                           profile=profile, top_k=args.top_k, progress=_progress, loss=args.loss, fix=pins)
+                           profile=profile, top_k=args.top_k, progress=_progress, loss=args.loss, fix=pins,
+                           fp8=args.fp8, compile=args.compile)
     _progress(f"{res.considered} configurations considered, {res.pruned} pruned by bounds, "
               f"{res.estimated} estimated, {res.fully_solved} fully solved in {res.solve_s:.2f} s")
     if args.out:

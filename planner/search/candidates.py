@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from planner.feasibility import (Batch, ClusterShape, cp_problem, default_attention, documents_problem, ep_problem,
+from planner.feasibility import (Batch, ClusterShape, cp_problem, modes_problem, default_attention, documents_problem, ep_problem,
                                  fill_problem, layout_threads, length_problem, loss_problem, model_problem,
                                  pp_problem, rank_counts,
                                  recompute_attention_problem, replicas_problem, schedule_problem, sp_problem,
@@ -104,6 +104,29 @@ def request_problem(facts: ModelFacts, batch: Batch, loss: str) -> str | None:
     learned positions (``length_problem``)."""
     return (model_problem(facts) or length_problem(batch.seq_len, facts) or loss_problem(loss, facts)
             or (documents_problem(facts.limits) if batch.documents else None))
+
+
+def fp8_problem(fp8: str, cluster) -> str | None:
+    """Why a request for float8 linears cannot run on ``cluster`` (one line), or None: the
+    device must have float8 tensor cores (a ``fp8`` peak in ``[device.peak_tflops]``, as the
+    H100 / H200 presets give; A100s and CPUs have none)."""
+    if fp8 == "none" or (cluster.backend == "nccl" and "fp8" in cluster.device.peak_tflops):
+        return None
+    return (f"--fp8 {fp8}: {cluster.device.name} has no float8 tensor cores (H100 / H200 class devices have); "
+            "plan without --fp8")
+
+
+def compile_problem(compile: bool, cluster) -> str | None:
+    """Why regional ``torch.compile`` cannot run on ``cluster`` (one line), or None: on CPUs
+    inductor generates C++ and needs a compiler on this machine (``CXX``, c++, g++ or clang++)."""
+    import os
+    import shutil
+
+    if not compile or cluster.backend != "gloo":
+        return None
+    if any(shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++", "clang++") if c):
+        return None
+    return "--compile on CPU: torch.compile's inductor needs a C++ compiler (install g++); plan without --compile"
 
 
 def degree_tuples(facts: ModelFacts, cluster: ClusterShape, batch: Batch, rej: Rejections,
@@ -250,7 +273,8 @@ def schedule_choices(pp: int, m: int, facts: ModelFacts, pins: Pins) -> list[tup
 
 
 def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str, loss: str,
-             dominated: bool = True, pins: Pins | None = None) -> Iterator[ParallelConfig]:
+             dominated: bool = True, pins: Pins | None = None, fp8: str = "none",
+             compile: bool = False) -> Iterator[ParallelConfig]:
     """The variants of one degree tuple with Ulysses degree ``ulysses`` that the ``pins``
     admit: schedule and vpp, DP sharding, recompute, sequence parallel - each where the
     runtime can run it. With ``dominated=False`` the variants the cost model proves no better
@@ -258,6 +282,8 @@ def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str
     attention kernel is flash unless the model cannot use it."""
     pins = pins or Pins()
     dp, pp, cp, tp, ep = p.dp, p.pp, p.cp, p.tp, p.ep
+    if modes_problem(dtype, fp8, compile, tp, cp):
+        return
     sp_ok = sp_problem(tp, cp, facts, batch) is None
     attention = default_attention(facts.limits)
     zeros = ("ddp",) if dp * cp == 1 else tuple(z for z in (ZERO if "zero" in pins.choice else ZEROS)
@@ -277,11 +303,13 @@ def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str
                         continue
                     yield ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, ulysses=ulysses, mbs=p.mbs,
                                          schedule=sched, vpp=v, zero=zero, recompute=rc, sp=sp, dtype=dtype,
-                                         loss=loss, attention=attention, threads=p.threads)
+                                         loss=loss, attention=attention, threads=p.threads, fp8=fp8,
+                                         compile=compile)
 
 
 def configurations(facts: ModelFacts, cluster: ClusterShape, batch: Batch, *, dtype: str, loss: str,
-                   max_mbs: float = 8, pins: Pins | None = None) -> Iterator[ParallelConfig]:
+                   max_mbs: float = 8, pins: Pins | None = None, fp8: str = "none",
+                   compile: bool = False) -> Iterator[ParallelConfig]:
     """Every configuration the search enumerates, before any pricing: each point's variants
     under each of its Ulysses degrees (dominated ones included); none where
     :func:`request_problem` refuses the request."""
@@ -290,4 +318,4 @@ def configurations(facts: ModelFacts, cluster: ClusterShape, batch: Batch, *, dt
         return
     for p in points(facts, cluster, batch, Rejections(), pins, max_mbs):
         for u in p.ulysses:
-            yield from variants(p, u, facts, batch, dtype, loss, pins=pins)
+            yield from variants(p, u, facts, batch, dtype, loss, pins=pins, fp8=fp8, compile=compile)

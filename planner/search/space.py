@@ -52,7 +52,8 @@ from planner.errors import AutoparError
 from planner.graph import ModelGraph
 from planner.feasibility import Batch, default_attention, layout_threads, sp_problem
 from planner.plan import RECOMPUTE, ModelFacts, ParallelConfig
-from planner.search.candidates import (DOMINATED_REASON, Point, Rejections, batch_of, facts_of, points,
+from planner.search.candidates import (DOMINATED_REASON, Point, Rejections, batch_of, compile_problem, facts_of,
+                                       fp8_problem, points,
                                        request_problem, schedule_choices, variants)
 from planner.search.pins import Pins
 from planner.search.stage_split import even_split, split_and_estimate
@@ -90,6 +91,8 @@ class _Space:
     rej: Rejections
     res: SearchResult
     pins: Pins = field(default_factory=Pins)
+    fp8: str = "none"                                 # the request's float8 recipe and regional compilation
+    compile: bool = False
     cost_cache: dict = field(default_factory=dict)
     table_cache: dict = field(default_factory=dict)   # memory tables, shared by the layer costs of every key
     ulysses_cache: dict = field(default_factory=dict)  # (cp, tp, ep, mbs) -> the best Ulysses degree
@@ -133,18 +136,18 @@ class _Tuple:
 def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=None, top_k: int = 5,
            solve_top: int = 3, max_mbs: int = 8, dtype: str | None = None, loss: str = "eager",
            pins: Pins | None = None, ilp_time_limit: float = 10.0,
-           progress: Callable[[str], None] | None = None) -> SearchResult:
+           progress: Callable[[str], None] | None = None, fp8: str = "none", compile: bool = False) -> SearchResult:
     """Find the configuration with the best predicted step time that fits among those the
     ``pins`` admit: degree tuples with their floors, then every variant's closed-form
     estimate on an even split, then the ILP split and the simulated schedule for the best few."""
     t0 = time.perf_counter()
     facts, batch = facts_of(graph), batch_of(graph, global_batch)
-    if why := request_problem(facts, batch, loss):
+    if why := request_problem(facts, batch, loss) or fp8_problem(fp8, cluster) or compile_problem(compile, cluster):
         raise AutoparError(f"{graph.name}: {why}")
     res = SearchResult(best=None, alternatives=[], rejected={}, rejected_counts={})  # type: ignore[arg-type]
     space = _Space(graph, cluster, global_batch, profile, facts, batch,
                    dtype or ("fp32" if cluster.backend == "gloo" else "bf16"), loss,
-                   default_attention(facts.limits), Rejections(), res, pins or Pins())
+                   default_attention(facts.limits), Rejections(), res, pins or Pins(), fp8=fp8, compile=compile)
     tuples = _tuples_with_floors(space, max_mbs)
     if progress:
         progress(f"{len(tuples)} degree tuples after the memory floor; {res.considered} configurations")
@@ -176,7 +179,7 @@ def _base_config(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
                  ulysses: int = 1) -> ParallelConfig:
     """The configuration a degree tuple's layer costs and floors are priced with."""
     return ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, ulysses=ulysses, mbs=mbs, dtype=space.dtype,
-                          loss=space.loss, sp=sp_problem(tp, cp, space.facts, space.batch) is None,
+                          loss=space.loss, fp8=space.fp8, compile=space.compile, sp=sp_problem(tp, cp, space.facts, space.batch) is None,
                           attention=space.attention,
                           zero="fsdp" if ep > 1 else "ddp", threads=layout_threads(space.cluster, dp * pp * cp * tp))
 
@@ -223,7 +226,8 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     floor_s = linear_step("interleaved-1f1b", pp, m, v, [t_rank] * pp, [0.0] * pp)
     mem_floor = reserve.of(memory_floor(space.graph, base, costs.table(base)))
     n_var = sum(1 for _ in variants(Point(dp, pp, cp, tp, mbs, m, ep, (ulysses,), base.threads), ulysses, space.facts,
-                                     space.batch, space.dtype, space.loss, pins=pins))
+                                     space.batch, space.dtype, space.loss, pins=pins, fp8=space.fp8,
+                                     compile=space.compile))
     res.considered += n_var
     t = _Tuple(floor_s, dp, pp, cp, tp, mbs, m, n_var, costs, ep, moe=bool(space.facts.experts), ulysses=ulysses)
     if mem_floor > cap:
@@ -263,7 +267,8 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, s
         stage = _balanced_stage_times(costs, g, t.pp)
         threads = layout_threads(space.cluster, t.dp * t.pp * t.cp * t.tp)
         for cfg in variants(Point(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, t.ep, (t.ulysses,), threads), t.ulysses,
-                            space.facts, space.batch, space.dtype, space.loss, dominated=False, pins=space.pins):
+                            space.facts, space.batch, space.dtype, space.loss, dominated=False, pins=space.pins,
+                            fp8=space.fp8, compile=space.compile):
             n_kept += 1
             # variant floor: this schedule on perfectly balanced stages, with its recompute
             f, b = stage[cfg.recompute]
