@@ -7,7 +7,9 @@
 #      benchmark against SDPA-flash and eager linear + cross-entropy   (benchmarks/kernels.py)
 #   2. a profile of the GPU: layer times of llama-1b at the shapes a 1-GPU plan runs
 #   3. an emitted program on nccl: plan llama-1b for this one GPU with that profile, emit,
-#      run 10 steps, compare predicted and measured
+#      run 10 steps in bf16 mixed precision (the plan's dtype), compare predicted and measured
+#   4. the same with float8 linears and compiled blocks (--fp8 tensorwise --compile; needs
+#      torchao on the machine, else the run says so in one line)
 # Not yet run on a GPU (no machine was lent when it was written).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,3 +40,9 @@ timeout 60 python -m planner.entry.cli plan --model llama-1b --cluster "$OUT/h20
   "${PROFILE[@]}" --force -o "$OUT/plan_h200.json" 2>&1 | tail -15
 timeout 120 python -m planner.entry.cli run "$OUT/plan_h200.json" --steps 10 --dir "$OUT/run_h200" 2>&1 | tail -15
 cp "$OUT/run_h200/train_log.jsonl" "$OUT/train_log_h200.jsonl" 2>/dev/null || true
+
+echo "== 4. plan -> emit -> run with float8 linears and compiled blocks"
+timeout 60 python -m planner.entry.cli plan --model llama-1b --cluster "$OUT/h200x1.toml" --global-batch 8 --seq-len 2048 \
+  "${PROFILE[@]}" --fp8 tensorwise --compile --force -o "$OUT/plan_h200_fp8.json" 2>&1 | tail -15
+timeout 180 python -m planner.entry.cli run "$OUT/plan_h200_fp8.json" --steps 10 --dir "$OUT/run_h200_fp8" 2>&1 | tail -15
+cp "$OUT/run_h200_fp8/train_log.jsonl" "$OUT/train_log_h200_fp8.jsonl" 2>/dev/null || true

@@ -9,8 +9,9 @@ wrapped, checkpoints and the adapters see the same fqns). The compiled forward i
 of the block instance, which the build's ``Installs`` removes at close.
 
 On CPUs inductor generates C++ and needs a compiler (``planner.search.candidates.compile_problem``
-refuses the plan without one). The first step of a compiled plan pays the compilation; the
-program logs it (``compile_s``), it is not part of the step time the plan predicts.
+refuses the plan without one). The first step of a compiled plan pays the compilation: it shows
+in that step's logged ``step_s``, and it is not part of the step time the plan predicts (the
+comparison skips the warm-up steps: ``planner.report.data.compare_run``).
 """
 from __future__ import annotations
 
