@@ -149,7 +149,7 @@ def fuses_elementwise(engine: Engine, cfg) -> bool:
     (cost_models/fused_elementwise.py): the engine's own (Transformer Engine) or inductor's,
     under regional ``torch.compile`` (``ParallelConfig.compile``), which fuses each of them
     (and the residual adds beside them) into one kernel per pass."""
-    return engine.fused_elementwise or bool(getattr(cfg, "compile", False))
+    return engine.fused_elementwise or cfg.compile
 
 
 def exposed_s(comm_s: float, window_s: float, tail_s: float = 0.0) -> float:

@@ -216,8 +216,8 @@ class LayerTable:
         self.unit = [max(u) for u in self.units]
         self.act = {p: [r[4][p] for r in table] for p in RECOMPUTE}
         # parameters of the blocks' dense linears (per tp rank): what float8 training casts
-        self.fp8_params = [layer_params_local(l, cfg.tp, cfg.pp, cfg.ep, graph.hidden) - self.experts[i]
-                           if l.kind == "transformer_block" else 0.0 for i, l in enumerate(graph.layers)]
+        self.fp8_params = [p - e if l.kind == "transformer_block" else 0.0
+                           for p, e, l in zip(self.params, self.experts, graph.layers)]
 
 
 def per_param_bytes(cfg: ParallelConfig, experts: bool = False) -> dict[str, float]:

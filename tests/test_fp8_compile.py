@@ -60,6 +60,17 @@ def test_pricing_compile_fuses_and_fp8_halves_the_gemms():
     assert est["compile"].memory[0].activations < est["eager"].memory[0].activations
 
 
+def _step_both(model, ref, vocab: int) -> tuple[float, float]:
+    """One forward and backward of ``model`` and of ``ref`` on the same tokens; their losses."""
+    ids = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for m in (model, ref):
+        loss = m(ids, labels=ids)
+        loss.backward()
+        losses.append(float(loss.detach()))
+    return losses[0], losses[1]
+
+
 def test_fp8_linears_convert_in_place_and_train_close_to_bf16():
     """torchao's emulated float8 (CPU): every block linear converted, parameter names unchanged,
     the loss within 1e-3 and the gradients within float8's precision (e4m3: 2^-3 relative steps)."""
@@ -75,11 +86,8 @@ def test_fp8_linears_convert_in_place_and_train_close_to_bf16():
     n = convert_blocks(blocks, "tensorwise", emulate=True)
     assert n == 7 * len(blocks) and type(model.head.proj).__name__ == "Linear"  # the head stays bf16
     assert [k for k, _ in model.named_parameters()] == [k for k, _ in ref.named_parameters()]
-    ids = torch.randint(0, cfg.vocab, (2, 32), generator=torch.Generator().manual_seed(0))
-    lo, lr_ = model(ids, labels=ids), ref(ids, labels=ids)
-    lo.backward()
-    lr_.backward()
-    assert abs(float(lo) - float(lr_)) < 1e-3 * abs(float(lr_))
+    lo, lr_ = _step_both(model, ref, cfg.vocab)
+    assert abs(lo - lr_) < 1e-3 * abs(lr_)
     for (k, p), q in zip(model.named_parameters(), ref.parameters()):
         assert float((p.grad.float() - q.grad.float()).abs().max()) <= 0.25 * float(q.grad.float().abs().max()), k
     assert "float8 tensor cores" in fp8_device_problem("tensorwise", torch.device("cpu"))
@@ -100,10 +108,7 @@ def test_regional_compile_runs_the_same_model(tmp_path):
     model = zoo.build_model(cfg, device="cpu", seed=0)
     ref = copy.deepcopy(model)
     assert compile_blocks(model.get_submodule(b) for b in adapter_for(model).blocks) == cfg.layers
-    ids = torch.randint(0, cfg.vocab, (2, 32), generator=torch.Generator().manual_seed(0))
-    lo, lr_ = model(ids, labels=ids), ref(ids, labels=ids)
-    lo.backward()
-    lr_.backward()
-    assert abs(float(lo) - float(lr_)) < 1e-5 * abs(float(lr_))
+    lo, lr_ = _step_both(model, ref, cfg.vocab)
+    assert abs(lo - lr_) < 1e-5 * abs(lr_)
     for (k, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), k

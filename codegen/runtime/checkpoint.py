@@ -138,6 +138,8 @@ def save(pm: Any, ckpt_dir: str, about: Optional[dict] = None) -> str:
 
 
 def _write_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through ``path.tmp``, flushed to disk, then ``os.replace`` (a
+    crash leaves the old file or the new one, never half of either)."""
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)
@@ -182,12 +184,7 @@ def trim_log(path: str, step: int) -> None:
                 continue
             if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
                 keep.append(line if line.endswith("\n") else line + "\n")
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.writelines(keep)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    _write_atomic(path, "".join(keep))
 
 
 def load_latest(pm: Any, ckpt_dir: str) -> Optional[int]:

@@ -136,10 +136,6 @@ def sync_gradients(module: nn.Module, zero: str, last: bool) -> None:
         module.set_requires_gradient_sync(last)
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p._local_tensor if isinstance(p, DTensor) else p.data
-
-
 class ShardedOptimizer(torch.optim.Optimizer):
     """ZeRO-1: the wrapped optimizer (``factory(params)``) steps only this rank's parameters.
 
@@ -186,7 +182,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 g.update(hyper)
             self.inner.step()
         for p, src in zip(self.all_params, self.src):
-            dist.broadcast(_local(p), src=src, group=self.group)
+            dist.broadcast(torch_compat.local_tensor(p.data), src=src, group=self.group)
 
     def state_dict(self):  # type: ignore[override]
         return self.inner.state_dict() if self.inner is not None else {}

@@ -24,6 +24,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
 
+from codegen.runtime.torch_compat import local_tensor
+
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -120,7 +122,7 @@ class TiedWeights:
     def _check_alike(self) -> None:
         """Every end of this group has the same local shape and placements (collective over
         the group): else the summed shards would not be the same slice of the parameter."""
-        mine = [(tuple(p.shape), tuple(_local(p).shape), str(getattr(p, "placements", None))) for p in self.params]
+        mine = [(tuple(p.shape), tuple(local_tensor(p).shape), str(getattr(p, "placements", None))) for p in self.params]
         seen: list = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(seen, mine, group=self.group)
         if len({m for ranks in seen for m in ranks}) > 1:
@@ -139,9 +141,4 @@ class TiedWeights:
                 # e.g. a vocabulary-parallel embedding's gradient comes back Replicate: take this
                 # rank's shard of it (no communication), the slice the other end holds
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-            dist.all_reduce(_local(p.grad), group=self.group)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor, or the tensor itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+            dist.all_reduce(local_tensor(p.grad), group=self.group)

@@ -179,13 +179,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, styles: dict[str, ParallelSt
         return model
     present = dict(model.named_modules())
     plan = {f: for_module(s, present[f]) for f, s in styles.items() if f in present}
-    ties = _tied_params(model)
+    ties = tied_params(model)
     parallelize_module(model, tp_mesh, plan)
     _retie(model, ties)
     return model
 
 
-def _tied_params(model: nn.Module) -> list[tuple[str, str]]:
+def tied_params(model: nn.Module) -> list[tuple[str, str]]:
     """(first owner, other owner) names of parameters shared between modules (e.g. a tied
     embedding and head): ``parallelize_module`` replaces each with its own DTensor."""
     first: dict[int, str] = {}

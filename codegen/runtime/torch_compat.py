@@ -45,6 +45,9 @@ these, this module is the one place to change. Each entry, and why we need it:
 - :func:`preload_dynamo` (``torch._dynamo``): the plan-speed benchmark times its import apart.
 - :func:`op_argument_names` (``OpOverload._schema``): an ATen op's argument names, so the
   capture reads a kernel's ``is_causal`` by name wherever its schema puts it.
+- :func:`local_tensor` (``DTensor._local_tensor``): a DTensor parameter's or gradient's local
+  shard as the storage itself (collectives write into it in place; ``to_local()`` is an autograd
+  op returning an alias that must not be written through).
 """
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ CHECKED_ON = ("2.13.0",)
 
 __all__ = ["CHECKED_ON", "FakeTensorMode", "StridedShard", "TorchDispatchMode", "checkpoint_generator",
            "clear_dtensor_caches", "ddp_replicate", "flatten_mesh", "foreach_mul_", "foreach_norm", "funcol",
-           "is_traceable_wrapper_subclass", "live_process_groups", "module_hook_dicts", "preload_dynamo", "replicate",
+           "is_traceable_wrapper_subclass", "live_process_groups", "local_tensor", "module_hook_dicts", "preload_dynamo", "replicate",
            "replicate_ddp_class", "saved_attention_ops", "saved_collective_ops", "tree_flatten", "tree_map"]
 
 
@@ -145,6 +148,13 @@ def module_hook_dicts(module: torch.nn.Module) -> dict[str, dict]:
     """``{name: dict}`` of ``module``'s hook registries (forward / backward / state-dict hooks
     and their flag sets keyed by hook id), as ``nn.Module.__init__`` creates them."""
     return {k: v for k, v in module.__dict__.items() if k.startswith("_") and "hooks" in k and isinstance(v, dict)}
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (its own storage), or ``t`` itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def clear_dtensor_caches() -> None:

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from codegen.runtime import checkpoint
+from codegen.runtime.tensor_parallel import tied_params
 from planner.errors import AutoparError
 
 FORMATS = ("safetensors", "pt")
@@ -92,7 +93,7 @@ def match_state(model: torch.nn.Module, saved: dict[str, torch.Tensor], spec: st
     first end's values. Refuses names or shapes that differ. Returns per tied pair the largest
     |difference| of the two saved copies (0.0 when one end was not saved)."""
     drift = {}
-    for first, other in _tied_pairs(model):
+    for first, other in tied_params(model):
         a, b = saved.get(first), saved.get(other)
         if a is None and b is not None:
             a = saved[first] = b
@@ -110,18 +111,6 @@ def match_state(model: torch.nn.Module, saved: dict[str, torch.Tensor], spec: st
         raise AutoparError(f"the checkpoint does not hold model {spec!r} ({what}): give the plan or --model "
                            "of the run that wrote it")
     return drift
-
-
-def _tied_pairs(model: torch.nn.Module) -> list[tuple[str, str]]:
-    """(first name, other name) of every parameter the model holds under two names."""
-    owner: dict[int, str] = {}
-    pairs = []
-    for n, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in owner:
-            pairs.append((owner[id(p)], n))
-        else:
-            owner[id(p)] = n
-    return pairs
 
 
 def export(src: str, out: str, *, plan: Optional[str] = None, model: Optional[str] = None,
