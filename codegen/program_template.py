@@ -27,7 +27,7 @@ from codegen.runtime.corpus import DTYPES, is_hook, open_tokens, token_batches
 from codegen.runtime.data import batch_digest, packed_documents, synthetic, user_hook
 from codegen.runtime.mesh import build_mesh, init_distributed, teardown
 from codegen.runtime.metrics import ScalarLog, peak_memory_per_rank
-from codegen.runtime.optim import adamw, build_optimizer, warmup_cosine
+from codegen.runtime.optim import MAX_GRAD_NORM, adamw, build_optimizer, warmup_cosine
 from codegen.runtime.recipe import (
     apply_attention,
     apply_compile,
@@ -100,7 +100,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--beta1", type=float, default=0.9, help="AdamW beta1 (SGD: momentum)")
     ap.add_argument("--beta2", type=float, default=0.999)
-    ap.add_argument("--clip", type=float, default=1.0, help="max global gradient norm (0: no clipping)")
+    ap.add_argument("--clip", type=float, default=MAX_GRAD_NORM, help="max global gradient norm (0: no clipping)")
     return ap.parse_args()
 
 
