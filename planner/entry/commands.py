@@ -288,7 +288,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.launcher == "slurm":
         return _write_run_script(args, extra)
     rc, log = run_plan(args.plan, steps=args.steps, run_dir=args.dir, ckpt_every=args.ckpt_every,
-                       max_restarts=args.max_restarts, extra=extra)
+                       max_restarts=args.max_restarts, extra=extra, rig_mbit=args.rig_mbit)
     if rc != 0:
         raise AutoparError(f"the training job failed (torchrun exit {rc}); its output is above; "
                            "rerun with fewer processes or check the plan with `autopar report`")
