@@ -113,3 +113,22 @@ def describe(plan: Plan) -> PlanWords:
         step=step_words(plan),
         clip="clip by the global gradient norm over all ranks (ParallelModel.clip_grad_norm_)",
     )
+
+
+def wan_words(crossings: list[dict]) -> list[str]:
+    """One line per place the mesh crosses the links between cluster groups (an estimate's ``wan``
+    list, ``cost_models.wan_cost.Crossing``); empty on a one-group cluster or when nothing crosses."""
+    out = []
+    for x in crossings:
+        joins = " <-> ".join(x["groups"])
+        link = f"{x['flows']} flows at {x['gbs_per_flow']:.3g} GB/s each, {x['latency_ms']:.3g} ms one way"
+        if x["dim"] == "pp":
+            out.append(f"pp {x['where']} crosses {joins}: {link}; {x['seconds']:.3g} s of transfers per step "
+                       f"before overlap (hidden by the micro-batches in flight)")
+        elif x["dim"] == "dp":
+            out.append(f"dp x cp crosses {joins} ({x['where']}): hierarchical gradient reduction (reduce in each "
+                       f"group, exchange across, broadcast back), overlapped with the backward; {link}; at least "
+                       f"{x['seconds']:.3g} s per step across")
+        else:
+            out.append(f"{x['dim']} crosses {joins} ({x['where']}): every {x['dim']} collective pays the WAN; {link}")
+    return out

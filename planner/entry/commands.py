@@ -9,6 +9,7 @@ import sys
 
 from planner.entry.launch import check_plan, compare_run, data_args, run_plan
 from planner.entry.launch import progress as _progress
+from planner.describe import wan_words
 from planner.errors import AutoparError
 
 
@@ -140,7 +141,7 @@ def _estimate_summary(e) -> dict:
             "tokens_per_s": e.tokens_per_s, "mfu": e.mfu, "tflops_per_device": e.tflops_per_device,
             "fits": e.fits, "peak_memory_gib": [m.total / 2**30 for m in e.memory],
             "capacity_gib": e.capacity / 2**30, "breakdown": e.breakdown, "source": e.source,
-            "calibration": e.calibration, "engine": e.engine,
+            "calibration": e.calibration, "engine": e.engine, **({"wan": e.wan} if e.wan else {}),
             "stages": [list(b) for b in e.partition.bounds], "recompute": e.partition.recompute}
 
 
@@ -151,6 +152,8 @@ def _print_estimate(con, e, title: str) -> None:
     con.print(f"  step {e.step_s:.4g} s   {e.tokens_per_s:,.0f} tokens/s   MFU {e.mfu * 100:.1f}%   "
               f"{e.tflops_per_device:.1f} model TFLOP/s per device   source: {e.source}")
     con.print(f"  calibration: {e.calibration}   engine: {e.engine}")
+    for line in wan_words(e.wan):
+        con.print(f"  across the WAN: {line}")
     t = Table(title="memory per pipeline rank (GiB)")
     for c in ("rank", "weights", "grads", "optimizer", "activations", "buffers", "reserve", "total", "capacity"):
         t.add_column(c, justify="right")

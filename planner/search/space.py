@@ -20,6 +20,8 @@ Pruning keeps the space whole but cheap, with two bounds per degree tuple
   smallest bubble any schedule here reaches (interleaving with the most chunks tried, v = 4
   unless ``--fix vpp`` allows more: ``(pp-1) t / v``), i.e. ``m t + (pp-1) t / v`` with
   ``t = sum(fwd + bwd + comm) / pp`` (``cost_models.pipeline.linear_step`` on equal stages).
+  On a cluster with a WAN, at least ``cost_models.wan_cost.wan_floor_s`` (the gradients'
+  cross-group phase; a WAN pipeline boundary's activations one after another).
   At or above the incumbent's step time, no variant can win; all are pruned.
 Tuples are visited in increasing floor, so a good incumbent comes early. Inside a
 tuple, each variant gets its own floor (its schedule's closed form on perfectly
@@ -45,6 +47,7 @@ from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
 from cost_models.layer_costs import LayerCosts, layer_pass_times
 from cost_models.pipeline import estimate_step, linear_step
+from cost_models.wan_cost import wan_floor_s
 from cost_models.compute import calibration
 from cost_models.memory import Reserve, framework_reserve, memory_floor
 from cost_models.shared_cores import ranks_cluster
@@ -224,6 +227,7 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     # bubble is at least (pp-1) t / 2): the step-time model's linear form on perfectly balanced stages
     v = max([4] + [v for _, v in schedule_choices(pp, m, space.facts, pins)])
     floor_s = linear_step("interleaved-1f1b", pp, m, v, [t_rank] * pp, [0.0] * pp)
+    floor_s = max(floor_s, wan_floor_s(space.graph, space.cluster, base, m))  # 0 without a WAN
     mem_floor = reserve.of(memory_floor(space.graph, base, costs.table(base)))
     n_var = sum(1 for _ in variants(Point(dp, pp, cp, tp, mbs, m, ep, (ulysses,), base.threads), ulysses, space.facts,
                                      space.batch, space.dtype, space.loss, pins=pins, fp8=space.fp8,

@@ -1,0 +1,122 @@
+"""What a layout pays on the links between cluster groups (the WAN), per mesh dimension.
+
+Reads the placement rules of :mod:`cost_models.wan` and prices with :mod:`cost_models.comm`:
+
+- :func:`crossings`: for each mesh dimension whose groups span cluster groups, or pipeline
+  boundary that crosses one, where (which groups, how many flows share the link), the link one
+  flow sees (GB/s, latency) and the WAN seconds per step before any overlap: a pipeline
+  boundary carries ``2 m`` activations (forward one way, gradients back); DP's gradient
+  reduction its reduce-scatter's cross-group phase (``hier``: reduce inside each group,
+  exchange across, broadcast back); CP and TP per call.
+- :func:`wan_floor_s`: a lower bound of the step of any variant of a degree tuple, from the WAN
+  alone (the search prunes with it): every sharding reduces each gradient at least once, whose
+  cross-group phase no overlap can shorten (the step is at least that long), and a pipeline
+  boundary on the WAN carries each micro-batch's activation one after another.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from cost_models import comm as comm_mod
+from cost_models import wan
+from cost_models.cluster import Cluster
+from cost_models.layer_costs import act_bytes_io
+from planner.graph import ModelGraph
+from planner.plan import ParallelConfig, Partition
+from planner.precision import GRAD_REDUCE_BYTES
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """One mesh dimension (or pipeline boundary) on the WAN: seconds per step, before overlap."""
+
+    dim: str               # pp | dp | cp | tp
+    where: str             # in words: the boundary, or the group's members per cluster group
+    groups: list[str]      # the cluster groups it joins
+    flows: int             # transfers sharing the link at once
+    gbs_per_flow: float    # what one flow gets, GB/s
+    latency_ms: float      # one-way
+    seconds: float         # WAN seconds per step (pp: 2 m hops; dp: the gradients' cross-group phase)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _mesh(cfg: ParallelConfig, dp_flat: bool = False) -> comm_mod.Mesh:
+    if dp_flat:  # the gradients are reduced over dp x cp (CP ranks hold the same weights)
+        return comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp * cfg.cp, cp=1, tp=cfg.tp)
+    return comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
+
+
+def _names(cluster: Cluster, groups: tuple[int, ...] | range) -> list[str]:
+    assert cluster.topology is not None
+    return [cluster.topology.groups[g].name for g in groups]
+
+
+def crossings(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition | None,
+              m: int) -> list[Crossing]:
+    """Every place ``cfg``'s mesh crosses the WAN of ``cluster`` (empty on a one-group cluster)."""
+    if cluster.topology is None:
+        return []
+    out = _pp_crossings(graph, cluster, cfg, partition, m)
+    for dim in ("dp", "cp", "tp"):
+        mesh = _mesh(cfg, dp_flat=dim == "dp")
+        span = wan.dim_span(cluster, mesh.size(dim), mesh.stride(dim), mesh.world)
+        if span is None:
+            continue
+        secs = _grad_wan_s(graph, cluster, cfg, span) if dim == "dp" else 0.0
+        out.append(Crossing(dim, f"{span.per_group} of each {dim} group's {mesh.size(dim)} ranks in each of "
+                                 f"{span.groups} groups", _names(cluster, span.spanned),
+                            span.flows, span.link.bandwidth_gbs, span.link.latency_us / 1e3, secs))
+    return out
+
+
+def _pp_crossings(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition | None,
+                  m: int) -> list[Crossing]:
+    if cfg.pp == 1:
+        return []
+    stride = _mesh(cfg).stride("pp")
+    nbytes = _boundary_bytes(graph, cfg, partition)
+    out = []
+    for i, link in enumerate(wan.boundary_links(cluster, cfg.pp, stride)):
+        if link is None:
+            continue
+        a, b = cluster.group_of_rank(i * stride), cluster.group_of_rank((i + 2) * stride - 1)
+        hop = nbytes / link.bandwidth_bps + link.latency_s
+        out.append(Crossing("pp", f"stage {i} -> {i + 1}", _names(cluster, range(a, b + 1)), stride,
+                            link.bandwidth_gbs, link.latency_us / 1e3, 2 * m * hop))
+    return out
+
+
+def _boundary_bytes(graph: ModelGraph, cfg: ParallelConfig, partition: Partition | None) -> float:
+    """The largest activation a stage boundary sends, bytes per rank (any layer's without a split)."""
+    cuts = ([hi for lo, hi in partition.bounds[:-1] if hi < len(graph.layers)] if partition is not None
+            else range(1, len(graph.layers)))
+    return max((act_bytes_io(graph.layers[i], graph, cfg) / cfg.seq_shards for i in cuts), default=0.0)
+
+
+def _grad_wan_s(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, span: wan.WanSpan) -> float:
+    """The cross-group phase of one reduce-scatter of the average rank's gradients (a lower bound
+    of every sharding's gradient traffic over the WAN), seconds."""
+    params = sum(layer.params for layer in graph.layers) / (cfg.pp * cfg.tp)
+    per_flow = params * GRAD_REDUCE_BYTES / span.per_group
+    k = span.groups
+    return (k - 1) / k * per_flow / span.link.bandwidth_bps + (k - 1) * span.link.latency_s
+
+
+def wan_floor_s(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, m: int) -> float:
+    """Lower bound of the step of every variant of ``cfg``'s degrees from the WAN alone (module
+    docstring); 0 on a one-group cluster."""
+    if cluster.topology is None:
+        return 0.0
+    floor = 0.0
+    mesh = _mesh(cfg, dp_flat=True)
+    span = wan.dim_span(cluster, mesh.size("dp"), mesh.stride("dp"), mesh.world)
+    if span is not None:
+        floor = _grad_wan_s(graph, cluster, cfg, span)
+    if cfg.pp > 1:
+        smallest = min(act_bytes_io(graph.layers[i], graph, cfg) / cfg.seq_shards for i in range(1, len(graph.layers)))
+        links = [k for k in wan.boundary_links(cluster, cfg.pp, _mesh(cfg).stride("pp")) if k is not None]
+        if links:
+            floor = max(floor, m * smallest / min(k.bandwidth_bps for k in links))
+    return floor
