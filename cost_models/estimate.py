@@ -94,10 +94,11 @@ from cost_models.experts import ep_mesh
 from cost_models.layer_costs import LayerCosts, act_bytes_io, layer_pass_times
 from cost_models.memory import (LayerTable, MemoryRule, StageMemory, chunk_memory, dp_group, framework_reserve,
                                  rank_memory)
-from cost_models.wan_cost import crossings
+from cost_models.wan_cost import crossings, outer_step_s
 from cost_models.shared_cores import compute_concurrency, core_speedup, shares_cores, spare_core
 from planner.feasibility import microbatches
 from planner.graph import ModelGraph
+from planner.low_comm import parse_low_comm
 from planner.plan import ParallelConfig, Partition, PlanError
 from planner.sharding import DDP_BUCKET_BYTES, SHARDED_PARAMS, uses_ddp_reducer
 from planner.precision import DTYPE_BYTES, GRAD_REDUCE_BYTES, MASTER_BYTES
@@ -327,6 +328,9 @@ def _dp_and_optimizer(cluster: Cluster, cfg: ParallelConfig, partition: Partitio
     window = (m * sum(rank_fb) if _per_microbatch_dp(cfg) else rank_fb[1]) * ov
     after = exposed_s(dp.after_step, rank_fb[0] * ov) if engine.param_gather_overlap else dp.after_step
     dp_exposed = exposed_s(dp.overlappable, window, dp.last_call) + after
+    low = parse_low_comm(cfg.low_comm)  # low-communication DP: one blocking exchange every H steps
+    dp_exposed += outer_step_s(cluster, cfg, (P - Pe) / (dp_group(cfg) if cfg.zero == "fsdp" else 1), profile) / (
+        low.every if low else 1)
     dp_exposed += _token_local_sync_s(cluster, cfg, partition, table, on_rank, profile, comm_src)
     shard, shard_e = (1, 1) if cfg.zero == "ddp" else (dp_group(cfg), dp_group(cfg, experts=True))
     opt_params = (P - Pe) / shard + Pe / shard_e

@@ -8,6 +8,10 @@ Reads the placement rules of :mod:`cost_models.wan` and prices with :mod:`cost_m
   boundary carries ``2 m`` activations (forward one way, gradients back); DP's gradient
   reduction its reduce-scatter's cross-group phase (``hier``: reduce inside each group,
   exchange across, broadcast back); CP and TP per call.
+- :func:`outer_step_s`: low-communication DP's exchange (``ParallelConfig.low_comm``): every rank
+  all-gathers its local parameters' pseudo-gradients (the shard under FSDP, the whole replica
+  otherwise, as codegen/runtime/outer_loop.py sends them) in the wire dtype with the ranks at
+  the same place in the other groups, blocking, once per ``H`` inner steps.
 - :func:`wan_floor_s`: a lower bound of the step of any variant of a degree tuple, from the WAN
   alone (the search prunes with it): every sharding reduces each gradient at least once, whose
   cross-group phase no overlap can shorten (the step is at least that long), and a pipeline
@@ -22,6 +26,7 @@ from cost_models import wan
 from cost_models.cluster import Cluster
 from cost_models.layer_costs import act_bytes_io
 from planner.graph import ModelGraph
+from planner.low_comm import WIRE_BYTES, inner_dp, parse_low_comm
 from planner.plan import ParallelConfig, Partition
 from planner.precision import GRAD_REDUCE_BYTES
 
@@ -30,21 +35,22 @@ from planner.precision import GRAD_REDUCE_BYTES
 class Crossing:
     """One mesh dimension (or pipeline boundary) on the WAN: seconds per step, before overlap."""
 
-    dim: str               # pp | dp | cp | tp
+    dim: str               # pp | dp | cp | tp | outer (low-communication DP's exchange)
     where: str             # in words: the boundary, or the group's members per cluster group
     groups: list[str]      # the cluster groups it joins
     flows: int             # transfers sharing the link at once
     gbs_per_flow: float    # what one flow gets, GB/s
     latency_ms: float      # one-way
-    seconds: float         # WAN seconds per step (pp: 2 m hops; dp: the gradients' cross-group phase)
+    seconds: float         # WAN seconds per step (pp: 2 m hops; dp: the gradients' cross-group phase;
+    #                        outer: one exchange, made once per H steps)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def _mesh(cfg: ParallelConfig, dp_flat: bool = False) -> comm_mod.Mesh:
-    if dp_flat:  # the gradients are reduced over dp x cp (CP ranks hold the same weights)
-        return comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp * cfg.cp, cp=1, tp=cfg.tp)
+    if dp_flat:  # the gradients are reduced over dp x cp (CP ranks hold the same weights), in one group under low_comm
+        return comm_mod.Mesh(pp=cfg.pp, dp=inner_dp(cfg.dp, cfg.low_comm) * cfg.cp, cp=1, tp=cfg.tp)
     return comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
 
 
@@ -56,9 +62,10 @@ def _names(cluster: Cluster, groups: tuple[int, ...] | range) -> list[str]:
 def crossings(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition | None,
               m: int) -> list[Crossing]:
     """Every place ``cfg``'s mesh crosses the WAN of ``cluster`` (empty on a one-group cluster)."""
+    outer = _outer_crossing(graph, cluster, cfg)
     if cluster.topology is None:
-        return []
-    out = _pp_crossings(graph, cluster, cfg, partition, m)
+        return [outer] if outer is not None else []
+    out = _pp_crossings(graph, cluster, cfg, partition, m) + ([outer] if outer is not None else [])
     for dim in ("dp", "cp", "tp"):
         mesh = _mesh(cfg, dp_flat=dim == "dp")
         span = wan.dim_span(cluster, mesh.size(dim), mesh.stride(dim), mesh.world)
@@ -69,6 +76,38 @@ def crossings(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partitio
                                  f"{span.groups} groups", _names(cluster, span.spanned),
                             span.flows, span.link.bandwidth_gbs, span.link.latency_us / 1e3, secs))
     return out
+
+
+def outer_step_s(cluster: Cluster, cfg: ParallelConfig, params_rank: float, profile=None) -> float:
+    """One low-communication exchange of ``params_rank`` parameters per rank, seconds (module docstring)."""
+    low = parse_low_comm(cfg.low_comm)
+    if low is None:
+        return 0.0
+    inner = inner_dp(cfg.dp, cfg.low_comm) * cfg.cp
+    mesh = comm_mod.Mesh(pp=cfg.pp, dp=low.groups, cp=1, tp=inner * cfg.tp)  # the ranks at one place in each group
+    return comm_mod.collective_time("all_gather", outer_bytes(cfg, params_rank) * low.groups, cluster, mesh, "dp",
+                                    profile).seconds
+
+
+def outer_bytes(cfg: ParallelConfig, params_rank: float) -> float:
+    """Bytes one rank puts on the wire per exchange: its parameters in the wire dtype."""
+    low = parse_low_comm(cfg.low_comm)
+    return 0.0 if low is None else params_rank * WIRE_BYTES[low.dtype]
+
+
+def _outer_crossing(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig) -> Crossing | None:
+    low = parse_low_comm(cfg.low_comm)
+    if low is None:
+        return None
+    inner = inner_dp(cfg.dp, cfg.low_comm) * cfg.cp
+    params = sum(layer.params for layer in graph.layers) / (cfg.pp * cfg.tp) / (inner if cfg.zero == "fsdp" else 1)
+    mesh = comm_mod.Mesh(pp=cfg.pp, dp=low.groups, cp=1, tp=inner * cfg.tp)
+    span = wan.dim_span(cluster, low.groups, mesh.stride("dp"), mesh.world)
+    names = _names(cluster, span.spanned) if span is not None else []
+    gbs, lat = (span.link.bandwidth_gbs, span.link.latency_us / 1e3) if span is not None else (0.0, 0.0)
+    return Crossing("outer", f"every {low.every} steps, {outer_bytes(cfg, params) / 1e9:.3g} GB per rank in "
+                             f"{low.dtype}", names, span.flows if span else 0, gbs, lat,
+                    outer_step_s(cluster, cfg, params))
 
 
 def _pp_crossings(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition | None,

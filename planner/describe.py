@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from planner.low_comm import CAVEAT, parse_low_comm
 from planner.plan import ParallelConfig, Plan
 from planner.precision import mixed_precision
 
@@ -84,6 +85,11 @@ def dp_words(c: ParallelConfig) -> str:
     replicas = c.dp * c.cp
     mixed = f"; {c.dtype} compute copies of fp32 master weights, fp32 gradient reduction" \
         if mixed_precision(c.dtype) else ""
+    low = parse_low_comm(c.low_comm)
+    if low is not None:
+        return (f"{c.zero} over dp x cp = {replicas // low.groups} ranks inside each of {low.groups} groups{mixed}; "
+                f"across the groups every {low.every} steps: pseudo-gradients in {low.dtype}, outer Nesterov SGD "
+                f"(lr {low.lr:g}, momentum {low.momentum:g}): {CAVEAT}")
     if replicas > 1:
         return f"{c.zero} over dp x cp = {replicas} ranks{mixed}"
     if mixed:
@@ -129,6 +135,9 @@ def wan_words(crossings: list[dict]) -> list[str]:
             out.append(f"dp x cp crosses {joins} ({x['where']}): hierarchical gradient reduction (reduce in each "
                        f"group, exchange across, broadcast back), overlapped with the backward; {link}; at least "
                        f"{x['seconds']:.3g} s per step across")
+        elif x["dim"] == "outer":
+            out.append(f"low-communication DP across {joins or 'the groups'}: pseudo-gradients exchanged {x['where']}"
+                       f" ({link}), {x['seconds']:.3g} s per exchange; {CAVEAT}")
         else:
             out.append(f"{x['dim']} crosses {joins} ({x['where']}): every {x['dim']} collective pays the WAN; {link}")
     return out

@@ -56,12 +56,46 @@ def run(cfg: OuterConfig, inner: dist.ProcessGroup, outer: dist.ProcessGroup) ->
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=inner)
         losses.append(mean.item() / GROUP)
-    params = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    params = torch.cat([p.detach().reshape(-1) for p in m.parameters()])  # (rank 0's)
     gathered = [torch.empty_like(params) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, params)
     return {"losses": losses, "bytes_sent": loop.bytes_sent, "exchanges": loop.exchanges,
             "numel": params.numel(), "params": params.tolist(),
             "spread": max((t - gathered[0]).abs().max().item() for t in gathered)}
+
+
+PLAN_STEPS = 4
+PLAN_CASES = {"sync-dp4": "", "low-2x1-fp32-plain": "2x1:fp32:1:0", "low-2x2-bf16": "2x2:bf16"}
+
+
+def plan_run(low_comm: str) -> dict:
+    """The zoo's tiny llama on dp=4 through ``parallelize`` (the emitted program's runtime) with
+    ``ParallelConfig.low_comm``: per-step global losses, and the spread of the parameters over
+    the ranks after each step (0 when the groups agree)."""
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from model_cases import GB, SEED, SEQ, case, planner_view, stages_for  # noqa: E402
+    from codegen.runtime.torch_compat import local_tensor
+    from codegen.runtime.train import parallelize
+    from planner.plan import ParallelConfig
+
+    c = case("llama-tiny")
+    pc = ParallelConfig(dp=4, dtype="fp32", zero="ddp", low_comm=low_comm).validate()
+    _, layout, facts = planner_view("llama-tiny")
+    pm = parallelize(c.build(c.parallel_device), pc, stages_for("llama-tiny", 1), ["none"], layout, GB, SEQ, "cpu",
+                     optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.5), seed=SEED, facts=facts)
+    losses, spread = [], []
+    for s in range(PLAN_STEPS):
+        g = torch.Generator().manual_seed(100 + s)
+        batch = {"input_ids": torch.randint(0, 128, (GB, SEQ), generator=g),
+                 "labels": torch.randint(0, 128, (GB, SEQ), generator=g)}
+        losses.append(pm.step(batch))
+        flat = torch.cat([local_tensor(p).detach().reshape(-1) for _, p in pm.named_parameters()])
+        every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, flat)
+        spread.append(max((t - every[0]).abs().max().item() for t in every))
+    sent = pm.outer.bytes_sent if pm.outer is not None else 0
+    pm.close()
+    return {"losses": losses, "spread": spread, "bytes_sent": sent}
 
 
 def main() -> None:
@@ -80,6 +114,8 @@ def main() -> None:
         curves = [torch.empty_like(curve) for _ in range(world)]
         dist.all_gather(curves, curve)
         results[name]["group_losses"] = [curves[g * GROUP].tolist() for g in range(world // GROUP)]
+    for name, low in PLAN_CASES.items():
+        results[name] = plan_run(low)
     if rank == 0:
         import json
         with open(out, "w") as fh:

@@ -32,8 +32,10 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-OUTER_DTYPES = ("fp32", "bf16", "int8")
-WIRE_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}  # per element on the wire (int8: + 4 bytes of scale per tensor)
+from codegen.runtime.torch_compat import local_tensor
+from planner.low_comm import OUTER_DTYPES, LowComm, parse_low_comm
+
+__all__ = ["OuterConfig", "OuterLoop", "decode", "encode", "fragment_of", "outer_loop_for"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,11 @@ class OuterConfig:
             raise ValueError(f"outer dtype={self.dtype!r}: use one of {', '.join(OUTER_DTYPES)}")
         if not 1 <= self.fragments <= self.every:
             raise ValueError(f"outer fragments={self.fragments}: use 1 .. every ({self.every})")
+
+    @classmethod
+    def of(cls, low: LowComm, fragments: int = 1) -> "OuterConfig":
+        """A plan's ``low_comm`` (planner/low_comm.py)."""
+        return cls(every=low.every, dtype=low.dtype, lr=low.lr, momentum=low.momentum, fragments=fragments)
 
 
 def encode(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -150,3 +157,13 @@ class OuterLoop:
     def close(self) -> None:
         """Drop the anchor and momentum copies."""
         self.anchor, self.buf = [], []
+
+
+def outer_loop_for(cfg, mesh, modules: Sequence[torch.nn.Module]) -> Optional[OuterLoop]:
+    """The outer loop of a plan's ``low_comm`` (``ParallelConfig``) over the local tensors of
+    ``modules``' parameters and ``mesh["outer"]`` (codegen/runtime/mesh.py), or None without it."""
+    low = parse_low_comm(cfg.low_comm)
+    if low is None:
+        return None
+    params = [local_tensor(p) for m in modules for p in m.parameters()]
+    return OuterLoop(params, mesh["outer"].get_group(), OuterConfig.of(low))

@@ -180,7 +180,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
               + (f" with {pins.to_str()} pinned" if pins else ""))
     plan, res = plan_model(graph, cluster, args.global_batch, spec=args.model, cluster_spec=args.cluster,
                            profile=profile, top_k=args.top_k, progress=_progress, loss=args.loss, fix=pins,
-                           fp8=args.fp8, compile=args.compile)
+                           fp8=args.fp8, compile=args.compile, low_comm=args.low_comm)
     _progress(f"{res.considered} configurations considered, {res.pruned} pruned by bounds, "
               f"{res.estimated} estimated, {res.fully_solved} fully solved in {res.solve_s:.2f} s")
     if args.out:
