@@ -171,12 +171,13 @@ class Cluster:
         """Usable memory per device, bytes."""
         return int(self.device.memory_gib * 2**30)
 
-    def peak_flops(self, dtype: str = "bf16") -> float:
-        """Dense peak of one device for ``dtype``, FLOP/s (see ``_DTYPE_FALLBACK``)."""
+    def peak_flops(self, dtype: str = "bf16", device: Device | None = None) -> float:
+        """Dense peak of one device (``device``: one of the groups'; default the cluster's) for ``dtype``,
+        FLOP/s (see ``_DTYPE_FALLBACK``)."""
         key = _DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower())
         if key not in _DTYPE_FALLBACK:
             raise ClusterError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
-        table = self.device.peak_tflops
+        table = (device or self.device).peak_tflops
         for candidate in (key, *_DTYPE_FALLBACK[key]):
             if candidate in table:
                 return float(table[candidate]) * 1e12

@@ -94,7 +94,7 @@ from cost_models.experts import ep_mesh
 from cost_models.layer_costs import LayerCosts, act_bytes_io, layer_pass_times
 from cost_models.memory import (LayerTable, MemoryRule, StageMemory, chunk_memory, dp_group, framework_reserve,
                                  rank_memory)
-from cost_models.wan_cost import crossings, outer_step_s
+from cost_models.wan_cost import crossings, outer_step_s, stage_capacity, stage_devices, stage_slowdowns
 from cost_models.shared_cores import compute_concurrency, core_speedup, shares_cores, spare_core
 from planner.feasibility import microbatches
 from planner.graph import ModelGraph
@@ -132,6 +132,7 @@ class Estimate:
     calibration: str = "uncalibrated"  # or what the profile's fitted coefficients were fitted on
     engine: str = "autopar"           # the engine whose overlaps are priced (cost_models/engines.py)
     wan: list[dict] = field(default_factory=list)  # where the mesh crosses the WAN (cost_models/wan_cost.py)
+    devices: list[str] = field(default_factory=list)  # mixed devices: "group: device" per pp rank
 
     @property
     def fits(self) -> bool:
@@ -154,6 +155,7 @@ class Estimate:
             "stage_fwd_s": self.stage_fwd_s, "stage_bwd_s": self.stage_bwd_s, "p2p_hop_s": self.p2p_hop_s,
             "source": self.source, "sources": self.sources, "calibration": self.calibration, "engine": self.engine,
             "partition": self.partition.to_dict(), **({"wan": self.wan} if self.wan else {}),
+            **({"stage_devices": self.devices} if self.devices else {}),
         }
 
 
@@ -177,7 +179,7 @@ class _StageCost:
 
 
 def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, comp_src: set,
-                 comm_src: set) -> list[_StageCost]:
+                 comm_src: set, cfg: ParallelConfig) -> list[_StageCost]:
     """Per virtual stage: its layers' compute, TP/CP communication and recompute (sources noted),
     and the CPU runtime's data-parallel wrapper work per wrapped unit (cost_models/cpu_runtime.py)."""
     out = []
@@ -202,7 +204,9 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
             parts["ep_comm"] += c.ep_fwd + c.ep_bwd
             parts["recompute"] += t.recompute
         out.append(_StageCost(f, b, cf, cb, parts))
-    return out
+    slow = stage_slowdowns(costs.c, cfg)  # mixed devices: each stage's compute on its rank's device (costs.cfg
+    #                                      may be another pp's: the layer costs are shared across pp and dp)
+    return [st.sped_up(1 / slow[j % len(slow)]) if slow[j % len(slow)] != 1.0 else st for j, st in enumerate(out)]
 
 
 def _rank_memory(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
@@ -375,7 +379,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
         costs = LayerCosts(graph, cluster, cfg, profile, engine=eng)
     cluster = costs.c  # the ranks cfg runs: fewer CPU ranks with more threads each (shared_cores.ranks_cluster)
     comp_src, comm_src = set(), set()
-    stages = _stage_costs(graph, partition, costs, comp_src, comm_src)
+    stages = _stage_costs(graph, partition, costs, comp_src, comm_src, cfg)
 
     # ---- pipeline ----------------------------------------------------------------
     hops = _p2p_hops(graph, cluster, cfg, partition, profile, comm_src)
@@ -413,12 +417,12 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     return Estimate(
         config=cfg, partition=partition, global_batch=global_batch, microbatches=m, step_s=step,
         tokens_per_s=tokens / step, mfu=model_flops / (step * cfg.world * peak),
-        tflops_per_device=model_flops / step / cfg.world / 1e12, memory=memory, capacity=cluster.memory_bytes,
+        tflops_per_device=model_flops / step / cfg.world / 1e12, memory=memory, capacity=stage_capacity(cluster, cfg),
         breakdown=breakdown, stage_fwd_s=[st.fwd for st in stages], stage_bwd_s=[st.bwd for st in stages],
         bubble_frac=max(0.0, bubble), source=src,
         sources={"compute": src, "comm": "profile" if comm_src == {"profile"} else ("model" if comm_src else "none")},
         pipeline=result, p2p_hop_s=p2p, calibration=calibration_note(profile), engine=eng.name,
-        wan=[x.to_dict() for x in crossings(graph, cluster, cfg, partition, m)])
+        wan=[x.to_dict() for x in crossings(graph, cluster, cfg, partition, m)], devices=stage_devices(cluster, cfg))
 
 
 def calibration_note(profile) -> str:

@@ -131,3 +131,30 @@ def stall_s(m: int, p: int, cut: int, t: float, hop: float, inflight: int) -> fl
     k = max(1, min(inflight, m))
     extra = max(0.0, ((p - cut) * t + 2 * hop) / k - t)
     return 2 * hop + m * extra
+
+
+def rank_devices(cluster: Cluster, pp: int, stride: int, dtype: str = "bf16") -> list:
+    """Per pipeline rank (its ``stride`` consecutive ranks): the slowest device (lowest ``dtype``
+    peak) of the cluster groups those ranks lie in; the cluster's device without groups."""
+    if cluster.topology is None:
+        return [cluster.device] * pp
+    out = []
+    for r in range(pp):
+        groups = {cluster.group_of_rank(k) for k in (r * stride, (r + 1) * stride - 1)}
+        devs = [cluster.group_device(g) for g in sorted(groups)]
+        out.append(min(devs, key=lambda d: cluster.peak_flops(dtype, d)))
+    return out
+
+
+def slowdowns(cluster: Cluster, pp: int, stride: int, dtype: str = "bf16") -> list[float]:
+    """Per pipeline rank: its device's compute time over the cluster's ``[device]`` (the reference
+    every layer is priced on): the ratio of their ``dtype`` peaks (memory-bound work assumed to
+    scale alike: a roofline approximation). All 1 on a cluster of one device type."""
+    ref = cluster.peak_flops(dtype)
+    return [ref / cluster.peak_flops(dtype, d) for d in rank_devices(cluster, pp, stride, dtype)]
+
+
+def capacity_bytes(cluster: Cluster, pp: int, stride: int) -> float:
+    """Device memory every pipeline rank is held to: the smallest of their devices' (bytes)."""
+    return min(d.memory_gib * 2**30 for d in rank_devices(cluster, pp, stride))
+

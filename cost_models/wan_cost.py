@@ -143,6 +143,35 @@ def _grad_wan_s(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, span: 
     return (k - 1) / k * per_flow / span.link.bandwidth_bps + (k - 1) * span.link.latency_s
 
 
+def stage_slowdowns(cluster: Cluster, cfg: ParallelConfig) -> list[float]:
+    """Per pipeline rank: its device's compute time over the cluster's reference ``[device]``
+    (``cost_models.wan.slowdowns``, at the dtype the plan computes in); all 1 on one device type."""
+    dtype = "fp32" if cluster.backend == "gloo" else cfg.dtype
+    return wan.slowdowns(cluster, cfg.pp, cfg.dp * cfg.cp * cfg.tp, dtype)
+
+
+def stage_devices(cluster: Cluster, cfg: ParallelConfig) -> list[str]:
+    """On a cluster of mixed devices, per pipeline rank: ``"group(s): device"`` its ranks run on
+    (the slowest device when they span groups); empty on one device type."""
+    if not cluster.mixed:
+        return []
+    stride = cfg.dp * cfg.cp * cfg.tp
+    devs = wan.rank_devices(cluster, cfg.pp, stride, "fp32" if cluster.backend == "gloo" else cfg.dtype)
+    out = []
+    for r, d in enumerate(devs):
+        groups = sorted({cluster.group_of_rank(k) for k in (r * stride, (r + 1) * stride - 1)})
+        out.append(f"{'+'.join(_names(cluster, groups))}: {d.name}")
+    return out
+
+
+def stage_capacity(cluster: Cluster, cfg: ParallelConfig) -> float:
+    """Device memory each pipeline rank is held to, bytes: the smallest device's among the ranks
+    (``cost_models.wan.capacity_bytes``; the cluster's own on one device type)."""
+    if cluster.topology is None:
+        return cluster.memory_bytes
+    return wan.capacity_bytes(cluster, cfg.pp, cfg.dp * cfg.cp * cfg.tp)
+
+
 def wan_floor_s(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, m: int) -> float:
     """Lower bound of the step of every variant of ``cfg``'s degrees from the WAN alone (module
     docstring); 0 on a one-group cluster."""

@@ -121,6 +121,14 @@ def describe(plan: Plan) -> PlanWords:
     )
 
 
+def device_words(stages: list[dict], devices: list[str]) -> str:
+    """Which stages sit on which devices (an estimate's ``stage_devices``, one per pp rank, and the
+    plan's stages): e.g. ``stage 0 (9 layers) on a100-pod: A100-SXM4-80GB``; "" on one device type."""
+    if not devices:
+        return ""
+    return "; ".join(f"stage {j} ({len(s['layers'])} layers) on {devices[s['rank']]}" for j, s in enumerate(stages))
+
+
 def wan_words(crossings: list[dict]) -> list[str]:
     """One line per place the mesh crosses the links between cluster groups (an estimate's ``wan``
     list, ``cost_models.wan_cost.Crossing``); empty on a one-group cluster or when nothing crosses."""

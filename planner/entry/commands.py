@@ -9,7 +9,7 @@ import sys
 
 from planner.entry.launch import check_plan, compare_run, data_args, run_plan
 from planner.entry.launch import progress as _progress
-from planner.describe import wan_words
+from planner.describe import device_words, wan_words
 from planner.errors import AutoparError
 
 
@@ -153,7 +153,10 @@ def _print_estimate(con, e, title: str) -> None:
               f"{e.tflops_per_device:.1f} model TFLOP/s per device   source: {e.source}")
     con.print(f"  calibration: {e.calibration}   engine: {e.engine}")
     for line in wan_words(e.wan):
-        con.print(f"  across the WAN: {line}")
+        con.print(f"  across cluster groups: {line}")
+    if e.devices:
+        stages = [{"rank": j % e.config.pp, "layers": range(lo, hi)} for j, (lo, hi) in enumerate(e.partition.bounds)]
+        con.print(f"  stages on devices: {device_words(stages, e.devices)}")
     t = Table(title="memory per pipeline rank (GiB)")
     for c in ("rank", "weights", "grads", "optimizer", "activations", "buffers", "reserve", "total", "capacity"):
         t.add_column(c, justify="right")

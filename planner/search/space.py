@@ -60,7 +60,7 @@ from planner.search.candidates import (DOMINATED_REASON, Point, Rejections, batc
                                        fp8_problem, points,
                                        request_problem, schedule_choices, variants)
 from planner.search.pins import Pins
-from planner.search.stage_split import even_split, split_and_estimate
+from planner.search.stage_split import fast_splits, split_and_estimate
 
 GiB = 2**30
 
@@ -289,9 +289,11 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, s
                 rej.add("time floor above the best step time found", cfg.label())
                 res.pruned += 1
                 continue
-            part = even_split(g, t.pp * cfg.vpp, cfg.recompute)
-            e = estimate(g, space.cluster, cfg, part, space.global_batch, profile=space.profile, fast=True,
-                         costs=costs if LayerCosts.key(cfg) == LayerCosts.key(costs.cfg) else None)
+            for part in fast_splits(g, space.cluster, cfg):  # the even split; on mixed devices speed-weighted first
+                e = estimate(g, space.cluster, cfg, part, space.global_batch, profile=space.profile, fast=True,
+                             costs=costs if LayerCosts.key(cfg) == LayerCosts.key(costs.cfg) else None)
+                if e.fits:
+                    break
             res.estimated += 1
             if not e.fits:
                 r, over = e.shortfall()
