@@ -135,7 +135,8 @@ def wan_words(crossings: list[dict]) -> list[str]:
     out = []
     for x in crossings:
         joins = " <-> ".join(x["groups"])
-        link = f"{x['flows']} flows at {x['gbs_per_flow']:.3g} GB/s each, {x['latency_ms']:.3g} ms one way"
+        link = (f"{x['flows']} flows at {x['gbs_per_flow']:.3g} GB/s each, {x['latency_ms']:.3g} ms one way"
+                if x["flows"] else "on the cluster's own links (no groups declared)")
         if x["dim"] == "pp":
             out.append(f"pp {x['where']} crosses {joins}: {link}; {x['seconds']:.3g} s of transfers per step "
                        f"before overlap (hidden by the micro-batches in flight)")
