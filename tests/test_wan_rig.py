@@ -44,10 +44,16 @@ def test_rig_cleans_up_even_on_error():
 def test_pipeline_across_the_limited_link_as_predicted():
     """PP across the cut: the limit slows each step by about what the model prices its hops at
     (predicted = unlimited measurement + modelled link cost, within 40% on a shared, noisy box)."""
-    with rig(None) as r:
-        free = launch(r, "pp", 29690)
-    with rig(200) as r:
-        slow = launch(r, "pp", 29691)
-    pred = free["mean_s"] + modelled_wan_s("pp", 200) - modelled_wan_s("pp", None)
+    from planner.entry.launch import free_port
+
+    for attempt in range(2):  # other processes share the 2 cores: one noisy pair of runs is run again
+        with rig(None) as r:
+            free = launch(r, "pp", free_port())
+        with rig(200) as r:
+            slow = launch(r, "pp", free_port())
+        pred = free["mean_s"] + modelled_wan_s("pp", 200) - modelled_wan_s("pp", None)
+        if slow["mean_s"] == pytest.approx(pred, rel=0.4) or attempt == 1:
+            break
     assert slow["mean_s"] > free["mean_s"] + 0.5 * modelled_wan_s("pp", 200)
     assert slow["mean_s"] == pytest.approx(pred, rel=0.4)
+    assert slow["losses"] == pytest.approx(free["losses"], rel=1e-5)  # the same training, only slower
