@@ -54,6 +54,16 @@ uses its own NIC, whether the group has one member per node or ``g`` concurrent
 inter-node sub-groups (one per local index) run side by side. Phases run one
 after another (no overlap between phases).
 
+Across cluster groups (regions joined by a WAN: cost_models/topology.py)
+-----------------------------------------------------------------------
+A group whose members lie in ``k > 1`` cluster groups, ``g`` in each, runs hierarchically
+(:func:`_wan_group_time`): the in-group phases as above on the ``g`` members of one group, and
+``g`` concurrent rings of ``k`` across the WAN carrying ``B / g`` each, every flow of the
+dimension sharing the link's aggregate bandwidth (``cost_models.wan``: ``dim_span``,
+``flow_link``); a pipeline boundary on the cut is one WAN hop per rank pair
+(:func:`p2p_hops`), the boundary's pairs sharing the link. Never from a profile (it measures
+the node links only).
+
 Measured profile
 ----------------
 When a :class:`ProfileDB` has samples for ``(kind, n, link)`` its interpolated
