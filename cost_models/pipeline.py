@@ -320,12 +320,13 @@ def _compile_orders(orders: list[list[Op]], p: int, m: int, v: int) -> _Compiled
 
 
 def simulate(schedule: str, p: int, m: int, fwd: Sequence[float] | float, bwd: Sequence[float] | float, *,
-             wgrad: Sequence[float] | float | None = None, p2p: float = 0.0, v: int = 1) -> PipelineResult:
+             wgrad: Sequence[float] | float | None = None, p2p: float | Sequence[float] = 0.0, v: int = 1) -> PipelineResult:
     """Simulate one training step of ``schedule`` (times in seconds; module docstring).
 
     ``fwd``/``bwd`` (and ``wgrad`` for zb-h1) give one entry per virtual stage
     (``p * v``), or a single number for all. For zb-h1, ``bwd`` is the input-gradient
     time B and ``wgrad`` the weight-gradient time W (default: :func:`split_backward`).
+    ``p2p``: one hop for all cross-rank edges, or one per rank boundary r -> (r + 1) % p (a WAN cut).
     """
     _check_args(schedule, p, m, v)
     f, b, wt = _durations(schedule, p * v, fwd, bwd, wgrad)
@@ -366,9 +367,8 @@ def simulate_orders(orders: Sequence[Sequence[tuple[int, int, int]]], m: int, fw
 
 
 def _run(schedule: str, comp: _Compiled, p: int, m: int, v: int, f: list[float], b: list[float],
-         wt: list[float], p2p: float) -> PipelineResult:
-    if not p2p >= 0:
-        raise ScheduleError(f"p2p must be >= 0 seconds, got {p2p!r}")
+         wt: list[float], p2p: float | Sequence[float]) -> PipelineResult:
+    hops = _per_stage("p2p", p2p, p)  # per rank boundary r -> r + 1
     n_stages = p * v
     dur = f + b + wt  # indexed kind * n_stages + stage
     end = [-1.0] * (3 * n_stages * m) + [0.0]  # end time per op id; -1 = not run yet
@@ -390,8 +390,8 @@ def _run(schedule: str, comp: _Compiled, p: int, m: int, v: int, f: list[float],
             if ready < 0:
                 blocked[r] = dep
                 break
-            if cross:
-                ready += p2p
+            if cross:  # F(s) waits on boundary (s - 1) % p, B(s) on boundary s % p
+                ready += hops[(di - 1) % p] if di < n_stages else hops[di % p]
             if ready > t:
                 t = ready
             st_r[i] = t

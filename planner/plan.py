@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from planner.errors import PlanError
+from planner.low_comm import low_comm_problem
 from planner.precision import DTYPES
 from planner.sharding import ZERO
 
@@ -38,7 +39,7 @@ def recompute_problem(recompute: str, schedule: str, pp: int) -> str | None:
 
 
 FP8_RECIPES = ("none", "tensorwise", "rowwise")  # torchao float8 training recipes (codegen/runtime/fp8.py)
-QUIET_DEFAULTS = {"threads": 0, "fp8": "none", "compile": False}  # fields a plan records only when set
+QUIET_DEFAULTS = {"threads": 0, "fp8": "none", "compile": False, "low_comm": ""}  # fields a plan records only when set
 ATTN_KERNELS = ("flash", "eager")      # flash: no S x S scores kept (SDPA flash / our Triton kernel)
 LOSS_KERNELS = ("fused", "eager")      # fused: linear + cross-entropy without [tokens x vocab] logits
 MESH_DIMS = ("pp", "dp", "cp", "tp")   # outer to inner
@@ -82,6 +83,7 @@ class ParallelConfig:
     threads: int = 0             # intra-op threads per rank (CPU clusters); 0: cores / ranks (feasibility.rank_threads)
     fp8: str = "none"            # the blocks' linears in float8 (torchao): none | tensorwise | rowwise (FP8_RECIPES)
     compile: bool = False        # each block through torch.compile (regional compilation)
+    low_comm: str = ""           # low-communication DP across groups of replicas, "GxH:dtype" (planner/low_comm.py)
 
     @property
     def world(self) -> int:
@@ -126,6 +128,8 @@ class ParallelConfig:
             raise PlanError(f"compile={self.compile!r}: must be on or off")
         if self.fp8 != "none" and self.dtype == "fp32":
             raise PlanError(f"fp8={self.fp8} casts the bf16 compute copies: it needs dtype=bf16")
+        if (why := low_comm_problem(self.low_comm, self.dp, self.ep)) is not None:
+            raise PlanError(why)
         if self.vpp > 1 and self.schedule != "interleaved-1f1b":
             raise PlanError(f"vpp={self.vpp} needs schedule=interleaved-1f1b")
         if self.sp and self.tp == 1:
@@ -163,6 +167,7 @@ class ParallelConfig:
             parts.append(f"threads{self.threads}")
         parts += [f"fp8-{self.fp8}"] if self.fp8 != "none" else []
         parts += ["compiled"] if self.compile else []
+        parts += [f"low-comm-{self.low_comm}"] if self.low_comm else []
         return " ".join(parts)
 
     def to_str(self) -> str:

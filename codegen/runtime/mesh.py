@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from codegen.runtime.torch_compat import flatten_mesh
+from planner.low_comm import parse_low_comm
 from planner.plan import MESH_DIMS, ParallelConfig
 
 
@@ -90,6 +91,10 @@ def build_mesh(cfg: ParallelConfig) -> DeviceMesh:
     if world != cfg.world:
         raise RuntimeError(f"world size {world} != dp*pp*cp*tp = {cfg.world} for {cfg.label()}; "
                            f"launch with --nproc-per-node {cfg.world}")
+    low = parse_low_comm(cfg.low_comm)
+    if low is not None:  # low-communication DP: dp cut into (outer groups, replicas in a group), same ranks
+        return init_device_mesh(device_type(), (cfg.pp, low.groups, cfg.dp // low.groups, cfg.cp, cfg.tp),
+                                mesh_dim_names=("pp", "outer", "dp", "cp", "tp"))
     return init_device_mesh(device_type(), cfg.mesh_shape, mesh_dim_names=MESH_DIMS)
 
 

@@ -63,6 +63,7 @@ from codegen.runtime import tensor_parallel as tpar
 from codegen.runtime.tp_styles import styles_for
 from codegen.runtime.adapters import IGNORE_INDEX, ModelAdapter, adapter_for
 from codegen.runtime.mesh import build_mesh
+from codegen.runtime.outer_loop import outer_loop_for
 from codegen.runtime.torch_compat import live_process_groups
 from codegen.runtime.optim import OptimizerFactory, Optimizers, build_optimizer, clip_grad_norm_, default_optimizer
 
@@ -120,6 +121,8 @@ class ParallelModel:
         self.cp_rank = mesh["cp"].get_local_rank()
         self.tp_rank = mesh["tp"].get_local_rank()
         self.n_microbatches = global_batch // (cfg.dp * cfg.mbs)
+        self.outer = outer_loop_for(cfg, mesh, stages.modules)  # low-communication DP, or None
+        self.outer_rank, self.groups = (mesh["outer"].get_local_rank(), mesh["outer"].size()) if self.outer else (0, 1)
         self.has_first, self.has_last = stages.has_first, stages.has_last
         self.moe_layers = experts.moe_layers(stages.modules)
         # MoE parameters each tp rank holds whole and trains on its own sequence shard
@@ -135,12 +138,14 @@ class ParallelModel:
                              f"got {batch['input_ids'].shape[0]}")
         targets = self.adapter.targets(batch)
         seq = targets.shape[1]
-        per = self.global_batch // self.cfg.dp
-        rows = slice(self.dp_rank * per, (self.dp_rank + 1) * per)
+        per, replicas = self.global_batch // self.cfg.dp, self.cfg.dp // self.groups
+        first = (self.outer_rank * replicas + self.dp_rank) * per  # low-communication DP: this group's rows
+        rows = slice(first, first + per)
         doc_start = self._doc_starts(batch, seq, rows)
         if doc_start is not None:  # each document's last target is ignored
             targets = docs.mask_document_ends(targets, batch["cu_seqlens"])
-        self.loss_fn.n_tokens = int((targets != IGNORE_INDEX).sum())
+        mine = slice(self.outer_rank * replicas * per, (self.outer_rank + 1) * replicas * per)  # the group's rows
+        self.loss_fn.n_tokens = int((targets[mine] != IGNORE_INDEX).sum())
         inputs = [t[rows] for t in self.adapter.inputs(batch)]
         targets = targets[rows]
         positions = None
@@ -242,11 +247,13 @@ class ParallelModel:
         groups = [self.dp_mesh.get_group()] + ([self.mesh["tp"].get_group()] if self.cfg.tp > 1 else [])
         experts.balance_experts(self.moe_layers, groups, first_step=self.step_count == 0)
         self.step_count += 1
+        if self.outer is not None:  # every H steps: pseudo-gradients across the groups, outer Nesterov step
+            self.outer.after_step(self.step_count)
 
     def global_loss(self, local: torch.Tensor) -> float:
         """The global batch's mean token loss from this rank's summed scaled losses (collective)."""
         owns_loss = self.has_last and self.tp_rank == 0
-        val = local / self.dp_mesh.size() if owns_loss else torch.zeros_like(local)
+        val = local / (self.dp_mesh.size() * self.groups) if owns_loss else torch.zeros_like(local)
         dist.all_reduce(val)
         return float(val)
 
@@ -274,6 +281,8 @@ class ParallelModel:
             return
         if dist.is_initialized():
             dist.barrier()
+        if self.outer is not None:
+            self.outer.close()
         self.adapter.close()
 
     # ---------------------------------------------------------------- checks

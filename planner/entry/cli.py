@@ -131,6 +131,9 @@ def _add_planning_commands(sub) -> None:
     p.add_argument("--fp8", choices=FP8_RECIPES, default="none",
                    help="the blocks' linears in float8 (torchao recipe; H100/H200-class GPUs; bf16 plans)")
     p.add_argument("--compile", action="store_true", help="each block through torch.compile (regional compilation)")
+    p.add_argument("--low-comm", default="", metavar="GxH:DTYPE",
+                   help="also price low-communication DP (DiLoCo-style: G groups of replicas, pseudo-gradients in "
+                        "DTYPE every H steps, e.g. 2x16:bf16) and choose it when faster; it changes the optimisation")
     p.add_argument("-o", "--out", default=None, help="plan file to write (JSON)")
     p.add_argument("--force", action="store_true", help="overwrite an existing plan file")
     p.set_defaults(fn=cmd.cmd_plan)

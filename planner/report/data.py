@@ -10,7 +10,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from planner.describe import CP_METHODS, describe
+from planner.describe import CP_METHODS, describe, device_words, wan_words
 from planner.plan import ParallelConfig, Plan, PlanError
 
 GiB = 2**30
@@ -322,6 +322,13 @@ def summary_rows(r: Report) -> list[tuple[str, str, str, Any]]:
         ("source", "source of the figures", src_txt, src),
         ("calibration", "calibration", e.get("calibration", "uncalibrated"), e.get("calibration", "uncalibrated")),
     ]
+    if e.get("stage_devices"):  # mixed devices: which stages sit on which devices
+        rows.insert(next(i for i, row in enumerate(rows) if row[0] == "degrees") + 1,
+                    ("stage_devices", "stages on devices", device_words(p.stages, e["stage_devices"]),
+                     e["stage_devices"]))
+    if e.get("wan"):  # after the batch: where the mesh crosses the links between cluster groups
+        rows.insert(next(i for i, row in enumerate(rows) if row[0] == "batch") + 1,
+                    ("wan", "across the WAN", "; ".join(wan_words(e["wan"])), e["wan"]))
     if (threads := threads_text(p)) is not None:  # after the degrees: how many threads each rank runs
         after_degrees = next(i for i, row in enumerate(rows) if row[0] == "degrees") + 1
         rows.insert(after_degrees, ("threads", "threads per rank", threads, cfg.threads))
