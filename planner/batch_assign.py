@@ -23,18 +23,21 @@ not hidden by attention (:func:`ring_exposed`: ``g - 1`` ring steps each moving 
 ``L / g`` tokens, hidden behind that step's visiting block, ``attention * L^2 / g^2``; or
 under Ulysses the all-to-alls, never hidden).
 
-The algorithm (deterministic, ``O(n log n + n P)`` in numpy; about a millisecond for 1,024
-documents on 64 workers):
+The algorithm (deterministic, ``O(n log n + n P)`` plus ``O(P^2)`` numpy work per heavy piece;
+a few milliseconds for 1,024 documents on 64 workers):
 
 1. target ``T`` = the ideal per-worker work (every piece whole, no communication, spread
    evenly: ``sum(linear L + attention L^2) / P``);
-2. each piece, longest first, gets the smallest allowed group size ``g`` whose per-worker
-   tokens fit ``capacity`` and whose per-worker work is at most ``T`` (a piece heavier than
-   a worker's fair share is split; one that no size brings under ``T`` takes the size of
-   least per-worker work); short pieces get 1;
-3. groups of more than one worker are placed heaviest first on the window of consecutive
-   workers (``Pool.windows``) with the least loaded busiest member that has room;
-4. whole pieces go, heaviest first, to the least loaded worker with room (LPT).
+2. pieces are taken heaviest first. A *heavy* piece (whole work above ``HEAVY x T``, or
+   more tokens than a worker holds) weighs the group sizes that fit the memory, from the
+   smallest whose per-worker work is at most ``T`` (and every smaller one) to ``EXTRA_SIZES``
+   beyond it;
+3. for each size, every window of consecutive workers the runtime forms (``Pool.windows``)
+   with room; the piece takes the (size, window) whose new busiest member is least loaded,
+   counting any load below ``T`` as ``T`` (finishing early gains nothing), then the one
+   adding the least work in all (the least communication: no needless splitting), then the
+   least loaded window, then the first;
+4. the other pieces go whole, heaviest first, to the least loaded worker with room (LPT).
 
 :func:`static_work` prices the same batch on a fixed layout (rows of ``row_len`` tokens, one
 per dp rank, each split zigzag over ``cp`` ranks) with the same cost terms: the "before" of
@@ -47,11 +50,16 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from planner.errors import AutoparError
 
 PAD_CHUNKS = 2  # a group piece is cut into 2 g zigzag chunks: its length is padded to a multiple of 2 g
 METHODS = ("ring", "ulysses")
+HEAVY = 0.3       # a piece whose whole work exceeds this share of a worker's fair share may be split
+EXTRA_SIZES = 1   # sizes weighed beyond the smallest that brings a piece under the fair share
+TARGETS = (1.0, 0.8)  # the greedy's targets, in fair shares
+GOOD_ENOUGH = 1.01          # a run within 1% of the ideal balance ends the search
 
 
 class AssignError(AutoparError):
@@ -182,127 +190,170 @@ def ring_exposed(tokens: float, g: int, visiting: float, cost: WorkCost) -> floa
 
 def piece_work(length: int, g: int, cost: WorkCost) -> float:
     """Per-worker seconds of a piece of ``length`` tokens on a group of ``g`` (module docstring)."""
-    n = padded_length(length, g)
-    att = cost.attention * float(n) * n / g
-    return cost.linear * n / g + att + ring_exposed(n / g, g, att * (1 - 1 / g), cost)
+    return float(group_work(length, np.array([g]), cost)[0])
 
 
-def _sizes_for(lengths: np.ndarray, pool: Pool, cost: WorkCost, target: float) -> np.ndarray:
-    """Step 2 of the algorithm: each piece's group size."""
-    sizes = pool.group_sizes()
-    out = np.ones(len(lengths), dtype=np.int64)
-    solo = cost.linear * lengths + cost.attention * lengths.astype(np.float64) ** 2
-    for i in np.flatnonzero((solo > target) | (lengths > pool.capacity)):
-        n = int(lengths[i])
-        fits = [g for g in sizes if padded_length(n, g) // g <= pool.capacity]
-        if not fits:
-            raise AssignError(f"a document of {n} tokens needs more than {pool.max_group} workers of "
-                              f"{pool.capacity} tokens each: raise the CP budget (cp) or the memory per rank")
-        under = [g for g in fits if piece_work(n, g, cost) <= target]
-        out[i] = under[0] if under else min(fits, key=lambda g: (piece_work(n, g, cost), g))
-    return out
+def group_work(length: int, sizes: np.ndarray, cost: WorkCost) -> np.ndarray:
+    """:func:`piece_work` for each group size of ``sizes`` (vectorised: the same formula as
+    :func:`padded_length` and :func:`ring_exposed`, term by term)."""
+    g = sizes.astype(np.float64)
+    q = PAD_CHUNKS * sizes
+    n = np.where(sizes > 1, -(-length // q) * q, length).astype(np.float64)
+    att = cost.attention * n * n / g
+    share = n / g
+    if cost.method == "ulysses":
+        comm = cost.alltoall * share * (g - 1) / g + cost.latency
+    else:
+        comm = (g - 1) * np.maximum(0.0, cost.exchange * share + cost.latency - att * (1 - 1 / g) / np.maximum(g - 1, 1))
+    return cost.linear * share + att + np.where(sizes > 1, comm, 0.0)
 
 
-def _place_group(load: np.ndarray, held: np.ndarray, n: int, g: int, pool: Pool) -> int:
-    """Step 3: the first worker of the window of ``g`` for a piece of ``n`` padded tokens."""
-    starts = np.fromiter(pool.windows(g), dtype=np.int64)
-    idx = starts[:, None] + np.arange(g)[None, :]
-    room = (held[idx] + n // g <= pool.capacity).all(axis=1)
+def _candidate_sizes(n: int, sizes: np.ndarray, pool: Pool, cost: WorkCost,
+                     target: float) -> tuple[list[int], list[float]]:
+    """Step 2: the group sizes weighed for a heavy piece of ``n`` tokens, and their per-worker
+    work: of the sizes whose per-worker tokens fit, the smallest whose per-worker work is at
+    most ``target``, the one below it and ``EXTRA_SIZES`` beyond it."""
+    q = PAD_CHUNKS * sizes
+    per = np.where(sizes > 1, -(-n // q) * q, n) // sizes
+    fits = sizes[per <= pool.capacity]
+    if fits.size == 0:
+        raise AssignError(f"a document of {n} tokens needs more than {pool.max_group} workers of "
+                          f"{pool.capacity} tokens each: raise the CP budget (cp) or the memory per rank")
+    work = group_work(n, fits, cost)
+    under = np.flatnonzero(work <= target)
+    first = int(under[0]) if under.size else fits.size - 1
+    keep = slice(max(first - 1, 0), first + 1 + EXTRA_SIZES)
+    return fits[keep].tolist(), work[keep].tolist()
+
+
+def _best_window(load: np.ndarray, held: np.ndarray, n: int, g: int, work: float, target: float,
+                 pool: Pool) -> Optional[tuple[tuple, int]]:
+    """Step 3 for one size: (key, first worker) of the best window of ``g`` with room for
+    ``n`` padded tokens, or None. Key: the window's new busiest load (no better than
+    ``target``: below it nothing is gained), the work the split adds in all (``g x work``:
+    less communication), the window's present load, then its place."""
+    step = g if pool.aligned else 1
+    loads = sliding_window_view(load, g)[::step]
+    room = sliding_window_view(held, g)[::step].max(axis=1) + n // g <= pool.capacity
     if not room.any():
-        raise AssignError(f"no {g} consecutive workers have room for {n // g} more tokens each: "
-                          "raise the memory per rank (capacity) or the CP budget")
-    busiest = np.where(room, load[idx].max(axis=1), np.inf)
-    return int(starts[int(np.argmin(busiest))])  # argmin: the first of equals (deterministic)
+        return None
+    busiest = np.where(room, np.maximum(loads.max(axis=1) + work, target), np.inf)
+    total = loads.sum(axis=1)
+    k = int(np.lexsort((total, busiest))[0])  # ties: the least loaded window, then the first
+    return (float(busiest[k]), g * work, float(total[k]), g, k * step), k * step
+
+
+def _place_heavy(n: int, sizes: np.ndarray, load: np.ndarray, held: np.ndarray, pool: Pool, cost: WorkCost,
+                 target: float) -> tuple[int, int, float]:
+    """Steps 2 and 3 for one heavy piece: (size, first worker, per-worker work), placed."""
+    best = None
+    for g, w in zip(*_candidate_sizes(n, sizes, pool, cost, target)):
+        got = _best_window(load, held, padded_length(n, g), g, w, target, pool)
+        if got is not None and (best is None or got[0] < best[0]):
+            best = (got[0], g, got[1], w)
+    if best is None:
+        raise AssignError(f"no group of workers has room for a document of {n} tokens: raise the memory per "
+                          "rank (capacity) or the CP budget")
+    _, g, f, w = best
+    load[f:f + g] += w
+    held[f:f + g] += padded_length(n, g) // g
+    return g, f, w
 
 
 def _place_whole(load: np.ndarray, held: np.ndarray, order: np.ndarray, lengths: np.ndarray,
                  work: np.ndarray, capacity: int) -> dict[int, int]:
-    """Step 4 (LPT with a heap of (load, worker)): piece -> worker for whole pieces."""
-    heap = [(float(load[w]), w) for w in range(len(load))]
+    """Step 4 (LPT with a heap of (load, worker)): piece -> worker for whole pieces; ``load``
+    and ``held`` updated."""
+    loads, helds = load.tolist(), held.tolist()
+    heap = [(x, w) for w, x in enumerate(loads)]
     heapq.heapify(heap)
     out: dict[int, int] = {}
-    for i in order:
-        n, skipped = int(lengths[i]), []
-        while heap and held[heap[0][1]] + n > capacity:
+    for i, n, x in zip(order.tolist(), lengths[order].tolist(), work[order].tolist()):
+        skipped = []
+        while heap and helds[heap[0][1]] + n > capacity:
             skipped.append(heapq.heappop(heap))
         if not heap:
             raise AssignError(f"no worker has room for a document of {n} tokens: the batch holds more tokens "
-                              f"than {len(load)} workers x {capacity}; raise the memory per rank or shrink the batch")
+                              f"than {len(loads)} workers x {capacity}; raise the memory per rank or shrink the batch")
         _, w = heapq.heappop(heap)
-        load[w] += work[i]
-        held[w] += n
-        out[int(i)] = w
-        heapq.heappush(heap, (float(load[w]), w))
+        loads[w] += x
+        helds[w] += n
+        out[i] = w
+        heapq.heappush(heap, (loads[w], w))
         for item in skipped:
             heapq.heappush(heap, item)
+    load[:] = loads
+    held[:] = helds
     return out
 
 
-def _next_size(sizes: np.ndarray, lens: np.ndarray, pool: Pool) -> np.ndarray:
-    """Every split piece one allowed size up (where there is one): the second candidate of step 2."""
-    allowed = pool.group_sizes()
-    up = sizes.copy()
-    for i in np.flatnonzero(sizes > 1):
-        bigger = [g for g in allowed if g > sizes[i]]
-        if bigger:
-            up[i] = bigger[0]
-    return up
-
-
-def _place(lens: np.ndarray, sizes: np.ndarray, pool: Pool, cost: WorkCost, target: float) -> Assignment:
-    """Steps 3 and 4 for given group sizes."""
-    solo = cost.linear * lens + cost.attention * lens.astype(np.float64) ** 2
-    padded = np.array([padded_length(int(n), int(g)) for n, g in zip(lens, sizes)], dtype=np.int64)
-    work = np.array([piece_work(int(n), int(g), cost) if g > 1 else float(s)
-                     for n, g, s in zip(lens, sizes, solo)])
+def _assign_at(lens: np.ndarray, solo: np.ndarray, pool: Pool, cost: WorkCost,
+               target: float) -> "_Draft":
+    """Steps 2 to 4 with heavy pieces split toward ``target`` seconds per worker."""
+    order = np.lexsort((np.arange(lens.size), -solo))  # heaviest first, then batch order
+    heavy = (solo > HEAVY * target) | (lens > pool.capacity)
+    if pool.max_group == 1:
+        heavy[:] = lens > pool.capacity
     load = np.zeros(pool.workers)
     held = np.zeros(pool.workers, dtype=np.int64)
-    first = np.zeros(len(lens), dtype=np.int64)
-    grouped = np.flatnonzero(sizes > 1)
-    group_order = grouped[np.lexsort((grouped, -work[grouped], -sizes[grouped]))]  # biggest, heaviest first
-    for i in group_order:
-        g, n = int(sizes[i]), int(padded[i])
-        f = _place_group(load, held, n, g, pool)
-        load[f:f + g] += work[i]
-        held[f:f + g] += n // g
-        first[i] = f
-    whole = np.flatnonzero(sizes == 1)
-    whole = whole[np.lexsort((whole, -work[whole]))]
+    sizes = np.ones(lens.size, dtype=np.int64)
+    first = np.zeros(lens.size, dtype=np.int64)
+    work = solo.copy()
+    allowed = np.array(pool.group_sizes())
+    for i in order[heavy[order]].tolist():
+        sizes[i], first[i], work[i] = _place_heavy(int(lens[i]), allowed, load, held, pool, cost, target)
+    whole = order[(sizes[order] == 1) & ~heavy[order]]
     for i, w in _place_whole(load, held, whole, lens, work, pool.capacity).items():
         first[i] = w
-    placements = tuple(Placement(i, int(first[i]), int(sizes[i]), int(lens[i]), int(padded[i]))
-                       for i in range(len(lens)))
-    return Assignment(placements, tuple(float(x) for x in load), tuple(int(x) for x in held), target,
-                      tuple(int(i) for i in group_order))
+    return _Draft(float(load.max()), sizes, first, work, load, held)
+
+
+@dataclass
+class _Draft:
+    """One greedy run's result, before it is made an :class:`Assignment` (only the winner is)."""
+    step: float
+    sizes: np.ndarray
+    first: np.ndarray
+    work: np.ndarray
+    load: np.ndarray
+    held: np.ndarray
+
+    def done(self, lens: np.ndarray, ideal: float) -> Assignment:
+        grouped = np.flatnonzero(self.sizes > 1)
+        order = grouped[np.lexsort((grouped, -self.work[grouped], -self.sizes[grouped]))]  # biggest, heaviest first
+        placements = tuple(Placement(i, f, g, n, padded_length(n, g))
+                           for i, (f, g, n) in enumerate(zip(self.first.tolist(), self.sizes.tolist(), lens.tolist())))
+        return Assignment(placements, tuple(self.load.tolist()), tuple(self.held.tolist()), ideal,
+                          tuple(order.tolist()))
 
 
 def assign(lengths: Sequence[int], pool: Pool, cost: WorkCost) -> Assignment:
-    """Group size and workers for every piece of one global batch (module docstring).
-    ``lengths``: the pieces' token counts, in batch order. Two candidates are placed: the sizes
-    of step 2 and every split piece one size up (room for whole pieces when memory is tight);
-    the one with the less busy busiest worker wins (the first on a tie). Deterministic: the
+    """Group size and workers for every piece of one global batch (module docstring): the
+    greedy run toward each of ``TARGETS`` times the fair share (lower ones split the heavy
+    pieces finer, leaving room for the next), the least busy busiest worker winning (the
+    first on a tie). ``lengths``: the pieces' token counts, in batch order. Deterministic: the
     same inputs give the same assignment on every rank. :class:`AssignError` when a piece or
     the batch cannot fit."""
     lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
     if lens.size == 0 or int(lens.min()) < 1:
         raise AssignError("a batch needs at least one piece, each of at least one token")
     solo = cost.linear * lens + cost.attention * lens.astype(np.float64) ** 2
-    target = float(solo.sum()) / pool.workers
-    sizes = _sizes_for(lens, pool, cost, target)
-    best: Optional[Assignment] = None
+    ideal = float(solo.sum()) / pool.workers
+    best: Optional[_Draft] = None
     error: Optional[AssignError] = None
-    candidates = [sizes] + ([_next_size(sizes, lens, pool)] if (sizes > 1).any() else [])
-    for cand in candidates:
+    for k in TARGETS:
         try:
-            got = _place(lens, cand, pool, cost, target)
+            got = _assign_at(lens, solo, pool, cost, k * ideal)
         except AssignError as e:
             error = error or e
             continue
         if best is None or got.step < best.step:
             best = got
+        if got.step <= ideal * GOOD_ENOUGH or pool.max_group == 1:
+            break
     if best is None:
         raise error  # type: ignore[misc]
-    return best
+    return best.done(lens, ideal)
 
 def _row_pairs(starts: np.ndarray, ends: np.ndarray, row_len: int, cp: int) -> tuple[np.ndarray, np.ndarray]:
     """(all, visiting) causal query-key pairs, per cp rank, of one row's pieces [starts, ends)

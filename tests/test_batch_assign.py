@@ -122,3 +122,35 @@ def test_per_batch_beats_static_on_long_tail():
         per_batch = assign(lens, Pool(16, 16, 2 * 4096), COST).step
         wins += per_batch < best_static
     assert wins >= 18
+
+
+def test_pricing_rates_from_the_cost_model():
+    from cost_models.batch_pricing import Layout, capacity_tokens, compare, work_cost
+    from cost_models.cluster import parse_cluster
+    from planner.frontend.load import load_graph
+    from planner.plan import ParallelConfig
+
+    graph = load_graph("llama3-8b", batch=1, seq_len=16384)
+    cluster = parse_cluster("dgx-h100:1")
+    cfg = ParallelConfig(dp=1, cp=8, zero="fsdp", recompute="full")
+    cost = work_cost(graph, cluster, cfg)
+    assert cost.linear > 0 and cost.attention > 0 and cost.exchange > 0 and cost.method == "ring"
+    # a 16K document's attention is a real share of its work on an H100 (flash: about a third to a half)
+    share = cost.attention * 16384 ** 2 / (cost.linear * 16384 + cost.attention * 16384 ** 2)
+    assert 0.15 < share < 0.7
+    assert work_cost(graph, cluster, ParallelConfig(dp=1, cp=8, ulysses=8, zero="fsdp")).method == "ulysses"
+    assert capacity_tokens(2048, 10e9, 50e9, 80e9) == 2048 * 3 and capacity_tokens(2048, 10e9, 75e9, 80e9) == 2048
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(10):
+        lens, total = [], 0
+        while total < 8 * 4096:
+            n = min(int(max(rng.lognormal(np.log(512), 2.0), 32)), 16384, 8 * 4096 - total)
+            while n:  # cut at the 16K rows' ends
+                take = min(n, 16384 - total % 16384)
+                lens.append(take)
+                total, n = total + take, n - take
+        batches.append(lens)
+    c = compare(batches, Pool(8, 8, 8192), cost, [Layout(2, 4, 16384), Layout(1, 8, 16384)], fixed_s=0.01)
+    assert c.best_static in ("dp2 cp4", "dp1 cp8") and c.speedup > 1.0 and c.ideal_gap >= 1.0
+    assert len(c.spread_before) == len(c.spread_after) == 10
