@@ -37,7 +37,8 @@ from codegen.runtime import recompute as rc
 from codegen.runtime import tensor_parallel as tpar
 from codegen.runtime.tp_styles import roles_of
 from codegen.runtime.adapters import ModelAdapter
-from codegen.runtime.attention import build_attention, context_attention
+from codegen.runtime.attention import build_attention, context_attention, local_attention
+from codegen.runtime.batch_parallel import PerBatchAttention, RowLayout
 from codegen.runtime.documents import Documents
 from codegen.runtime.mesh import cp_groups, device_type, dp_cp_mesh
 from codegen.runtime.fp8 import convert_blocks, fp8_device_problem
@@ -124,14 +125,22 @@ def materialize(adapter: ModelAdapter, stages: Stages, device: torch.device, see
 
 
 def apply_attention(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, mesh: DeviceMesh,
-                    load_balance: str = "zigzag") -> None:
+                    load_balance: str = "zigzag", layout: Optional[RowLayout] = None) -> None:
     """Every block's attention: the plan's kernel, context parallelism over ``cp`` (ring, Ulysses
     or both; one instance shared by the blocks), checkpointed when its stage recomputes
-    ``selective``; each masks by the packed documents of ``stages.documents``."""
+    ``selective``; each masks by the packed documents of ``stages.documents``. With per-batch
+    assignment (``layout``, codegen/runtime/batch_parallel.py) every block runs
+    :class:`PerBatchAttention` over the step's row layout instead."""
+    blocks = set(adapter.blocks)
+    if layout is not None:
+        impl = PerBatchAttention(layout, local_attention(cfg))
+        for sm in stages.modules:
+            for u in (u for u in sm.units if u in blocks):
+                adapter.set_attention(sm.get_submodule(u), impl)
+        return
     docs = stages.documents
     ring = context_attention(cfg, *cp_groups(cfg, mesh), load_balance=load_balance,
                              documents=docs) if cfg.cp > 1 else None
-    blocks = set(adapter.blocks)
     for sm in stages.modules:
         for u in (u for u in sm.units if u in blocks):
             adapter.set_attention(sm.get_submodule(u), build_attention(cfg, stages.policy[u], ring=ring,
