@@ -12,8 +12,8 @@ attention kernel's efficiency is taken at ``S`` for every length (short document
 kernel less efficiently: the attention term is optimistic for them, for both sides of the
 comparison). ``exchange``: the seconds per token of a ring step's K/V block (all attention
 layers; forward once, backward K/V and their gradients: 3x), from the communication model's
-``send_recv`` over a ring of the plan's CP budget laid on the mesh as CP is (the slowest
-links a group of that size crosses); ``latency``: the same for an empty block. Under
+``send_recv`` over a ring of the whole ``dp x cp`` pool laid on the mesh as CP is (the
+slowest links a group may cross); ``latency``: the same for an empty block. Under
 Ulysses, ``alltoall``: the four all-to-alls per layer, forward and backward.
 
 **Memory** (:func:`capacity_tokens`): the tokens a worker may hold, from a fixed layout's
@@ -64,9 +64,11 @@ def work_cost(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, profile=
     t1 = _stage_seconds(replace(graph, documents=None), cluster, worker, profile)
     t0 = _stage_seconds(replace(graph, documents=_no_attention(s)), cluster, worker, profile)
     linear, attention = t0 / s, max(t1 - t0, 0.0) / (s * s)
-    budget = max(cfg.cp, 2)
-    ring_cfg = replace(cfg, cp=budget, ulysses=1, mbs=1)
-    uly_cfg = replace(cfg, cp=budget, ulysses=budget, mbs=1)
+    budget = cfg.dp * cfg.cp  # the pool: groups up to all of it
+    if budget < 2:
+        return WorkCost(linear=linear, attention=attention, method=method)
+    ring_cfg = replace(cfg, dp=1, cp=budget, ulysses=1, mbs=1)
+    uly_cfg = replace(cfg, dp=1, cp=budget, ulysses=budget, mbs=1)
     ring_mesh, uly_mesh = cp_meshes(ring_cfg)[0], cp_meshes(uly_cfg)[1]
     exchange = latency = alltoall = 0.0
     layers = [l for l in graph.layers if l.attention is not None and l.attention.causal]

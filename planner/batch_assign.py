@@ -53,6 +53,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from planner.errors import AutoparError
+from planner.plan import ParallelConfig
 
 PAD_CHUNKS = 2  # a group piece is cut into 2 g zigzag chunks: its length is padded to a multiple of 2 g
 METHODS = ("ring", "ulysses")
@@ -400,3 +401,27 @@ def static_work(lengths: Sequence[int], row_len: int, dp: int, cp: int, cost: Wo
             work[d, c] += (cost.linear * row_len / cp + 2 * cost.attention * tot[c]
                            + ring_exposed(row_len / cp, cp, 2 * cost.attention * visiting[c], cost))
     return tuple(float(x) for x in work.reshape(-1))
+
+
+def per_batch_problem(cfg: ParallelConfig, global_batch: int, pool: Pool, method: str, heads: int = 0,
+                      kv_heads: int = 0) -> Optional[str]:
+    """Why the runtime cannot run per-batch assignment for this layout (one line), or None: it
+    runs one micro-batch per step (``global_batch == dp x mbs``) without pipeline, tensor
+    parallelism or recompute, over a pool of ``dp x cp`` workers, with Ulysses groups only of
+    sizes dividing the heads and kv heads (``heads`` / ``kv_heads``: what every attention
+    layer divides by; 0: unknown)."""
+    if pool.workers != cfg.dp * cfg.cp:
+        return f"per-batch pool of {pool.workers} workers, but dp x cp = {cfg.dp * cfg.cp}"
+    if cfg.pp > 1 or cfg.tp > 1:
+        return "per-batch assignment runs without pipeline or tensor parallelism yet (pp = tp = 1)"
+    if global_batch != cfg.dp * cfg.mbs:
+        return (f"per-batch assignment runs one micro-batch per step: set mbs = global batch / dp "
+                f"({global_batch} / {cfg.dp})")
+    if cfg.recompute != "none":
+        return "per-batch assignment runs without recompute yet (recompute=none)"
+    if method == "ulysses":
+        bad = [g for g in pool.group_sizes() if g > 1 and (heads % g or kv_heads % g)]
+        if bad:
+            return (f"Ulysses groups of {bad} workers do not divide the {heads} heads / {kv_heads} kv heads: "
+                    "pass sizes that divide both, or use ring groups")
+    return None

@@ -154,3 +154,49 @@ def test_pricing_rates_from_the_cost_model():
     c = compare(batches, Pool(8, 8, 8192), cost, [Layout(2, 4, 16384), Layout(1, 8, 16384)], fixed_s=0.01)
     assert c.best_static in ("dp2 cp4", "dp1 cp8") and c.speedup > 1.0 and c.ideal_gap >= 1.0
     assert len(c.spread_before) == len(c.spread_after) == 10
+
+
+def _documents_plan(fix: str, per_batch: bool = True):
+    from cost_models.cluster import parse_cluster
+    from planner.frontend.load import load_graph
+    from planner.search.planning import plan_model
+
+    rng = np.random.default_rng(0)
+    lengths = [int(min(max(x, 32), 16384)) for x in rng.lognormal(np.log(1024), 1.5, 400)]
+    graph = load_graph("llama-1b", batch=1, seq_len=16384)
+    return plan_model(graph, parse_cluster("dgx-h100:1"), 8, spec="llama-1b", cluster_spec="dgx-h100:1",
+                      fix=fix, seq_lens=lengths, per_batch=per_batch)[0]
+
+
+def test_plan_records_per_batch_and_the_program_runs_it():
+    from codegen.emit import emit
+    from codegen.runtime.batch_parallel import per_batch_of
+    from planner.describe import describe
+    from planner.plan import PlanError
+
+    plan = _documents_plan("dp=8,pp=1,tp=1,cp=1,mbs=1,recompute=none")
+    rec = plan.batch["per_batch"]
+    assert rec["workers"] == 8 and rec["batches"] >= 1 and rec["spread_after"] < rec["spread_before"]
+    assert rec["expected_step_s"] == pytest.approx(plan.estimate["step_s"] * rec["ratio"], rel=1e-3)
+    assert rec["chosen"] and rec["ratio"] <= 0.98 and "per-batch assignment" in rec["why"]
+    text = emit(plan)
+    assert "PER_BATCH = per_batch_of({" in text and "per-batch assignment" in describe(plan).attention
+    pb = per_batch_of(rec)
+    assert pb.pool.workers == 8 and pb.cost.attention == rec["cost"]["attention"]
+    plan.batch["per_batch"]["cost"]["method"] = "os.system('id')"
+    with pytest.raises(PlanError, match="method"):
+        emit(plan)
+    # a layout the runtime cannot run per batch: recorded, not chosen, and why
+    plan = _documents_plan("dp=8,pp=1,tp=1,cp=1,mbs=1,recompute=full")
+    assert not plan.batch["per_batch"]["chosen"] and "recompute" in plan.batch["per_batch"]["why"]
+
+
+def test_per_batch_needs_documents():
+    from planner.errors import AutoparError
+    from cost_models.cluster import parse_cluster
+    from planner.frontend.load import load_graph
+    from planner.search.planning import plan_model
+
+    with pytest.raises(AutoparError, match="--seq-lens"):
+        plan_model(load_graph("llama-tiny", batch=1, seq_len=256), parse_cluster("dgx-h100:1"), 8, spec="llama-tiny",
+                   cluster_spec="dgx-h100:1", fix="pp=1,tp=1", per_batch=True)

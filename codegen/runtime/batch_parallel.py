@@ -16,8 +16,8 @@ computed does not change the step. Every step:
    its shares of the group pieces in the assignment's group order; a group piece is padded
    after its end (pad tokens: id 0, target ignored; no real query sees them) to a multiple of
    ``2 g`` and cut zigzag like a ring's sequence (``context_parallel.local_positions``);
-4. :class:`PerBatchAttention` (every block's attention) runs the whole pieces' attention
-   locally with their document mask, and each group share through the ring (or Ulysses)
+4. :class:`PerBatchAttention` (every block's attention) runs each whole piece's attention
+   locally (causal within the piece), and each group share through the ring (or Ulysses)
    attention of that group's process group; the :class:`RowLayout` of the step says which
    tokens are which (a context object of the build, pointed at each step's layout by the
    step before its forward, like ``documents.Documents``);
@@ -32,9 +32,9 @@ every rank (``dist.new_group`` is collective). A worker runs its groups in the a
 one global order, forward, and autograd runs their backward exchanges in the reverse order
 on every member (each later segment's nodes are newer): no two groups wait on each other.
 
-Limits (refused in one line before training, :func:`per_batch_problem`): one micro-batch per
-step (``global_batch == dp x mbs``), no pipeline, no tensor parallelism, only the model's
-token inputs (no images), no recompute.
+Limits (refused in one line before training, ``planner.batch_assign.per_batch_problem``, the
+rule the planner applies too): one micro-batch per step (``global_batch == dp x mbs``), no
+pipeline, no tensor parallelism, no recompute; only the model's token inputs (no images).
 """
 from __future__ import annotations
 
@@ -46,10 +46,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from codegen.runtime.context_parallel import RingAttention, RingCompute, UlyssesAttention, local_positions
-from codegen.runtime.documents import IGNORE_INDEX, PerVersion, doc_starts, masked_attention, visible_mask
+from codegen.runtime.documents import IGNORE_INDEX, doc_starts
 from codegen.runtime.layers import sdpa_attention
 from planner.batch_assign import Assignment, Placement, Pool, WorkCost, assign
-from planner.plan import ParallelConfig
 
 PAD_ID = 0
 
@@ -64,26 +63,6 @@ class PerBatch:
     @property
     def method(self) -> str:
         return self.cost.method
-
-
-def per_batch_problem(cfg: ParallelConfig, global_batch: int, per_batch: PerBatch, heads: int = 0,
-                      kv_heads: int = 0) -> Optional[str]:
-    """Why this layout cannot run per-batch assignment (module docstring), or None."""
-    if per_batch.pool.workers != cfg.dp * cfg.cp:
-        return f"per-batch pool of {per_batch.pool.workers} workers, but dp x cp = {cfg.dp * cfg.cp}"
-    if cfg.pp > 1 or cfg.tp > 1:
-        return "per-batch assignment runs without pipeline or tensor parallelism yet (pp = tp = 1)"
-    if global_batch != cfg.dp * cfg.mbs:
-        return (f"per-batch assignment runs one micro-batch per step: set mbs = global batch / dp "
-                f"({global_batch} / {cfg.dp})")
-    if cfg.recompute != "none":
-        return "per-batch assignment runs without recompute yet (recompute=none)"
-    if per_batch.method == "ulysses":
-        bad = [g for g in per_batch.pool.group_sizes() if g > 1 and (heads % g or kv_heads % g)]
-        if bad:
-            return (f"Ulysses groups of {bad} workers do not divide the {heads} heads / {kv_heads} kv heads: "
-                    "pass sizes that divide both, or use ring groups")
-    return None
 
 
 class PieceGroups:
@@ -131,49 +110,34 @@ class Segment:
 
 @dataclass
 class RowLayout:
-    """This step's row on this worker: the whole pieces' tokens ``[0, whole)`` with each token's
-    piece start (``doc_start`` [1, whole]), then the group shares (``segments``); ``version``
-    names the step (the local mask is built once per step). None of it between steps."""
-    whole: int = 0
-    doc_start: Optional[torch.Tensor] = None
+    """This step's row on this worker: the whole pieces (``whole``: (start, tokens) each, at the
+    row's front), then the group shares (``segments``); ``active`` once a step set it."""
+    whole: list[tuple[int, int]] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
-    version: int = 0
     active: bool = False
 
-    def set(self, whole: int, doc_start: torch.Tensor, segments: list[Segment]) -> None:
-        self.whole, self.doc_start, self.segments = whole, doc_start, segments
-        self.version += 1
-        self.active = True
+    def set(self, whole: list[tuple[int, int]], segments: list[Segment]) -> None:
+        self.whole, self.segments, self.active = whole, segments, True
 
 
 class PerBatchAttention:
-    """Every block's attention under per-batch assignment (module docstring): the row's whole
-    pieces masked by their documents, each group share through its group's attention, in the
-    layout's order; non-causal calls and steps without a layout through ``local``."""
+    """Every block's attention under per-batch assignment (module docstring): each whole piece
+    through ``local`` (the plan's kernel, causal within the piece: its work is its own L^2),
+    each group share through its group's attention, in the layout's order; non-causal calls
+    and steps without a layout through ``local``."""
 
     def __init__(self, layout: RowLayout, local: Callable = sdpa_attention):
         self.layout, self.local = layout, local
-        self._masks = PerVersion(4)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  scale: Optional[float] = None) -> torch.Tensor:
         lay = self.layout
         if not causal or not lay.active:
             return self.local(q, k, v, causal=causal, scale=scale)
-        outs = []
-        n = lay.whole
-        if n:
-            mask = self._masks.get((lay.version, q.device), lambda: _whole_mask(lay.doc_start, n, q.device))
-            outs.append(masked_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], mask, scale))
-        for s in lay.segments:
-            sl = slice(s.start, s.start + s.length)
-            outs.append(s.attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], causal=True, scale=scale).to(q.dtype))
+        parts = [(slice(a, a + n), self.local) for a, n in lay.whole]
+        parts += [(slice(s.start, s.start + s.length), s.attention) for s in lay.segments]
+        outs = [fn(q[:, :, sl], k[:, :, sl], v[:, :, sl], causal=True, scale=scale).to(q.dtype) for sl, fn in parts]
         return torch.cat(outs, dim=2)
-
-
-def _whole_mask(doc_start: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
-    pos = torch.arange(n, device=device)
-    return visible_mask(pos, pos, doc_start.to(device))[:, None]
 
 
 def pieces(cu_seqlens: torch.Tensor, rows: int, seq: int) -> torch.Tensor:
@@ -191,22 +155,21 @@ class WorkerRow:
     ids: torch.Tensor
     targets: torch.Tensor
     positions: torch.Tensor
-    whole: int
-    doc_start: torch.Tensor
+    whole: list[tuple[int, int]]              # whole pieces: (start in the row, tokens)
     shares: list[tuple[Placement, int, int]]  # (placement, start in the row, tokens)
 
 
 def worker_row(a: Assignment, w: int, starts: torch.Tensor, ids: torch.Tensor, targets: torch.Tensor) -> WorkerRow:
     """Worker ``w``'s row (module docstring, step 3) from the flattened batch ``ids`` /
     ``targets`` and the pieces' ``starts``."""
-    parts_ids, parts_tgt, parts_pos, doc, shares = [], [], [], [], []
+    parts_ids, parts_tgt, parts_pos, whole, shares = [], [], [], [], []
     offset = 0
     for p in a.on_worker(w):
         s = int(starts[p.piece])
         tok, tgt = ids[s:s + p.length], targets[s:s + p.length]
         if p.size == 1:
             pos = torch.arange(p.length)
-            doc.append(torch.full((p.length,), offset))
+            whole.append((offset, p.length))
         else:
             pad = p.padded - p.length
             tok = torch.cat([tok, tok.new_full((pad,), PAD_ID)])
@@ -218,10 +181,8 @@ def worker_row(a: Assignment, w: int, starts: torch.Tensor, ids: torch.Tensor, t
         parts_tgt.append(tgt)
         parts_pos.append(pos)
         offset += len(tok)
-    whole = sum(len(d) for d in doc)
     cat = lambda xs, like: torch.cat(xs)[None] if xs else like.new_zeros((1, 0))  # noqa: E731
-    return WorkerRow(cat(parts_ids, ids), cat(parts_tgt, targets), cat(parts_pos, ids), whole,
-                     cat(doc, ids), shares)
+    return WorkerRow(cat(parts_ids, ids), cat(parts_tgt, targets), cat(parts_pos, ids), whole, shares)
 
 
 class BatchPlanner:
@@ -243,5 +204,16 @@ class BatchPlanner:
         self.last = a
         row = worker_row(a, self.groups.worker, starts, ids.reshape(-1), targets.reshape(-1))
         segs = [Segment(start, n, self.groups.attention[(p.first, p.size)]) for p, start, n in row.shares]
-        self.layout.set(row.whole, row.doc_start.to(device), segs)
+        self.layout.set(row.whole, segs)
         return row
+
+
+def per_batch_of(record: Optional[dict]) -> Optional[PerBatch]:
+    """The :class:`PerBatch` a plan's ``batch.per_batch`` record asks for (None when absent or
+    not chosen): the emitted program's literal."""
+    if not record or not record.get("chosen"):
+        return None
+    cost = {k: record["cost"][k] for k in ("linear", "attention", "exchange", "alltoall", "latency", "method")}
+    pool = Pool(int(record["workers"]), int(record["max_group"]), int(record["capacity"]),
+                aligned=bool(record.get("aligned", False)))
+    return PerBatch(pool, WorkCost(**cost))

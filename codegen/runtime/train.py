@@ -43,7 +43,6 @@ cross-entropy, no logits).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import torch
@@ -343,11 +342,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     before = live_process_groups()
     try:
         recipe.check_runnable(cfg, adapter, facts, Batch(global_batch, seq_len, load_balance=load_balance))
-        if per_batch is not None and (why := bpar.per_batch_problem(cfg, global_batch, per_batch,
-                                                                     *_head_counts(facts))):
-            raise ValueError(f"{cfg.label()}: {why}")
         pm = _build(adapter, cfg, stages, stage_recompute, tp_layout, global_batch, device, mesh,
-                    optimizer_factory, seed, load_balance, per_batch)
+                    optimizer_factory, seed, load_balance, per_batch, facts)
     except BaseException:
         adapter.installs.own_groups_since(before)
         if own:
@@ -360,16 +356,15 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
 def _build(adapter: ModelAdapter, cfg: ParallelConfig, stages: Sequence[Sequence[str]],
            stage_recompute: Sequence[str], tp_layout: dict[str, str], global_batch: int, device: torch.device,
            mesh: Optional[DeviceMesh], optimizer_factory: OptimizerFactory, seed: Optional[int],
-           load_balance: str, per_batch: Optional[bpar.PerBatch] = None) -> ParallelModel:
+           load_balance: str, per_batch: Optional[bpar.PerBatch] = None,
+           facts: Optional[ModelFacts] = None) -> ParallelModel:
     """The recipe's steps after the feasibility check (:func:`parallelize`)."""
     mesh = mesh if mesh is not None else build_mesh(cfg)
     split = recipe.split_stages(adapter, stages, stage_recompute, cfg, mesh)
     recipe.materialize(adapter, split, device, seed)
     tied = recipe.tie_weights(adapter, split, mesh)  # before TP splits the tied ends apart
-    planner_ = None
-    if per_batch is not None:  # every window's process group, built once
-        planner_ = bpar.BatchPlanner(per_batch, bpar.PieceGroups(mesh, per_batch), bpar.RowLayout())
-    recipe.apply_attention(adapter, split, cfg, mesh, load_balance, planner_.layout if planner_ else None)
+    planner_ = recipe.build_batch_planner(per_batch, cfg, facts, global_batch, mesh)
+    recipe.apply_attention(adapter, split, cfg, mesh, load_balance, planner_)
     recipe.apply_tp(adapter, split, styles_for(tp_layout, cfg.sp), mesh, cfg.sp)
     experts = recipe.apply_ep(split, cfg)
     recipe.apply_fp8(adapter, split, cfg, device)
@@ -383,19 +378,14 @@ def _build(adapter: ModelAdapter, cfg: ParallelConfig, stages: Sequence[Sequence
                          schedule=schedule, tied=tied, load_balance=load_balance, batch_planner=planner_)
 
 
-def _head_counts(facts: Optional[ModelFacts]) -> tuple[int, int]:
-    """(query heads, kv heads) every attention layer kind of the plan's model divides by (their
-    greatest common divisors; 0 when unknown)."""
-    if facts is None:
-        return 0, 0
-    return math.gcd(*facts.heads), math.gcd(*facts.kv_heads)
-
 
 def parallelize_plan(model: nn.Module, plan: Plan, device: torch.device | str, *,
                      optimizer_factory: OptimizerFactory = default_optimizer, seed: Optional[int] = None,
                      adapter: Optional[ModelAdapter] = None) -> ParallelModel:
     """:func:`parallelize` with everything a plan file fixes taken from ``plan``: configuration,
-    stage split, recompute per stage, TP layout, batch, sequence length and model facts."""
+    stage split, recompute per stage, TP layout, batch, sequence length, model facts and
+    per-batch assignment (``batch.per_batch``, when chosen)."""
     return parallelize(model, plan.config, [s["layers"] for s in plan.stages], [s["recompute"] for s in plan.stages],
                        dict(plan.tp_layout), int(plan.batch["global"]), int(plan.batch["seq_len"]), device,
-                       optimizer_factory=optimizer_factory, seed=seed, adapter=adapter, facts=plan.facts)
+                       optimizer_factory=optimizer_factory, seed=seed, adapter=adapter, facts=plan.facts,
+                       per_batch=bpar.per_batch_of(plan.batch.get("per_batch")))

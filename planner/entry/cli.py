@@ -120,6 +120,9 @@ def _add_planning_commands(sub) -> None:
     p.add_argument("--fp8", choices=FP8_RECIPES, default="none",
                    help="the blocks' linears in float8 (torchao recipe; H100/H200-class GPUs; bf16 plans)")
     p.add_argument("--compile", action="store_true", help="each block through torch.compile (regional compilation)")
+    p.add_argument("--per-batch", action="store_true",
+                   help="with --seq-lens: price assigning each batch's documents to context-parallel groups of the "
+                        "size they need and run it when it is faster (batch.per_batch in the plan)")
     p.add_argument("-o", "--out", default=None, help="plan file to write (JSON)")
     p.add_argument("--force", action="store_true", help="overwrite an existing plan file")
     p.set_defaults(fn=cmd.cmd_plan)
