@@ -181,6 +181,9 @@ def test_plan_records_per_batch_and_the_program_runs_it():
     assert rec["chosen"] and rec["ratio"] <= 0.98 and "per-batch assignment" in rec["why"]
     text = emit(plan)
     assert "PER_BATCH = per_batch_of({" in text and "per-batch assignment" in describe(plan).attention
+    from planner.report.data import per_batch_text
+    line = per_batch_text(plan)
+    assert line.startswith("chosen: ") and f"{rec['spread_before']:.2f}x the mean work" in line
     pb = per_batch_of(rec)
     assert pb.pool.workers == 8 and pb.cost.attention == rec["cost"]["attention"]
     plan.batch["per_batch"]["cost"]["method"] = "os.system('id')"
