@@ -37,7 +37,8 @@ a few milliseconds for 1,024 documents on 64 workers):
    counting any load below ``T`` as ``T`` (finishing early gains nothing), then the one
    adding the least work in all (the least communication: no needless splitting), then the
    least loaded window, then the first;
-4. the other pieces go whole, heaviest first, to the least loaded worker with room (LPT).
+4. the other pieces go whole, heaviest first, to the least loaded worker with room (LPT);
+5. whole pieces move off the busiest worker while a move lowers it (``_refine``).
 
 :func:`static_work` prices the same batch on a fixed layout (rows of ``row_len`` tokens, one
 per dp rank, each split zigzag over ``cp`` ranks) with the same cost terms: the "before" of
@@ -59,8 +60,10 @@ PAD_CHUNKS = 2  # a group piece is cut into 2 g zigzag chunks: its length is pad
 METHODS = ("ring", "ulysses")
 HEAVY = 0.3       # a piece whose whole work exceeds this share of a worker's fair share may be split
 EXTRA_SIZES = 1   # sizes weighed beyond the smallest that brings a piece under the fair share
-TARGETS = (1.0, 0.8)  # the greedy's targets, in fair shares
+TARGETS = (1.0, 0.8, 0.9, 0.7, 0.6, 0.5)  # the greedy's targets, in fair shares, in the order tried
+HEAVY_BUDGET = 80           # targets tried: at least 2, as many as keep the heavy pieces placed under this
 GOOD_ENOUGH = 1.01          # a run within 1% of the ideal balance ends the search
+REFINE_ROUNDS = 2           # moves of whole pieces off the busiest worker, per worker
 
 
 class AssignError(AutoparError):
@@ -306,7 +309,34 @@ def _assign_at(lens: np.ndarray, solo: np.ndarray, pool: Pool, cost: WorkCost,
     whole = order[(sizes[order] == 1) & ~heavy[order]]
     for i, w in _place_whole(load, held, whole, lens, work, pool.capacity).items():
         first[i] = w
+    _refine(sizes == 1, first, work, load, held, lens, pool.capacity)
     return _Draft(float(load.max()), sizes, first, work, load, held)
+
+
+def _refine(whole: np.ndarray, first: np.ndarray, work: np.ndarray, load: np.ndarray, held: np.ndarray,
+            lens: np.ndarray, capacity: int) -> None:
+    """Step 5: up to ``REFINE_ROUNDS x P`` moves of one whole piece off the busiest worker, to
+    the least loaded one with room, each the move leaving the two the least busy (and only
+    when it lowers the busiest); in place."""
+    for _ in range(REFINE_ROUNDS * len(load)):
+        b = int(np.argmax(load))
+        mine = np.flatnonzero(whole & (first == b))
+        if mine.size == 0:
+            return
+        room = held[None, :] + lens[mine, None] <= capacity          # [pieces, workers]
+        room[:, b] = False
+        dest = np.where(room, load[None, :], np.inf).argmin(axis=1)  # the least loaded with room, per piece
+        after = np.where(room[np.arange(mine.size), dest], np.maximum(load[b] - work[mine], load[dest] + work[mine]),
+                         np.inf)
+        k = int(np.argmin(after))
+        if not after[k] < load[b] * (1 - 1e-12):
+            return
+        i, w = int(mine[k]), int(dest[k])
+        load[b] -= work[i]
+        load[w] += work[i]
+        held[b] -= lens[i]
+        held[w] += lens[i]
+        first[i] = w
 
 
 @dataclass
@@ -331,8 +361,9 @@ class _Draft:
 def assign(lengths: Sequence[int], pool: Pool, cost: WorkCost) -> Assignment:
     """Group size and workers for every piece of one global batch (module docstring): the
     greedy run toward each of ``TARGETS`` times the fair share (lower ones split the heavy
-    pieces finer, leaving room for the next), the least busy busiest worker winning (the
-    first on a tie). ``lengths``: the pieces' token counts, in batch order. Deterministic: the
+    pieces finer, leaving room for the next; as many as keep the heavy pieces placed in all
+    under ``HEAVY_BUDGET``, at least two: the time stays bounded on large pools), the least
+    busy busiest worker winning (the first on a tie). ``lengths``: the pieces' token counts, in batch order. Deterministic: the
     same inputs give the same assignment on every rank. :class:`AssignError` when a piece or
     the batch cannot fit."""
     lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
@@ -342,7 +373,9 @@ def assign(lengths: Sequence[int], pool: Pool, cost: WorkCost) -> Assignment:
     ideal = float(solo.sum()) / pool.workers
     best: Optional[_Draft] = None
     error: Optional[AssignError] = None
-    for k in TARGETS:
+    heavy = int(((solo > HEAVY * ideal) | (lens > pool.capacity)).sum())
+    runs = max(2, HEAVY_BUDGET // max(heavy, 1))
+    for k in TARGETS[:runs]:
         try:
             got = _assign_at(lens, solo, pool, cost, k * ideal)
         except AssignError as e:

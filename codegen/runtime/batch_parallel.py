@@ -202,6 +202,10 @@ class BatchPlanner:
         ends = torch.cat([starts[1:], torch.tensor([rows * seq])])
         a = assign((ends - starts).tolist(), self.per_batch.pool, self.per_batch.cost)
         self.last = a
+        if min(a.tokens) == 0:  # the same on every rank: all refuse together
+            raise ValueError(f"per-batch assignment left a worker without tokens ({len(starts)} documents for "
+                             f"{self.per_batch.pool.workers} workers): pack more documents per batch or plan "
+                             "without --per-batch")
         row = worker_row(a, self.groups.worker, starts, ids.reshape(-1), targets.reshape(-1))
         segs = [Segment(start, n, self.groups.attention[(p.first, p.size)]) for p, start, n in row.shares]
         self.layout.set(row.whole, segs)
