@@ -236,3 +236,18 @@ def test_worker_rows_hold_every_token_once(lengths, workers, data):
         piece_start = starts[torch.searchsorted(starts, tok, right=True) - 1]
         assert torch.equal(r.positions[0][real], tok - piece_start)
     assert torch.equal(seen, torch.ones(total, dtype=torch.long))  # a group's tokens are split, not copied
+
+
+def test_per_batch_problem_names_what_the_runtime_cannot_run():
+    from planner.batch_assign import per_batch_problem
+    from planner.plan import ParallelConfig
+
+    pool = Pool(4, 4, 4096)
+    ok = ParallelConfig(dp=2, cp=2, mbs=2)
+    assert per_batch_problem(ok, 4, pool, "ring") is None
+    assert "mbs = global batch / dp" in per_batch_problem(ParallelConfig(dp=2, cp=2, mbs=1), 4, pool, "ring")
+    assert "pp = tp = 1" in per_batch_problem(ParallelConfig(dp=2, pp=2, mbs=2), 4, Pool(2, 2, 99), "ring")
+    assert "recompute" in per_batch_problem(ParallelConfig(dp=2, cp=2, mbs=2, recompute="full"), 4, pool, "ring")
+    assert "dp x cp = 4" in per_batch_problem(ok, 4, Pool(2, 2, 99), "ring")
+    assert "do not divide" in per_batch_problem(ok, 4, Pool(4, 4, 99, sizes=(1, 4)), "ulysses", heads=4, kv_heads=2)
+    assert per_batch_problem(ok, 4, Pool(4, 4, 99, sizes=(1, 2)), "ulysses", heads=4, kv_heads=2) is None
