@@ -137,7 +137,9 @@ def load_run_log(path: str) -> list[dict[str, Any]]:
 def compare_run(plan: Plan, recs: list[dict[str, Any]], warmup: int = WARMUP_STEPS) -> dict[str, Any]:
     times = [float(r["step_s"]) for r in recs[warmup:]] or [float(r["step_s"]) for r in recs]
     meas = statistics.median(times)
-    pred = float(plan.estimate["step_s"])
+    from codegen.emit import predicted_step  # per-batch assignment's expected step when the plan runs it
+
+    pred = predicted_step(plan)
     world_ranks: dict[int, float] = {}
     for r in recs:
         for g, v in enumerate(r.get("memory_gib") or []):

@@ -8,9 +8,11 @@ plan's document distribution: consecutive windows of ``global_batch`` rows of th
 packed batch carries them). Both sides are priced with the same rates
 (``cost_models.batch_pricing``): per batch, the busiest worker's seconds after assignment and
 on the plan's fixed layout (``static_work``), with the data-parallel reduction and optimizer
-the estimate has. The expected step with assignment is the plan's estimated step less the
-seconds assignment saves on the mean (what the estimate prices beyond these terms, the same
-for both, stays). It is chosen when the runtime can run it
+the estimate has. The expected step with assignment is the plan's estimate times the ratio of
+the two means: both sides priced by one model (the estimate itself prices the mix's mean row,
+not the busiest rank of each batch, and its ring terms differ from the rates'; a difference
+of the two models, as a first version took, went negative for a cp=4 ring over short
+documents). It is chosen when the runtime can run it
 (``planner.batch_assign.per_batch_problem``) and it saves at least ``MIN_GAIN``; the plan
 records the figures and why (``batch.per_batch``), and the emitted program runs it.
 """
@@ -73,9 +75,8 @@ def per_batch_record(graph: ModelGraph, cluster: Cluster, est: Estimate, global_
         c = compare(sampled_batches(graph, global_batch), pool, cost, [Layout(cfg.dp, cfg.cp, graph.seq_len)], fixed)
     except AssignError as e:
         return dict(out, why=str(e))
-    saved = c.mean(c.static[Layout(cfg.dp, cfg.cp, graph.seq_len).label]) - c.mean(c.per_batch)
-    expected = est.step_s - saved
-    ratio = expected / est.step_s
+    ratio = c.mean(c.per_batch) / c.mean(c.static[Layout(cfg.dp, cfg.cp, graph.seq_len).label])
+    expected = est.step_s * ratio
     out.update(c.summary(), expected_step_s=expected, fixed_step_s=est.step_s, ratio=ratio)
     if ratio > 1 - MIN_GAIN:
         return dict(out, why=f"per-batch assignment would take {expected:.4g} s per step against the fixed "
