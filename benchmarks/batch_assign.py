@@ -6,9 +6,10 @@ sigma ``SIGMA``, cut to 32 .. 131,072 tokens) packed in order, the last one cut 
 end (each row end cuts a document into pieces, as packed batches do). TP 1, FSDP, full
 recompute, bf16, flash attention: every GPU is a worker of the ``dp x cp`` pool.
 
-- **fixed layouts**: every ``dp x cp`` with ``dp`` dividing the rows (each row over a ring of
-  ``cp`` GPUs, zigzag), priced per batch by ``planner.batch_assign.static_work``; the best
-  is the one with the least mean step;
+- **fixed layouts**: every ``dp x cp`` with ``dp`` dividing the rows, each row over a ring of
+  ``cp`` GPUs (zigzag) or, where ``cp`` divides the 8 kv heads, over Ulysses' all-to-alls,
+  priced per batch by ``planner.batch_assign.static_work``; the best is the one with the
+  least mean step (the 2-D hybrid is not among them);
 - **per-batch**: ``planner.batch_assign.assign`` on each batch (groups up to the whole pool,
   memory per GPU from the fixed cp-8 layout's estimate);
 - **ideal**: every GPU the same work, no communication.
@@ -71,7 +72,10 @@ def price_cluster(spec: str, batches: int, seed: int) -> dict:
     fixed_s = est.breakdown.get("dp_comm", 0.0) + est.breakdown.get("optimizer", 0.0)
     cost = work_cost(graph, cluster, ParallelConfig(dp=1, cp=gpus, **base))
     pool = Pool(gpus, gpus, capacity)
-    layouts = [Layout(dp, gpus // dp, ROW) for dp in range(1, rows + 1) if rows % dp == 0]
+    dps = [dp for dp in range(1, rows + 1) if rows % dp == 0]
+    kv = next(l.attention.kv_heads for l in graph.layers if l.attention is not None)
+    layouts = ([Layout(dp, gpus // dp, ROW, "ring") for dp in dps]  # Ulysses where its groups divide the kv heads
+               + [Layout(dp, gpus // dp, ROW, "ulysses") for dp in dps if kv % (gpus // dp) == 0])
     sampled = sample_batches(batches, gpus * TOKENS_PER_GPU, seed)
     c = compare(sampled, pool, cost, layouts, fixed_s)
     times = []

@@ -96,14 +96,16 @@ def capacity_tokens(tokens_per_rank: float, activations: float, other: float, de
 
 @dataclass(frozen=True)
 class Layout:
-    """A fixed layout of the same pool: ``dp`` rows of ``row_len`` tokens, each over ``cp`` ranks."""
+    """A fixed layout of the same pool: ``dp`` rows of ``row_len`` tokens, each over ``cp`` ranks
+    by ``method`` (None: the rates' own; ``ring`` or ``ulysses``)."""
     dp: int
     cp: int
     row_len: int
+    method: Optional[str] = None
 
     @property
     def label(self) -> str:
-        return f"dp{self.dp} cp{self.cp}"
+        return f"dp{self.dp} cp{self.cp}" + (f" {self.method}" if self.method else "")
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,7 @@ def compare(batches: Sequence[Sequence[int]], pool: Pool, cost: WorkCost, layout
         ideal.append(a.ideal + fixed_s)
         after.append(a.spread())
         for l in layouts:
-            w = static_work(lengths, l.row_len, l.dp, l.cp, cost)
+            w = static_work(lengths, l.row_len, l.dp, l.cp, replace(cost, method=l.method) if l.method else cost)
             works[l.label].append(w)
             static[l.label].append(max(w) + fixed_s)
     result = Comparison(tuple(per), {k: tuple(v) for k, v in static.items()}, tuple(ideal), (), tuple(after),
