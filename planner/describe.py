@@ -47,6 +47,10 @@ class PlanWords:
 def attention_words(plan: Plan) -> str:
     c = plan.config
     kernel = f"{c.attention} attention kernel"
+    per_batch = plan.batch.get("per_batch") or {}
+    if per_batch.get("chosen"):
+        return (f"per-batch assignment: each batch's documents on {per_batch['method']} groups of 1 to "
+                f"{per_batch['max_group']} of the dp x cp ranks, {kernel}")
     if c.cp == 1:
         return f"cp=1: {kernel}"
     method = CP_METHODS[c.cp_method]

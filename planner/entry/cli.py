@@ -134,6 +134,9 @@ def _add_planning_commands(sub) -> None:
     p.add_argument("--low-comm", default="", metavar="GxH:DTYPE",
                    help="also price low-communication DP (DiLoCo-style: G groups of replicas, pseudo-gradients in "
                         "DTYPE every H steps, e.g. 2x16:bf16) and choose it when faster; it changes the optimisation")
+    p.add_argument("--per-batch", action="store_true",
+                   help="with --seq-lens: price assigning each batch's documents to context-parallel groups of the "
+                        "size they need and run it when it is faster (batch.per_batch in the plan)")
     p.add_argument("-o", "--out", default=None, help="plan file to write (JSON)")
     p.add_argument("--force", action="store_true", help="overwrite an existing plan file")
     p.set_defaults(fn=cmd.cmd_plan)

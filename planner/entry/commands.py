@@ -183,9 +183,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
               + (f" with {pins.to_str()} pinned" if pins else ""))
     plan, res = plan_model(graph, cluster, args.global_batch, spec=args.model, cluster_spec=args.cluster,
                            profile=profile, top_k=args.top_k, progress=_progress, loss=args.loss, fix=pins,
-                           fp8=args.fp8, compile=args.compile, low_comm=args.low_comm)
+                           fp8=args.fp8, compile=args.compile, low_comm=args.low_comm,
+                           per_batch=args.per_batch)
     _progress(f"{res.considered} configurations considered, {res.pruned} pruned by bounds, "
               f"{res.estimated} estimated, {res.fully_solved} fully solved in {res.solve_s:.2f} s")
+    if "per_batch" in plan.batch:
+        _progress(plan.batch["per_batch"]["why"])
     if args.out:
         write_atomic(args.out, plan.to_json(), force=args.force)
     if args.json:
