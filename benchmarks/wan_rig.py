@@ -12,98 +12,38 @@ link (the gloo defaults) are added to the measured unlimited step: ``predicted``
 without the limit + the modelled cost of the limit. So the comparison holds the compute and
 the local communication to measurement and tests the WAN pricing this module's issue adds.
 
-Needs root and ``ip netns`` (:func:`rig_problem` says why not, in one line); every namespace it
-makes is deleted on the way out, whatever happens. Timings on a shared 2-core box are noisy.
+The rig is ``planner/entry/netns_rig.py``'s (``autopar run --rig-mbit`` runs plans on it): it needs
+root and ``ip netns`` (``rig_problem`` says why not, in one line) and deletes every namespace it
+makes on the way out, whatever happens. Timings on a shared 2-core box are noisy.
 
     python -m benchmarks.wan_rig [--mbit 200] [--modes pp,sync,low4,low16] [--out benchmarks/results/wan_rig.json]
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import shutil
-import subprocess
-import sys
-from dataclasses import dataclass
 
 from benchmarks.results import write_json
+from planner.entry.netns_rig import Rig, RigSpec, launch_across, rig_problem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "rig_worker.py")
-ADDR = ("10.230.0.1", "10.230.0.2")
 
 
-@dataclass(frozen=True)
-class Rig:
-    """Two namespaces and the veth ends in them."""
-    ns: tuple[str, str]
-    dev: tuple[str, str]
-
-
-def rig_problem() -> str | None:
-    """Why the rig cannot be made here (one line), or None."""
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "the rig needs iproute2's ip and tc"
-    if os.geteuid() != 0:
-        return "the rig needs root to create network namespaces"
-    probe = f"ap30probe{os.getpid()}"
-    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if r.returncode != 0:
-        return f"cannot create a network namespace: {r.stderr.strip() or r.returncode}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
-def _sh(*args: str) -> None:
-    subprocess.run(list(args), check=True, capture_output=True, text=True)
-
-
-@contextlib.contextmanager
-def rig(mbit: float | None):
-    """The two namespaces joined by a veth pair, each direction limited to ``mbit`` Mbit/s (None: no limit)."""
-    tag = f"{os.getpid() % 100000}"
-    r = Rig((f"ap30a{tag}", f"ap30b{tag}"), (f"ap30va{tag}", f"ap30vb{tag}"))
-    try:
-        for ns in r.ns:
-            _sh("ip", "netns", "add", ns)
-        _sh("ip", "link", "add", r.dev[0], "type", "veth", "peer", "name", r.dev[1])
-        for ns, dev, addr in zip(r.ns, r.dev, ADDR):
-            _sh("ip", "link", "set", dev, "netns", ns)
-            _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _sh("ip", "-n", ns, "link", "set", dev, "up")
-            _sh("ip", "-n", ns, "link", "set", "lo", "up")
-            if mbit:
-                _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
-                    "burst", "32kb", "latency", "400ms")
-        yield r
-    finally:
-        for ns in r.ns:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+def rig(mbit: float | None) -> Rig:
+    """The two-region rig (planner/entry/netns_rig.py): 2 ranks per region, each direction of the
+    link limited to ``mbit`` Mbit/s (None: no limit). A context manager."""
+    return Rig(RigSpec(nproc=2, rate_mbit=mbit))
 
 
 def launch(r: Rig, mode: str, port: int, timeout: float = 300) -> dict:
-    """The worker's 4 ranks, 2 per namespace (torchrun per namespace, static rendezvous on the veth)."""
-    procs = []
-    for k, (ns, dev) in enumerate(zip(r.ns, r.dev)):
-        env = dict(os.environ, GLOO_SOCKET_IFNAME=dev, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-               "--node-rank", str(k), "--nproc-per-node", "2", "--master-addr", ADDR[0], "--master-port", str(port),
-               WORKER, mode]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, (out, err) in zip(procs, outs):
-        if p.returncode != 0:
-            raise RuntimeError(f"rig worker {mode} failed (rc {p.returncode}): {err.strip().splitlines()[-1:]}")
-    line = next(l for l in outs[0][0].splitlines() if l.startswith("RESULT "))
+    """The worker's 4 ranks on ``r`` (one torchrun per region); its RESULT record."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    run = launch_across(r, [WORKER, mode], env, timeout, port=port, capture=True)
+    if run.rc != 0:
+        raise RuntimeError(f"rig worker {mode} failed (rc {run.rc}): {run.stderr[0].strip().splitlines()[-1:]}")
+    line = next(ln for ln in run.stdout[0].splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
 
 

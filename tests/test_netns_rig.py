@@ -33,8 +33,8 @@ def test_rig_limits_only_the_traffic_that_crosses(tmp_path):
     with Rig(RigSpec(nproc=2, rate_mbit=rate)) as rig:
         names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert rig.ns(0) in names and rig.ns(1) in names
-        rc = launch_across(rig, [os.path.join(ROOT, "tests", "rig_worker.py"), str(out)], env, timeout_s=120)
-    assert rc == 0
+        run = launch_across(rig, [os.path.join(ROOT, "tests", "rig_worker.py"), str(out)], env, timeout_s=120)
+    assert run.rc == 0
     assert rig.ns(0) not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     got = json.loads(out.read_text())
     assert 0.5 * rate < got["across_mbit"] < 1.2 * rate, got   # the tbf rate (a 4 MiB send is 30 buckets)

@@ -34,9 +34,9 @@ def _namespaces() -> str:
 def test_rig_cleans_up_even_on_error():
     with pytest.raises(RuntimeError):
         with rig(200) as r:
-            assert r.ns[0] in _namespaces()
+            assert r.ns(0) in _namespaces()
             raise RuntimeError("boom")
-    assert r.ns[0] not in _namespaces() and r.ns[1] not in _namespaces()
+    assert r.ns(0) not in _namespaces() and r.ns(1) not in _namespaces()
 
 
 @pytest.mark.slow

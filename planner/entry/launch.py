@@ -145,7 +145,7 @@ def run_plan(plan_path: str, *, steps: int, run_dir: str, ckpt_every: int = 0, m
             from planner.entry.netns_rig import Rig, launch_across
 
             with Rig(rig) as r:
-                rc = launch_across(r, worker, env, timeout_s)
+                rc = launch_across(r, worker, env, timeout_s).rc
         if rc == 0:
             break
         if attempt < max_restarts:

@@ -14,9 +14,9 @@ What it models: bandwidth only. This kernel has ``tbf`` and ``htb`` but not ``ne
 WAN's latency stays a simulated term of the cost model; the veth's own latency is the
 kernel's (tens of microseconds).
 
-Limits of ``tbf`` (tc-tbf(8)): the bucket must hold a whole packet, and veth passes
-64 KiB segments, so ``BURST_BYTES`` is 128 KiB; a burst of that size leaves at line rate, so
-transfers much shorter than ``BURST_BYTES / rate`` see more than the rate.
+Limits of ``tbf`` (tc-tbf(8)): a burst of ``BURST_BYTES`` leaves at line rate, so the bucket is
+kept small (32 KiB; tbf splits the veth's larger GSO segments to fit it): with 256 KiB a
+pipeline's activations of a small model crossed without ever meeting the limit.
 
 Needs Linux, root (CAP_NET_ADMIN) and ``ip`` / ``tc`` (iproute2): :func:`rig_problem` says in
 one line what is missing. Everything the rig creates is removed on exit (deleting a namespace
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from planner.errors import AutoparError
 
-BURST_BYTES = 128 * 1024     # tbf bucket: two 64 KiB veth segments
+BURST_BYTES = 32 * 1024      # tbf bucket (module docstring)
 QUEUE_LATENCY_MS = 200       # tbf: the longest a packet may wait in the queue before it is dropped
 
 
@@ -141,25 +141,36 @@ class Rig:
                     AUTOPAR_HOST_RANK_BASE=str(region * self.spec.nproc))
 
 
-def launch_across(rig: Rig, module_args: list[str], env: dict, timeout_s: float | None = None) -> int:
+@dataclass(frozen=True)
+class RigRun:
+    """How a launch on the rig ended: 0 when both regions' torchruns exited 0, else the first
+    failing exit code (124: killed at the timeout); each region's stdout and stderr when captured."""
+    rc: int
+    stdout: tuple[str, ...] = ()
+    stderr: tuple[str, ...] = ()
+
+
+def launch_across(rig: Rig, module_args: list[str], env: dict, timeout_s: float | None = None, *,
+                  port: int | None = None, capture: bool = False) -> RigRun:
     """Run ``module_args`` (a script and its arguments, as torchrun takes them) on both regions
-    of ``rig`` at once; returns 0 when both torchruns exit 0, else the first failing exit code
-    (124: killed after ``timeout_s`` seconds)."""
+    of ``rig`` at once, the rendezvous on ``port`` of region 0 (default: one derived from this
+    process id); ``capture`` keeps each region's output instead of passing it through."""
     import signal
     import time
 
-    port = 29400 + os.getpid() % 500
-    procs = [subprocess.Popen(rig.region_cmd(k, module_args, port), env=rig.region_env(k, env),
-                              start_new_session=True) for k in (0, 1)]
+    port = port if port is not None else 29400 + os.getpid() % 500
+    pipe = subprocess.PIPE if capture else None
+    procs = [subprocess.Popen(rig.region_cmd(k, module_args, port), env=rig.region_env(k, env), stdout=pipe,
+                              stderr=pipe, text=True, start_new_session=True) for k in (0, 1)]
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                if q.poll() is None:
-                    os.killpg(q.pid, signal.SIGKILL)
-                    q.wait()
-            return 124
-    return next((c for c in codes if c != 0), 0)
+    try:
+        outs = [p.communicate(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+                for p in procs]
+    except subprocess.TimeoutExpired:
+        for q in procs:
+            if q.poll() is None:
+                os.killpg(q.pid, signal.SIGKILL)
+            q.wait()
+        return RigRun(124)
+    rc = next((p.returncode for p in procs if p.returncode != 0), 0)
+    return RigRun(rc, tuple(o or "" for o, _ in outs), tuple(e or "" for _, e in outs))
