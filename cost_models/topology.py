@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from cost_models.hardware import ClusterError, Device, check_keys, check_table, integer, number, string
+from cost_models.hardware import ClusterError, Device, Link, check_keys, check_table, integer, number, string
 
 
 @dataclass
@@ -42,24 +42,14 @@ class Region:
     device: Device | None = None
 
 
-@dataclass(frozen=True)
-class GroupLink:
-    """The link from group ``src`` to group ``dst``: aggregate one-direction GB/s, one-way latency in us."""
+@dataclass(kw_only=True)
+class GroupLink(Link):
+    """The link from group ``src`` to group ``dst``: a :class:`~cost_models.hardware.Link` whose
+    ``bandwidth_gbs`` is the aggregate one-direction figure every flow between the two groups
+    shares (module docstring) and ``latency_us`` the one-way latency."""
 
     src: str
     dst: str
-    bandwidth_gbs: float
-    latency_us: float
-
-    @property
-    def bandwidth_bps(self) -> float:
-        """Aggregate bandwidth, bytes/s."""
-        return self.bandwidth_gbs * 1e9
-
-    @property
-    def latency_s(self) -> float:
-        """One-way latency, seconds."""
-        return self.latency_us * 1e-6
 
 
 @dataclass
@@ -109,8 +99,7 @@ class Topology:
         """The TOML layout: ``groups`` and ``links`` arrays of tables."""
         groups = [{"name": g.name, "nodes": g.nodes, **({"device": g.device.to_dict()} if g.device else {})}
                   for g in self.groups]
-        links = [{"from": k.src, "to": k.dst, "bandwidth_gbs": float(k.bandwidth_gbs),
-                  "latency_us": float(k.latency_us)} for k in self.declared]
+        links = [{"from": k.src, "to": k.dst, **k.to_dict()} for k in self.declared]
         return {"groups": groups, "links": links}
 
     # ---- building -----------------------------------------------------------
@@ -164,7 +153,8 @@ def _complete(declared: Sequence[GroupLink]) -> dict[tuple[str, str], GroupLink]
     """Every declared direction, plus the reverse of one declared one way only (symmetric)."""
     pairs = {(k.src, k.dst): k for k in declared}
     for k in declared:
-        pairs.setdefault((k.dst, k.src), GroupLink(k.dst, k.src, k.bandwidth_gbs, k.latency_us))
+        pairs.setdefault((k.dst, k.src), GroupLink(src=k.dst, dst=k.src, bandwidth_gbs=k.bandwidth_gbs,
+                                                     latency_us=k.latency_us))
     return pairs
 
 
@@ -188,6 +178,6 @@ def _group_link(k: Any, source: str, i: int, names: list[str]) -> GroupLink:
     if src == dst:
         raise ClusterError(f"{source}: {key} joins group {src!r} to itself: nodes inside a group use [inter]; "
                            f"link two different groups")
-    return GroupLink(src, dst, number(k["bandwidth_gbs"], source, f"{key}.bandwidth_gbs"),
-                     number(k["latency_us"], source, f"{key}.latency_us", allow_zero=True))
+    return GroupLink(src=src, dst=dst, bandwidth_gbs=number(k["bandwidth_gbs"], source, f"{key}.bandwidth_gbs"),
+                     latency_us=number(k["latency_us"], source, f"{key}.latency_us", allow_zero=True))
 
