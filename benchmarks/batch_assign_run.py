@@ -22,20 +22,13 @@ import json
 import os
 import tempfile
 
-from benchmarks.results import write_json
+from benchmarks.results import autopar, write_json
 
 MODEL, CLUSTER, GLOBAL_BATCH, SEQ = "llama-mini", "local-cpu:4", 4, 2048
 LENGTHS = [round(32 * 2 ** (k / 8)) for k in range(49)]  # 32 .. 2048 tokens, log-uniform
 LAYOUTS = {"dp4": "dp=4,pp=1,cp=1,tp=1,mbs=1,recompute=none,world=4",
            "dp2xcp2": "dp=2,pp=1,cp=2,ulysses=1,tp=1,mbs=2,recompute=none,world=4",
            "cp4": "dp=1,pp=1,cp=4,ulysses=1,tp=1,mbs=4,recompute=none,world=4"}
-
-
-def _autopar(*args: str) -> None:
-    from planner.entry.cli import main as cli
-
-    if cli(list(args)) != 0:
-        raise SystemExit(f"autopar {' '.join(args)} failed")
 
 
 def run_case(layout: str, pins: str, per_batch: bool, steps: int, work: str) -> dict:
@@ -47,14 +40,14 @@ def run_case(layout: str, pins: str, per_batch: bool, steps: int, work: str) -> 
     lens = os.path.join(work, "lengths.txt")
     with open(lens, "w") as fh:
         fh.write("\n".join(map(str, LENGTHS)) + "\n")
-    _autopar("plan", "--model", MODEL, "--cluster", CLUSTER, "--global-batch", str(GLOBAL_BATCH), "--seq-len",
+    autopar("plan", "--model", MODEL, "--cluster", CLUSTER, "--global-batch", str(GLOBAL_BATCH), "--seq-len",
              str(SEQ), "--fix", pins, "--seq-lens", lens, *(["--per-batch"] if per_batch else []), "-o", plan)
     with open(plan) as fh:
         record = json.load(fh)["batch"].get("per_batch") or {}
     if per_batch and not record.get("chosen"):
         return {"case": name, "layout": layout, "per_batch": True, "chosen": False, "why": record.get("why")}
     run_dir = os.path.join(work, name)
-    _autopar("run", plan, "--steps", str(steps), "--dir", run_dir)
+    autopar("run", plan, "--steps", str(steps), "--dir", run_dir)
     c = compare_run(plan, os.path.join(run_dir, "train_log.jsonl"))
     predicted = record["expected_step_s"] if per_batch else c["predicted_step_s"]
     return {"case": name, "layout": layout, "per_batch": per_batch, "chosen": bool(record.get("chosen")),

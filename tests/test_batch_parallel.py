@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launches import run_launch  # noqa: E402
+from planner.entry.launch import free_port  # noqa: E402
 from test_runtime_parity import TOL  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -26,18 +26,12 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "batch_worker.
 EXPECTED_SIZE = {"ring": None, "ring-g3": 3, "ring-cp4-g4": 4, "ulysses-g2": 2, "ulysses-g4": 4}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     out = str(tmp_path_factory.mktemp("per_batch") / "w4.json")
 
     def cmd() -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", f"--master-port={_free_port()}",
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", f"--master-port={free_port()}",
                 WORKER, out]
     proc = run_launch(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"), timeout=600)
     assert proc.returncode == 0 and os.path.exists(out), proc.stderr[-6000:]
