@@ -368,13 +368,16 @@ def p2p_hops(nbytes: float, cluster: Cluster, mesh: Mesh | Mapping[str, int],
     if not links or nbytes <= 0:
         return [CommEstimate(0.0, "model") for _ in links]
     wans = wan.boundary_links(cluster, m.pp, m.stride("pp"))
-    out = []
+    out, by_class = [], {}  # boundaries inside the cluster differ only by their link class: time each once
     for link, across in zip(links, wans):
         if across is not None:
             out.append(CommEstimate(_ring_time("send_recv", float(nbytes), 2, across), "model"))
             continue
-        lay = GroupLayout(size=2, link=link, per_node=1 if link == "inter" else 2, nodes=2 if link == "inter" else 1)
-        out.append(_group_time("send_recv", float(nbytes), lay, cluster, profile))
+        if link not in by_class:
+            lay = GroupLayout(size=2, link=link, per_node=1 if link == "inter" else 2,
+                              nodes=2 if link == "inter" else 1)
+            by_class[link] = _group_time("send_recv", float(nbytes), lay, cluster, profile)
+        out.append(by_class[link])
     return out
 
 

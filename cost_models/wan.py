@@ -92,6 +92,8 @@ def flow_link(cluster: Cluster, groups: tuple[int, ...], flows: int) -> Link:
 def boundary_links(cluster: Cluster, pp: int, stride: int) -> list[Link | None]:
     """Per pipeline boundary (stage i -> i+1): the per-flow WAN link when it crosses cluster groups
     (``stride`` rank pairs sending at once), else None."""
+    if cluster.topology is None:
+        return [None] * (pp - 1)
     bounds = group_bounds(cluster)
     out: list[Link | None] = []
     for i in range(pp - 1):

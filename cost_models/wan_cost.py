@@ -146,6 +146,8 @@ def _grad_wan_s(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, span: 
 def stage_slowdowns(cluster: Cluster, cfg: ParallelConfig) -> list[float]:
     """Per pipeline rank: its device's compute time over the cluster's reference ``[device]``
     (``cost_models.wan.slowdowns``, at the dtype the plan computes in); all 1 on one device type."""
+    if not cluster.mixed:  # every estimate asks: one device type is all 1
+        return [1.0] * cfg.pp
     dtype = "fp32" if cluster.backend == "gloo" else cfg.dtype
     return wan.slowdowns(cluster, cfg.pp, cfg.dp * cfg.cp * cfg.tp, dtype)
 
