@@ -203,8 +203,7 @@ def dualpipev(p: int, m: int) -> Schedule:
     forward-of-one-stage + backward-of-the-other steps, and drains with backwards (the later half
     split into I and W, the W's filling the tail)."""
     if m < 2 * p:
-        raise ScheduleError(f"dualpipev needs at least 2 pp = {2 * p} micro-batches, got {m}; raise the global "
-                            "batch or lower pp")
+        raise ScheduleError(builtin_problem("dualpipev", p, m))
     return _make("dualpipev", m, v_shape(p), [_DualPipeRank(p, r).order(m) for r in range(p)])
 
 
@@ -287,19 +286,33 @@ def placement(name: str, p: int, v: int) -> tuple[int, ...]:
     return v_shape(p) if name in V_SCHEDULES else looped(p, stages_per_rank(name, v))
 
 
-def builtin(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """Built-in schedule ``name`` over ``p`` ranks and ``m`` micro-batches (``v`` chunks per
-    rank for interleaved-1f1b)."""
+def builtin_problem(name: str, p: int, m: int, v: int = 1) -> str | None:
+    """Why built-in ``name`` cannot be made for ``p`` ranks, ``m`` micro-batches and ``v``
+    chunks per rank (one line with the fix), or None. ``v`` is 1 or 2 for the V schedules
+    (their two stages per rank)."""
     if name not in BUILTINS:
-        raise ScheduleError(f"unknown pipeline schedule {name!r}: use one of {', '.join(BUILTINS)}")
+        return f"unknown pipeline schedule {name!r}: use one of {', '.join(BUILTINS)}"
     for k, val in (("p", p), ("m", m), ("v", v)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-            raise ScheduleError(f"pipeline {k} must be a positive integer, got {val!r}")
-    if v > 1 and name != "interleaved-1f1b":
-        raise ScheduleError(f"v = {v} chunks per rank needs schedule 'interleaved-1f1b', not {name!r}")
+            return f"pipeline {k} must be a positive integer, got {val!r}"
+    if name in V_SCHEDULES:
+        if v > 2:
+            return f"{name} runs 2 stages per rank, not v = {v}"
+        if m < 2 * p:
+            return f"{name} needs at least 2 pp = {2 * p} micro-batches, got {m}; raise the global batch or lower pp"
+    elif v > 1 and name != "interleaved-1f1b":
+        return f"v = {v} chunks per rank needs schedule 'interleaved-1f1b', not {name!r}"
     if name == "interleaved-1f1b" and v > 1 and m % p:
-        raise ScheduleError(f"interleaved-1f1b needs micro-batches divisible by pp: m = {m}, pp = {p}; "
-                            f"pick a global batch giving a multiple of {p}")
+        return (f"interleaved-1f1b needs micro-batches divisible by pp: m = {m}, pp = {p}; "
+                f"pick a global batch giving a multiple of {p}")
+    return None
+
+
+def builtin(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    """Built-in schedule ``name`` over ``p`` ranks and ``m`` micro-batches (``v`` chunks per
+    rank for interleaved-1f1b; 1 or 2 for the V schedules)."""
+    if (why := builtin_problem(name, p, m, v)):
+        raise ScheduleError(why)
     return BUILTINS[name](p, m, v)
 
 
