@@ -99,6 +99,7 @@ from planner.graph import ModelGraph
 from planner.plan import ParallelConfig, Partition, PlanError
 from planner.sharding import DDP_BUCKET_BYTES, SHARDED_PARAMS, uses_ddp_reducer
 from planner.precision import DTYPE_BYTES, GRAD_REDUCE_BYTES, MASTER_BYTES
+from planner import schedule_ir as ir
 
 # DP-communication overlap efficiency where the engine overlaps it: nccl 0.82 fitted on the
 # published runs (benchmarks/published_runs.py --fit; prior 0.8), gloo from the local fidelity runs.
@@ -201,16 +202,30 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
     return out
 
 
+def stage_placement(cfg: ParallelConfig, m: int, schedule: "ir.Schedule | None" = None) -> tuple[int, ...]:
+    """The pp rank of each virtual stage: the plan's own schedule's (``schedule=custom``,
+    checked against the layout), else the built-in's (planner.schedule_ir.placement)."""
+    if cfg.pp == 1:
+        return (0,) * cfg.vpp
+    if cfg.schedule != "custom":
+        return ir.placement(cfg.schedule, cfg.pp, cfg.vpp)
+    if schedule is None:
+        raise PlanError("schedule=custom needs its schedule: give the file with --schedule FILE")
+    if (why := ir.layout_problem(schedule, cfg.pp, cfg.vpp, m)):
+        raise PlanError(why)
+    return schedule.stage_rank
+
+
 def _rank_memory(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
-                 table: LayerTable, inflight_chunks: list[int], cal: dict[str, float]) -> list[StageMemory]:
-    """Memory of every pp rank (``memory.rank_memory``): its chunks with the in-flight
-    (chunk, micro-batch) pairs the pipeline holds there, spread evenly over the chunks."""
+                 table: LayerTable, inflight_chunks: list[int], cal: dict[str, float],
+                 on_rank: list[list[int]]) -> list[StageMemory]:
+    """Memory of every pp rank (``memory.rank_memory``): its chunks (``on_rank[r]``) with the
+    in-flight (chunk, micro-batch) pairs the pipeline holds there, spread evenly over the chunks."""
     rule = MemoryRule(graph, cfg, table)
     reserve = framework_reserve(cluster.backend != "gloo", cal)
-    n_stages = len(partition.bounds)
     memory = []
     for r in range(cfg.pp):
-        chunks = [j for j in range(n_stages) if j % cfg.pp == r]
+        chunks = on_rank[r]
         mems = [chunk_memory(rule, range(*partition.bounds[j]), partition.recompute[j]) for j in chunks]
         m = rank_memory(mems, [inflight_chunks[r] / len(chunks)] * len(chunks), reserve)
         memory.append(replace(m, inflight=inflight_chunks[r]))
@@ -335,15 +350,16 @@ def _per_microbatch_dp(cfg: ParallelConfig) -> bool:
 
 def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
              global_batch: int, *, profile=None, fast: bool = False, costs: "LayerCosts | None" = None,
-             engine: "Engine | str | None" = None) -> Estimate:
+             engine: "Engine | str | None" = None, schedule: "ir.Schedule | None" = None) -> Estimate:
     """Price one configuration with one stage split on ``engine`` (None: autopar's runtime). ``fast``:
     the pipeline's closed form (an upper bound, exact for uniform stages) instead of simulating it.
-    ``costs`` shares per-layer costs between calls with the same ``LayerCosts.key`` (the search)."""
+    ``costs`` shares per-layer costs between calls with the same ``LayerCosts.key`` (the search).
+    ``schedule``: the pipeline's own schedule IR when ``cfg.schedule`` is ``custom``."""
     cfg.validate()
-    n_stages = cfg.pp * cfg.vpp
-    if len(partition.bounds) != n_stages:
-        raise PlanError(f"partition has {len(partition.bounds)} stages, config needs pp*vpp = {n_stages}")
+    if len(partition.bounds) != cfg.pp * cfg.vpp:
+        raise PlanError(f"partition has {len(partition.bounds)} stages, config needs pp*vpp = {cfg.pp * cfg.vpp}")
     m = microbatches(cfg, global_batch)
+    placement = stage_placement(cfg, m, schedule)
     eng = engine_of(engine)
     if costs is None or costs.key(costs.cfg) != costs.key(cfg) or costs.engine != eng:
         costs = LayerCosts(graph, cluster, cfg, profile, engine=eng)
@@ -353,17 +369,17 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
 
     # ---- pipeline ----------------------------------------------------------------
     p2p = _p2p_hop_s(graph, cluster, cfg, partition, profile, comm_src)
-    pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, p2p, fast, eng.p2p_overlap)
+    pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, p2p, fast, eng.p2p_overlap, schedule)
     speed = _shared_core_speedup(cluster, cfg, bubble, result)
     if speed > 1.0:  # fewer ranks compute at once than the layer times assume: re-run at that speed
         stages = [st.sped_up(speed) for st in stages]
-        pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, p2p, fast, eng.p2p_overlap)
+        pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, p2p, fast, eng.p2p_overlap, schedule)
 
     # ---- per-rank memory, data parallel, optimizer ------------------------------------------
     cal = calibration(profile)
     table = costs.table(cfg)
-    memory = _rank_memory(graph, cluster, cfg, partition, table, inflight_chunks, cal)
-    on_rank = [[j for j in range(n_stages) if j % cfg.pp == r] for r in range(cfg.pp)]
+    on_rank = [[j for j, at in enumerate(placement) if at == r] for r in range(cfg.pp)]
+    memory = _rank_memory(graph, cluster, cfg, partition, table, inflight_chunks, cal, on_rank)
     mine = on_rank[max(range(cfg.pp), key=lambda r: sum(stages[j].fwd + stages[j].bwd for j in on_rank[r]))]
     rank_f, rank_b = (sum(getattr(stages[j], k) for j in mine) for k in ("fwd", "bwd"))
     dp_exposed, opt_s = _dp_and_optimizer(cluster, cfg, partition, table, on_rank, mine, m, (rank_f, rank_b),
@@ -374,8 +390,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     breakdown = {k: v for k in ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "runtime")  # runtime: CPU only
                  for v in [m * sum(stages[j].parts[k] for j in mine)] if v or k != "runtime"}
     breakdown.update(p2p=0.0, bubble=max(0.0, pipe_s - m * (rank_f + rank_b)), dp_comm=dp_exposed, optimizer=opt_s)
-    if overhead:
-        breakdown["overhead"] = overhead
+    breakdown.update({"overhead": overhead} if overhead else {})
     if cfg.pp > 1 and p2p:
         # p2p inside the pipeline time: split the idle time between bubble and transfers
         n_hops = 2 * (m + cfg.pp - 1)
@@ -404,19 +419,23 @@ def calibration_note(profile) -> str:
 
 
 def _pipeline(cfg: ParallelConfig, m: int, stages: list[_StageCost], p2p: float, fast: bool,
-              p2p_overlap: bool = False):
+              p2p_overlap: bool = False, schedule: "ir.Schedule | None" = None):
     """(pipeline seconds, peak in-flight chunks per rank, bubble fraction, PipelineResult or None):
     the simulator, or its closed form when ``fast``; pp = 1 runs the micro-batches back to back.
     With ``p2p_overlap`` (the engine's asynchronous p2p) the steady state hides every hop: the
-    schedule runs without them and only the fill and drain hops, ``2 (pp - 1)``, are added."""
+    schedule runs without them and only the fill and drain hops, ``2 (pp - 1)``, are added.
+    A custom schedule (``schedule``) and dualpipev are always simulated (no closed form)."""
     fwd, bwd = [st.fwd for st in stages], [st.bwd for st in stages]
     if cfg.pp == 1:
         return m * (fwd[0] + bwd[0]), [1], 0.0, None
     if p2p_overlap and p2p > 0:
-        pipe_s, inflight, bubble, result = _pipeline(cfg, m, stages, 0.0, fast)
+        pipe_s, inflight, bubble, result = _pipeline(cfg, m, stages, 0.0, fast, schedule=schedule)
         return pipe_s + 2 * (cfg.pp - 1) * p2p, inflight, bubble, result
     sched, n_stages = cfg.schedule, len(fwd)
-    if fast:
+    if sched == "custom":
+        result = pipe_mod.simulate_schedule(schedule, fwd, bwd, p2p=p2p)
+        return result.step_s, list(result.peak_inflight_chunks), result.bubble_frac, result
+    if fast and sched not in ir.V_SCHEDULES:
         pipe_s = pipe_mod.estimate_step(sched, cfg.pp, m, fwd, bwd, p2p=p2p, v=cfg.vpp)
         inflight = [inflight_closed(sched, cfg.pp, m, cfg.vpp, r) for r in range(cfg.pp)]
         bubble = 1.0 - m * sum(fwd[j] + bwd[j] for j in range(n_stages)) / cfg.pp / pipe_s

@@ -316,6 +316,17 @@ def builtin(name: str, p: int, m: int, v: int = 1) -> Schedule:
     return BUILTINS[name](p, m, v)
 
 
+def layout_problem(s: Schedule, pp: int, vpp: int, m: int) -> str | None:
+    """Why schedule ``s`` cannot run a pipeline of ``pp`` ranks, ``pp * vpp`` stages and ``m``
+    micro-batches (one line with the fix), or None."""
+    have, want = (s.p, s.n_stages, s.n_microbatches), (pp, pp * vpp, m)
+    if have == want:
+        return None
+    return (f"schedule {s.name!r} has {have[0]} ranks, {have[1]} stages and {have[2]} micro-batches; this layout has "
+            f"pp={want[0]}, {want[1]} stages (pp x vpp) and {want[2]} micro-batches (global batch / (dp x mbs)); "
+            "set pp, vpp, dp and mbs to match it")
+
+
 def _make(name: str, m: int, stage_rank: tuple[int, ...], ranks) -> Schedule:
     return Schedule(name=name, n_microbatches=m, stage_rank=tuple(stage_rank),
                     ranks=tuple(tuple(order) for order in ranks))

@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor
 
 from planner.feasibility import Batch, Nodes, problems
 from planner.plan import ModelFacts, ParallelConfig, Plan
+from planner.schedule_ir import Schedule
 from codegen.runtime import context_parallel as cpar
 from codegen.runtime import data_parallel as dpar
 from codegen.runtime import documents as docs
@@ -230,7 +231,7 @@ class ParallelModel:
         """Clip all gradients to global L2 norm ``max_norm`` (None / <= 0: no clipping); returns
         the norm before clipping, the same on every rank (collective)."""
         copies = {id(p) for p in self.tied.copies} if self.tied is not None else set()
-        params = [p for sm in self.stage_modules for p in sm.parameters() if id(p) not in copies]
+        params = list({id(p): p for sm in self.stage_modules for p in sm.parameters() if id(p) not in copies}.values())
         return clip_grad_norm_(params, max_norm, self.mesh["pp"].get_group())
 
     def optimizer_step(self, lr: Optional[float] = None) -> None:
@@ -302,7 +303,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
                 device: torch.device | str, *, mesh: Optional[DeviceMesh] = None,
                 optimizer_factory: OptimizerFactory = default_optimizer, seed: Optional[int] = None,
                 load_balance: str = "zigzag", adapter: Optional[ModelAdapter] = None,
-                facts: Optional[ModelFacts] = None) -> ParallelModel:
+                facts: Optional[ModelFacts] = None, schedule: Optional[Schedule] = None) -> ParallelModel:
     """Parallelise ``model`` per ``cfg`` on this rank (collective: call on every rank), with
     the helpers of ``codegen/runtime/recipe.py`` in the order the emitted program calls them.
 
@@ -312,6 +313,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     counts, limits) for the feasibility rule. ``model`` is either materialised, or built on
     ``meta`` (then only this rank's units are materialised and initialised, seeded by
     ``seed``). ``adapter`` defaults to :func:`codegen.runtime.adapters.adapter_for`.
+    ``schedule``: the plan's own pipeline schedule IR when ``cfg.schedule`` is ``custom``.
     """
     device = torch.device(device)
     own = adapter is None  # an adapter made here is undone here if the build fails
@@ -320,7 +322,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     try:
         recipe.check_runnable(cfg, adapter, facts, Batch(global_batch, seq_len, load_balance=load_balance))
         pm = _build(adapter, cfg, stages, stage_recompute, tp_layout, global_batch, device, mesh,
-                    optimizer_factory, seed, load_balance)
+                    optimizer_factory, seed, load_balance, schedule)
     except BaseException:
         adapter.installs.own_groups_since(before)
         if own:
@@ -333,10 +335,12 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
 def _build(adapter: ModelAdapter, cfg: ParallelConfig, stages: Sequence[Sequence[str]],
            stage_recompute: Sequence[str], tp_layout: dict[str, str], global_batch: int, device: torch.device,
            mesh: Optional[DeviceMesh], optimizer_factory: OptimizerFactory, seed: Optional[int],
-           load_balance: str) -> ParallelModel:
+           load_balance: str, schedule: Optional[Schedule] = None) -> ParallelModel:
     """The recipe's steps after the feasibility check (:func:`parallelize`)."""
     mesh = mesh if mesh is not None else build_mesh(cfg)
-    split = recipe.split_stages(adapter, stages, stage_recompute, cfg, mesh)
+    if cfg.pp > 1:  # the schedule checked before anything is built
+        schedule = recipe.pipeline_schedule(cfg, global_batch // (cfg.dp * cfg.mbs), schedule)
+    split = recipe.split_stages(adapter, stages, stage_recompute, cfg, mesh, schedule)
     recipe.materialize(adapter, split, device, seed)
     tied = recipe.tie_weights(adapter, split, mesh)  # before TP splits the tied ends apart
     recipe.apply_attention(adapter, split, cfg, mesh, load_balance)
@@ -348,9 +352,9 @@ def _build(adapter: ModelAdapter, cfg: ParallelConfig, stages: Sequence[Sequence
     dp_mesh = recipe.apply_dp(adapter, split, cfg, mesh, experts)
     optimizer = build_optimizer(split.modules, optimizer_factory, cfg.zero, dp_mesh.size(), dp_mesh.get_group())
     loss_fn = TokenLoss(dp_mesh.size())
-    schedule = recipe.build_schedule(split, cfg, mesh, global_batch, loss_fn, device)
+    runner = recipe.build_schedule(split, cfg, mesh, global_batch, loss_fn, device, schedule)
     return ParallelModel(adapter, cfg, mesh, split, optimizer, loss_fn, global_batch, device, dp_mesh=dp_mesh,
-                         schedule=schedule, tied=tied, load_balance=load_balance)
+                         schedule=runner, tied=tied, load_balance=load_balance)
 
 
 def parallelize_plan(model: nn.Module, plan: Plan, device: torch.device | str, *,

@@ -9,12 +9,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from cost_models.cluster import Cluster
-from cost_models.estimate import Estimate, estimate
+from cost_models.estimate import Estimate, estimate, stage_placement
 from cost_models.pipeline import ScheduleError
 from planner.errors import AutoparError, PlanError
 from planner.graph import ModelGraph
 from planner.search.pins import Pins, as_pins
-from planner.plan import ParallelConfig, Plan
+from planner.plan import SCHEDULES, ParallelConfig, Plan
+from planner.schedule_ir import Schedule
 from planner.feasibility import degrees_problem, expert_groups_problem, problems
 from planner.search.candidates import batch_of, facts_of
 from planner.search.space import SearchResult, search
@@ -76,12 +77,16 @@ def _documents_record(graph: ModelGraph, cfg: ParallelConfig, world: int) -> dic
 
 def build_plan(graph: ModelGraph, cluster: Cluster, e: Estimate, *, spec: str, cluster_spec: str,
                alternatives: list[Estimate] = (), rejected: dict | None = None,
-               counts: dict | None = None, search_info: dict | None = None) -> Plan:
+               counts: dict | None = None, search_info: dict | None = None,
+               schedule: Schedule | None = None) -> Plan:
+    """The plan file of estimate ``e`` (``schedule``: the schedule IR of ``schedule=custom``,
+    recorded in the plan so the program runs it)."""
     names = [l.name for l in graph.layers]
     cfg = e.config
+    place = stage_placement(cfg, e.microbatches, schedule)
     stages = []
     for j, (lo, hi) in enumerate(e.partition.bounds):
-        stages.append({"rank": j % cfg.pp, "chunk": j // cfg.pp, "layers": names[lo:hi],
+        stages.append({"rank": place[j], "chunk": place[:j].count(place[j]), "layers": names[lo:hi],
                        "recompute": e.partition.recompute[j]})
     alts = [{"config": a.config.to_str(), "label": a.config.label(), "step_s": _rounded(a.step_s),
              "mfu": _rounded(a.mfu), "memory_gib": _rounded(max(m.total for m in a.memory) / GiB),
@@ -103,7 +108,8 @@ def build_plan(graph: ModelGraph, cluster: Cluster, e: Estimate, *, spec: str, c
         config=cfg,
         batch=batch,
         stages=stages, tp_layout=tp_layout(graph) if cfg.tp > 1 else {},
-        estimate=_estimate_dict(e), alternatives=alts, rejected=rej, search=_rounded(search_info or {}))
+        estimate=_estimate_dict(e), alternatives=alts, rejected=rej, search=_rounded(search_info or {}),
+        schedule_ir=schedule if cfg.schedule == "custom" else None)
 
 
 def plan_model(graph: ModelGraph, cluster: Cluster, global_batch: int, *, spec: str, cluster_spec: str,
@@ -137,22 +143,26 @@ def plan_model(graph: ModelGraph, cluster: Cluster, global_batch: int, *, spec: 
 
 
 def evaluate_config(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,
-                    even_split: bool = False, profile=None, engine=None) -> tuple[Estimate, list[str]]:
+                    even_split: bool = False, profile=None, engine=None,
+                    schedule: Schedule | None = None) -> tuple[Estimate, list[str]]:
     """Price ``cfg``; returns the estimate and what the runtime cannot run of it (empty if
     nothing): the feasibility predicate (``planner.feasibility.problems``), as the search and
     the runtime apply it. Where one of its problems leaves nothing to price (the degrees do not
     cover the cluster, expert-parallel groups that do not exist, more stages than stage groups,
     a global batch that does not split into micro-batches, micro-batches the schedule cannot order),
     AutoparError with every problem. ``engine`` (cost_models/engines.py; None: autopar's runtime)
-    is the engine whose overlaps are priced."""
+    is the engine whose overlaps are priced. ``schedule``: the schedule IR of ``schedule=custom``
+    (a user's file); it and dualpipev are priced on the even split (the stage ILP models looped
+    stages)."""
     facts = facts_of(graph)
     found = problems(cfg, facts, batch_of(graph, global_batch), cluster)
     if degrees_problem(cfg, cluster) or expert_groups_problem(cfg.ep, cfg.dp, cfg.cp, facts, cfg.tp):  # no mesh
         raise AutoparError(f"{cfg.label()} cannot be priced: " + "; ".join(found))
     try:
-        if even_split or cfg.pp * cfg.vpp == 1:
+        if even_split or cfg.pp * cfg.vpp == 1 or cfg.schedule not in SCHEDULES:
             part = split_evenly(graph, cfg.pp * cfg.vpp, cfg.recompute)
-            return estimate(graph, cluster, cfg, part, global_batch, profile=profile, engine=engine), found
+            return estimate(graph, cluster, cfg, part, global_batch, profile=profile, engine=engine,
+                            schedule=schedule), found
         return split_and_estimate(graph, cluster, cfg, global_batch, profile, engine=engine)[0], found
     except (PlanError, ScheduleError) as e:
         raise AutoparError(f"{cfg.label()} cannot be priced: " + "; ".join(found or [str(e)])) from None
