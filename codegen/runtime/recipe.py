@@ -44,6 +44,7 @@ from codegen.runtime.fp8 import convert_blocks, fp8_device_problem
 from codegen.runtime.regional_compile import compile_blocks
 from planner import schedule_ir as ir
 from planner.plan import ModelFacts, ParallelConfig
+from planner.schedule_file import parse
 from planner.schedule_ir import Schedule
 from planner.sharding import dp_wrapper, reshard_after_forward
 from planner.feasibility import Batch, ClusterShape, Nodes, problems
@@ -82,6 +83,12 @@ def check_runnable(cfg: ParallelConfig, adapter: Optional[ModelAdapter], facts: 
     found = problems(cfg, facts, batch, cluster)
     if found:
         raise ValueError(f"{cfg.label()} cannot run for this model: " + "; ".join(found))
+
+
+def plan_schedule(text: Optional[str]) -> Optional[Schedule]:
+    """The plan's own pipeline schedule from its JSON form (``planner/schedule_file.py``;
+    checked), or None when the plan runs a built-in one (``text`` None)."""
+    return None if text is None else parse(text, "json", where="the program's SCHEDULE")
 
 
 def pipeline_schedule(cfg: ParallelConfig, n_microbatches: int, custom: Optional[Schedule] = None) -> Schedule:

@@ -364,4 +364,5 @@ def parallelize_plan(model: nn.Module, plan: Plan, device: torch.device | str, *
     stage split, recompute per stage, TP layout, batch, sequence length and model facts."""
     return parallelize(model, plan.config, [s["layers"] for s in plan.stages], [s["recompute"] for s in plan.stages],
                        dict(plan.tp_layout), int(plan.batch["global"]), int(plan.batch["seq_len"]), device,
-                       optimizer_factory=optimizer_factory, seed=seed, adapter=adapter, facts=plan.facts)
+                       optimizer_factory=optimizer_factory, seed=seed, adapter=adapter, facts=plan.facts,
+                       schedule=plan.schedule_ir)

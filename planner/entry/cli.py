@@ -131,6 +131,11 @@ def _add_planning_commands(sub) -> None:
     p.add_argument("--even-split", action="store_true", help="equal layers per stage instead of the ILP split")
     p.add_argument("--engine", choices=list(ENGINES), default="autopar",
                    help="price the overlaps of this engine (cost_models/engines.py); plans run on autopar's")
+    p.add_argument("--schedule", default=None, metavar="FILE",
+                   help="your own pipeline schedule: .csv (torch's action format, one row per pp rank: 0F0,0B0,...) "
+                        "or .json; checked, priced and, with -o, written into the plan so the program runs it")
+    p.add_argument("-o", "--out", default=None, help="write this configuration as a plan file (JSON) to run")
+    p.add_argument("--force", action="store_true", help="overwrite an existing plan file")
     p.set_defaults(fn=cmd.cmd_evaluate)
 
 
