@@ -129,6 +129,7 @@ class Estimate:
     p2p_hop_s: float = 0.0            # one activation send between stages (the simulator's edge weight)
     calibration: str = "uncalibrated"  # or what the profile's fitted coefficients were fitted on
     engine: str = "autopar"           # the engine whose overlaps are priced (cost_models/engines.py)
+    schedule_ir: Any = None           # the schedule IR priced when config.schedule is custom (planner/schedule_ir.py)
 
     @property
     def fits(self) -> bool:
@@ -396,8 +397,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
         n_hops = 2 * (m + cfg.pp - 1)
         breakdown["p2p"] = min(breakdown["bubble"], n_hops * p2p)
         breakdown["bubble"] -= breakdown["p2p"]
-    tokens = global_batch * graph.seq_len
-    model_flops = model_flops_per_seq(graph) * global_batch  # document-masked attention with packed documents
+    tokens, model_flops = global_batch * graph.seq_len, model_flops_per_seq(graph) * global_batch  # doc-masked
     peak = cluster.peak_flops("fp32" if cluster.backend == "gloo" else cfg.dtype)
     src = "profile" if comp_src == {"profile"} else ("roofline" if "profile" not in comp_src else "mixed")
     return Estimate(
@@ -407,7 +407,8 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
         breakdown=breakdown, stage_fwd_s=[st.fwd for st in stages], stage_bwd_s=[st.bwd for st in stages],
         bubble_frac=max(0.0, bubble), source=src,
         sources={"compute": src, "comm": "profile" if comm_src == {"profile"} else ("model" if comm_src else "none")},
-        pipeline=result, p2p_hop_s=p2p, calibration=calibration_note(profile), engine=eng.name)
+        pipeline=result, p2p_hop_s=p2p, calibration=calibration_note(profile), engine=eng.name,
+        schedule_ir=schedule if cfg.schedule == "custom" else None)
 
 
 def calibration_note(profile) -> str:

@@ -24,7 +24,8 @@ from codegen.runtime.mesh import init_distributed  # noqa: E402
 from codegen.runtime.train import parallelize  # noqa: E402
 from planner import zoo  # noqa: E402
 from planner.plan import ParallelConfig
-from planner.schedule_file import parse
+from planner.schedule_file import parse, to_csv
+from planner.search.schedule_gen import generate
 
 from model_cases import GB, SEED, SEQ, case, planner_view, refusals, stages_for  # noqa: E402
 from worker_io import failure, finish, report  # noqa: E402
@@ -46,6 +47,7 @@ LAYOUTS = {
         # DualPipeV (2 stages per rank, V-shaped, overlapped F+B steps) and a user's CSV schedule
         ("pp2-dualpipev", dict(pp=2, schedule="dualpipev", vpp=2), 4),
         ("pp2-csv", dict(pp=2, schedule="custom"), 2),
+        ("pp2-generated", dict(pp=2, schedule="custom"), 2),
         ("cp2-zigzag", dict(cp=2), 1),
         ("cp2-ulysses", dict(cp=2, ulysses=2), 1),
         # recompute: per-stage policies (selective = attention core, full = whole blocks)
@@ -72,6 +74,7 @@ LAYOUTS = {
         # four pipeline ranks: zero bubble, a user's CSV schedule; DualPipeV under TP2 + SP
         ("pp4-zb-h1", dict(pp=4, schedule="zb-h1"), 4),
         ("pp4-csv", dict(pp=4, schedule="custom"), 4),
+        ("pp4-generated", dict(pp=4, schedule="custom"), 4),
         ("pp2xtp2-dualpipev-sp", dict(pp=2, tp=2, sp=True, schedule="dualpipev", vpp=2), 4),
         # Ulysses CP4, the 2-D hybrid (Ulysses 2 x ring 2), Ulysses with TP2 + SP, PP2 x Ulysses
         ("cp4-ulysses", dict(cp=4, ulysses=4), 1),
@@ -109,6 +112,9 @@ CUSTOM_CSV = {
                 "2F0,2F1,2I0,2F2,2I1,2F3,2I2,2I3,2W0,2W1,2W2,2W3\n"
                 "3F0,3B0,3F1,3B1,3F2,3B2,3F3,3B3\n"),
 }
+# schedules generated (planner/search/schedule_gen.py) for a heavy last stage (a large head)
+CUSTOM_CSV.update({f"pp{p}-generated": to_csv(generate([1.0] * (p - 1) + [2.5], [2.0] * (p - 1) + [5.0], 4))
+                   for p in (2, 4)})
 MODELS = ("gpt-tiny", "llama-tiny", "hf-llama", "hf-gpt2", "user-lm")
 MOE_MODELS = ("moe-tiny", "moe-tiny-skewed", "hf-mixtral")
 MODELS_BY_WORLD = {2: MODELS + MOE_MODELS, 4: MODELS + ("gpt-tiny-tied",) + MOE_MODELS,

@@ -82,7 +82,7 @@ def build_plan(graph: ModelGraph, cluster: Cluster, e: Estimate, *, spec: str, c
     """The plan file of estimate ``e`` (``schedule``: the schedule IR of ``schedule=custom``,
     recorded in the plan so the program runs it)."""
     names = [l.name for l in graph.layers]
-    cfg = e.config
+    cfg, schedule = e.config, schedule or e.schedule_ir
     place = stage_placement(cfg, e.microbatches, schedule)
     stages = []
     for j, (lo, hi) in enumerate(e.partition.bounds):
