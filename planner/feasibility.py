@@ -60,8 +60,8 @@ from planner.sharding import SHARDED_PARAMS
 # How a sequence lies over the cp ranks (codegen/runtime/context_parallel.py): zigzag cuts it into
 # 2 cp chunks, rank r holding chunks r and 2 cp - 1 - r (equal causal work); contiguous into cp.
 LOAD_BALANCES = ("zigzag", "contiguous")
-# Schedules torch runs with its multi-stage runtime (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble):
-# they play the micro-batches in max(1, m // pp) rounds of equal size.
+# Schedules torch's own classes played in max(1, m // pp) equal rounds (ScheduleInterleaved1F1B / ZeroBubble);
+# the runtime now runs the schedule IR's orders, which do not need it: kept so plans stay as they were.
 ROUND_SCHEDULES = ("interleaved-1f1b", "zb-h1")
 
 

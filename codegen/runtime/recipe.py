@@ -16,7 +16,7 @@ emitted program and by :func:`codegen.runtime.train.parallelize` alike (torchtit
 10. :func:`apply_dp` - FSDP2 / replicate over the data-parallel mesh (dp x cp); the routed
     experts over their own data-parallel group
 11. ``codegen.runtime.optim.build_optimizer`` - one optimizer per stage module
-12. :func:`build_schedule` - the torch pipelining schedule (pp > 1)
+12. :func:`build_schedule` - the schedule IR run by torch's schedule runtime (pp > 1)
 """
 from __future__ import annotations
 
