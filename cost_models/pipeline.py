@@ -78,6 +78,7 @@ only adds weight to every path.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Sequence
@@ -215,6 +216,7 @@ class _Compiled:
     steps: list[list[tuple[int, bool, int, int, int]]]
     peaks: tuple[list[int], list[int], list[int]]
     chunk_of: list[int]
+    work: list[list[tuple[int, int]]]  # per rank: (duration index, how many ops take it)
 
 
 @lru_cache(maxsize=32)
@@ -245,7 +247,8 @@ def _compile_schedule(s: ir.Schedule) -> _Compiled:
         orders.append(order)
         steps.append(rs)
     chunk_of = [s.stages_of(r).index(st) for st, r in enumerate(sr)]
-    return _Compiled(s.name, p, m, s.v, orders, steps, _peaks(orders, s.v), chunk_of)
+    work = [sorted(Counter(di for _, _, _, di, _ in rs).items()) for rs in steps]
+    return _Compiled(s.name, p, m, s.v, orders, steps, _peaks(orders, s.v), chunk_of, work)
 
 
 def simulate(schedule: str, p: int, m: int, fwd: Sequence[float] | float, bwd: Sequence[float] | float, *,
@@ -359,7 +362,7 @@ def _run(comp: _Compiled, f: list[float], b: list[float], w: list[float], i: lis
             raise ScheduleError(
                 f"schedule {comp.name!r} deadlocks: rank {r} waits forever at {_KIND_NAMES[kind]}(stage {s}, mb {mb})")
     step = max(free)
-    busy = [sum(dur[kind * n_stages + s] for kind, s, _ in order) for order in comp.orders]
+    busy = [sum(dur[di] * k for di, k in work) for work in comp.work]
     bubble = max(0.0, 1.0 - (sum(busy) / p) / step) if step > 0 else 0.0  # clamp rounding
     inflight, inflight_chunks, pending_w = comp.peaks
     return PipelineResult(schedule=comp.name, p=p, m=m, v=comp.v, step_s=step, bubble_frac=bubble, busy_s=busy,
