@@ -68,7 +68,7 @@ def _wrapped(items: list[str], indent: str = "    ") -> list[str]:
 
 def stages_literal(stages: list[list[str]]) -> str:
     """``[...]`` with one line per virtual stage (wrapped), the stage's index as a comment."""
-    out = ["[  # layer units per virtual stage; stage j runs on pp rank j % pp"]
+    out = ["[  # layer units per virtual stage; stage j on pp rank j % pp (dualpipev: V-shaped; custom: SCHEDULE's placement)"]
     for j, s in enumerate(stages):
         rows = _wrapped([repr(u) for u in s], "    ")
         rows[0] = "    [" + rows[0][4:]

@@ -63,7 +63,7 @@ CLUSTER = Nodes("local-cpu", 1, 1)  # the cluster planned for
 GLOBAL_BATCH, SEQ_LEN = 1, 32  # sequences per optimizer step, tokens per sequence
 # planned with --seq-lens: synthetic rows pack documents of these lengths (drawn uniformly)
 DOCUMENT_LENGTHS = []
-STAGES = [["embed", "layers.0", "norm", "head"]]  # layer units per virtual stage; stage j runs on pp rank j % pp
+STAGES = [["embed", "layers.0", "norm", "head"]]  # layer units per virtual stage; stage j on pp rank j % pp (dualpipev: V-shaped; custom: SCHEDULE's placement)
 RECOMPUTE = ["none"]  # activation recomputation per virtual stage
 # tensor-parallel style per module (emit keeps the imports of those it writes)
 BLOCK_TP_PLAN = {
