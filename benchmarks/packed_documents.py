@@ -22,6 +22,8 @@ import json
 import os
 import tempfile
 
+from benchmarks.results import autopar
+
 MODEL, CLUSTER, GLOBAL_BATCH, SEQ = "llama-mini", "local-cpu:4", 4, 2048
 LENGTHS = list(range(32, 257, 16))          # tokens; a document's length is drawn uniformly from these
 LAYOUTS = {"dp4": "dp=4,pp=1,cp=1,tp=1,recompute=none", "cp4": "dp=1,pp=1,cp=4,ulysses=1,tp=1,recompute=none"}
@@ -41,13 +43,6 @@ def unmasked(step: int, global_batch: int, seq_len: int) -> dict:
     return b
 
 
-def _autopar(*args: str) -> None:
-    from planner.entry.cli import main as cli
-
-    if cli(list(args)) != 0:
-        raise SystemExit(f"autopar {' '.join(args)} failed")
-
-
 def run_case(layout: str, pins: str, docs: bool, steps: int, work: str) -> dict:
     """Plan and run one case; returns its predicted and measured figures."""
     from planner.entry.launch import compare_run
@@ -57,10 +52,10 @@ def run_case(layout: str, pins: str, docs: bool, steps: int, work: str) -> dict:
     lens = os.path.join(work, "lengths.txt")
     with open(lens, "w") as fh:
         fh.write("\n".join(map(str, LENGTHS)) + "\n")
-    _autopar("plan", "--model", MODEL, "--cluster", CLUSTER, "--global-batch", str(GLOBAL_BATCH),
+    autopar("plan", "--model", MODEL, "--cluster", CLUSTER, "--global-batch", str(GLOBAL_BATCH),
              "--seq-len", str(SEQ), "--fix", pins, *(["--seq-lens", lens] if docs else []), "-o", plan)
     run_dir = os.path.join(work, name)
-    _autopar("run", plan, "--steps", str(steps), "--dir", run_dir,
+    autopar("run", plan, "--steps", str(steps), "--dir", run_dir,
              "--data", f"benchmarks.packed_documents:{'masked' if docs else 'unmasked'}")
     c = compare_run(plan, os.path.join(run_dir, "train_log.jsonl"))
     return {"case": name, "layout": layout, "documents": docs, "predicted_s": c["predicted_step_s"],

@@ -2,8 +2,10 @@
 
 The schedule IR (planner/schedule_ir.py) replaced the simulator's hand-written orders; this
 prints, for every built-in schedule on a grid of (p, m, v) with uneven stage times, and for the
-best plan of each planning preset (benchmarks/plan_speed.py's cases), the simulated step
-seconds. Run it on two trees and compare::
+best plan of each planning preset (benchmarks/plan_speed.py's cases, a two-region WAN cluster and
+a mixed A100 + H100 pool), the simulated step seconds; the grid runs once with one p2p hop and
+once with a hop per rank boundary (a slow one where a WAN cut would be). Run it on two trees and
+compare::
 
     PYTHONPATH=/old/tree python -m benchmarks.schedule_ir_parity --out old.json
     python -m benchmarks.schedule_ir_parity --out new.json --compare old.json
@@ -18,6 +20,7 @@ from benchmarks.plan_speed import CASES
 from benchmarks.results import write_json
 from cost_models.pipeline import simulate
 
+WAN_CASES = [("llama3-70b", "two-region-h100", 1024, 8192), ("llama3-8b", "mixed-a100-h100", 256, None)]
 GRID = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4),
         ("zb-h1", 1)]
 
@@ -33,6 +36,9 @@ def grid_rows() -> dict[str, float]:
                 f = [rnd.uniform(0.5, 2.0) for _ in range(p * v)]
                 b = [2 * x * rnd.uniform(0.8, 1.2) for x in f]
                 out[f"{name}/v{v}/p{p}/m{m}"] = simulate(name, p, m, f, b, p2p=0.01, v=v).step_s
+                hops = [0.01 * (1 + r) for r in range(p)]
+                hops[p // 2 - 1] = 0.5  # a slow boundary in the middle
+                out[f"{name}/v{v}/p{p}/m{m}/hops"] = simulate(name, p, m, f, b, p2p=hops, v=v).step_s
     return out
 
 
@@ -41,7 +47,7 @@ def preset_rows(skip: set[str]) -> dict[str, dict]:
     from planner.frontend.load import load_graph
     from planner.search.planning import plan_model
     out = {}
-    for model, cluster, gb, seq in CASES:
+    for model, cluster, gb, seq in CASES + WAN_CASES:
         if model in skip:
             continue
         g = load_graph(model, batch=1, seq_len=seq)

@@ -42,6 +42,7 @@ from typing import Optional
 
 from codegen.runtime.tp_plan import block_stack, tp_plan_for
 from codegen.runtime.tp_styles import IMPORTS, sources_for
+from planner.batch_assign import METHODS
 from planner.describe import describe
 from planner.feasibility import Nodes
 from planner.files import write_atomic
@@ -209,10 +210,12 @@ def plan_block(plan: Plan, stages: list[list[str]], layout: dict[str, str], leng
         "  # sequences per optimizer step, tokens per sequence",
         "# planned with --seq-lens: synthetic rows pack documents of these lengths (drawn uniformly)",
         f"DOCUMENT_LENGTHS = {lengths!r}",
+        "# per-batch assignment of each batch's documents to context-parallel groups (None: the fixed layout)",
+        f"PER_BATCH = per_batch_of({per_batch_literal(plan)!r})",
         f"STAGES = {stages_literal(stages)}",
         f"RECOMPUTE = {[str(s['recompute']) for s in plan.stages]!r}  # activation recomputation per virtual stage",
         tp_plan_literal(layout, [u for s in stages for u in s], plan.config.tp, plan.config.sp),
-        f"PREDICTED = {{'step_s': {float(est['step_s'])!r}, 'memory_gib': {memory!r}}}"
+        f"PREDICTED = {{'step_s': {predicted_step(plan)!r}, 'memory_gib': {memory!r}}}"
         "  # per step, per rank: printed beside what the run measures",
         schedule_literal(to_json(plan.schedule_ir) if plan.schedule_ir else None),
     ]
@@ -226,6 +229,32 @@ def schedule_literal(text: str | None) -> str:
         return f"SCHEDULE = plan_schedule(None){note}"
     pieces = [f"    {text[i:i + 72]!r}" for i in range(0, len(text), 72)]
     return "\n".join([f"SCHEDULE = plan_schedule({note}", *pieces, ")"])
+
+
+def per_batch_literal(plan: Plan) -> Optional[dict]:
+    """The plan's per-batch assignment as the program's literal: None unless chosen, else its
+    pool and rates, checked to be plain numbers (and the method a name autopar has)."""
+    rec = plan.batch.get("per_batch") or {}
+    if not rec.get("chosen"):
+        return None
+    cost = rec.get("cost") or {}
+    nums = [cost.get(k) for k in ("linear", "attention", "exchange", "alltoall", "latency")]
+    ints = [rec.get(k) for k in ("workers", "max_group", "capacity")]
+    if (not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in nums)
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in ints)
+            or cost.get("method") not in METHODS):
+        raise PlanError("batch.per_batch in the plan must hold non-negative rates, positive worker counts and "
+                        f"a method of {', '.join(METHODS)}; plan again with `autopar plan --per-batch`")
+    return {"chosen": True, "workers": ints[0], "max_group": ints[1], "capacity": ints[2],
+            "aligned": bool(rec.get("aligned", False)),
+            "cost": dict(zip(("linear", "attention", "exchange", "alltoall", "latency"), nums), method=cost["method"])}
+
+
+def predicted_step(plan: Plan) -> float:
+    """The step time the program prints beside its own: per-batch assignment's expected step
+    when the plan runs it, else the estimate's."""
+    rec = plan.batch.get("per_batch") or {}
+    return float(rec["expected_step_s"]) if rec.get("chosen") else float(plan.estimate["step_s"])
 
 
 def comment_words(plan: Plan) -> dict[str, str]:

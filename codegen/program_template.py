@@ -23,11 +23,12 @@ from torch.distributed.tensor.parallel import (
 
 from codegen.runtime import checkpoint
 from codegen.runtime.adapters import adapter_for
+from codegen.runtime.batch_parallel import per_batch_of
 from codegen.runtime.corpus import DTYPES, is_hook, open_tokens, token_batches
 from codegen.runtime.data import batch_digest, packed_documents, synthetic, user_hook
 from codegen.runtime.mesh import build_mesh, init_distributed, teardown
 from codegen.runtime.metrics import ScalarLog, peak_memory_per_rank
-from codegen.runtime.optim import adamw, build_optimizer, warmup_cosine
+from codegen.runtime.optim import MAX_GRAD_NORM, adamw, build_optimizer, warmup_cosine
 from codegen.runtime.recipe import (
     apply_attention,
     apply_compile,
@@ -36,6 +37,7 @@ from codegen.runtime.recipe import (
     apply_fp8,
     apply_recompute,
     apply_tp,
+    build_batch_planner,
     build_schedule,
     check_runnable,
     materialize,
@@ -63,6 +65,8 @@ CLUSTER = Nodes("local-cpu", 1, 1)  # the cluster planned for
 GLOBAL_BATCH, SEQ_LEN = 1, 32  # sequences per optimizer step, tokens per sequence
 # planned with --seq-lens: synthetic rows pack documents of these lengths (drawn uniformly)
 DOCUMENT_LENGTHS = []
+# per-batch assignment of each batch's documents to context-parallel groups (None: the fixed layout)
+PER_BATCH = per_batch_of(None)
 STAGES = [["embed", "layers.0", "norm", "head"]]  # layer units per virtual stage; stage j on pp rank j % pp (dualpipev: V-shaped; custom: SCHEDULE's placement)
 RECOMPUTE = ["none"]  # activation recomputation per virtual stage
 # tensor-parallel style per module (emit keeps the imports of those it writes)
@@ -102,7 +106,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--beta1", type=float, default=0.9, help="AdamW beta1 (SGD: momentum)")
     ap.add_argument("--beta2", type=float, default=0.999)
-    ap.add_argument("--clip", type=float, default=1.0, help="max global gradient norm (0: no clipping)")
+    ap.add_argument("--clip", type=float, default=MAX_GRAD_NORM, help="max global gradient norm (0: no clipping)")
     return ap.parse_args()
 
 
@@ -124,7 +128,9 @@ def build(model: torch.nn.Module, args: argparse.Namespace, device: torch.device
     materialize(adapter, stages, device, args.seed)  # meta: initialise own units; else take rank 0's weights
     # weights tied across pp ranks (pp > 1), found before TP splits them: their grads are summed
     tied = tie_weights(adapter, stages, mesh)
-    apply_attention(adapter, stages, CONFIG, mesh)  # @attention
+    # each batch's documents on groups of the dp x cp ranks of the size they need (when planned)
+    batch_planner = build_batch_planner(PER_BATCH, CONFIG, FACTS, GLOBAL_BATCH, mesh)
+    apply_attention(adapter, stages, CONFIG, mesh, per_batch=batch_planner)  # @attention
     apply_tp(adapter, stages, tp_plan_for(units, BLOCK_TP_PLAN, TP_PLAN), mesh, CONFIG.sp)  # @tp
     experts = apply_ep(stages, CONFIG)  # @ep
     apply_fp8(adapter, stages, CONFIG, device)  # @float_eight
@@ -136,7 +142,7 @@ def build(model: torch.nn.Module, args: argparse.Namespace, device: torch.device
     loss_fn = TokenLoss(dp_mesh.size())  # summed token loss / global token count * dp*cp size
     schedule = build_schedule(stages, CONFIG, mesh, GLOBAL_BATCH, loss_fn, device, SCHEDULE)  # @step
     return ParallelModel(adapter, CONFIG, mesh, stages, optimizer, loss_fn, GLOBAL_BATCH, device,
-                         dp_mesh=dp_mesh, schedule=schedule, tied=tied)
+                         dp_mesh=dp_mesh, schedule=schedule, tied=tied, batch_planner=batch_planner)
 
 
 def train_step(pm: ParallelModel, batch: dict, lr: float, clip: float) -> tuple[float, float]:

@@ -14,6 +14,11 @@ contiguously). Two links:
   local CPU processes);
 - ``inter``: between nodes (InfiniBand/RoCE class).
 
+A cluster may also have structure (:mod:`cost_models.topology`): optional ``[[groups]]`` of
+nodes (datacenters, regions), each with its own device type, and ``[[links]]`` between
+groups (aggregate bandwidth and one-way latency per ordered pair; a WAN). Without them the
+cluster is one group, exactly as before (same dict, same fingerprint).
+
 Units, everywhere:
 
 - ``Device.memory_gib``: GiB (2**30 bytes) usable per device;
@@ -52,10 +57,13 @@ TOML format (every key required unless marked optional; no other keys)::
     bandwidth_gbs = 50
     latency_us = 10
 
+    # optional, see cost_models/topology.py: [[groups]] name, nodes, [groups.device];
+    # [[links]] from, to, bandwidth_gbs, latency_us
+
 A relative ``profile`` path is resolved against the TOML file's folder.
 
-Cluster specs accepted by :func:`parse_cluster`: ``PRESET`` (one node),
-``PRESET:N`` (N nodes), ``local-cpu:N`` (N gloo processes on this machine, figures
+Cluster specs accepted by :func:`parse_cluster`: ``PRESET`` (one node; a grouped preset:
+its own node counts), ``PRESET:N`` (N nodes; a grouped preset: N nodes in every group), ``local-cpu:N`` (N gloo processes on this machine, figures
 measured by :meth:`Cluster.detect`; ``local-cpu`` alone: one process per core) or a path to a ``.toml`` file.
 
 Every bad input raises :class:`ClusterError` with a one-line message naming the
@@ -66,7 +74,6 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
-import math
 import os
 import tomllib
 from dataclasses import dataclass
@@ -76,8 +83,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from cost_models import machine
+from cost_models.hardware import (DTYPES, ClusterError, Device, Link, check_keys, integer, number,
+                                  string)
+from cost_models.topology import GroupLink, Region, Topology
 
-DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+__all__ = ["BACKENDS", "DTYPES", "Cluster", "ClusterError", "Device", "GroupLink", "Link", "Region", "Topology",
+           "load_preset", "parse_cluster", "preset_names"]
+
 BACKENDS = ("nccl", "gloo")
 
 # When a dtype's peak is not given, use the first of these that is. Falling back from
@@ -106,46 +118,6 @@ GLOO_LINK_GBS = 1.0
 GLOO_LATENCY_US = 130.0
 
 
-class ClusterError(ValueError):
-    """A bad cluster description or spec; the message is one line: problem and fix."""
-
-    def __init__(self, message: str):
-        super().__init__(" ".join(str(message).split()))
-
-
-@dataclass
-class Device:
-    """One accelerator (or one CPU process' share of a machine).
-
-    memory_gib: usable memory, GiB. peak_tflops: dense peak per dtype, 1e12 FLOP/s.
-    mem_bw_gbs: memory bandwidth, 1e9 bytes/s. sms: streaming multiprocessors (0: unknown).
-    """
-
-    name: str
-    memory_gib: float
-    peak_tflops: dict[str, float]
-    mem_bw_gbs: float
-    sms: int = 0
-
-
-@dataclass
-class Link:
-    """A link class: per-device one-direction bandwidth (GB/s) and latency (us)."""
-
-    bandwidth_gbs: float
-    latency_us: float
-
-    @property
-    def bandwidth_bps(self) -> float:
-        """Bandwidth in bytes/s."""
-        return self.bandwidth_gbs * 1e9
-
-    @property
-    def latency_s(self) -> float:
-        """Latency in seconds."""
-        return self.latency_us * 1e-6
-
-
 @dataclass
 class Cluster:
     """``nodes`` x ``devices_per_node`` identical devices joined by two link classes.
@@ -167,6 +139,26 @@ class Cluster:
     cores_per_node: int = 0  # CPU cores a node's processes share (local-cpu); 0: each device computes alone
     thread_speedup: float = 0.0  # a GEMM on cores_per_node intra-op threads over one (local-cpu); 0: not measured
     thread_sync_us: float = 0.0  # microseconds each parallel op adds on cores_per_node threads (local-cpu)
+    topology: Topology | None = None  # groups of nodes (regions) and their links; None: one group
+
+    # ---- groups ----------------------------------------------------------------
+    @property
+    def n_groups(self) -> int:
+        """Groups of nodes (datacenters / regions); 1 without a topology."""
+        return len(self.topology.groups) if self.topology is not None else 1
+
+    def group_of_rank(self, rank: int) -> int:
+        """The group holding global rank ``rank`` (ranks fill nodes, nodes fill groups, in order)."""
+        return self.topology.group_of_node(rank // self.devices_per_node) if self.topology is not None else 0
+
+    def group_device(self, group: int) -> Device:
+        """The device of group ``group`` (the cluster's own without a topology)."""
+        return self.topology.device(group, self.device) if self.topology is not None else self.device
+
+    @property
+    def mixed(self) -> bool:
+        """True when groups hold different device types."""
+        return len({self.group_device(g).name for g in range(self.n_groups)}) > 1
 
     # ---- derived figures -------------------------------------------------------
     @property
@@ -179,12 +171,13 @@ class Cluster:
         """Usable memory per device, bytes."""
         return int(self.device.memory_gib * 2**30)
 
-    def peak_flops(self, dtype: str = "bf16") -> float:
-        """Dense peak of one device for ``dtype``, FLOP/s (see ``_DTYPE_FALLBACK``)."""
+    def peak_flops(self, dtype: str = "bf16", device: Device | None = None) -> float:
+        """Dense peak of one device (``device``: one of the groups'; default the cluster's) for ``dtype``,
+        FLOP/s (see ``_DTYPE_FALLBACK``)."""
         key = _DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower())
         if key not in _DTYPE_FALLBACK:
             raise ClusterError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
-        table = self.device.peak_tflops
+        table = (device or self.device).peak_tflops
         for candidate in (key, *_DTYPE_FALLBACK[key]):
             if candidate in table:
                 return float(table[candidate]) * 1e12
@@ -200,18 +193,9 @@ class Cluster:
             "nodes": self.nodes,
             "devices_per_node": self.devices_per_node,
             "backend": self.backend,
-            "device": {
-                "name": self.device.name,
-                "memory_gib": float(self.device.memory_gib),
-                "mem_bw_gbs": float(self.device.mem_bw_gbs),
-                "peak_tflops": {k: float(self.device.peak_tflops[k])
-                                for k in sorted(self.device.peak_tflops)},
-                **({"sms": self.device.sms} if self.device.sms else {}),
-            },
-            "intra": {"bandwidth_gbs": float(self.intra.bandwidth_gbs),
-                      "latency_us": float(self.intra.latency_us)},
-            "inter": {"bandwidth_gbs": float(self.inter.bandwidth_gbs),
-                      "latency_us": float(self.inter.latency_us)},
+            "device": self.device.to_dict(),
+            "intra": self.intra.to_dict(),
+            "inter": self.inter.to_dict(),
         }
         if self.profile is not None:
             d["profile"] = self.profile
@@ -223,32 +207,14 @@ class Cluster:
             d["thread_speedup"] = float(self.thread_speedup)
         if self.thread_sync_us:
             d["thread_sync_us"] = float(self.thread_sync_us)
+        if self.topology is not None:
+            d.update(self.topology.to_dict())
         return d
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "cluster") -> "Cluster":
         """Build and validate a Cluster from the TOML layout; ``source`` names it in errors."""
-        _check_keys(data, source, "", required=_TOP_REQUIRED, optional=("profile", "detected", "cores_per_node",
-                                                                               "thread_speedup", "thread_sync_us"))
-        dev = data["device"]
-        _check_table(dev, source, "device")
-        _check_keys(dev, source, "device.", required=("name", "memory_gib", "mem_bw_gbs", "peak_tflops"),
-                    optional=("sms",))
-        peaks = dev["peak_tflops"]
-        _check_table(peaks, source, "device.peak_tflops")
-        if not peaks:
-            raise ClusterError(f"{source}: [device.peak_tflops] is empty: give at least one of {', '.join(DTYPES)}")
-        for k in peaks:
-            if k not in DTYPES:
-                raise ClusterError(f"{source}: unknown key device.peak_tflops.{k}: use one of {', '.join(DTYPES)}")
-        links = {}
-        for which in ("intra", "inter"):
-            _check_table(data[which], source, which)
-            _check_keys(data[which], source, f"{which}.", required=("bandwidth_gbs", "latency_us"))
-            links[which] = Link(
-                bandwidth_gbs=_num(data[which]["bandwidth_gbs"], source, f"{which}.bandwidth_gbs"),
-                latency_us=_num(data[which]["latency_us"], source, f"{which}.latency_us", allow_zero=True),
-            )
+        check_keys(data, source, "", required=_TOP_REQUIRED, optional=_TOP_OPTIONAL)
         profile = data.get("profile")
         if profile is not None and not isinstance(profile, str):
             raise ClusterError(f"{source}: profile must be a path string, got {type(profile).__name__}")
@@ -256,27 +222,26 @@ class Cluster:
         if not isinstance(detected, bool):
             raise ClusterError(f"{source}: detected must be true or false")
         cluster = cls(
-            name=_str(data["name"], source, "name"),
-            nodes=_int(data["nodes"], source, "nodes"),
-            devices_per_node=_int(data["devices_per_node"], source, "devices_per_node"),
-            device=Device(
-                name=_str(dev["name"], source, "device.name"),
-                memory_gib=_num(dev["memory_gib"], source, "device.memory_gib"),
-                peak_tflops={k: _num(v, source, f"device.peak_tflops.{k}") for k, v in peaks.items()},
-                mem_bw_gbs=_num(dev["mem_bw_gbs"], source, "device.mem_bw_gbs"),
-                sms=_int(dev["sms"], source, "device.sms") if "sms" in dev else 0,
-            ),
-            intra=links["intra"],
-            inter=links["inter"],
+            name=string(data["name"], source, "name"),
+            nodes=integer(data["nodes"], source, "nodes"),
+            devices_per_node=integer(data["devices_per_node"], source, "devices_per_node"),
+            device=Device.from_dict(data["device"], source),
+            intra=Link.from_dict(data["intra"], source, "intra"),
+            inter=Link.from_dict(data["inter"], source, "inter"),
             profile=profile,
-            backend=_str(data["backend"], source, "backend"),
+            backend=string(data["backend"], source, "backend"),
             detected=detected,
-            cores_per_node=_int(data["cores_per_node"], source, "cores_per_node") if "cores_per_node" in data else 0,
-            thread_speedup=(_num(data["thread_speedup"], source, "thread_speedup") if "thread_speedup" in data
+            cores_per_node=integer(data["cores_per_node"], source, "cores_per_node") if "cores_per_node" in data else 0,
+            thread_speedup=(number(data["thread_speedup"], source, "thread_speedup") if "thread_speedup" in data
                             else 0.0),
-            thread_sync_us=(_num(data["thread_sync_us"], source, "thread_sync_us", allow_zero=True)
+            thread_sync_us=(number(data["thread_sync_us"], source, "thread_sync_us", allow_zero=True)
                             if "thread_sync_us" in data else 0.0),
         )
+        if "groups" in data:
+            cluster.topology = Topology.from_dict(data["groups"], data.get("links"), cluster.nodes, source)
+        elif "links" in data:
+            raise ClusterError(f"{source}: links join groups, and no [[groups]] are declared: add [[groups]] or "
+                               f"remove [[links]]")
         cluster.validate(source=source)
         return cluster
 
@@ -304,28 +269,22 @@ class Cluster:
     def validate(self, *, source: str | None = None) -> None:
         """Raise ClusterError if any figure is missing, of the wrong type or non-positive."""
         src = source or f"cluster {self.name!r}"
-        _str(self.name, src, "name")
-        _int(self.nodes, src, "nodes")
-        _int(self.devices_per_node, src, "devices_per_node")
+        string(self.name, src, "name")
+        integer(self.nodes, src, "nodes")
+        integer(self.devices_per_node, src, "devices_per_node")
         if self.backend not in BACKENDS:
             raise ClusterError(f"{src}: backend {self.backend!r} is not supported: use one of {', '.join(BACKENDS)}")
         if not isinstance(self.device, Device):
             raise ClusterError(f"{src}: device must be a Device")
-        _str(self.device.name, src, "device.name")
-        _num(self.device.memory_gib, src, "device.memory_gib")
-        _num(self.device.mem_bw_gbs, src, "device.mem_bw_gbs")
-        if not isinstance(self.device.peak_tflops, dict) or not self.device.peak_tflops:
-            raise ClusterError(f"{src}: device.peak_tflops must give at least one of {', '.join(DTYPES)}")
-        for k, v in self.device.peak_tflops.items():
-            if k not in DTYPES:
-                raise ClusterError(f"{src}: unknown key device.peak_tflops.{k}: use one of {', '.join(DTYPES)}")
-            _num(v, src, f"device.peak_tflops.{k}")
+        self.device.validate(src)
         for which in ("intra", "inter"):
             link = getattr(self, which)
             if not isinstance(link, Link):
                 raise ClusterError(f"{src}: {which} must be a Link")
-            _num(link.bandwidth_gbs, src, f"{which}.bandwidth_gbs")
-            _num(link.latency_us, src, f"{which}.latency_us", allow_zero=True)
+            number(link.bandwidth_gbs, src, f"{which}.bandwidth_gbs")
+            number(link.latency_us, src, f"{which}.latency_us", allow_zero=True)
+        if self.topology is not None:
+            self.topology.validate(self.nodes, src)
 
     def fingerprint(self) -> str:
         """16 hex digits of sha256 over the normalised description.
@@ -386,8 +345,9 @@ def preset_names() -> list[str]:
     return sorted(p.name[: -len(".toml")] for p in folder.iterdir() if p.name.endswith(".toml"))
 
 
-def load_preset(name: str, nodes: int = 1) -> Cluster:
-    """A bundled preset with ``nodes`` nodes."""
+def load_preset(name: str, nodes: int | None = None) -> Cluster:
+    """A bundled preset with ``nodes`` nodes (None: one; a grouped preset: ``nodes`` per group,
+    None: the preset's own counts)."""
     names = preset_names()
     if name not in names:
         close = difflib.get_close_matches(name, names, n=1)
@@ -395,7 +355,13 @@ def load_preset(name: str, nodes: int = 1) -> Cluster:
         raise ClusterError(f"unknown cluster preset {name!r}: {hint}use one of {', '.join(names)}, local-cpu:N or a .toml path")
     res = resources.files("cost_models").joinpath("presets", f"{name}.toml")
     data = tomllib.loads(res.read_text(encoding="utf-8"))
-    data["nodes"] = nodes
+    if "groups" in data:
+        if nodes is not None:
+            for g in data["groups"]:
+                g["nodes"] = nodes
+            data["nodes"] = nodes * len(data["groups"])
+    else:
+        data["nodes"] = 1 if nodes is None else nodes
     return Cluster.from_dict(data, source=f"preset {name}")
 
 
@@ -416,8 +382,7 @@ def parse_cluster(spec: str) -> Cluster:
         n = _parse_count(count, spec, "processes") if sep else machine.cpu_count()
         c = detect_cached(n)
         return Cluster.from_dict(c.to_dict(), source=spec)  # a fresh copy callers may mutate
-    nodes = _parse_count(count, spec, "nodes") if sep else 1
-    return load_preset(name, nodes)
+    return load_preset(name, _parse_count(count, spec, "nodes") if sep else None)
 
 
 def _parse_count(text: str, spec: str, what: str) -> int:
@@ -432,41 +397,4 @@ def _parse_count(text: str, spec: str, what: str) -> int:
 
 # ---- validation helpers --------------------------------------------------------------
 _TOP_REQUIRED = ("name", "nodes", "devices_per_node", "backend", "device", "intra", "inter")
-
-
-def _check_keys(d: Mapping[str, Any], source: str, prefix: str, *, required: tuple[str, ...],
-                optional: tuple[str, ...] = ()) -> None:
-    for k in required:
-        if k not in d:
-            raise ClusterError(f"{source}: missing key {prefix}{k}: add it (see the format in cost_models/cluster.py)")
-    for k in d:
-        if k not in required and k not in optional:
-            raise ClusterError(f"{source}: unknown key {prefix}{k}: remove it (allowed: {', '.join(required + optional)})")
-
-
-def _check_table(v: Any, source: str, key: str) -> None:
-    if not isinstance(v, Mapping):
-        raise ClusterError(f"{source}: {key} must be a table ([{key}]), got {type(v).__name__}")
-
-
-def _num(v: Any, source: str, key: str, *, allow_zero: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ClusterError(f"{source}: {key} must be a number, got {v!r}")
-    if v < 0 or (v == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ClusterError(f"{source}: {key} must be {bound}, got {v!r}")
-    return float(v)
-
-
-def _int(v: Any, source: str, key: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ClusterError(f"{source}: {key} must be an integer, got {v!r}")
-    if v < 1:
-        raise ClusterError(f"{source}: {key} must be >= 1, got {v!r}")
-    return v
-
-
-def _str(v: Any, source: str, key: str) -> str:
-    if not isinstance(v, str) or not v:
-        raise ClusterError(f"{source}: {key} must be a non-empty string, got {v!r}")
-    return v
+_TOP_OPTIONAL = ("profile", "detected", "cores_per_node", "thread_speedup", "thread_sync_us", "groups", "links")

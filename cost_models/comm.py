@@ -54,6 +54,16 @@ uses its own NIC, whether the group has one member per node or ``g`` concurrent
 inter-node sub-groups (one per local index) run side by side. Phases run one
 after another (no overlap between phases).
 
+Across cluster groups (regions joined by a WAN: cost_models/topology.py)
+-----------------------------------------------------------------------
+A group whose members lie in ``k > 1`` cluster groups, ``g`` in each, runs hierarchically
+(:func:`_wan_group_time`): the in-group phases as above on the ``g`` members of one group, and
+``g`` concurrent rings of ``k`` across the WAN carrying ``B / g`` each, every flow of the
+dimension sharing the link's aggregate bandwidth (``cost_models.wan``: ``dim_span``,
+``flow_link``); a pipeline boundary on the cut is one WAN hop per rank pair
+(:func:`p2p_hops`), the boundary's pairs sharing the link. Never from a profile (it measures
+the node links only).
+
 Measured profile
 ----------------
 When a :class:`ProfileDB` has samples for ``(kind, n, link)`` its interpolated
@@ -80,6 +90,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal, Mapping
 
+from cost_models import wan
 from cost_models.cluster import Cluster, ClusterError, Link
 from cost_models.profile_db import COLLECTIVE_KINDS, ProfileDB
 from cost_models.shared_cores import sync_wait_s
@@ -235,13 +246,25 @@ def collective_time(kind: str, nbytes: float, cluster: Cluster, mesh: Mesh | Map
     """Seconds for one ``kind`` collective of ``nbytes`` (per-rank buffer) over a ``dim`` group."""
     if kind not in COLLECTIVE_KINDS:
         raise ClusterError(f"unknown collective {kind!r}: use one of {', '.join(COLLECTIVE_KINDS)}")
-    lay = group_layout(cluster, mesh, dim)
+    m = Mesh.of(mesh)
+    lay = group_layout(cluster, m, dim)
+    span = wan.dim_span(cluster, lay.size, m.stride(dim), m.world)
+    if span is not None:
+        return _group_time(kind, float(nbytes), lay, cluster, profile, _Wan(span, m.stride(dim)))
     return _group_time(kind, float(nbytes), lay, cluster, profile)
 
 
+@dataclass(frozen=True)
+class _Wan:
+    """A group spanning cluster groups (``cost_models.wan``) and its members' stride."""
+    span: wan.WanSpan
+    stride: int
+
+
 def _group_time(kind: str, nbytes: float, lay: GroupLayout, cluster: Cluster,
-                profile: ProfileDB | None) -> CommEstimate:
-    est = _group_time_raw(kind, nbytes, lay, cluster, profile)
+                profile: ProfileDB | None, across: "_Wan | None" = None) -> CommEstimate:
+    est = (_wan_group_time(kind, nbytes, across, cluster, profile) if across is not None
+           else _group_time_raw(kind, nbytes, lay, cluster, profile))
     if est.seconds:
         est = CommEstimate(est.seconds + sync_wait_s(cluster.cores_per_node, cluster.devices_per_node), est.source)
     cal = getattr(profile, "calibration", None)
@@ -288,6 +311,37 @@ def _group_time_raw(kind: str, nbytes: float, lay: GroupLayout, cluster: Cluster
     return CommEstimate(t, "profile" if (profile is not None and phase.all_measured) else "model")
 
 
+def _wan_group_time(kind: str, nbytes: float, across: _Wan, cluster: Cluster,
+                    profile: ProfileDB | None) -> CommEstimate:
+    """A group spanning ``k`` cluster groups with ``g`` members in each, hierarchically: the
+    in-group phases as any group on those nodes, ``g`` concurrent rings of ``k`` across the WAN
+    (``cost_models.wan``): all-reduce = RS in group + AR(B/g) across + AG in group (reduce inside
+    each group, exchange across, broadcast back); all-gather = AG(B/g) across + AG in group;
+    reduce-scatter = RS in group + RS(B/g) across; all-to-all: the in-group share of the buffer
+    in group, the rest across; send/recv: one WAN hop."""
+    sp = across.span
+    g, k, n = sp.per_group, sp.groups, sp.per_group * sp.groups
+    local = _layout(g, across.stride, cluster.devices_per_node) if g > 1 else GroupLayout(1, "intra", 1, 1)
+
+    def loc(kd: str, b: float) -> float:
+        return _group_time_raw(kd, b, local, cluster, profile).seconds
+
+    def cross(kd: str, b: float) -> float:
+        return _ring_time(kd, b, k, sp.link)
+
+    if kind == "all_reduce":
+        t = loc("reduce_scatter", nbytes) + cross("all_reduce", nbytes / g) + loc("all_gather", nbytes)
+    elif kind == "all_gather":
+        t = cross("all_gather", nbytes / g) + loc("all_gather", nbytes)
+    elif kind == "reduce_scatter":
+        t = loc("reduce_scatter", nbytes) + cross("reduce_scatter", nbytes / g)
+    elif kind == "all_to_all":
+        t = loc("all_to_all", nbytes * g / n) + (n - g) / n * nbytes / sp.link.bandwidth_bps + (k - 1) * sp.link.latency_s
+    else:
+        t = cross("send_recv", nbytes)
+    return CommEstimate(t, "model")
+
+
 def p2p_links(cluster: Cluster, mesh: Mesh | Mapping[str, int]) -> list[LinkClass]:
     """Link class of each pipeline boundary (stage i -> i+1), over all its rank pairs."""
     m = Mesh.of(mesh)
@@ -304,27 +358,41 @@ def p2p_links(cluster: Cluster, mesh: Mesh | Mapping[str, int]) -> list[LinkClas
     return links
 
 
+def p2p_hops(nbytes: float, cluster: Cluster, mesh: Mesh | Mapping[str, int],
+             profile: ProfileDB | None = None) -> list[CommEstimate]:
+    """One-way activation send of ``nbytes`` across each pipeline boundary (stage i -> i+1), seconds:
+    over the node link its rank pairs use, or over the WAN (``cost_models.wan.boundary_links``:
+    the boundary's ``dp cp tp`` pairs share it) where they cross cluster groups."""
+    m = Mesh.of(mesh)
+    links = p2p_links(cluster, m)
+    if not links or nbytes <= 0:
+        return [CommEstimate(0.0, "model") for _ in links]
+    wans = wan.boundary_links(cluster, m.pp, m.stride("pp"))
+    out, by_class = [], {}  # boundaries inside the cluster differ only by their link class: time each once
+    for link, across in zip(links, wans):
+        if across is not None:
+            out.append(CommEstimate(_ring_time("send_recv", float(nbytes), 2, across), "model"))
+            continue
+        if link not in by_class:
+            lay = GroupLayout(size=2, link=link, per_node=1 if link == "inter" else 2,
+                              nodes=2 if link == "inter" else 1)
+            by_class[link] = _group_time("send_recv", float(nbytes), lay, cluster, profile)
+        out.append(by_class[link])
+    return out
+
+
 def p2p_time(nbytes: float, cluster: Cluster, mesh: Mesh | Mapping[str, int], profile: ProfileDB | None = None,
              *, boundary: int | None = None) -> CommEstimate:
-    """One-way activation send between adjacent pipeline stages, seconds.
+    """One-way activation send between adjacent pipeline stages, seconds (:func:`p2p_hops`).
 
     ``boundary`` = i times the send from stage i to i+1; None times the slowest
     boundary (a pipeline runs at the pace of its slowest hop). pp = 1 costs 0 s.
     """
-    links = p2p_links(cluster, mesh)
-    if not links or nbytes <= 0:
+    hops = p2p_hops(nbytes, cluster, mesh, profile)
+    if not hops:
         return CommEstimate(0.0, "model")
     if boundary is not None:
-        if not 0 <= boundary < len(links):
-            raise ClusterError(f"pipeline boundary {boundary} out of range: use 0..{len(links) - 1}")
-        chosen = [links[boundary]]
-    else:
-        chosen = sorted(set(links))
-    best: CommEstimate | None = None
-    for link in chosen:
-        lay = GroupLayout(size=2, link=link, per_node=1 if link == "inter" else 2, nodes=2 if link == "inter" else 1)
-        est = _group_time("send_recv", float(nbytes), lay, cluster, profile)
-        if best is None or est.seconds > best.seconds:
-            best = est
-    assert best is not None
-    return best
+        if not 0 <= boundary < len(hops):
+            raise ClusterError(f"pipeline boundary {boundary} out of range: use 0..{len(hops) - 1}")
+        return hops[boundary]
+    return max(hops, key=lambda e: e.seconds)

@@ -85,6 +85,7 @@ from typing import Any
 
 from cost_models import comm as comm_mod
 from cost_models import pipeline as pipe_mod
+from cost_models import wan as wan_mod
 from cost_models.cluster import Cluster
 from cost_models.compute import calibration, memory_bandwidth, model_flops_per_seq
 from cost_models.cpu_runtime import wrapper_unit_s
@@ -93,9 +94,11 @@ from cost_models.experts import ep_mesh
 from cost_models.layer_costs import LayerCosts, act_bytes_io, layer_pass_times
 from cost_models.memory import (LayerTable, MemoryRule, StageMemory, chunk_memory, dp_group, framework_reserve,
                                  rank_memory)
+from cost_models.wan_cost import crossings, outer_step_s, stage_capacity, stage_devices, stage_slowdowns
 from cost_models.shared_cores import compute_concurrency, core_speedup, shares_cores, spare_core
 from planner.feasibility import microbatches
 from planner.graph import ModelGraph
+from planner.low_comm import parse_low_comm
 from planner.plan import ParallelConfig, Partition, PlanError
 from planner.sharding import DDP_BUCKET_BYTES, SHARDED_PARAMS, uses_ddp_reducer
 from planner.precision import DTYPE_BYTES, GRAD_REDUCE_BYTES, MASTER_BYTES
@@ -130,6 +133,8 @@ class Estimate:
     calibration: str = "uncalibrated"  # or what the profile's fitted coefficients were fitted on
     engine: str = "autopar"           # the engine whose overlaps are priced (cost_models/engines.py)
     schedule_ir: Any = None           # the schedule IR priced when config.schedule is custom (planner/schedule_ir.py)
+    wan: list[dict] = field(default_factory=list)  # where the mesh crosses the WAN (cost_models/wan_cost.py)
+    devices: list[str] = field(default_factory=list)  # mixed devices: "group: device" per pp rank
 
     @property
     def fits(self) -> bool:
@@ -151,7 +156,8 @@ class Estimate:
             "breakdown": self.breakdown, "bubble_frac": self.bubble_frac,
             "stage_fwd_s": self.stage_fwd_s, "stage_bwd_s": self.stage_bwd_s, "p2p_hop_s": self.p2p_hop_s,
             "source": self.source, "sources": self.sources, "calibration": self.calibration, "engine": self.engine,
-            "partition": self.partition.to_dict(),
+            "partition": self.partition.to_dict(), **({"wan": self.wan} if self.wan else {}),
+            **({"stage_devices": self.devices} if self.devices else {}),
         }
 
 
@@ -175,9 +181,10 @@ class _StageCost:
 
 
 def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, comp_src: set,
-                 comm_src: set) -> list[_StageCost]:
+                 comm_src: set, cfg: ParallelConfig, placement: tuple[int, ...]) -> list[_StageCost]:
     """Per virtual stage: its layers' compute, TP/CP communication and recompute (sources noted),
-    and the CPU runtime's data-parallel wrapper work per wrapped unit (cost_models/cpu_runtime.py)."""
+    and the CPU runtime's data-parallel wrapper work per wrapped unit (cost_models/cpu_runtime.py);
+    on mixed devices sped up or slowed down to its rank's (``placement[j]``) device."""
     out = []
     wf, wb = wrapper_unit_s(costs.c, costs.cfg, costs.profile)
     for (lo, hi), rc in zip(partition.bounds, partition.recompute):
@@ -200,21 +207,9 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
             parts["ep_comm"] += c.ep_fwd + c.ep_bwd
             parts["recompute"] += t.recompute
         out.append(_StageCost(f, b, cf, cb, parts))
-    return out
-
-
-def stage_placement(cfg: ParallelConfig, m: int, schedule: "ir.Schedule | None" = None) -> tuple[int, ...]:
-    """The pp rank of each virtual stage: the plan's own schedule's (``schedule=custom``,
-    checked against the layout), else the built-in's (planner.schedule_ir.placement)."""
-    if cfg.pp == 1:
-        return (0,) * cfg.vpp
-    if cfg.schedule != "custom":
-        return ir.placement(cfg.schedule, cfg.pp, cfg.vpp)
-    if schedule is None:
-        raise PlanError("schedule=custom needs its schedule: give the file with --schedule FILE")
-    if (why := ir.layout_problem(schedule, cfg.pp, cfg.vpp, m)):
-        raise PlanError(why)
-    return schedule.stage_rank
+    slow = stage_slowdowns(costs.c, cfg)  # mixed devices: each stage's compute on its rank's device (costs.cfg
+    #                                      may be another pp's: the layer costs are shared across pp and dp)
+    return [st.sped_up(1 / slow[placement[j]]) if slow[placement[j]] != 1.0 else st for j, st in enumerate(out)]
 
 
 def _rank_memory(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
@@ -280,18 +275,37 @@ def _dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units
     return DpTraffic(comm, after, comm / (per_microbatch * calls))
 
 
-def _p2p_hop_s(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition, profile,
-               comm_src: set) -> float:
-    """One pipeline hop: the largest stage boundary's activation over the pp link (0 without PP)."""
+@dataclass(frozen=True)
+class P2pHops:
+    """The pipeline's hops, seconds: one per rank boundary (entry r: rank r -> r + 1, the last one
+    the wrap-around an interleaved schedule uses), and each WAN boundary's bandwidth part (what
+    the link carries one micro-batch after another: ``cost_models.wan.link_floor_s``)."""
+    hops: list[float]
+    wan_bw: list[float]
+    is_wan: list[bool] = field(default_factory=list)  # per boundary (stage i -> i + 1): on the WAN
+
+    @property
+    def slowest(self) -> float:
+        return max(self.hops, default=0.0)
+
+
+def _p2p_hops(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition, profile,
+              comm_src: set) -> P2pHops:
+    """Per boundary: the largest stage boundary's activation over the link that boundary crosses
+    (``comm.p2p_hops``: node links, or the WAN with its latency); no hops without PP."""
     if cfg.pp == 1:
-        return 0.0
+        return P2pHops([], [])
     sizes = [act_bytes_io(graph.layers[hi], graph, cfg) / cfg.seq_shards
              for (lo, hi) in partition.bounds[:-1] if hi < len(graph.layers)]
     if not sizes:
-        return 0.0
-    est = comm_mod.p2p_time(max(sizes), cluster, comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp), profile)
-    comm_src.add(est.source)
-    return est.seconds
+        return P2pHops([0.0] * cfg.pp, [])
+    mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
+    ests = comm_mod.p2p_hops(max(sizes), cluster, mesh, profile)
+    comm_src.update(e.source for e in ests)
+    hops = [e.seconds for e in ests]
+    links = wan_mod.boundary_links(cluster, cfg.pp, mesh.stride("pp"))
+    wan_bw = [max(sizes) / k.bandwidth_bps for k in links if k is not None]
+    return P2pHops(hops + [max(hops)], wan_bw, [k is not None for k in links])
 
 
 def _dp_and_optimizer(cluster: Cluster, cfg: ParallelConfig, partition: Partition, table: LayerTable,
@@ -321,6 +335,9 @@ def _dp_and_optimizer(cluster: Cluster, cfg: ParallelConfig, partition: Partitio
     window = (m * sum(rank_fb) if _per_microbatch_dp(cfg) else rank_fb[1]) * ov
     after = exposed_s(dp.after_step, rank_fb[0] * ov) if engine.param_gather_overlap else dp.after_step
     dp_exposed = exposed_s(dp.overlappable, window, dp.last_call) + after
+    low = parse_low_comm(cfg.low_comm)  # low-communication DP: one blocking exchange every H steps
+    dp_exposed += outer_step_s(cluster, cfg, (P - Pe) / (dp_group(cfg) if cfg.zero == "fsdp" else 1), profile) / (
+        low.every if low else 1)
     dp_exposed += _token_local_sync_s(cluster, cfg, partition, table, on_rank, profile, comm_src)
     shard, shard_e = (1, 1) if cfg.zero == "ddp" else (dp_group(cfg), dp_group(cfg, experts=True))
     opt_params = (P - Pe) / shard + Pe / shard_e
@@ -360,21 +377,22 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     if len(partition.bounds) != cfg.pp * cfg.vpp:
         raise PlanError(f"partition has {len(partition.bounds)} stages, config needs pp*vpp = {cfg.pp * cfg.vpp}")
     m = microbatches(cfg, global_batch)
-    placement = stage_placement(cfg, m, schedule)
+    placement = pipe_mod.stage_placement(cfg, m, schedule)
     eng = engine_of(engine)
     if costs is None or costs.key(costs.cfg) != costs.key(cfg) or costs.engine != eng:
         costs = LayerCosts(graph, cluster, cfg, profile, engine=eng)
     cluster = costs.c  # the ranks cfg runs: fewer CPU ranks with more threads each (shared_cores.ranks_cluster)
     comp_src, comm_src = set(), set()
-    stages = _stage_costs(graph, partition, costs, comp_src, comm_src)
+    stages = _stage_costs(graph, partition, costs, comp_src, comm_src, cfg, placement)
 
     # ---- pipeline ----------------------------------------------------------------
-    p2p = _p2p_hop_s(graph, cluster, cfg, partition, profile, comm_src)
-    pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, p2p, fast, eng.p2p_overlap, schedule)
+    hops = _p2p_hops(graph, cluster, cfg, partition, profile, comm_src)
+    p2p = hops.slowest
+    pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, hops, fast, eng.p2p_overlap, schedule)
     speed = _shared_core_speedup(cluster, cfg, bubble, result)
     if speed > 1.0:  # fewer ranks compute at once than the layer times assume: re-run at that speed
         stages = [st.sped_up(speed) for st in stages]
-        pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, p2p, fast, eng.p2p_overlap, schedule)
+        pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, hops, fast, eng.p2p_overlap, schedule)
 
     # ---- per-rank memory, data parallel, optimizer ------------------------------------------
     cal = calibration(profile)
@@ -392,10 +410,8 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
                  for v in [m * sum(stages[j].parts[k] for j in mine)] if v or k != "runtime"}
     breakdown.update(p2p=0.0, bubble=max(0.0, pipe_s - m * (rank_f + rank_b)), dp_comm=dp_exposed, optimizer=opt_s)
     breakdown.update({"overhead": overhead} if overhead else {})
-    if cfg.pp > 1 and p2p:
-        # p2p inside the pipeline time: split the idle time between bubble and transfers
-        n_hops = 2 * (m + cfg.pp - 1)
-        breakdown["p2p"] = min(breakdown["bubble"], n_hops * p2p)
+    if cfg.pp > 1 and p2p:  # p2p inside the pipeline time: split the idle time between bubble and transfers
+        breakdown["p2p"] = min(breakdown["bubble"], 2 * (m + cfg.pp - 1) * p2p)
         breakdown["bubble"] -= breakdown["p2p"]
     tokens, model_flops = global_batch * graph.seq_len, model_flops_per_seq(graph) * global_batch  # doc-masked
     peak = cluster.peak_flops("fp32" if cluster.backend == "gloo" else cfg.dtype)
@@ -403,12 +419,13 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     return Estimate(
         config=cfg, partition=partition, global_batch=global_batch, microbatches=m, step_s=step,
         tokens_per_s=tokens / step, mfu=model_flops / (step * cfg.world * peak),
-        tflops_per_device=model_flops / step / cfg.world / 1e12, memory=memory, capacity=cluster.memory_bytes,
+        tflops_per_device=model_flops / step / cfg.world / 1e12, memory=memory, capacity=stage_capacity(cluster, cfg),
         breakdown=breakdown, stage_fwd_s=[st.fwd for st in stages], stage_bwd_s=[st.bwd for st in stages],
         bubble_frac=max(0.0, bubble), source=src,
         sources={"compute": src, "comm": "profile" if comm_src == {"profile"} else ("model" if comm_src else "none")},
         pipeline=result, p2p_hop_s=p2p, calibration=calibration_note(profile), engine=eng.name,
-        schedule_ir=schedule if cfg.schedule == "custom" else None)
+        schedule_ir=schedule if cfg.schedule == "custom" else None,
+        wan=[x.to_dict() for x in crossings(graph, cluster, cfg, partition, m)], devices=stage_devices(cluster, cfg))
 
 
 def calibration_note(profile) -> str:
@@ -419,30 +436,44 @@ def calibration_note(profile) -> str:
     return profile.calibration_source or "calibrated (autopar calibrate)"
 
 
-def _pipeline(cfg: ParallelConfig, m: int, stages: list[_StageCost], p2p: float, fast: bool,
+def _pipeline(cfg: ParallelConfig, m: int, stages: list[_StageCost], hops: P2pHops, fast: bool,
               p2p_overlap: bool = False, schedule: "ir.Schedule | None" = None):
     """(pipeline seconds, peak in-flight chunks per rank, bubble fraction, PipelineResult or None):
-    the simulator, or its closed form when ``fast``; pp = 1 runs the micro-batches back to back.
-    With ``p2p_overlap`` (the engine's asynchronous p2p) the steady state hides every hop: the
-    schedule runs without them and only the fill and drain hops, ``2 (pp - 1)``, are added.
-    A custom schedule (``schedule``) and dualpipev are always simulated (no closed form)."""
+    the simulator with each boundary's hop (a WAN cut charged its latency and bandwidth), or its
+    closed form (the slowest hop everywhere) when ``fast``; pp = 1 runs the micro-batches back to
+    back. With ``p2p_overlap`` (the engine's asynchronous p2p) the steady state hides every hop:
+    the schedule runs without them and only the fill and drain hops are added. A custom schedule
+    (``schedule``) and dualpipev are always simulated (no closed form). A WAN boundary carries
+    every micro-batch's activation one after another: the step is at least ``wan.link_floor_s``."""
     fwd, bwd = [st.fwd for st in stages], [st.bwd for st in stages]
     if cfg.pp == 1:
         return m * (fwd[0] + bwd[0]), [1], 0.0, None
+    p2p = hops.slowest
     if p2p_overlap and p2p > 0:
-        pipe_s, inflight, bubble, result = _pipeline(cfg, m, stages, 0.0, fast, schedule=schedule)
-        return pipe_s + 2 * (cfg.pp - 1) * p2p, inflight, bubble, result
-    sched, n_stages = cfg.schedule, len(fwd)
-    if sched == "custom":
-        result = pipe_mod.simulate_schedule(schedule, fwd, bwd, p2p=p2p)
-        return result.step_s, list(result.peak_inflight_chunks), result.bubble_frac, result
-    if fast and sched not in ir.V_SCHEDULES:
-        pipe_s = pipe_mod.estimate_step(sched, cfg.pp, m, fwd, bwd, p2p=p2p, v=cfg.vpp)
+        pipe_s, inflight, bubble, result = _pipeline(cfg, m, stages, P2pHops([0.0] * cfg.pp, []), fast,
+                                                     schedule=schedule)
+        pipe_s += 2 * sum(hops.hops[:cfg.pp - 1])
+    elif cfg.schedule == "custom":
+        result = pipe_mod.simulate_schedule(schedule, fwd, bwd, p2p=hops.hops or 0.0)
+        pipe_s, inflight, bubble = result.step_s, list(result.peak_inflight_chunks), result.bubble_frac
+    elif fast and cfg.schedule not in ir.V_SCHEDULES:
+        sched, n_stages = cfg.schedule, len(fwd)
         inflight = [inflight_closed(sched, cfg.pp, m, cfg.vpp, r) for r in range(cfg.pp)]
+        node_hop = max((h for h, w in zip(hops.hops, hops.is_wan) if not w), default=0.0)
+        pipe_s = pipe_mod.estimate_step(sched, cfg.pp, m, fwd, bwd, p2p=node_hop, v=cfg.vpp)
+        t = max(f + b for f, b in zip(fwd, bwd)) * cfg.vpp
+        pipe_s += max((wan_mod.stall_s(m, cfg.pp, r, t, h, inflight[r] // cfg.vpp)
+                       for r, (h, w) in enumerate(zip(hops.hops[:cfg.pp - 1], hops.is_wan)) if w), default=0.0)
         bubble = 1.0 - m * sum(fwd[j] + bwd[j] for j in range(n_stages)) / cfg.pp / pipe_s
-        return pipe_s, inflight, bubble, None
-    result = pipe_mod.simulate(sched, cfg.pp, m, fwd, bwd, p2p=p2p, v=cfg.vpp)
-    return result.step_s, list(result.peak_inflight_chunks), result.bubble_frac, result
+        result = None
+    else:
+        result = pipe_mod.simulate(cfg.schedule, cfg.pp, m, fwd, bwd, p2p=hops.hops or 0.0, v=cfg.vpp)
+        pipe_s, inflight, bubble = result.step_s, list(result.peak_inflight_chunks), result.bubble_frac
+    floor = wan_mod.link_floor_s(m, hops.wan_bw, sum(fwd) + sum(bwd))
+    if floor > pipe_s:
+        busy = 1.0 - bubble
+        pipe_s, bubble = floor, 1.0 - busy * pipe_s / floor
+    return pipe_s, inflight, bubble, result
 
 
 def _shared_core_speedup(cluster: Cluster, cfg: ParallelConfig, bubble: float, result) -> float:

@@ -80,6 +80,7 @@ from cost_models.fused_elementwise import block_saved
 from cost_models.moe_layer import routed_saved_bytes
 from cost_models.op_recompute import checkpointed, op_saved_bytes
 from planner.graph import TP_SPLIT_ROLES, Layer, ModelGraph
+from planner.low_comm import inner_dp
 from planner.plan import RECOMPUTE, ParallelConfig
 from planner.sharding import FSDP_MODULE_SHARE, ZERO, dp_wrapper, fsdp_per_module, reshard_after_forward
 from planner.precision import DTYPE_BYTES, GRAD_REDUCE_BYTES, MASTER_BYTES, mixed_precision
@@ -273,7 +274,7 @@ def dp_group(cfg: ParallelConfig, experts: bool = False) -> int:
     dp x cp x tp / ep (``ParallelConfig.expert_mesh``: the tp ranks route tokens of their own)."""
     if experts and cfg.ep > 1:
         return cfg.expert_mesh[0]
-    return cfg.dp * cfg.cp
+    return inner_dp(cfg.dp, cfg.low_comm) * cfg.cp  # low-communication DP: the replicas of one group
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ any other IR (a user's file, a generated schedule) goes through :func:`simulate_
 Durations (seconds) come per virtual stage: ``fwd[s]``, ``bwd[s]`` and, for split backwards,
 the weight-gradient part ``wgrad[s]`` (I takes the rest).
 
-Dependencies (``p2p`` seconds added on every edge between different ranks)::
+Dependencies (``p2p`` seconds added on every edge between different ranks: one figure, or one
+per rank boundary r -> (r + 1) % p, an edge between neighbours taking theirs)::
 
     F(s, mb)    after  F(s-1, mb)                       (s > 0)
     B/I(s, mb)  after  B/I(s+1, mb)  (s < S-1)   or   F(S-1, mb)   (s = S-1)
@@ -84,13 +85,14 @@ from functools import cached_property, lru_cache
 from typing import Sequence
 
 from planner import schedule_ir as ir
-from planner.plan import SCHEDULES  # the one list of schedules (callers of the simulator import it from here too)
+from planner.errors import PlanError
+from planner.plan import SCHEDULES, ParallelConfig  # the one list of schedules (callers of the simulator import it from here too)
 from planner.schedule_check import check as check_schedule
 from planner.schedule_ir import ScheduleError  # re-exported: the simulator's errors are the IR's
 
 __all__ = ["SCHEDULES", "SPLIT_SCHEDULES", "WGRAD_FRAC", "Event", "PipelineResult", "ScheduleError", "estimate_step",
            "linear_step", "schedule_orders", "simulate", "simulate_orders", "simulate_schedule", "split_backward",
-           "throughput_floor", "zb_h1_bubble_terms"]
+           "stage_placement", "throughput_floor", "zb_h1_bubble_terms"]
 _KIND_NAMES = ("F", "B", "W", "I")  # by duration index
 SPLIT_SCHEDULES = ("zb-h1", "dualpipev")  # built-ins that run I and W apart (simulate's wgrad applies)
 WGRAD_FRAC = 0.5  # zb-h1 without measured W: the weight gradient's share of the backward (module docstring)
@@ -201,6 +203,20 @@ def _per_stage(name: str, values: Sequence[float] | float, n: int) -> list[float
     return vals
 
 
+def stage_placement(cfg: ParallelConfig, m: int, schedule: ir.Schedule | None = None) -> tuple[int, ...]:
+    """The pp rank of each virtual stage: the plan's own schedule's (``schedule=custom``,
+    checked against the layout), else the built-in's (planner.schedule_ir.placement)."""
+    if cfg.pp == 1:
+        return (0,) * cfg.vpp
+    if cfg.schedule != "custom":
+        return ir.placement(cfg.schedule, cfg.pp, cfg.vpp)
+    if schedule is None:
+        raise PlanError("schedule=custom needs its schedule: give the file with --schedule FILE")
+    if (why := ir.layout_problem(schedule, cfg.pp, cfg.vpp, m)):
+        raise PlanError(why)
+    return schedule.stage_rank
+
+
 # ---- simulation --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Compiled:
@@ -211,9 +227,10 @@ class _Compiled:
     m: int
     v: int
     orders: list[list[Op]]  # per rank: (duration kind 0..3 = F, B, W, I; stage; mb)
-    # per rank, per op: (dep_id, cross_rank, op_id, duration_index, wake_rank); dep_id
-    # 3*S*m is a sentinel that is always ready, wake_rank p means nobody to wake
-    steps: list[list[tuple[int, bool, int, int, int]]]
+    # per rank, per op: (dep_id, hop, op_id, duration_index, wake_rank); dep_id 3*S*m is a
+    # sentinel that is always ready, wake_rank p means nobody to wake; hop: the rank boundary
+    # the dependency crosses (:func:`_hop_index`)
+    steps: list[list[tuple[int, int, int, int, int]]]
     peaks: tuple[list[int], list[int], list[int]]
     chunk_of: list[int]
     work: list[list[tuple[int, int]]]  # per rank: (duration index, how many ops take it)
@@ -224,8 +241,20 @@ def _compile(schedule: str, p: int, m: int, v: int) -> _Compiled:
     return _compile_schedule(ir.builtin(schedule, p, m, v))
 
 
+def _hop_index(ra: int, rb: int, p: int) -> int:
+    """Which hop an edge from rank ``ra`` to rank ``rb`` waits on: p (none) on one rank, the
+    boundary r of r -> (r + 1) % p between neighbours (either direction), p + 1 (the slowest
+    boundary) between ranks that are not neighbours (a custom placement)."""
+    if ra == rb:
+        return p
+    if rb == (ra + 1) % p:
+        return ra
+    return rb if ra == (rb + 1) % p else p + 1
+
+
 def _compile_schedule(s: ir.Schedule) -> _Compiled:
     p, m, n, sr = s.p, s.n_microbatches, s.n_stages, s.stage_rank
+    edge = [_hop_index(sr[j], sr[j + 1], p) for j in range(n - 1)]  # the hop between stage j and j + 1
     last, sm = n - 1, n * m
     orders, steps = [], []
     for r in range(p):
@@ -233,17 +262,17 @@ def _compile_schedule(s: ir.Schedule) -> _Compiled:
         for a in s.actions(r):
             k, st, mb = _IR_KIND[a.kind], a.stage, a.mb
             if a.kind == "F":
-                dep, cross = ((st - 1) * m + mb, sr[st - 1] != r) if st else (3 * sm, False)
+                dep, hop = ((st - 1) * m + mb, edge[st - 1]) if st else (3 * sm, p)
                 done, wake = 0, sr[st + 1] if st < last else -1
             elif a.kind == "W":
-                dep, cross, done, wake = sm + st * m + mb, False, 2, -1
+                dep, hop, done, wake = sm + st * m + mb, p, 2, -1
             else:  # B or I: the backward the previous stage waits for
-                dep, cross = (st * m + mb, False) if st == last else (sm + (st + 1) * m + mb, sr[st + 1] != r)
+                dep, hop = (st * m + mb, p) if st == last else (sm + (st + 1) * m + mb, edge[st])
                 done, wake = 1, sr[st - 1] if st else -1
             if wake == r or wake < 0:
                 wake = p  # the sentinel slot of `blocked`: never matches
             order.append((k, st, mb))
-            rs.append((dep, cross, (done * n + st) * m + mb, k * n + st, wake))
+            rs.append((dep, hop, (done * n + st) * m + mb, k * n + st, wake))
         orders.append(order)
         steps.append(rs)
     chunk_of = [s.stages_of(r).index(st) for st, r in enumerate(sr)]
@@ -252,12 +281,14 @@ def _compile_schedule(s: ir.Schedule) -> _Compiled:
 
 
 def simulate(schedule: str, p: int, m: int, fwd: Sequence[float] | float, bwd: Sequence[float] | float, *,
-             wgrad: Sequence[float] | float | None = None, p2p: float = 0.0, v: int = 1) -> PipelineResult:
+             wgrad: Sequence[float] | float | None = None, p2p: float | Sequence[float] = 0.0,
+             v: int = 1) -> PipelineResult:
     """Simulate one training step of built-in ``schedule`` (times in seconds; module docstring).
 
     ``fwd``/``bwd`` (and ``wgrad`` for the split schedules) give one entry per virtual stage, or
     a single number for all. For zb-h1 and dualpipev, ``bwd`` is the input-gradient time I and
     ``wgrad`` the weight-gradient time W (default: :func:`split_backward` of ``bwd``).
+    ``p2p``: one hop for all cross-rank edges, or one per rank boundary r -> (r + 1) % p (a WAN cut).
     """
     comp = _compile(schedule, p, m, v)
     n = len(comp.chunk_of)
@@ -275,7 +306,8 @@ def simulate(schedule: str, p: int, m: int, fwd: Sequence[float] | float, bwd: S
 
 
 def simulate_schedule(s: ir.Schedule, fwd: Sequence[float] | float, bwd: Sequence[float] | float, *,
-                      wgrad: Sequence[float] | float | None = None, p2p: float = 0.0) -> PipelineResult:
+                      wgrad: Sequence[float] | float | None = None,
+                      p2p: float | Sequence[float] = 0.0) -> PipelineResult:
     """Simulate the schedule IR ``s`` (checked first: planner/schedule_check.py). ``bwd`` is each
     stage's whole backward (what B takes), ``wgrad`` its weight-gradient part W (default
     :func:`split_backward`); an I takes ``bwd - wgrad``."""
@@ -290,7 +322,7 @@ def simulate_schedule(s: ir.Schedule, fwd: Sequence[float] | float, bwd: Sequenc
 
 def simulate_orders(orders: Sequence[Sequence[tuple[int, int, int]]], m: int, fwd: Sequence[float] | float,
                     bwd: Sequence[float] | float, *, wgrad: Sequence[float] | float | None = None,
-                    p2p: float = 0.0, v: int = 1) -> PipelineResult:
+                    p2p: float | Sequence[float] = 0.0, v: int = 1) -> PipelineResult:
     """Simulate custom per-rank orders of ``(kind, virtual_stage, mb)`` (kind 0=F, 1=B, 2=W) on
     looped stages (stage on rank ``stage % p``); with any W, kind 1 is the input-gradient part
     (``bwd``) and W takes ``wgrad`` (default zeros). Raises ScheduleError on a malformed order
@@ -319,10 +351,10 @@ def simulate_orders(orders: Sequence[Sequence[tuple[int, int, int]]], m: int, fw
 
 
 def _run(comp: _Compiled, f: list[float], b: list[float], w: list[float], i: list[float],
-         p2p: float) -> PipelineResult:
-    if not p2p >= 0:
-        raise ScheduleError(f"p2p must be >= 0 seconds, got {p2p!r}")
+         p2p: float | Sequence[float]) -> PipelineResult:
     p, m, n_stages = comp.p, comp.m, len(comp.chunk_of)
+    per = _per_stage("p2p", p2p, p)  # per rank boundary r -> (r + 1) % p
+    hops = per + [0.0, max(per)]  # + the step index _NO_HOP (same rank) and _FAR_HOP (non-adjacent ranks)
     dur = f + b + w + i  # indexed kind * n_stages + stage
     end = [-1.0] * (3 * n_stages * m) + [0.0]  # end time per op id; -1 = not run yet
     starts: list[list[float]] = [[0.0] * len(o) for o in comp.steps]
@@ -338,13 +370,12 @@ def _run(comp: _Compiled, f: list[float], b: list[float], w: list[float], i: lis
         t = free[r]
         st_r = starts[r]
         while k < n_ops:
-            dep, cross, oid, di, wake = steps[k]
+            dep, hop, oid, di, wake = steps[k]
             ready = end[dep]
             if ready < 0:
                 blocked[r] = dep
                 break
-            if cross:
-                ready += p2p
+            ready += hops[hop]  # 0.0 on one rank
             if ready > t:
                 t = ready
             st_r[k] = t

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from planner.low_comm import CAVEAT, parse_low_comm
 from planner.plan import ParallelConfig, Plan
 from planner.precision import mixed_precision
 
@@ -46,6 +47,10 @@ class PlanWords:
 def attention_words(plan: Plan) -> str:
     c = plan.config
     kernel = f"{c.attention} attention kernel"
+    per_batch = plan.batch.get("per_batch") or {}
+    if per_batch.get("chosen"):
+        return (f"per-batch assignment: each batch's documents on {per_batch['method']} groups of 1 to "
+                f"{per_batch['max_group']} of the dp x cp ranks, {kernel}")
     if c.cp == 1:
         return f"cp=1: {kernel}"
     method = CP_METHODS[c.cp_method]
@@ -84,6 +89,11 @@ def dp_words(c: ParallelConfig) -> str:
     replicas = c.dp * c.cp
     mixed = f"; {c.dtype} compute copies of fp32 master weights, fp32 gradient reduction" \
         if mixed_precision(c.dtype) else ""
+    low = parse_low_comm(c.low_comm)
+    if low is not None:
+        return (f"{c.zero} over dp x cp = {replicas // low.groups} ranks inside each of {low.groups} groups{mixed}; "
+                f"across the groups every {low.every} steps: pseudo-gradients in {low.dtype}, outer Nesterov SGD "
+                f"(lr {low.lr:g}, momentum {low.momentum:g}): {CAVEAT}")
     if replicas > 1:
         return f"{c.zero} over dp x cp = {replicas} ranks{mixed}"
     if mixed:
@@ -113,3 +123,34 @@ def describe(plan: Plan) -> PlanWords:
         step=step_words(plan),
         clip="clip by the global gradient norm over all ranks (ParallelModel.clip_grad_norm_)",
     )
+
+
+def device_words(stages: list[dict], devices: list[str]) -> str:
+    """Which stages sit on which devices (an estimate's ``stage_devices``, one per pp rank, and the
+    plan's stages): e.g. ``stage 0 (9 layers) on a100-pod: A100-SXM4-80GB``; "" on one device type."""
+    if not devices:
+        return ""
+    return "; ".join(f"stage {j} ({len(s['layers'])} layers) on {devices[s['rank']]}" for j, s in enumerate(stages))
+
+
+def wan_words(crossings: list[dict]) -> list[str]:
+    """One line per place the mesh crosses the links between cluster groups (an estimate's ``wan``
+    list, ``cost_models.wan_cost.Crossing``); empty on a one-group cluster or when nothing crosses."""
+    out = []
+    for x in crossings:
+        joins = " <-> ".join(x["groups"])
+        link = (f"{x['flows']} flows at {x['gbs_per_flow']:.3g} GB/s each, {x['latency_ms']:.3g} ms one way"
+                if x["flows"] else "on the cluster's own links (no groups declared)")
+        if x["dim"] == "pp":
+            out.append(f"pp {x['where']} crosses {joins}: {link}; {x['seconds']:.3g} s of transfers per step "
+                       f"before overlap (hidden by the micro-batches in flight)")
+        elif x["dim"] == "dp":
+            out.append(f"dp x cp crosses {joins} ({x['where']}): hierarchical gradient reduction (reduce in each "
+                       f"group, exchange across, broadcast back), overlapped with the backward; {link}; at least "
+                       f"{x['seconds']:.3g} s per step across")
+        elif x["dim"] == "outer":
+            out.append(f"low-communication DP across {joins or 'the groups'}: pseudo-gradients exchanged {x['where']}"
+                       f" ({link}), {x['seconds']:.3g} s per exchange; {CAVEAT}")
+        else:
+            out.append(f"{x['dim']} crosses {joins} ({x['where']}): every {x['dim']} collective pays the WAN; {link}")
+    return out

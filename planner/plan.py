@@ -1,8 +1,8 @@
 """The plan contract: a parallel configuration, a stage partition, and the Plan file.
 
-Contract: imports only the other contracts (errors, precision, sharding, the schedule IR), so the
-cost models and codegen can read it. ``ParallelConfig`` is what the search enumerates and ``autopar evaluate --config``
-parses; ``Partition`` is what the stage ILP produces.
+Contract: imports only the other contracts (errors, low_comm, precision, sharding, the schedule IR),
+so the cost models and codegen can read it. ``ParallelConfig`` is what the search enumerates and
+``autopar evaluate --config`` parses; ``Partition`` is what the stage ILP produces.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from planner.errors import PlanError
+from planner.low_comm import low_comm_problem
 from planner.precision import DTYPES
 from planner.schedule_check import check
 from planner.schedule_file import parse_json, to_json
@@ -19,8 +20,7 @@ from planner.schedule_ir import Schedule, layout_problem
 from planner.sharding import ZERO
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")   # the searched built-in schedules (planner/schedule_ir.py)
-# what a configuration may name: the searched ones, DualPipeV (vpp = 2: two stages per rank, V-shaped) and
-# custom (the plan's own schedule IR: a user's file or a generated schedule, vpp = its stages per rank)
+# what a config may name: those, DualPipeV (vpp = 2, V-shaped) and custom (the plan's own schedule IR)
 RUN_SCHEDULES = SCHEDULES + ("dualpipev", "custom")
 
 RECOMPUTE = ("none", "selective", "selective-op", "full")  # codegen/runtime/recompute.py runs each
@@ -45,7 +45,7 @@ def recompute_problem(recompute: str, schedule: str, pp: int) -> str | None:
 
 
 FP8_RECIPES = ("none", "tensorwise", "rowwise")  # torchao float8 training recipes (codegen/runtime/fp8.py)
-QUIET_DEFAULTS = {"threads": 0, "fp8": "none", "compile": False}  # fields a plan records only when set
+QUIET_DEFAULTS = {"threads": 0, "fp8": "none", "compile": False, "low_comm": ""}  # fields a plan records only when set
 ATTN_KERNELS = ("flash", "eager")      # flash: no S x S scores kept (SDPA flash / our Triton kernel)
 LOSS_KERNELS = ("fused", "eager")      # fused: linear + cross-entropy without [tokens x vocab] logits
 MESH_DIMS = ("pp", "dp", "cp", "tp")   # outer to inner
@@ -89,6 +89,7 @@ class ParallelConfig:
     threads: int = 0             # intra-op threads per rank (CPU clusters); 0: cores / ranks (feasibility.rank_threads)
     fp8: str = "none"            # the blocks' linears in float8 (torchao): none | tensorwise | rowwise (FP8_RECIPES)
     compile: bool = False        # each block through torch.compile (regional compilation)
+    low_comm: str = ""           # low-communication DP across groups of replicas, "GxH:dtype" (planner/low_comm.py)
 
     @property
     def world(self) -> int:
@@ -133,6 +134,8 @@ class ParallelConfig:
             raise PlanError(f"compile={self.compile!r}: must be on or off")
         if self.fp8 != "none" and self.dtype == "fp32":
             raise PlanError(f"fp8={self.fp8} casts the bf16 compute copies: it needs dtype=bf16")
+        if (why := low_comm_problem(self.low_comm, self.dp, self.ep)) is not None:
+            raise PlanError(why)
         if self.vpp > 1 and self.schedule not in ("interleaved-1f1b", "dualpipev", "custom"):
             raise PlanError(f"vpp={self.vpp} needs schedule=interleaved-1f1b (or dualpipev, or a custom schedule)")
         if self.schedule == "dualpipev" and self.vpp != 2:
@@ -164,6 +167,7 @@ class ParallelConfig:
         parts += (["sp"] if self.sp else []) + ([f"threads{self.threads}"] if self.threads else [])
         parts += [f"fp8-{self.fp8}"] if self.fp8 != "none" else []
         parts += ["compiled"] if self.compile else []
+        parts += [f"low-comm-{self.low_comm}"] if self.low_comm else []
         return " ".join(parts)
 
     def to_str(self) -> str:

@@ -71,6 +71,8 @@ def _toml_value(v) -> str:
         return json.dumps(v)
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # an inline table (arrays of them: [[groups]], [[links]])
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return json.dumps(str(v))
 
 
@@ -98,6 +100,15 @@ VALID_CLUSTER = {
     "device": {"name": "H100", "memory_gib": 80, "mem_bw_gbs": 3350, "peak_tflops": {"bf16": 989, "fp32": 67}},
     "intra": {"bandwidth_gbs": 450, "latency_us": 3}, "inter": {"bandwidth_gbs": 50, "latency_us": 10},
 }
+
+
+# two regions (one of another device type) and one link: structure errors (unknown group, missing
+# link, negative bandwidth, ...) each give one line
+VALID_GROUPED = dict(copy.deepcopy(VALID_CLUSTER), nodes=3, groups=[
+    {"name": "east", "nodes": 2},
+    {"name": "west", "nodes": 1, "device": {"name": "A100", "memory_gib": 80, "mem_bw_gbs": 2039,
+                                            "peak_tflops": {"bf16": 312}}}],
+    links=[{"from": "east", "to": "west", "bandwidth_gbs": 12.5, "latency_us": 10000}])
 
 
 def _paths(d, prefix=()):
@@ -136,16 +147,18 @@ CLUSTER_PATHS = _paths(VALID_CLUSTER)
 
 
 @st.composite
-def cluster_toml(draw):
+def cluster_toml(draw, valid=VALID_CLUSTER):
     kind = draw(st.sampled_from(["mutate", "mutate", "extra", "text", "truncate"]))
     if kind == "text":
         return draw(st.text(max_size=200))
     if kind == "truncate":
-        full = _toml(VALID_CLUSTER)
+        full = _toml(valid)
         return full[: draw(st.integers(0, len(full)))]
-    d = copy.deepcopy(VALID_CLUSTER)
+    d = copy.deepcopy(valid)
     if kind == "extra":
-        where = draw(st.sampled_from([d, d["device"], d["device"]["peak_tflops"], d["intra"]]))
+        tables = [d, d["device"], d["device"]["peak_tflops"], d["intra"]]
+        tables += [*d.get("groups", []), *d.get("links", [])]
+        where = draw(st.sampled_from(tables))
         where[draw(st.text(min_size=1, max_size=8))] = draw(TOML_SCALARS)
     for _ in range(draw(st.integers(1, 3))):
         paths = _paths(d)
@@ -170,6 +183,22 @@ def test_fuzz_cluster_toml(text):
         assert isinstance(c, Cluster)
         c.validate()
         assert len(c.fingerprint()) == 16
+
+
+def test_valid_grouped_cluster_toml_parses():
+    c = Cluster.from_toml(_write("grouped.toml", _toml(VALID_GROUPED)))
+    assert c.world == 24 and c.n_groups == 2 and c.mixed and c.group_device(1).name == "A100"
+    assert c.topology.link(1, 0).bandwidth_gbs == 12.5  # one direction declared: symmetric
+
+
+@FUZZ
+@given(cluster_toml(VALID_GROUPED))
+def test_fuzz_grouped_cluster_toml(text):
+    c = _call(Cluster.from_toml, _write("grouped.toml", text))
+    if c is not None:
+        c.validate()
+        assert sum(g.nodes for g in c.topology.groups) == c.nodes if c.topology else c.nodes >= 1
+        assert Cluster.from_dict(c.to_dict()).fingerprint() == c.fingerprint()
 
 
 @pytest.fixture

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from codegen.runtime.torch_compat import flatten_mesh
+from planner.low_comm import parse_low_comm
 from planner.plan import MESH_DIMS, ParallelConfig
 
 
@@ -38,14 +39,18 @@ def device_type() -> str:
 def pin_cpu_rank() -> Optional[set[int]]:
     """Pin this process (torchrun ``LOCAL_RANK`` of ``LOCAL_WORLD_SIZE``) to its slice of the
     cores it may use: ``max(1, cores // ranks)`` consecutive cores, slices assigned round-robin
-    when there are more ranks than cores. Returns the cores, or None when not pinned
-    (``AUTOPAR_NO_PIN`` set, not under torchrun, or no affinity support)."""
+    when there are more ranks than cores. Several torchruns sharing one machine (the two-region
+    rig, planner/entry/netns_rig.py) say so with ``AUTOPAR_HOST_RANKS`` (ranks on the machine)
+    and ``AUTOPAR_HOST_RANK_BASE`` (this torchrun's first), so their slices do not overlap.
+    Returns the cores, or None when not pinned (``AUTOPAR_NO_PIN`` set, not under torchrun, or
+    no affinity support)."""
     if os.environ.get("AUTOPAR_NO_PIN") or "LOCAL_RANK" not in os.environ or not hasattr(os, "sched_setaffinity"):
         return None
     cores = sorted(os.sched_getaffinity(0))
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    ranks = int(os.environ.get("AUTOPAR_HOST_RANKS", os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    local = int(os.environ["LOCAL_RANK"]) + int(os.environ.get("AUTOPAR_HOST_RANK_BASE", "0"))
     k = max(1, len(cores) // max(ranks, 1))
-    start = (int(os.environ["LOCAL_RANK"]) * k) % len(cores)
+    start = (local * k) % len(cores)
     mine = set(cores[start:start + k])
     os.sched_setaffinity(0, mine)
     return mine
@@ -86,6 +91,10 @@ def build_mesh(cfg: ParallelConfig) -> DeviceMesh:
     if world != cfg.world:
         raise RuntimeError(f"world size {world} != dp*pp*cp*tp = {cfg.world} for {cfg.label()}; "
                            f"launch with --nproc-per-node {cfg.world}")
+    low = parse_low_comm(cfg.low_comm)
+    if low is not None:  # low-communication DP: dp cut into (outer groups, replicas in a group), same ranks
+        return init_device_mesh(device_type(), (cfg.pp, low.groups, cfg.dp // low.groups, cfg.cp, cfg.tp),
+                                mesh_dim_names=("pp", "outer", "dp", "cp", "tp"))
     return init_device_mesh(device_type(), cfg.mesh_shape, mesh_dim_names=MESH_DIMS)
 
 

@@ -26,6 +26,9 @@ from codegen.runtime.torch_compat import foreach_mul_, foreach_norm
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 
 
+MAX_GRAD_NORM = 1.0  # the emitted program's --clip default: global L2 norm gradients are clipped to
+
+
 def adamw(params: list, **kwargs) -> torch.optim.AdamW:
     """torch's AdamW, fused (one kernel over every parameter: on CPU four times the default
     per-parameter loop's speed) when the parameters are all plain tensors or all DTensors; the

@@ -8,7 +8,9 @@ emitted program and by :func:`codegen.runtime.train.parallelize` alike (torchtit
 4. :func:`materialize` - a meta-built model's owned units initialised, or rank 0's weights
 5. :func:`tie_weights` - the weights tied across pipeline ranks and the groups summing
    their gradients (pp > 1), before TP splits the two ends into separate DTensors
-6. :func:`apply_attention` - attention per block: kernel, ring attention (CP), selective recompute
+6. :func:`build_batch_planner` - per-batch assignment's process groups, when planned;
+   :func:`apply_attention` - attention per block: kernel, ring attention (CP), selective
+   recompute, or per-batch assignment's
 7. :func:`apply_tp` - tensor (and sequence) parallel from the TP plan ``{module fqn: style}``
 8. :func:`apply_ep` - MoE layers: on each tp rank's sequence shard (tp > 1); expert
    parallelism: each rank keeps its routed experts (ep > 1)
@@ -21,6 +23,7 @@ emitted program and by :func:`codegen.runtime.train.parallelize` alike (torchtit
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -37,12 +40,14 @@ from codegen.runtime import recompute as rc
 from codegen.runtime import tensor_parallel as tpar
 from codegen.runtime.tp_styles import roles_of
 from codegen.runtime.adapters import ModelAdapter
-from codegen.runtime.attention import build_attention, context_attention
+from codegen.runtime.attention import build_attention, context_attention, local_attention
+from codegen.runtime.batch_parallel import BatchPlanner, PerBatch, PerBatchAttention, PieceGroups, RowLayout
 from codegen.runtime.documents import Documents
 from codegen.runtime.mesh import cp_groups, device_type, dp_cp_mesh
 from codegen.runtime.fp8 import convert_blocks, fp8_device_problem
 from codegen.runtime.regional_compile import compile_blocks
 from planner import schedule_ir as ir
+from planner.batch_assign import per_batch_problem
 from planner.plan import ModelFacts, ParallelConfig
 from planner.schedule_file import parse
 from planner.schedule_ir import Schedule
@@ -148,15 +153,36 @@ def materialize(adapter: ModelAdapter, stages: Stages, device: torch.device, see
         sm.to(device)
 
 
+def build_batch_planner(per_batch: Optional[PerBatch], cfg: ParallelConfig, facts: Optional[ModelFacts],
+                        global_batch: int, mesh: DeviceMesh) -> Optional[BatchPlanner]:
+    """Per-batch assignment (codegen/runtime/batch_parallel.py) when the plan asks for it:
+    refused in one line where the runtime cannot run it (``planner.batch_assign.per_batch_problem``),
+    else the process group of every window of the dp x cp pool, built once (collective)."""
+    if per_batch is None:
+        return None
+    heads = (math.gcd(*facts.heads), math.gcd(*facts.kv_heads)) if facts is not None else (0, 0)
+    if why := per_batch_problem(cfg, global_batch, per_batch.pool, per_batch.method, *heads):
+        raise ValueError(f"{cfg.label()}: {why}")
+    return BatchPlanner(per_batch, PieceGroups(mesh, per_batch), RowLayout())
+
+
 def apply_attention(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, mesh: DeviceMesh,
-                    load_balance: str = "zigzag") -> None:
+                    load_balance: str = "zigzag", per_batch: Optional[BatchPlanner] = None) -> None:
     """Every block's attention: the plan's kernel, context parallelism over ``cp`` (ring, Ulysses
     or both; one instance shared by the blocks), checkpointed when its stage recomputes
-    ``selective``; each masks by the packed documents of ``stages.documents``."""
+    ``selective``; each masks by the packed documents of ``stages.documents``. With per-batch
+    assignment (``per_batch``, codegen/runtime/batch_parallel.py) every block runs
+    :class:`PerBatchAttention` over the step's row layout instead."""
+    blocks = set(adapter.blocks)
+    if per_batch is not None:
+        impl = PerBatchAttention(per_batch.layout, local_attention(cfg))
+        for sm in stages.modules:
+            for u in (u for u in sm.units if u in blocks):
+                adapter.set_attention(sm.get_submodule(u), impl)
+        return
     docs = stages.documents
     ring = context_attention(cfg, *cp_groups(cfg, mesh), load_balance=load_balance,
                              documents=docs) if cfg.cp > 1 else None
-    blocks = set(adapter.blocks)
     for sm in stages.modules:
         for u in (u for u in sm.units if u in blocks):
             adapter.set_attention(sm.get_submodule(u), build_attention(cfg, stages.policy[u], ring=ring,

@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor
 from planner.feasibility import Batch, Nodes, problems
 from planner.plan import ModelFacts, ParallelConfig, Plan
 from planner.schedule_ir import Schedule
+from codegen.runtime import batch_parallel as bpar
 from codegen.runtime import context_parallel as cpar
 from codegen.runtime import data_parallel as dpar
 from codegen.runtime import documents as docs
@@ -64,6 +65,7 @@ from codegen.runtime import tensor_parallel as tpar
 from codegen.runtime.tp_styles import styles_for
 from codegen.runtime.adapters import IGNORE_INDEX, ModelAdapter, adapter_for
 from codegen.runtime.mesh import build_mesh
+from codegen.runtime.outer_loop import outer_loop_for
 from codegen.runtime.torch_compat import live_process_groups
 from codegen.runtime.optim import OptimizerFactory, Optimizers, build_optimizer, clip_grad_norm_, default_optimizer
 
@@ -102,7 +104,8 @@ class ParallelModel:
 
     def __init__(self, adapter: ModelAdapter, cfg: ParallelConfig, mesh: DeviceMesh, stages: recipe.Stages,
                  optimizer: Optimizers, loss_fn: TokenLoss, global_batch: int, device: torch.device, *,
-                 dp_mesh: DeviceMesh, schedule=None, tied=None, load_balance: str = "zigzag"):
+                 dp_mesh: DeviceMesh, schedule=None, tied=None, load_balance: str = "zigzag",
+                 batch_planner: Optional[bpar.BatchPlanner] = None):
         self.adapter, self.model, self.cfg = adapter, adapter.model, cfg
         self.mesh, self.dp_mesh = mesh, dp_mesh
         self.stage_idx, self.n_virtual, self.load_balance = stages.idx, stages.n_virtual, load_balance
@@ -117,10 +120,13 @@ class ParallelModel:
         self.global_batch, self.device = global_batch, device
         self.optimizer, self.loss_fn, self.schedule, self.tied = optimizer, loss_fn, schedule, tied
         self.step_count = 0
+        self.batch_planner = batch_planner  # per-batch assignment (codegen/runtime/batch_parallel.py) or None
         self.dp_rank = mesh["dp"].get_local_rank()
         self.cp_rank = mesh["cp"].get_local_rank()
         self.tp_rank = mesh["tp"].get_local_rank()
         self.n_microbatches = global_batch // (cfg.dp * cfg.mbs)
+        self.outer = outer_loop_for(cfg, mesh, stages.modules)  # low-communication DP, or None
+        self.outer_rank, self.groups = (mesh["outer"].get_local_rank(), mesh["outer"].size()) if self.outer else (0, 1)
         self.has_first, self.has_last = stages.has_first, stages.has_last
         self.moe_layers = experts.moe_layers(stages.modules)
         # MoE parameters each tp rank holds whole and trains on its own sequence shard
@@ -135,13 +141,17 @@ class ParallelModel:
             raise ValueError(f"step() expects the global batch of {self.global_batch} sequences, "
                              f"got {batch['input_ids'].shape[0]}")
         targets = self.adapter.targets(batch)
+        if self.batch_planner is not None and "cu_seqlens" in batch:
+            return self._per_batch_local(batch, targets)
         seq = targets.shape[1]
-        per = self.global_batch // self.cfg.dp
-        rows = slice(self.dp_rank * per, (self.dp_rank + 1) * per)
+        per, replicas = self.global_batch // self.cfg.dp, self.cfg.dp // self.groups
+        first = (self.outer_rank * replicas + self.dp_rank) * per  # low-communication DP: this group's rows
+        rows = slice(first, first + per)
         doc_start = self._doc_starts(batch, seq, rows)
         if doc_start is not None:  # each document's last target is ignored
             targets = docs.mask_document_ends(targets, batch["cu_seqlens"])
-        self.loss_fn.n_tokens = int((targets != IGNORE_INDEX).sum())
+        mine = slice(self.outer_rank * replicas * per, (self.outer_rank + 1) * replicas * per)  # the group's rows
+        self.loss_fn.n_tokens = int((targets[mine] != IGNORE_INDEX).sum())
         inputs = [t[rows] for t in self.adapter.inputs(batch)]
         targets = targets[rows]
         positions = None
@@ -158,6 +168,22 @@ class ParallelModel:
             self._step_args = dict(positions=positions.expand(per, -1))
         self.documents.set(None)
         return tuple(t.to(self.device) for t in inputs), targets.to(self.device)
+
+    def _per_batch_local(self, batch: dict[str, torch.Tensor],
+                         targets: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """:meth:`local_batch` under per-batch assignment: this worker's one row of the global
+        batch's pieces (``batch_parallel.BatchPlanner.local_row``), its per-piece positions as
+        the stage's argument; the loss counts the global batch's targets as on the fixed layout."""
+        inputs = self.adapter.inputs(batch)
+        if len(inputs) != 1:
+            raise ValueError("per-batch assignment runs models whose only input is the tokens; plan without it")
+        self._doc_starts(batch, targets.shape[1], slice(0, self.global_batch))  # refuses what cannot run
+        targets = docs.mask_document_ends(targets, batch["cu_seqlens"])
+        self.loss_fn.n_tokens = int((targets != IGNORE_INDEX).sum())
+        row = self.batch_planner.local_row(inputs[0], targets, batch["cu_seqlens"], self.device)
+        self._step_args = dict(positions=row.positions.to(self.device))
+        self.documents.set(None)
+        return (row.ids.to(self.device),), row.targets.to(self.device)
 
     def _doc_starts(self, batch: dict[str, torch.Tensor], seq: int, rows: slice) -> Optional[torch.Tensor]:
         """This rank's ``rows`` of the global batch's ``doc_start`` [B, S] from its
@@ -243,11 +269,13 @@ class ParallelModel:
         groups = [self.dp_mesh.get_group()] + ([self.mesh["tp"].get_group()] if self.cfg.tp > 1 else [])
         experts.balance_experts(self.moe_layers, groups, first_step=self.step_count == 0)
         self.step_count += 1
+        if self.outer is not None:  # every H steps: pseudo-gradients across the groups, outer Nesterov step
+            self.outer.after_step(self.step_count)
 
     def global_loss(self, local: torch.Tensor) -> float:
         """The global batch's mean token loss from this rank's summed scaled losses (collective)."""
         owns_loss = self.has_last and self.tp_rank == 0
-        val = local / self.dp_mesh.size() if owns_loss else torch.zeros_like(local)
+        val = local / (self.dp_mesh.size() * self.groups) if owns_loss else torch.zeros_like(local)
         dist.all_reduce(val)
         return float(val)
 
@@ -275,6 +303,8 @@ class ParallelModel:
             return
         if dist.is_initialized():
             dist.barrier()
+        if self.outer is not None:
+            self.outer.close()
         self.adapter.close()
 
     # ---------------------------------------------------------------- checks
@@ -303,7 +333,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
                 device: torch.device | str, *, mesh: Optional[DeviceMesh] = None,
                 optimizer_factory: OptimizerFactory = default_optimizer, seed: Optional[int] = None,
                 load_balance: str = "zigzag", adapter: Optional[ModelAdapter] = None,
-                facts: Optional[ModelFacts] = None, schedule: Optional[Schedule] = None) -> ParallelModel:
+                facts: Optional[ModelFacts] = None, schedule: Optional[Schedule] = None,
+                per_batch: Optional[bpar.PerBatch] = None) -> ParallelModel:
     """Parallelise ``model`` per ``cfg`` on this rank (collective: call on every rank), with
     the helpers of ``codegen/runtime/recipe.py`` in the order the emitted program calls them.
 
@@ -314,6 +345,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     ``meta`` (then only this rank's units are materialised and initialised, seeded by
     ``seed``). ``adapter`` defaults to :func:`codegen.runtime.adapters.adapter_for`.
     ``schedule``: the plan's own pipeline schedule IR when ``cfg.schedule`` is ``custom``.
+    ``per_batch``: assign each packed batch's documents to context-parallel groups of the size
+    they need (codegen/runtime/batch_parallel.py); None: the plan's fixed layout.
     """
     device = torch.device(device)
     own = adapter is None  # an adapter made here is undone here if the build fails
@@ -322,7 +355,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     try:
         recipe.check_runnable(cfg, adapter, facts, Batch(global_batch, seq_len, load_balance=load_balance))
         pm = _build(adapter, cfg, stages, stage_recompute, tp_layout, global_batch, device, mesh,
-                    optimizer_factory, seed, load_balance, schedule)
+                    optimizer_factory, seed, load_balance, per_batch, facts, schedule)
     except BaseException:
         adapter.installs.own_groups_since(before)
         if own:
@@ -335,7 +368,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
 def _build(adapter: ModelAdapter, cfg: ParallelConfig, stages: Sequence[Sequence[str]],
            stage_recompute: Sequence[str], tp_layout: dict[str, str], global_batch: int, device: torch.device,
            mesh: Optional[DeviceMesh], optimizer_factory: OptimizerFactory, seed: Optional[int],
-           load_balance: str, schedule: Optional[Schedule] = None) -> ParallelModel:
+           load_balance: str, per_batch: Optional[bpar.PerBatch] = None,
+           facts: Optional[ModelFacts] = None, schedule: Optional[Schedule] = None) -> ParallelModel:
     """The recipe's steps after the feasibility check (:func:`parallelize`)."""
     mesh = mesh if mesh is not None else build_mesh(cfg)
     if cfg.pp > 1:  # the schedule checked before anything is built
@@ -343,7 +377,8 @@ def _build(adapter: ModelAdapter, cfg: ParallelConfig, stages: Sequence[Sequence
     split = recipe.split_stages(adapter, stages, stage_recompute, cfg, mesh, schedule)
     recipe.materialize(adapter, split, device, seed)
     tied = recipe.tie_weights(adapter, split, mesh)  # before TP splits the tied ends apart
-    recipe.apply_attention(adapter, split, cfg, mesh, load_balance)
+    planner_ = recipe.build_batch_planner(per_batch, cfg, facts, global_batch, mesh)
+    recipe.apply_attention(adapter, split, cfg, mesh, load_balance, planner_)
     recipe.apply_tp(adapter, split, styles_for(tp_layout, cfg.sp), mesh, cfg.sp)
     experts = recipe.apply_ep(split, cfg)
     recipe.apply_fp8(adapter, split, cfg, device)
@@ -354,15 +389,17 @@ def _build(adapter: ModelAdapter, cfg: ParallelConfig, stages: Sequence[Sequence
     loss_fn = TokenLoss(dp_mesh.size())
     runner = recipe.build_schedule(split, cfg, mesh, global_batch, loss_fn, device, schedule)
     return ParallelModel(adapter, cfg, mesh, split, optimizer, loss_fn, global_batch, device, dp_mesh=dp_mesh,
-                         schedule=runner, tied=tied, load_balance=load_balance)
+                         schedule=runner, tied=tied, load_balance=load_balance, batch_planner=planner_)
 
 
 def parallelize_plan(model: nn.Module, plan: Plan, device: torch.device | str, *,
                      optimizer_factory: OptimizerFactory = default_optimizer, seed: Optional[int] = None,
                      adapter: Optional[ModelAdapter] = None) -> ParallelModel:
     """:func:`parallelize` with everything a plan file fixes taken from ``plan``: configuration,
-    stage split, recompute per stage, TP layout, batch, sequence length and model facts."""
+    stage split, recompute per stage, TP layout, batch, sequence length, model facts and
+    per-batch assignment (``batch.per_batch``, when chosen)."""
     return parallelize(model, plan.config, [s["layers"] for s in plan.stages], [s["recompute"] for s in plan.stages],
                        dict(plan.tp_layout), int(plan.batch["global"]), int(plan.batch["seq_len"]), device,
                        optimizer_factory=optimizer_factory, seed=seed, adapter=adapter, facts=plan.facts,
-                       schedule=plan.schedule_ir)
+                       schedule=plan.schedule_ir,
+                       per_batch=bpar.per_batch_of(plan.batch.get("per_batch")))

@@ -46,6 +46,17 @@ def count(text: str) -> int:
     return v
 
 
+def nonnegative_float(text: str) -> float:
+    """A flag's value that must be a finite number >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return v
+
+
 def imbalance(text: str) -> float:
     """``--moe-imbalance``: the busiest expert-parallel rank's tokens over the mean, >= 1."""
     try:
@@ -120,6 +131,12 @@ def _add_planning_commands(sub) -> None:
     p.add_argument("--fp8", choices=FP8_RECIPES, default="none",
                    help="the blocks' linears in float8 (torchao recipe; H100/H200-class GPUs; bf16 plans)")
     p.add_argument("--compile", action="store_true", help="each block through torch.compile (regional compilation)")
+    p.add_argument("--low-comm", default="", metavar="GxH:DTYPE",
+                   help="also price low-communication DP (DiLoCo-style: G groups of replicas, pseudo-gradients in "
+                        "DTYPE every H steps, e.g. 2x16:bf16) and choose it when faster; it changes the optimisation")
+    p.add_argument("--per-batch", action="store_true",
+                   help="with --seq-lens: price assigning each batch's documents to context-parallel groups of the "
+                        "size they need and run it when it is faster (batch.per_batch in the plan)")
     p.add_argument("-o", "--out", default=None, help="plan file to write (JSON)")
     p.add_argument("--force", action="store_true", help="overwrite an existing plan file")
     p.set_defaults(fn=cmd.cmd_plan)
@@ -167,6 +184,9 @@ def _add_running_commands(sub) -> None:
     p.add_argument("--launcher", type=launcher, default="local",
                    help="local: torchrun here (default); slurm: write DIR/job.sbatch for the plan's cluster and "
                         "print the sbatch command (nothing is submitted)")
+    p.add_argument("--rig-mbit", type=nonnegative_float, default=None, metavar="MBIT",
+                   help="run the ranks as two regions (half the ranks each) in two network namespaces joined by a "
+                        "link limited to MBIT Mbit/s per direction (0: no limit); Linux and root only")
     p.set_defaults(fn=cmd.cmd_run)
 
     p = sub.add_parser("export", help="gather a run's sharded checkpoint into the model's own format")

@@ -9,6 +9,7 @@ import sys
 
 from planner.entry.launch import check_plan, compare_run, data_args, run_plan
 from planner.entry.launch import progress as _progress
+from planner.describe import device_words, wan_words
 from planner.errors import AutoparError
 
 
@@ -140,7 +141,7 @@ def _estimate_summary(e) -> dict:
             "tokens_per_s": e.tokens_per_s, "mfu": e.mfu, "tflops_per_device": e.tflops_per_device,
             "fits": e.fits, "peak_memory_gib": [m.total / 2**30 for m in e.memory],
             "capacity_gib": e.capacity / 2**30, "breakdown": e.breakdown, "source": e.source,
-            "calibration": e.calibration, "engine": e.engine,
+            "calibration": e.calibration, "engine": e.engine, **({"wan": e.wan} if e.wan else {}),
             "stages": [list(b) for b in e.partition.bounds], "recompute": e.partition.recompute}
 
 
@@ -151,6 +152,11 @@ def _print_estimate(con, e, title: str) -> None:
     con.print(f"  step {e.step_s:.4g} s   {e.tokens_per_s:,.0f} tokens/s   MFU {e.mfu * 100:.1f}%   "
               f"{e.tflops_per_device:.1f} model TFLOP/s per device   source: {e.source}")
     con.print(f"  calibration: {e.calibration}   engine: {e.engine}")
+    for line in wan_words(e.wan):
+        con.print(f"  across cluster groups: {line}")
+    if e.devices:
+        stages = [{"rank": j % e.config.pp, "layers": range(lo, hi)} for j, (lo, hi) in enumerate(e.partition.bounds)]
+        con.print(f"  stages on devices: {device_words(stages, e.devices)}")
     t = Table(title="memory per pipeline rank (GiB)")
     for c in ("rank", "weights", "grads", "optimizer", "activations", "buffers", "reserve", "total", "capacity"):
         t.add_column(c, justify="right")
@@ -177,9 +183,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
               + (f" with {pins.to_str()} pinned" if pins else ""))
     plan, res = plan_model(graph, cluster, args.global_batch, spec=args.model, cluster_spec=args.cluster,
                            profile=profile, top_k=args.top_k, progress=_progress, loss=args.loss, fix=pins,
-                           fp8=args.fp8, compile=args.compile)
+                           fp8=args.fp8, compile=args.compile, low_comm=args.low_comm,
+                           per_batch=args.per_batch)
     _progress(f"{res.considered} configurations considered, {res.pruned} pruned by bounds, "
               f"{res.estimated} estimated, {res.fully_solved} fully solved in {res.solve_s:.2f} s")
+    if "per_batch" in plan.batch:
+        _progress(plan.batch["per_batch"]["why"])
     if args.out:
         write_atomic(args.out, plan.to_json(), force=args.force)
     if args.json:
@@ -304,7 +313,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.launcher == "slurm":
         return _write_run_script(args, extra)
     rc, log = run_plan(args.plan, steps=args.steps, run_dir=args.dir, ckpt_every=args.ckpt_every,
-                       max_restarts=args.max_restarts, extra=extra)
+                       max_restarts=args.max_restarts, extra=extra, rig_mbit=args.rig_mbit)
     if rc != 0:
         raise AutoparError(f"the training job failed (torchrun exit {rc}); its output is above; "
                            "rerun with fewer processes or check the plan with `autopar report`")

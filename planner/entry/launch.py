@@ -116,9 +116,12 @@ def data_args(spec: str | None, plan, dtype: str | None = None, eos: int | None 
 
 
 def run_plan(plan_path: str, *, steps: int, run_dir: str, ckpt_every: int = 0, max_restarts: int = 0,
-             extra: list[str] | None = None, force: bool = True, timeout_s: float | None = None) -> tuple[int, str]:
+             extra: list[str] | None = None, force: bool = True, timeout_s: float | None = None,
+             rig_mbit: float | None = None) -> tuple[int, str]:
     """Emit and launch a plan's program on this machine with torchrun; returns (rc, log path).
     ``timeout_s``: kill the job (torchrun and its workers) after that many seconds; rc is then 124.
+    ``rig_mbit``: run the ranks as two regions of half the world each, in two network namespaces
+    joined by a link of that many Mbit/s (0: no limit; planner/entry/netns_rig.py).
 
     A relaunch loop (not torchrun's elastic restart, which cannot reconnect gloo workers)
     restarts a job whose process died, up to ``max_restarts`` times; the program resumes
@@ -132,15 +135,38 @@ def run_plan(plan_path: str, *, steps: int, run_dir: str, ckpt_every: int = 0, m
               f"--node-rank $NODE_RANK --master-addr $MASTER_ADDR --master-port 29500 " + " ".join(worker))
         return 0, log
     env = worker_env(plan.config.threads)
+    rig = rig_spec(plan.config.world, rig_mbit)
     rc = 1
     for attempt in range(max_restarts + 1):
         env["AUTOPAR_ATTEMPT"] = str(attempt)
-        rc = run_killable(torchrun_cmd(plan.config.world, worker), env, timeout_s)
+        if rig is None:
+            rc = run_killable(torchrun_cmd(plan.config.world, worker), env, timeout_s)
+        else:
+            from planner.entry.netns_rig import Rig, launch_across
+
+            with Rig(rig) as r:
+                rc = launch_across(r, worker, env, timeout_s).rc
         if rc == 0:
             break
         if attempt < max_restarts:
             progress(f"job exited with {rc}; relaunching (attempt {attempt + 2} of {max_restarts + 1})")
     return rc, log
+
+
+def rig_spec(world: int, rig_mbit: float | None):
+    """The two-region rig for a ``world``-rank job at ``rig_mbit`` Mbit/s (0: no limit), or None
+    without one; refuses (one line) a world it cannot halve and a machine that cannot make it."""
+    if rig_mbit is None:
+        return None
+    from planner.entry.netns_rig import RigSpec, rig_problem
+
+    if world < 2 or world % 2:
+        raise AutoparError(f"the two-region rig halves the job's ranks, and this plan has {world}: "
+                           "plan for an even number of processes (local-cpu:2 or :4)")
+    problem = rig_problem()
+    if problem:
+        raise AutoparError(f"cannot run on the two-region rig: {problem}; run without --rig-mbit")
+    return RigSpec(nproc=world // 2, rate_mbit=rig_mbit or None)
 
 
 def launch_timed_runs(plan_paths: list[str], out: str, *, world: int, steps: int, warmup: int,

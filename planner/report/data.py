@@ -10,7 +10,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from planner.describe import CP_METHODS, describe
+from planner.describe import CP_METHODS, describe, device_words, wan_words
 from planner.plan import ParallelConfig, Plan, PlanError
 
 GiB = 2**30
@@ -140,7 +140,9 @@ def load_run_log(path: str) -> list[dict[str, Any]]:
 def compare_run(plan: Plan, recs: list[dict[str, Any]], warmup: int = WARMUP_STEPS) -> dict[str, Any]:
     times = [float(r["step_s"]) for r in recs[warmup:]] or [float(r["step_s"]) for r in recs]
     meas = statistics.median(times)
-    pred = float(plan.estimate["step_s"])
+    from codegen.emit import predicted_step  # per-batch assignment's expected step when the plan runs it
+
+    pred = predicted_step(plan)
     world_ranks: dict[int, float] = {}
     for r in recs:
         for g, v in enumerate(r.get("memory_gib") or []):
@@ -265,6 +267,22 @@ def documents_text(plan: Plan) -> str | None:
     return text
 
 
+def per_batch_text(plan: Plan) -> str | None:
+    """The summary's line on per-batch assignment (``batch.per_batch``, planner/search/per_batch.py):
+    chosen or not and why, the per-batch balance (busiest over mean worker) on the sampled
+    batches before (the fixed layout) and after assignment, and the gap to an ideal balance."""
+    b = plan.batch.get("per_batch")
+    if not b:
+        return None
+    text = ("chosen: " if b.get("chosen") else "not chosen: ") + b["why"]
+    if "spread_before" in b:
+        text += (f". On {b['batches']} sampled batches the busiest of the {b['workers']} dp x cp ranks does "
+                 f"{b['spread_before']:.2f}x the mean work on the fixed layout, {b['spread_after']:.2f}x after "
+                 f"assignment ({b['method']} groups of 1 to {b['max_group']}, at most {b['capacity']:,} tokens per "
+                 f"rank); {b['ideal_gap']:.3f}x the step of an ideal balance")
+    return text
+
+
 def threads_text(plan: Plan) -> str | None:
     """The summary's line on the plan's intra-op threads per rank (``ParallelConfig.threads``),
     None when it has none set; when one process with every thread won, it says so and what the
@@ -325,12 +343,22 @@ def summary_rows(r: Report) -> list[tuple[str, str, str, Any]]:
         ("source", "source of the figures", src_txt, src),
         ("calibration", "calibration", e.get("calibration", "uncalibrated"), e.get("calibration", "uncalibrated")),
     ]
+    if e.get("stage_devices"):  # mixed devices: which stages sit on which devices
+        rows.insert(next(i for i, row in enumerate(rows) if row[0] == "degrees") + 1,
+                    ("stage_devices", "stages on devices", device_words(p.stages, e["stage_devices"]),
+                     e["stage_devices"]))
+    if e.get("wan"):  # after the batch: where the mesh crosses the links between cluster groups
+        rows.insert(next(i for i, row in enumerate(rows) if row[0] == "batch") + 1,
+                    ("wan", "across the WAN", "; ".join(wan_words(e["wan"])), e["wan"]))
     if (threads := threads_text(p)) is not None:  # after the degrees: how many threads each rank runs
         after_degrees = next(i for i, row in enumerate(rows) if row[0] == "degrees") + 1
         rows.insert(after_degrees, ("threads", "threads per rank", threads, cfg.threads))
     if (docs := documents_text(p)) is not None:  # after the batch: what its rows hold
         after_batch = next(i for i, row in enumerate(rows) if row[0] == "batch") + 1
         rows.insert(after_batch, ("documents", "documents (--seq-lens)", docs, p.batch["documents"].get("documents")))
+        if (pb := per_batch_text(p)) is not None:
+            rows.insert(after_batch + 1, ("per_batch", "per-batch assignment (--per-batch)", pb,
+                                          p.batch["per_batch"].get("chosen")))
     if p.search.get("fix"):  # after the configuration: what of it the user pinned
         after_config = next(i for i, row in enumerate(rows) if row[0] == "config") + 1
         rows.insert(after_config, ("fix", "pinned (--fix)", f"{p.search['fix']} (the search kept to these and chose the rest)",

@@ -45,6 +45,7 @@ from planner.feasibility import (Batch, ClusterShape, cp_problem, modes_problem,
                                  recompute_attention_problem, replicas_problem, schedule_problem, sp_problem,
                                  tp_problem, zero_problem)
 from planner.graph import ModelGraph
+from planner.low_comm import low_comm_problem
 from planner.plan import SCHEDULES, ModelFacts, ParallelConfig, recompute_policies
 from planner.sharding import ZERO
 from planner.search.pins import Pins
@@ -274,12 +275,14 @@ def schedule_choices(pp: int, m: int, facts: ModelFacts, pins: Pins) -> list[tup
 
 def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str, loss: str,
              dominated: bool = True, pins: Pins | None = None, fp8: str = "none",
-             compile: bool = False) -> Iterator[ParallelConfig]:
+             compile: bool = False, low_comm: str = "") -> Iterator[ParallelConfig]:
     """The variants of one degree tuple with Ulysses degree ``ulysses`` that the ``pins``
     admit: schedule and vpp, DP sharding, recompute, sequence parallel - each where the
     runtime can run it. With ``dominated=False`` the variants the cost model proves no better
     are left out (see ``DOMINATED``) unless the pins leave out what dominates them. The
-    attention kernel is flash unless the model cannot use it."""
+    attention kernel is flash unless the model cannot use it. ``low_comm`` (``autopar plan
+    --low-comm``, planner/low_comm.py): each variant also with low-communication DP across
+    groups of replicas, where the degrees allow it."""
     pins = pins or Pins()
     dp, pp, cp, tp, ep = p.dp, p.pp, p.cp, p.tp, p.ep
     if modes_problem(dtype, fp8, compile, tp, cp):
@@ -301,10 +304,13 @@ def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str
                         continue
                     if not dominated and sp_ok and not sp and pins.allows("sp", True):
                         continue
-                    yield ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, ulysses=ulysses, mbs=p.mbs,
+                    cfg = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, ulysses=ulysses, mbs=p.mbs,
                                          schedule=sched, vpp=v, zero=zero, recompute=rc, sp=sp, dtype=dtype,
                                          loss=loss, attention=attention, threads=p.threads, fp8=fp8,
                                          compile=compile)
+                    yield cfg
+                    if low_comm and low_comm_problem(low_comm, dp, ep) is None:
+                        yield cfg.replace(low_comm=low_comm)
 
 
 def configurations(facts: ModelFacts, cluster: ClusterShape, batch: Batch, *, dtype: str, loss: str,

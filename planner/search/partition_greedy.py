@@ -41,7 +41,7 @@ class _Prefix:
         self.once = any(pr.transient) or any(any(d.values()) for d in pr.peak)
 
     def time(self, q: str, j: int, lo: int, hi: int) -> float:
-        T = self.T[q][hi] - self.T[q][lo]
+        T = (self.T[q][hi] - self.T[q][lo]) * self.pr.slow[j]
         return T + (self.pr.out_p2p[hi - 1] if j < self.pr.n_stages - 1 else 0.0)
 
     def mem(self, q: str, j: int, lo: int, hi: int) -> float:

@@ -138,10 +138,11 @@ class PartitionILP:
         Fj, Bj, memj = [], [], []
         for j in range(S):
             terms = [(k, q) for k in range(K) for q in P if (j, k, q) in z]
-            f = pulp.lpSum(segs[k].fwd[qi[q]] / tscale * z[j, k, q] for k, q in terms)
+            sj = pr.slow[j]  # the stage's device over the reference (mixed clusters)
+            f = pulp.lpSum(segs[k].fwd[qi[q]] * sj / tscale * z[j, k, q] for k, q in terms)
             if j < S - 1:
                 f = f + pulp.lpSum(segs[k].p2p / tscale * self.u[j, k] for k in range(K) if (j, k) in self.u)
-            bb = pulp.lpSum(segs[k].bwd[qi[q]] / tscale * z[j, k, q] for k, q in terms)
+            bb = pulp.lpSum(segs[k].bwd[qi[q]] * sj / tscale * z[j, k, q] for k, q in terms)
             # sum_q z_jkq = x_jk, so the static bytes ride on z as well
             mem = pulp.lpSum((segs[k].static + pr.inflight[j] * segs[k].act[qi[q]]) / mscale * z[j, k, q]
                              for k, q in terms) + pr.extra[j] / mscale

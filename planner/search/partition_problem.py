@@ -52,6 +52,8 @@ class PartitionProblem:
     peak: list[dict[str, float]] = field(default_factory=list)  # per layer: {policy: overshoot} (default 0)
     transient: list[float] = field(default_factory=list)        # per layer: weight-gradient working set (default 0)
     wgrad_frac: float = WGRAD_FRAC    # zb-h1: share of bwd that is the weight gradient (W)
+    slow: list[float] = field(default_factory=list)  # per virtual stage: its rank's device time over the
+    #                                 reference device's (mixed clusters; default 1: every stage alike)
 
     def __post_init__(self) -> None:
         L = len(self.fwd)
@@ -72,6 +74,10 @@ class PartitionProblem:
             raise ValueError(f"{S} virtual stages for {L} layers: use at most {L} stages")
         if not self.extra:
             self.extra = [0.0] * S
+        if not self.slow:
+            self.slow = [1.0] * S
+        if len(self.slow) != S or any(not x > 0 for x in self.slow):
+            raise ValueError(f"PartitionProblem.slow needs {S} positive entries, got {self.slow}")
         if not self.peak:
             self.peak = [{q: 0.0 for q in self.policies} for _ in range(L)]
         if not self.transient:
@@ -217,8 +223,8 @@ def _stage_numbers(pr: PartitionProblem, bounds: Sequence[tuple[int, int]], rec:
     F, B = [], []
     mem = [rank_once(pr, bounds, rec, r) for r in range(pr.pp)]
     for j, ((lo, hi), q) in enumerate(zip(bounds, rec)):
-        f = sum(pr.fwd[i][q] for i in range(lo, hi)) + (pr.out_p2p[hi - 1] if j < S - 1 else 0.0)
-        b = sum(pr.bwd[i][q] for i in range(lo, hi))
+        f = sum(pr.fwd[i][q] for i in range(lo, hi)) * pr.slow[j] + (pr.out_p2p[hi - 1] if j < S - 1 else 0.0)
+        b = sum(pr.bwd[i][q] for i in range(lo, hi)) * pr.slow[j]
         F.append(f)
         B.append(b)
         mem[j % pr.pp] += (sum(pr.static[i] for i in range(lo, hi))

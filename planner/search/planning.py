@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from cost_models.cluster import Cluster
-from cost_models.estimate import Estimate, estimate, stage_placement
+from cost_models.estimate import Estimate, estimate
+from cost_models.pipeline import stage_placement
 from cost_models.pipeline import ScheduleError
 from planner.errors import AutoparError, PlanError
 from planner.graph import ModelGraph
@@ -114,14 +115,16 @@ def build_plan(graph: ModelGraph, cluster: Cluster, e: Estimate, *, spec: str, c
 
 def plan_model(graph: ModelGraph, cluster: Cluster, global_batch: int, *, spec: str, cluster_spec: str,
                profile=None, top_k: int = 5, progress: Callable[[str], None] | None = None,
-               fix: Pins | str | None = None, seq_lens: SeqLens | None = None,
+               fix: Pins | str | None = None, seq_lens: SeqLens | None = None, per_batch: bool = False,
                **search_kw: Any) -> tuple[Plan, SearchResult]:
     """Search the space and return the plan with its search record. ``fix`` pins part of the
     layout (a pin string such as ``"tp=8,pp=1"`` or ``"tp<=4"``, see planner/search/pins.py): only
     configurations it admits are searched, and the plan's ``search["fix"]`` records it.
     ``seq_lens`` (a file as ``autopar plan --seq-lens`` reads, a list of document lengths or
     a {length: count} mapping) plans each sequence of ``graph.seq_len`` tokens as a row of
-    those documents packed (planner/search/seq_lens.py); ``graph`` itself is left as it is."""
+    those documents packed (planner/search/seq_lens.py); ``graph`` itself is left as it is.
+    ``per_batch`` (packed documents only) prices per-batch assignment of each batch's
+    documents for the chosen layout and records it (``batch.per_batch``; planner/search/per_batch.py)."""
     if global_batch < 1:
         raise AutoparError(f"--global-batch must be a positive integer, got {global_batch}")
     if seq_lens is not None:
@@ -139,6 +142,11 @@ def plan_model(graph: ModelGraph, cluster: Cluster, global_batch: int, *, spec: 
     plan = build_plan(graph, cluster, res.best, spec=spec, cluster_spec=cluster_spec,
                       alternatives=res.alternatives, rejected=res.rejected, counts=res.rejected_counts,
                       search_info=info)
+    if per_batch:
+        if graph.documents is None:
+            raise AutoparError("--per-batch assigns packed documents per batch: give their lengths with --seq-lens")
+        from planner.search.per_batch import per_batch_record
+        plan.batch["per_batch"] = _rounded(per_batch_record(graph, cluster, res.best, global_batch, profile))
     return plan, res
 
 

@@ -20,6 +20,8 @@ Pruning keeps the space whole but cheap, with two bounds per degree tuple
   smallest bubble any schedule here reaches (interleaving with the most chunks tried, v = 4
   unless ``--fix vpp`` allows more: ``(pp-1) t / v``), i.e. ``m t + (pp-1) t / v`` with
   ``t = sum(fwd + bwd + comm) / pp`` (``cost_models.pipeline.linear_step`` on equal stages).
+  On a cluster with a WAN, at least ``cost_models.wan_cost.wan_floor_s`` (the gradients'
+  cross-group phase; a WAN pipeline boundary's activations one after another).
   At or above the incumbent's step time, no variant can win; all are pruned.
 Tuples are visited in increasing floor, so a good incumbent comes early. Inside a
 tuple, each variant gets its own floor (its schedule's closed form on perfectly
@@ -45,6 +47,8 @@ from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
 from cost_models.layer_costs import LayerCosts, layer_pass_times
 from cost_models.pipeline import estimate_step, linear_step
+from cost_models.wan_cost import wan_floor_s
+from planner.low_comm import low_comm_problem, parse_low_comm
 from cost_models.compute import calibration
 from cost_models.memory import Reserve, framework_reserve, memory_floor
 from cost_models.shared_cores import ranks_cluster
@@ -56,7 +60,7 @@ from planner.search.candidates import (DOMINATED_REASON, Point, Rejections, batc
                                        fp8_problem, points,
                                        request_problem, schedule_choices, variants)
 from planner.search.pins import Pins
-from planner.search.stage_split import even_split, split_and_estimate
+from planner.search.stage_split import fast_splits, split_and_estimate
 
 GiB = 2**30
 
@@ -93,6 +97,7 @@ class _Space:
     pins: Pins = field(default_factory=Pins)
     fp8: str = "none"                                 # the request's float8 recipe and regional compilation
     compile: bool = False
+    low_comm: str = ""                                # autopar plan --low-comm: also price these variants
     cost_cache: dict = field(default_factory=dict)
     table_cache: dict = field(default_factory=dict)   # memory tables, shared by the layer costs of every key
     ulysses_cache: dict = field(default_factory=dict)  # (cp, tp, ep, mbs) -> the best Ulysses degree
@@ -136,18 +141,21 @@ class _Tuple:
 def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=None, top_k: int = 5,
            solve_top: int = 3, max_mbs: int = 8, dtype: str | None = None, loss: str = "eager",
            pins: Pins | None = None, ilp_time_limit: float = 10.0,
-           progress: Callable[[str], None] | None = None, fp8: str = "none", compile: bool = False) -> SearchResult:
+           progress: Callable[[str], None] | None = None, fp8: str = "none", compile: bool = False,
+           low_comm: str = "") -> SearchResult:
     """Find the configuration with the best predicted step time that fits among those the
     ``pins`` admit: degree tuples with their floors, then every variant's closed-form
     estimate on an even split, then the ILP split and the simulated schedule for the best few."""
     t0 = time.perf_counter()
     facts, batch = facts_of(graph), batch_of(graph, global_batch)
+    parse_low_comm(low_comm)  # a bad --low-comm: one line before anything is priced
     if why := request_problem(facts, batch, loss) or fp8_problem(fp8, cluster) or compile_problem(compile, cluster):
         raise AutoparError(f"{graph.name}: {why}")
     res = SearchResult(best=None, alternatives=[], rejected={}, rejected_counts={})  # type: ignore[arg-type]
     space = _Space(graph, cluster, global_batch, profile, facts, batch,
                    dtype or ("fp32" if cluster.backend == "gloo" else "bf16"), loss,
-                   default_attention(facts.limits), Rejections(), res, pins or Pins(), fp8=fp8, compile=compile)
+                   default_attention(facts.limits), Rejections(), res, pins or Pins(), fp8=fp8, compile=compile,
+                   low_comm=low_comm)
     tuples = _tuples_with_floors(space, max_mbs)
     if progress:
         progress(f"{len(tuples)} degree tuples after the memory floor; {res.considered} configurations")
@@ -224,9 +232,12 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     # bubble is at least (pp-1) t / 2): the step-time model's linear form on perfectly balanced stages
     v = max([4] + [v for _, v in schedule_choices(pp, m, space.facts, pins)])
     floor_s = linear_step("interleaved-1f1b", pp, m, v, [t_rank] * pp, [0.0] * pp)
+    low = [base.replace(low_comm=space.low_comm)] if space.low_comm and not low_comm_problem(space.low_comm, dp) else []
+    floor_s = max(floor_s, min(wan_floor_s(space.graph, space.cluster, c, m) for c in [base, *low]))  # 0 without a WAN
     mem_floor = reserve.of(memory_floor(space.graph, base, costs.table(base)))
     n_var = sum(1 for _ in variants(Point(dp, pp, cp, tp, mbs, m, ep, (ulysses,), base.threads), ulysses, space.facts,
                                      space.batch, space.dtype, space.loss, pins=pins, fp8=space.fp8,
+                                     low_comm=space.low_comm,
                                      compile=space.compile))
     res.considered += n_var
     t = _Tuple(floor_s, dp, pp, cp, tp, mbs, m, n_var, costs, ep, moe=bool(space.facts.experts), ulysses=ulysses)
@@ -268,7 +279,7 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, s
         threads = layout_threads(space.cluster, t.dp * t.pp * t.cp * t.tp)
         for cfg in variants(Point(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, t.ep, (t.ulysses,), threads), t.ulysses,
                             space.facts, space.batch, space.dtype, space.loss, dominated=False, pins=space.pins,
-                            fp8=space.fp8, compile=space.compile):
+                            fp8=space.fp8, compile=space.compile, low_comm=space.low_comm):
             n_kept += 1
             # variant floor: this schedule on perfectly balanced stages, with its recompute
             f, b = stage[cfg.recompute]
@@ -278,9 +289,11 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, s
                 rej.add("time floor above the best step time found", cfg.label())
                 res.pruned += 1
                 continue
-            part = even_split(g, t.pp * cfg.vpp, cfg.recompute)
-            e = estimate(g, space.cluster, cfg, part, space.global_batch, profile=space.profile, fast=True,
-                         costs=costs if LayerCosts.key(cfg) == LayerCosts.key(costs.cfg) else None)
+            for part in fast_splits(g, space.cluster, cfg):  # the even split; on mixed devices speed-weighted first
+                e = estimate(g, space.cluster, cfg, part, space.global_batch, profile=space.profile, fast=True,
+                             costs=costs if LayerCosts.key(cfg) == LayerCosts.key(costs.cfg) else None)
+                if e.fits:
+                    break
             res.estimated += 1
             if not e.fits:
                 r, over = e.shortfall()

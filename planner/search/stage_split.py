@@ -9,6 +9,7 @@ from cost_models.estimate import Estimate, estimate, inflight_closed
 from cost_models.layer_costs import LayerCosts, act_bytes_io, layer_pass_times
 from cost_models.compute import calibration
 from cost_models.memory import MemoryRule, chunk_memory, framework_reserve
+from cost_models.wan_cost import stage_capacity, stage_slowdowns
 from planner.feasibility import recompute_attention_problem
 from planner.graph import BLOCK_KINDS, ModelGraph
 from planner.plan import RECOMPUTE, ParallelConfig, Partition, recompute_policies
@@ -35,6 +36,39 @@ def even_split(graph: ModelGraph, stages: int, recompute: str = "none") -> Parti
             start, have = g + 1, 0
     bounds.append((start, len(groups)))
     return expand_groups(Partition(bounds, [recompute] * stages), groups)
+
+
+def speed_split(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig) -> Partition:
+    """:func:`even_split` on a cluster of one device type; on mixed devices (``wan_cost.stage_slowdowns``)
+    blocks in proportion to each stage's device speed (a slower stage gets fewer), each stage at
+    least one stage group: the search's fast pass prices this split, the ILP then refines it."""
+    S = cfg.pp * cfg.vpp
+    slow = stage_slowdowns(cluster, cfg)
+    if len(set(slow)) <= 1:
+        return even_split(graph, S, cfg.recompute)
+    groups = graph.stage_groups()
+    weight = [sum(graph.layers[i].kind in BLOCK_KINDS for i in range(lo, hi)) for lo, hi in groups]
+    inv = [1 / slow[j % cfg.pp] for j in range(S)]
+    targets = [sum(weight) * sum(inv[:j + 1]) / sum(inv) for j in range(S - 1)]
+    bounds, start, have = [], 0, 0.0
+    for g, w in enumerate(weight):
+        have += w
+        k = len(bounds)
+        if k < S - 1 and have >= targets[k] - 1e-9 and g + 1 > start and len(groups) - g - 1 >= S - 1 - k:
+            bounds.append((start, g + 1))
+            start = g + 1
+    if len(bounds) != S - 1:
+        return even_split(graph, S, cfg.recompute)
+    bounds.append((start, len(groups)))
+    return expand_groups(Partition(bounds, [cfg.recompute] * S), groups)
+
+
+def fast_splits(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig) -> list[Partition]:
+    """The splits the search's fast pass prices, in turn until one fits: :func:`even_split`, and
+    on mixed devices :func:`speed_split` before it."""
+    even = even_split(graph, cfg.pp * cfg.vpp, cfg.recompute)
+    fast = speed_split(graph, cluster, cfg)
+    return [even] if fast.bounds == even.bounds else [fast, even]
 
 
 def expand_groups(part: Partition, groups: list[tuple[int, int]]) -> Partition:
@@ -84,7 +118,8 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
     reserve = framework_reserve(cluster.backend != "gloo", calibration(profile))
     return PartitionProblem(fwd=fwd, bwd=bwd, act=act, static=static, out_p2p=out_p2p, classes=classes, pp=cfg.pp,
                             v=cfg.vpp, m=m, schedule=sched, inflight=inflight, peak=peak, transient=transient,
-                            capacity=reserve.tensor_room(cluster.memory_bytes))
+                            capacity=reserve.tensor_room(stage_capacity(cluster, cfg)),
+                            slow=[stage_slowdowns(cluster, cfg)[j % cfg.pp] for j in range(S)])
 
 
 def split_and_estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None,
@@ -98,7 +133,7 @@ def split_and_estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
     part, info = best_partition(graph, cluster, cfg, global_batch, profile, time_limit, uniform_recompute)
     e = estimate(graph, cluster, cfg, part, global_batch, profile=profile, engine=engine)
     if cfg.pp * cfg.vpp > 1:
-        e_even = estimate(graph, cluster, cfg, even_split(graph, cfg.pp * cfg.vpp, cfg.recompute), global_batch,
+        e_even = estimate(graph, cluster, cfg, speed_split(graph, cluster, cfg), global_batch,
                           profile=profile, engine=engine)
         if not e.fits or (e_even.fits and e_even.step_s < e.step_s):
             e, info = e_even, dict(info, chosen="even split (simulated faster or the ILP split did not fit)")

@@ -1,0 +1,94 @@
+"""Distributed worker for tests/test_batch_parallel.py: per-batch assignment against the fixed layout.
+
+``python -m torch.distributed.run --nproc-per-node 4 tests/batch_worker.py OUT.json`` trains
+gpt-tiny and llama-tiny for 3 SGD steps (fp32) on packed batches of one long document (a whole
+row of 32 tokens) and many short ones (``DOC_LENGTHS``), first on the fixed layout (dp4, DDP),
+then with per-batch assignment (codegen/runtime/batch_parallel.py) over the dp x cp pool, for
+ring groups of the sizes the rule picks, ring groups of 3 (non-power-of-two) and of 4, and
+Ulysses groups; rank 0 writes per case the losses, the first step's gradient and loss errors
+against the fixed layout, and the group sizes of the first step's assignment.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from codegen.runtime.batch_parallel import PerBatch  # noqa: E402
+from codegen.runtime.mesh import init_distributed  # noqa: E402
+from codegen.runtime.train import parallelize  # noqa: E402
+from planner.batch_assign import Pool, WorkCost  # noqa: E402
+from planner.plan import ParallelConfig  # noqa: E402
+
+from dist_worker import LR, NORM, STEPS, compare  # noqa: E402
+from model_cases import GB, SEED, SEQ, case, planner_view, stages_for  # noqa: E402
+from worker_io import failure, finish, report  # noqa: E402
+
+# row 0 is one document; the others pack short ones, one running from row 2 into row 3
+DOC_LENGTHS = [32, 3, 1, 5, 2, 7, 6, 4, 4, 2, 6, 9, 3, 1, 5, 8, 2, 4, 6, 3, 5, 2, 4, 1, 3]
+assert sum(DOC_LENGTHS) == GB * SEQ
+CAPACITY = 40  # tokens per worker: the 32-token document fits no worker whole next to its share
+COST = dict(linear=1.0, attention=0.05, exchange=0.1, latency=0.5)
+CASES = {  # name -> (model, dp, cp, method, group sizes)
+    "ring": ("llama-tiny", 2, 2, "ring", None),
+    "ring-g3": ("llama-tiny", 2, 2, "ring", (1, 3)),
+    "ring-cp4-g4": ("gpt-tiny", 1, 4, "ring", (1, 4)),
+    "ulysses-g2": ("llama-tiny", 2, 2, "ulysses", (1, 2)),
+    "ulysses-g4": ("gpt-tiny", 2, 2, "ulysses", (1, 4)),
+}
+
+
+def packed(c, n: int) -> list[dict]:
+    cu = torch.cumsum(torch.tensor([0] + DOC_LENGTHS), 0)
+    return [dict(b, cu_seqlens=cu) for b in c.batches(n)]
+
+
+def train(model: str, cfg_kw: dict, data: list[dict], per_batch=None) -> tuple[list[float], dict, list]:
+    c = case(model)
+    pc = ParallelConfig(dtype="fp32", **cfg_kw).validate()
+    _, layout, facts = planner_view(model)
+    pm = parallelize(c.build(c.parallel_device), pc, stages_for(model, 1), ["none"], layout, GB, SEQ, "cpu",
+                     optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=LR), seed=SEED, facts=facts,
+                     per_batch=per_batch)
+    losses, grads, sizes = [], None, []
+    for s, b in enumerate(data):
+        losses.append(pm.step(b))
+        if s == 0:
+            grads = {n: g for n, (p, g) in pm.parameters_for_check().items()}
+            grads[NORM] = torch.tensor(pm.clip_grad_norm_(None), dtype=torch.float64)
+            if pm.batch_planner is not None:
+                a = pm.batch_planner.last
+                sizes = [[p.length, p.size, p.first] for p in a.placements if p.size > 1]
+    pm.close()
+    return losses, grads, sizes
+
+
+def main() -> None:
+    out = sys.argv[1]
+    init_distributed()
+    torch.manual_seed(0)
+    results: dict = {}
+    fixed: dict = {}
+    for name, (model, dp, cp, method, sizes) in CASES.items():
+        try:
+            data = packed(case(model), STEPS)
+            if model not in fixed:
+                fixed[model] = train(model, dict(dp=4, mbs=1, zero="ddp"), data)
+            ref_losses, ref_grads, _ = fixed[model]
+            pool = Pool(dp * cp, dp * cp, CAPACITY, sizes=sizes)
+            pb = PerBatch(pool, WorkCost(method=method, **COST))
+            losses, grads, groups = train(model, dict(dp=dp, cp=cp, mbs=GB // dp, zero="ddp"), data, pb)
+            results[name] = {"losses": losses, "ref_losses": ref_losses, "groups": groups,
+                             **compare(grads, ref_grads, losses, ref_losses)}
+        except Exception as exc:
+            results[name] = failure(exc)
+        report(name, results[name])
+    finish(results, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Pricing across cluster groups (cost_models/wan.py, wan_cost.py, comm.py): which mesh dimensions
+cross the WAN, hierarchical collectives across it, per-boundary pipeline hops in the simulator."""
+from __future__ import annotations
+
+import pytest
+
+from cost_models import comm, wan
+from cost_models.cluster import Cluster, parse_cluster
+from cost_models.pipeline import estimate_step, simulate
+
+WAN = parse_cluster("two-region-h100")  # 2 x 8 nodes x 8 H100, 12.5 GB/s and 10 ms one way between regions
+
+
+def _flat() -> Cluster:
+    d = WAN.to_dict()
+    del d["groups"], d["links"]
+    return Cluster.from_dict(d)
+
+
+def test_pp_cut_on_the_wan_and_dp_inside_a_region():
+    mesh = comm.Mesh(pp=2, dp=8, tp=8)
+    assert wan.dim_span(WAN, 8, mesh.stride("dp"), mesh.world) is None
+    hops = comm.p2p_hops(64e6, WAN, mesh)
+    assert len(hops) == 1
+    assert hops[0].seconds == pytest.approx(64e6 / (12.5e9 / 64) + 0.010)  # 64 pairs share the circuit
+    mesh4 = comm.Mesh(pp=4, dp=4, tp=8)  # boundaries 0 and 2 inside a region, 1 on the cut
+    secs = [h.seconds for h in comm.p2p_hops(64e6, WAN, mesh4)]
+    assert secs[1] > 100 * max(secs[0], secs[2])
+    assert comm.p2p_time(64e6, WAN, mesh4).seconds == secs[1]
+
+
+def test_dp_across_the_wan_is_hierarchical():
+    mesh = comm.Mesh(dp=16, tp=8)  # each dp group: 8 ranks in each region
+    span = wan.dim_span(WAN, 16, 8, 128)
+    assert (span.groups, span.per_group, span.flows) == (2, 8, 64)
+    assert span.link.bandwidth_gbs == pytest.approx(12.5 / 64) and span.link.latency_us == 10000
+    B = 1e9
+    t = comm.collective_time("all_reduce", B, WAN, mesh, "dp").seconds
+    local = comm.Mesh(dp=8, tp=8)  # the in-region phases: 8 ranks on 8 nodes
+    rs = comm.collective_time("reduce_scatter", B, WAN, local, "dp").seconds
+    ag = comm.collective_time("all_gather", B, WAN, local, "dp").seconds
+    cross = 2 * (1 / 2) * (B / 8) / (12.5e9 / 64) + 2 * 0.010
+    assert t == pytest.approx(rs + cross + ag)
+    assert t > 10 * comm.collective_time("all_reduce", B, _flat(), mesh, "dp").seconds
+
+
+def test_simulator_per_boundary_hops():
+    f, b = [1.0] * 4, [2.0] * 4
+    same = simulate("1f1b", 4, 8, f, b, p2p=0.1).step_s
+    assert simulate("1f1b", 4, 8, f, b, p2p=[0.1] * 4).step_s == pytest.approx(same)
+    slow = simulate("1f1b", 4, 8, f, b, p2p=[0.0, 0.5, 0.0, 0.0]).step_s
+    assert slow > simulate("1f1b", 4, 8, f, b).step_s
+    # more micro-batches in flight hide the hop: GPipe's steady state pays only the first round trip
+    g0, g1 = simulate("gpipe", 4, 8, f, b).step_s, simulate("gpipe", 4, 8, f, b, p2p=[0.0, 0.5, 0.0, 0.0]).step_s
+    assert g1 - g0 == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("sched, p, m, cut, hop", [("1f1b", 2, 16, 0, 0.5), ("1f1b", 4, 16, 1, 0.8),
+                                                   ("gpipe", 4, 8, 1, 0.5), ("1f1b", 4, 8, 1, 0.05),
+                                                   ("1f1b", 4, 32, 1, 3.0), ("1f1b", 8, 32, 3, 1.0)])
+def test_closed_form_stall_near_the_simulator(sched, p, m, cut, hop):
+    """The search's fast pass (closed form + ``wan.stall_s``) within 15% of the simulated step."""
+    f, b = [1.0] * p, [2.0] * p
+    hops = [0.0] * p
+    hops[cut] = hop
+    sim = simulate(sched, p, m, f, b, p2p=hops).step_s
+    inflight = m if sched == "gpipe" else p - cut
+    closed = estimate_step(sched, p, m, f, b) + wan.stall_s(m, p, cut, 3.0, hop, inflight)
+    assert closed == pytest.approx(sim, rel=0.15)
+
+
+def test_link_floor():
+    assert wan.link_floor_s(10, [0.2, 0.3], 5.0) == pytest.approx(8.0)
+    assert wan.link_floor_s(10, [], 5.0) == 0.0
+
+
+def test_planner_cuts_the_pipeline_on_the_wan():
+    """llama3-8b on 2 x 16 H100: the plan puts a pipeline boundary on the cut (no dp across it),
+    its estimate says where and what it costs, and pinning pp=1 (dp across the WAN) is slower."""
+    from planner.describe import wan_words
+    from planner.frontend.load import load_graph
+    from planner.search.planning import plan_model
+
+    g = load_graph("llama3-8b", batch=1, seq_len=None)
+    cl = parse_cluster("two-region-h100:2")
+    plan, res = plan_model(g, cl, 64, spec="llama3-8b", cluster_spec="two-region-h100:2")
+    assert plan.config.pp % 2 == 0
+    crossing = plan.estimate["wan"]
+    assert [x["dim"] for x in crossing] == ["pp"] and crossing[0]["groups"] == ["region-a", "region-b"]
+    assert "crosses region-a <-> region-b" in wan_words(crossing)[0]
+    _, flat = plan_model(g, cl, 64, spec="llama3-8b", cluster_spec="two-region-h100:2", fix="pp=1")
+    assert flat.best.step_s > 1.3 * res.best.step_s
+    assert [x["dim"] for x in flat.best.wan] == ["dp"]
