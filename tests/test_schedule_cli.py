@@ -64,3 +64,32 @@ def test_plan_file_schedule_ir_is_checked(tmp_path):
     d["pipeline"].pop("schedule_ir")
     with pytest.raises(ValueError, match="goes with schedule=custom"):
         Plan.from_dict(d)
+
+
+PLAN = ["plan", "--model", "llama-tiny", "--cluster", "local-cpu:2", "--no-calibrate"]
+
+
+def test_plan_for_a_schedule_file(tmp_path):
+    """`autopar plan --schedule FILE`: the layouts with the file's pp and micro-batches, priced
+    running it; the plan carries the file's order and says so in its search record."""
+    f = tmp_path / "mine.csv"
+    f.write_text(MINE)
+    out = tmp_path / "plan.json"
+    assert main(PLAN + ["--global-batch", "4", "--schedule", str(f), "-o", str(out)]) == 0
+    plan = Plan.load(str(out))
+    assert (plan.config.pp, plan.config.schedule, plan.batch["microbatches"]) == (2, "custom", 4)
+    assert [[str(a) for a in r] for r in plan.schedule_ir.ranks] == [row.split(",") for row in MINE.split()]
+    assert "mine.csv" in plan.search["schedule"] and all("custom" in a["label"] for a in plan.alternatives)
+    assert [s["rank"] for s in plan.stages] == [0, 1]
+
+
+@pytest.mark.parametrize("extra,word", [
+    (["--global-batch", "6"], "--global-batch must be 4 x dp x mbs for a dp that divides 1"),
+    (["--global-batch", "4", "--fix", "pp=1"], "excludes"),
+])
+def test_plan_schedule_shape_mismatch_one_line(tmp_path, capsys, extra, word):
+    f = tmp_path / "mine.csv"
+    f.write_text(MINE)
+    assert main(PLAN + extra + ["--schedule", str(f)]) == 2
+    err = [x for x in capsys.readouterr().err.strip().splitlines() if not x.startswith("[autopar]")]
+    assert len(err) == 1 and word in err[0], err

@@ -137,6 +137,9 @@ def _add_planning_commands(sub) -> None:
     p.add_argument("--per-batch", action="store_true",
                    help="with --seq-lens: price assigning each batch's documents to context-parallel groups of the "
                         "size they need and run it when it is faster (batch.per_batch in the plan)")
+    p.add_argument("--schedule", default=None, metavar="FILE",
+                   help="plan for your own pipeline schedule (.csv in torch's action format or .json): the layouts "
+                        "with its pp and micro-batches, priced running it; the plan carries it")
     p.add_argument("-o", "--out", default=None, help="plan file to write (JSON)")
     p.add_argument("--force", action="store_true", help="overwrite an existing plan file")
     p.set_defaults(fn=cmd.cmd_plan)

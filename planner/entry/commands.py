@@ -176,6 +176,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if args.out:
         check_out(args.out, args.force)
+    schedule = None
+    if args.schedule:  # checked before anything is captured
+        from planner.schedule_file import load as load_schedule
+        schedule = load_schedule(args.schedule)
     t0 = time.perf_counter()
     graph, cluster, profile, pins = _load_inputs(args)
     _progress(f"captured {graph.name}: {len(graph.layers)} layers, {fmt_n(graph.params)} parameters "
@@ -184,11 +188,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan, res = plan_model(graph, cluster, args.global_batch, spec=args.model, cluster_spec=args.cluster,
                            profile=profile, top_k=args.top_k, progress=_progress, loss=args.loss, fix=pins,
                            fp8=args.fp8, compile=args.compile, low_comm=args.low_comm,
-                           per_batch=args.per_batch)
+                           per_batch=args.per_batch, schedule=schedule, schedule_source=args.schedule or "")
     _progress(f"{res.considered} configurations considered, {res.pruned} pruned by bounds, "
               f"{res.estimated} estimated, {res.fully_solved} fully solved in {res.solve_s:.2f} s")
     if "per_batch" in plan.batch:
         _progress(plan.batch["per_batch"]["why"])
+    if "schedule" in plan.search:
+        _progress(plan.search["schedule"])
     if args.out:
         write_atomic(args.out, plan.to_json(), force=args.force)
     if args.json:

@@ -23,6 +23,7 @@ from planner.search.space import SearchResult, search
 from planner.search.seq_lens import SeqLens, as_histogram, with_documents
 from planner.search.stage_split import even_split as split_evenly
 from planner.search.stage_split import split_and_estimate
+from planner.search.user_schedule import search_for_schedule
 from planner.frontend.tp_layout import tp_layout
 
 GiB = 2**30
@@ -116,6 +117,7 @@ def build_plan(graph: ModelGraph, cluster: Cluster, e: Estimate, *, spec: str, c
 def plan_model(graph: ModelGraph, cluster: Cluster, global_batch: int, *, spec: str, cluster_spec: str,
                profile=None, top_k: int = 5, progress: Callable[[str], None] | None = None,
                fix: Pins | str | None = None, seq_lens: SeqLens | None = None, per_batch: bool = False,
+               schedule: Schedule | None = None, schedule_source: str = "the schedule",
                **search_kw: Any) -> tuple[Plan, SearchResult]:
     """Search the space and return the plan with its search record. ``fix`` pins part of the
     layout (a pin string such as ``"tp=8,pp=1"`` or ``"tp<=4"``, see planner/search/pins.py): only
@@ -124,24 +126,33 @@ def plan_model(graph: ModelGraph, cluster: Cluster, global_batch: int, *, spec: 
     a {length: count} mapping) plans each sequence of ``graph.seq_len`` tokens as a row of
     those documents packed (planner/search/seq_lens.py); ``graph`` itself is left as it is.
     ``per_batch`` (packed documents only) prices per-batch assignment of each batch's
-    documents for the chosen layout and records it (``batch.per_batch``; planner/search/per_batch.py)."""
+    documents for the chosen layout and records it (``batch.per_batch``; planner/search/per_batch.py).
+    ``schedule`` (a user's schedule IR, read from ``schedule_source``): plan the layouts that can
+    run it, priced running it (planner/search/user_schedule.py)."""
     if global_batch < 1:
         raise AutoparError(f"--global-batch must be a positive integer, got {global_batch}")
     if seq_lens is not None:
         hist, source = as_histogram(seq_lens)
         graph = with_documents(graph, hist, source)
     pins = as_pins(fix).check_world(cluster.world, cluster.name)
-    res = search(graph, cluster, global_batch, profile=profile, top_k=top_k, progress=progress, pins=pins,
-                 **search_kw)
+    if schedule is None:
+        res = search(graph, cluster, global_batch, profile=profile, top_k=top_k, progress=progress, pins=pins,
+                     **search_kw)
+    else:
+        res, got = search_for_schedule(graph, cluster, global_batch, schedule, schedule_source, pins,
+                                       evaluate_config, profile, progress=progress, **search_kw)
+        res.alternatives = res.alternatives[:top_k]
     info = {"considered": res.considered, "pruned": res.pruned, "estimated": res.estimated,
             "fully_solved": res.fully_solved,
             "partition": {k: {kk: vv for kk, vv in v.items() if kk not in ("solve_s",)}
                           for k, v in sorted(res.partition_info.items())}}
     if pins:
         info["fix"] = pins.to_str()
+    if schedule is not None:
+        info["schedule"] = got.why
     plan = build_plan(graph, cluster, res.best, spec=spec, cluster_spec=cluster_spec,
                       alternatives=res.alternatives, rejected=res.rejected, counts=res.rejected_counts,
-                      search_info=info)
+                      search_info=info, schedule=schedule)
     if per_batch:
         if graph.documents is None:
             raise AutoparError("--per-batch assigns packed documents per batch: give their lengths with --seq-lens")
