@@ -53,6 +53,7 @@ from dataclasses import dataclass, replace
 
 from cost_models import gpu_kernels as gk
 from cost_models.cluster import Cluster
+from cost_models.documents import busiest_share
 from cost_models.engines import DEFAULT_ENGINE, Engine, fuses_elementwise
 from cost_models.fused_elementwise import fused_op
 from cost_models.moe_layer import DISPATCH_KERNELS, dispatch_bytes, expert_rows, grouped_gemm_seconds
@@ -100,11 +101,16 @@ def attn_core_flops(layer: Layer, batch: int) -> float:
 
 def attention_share(layer: Layer, graph: ModelGraph, cfg: ParallelConfig | None = None) -> float:
     """The share of :func:`attn_core_flops` that ``layer``'s attention core really does with the
-    graph's packed documents (``DocumentMix.attention_share``); 1.0 without them, for a
-    non-causal core (e.g. a vision encoder's, not document-masked) and for an eager
-    (unfused) kernel under ``cfg``, which computes every score and masks it afterwards.
-    Without ``cfg``: the useful work (model FLOPs)."""
-    return graph.documents.attention_share if document_masked(layer, graph, cfg) else 1.0
+    graph's packed documents; 1.0 without them, for a non-causal core (e.g. a vision
+    encoder's, not document-masked) and for an eager (unfused) kernel under ``cfg``, which
+    computes every score and masks it afterwards. Under ``cfg``: the busiest rank's share of
+    the layout (``cost_models.documents.busiest_share``: the step waits for it); without:
+    the useful work (model FLOPs, ``DocumentMix.attention_share``)."""
+    if not document_masked(layer, graph, cfg):
+        return 1.0
+    if cfg is None:
+        return graph.documents.attention_share
+    return busiest_share(graph.documents, cfg.dp, cfg.cp, cfg.ulysses, cfg.mbs)
 
 
 def document_masked(layer: Layer, graph: ModelGraph, cfg: ParallelConfig | None = None) -> bool:

@@ -9,10 +9,11 @@ packed batch carries them). Both sides are priced with the same rates
 (``cost_models.batch_pricing``): per batch, the busiest worker's seconds after assignment and
 on the plan's fixed layout (``static_work``), with the data-parallel reduction and optimizer
 the estimate has. The expected step with assignment is the plan's estimate times the ratio of
-the two means: both sides priced by one model (the estimate itself prices the mix's mean row,
-not the busiest rank of each batch, and its ring terms differ from the rates'; a difference
-of the two models, as a first version took, went negative for a cp=4 ring over short
-documents). It is chosen when the runtime can run it
+the two means: both sides priced by one model (the estimate prices the busiest rank's
+attention averaged over the simulated micro-batches, ``cost_models.documents.busiest_share``,
+by the same per-rank count as ``static_work``, but its ring terms differ from the rates'; a
+difference of the two models, as a first version took, went negative for a cp=4 ring over
+short documents). It is chosen when the runtime can run it
 (``planner.batch_assign.per_batch_problem``) and it saves at least ``MIN_GAIN``; the plan
 records the figures and why (``batch.per_batch``), and the emitted program runs it.
 """
