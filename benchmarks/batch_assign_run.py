@@ -12,7 +12,9 @@ layout (``LAYOUTS``, pinned with ``--fix``; one micro-batch per step, no recompu
   it to be faster), each batch's documents assigned to groups of the 4 ranks.
 
 ``python -m benchmarks.batch_assign_run [--steps N]`` prints predicted and measured median step
-times (the per-batch plan's predicted step is its expected step, ``batch.per_batch``) and writes
+times (the per-batch plan's predicted step is its expected step, ``batch.per_batch``), the
+machine's load average around each run (it is shared: a loaded machine stretches the measured
+steps and the planner's own speed probe alike) and writes
 ``benchmarks/results/batch_assign_run.json``.
 """
 from __future__ import annotations
@@ -47,12 +49,14 @@ def run_case(layout: str, pins: str, per_batch: bool, steps: int, work: str) -> 
     if per_batch and not record.get("chosen"):
         return {"case": name, "layout": layout, "per_batch": True, "chosen": False, "why": record.get("why")}
     run_dir = os.path.join(work, name)
+    load = os.getloadavg()[0]  # the machine is shared: its load says how far to trust the timing
     autopar("run", plan, "--steps", str(steps), "--dir", run_dir)
     c = compare_run(plan, os.path.join(run_dir, "train_log.jsonl"))
     predicted = record["expected_step_s"] if per_batch else c["predicted_step_s"]
     return {"case": name, "layout": layout, "per_batch": per_batch, "chosen": bool(record.get("chosen")),
             "predicted_s": predicted, "measured_s": c["measured_step_s"], "ratio": c["measured_step_s"] / predicted,
-            "first_loss": c["first_loss"], "last_loss": c["last_loss"], "record": record}
+            "first_loss": c["first_loss"], "last_loss": c["last_loss"], "record": record,
+            "load": [load, os.getloadavg()[0]]}
 
 
 def main() -> None:
@@ -69,15 +73,17 @@ def main() -> None:
                 r = rows[-1]
                 if "measured_s" in r:
                     print(f"{r['case']:20s} predicted {r['predicted_s']:7.3f} s  measured {r['measured_s']:7.3f} s  "
-                          f"(measured/predicted {r['ratio']:.2f})  loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}",
+                          f"(measured/predicted {r['ratio']:.2f})  loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}  "
+                          f"load {r['load'][0]:.1f} -> {r['load'][1]:.1f}",
                           flush=True)
                 else:
                     print(f"{r['case']:20s} not chosen: {r['why']}", flush=True)
-    print("\n| case | predicted | measured | measured / predicted | loss |\n|---|---|---|---|---|")
+    print("\n| case | predicted | measured | measured / predicted | loss | load (1 min, before -> after) |\n"
+          "|---|---|---|---|---|---|")
     for r in rows:
         if "measured_s" in r:
             print(f"| {r['case']} | {r['predicted_s']:.3f} s | {r['measured_s']:.3f} s | {r['ratio']:.2f} | "
-                  f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} |")
+                  f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} | {r['load'][0]:.1f} -> {r['load'][1]:.1f} |")
     write_json(args.out, {"model": MODEL, "cluster": CLUSTER, "global_batch": GLOBAL_BATCH, "seq_len": SEQ,
                           "lengths": LENGTHS, "steps": args.steps, "rows": rows})
     print(f"wrote {args.out}")

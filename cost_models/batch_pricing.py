@@ -138,11 +138,17 @@ class Comparison:
         """Mean step with per-batch assignment over the ideal balance's (1.0: no gap)."""
         return self.mean(self.per_batch) / self.mean(self.ideal)
 
+    @property
+    def bound(self) -> float:
+        """The most any assignment could gain: the best fixed layout's mean step over the ideal
+        balance's (every worker the same work, no communication)."""
+        return self.mean(self.static[self.best_static]) / self.mean(self.ideal)
+
     def summary(self) -> dict:
         m = self.mean
         return {"per_batch_s": m(self.per_batch), "static_s": {k: m(v) for k, v in self.static.items()},
                 "best_static": self.best_static, "ideal_s": m(self.ideal), "speedup": self.speedup,
-                "ideal_gap": self.ideal_gap, "spread_before": m(self.spread_before),
+                "ideal_gap": self.ideal_gap, "bound": self.bound, "spread_before": m(self.spread_before),
                 "spread_after": m(self.spread_after), "fixed_s": self.fixed_s, "batches": len(self.per_batch)}
 
 

@@ -53,6 +53,7 @@ from dataclasses import dataclass, replace
 
 from cost_models import gpu_kernels as gk
 from cost_models.cluster import Cluster
+from cost_models.documents import busiest_share
 from cost_models.engines import DEFAULT_ENGINE, Engine, fuses_elementwise
 from cost_models.fused_elementwise import fused_op
 from cost_models.moe_layer import DISPATCH_KERNELS, dispatch_bytes, expert_rows, grouped_gemm_seconds
@@ -77,6 +78,11 @@ CPU_OP_OVERHEAD_S = 6e-6
 # tokens: 45.2 ms fwd+bwd under ColwiseParallel / RowwiseParallel, 0.84 ms as plain local
 # shards, 7.7 ms of that the 32 all-reduces alone). A third of it in the forward.
 CPU_DTENSOR_MODULE_S = 1.15e-3
+# A CPU runs packed documents' masked attention and a ring's blocks (offsets, log-sum-exp) through
+# the flash kernels' plain-torch fallback (kernels/attention_torch.py, fp32 chunks): each FLOP
+# about 3x slower than fused SDPA, which a plain causal call gets (torch 2.13, this 2-core EPYC, one thread, llama-mini's attention
+# on a causal row of 2,048 tokens, forward + backward: 895 ms against 308 ms).
+CPU_TORCH_ATTENTION_SLOWDOWN = 3.0
 
 
 @dataclass
@@ -104,11 +110,16 @@ def attn_core_flops(layer: Layer, batch: int) -> float:
 
 def attention_share(layer: Layer, graph: ModelGraph, cfg: ParallelConfig | None = None) -> float:
     """The share of :func:`attn_core_flops` that ``layer``'s attention core really does with the
-    graph's packed documents (``DocumentMix.attention_share``); 1.0 without them, for a
-    non-causal core (e.g. a vision encoder's, not document-masked) and for an eager
-    (unfused) kernel under ``cfg``, which computes every score and masks it afterwards.
-    Without ``cfg``: the useful work (model FLOPs)."""
-    return graph.documents.attention_share if document_masked(layer, graph, cfg) else 1.0
+    graph's packed documents; 1.0 without them, for a non-causal core (e.g. a vision
+    encoder's, not document-masked) and for an eager (unfused) kernel under ``cfg``, which
+    computes every score and masks it afterwards. Under ``cfg``: the busiest rank's share of
+    the layout (``cost_models.documents.busiest_share``: the step waits for it); without:
+    the useful work (model FLOPs, ``DocumentMix.attention_share``)."""
+    if not document_masked(layer, graph, cfg):
+        return 1.0
+    if cfg is None:
+        return graph.documents.attention_share
+    return busiest_share(graph.documents, cfg.dp, cfg.cp, cfg.ulysses, cfg.mbs)
 
 
 def document_masked(layer: Layer, graph: ModelGraph, cfg: ParallelConfig | None = None) -> bool:
@@ -397,6 +408,8 @@ def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parall
     core = attn_core_flops(layer, graph.batch)
     causal = layer.attention is not None and layer.attention.causal
     causal_cut = core * (1.0 - 0.5 * attention_share(layer, graph, cfg)) if causal else 0.0  # + what documents skip
+    fallback = cfg.attention == "flash" and (document_masked(layer, graph, cfg) or cfg.cp > cfg.ulysses)
+    slow = CPU_TORCH_ATTENTION_SLOWDOWN if fallback else 1.0  # masks, or a ring's blocks: the torch fallback
     fwd = bwd = 0.0
     shard = _shard_factor(layer, cfg)
     for op in layer.ops:
@@ -404,6 +417,8 @@ def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parall
         if op.kind == "attention" and causal_cut:
             f_fwd -= causal_cut
             f_bwd -= causal_cut * BWD_ATTN_CORE_FACTOR
+        if op.kind == "attention":
+            f_fwd, f_bwd = f_fwd * slow, f_bwd * slow
         op_div = (cfg.tp if op.tp_style != "replicated" else cfg.seq_shards) * cfg.cp
         bytes_f = op.fwd_bytes * dscale
         fwd += max(max(f_fwd, 0.0) / (peak * eff), bytes_f / bw) * scale / op_div

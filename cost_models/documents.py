@@ -15,6 +15,11 @@ for the cost model (``planner.graph.DocumentMix``):
 - **attention_share**: sum over the rows' documents of L^2 over rows x S^2, the causal
   attention work relative to one document filling every row. Causal work is L(L+1)/2 pairs,
   about L^2/2, so the halving the cost model already applies stays (1.0: no saving).
+- **The busiest rank** (:func:`busiest_share`): a fixed layout's ranks hold different rows
+  (dp) and different zigzag chunks of a row (cp); their attention work differs, and each
+  micro-batch waits for the busiest. The cost model prices a layout's attention at the
+  busiest rank's share, averaged over the simulated rows' micro-batches (the mean share
+  is the useful work, what MFU counts).
 - **mean_tokens**: the token-weighted mean document length, sum(L^2) / sum(L) (= share x S).
 - **Ring visiting share** (:func:`visiting_share`): context parallelism cuts each row into
   ``2 cp`` zigzag chunks (cp rank i holds chunks i and 2cp-1-i; with a Ulysses degree u,
@@ -27,10 +32,11 @@ for the cost model (``planner.graph.DocumentMix``):
   document of ``S``, so plans without documents do not move; 1.0 too for a row the ring
   cannot split into ``2 cp`` chunks, which the feasibility rule rejects anyway).
 
-Cost (pure Python, no dependencies): packing is linear in the simulated documents (at most
+Cost: packing is linear in the simulated documents (at most
 ``MAX_ROWS`` rows); a visiting share visits only the documents that cross one of the
 ``rows x (2 cp - 1)`` chunk boundaries, in as many of the (random) rows as keep that near
-``BOUNDARY_BUDGET``, and is cached per (mix, cp, ulysses).
+``BOUNDARY_BUDGET``, and is cached per (mix, cp, ulysses); the busiest rank's share counts every row's pieces
+once per ring degree (numpy, cached).
 """
 from __future__ import annotations
 
@@ -38,6 +44,9 @@ import bisect
 import random
 from typing import Iterable, Iterator, Mapping
 
+import numpy as np
+
+from planner.batch_assign import row_rank_pairs
 from planner.feasibility import sequence_problem
 from planner.graph import DocumentMix
 
@@ -276,6 +285,45 @@ def ring_hiding(mix: DocumentMix, cp: int, ulysses: int = 1) -> float:
     v, t = visiting_pairs(mix, cp, ulysses)
     vf, tf = full_row_pairs(mix.seq_len, cp, ulysses)
     return (v * tf) / (t * vf)
+
+
+_BUSY: dict[tuple[int, int], tuple[DocumentMix, np.ndarray]] = {}
+
+
+def _rank_pairs(mix: DocumentMix, ring: int) -> np.ndarray:
+    """Causal pairs per simulated row and ring rank (``[rows, ring]``), cached per (mix, ring)."""
+    key = (id(mix), ring)
+    hit = _BUSY.get(key)
+    if hit is None or hit[0] is not mix:
+        if len(_BUSY) > 256:
+            _BUSY.clear()
+        hit = _BUSY[key] = (mix, row_rank_pairs(mix.pieces, mix.seq_len, ring)[0])
+    return hit[1]
+
+
+def busiest_share(mix: DocumentMix, dp: int, cp: int, ulysses: int = 1, mbs: int = 1) -> float:
+    """The attention share a fixed layout's step pays: the mix's ``attention_share`` times the
+    busiest rank's attention work over the mean rank's, micro-batch by micro-batch. Each
+    micro-batch gives ``dp`` ranks ``mbs`` consecutive simulated rows each, every row split
+    zigzag over ``cp`` ranks (ring ranks hold their chunks' pairs,
+    ``planner.batch_assign.row_rank_pairs``; Ulysses' ranks 1 / ``ulysses`` of their ring
+    rank's heads, the same work), and every rank's layers wait for the busiest: the ring
+    every layer, FSDP's gathers and the pipeline's sends every micro-batch, the gradient
+    reduction every step (all ranks hold the same tokens, so the linear work is the same on
+    every one). Sums over the micro-batches of the simulated rows (wrapping around when they
+    hold fewer rows than one micro-batch); 1 rank: the mean share exactly."""
+    ring = max(cp // max(ulysses, 1), 1)
+    if ring > 1 and sequence_problem(mix.seq_len, cp):
+        ring = 1  # a ring the runtime cannot run: the feasibility rule refuses it anyway
+    pairs = _rank_pairs(mix, ring)
+    k = dp * mbs
+    if pairs.shape[0] == 0 or dp * ring == 1:
+        return mix.attention_share
+    groups = max(pairs.shape[0] // k, 1)
+    take = np.resize(pairs, (groups * k, ring))  # wraps around when the rows are fewer than one micro-batch
+    work = take.reshape(groups, dp, mbs, ring).sum(axis=2)
+    mean = float(work.mean(axis=(1, 2)).sum())
+    return mix.attention_share * float(work.max(axis=(1, 2)).sum()) / mean if mean > 0 else mix.attention_share
 
 
 def visiting_text(share: float, one_document: float) -> str:

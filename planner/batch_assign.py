@@ -189,7 +189,7 @@ def ring_exposed(tokens: float, g: int, visiting: float, cost: WorkCost) -> floa
     if cost.method == "ulysses":
         return cost.alltoall * tokens * (g - 1) / g + cost.latency
     step = cost.exchange * tokens + cost.latency
-    return (g - 1) * max(0.0, step - visiting / (g - 1))
+    return (g - 1) * np.maximum(0.0, step - visiting / (g - 1))  # arrays of ``visiting`` too
 
 
 def piece_work(length: int, g: int, cost: WorkCost) -> float:
@@ -389,19 +389,35 @@ def assign(lengths: Sequence[int], pool: Pool, cost: WorkCost) -> Assignment:
         raise error  # type: ignore[misc]
     return best.done(lens, ideal)
 
-def _row_pairs(starts: np.ndarray, ends: np.ndarray, row_len: int, cp: int) -> tuple[np.ndarray, np.ndarray]:
-    """(all, visiting) causal query-key pairs, per cp rank, of one row's pieces [starts, ends)
-    (row positions) split zigzag into ``2 cp`` chunks: rank r holds chunks r and 2cp-1-r; a
-    pair is visiting when its key lies on another rank's chunks."""
+def row_rank_pairs(lengths: Sequence[int], row_len: int, cp: int) -> tuple[np.ndarray, np.ndarray]:
+    """(all, visiting) causal query-key pairs, diagonal included, per row and ring rank
+    (``[rows, cp]`` arrays) of pieces packed in order into rows of ``row_len`` tokens (row ends
+    fall on multiples of ``row_len``; a partial last row is left out), each row split zigzag
+    into ``2 cp`` chunks: rank r holds chunks r and 2cp-1-r; a pair is visiting when its key
+    lies on another rank's chunks. The one count of a fixed layout's per-rank attention work
+    (:func:`static_work`, ``cost_models.documents.busiest_share``)."""
+    lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    ends = np.cumsum(lens)
+    rows = int(ends[-1]) // row_len if lens.size else 0
+    row = (ends - lens) // row_len
+    keep = row < rows
+    row, a, e = row[keep], (ends - lens)[keep] - row[keep] * row_len, ends[keep] - row[keep] * row_len
+    total, visiting = np.zeros((rows, cp)), np.zeros((rows, cp))
+    if cp == 1:
+        np.add.at(total[:, 0], row, ((e - a) * (e - a + 1) / 2).astype(np.float64))
+        return total, visiting
     c = row_len // (PAD_CHUNKS * cp)
     ranks = np.arange(cp)
-    lo = np.stack([ranks, PAD_CHUNKS * cp - 1 - ranks]) * c          # [2, cp] chunk starts (earlier, later)
-    a, e = starts[:, None, None], ends[:, None, None]
-    x, y = np.maximum(a, lo[None]), np.minimum(e, lo[None] + c)       # [pieces, 2, cp] queries in each chunk
-    n = np.maximum(y - x, 0).astype(np.float64)
-    total = (n * (x + y + 1 - 2 * a) / 2).sum(axis=(0, 1))
-    local = (n * (n + 1) / 2).sum(axis=(0, 1)) + (n[:, 0] * n[:, 1]).sum(axis=0)
-    return total, total - local
+    lo = np.stack([ranks, PAD_CHUNKS * cp - 1 - ranks]) * c             # [2, cp] chunk starts (earlier, later)
+    for b in range(0, row.size, 4096):                                   # blocks of pieces: bounded memory
+        s_, e_ = a[b:b + 4096, None, None], e[b:b + 4096, None, None]
+        x, y = np.maximum(s_, lo[None]), np.minimum(e_, lo[None] + c)   # [pieces, 2, cp] queries in each chunk
+        n = np.maximum(y - x, 0).astype(np.float64)
+        tot = (n * (x + y + 1 - 2 * s_) / 2).sum(axis=1)
+        local = (n * (n + 1) / 2).sum(axis=1) + n[:, 0] * n[:, 1]
+        np.add.at(total, row[b:b + 4096], tot)
+        np.add.at(visiting, row[b:b + 4096], tot - local)
+    return total, visiting
 
 
 def static_work(lengths: Sequence[int], row_len: int, dp: int, cp: int, cost: WorkCost) -> tuple[float, ...]:
@@ -409,30 +425,20 @@ def static_work(lengths: Sequence[int], row_len: int, dp: int, cp: int, cost: Wo
     of ``row_len`` tokens in order (row ends fall on multiples of ``row_len`` of their running
     sum), dp rank ``d`` takes the ``d``-th block of consecutive rows (as
     ``ParallelModel.local_batch`` cuts them), each row split zigzag over ``cp`` ranks (ring:
-    exact per-rank pairs, the ring's transfers hidden behind each rank's visiting pairs;
-    Ulysses: every rank ``1 / cp`` of each document's heads, the all-to-alls exposed)."""
+    exact per-rank pairs, :func:`row_rank_pairs`, the ring's transfers hidden behind each
+    rank's visiting pairs; Ulysses: every rank ``1 / cp`` of each document's heads, the
+    all-to-alls exposed)."""
     lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
-    ends = np.cumsum(lens)
-    total = int(ends[-1]) if lens.size else 0
+    total = int(lens.sum())
     if total == 0 or total % (row_len * dp) or (cp > 1 and row_len % (PAD_CHUNKS * cp)):
         raise AssignError(f"{total} tokens do not make whole rows of {row_len} for {dp} dp ranks split over "
                           f"cp = {cp} (rows must split into {PAD_CHUNKS * cp} chunks)")
-    starts = ends - lens
-    rows = total // row_len
-    work = np.zeros((dp, cp))
-    for row in range(rows):
-        d = row // (rows // dp)
-        sel = (starts >= row * row_len) & (starts < (row + 1) * row_len)
-        s, e = starts[sel] - row * row_len, ends[sel] - row * row_len
-        if cp == 1 or cost.method == "ulysses":
-            pairs = float(((e - s) * (e - s + 1) / 2).sum())
-            work[d] += cost.linear * row_len / cp + 2 * cost.attention * pairs / cp
-            work[d] += ring_exposed(row_len / cp, cp, 0.0, cost)
-            continue
-        tot, visiting = _row_pairs(s, e, row_len, cp)
-        for c in range(cp):
-            work[d, c] += (cost.linear * row_len / cp + 2 * cost.attention * tot[c]
-                           + ring_exposed(row_len / cp, cp, 2 * cost.attention * visiting[c], cost))
+    ring = 1 if cost.method == "ulysses" else cp
+    tot, vis = row_rank_pairs(lens, row_len, ring)
+    tot, vis = tot * ring / cp, vis * ring / cp                           # Ulysses: 1 / cp of every row's heads
+    per_row = (cost.linear * row_len / cp + 2 * cost.attention * tot
+               + ring_exposed(row_len / cp, cp, 2 * cost.attention * vis, cost))   # [rows, cp] (or [rows, 1])
+    work = np.broadcast_to(per_row, (per_row.shape[0], cp)).reshape(dp, -1, cp).sum(axis=1)
     return tuple(float(x) for x in work.reshape(-1))
 
 

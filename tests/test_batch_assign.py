@@ -108,6 +108,36 @@ def test_static_work_counts_every_pair():
     assert np.isclose(sum(w), sum(2 * n * (n + 1) / 2 for n in lens))
 
 
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 200), min_size=1, max_size=60), dp=st.sampled_from([1, 2, 4]),
+       cp=st.sampled_from([1, 2, 4]), mbs=st.sampled_from([1, 2]), ulysses=st.booleans())
+def test_fixed_layouts_priced_at_the_busiest_rank(lengths, dp, cp, mbs, ulysses):
+    """The cost model's attention share of a fixed layout (cost_models.documents.busiest_share) is
+    the mean share times the busiest rank's attention over the mean rank's, micro-batch by
+    micro-batch: the same per-rank pairs static_work prices a batch with (one rule,
+    planner.batch_assign.row_rank_pairs); one rank pays the mean exactly."""
+    from cost_models.documents import busiest_share, pack_mix
+
+    row = 64
+    mix = pack_mix(lengths * (row * 8 // sum(lengths) + 1), row)  # at least 8 rows
+    if mix.rows < dp * mbs:
+        return
+    u = cp if ulysses else 1
+    att = WorkCost(linear=0.0, attention=1.0, method="ulysses" if ulysses else "ring")
+    ends = np.cumsum(mix.pieces)
+    k = dp * mbs
+    busiest = mean = 0.0
+    for g in range(mix.rows // k):  # each micro-batch: dp ranks, mbs rows each
+        sel = (ends > g * k * row) & (ends <= (g + 1) * k * row)
+        w = static_work(np.asarray(mix.pieces)[sel], row, dp, cp, att)
+        busiest, mean = busiest + max(w), mean + sum(w) / len(w)
+    got = busiest_share(mix, dp, cp, u, mbs)
+    assert got >= mix.attention_share * (1 - 1e-12)
+    assert np.isclose(got, mix.attention_share * busiest / mean, rtol=1e-9)
+    if dp * cp == 1:
+        assert got == mix.attention_share
+
+
 def test_per_batch_beats_static_on_long_tail():
     rng = np.random.default_rng(1)
     wins = 0
@@ -177,8 +207,9 @@ def test_plan_records_per_batch_and_the_program_runs_it():
     plan = _documents_plan("dp=8,pp=1,tp=1,cp=1,mbs=1,recompute=none")
     rec = plan.batch["per_batch"]
     assert rec["workers"] == 8 and rec["batches"] >= 1 and rec["spread_after"] < rec["spread_before"]
-    ratio = rec["per_batch_s"] / rec["static_s"]["dp8 cp1"]
-    assert rec["expected_step_s"] == pytest.approx(plan.estimate["step_s"] * ratio, rel=1e-3) and ratio > 0
+    # priced directly: the busiest worker's mean seconds plus the step's shared work, whatever the layout
+    assert rec["expected_step_s"] == pytest.approx(rec["per_batch_s"], rel=1e-3) and rec["expected_step_s"] > rec["fixed_s"]
+    assert rec["ratio"] == pytest.approx(rec["expected_step_s"] / plan.estimate["step_s"], rel=1e-3)
     assert rec["chosen"] and rec["ratio"] <= 0.98 and "per-batch assignment" in rec["why"]
     text = emit(plan)
     assert "PER_BATCH = per_batch_of({" in text and "per-batch assignment" in describe(plan).attention

@@ -256,6 +256,9 @@ def documents_text(plan: Plan) -> str | None:
             f"tokens) packed into rows of {d['budget']:,} tokens (the budget; {sample}){cut}; causal attention work "
             f"{d['attention_share']:.1%} of one document filling each row (token-weighted mean document "
             f"{d['mean_tokens']:,.0f} tokens)")
+    if d.get("busiest_share") and d["attention_share"] > 0:
+        text += (f"; on the chosen layout the busiest rank does {d['busiest_share'] / d['attention_share']:.2f}x "
+                 "the mean rank's attention, and every micro-batch waits for it (priced so)")
     chosen = d.get("chosen", "")
     v = d.get("ring_visiting", {}).get(chosen)
     if v:

@@ -8,11 +8,15 @@ plan's document distribution: consecutive windows of ``global_batch`` rows of th
 packed batch carries them). Both sides are priced with the same rates
 (``cost_models.batch_pricing``): per batch, the busiest worker's seconds after assignment and
 on the plan's fixed layout (``static_work``), with the data-parallel reduction and optimizer
-the estimate has. The expected step with assignment is the plan's estimate times the ratio of
-the two means: both sides priced by one model (the estimate itself prices the mix's mean row,
-not the busiest rank of each batch, and its ring terms differ from the rates'; a difference
-of the two models, as a first version took, went negative for a cp=4 ring over short
-documents). It is chosen when the runtime can run it
+the estimate has. The expected step with assignment is the mean over the batches of the busiest
+worker's seconds plus those shared ones, priced directly: it is the same program whichever
+fixed layout the pool came from (a first version scaled the fixed layout's estimate by the
+ratio of the two means, so the three local-cpu:4 layouts predicted three different steps for
+one program; a difference of the two models went negative). Its whole pieces run the fused
+kernel without masks (the rates' attention comes from a layer without documents), where the
+fixed layout's estimate prices its masked kernel (on CPUs the torch fallback,
+``cost_models.compute.CPU_TORCH_ATTENTION_SLOWDOWN``) at its busiest rank
+(``cost_models.documents.busiest_share``). It is chosen when the runtime can run it
 (``planner.batch_assign.per_batch_problem``) and it saves at least ``MIN_GAIN``; the plan
 records the figures and why (``batch.per_batch``), and the emitted program runs it.
 """
@@ -75,8 +79,8 @@ def per_batch_record(graph: ModelGraph, cluster: Cluster, est: Estimate, global_
         c = compare(sampled_batches(graph, global_batch), pool, cost, [Layout(cfg.dp, cfg.cp, graph.seq_len)], fixed)
     except AssignError as e:
         return dict(out, why=str(e))
-    ratio = c.mean(c.per_batch) / c.mean(c.static[Layout(cfg.dp, cfg.cp, graph.seq_len).label])
-    expected = est.step_s * ratio
+    expected = c.mean(c.per_batch)  # the busiest worker's seconds per batch, plus the shared fixed_s
+    ratio = expected / est.step_s
     out.update(c.summary(), expected_step_s=expected, fixed_step_s=est.step_s, ratio=ratio)
     if ratio > 1 - MIN_GAIN:
         return dict(out, why=f"per-batch assignment would take {expected:.4g} s per step against the fixed "

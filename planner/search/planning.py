@@ -66,14 +66,16 @@ def _why_not(alt: Estimate, best: Estimate, graph: ModelGraph | None = None) -> 
 
 def _documents_record(graph: ModelGraph, cfg: ParallelConfig, world: int) -> dict[str, Any]:
     """What the plan's ``batch.documents`` records (``cost_models.documents.summary``): the mix,
-    and the ring's visiting share for the chosen layout and for every plain ring of the device
-    count (what the report's "why not cp=..." reads)."""
-    from cost_models.documents import summary
+    the ring's visiting share for the chosen layout and for every plain ring of the device
+    count (what the report's "why not cp=..." reads), and the chosen layout's busiest-rank
+    attention share (what its step is priced at)."""
+    from cost_models.documents import busiest_share, summary
 
     rings = [(cfg.cp, cfg.ulysses)] + [(cp, 1) for cp in range(2, world + 1)
                                        if world % cp == 0 and (cp, 1) != (cfg.cp, cfg.ulysses)]
     out = summary(graph.documents, rings)
     out["chosen"] = f"cp={cfg.cp}" + (f" ulysses={cfg.ulysses}" if cfg.ulysses > 1 else "")
+    out["busiest_share"] = busiest_share(graph.documents, cfg.dp, cfg.cp, cfg.ulysses, cfg.mbs)  # what is priced
     return out
 
 
