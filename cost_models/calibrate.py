@@ -15,7 +15,7 @@ compute_scale       multiplies every layer's forward/backward time   compute.lay
 eff_matmul          CPU roofline matmul efficiency (EFF_MATMUL_CPU)  compute.roofline_time
 eff_memory          CPU roofline bandwidth efficiency (EFF_MEMORY)   compute.roofline_time
 op_overhead_s       CPU per-op dispatch seconds (CPU_OP_OVERHEAD_S)  compute.roofline_time
-dtensor_module_s    CPU DTensor dispatch per TP-sharded module       compute.dtensor_dispatch_s
+dtensor_module_s    CPU DTensor dispatch per TP-sharded module       dtensor_dispatch.dtensor_dispatch_s
                     (CPU_DTENSOR_MODULE_S)
 replicate_unit_s,   CPU data-parallel wrapper work per unit and      cpu_runtime.wrapper_unit_s
 fsdp_unit_s,        micro-batch (replicate; fully_shard; its
@@ -70,7 +70,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from cost_models.cluster import Cluster
-from cost_models.compute import CPU_DTENSOR_MODULE_S, CPU_OP_OVERHEAD_S, EFF_MATMUL_CPU, EFF_MEMORY
+from cost_models.compute import CPU_OP_OVERHEAD_S, EFF_MATMUL_CPU, EFF_MEMORY
+from cost_models.dtensor_dispatch import CPU_DTENSOR_MODULE_S
 from cost_models.estimate import OVERLAP, GiB, estimate
 from cost_models.profile_db import COLLECTIVE_KINDS, ProfileDB
 from planner.graph import ModelGraph

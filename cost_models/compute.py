@@ -53,13 +53,14 @@ from dataclasses import dataclass, replace
 
 from cost_models import gpu_kernels as gk
 from cost_models.cluster import Cluster
+from cost_models.dtensor_dispatch import dtensor_dispatch_s
 from cost_models.documents import busiest_share
 from cost_models.engines import DEFAULT_ENGINE, Engine, fuses_elementwise
 from cost_models.fused_elementwise import fused_op
 from cost_models.moe_layer import DISPATCH_KERNELS, dispatch_bytes, expert_rows, grouped_gemm_seconds
 from cost_models.shared_cores import thread_op_s
 from cost_models.op_recompute import checkpointed, kept_flops, kept_linears, routed_unkept_share
-from planner.graph import OUT_SPLIT_ROLES, TP_SPLIT_ROLES, Layer, Linear, ModelGraph, MoEDims
+from planner.graph import OUT_SPLIT_ROLES, Layer, Linear, ModelGraph, MoEDims
 from planner.plan import ParallelConfig
 
 EFF_MATMUL_CPU = 0.70
@@ -71,16 +72,9 @@ BWD_ATTN_CORE_FACTOR = 2.5  # flash backward = 2.5x its forward FLOPs
 # for its 654 captured ops: 0.264 s for 8 sequences in one micro-batch, 0.295 s in eight). It
 # makes small micro-batches cost what they do; ``compute_scale`` (calibration) scales it too.
 CPU_OP_OVERHEAD_S = 6e-6
-# DTensor tensor parallelism on a CPU adds its own dispatch (sharding propagation, wrapping and
-# unwrapping of local tensors, autograd nodes of the conversions) to every module it shards:
-# 1.15 ms per sharded module per micro-batch, forward and backward together, measured with
-# torch 2.13 on this 2-core EPYC (2 gloo ranks, 16 column + row linear pairs of 32 x 64 on 16
-# tokens: 45.2 ms fwd+bwd under ColwiseParallel / RowwiseParallel, 0.84 ms as plain local
-# shards, 7.7 ms of that the 32 all-reduces alone). A third of it in the forward.
-CPU_DTENSOR_MODULE_S = 1.15e-3
 # A CPU runs packed documents' masked attention and a ring's blocks (offsets, log-sum-exp) through
 # the flash kernels' plain-torch fallback (kernels/attention_torch.py, fp32 chunks): each FLOP
-# about 3x slower than fused SDPA, which a plain causal call gets (torch 2.13, this 2-core EPYC, one thread, llama-mini's attention
+# about 3x slower than fused SDPA, which a plain causal call gets (torch 2.13, a 2-core Xeon, one thread, llama-mini's attention
 # on a causal row of 2,048 tokens, forward + backward: 895 ms against 308 ms).
 CPU_TORCH_ATTENTION_SLOWDOWN = 3.0
 
@@ -432,29 +426,6 @@ def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parall
     fwd += layer.fwd_ops * op_s
     return LayerTime(fwd, bwd + layer.bwd_ops * op_s, "roofline",
                      op_recompute_s=op_recompute_share(layer, graph, cfg) * fwd)
-
-
-def tp_modules(layer: Layer, cfg: ParallelConfig) -> int:
-    """Modules of ``layer`` that tensor parallelism turns into DTensor modules: its sharded
-    linears and vocabulary embeddings, and with sequence parallel its norms (0 without TP)."""
-    if cfg.tp == 1:
-        return 0
-    n = sum(1 for l in layer.linears if l.role in TP_SPLIT_ROLES)
-    n += sum(1 for o in layer.ops if o.kind == "embedding" and o.tp_style == "vocab")
-    return n + (sum(1 for o in layer.ops if o.kind == "norm") if cfg.sp else 0)
-
-
-def dtensor_dispatch_s(layer: Layer, cluster: Cluster, cfg: ParallelConfig,
-                       cal: dict[str, float] | None = None) -> tuple[float, float]:
-    """(forward, backward) seconds per micro-batch of DTensor dispatch in ``layer`` under TP on
-    a CPU cluster (``CPU_DTENSOR_MODULE_S`` per sharded module, :func:`tp_modules`); nothing
-    on GPUs, where it runs ahead of the kernels. ``compute_scale`` (calibration) scales it
-    with the layer time; a CPU roofline calibration stores the scaled figure as
-    ``dtensor_module_s``."""
-    if cluster.backend != "gloo":
-        return 0.0, 0.0
-    s = tp_modules(layer, cfg) * (cal or {}).get("dtensor_module_s", CPU_DTENSOR_MODULE_S)
-    return s / 3, 2 * s / 3
 
 
 def _documents_scaled(got: tuple[float, float], layer: Layer, graph: ModelGraph, cluster: Cluster,

@@ -15,7 +15,7 @@ beside it, and the profiler measures them again the same way):
   all-gather beyond the collective itself: ``CPU_FSDP_UNIT_S``, and around every gradient
   reduce-scatter (each micro-batch without a pipeline): ``CPU_FSDP_REDUCE_UNIT_S``. DDP's
   bucketed reducer (``planner.sharding.uses_ddp_reducer``) measured 0.006-0.02 ms per unit: 0.
-- **DTensor dispatch** per TP-sharded module: ``cost_models.compute.dtensor_dispatch_s``
+- **DTensor dispatch** per TP-sharded module: ``cost_models.dtensor_dispatch.dtensor_dispatch_s``
   (``CPU_DTENSOR_MODULE_S``), priced with the layer time.
 - **EP dispatch on gloo** (codegen/runtime/expert_parallel.py ``TokenDispatch``), per MoE
   layer and micro-batch: beside the count exchange and the two row all-to-alls that

@@ -14,7 +14,7 @@ import pytest
 
 from cost_models import cpu_runtime
 from cost_models.cluster import Cluster, load_preset
-from cost_models.compute import dtensor_dispatch_s
+from cost_models.dtensor_dispatch import dtensor_dispatch_s
 from cost_models.shared_cores import rank_speed, ranks_cluster, thread_scaling
 from planner.feasibility import degrees_problem, layout_threads, rank_counts, rank_threads
 from planner.frontend.load import load_graph

@@ -147,7 +147,7 @@ def test_dtensor_dispatch_priced_per_sharded_module_on_cpu():
     """Under TP on a CPU cluster every DTensor-sharded module adds CPU_DTENSOR_MODULE_S per
     micro-batch (a Llama block: q, k, v, o, gate, up, down, and with SP its two norms); not
     without TP, not on GPUs."""
-    from cost_models.compute import CPU_DTENSOR_MODULE_S, dtensor_dispatch_s, tp_modules
+    from cost_models.dtensor_dispatch import CPU_DTENSOR_MODULE_S, dtensor_dispatch_s, tp_modules
 
     g = load_graph("benchmarks/fidelity_llama.toml", batch=1, seq_len=64)
     block = next(l for l in g.layers if l.name == "layers.0")
@@ -160,7 +160,7 @@ def test_dtensor_dispatch_priced_per_sharded_module_on_cpu():
     assert dtensor_dispatch_s(block, gpu, ParallelConfig.parse("tp=2,sp=on")) == (0.0, 0.0)
     with_dt = _est(g, cpu, "tp=2,sp=on,mbs=4,dtype=fp32", gb=8)  # 2 micro-batches
     mp = pytest.MonkeyPatch()
-    mp.setattr("cost_models.compute.CPU_DTENSOR_MODULE_S", 0.0)
+    mp.setattr("cost_models.dtensor_dispatch.CPU_DTENSOR_MODULE_S", 0.0)
     try:
         without = _est(g, cpu, "tp=2,sp=on,mbs=4,dtype=fp32", gb=8)
     finally:

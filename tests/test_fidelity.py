@@ -72,7 +72,7 @@ def test_fit_recovers_synthetic_coefficients(monkeypatch):
     c = dataclasses.replace(c, device=dataclasses.replace(c.device, peak_tflops={"fp32": 0.04}, mem_bw_gbs=5.7))
     c.cores_per_node = 0  # no shared-core terms: their per-call waits would swamp gpt-tiny's compute
     # nor the fixed DTensor dispatch per TP module, which would swamp the TP layouts' compute
-    monkeypatch.setattr("cost_models.compute.CPU_DTENSOR_MODULE_S", 0.0)
+    monkeypatch.setattr("cost_models.dtensor_dispatch.CPU_DTENSOR_MODULE_S", 0.0)
     monkeypatch.setattr("cost_models.calibrate.CPU_DTENSOR_MODULE_S", 0.0)
     g = load_graph("llama-tiny", batch=1, seq_len=256)  # long enough that compute is not lost in the latencies
     # (a fixed per-step overhead is nearly collinear with compute_scale at one world size and
