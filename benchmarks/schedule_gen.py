@@ -3,7 +3,9 @@
 For each case (per-stage forward / backward seconds, micro-batches, p2p hop) the table gives the
 simulated step of 1f1b, zb-h1 and the generated schedule (planner/search/schedule_gen.py, at
 1F1B's activation memory per rank) and the speed-up of what ``best_schedule`` keeps over the best
-built-in (>= 1 by construction: the generated one is kept only when faster). Cases: uniform
+built-in (>= 1 by construction: the generated one is kept only when faster), and how far the
+best built-in is above ``order_floor`` (no order of the same one-stage-per-rank split is faster:
+the room any generated order has). Cases: uniform
 stages; a heavy last stage (a 256K-vocabulary head: 2.5x a block stage); a heavy first stage (a
 MoE's dense first blocks or a vision encoder: 2x); random uneven stages; and the stage times of
 the planned pipelines of the presets (benchmarks/plan_speed.py's cases that plan pp > 1).
@@ -17,7 +19,7 @@ import random
 
 from benchmarks.plan_speed import CASES
 from benchmarks.results import write_json
-from cost_models.pipeline import simulate
+from cost_models.pipeline import order_floor, simulate
 from planner.search.schedule_gen import best_schedule
 
 
@@ -55,15 +57,17 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/schedule_gen.json")
     args = ap.parse_args()
     rows = []
-    print(f"{'case':62s} {'1f1b':>9s} {'zb-h1':>9s} {'kept':>9s} {'speed-up':>8s}")
+    print(f"{'case':62s} {'1f1b':>9s} {'zb-h1':>9s} {'kept':>9s} {'speed-up':>8s} {'best/floor':>10s}")
     for name, f, b, m, p2p in synthetic() + presets():
         p = len(f)
         one, zb = (simulate(s, p, m, f, b, p2p=p2p).step_s for s in ("1f1b", "zb-h1"))
         c = best_schedule(f, b, m, p2p=p2p)
         row = {"case": name, "p": p, "m": m, "1f1b_s": one, "zb-h1_s": zb, "kept": c.name,
-               "kept_s": c.result.step_s, "speedup_vs_best_builtin": min(one, zb) / c.result.step_s}
+               "kept_s": c.result.step_s, "speedup_vs_best_builtin": min(one, zb) / c.result.step_s,
+               "floor_s": order_floor(m, f, b, p2p), "best_builtin_over_floor": min(one, zb) / order_floor(m, f, b, p2p)}
         rows.append(row)
-        print(f"{name[:62]:62s} {one:9.4g} {zb:9.4g} {c.name:>9s} {row['speedup_vs_best_builtin']:8.3f}")
+        print(f"{name[:62]:62s} {one:9.4g} {zb:9.4g} {c.name:>9s} {row['speedup_vs_best_builtin']:8.3f} "
+              f"{row['best_builtin_over_floor']:10.3f}")
     write_json(args.out, rows)
 
 

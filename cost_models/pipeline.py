@@ -92,7 +92,7 @@ from planner.schedule_ir import ScheduleError  # re-exported: the simulator's er
 
 __all__ = ["SCHEDULES", "SPLIT_SCHEDULES", "WGRAD_FRAC", "Event", "PipelineResult", "ScheduleError", "estimate_step",
            "linear_step", "schedule_orders", "simulate", "simulate_orders", "simulate_schedule", "split_backward",
-           "stage_placement", "throughput_floor", "zb_h1_bubble_terms"]
+           "order_floor", "stage_placement", "throughput_floor", "zb_h1_bubble_terms"]
 _KIND_NAMES = ("F", "B", "W", "I")  # by duration index
 SPLIT_SCHEDULES = ("zb-h1", "dualpipev")  # built-ins that run I and W apart (simulate's wgrad applies)
 WGRAD_FRAC = 0.5  # zb-h1 without measured W: the weight gradient's share of the backward (module docstring)
@@ -114,6 +114,13 @@ def zb_h1_bubble_terms(wgrad_frac: float = WGRAD_FRAC) -> tuple[float, float]:
 def throughput_floor(p: int, m: int, fwd: Sequence[float], bwd: Sequence[float]) -> float:
     """``m`` times the busiest rank's forward + backward seconds: no schedule finishes sooner."""
     return m * max(sum(fwd[j] + bwd[j] for j in range(r, len(fwd), p)) for r in range(p))
+
+
+def order_floor(m: int, fwd: Sequence[float], bwd: Sequence[float], p2p: float = 0.0) -> float:
+    """One stage per rank (looped): rank r cannot start before the first micro-batch's forward
+    reached it (``sum_{s<r} (fwd[s] + p2p)``) and then computes ``m (fwd[r] + bwd[r])``; the
+    largest of these, seconds, is a floor no order of this stage split beats."""
+    return max(sum(f + p2p for f in fwd[:r]) + m * (fwd[r] + bwd[r]) for r in range(len(fwd)))
 
 
 def linear_step(schedule: str, p: int, m: int, v: int, fwd: Sequence[float], bwd: Sequence[float],

@@ -54,3 +54,19 @@ def test_the_search_keeps_a_generated_schedule_only_when_faster():
             assert e.schedule_ir is not None and info["schedule"].startswith("generated")
         else:
             assert e.schedule_ir is None and "schedule" not in info
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(1, 6), m=st.integers(1, 12), data=st.data(), p2p=st.sampled_from([0.0, 0.05, 0.5]))
+def test_no_order_beats_the_order_floor(p, m, data, p2p):
+    """``order_floor`` bounds every order of a one-stage-per-rank split: the built-ins and the
+    generated one all take at least it (what benchmarks/schedule_gen.py measures the room by)."""
+    from cost_models.pipeline import order_floor
+
+    f = data.draw(st.lists(times, min_size=p, max_size=p))
+    b = [x * data.draw(st.floats(1.2, 3.0)) for x in f]
+    floor = order_floor(m, f, b, p2p)
+    assert floor >= m * max(x + y for x, y in zip(f, b))
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        assert simulate(name, p, m, f, b, p2p=p2p).step_s >= floor * (1 - 1e-9), name
+    assert simulate_schedule(generate(f, b, m, p2p=p2p), f, b, p2p=p2p).step_s >= floor * (1 - 1e-9)
