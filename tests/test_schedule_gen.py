@@ -49,11 +49,14 @@ def test_the_search_keeps_a_generated_schedule_only_when_faster():
     g = load_graph("llama-tiny", batch=1, seq_len=32)
     for sched in ("1f1b", "zb-h1"):
         cfg = ParallelConfig(pp=4, schedule=sched, dtype="fp32").validate()
-        e, info = split_and_estimate(g, parse_cluster("local-cpu:4"), cfg, 8)
+        e, info = split_and_estimate(g, parse_cluster("local-cpu:4"), cfg, 8, generate=True)
         if e.config.schedule == "custom":  # generated: faster than the built-in on the same split
             assert e.schedule_ir is not None and info["schedule"].startswith("generated")
         else:
             assert e.schedule_ir is None and "schedule" not in info
+        # a schedule the user pinned (evaluate, --fix schedule=...) is priced as given
+        pinned, info = split_and_estimate(g, parse_cluster("local-cpu:4"), cfg, 8)
+        assert pinned.config.schedule == sched and pinned.schedule_ir is None and "schedule" not in info
 
 
 @settings(max_examples=60, deadline=None)

@@ -319,7 +319,8 @@ def _solve_best(space: _Space, ranked: list[tuple[float, str, Estimate]], solve_
     finals: list[tuple[float, str, Estimate]] = []
     for _, key, e in ranked[:max(solve_top, 1)]:
         e2, info = split_and_estimate(space.graph, space.cluster, e.config, space.global_batch, space.profile,
-                                      ilp_time_limit, uniform_recompute="recompute" in space.pins.choice)
+                                      ilp_time_limit, uniform_recompute="recompute" in space.pins.choice,
+                                      generate="schedule" not in space.pins.choice)
         res.fully_solved += 1
         res.partition_info[e.config.to_str()] = info
         if e2.fits:

@@ -124,12 +124,14 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
 
 def split_and_estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None,
                        time_limit: float = 10.0, uniform_recompute: bool = False,
-                       engine=None) -> tuple[Estimate, dict]:
+                       engine=None, generate: bool = False) -> tuple[Estimate, dict]:
     """``cfg`` simulated in full on its best stage split: the ILP's, unless the simulator
     rates the even split faster or the ILP's does not fit (the ILP optimises a linear model
     of the schedule; the simulator is the judge). Returns the estimate and the solver info.
     ``uniform_recompute``: every stage keeps ``cfg.recompute`` (a pinned policy). ``engine``
-    (cost_models/engines.py) prices both splits; the ILP's coefficients are autopar's."""
+    (cost_models/engines.py) prices both splits; the ILP's coefficients are autopar's.
+    ``generate``: try a schedule generated for the split's stage times instead of ``cfg``'s
+    (:func:`with_generated_schedule`; the search, where the schedule is not pinned)."""
     part, info = best_partition(graph, cluster, cfg, global_batch, profile, time_limit, uniform_recompute)
     e = estimate(graph, cluster, cfg, part, global_batch, profile=profile, engine=engine)
     if cfg.pp * cfg.vpp > 1:
@@ -137,7 +139,7 @@ def split_and_estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
                           profile=profile, engine=engine)
         if not e.fits or (e_even.fits and e_even.step_s < e.step_s):
             e, info = e_even, dict(info, chosen="even split (simulated faster or the ILP split did not fit)")
-    return with_generated_schedule(graph, cluster, e, profile, engine, info)
+    return with_generated_schedule(graph, cluster, e, profile, engine, info) if generate else (e, info)
 
 
 GEN_MAX_WORK = 65_536  # generate a schedule only where pp^2 x micro-batches stays within this (~0.15 s)
