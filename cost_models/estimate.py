@@ -425,6 +425,16 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
         wan=[x.to_dict() for x in crossings(graph, cluster, cfg, partition, m)], devices=stage_devices(cluster, cfg))
 
 
+def fast_memory(graph: ModelGraph, cfg: ParallelConfig, partition: Partition, global_batch: int,
+                costs: LayerCosts, profile=None) -> tuple[list[StageMemory], float]:
+    """(per pp rank memory, bytes per device) as ``estimate(fast=True, costs=costs)`` prices them,
+    without the times: the search checks a variant fits before pricing it (``costs``: cfg's key)."""
+    m = microbatches(cfg, global_batch)
+    inflight = [inflight_closed(cfg.schedule, cfg.pp, m, cfg.vpp, r) for r in range(cfg.pp)] if cfg.pp > 1 else [1]
+    memory = _rank_memory(graph, costs.c, cfg, partition, costs.table(cfg), inflight, calibration(profile))
+    return memory, stage_capacity(costs.c, cfg)
+
+
 def calibration_note(profile) -> str:
     """One line for plans and reports: whether the estimate uses fitted coefficients, and which."""
     cal = calibration(profile)
