@@ -175,6 +175,9 @@ def stage_capacity(cluster: Cluster, cfg: ParallelConfig) -> float:
     (``cost_models.wan.capacity_bytes``; the cluster's own on one device type)."""
     if cluster.topology is None:
         return cluster.memory_bytes
+    sizes = {cluster.group_device(g).memory_gib for g in range(cluster.n_groups)}
+    if len(sizes) == 1:  # every group's devices hold the same (every estimate asks): no rank to look up
+        return sizes.pop() * 2**30
     return wan.capacity_bytes(cluster, cfg.pp, cfg.dp * cfg.cp * cfg.tp)
 
 
