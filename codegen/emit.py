@@ -47,6 +47,7 @@ from planner.describe import describe
 from planner.feasibility import Nodes
 from planner.files import write_atomic
 from planner.plan import TP_ROLES, Plan, PlanError
+from planner.schedule_file import to_json
 
 _SPEC = re.compile(r"^([A-Za-z0-9_][\w.-]*|[\w./-]+\.toml|[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*|hf:[\w./-]+)$")
 _FQN = re.compile(r"[A-Za-z_][\w]*(\.[\w]+)*")
@@ -68,7 +69,7 @@ def _wrapped(items: list[str], indent: str = "    ") -> list[str]:
 
 def stages_literal(stages: list[list[str]]) -> str:
     """``[...]`` with one line per virtual stage (wrapped), the stage's index as a comment."""
-    out = ["[  # layer units per virtual stage; stage j runs on pp rank j % pp"]
+    out = ["[  # layer units per virtual stage; stage j on pp rank j % pp (dualpipev: V-shaped; custom: SCHEDULE's placement)"]
     for j, s in enumerate(stages):
         rows = _wrapped([repr(u) for u in s], "    ")
         rows[0] = "    [" + rows[0][4:]
@@ -216,7 +217,18 @@ def plan_block(plan: Plan, stages: list[list[str]], layout: dict[str, str], leng
         tp_plan_literal(layout, [u for s in stages for u in s], plan.config.tp, plan.config.sp),
         f"PREDICTED = {{'step_s': {predicted_step(plan)!r}, 'memory_gib': {memory!r}}}"
         "  # per step, per rank: printed beside what the run measures",
+        schedule_literal(to_json(plan.schedule_ir) if plan.schedule_ir else None),
     ]
+
+
+def schedule_literal(text: str | None) -> str:
+    """``SCHEDULE = plan_schedule(...)``: the plan's own schedule as its JSON text, cut into
+    string pieces of at most 72 characters (None: the built-in ``CONFIG.schedule``)."""
+    note = "  # the plan's own pipeline schedule (schedule=custom); None: CONFIG's built-in"
+    if text is None:
+        return f"SCHEDULE = plan_schedule(None){note}"
+    pieces = [f"    {text[i:i + 72]!r}" for i in range(0, len(text), 72)]
+    return "\n".join([f"SCHEDULE = plan_schedule({note}", *pieces, ")"])
 
 
 def per_batch_literal(plan: Plan) -> Optional[dict]:

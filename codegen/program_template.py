@@ -41,6 +41,7 @@ from codegen.runtime.recipe import (
     build_schedule,
     check_runnable,
     materialize,
+    plan_schedule,
     split_stages,
     tie_weights,
 )
@@ -66,7 +67,7 @@ GLOBAL_BATCH, SEQ_LEN = 1, 32  # sequences per optimizer step, tokens per sequen
 DOCUMENT_LENGTHS = []
 # per-batch assignment of each batch's documents to context-parallel groups (None: the fixed layout)
 PER_BATCH = per_batch_of(None)
-STAGES = [["embed", "layers.0", "norm", "head"]]  # layer units per virtual stage; stage j runs on pp rank j % pp
+STAGES = [["embed", "layers.0", "norm", "head"]]  # layer units per virtual stage; stage j on pp rank j % pp (dualpipev: V-shaped; custom: SCHEDULE's placement)
 RECOMPUTE = ["none"]  # activation recomputation per virtual stage
 # tensor-parallel style per module (emit keeps the imports of those it writes)
 BLOCK_TP_PLAN = {
@@ -82,6 +83,7 @@ TP_PLAN = {"embed.tok": RowwiseParallel(input_layouts=Replicate(), output_layout
            "embed.pos": ReplicatedEmbedding(sp=True),
            "head.proj": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
 PREDICTED = {"step_s": 0.0, "memory_gib": [0.0]}  # per step, per rank: printed beside what the run measures
+SCHEDULE = plan_schedule(None)  # the plan's own pipeline schedule (schedule=custom); None: CONFIG's built-in
 # ---- end of the plan -------------------------------------------------------------------
 
 
@@ -122,7 +124,7 @@ def build(model: torch.nn.Module, args: argparse.Namespace, device: torch.device
     batch = Batch(GLOBAL_BATCH, SEQ_LEN, documents=bool(DOCUMENT_LENGTHS))
     check_runnable(CONFIG, adapter, FACTS, batch, CLUSTER)  # refuse what cannot run, before building
     mesh = build_mesh(CONFIG)  # dims (pp, dp, cp, tp) = @mesh
-    stages = split_stages(adapter, STAGES, RECOMPUTE, CONFIG, mesh)  # this pp rank's stage modules
+    stages = split_stages(adapter, STAGES, RECOMPUTE, CONFIG, mesh, SCHEDULE)  # this pp rank's stage modules
     materialize(adapter, stages, device, args.seed)  # meta: initialise own units; else take rank 0's weights
     # weights tied across pp ranks (pp > 1), found before TP splits them: their grads are summed
     tied = tie_weights(adapter, stages, mesh)
@@ -138,7 +140,7 @@ def build(model: torch.nn.Module, args: argparse.Namespace, device: torch.device
     optimizer = build_optimizer(stages.modules, make_optimizer(args), CONFIG.zero, dp_mesh.size(),
                                 dp_mesh.get_group())  # @optimizer
     loss_fn = TokenLoss(dp_mesh.size())  # summed token loss / global token count * dp*cp size
-    schedule = build_schedule(stages, CONFIG, mesh, GLOBAL_BATCH, loss_fn, device)  # @step
+    schedule = build_schedule(stages, CONFIG, mesh, GLOBAL_BATCH, loss_fn, device, SCHEDULE)  # @step
     return ParallelModel(adapter, CONFIG, mesh, stages, optimizer, loss_fn, GLOBAL_BATCH, device,
                          dp_mesh=dp_mesh, schedule=schedule, tied=tied, batch_planner=batch_planner)
 

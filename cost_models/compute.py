@@ -87,6 +87,10 @@ class LayerTime:
     bwd_s: float
     source: str  # "profile" | "roofline"
     op_recompute_s: float = 0.0
+    # the routed experts' GEMMs within fwd_s / bwd_s (GPU kernel model; 0 where not split out):
+    # what an engine's 1F1B all-to-all overlap pairs with the other micro-batch's communication
+    experts_fwd_s: float = 0.0
+    experts_bwd_s: float = 0.0
 
 
 def attn_core_flops(layer: Layer, batch: int) -> float:
@@ -225,7 +229,8 @@ def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Paral
     g.attention()
     mem_fwd = g.memory_bound()
     # per-op recompute re-runs the unkept GEMMs and every memory-bound kernel, not attention
-    return LayerTime(g.fwd, g.bwd, "roofline", op_recompute_s=g.unkept + mem_fwd if checkpointed(layer) else 0.0)
+    return LayerTime(g.fwd, g.bwd, "roofline", op_recompute_s=g.unkept + mem_fwd if checkpointed(layer) else 0.0,
+                     experts_fwd_s=g.experts_fwd, experts_bwd_s=g.experts_bwd)
 
 
 # Bytes per element a float8 cast moves, by whether the block is compiled: eager, torchao reads the
@@ -246,6 +251,7 @@ class _GpuPass:
         self.m_cap = _captured_tokens(layer, graph)
         self.tokens = self.m_cap * self.scale / cfg.cp
         self.fwd = self.bwd = self.unkept = 0.0  # unkept: the forward GEMMs per-op recompute runs again
+        self.experts_fwd = self.experts_bwd = 0.0  # the routed experts' GEMMs (part of fwd / bwd)
         self.gemm_bytes_cap: dict[str, float] = {}
         self.fp8: gk.GpuSpec | None = None  # float8 linears: the device at its fp8 peak
 
@@ -293,12 +299,14 @@ class _GpuPass:
         if layer.moe is not None:  # routed experts: per expert, its share of the rows (balanced load)
             routed = self.tokens / cfg.seq_shards  # under TP the rank routes its sequence shard
             local = layer.moe.experts // cfg.ep
+            fwd0, bwd0 = self.fwd, self.bwd
             for m, n, k in expert_gemms(layer.moe, routed, graph.hidden, cfg.ep):
                 if self.engine.moe_grouped_gemm:  # one kernel over the local experts
                     t = self.grouped(local, m, n, k)
                 else:
                     t = self.gemm(m, n, k, local)
                 self.unkept += t * routed_unkept_share(layer)
+            self.experts_fwd, self.experts_bwd = self.fwd - fwd0, self.bwd - bwd0
             rows_cap, h, f = m_cap * layer.moe.top_k, graph.hidden, layer.moe.expert_ffn
             io = 3 * (rows_cap * h + layer.moe.experts * h * f + rows_cap * f)  # inputs, weights, outputs
             self.gemm_bytes_cap[layer.moe.part] = self.gemm_bytes_cap.get(layer.moe.part, 0.0) + io * graph.dtype_bytes
@@ -480,4 +488,5 @@ def layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelC
     t = roofline_time(layer, graph, cluster, cfg, cal, engine)
     share = t.op_recompute_s / t.fwd_s if t.fwd_s > 0 else 0.0
     fwd = (t.fwd_s + df) * k
-    return LayerTime(fwd, (t.bwd_s + db) * k, t.source, op_recompute_s=share * fwd)
+    return LayerTime(fwd, (t.bwd_s + db) * k, t.source, op_recompute_s=share * fwd,
+                     experts_fwd_s=t.experts_fwd_s * k, experts_bwd_s=t.experts_bwd_s * k)

@@ -24,8 +24,14 @@ behaviour of a named engine (the flag or default that turns it on is cited):
   micro-batches' compute in the steady state; only the fill and drain hops stay exposed
   (Megatron-Core ``overlap_p2p_comm`` for interleaved schedules; Llama 3's async P2P).
 - ``ep_overlap``: expert all-to-alls hidden behind another micro-batch's compute under
-  1F1B (Megatron-Core ``--overlap-moe-expert-parallel-comm``): a layer's all-to-alls beside
-  its own forward and backward compute add what that compute does not hide.
+  1F1B (Megatron-Core ``--overlap-moe-expert-parallel-comm``): one micro-batch's forward and
+  another's backward of a layer are cut into attention, dispatch, experts and combine, and
+  each communication chunk runs beside one compute chunk of the other pass (DeepSeek-V3
+  §3.2.1's four components; cost_models/experts.py pairs them), adding what its partner does
+  not hide (:func:`paired_exposed_s`).
+- ``ep_comm_sms``: streaming multiprocessors the dispatcher's kernels hold while they run
+  (DeepEP: 20 of an H100's 132, DeepSeek-V3 §3.2.2); compute overlapped with them runs on the
+  rest, so even a hidden all-to-all costs that share of its time (:func:`paired_exposed_s`).
 - ``moe_grouped_gemm``: the local experts' GEMMs as one grouped kernel (Megatron-Core
   ``--moe-grouped-gemm``; torchtitan ``torch._grouped_mm``), waves counted over all of them.
 - ``moe_fused_permute``: the dispatcher's permute / unpermute fused (Megatron-Core
@@ -67,6 +73,9 @@ FOREACH_OPT_BYTES_PER_PARAM = 80.0
 # Fused AdamW, fp32 states: read the parameter, gradient and two moments, write the
 # parameter and the moments (7 x 4 bytes) per parameter, in one pass.
 FUSED_OPT_BYTES_PER_PARAM = 28.0
+# SMs DeepEP's dispatch / combine kernels occupy (DeepSeek-V3 technical report, §3.2.2: 20 SMs in
+# 10 channels suffice to saturate IB and NVLink).
+DEEPEP_SMS = 20
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,7 @@ class Engine:
     moe_grouped_gemm: bool = False
     moe_fused_permute: bool = False
     ep_node_dedup: bool = False
+    ep_comm_sms: int = 0
     fused_optimizer: bool = False
     fused_elementwise: bool = False
     recompute_modules: tuple[str, ...] = ()
@@ -118,7 +128,7 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
            ep_node_dedup=True, doc="megatron-moe with the flex dispatcher on DeepEP"),
     Engine("megatron-moe-deepep-overlap", dp_overlap=True, dist_opt_reduce_scatter=True,
            param_gather_overlap=True, p2p_overlap=True, fused_optimizer=True, moe_grouped_gemm=True,
-           moe_fused_permute=True, fused_elementwise=True, ep_node_dedup=True, ep_overlap=True,
+           moe_fused_permute=True, fused_elementwise=True, ep_node_dedup=True, ep_overlap=True, ep_comm_sms=DEEPEP_SMS,
            doc="megatron-moe-deepep with --overlap-moe-expert-parallel-comm (1F1B all-to-all overlap)"),
     Engine("llama3", dp_overlap=True, p2p_overlap=True, fused_optimizer=True,
            doc="Meta's Llama 3 stack as its paper describes it: FSDP (ZeRO-2-like) with overlapped "
@@ -161,3 +171,12 @@ def exposed_s(comm_s: float, window_s: float, tail_s: float = 0.0) -> float:
         return 0.0
     tail = min(max(tail_s, 0.0), comm_s)
     return tail + max(0.0, comm_s - tail - max(window_s, 0.0))
+
+
+def paired_exposed_s(pairs: list[tuple[float, float]], sm_share: float = 0.0) -> float:
+    """Seconds communication adds when each of its chunks runs on another stream beside one
+    partner compute chunk, ``pairs`` = [(comm_s, compute_s)]: per pair :func:`exposed_s`, but
+    at least ``sm_share x comm_s`` - while its kernels hold ``sm_share`` of the SMs the
+    compute beside it runs on the rest (comm C beside compute W ends at ``W + sm_share x C``
+    until C outgrows ``W / (1 - sm_share)``, then at C)."""
+    return sum(max(exposed_s(c, w), sm_share * c) for c, w in pairs if c > 0)

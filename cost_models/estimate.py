@@ -102,6 +102,7 @@ from planner.low_comm import parse_low_comm
 from planner.plan import ParallelConfig, Partition, PlanError
 from planner.sharding import DDP_BUCKET_BYTES, SHARDED_PARAMS, uses_ddp_reducer
 from planner.precision import DTYPE_BYTES, GRAD_REDUCE_BYTES, MASTER_BYTES
+from planner import schedule_ir as ir
 
 # DP-communication overlap efficiency where the engine overlaps it: nccl 0.82 fitted on the
 # published runs (benchmarks/published_runs.py --fit; prior 0.8), gloo from the local fidelity runs.
@@ -131,6 +132,7 @@ class Estimate:
     p2p_hop_s: float = 0.0            # one activation send between stages (the simulator's edge weight)
     calibration: str = "uncalibrated"  # or what the profile's fitted coefficients were fitted on
     engine: str = "autopar"           # the engine whose overlaps are priced (cost_models/engines.py)
+    schedule_ir: Any = None           # the schedule IR priced when config.schedule is custom (planner/schedule_ir.py)
     wan: list[dict] = field(default_factory=list)  # where the mesh crosses the WAN (cost_models/wan_cost.py)
     devices: list[str] = field(default_factory=list)  # mixed devices: "group: device" per pp rank
 
@@ -179,9 +181,10 @@ class _StageCost:
 
 
 def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, comp_src: set,
-                 comm_src: set, cfg: ParallelConfig) -> list[_StageCost]:
+                 comm_src: set, cfg: ParallelConfig, placement: tuple[int, ...]) -> list[_StageCost]:
     """Per virtual stage: its layers' compute, TP/CP communication and recompute (sources noted),
-    and the CPU runtime's data-parallel wrapper work per wrapped unit (cost_models/cpu_runtime.py)."""
+    and the CPU runtime's data-parallel wrapper work per wrapped unit (cost_models/cpu_runtime.py);
+    on mixed devices sped up or slowed down to its rank's (``placement[j]``) device."""
     out = []
     wf, wb = wrapper_unit_s(costs.c, costs.cfg, costs.profile)
     for (lo, hi), rc in zip(partition.bounds, partition.recompute):
@@ -206,19 +209,19 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
         out.append(_StageCost(f, b, cf, cb, parts))
     slow = stage_slowdowns(costs.c, cfg)  # mixed devices: each stage's compute on its rank's device (costs.cfg
     #                                      may be another pp's: the layer costs are shared across pp and dp)
-    return [st.sped_up(1 / slow[j % len(slow)]) if slow[j % len(slow)] != 1.0 else st for j, st in enumerate(out)]
+    return [st.sped_up(1 / slow[placement[j]]) if slow[placement[j]] != 1.0 else st for j, st in enumerate(out)]
 
 
 def _rank_memory(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
-                 table: LayerTable, inflight_chunks: list[int], cal: dict[str, float]) -> list[StageMemory]:
-    """Memory of every pp rank (``memory.rank_memory``): its chunks with the in-flight
-    (chunk, micro-batch) pairs the pipeline holds there, spread evenly over the chunks."""
+                 table: LayerTable, inflight_chunks: list[int], cal: dict[str, float],
+                 on_rank: list[list[int]]) -> list[StageMemory]:
+    """Memory of every pp rank (``memory.rank_memory``): its chunks (``on_rank[r]``) with the
+    in-flight (chunk, micro-batch) pairs the pipeline holds there, spread evenly over the chunks."""
     rule = MemoryRule(graph, cfg, table)
     reserve = framework_reserve(cluster.backend != "gloo", cal)
-    n_stages = len(partition.bounds)
     memory = []
     for r in range(cfg.pp):
-        chunks = [j for j in range(n_stages) if j % cfg.pp == r]
+        chunks = on_rank[r]
         mems = [chunk_memory(rule, range(*partition.bounds[j]), partition.recompute[j]) for j in chunks]
         m = rank_memory(mems, [inflight_chunks[r] / len(chunks)] * len(chunks), reserve)
         memory.append(replace(m, inflight=inflight_chunks[r]))
@@ -365,36 +368,37 @@ def _per_microbatch_dp(cfg: ParallelConfig) -> bool:
 
 def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
              global_batch: int, *, profile=None, fast: bool = False, costs: "LayerCosts | None" = None,
-             engine: "Engine | str | None" = None) -> Estimate:
+             engine: "Engine | str | None" = None, schedule: "ir.Schedule | None" = None) -> Estimate:
     """Price one configuration with one stage split on ``engine`` (None: autopar's runtime). ``fast``:
     the pipeline's closed form (an upper bound, exact for uniform stages) instead of simulating it.
-    ``costs`` shares per-layer costs between calls with the same ``LayerCosts.key`` (the search)."""
+    ``costs`` shares per-layer costs between calls with the same ``LayerCosts.key`` (the search).
+    ``schedule``: the pipeline's own schedule IR when ``cfg.schedule`` is ``custom``."""
     cfg.validate()
-    n_stages = cfg.pp * cfg.vpp
-    if len(partition.bounds) != n_stages:
-        raise PlanError(f"partition has {len(partition.bounds)} stages, config needs pp*vpp = {n_stages}")
+    if len(partition.bounds) != cfg.pp * cfg.vpp:
+        raise PlanError(f"partition has {len(partition.bounds)} stages, config needs pp*vpp = {cfg.pp * cfg.vpp}")
     m = microbatches(cfg, global_batch)
+    placement = pipe_mod.stage_placement(cfg, m, schedule)
     eng = engine_of(engine)
     if costs is None or costs.key(costs.cfg) != costs.key(cfg) or costs.engine != eng:
         costs = LayerCosts(graph, cluster, cfg, profile, engine=eng)
     cluster = costs.c  # the ranks cfg runs: fewer CPU ranks with more threads each (shared_cores.ranks_cluster)
     comp_src, comm_src = set(), set()
-    stages = _stage_costs(graph, partition, costs, comp_src, comm_src, cfg)
+    stages = _stage_costs(graph, partition, costs, comp_src, comm_src, cfg, placement)
 
     # ---- pipeline ----------------------------------------------------------------
     hops = _p2p_hops(graph, cluster, cfg, partition, profile, comm_src)
     p2p = hops.slowest
-    pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, hops, fast, eng.p2p_overlap)
+    pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, hops, fast, eng.p2p_overlap, schedule)
     speed = _shared_core_speedup(cluster, cfg, bubble, result)
     if speed > 1.0:  # fewer ranks compute at once than the layer times assume: re-run at that speed
         stages = [st.sped_up(speed) for st in stages]
-        pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, hops, fast, eng.p2p_overlap)
+        pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, hops, fast, eng.p2p_overlap, schedule)
 
     # ---- per-rank memory, data parallel, optimizer ------------------------------------------
     cal = calibration(profile)
     table = costs.table(cfg)
-    memory = _rank_memory(graph, cluster, cfg, partition, table, inflight_chunks, cal)
-    on_rank = [[j for j in range(n_stages) if j % cfg.pp == r] for r in range(cfg.pp)]
+    on_rank = [[j for j, at in enumerate(placement) if at == r] for r in range(cfg.pp)]
+    memory = _rank_memory(graph, cluster, cfg, partition, table, inflight_chunks, cal, on_rank)
     mine = on_rank[max(range(cfg.pp), key=lambda r: sum(stages[j].fwd + stages[j].bwd for j in on_rank[r]))]
     rank_f, rank_b = (sum(getattr(stages[j], k) for j in mine) for k in ("fwd", "bwd"))
     dp_exposed, opt_s = _dp_and_optimizer(cluster, cfg, partition, table, on_rank, mine, m, (rank_f, rank_b),
@@ -405,13 +409,11 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     breakdown = {k: v for k in ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "runtime")  # runtime: CPU only
                  for v in [m * sum(stages[j].parts[k] for j in mine)] if v or k != "runtime"}
     breakdown.update(p2p=0.0, bubble=max(0.0, pipe_s - m * (rank_f + rank_b)), dp_comm=dp_exposed, optimizer=opt_s)
-    if overhead:
-        breakdown["overhead"] = overhead
+    breakdown.update({"overhead": overhead} if overhead else {})
     if cfg.pp > 1 and p2p:  # p2p inside the pipeline time: split the idle time between bubble and transfers
         breakdown["p2p"] = min(breakdown["bubble"], 2 * (m + cfg.pp - 1) * p2p)
         breakdown["bubble"] -= breakdown["p2p"]
-    tokens = global_batch * graph.seq_len
-    model_flops = model_flops_per_seq(graph) * global_batch  # document-masked attention with packed documents
+    tokens, model_flops = global_batch * graph.seq_len, model_flops_per_seq(graph) * global_batch  # doc-masked
     peak = cluster.peak_flops("fp32" if cluster.backend == "gloo" else cfg.dtype)
     src = "profile" if comp_src == {"profile"} else ("roofline" if "profile" not in comp_src else "mixed")
     return Estimate(
@@ -422,6 +424,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
         bubble_frac=max(0.0, bubble), source=src,
         sources={"compute": src, "comm": "profile" if comm_src == {"profile"} else ("model" if comm_src else "none")},
         pipeline=result, p2p_hop_s=p2p, calibration=calibration_note(profile), engine=eng.name,
+        schedule_ir=schedule if cfg.schedule == "custom" else None,
         wan=[x.to_dict() for x in crossings(graph, cluster, cfg, partition, m)], devices=stage_devices(cluster, cfg))
 
 
@@ -444,22 +447,26 @@ def calibration_note(profile) -> str:
 
 
 def _pipeline(cfg: ParallelConfig, m: int, stages: list[_StageCost], hops: P2pHops, fast: bool,
-              p2p_overlap: bool = False):
+              p2p_overlap: bool = False, schedule: "ir.Schedule | None" = None):
     """(pipeline seconds, peak in-flight chunks per rank, bubble fraction, PipelineResult or None):
     the simulator with each boundary's hop (a WAN cut charged its latency and bandwidth), or its
     closed form (the slowest hop everywhere) when ``fast``; pp = 1 runs the micro-batches back to
     back. With ``p2p_overlap`` (the engine's asynchronous p2p) the steady state hides every hop:
-    the schedule runs without them and only the fill and drain hops are added. A WAN boundary
-    carries every micro-batch's activation one after another: the step is at least
-    ``wan.link_floor_s``."""
+    the schedule runs without them and only the fill and drain hops are added. A custom schedule
+    (``schedule``) and dualpipev are always simulated (no closed form). A WAN boundary carries
+    every micro-batch's activation one after another: the step is at least ``wan.link_floor_s``."""
     fwd, bwd = [st.fwd for st in stages], [st.bwd for st in stages]
     if cfg.pp == 1:
         return m * (fwd[0] + bwd[0]), [1], 0.0, None
     p2p = hops.slowest
     if p2p_overlap and p2p > 0:
-        pipe_s, inflight, bubble, result = _pipeline(cfg, m, stages, P2pHops([0.0] * cfg.pp, []), fast)
+        pipe_s, inflight, bubble, result = _pipeline(cfg, m, stages, P2pHops([0.0] * cfg.pp, []), fast,
+                                                     schedule=schedule)
         pipe_s += 2 * sum(hops.hops[:cfg.pp - 1])
-    elif fast:
+    elif cfg.schedule == "custom":
+        result = pipe_mod.simulate_schedule(schedule, fwd, bwd, p2p=hops.hops or 0.0)
+        pipe_s, inflight, bubble = result.step_s, list(result.peak_inflight_chunks), result.bubble_frac
+    elif fast and cfg.schedule not in ir.V_SCHEDULES:
         sched, n_stages = cfg.schedule, len(fwd)
         inflight = [inflight_closed(sched, cfg.pp, m, cfg.vpp, r) for r in range(cfg.pp)]
         node_hop = max((h for h, w in zip(hops.hops, hops.is_wan) if not w), default=0.0)

@@ -41,10 +41,16 @@ network once, to the GPU of its own local index there, and is forwarded over NVL
 phases pipelined (:func:`node_dedup_seconds`). Under the engine's 1F1B all-to-all overlap
 (``Engine.ep_overlap``; Megatron-Core ``--overlap-moe-expert-parallel-comm``; off in
 autopar's runtime) the dispatch and combine of one micro-batch run while another
-micro-batch computes the same layer, so a layer's all-to-alls ``C`` beside its forward and
-backward compute ``W`` add ``max(0, C - W)`` (``cost_models.engines.exposed_s``); the warm-up and
-cool-down micro-batches, which have no partner, are not separated out (under 2 % of the
-micro-batches of the published runs).
+micro-batch computes the same layer. A layer's forward and the other micro-batch's backward
+are each cut into attention (with the rest of the block), dispatch, experts and combine
+(:class:`ComputeChunks`), and each all-to-all runs beside one compute chunk of the other pass:
+forward attention beside the backward's combine, forward dispatch beside backward experts,
+forward experts beside the backward's dispatch, forward combine beside backward attention;
+each adds what its partner does not hide, and at least the share of its time the
+dispatcher's SMs take from that compute (``cost_models.engines.paired_exposed_s``). Where the
+layer time is not split (a profiled layer), the layer's all-to-alls pair with all of its
+compute. The warm-up and cool-down micro-batches, which have no partner, are not separated
+out (under 2 % of the micro-batches of the published runs).
 """
 from __future__ import annotations
 
@@ -54,7 +60,7 @@ from dataclasses import dataclass
 from cost_models import comm as comm_mod
 from cost_models.cluster import Cluster
 from cost_models.memory import dp_group
-from cost_models.engines import DEFAULT_ENGINE, Engine, exposed_s
+from cost_models.engines import DEFAULT_ENGINE, Engine, paired_exposed_s
 from planner.graph import Layer, ModelGraph, MoEDims
 from planner.plan import ParallelConfig
 from planner.precision import DTYPE_BYTES
@@ -93,11 +99,30 @@ class ExpertComm:
     source: str
 
 
+@dataclass(frozen=True)
+class ComputeChunks:
+    """One layer's compute for one micro-batch (seconds) as the 1F1B all-to-all overlap cuts
+    it: the routed experts' GEMMs, and the rest of the block (attention, norms, router)."""
+    fwd: float
+    bwd: float
+    experts_fwd: float = 0.0
+    experts_bwd: float = 0.0
+
+    def pairs(self, dispatch_f: float, combine_f: float, dispatch_b: float, combine_b: float) -> list[tuple[float, float]]:
+        """(all-to-all, the compute it runs beside) for each chunk (module docstring); without
+        the experts split out, all the layer's all-to-alls beside all of its compute."""
+        if self.experts_fwd <= 0 and self.experts_bwd <= 0:
+            return [(dispatch_f + combine_f + dispatch_b + combine_b, self.fwd + self.bwd)]
+        attn_f, attn_b = self.fwd - self.experts_fwd, self.bwd - self.experts_bwd
+        return [(combine_b, attn_f), (dispatch_f, self.experts_bwd), (dispatch_b, self.experts_fwd),
+                (combine_f, attn_b)]
+
+
 def expert_comm(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, profile=None,
-                window_s: float = 0.0, engine: Engine = DEFAULT_ENGINE) -> ExpertComm:
+                window: ComputeChunks | None = None, engine: Engine = DEFAULT_ENGINE) -> ExpertComm:
     """The all-to-all time of ``layer`` under ``cfg.ep`` (zero without experts or EP) that the
     step waits for: all of it, or under the engine's 1F1B overlap (``Engine.ep_overlap``) what
-    ``window_s`` (the layer's forward plus backward compute, seconds) does not hide."""
+    the other micro-batch's compute ``window`` (module docstring) does not hide."""
     m = layer.moe
     if m is None or cfg.ep == 1:
         return ExpertComm(0.0, 0.0, "none")
@@ -113,7 +138,8 @@ def expert_comm(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parallel
     sync = HOST_SYNC_S if cluster.backend != "gloo" else 0.0  # gloo's counts are already on the host
     fwd, bwd = 2 * one + counts.seconds + sync, 2 * one
     if engine.ep_overlap:
-        exposed = exposed_s(fwd + bwd, window_s)
+        chunks = (window or ComputeChunks(0.0, 0.0)).pairs(one + counts.seconds + sync, one, one, one)
+        exposed = paired_exposed_s(chunks, engine.ep_comm_sms / cluster.device.sms if cluster.device.sms else 0.0)
         fwd, bwd = (fwd * exposed / (fwd + bwd), bwd * exposed / (fwd + bwd)) if fwd + bwd else (0.0, 0.0)
     return ExpertComm(fwd=fwd, bwd=bwd, source=source)
 

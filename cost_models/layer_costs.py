@@ -15,7 +15,7 @@ from cost_models.cpu_runtime import ep_dispatch_s
 from cost_models.context_parallel import cp_comm
 from cost_models.documents import ring_hiding
 from cost_models.engines import DEFAULT_ENGINE, Engine, exposed_s
-from cost_models.experts import expert_comm
+from cost_models.experts import ComputeChunks, expert_comm
 from cost_models.memory import LayerTable
 from cost_models.shared_cores import ranks_cluster
 from planner.graph import Layer, ModelGraph
@@ -119,7 +119,8 @@ class LayerCosts:
                 hide = ring_hiding(g.documents, cfg.cp, cfg.ulysses) if document_masked(layer, g, cfg) else 1.0
                 cpc = cp_comm(a, cfg, self.c, core_s, self.profile, hide)
                 cp_s, csrc = cpc.exposed, cpc.source
-        ex = expert_comm(layer, g, self.c, cfg, self.profile, window_s=lt.fwd_s + lt.bwd_s, engine=self.engine)
+        window = ComputeChunks(lt.fwd_s, lt.bwd_s, lt.experts_fwd_s, lt.experts_bwd_s)
+        ex = expert_comm(layer, g, self.c, cfg, self.profile, window=window, engine=self.engine)
         if ex.fwd:
             csrc = ex.source
         dis_f, dis_b = ep_dispatch_s(layer, self.c, cfg, self.profile)  # the CPU dispatch's own work

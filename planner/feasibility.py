@@ -45,7 +45,7 @@ program call ``problems``. The parts:
 - :func:`documents_problem`: packed documents where autopar's attention and positions run (and,
   where the caller knows it, on causal attention only).
 
-Pure Python on the plan contract (imports planner/plan.py and planner/errors.py only).
+Pure Python on the contracts (imports planner/plan.py, schedule_ir.py and errors.py only).
 """
 from __future__ import annotations
 
@@ -54,13 +54,14 @@ from typing import Any, Mapping, Protocol
 
 from planner.errors import PlanError
 from planner.plan import ModelFacts, ParallelConfig, recompute_problem
+from planner.schedule_ir import V_SCHEDULES, builtin_problem
 from planner.sharding import SHARDED_PARAMS
 
 # How a sequence lies over the cp ranks (codegen/runtime/context_parallel.py): zigzag cuts it into
 # 2 cp chunks, rank r holding chunks r and 2 cp - 1 - r (equal causal work); contiguous into cp.
 LOAD_BALANCES = ("zigzag", "contiguous")
-# Schedules torch runs with its multi-stage runtime (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble):
-# they play the micro-batches in max(1, m // pp) rounds of equal size.
+# Schedules torch's own classes played in max(1, m // pp) equal rounds (ScheduleInterleaved1F1B / ZeroBubble);
+# the runtime now runs the schedule IR's orders, which do not need it: kept so plans stay as they were.
 ROUND_SCHEDULES = ("interleaved-1f1b", "zb-h1")
 
 
@@ -424,14 +425,12 @@ def schedule_problem(schedule: str, pp: int, vpp: int, m: int) -> str | None:
     micro-batches (ValueError below); ``ScheduleInterleaved1F1B`` and
     ``ScheduleInterleavedZeroBubble`` (:data:`ROUND_SCHEDULES`) m divisible by their
     ``max(1, m // pp)`` rounds; ``ScheduleGPipe`` nothing. autopar asks at least pp for every
-    schedule (what its schedules are priced and tested with), and for interleaving over
-    vpp > 1 chunks a multiple of pp (Megatron's order, the one cost_models/pipeline.py
-    simulates)."""
+    schedule, for interleaving over vpp > 1 chunks a multiple of pp (Megatron's order), for
+    DualPipeV at least 2 pp (planner.schedule_ir.builtin_problem)."""
     if pp == 1:
         return None
-    if why := fill_problem(pp, m):
-        return why
-    if schedule == "interleaved-1f1b" and (why := interleave_problem(pp, vpp, m)):
+    if why := (fill_problem(pp, m) or (schedule == "interleaved-1f1b" and interleave_problem(pp, vpp, m))
+               or (schedule in V_SCHEDULES and builtin_problem(schedule, pp, m, vpp))):
         return why
     rounds = max(1, m // pp)
     if schedule in ROUND_SCHEDULES and m % rounds:

@@ -1,11 +1,12 @@
 """The plan contract: a parallel configuration, a stage partition, and the Plan file.
 
-Leaf contract: imports nothing else of autopar, so the cost models and codegen can read
-it. ``ParallelConfig`` is what the search enumerates and ``autopar evaluate --config``
-parses; ``Partition`` is what the stage ILP produces.
+Contract: imports only the other contracts (errors, low_comm, precision, sharding, the schedule IR),
+so the cost models and codegen can read it. ``ParallelConfig`` is what the search enumerates and
+``autopar evaluate --config`` parses; ``Partition`` is what the stage ILP produces.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
@@ -13,12 +14,17 @@ from typing import Any
 from planner.errors import PlanError
 from planner.low_comm import low_comm_problem
 from planner.precision import DTYPES
+from planner.schedule_check import check
+from planner.schedule_file import parse_json, to_json
+from planner.schedule_ir import Schedule, layout_problem
 from planner.sharding import ZERO
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")   # pipeline schedules (cost_models/pipeline.py simulates them)
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")   # the searched built-in schedules (planner/schedule_ir.py)
+# what a config may name: those, DualPipeV (vpp = 2, V-shaped) and custom (the plan's own schedule IR)
+RUN_SCHEDULES = SCHEDULES + ("dualpipev", "custom")
 
 RECOMPUTE = ("none", "selective", "selective-op", "full")  # codegen/runtime/recompute.py runs each
-SPLIT_BACKWARD = ("zb-h1",)  # schedules that run a block's backward in two passes (input, then weight grads)
+SPLIT_BACKWARD = ("zb-h1", "dualpipev", "custom")  # schedules that (may) run a block's backward in two passes
 
 
 def recompute_policies(schedule: str, pp: int) -> tuple[str, ...]:
@@ -118,7 +124,7 @@ class ParallelConfig:
                 raise PlanError(f"{k}={v!r}: must be a positive integer")
         if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 0:
             raise PlanError(f"threads={self.threads!r}: must be 0 (cores / ranks per node) or a positive integer")
-        for k, allowed in (("schedule", SCHEDULES), ("zero", ZERO), ("recompute", RECOMPUTE),
+        for k, allowed in (("schedule", RUN_SCHEDULES), ("zero", ZERO), ("recompute", RECOMPUTE),
                            ("dtype", DTYPES), ("attention", ATTN_KERNELS), ("loss", LOSS_KERNELS)):
             if getattr(self, k) not in allowed:
                 raise PlanError(f"{k}={getattr(self, k)!r}: choose one of {', '.join(allowed)}")
@@ -130,13 +136,14 @@ class ParallelConfig:
             raise PlanError(f"fp8={self.fp8} casts the bf16 compute copies: it needs dtype=bf16")
         if (why := low_comm_problem(self.low_comm, self.dp, self.ep)) is not None:
             raise PlanError(why)
-        if self.vpp > 1 and self.schedule != "interleaved-1f1b":
-            raise PlanError(f"vpp={self.vpp} needs schedule=interleaved-1f1b")
+        if self.vpp > 1 and self.schedule not in ("interleaved-1f1b", "dualpipev", "custom"):
+            raise PlanError(f"vpp={self.vpp} needs schedule=interleaved-1f1b (or dualpipev, or a custom schedule)")
+        if self.schedule == "dualpipev" and self.vpp != 2:
+            raise PlanError(f"schedule=dualpipev runs 2 stages per rank: set vpp=2, not {self.vpp}")
         if self.sp and self.tp == 1:
             raise PlanError("sp=on needs tp > 1 (sequence parallel shards along the tp group)")
         if self.cp % self.ulysses:
-            raise PlanError(f"ulysses={self.ulysses} must divide cp={self.cp} (the Ulysses degree times the ring "
-                            "degree is cp)")
+            raise PlanError(f"ulysses={self.ulysses} must divide cp={self.cp} (Ulysses degree x ring degree = cp)")
         return self
 
     @property
@@ -154,17 +161,10 @@ class ParallelConfig:
         """Short human label, e.g. 'dp2 pp4 tp8 mbs1 1f1b fsdp sel sp'."""
         parts = [f"dp{self.dp}", f"pp{self.pp}", f"cp{self.cp}", f"tp{self.tp}"]
         parts[2:2] = [f"ulysses{self.ulysses}"] if self.ulysses > 1 else []
-        parts += [f"ep{self.ep}"] if self.ep > 1 else []
-        parts.append(f"mbs{self.mbs}")
-        if self.pp > 1:
-            parts.append(self.schedule + (f"(v{self.vpp})" if self.vpp > 1 else ""))
-        parts.append(self.zero)
-        if self.recompute != "none":
-            parts.append(f"rc-{self.recompute}")
-        if self.sp:
-            parts.append("sp")
-        if self.threads:
-            parts.append(f"threads{self.threads}")
+        parts += ([f"ep{self.ep}"] if self.ep > 1 else []) + [f"mbs{self.mbs}"]
+        parts += [self.schedule + (f"(v{self.vpp})" if self.vpp > 1 else "")] if self.pp > 1 else []
+        parts += [self.zero] + ([f"rc-{self.recompute}"] if self.recompute != "none" else [])
+        parts += (["sp"] if self.sp else []) + ([f"threads{self.threads}"] if self.threads else [])
         parts += [f"fp8-{self.fp8}"] if self.fp8 != "none" else []
         parts += ["compiled"] if self.compile else []
         parts += [f"low-comm-{self.low_comm}"] if self.low_comm else []
@@ -314,8 +314,8 @@ class Plan:
     """What the planner chose, why, and everything codegen needs (and nothing else).
 
     Written as JSON with sorted keys and no timings, so the same inputs give a
-    byte-identical file. ``stages[j]`` is virtual stage j: it runs on pp rank
-    ``j % pp`` as chunk ``j // pp``.
+    byte-identical file. ``stages[j]`` is virtual stage j: it runs on pp rank ``stages[j]["rank"]``
+    (``j % pp`` but for dualpipev and custom schedules) as its chunk ``stages[j]["chunk"]``.
     """
     model: dict[str, Any]               # name, spec, fingerprint, layers (unit names in order), params
     cluster: dict[str, Any]             # name, spec, fingerprint, nodes, devices_per_node, backend, memory_gib
@@ -329,6 +329,7 @@ class Plan:
     rejected: dict[str, dict[str, Any]] = field(default_factory=dict)   # reason -> {"count", "examples"}
     search: dict[str, Any] = field(default_factory=dict)
     version: int = PLAN_VERSION
+    schedule_ir: Schedule | None = None  # schedule=custom: the pipeline's own schedule (planner/schedule_ir.py)
 
     @property
     def mesh(self) -> dict[str, Any]:
@@ -355,7 +356,8 @@ class Plan:
             "mesh": self.mesh, "config": self.config.to_str(), "parallel": self.config.fields_dict(),
             "batch": self.batch, "kernels": self.kernels,
             "pipeline": {"schedule": self.config.schedule if self.config.pp > 1 else "none",
-                         "virtual_stages": self.config.vpp, "stages": self.stages},
+                         "virtual_stages": self.config.vpp, "stages": self.stages,
+                         **({"schedule_ir": json.loads(to_json(self.schedule_ir))} if self.schedule_ir else {})},
             "tensor_parallel": {"degree": self.config.tp, "sequence_parallel": self.config.sp,
                                 "layout": self.tp_layout},
             "context_parallel": {"degree": self.config.cp, "method": self.config.cp_method,
@@ -367,8 +369,6 @@ class Plan:
         }
 
     def to_json(self) -> str:
-        import json
-
         return json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n"
 
     @staticmethod
@@ -385,7 +385,9 @@ class Plan:
             plan = Plan(model=dict(d["model"]), cluster=dict(d["cluster"]), config=cfg, batch=dict(d["batch"]),
                         stages=list(d["pipeline"]["stages"]), tp_layout=dict(d["tensor_parallel"]["layout"]),
                         estimate=dict(d["estimate"]), alternatives=list(d.get("alternatives", [])),
-                        rejected=dict(d.get("rejected", {})), search=dict(d.get("search", {})), version=v)
+                        rejected=dict(d.get("rejected", {})), search=dict(d.get("search", {})), version=v,
+                        schedule_ir=(check(parse_json(json.dumps(d["pipeline"]["schedule_ir"]), where="the plan's "
+                                     "pipeline.schedule_ir")) if "schedule_ir" in d["pipeline"] else None))
             plan.check()
             return plan
         except PlanError as e:
@@ -439,6 +441,10 @@ class Plan:
         cfg, names = self.config, self.model["layers"]
         if len(self.stages) != cfg.pp * cfg.vpp:
             raise PlanError(f"{len(self.stages)} stages for pp*vpp = {cfg.pp * cfg.vpp}")
+        if (self.schedule_ir is not None) != (cfg.pp > 1 and cfg.schedule == "custom"):
+            raise PlanError("pipeline.schedule_ir goes with schedule=custom (pp > 1), and only with it")
+        if self.schedule_ir and (why := layout_problem(self.schedule_ir, cfg.pp, cfg.vpp, self.batch["microbatches"])):
+            raise PlanError(why)
         for s in self.stages:
             if not s.get("layers") or any(n not in names for n in s["layers"]):
                 raise PlanError("a stage names a layer the model does not have")

@@ -24,6 +24,8 @@ from codegen.runtime.mesh import init_distributed  # noqa: E402
 from codegen.runtime.train import parallelize  # noqa: E402
 from planner import zoo  # noqa: E402
 from planner.plan import ParallelConfig
+from planner.schedule_file import parse, to_csv
+from planner.search.schedule_gen import generate
 
 from model_cases import GB, SEED, SEQ, case, planner_view, refusals, stages_for  # noqa: E402
 from worker_io import failure, finish, report  # noqa: E402
@@ -42,6 +44,10 @@ LAYOUTS = {
         ("pp2-1f1b", dict(pp=2, schedule="1f1b"), 2),
         ("pp2-interleaved-v2", dict(pp=2, schedule="interleaved-1f1b", vpp=2), 4),
         ("pp2-zb-h1", dict(pp=2, schedule="zb-h1"), 2),
+        # DualPipeV (2 stages per rank, V-shaped, overlapped F+B steps) and a user's CSV schedule
+        ("pp2-dualpipev", dict(pp=2, schedule="dualpipev", vpp=2), 4),
+        ("pp2-csv", dict(pp=2, schedule="custom"), 2),
+        ("pp2-generated", dict(pp=2, schedule="custom"), 2),
         ("cp2-zigzag", dict(cp=2), 1),
         ("cp2-ulysses", dict(cp=2, ulysses=2), 1),
         # recompute: per-stage policies (selective = attention core, full = whole blocks)
@@ -65,6 +71,11 @@ LAYOUTS = {
         ("dp2xtp2-ddp-sp", dict(dp=2, tp=2, sp=True, zero="ddp"), 1),
         ("pp2xtp2-1f1b-sp", dict(pp=2, tp=2, sp=True, schedule="1f1b"), 2),
         ("pp2xcp2-1f1b", dict(pp=2, cp=2, schedule="1f1b"), 2),
+        # four pipeline ranks: zero bubble, a user's CSV schedule; DualPipeV under TP2 + SP
+        ("pp4-zb-h1", dict(pp=4, schedule="zb-h1"), 4),
+        ("pp4-csv", dict(pp=4, schedule="custom"), 4),
+        ("pp4-generated", dict(pp=4, schedule="custom"), 4),
+        ("pp2xtp2-dualpipev-sp", dict(pp=2, tp=2, sp=True, schedule="dualpipev", vpp=2), 4),
         # Ulysses CP4, the 2-D hybrid (Ulysses 2 x ring 2), Ulysses with TP2 + SP, PP2 x Ulysses
         ("cp4-ulysses", dict(cp=4, ulysses=4), 1),
         ("cp4-hybrid", dict(cp=4, ulysses=2), 1),
@@ -92,6 +103,18 @@ LAYOUTS = {
         ("cp4xtp2-hybrid-sp", dict(cp=4, ulysses=2, tp=2, sp=True), 1),
     ],
 }
+# user-written schedules (torch's CSV action format) of the ``custom`` layouts, 4 micro-batches:
+# split backwards (I then W) mixed with full ones, W's deferred, on 2 and 4 pipeline ranks
+CUSTOM_CSV = {
+    "pp2-csv": "0F0,0F1,0F2,0I0,0F3,0B1,0W0,0I2,0B3,0W2\n1F0,1I0,1F1,1B1,1W0,1F2,1I2,1F3,1B3,1W2\n",
+    "pp4-csv": ("0F0,0F1,0F2,0F3,0I0,0I1,0I2,0I3,0W0,0W1,0W2,0W3\n"
+                "1F0,1F1,1F2,1I0,1F3,1I1,1I2,1I3,1W0,1W1,1W2,1W3\n"
+                "2F0,2F1,2I0,2F2,2I1,2F3,2I2,2I3,2W0,2W1,2W2,2W3\n"
+                "3F0,3B0,3F1,3B1,3F2,3B2,3F3,3B3\n"),
+}
+# schedules generated (planner/search/schedule_gen.py) for a heavy last stage (a large head)
+CUSTOM_CSV.update({f"pp{p}-generated": to_csv(generate([1.0] * (p - 1) + [2.5], [2.0] * (p - 1) + [5.0], 4))
+                   for p in (2, 4)})
 MODELS = ("gpt-tiny", "llama-tiny", "hf-llama", "hf-gpt2", "user-lm")
 MOE_MODELS = ("moe-tiny", "moe-tiny-skewed", "hf-mixtral")
 MODELS_BY_WORLD = {2: MODELS + MOE_MODELS, 4: MODELS + ("gpt-tiny-tied",) + MOE_MODELS,
@@ -166,7 +189,7 @@ def reference(cfg, data):
     return case(cfg.name).reference(data, LR)
 
 
-def run_layout(model_name, cfg_kw, n_virtual, data):
+def run_layout(model_name, cfg_kw, n_virtual, data, schedule=None):
     c = case(model_name)
     pc = ParallelConfig(dtype="fp32", mbs=1, **cfg_kw).validate()
     _, layout, facts = planner_view(model_name)
@@ -174,7 +197,8 @@ def run_layout(model_name, cfg_kw, n_virtual, data):
     # a policy other than none alternates with full over the virtual stages
     policies = ["none"] * n_virtual if pc.recompute == "none" else ([pc.recompute, "full"] * n_virtual)[:n_virtual]
     pm = parallelize(c.build(c.parallel_device), pc, stages, policies, layout, GB, SEQ, "cpu",
-                     optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=LR), seed=SEED, facts=facts)
+                     optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=LR), seed=SEED, facts=facts,
+                     schedule=schedule)
     losses, grads = [], None
     t0 = time.perf_counter()
     for s, b in enumerate(data):
@@ -261,7 +285,8 @@ def parity_group(world: int) -> dict:
                 results[key] = {"refused": refused}
                 continue
             try:
-                losses, grads, dt = run_layout(model_name, kw, nv, data)
+                custom = parse(CUSTOM_CSV[name], "csv", name) if name in CUSTOM_CSV else None
+                losses, grads, dt = run_layout(model_name, kw, nv, data, custom)
                 results[key] = {"losses": losses, "ref_losses": ref_losses, "seconds": dt,
                                 **compare(grads, ref_grads, losses, ref_losses)}
             except Exception as exc:  # report, keep going with the other layouts

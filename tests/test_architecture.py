@@ -22,8 +22,8 @@ PACKAGES = ("planner", "cost_models", "codegen", "benchmarks")
 
 CONTRACTS = {"planner.errors", "planner.batch_assign", "planner.files", "planner.graph", "planner.plan", "planner.precision",
              "planner.sharding", "planner.feasibility", "planner.describe", "planner.low_comm", "cost_models.cluster",
-             "cost_models.hardware", "cost_models.topology",
-             "cost_models.machine"}  # machine: the figures a local-cpu cluster is measured from
+             "cost_models.hardware", "cost_models.topology", "planner.schedule_ir", "planner.schedule_check",
+             "planner.schedule_file", "cost_models.machine"}  # machine: the figures a local-cpu cluster is measured from
 # layer -> the layers it may import (besides itself)
 MAY_IMPORT = {
     "contract": set(),

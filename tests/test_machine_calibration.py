@@ -37,6 +37,22 @@ def test_reference_layouts_run_for_the_reference_model() -> None:
     assert [mcal.profile_world(n) for n in (1, 2, 3, 4, 64)] == [1, 2, 2, 4, 4]
 
 
+def test_one_process_run_has_no_communication_and_more_work() -> None:
+    """The one-process reference run is what tells compute from communication and from a fixed
+    cost per step: one rank with every profiled core's thread, twice the per-core work of the
+    other reference runs; on one core there is none (the DP run is that run)."""
+    facts = facts_of(load_graph(mcal.REFERENCE_MODEL))
+    assert mcal.one_process_config(1) is None
+    for world in (2, 4):
+        one = mcal.one_process_config(world)
+        assert (one.world, one.threads, one.mbs) == (1, world, mcal.ONE_PROCESS_BATCH)
+        # the others spread REFERENCE_BATCH sequences over every core: this run gives each core twice that
+        assert all(c.world == world for c in mcal.reference_configs(world))
+        assert mcal.ONE_PROCESS_BATCH >= 2 * mcal.REFERENCE_BATCH
+        cluster = parse_cluster(f"local-cpu:{world}")
+        assert problems(one, facts, Batch(mcal.ONE_PROCESS_BATCH, facts.seq_len), cluster) == []
+
+
 def test_cache_round_trip_per_machine(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
     c = parse_cluster("local-cpu:2")
@@ -110,7 +126,9 @@ def test_demo_profiles_this_machine_once_then_plans_calibrated(tmp_path, monkeyp
     cache = list((tmp_path / "cache").glob("machine-*.json"))
     assert len(cache) == 1
     d = json.loads(cache[0].read_text())
-    assert len(d["runs"]) == len(mcal.reference_configs(d["world"])) and d["calibration"]
+    one = mcal.one_process_config(d["world"])
+    assert len(d["runs"]) == len(mcal.reference_configs(d["world"])) + (one is not None) and d["calibration"]
+    assert one is None or d["runs"][-1]["label"] == one.label()  # the run without communication
     assert all(r["measured_s"] > 0 for r in d["runs"])
     before = cache[0].stat().st_mtime
     # a later plan (what `autopar plan` does first) reads the cache and profiles nothing

@@ -8,8 +8,8 @@ import pytest
 
 from cost_models import gpu_kernels as gk
 from cost_models.cluster import load_preset
-from cost_models.engines import ENGINES, Engine, exposed_s
-from cost_models.experts import alltoall_bytes, expert_comm, remote_nodes
+from cost_models.engines import ENGINES, Engine, exposed_s, paired_exposed_s
+from cost_models.experts import ComputeChunks, alltoall_bytes, expert_comm, remote_nodes
 from cost_models.moe_layer import grouped_gemm_seconds
 from planner.frontend.load import graph_of_config, load_graph
 from planner.graph import MoEDims
@@ -45,19 +45,45 @@ def test_exposed_comm_hidden_exposed_partly():
 
 
 def test_ep_overlap_switch_hides_all_to_all(moe32):
+    """Unsplit compute (a profiled layer): all the layer's all-to-alls beside all of its compute."""
     cl, cfg = h100(4), ParallelConfig(dp=32, ep=32, mbs=4)
     plain = over = moe_layer(moe32)
     ov = {"engine": Engine("o", ep_overlap=True)}
-    base = expert_comm(plain, moe32, cl, cfg, window_s=1.0)  # no overlap: the window does not matter
+    base = expert_comm(plain, moe32, cl, cfg, window=ComputeChunks(1.0, 0.0))  # no overlap: the window does not matter
     total = base.fwd + base.bwd
     assert total > 0
-    assert expert_comm(plain, moe32, cl, cfg, window_s=0.0).fwd == base.fwd
-    hidden = expert_comm(over, moe32, cl, cfg, window_s=10 * total, **ov)
+    assert expert_comm(plain, moe32, cl, cfg).fwd == base.fwd
+    hidden = expert_comm(over, moe32, cl, cfg, window=ComputeChunks(10 * total, 0.0), **ov)
     assert hidden.fwd + hidden.bwd == 0.0
-    exposed = expert_comm(over, moe32, cl, cfg, window_s=0.0, **ov)
+    exposed = expert_comm(over, moe32, cl, cfg, window=ComputeChunks(0.0, 0.0), **ov)
     assert exposed.fwd + exposed.bwd == pytest.approx(total)
-    part = expert_comm(over, moe32, cl, cfg, window_s=total / 4, **ov)
+    part = expert_comm(over, moe32, cl, cfg, window=ComputeChunks(total / 8, total / 8), **ov)
     assert part.fwd + part.bwd == pytest.approx(0.75 * total)
+
+
+def test_ep_overlap_pairs_each_all_to_all_with_one_chunk(moe32):
+    """Split compute: each all-to-all hides only behind its partner chunk of the other pass, so a
+    window large in total but all in the experts leaves the chunks paired with attention exposed."""
+    cl, cfg = h100(4), ParallelConfig(dp=32, ep=32, mbs=4)
+    layer, ov = moe_layer(moe32), {"engine": Engine("o", ep_overlap=True)}
+    base = expert_comm(layer, moe32, cl, cfg)
+    one = base.bwd / 2  # the backward's two all-to-alls; the forward adds the counts and the host sync
+    big = 100 * (base.fwd + base.bwd)
+    even = expert_comm(layer, moe32, cl, cfg, window=ComputeChunks(2 * big, 2 * big, big, big), **ov)
+    assert even.fwd + even.bwd == 0.0
+    lopsided = expert_comm(layer, moe32, cl, cfg, window=ComputeChunks(big, big, big, big), **ov)
+    assert lopsided.fwd + lopsided.bwd == pytest.approx(2 * one)  # combine beside the empty attention chunks
+    # the dispatcher's SMs: a hidden all-to-all still takes their share of the compute beside it
+    sms = Engine("s", ep_overlap=True, ep_comm_sms=33)
+    slowed = expert_comm(layer, moe32, cl, cfg, window=ComputeChunks(2 * big, 2 * big, big, big), engine=sms)
+    assert slowed.fwd + slowed.bwd == pytest.approx(33 / 132 * (base.fwd + base.bwd))
+
+
+def test_paired_exposed_sm_share():
+    assert paired_exposed_s([(2.0, 5.0)]) == 0.0
+    assert paired_exposed_s([(2.0, 5.0)], 0.25) == pytest.approx(0.5)   # hidden, but the SMs it holds
+    assert paired_exposed_s([(2.0, 1.0)], 0.25) == pytest.approx(1.0)   # comm outlasts the slowed compute
+    assert paired_exposed_s([(2.0, 1.0), (1.0, 0.0)]) == pytest.approx(2.0)
 
 
 def test_ep_inside_node_cheaper_per_byte_than_across(moe32):

@@ -60,7 +60,7 @@ def test_zb_h1_beats_1f1b_with_same_activation_peak(p: int, m: int) -> None:
     for r in range(p):
         held = peak = 0
         for e in sorted((e for e in zb.events if e.rank == r), key=lambda e: e.start):
-            held += {"F": 1, "B": 0, "W": -1}[e.kind]
+            held += {"F": 1, "I": 0, "W": -1}[e.kind]
             peak = max(peak, held)
         assert peak <= min(p, m)
 
@@ -110,10 +110,11 @@ def test_deadlocking_order_is_detected() -> None:
 def _check_events(schedule: str, p: int, m: int, v: int, res, p2p: float) -> None:
     ev = res.events
     n_stages = p * v
-    kinds = ("F", "B", "W") if schedule == "zb-h1" else ("F", "B")
+    kinds = ("F", "I", "W") if schedule == "zb-h1" else ("F", "B")
+    assert {e.kind for e in ev} == set(kinds)
     by_key = {}
     for e in ev:
-        key = (e.kind, e.stage, e.mb)
+        key = ("B" if e.kind == "I" else e.kind, e.stage, e.mb)
         assert key not in by_key, f"{key} ran twice"
         by_key[key] = e
         assert e.rank == e.stage % p and e.chunk == e.stage // p
@@ -194,3 +195,34 @@ def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def test_ir_schedules_price_like_the_builtins() -> None:
+    """A built-in written out as a file (torch's CSV form) and read back prices the same."""
+    from planner.schedule_file import parse, to_csv
+    from planner.schedule_ir import builtin
+    from cost_models.pipeline import simulate_schedule
+    f, b = [1.0, 1.5, 0.8, 1.2], [2.0, 2.5, 1.9, 2.2]
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        s = parse(to_csv(builtin(name, 4, 8)), "csv")
+        w = [0.4 * x for x in b]
+        ref = simulate(name, 4, 8, f, [x - y for x, y in zip(b, w)], wgrad=w, p2p=0.05) if name == "zb-h1" \
+            else simulate(name, 4, 8, f, b, p2p=0.05)
+        assert simulate_schedule(s, f, b, wgrad=w, p2p=0.05).step_s == pytest.approx(ref.step_s, rel=1e-12)
+
+
+def test_dualpipev_is_priced_on_its_v_placement() -> None:
+    p, m = 4, 16
+    f, b = [1.0] * (2 * p), [2.0] * (2 * p)
+    dv = simulate("dualpipev", p, m, f, b, v=2)
+    ev = dv.events
+    assert {(e.stage, e.rank) for e in ev} == {(s, s if s < p else 2 * p - 1 - s) for s in range(2 * p)}
+    assert {e.kind for e in ev} == {"F", "B", "I", "W"}
+    for r in range(p):  # one action at a time per rank, all work done
+        mine = sorted((e for e in ev if e.rank == r), key=lambda e: e.start)
+        assert all(y.start >= x.end - 1e-9 for x, y in zip(mine, mine[1:]))
+    # the same work as interleaved-1f1b over 2 chunks per rank, with a smaller bubble
+    il = simulate("interleaved-1f1b", p, m, f, b, v=2)
+    assert dv.busy_s == pytest.approx(il.busy_s)
+    assert dv.step_s < il.step_s
+    assert estimate_step("dualpipev", p, m, f, b, v=2) >= dv.step_s - 1e-9

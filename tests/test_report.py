@@ -193,7 +193,7 @@ def test_trace_is_valid_trace_event_json(plan_files, name):
     doc = json.loads(json.dumps(trace_events(r)))
     xs = _check_trace(doc, plan.config.pp, plan.config.vpp)
     res = r.timeline.result
-    assert len([x for x in xs if x["cat"] in ("forward", "backward", "weight grad")]) == len(res.events)
+    assert len([x for x in xs if x["cat"] in ("forward", "backward", "input grad", "weight grad")]) == len(res.events)
     end = max(x["ts"] + x["dur"] for x in xs)
     assert end == pytest.approx(plan.estimate["step_s"] * 1e6, rel=0.02)   # pipeline + DP tail + optimizer
     if name == "zb-h1":

@@ -6,7 +6,9 @@ embeddings and a packed q/k/v, and a user's plain module whose loss is computed 
 it; the zoo's gpt-tiny with a tied head only under PP2 x TP2) for 3 SGD steps (fp32, global batch 4, seq 32, same weights and data as the
 unmodified model in one process); the first-step gradients (full tensors, by fqn), their
 global norm (what clipping uses: each tied parameter counted once) and the 3 losses must
-match within 1e-5 relative. A layout the runtime cannot run for a model
+match within 1e-5 relative. Every pipeline layout runs a schedule IR through torch's schedule
+runtime: the built-ins, DualPipeV (2 and 4 ranks), users' CSV files and generated schedules
+(``dist_worker.CUSTOM_CSV``, 2 and 4 pipeline ranks). A layout the runtime cannot run for a model
 (``REFUSED``) must be refused, with its reason, before anything is built. One torchrun launch per
 world size (2, 4 and 8 processes; each build closed before the next, which destroys its process
 groups) runs all models and layouts of that size and writes JSON; the first 2-process launch also trains mllm-tiny under an unequal PP2 split,

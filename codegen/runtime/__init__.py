@@ -5,7 +5,7 @@
 - ``tp_plan``: ``tp_plan_for``, the per-block TP plan (``BLOCK_TP_PLAN``) and the other
   modules' (``TP_PLAN``) expanded to that layout
 - ``context_parallel``: ring attention with zigzag sequence sharding
-- ``pipeline_parallel``: FQN-preserving stage modules and torch pipelining schedules
+- ``pipeline_parallel``: FQN-preserving stage modules and the schedule IR run by torch's schedule runtime
 - ``data_parallel``: FSDP2 / replicate / ZeRO-1 over dp x cp
 - ``recompute``: full (per block) and selective (attention core) checkpointing
 - ``checkpoint``: DCP save / ``load_latest`` with an atomic ``latest`` marker

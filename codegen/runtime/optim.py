@@ -66,11 +66,13 @@ class Optimizers:
 
 def build_optimizer(stage_mods: Sequence[nn.Module], factory: OptimizerFactory, zero: str,
                     dp_size: int, dp_group=None) -> Optimizers:
-    """``factory(params)`` per stage module; with ``zero == "zero1"`` over more than one dp
+    """``factory(params)`` per stage module (each parameter once); with ``zero == "zero1"`` over more than one dp
     rank, each wrapped so only this rank's share of the parameters is stepped (ZeRO-1)."""
     opts: list[torch.optim.Optimizer] = []
+    seen: set[int] = set()  # a parameter shared by two of this rank's stages (a V schedule's tied ends) steps once
     for sm in stage_mods:
-        params = list(sm.parameters())
+        params = [p for p in sm.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in params)
         if zero == "zero1" and dp_size > 1:
             opts.append(ShardedOptimizer(params, factory, dp_group))
         else:

@@ -6,12 +6,11 @@ between stages, and how the last stage returns its loss, is the adapter's callin
 protocol). Per-step state (``positions``, packed documents' ``doc_start``) goes to every
 stage as keyword arguments of ``schedule.step``, split per micro-batch by the schedule.
 
-Schedules (``schedule_class``): gpipe -> ``ScheduleGPipe``, 1f1b -> ``Schedule1F1B``
-(one stage per rank, stage r on pp rank r); interleaved-1f1b ->
-``ScheduleInterleaved1F1B`` with ``vpp`` stages per rank, virtual stage j on pp rank
-``j % pp`` (looped placement); zb-h1 -> ``ScheduleInterleavedZeroBubble`` (torch's ZB1P
-with the backward split into input and weight parts) with ONE stage per rank, stage r on
-pp rank r (with vpp > 1 it would be looped placement as interleaved).
+Schedules: every schedule is the schedule IR (``planner/schedule_ir.py``: a built-in made from
+the plan's name, pp, micro-batches and vpp, or the plan's own IR - a user's file or a generated
+one), run through torch's schedule runtime (``torch_compat.schedule_runtime``), which adds the
+sends and receives: the order the simulator priced is the order that runs. Virtual stage j
+lives on the IR's ``stage_rank[j]`` (looped ``j % pp``, or V-shaped for dualpipev).
 """
 from __future__ import annotations
 
@@ -21,28 +20,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
+from torch.distributed.pipelining import PipelineStage
 
-from codegen.runtime.torch_compat import local_tensor
-
-SCHEDULE_CLASSES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved-1f1b": ScheduleInterleaved1F1B,
-    "zb-h1": ScheduleInterleavedZeroBubble,
-}
-MULTI_STAGE = ("interleaved-1f1b", "zb-h1")  # PipelineScheduleMulti subclasses: take a list of stages
-
-
-def stage_ranks(n_virtual: int, pp: int) -> list[int]:
-    """pp rank of each virtual stage: looped placement ``j % pp`` (all schedules used here)."""
-    return [j % pp for j in range(n_virtual)]
+from codegen.runtime.torch_compat import local_tensor, schedule_runtime
+from planner.schedule_ir import Schedule
 
 
 def build_stages(adapter, stage_units: Sequence[Sequence[str]], stage_recompute: Sequence[str],
-                 pp_rank: int, pp: int) -> tuple[list[int], list[nn.Module]]:
-    """(virtual stage indices, stage modules) this pp rank owns, in virtual-stage order."""
+                 pp_rank: int, stage_rank: Sequence[int]) -> tuple[list[int], list[nn.Module]]:
+    """(virtual stage indices, stage modules) this pp rank owns (virtual stage j lives on
+    ``stage_rank[j]``), in virtual-stage order."""
     flat = [u for s in stage_units for u in s]
     if flat != adapter.units:
         raise ValueError(f"stages must cover the model's units in order; got {flat}, expected {adapter.units}")
@@ -51,24 +38,22 @@ def build_stages(adapter, stage_units: Sequence[Sequence[str]], stage_recompute:
         if not starts[adapter.units.index(s[0])]:
             raise ValueError(f"a pipeline stage cannot start at {s[0]} for this model "
                              f"({adapter.kind} adapter); plan again with `autopar plan`")
-    idx = [j for j, r in enumerate(stage_ranks(len(stage_units), pp)) if r == pp_rank]
+    if len(stage_rank) != len(stage_units):
+        raise ValueError(f"the schedule places {len(stage_rank)} stages, the plan has {len(stage_units)}; "
+                         "give the schedule one stage per plan stage")
+    idx = [j for j, r in enumerate(stage_rank) if r == pp_rank]
     mods = [adapter.build_stage(stage_units[j], stage_recompute[j] if stage_recompute else "none") for j in idx]
     return idx, mods
 
 
 def build_schedule(stage_mods: Sequence[nn.Module], stage_idx: Sequence[int], n_virtual: int, pp_group,
-                   device: torch.device, schedule: str, n_microbatches: int, loss_fn,
-                   scale_grads: bool = False):
-    """PipelineStages for this rank and the torch schedule object for ``schedule``."""
+                   device: torch.device, schedule: Schedule, loss_fn, scale_grads: bool = False):
+    """PipelineStages for this rank and torch's schedule runtime running the IR ``schedule``."""
+    if schedule.n_stages != n_virtual:
+        raise ValueError(f"schedule {schedule.name!r} has {schedule.n_stages} stages, the pipeline {n_virtual}")
     stages = [PipelineStage(m, j, n_virtual, device, group=pp_group) for m, j in zip(stage_mods, stage_idx)]
-    cls = SCHEDULE_CLASSES[schedule]
-    if schedule in MULTI_STAGE:
-        sched = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
-    else:
-        if len(stages) != 1:
-            raise ValueError(f"schedule {schedule} runs one stage per pp rank, got {len(stages)}")
-        sched = cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
-    return stages, sched
+    order = {r: [str(st) for st in steps] for r, steps in enumerate(schedule.ranks)}
+    return stages, schedule_runtime(stages, schedule.n_microbatches, loss_fn, scale_grads, order)
 
 
 class TiedWeights:
@@ -131,7 +116,10 @@ class TiedWeights:
         self.checked = True
 
     def sync_grads(self) -> None:
-        """Sum the ends' local gradient shards over the group (collective over it)."""
+        """Sum the ends' local gradient shards over the group (collective over it; nothing on a
+        pp rank holding no end, whose group is None - with pp > 2 the middle ranks)."""
+        if self.group is None:
+            return
         if not self.checked:
             self._check_alike()
         for p in self.params:

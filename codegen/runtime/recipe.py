@@ -18,7 +18,7 @@ emitted program and by :func:`codegen.runtime.train.parallelize` alike (torchtit
 10. :func:`apply_dp` - FSDP2 / replicate over the data-parallel mesh (dp x cp); the routed
     experts over their own data-parallel group
 11. ``codegen.runtime.optim.build_optimizer`` - one optimizer per stage module
-12. :func:`build_schedule` - the torch pipelining schedule (pp > 1)
+12. :func:`build_schedule` - the schedule IR run by torch's schedule runtime (pp > 1)
 """
 from __future__ import annotations
 
@@ -46,8 +46,11 @@ from codegen.runtime.documents import Documents
 from codegen.runtime.mesh import cp_groups, device_type, dp_cp_mesh
 from codegen.runtime.fp8 import convert_blocks, fp8_device_problem
 from codegen.runtime.regional_compile import compile_blocks
+from planner import schedule_ir as ir
 from planner.batch_assign import per_batch_problem
 from planner.plan import ModelFacts, ParallelConfig
+from planner.schedule_file import parse
+from planner.schedule_ir import Schedule
 from planner.sharding import dp_wrapper, reshard_after_forward
 from planner.feasibility import Batch, ClusterShape, Nodes, problems
 
@@ -87,11 +90,31 @@ def check_runnable(cfg: ParallelConfig, adapter: Optional[ModelAdapter], facts: 
         raise ValueError(f"{cfg.label()} cannot run for this model: " + "; ".join(found))
 
 
+def plan_schedule(text: Optional[str]) -> Optional[Schedule]:
+    """The plan's own pipeline schedule from its JSON form (``planner/schedule_file.py``;
+    checked), or None when the plan runs a built-in one (``text`` None)."""
+    return None if text is None else parse(text, "json", where="the program's SCHEDULE")
+
+
+def pipeline_schedule(cfg: ParallelConfig, n_microbatches: int, custom: Optional[Schedule] = None) -> Schedule:
+    """The schedule IR the pipeline runs: ``custom`` (the plan's own, for ``schedule=custom``),
+    else the built-in ``cfg.schedule`` over pp ranks, the micro-batches and vpp."""
+    if cfg.schedule != "custom":
+        return ir.builtin(cfg.schedule, cfg.pp, n_microbatches, cfg.vpp)
+    if custom is None:
+        raise ValueError("schedule=custom needs the plan's schedule (plan.pipeline.schedule_ir); plan again with "
+                         "--schedule FILE")
+    if (why := ir.layout_problem(custom, cfg.pp, cfg.vpp, n_microbatches)):
+        raise ValueError(why)
+    return custom
+
+
 def split_stages(adapter: ModelAdapter, stages: Sequence[Sequence[str]], recompute: Sequence[str],
-                 cfg: ParallelConfig, mesh: DeviceMesh) -> Stages:
+                 cfg: ParallelConfig, mesh: DeviceMesh, schedule: Optional[Schedule] = None) -> Stages:
     """This pp rank's stage modules of ``stages`` (unit names per virtual stage, ``pp * vpp``
     lists covering the model's units in order; merged into one with pp == 1), ``recompute``
-    holding the policy per virtual stage."""
+    holding the policy per virtual stage; ``schedule`` is the plan's own IR for
+    ``schedule=custom`` (its placement of the stages)."""
     stages = [list(s) for s in stages]
     recompute = [rc.check_policy(p) for p in recompute] if recompute else ["none"] * len(stages)
     if len(recompute) != len(stages):
@@ -101,7 +124,9 @@ def split_stages(adapter: ModelAdapter, stages: Sequence[Sequence[str]], recompu
         stages, recompute = [[u for s in stages for u in s]], ["none"]
     if len(stages) != cfg.pp * cfg.vpp:
         raise ValueError(f"{len(stages)} stages for pp={cfg.pp} x vpp={cfg.vpp}; give pp*vpp stage lists")
-    idx, mods = ppar.build_stages(adapter, stages, recompute, mesh["pp"].get_local_rank(), cfg.pp)
+    placement = (schedule.stage_rank if cfg.schedule == "custom" and schedule is not None
+                 else ir.placement(cfg.schedule, cfg.pp, cfg.vpp))
+    idx, mods = ppar.build_stages(adapter, stages, recompute, mesh["pp"].get_local_rank(), placement)
     out = Stages(mods, idx, len(stages), policy)
     for sm in mods:
         sm.loss_kernel, sm.sp, sm.documents = cfg.loss, cfg.sp, out.documents
@@ -170,8 +195,8 @@ def apply_tp(adapter: ModelAdapter, stages: Stages, tp_plan: dict[str, ParallelS
     ``codegen/runtime/tp_styles.py``; fqns another rank's stages hold are skipped), then the
     adapter's local-size fix-ups for the roles those styles give."""
     roles = roles_of(tp_plan)
+    tpar.apply_tp_stages(stages.modules, mesh["tp"], tp_plan)
     for sm in stages.modules:
-        tpar.apply_tp(sm, mesh["tp"], tp_plan)
         adapter.tp_fixups(sm, mesh["tp"], roles, sp)
 
 
@@ -261,16 +286,19 @@ def tie_weights(adapter: ModelAdapter, stages: Stages, mesh: DeviceMesh) -> Opti
     pairs = sorted({tuple(p) for ranks_pairs, _, _ in seen for p in ranks_pairs})
     names = {n for pair in pairs for n in pair}
     holders = {n: r for _, r, ns in seen for n in ns if n in names}
+    pairs = [(a, b) for a, b in pairs if holders[a] != holders[b]]  # both ends on one rank (a V schedule): one tensor
     return ppar.TiedWeights(pairs, holders, stages.modules, mesh) if pairs else None
 
 
 def build_schedule(stages: Stages, cfg: ParallelConfig, mesh: DeviceMesh, global_batch: int, loss_fn,
-                   device: torch.device):
-    """The pipeline schedule (``cfg.schedule``) over this rank's stages, running the
-    ``global_batch / (dp * mbs)`` micro-batches; None without PP. Gradients are not scaled by
-    the schedule (``loss_fn`` does it)."""
+                   device: torch.device, schedule: Optional[Schedule] = None):
+    """The pipeline schedule (:func:`pipeline_schedule`: ``cfg.schedule``, or ``schedule`` for a
+    custom one) over this rank's stages, running the ``global_batch / (dp * mbs)`` micro-batches
+    through torch's schedule runtime; None without PP. Gradients are not scaled by the schedule
+    (``loss_fn`` does it)."""
     if cfg.pp == 1:
         return None
+    sched_ir = pipeline_schedule(cfg, global_batch // (cfg.dp * cfg.mbs), schedule)
     _, sched = ppar.build_schedule(stages.modules, stages.idx, stages.n_virtual, mesh["pp"].get_group(), device,
-                                   cfg.schedule, global_batch // (cfg.dp * cfg.mbs), loss_fn)
+                                   sched_ir, loss_fn)
     return sched

@@ -198,11 +198,29 @@ def tied_params(model: nn.Module) -> list[tuple[str, str]]:
     return out
 
 
-def _retie(model: nn.Module, ties: list[tuple[str, str]]) -> None:
-    """Share the first owner's (sharded) parameter again; both sides must be sharded alike
-    (a vocabulary-parallel embedding and head are both Shard(0) over the vocabulary)."""
+def apply_tp_stages(stage_mods: list[nn.Module], tp_mesh: DeviceMesh, styles: dict[str, ParallelStyle]) -> None:
+    """:func:`apply_tp` on each of a rank's stage modules, then a parameter two of them share (a
+    tied embedding and head both on this rank: a V schedule's first and last stage) shared again."""
+    first: dict[int, tuple[int, str]] = {}
+    ties = []
+    for i, sm in enumerate(stage_mods):
+        for name, p in sm.named_parameters(remove_duplicate=False):
+            if id(p) in first and first[id(p)][0] != i:
+                ties.append((first[id(p)], (i, name)))
+            first.setdefault(id(p), (i, name))
+    for sm in stage_mods:
+        apply_tp(sm, tp_mesh, styles)
+    if tp_mesh.size() > 1:
+        for (i, src), (j, dst) in ties:
+            _retie(stage_mods[j], [(src, dst)], stage_mods[i])
+
+
+def _retie(model: nn.Module, ties: list[tuple[str, str]], src_model: nn.Module | None = None) -> None:
+    """Share the first owner's (sharded) parameter again (of ``src_model``, default ``model``);
+    both sides must be sharded alike (a vocabulary-parallel embedding and head are both Shard(0)
+    over the vocabulary)."""
     for src, dst in ties:
-        p = model.get_parameter(src)
+        p = (src_model or model).get_parameter(src)
         mod_name, _, attr = dst.rpartition(".")
         mod = model.get_submodule(mod_name)
         q = getattr(mod, attr)

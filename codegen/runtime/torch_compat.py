@@ -45,6 +45,11 @@ these, this module is the one place to change. Each entry, and why we need it:
 - :func:`preload_dynamo` (``torch._dynamo``): the plan-speed benchmark times its import apart.
 - :func:`op_argument_names` (``OpOverload._schema``): an ATen op's argument names, so the
   capture reads a kernel's ``is_causal`` by name wherever its schema puts it.
+- :func:`schedule_runtime` (``torch.distributed.pipelining.schedules._PipelineScheduleRuntime``,
+  ``_Action`` and ``_prepare_schedule_with_comms``): runs a pipeline schedule given as per-rank
+  action lists (autopar's schedule IR, ``planner/schedule_ir.py``, in torch's action strings),
+  adding the sends / receives, FSDP unshard / reshard and gradient reductions itself; torch's
+  public schedule classes each fix their own order.
 - :func:`local_tensor` (``DTensor._local_tensor``): a DTensor parameter's or gradient's local
   shard as the storage itself (collectives write into it in place; ``to_local()`` is an autograd
   op returning an alias that must not be written through).
@@ -65,7 +70,8 @@ CHECKED_ON = ("2.13.0",)
 __all__ = ["CHECKED_ON", "FakeTensorMode", "StridedShard", "TorchDispatchMode", "checkpoint_generator",
            "clear_dtensor_caches", "ddp_replicate", "flatten_mesh", "foreach_mul_", "foreach_norm", "funcol",
            "is_traceable_wrapper_subclass", "live_process_groups", "local_tensor", "module_hook_dicts", "preload_dynamo", "replicate",
-           "replicate_ddp_class", "saved_attention_ops", "saved_collective_ops", "tree_flatten", "tree_map"]
+           "replicate_ddp_class", "saved_attention_ops", "saved_collective_ops", "schedule_runtime", "tree_flatten",
+           "tree_map"]
 
 
 def preload_dynamo() -> None:
@@ -166,3 +172,17 @@ def clear_dtensor_caches() -> None:
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     _redistribute._gen_transform_infos.cache_clear()
     _redistribute.clear_redistribute_planner_cache()
+
+
+def schedule_runtime(stages: list, n_microbatches: int, loss_fn, scale_grads: bool, order: dict[int, list[str]]):
+    """torch's schedule runtime over this rank's ``stages`` running ``order`` (pp rank -> that
+    rank's compute actions as torch's strings, ``1F0``, ``1I0``, ``(0F2;1B0)OVERLAP_F_B``, for
+    EVERY rank: each rank lowers the whole schedule to add the matching sends and receives;
+    each stage's rank is read from where its actions are)."""
+    from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime
+
+    sched = _PipelineScheduleRuntime(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+    actions = {r: [_Action.from_str(a) for a in row] for r, row in order.items()}
+    sched.pipeline_order = actions
+    sched._prepare_schedule_with_comms(actions)
+    return sched

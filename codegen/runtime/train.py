@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor
 
 from planner.feasibility import Batch, Nodes, problems
 from planner.plan import ModelFacts, ParallelConfig, Plan
+from planner.schedule_ir import Schedule
 from codegen.runtime import batch_parallel as bpar
 from codegen.runtime import context_parallel as cpar
 from codegen.runtime import data_parallel as dpar
@@ -256,7 +257,7 @@ class ParallelModel:
         """Clip all gradients to global L2 norm ``max_norm`` (None / <= 0: no clipping); returns
         the norm before clipping, the same on every rank (collective)."""
         copies = {id(p) for p in self.tied.copies} if self.tied is not None else set()
-        params = [p for sm in self.stage_modules for p in sm.parameters() if id(p) not in copies]
+        params = list({id(p): p for sm in self.stage_modules for p in sm.parameters() if id(p) not in copies}.values())
         return clip_grad_norm_(params, max_norm, self.mesh["pp"].get_group())
 
     def optimizer_step(self, lr: Optional[float] = None) -> None:
@@ -332,7 +333,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
                 device: torch.device | str, *, mesh: Optional[DeviceMesh] = None,
                 optimizer_factory: OptimizerFactory = default_optimizer, seed: Optional[int] = None,
                 load_balance: str = "zigzag", adapter: Optional[ModelAdapter] = None,
-                facts: Optional[ModelFacts] = None, per_batch: Optional[bpar.PerBatch] = None) -> ParallelModel:
+                facts: Optional[ModelFacts] = None, schedule: Optional[Schedule] = None,
+                per_batch: Optional[bpar.PerBatch] = None) -> ParallelModel:
     """Parallelise ``model`` per ``cfg`` on this rank (collective: call on every rank), with
     the helpers of ``codegen/runtime/recipe.py`` in the order the emitted program calls them.
 
@@ -342,6 +344,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     counts, limits) for the feasibility rule. ``model`` is either materialised, or built on
     ``meta`` (then only this rank's units are materialised and initialised, seeded by
     ``seed``). ``adapter`` defaults to :func:`codegen.runtime.adapters.adapter_for`.
+    ``schedule``: the plan's own pipeline schedule IR when ``cfg.schedule`` is ``custom``.
     ``per_batch``: assign each packed batch's documents to context-parallel groups of the size
     they need (codegen/runtime/batch_parallel.py); None: the plan's fixed layout.
     """
@@ -352,7 +355,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     try:
         recipe.check_runnable(cfg, adapter, facts, Batch(global_batch, seq_len, load_balance=load_balance))
         pm = _build(adapter, cfg, stages, stage_recompute, tp_layout, global_batch, device, mesh,
-                    optimizer_factory, seed, load_balance, per_batch, facts)
+                    optimizer_factory, seed, load_balance, per_batch, facts, schedule)
     except BaseException:
         adapter.installs.own_groups_since(before)
         if own:
@@ -366,10 +369,12 @@ def _build(adapter: ModelAdapter, cfg: ParallelConfig, stages: Sequence[Sequence
            stage_recompute: Sequence[str], tp_layout: dict[str, str], global_batch: int, device: torch.device,
            mesh: Optional[DeviceMesh], optimizer_factory: OptimizerFactory, seed: Optional[int],
            load_balance: str, per_batch: Optional[bpar.PerBatch] = None,
-           facts: Optional[ModelFacts] = None) -> ParallelModel:
+           facts: Optional[ModelFacts] = None, schedule: Optional[Schedule] = None) -> ParallelModel:
     """The recipe's steps after the feasibility check (:func:`parallelize`)."""
     mesh = mesh if mesh is not None else build_mesh(cfg)
-    split = recipe.split_stages(adapter, stages, stage_recompute, cfg, mesh)
+    if cfg.pp > 1:  # the schedule checked before anything is built
+        schedule = recipe.pipeline_schedule(cfg, global_batch // (cfg.dp * cfg.mbs), schedule)
+    split = recipe.split_stages(adapter, stages, stage_recompute, cfg, mesh, schedule)
     recipe.materialize(adapter, split, device, seed)
     tied = recipe.tie_weights(adapter, split, mesh)  # before TP splits the tied ends apart
     planner_ = recipe.build_batch_planner(per_batch, cfg, facts, global_batch, mesh)
@@ -382,10 +387,9 @@ def _build(adapter: ModelAdapter, cfg: ParallelConfig, stages: Sequence[Sequence
     dp_mesh = recipe.apply_dp(adapter, split, cfg, mesh, experts)
     optimizer = build_optimizer(split.modules, optimizer_factory, cfg.zero, dp_mesh.size(), dp_mesh.get_group())
     loss_fn = TokenLoss(dp_mesh.size())
-    schedule = recipe.build_schedule(split, cfg, mesh, global_batch, loss_fn, device)
+    runner = recipe.build_schedule(split, cfg, mesh, global_batch, loss_fn, device, schedule)
     return ParallelModel(adapter, cfg, mesh, split, optimizer, loss_fn, global_batch, device, dp_mesh=dp_mesh,
-                         schedule=schedule, tied=tied, load_balance=load_balance, batch_planner=planner_)
-
+                         schedule=runner, tied=tied, load_balance=load_balance, batch_planner=planner_)
 
 
 def parallelize_plan(model: nn.Module, plan: Plan, device: torch.device | str, *,
@@ -397,4 +401,5 @@ def parallelize_plan(model: nn.Module, plan: Plan, device: torch.device | str, *
     return parallelize(model, plan.config, [s["layers"] for s in plan.stages], [s["recompute"] for s in plan.stages],
                        dict(plan.tp_layout), int(plan.batch["global"]), int(plan.batch["seq_len"]), device,
                        optimizer_factory=optimizer_factory, seed=seed, adapter=adapter, facts=plan.facts,
+                       schedule=plan.schedule_ir,
                        per_batch=bpar.per_batch_of(plan.batch.get("per_batch")))

@@ -3,10 +3,14 @@
 The CPU cost model (roofline figures measured by ``Cluster.detect``, the shared-cores terms,
 gloo link defaults) is uncalibrated: the Python, autograd, gloo and optimizer overheads of a
 real step are not in it. The first plan for a ``local-cpu`` cluster on a machine therefore
-runs a short profile (about 20-30 s on 2 cores): the reference model ``REFERENCE_MODEL``
+runs a short profile (about 15-30 s on 2 cores): the reference model ``REFERENCE_MODEL``
 trained for a few steps under every layout family this machine can run (DP, TP + SP, PP
 1F1B; :func:`reference_configs`), all in one torchrun launch of one process per core
-(``planner/entry/timed_runs.py``). ``cost_models.calibrate.fit`` fits the time and
+(``planner/entry/timed_runs.py``), and as one process running a thread on every core
+(:func:`one_process_config`, its own launch). The one-process run is the only one without
+communication: without it the fit cannot tell compute from communication (both grow with
+the same three layouts) and prices a plan with no communication at all - the one-process
+plan the search always considers - from whichever way the fit split them. ``cost_models.calibrate.fit`` fits the time and
 memory coefficients to those runs and the result is cached in the user's cache directory
 (``$AUTOPAR_CACHE_DIR``, else ``$XDG_CACHE_HOME/autopar``, else ``~/.cache/autopar``) under
 the machine's fingerprint (CPU model, cores, memory, torch version). Later plans on the
@@ -36,9 +40,10 @@ from planner.plan import ParallelConfig
 
 REFERENCE_MODEL = "llama-mini"   # planner/zoo/config.py
 REFERENCE_BATCH = 8              # sequences per step (its preset length, 96 tokens each)
+ONE_PROCESS_BATCH = 16           # the one-process run's: twice the compute of the others' ranks
 STEPS, WARMUP = 4, 2             # timed and untimed steps per reference layout
 TIMEOUT_S = 120.0                # the profile is killed past this
-CACHE_VERSION = 1
+CACHE_VERSION = 2                # 2: the one-process run joined the reference runs
 
 
 @dataclass
@@ -56,7 +61,7 @@ class MachineCalibration:
     def summary(self) -> str:
         """One short line: when and on what this machine was calibrated."""
         return (f"calibrated on this machine ({self.created}, {len(self.runs)} reference runs of "
-                f"{REFERENCE_MODEL} on {self.world} processes)")
+                f"{REFERENCE_MODEL} on {self.world} processes{' and on one' if self.world > 1 else ''})")
 
     def describe(self) -> str:
         """:meth:`summary` with each reference run's measured and fitted step time (what a plan records)."""
@@ -114,6 +119,17 @@ def reference_configs(world: int) -> list[ParallelConfig]:
             cfg(rest, pp=2, schedule="1f1b", mbs=max(1, REFERENCE_BATCH // (rest * 4)))]
 
 
+def one_process_config(world: int) -> ParallelConfig | None:
+    """The reference model run as one process with a thread on each of the ``world`` profiled
+    cores, on ``ONE_PROCESS_BATCH`` sequences (None on one core, where :func:`reference_configs`
+    already is that run). Every layout of :func:`reference_configs` gives each core about the
+    same work, so their times cannot tell compute from a fixed cost per step; this run's
+    twice that work can."""
+    if world == 1:
+        return None
+    return ParallelConfig(dp=1, zero="ddp", dtype="fp32", mbs=ONE_PROCESS_BATCH, threads=world)
+
+
 def profile_world(cores: int) -> int:
     """Processes the profile runs: one per core, as 1, 2 or 4 (the reference batch splits that way)."""
     return 4 if cores >= 4 else (2 if cores >= 2 else 1)
@@ -138,14 +154,19 @@ def run_profile(progress: Callable[[str], None] | None = None) -> MachineCalibra
     spec = f"local-cpu:{world}"
     cluster = parse_cluster(spec)
     graph = load_graph(REFERENCE_MODEL)
+    launches = [(reference_configs(world), REFERENCE_BATCH)]
+    launches += [([c], ONE_PROCESS_BATCH) for c in [one_process_config(world)] if c]
     if progress:
         progress(f"first plan on this machine: profiling it ({REFERENCE_MODEL}, {world} processes, "
-                 f"{len(reference_configs(world))} layouts; cached for later plans)")
+                 f"{sum(len(c) for c, _ in launches)} layouts; cached for later plans)")
+    samples = []
     with tempfile.TemporaryDirectory(prefix="autopar-profile-") as tmp:
-        paths, estimates = _reference_plans(graph, cluster, spec, tmp)
-        runs = launch_timed_runs(paths, os.path.join(tmp, "runs.json"), world=world, steps=STEPS,
-                                 warmup=WARMUP, timeout_s=TIMEOUT_S)
-    samples = [_sample(graph, cluster, e, r, first=i == 0) for i, (e, r) in enumerate(zip(estimates, runs))]
+        for i, (cfgs, batch) in enumerate(launches):
+            paths, est = _reference_plans(graph, cluster, spec, os.path.join(tmp, f"launch{i}"), cfgs, batch)
+            runs = launch_timed_runs(paths, os.path.join(tmp, f"runs{i}.json"), world=cfgs[0].world,
+                                     steps=STEPS, warmup=WARMUP, timeout_s=TIMEOUT_S)
+            samples += [_sample(graph, cluster, e, r, batch, first=not samples and j == 0)
+                        for j, (e, r) in enumerate(zip(est, runs))]
     fitted = cal.fit(samples, None, keys=FIT_KEYS, per_kind=False, prior=FIT_PRIOR)
     rows = [{"label": s.name, "measured_s": round(s.measured_step_s, 4),
              "uncalibrated_s": round(cal.predict(s, None, {}).step_s, 4),
@@ -158,13 +179,15 @@ def run_profile(progress: Callable[[str], None] | None = None) -> MachineCalibra
     return mc
 
 
-def _reference_plans(graph, cluster: Cluster, spec: str, folder: str):
-    """Plan files of the reference layouts on an even split (what the runs execute) and their estimates."""
+def _reference_plans(graph, cluster: Cluster, spec: str, folder: str, configs: list[ParallelConfig], batch: int):
+    """Plan files of ``configs`` for ``batch`` sequences on an even split (what the runs execute)
+    and their estimates."""
     from planner.search.planning import build_plan, evaluate_config
 
+    os.makedirs(folder, exist_ok=True)
     paths, estimates = [], []
-    for i, cfg in enumerate(reference_configs(cluster.world)):
-        e, problems = evaluate_config(graph, cluster, cfg, REFERENCE_BATCH, even_split=True)
+    for i, cfg in enumerate(configs):
+        e, problems = evaluate_config(graph, cluster, cfg, batch, even_split=True)
         if problems:  # the reference model is chosen so this cannot happen: a bug, say so
             raise AutoparError(f"reference layout {cfg.label()} cannot run: {'; '.join(problems)}")
         plan = build_plan(graph, cluster, e, spec=REFERENCE_MODEL, cluster_spec=spec)
@@ -174,13 +197,13 @@ def _reference_plans(graph, cluster: Cluster, spec: str, folder: str):
     return paths, estimates
 
 
-def _sample(graph, cluster: Cluster, e, run: dict, first: bool):
+def _sample(graph, cluster: Cluster, e, run: dict, batch: int, first: bool):
     """A calibration sample of one reference run (memory only from the first layout run: peak
     RSS never falls, so the later ones carry the earlier layouts' peaks)."""
     from cost_models.calibrate import RunSample, per_stage_memory
 
     return RunSample(name=e.config.label(), graph=graph, cluster=cluster, config=e.config,
-                     partition=e.partition, global_batch=REFERENCE_BATCH,
+                     partition=e.partition, global_batch=batch,
                      measured_step_s=statistics.median(run["step_s"]), step_times=list(run["step_s"]),
                      measured_mem_gib=per_stage_memory(e.config, run["memory_gib"]) if first else [])
 

@@ -137,6 +137,9 @@ def _add_planning_commands(sub) -> None:
     p.add_argument("--per-batch", action="store_true",
                    help="with --seq-lens: price assigning each batch's documents to context-parallel groups of the "
                         "size they need and run it when it is faster (batch.per_batch in the plan)")
+    p.add_argument("--schedule", default=None, metavar="FILE",
+                   help="plan for your own pipeline schedule (.csv in torch's action format or .json): the layouts "
+                        "with its pp and micro-batches, priced running it; the plan carries it")
     p.add_argument("-o", "--out", default=None, help="plan file to write (JSON)")
     p.add_argument("--force", action="store_true", help="overwrite an existing plan file")
     p.set_defaults(fn=cmd.cmd_plan)
@@ -148,6 +151,11 @@ def _add_planning_commands(sub) -> None:
     p.add_argument("--even-split", action="store_true", help="equal layers per stage instead of the ILP split")
     p.add_argument("--engine", choices=list(ENGINES), default="autopar",
                    help="price the overlaps of this engine (cost_models/engines.py); plans run on autopar's")
+    p.add_argument("--schedule", default=None, metavar="FILE",
+                   help="your own pipeline schedule: .csv (torch's action format, one row per pp rank: 0F0,0B0,...) "
+                        "or .json; checked, priced and, with -o, written into the plan so the program runs it")
+    p.add_argument("-o", "--out", default=None, help="write this configuration as a plan file (JSON) to run")
+    p.add_argument("--force", action="store_true", help="overwrite an existing plan file")
     p.set_defaults(fn=cmd.cmd_evaluate)
 
 

@@ -176,6 +176,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if args.out:
         check_out(args.out, args.force)
+    schedule = None
+    if args.schedule:  # checked before anything is captured
+        from planner.schedule_file import load as load_schedule
+        schedule = load_schedule(args.schedule)
     t0 = time.perf_counter()
     graph, cluster, profile, pins = _load_inputs(args)
     _progress(f"captured {graph.name}: {len(graph.layers)} layers, {fmt_n(graph.params)} parameters "
@@ -184,11 +188,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan, res = plan_model(graph, cluster, args.global_batch, spec=args.model, cluster_spec=args.cluster,
                            profile=profile, top_k=args.top_k, progress=_progress, loss=args.loss, fix=pins,
                            fp8=args.fp8, compile=args.compile, low_comm=args.low_comm,
-                           per_batch=args.per_batch)
+                           per_batch=args.per_batch, schedule=schedule, schedule_source=args.schedule or "")
     _progress(f"{res.considered} configurations considered, {res.pruned} pruned by bounds, "
               f"{res.estimated} estimated, {res.fully_solved} fully solved in {res.solve_s:.2f} s")
     if "per_batch" in plan.batch:
         _progress(plan.batch["per_batch"]["why"])
+    if "schedule" in plan.search:
+        _progress(plan.search["schedule"])
     if args.out:
         write_atomic(args.out, plan.to_json(), force=args.force)
     if args.json:
@@ -217,16 +223,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from planner.plan import ParallelConfig
-    from planner.feasibility import default_attention
-    from planner.search.planning import evaluate_config
+    from planner.feasibility import default_attention, microbatches
+    from planner.files import write_atomic
+    from planner.schedule_file import load as load_schedule
+    from planner.schedule_ir import layout_problem
+    from planner.search.planning import build_plan, evaluate_config
 
     cfg = ParallelConfig.parse(args.config)
+    schedule = None
+    if args.schedule:  # the user's own order: schedule=custom, its stages per rank
+        schedule = load_schedule(args.schedule)
+        cfg = cfg.replace(schedule="custom", vpp=schedule.v).validate()
+        if (why := layout_problem(schedule, cfg.pp, cfg.vpp, microbatches(cfg, args.global_batch))):
+            raise AutoparError(f"{args.schedule}: {why}")
+    if args.out:
+        check_out(args.out, args.force)
     graph, cluster, profile, pins = _load_inputs(args)
     if "attention=" not in args.config:
         cfg = cfg.replace(attention=default_attention(graph.limits))  # the default kernel may be one it cannot use
     _progress(f"pricing {cfg.label()} on {cluster.world} devices of {cluster.name}")
     e, problems = evaluate_config(graph, cluster, cfg, args.global_batch, even_split=args.even_split,
-                                  profile=profile, engine=args.engine)
+                                  profile=profile, engine=args.engine, schedule=schedule)
+    if args.out and problems:
+        raise AutoparError(f"{args.out} not written: the runtime cannot run {cfg.label()}: " + "; ".join(problems))
+    if args.out:
+        write_atomic(args.out, build_plan(graph, cluster, e, spec=args.model, cluster_spec=args.cluster,
+                                          schedule=schedule).to_json(), force=args.force)
     checked = pins.check(cfg)
     if args.json:
         d = _estimate_summary(e)

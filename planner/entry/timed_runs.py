@@ -1,7 +1,8 @@
 """Time a few training steps of several plans in one torchrun launch (the first-run calibration).
 
 ``python -m torch.distributed.run --nproc-per-node N -m planner.entry.timed_runs OUT.json
-PLAN.json [PLAN.json ...] --steps K``: every plan (all of world size N, zoo models) is built,
+PLAN.json [PLAN.json ...] --steps K``: every plan (all of world size N and one thread count per
+rank, zoo models) is built,
 parallelised exactly as its emitted program does (``parallelize_plan``) and trained for ``warmup + K`` steps on the synthetic data;
 then it is torn down and the next one built, so N processes start once for all of them.
 Rank 0 writes ``{"runs": [{"plan", "step_s": [K floats], "memory_gib": [per rank]}]}``.
@@ -58,8 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-3)
     args = ap.parse_args(argv)
-    device = init_distributed()
-    runs = [time_plan(Plan.load(p), device, args.steps, args.warmup, args.lr) for p in args.plans]
+    plans = [Plan.load(p) for p in args.plans]
+    threads = {p.config.threads for p in plans}
+    if len(threads) != 1:
+        raise SystemExit(f"timed_runs: the plans of one launch run different threads per rank ({sorted(threads)}): "
+                         "launch each thread count on its own")
+    device = init_distributed(threads=threads.pop())
+    runs = [time_plan(p, device, args.steps, args.warmup, args.lr) for p in plans]
     if dist.get_rank() == 0:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"runs": runs}, f)

@@ -65,12 +65,14 @@ def fmt_n(x: float) -> str:
 
 
 def simulate_step(plan: Plan) -> Timeline:
-    """Re-simulate one step from the plan's per-stage times (cap huge micro-batch counts)."""
-    from cost_models.pipeline import ScheduleError, simulate
+    """Re-simulate one step from the plan's per-stage times (cap huge micro-batch counts; a
+    plan's own schedule, ``schedule=custom``, is drawn whole)."""
+    from cost_models.pipeline import ScheduleError, simulate, simulate_schedule
 
     cfg, e = plan.config, plan.estimate
     m_plan = int(plan.batch["microbatches"])
-    m = m_plan if m_plan <= MAX_SIM_MB else min(m_plan, 4 * cfg.pp)
+    own = plan.schedule_ir if cfg.pp > 1 and cfg.schedule == "custom" else None  # drawn whole: its own order
+    m = m_plan if m_plan <= MAX_SIM_MB or own is not None else min(m_plan, 4 * cfg.pp)
     sched = cfg.schedule if cfg.pp > 1 else "1f1b"
     bd = e.get("breakdown", {})
     p2p = float(e.get("p2p_hop_s", 0.0)) if cfg.pp > 1 else 0.0
@@ -82,7 +84,8 @@ def simulate_step(plan: Plan) -> Timeline:
         note = (f"{m_plan} micro-batches per step; the timeline draws the first {m} "
                 f"(m = min(m, 4·pp)) so it stays readable - the steady state repeats.")
     try:
-        res = simulate(sched, cfg.pp, m, e["stage_fwd_s"], e["stage_bwd_s"], p2p=p2p, v=cfg.vpp)
+        res = (simulate_schedule(own, e["stage_fwd_s"], e["stage_bwd_s"], p2p=p2p) if own is not None
+               else simulate(sched, cfg.pp, m, e["stage_fwd_s"], e["stage_bwd_s"], p2p=p2p, v=cfg.vpp))
     except (ScheduleError, KeyError, TypeError, ValueError) as exc:
         return Timeline(None, sched, m, m_plan, p2p, tail, f"timeline not simulated: {exc}")
     return Timeline(res, sched, m, m_plan, p2p, tail, note)

@@ -336,7 +336,7 @@ def trace_events(r: Report) -> dict[str, Any]:
         return round(t * 1e9)  # integer nanoseconds, so adjacent events stay adjacent after rounding
 
     xs = []
-    names = {"F": "forward", "B": "backward", "W": "weight grad"}
+    names = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
     for e in tl.result.events:
         a, b = us(e.start), us(e.end)
         xs.append({"name": f"{e.kind} mb{e.mb}", "cat": names.get(e.kind, e.kind), "ph": "X", "pid": e.rank,

@@ -18,7 +18,7 @@ MEM_COLORS = {"weights": "#4e79a7", "grads": "#a0cbe8", "optimizer": "#f28e2b", 
               "buffers": "#b07aa1", "reserve": "#bab0ac"}
 TIME_COLORS = {"compute": "#4e79a7", "recompute": "#a0cbe8", "tp_comm": "#f28e2b", "cp_comm": "#ffbe7d",
                "p2p": "#e15759", "bubble": "#d3d3d3", "dp_comm": "#b07aa1", "optimizer": "#9c755f"}
-KIND_COLORS = {"F": "#4e79a7", "B": "#59a14f", "W": "#edc948"}
+KIND_COLORS = {"F": "#4e79a7", "B": "#59a14f", "I": "#8cd17d", "W": "#edc948"}
 FONT = "font-family:system-ui,-apple-system,'Segoe UI',Roboto,Helvetica,Arial,sans-serif"
 GiB = 2**30
 
@@ -222,7 +222,7 @@ def timeline_svg(events: Sequence[Any], p: int, v: int, pipe_s: float, tail: Seq
     y = top + rows * (rh + 4) + 14
     x = left
     for lab, col in (("F forward", KIND_COLORS["F"]), ("B backward", KIND_COLORS["B"]),
-                     ("W weight grad", KIND_COLORS["W"]), ("DP comm (exposed)", TIME_COLORS["dp_comm"]),
+                     ("I input grad", KIND_COLORS["I"]), ("W weight grad", KIND_COLORS["W"]), ("DP comm (exposed)", TIME_COLORS["dp_comm"]),
                      ("optimizer", TIME_COLORS["optimizer"])):
         body.append(_rect(x, y, 12, 12, col))
         body.append(_text(x + 16, y + 10, lab, size=11))

@@ -10,17 +10,20 @@ from typing import Any, Callable
 
 from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
+from cost_models.pipeline import stage_placement
 from cost_models.pipeline import ScheduleError
 from planner.errors import AutoparError, PlanError
 from planner.graph import ModelGraph
 from planner.search.pins import Pins, as_pins
-from planner.plan import ParallelConfig, Plan
+from planner.plan import SCHEDULES, ParallelConfig, Plan
+from planner.schedule_ir import Schedule
 from planner.feasibility import degrees_problem, expert_groups_problem, problems
 from planner.search.candidates import batch_of, facts_of
 from planner.search.space import SearchResult, search
 from planner.search.seq_lens import SeqLens, as_histogram, with_documents
 from planner.search.stage_split import even_split as split_evenly
 from planner.search.stage_split import split_and_estimate
+from planner.search.user_schedule import search_for_schedule
 from planner.frontend.tp_layout import tp_layout
 
 GiB = 2**30
@@ -76,12 +79,16 @@ def _documents_record(graph: ModelGraph, cfg: ParallelConfig, world: int) -> dic
 
 def build_plan(graph: ModelGraph, cluster: Cluster, e: Estimate, *, spec: str, cluster_spec: str,
                alternatives: list[Estimate] = (), rejected: dict | None = None,
-               counts: dict | None = None, search_info: dict | None = None) -> Plan:
+               counts: dict | None = None, search_info: dict | None = None,
+               schedule: Schedule | None = None) -> Plan:
+    """The plan file of estimate ``e`` (``schedule``: the schedule IR of ``schedule=custom``,
+    recorded in the plan so the program runs it)."""
     names = [l.name for l in graph.layers]
-    cfg = e.config
+    cfg, schedule = e.config, schedule or e.schedule_ir
+    place = stage_placement(cfg, e.microbatches, schedule)
     stages = []
     for j, (lo, hi) in enumerate(e.partition.bounds):
-        stages.append({"rank": j % cfg.pp, "chunk": j // cfg.pp, "layers": names[lo:hi],
+        stages.append({"rank": place[j], "chunk": place[:j].count(place[j]), "layers": names[lo:hi],
                        "recompute": e.partition.recompute[j]})
     alts = [{"config": a.config.to_str(), "label": a.config.label(), "step_s": _rounded(a.step_s),
              "mfu": _rounded(a.mfu), "memory_gib": _rounded(max(m.total for m in a.memory) / GiB),
@@ -103,12 +110,14 @@ def build_plan(graph: ModelGraph, cluster: Cluster, e: Estimate, *, spec: str, c
         config=cfg,
         batch=batch,
         stages=stages, tp_layout=tp_layout(graph) if cfg.tp > 1 else {},
-        estimate=_estimate_dict(e), alternatives=alts, rejected=rej, search=_rounded(search_info or {}))
+        estimate=_estimate_dict(e), alternatives=alts, rejected=rej, search=_rounded(search_info or {}),
+        schedule_ir=schedule if cfg.schedule == "custom" else None)
 
 
 def plan_model(graph: ModelGraph, cluster: Cluster, global_batch: int, *, spec: str, cluster_spec: str,
                profile=None, top_k: int = 5, progress: Callable[[str], None] | None = None,
                fix: Pins | str | None = None, seq_lens: SeqLens | None = None, per_batch: bool = False,
+               schedule: Schedule | None = None, schedule_source: str = "the schedule",
                **search_kw: Any) -> tuple[Plan, SearchResult]:
     """Search the space and return the plan with its search record. ``fix`` pins part of the
     layout (a pin string such as ``"tp=8,pp=1"`` or ``"tp<=4"``, see planner/search/pins.py): only
@@ -117,24 +126,33 @@ def plan_model(graph: ModelGraph, cluster: Cluster, global_batch: int, *, spec: 
     a {length: count} mapping) plans each sequence of ``graph.seq_len`` tokens as a row of
     those documents packed (planner/search/seq_lens.py); ``graph`` itself is left as it is.
     ``per_batch`` (packed documents only) prices per-batch assignment of each batch's
-    documents for the chosen layout and records it (``batch.per_batch``; planner/search/per_batch.py)."""
+    documents for the chosen layout and records it (``batch.per_batch``; planner/search/per_batch.py).
+    ``schedule`` (a user's schedule IR, read from ``schedule_source``): plan the layouts that can
+    run it, priced running it (planner/search/user_schedule.py)."""
     if global_batch < 1:
         raise AutoparError(f"--global-batch must be a positive integer, got {global_batch}")
     if seq_lens is not None:
         hist, source = as_histogram(seq_lens)
         graph = with_documents(graph, hist, source)
     pins = as_pins(fix).check_world(cluster.world, cluster.name)
-    res = search(graph, cluster, global_batch, profile=profile, top_k=top_k, progress=progress, pins=pins,
-                 **search_kw)
+    if schedule is None:
+        res = search(graph, cluster, global_batch, profile=profile, top_k=top_k, progress=progress, pins=pins,
+                     **search_kw)
+    else:
+        res, got = search_for_schedule(graph, cluster, global_batch, schedule, schedule_source, pins,
+                                       evaluate_config, profile, progress=progress, **search_kw)
+        res.alternatives = res.alternatives[:top_k]
     info = {"considered": res.considered, "pruned": res.pruned, "estimated": res.estimated,
             "fully_solved": res.fully_solved,
             "partition": {k: {kk: vv for kk, vv in v.items() if kk not in ("solve_s",)}
                           for k, v in sorted(res.partition_info.items())}}
     if pins:
         info["fix"] = pins.to_str()
+    if schedule is not None:
+        info["schedule"] = got.why
     plan = build_plan(graph, cluster, res.best, spec=spec, cluster_spec=cluster_spec,
                       alternatives=res.alternatives, rejected=res.rejected, counts=res.rejected_counts,
-                      search_info=info)
+                      search_info=info, schedule=schedule)
     if per_batch:
         if graph.documents is None:
             raise AutoparError("--per-batch assigns packed documents per batch: give their lengths with --seq-lens")
@@ -144,22 +162,26 @@ def plan_model(graph: ModelGraph, cluster: Cluster, global_batch: int, *, spec: 
 
 
 def evaluate_config(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,
-                    even_split: bool = False, profile=None, engine=None) -> tuple[Estimate, list[str]]:
+                    even_split: bool = False, profile=None, engine=None,
+                    schedule: Schedule | None = None) -> tuple[Estimate, list[str]]:
     """Price ``cfg``; returns the estimate and what the runtime cannot run of it (empty if
     nothing): the feasibility predicate (``planner.feasibility.problems``), as the search and
     the runtime apply it. Where one of its problems leaves nothing to price (the degrees do not
     cover the cluster, expert-parallel groups that do not exist, more stages than stage groups,
     a global batch that does not split into micro-batches, micro-batches the schedule cannot order),
     AutoparError with every problem. ``engine`` (cost_models/engines.py; None: autopar's runtime)
-    is the engine whose overlaps are priced."""
+    is the engine whose overlaps are priced. ``schedule``: the schedule IR of ``schedule=custom``
+    (a user's file); it and dualpipev are priced on the even split (the stage ILP models looped
+    stages)."""
     facts = facts_of(graph)
     found = problems(cfg, facts, batch_of(graph, global_batch), cluster)
     if degrees_problem(cfg, cluster) or expert_groups_problem(cfg.ep, cfg.dp, cfg.cp, facts, cfg.tp):  # no mesh
         raise AutoparError(f"{cfg.label()} cannot be priced: " + "; ".join(found))
     try:
-        if even_split or cfg.pp * cfg.vpp == 1:
+        if even_split or cfg.pp * cfg.vpp == 1 or cfg.schedule not in SCHEDULES:
             part = split_evenly(graph, cfg.pp * cfg.vpp, cfg.recompute)
-            return estimate(graph, cluster, cfg, part, global_batch, profile=profile, engine=engine), found
+            return estimate(graph, cluster, cfg, part, global_batch, profile=profile, engine=engine,
+                            schedule=schedule), found
         return split_and_estimate(graph, cluster, cfg, global_batch, profile, engine=engine)[0], found
     except (PlanError, ScheduleError) as e:
         raise AutoparError(f"{cfg.label()} cannot be priced: " + "; ".join(found or [str(e)])) from None

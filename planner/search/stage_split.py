@@ -13,6 +13,7 @@ from cost_models.wan_cost import stage_capacity, stage_slowdowns
 from planner.feasibility import recompute_attention_problem
 from planner.graph import BLOCK_KINDS, ModelGraph
 from planner.plan import RECOMPUTE, ParallelConfig, Partition, recompute_policies
+from planner.search.schedule_gen import best_schedule
 
 # The stage ILP's solver (planner/search/partition_solvers.py): HiGHS where highspy is installed (the
 # 'highs' extra), else CBC. HiGHS proves the interleaved splits CBC leaves at a 2% gap after its 10 s
@@ -143,7 +144,28 @@ def split_and_estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
                           profile=profile, engine=engine)
         if not e.fits or (e_even.fits and e_even.step_s < e.step_s):
             e, info = e_even, dict(info, chosen="even split (simulated faster or the ILP split did not fit)")
-    return e, info
+    return with_generated_schedule(graph, cluster, e, profile, engine, info)
+
+
+GEN_MAX_WORK = 65_536  # generate a schedule only where pp^2 x micro-batches stays within this (~0.15 s)
+
+
+def with_generated_schedule(graph: ModelGraph, cluster: Cluster, e: Estimate, profile, engine,
+                            info: dict) -> tuple[Estimate, dict]:
+    """``e``, or the same layout and split running a schedule generated for its stage times
+    (planner/search/schedule_gen.py, at 1F1B's activation memory) where that is faster and
+    fits: one stage per rank, and ``pp^2 m`` within :data:`GEN_MAX_WORK`."""
+    cfg, m = e.config, e.microbatches
+    if cfg.pp == 1 or cfg.vpp > 1 or cfg.schedule not in ("1f1b", "zb-h1") or cfg.pp ** 2 * m > GEN_MAX_WORK:
+        return e, info
+    choice = best_schedule(e.stage_fwd_s, e.stage_bwd_s, m, p2p=e.p2p_hop_s)
+    if choice.schedule is None:
+        return e, info
+    gen = estimate(graph, cluster, cfg.replace(schedule="custom"), e.partition, e.global_batch, profile=profile,
+                   engine=engine, schedule=choice.schedule)
+    if not gen.fits or gen.step_s >= e.step_s:
+        return e, info
+    return gen, dict(info, schedule=f"generated: {e.step_s / gen.step_s:.3f}x faster than {cfg.schedule}")
 
 
 def best_partition(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None,

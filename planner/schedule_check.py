@@ -1,0 +1,149 @@
+"""Check a schedule IR (``planner/schedule_ir.py``) before anything runs it: one line per problem.
+
+:func:`check` raises :class:`~planner.schedule_ir.ScheduleError` naming the FIRST problem, in
+this order:
+
+1. shape: at least one rank and micro-batch, every stage placed on an existing rank, every rank
+   holding a stage;
+2. each action: a known kind, an existing stage and micro-batch, on the rank holding its stage;
+3. every action once, and each (stage, micro-batch) has a forward and exactly one backward:
+   ``B``, or ``I`` and ``W``;
+4. dependencies satisfiable across ranks (no deadlock): the ranks are executed symbolically, each
+   running its next action as soon as what it waits for has run anywhere (sends never block
+   in torch's runtime; only a compute action waits for its input) - a rank stuck for good names
+   the action and what it waits for;
+5. memory: with ``act_bytes`` (one micro-batch's activations per stage) and ``limit_bytes`` (per
+   rank), the peak activations a rank holds (from a stage's F until its B or I) within the limit.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from planner.schedule_ir import BACKWARDS, KINDS, Action, Schedule, ScheduleError, parts
+
+
+def check(s: Schedule, act_bytes: Sequence[float] | None = None,
+          limit_bytes: Sequence[float] | float | None = None, where: str = "schedule") -> Schedule:
+    """``s`` if it can run (module docstring), else ScheduleError; ``where`` names it in messages."""
+    _check_shape(s, where)
+    _check_actions(s, where)
+    _check_complete(s, where)
+    _check_deadlock(s, where)
+    if act_bytes is not None and limit_bytes is not None:
+        _check_memory(s, act_bytes, limit_bytes, where)
+    return s
+
+
+def _check_shape(s: Schedule, where: str) -> None:
+    if s.p < 1:
+        raise ScheduleError(f"{where}: no ranks; give one row of actions per pp rank")
+    if isinstance(s.n_microbatches, bool) or not isinstance(s.n_microbatches, int) or s.n_microbatches < 1:
+        raise ScheduleError(f"{where}: {s.n_microbatches!r} micro-batches; it needs at least one")
+    if not s.stage_rank:
+        raise ScheduleError(f"{where}: no stages; each rank must run the actions of at least one stage")
+    for st, r in enumerate(s.stage_rank):
+        if not 0 <= r < s.p:
+            raise ScheduleError(f"{where}: stage {st} placed on rank {r}, but there are {s.p} ranks")
+    for r in range(s.p):
+        if r not in s.stage_rank:
+            raise ScheduleError(f"{where}: rank {r} holds no stage; every pp rank needs at least one")
+
+
+def _check_actions(s: Schedule, where: str) -> None:
+    seen: set[Action] = set()
+    for r in range(s.p):
+        for i, a in enumerate(s.actions(r)):
+            if not isinstance(a, Action) or a.kind not in KINDS:
+                raise ScheduleError(f"{where}: rank {r} action {i} ({a}) is not one of {', '.join(KINDS)}")
+            if not 0 <= a.stage < s.n_stages:
+                raise ScheduleError(f"{where}: rank {r} runs {a}, but there are {s.n_stages} stages (0..{s.n_stages - 1})")
+            if not 0 <= a.mb < s.n_microbatches:
+                raise ScheduleError(f"{where}: rank {r} runs {a}, but there are {s.n_microbatches} micro-batches "
+                                    f"(0..{s.n_microbatches - 1})")
+            if s.stage_rank[a.stage] != r:
+                raise ScheduleError(f"{where}: rank {r} runs {a}, but stage {a.stage} lives on rank "
+                                    f"{s.stage_rank[a.stage]}; move the action to that rank's row")
+            if a in seen:
+                raise ScheduleError(f"{where}: rank {r} runs {a} twice; every action runs once")
+            seen.add(a)
+
+
+def _check_complete(s: Schedule, where: str) -> None:
+    have = {(a.kind, a.stage, a.mb) for r in range(s.p) for a in s.actions(r)}
+    for st in range(s.n_stages):
+        for mb in range(s.n_microbatches):
+            name = f"stage {st} micro-batch {mb}"
+            if ("F", st, mb) not in have:
+                raise ScheduleError(f"{where}: {name} has no forward; add {st}F{mb}")
+            b, i, w = (("B", st, mb) in have), (("I", st, mb) in have), (("W", st, mb) in have)
+            if b and (i or w):
+                raise ScheduleError(f"{where}: {name} has a full backward {st}B{mb} and a split one "
+                                    f"({st}I{mb}/{st}W{mb}); keep one")
+            if not b and not (i and w):
+                missing = f"{st}B{mb}" if not (i or w) else (f"{st}W{mb}" if i else f"{st}I{mb}")
+                raise ScheduleError(f"{where}: {name} has no complete backward; add {missing}")
+
+
+def needs(a: Action, n_stages: int) -> tuple[str, int, int] | None:
+    """What ``a`` waits for, as ``(kind, stage, mb)`` with kind ``F``, ``BI`` (a B or an I of
+    that stage and micro-batch) or ``I``; None for the first forward."""
+    if a.kind == "F":
+        return ("F", a.stage - 1, a.mb) if a.stage else None
+    if a.kind in BACKWARDS:
+        return ("BI", a.stage + 1, a.mb) if a.stage < n_stages - 1 else ("F", a.stage, a.mb)
+    return ("I", a.stage, a.mb)
+
+
+def _check_deadlock(s: Schedule, where: str) -> None:
+    done: set[tuple[str, int, int]] = set()
+    order = [s.actions(r) for r in range(s.p)]
+    ptr = [0] * s.p
+    progress = True
+    while progress:
+        progress = False
+        for r in range(s.p):
+            while ptr[r] < len(order[r]):
+                a = order[r][ptr[r]]
+                dep = needs(a, s.n_stages)
+                if dep is not None and dep not in done:
+                    break
+                done.add((a.kind, a.stage, a.mb))
+                if a.kind in BACKWARDS:
+                    done.add(("BI", a.stage, a.mb))
+                ptr[r] += 1
+                progress = True
+    for r in range(s.p):
+        if ptr[r] < len(order[r]):
+            a = order[r][ptr[r]]
+            kind, st, mb = needs(a, s.n_stages)
+            dep = f"{st}{kind if kind != 'BI' else 'B/I'}{mb}"
+            raise ScheduleError(f"{where}: deadlock - rank {r} waits forever at {a} for {dep} "
+                                f"(on rank {s.stage_rank[st]}); reorder so {dep} can run first")
+
+
+def peak_activations(s: Schedule, act_bytes: Sequence[float]) -> list[float]:
+    """Per rank, the most activation bytes held at once: a stage's micro-batch from its F until
+    its B or I (``act_bytes[stage]`` each)."""
+    out = []
+    for r in range(s.p):
+        held = best = 0.0
+        for st in s.ranks[r]:
+            for a in parts(st):
+                if a.kind == "F":
+                    held += act_bytes[a.stage]
+                    best = max(best, held)
+                elif a.kind in BACKWARDS:
+                    held -= act_bytes[a.stage]
+        out.append(best)
+    return out
+
+
+def _check_memory(s: Schedule, act_bytes: Sequence[float], limit_bytes: Sequence[float] | float,
+                  where: str) -> None:
+    if len(act_bytes) != s.n_stages:
+        raise ScheduleError(f"{where}: {len(act_bytes)} activation sizes for {s.n_stages} stages")
+    limits = [float(limit_bytes)] * s.p if isinstance(limit_bytes, (int, float)) else list(limit_bytes)
+    for r, (peak, lim) in enumerate(zip(peak_activations(s, act_bytes), limits)):
+        if peak > lim:
+            raise ScheduleError(f"{where}: rank {r} holds {peak / 2**30:.2f} GiB of activations at its peak, over "
+                                f"its {lim / 2**30:.2f} GiB; run backwards earlier (fewer forwards in flight)")
