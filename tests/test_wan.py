@@ -96,7 +96,8 @@ def test_planner_cuts_the_pipeline_on_the_wan():
 def test_variant_floor_bounds_the_fast_pass_and_memory_first():
     """The search's per-variant WAN floor (balanced stages + the cheapest hop's stall) never exceeds
     the fast pass's step on the even split, and ``fast_memory`` is the fast estimate's memory."""
-    from cost_models.estimate import estimate, fast_memory, inflight_closed
+    from cost_models.estimate import estimate
+    from cost_models.pipeline_memory import fast_memory, inflight_closed
     from cost_models.layer_costs import LayerCosts, layer_pass_times
     from cost_models.wan_cost import BalancedPipe, cheapest_wan_hops, pipeline_wan_floor_s
     from planner.frontend.load import load_graph

@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from cost_models.cluster import Cluster
-from cost_models.estimate import Estimate, estimate, fast_memory, inflight_closed
+from cost_models.estimate import Estimate, estimate
+from cost_models.pipeline_memory import fast_memory, inflight_closed
 from cost_models.layer_costs import LayerCosts, layer_pass_times
 from cost_models.pipeline import estimate_step, linear_step
 from cost_models.wan_cost import BalancedPipe, WanHop, cheapest_wan_hops, pipeline_wan_floor_s, wan_floor_s
@@ -317,20 +318,26 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, s
     return sorted(ranked, key=lambda x: (x[0], x[1]))
 
 
-def _fast_estimate(space: _Space, cfg: ParallelConfig, costs: LayerCosts, m: int) -> Estimate | tuple[int, float, float]:
+def _fast_estimate(space: _Space, cfg: ParallelConfig, costs: LayerCosts,
+                   m: int) -> Estimate | tuple[int, float, float]:
     """The fast pass on one variant: the closed-form estimate on the first split of ``fast_splits``
-    that fits, its memory checked before its times (``cost_models.estimate.fast_memory``, the
+    that fits, its memory checked before its times (``cost_models.pipeline_memory.fast_memory``, the
     same figures); when none fits, (pp rank, bytes over, bytes needed) of the last split tried."""
     g = space.graph
     key = (cfg.pp, cfg.vpp, cfg.recompute, cfg.dp * cfg.cp * cfg.tp)  # what the splits depend on
     if key not in space.split_cache:
         space.split_cache[key] = fast_splits(g, space.cluster, cfg)
     for part in space.split_cache[key]:  # the even split; on mixed devices speed-weighted first
-        memory, cap = fast_memory(g, cfg, part, space.global_batch, costs, space.profile)
+        fm = fast_memory(g, cfg, part, space.global_batch, costs, space.profile)
+        if fm is None:  # a schedule the fast pass simulates: price it, memory and all
+            e = estimate(g, space.cluster, cfg, part, space.global_batch, profile=space.profile, fast=True, costs=costs)
+            memory, cap = e.memory, e.capacity
+        else:
+            (memory, cap), e = fm, None
         r = max(range(len(memory)), key=lambda k: memory[k].total)
         if memory[r].total <= cap:
-            return estimate(g, space.cluster, cfg, part, space.global_batch, profile=space.profile, fast=True,
-                            costs=costs)
+            return e or estimate(g, space.cluster, cfg, part, space.global_batch, profile=space.profile, fast=True,
+                                 costs=costs)
     return r, memory[r].total - cap, memory[r].total
 
 

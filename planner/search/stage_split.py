@@ -5,7 +5,8 @@ estimate (``split_and_estimate`` / ``best_partition``; the solver is planner/sea
 from __future__ import annotations
 
 from cost_models.cluster import Cluster
-from cost_models.estimate import Estimate, estimate, inflight_closed
+from cost_models.estimate import Estimate, estimate
+from cost_models.pipeline_memory import inflight_closed
 from cost_models.layer_costs import LayerCosts, act_bytes_io, layer_pass_times
 from cost_models.compute import calibration
 from cost_models.memory import MemoryRule, chunk_memory, framework_reserve
