@@ -126,3 +126,19 @@ def test_variant_floor_bounds_the_fast_pass_and_memory_first():
         memory, cap = fast_memory(g, cfg, part, 64, costs)
         assert [x.total for x in memory] == [x.total for x in e.memory] and cap == e.capacity
     assert seen_stall  # the floor charges the WAN somewhere (else it would test nothing)
+
+
+def test_generated_schedules_on_the_wan_and_a_pinned_schedule():
+    """A pipeline cut on the WAN: the search fully solves the best variant a generated schedule may
+    run, which hides the hop behind held-back weight passes; a pinned schedule stays what it says."""
+    from planner.frontend.load import load_graph
+    from planner.search.planning import plan_model
+    from planner.search.stage_split import generates
+
+    g = load_graph("llama3-8b", batch=1, seq_len=None)
+    cl = parse_cluster("two-region-h100:2")
+    _, res = plan_model(g, cl, 64, spec="llama3-8b", cluster_spec="two-region-h100:2")
+    solved = [k for k in res.partition_info if "schedule=1f1b," in k or "schedule=zb-h1," in k]
+    assert solved  # one one-stage-per-rank layout at least was tried with a generated schedule
+    _, pinned = plan_model(g, cl, 64, spec="llama3-8b", cluster_spec="two-region-h100:2", fix="schedule=1f1b")
+    assert pinned.best.config.schedule == "1f1b" and generates(pinned.best.config, pinned.best.microbatches)

@@ -62,7 +62,7 @@ from planner.search.candidates import (DOMINATED_REASON, Point, Rejections, batc
                                        fp8_problem, points,
                                        request_problem, schedule_choices, variants)
 from planner.search.pins import Pins
-from planner.search.stage_split import fast_splits, split_and_estimate
+from planner.search.stage_split import fast_splits, generates, split_and_estimate
 
 GiB = 2**30
 
@@ -347,9 +347,10 @@ def _solve_best(space: _Space, ranked: list[tuple[float, str, Estimate]], solve_
     the runner-ups (solved ones first) go into ``space.res``."""
     res = space.res
     finals: list[tuple[float, str, Estimate]] = []
-    for _, key, e in ranked[:max(solve_top, 1)]:
+    for _, key, e in ranked[:max(solve_top, 1)] + _wan_generated(space, ranked[max(solve_top, 1):]):
         e2, info = split_and_estimate(space.graph, space.cluster, e.config, space.global_batch, space.profile,
-                                      ilp_time_limit, uniform_recompute="recompute" in space.pins.choice)
+                                      ilp_time_limit, uniform_recompute="recompute" in space.pins.choice,
+                                      generated="schedule" not in space.pins.choice)
         res.fully_solved += 1
         res.partition_info[e.config.to_str()] = info
         if e2.fits:
@@ -374,6 +375,20 @@ def _solve_best(space: _Space, ranked: list[tuple[float, str, Estimate]], solve_
         alts += sorted((next(x[2] for x in ranked if x[2].config.cp == cp) for cp in cps), key=lambda e: e.step_s)
     res.alternatives = alts
     res.rejected, res.rejected_counts = space.rej.examples, space.rej.counts
+
+
+def _wan_generated(space: _Space, rest: list[tuple[float, str, Estimate]]) -> list[tuple[float, str, Estimate]]:
+    """Beyond the best few: the best variant a generated schedule may run
+    (``stage_split.generates``) when its pipeline has a boundary on the WAN. The fast pass charges
+    such a boundary the stall of the built-in schedule's in-flight micro-batches
+    (``cost_models.wan.stall_s``); a schedule generated for the stage times and hops can hold
+    them back differently and hide the hop, which only the full solve sees."""
+    for item in rest:
+        e = item[2]
+        if generates(e.config, e.microbatches) and any(x["dim"] == "pp" for x in e.wan) \
+                and "schedule" not in space.pins.choice:
+            return [item]
+    return []
 
 
 def _bucket(over: float) -> str:

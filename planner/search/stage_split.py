@@ -132,12 +132,14 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
 
 def split_and_estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None,
                        time_limit: float = 10.0, uniform_recompute: bool = False,
-                       engine=None) -> tuple[Estimate, dict]:
+                       engine=None, generated: bool = True) -> tuple[Estimate, dict]:
     """``cfg`` simulated in full on its best stage split: the ILP's, unless the simulator
     rates the even split faster or the ILP's does not fit (the ILP optimises a linear model
     of the schedule; the simulator is the judge). Returns the estimate and the solver info.
     ``uniform_recompute``: every stage keeps ``cfg.recompute`` (a pinned policy). ``engine``
-    (cost_models/engines.py) prices both splits; the ILP's coefficients are autopar's."""
+    (cost_models/engines.py) prices both splits; the ILP's coefficients are autopar's.
+    ``generated``: also try a generated schedule (:func:`with_generated_schedule`; not where
+    the schedule is pinned)."""
     part, info = best_partition(graph, cluster, cfg, global_batch, profile, time_limit, uniform_recompute)
     e = estimate(graph, cluster, cfg, part, global_batch, profile=profile, engine=engine)
     if cfg.pp * cfg.vpp > 1:
@@ -145,10 +147,16 @@ def split_and_estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
                           profile=profile, engine=engine)
         if not e.fits or (e_even.fits and e_even.step_s < e.step_s):
             e, info = e_even, dict(info, chosen="even split (simulated faster or the ILP split did not fit)")
-    return with_generated_schedule(graph, cluster, e, profile, engine, info)
+    return with_generated_schedule(graph, cluster, e, profile, engine, info) if generated else (e, info)
 
 
 GEN_MAX_WORK = 65_536  # generate a schedule only where pp^2 x micro-batches stays within this (~0.15 s)
+
+
+def generates(cfg: ParallelConfig, m: int) -> bool:
+    """Whether :func:`with_generated_schedule` tries a generated schedule for ``cfg`` with ``m``
+    micro-batches: one stage per rank under 1f1b or zb-h1, ``pp^2 m`` within :data:`GEN_MAX_WORK`."""
+    return cfg.pp > 1 and cfg.vpp == 1 and cfg.schedule in ("1f1b", "zb-h1") and cfg.pp ** 2 * m <= GEN_MAX_WORK
 
 
 def with_generated_schedule(graph: ModelGraph, cluster: Cluster, e: Estimate, profile, engine,
@@ -157,7 +165,7 @@ def with_generated_schedule(graph: ModelGraph, cluster: Cluster, e: Estimate, pr
     (planner/search/schedule_gen.py, at 1F1B's activation memory) where that is faster and
     fits: one stage per rank, and ``pp^2 m`` within :data:`GEN_MAX_WORK`."""
     cfg, m = e.config, e.microbatches
-    if cfg.pp == 1 or cfg.vpp > 1 or cfg.schedule not in ("1f1b", "zb-h1") or cfg.pp ** 2 * m > GEN_MAX_WORK:
+    if not generates(cfg, m):
         return e, info
     choice = best_schedule(e.stage_fwd_s, e.stage_bwd_s, m, p2p=e.p2p_hop_s)
     if choice.schedule is None:
