@@ -371,7 +371,7 @@ def p2p_hops(nbytes: float, cluster: Cluster, mesh: Mesh | Mapping[str, int],
     out, by_class = [], {}  # boundaries inside the cluster differ only by their link class: time each once
     for link, across in zip(links, wans):
         if across is not None:
-            out.append(CommEstimate(_ring_time("send_recv", float(nbytes), 2, across), "model"))
+            out.append(CommEstimate(p2p_link_time(float(nbytes), across), "model"))
             continue
         if link not in by_class:
             lay = GroupLayout(size=2, link=link, per_node=1 if link == "inter" else 2,
@@ -379,6 +379,12 @@ def p2p_hops(nbytes: float, cluster: Cluster, mesh: Mesh | Mapping[str, int],
             by_class[link] = _group_time("send_recv", float(nbytes), lay, cluster, profile)
         out.append(by_class[link])
     return out
+
+
+def p2p_link_time(nbytes: float, link: Link) -> float:
+    """One send of ``nbytes`` over ``link`` (one flow's WAN link: ``cost_models.wan.boundary_links``),
+    seconds: bytes over its bandwidth plus its one-way latency."""
+    return _ring_time("send_recv", nbytes, 2, link)
 
 
 def p2p_time(nbytes: float, cluster: Cluster, mesh: Mesh | Mapping[str, int], profile: ProfileDB | None = None,

@@ -80,7 +80,7 @@ layer times or collective times were used, ``roofline`` / ``model`` otherwise.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from cost_models import comm as comm_mod
@@ -92,8 +92,8 @@ from cost_models.cpu_runtime import wrapper_unit_s
 from cost_models.engines import Engine, engine_of, exposed_s
 from cost_models.experts import ep_mesh
 from cost_models.layer_costs import LayerCosts, act_bytes_io, layer_pass_times
-from cost_models.memory import (LayerTable, MemoryRule, StageMemory, chunk_memory, dp_group, framework_reserve,
-                                 rank_memory)
+from cost_models.memory import LayerTable, StageMemory, dp_group
+from cost_models.pipeline_memory import inflight_closed, rank_memories
 from cost_models.wan_cost import crossings, outer_step_s, stage_capacity, stage_devices, stage_slowdowns
 from cost_models.shared_cores import compute_concurrency, core_speedup, shares_cores, spare_core
 from planner.feasibility import microbatches
@@ -210,22 +210,6 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
     slow = stage_slowdowns(costs.c, cfg)  # mixed devices: each stage's compute on its rank's device (costs.cfg
     #                                      may be another pp's: the layer costs are shared across pp and dp)
     return [st.sped_up(1 / slow[placement[j]]) if slow[placement[j]] != 1.0 else st for j, st in enumerate(out)]
-
-
-def _rank_memory(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
-                 table: LayerTable, inflight_chunks: list[int], cal: dict[str, float],
-                 on_rank: list[list[int]]) -> list[StageMemory]:
-    """Memory of every pp rank (``memory.rank_memory``): its chunks (``on_rank[r]``) with the
-    in-flight (chunk, micro-batch) pairs the pipeline holds there, spread evenly over the chunks."""
-    rule = MemoryRule(graph, cfg, table)
-    reserve = framework_reserve(cluster.backend != "gloo", cal)
-    memory = []
-    for r in range(cfg.pp):
-        chunks = on_rank[r]
-        mems = [chunk_memory(rule, range(*partition.bounds[j]), partition.recompute[j]) for j in chunks]
-        m = rank_memory(mems, [inflight_chunks[r] / len(chunks)] * len(chunks), reserve)
-        memory.append(replace(m, inflight=inflight_chunks[r]))
-    return memory
 
 
 @dataclass(frozen=True)
@@ -398,7 +382,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     cal = calibration(profile)
     table = costs.table(cfg)
     on_rank = [[j for j, at in enumerate(placement) if at == r] for r in range(cfg.pp)]
-    memory = _rank_memory(graph, cluster, cfg, partition, table, inflight_chunks, cal, on_rank)
+    memory = rank_memories(graph, cluster, cfg, partition, table, inflight_chunks, cal, on_rank)
     mine = on_rank[max(range(cfg.pp), key=lambda r: sum(stages[j].fwd + stages[j].bwd for j in on_rank[r]))]
     rank_f, rank_b = (sum(getattr(stages[j], k) for j in mine) for k in ("fwd", "bwd"))
     dp_exposed, opt_s = _dp_and_optimizer(cluster, cfg, partition, table, on_rank, mine, m, (rank_f, rank_b),
@@ -485,12 +469,3 @@ def _shared_core_speedup(cluster: Cluster, cfg: ParallelConfig, bubble: float, r
         return 1.0
     c_pp = compute_concurrency(result.events) if result is not None else max(1.0, cfg.pp * (1.0 - bubble))
     return core_speedup(cores, ranks, c_pp * ranks / cfg.pp)
-
-
-def inflight_closed(schedule: str, p: int, m: int, v: int, r: int) -> int:
-    """Peak in-flight (chunk, micro-batch) pairs on rank r, closed forms of the simulator's orders."""
-    if schedule == "gpipe":
-        return m
-    if schedule == "interleaved-1f1b" and v > 1:
-        return min(2 * (p - 1 - r) + (v - 1) * p + 1, m * v)
-    return min(p - r, m)

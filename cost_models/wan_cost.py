@@ -16,6 +16,10 @@ Reads the placement rules of :mod:`cost_models.wan` and prices with :mod:`cost_m
   alone (the search prunes with it): every sharding reduces each gradient at least once, whose
   cross-group phase no overlap can shorten (the step is at least that long), and a pipeline
   boundary on the WAN carries each micro-batch's activation one after another.
+- :func:`pipeline_wan_floor_s`: one variant's pipeline on perfectly balanced stages with its WAN
+  boundaries' stalls (``cost_models.wan.stall_s`` at the smallest activation a boundary can send):
+  a lower bound of the search's fast pass on that variant (the search prunes variants with it
+  before pricing them).
 """
 from __future__ import annotations
 
@@ -171,6 +175,9 @@ def stage_capacity(cluster: Cluster, cfg: ParallelConfig) -> float:
     (``cost_models.wan.capacity_bytes``; the cluster's own on one device type)."""
     if cluster.topology is None:
         return cluster.memory_bytes
+    sizes = {cluster.group_device(g).memory_gib for g in range(cluster.n_groups)}
+    if len(sizes) == 1:  # every group's devices hold the same (every estimate asks): no rank to look up
+        return sizes.pop() * 2**30
     return wan.capacity_bytes(cluster, cfg.pp, cfg.dp * cfg.cp * cfg.tp)
 
 
@@ -190,3 +197,51 @@ def wan_floor_s(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, m: int
         if links:
             floor = max(floor, m * smallest / min(k.bandwidth_bps for k in links))
     return floor
+
+
+@dataclass(frozen=True)
+class BalancedPipe:
+    """One variant's pipeline on perfectly balanced stages: ``closed_s`` its schedule's closed form
+    (seconds, no hops), ``rank_s`` one micro-batch's forward + backward on one rank (all its
+    chunks, seconds) and ``inflight`` per pp rank the micro-batches it holds (chunks / vpp)."""
+
+    closed_s: float
+    rank_s: float
+    inflight: list[int]
+
+
+@dataclass(frozen=True)
+class WanHop:
+    """A pipeline boundary on the WAN at its cheapest: ``boundary`` (stage i -> i + 1), ``hop_s`` one
+    send of the smallest activation any split can send there (bandwidth + latency) and ``bw_s`` its
+    bandwidth part, seconds."""
+
+    boundary: int
+    hop_s: float
+    bw_s: float
+
+
+def cheapest_wan_hops(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig) -> list[WanHop]:
+    """Every pipeline boundary of ``cfg`` on the WAN with its cheapest hop (:class:`WanHop`); they
+    depend on the degrees, the micro-batch and sequence parallel only (the search computes them
+    once per degree tuple)."""
+    if cfg.pp == 1 or cluster.topology is None:
+        return []
+    links = wan.boundary_links(cluster, cfg.pp, _mesh(cfg).stride("pp"))
+    if not any(k is not None for k in links):
+        return []
+    smallest = min(act_bytes_io(graph.layers[i], graph, cfg) / cfg.seq_shards for i in range(1, len(graph.layers)))
+    return [WanHop(r, comm_mod.p2p_link_time(smallest, k), smallest / k.bandwidth_bps)
+            for r, k in enumerate(links) if k is not None]
+
+
+def pipeline_wan_floor_s(m: int, pp: int, pipe: BalancedPipe, hops: list[WanHop]) -> float:
+    """``pipe.closed_s`` plus what the WAN adds at least (module docstring): the worst WAN boundary's
+    stall (:func:`cost_models.wan.stall_s`, the search's fast pass) at its cheapest hop
+    (:func:`cheapest_wan_hops`), and at least the link's floor (:func:`cost_models.wan.link_floor_s`).
+    Both grow with the stage time and the hop, so balanced stages and the smallest activation
+    bound the fast pass from below. ``pipe.closed_s`` itself without a WAN boundary."""
+    if not hops:
+        return pipe.closed_s
+    stall = max(wan.stall_s(m, pp, h.boundary, pipe.rank_s, h.hop_s, pipe.inflight[h.boundary]) for h in hops)
+    return max(pipe.closed_s + stall, wan.link_floor_s(m, [h.bw_s for h in hops], pp * pipe.rank_s))

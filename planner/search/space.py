@@ -25,7 +25,8 @@ Pruning keeps the space whole but cheap, with two bounds per degree tuple
   At or above the incumbent's step time, no variant can win; all are pruned.
 Tuples are visited in increasing floor, so a good incumbent comes early. Inside a
 tuple, each variant gets its own floor (its schedule's closed form on perfectly
-balanced stages, plus its recompute), and variants the cost model proves no better
+balanced stages, plus its recompute; with a pipeline boundary on the WAN, plus the stall
+the fast pass charges it: ``cost_models.wan_cost.pipeline_wan_floor_s``), and variants the cost model proves no better
 than another (``candidates.DOMINATED``) are skipped.
 Surviving variants get the closed-form estimate on an even stage split; the best
 ``solve_top`` are then re-partitioned by the ILP (planner/search/partition.py) and
@@ -45,9 +46,10 @@ from typing import Callable
 
 from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
+from cost_models.pipeline_memory import fast_memory, inflight_closed
 from cost_models.layer_costs import LayerCosts, layer_pass_times
 from cost_models.pipeline import estimate_step, linear_step
-from cost_models.wan_cost import wan_floor_s
+from cost_models.wan_cost import BalancedPipe, WanHop, cheapest_wan_hops, pipeline_wan_floor_s, wan_floor_s
 from planner.low_comm import low_comm_problem, parse_low_comm
 from cost_models.compute import calibration
 from cost_models.memory import Reserve, framework_reserve, memory_floor
@@ -60,7 +62,7 @@ from planner.search.candidates import (DOMINATED_REASON, Point, Rejections, batc
                                        fp8_problem, points,
                                        request_problem, schedule_choices, variants)
 from planner.search.pins import Pins
-from planner.search.stage_split import fast_splits, split_and_estimate
+from planner.search.stage_split import fast_splits, generates, split_and_estimate
 
 GiB = 2**30
 
@@ -101,6 +103,7 @@ class _Space:
     cost_cache: dict = field(default_factory=dict)
     table_cache: dict = field(default_factory=dict)   # memory tables, shared by the layer costs of every key
     ulysses_cache: dict = field(default_factory=dict)  # (cp, tp, ep, mbs) -> the best Ulysses degree
+    split_cache: dict = field(default_factory=dict)    # (pp, vpp, recompute, dp cp tp) -> the fast pass's splits
     leanest: tuple[float, bool] = (math.inf, False)   # least bytes per device any rejected layout needs, exact?
 
     def note_need(self, need: float, exact: bool) -> None:
@@ -277,6 +280,7 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, s
         costs = t.costs
         stage = _balanced_stage_times(costs, g, t.pp)
         threads = layout_threads(space.cluster, t.dp * t.pp * t.cp * t.tp)
+        wan_hops: dict[bool, list[WanHop]] = {}  # per sequence parallel: the tuple's WAN boundaries at their cheapest
         for cfg in variants(Point(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, t.ep, (t.ulysses,), threads), t.ulysses,
                             space.facts, space.batch, space.dtype, space.loss, dominated=False, pins=space.pins,
                             fp8=space.fp8, compile=space.compile, low_comm=space.low_comm):
@@ -285,19 +289,22 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, s
             f, b = stage[cfg.recompute]
             v = cfg.vpp
             lb = estimate_step(cfg.schedule, t.pp, t.m, f / v, b / v, v=v) if t.pp > 1 else t.m * (f + b)
+            if cfg.sp not in wan_hops:
+                wan_hops[cfg.sp] = cheapest_wan_hops(g, space.cluster, cfg)
+            if wan_hops[cfg.sp]:  # and the stall of its WAN boundaries, what the fast pass adds
+                lb = pipeline_wan_floor_s(t.m, t.pp, BalancedPipe(
+                    lb, f + b, [inflight_closed(cfg.schedule, t.pp, t.m, v, r) // v for r in range(t.pp)]),
+                    wan_hops[cfg.sp])
             if lb >= best_s:
                 rej.add("time floor above the best step time found", cfg.label())
                 res.pruned += 1
                 continue
-            for part in fast_splits(g, space.cluster, cfg):  # the even split; on mixed devices speed-weighted first
-                e = estimate(g, space.cluster, cfg, part, space.global_batch, profile=space.profile, fast=True,
-                             costs=costs if LayerCosts.key(cfg) == LayerCosts.key(costs.cfg) else None)
-                if e.fits:
-                    break
+            e = _fast_estimate(space, cfg, costs if LayerCosts.key(cfg) == LayerCosts.key(costs.cfg) else
+                               space.costs(cfg), t.m)
             res.estimated += 1
-            if not e.fits:
-                r, over = e.shortfall()
-                space.note_need(e.memory[r].total, exact=True)
+            if isinstance(e, tuple):
+                r, over, need = e
+                space.note_need(need, exact=True)
                 rej.add(f"OOM by {_bucket(over)} on stage {r}", cfg.label())
                 continue
             ranked.append((e.step_s, cfg.to_str(), e))
@@ -311,13 +318,36 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, s
     return sorted(ranked, key=lambda x: (x[0], x[1]))
 
 
+def _fast_estimate(space: _Space, cfg: ParallelConfig, costs: LayerCosts,
+                   m: int) -> Estimate | tuple[int, float, float]:
+    """The fast pass on one variant: the closed-form estimate on the first split of ``fast_splits``
+    that fits, its memory checked before its times (``cost_models.pipeline_memory.fast_memory``, the
+    same figures); when none fits, (pp rank, bytes over, bytes needed) of the last split tried."""
+    g = space.graph
+    key = (cfg.pp, cfg.vpp, cfg.recompute, cfg.dp * cfg.cp * cfg.tp)  # what the splits depend on
+    if key not in space.split_cache:
+        space.split_cache[key] = fast_splits(g, space.cluster, cfg)
+    for part in space.split_cache[key]:  # the even split; on mixed devices speed-weighted first
+        fm = fast_memory(g, cfg, part, space.global_batch, costs, space.profile)
+        if fm is None:  # a schedule the fast pass simulates: price it, memory and all
+            e = estimate(g, space.cluster, cfg, part, space.global_batch, profile=space.profile, fast=True, costs=costs)
+            memory, cap = e.memory, e.capacity
+        else:
+            (memory, cap), e = fm, None
+        r = max(range(len(memory)), key=lambda k: memory[k].total)
+        if memory[r].total <= cap:
+            return e or estimate(g, space.cluster, cfg, part, space.global_batch, profile=space.profile, fast=True,
+                                 costs=costs)
+    return r, memory[r].total - cap, memory[r].total
+
+
 def _solve_best(space: _Space, ranked: list[tuple[float, str, Estimate]], solve_top: int, ilp_time_limit: float,
                 top_k: int) -> None:
     """The ILP stage split and the simulated schedule for the best ``solve_top``; the winner and
     the runner-ups (solved ones first) go into ``space.res``."""
     res = space.res
     finals: list[tuple[float, str, Estimate]] = []
-    for _, key, e in ranked[:max(solve_top, 1)]:
+    for _, key, e in ranked[:max(solve_top, 1)] + _wan_generated(space, ranked[max(solve_top, 1):]):
         e2, info = split_and_estimate(space.graph, space.cluster, e.config, space.global_batch, space.profile,
                                       ilp_time_limit, uniform_recompute="recompute" in space.pins.choice,
                                       generate="schedule" not in space.pins.choice)
@@ -345,6 +375,20 @@ def _solve_best(space: _Space, ranked: list[tuple[float, str, Estimate]], solve_
         alts += sorted((next(x[2] for x in ranked if x[2].config.cp == cp) for cp in cps), key=lambda e: e.step_s)
     res.alternatives = alts
     res.rejected, res.rejected_counts = space.rej.examples, space.rej.counts
+
+
+def _wan_generated(space: _Space, rest: list[tuple[float, str, Estimate]]) -> list[tuple[float, str, Estimate]]:
+    """Beyond the best few: the best variant a generated schedule may run
+    (``stage_split.generates``) when its pipeline has a boundary on the WAN. The fast pass charges
+    such a boundary the stall of the built-in schedule's in-flight micro-batches
+    (``cost_models.wan.stall_s``); a schedule generated for the stage times and hops can hold
+    them back differently and hide the hop, which only the full solve sees."""
+    for item in rest:
+        e = item[2]
+        if generates(e.config, e.microbatches) and any(x["dim"] == "pp" for x in e.wan) \
+                and "schedule" not in space.pins.choice:
+            return [item]
+    return []
 
 
 def _bucket(over: float) -> str:

@@ -1,0 +1,58 @@
+"""Per pp rank memory of a pipeline (``cost_models.memory``'s rule over each rank's chunks), and the
+in-flight micro-batches of the built-in schedules' closed forms; the estimate's memory and the
+search's memory-first check (:func:`fast_memory`) both call it."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from cost_models import pipeline as pipe_mod
+from cost_models.cluster import Cluster
+from cost_models.compute import calibration
+from cost_models.layer_costs import LayerCosts
+from cost_models.memory import LayerTable, MemoryRule, StageMemory, chunk_memory, framework_reserve, rank_memory
+from cost_models.wan_cost import stage_capacity
+from planner import schedule_ir as ir
+from planner.feasibility import microbatches
+from planner.graph import ModelGraph
+from planner.plan import ParallelConfig, Partition
+
+
+def rank_memories(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
+                  table: LayerTable, inflight_chunks: list[int], cal: dict[str, float],
+                  on_rank: list[list[int]]) -> list[StageMemory]:
+    """Memory of every pp rank (``memory.rank_memory``): its chunks (``on_rank[r]``) with the
+    in-flight (chunk, micro-batch) pairs the pipeline holds there, spread evenly over the chunks."""
+    rule = MemoryRule(graph, cfg, table)
+    reserve = framework_reserve(cluster.backend != "gloo", cal)
+    memory = []
+    for r in range(cfg.pp):
+        chunks = on_rank[r]
+        mems = [chunk_memory(rule, range(*partition.bounds[j]), partition.recompute[j]) for j in chunks]
+        m = rank_memory(mems, [inflight_chunks[r] / len(chunks)] * len(chunks), reserve)
+        memory.append(replace(m, inflight=inflight_chunks[r]))
+    return memory
+
+
+def inflight_closed(schedule: str, p: int, m: int, v: int, r: int) -> int:
+    """Peak in-flight (chunk, micro-batch) pairs on rank r, closed forms of the simulator's orders."""
+    if schedule == "gpipe":
+        return m
+    if schedule == "interleaved-1f1b" and v > 1:
+        return min(2 * (p - 1 - r) + (v - 1) * p + 1, m * v)
+    return min(p - r, m)
+
+
+def fast_memory(graph: ModelGraph, cfg: ParallelConfig, partition: Partition, global_batch: int,
+                costs: LayerCosts, profile=None) -> tuple[list[StageMemory], float] | None:
+    """(per pp rank memory, bytes per device) as ``estimate(..., fast=True, costs=costs)`` prices them
+    (the closed forms' in-flight micro-batches), without the times: the search checks a variant fits
+    before pricing it. ``costs``: cfg's layer costs (same ``LayerCosts.key``). None where the fast
+    estimate simulates the schedule instead (V-shaped and custom schedules)."""
+    if cfg.schedule == "custom" or cfg.schedule in ir.V_SCHEDULES:
+        return None
+    m = microbatches(cfg, global_batch)
+    inflight = [inflight_closed(cfg.schedule, cfg.pp, m, cfg.vpp, r) for r in range(cfg.pp)] if cfg.pp > 1 else [1]
+    placement = pipe_mod.stage_placement(cfg, m)
+    on_rank = [[j for j, at in enumerate(placement) if at == r] for r in range(cfg.pp)]
+    memory = rank_memories(graph, costs.c, cfg, partition, costs.table(cfg), inflight, calibration(profile), on_rank)
+    return memory, stage_capacity(costs.c, cfg)
