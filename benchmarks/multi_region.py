@@ -85,7 +85,7 @@ def main() -> None:
     _, res_1f1b = plan_model(g, wan, gb, spec=MODEL, cluster_spec=CLUSTER, fix="schedule=1f1b")
     rows.append(row("1F1B, WAN-aware placement", res_1f1b.best))
     naive_cfg = res.best.config.replace(schedule="1f1b", vpp=1)
-    naive, _ = split_and_estimate(g, round_robin(wan, naive_cfg.pp), naive_cfg, gb, generated=False)
+    naive, _ = split_and_estimate(g, round_robin(wan, naive_cfg.pp), naive_cfg, gb)
     rows.append(row("1F1B laid naively across the WAN", naive))
     unaware, _ = split_and_estimate(g, wan, res_ideal.best.config, gb)
     rows.append(row("WAN-unaware plan on the WAN", unaware))
