@@ -243,7 +243,7 @@ def test_worker_rows_hold_every_token_once(lengths, workers, data):
     """The runtime's rows (codegen/runtime/batch_parallel.py): every real token of the batch on
     exactly the workers of its group, each once per group rank, with its piece's positions."""
     import torch
-    from codegen.runtime.batch_parallel import PAD_ID, pieces, worker_row
+    from codegen.runtime.batch_parallel import PAD_ID, pieces, row_spans, worker_row
     from codegen.runtime.documents import IGNORE_INDEX
 
     seq = 16
@@ -258,8 +258,18 @@ def test_worker_rows_hold_every_token_once(lengths, workers, data):
     ids = torch.arange(1, total + 1)  # token t has id t + 1 (0 is the pad)
     a = assign((ends - starts).tolist(), Pool(workers, workers, 2 * total), COST)
     seen = torch.zeros(total, dtype=torch.long)
+    windows = [(f, g) for g in range(2, workers + 1) for f in range(workers - g + 1)]
+    pad_to = max(a.tokens) + data.draw(st.integers(0, 5)) if data.draw(st.booleans()) else None  # a pipeline's rows
     for w in range(workers):
-        r = worker_row(a, w, starts, ids, ids.clone())
+        r = worker_row(a, w, starts, ids, ids.clone(), windows, pad_to)
+        assert pad_to is None or r.ids.shape[1] == pad_to
+        spans = row_spans(r.codes[0], len(windows))  # the layout codes: whole pieces, shares in order, padding
+        assert sum(sp.length for sp in spans) == r.ids.shape[1]
+        assert [windows[sp.window] for sp in spans if sp.window is not None] == [(p.first, p.size) for p in r.shares]
+        whole = [p for p in a.on_worker(w) if p.size == 1]
+        assert [sp.length for sp in spans if sp.window is None and not sp.pad] == [p.length for p in whole]
+        pads = [sp for sp in spans if sp.pad]
+        assert len(pads) == (pad_to is not None and pad_to > a.tokens[w]) and (not pads or pads[0] is spans[-1])
         real = r.ids[0] != PAD_ID
         assert bool((r.targets[0][~real] == IGNORE_INDEX).all())
         seen.index_add_(0, r.ids[0][real] - 1, torch.ones(int(real.sum()), dtype=torch.long))
@@ -277,7 +287,13 @@ def test_per_batch_problem_names_what_the_runtime_cannot_run():
     ok = ParallelConfig(dp=2, cp=2, mbs=2)
     assert per_batch_problem(ok, 4, pool, "ring") is None
     assert "mbs = global batch / dp" in per_batch_problem(ParallelConfig(dp=2, cp=2, mbs=1), 4, pool, "ring")
-    assert "pp = tp = 1" in per_batch_problem(ParallelConfig(dp=2, pp=2, mbs=2), 4, Pool(2, 2, 99), "ring")
+    assert per_batch_problem(ParallelConfig(dp=2, pp=2, mbs=1), 4, Pool(2, 2, 99), "ring") is None  # 2 micro-batches
+    assert per_batch_problem(ParallelConfig(dp=2, pp=2, mbs=1, schedule="gpipe"), 4, Pool(2, 2, 99), "ring") is None
+    assert "gpipe or 1f1b" in per_batch_problem(ParallelConfig(dp=2, pp=2, mbs=1, schedule="zb-h1"), 4,
+                                                Pool(2, 2, 99), "ring")
+    assert "gpipe or 1f1b" in per_batch_problem(ParallelConfig(dp=1, pp=2, vpp=2, mbs=1, schedule="interleaved-1f1b"),
+                                                4, Pool(1, 1, 99), "ring")
+    assert "tensor parallelism" in per_batch_problem(ParallelConfig(dp=2, tp=2, mbs=2), 4, Pool(2, 2, 99), "ring")
     assert "recompute" in per_batch_problem(ParallelConfig(dp=2, cp=2, mbs=2, recompute="full"), 4, pool, "ring")
     assert "dp x cp = 4" in per_batch_problem(ok, 4, Pool(2, 2, 99), "ring")
     assert "do not divide" in per_batch_problem(ok, 4, Pool(4, 4, 99, sizes=(1, 4)), "ulysses", heads=4, kv_heads=2)
