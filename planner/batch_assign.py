@@ -443,9 +443,8 @@ def static_work(lengths: Sequence[int], row_len: int, dp: int, cp: int, cost: Wo
 
 
 def row_tokens(pool: Pool, pp: int) -> int | None:
-    """Tokens of each worker's micro-batch row: under a pipeline (``pp > 1``) every row is padded
-    to ``pool.capacity`` (the stages' send and receive buffers keep the first step's shape);
-    None without one (a worker's row holds what it was given)."""
+    """Tokens of each worker's micro-batch row: ``pool.capacity`` under a pipeline (its stages'
+    buffers keep the first step's shape: rows are padded); None without one (what it holds)."""
     return pool.capacity if pp > 1 else None
 
 
@@ -456,17 +455,30 @@ def padded_work(a: Assignment, pool: Pool, cost: WorkCost, pp: int) -> tuple[flo
     return a.work if row is None else tuple(w + cost.linear * (row - n) for w, n in zip(a.work, a.tokens))
 
 
+def microbatch_ranges(lengths: Sequence[int], n: int) -> list[range]:
+    """The pieces (indices) of each of ``n`` micro-batches: consecutive blocks of ``1 / n`` of the
+    batch's tokens (whole rows: pieces never cross a row end)."""
+    ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
+    cuts = np.searchsorted(ends, np.arange(1, n + 1) * (int(ends[-1]) // n), side="right") if len(ends) else [0] * n
+    return [range(a, b) for a, b in zip([0, *cuts[:-1].tolist()], cuts.tolist())]
+
+
+def pipeline_step(times: Sequence[float], pp: int) -> float:
+    """Seconds of a gpipe / 1f1b step whose micro-batches take ``times`` per stage: all of them,
+    plus ``pp - 1`` of the slowest filling and draining the pipeline (exact for equal times)."""
+    return float(sum(times) + (pp - 1) * max(times))
+
+
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # what per-batch assignment has run under a pipeline
 
 
 def per_batch_problem(cfg: ParallelConfig, global_batch: int, pool: Pool, method: str, heads: int = 0,
                       kv_heads: int = 0) -> Optional[str]:
-    """Why the runtime cannot run per-batch assignment for this layout (one line), or None: over
-    a pool of ``dp x cp`` workers, without tensor parallelism or recompute; without a pipeline
-    one micro-batch per step (``global_batch == dp x mbs``); with one (gpipe or 1f1b, one stage
-    per rank) each micro-batch of ``dp x mbs`` rows assigned on its own, every worker's row
-    padded to ``pool.capacity`` (:func:`row_tokens`); Ulysses groups only of sizes dividing the
-    heads and kv heads (``heads`` / ``kv_heads``: what every attention layer divides by; 0: unknown)."""
+    """Why the runtime cannot run per-batch assignment for this layout (one line), or None: a
+    pool of ``dp x cp`` workers, no TP or recompute; without a pipeline one micro-batch per step
+    (``global_batch == dp x mbs``); with one (gpipe or 1f1b, vpp 1) each micro-batch assigned on
+    its own (:func:`microbatch_ranges`), rows padded (:func:`row_tokens`); Ulysses groups only of
+    sizes dividing ``heads`` and ``kv_heads`` (0: unknown)."""
     if pool.workers != cfg.dp * cfg.cp:
         return f"per-batch pool of {pool.workers} workers, but dp x cp = {cfg.dp * cfg.cp}"
     if cfg.tp > 1:

@@ -298,3 +298,40 @@ def test_per_batch_problem_names_what_the_runtime_cannot_run():
     assert "dp x cp = 4" in per_batch_problem(ok, 4, Pool(2, 2, 99), "ring")
     assert "do not divide" in per_batch_problem(ok, 4, Pool(4, 4, 99, sizes=(1, 4)), "ulysses", heads=4, kv_heads=2)
     assert per_batch_problem(ok, 4, Pool(4, 4, 99, sizes=(1, 2)), "ulysses", heads=4, kv_heads=2) is None
+
+
+def test_pipeline_rows_are_padded_and_the_padding_priced():
+    """Under a pipeline every worker's row is padded to the pool's capacity: the pads cost linear
+    work (``padded_work``), a step is the pipeline's over its micro-batches, and a longer row
+    costs more on the same batches (``compare``)."""
+    from cost_models.batch_pricing import Layout, compare
+    from planner.batch_assign import microbatch_ranges, padded_work, pipeline_step, row_tokens
+
+    lens = [64, 3, 5, 8, 12, 4, 4, 28, 7, 9, 16, 10, 6, 16, 40, 24]  # 256 tokens: 4 rows of 64
+    assert [len(r) for r in microbatch_ranges(lens, 2)] == [8, 8]  # 128 tokens each, cut at a row end
+    assert [sum(lens[r.start:r.stop]) for r in microbatch_ranges(lens, 4)] == [64] * 4
+    assert pipeline_step([1.0, 1.0, 1.0], 2) == 4.0 and pipeline_step([1.0, 3.0], 4) == 13.0
+    pool = Pool(2, 2, 80)
+    a = assign(lens[:8], pool, COST)
+    assert row_tokens(pool, 1) is None and row_tokens(pool, 2) == 80
+    assert padded_work(a, pool, COST, 1) == a.work
+    assert padded_work(a, pool, COST, 2) == pytest.approx([w + COST.linear * (80 - n) for w, n in zip(a.work, a.tokens)])
+    steps = [compare([lens], Pool(2, 2, cap), COST, [Layout(2, 1, 64)], pp=2, microbatches=2).per_batch[0]
+             for cap in (72, 96, 160)]
+    assert steps[0] < steps[1] < steps[2]  # padding costs time
+    flat = compare([lens], Pool(2, 2, 96), COST, [Layout(2, 1, 64)], pp=1, microbatches=2)
+    assert flat.per_batch[0] < steps[1]  # without a pipeline nothing is padded (and nothing fills or drains)
+
+
+def test_plan_prices_per_batch_under_a_pipeline():
+    """pp2 x dp4 with 1f1b: not refused; the padded row is weighed above the mean tokens per
+    worker and below what memory allows; other pipeline schedules are refused in one line."""
+    plan = _documents_plan("dp=4,pp=2,tp=1,cp=1,mbs=1,recompute=none,schedule=1f1b")
+    rec = plan.batch["per_batch"]
+    assert "per-batch assignment" in rec["why"] and rec["microbatches"] == 2, rec["why"]
+    assert 16384 < rec["capacity"] <= min(rec["memory_capacity"], 2 * 16384)
+    assert rec["expected_step_s"] > rec["ideal_s"] >= rec["fixed_s"]
+    from planner.report.data import per_batch_text
+    assert f"padded to {rec['capacity']:,} tokens" in per_batch_text(plan)
+    plan = _documents_plan("dp=4,pp=2,tp=1,cp=1,mbs=1,recompute=none,schedule=zb-h1")
+    assert not plan.batch["per_batch"]["chosen"] and "gpipe or 1f1b" in plan.batch["per_batch"]["why"]

@@ -57,7 +57,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from codegen.runtime.context_parallel import RingAttention, RingCompute, UlyssesAttention, local_positions
 from codegen.runtime.documents import IGNORE_INDEX, Documents, PerVersion, doc_starts
 from codegen.runtime.layers import sdpa_attention
-from planner.batch_assign import Assignment, Placement, Pool, WorkCost, assign, row_tokens
+from planner.batch_assign import Assignment, Placement, Pool, WorkCost, assign, microbatch_ranges, row_tokens
 
 PAD_ID = 0
 
@@ -249,24 +249,22 @@ class BatchPlanner:
     def local_rows(self, ids: torch.Tensor, targets: torch.Tensor, cu_seqlens: torch.Tensor,
                    microbatches: int = 1) -> WorkerRow:
         """This worker's rows of the global batch ``ids`` / ``targets`` [B, S] (targets with every
-        document's last one ignored already): one per micro-batch (consecutive blocks of
+        document's last one ignored already): one per micro-batch (``microbatch_ranges``: blocks of
         ``B / microbatches`` rows, each assigned on its own), stacked [microbatches, T]."""
         rows, seq = ids.shape
         starts = pieces(cu_seqlens, rows, seq)
-        ends = torch.cat([starts[1:], torch.tensor([rows * seq])])
-        per = rows // microbatches * seq  # tokens per micro-batch: pieces never cross a row end
+        lengths = (torch.cat([starts[1:], torch.tensor([rows * seq])]) - starts).tolist()
         flat_ids, flat_tgt = ids.reshape(-1), targets.reshape(-1)
         self.assignments, out = [], []
-        for m in range(microbatches):
-            mine = (starts >= m * per) & (starts < (m + 1) * per)
-            a = assign((ends - starts)[mine].tolist(), self.per_batch.pool, self.per_batch.cost)
+        for mine in microbatch_ranges(lengths, microbatches):
+            a = assign(lengths[mine.start:mine.stop], self.per_batch.pool, self.per_batch.cost)
             if self.row is None and min(a.tokens) == 0:  # the same on every rank: all refuse together
-                raise ValueError(f"per-batch assignment left a worker without tokens ({int(mine.sum())} documents "
+                raise ValueError(f"per-batch assignment left a worker without tokens ({len(mine)} documents "
                                  f"for {self.per_batch.pool.workers} workers): pack more documents per batch or "
                                  "plan without --per-batch")
             self.assignments.append(a)
-            out.append(worker_row(a, self.groups.worker, starts[mine], flat_ids, flat_tgt, self.groups.windows,
-                                  self.row))
+            out.append(worker_row(a, self.groups.worker, starts[mine.start:mine.stop], flat_ids, flat_tgt,
+                                  self.groups.windows, self.row))
         stack = lambda f: torch.cat([getattr(r, f) for r in out])  # noqa: E731
         return WorkerRow(stack("ids"), stack("targets"), stack("positions"), stack("codes"),
                          [p for r in out for p in r.shares])
