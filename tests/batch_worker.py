@@ -5,9 +5,9 @@ gpt-tiny and llama-tiny for 3 SGD steps (fp32) on packed batches of one long doc
 row of 32 tokens) and many short ones (``DOC_LENGTHS``), first on the fixed layout (dp4, DDP),
 then with per-batch assignment (codegen/runtime/batch_parallel.py) over the dp x cp pool, for
 ring groups of the sizes the rule picks, ring groups of 3 (non-power-of-two) and of 4, and
-Ulysses groups; and under a pipeline, pp2 x (dp x cp = 2) with ring and Ulysses groups (1f1b,
-two micro-batches, every worker's row padded to ``CAPACITY`` tokens) against the fixed pp2 x
-dp2 layout. Rank 0 writes per case the losses, the first step's gradient and loss errors
+Ulysses groups; and under a pipeline, pp2 x (dp x cp = 2) with ring groups (1f1b) and Ulysses
+groups (gpipe), two micro-batches, every worker's row padded to ``CAPACITY`` tokens, against the
+fixed pp2 x dp2 layout. Rank 0 writes per case the losses, the first step's gradient and loss errors
 against its fixed layout, the first step's group placements and tokens held per micro-batch
 and worker, and the padded row length (None without a pipeline).
 """
@@ -36,9 +36,10 @@ DOC_LENGTHS = [32, 3, 1, 5, 2, 7, 6, 4, 4, 2, 6, 9, 3, 1, 5, 8, 2, 4, 6, 3, 5, 2
 assert sum(DOC_LENGTHS) == GB * SEQ
 CAPACITY = 40  # tokens per worker: the 32-token document fits no worker whole next to its share
 COST = dict(linear=1.0, attention=0.05, exchange=0.1, latency=0.5)
+SCHEDULE = {"ring": "1f1b", "ulysses": "gpipe"}  # per-batch assignment's pipelines, one case each
 FIXED = {"dp4": dict(dp=4, mbs=1, zero="ddp"),  # the fixed layouts the cases are compared with
          "pp2-dp2": dict(pp=2, dp=2, mbs=1, zero="ddp", schedule="1f1b")}
-CASES = {  # name -> (model, pp, dp, cp, method, group sizes, fixed layout)
+CASES = {  # name -> (model, pp, dp, cp, method, group sizes, fixed layout); pipelines: 1f1b (ring), gpipe (Ulysses)
     "ring": ("llama-tiny", 1, 2, 2, "ring", None, "dp4"),
     "ring-g3": ("llama-tiny", 1, 2, 2, "ring", (1, 3), "dp4"),
     "ring-cp4-g4": ("gpt-tiny", 1, 1, 4, "ring", (1, 4), "dp4"),
@@ -91,7 +92,7 @@ def main() -> None:
             pool = Pool(dp * cp, dp * cp, CAPACITY, sizes=sizes)
             pb = PerBatch(pool, WorkCost(method=method, **COST))
             mbs = GB // dp if pp == 1 else GB // (2 * dp)  # under the pipeline: 2 micro-batches
-            kw = dict(pp=pp, dp=dp, cp=cp, mbs=mbs, zero="ddp") | (dict(schedule="1f1b") if pp > 1 else {})
+            kw = dict(pp=pp, dp=dp, cp=cp, mbs=mbs, zero="ddp") | (dict(schedule=SCHEDULE[method]) if pp > 1 else {})
             losses, grads, (groups, held, row) = train(model, kw, data, pb)
             results[name] = {"losses": losses, "ref_losses": ref_losses, "groups": groups, "held": held, "row": row,
                              **compare(grads, ref_grads, losses, ref_losses)}

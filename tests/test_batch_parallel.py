@@ -4,7 +4,7 @@ One torchrun launch of 4 processes (``tests/batch_worker.py``): llama-tiny and g
 SGD steps on packed batches of one 32-token document and 24 short ones, on the fixed layout
 (dp4) and with per-batch assignment over the dp x cp pool (codegen/runtime/batch_parallel.py):
 ring groups of the size the rule picks, of 3 (non-power-of-two) and of 4 (dp1 x cp4), and
-Ulysses groups of 2 and 4; under a pipeline (pp2 x cp2 ring, pp2 x dp2 Ulysses; 1f1b, two
+Ulysses groups of 2 and 4; under a pipeline (pp2 x cp2 ring with 1f1b, pp2 x dp2 Ulysses with gpipe; two
 micro-batches each assigned on its own, rows padded to the pool's 40 tokens) against the
 fixed pp2 x dp2 layout. First-step gradients, their global norm and the 3 losses must
 match the fixed layout's within 1e-5 relative, and the long document must have run on the
