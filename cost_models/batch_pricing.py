@@ -22,7 +22,10 @@ estimate: what its activations leave free of the device, at its activation bytes
 **Comparison** (:func:`compare`): for each sampled batch, the busiest worker's seconds after
 :func:`planner.batch_assign.assign` and on each fixed layout (``static_work``), plus the
 per-step work both share (data-parallel reduction, optimizer: ``fixed_s``). Each fixed layout
-is judged by its mean over the batches; the best one is the baseline.
+is judged by its mean over the batches; the best one is the baseline. Under a pipeline each
+micro-batch is assigned on its own and every worker's row is padded to the pool's capacity:
+the pad tokens cost linear work (``planner.batch_assign.padded_work``), and a step is the
+pipeline's over its micro-batches (``planner.batch_assign.pipeline_step``), on both sides.
 """
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ from cost_models import comm as comm_mod
 from cost_models.cluster import Cluster
 from cost_models.context_parallel import cp_meshes, ring_step_bytes, ulysses_bytes
 from cost_models.layer_costs import LayerCosts, layer_pass_times
-from planner.batch_assign import Assignment, Pool, WorkCost, assign, static_work
+from planner.batch_assign import (Pool, WorkCost, assign, microbatch_ranges, padded_work, pipeline_step,
+                                  static_work)
 from planner.graph import DocumentMix, ModelGraph
 from planner.plan import ParallelConfig
 
@@ -158,23 +162,28 @@ def _spread(work: Sequence[float]) -> float:
 
 
 def compare(batches: Sequence[Sequence[int]], pool: Pool, cost: WorkCost, layouts: Sequence[Layout],
-            fixed_s: float = 0.0) -> Comparison:
+            fixed_s: float = 0.0, pp: int = 1, microbatches: int = 1) -> Comparison:
     """Price every batch (pieces in order, ``workers x`` some tokens each) with per-batch
-    assignment and on each fixed layout (module docstring)."""
+    assignment and on each fixed layout (module docstring). Under a pipeline (``pp > 1``) each of
+    its ``microbatches`` (``microbatch_ranges``) is assigned on its own, its workers' pad tokens
+    priced (``padded_work``: rows padded to the pool's capacity), and a step is the pipeline's
+    (``pipeline_step``) over the micro-batches' busiest workers, as for the fixed layouts."""
     if not layouts:
         raise ValueError("compare needs at least one fixed layout")
     per, ideal, after = [], [], []
     static: dict[str, list[float]] = {l.label: [] for l in layouts}
     works: dict[str, list[tuple[float, ...]]] = {l.label: [] for l in layouts}
     for lengths in batches:
-        a: Assignment = assign(lengths, pool, cost)
-        per.append(a.step + fixed_s)
-        ideal.append(a.ideal + fixed_s)
-        after.append(a.spread())
+        mbs = [list(lengths[r.start:r.stop]) for r in microbatch_ranges(lengths, microbatches)]
+        got = [assign(mb, pool, cost) for mb in mbs]
+        per.append(pipeline_step([max(padded_work(a, pool, cost, pp)) for a in got], pp) + fixed_s)
+        ideal.append(pipeline_step([a.ideal for a in got], pp) + fixed_s)
+        after.append(sum(_spread(padded_work(a, pool, cost, pp)) for a in got) / len(got))
         for l in layouts:
-            w = static_work(lengths, l.row_len, l.dp, l.cp, replace(cost, method=l.method) if l.method else cost)
-            works[l.label].append(w)
-            static[l.label].append(max(w) + fixed_s)
+            c = replace(cost, method=l.method) if l.method else cost
+            w = [static_work(mb, l.row_len, l.dp, l.cp, c) for mb in mbs]
+            works[l.label].append(tuple(x for ws in w for x in ws))
+            static[l.label].append(pipeline_step([max(ws) for ws in w], pp) + fixed_s)
     result = Comparison(tuple(per), {k: tuple(v) for k, v in static.items()}, tuple(ideal), (), tuple(after),
                         fixed_s)
     before = tuple(_spread(w) for w in works[result.best_static])

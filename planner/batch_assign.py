@@ -442,20 +442,53 @@ def static_work(lengths: Sequence[int], row_len: int, dp: int, cp: int, cost: Wo
     return tuple(float(x) for x in work.reshape(-1))
 
 
+def row_tokens(pool: Pool, pp: int) -> int | None:
+    """Tokens of each worker's micro-batch row: ``pool.capacity`` under a pipeline (its stages'
+    buffers keep the first step's shape: rows are padded); None without one (what it holds)."""
+    return pool.capacity if pp > 1 else None
+
+
+def padded_work(a: Assignment, pool: Pool, cost: WorkCost, pp: int) -> tuple[float, ...]:
+    """Per worker seconds of ``a`` as the runtime runs it: pad tokens up to :func:`row_tokens`
+    cost linear work (their attention is skipped, their loss ignored)."""
+    row = row_tokens(pool, pp)
+    return a.work if row is None else tuple(w + cost.linear * (row - n) for w, n in zip(a.work, a.tokens))
+
+
+def microbatch_ranges(lengths: Sequence[int], n: int) -> list[range]:
+    """The pieces (indices) of each of ``n`` micro-batches: consecutive blocks of ``1 / n`` of the
+    batch's tokens (whole rows: pieces never cross a row end)."""
+    ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
+    cuts = np.searchsorted(ends, np.arange(1, n + 1) * (int(ends[-1]) // n), side="right") if len(ends) else [0] * n
+    return [range(a, b) for a, b in zip([0, *cuts[:-1].tolist()], cuts.tolist())]
+
+
+def pipeline_step(times: Sequence[float], pp: int) -> float:
+    """Seconds of a gpipe / 1f1b step whose micro-batches take ``times`` per stage: all of them,
+    plus ``pp - 1`` of the slowest filling and draining the pipeline (exact for equal times)."""
+    return float(sum(times) + (pp - 1) * max(times))
+
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # what per-batch assignment has run under a pipeline
+
+
 def per_batch_problem(cfg: ParallelConfig, global_batch: int, pool: Pool, method: str, heads: int = 0,
                       kv_heads: int = 0) -> Optional[str]:
-    """Why the runtime cannot run per-batch assignment for this layout (one line), or None: it
-    runs one micro-batch per step (``global_batch == dp x mbs``) without pipeline, tensor
-    parallelism or recompute, over a pool of ``dp x cp`` workers, with Ulysses groups only of
-    sizes dividing the heads and kv heads (``heads`` / ``kv_heads``: what every attention
-    layer divides by; 0: unknown)."""
+    """Why the runtime cannot run per-batch assignment for this layout (one line), or None: a
+    pool of ``dp x cp`` workers, no TP or recompute; without a pipeline one micro-batch per step
+    (``global_batch == dp x mbs``); with one (gpipe or 1f1b, vpp 1) each micro-batch assigned on
+    its own (:func:`microbatch_ranges`), rows padded (:func:`row_tokens`); Ulysses groups only of
+    sizes dividing ``heads`` and ``kv_heads`` (0: unknown)."""
     if pool.workers != cfg.dp * cfg.cp:
         return f"per-batch pool of {pool.workers} workers, but dp x cp = {cfg.dp * cfg.cp}"
-    if cfg.pp > 1 or cfg.tp > 1:
-        return "per-batch assignment runs without pipeline or tensor parallelism yet (pp = tp = 1)"
-    if global_batch != cfg.dp * cfg.mbs:
-        return (f"per-batch assignment runs one micro-batch per step: set mbs = global batch / dp "
-                f"({global_batch} / {cfg.dp})")
+    if cfg.tp > 1:
+        return "per-batch assignment runs without tensor parallelism yet (tp = 1)"
+    if cfg.pp > 1 and (cfg.vpp > 1 or cfg.schedule not in PIPELINE_SCHEDULES):
+        return (f"per-batch assignment runs under a pipeline only with schedule {' or '.join(PIPELINE_SCHEDULES)} "
+                f"and vpp = 1 (got {cfg.schedule}, vpp = {cfg.vpp})")
+    if cfg.pp == 1 and global_batch != cfg.dp * cfg.mbs:
+        return (f"per-batch assignment runs one micro-batch per step without a pipeline: set mbs = global batch / "
+                f"dp ({global_batch} / {cfg.dp})")
     if cfg.recompute != "none":
         return "per-batch assignment runs without recompute yet (recompute=none)"
     if method == "ulysses":

@@ -5,8 +5,11 @@ gpt-tiny and llama-tiny for 3 SGD steps (fp32) on packed batches of one long doc
 row of 32 tokens) and many short ones (``DOC_LENGTHS``), first on the fixed layout (dp4, DDP),
 then with per-batch assignment (codegen/runtime/batch_parallel.py) over the dp x cp pool, for
 ring groups of the sizes the rule picks, ring groups of 3 (non-power-of-two) and of 4, and
-Ulysses groups; rank 0 writes per case the losses, the first step's gradient and loss errors
-against the fixed layout, and the group sizes of the first step's assignment.
+Ulysses groups; and under a pipeline, pp2 x (dp x cp = 2) with ring groups (1f1b) and Ulysses
+groups (gpipe), two micro-batches, every worker's row padded to ``CAPACITY`` tokens, against the
+fixed pp2 x dp2 layout. Rank 0 writes per case the losses, the first step's gradient and loss errors
+against its fixed layout, the first step's group placements and tokens held per micro-batch
+and worker, and the padded row length (None without a pipeline).
 """
 from __future__ import annotations
 
@@ -33,12 +36,18 @@ DOC_LENGTHS = [32, 3, 1, 5, 2, 7, 6, 4, 4, 2, 6, 9, 3, 1, 5, 8, 2, 4, 6, 3, 5, 2
 assert sum(DOC_LENGTHS) == GB * SEQ
 CAPACITY = 40  # tokens per worker: the 32-token document fits no worker whole next to its share
 COST = dict(linear=1.0, attention=0.05, exchange=0.1, latency=0.5)
-CASES = {  # name -> (model, dp, cp, method, group sizes)
-    "ring": ("llama-tiny", 2, 2, "ring", None),
-    "ring-g3": ("llama-tiny", 2, 2, "ring", (1, 3)),
-    "ring-cp4-g4": ("gpt-tiny", 1, 4, "ring", (1, 4)),
-    "ulysses-g2": ("llama-tiny", 2, 2, "ulysses", (1, 2)),
-    "ulysses-g4": ("gpt-tiny", 2, 2, "ulysses", (1, 4)),
+SCHEDULE = {"ring": "1f1b", "ulysses": "gpipe"}  # per-batch assignment's pipelines, one case each
+FIXED = {"dp4": dict(dp=4, mbs=1, zero="ddp"),  # the fixed layouts the cases are compared with
+         "pp2-dp2": dict(pp=2, dp=2, mbs=1, zero="ddp", schedule="1f1b")}
+CASES = {  # name -> (model, pp, dp, cp, method, group sizes, fixed layout); pipelines: 1f1b (ring), gpipe (Ulysses)
+    "ring": ("llama-tiny", 1, 2, 2, "ring", None, "dp4"),
+    "ring-g3": ("llama-tiny", 1, 2, 2, "ring", (1, 3), "dp4"),
+    "ring-cp4-g4": ("gpt-tiny", 1, 1, 4, "ring", (1, 4), "dp4"),
+    "ulysses-g2": ("llama-tiny", 1, 2, 2, "ulysses", (1, 2), "dp4"),
+    "ulysses-g4": ("gpt-tiny", 1, 2, 2, "ulysses", (1, 4), "dp4"),
+    # pp2 x (dp x cp = 2): two micro-batches of 2 rows, each worker's row padded to CAPACITY
+    "pp2-cp2-ring": ("llama-tiny", 2, 1, 2, "ring", None, "pp2-dp2"),
+    "pp2-dp2-ulysses": ("gpt-tiny", 2, 2, 1, "ulysses", None, "pp2-dp2"),
 }
 
 
@@ -47,24 +56,25 @@ def packed(c, n: int) -> list[dict]:
     return [dict(b, cu_seqlens=cu) for b in c.batches(n)]
 
 
-def train(model: str, cfg_kw: dict, data: list[dict], per_batch=None) -> tuple[list[float], dict, list]:
+def train(model: str, cfg_kw: dict, data: list[dict], per_batch=None) -> tuple[list[float], dict, tuple]:
     c = case(model)
     pc = ParallelConfig(dtype="fp32", **cfg_kw).validate()
     _, layout, facts = planner_view(model)
-    pm = parallelize(c.build(c.parallel_device), pc, stages_for(model, 1), ["none"], layout, GB, SEQ, "cpu",
+    pm = parallelize(c.build(c.parallel_device), pc, stages_for(model, pc.pp), ["none"] * pc.pp, layout, GB, SEQ, "cpu",
                      optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=LR), seed=SEED, facts=facts,
                      per_batch=per_batch)
-    losses, grads, sizes = [], None, []
+    losses, grads, sizes, held = [], None, [], []
     for s, b in enumerate(data):
         losses.append(pm.step(b))
         if s == 0:
             grads = {n: g for n, (p, g) in pm.parameters_for_check().items()}
             grads[NORM] = torch.tensor(pm.clip_grad_norm_(None), dtype=torch.float64)
             if pm.batch_planner is not None:
-                a = pm.batch_planner.last
-                sizes = [[p.length, p.size, p.first] for p in a.placements if p.size > 1]
+                sizes = [[p.length, p.size, p.first] for a in pm.batch_planner.assignments for p in a.placements
+                         if p.size > 1]
+                held = [list(a.tokens) for a in pm.batch_planner.assignments]  # per micro-batch, per worker
     pm.close()
-    return losses, grads, sizes
+    return losses, grads, (sizes, held, pm.batch_planner.row if pm.batch_planner else None)
 
 
 def main() -> None:
@@ -73,16 +83,18 @@ def main() -> None:
     torch.manual_seed(0)
     results: dict = {}
     fixed: dict = {}
-    for name, (model, dp, cp, method, sizes) in CASES.items():
+    for name, (model, pp, dp, cp, method, sizes, ref) in CASES.items():
         try:
             data = packed(case(model), STEPS)
-            if model not in fixed:
-                fixed[model] = train(model, dict(dp=4, mbs=1, zero="ddp"), data)
-            ref_losses, ref_grads, _ = fixed[model]
+            if (model, ref) not in fixed:
+                fixed[model, ref] = train(model, FIXED[ref], data)
+            ref_losses, ref_grads, _ = fixed[model, ref]
             pool = Pool(dp * cp, dp * cp, CAPACITY, sizes=sizes)
             pb = PerBatch(pool, WorkCost(method=method, **COST))
-            losses, grads, groups = train(model, dict(dp=dp, cp=cp, mbs=GB // dp, zero="ddp"), data, pb)
-            results[name] = {"losses": losses, "ref_losses": ref_losses, "groups": groups,
+            mbs = GB // dp if pp == 1 else GB // (2 * dp)  # under the pipeline: 2 micro-batches
+            kw = dict(pp=pp, dp=dp, cp=cp, mbs=mbs, zero="ddp") | (dict(schedule=SCHEDULE[method]) if pp > 1 else {})
+            losses, grads, (groups, held, row) = train(model, kw, data, pb)
+            results[name] = {"losses": losses, "ref_losses": ref_losses, "groups": groups, "held": held, "row": row,
                              **compare(grads, ref_grads, losses, ref_losses)}
         except Exception as exc:
             results[name] = failure(exc)

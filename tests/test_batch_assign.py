@@ -243,7 +243,7 @@ def test_worker_rows_hold_every_token_once(lengths, workers, data):
     """The runtime's rows (codegen/runtime/batch_parallel.py): every real token of the batch on
     exactly the workers of its group, each once per group rank, with its piece's positions."""
     import torch
-    from codegen.runtime.batch_parallel import PAD_ID, pieces, worker_row
+    from codegen.runtime.batch_parallel import PAD_ID, pieces, row_spans, worker_row
     from codegen.runtime.documents import IGNORE_INDEX
 
     seq = 16
@@ -258,8 +258,18 @@ def test_worker_rows_hold_every_token_once(lengths, workers, data):
     ids = torch.arange(1, total + 1)  # token t has id t + 1 (0 is the pad)
     a = assign((ends - starts).tolist(), Pool(workers, workers, 2 * total), COST)
     seen = torch.zeros(total, dtype=torch.long)
+    windows = [(f, g) for g in range(2, workers + 1) for f in range(workers - g + 1)]
+    pad_to = max(a.tokens) + data.draw(st.integers(0, 5)) if data.draw(st.booleans()) else None  # a pipeline's rows
     for w in range(workers):
-        r = worker_row(a, w, starts, ids, ids.clone())
+        r = worker_row(a, w, starts, ids, ids.clone(), windows, pad_to)
+        assert pad_to is None or r.ids.shape[1] == pad_to
+        spans = row_spans(r.codes[0], len(windows))  # the layout codes: whole pieces, shares in order, padding
+        assert sum(sp.length for sp in spans) == r.ids.shape[1]
+        assert [windows[sp.window] for sp in spans if sp.window is not None] == [(p.first, p.size) for p in r.shares]
+        whole = [p for p in a.on_worker(w) if p.size == 1]
+        assert [sp.length for sp in spans if sp.window is None and not sp.pad] == [p.length for p in whole]
+        pads = [sp for sp in spans if sp.pad]
+        assert len(pads) == (pad_to is not None and pad_to > a.tokens[w]) and (not pads or pads[0] is spans[-1])
         real = r.ids[0] != PAD_ID
         assert bool((r.targets[0][~real] == IGNORE_INDEX).all())
         seen.index_add_(0, r.ids[0][real] - 1, torch.ones(int(real.sum()), dtype=torch.long))
@@ -277,8 +287,51 @@ def test_per_batch_problem_names_what_the_runtime_cannot_run():
     ok = ParallelConfig(dp=2, cp=2, mbs=2)
     assert per_batch_problem(ok, 4, pool, "ring") is None
     assert "mbs = global batch / dp" in per_batch_problem(ParallelConfig(dp=2, cp=2, mbs=1), 4, pool, "ring")
-    assert "pp = tp = 1" in per_batch_problem(ParallelConfig(dp=2, pp=2, mbs=2), 4, Pool(2, 2, 99), "ring")
+    assert per_batch_problem(ParallelConfig(dp=2, pp=2, mbs=1), 4, Pool(2, 2, 99), "ring") is None  # 2 micro-batches
+    assert per_batch_problem(ParallelConfig(dp=2, pp=2, mbs=1, schedule="gpipe"), 4, Pool(2, 2, 99), "ring") is None
+    assert "gpipe or 1f1b" in per_batch_problem(ParallelConfig(dp=2, pp=2, mbs=1, schedule="zb-h1"), 4,
+                                                Pool(2, 2, 99), "ring")
+    assert "gpipe or 1f1b" in per_batch_problem(ParallelConfig(dp=1, pp=2, vpp=2, mbs=1, schedule="interleaved-1f1b"),
+                                                4, Pool(1, 1, 99), "ring")
+    assert "tensor parallelism" in per_batch_problem(ParallelConfig(dp=2, tp=2, mbs=2), 4, Pool(2, 2, 99), "ring")
     assert "recompute" in per_batch_problem(ParallelConfig(dp=2, cp=2, mbs=2, recompute="full"), 4, pool, "ring")
     assert "dp x cp = 4" in per_batch_problem(ok, 4, Pool(2, 2, 99), "ring")
     assert "do not divide" in per_batch_problem(ok, 4, Pool(4, 4, 99, sizes=(1, 4)), "ulysses", heads=4, kv_heads=2)
     assert per_batch_problem(ok, 4, Pool(4, 4, 99, sizes=(1, 2)), "ulysses", heads=4, kv_heads=2) is None
+
+
+def test_pipeline_rows_are_padded_and_the_padding_priced():
+    """Under a pipeline every worker's row is padded to the pool's capacity: the pads cost linear
+    work (``padded_work``), a step is the pipeline's over its micro-batches, and a longer row
+    costs more on the same batches (``compare``)."""
+    from cost_models.batch_pricing import Layout, compare
+    from planner.batch_assign import microbatch_ranges, padded_work, pipeline_step, row_tokens
+
+    lens = [64, 3, 5, 8, 12, 4, 4, 28, 7, 9, 16, 10, 6, 16, 40, 24]  # 256 tokens: 4 rows of 64
+    assert [len(r) for r in microbatch_ranges(lens, 2)] == [8, 8]  # 128 tokens each, cut at a row end
+    assert [sum(lens[r.start:r.stop]) for r in microbatch_ranges(lens, 4)] == [64] * 4
+    assert pipeline_step([1.0, 1.0, 1.0], 2) == 4.0 and pipeline_step([1.0, 3.0], 4) == 13.0
+    pool = Pool(2, 2, 80)
+    a = assign(lens[:8], pool, COST)
+    assert row_tokens(pool, 1) is None and row_tokens(pool, 2) == 80
+    assert padded_work(a, pool, COST, 1) == a.work
+    assert padded_work(a, pool, COST, 2) == pytest.approx([w + COST.linear * (80 - n) for w, n in zip(a.work, a.tokens)])
+    steps = [compare([lens], Pool(2, 2, cap), COST, [Layout(2, 1, 64)], pp=2, microbatches=2).per_batch[0]
+             for cap in (72, 96, 160)]
+    assert steps[0] < steps[1] < steps[2]  # padding costs time
+    flat = compare([lens], Pool(2, 2, 96), COST, [Layout(2, 1, 64)], pp=1, microbatches=2)
+    assert flat.per_batch[0] < steps[1]  # without a pipeline nothing is padded (and nothing fills or drains)
+
+
+def test_plan_prices_per_batch_under_a_pipeline():
+    """pp2 x dp4 with 1f1b: not refused; the padded row is weighed above the mean tokens per
+    worker and below what memory allows; other pipeline schedules are refused in one line."""
+    plan = _documents_plan("dp=4,pp=2,tp=1,cp=1,mbs=1,recompute=none,schedule=1f1b")
+    rec = plan.batch["per_batch"]
+    assert "per-batch assignment" in rec["why"] and rec["microbatches"] == 2, rec["why"]
+    assert 16384 < rec["capacity"] <= min(rec["memory_capacity"], 2 * 16384)
+    assert rec["expected_step_s"] > rec["ideal_s"] >= rec["fixed_s"]
+    from planner.report.data import per_batch_text
+    assert f"padded to {rec['capacity']:,} tokens" in per_batch_text(plan)
+    plan = _documents_plan("dp=4,pp=2,tp=1,cp=1,mbs=1,recompute=none,schedule=zb-h1")
+    assert not plan.batch["per_batch"]["chosen"] and "gpipe or 1f1b" in plan.batch["per_batch"]["why"]

@@ -4,7 +4,9 @@ One torchrun launch of 4 processes (``tests/batch_worker.py``): llama-tiny and g
 SGD steps on packed batches of one 32-token document and 24 short ones, on the fixed layout
 (dp4) and with per-batch assignment over the dp x cp pool (codegen/runtime/batch_parallel.py):
 ring groups of the size the rule picks, of 3 (non-power-of-two) and of 4 (dp1 x cp4), and
-Ulysses groups of 2 and 4. First-step gradients, their global norm and the 3 losses must
+Ulysses groups of 2 and 4; under a pipeline (pp2 x cp2 ring with 1f1b, pp2 x dp2 Ulysses with gpipe; two
+micro-batches each assigned on its own, rows padded to the pool's 40 tokens) against the
+fixed pp2 x dp2 layout. First-step gradients, their global norm and the 3 losses must
 match the fixed layout's within 1e-5 relative, and the long document must have run on the
 group size asked for.
 """
@@ -23,7 +25,8 @@ from test_runtime_parity import TOL  # noqa: E402
 
 pytestmark = pytest.mark.slow
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "batch_worker.py")
-EXPECTED_SIZE = {"ring": None, "ring-g3": 3, "ring-cp4-g4": 4, "ulysses-g2": 2, "ulysses-g4": 4}
+EXPECTED_SIZE = {"ring": None, "ring-g3": 3, "ring-cp4-g4": 4, "ulysses-g2": 2, "ulysses-g4": 4,
+                 "pp2-cp2-ring": 2, "pp2-dp2-ulysses": 2}
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +52,11 @@ def test_per_batch_assignment_matches_fixed_layout(runs, name: str) -> None:
     assert r["loss_rel_err"] <= TOL
     long_doc = [g for g in r["groups"] if g[0] == 32]
     assert long_doc, r["groups"]  # the long document ran on a group
+    if name.startswith("pp2"):  # every row padded to the capacity: the pads ran (fewer real tokens)
+        assert r["row"] == 40 and len(r["held"]) == 2, (r["row"], r["held"])
+        assert all(max(h) <= 40 for h in r["held"]) and min(min(h) for h in r["held"]) < 40, r["held"]
+    else:
+        assert r["row"] is None
     if EXPECTED_SIZE[name] is not None:
         assert long_doc[0][1] == EXPECTED_SIZE[name]
     else:

@@ -41,7 +41,7 @@ from codegen.runtime import tensor_parallel as tpar
 from codegen.runtime.tp_styles import roles_of
 from codegen.runtime.adapters import ModelAdapter
 from codegen.runtime.attention import build_attention, context_attention, local_attention
-from codegen.runtime.batch_parallel import BatchPlanner, PerBatch, PerBatchAttention, PieceGroups, RowLayout
+from codegen.runtime.batch_parallel import BatchPlanner, PerBatch, PerBatchAttention, PieceGroups
 from codegen.runtime.documents import Documents
 from codegen.runtime.mesh import cp_groups, device_type, dp_cp_mesh
 from codegen.runtime.fp8 import convert_blocks, fp8_device_problem
@@ -163,7 +163,7 @@ def build_batch_planner(per_batch: Optional[PerBatch], cfg: ParallelConfig, fact
     heads = (math.gcd(*facts.heads), math.gcd(*facts.kv_heads)) if facts is not None else (0, 0)
     if why := per_batch_problem(cfg, global_batch, per_batch.pool, per_batch.method, *heads):
         raise ValueError(f"{cfg.label()}: {why}")
-    return BatchPlanner(per_batch, PieceGroups(mesh, per_batch), RowLayout())
+    return BatchPlanner(per_batch, PieceGroups(mesh, per_batch), cfg.pp)
 
 
 def apply_attention(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, mesh: DeviceMesh,
@@ -172,10 +172,10 @@ def apply_attention(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, 
     or both; one instance shared by the blocks), checkpointed when its stage recomputes
     ``selective``; each masks by the packed documents of ``stages.documents``. With per-batch
     assignment (``per_batch``, codegen/runtime/batch_parallel.py) every block runs
-    :class:`PerBatchAttention` over the step's row layout instead."""
+    :class:`PerBatchAttention` over each micro-batch's row layout (``stages.documents``) instead."""
     blocks = set(adapter.blocks)
     if per_batch is not None:
-        impl = PerBatchAttention(per_batch.layout, local_attention(cfg))
+        impl = PerBatchAttention(stages.documents, per_batch.groups, local_attention(cfg))
         for sm in stages.modules:
             for u in (u for u in sm.units if u in blocks):
                 adapter.set_attention(sm.get_submodule(u), impl)

@@ -171,17 +171,18 @@ class ParallelModel:
 
     def _per_batch_local(self, batch: dict[str, torch.Tensor],
                          targets: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        """:meth:`local_batch` under per-batch assignment: this worker's one row of the global
-        batch's pieces (``batch_parallel.BatchPlanner.local_row``), its per-piece positions as
-        the stage's argument; the loss counts the global batch's targets as on the fixed layout."""
+        """:meth:`local_batch` under per-batch assignment: this worker's row of each micro-batch
+        of the global batch's pieces (``batch_parallel.BatchPlanner.local_rows``), their
+        per-piece positions and layout codes (as ``doc_start``) the stage's arguments; the loss
+        counts the global batch's targets as on the fixed layout."""
         inputs = self.adapter.inputs(batch)
         if len(inputs) != 1:
             raise ValueError("per-batch assignment runs models whose only input is the tokens; plan without it")
         self._doc_starts(batch, targets.shape[1], slice(0, self.global_batch))  # refuses what cannot run
         targets = docs.mask_document_ends(targets, batch["cu_seqlens"])
         self.loss_fn.n_tokens = int((targets != IGNORE_INDEX).sum())
-        row = self.batch_planner.local_row(inputs[0], targets, batch["cu_seqlens"], self.device)
-        self._step_args = dict(positions=row.positions.to(self.device))
+        row = self.batch_planner.local_rows(inputs[0], targets, batch["cu_seqlens"], self.n_microbatches)
+        self._step_args = dict(positions=row.positions.to(self.device), doc_start=row.codes.to(self.device))
         self.documents.set(None)
         return (row.ids.to(self.device),), row.targets.to(self.device)
 

@@ -283,6 +283,10 @@ def per_batch_text(plan: Plan) -> str | None:
                  f"{b['spread_before']:.2f}x the mean work on the fixed layout, {b['spread_after']:.2f}x after "
                  f"assignment ({b['method']} groups of 1 to {b['max_group']}, at most {b['capacity']:,} tokens per "
                  f"rank); {b['ideal_gap']:.3f}x the step of an ideal balance")
+    if "memory_capacity" in b:
+        text += (f". Under the pipeline each of the {b['microbatches']} micro-batches is assigned on its own and "
+                 f"every rank's row padded to {b['capacity']:,} tokens (memory allows {b['memory_capacity']:,}): "
+                 "the padding is priced")
     return text
 
 

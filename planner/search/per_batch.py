@@ -19,9 +19,17 @@ fixed layout's estimate prices its masked kernel (on CPUs the torch fallback,
 (``cost_models.documents.busiest_share``). It is chosen when the runtime can run it
 (``planner.batch_assign.per_batch_problem``) and it saves at least ``MIN_GAIN``; the plan
 records the figures and why (``batch.per_batch``), and the emitted program runs it.
+
+Under a pipeline (gpipe or 1f1b) each micro-batch is assigned on its own and every worker's
+row is padded to one length, the record's ``capacity``: padding costs linear work, so the
+shortest row that still balances wins; the lengths ``ROW_SLACK`` over the mean tokens a worker
+holds per micro-batch (up to what memory allows, ``memory_capacity``) are priced and the one
+with the least expected step kept.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from typing import Any, Optional
 
 from cost_models.batch_pricing import Layout, capacity_tokens, compare, work_cost
@@ -33,6 +41,7 @@ from planner.graph import ModelGraph
 MIN_GAIN = 0.02         # chosen when the expected step is at least 2% shorter than the fixed layout's
 MAX_BATCHES = 200       # batches sampled from the simulated rows
 ALIGNED_ABOVE = 16      # pools larger than this form only aligned windows (P / g groups per size)
+ROW_SLACK = (1.0625, 1.125, 1.25, 1.5)  # under a pipeline: padded rows weighed, over the mean tokens per worker
 
 
 def sampled_batches(graph: ModelGraph, global_batch: int, n: int = MAX_BATCHES) -> list[list[int]]:
@@ -59,10 +68,17 @@ def _heads(graph: ModelGraph) -> tuple[int, int]:
     return gcd(*(a.heads for a in dims)), gcd(*(a.kv_heads for a in dims))
 
 
+def _row_candidates(held: float, capacity: int) -> list[int]:
+    """Under a pipeline, the padded row lengths weighed (``ROW_SLACK`` over the mean tokens a
+    worker holds per micro-batch, ``held``), none above the memory's ``capacity``."""
+    return sorted({min(capacity, math.ceil(held * f)) for f in ROW_SLACK})
+
+
 def per_batch_record(graph: ModelGraph, cluster: Cluster, est: Estimate, global_batch: int, profile=None,
                      method: Optional[str] = None) -> dict[str, Any]:
     """What ``batch.per_batch`` records (module docstring): ``chosen``, ``why``, the pool, the
-    rates, the memory per worker in tokens and the priced figures on the sampled batches."""
+    rates, the memory per worker in tokens (under a pipeline: the padded row length, the one of
+    ``_row_candidates`` with the least expected step) and the priced figures on the sampled batches."""
     cfg = est.config
     workers = cfg.dp * cfg.cp
     cost = work_cost(graph, cluster, cfg, profile, method)
@@ -75,13 +91,26 @@ def per_batch_record(graph: ModelGraph, cluster: Cluster, est: Estimate, global_
     if why := per_batch_problem(cfg, global_batch, pool, cost.method, *_heads(graph)):
         return dict(out, why=why)
     fixed = est.breakdown.get("dp_comm", 0.0) + est.breakdown.get("optimizer", 0.0)
-    try:
-        c = compare(sampled_batches(graph, global_batch), pool, cost, [Layout(cfg.dp, cfg.cp, graph.seq_len)], fixed)
-    except AssignError as e:
-        return dict(out, why=str(e))
+    microbatches = global_batch // (cfg.dp * cfg.mbs)
+    batches = sampled_batches(graph, global_batch)
+    best, error = None, None
+    for row in (_row_candidates(held, capacity) if cfg.pp > 1 else [capacity]):
+        try:
+            c = compare(batches, replace(pool, capacity=row), cost, [Layout(cfg.dp, cfg.cp, graph.seq_len)], fixed,
+                        cfg.pp, microbatches)
+        except AssignError as e:
+            error = error or e
+            continue
+        if best is None or c.mean(c.per_batch) < best[1].mean(best[1].per_batch):
+            best = (row, c)
+    if best is None:
+        return dict(out, why=str(error))
+    row, c = best
     expected = c.mean(c.per_batch)  # the busiest worker's seconds per batch, plus the shared fixed_s
     ratio = expected / est.step_s
-    out.update(c.summary(), expected_step_s=expected, fixed_step_s=est.step_s, ratio=ratio)
+    out.update(c.summary(), capacity=row, expected_step_s=expected, fixed_step_s=est.step_s, ratio=ratio)
+    if cfg.pp > 1:
+        out.update(memory_capacity=capacity, microbatches=microbatches)
     if ratio > 1 - MIN_GAIN:
         return dict(out, why=f"per-batch assignment would take {expected:.4g} s per step against the fixed "
                              f"layout's {est.step_s:.4g} s: not {MIN_GAIN:.0%} faster")
