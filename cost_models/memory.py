@@ -152,6 +152,8 @@ def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recom
     scale = cfg.mbs / graph.batch * DTYPE_BYTES[cfg.dtype] / graph.dtype_bytes
     if recompute == "full":
         return layer.input_bytes * scale / cfg.cp / cfg.seq_shards
+    if recompute == "offload" and checkpointed(layer):
+        return 0.0  # a block's saved tensors wait in host memory (cost_models/offload.py)
     if recompute == "selective-op" and checkpointed(layer):
         kept = op_saved_bytes(layer, graph)
         return (kept.tp_part / cfg.tp + kept.rest / cfg.seq_shards) * scale / cfg.cp
@@ -347,8 +349,9 @@ class MemoryRule:
 
     def work(self, i: int, policy: str) -> float:
         """Back-propagating through layer ``i`` materialises gradients the size of its
-        activations (twice that when the policy re-materialises them: full, selective-op)."""
-        return (2.0 if policy in ("full", "selective-op") else 1.0) * self.t.act["none"][i]
+        activations (twice that when the policy re-materialises them: full, selective-op, or
+        reloads them from the host: offload)."""
+        return (2.0 if policy in ("full", "selective-op", "offload") else 1.0) * self.t.act["none"][i]
 
 
 def chunk_memory(rule: MemoryRule, layers: Sequence[int], policy: str) -> ChunkMemory:
