@@ -190,7 +190,8 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
     for (lo, hi), rc in zip(partition.bounds, partition.recompute):
         f, b = (hi - lo) * wf, (hi - lo) * wb  # one wrapped unit per layer (the stage root holds the rest)
         cf, cb = f, b
-        parts = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "ep_comm": 0.0, "recompute": 0.0, "runtime": f + b}
+        parts = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "ep_comm": 0.0, "recompute": 0.0, "runtime": f + b,
+                 "offload": 0.0}
         for i in range(lo, hi):
             c = costs.get(graph.layers[i])
             comp_src.add(c.source)
@@ -206,6 +207,7 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
             parts["cp_comm"] += c.cp
             parts["ep_comm"] += c.ep_fwd + c.ep_bwd
             parts["recompute"] += t.recompute
+            parts["offload"] += t.offload
         out.append(_StageCost(f, b, cf, cb, parts))
     slow = stage_slowdowns(costs.c, cfg)  # mixed devices: each stage's compute on its rank's device (costs.cfg
     #                                      may be another pp's: the layer costs are shared across pp and dp)
@@ -390,8 +392,8 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
 
     overhead = cal.get("step_overhead_s", 0.0)
     step = pipe_s + dp_exposed + opt_s + overhead
-    breakdown = {k: v for k in ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "runtime")  # runtime: CPU only
-                 for v in [m * sum(stages[j].parts[k] for j in mine)] if v or k != "runtime"}
+    breakdown = {k: v for k in ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "runtime", "offload")
+                 for v in [m * sum(stages[j].parts[k] for j in mine)] if v or k not in ("runtime", "offload")}
     breakdown.update(p2p=0.0, bubble=max(0.0, pipe_s - m * (rank_f + rank_b)), dp_comm=dp_exposed, optimizer=opt_s)
     breakdown.update({"overhead": overhead} if overhead else {})
     if cfg.pp > 1 and p2p:  # p2p inside the pipeline time: split the idle time between bubble and transfers

@@ -152,6 +152,7 @@ class PassTimes:
     compute_fwd: float
     compute_bwd: float
     recompute: float
+    offload: float = 0.0   # the host copies' exposed part, forward + backward (``offload``)
 
 
 def recompute_seconds(c: LayerCost, policy: str) -> float:
@@ -177,7 +178,7 @@ def layer_pass_times(c: LayerCost, policy: str) -> PassTimes:
     if policy == "offload":
         out, back = exposed_copy_s(c.host, c.fwd), exposed_copy_s(c.host, c.bwd)
         return PassTimes(fwd=c.fwd_pass + out, bwd=c.bwd_pass + back, compute_fwd=c.fwd, compute_bwd=c.bwd,
-                         recompute=0.0)
+                         recompute=0.0, offload=out + back)
     extra = recompute_seconds(c, policy)
     return PassTimes(fwd=c.fwd_pass, bwd=c.bwd_pass + extra,
                      compute_fwd=c.fwd, compute_bwd=c.bwd + extra, recompute=extra)

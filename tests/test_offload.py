@@ -167,3 +167,18 @@ def test_offload_parity_on_gloo_ranks(launch):
             for rank, (moved, reloads) in enumerate(r["offloaded_bytes"]):
                 mine = [pol for j, pol in enumerate(policies) if pp_rank[j] == rank // (world // cfg.pp)]
                 assert (moved > 0 and reloads > 0) == ("offload" in mine), (name, rank, moved, reloads)
+
+
+def test_the_estimate_shows_the_exposed_copies_and_the_lower_peak(g8b):
+    from cost_models.estimate import estimate
+    from planner.plan import Partition
+    cl = parse_cluster("dgx-h100")
+    n = len(g8b.layers)
+    runs = {}
+    for rc in ("none", "offload"):
+        cfg = ParallelConfig(dp=8, mbs=1, zero="fsdp", dtype="bf16", recompute=rc)
+        runs[rc] = estimate(g8b, cl, cfg, Partition.even(n, 1, rc), 8)
+    none, off = runs["none"], runs["offload"]
+    assert "offload" not in none.breakdown and off.breakdown["offload"] > 0
+    assert off.step_s == pytest.approx(none.step_s + off.breakdown["offload"], rel=1e-3)
+    assert off.memory[0].activations < none.memory[0].activations / 4
