@@ -101,6 +101,7 @@ class StageMemory:
     buffers: float
     reserve: float
     inflight: int
+    host: float = 0.0   # pinned host memory of offloaded activations (not in ``total``: not device memory)
 
     @property
     def tensors(self) -> float:
@@ -113,6 +114,8 @@ class StageMemory:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["total"] = self.total
+        if not self.host:
+            d.pop("host")
         return d
 
 
@@ -323,6 +326,7 @@ class ChunkMemory:
     peak: float
     work: float
     transient: float
+    host: float = 0.0  # offloaded activations in pinned host memory, per in-flight micro-batch
 
     @property
     def states(self) -> float:
@@ -369,7 +373,8 @@ def chunk_memory(rule: MemoryRule, layers: Sequence[int], policy: str) -> ChunkM
             best, work = held + w, w
     return ChunkMemory(weights=weights, grads=grads, optimizer=opt, pinned=pinned, act=held,
                        peak=max(0.0, best - held) if layers else 0.0, work=work,
-                       transient=max((rule.transient[i] for i in layers), default=0.0))
+                       transient=max((rule.transient[i] for i in layers), default=0.0),
+                       host=sum(t.act["none"][i] - act[i] for i in layers) if policy == "offload" else 0.0)
 
 
 def overshoot(chunk: ChunkMemory, inflight: float) -> float:
@@ -392,7 +397,7 @@ def rank_memory(chunks: Sequence[ChunkMemory], inflight: Sequence[float], reserv
     buffers = sum(x.pinned for x in chunks) + max(x.transient for x in chunks) + chunks[c].work
     out = StageMemory(weights=sum(x.weights for x in chunks), grads=sum(x.grads for x in chunks),
                       optimizer=sum(x.optimizer for x in chunks), activations=act, buffers=buffers,
-                      reserve=0.0, inflight=sum(inflight))
+                      reserve=0.0, inflight=sum(inflight), host=sum(x.host * n for x, n in zip(chunks, inflight)))
     out.reserve = reserve.of(out.tensors)
     return out
 

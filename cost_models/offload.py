@@ -13,18 +13,23 @@ their gradients (``MemoryRule.work``).
 Assumptions: one copy stream per direction per device, at ``Device.host_gbs`` (the cluster
 file's PCIe / NVLink-C2C figure, one direction) or :data:`DEFAULT_HOST_GBS` where the file does
 not give it; the copies do not slow the compute (HBM traffic of a copy is small next to the
-kernels'); host memory is large enough for the pinned buffers (a DGX H100 has 2 TiB for 8
-GPUs). On a CPU (gloo) cluster host and device memory are the same memory: offload saves
+kernels'). The pinned buffers hold every in-flight micro-batch's offloaded activations
+(``StageMemory.host``); a plan fits only if they fit :func:`host_capacity_bytes`. On a CPU (gloo) cluster host and device memory are the same memory: offload saves
 nothing there (:func:`offload_saves`), the search does not propose it, and a pinned offload is
-still priced as a copy at the memory bandwidth.
+priced as a copy at the memory bandwidth (its memory figures, though, are a GPU's: the device
+keeps none of the blocks' activations).
 """
 from __future__ import annotations
+
+import math
 
 from cost_models.cluster import Cluster
 
 # PCIe Gen5 x16 moves ~64 GB/s one way; ~55 GB/s is what pinned cudaMemcpyAsync sustains on it
 # (an H100 SXM behind a DGX H100's PCIe switch). A Grace Hopper's NVLink-C2C: 450 GB/s one way.
 DEFAULT_HOST_GBS = 55.0
+# A DGX H100 has 2 TiB of RAM for 8 GPUs: 256 GiB each, less what the OS and the data loaders keep.
+DEFAULT_HOST_GIB = 240.0
 
 
 def host_link_bps(cluster: Cluster) -> float:
@@ -35,6 +40,15 @@ def host_link_bps(cluster: Cluster) -> float:
     if dev.host_gbs:
         return dev.host_gbs * 1e9
     return dev.mem_bw_gbs * 1e9 if cluster.backend == "gloo" else DEFAULT_HOST_GBS * 1e9
+
+
+def host_capacity_bytes(cluster: Cluster) -> float:
+    """Host memory one rank may fill with offloaded activations: the cluster file's
+    ``device.host_memory_gib``, else :data:`DEFAULT_HOST_GIB` on GPUs; unbounded on a CPU
+    cluster (its device memory is the host memory, already the device capacity)."""
+    if cluster.device.host_memory_gib:
+        return cluster.device.host_memory_gib * 2**30
+    return math.inf if cluster.backend == "gloo" else DEFAULT_HOST_GIB * 2**30
 
 
 def offload_saves(cluster: Cluster) -> bool:

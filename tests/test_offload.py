@@ -182,3 +182,18 @@ def test_the_estimate_shows_the_exposed_copies_and_the_lower_peak(g8b):
     assert "offload" not in none.breakdown and off.breakdown["offload"] > 0
     assert off.step_s == pytest.approx(none.step_s + off.breakdown["offload"], rel=1e-3)
     assert off.memory[0].activations < none.memory[0].activations / 4
+
+
+def test_offloaded_activations_must_fit_the_hosts_share(g8b):
+    """The pinned host buffers hold every in-flight micro-batch's offloaded blocks: a plan whose
+    buffers overflow the device's share of host RAM (Device.host_memory_gib) does not fit."""
+    from cost_models.estimate import estimate
+    from planner.plan import Partition
+    cl = parse_cluster("dgx-h100")
+    cfg = ParallelConfig(dp=8, mbs=1, zero="fsdp", dtype="bf16", recompute="offload")
+    e = estimate(g8b, cl, cfg, Partition.even(len(g8b.layers), 1, "offload"), 8)
+    blocks = [l for l in g8b.layers if l.kind == "transformer_block"]
+    assert e.memory[0].host == pytest.approx(sum(layer_activation(l, g8b, cfg, "none") for l in blocks))
+    assert e.fits and e.host_capacity == 240 * 2**30
+    small = cl.__class__(**{**cl.__dict__, "device": Device(**{**cl.device.__dict__, "host_memory_gib": 16})})
+    assert not estimate(g8b, small, cfg, Partition.even(len(g8b.layers), 1, "offload"), 8).fits

@@ -309,6 +309,11 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, s
                 space.note_need(need, exact=True)
                 rej.add(f"OOM by {_bucket(over)} on stage {r}", cfg.label())
                 continue
+            if not e.fits:  # the devices fit; the offloaded activations overflow the host memory
+                r = max(range(len(e.memory)), key=lambda k: e.memory[k].host)
+                rej.add(f"offload: host memory short by {_bucket(e.memory[r].host - e.host_capacity)} on stage {r} "
+                        f"(host_memory_gib in the cluster file)", cfg.label())
+                continue
             ranked.append((e.step_s, cfg.to_str(), e))
             best_s = min(best_s, e.step_s)
         if t.n_var - n_kept:
