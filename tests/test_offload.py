@@ -65,6 +65,7 @@ def test_offloaded_blocks_give_the_same_gradients_and_close_removes_them():
     # linear's input ([4, 5, 32] each), fp32; the weights (and their transposed views) stay
     assert off.moved_bytes == 3 * (4 * 5 * 8 + 2 * 4 * 5 * 32) * 4, off.moved_bytes
     assert off.reloads > 0
+    assert off.last() is None  # the host copies went with the graph
     assert offload_blocks(list(model), installs=installs) is None  # once per block per build
     installs.close()
     before = off.moved_bytes

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import weakref
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -61,7 +63,7 @@ class Offloader:
         self.current: Optional[_Group] = None
         self.block: Optional[nn.Module] = None
         self.weights: Optional[set[int]] = None  # storages of the running block's parameters
-        self.last: Optional[_Group] = None
+        self.last: Optional[weakref.ref] = None  # the group opened last (the graph keeps groups alive)
         self.stream: Optional[torch.cuda.Stream] = None
         self.moved_bytes = 0  # bytes copied to host so far (what the device did not keep)
         self.reloads = 0      # tensors copied back
@@ -75,8 +77,8 @@ class Offloader:
 
     def open(self, block: nn.Module, first: bool) -> None:
         """``block``'s forward begins (``first``: the stage's first offloaded block)."""
-        self.current = _Group(None if first else self.last)
-        self.last, self.block, self.weights = self.current, block, None
+        self.current = _Group(None if first or self.last is None else self.last())
+        self.last, self.block, self.weights = weakref.ref(self.current), block, None
 
     def close(self) -> None:
         """The running block's forward ended."""
