@@ -198,3 +198,20 @@ def test_offloaded_activations_must_fit_the_hosts_share(g8b):
     assert e.fits and e.host_capacity == 240 * 2**30
     small = cl.__class__(**{**cl.__dict__, "device": Device(**{**cl.device.__dict__, "host_memory_gib": 16})})
     assert not estimate(g8b, small, cfg, Partition.even(len(g8b.layers), 1, "offload"), 8).fits
+
+
+def test_long_context_llama8b_128k_on_one_dgx_h100_offloads():
+    """Llama-3 8B, 128K-token sequences, one DGX H100: the plan is CP with offload, whose host
+    copies hide behind each block's compute (a 128K sequence's attention is long), faster than
+    the best full-recompute layout by more than 10 %; a layout whose offloaded bytes overflow the
+    host memory (dp4 cp2) is refused for it, in one line."""
+    from planner.search.planning import plan_model
+    g = load_graph("llama3-8b", batch=1, seq_len=131072)
+    plan, res = plan_model(g, parse_cluster("dgx-h100"), 8, spec="llama3-8b", cluster_spec="dgx-h100", top_k=8)
+    best = res.best
+    assert best.config.recompute == "offload" and best.config.cp > 1, best.config.label()
+    assert best.breakdown.get("offload", 0.0) < 0.01 * best.step_s  # the copies hide behind the compute
+    assert 0 < best.memory[0].host <= best.host_capacity
+    full = [a for a in res.alternatives if a.config.recompute == "full"]
+    assert full and min(a.step_s for a in full) > 1.1 * best.step_s
+    assert any(r.startswith("offload: host memory short by") for r in res.rejected)
