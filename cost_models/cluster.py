@@ -47,6 +47,8 @@ TOML format (every key required unless marked optional; no other keys)::
     memory_gib = 80
     mem_bw_gbs = 3350
     sms = 132                   # optional: streaming multiprocessors (GEMM wave quantization)
+    host_gbs = 55               # optional: device <-> host memory, one direction (PCIe / C2C; activation offload)
+    host_memory_gib = 240       # optional: host memory one device may pin (its share of the node's RAM)
     [device.peak_tflops]        # at least one of fp32, tf32, bf16, fp16, fp8
     bf16 = 989
     fp32 = 67

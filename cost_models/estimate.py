@@ -92,6 +92,7 @@ from cost_models.cpu_runtime import wrapper_unit_s
 from cost_models.engines import Engine, engine_of, exposed_s
 from cost_models.experts import ep_mesh
 from cost_models.layer_costs import LayerCosts, act_bytes_io, layer_pass_times
+from cost_models.offload import host_capacity_bytes
 from cost_models.memory import LayerTable, StageMemory, dp_group
 from cost_models.pipeline_memory import inflight_closed, rank_memories
 from cost_models.wan_cost import crossings, outer_step_s, stage_capacity, stage_devices, stage_slowdowns
@@ -135,10 +136,12 @@ class Estimate:
     schedule_ir: Any = None           # the schedule IR priced when config.schedule is custom (planner/schedule_ir.py)
     wan: list[dict] = field(default_factory=list)  # where the mesh crosses the WAN (cost_models/wan_cost.py)
     devices: list[str] = field(default_factory=list)  # mixed devices: "group: device" per pp rank
+    host_capacity: float = math.inf   # host bytes a rank may pin for offloaded activations (cost_models/offload.py)
 
     @property
     def fits(self) -> bool:
-        return all(m.total <= self.capacity for m in self.memory)
+        """Every rank within its device memory, and its offloaded activations within its host share."""
+        return all(m.total <= self.capacity and m.host <= self.host_capacity for m in self.memory)
 
     def shortfall(self) -> tuple[int, float]:
         """(pp rank, bytes over capacity) of the worst rank; bytes <= 0 when it fits."""
@@ -190,7 +193,8 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
     for (lo, hi), rc in zip(partition.bounds, partition.recompute):
         f, b = (hi - lo) * wf, (hi - lo) * wb  # one wrapped unit per layer (the stage root holds the rest)
         cf, cb = f, b
-        parts = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "ep_comm": 0.0, "recompute": 0.0, "runtime": f + b}
+        parts = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "ep_comm": 0.0, "recompute": 0.0, "runtime": f + b,
+                 "offload": 0.0}
         for i in range(lo, hi):
             c = costs.get(graph.layers[i])
             comp_src.add(c.source)
@@ -206,6 +210,7 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
             parts["cp_comm"] += c.cp
             parts["ep_comm"] += c.ep_fwd + c.ep_bwd
             parts["recompute"] += t.recompute
+            parts["offload"] += t.offload
         out.append(_StageCost(f, b, cf, cb, parts))
     slow = stage_slowdowns(costs.c, cfg)  # mixed devices: each stage's compute on its rank's device (costs.cfg
     #                                      may be another pp's: the layer costs are shared across pp and dp)
@@ -390,8 +395,8 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
 
     overhead = cal.get("step_overhead_s", 0.0)
     step = pipe_s + dp_exposed + opt_s + overhead
-    breakdown = {k: v for k in ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "runtime")  # runtime: CPU only
-                 for v in [m * sum(stages[j].parts[k] for j in mine)] if v or k != "runtime"}
+    breakdown = {k: v for k in ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "runtime", "offload")
+                 for v in [m * sum(stages[j].parts[k] for j in mine)] if v or k not in ("runtime", "offload")}
     breakdown.update(p2p=0.0, bubble=max(0.0, pipe_s - m * (rank_f + rank_b)), dp_comm=dp_exposed, optimizer=opt_s)
     breakdown.update({"overhead": overhead} if overhead else {})
     if cfg.pp > 1 and p2p:  # p2p inside the pipeline time: split the idle time between bubble and transfers
@@ -405,7 +410,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
         tokens_per_s=tokens / step, mfu=model_flops / (step * cfg.world * peak),
         tflops_per_device=model_flops / step / cfg.world / 1e12, memory=memory, capacity=stage_capacity(cluster, cfg),
         breakdown=breakdown, stage_fwd_s=[st.fwd for st in stages], stage_bwd_s=[st.bwd for st in stages],
-        bubble_frac=max(0.0, bubble), source=src,
+        bubble_frac=max(0.0, bubble), source=src, host_capacity=host_capacity_bytes(cluster),
         sources={"compute": src, "comm": "profile" if comm_src == {"profile"} else ("model" if comm_src else "none")},
         pipeline=result, p2p_hop_s=p2p, calibration=calibration_note(profile), engine=eng.name,
         schedule_ir=schedule if cfg.schedule == "custom" else None,

@@ -6,7 +6,9 @@ A leaf contract (imports nothing of ours): :mod:`cost_models.cluster` and
 
 Units: ``Device.memory_gib`` GiB (2**30 bytes) usable per device; ``Device.peak_tflops[dtype]``
 dense peak, 1e12 FLOP/s; ``Device.mem_bw_gbs`` GB/s (1e9 bytes/s); ``Device.sms`` streaming
-multiprocessors (0 = not given); ``Link.bandwidth_gbs`` GB/s one direction; ``Link.latency_us``
+multiprocessors (0 = not given); ``Device.host_gbs`` GB/s one direction between the device and
+its host's memory (PCIe, NVLink-C2C; 0 = not given); ``Device.host_memory_gib`` GiB of host memory
+one device may fill with pinned buffers (its share of the node's RAM; 0 = not given); ``Link.bandwidth_gbs`` GB/s one direction; ``Link.latency_us``
 one message's start-up latency (the alpha of the alpha-beta model), microseconds.
 """
 from __future__ import annotations
@@ -32,6 +34,8 @@ class Device:
 
     memory_gib: usable memory, GiB. peak_tflops: dense peak per dtype, 1e12 FLOP/s.
     mem_bw_gbs: memory bandwidth, 1e9 bytes/s. sms: streaming multiprocessors (0: unknown).
+    host_gbs: device <-> host memory, one direction, 1e9 bytes/s (PCIe / C2C; 0: unknown).
+    host_memory_gib: host memory a device may pin (its share of the node's RAM), GiB (0: unknown).
     """
 
     name: str
@@ -39,19 +43,23 @@ class Device:
     peak_tflops: dict[str, float]
     mem_bw_gbs: float
     sms: int = 0
+    host_gbs: float = 0.0
+    host_memory_gib: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """The TOML layout of a ``[device]`` table."""
         return {"name": self.name, "memory_gib": float(self.memory_gib), "mem_bw_gbs": float(self.mem_bw_gbs),
                 "peak_tflops": {k: float(self.peak_tflops[k]) for k in sorted(self.peak_tflops)},
-                **({"sms": self.sms} if self.sms else {})}
+                **({"sms": self.sms} if self.sms else {}),
+                **({"host_gbs": float(self.host_gbs)} if self.host_gbs else {}),
+                **({"host_memory_gib": float(self.host_memory_gib)} if self.host_memory_gib else {})}
 
     @classmethod
     def from_dict(cls, dev: Any, source: str, key: str = "device") -> "Device":
         """Read and check a ``[device]`` table (``key`` names it in errors)."""
         check_table(dev, source, key)
         check_keys(dev, source, f"{key}.", required=("name", "memory_gib", "mem_bw_gbs", "peak_tflops"),
-                   optional=("sms",))
+                   optional=("sms", "host_gbs", "host_memory_gib"))
         peaks = dev["peak_tflops"]
         check_table(peaks, source, f"{key}.peak_tflops")
         if not peaks:
@@ -63,13 +71,18 @@ class Device:
                    memory_gib=number(dev["memory_gib"], source, f"{key}.memory_gib"),
                    peak_tflops={k: number(v, source, f"{key}.peak_tflops.{k}") for k, v in peaks.items()},
                    mem_bw_gbs=number(dev["mem_bw_gbs"], source, f"{key}.mem_bw_gbs"),
-                   sms=integer(dev["sms"], source, f"{key}.sms") if "sms" in dev else 0)
+                   sms=integer(dev["sms"], source, f"{key}.sms") if "sms" in dev else 0,
+                   host_gbs=number(dev["host_gbs"], source, f"{key}.host_gbs") if "host_gbs" in dev else 0.0,
+                   host_memory_gib=(number(dev["host_memory_gib"], source, f"{key}.host_memory_gib")
+                                    if "host_memory_gib" in dev else 0.0))
 
     def validate(self, source: str, key: str = "device") -> None:
         """Raise ClusterError if a figure is missing, of the wrong type or non-positive."""
         string(self.name, source, f"{key}.name")
         number(self.memory_gib, source, f"{key}.memory_gib")
         number(self.mem_bw_gbs, source, f"{key}.mem_bw_gbs")
+        number(self.host_gbs, source, f"{key}.host_gbs", allow_zero=True)
+        number(self.host_memory_gib, source, f"{key}.host_memory_gib", allow_zero=True)
         if not isinstance(self.peak_tflops, dict) or not self.peak_tflops:
             raise ClusterError(f"{source}: {key}.peak_tflops must give at least one of {', '.join(DTYPES)}")
         for k, v in self.peak_tflops.items():

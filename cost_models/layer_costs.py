@@ -16,7 +16,9 @@ from cost_models.context_parallel import cp_comm
 from cost_models.documents import ring_hiding
 from cost_models.engines import DEFAULT_ENGINE, Engine, exposed_s
 from cost_models.experts import ComputeChunks, expert_comm
-from cost_models.memory import LayerTable
+from cost_models.memory import LayerTable, layer_activation
+from cost_models.offload import copy_seconds, exposed_copy_s
+from cost_models.op_recompute import checkpointed
 from cost_models.shared_cores import ranks_cluster
 from planner.graph import Layer, ModelGraph
 from planner.plan import ParallelConfig
@@ -33,8 +35,9 @@ class LayerCost:
     """One layer, one micro-batch, one rank (seconds): forward and backward compute, TP
     communication (forward + backward), CP's exposed ring exchange (forward + backward), the
     attention core's forward (what ``selective`` recomputes), what ``selective-op`` recomputes
-    of the forward compute (``LayerTime.op_recompute_s``), and where the compute and
-    communication figures came from."""
+    of the forward compute (``LayerTime.op_recompute_s``), the host-link copy of what the layer
+    saves (``offload``, repeated blocks only), and where the compute and communication figures
+    came from."""
     fwd: float
     bwd: float
     tp: float
@@ -45,6 +48,7 @@ class LayerCost:
     comm_source: str
     ep_fwd: float = 0.0    # expert all-to-alls (cost_models/experts.py): forward, backward
     ep_bwd: float = 0.0
+    host: float = 0.0      # a repeated block's saved activations over the host link, one way (offload)
 
     @property
     def fwd_pass(self) -> float:
@@ -84,6 +88,13 @@ class LayerCosts:
         if t is None:
             t = self.tables[key] = LayerTable(self.g, cfg, self.engine)
         return t
+
+    def host_copy_s(self, layer: Layer) -> float:
+        """Seconds to move what ``layer`` saves for its backward (one micro-batch, no recompute)
+        over the host link one way, for the blocks ``offload`` moves; 0 for other layers."""
+        if not checkpointed(layer):
+            return 0.0
+        return copy_seconds(layer_activation(layer, self.g, self.cfg, "none", self.engine), self.c)
 
     def get(self, layer: Layer) -> "LayerCost":
         """The layer's seconds for one micro-batch under the config (cached by signature)."""
@@ -125,7 +136,8 @@ class LayerCosts:
             csrc = ex.source
         dis_f, dis_b = ep_dispatch_s(layer, self.c, cfg, self.profile)  # the CPU dispatch's own work
         out = LayerCost(fwd=lt.fwd_s, bwd=lt.bwd_s, tp=tp_s, cp=cp_s, core=core_s, op_rc=lt.op_recompute_s,
-                        source=lt.source, comm_source=csrc, ep_fwd=ex.fwd + dis_f, ep_bwd=ex.bwd + dis_b)
+                        source=lt.source, comm_source=csrc, ep_fwd=ex.fwd + dis_f, ep_bwd=ex.bwd + dis_b,
+                        host=self.host_copy_s(layer))
         self.cache[layer.signature] = out
         return out
 
@@ -140,6 +152,7 @@ class PassTimes:
     compute_fwd: float
     compute_bwd: float
     recompute: float
+    offload: float = 0.0   # the host copies' exposed part, forward + backward (``offload``)
 
 
 def recompute_seconds(c: LayerCost, policy: str) -> float:
@@ -159,7 +172,13 @@ def layer_pass_times(c: LayerCost, policy: str) -> PassTimes:
     """The one per-layer stage-time rule the estimator and the ILP (planner/search/space.py) share,
     from ``LayerCosts.get``'s figures: TP communication split evenly between forward and
     backward, CP's exposed part 1:2 (the backward exchanges twice), the expert all-to-alls
-    where they run, and the recompute (:func:`recompute_seconds`) added to the backward."""
+    where they run, and the recompute (:func:`recompute_seconds`) added to the backward; under
+    ``offload`` the host copies' part beyond the layer's own compute, each way
+    (``cost_models/offload.py``)."""
+    if policy == "offload":
+        out, back = exposed_copy_s(c.host, c.fwd), exposed_copy_s(c.host, c.bwd)
+        return PassTimes(fwd=c.fwd_pass + out, bwd=c.bwd_pass + back, compute_fwd=c.fwd, compute_bwd=c.bwd,
+                         recompute=0.0, offload=out + back)
     extra = recompute_seconds(c, policy)
     return PassTimes(fwd=c.fwd_pass, bwd=c.bwd_pass + extra,
                      compute_fwd=c.fwd, compute_bwd=c.bwd + extra, recompute=extra)

@@ -101,6 +101,7 @@ class StageMemory:
     buffers: float
     reserve: float
     inflight: int
+    host: float = 0.0   # pinned host memory of offloaded activations (not in ``total``: not device memory)
 
     @property
     def tensors(self) -> float:
@@ -113,6 +114,8 @@ class StageMemory:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["total"] = self.total
+        if not self.host:
+            d.pop("host")
         return d
 
 
@@ -152,6 +155,8 @@ def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recom
     scale = cfg.mbs / graph.batch * DTYPE_BYTES[cfg.dtype] / graph.dtype_bytes
     if recompute == "full":
         return layer.input_bytes * scale / cfg.cp / cfg.seq_shards
+    if recompute == "offload" and checkpointed(layer):
+        return 0.0  # a block's saved tensors wait in host memory (cost_models/offload.py)
     if recompute == "selective-op" and checkpointed(layer):
         kept = op_saved_bytes(layer, graph)
         return (kept.tp_part / cfg.tp + kept.rest / cfg.seq_shards) * scale / cfg.cp
@@ -321,6 +326,7 @@ class ChunkMemory:
     peak: float
     work: float
     transient: float
+    host: float = 0.0  # offloaded activations in pinned host memory, per in-flight micro-batch
 
     @property
     def states(self) -> float:
@@ -347,8 +353,9 @@ class MemoryRule:
 
     def work(self, i: int, policy: str) -> float:
         """Back-propagating through layer ``i`` materialises gradients the size of its
-        activations (twice that when the policy re-materialises them: full, selective-op)."""
-        return (2.0 if policy in ("full", "selective-op") else 1.0) * self.t.act["none"][i]
+        activations (twice that when the policy re-materialises them: full, selective-op, or
+        reloads them from the host: offload)."""
+        return (2.0 if policy in ("full", "selective-op", "offload") else 1.0) * self.t.act["none"][i]
 
 
 def chunk_memory(rule: MemoryRule, layers: Sequence[int], policy: str) -> ChunkMemory:
@@ -366,7 +373,8 @@ def chunk_memory(rule: MemoryRule, layers: Sequence[int], policy: str) -> ChunkM
             best, work = held + w, w
     return ChunkMemory(weights=weights, grads=grads, optimizer=opt, pinned=pinned, act=held,
                        peak=max(0.0, best - held) if layers else 0.0, work=work,
-                       transient=max((rule.transient[i] for i in layers), default=0.0))
+                       transient=max((rule.transient[i] for i in layers), default=0.0),
+                       host=sum(t.act["none"][i] - act[i] for i in layers) if policy == "offload" else 0.0)
 
 
 def overshoot(chunk: ChunkMemory, inflight: float) -> float:
@@ -389,7 +397,7 @@ def rank_memory(chunks: Sequence[ChunkMemory], inflight: Sequence[float], reserv
     buffers = sum(x.pinned for x in chunks) + max(x.transient for x in chunks) + chunks[c].work
     out = StageMemory(weights=sum(x.weights for x in chunks), grads=sum(x.grads for x in chunks),
                       optimizer=sum(x.optimizer for x in chunks), activations=act, buffers=buffers,
-                      reserve=0.0, inflight=sum(inflight))
+                      reserve=0.0, inflight=sum(inflight), host=sum(x.host * n for x, n in zip(chunks, inflight)))
     out.reserve = reserve.of(out.tensors)
     return out
 

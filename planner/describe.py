@@ -23,7 +23,8 @@ CP_METHODS = {"ring": "ring attention", "ulysses": "Ulysses all-to-all (heads fo
 RECOMPUTE_WORDS = {"none": "keeps every activation",
                    "selective": "recomputes the attention core (the rest kept)",
                    "selective-op": "checkpoints each block, keeping every other matmul and the attention output",
-                   "full": "checkpoints each block whole (recomputes its forward in the backward)"}
+                   "full": "checkpoints each block whole (recomputes its forward in the backward)",
+                   "offload": "moves each block's saved activations to host memory and back for its backward"}
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")   # the searched buil
 # what a config may name: those, DualPipeV (vpp = 2, V-shaped) and custom (the plan's own schedule IR)
 RUN_SCHEDULES = SCHEDULES + ("dualpipev", "custom")
 
-RECOMPUTE = ("none", "selective", "selective-op", "full")  # codegen/runtime/recompute.py runs each
+RECOMPUTE = ("none", "selective", "selective-op", "full", "offload")  # codegen/runtime/recompute.py, offload.py
 SPLIT_BACKWARD = ("zb-h1", "dualpipev", "custom")  # schedules that (may) run a block's backward in two passes
 
 
@@ -81,7 +81,7 @@ class ParallelConfig:
     schedule: str = "1f1b"       # pipeline schedule (ignored when pp == 1)
     vpp: int = 1                 # virtual stages (chunks) per pp rank, interleaved schedule only
     zero: str = "ddp"            # DP sharding: ddp | zero1 | zero2 | fsdp
-    recompute: str = "none"      # none | selective | selective-op | full (uniform; a Partition may choose per stage)
+    recompute: str = "none"      # one of RECOMPUTE (uniform; a Partition may choose per stage)
     sp: bool = False             # sequence parallel with TP
     dtype: str = "bf16"          # compute dtype (mixed precision with fp32 master weights unless fp32)
     attention: str = "flash"

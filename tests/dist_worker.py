@@ -189,13 +189,14 @@ def reference(cfg, data):
     return case(cfg.name).reference(data, LR)
 
 
-def run_layout(model_name, cfg_kw, n_virtual, data, schedule=None):
+def run_layout(model_name, cfg_kw, n_virtual, data, schedule=None, policies=None, before_close=None):
     c = case(model_name)
     pc = ParallelConfig(dtype="fp32", mbs=1, **cfg_kw).validate()
     _, layout, facts = planner_view(model_name)
     stages = stages_for(model_name, n_virtual)
-    # a policy other than none alternates with full over the virtual stages
-    policies = ["none"] * n_virtual if pc.recompute == "none" else ([pc.recompute, "full"] * n_virtual)[:n_virtual]
+    # a policy other than none alternates with full over the virtual stages, unless given per stage
+    if policies is None:
+        policies = ["none"] * n_virtual if pc.recompute == "none" else ([pc.recompute, "full"] * n_virtual)[:n_virtual]
     pm = parallelize(c.build(c.parallel_device), pc, stages, policies, layout, GB, SEQ, "cpu",
                      optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=LR), seed=SEED, facts=facts,
                      schedule=schedule)
@@ -208,6 +209,8 @@ def run_layout(model_name, cfg_kw, n_virtual, data, schedule=None):
             # the global gradient norm clipping would use (each tied parameter counted once)
             grads[NORM] = torch.tensor(pm.clip_grad_norm_(None), dtype=torch.float64)
     dt = time.perf_counter() - t0
+    if before_close is not None:  # a test reads the built model (tests/offload_worker.py)
+        before_close(pm)
     pm.close()
     return losses, grads, dt
 

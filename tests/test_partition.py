@@ -33,9 +33,10 @@ def _random_problem(rng: random.Random, L: int, pp: int, v: int, m: int, schedul
         a = rng.uniform(1.0, 6.0)
         fwd.append({q: f for q in POL})
         bwd.append({"none": 2 * f, "selective": 2 * f + rng.uniform(0.05, 0.3) * f,
-                    "selective-op": 2 * f + rng.uniform(0.3, 0.6) * f, "full": 3 * f})
+                    "selective-op": 2 * f + rng.uniform(0.3, 0.6) * f, "full": 3 * f,
+                    "offload": 2 * f + rng.uniform(0.0, 0.5) * f})  # the host copy's exposed part
         act.append({"none": a, "selective": a * rng.uniform(0.3, 0.7), "selective-op": a * rng.uniform(0.2, 0.4),
-                    "full": a * rng.uniform(0.03, 0.15)})
+                    "full": a * rng.uniform(0.03, 0.15), "offload": 0.0})
         static.append(rng.uniform(0.5, 4.0))
         p2p.append(rng.uniform(0.0, 0.2))
         cls.append(f"l{i}")
@@ -173,7 +174,7 @@ def _llama_like(blocks: int, pp: int, v: int, m: int, capacity: float, head_f: f
     add("head", head_f, 2.0 * GB, 2 * GB)
     sched = sched if v == 1 else "interleaved-1f1b"
     return PartitionProblem(fwd, bwd, act, st, p2p, cls, pp, v, m, sched,
-                            _inflight(sched, pp, v, m), capacity)
+                            _inflight(sched, pp, v, m), capacity, policies=("none", "selective", "selective-op", "full"))
 
 
 def test_determinism() -> None:

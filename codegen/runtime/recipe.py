@@ -37,6 +37,7 @@ from codegen.runtime import data_parallel as dpar
 from codegen.runtime import expert_parallel as epar
 from codegen.runtime import pipeline_parallel as ppar
 from codegen.runtime import recompute as rc
+from codegen.runtime.offload import Offloader, offload_blocks
 from codegen.runtime import tensor_parallel as tpar
 from codegen.runtime.tp_styles import roles_of
 from codegen.runtime.adapters import ModelAdapter
@@ -64,6 +65,7 @@ class Stages:
     policy: dict[str, str]          # unit -> recompute policy of the plan stage holding it
     # the current micro-batch's packed documents, read by every block's attention (documents.py)
     documents: Documents = field(default_factory=Documents)
+    offloaders: list[Offloader] = field(default_factory=list)  # one per stage module with offloaded blocks
 
     @property
     def has_first(self) -> bool:
@@ -224,12 +226,16 @@ def apply_ep(stages: Stages, cfg: ParallelConfig) -> Optional[Experts]:
 
 def apply_recompute(adapter: ModelAdapter, stages: Stages) -> None:
     """Checkpoint (recompute in backward) every block whose stage's policy is ``full`` or
-    ``selective-op`` (the latter under the per-op save policy)."""
+    ``selective-op`` (the latter under the per-op save policy); move the saved activations of
+    every block whose stage's policy is ``offload`` to host memory (``codegen/runtime/offload.py``)."""
     blocks = set(adapter.blocks)
     for sm in stages.modules:
         for u in (u for u in sm.units if u in blocks and stages.policy[u] in ("full", "selective-op")):
             rc.checkpoint_block(sm.get_submodule(u), per_op=stages.policy[u] == "selective-op",
                                 documents=stages.documents, installs=adapter.installs)
+        off = offload_blocks([sm.get_submodule(u) for u in sm.units if u in blocks and stages.policy[u] == "offload"],
+                             installs=adapter.installs)
+        stages.offloaders += [off] if off is not None else []
 
 
 def apply_fp8(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, device: torch.device) -> int:

@@ -111,6 +111,7 @@ class ParallelModel:
         self.stage_idx, self.n_virtual, self.load_balance = stages.idx, stages.n_virtual, load_balance
         self.stage_modules = stages.modules
         self.documents = stages.documents  # the micro-batch's packed documents, read by the attention
+        self.offloaders = stages.offloaders  # activation offload per stage module (offload.py): bytes moved
         # this step's per-step stage arguments, [rows of this rank, S_local] each: positions
         # (under CP or with packed documents) and doc_start (packed documents); cut per micro-batch
         self._step_args: dict[str, torch.Tensor] = {}

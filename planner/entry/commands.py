@@ -164,6 +164,9 @@ def _print_estimate(con, e, title: str) -> None:
         t.add_row(str(r), *(f"{x / 2**30:.2f}" for x in (m.weights, m.grads, m.optimizer, m.activations,
                                                          m.buffers, m.reserve, m.total, e.capacity)))
     con.print(t)
+    if any(m.host for m in e.memory):  # recompute=offload (cost_models/offload.py)
+        con.print("  offloaded activations in pinned host memory (GiB per rank): "
+                  + ", ".join(f"{m.host / 2**30:.1f}" for m in e.memory) + f" of {e.host_capacity / 2**30:.0f}")
     con.print("  breakdown (s): " + ", ".join(f"{k} {v:.3g}" for k, v in e.breakdown.items()))
 
 

@@ -275,14 +275,16 @@ def schedule_choices(pp: int, m: int, facts: ModelFacts, pins: Pins) -> list[tup
 
 def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str, loss: str,
              dominated: bool = True, pins: Pins | None = None, fp8: str = "none",
-             compile: bool = False, low_comm: str = "") -> Iterator[ParallelConfig]:
+             compile: bool = False, low_comm: str = "", offload: bool = True) -> Iterator[ParallelConfig]:
     """The variants of one degree tuple with Ulysses degree ``ulysses`` that the ``pins``
     admit: schedule and vpp, DP sharding, recompute, sequence parallel - each where the
     runtime can run it. With ``dominated=False`` the variants the cost model proves no better
     are left out (see ``DOMINATED``) unless the pins leave out what dominates them. The
     attention kernel is flash unless the model cannot use it. ``low_comm`` (``autopar plan
     --low-comm``, planner/low_comm.py): each variant also with low-communication DP across
-    groups of replicas, where the degrees allow it."""
+    groups of replicas, where the degrees allow it. ``offload=False`` leaves ``recompute=offload``
+    out unless the pins name the policy: the search's choice where offloading frees no device
+    memory (``cost_models.offload.offload_saves``: there it is dominated by ``none``)."""
     pins = pins or Pins()
     dp, pp, cp, tp, ep = p.dp, p.pp, p.cp, p.tp, p.ep
     if modes_problem(dtype, fp8, compile, tp, cp):
@@ -298,7 +300,8 @@ def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str
             if zero_problem(zero, tp, dp * cp, facts, ep):
                 continue
             for rc in (r for r in recompute_policies(sched, pp) if pins.allows("recompute", r)
-                       and not recompute_attention_problem(r, facts.limits)):
+                       and not recompute_attention_problem(r, facts.limits)
+                       and (offload or r != "offload" or "recompute" in pins.choice)):
                 for sp in (s for s in ((False, True) if sp_ok else (False,)) if pins.allows("sp", s)):
                     if ep_problem(ep, dp, cp, facts, tp, sp):  # a MoE model under TP needs SP
                         continue

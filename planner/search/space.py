@@ -53,6 +53,7 @@ from cost_models.wan_cost import BalancedPipe, WanHop, cheapest_wan_hops, pipeli
 from planner.low_comm import low_comm_problem, parse_low_comm
 from cost_models.compute import calibration
 from cost_models.memory import Reserve, framework_reserve, memory_floor
+from cost_models.offload import offload_saves
 from cost_models.shared_cores import ranks_cluster
 from planner.errors import AutoparError
 from planner.graph import ModelGraph
@@ -240,7 +241,7 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     mem_floor = reserve.of(memory_floor(space.graph, base, costs.table(base)))
     n_var = sum(1 for _ in variants(Point(dp, pp, cp, tp, mbs, m, ep, (ulysses,), base.threads), ulysses, space.facts,
                                      space.batch, space.dtype, space.loss, pins=pins, fp8=space.fp8,
-                                     low_comm=space.low_comm,
+                                     low_comm=space.low_comm, offload=offload_saves(space.cluster),
                                      compile=space.compile))
     res.considered += n_var
     t = _Tuple(floor_s, dp, pp, cp, tp, mbs, m, n_var, costs, ep, moe=bool(space.facts.experts), ulysses=ulysses)
@@ -283,7 +284,8 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, s
         wan_hops: dict[bool, list[WanHop]] = {}  # per sequence parallel: the tuple's WAN boundaries at their cheapest
         for cfg in variants(Point(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, t.ep, (t.ulysses,), threads), t.ulysses,
                             space.facts, space.batch, space.dtype, space.loss, dominated=False, pins=space.pins,
-                            fp8=space.fp8, compile=space.compile, low_comm=space.low_comm):
+                            fp8=space.fp8, compile=space.compile, low_comm=space.low_comm,
+                            offload=offload_saves(space.cluster)):
             n_kept += 1
             # variant floor: this schedule on perfectly balanced stages, with its recompute
             f, b = stage[cfg.recompute]
@@ -306,6 +308,11 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, s
                 r, over, need = e
                 space.note_need(need, exact=True)
                 rej.add(f"OOM by {_bucket(over)} on stage {r}", cfg.label())
+                continue
+            if not e.fits:  # the devices fit; the offloaded activations overflow the host memory
+                r = max(range(len(e.memory)), key=lambda k: e.memory[k].host)
+                rej.add(f"offload: host memory short by {_bucket(e.memory[r].host - e.host_capacity)} on stage {r} "
+                        f"(host_memory_gib in the cluster file)", cfg.label())
                 continue
             ranked.append((e.step_s, cfg.to_str(), e))
             best_s = min(best_s, e.step_s)

@@ -10,6 +10,7 @@ from cost_models.pipeline_memory import inflight_closed
 from cost_models.layer_costs import LayerCosts, act_bytes_io, layer_pass_times
 from cost_models.compute import calibration
 from cost_models.memory import MemoryRule, chunk_memory, framework_reserve
+from cost_models.offload import offload_saves
 from cost_models.wan_cost import stage_capacity, stage_slowdowns
 from planner.feasibility import recompute_attention_problem
 from planner.graph import BLOCK_KINDS, ModelGraph
@@ -190,7 +191,8 @@ def best_partition(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, glo
     prob = partition_problem(graph, cluster, cfg, global_batch, profile)
     uniform = cfg.recompute != "none" or uniform_recompute
     prob.policies = (cfg.recompute,) if uniform else tuple(
-        r for r in recompute_policies(cfg.schedule, cfg.pp) if not recompute_attention_problem(r, graph.limits))
+        r for r in recompute_policies(cfg.schedule, cfg.pp) if not recompute_attention_problem(r, graph.limits)
+        and (r != "offload" or offload_saves(cluster)))
     r = solve_partition(prob, solver=ILP_SOLVER, time_limit=time_limit)
     info = {"status": r.status, "gap": r.gap, "solve_s": r.solve_s, "solver": r.solver,
             "objective_s": r.objective_s}
