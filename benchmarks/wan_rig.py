@@ -73,7 +73,7 @@ def modelled_wan_s(mode: str, mbit: float | None) -> float:
         act = (W.ROWS // W.M) * W.WIDTH * 4
         hop = comm.p2p_hops(act, cl, comm.Mesh(pp=2, dp=2))[0].seconds
         return 2 * W.M * hop  # each micro-batch's activation across and its gradient back, one at a time
-    if mode == "sync":
+    if mode == "sync":  # the runtime's DDP reducer, one bucket, hierarchical across the groups
         return comm.collective_time("all_reduce", params * 4, cl, comm.Mesh(dp=4), "dp").seconds
     h = int(mode[3:])
     return outer_step_s(cl, ParallelConfig(dp=4, low_comm=f"2x{h}:bf16"), params) / h

@@ -54,3 +54,17 @@ def test_pipeline_across_the_limited_link_trains_the_same_only_slower():
         slow = launch(r, "pp", free_port())
     assert slow["mean_s"] > free["mean_s"]
     assert slow["losses"] == pytest.approx(free["losses"], rel=1e-5)  # the same training, only slower
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(WHY is not None, reason=f"rig: {WHY}")
+def test_hierarchical_dp_across_the_limited_link_trains_as_flat_dp():
+    """Synchronous DP across the cut as the runtime runs it (``sync``: DDP's reducer with the
+    hierarchical hook over a 2-D mesh) trains exactly as a flat all-reduce over the 4 ranks
+    (``flat``) on the 200 Mbit/s link. Its speed against the model is the benchmark's figure."""
+    from planner.entry.launch import free_port
+
+    with rig(200) as r:
+        hier = launch(r, "sync", free_port())
+        flat = launch(r, "flat", free_port())
+    assert hier["losses"] == pytest.approx(flat["losses"], rel=1e-5)
