@@ -68,6 +68,7 @@ PLAN_STEPS = 4
 PLAN_CASES = {"sync-dp4": "", "low-2x1-fp32-plain": "2x1:fp32:1:0", "low-2x2-bf16": "2x2:bf16"}
 # synchronous DP across 2 "regions" (dp_spans=2: hierarchical) and its flat twin, per DP sharding
 HIER_CASES = {"hier-ddp": ("ddp", 2), "hier-fsdp": ("fsdp", 2), "flat-fsdp": ("fsdp", 1)}
+CLIP = {"ddp": None, "fsdp": 0.5}  # fsdp: the gradient norm over the 2-d mesh's shards clips every step
 
 
 def hier_of(pm) -> str:
@@ -106,7 +107,7 @@ def plan_run(low_comm: str, zero: str = "ddp", dp_spans: int = 1) -> dict:
         g = torch.Generator().manual_seed(100 + s)
         batch = {"input_ids": torch.randint(0, 128, (GB, SEQ), generator=g),
                  "labels": torch.randint(0, 128, (GB, SEQ), generator=g)}
-        losses.append(pm.step(batch))
+        losses.append(pm.step(batch, max_norm=CLIP[zero]))
         flat = torch.cat([local_tensor(p).detach().reshape(-1) for _, p in pm.named_parameters()])
         if zero == "fsdp":  # sharded: the whole parameters, the same on every rank
             flat = torch.cat([p.full_tensor().detach().reshape(-1) for _, p in pm.named_parameters()])
