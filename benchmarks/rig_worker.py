@@ -4,7 +4,12 @@ namespace, 2-3 in the other, the veth between them rate-limited. Modes (``MODE``
 - ``pp``: a 2-stage pipeline across the cut (stage 0 on ranks 0-1, stage 1 on 2-3; dp = 2 inside
   each namespace), ``M`` micro-batches one after another: each sends its activation across and
   gets its gradient back;
-- ``sync``: plain DP over all 4 ranks (gradients all-reduced across the cut every step);
+- ``sync``: synchronous DP over all 4 ranks as autopar's runtime runs it across cluster groups
+  (codegen/runtime/data_parallel.py ``apply_dp``: DDP's reducer over a 2-D mesh with the
+  hierarchical hook: each bucket reduce-scattered inside a namespace, its half all-reduced
+  across the cut, gathered back);
+- ``flat``: plain DP over all 4 ranks, one flat all-reduce per parameter across the cut (the
+  runtime's way before it ran DP hierarchically);
 - ``lowH``: low-communication DP (codegen/runtime/outer_loop.py): DP inside each namespace,
   pseudo-gradients in bf16 across every H steps.
 
@@ -48,9 +53,24 @@ def allreduce_grads(model: nn.Module, group, n: int) -> None:
         p.grad /= n
 
 
-def run_dp(outer_every: int, groups, steps: int) -> tuple[list[float], list[float]]:
+def hierarchical(model: nn.Module) -> nn.Module:
+    """``model`` wrapped for DP over the 4 ranks as the runtime wraps a stage whose dp group
+    spans the 2 namespaces (``recipe.apply_dp`` with the plan's ``dp_spans=2``)."""
+    from codegen.runtime import data_parallel as dpar
+    from codegen.runtime.mesh import hybrid_dp_mesh
+    from planner.plan import ParallelConfig
+    from planner.sharding import dp_replicas, dp_wrapper
+
+    cfg = ParallelConfig(dp=4, zero="ddp", dtype="fp32")
+    wrapper = dp_wrapper(cfg.zero, cfg.pp, cfg.tp, cfg.dp, cfg.dtype)
+    model.units = []  # a stage module without repeated blocks
+    dpar.apply_dp([model], hybrid_dp_mesh(cfg, dp_replicas(wrapper, cfg.dp, 2)), wrapper, [])
+    return model
+
+
+def run_dp(outer_every: int, groups, steps: int, runtime: bool = False) -> tuple[list[float], list[float]]:
     rank = dist.get_rank()
-    model = mlp(DEPTH)
+    model = hierarchical(mlp(DEPTH)) if runtime else mlp(DEPTH)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     inner, outer = groups
     loop = OuterLoop(list(model.parameters()), outer, OuterConfig(every=outer_every, dtype="bf16")) \
@@ -62,7 +82,8 @@ def run_dp(outer_every: int, groups, steps: int) -> tuple[list[float], list[floa
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
-        allreduce_grads(model, inner if loop else None, 2 if loop else 4)
+        if not runtime:  # the runtime's reducer has averaged them during backward
+            allreduce_grads(model, inner if loop else None, 2 if loop else 4)
         opt.step()
         if loop:
             loop.after_step(step)
@@ -121,7 +142,8 @@ def main() -> None:
     if mode == "pp":
         times, losses = run_pp(groups, steps_of(mode))
     else:
-        times, losses = run_dp(int(mode[3:]) if mode.startswith("low") else 0, groups, steps_of(mode))
+        times, losses = run_dp(int(mode[3:]) if mode.startswith("low") else 0, groups, steps_of(mode),
+                               runtime=mode == "sync")
     if rank == 0:
         steady = times[WARMUP:]
         print("RESULT " + json.dumps({"mode": mode, "step_s": statistics.median(steady), "mean_s": statistics.mean(steady),

@@ -2,8 +2,9 @@
 pair rate-limited with ``tc qdisc tbf`` (this kernel has tbf and htb, not netem: latency stays a
 modelled term), and the cost model's WAN terms against what the link does to the steps.
 
-Each mode of ``benchmarks/rig_worker.py`` (a 2-stage pipeline across the cut; synchronous DP over
-all 4 ranks; low-communication DP with H = 4 and 16 in bf16) runs twice: through the limited
+Each mode of ``benchmarks/rig_worker.py`` (a 2-stage pipeline across the cut, hand-written; synchronous
+DP over all 4 ranks as the runtime runs it across regions, hierarchically; low-communication DP with
+H = 4 and 16 in bf16) runs twice: through the limited
 link and without the limit. The cost model prices the rig as a cluster of two groups (one node
 of 2 ranks each) joined by the limited link (``rig_cluster``): its WAN terms
 (``comm.p2p_hops`` for the pipeline's hops, ``comm.collective_time`` for the all-reduce across,
@@ -11,6 +12,9 @@ of 2 ranks each) joined by the limited link (``rig_cluster``): its WAN terms
 link (the gloo defaults) are added to the measured unlimited step: ``predicted`` = measured
 without the limit + the modelled cost of the limit. So the comparison holds the compute and
 the local communication to measurement and tests the WAN pricing this module's issue adds.
+
+A plan with its pipeline across the cut, built by autopar's runtime and priced by the schedule
+simulator: ``benchmarks/wan_rig_plan.py``.
 
 The rig is ``planner/entry/netns_rig.py``'s (``autopar run --rig-mbit`` runs plans on it): it needs
 root and ``ip netns`` (``rig_problem`` says why not, in one line) and deletes every namespace it
@@ -73,7 +77,7 @@ def modelled_wan_s(mode: str, mbit: float | None) -> float:
         act = (W.ROWS // W.M) * W.WIDTH * 4
         hop = comm.p2p_hops(act, cl, comm.Mesh(pp=2, dp=2))[0].seconds
         return 2 * W.M * hop  # each micro-batch's activation across and its gradient back, one at a time
-    if mode == "sync":
+    if mode == "sync":  # the runtime's DDP reducer, one bucket, hierarchical across the groups
         return comm.collective_time("all_reduce", params * 4, cl, comm.Mesh(dp=4), "dp").seconds
     h = int(mode[3:])
     return outer_step_s(cl, ParallelConfig(dp=4, low_comm=f"2x{h}:bf16"), params) / h

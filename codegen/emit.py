@@ -204,8 +204,9 @@ def plan_block(plan: Plan, stages: list[list[str]], layout: dict[str, str], leng
         "# what check_runnable checks before anything is built",
         f"FACTS = ModelFacts.from_dict({plan.facts.to_dict()!r})",
         f"CONFIG = ParallelConfig.parse({plan.config.to_str()!r})",
-        f"CLUSTER = Nodes({plan.cluster['name']!r}, {shape.nodes!r}, {shape.devices_per_node!r}"
-        + (f", {shape.cores_per_node!r}" if shape.cores_per_node else "") + ")  # the cluster planned for",
+        f"CLUSTER, DP_SPANS = Nodes({plan.cluster['name']!r}, {shape.nodes!r}, {shape.devices_per_node!r}"
+        + (f", {shape.cores_per_node!r}" if shape.cores_per_node else "")
+        + f"), {int(plan.cluster.get('dp_spans', 1))!r}  # the cluster planned for; regions dp x cp spans",
         f"GLOBAL_BATCH, SEQ_LEN = {int(plan.batch['global'])!r}, {int(plan.batch['seq_len'])!r}"
         "  # sequences per optimizer step, tokens per sequence",
         "# planned with --seq-lens: synthetic rows pack documents of these lengths (drawn uniformly)",

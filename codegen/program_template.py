@@ -61,7 +61,7 @@ MODEL, ADAPTER, VOCAB = "llama-tiny", "zoo", 256
 # what check_runnable checks before anything is built
 FACTS = ModelFacts.from_dict({})
 CONFIG = ParallelConfig.parse("dp=1")
-CLUSTER = Nodes("local-cpu", 1, 1)  # the cluster planned for
+CLUSTER, DP_SPANS = Nodes("local-cpu", 1, 1), 1  # the cluster planned for; regions dp x cp spans
 GLOBAL_BATCH, SEQ_LEN = 1, 32  # sequences per optimizer step, tokens per sequence
 # planned with --seq-lens: synthetic rows pack documents of these lengths (drawn uniformly)
 DOCUMENT_LENGTHS = []
@@ -136,7 +136,7 @@ def build(model: torch.nn.Module, args: argparse.Namespace, device: torch.device
     apply_fp8(adapter, stages, CONFIG, device)  # @float_eight
     apply_recompute(adapter, stages)  # @recompute
     apply_compile(adapter, stages, CONFIG)  # @compile
-    dp_mesh = apply_dp(adapter, stages, CONFIG, mesh, experts)  # @dp
+    dp_mesh = apply_dp(adapter, stages, CONFIG, mesh, experts, DP_SPANS)  # @dp: hierarchical across regions
     optimizer = build_optimizer(stages.modules, make_optimizer(args), CONFIG.zero, dp_mesh.size(),
                                 dp_mesh.get_group())  # @optimizer
     loss_fn = TokenLoss(dp_mesh.size())  # summed token loss / global token count * dp*cp size

@@ -95,13 +95,13 @@ from cost_models.layer_costs import LayerCosts, act_bytes_io, layer_pass_times
 from cost_models.offload import host_capacity_bytes
 from cost_models.memory import LayerTable, StageMemory, dp_group
 from cost_models.pipeline_memory import inflight_closed, rank_memories
-from cost_models.wan_cost import crossings, outer_step_s, stage_capacity, stage_devices, stage_slowdowns
+from cost_models.wan_cost import crossings, hsdp_replicas, outer_step_s, stage_capacity, stage_devices, stage_slowdowns
 from cost_models.shared_cores import compute_concurrency, core_speedup, shares_cores, spare_core
 from planner.feasibility import microbatches
 from planner.graph import ModelGraph
 from planner.low_comm import parse_low_comm
 from planner.plan import ParallelConfig, Partition, PlanError
-from planner.sharding import DDP_BUCKET_BYTES, SHARDED_PARAMS, uses_ddp_reducer
+from planner.sharding import DDP_BUCKET_BYTES, SHARDED_PARAMS, shard_ranks, uses_ddp_reducer
 from planner.precision import DTYPE_BYTES, GRAD_REDUCE_BYTES, MASTER_BYTES
 from planner import schedule_ir as ir
 
@@ -239,7 +239,11 @@ def _dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units
     calls = max(1, math.ceil(grads / DDP_BUCKET_BYTES)) if uses_ddp_reducer(cfg.zero, cfg.pp, cfg.tp, cfg.dtype) \
         else units
 
+    k = 1 if experts else hsdp_replicas(cluster, cfg)  # > 1: HSDP across cluster groups (fully_shard)
+
     def ct(kind: str, per_param: float = GRAD_REDUCE_BYTES) -> float:
+        if k > 1 and kind in ("all_gather", "reduce_scatter"):
+            return _hsdp_time(kind, params * per_param / calls, cluster, cfg, dpg, k, profile, comm_src) * calls
         e = comm_mod.collective_time(kind, params * per_param / calls, cluster, flat, "dp", profile)
         comm_src.add(e.source)
         return e.seconds * calls
@@ -262,6 +266,24 @@ def _dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units
         gathers = 2 if _per_microbatch_dp(cfg) else 1  # fsdp: forward and backward, unless held by the pipeline
         comm = per_microbatch * (gathers * ct("all_gather", gather) + ct("reduce_scatter"))
     return DpTraffic(comm, after, comm / (per_microbatch * calls))
+
+
+def _hsdp_time(kind: str, nbytes: float, cluster: Cluster, cfg: ParallelConfig, dpg: int, k: int, profile,
+               comm_src: set) -> float:
+    """One FSDP2 HSDP collective over a dp group of ``dpg`` ranks replicated across ``k`` cluster
+    groups (``wan_cost.hsdp_replicas``), seconds: the parameters' all-gather inside a group only;
+    the gradients' reduce-scatter inside a group, then the all-reduce of its shard (``1 / g`` of
+    the bytes) across the groups by the ``g`` ranks at each place of a group."""
+    g = dpg // k
+    inner = comm_mod.collective_time(kind, nbytes, cluster, comm_mod.Mesh(pp=cfg.pp, dp=g, cp=1, tp=cfg.tp),
+                                     "dp", profile) if g > 1 else None
+    t = inner.seconds if inner is not None else 0.0
+    if inner is not None:
+        comm_src.add(inner.source)
+    if kind == "reduce_scatter":
+        across = comm_mod.Mesh(pp=cfg.pp, dp=k, cp=1, tp=g * cfg.tp)  # the ranks at one place in each group
+        t += comm_mod.collective_time("all_reduce", nbytes / g, cluster, across, "dp", profile).seconds
+    return t
 
 
 @dataclass(frozen=True)
@@ -329,6 +351,8 @@ def _dp_and_optimizer(cluster: Cluster, cfg: ParallelConfig, partition: Partitio
         low.every if low else 1)
     dp_exposed += _token_local_sync_s(cluster, cfg, partition, table, on_rank, profile, comm_src)
     shard, shard_e = (1, 1) if cfg.zero == "ddp" else (dp_group(cfg), dp_group(cfg, experts=True))
+    if cfg.zero in SHARDED_PARAMS:  # HSDP across cluster groups: one group's ranks shard the states
+        shard = shard_ranks(shard, hsdp_replicas(cluster, cfg))
     opt_params = (P - Pe) / shard + Pe / shard_e
     opt_s = engine.optimizer_bytes_per_param * opt_params / memory_bandwidth(cluster, cal)
     return dp_exposed, opt_s * cal.get("opt_scale", 1.0)

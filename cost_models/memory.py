@@ -82,7 +82,7 @@ from cost_models.op_recompute import checkpointed, op_saved_bytes
 from planner.graph import TP_SPLIT_ROLES, Layer, ModelGraph
 from planner.low_comm import inner_dp
 from planner.plan import RECOMPUTE, ParallelConfig
-from planner.sharding import FSDP_MODULE_SHARE, ZERO, dp_wrapper, fsdp_per_module, reshard_after_forward
+from planner.sharding import FSDP_MODULE_SHARE, ZERO, dp_wrapper, fsdp_per_module, reshard_after_forward, shard_ranks
 from planner.precision import DTYPE_BYTES, GRAD_REDUCE_BYTES, MASTER_BYTES, mixed_precision
 
 GiB = 2**30
@@ -226,12 +226,15 @@ class LayerTable:
                            for p, e, l in zip(self.params, self.experts, graph.layers)]
 
 
-def per_param_bytes(cfg: ParallelConfig, experts: bool = False) -> dict[str, float]:
+def per_param_bytes(cfg: ParallelConfig, experts: bool = False, replicas: int = 1) -> dict[str, float]:
     """Bytes per parameter a rank holds (``weights``, ``grads``, ``optimizer`` at rest,
     ``buffers`` held through the step) under ``cfg``'s dtype and DP wrapper (the tables in
     the module docstring), plus the unsharded compute copies ``weights_full`` / ``grads_full``
     (a unit gathered, or cast, for its forward and backward); for routed experts
-    (``experts``) the sharding group is the experts' data-parallel group (:func:`dp_group`)."""
+    (``experts``) the sharding group is the experts' data-parallel group (:func:`dp_group`).
+    ``replicas``: cluster groups the dense dp group is replicated across (HSDP,
+    ``cost_models.wan_cost.hsdp_replicas``): FSDP then shards over one group's ranks
+    (``planner.sharding.shard_ranks``)."""
     dp = dp_group(cfg, experts)
     c = DTYPE_BYTES[cfg.dtype]  # the compute copy: the plan's dtype
     w, g, o = MASTER_BYTES, GRAD_REDUCE_BYTES, ADAM_STATE_BYTES
@@ -246,6 +249,7 @@ def per_param_bytes(cfg: ParallelConfig, experts: bool = False) -> dict[str, flo
         if cfg.zero == "zero1":
             f["optimizer"] = o / dp
         return f
+    dp = dp if experts else shard_ranks(dp, replicas)
     f.update(weights=w / dp, grads=g / dp, optimizer=o / dp)
     if cfg.pp > 1:
         # gathered parameters, and unreduced gradients (accumulated in fp32) until the last micro-batch's
@@ -337,9 +341,10 @@ class ChunkMemory:
 class MemoryRule:
     """Per-layer memory figures of one (graph, config): what :func:`chunk_memory` sums."""
 
-    def __init__(self, graph: ModelGraph, cfg: ParallelConfig, table: LayerTable | None = None) -> None:
+    def __init__(self, graph: ModelGraph, cfg: ParallelConfig, table: LayerTable | None = None,
+                 replicas: int = 1) -> None:
         self.cfg, self.t = cfg, table or LayerTable(graph, cfg)
-        self.f, self.fe = per_param_bytes(cfg), per_param_bytes(cfg, experts=True)
+        self.f, self.fe = per_param_bytes(cfg, replicas=replicas), per_param_bytes(cfg, experts=True)
         w, g = self.f["weights_full"], self.f["grads_full"]
         cast = GRAD_REDUCE_BYTES if mixed_precision(cfg.dtype) else 0.0  # a unit's gradient cast to fp32
         dp = dp_group(cfg)

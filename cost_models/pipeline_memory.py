@@ -10,7 +10,7 @@ from cost_models.cluster import Cluster
 from cost_models.compute import calibration
 from cost_models.layer_costs import LayerCosts
 from cost_models.memory import LayerTable, MemoryRule, StageMemory, chunk_memory, framework_reserve, rank_memory
-from cost_models.wan_cost import stage_capacity
+from cost_models.wan_cost import hsdp_replicas, stage_capacity
 from planner import schedule_ir as ir
 from planner.feasibility import microbatches
 from planner.graph import ModelGraph
@@ -22,7 +22,7 @@ def rank_memories(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, part
                   on_rank: list[list[int]]) -> list[StageMemory]:
     """Memory of every pp rank (``memory.rank_memory``): its chunks (``on_rank[r]``) with the
     in-flight (chunk, micro-batch) pairs the pipeline holds there, spread evenly over the chunks."""
-    rule = MemoryRule(graph, cfg, table)
+    rule = MemoryRule(graph, cfg, table, hsdp_replicas(cluster, cfg))
     reserve = framework_reserve(cluster.backend != "gloo", cal)
     memory = []
     for r in range(cfg.pp):

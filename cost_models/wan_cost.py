@@ -33,6 +33,7 @@ from planner.graph import ModelGraph
 from planner.low_comm import WIRE_BYTES, inner_dp, parse_low_comm
 from planner.plan import ParallelConfig, Partition
 from planner.precision import GRAD_REDUCE_BYTES
+from planner.sharding import dp_replicas, dp_wrapper
 
 
 @dataclass(frozen=True)
@@ -245,3 +246,24 @@ def pipeline_wan_floor_s(m: int, pp: int, pipe: BalancedPipe, hops: list[WanHop]
         return pipe.closed_s
     stall = max(wan.stall_s(m, pp, h.boundary, pipe.rank_s, h.hop_s, pipe.inflight[h.boundary]) for h in hops)
     return max(pipe.closed_s + stall, wan.link_floor_s(m, [h.bw_s for h in hops], pp * pipe.rank_s))
+
+
+def dp_spans(cluster: Cluster, cfg: ParallelConfig) -> int:
+    """Cluster groups (regions) the dense dp x cp group spans, its ranks filling them in order
+    (``wan.dim_span``); 1 on a one-group cluster, and under low-communication DP (a group of
+    replicas lies in one region). Planning records it as the plan's ``cluster["dp_spans"]``: the
+    runtime runs DP across them hierarchically (``planner.sharding.dp_replicas``)."""
+    n = cfg.dp * cfg.cp
+    if cfg.low_comm or n == 1:
+        return 1
+    mesh = comm_mod.Mesh(pp=cfg.pp, dp=n, cp=1, tp=cfg.tp)
+    span = wan.dim_span(cluster, n, mesh.stride("dp"), mesh.world)
+    return 1 if span is None else span.groups
+
+
+def hsdp_replicas(cluster: Cluster, cfg: ParallelConfig) -> int:
+    """Cluster groups the dense dp x cp group is replicated across as the runtime runs it
+    (``planner.sharding.dp_replicas`` of :func:`dp_spans`): states sharded over the
+    ``dp * cp / replicas`` ranks of a group (``planner.sharding.shard_ranks``); 1: flat."""
+    n = cfg.dp * cfg.cp
+    return dp_replicas(dp_wrapper(cfg.zero, cfg.pp, cfg.tp, n, cfg.dtype), cfg.dp, dp_spans(cluster, cfg))

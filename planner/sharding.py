@@ -63,3 +63,30 @@ def reshard_after_forward(zero: str, pp: int, dp_group: int) -> bool:
     without a pipeline; ``zero2`` and pipelines keep them from forward to backward (pipeline
     micro-batches reuse them)."""
     return pp == 1 and (zero == "fsdp" or dp_group == 1)
+
+
+HIERARCHICAL_WRAPPERS = ("fully_shard", "ddp-reducer")  # the wrappers that run DP across cluster groups hierarchically
+
+
+def dp_replicas(wrapper: str, dp: int, spanned: int) -> int:
+    """Cluster groups a data-parallel group (dp x cp ranks, ``dp`` the plan's dp degree) is
+    replicated across, when it spans ``spanned`` cluster groups (regions joined by a WAN; ranks
+    fill the groups in order, so each holds ``dp / spanned`` consecutive dp ranks with their cp
+    ranks): ``spanned`` when the ``wrapper`` (:func:`dp_wrapper`) runs hierarchically and
+    ``spanned`` divides ``dp``, else 1 (flat).
+    Hierarchical: ``fully_shard`` over a 2-D (replicate across groups, shard inside one) mesh
+    (HSDP: states sharded over the ``dp_group / spanned`` ranks of a group, gradients
+    reduce-scattered inside it then all-reduced across); DDP's reducer with a hook that
+    reduce-scatters each bucket inside the group, all-reduces the shard across and all-gathers
+    it back. FSDP2's ``replicate`` takes only a 1-D mesh: it stays flat. The runtime
+    (codegen/runtime/data_parallel.py), the memory model (:func:`shard_ranks`) and the time
+    model (cost_models/estimate.py) all ask this."""
+    if spanned <= 1 or wrapper not in HIERARCHICAL_WRAPPERS or dp % spanned:
+        return 1
+    return spanned
+
+
+def shard_ranks(dp_group: int, replicas: int) -> int:
+    """Ranks that shard the model states of a data-parallel group of ``dp_group`` ranks
+    replicated across ``replicas`` cluster groups (:func:`dp_replicas`): the ranks of one group."""
+    return dp_group // replicas

@@ -66,12 +66,30 @@ def run(cfg: OuterConfig, inner: dist.ProcessGroup, outer: dist.ProcessGroup) ->
 
 PLAN_STEPS = 4
 PLAN_CASES = {"sync-dp4": "", "low-2x1-fp32-plain": "2x1:fp32:1:0", "low-2x2-bf16": "2x2:bf16"}
+# synchronous DP across 2 "regions" (dp_spans=2: hierarchical) and its flat twin, per DP sharding
+HIER_CASES = {"hier-ddp": ("ddp", 2), "hier-fsdp": ("fsdp", 2), "flat-fsdp": ("fsdp", 1)}
+CLIP = {"ddp": None, "fsdp": 0.5}  # fsdp: the gradient norm over the 2-d mesh's shards clips every step
 
 
-def plan_run(low_comm: str) -> dict:
+def hier_of(pm) -> str:
+    """How the build reduces gradients across the ranks: ``hsdp`` (fully_shard over a 2-D mesh),
+    ``hook`` (DDP's reducer with a communication hook), ``flat`` otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    p = next(p for _, p in pm.named_parameters())
+    if isinstance(p, DTensor):
+        return "hsdp" if p.device_mesh.ndim == 2 else "flat"
+    from torch.distributed._composable.replicate import replicate
+
+    ddp = replicate.state(pm.stage_modules[0])._ddp
+    return "hook" if getattr(ddp, "_comm_hooks", None) else "flat"
+
+
+def plan_run(low_comm: str, zero: str = "ddp", dp_spans: int = 1) -> dict:
     """The zoo's tiny llama on dp=4 through ``parallelize`` (the emitted program's runtime) with
-    ``ParallelConfig.low_comm``: per-step global losses, and the spread of the parameters over
-    the ranks after each step (0 when the groups agree)."""
+    ``ParallelConfig.low_comm`` (``zero``, and DP across ``dp_spans`` cluster groups): per-step
+    global losses, the spread of the parameters over the ranks after each step (0 when the
+    groups agree), the whole parameters after the last step, and how gradients were reduced."""
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from model_cases import GB, SEED, SEQ, case, planner_view, stages_for  # noqa: E402
     from codegen.runtime.torch_compat import local_tensor
@@ -79,23 +97,31 @@ def plan_run(low_comm: str) -> dict:
     from planner.plan import ParallelConfig
 
     c = case("llama-tiny")
-    pc = ParallelConfig(dp=4, dtype="fp32", zero="ddp", low_comm=low_comm).validate()
+    pc = ParallelConfig(dp=4, dtype="fp32", zero=zero, low_comm=low_comm).validate()
     _, layout, facts = planner_view("llama-tiny")
     pm = parallelize(c.build(c.parallel_device), pc, stages_for("llama-tiny", 1), ["none"], layout, GB, SEQ, "cpu",
-                     optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.5), seed=SEED, facts=facts)
+                     optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.5), seed=SEED, facts=facts,
+                     dp_spans=dp_spans)
     losses, spread = [], []
     for s in range(PLAN_STEPS):
         g = torch.Generator().manual_seed(100 + s)
         batch = {"input_ids": torch.randint(0, 128, (GB, SEQ), generator=g),
                  "labels": torch.randint(0, 128, (GB, SEQ), generator=g)}
-        losses.append(pm.step(batch))
+        losses.append(pm.step(batch, max_norm=CLIP[zero]))
         flat = torch.cat([local_tensor(p).detach().reshape(-1) for _, p in pm.named_parameters()])
+        if zero == "fsdp":  # sharded: the whole parameters, the same on every rank
+            flat = torch.cat([p.full_tensor().detach().reshape(-1) for _, p in pm.named_parameters()])
         every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
         dist.all_gather(every, flat)
         spread.append(max((t - every[0]).abs().max().item() for t in every))
     sent = pm.outer.bytes_sent if pm.outer is not None else 0
+    how = hier_of(pm)
+    first = next(p for _, p in pm.named_parameters())
+    mesh = list(first.device_mesh.shape) if hasattr(first, "device_mesh") else []
+    local = sum(local_tensor(p).numel() for _, p in pm.named_parameters())
     pm.close()
-    return {"losses": losses, "spread": spread, "bytes_sent": sent}
+    return {"losses": losses, "spread": spread, "bytes_sent": sent, "params": flat.tolist(), "how": how,
+            "mesh": mesh, "local_share": local / flat.numel()}
 
 
 def main() -> None:
@@ -116,6 +142,8 @@ def main() -> None:
         results[name]["group_losses"] = [curves[g * GROUP].tolist() for g in range(world // GROUP)]
     for name, low in PLAN_CASES.items():
         results[name] = plan_run(low)
+    for name, (zero, spans) in HIER_CASES.items():
+        results[name] = plan_run("", zero, spans)
     if rank == 0:
         import json
         with open(out, "w") as fh:

@@ -118,3 +118,31 @@ def test_plan_low_comm_groups_drift_and_meet(launched):
     assert r["spread"][1] < 1e-6 and r["spread"][3] < 1e-6
     assert r["losses"][0] == pytest.approx(sync["losses"][0], rel=1e-6)  # the same first step
     assert r["losses"][2] != pytest.approx(sync["losses"][2], rel=1e-4)
+
+
+@pytest.mark.parametrize("hier,flat", [("hier-ddp", "sync-dp4"), ("hier-fsdp", "flat-fsdp")])
+def test_hierarchical_dp_equals_flat_dp(launched, hier, flat):
+    """Synchronous DP across 2 cluster groups of 2 ranks (parallelize's ``dp_spans=2``) runs
+    hierarchically (``ddp``: DDP's reducer with the hierarchical hook; ``fsdp``: FSDP2's HSDP over a
+    2-d mesh) and trains exactly as flat DP in fp32: the same losses and, after 4 SGD steps (lr
+    0.5, so the parameters carry every step's gradients), the same parameters on every rank."""
+    h, f = launched[hier], launched[flat]
+    assert h["how"] == ("hook" if hier == "hier-ddp" else "hsdp") and launched["flat-fsdp"]["how"] == "flat"
+    assert h["losses"] == pytest.approx(f["losses"], rel=1e-5)
+    assert max(abs(a - b) for a, b in zip(h["params"], f["params"])) < 1e-5
+    assert max(h["spread"]) < 1e-6
+
+
+def test_hsdp_build_matches_the_rules(launched):
+    """What the runtime built for dp=4 in 2 groups is what the cost model prices and sizes: a
+    (replicas, shard_ranks) mesh, each rank holding 1 / shard_ranks of the parameters."""
+    from benchmarks.wan_rig import rig_cluster
+    from cost_models.wan_cost import hsdp_replicas
+    from planner.plan import ParallelConfig
+    from planner.sharding import shard_ranks
+
+    k = hsdp_replicas(rig_cluster(200.0), ParallelConfig(dp=4, zero="fsdp", dtype="fp32"))
+    h, f = launched["hier-fsdp"], launched["flat-fsdp"]
+    assert h["mesh"] == [k, shard_ranks(4, k)] and f["mesh"] == [4]
+    assert h["local_share"] == pytest.approx(1 / shard_ranks(4, k), rel=0.05)
+    assert f["local_share"] == pytest.approx(1 / 4, rel=0.05)

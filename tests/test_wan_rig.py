@@ -54,3 +54,45 @@ def test_pipeline_across_the_limited_link_trains_the_same_only_slower():
         slow = launch(r, "pp", free_port())
     assert slow["mean_s"] > free["mean_s"]
     assert slow["losses"] == pytest.approx(free["losses"], rel=1e-5)  # the same training, only slower
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(WHY is not None, reason=f"rig: {WHY}")
+def test_hierarchical_dp_across_the_limited_link_trains_as_flat_dp():
+    """Synchronous DP across the cut as the runtime runs it (``sync``: DDP's reducer with the
+    hierarchical hook over a 2-D mesh) trains exactly as a flat all-reduce over the 4 ranks
+    (``flat``) on the 200 Mbit/s link. Its speed against the model is the benchmark's figure."""
+    from planner.entry.launch import free_port
+
+    with rig(200) as r:
+        hier = launch(r, "sync", free_port())
+        flat = launch(r, "flat", free_port())
+    assert hier["losses"] == pytest.approx(flat["losses"], rel=1e-5)
+
+
+def test_rig_plan_puts_the_pipeline_across_the_link_and_prices_it():
+    """benchmarks/wan_rig_plan.py's plan: searched for the rig with pp=2 pinned, its stage boundary
+    on the link (the estimate's WAN crossing) and the simulator's step longer on the limited link."""
+    from benchmarks.wan_rig_plan import make_plan, priced_s
+
+    g, plan = make_plan("llama-tiny", 8, "dp=2,pp=2,tp=1,cp=1", 200.0)
+    assert (plan.config.pp, plan.config.dp) == (2, 2) and "dp_spans" not in plan.cluster  # dp inside a region
+    assert priced_s(g, plan, 200.0) > priced_s(g, plan, None)
+    _, dp4 = make_plan("llama-tiny", 8, "dp=4,pp=1,tp=1,cp=1", 200.0)
+    assert dp4.cluster["dp_spans"] == 2  # dp=4 spans both regions: the runtime runs it hierarchically
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(WHY is not None, reason=f"rig: {WHY}")
+def test_rig_plan_runs_through_the_runtime_the_same_across_the_link(tmp_path):
+    """The plan (pipeline across the cut) built by parallelize_plan on the rig's 4 ranks: the same
+    losses through the 200 Mbit/s link as without the limit."""
+    from benchmarks.wan_rig_plan import make_plan, run
+    from planner.entry.launch import free_port
+
+    _, plan = make_plan("llama-tiny", 8, "dp=2,pp=2,tp=1,cp=1", 200.0)
+    path = str(tmp_path / "plan.json")
+    with open(path, "w") as fh:
+        fh.write(plan.to_json())
+    free, slow = run(None, path, 3, free_port()), run(200.0, path, 3, free_port())
+    assert slow["losses"] == pytest.approx(free["losses"], rel=1e-5) and len(slow["times"]) == 3

@@ -29,6 +29,14 @@ AVERAGED over that mesh; the runtime's loss scaling accounts for it.
   parameters, steps only those with the wrapped optimizer, then broadcasts them.
   (torch's ``ZeroRedundancyOptimizer`` is not used: it assumes plain tensors.)
 
+Across cluster groups (``planner.sharding.dp_replicas`` > 1) ``dp_mesh`` is 2-D
+``(dp_rep, dp_shard)`` (codegen/runtime/mesh.py ``hybrid_dp_mesh``) and DP runs
+hierarchically, as the cost model prices it: ``fully_shard`` over it is FSDP2's HSDP (states
+sharded inside a group, gradients reduce-scattered inside it, then all-reduced across); DDP's
+reducer gets :func:`hierarchical_hook` (each bucket reduce-scattered inside the group, its
+shard all-reduced across, gathered back). ``replicate`` takes a 1-D mesh only: it runs flat
+over the flattened mesh.
+
 Which wrapper a plan gets is ``planner.sharding.dp_wrapper``. Under mixed precision every
 wrapper is FSDP2's (DDP's reducer casts nothing), with the plan's ``MixedPrecisionPolicy``
 (codegen/runtime/precision.py); one data-parallel rank is wrapped too, by ``fully_shard``
@@ -36,6 +44,7 @@ on that rank, which casts each unit for its forward and backward.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -72,6 +81,10 @@ def apply_dp(stage_mods: Sequence[nn.Module], dp_mesh: DeviceMesh, wrapper: str,
         raise ValueError(f"data-parallel wrapper {wrapper!r}: use {', '.join(DP_WRAPPERS)}")
     mp = mp_policy(dtype)
     blocks = set(blocks)
+    hier = dp_mesh.ndim == 2
+    flat = torch_compat.flatten_mesh(dp_mesh, "dp_flat") if hier and wrapper != "fully_shard" else dp_mesh
+    if wrapper == "replicate":
+        dp_mesh = flat
     for sm in stage_mods:
         own = [sm.get_submodule(u) for u in sm.units if u in blocks]
         if wrapper == "fully_shard":
@@ -82,8 +95,11 @@ def apply_dp(stage_mods: Sequence[nn.Module], dp_mesh: DeviceMesh, wrapper: str,
             fully_shard(sm, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
         elif wrapper == "ddp-reducer":  # ddp, zero1 in fp32 through DDP's bucketed reducer
             # no buffer broadcast: buffers are deterministic or kept equal by the runtime (MoE bias)
-            _ddp_replicate()(sm, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True,
+            _ddp_replicate()(sm, process_group=flat.get_group(), gradient_as_bucket_view=True,
                              bucket_cap_mb=DDP_BUCKET_BYTES / 2**20, broadcast_buffers=False)
+            if hier:
+                sm.register_comm_hook(HierGroups(dp_mesh["dp_shard"].get_group(), dp_mesh["dp_rep"].get_group(),
+                                                 dp_mesh.size()), hierarchical_hook)
         else:  # replicate: ddp, zero1 with TP parameters, a pipeline or mixed precision
             # per block, then the rest: each block's gradients are all-reduced as soon as its
             # backward ends (overlapping the earlier blocks' backward) and the fresh gradients
@@ -91,6 +107,41 @@ def apply_dp(stage_mods: Sequence[nn.Module], dp_mesh: DeviceMesh, wrapper: str,
             for block in own:
                 _replicate()(block, mesh=dp_mesh, mp_policy=mp)
             _replicate()(sm, mesh=dp_mesh, mp_policy=mp)
+
+
+@dataclass(frozen=True)
+class HierGroups:
+    """The state of :func:`hierarchical_hook`: the ranks of this rank's cluster group
+    (``inner``), the ranks at its place in the other groups (``outer``), all of them (``world``)."""
+    inner: object
+    outer: object
+    world: int
+
+
+def hierarchical_hook(groups: HierGroups, bucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP communication hook reducing one gradient bucket hierarchically, averaged over
+    ``groups.world`` ranks: reduce-scatter inside the cluster group, all-reduce of the shard
+    across the groups (``1 / inner`` of the bucket on the WAN per rank), all-gather inside the
+    group. Blocking (gloo's futures do not chain collectives): the bucket's reduction runs
+    where the reducer calls the hook, during backward."""
+    buf = bucket.buffer()
+    buf.div_(groups.world)
+    n = dist.get_world_size(groups.inner)
+    pad = (-buf.numel()) % n
+    flat = torch.cat([buf, buf.new_zeros(pad)]) if pad else buf
+    shard = flat.new_empty(flat.numel() // n)
+    dist.reduce_scatter_tensor(shard, flat, group=groups.inner)
+    dist.all_reduce(shard, group=groups.outer)
+    dist.all_gather_into_tensor(flat, shard, group=groups.inner)
+    if pad:
+        buf.copy_(flat[:buf.numel()])
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+# DDP checks a hook's return annotation against the type object; this module's annotations are strings
+hierarchical_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
 def _local_numel(p: torch.Tensor) -> int:

@@ -110,6 +110,20 @@ def dp_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
         return flatten_mesh(mesh["dp", "cp"], "dp_cp")
 
 
+def hybrid_dp_mesh(cfg: ParallelConfig, replicas: int) -> DeviceMesh:
+    """The data-parallel (dp x cp) ranks as a 2-D ``("dp_rep", "dp_shard")`` mesh: ``replicas``
+    rows of consecutive ranks (one per cluster group the dp group spans,
+    ``planner.sharding.dp_replicas``), each row's ``dp * cp / replicas`` ranks inside one group
+    (collective: every rank builds it). Ranks follow the ``(pp, dp, cp, tp)`` order, dp
+    outside cp, so a row holds whole dp ranks when ``replicas`` divides ``dp``."""
+    n = cfg.dp * cfg.cp
+    if replicas < 2 or cfg.dp % replicas:
+        raise ValueError(f"hierarchical DP over {replicas} cluster groups needs dp ({cfg.dp}) divisible by it")
+    m = init_device_mesh(device_type(), (cfg.pp, replicas, n // replicas, cfg.tp),
+                         mesh_dim_names=("pp", "dp_rep", "dp_shard", "tp"))
+    return m["dp_rep", "dp_shard"]
+
+
 def cp_groups(cfg: ParallelConfig, mesh: DeviceMesh) -> tuple:
     """(ring group, Ulysses group) of this rank's context parallelism: the cp group and None
     for ring attention; with a Ulysses degree u, the groups of u consecutive cp ranks and the

@@ -44,7 +44,7 @@ from codegen.runtime.adapters import ModelAdapter
 from codegen.runtime.attention import build_attention, context_attention, local_attention
 from codegen.runtime.batch_parallel import BatchPlanner, PerBatch, PerBatchAttention, PieceGroups
 from codegen.runtime.documents import Documents
-from codegen.runtime.mesh import cp_groups, device_type, dp_cp_mesh
+from codegen.runtime.mesh import cp_groups, device_type, dp_cp_mesh, hybrid_dp_mesh
 from codegen.runtime.fp8 import convert_blocks, fp8_device_problem
 from codegen.runtime.regional_compile import compile_blocks
 from planner import schedule_ir as ir
@@ -52,7 +52,7 @@ from planner.batch_assign import per_batch_problem
 from planner.plan import ModelFacts, ParallelConfig
 from planner.schedule_file import parse
 from planner.schedule_ir import Schedule
-from planner.sharding import dp_wrapper, reshard_after_forward
+from planner.sharding import dp_replicas, dp_wrapper, reshard_after_forward
 from planner.feasibility import Batch, ClusterShape, Nodes, problems
 
 
@@ -263,15 +263,21 @@ def apply_compile(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig) ->
 
 
 def apply_dp(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, mesh: DeviceMesh,
-             experts: Optional[Experts] = None) -> DeviceMesh:
+             experts: Optional[Experts] = None, dp_spans: int = 1) -> DeviceMesh:
     """FSDP2 / replicate (``cfg.zero``) of each block and stage module over ``dp`` x ``cp``,
     the routed experts of ``experts`` (expert parallelism) first over their own data-parallel
-    group; returns the dense gradient-reduction mesh."""
+    group; returns the dense gradient-reduction mesh (1-D). ``dp_spans``: the cluster groups
+    (regions) the dp x cp group spans (the plan's ``cluster["dp_spans"]``): DP across them runs
+    hierarchically where ``planner.sharding.dp_replicas`` says (over a 2-D mesh,
+    ``hybrid_dp_mesh``)."""
     dp_mesh = dp_cp_mesh(mesh)
     if experts is not None and (dp_mesh.size() > 1 or experts.mesh["edp"].size() > 1):
         dpar.shard_experts(experts.modules, experts.mesh["edp"], cfg.zero, pipelined=cfg.pp > 1, dtype=cfg.dtype)
     n = dp_mesh.size()
-    dpar.apply_dp(stages.modules, dp_mesh, dp_wrapper(cfg.zero, cfg.pp, cfg.tp, n, cfg.dtype), adapter.blocks,
+    wrapper = dp_wrapper(cfg.zero, cfg.pp, cfg.tp, n, cfg.dtype)
+    replicas = dp_replicas(wrapper, cfg.dp, dp_spans)
+    wrap_mesh = hybrid_dp_mesh(cfg, replicas) if replicas > 1 else dp_mesh
+    dpar.apply_dp(stages.modules, wrap_mesh, wrapper, adapter.blocks,
                   reshard=reshard_after_forward(cfg.zero, cfg.pp, n), dtype=cfg.dtype)
     return dp_mesh
 

@@ -336,7 +336,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
                 optimizer_factory: OptimizerFactory = default_optimizer, seed: Optional[int] = None,
                 load_balance: str = "zigzag", adapter: Optional[ModelAdapter] = None,
                 facts: Optional[ModelFacts] = None, schedule: Optional[Schedule] = None,
-                per_batch: Optional[bpar.PerBatch] = None) -> ParallelModel:
+                per_batch: Optional[bpar.PerBatch] = None, dp_spans: int = 1) -> ParallelModel:
     """Parallelise ``model`` per ``cfg`` on this rank (collective: call on every rank), with
     the helpers of ``codegen/runtime/recipe.py`` in the order the emitted program calls them.
 
@@ -349,6 +349,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     ``schedule``: the plan's own pipeline schedule IR when ``cfg.schedule`` is ``custom``.
     ``per_batch``: assign each packed batch's documents to context-parallel groups of the size
     they need (codegen/runtime/batch_parallel.py); None: the plan's fixed layout.
+    ``dp_spans``: the cluster groups (regions) the dp x cp group spans (the plan's
+    ``cluster["dp_spans"]``): DP across them runs hierarchically (``recipe.apply_dp``).
     """
     device = torch.device(device)
     own = adapter is None  # an adapter made here is undone here if the build fails
@@ -357,7 +359,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     try:
         recipe.check_runnable(cfg, adapter, facts, Batch(global_batch, seq_len, load_balance=load_balance))
         pm = _build(adapter, cfg, stages, stage_recompute, tp_layout, global_batch, device, mesh,
-                    optimizer_factory, seed, load_balance, per_batch, facts, schedule)
+                    optimizer_factory, seed, load_balance, per_batch, facts, schedule, dp_spans)
     except BaseException:
         adapter.installs.own_groups_since(before)
         if own:
@@ -371,7 +373,8 @@ def _build(adapter: ModelAdapter, cfg: ParallelConfig, stages: Sequence[Sequence
            stage_recompute: Sequence[str], tp_layout: dict[str, str], global_batch: int, device: torch.device,
            mesh: Optional[DeviceMesh], optimizer_factory: OptimizerFactory, seed: Optional[int],
            load_balance: str, per_batch: Optional[bpar.PerBatch] = None,
-           facts: Optional[ModelFacts] = None, schedule: Optional[Schedule] = None) -> ParallelModel:
+           facts: Optional[ModelFacts] = None, schedule: Optional[Schedule] = None,
+           dp_spans: int = 1) -> ParallelModel:
     """The recipe's steps after the feasibility check (:func:`parallelize`)."""
     mesh = mesh if mesh is not None else build_mesh(cfg)
     if cfg.pp > 1:  # the schedule checked before anything is built
@@ -386,7 +389,7 @@ def _build(adapter: ModelAdapter, cfg: ParallelConfig, stages: Sequence[Sequence
     recipe.apply_fp8(adapter, split, cfg, device)
     recipe.apply_recompute(adapter, split)
     recipe.apply_compile(adapter, split, cfg)
-    dp_mesh = recipe.apply_dp(adapter, split, cfg, mesh, experts)
+    dp_mesh = recipe.apply_dp(adapter, split, cfg, mesh, experts, dp_spans)
     optimizer = build_optimizer(split.modules, optimizer_factory, cfg.zero, dp_mesh.size(), dp_mesh.get_group())
     loss_fn = TokenLoss(dp_mesh.size())
     runner = recipe.build_schedule(split, cfg, mesh, global_batch, loss_fn, device, schedule)
@@ -404,4 +407,5 @@ def parallelize_plan(model: nn.Module, plan: Plan, device: torch.device | str, *
                        dict(plan.tp_layout), int(plan.batch["global"]), int(plan.batch["seq_len"]), device,
                        optimizer_factory=optimizer_factory, seed=seed, adapter=adapter, facts=plan.facts,
                        schedule=plan.schedule_ir,
-                       per_batch=bpar.per_batch_of(plan.batch.get("per_batch")))
+                       per_batch=bpar.per_batch_of(plan.batch.get("per_batch")),
+                       dp_spans=int(plan.cluster.get("dp_spans", 1)))

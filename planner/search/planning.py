@@ -12,6 +12,7 @@ from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
 from cost_models.pipeline import stage_placement
 from cost_models.pipeline import ScheduleError
+from cost_models.wan_cost import dp_spans
 from planner.errors import AutoparError, PlanError
 from planner.graph import ModelGraph
 from planner.search.pins import Pins, as_pins
@@ -108,7 +109,8 @@ def build_plan(graph: ModelGraph, cluster: Cluster, e: Estimate, *, spec: str, c
         cluster={"name": cluster.name, "spec": cluster_spec, "fingerprint": cluster.fingerprint(),
                  "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node, "backend": cluster.backend,
                  "memory_gib": _rounded(cluster.memory_bytes / GiB), "device": cluster.device.name,
-                 **({"cores_per_node": cluster.cores_per_node} if cluster.cores_per_node else {})},
+                 **({"cores_per_node": cluster.cores_per_node} if cluster.cores_per_node else {}),
+                 **({"dp_spans": spans} if (spans := dp_spans(cluster, cfg)) > 1 else {})},
         config=cfg,
         batch=batch,
         stages=stages, tp_layout=tp_layout(graph) if cfg.tp > 1 else {},

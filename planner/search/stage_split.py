@@ -11,7 +11,7 @@ from cost_models.layer_costs import LayerCosts, act_bytes_io, layer_pass_times
 from cost_models.compute import calibration
 from cost_models.memory import MemoryRule, chunk_memory, framework_reserve
 from cost_models.offload import offload_saves
-from cost_models.wan_cost import stage_capacity, stage_slowdowns
+from cost_models.wan_cost import hsdp_replicas, stage_capacity, stage_slowdowns
 from planner.feasibility import recompute_attention_problem
 from planner.graph import BLOCK_KINDS, ModelGraph
 from planner.plan import RECOMPUTE, ParallelConfig, Partition, recompute_policies
@@ -99,7 +99,7 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
 
     mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
     costs = LayerCosts(graph, cluster, cfg.replace(recompute="none"), profile)  # recompute is priced below
-    rule = MemoryRule(graph, cfg, costs.table(cfg))
+    rule = MemoryRule(graph, cfg, costs.table(cfg), hsdp_replicas(cluster, cfg))
     groups = graph.stage_groups()
     fwd, bwd, act, peak, static, transient, out_p2p, classes = [], [], [], [], [], [], [], []
     for g, (lo, hi) in enumerate(groups):
