@@ -55,7 +55,7 @@ from cost_models import gpu_kernels as gk
 from cost_models.cluster import Cluster
 from cost_models.dtensor_dispatch import dtensor_dispatch_s
 from cost_models.documents import busiest_share
-from cost_models.engines import DEFAULT_ENGINE, Engine, fuses_elementwise
+from cost_models.engines import DEFAULT_ENGINE, FA2_HOPPER_SLOWDOWN, Engine, fuses_elementwise
 from cost_models.fused_elementwise import fused_op
 from cost_models.moe_layer import DISPATCH_KERNELS, dispatch_bytes, expert_rows, grouped_gemm_seconds
 from cost_models.shared_cores import thread_op_s
@@ -228,6 +228,7 @@ def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Paral
     elem = 4 if cfg.dtype == "fp32" else 2
     gpu = gk.GpuSpec(peak=cluster.peak_flops(cfg.dtype), bw=cluster.device.mem_bw_gbs * 1e9, sms=cluster.device.sms)
     g = _GpuPass(layer, graph, cfg, gpu, co, elem, engine)
+    g.fp8_cores = "fp8" in cluster.device.peak_tflops
     if cfg.fp8 != "none" and layer.kind == "transformer_block":  # the blocks' linears in float8 (torchao)
         g.fp8 = gk.GpuSpec(peak=cluster.peak_flops("fp8"), bw=gpu.bw, sms=gpu.sms)
     g.gemms()
@@ -259,6 +260,7 @@ class _GpuPass:
         self.experts_fwd = self.experts_bwd = 0.0  # the routed experts' GEMMs (part of fwd / bwd)
         self.gemm_bytes_cap: dict[str, float] = {}
         self.fp8: gk.GpuSpec | None = None  # float8 linears: the device at its fp8 peak
+        self.fp8_cores = False  # the device has float8 tensor cores (Hopper and later)
 
     def gemm(self, m: float, n: float, k: float, times: float = 1.0) -> float:
         """Add ``times`` GEMMs of (m, n, k) forward and their two backward GEMMs; the forward seconds."""
@@ -268,17 +270,23 @@ class _GpuPass:
         self.bwd += times * (gk.gemm_seconds(m, k, n, elem, gpu, co) + gk.gemm_seconds(n, k, m, elem, gpu, co))
         return t
 
-    def fp8_linear(self, m: float, n: float, k: float) -> float:
+    def fp8_linear(self, m: float, n: float, k: float, role: str = "") -> float:
         """Add a float8 linear (torchao's recipe: all three GEMMs in float8, at the device's fp8
         peak, 1-byte operands) and its casts (``FP8_CAST_BYTES``): forward X [m, k] and W [k, n],
-        backward dY [m, n] and the transposed float8 copies of X and W; the forward seconds."""
-        gpu8, co = self.fp8, self.co
+        backward dY [m, n] and the transposed float8 copies of X and W; the forward seconds.
+        On an engine that all-gathers sequence-parallel activations in float8
+        (``Engine.fp8_tp_all_gather``) a column-parallel linear casts its input, and a
+        row-parallel one its output's gradient, on the rank's sequence shard before the gather."""
+        gpu8, co, cfg = self.fp8, self.co, self.cfg
         t = gk.gemm_seconds(m, n, k, 1, gpu8, co)
         self.fwd += t
         self.bwd += gk.gemm_seconds(m, k, n, 1, gpu8, co) + gk.gemm_seconds(n, k, m, 1, gpu8, co)
-        cast = FP8_CAST_BYTES[self.cfg.compile] * self.elem / 2
-        self.fwd += gk.memory_seconds(cast * (m * k + k * n), 4, self.gpu, co)
-        self.bwd += gk.memory_seconds(cast * m * n + 2 * (m * k + k * n), 4, self.gpu, co)
+        gathered = self.engine.fp8_tp_all_gather and cfg.sp and cfg.tp > 1
+        x_rows = m / cfg.tp if gathered and role in OUT_SPLIT_ROLES else m
+        dy_rows = m / cfg.tp if gathered and role == "row" else m
+        cast = FP8_CAST_BYTES[cfg.compile] * self.elem / 2
+        self.fwd += gk.memory_seconds(cast * (x_rows * k + k * n), 4, self.gpu, co)
+        self.bwd += gk.memory_seconds(cast * dy_rows * n + 2 * (m * k + k * n), 4, self.gpu, co)
         return t
 
     def grouped(self, groups: int, m: float, n: float, k: float) -> float:
@@ -296,7 +304,7 @@ class _GpuPass:
         kept = {id(lin) for lin in kept_linears(layer)}
         for lin in layer.linears:
             shape = _gemm_shape(lin, self.tokens, cfg.tp, cfg.sp)
-            t = self.fp8_linear(*shape) if self.fp8 is not None else self.gemm(*shape)
+            t = self.fp8_linear(*shape, lin.role) if self.fp8 is not None else self.gemm(*shape)
             self.unkept += 0.0 if id(lin) in kept else t
             op = next((o.name for o in layer.ops if o.name and lin.name.startswith(o.name + ".")), "")
             io = m_cap * lin.in_features + lin.in_features * lin.out_features + m_cap * lin.out_features
@@ -328,8 +336,9 @@ class _GpuPass:
         if cfg.attention == "eager":
             self.eager_attention(a)
             return
-        self.fwd += gk.attention_seconds(core, kv, gpu, co)
-        self.bwd += gk.attention_seconds(core, kv, gpu, co, backward=True)
+        slow = FA2_HOPPER_SLOWDOWN if self.engine.attention_fa2 and self.fp8_cores else 1.0  # engines.py
+        self.fwd += slow * gk.attention_seconds(core, kv, gpu, co)
+        self.bwd += slow * gk.attention_seconds(core, kv, gpu, co, backward=True)
         if ring > 1:  # each ring step's partial output merged by log-sum-exp: read two, write one (fp32)
             merge = 3 * cfg.mbs * (a.seq_len / cfg.cp) * (a.heads / cfg.tp) * (a.head_dim + 1) * 4
             self.fwd += gk.memory_seconds((ring - 1) * merge, ring - 1, gpu, co)

@@ -47,6 +47,16 @@ behaviour of a named engine (the flag or default that turns it on is cited):
   besides the attention core: ``layernorm`` (the norms' outputs, recomputed from their kept
   inputs) and ``moe_act`` (the experts' activation outputs); set per run where a run states it
   (benchmarks/published_moe.py), empty in every registered engine.
+- ``fp8_tp_all_gather``: under float8 linears with sequence-parallel TP, the all-gathers of the
+  activations into the column-parallel linears (and of the gradients into the row-parallel ones)
+  move float8 (1 byte per element); reduce-scatters stay in the compute dtype (torchtitan's
+  float8 TP styles, on by default with its ``Float8Linear``: docs/float8.md, "float8 all-gather
+  ... for TP (by default for Float8Linear)").
+- ``attention_fa2``: the attention core runs torch's SDPA flash kernel, FlashAttention-2, which
+  on devices with float8 tensor cores (Hopper) runs ``FA2_HOPPER_SLOWDOWN`` times slower than the
+  FA3-class kernels (Transformer Engine's cuDNN attention, FlashAttention-3) of Megatron-Core's
+  H100 runs that the attention coefficient is fitted on (Shah et al. 2024, FlashAttention-3:
+  "1.5-2.0x faster than FlashAttention-2" on H100 in BF16; the midpoint). torchtitan (2024).
 - ``fused_optimizer``: one fused AdamW kernel per parameter group (Apex / TE FusedAdam in
   Megatron; torchtitan's default ``fused``; autopar's runtime, ``codegen.runtime.optim.adamw``):
   ``FUSED_OPT_BYTES_PER_PARAM`` instead of the
@@ -76,6 +86,9 @@ FUSED_OPT_BYTES_PER_PARAM = 28.0
 # SMs DeepEP's dispatch / combine kernels occupy (DeepSeek-V3 technical report, §3.2.2: 20 SMs in
 # 10 channels suffice to saturate IB and NVLink).
 DEEPEP_SMS = 20
+# FlashAttention-2 on Hopper against FA3-class kernels: FlashAttention-3 (Shah et al. 2024) is
+# "1.5-2.0x faster than FlashAttention-2" on H100 in BF16; the midpoint.
+FA2_HOPPER_SLOWDOWN = 1.75
 
 
 @dataclass(frozen=True)
@@ -92,6 +105,8 @@ class Engine:
     moe_fused_permute: bool = False
     ep_node_dedup: bool = False
     ep_comm_sms: int = 0
+    fp8_tp_all_gather: bool = False
+    attention_fa2: bool = False
     fused_optimizer: bool = False
     fused_elementwise: bool = False
     recompute_modules: tuple[str, ...] = ()
@@ -133,10 +148,11 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine("llama3", dp_overlap=True, p2p_overlap=True, fused_optimizer=True,
            doc="Meta's Llama 3 stack as its paper describes it: FSDP (ZeRO-2-like) with overlapped "
                "reduction, asynchronous pipeline P2P"),
-    Engine("torchtitan", dp_overlap=True, fused_optimizer=True,
+    Engine("torchtitan", dp_overlap=True, fused_optimizer=True, fp8_tp_all_gather=True, attention_fa2=True,
            doc="torchtitan: FSDP2 with prefetch and overlapped reduce-scatter, fused AdamW (its default), "
                "eager TP without async TP"),
-    Engine("torchtitan-asynctp", tp_overlap=True, dp_overlap=True, fused_optimizer=True,
+    Engine("torchtitan-asynctp", tp_overlap=True, dp_overlap=True, fused_optimizer=True, fp8_tp_all_gather=True,
+           attention_fa2=True,
            doc="torchtitan with --parallelism.enable_async_tensor_parallel (under torch.compile): the TP "
                "all-gather / reduce-scatter decomposed and overlapped with the GEMMs (micro-pipelined)"),
 )}

@@ -111,7 +111,8 @@ class LayerCosts:
             if n_red and nbytes:
                 if cfg.sp:
                     rs = comm_mod.collective_time("reduce_scatter", nbytes, self.c, self.mesh, "tp", self.profile)
-                    ag = comm_mod.collective_time("all_gather", nbytes, self.c, self.mesh, "tp", self.profile)
+                    ag = comm_mod.collective_time("all_gather", nbytes * fp8_gather_share(layer, cfg, self.engine),
+                                                  self.c, self.mesh, "tp", self.profile)
                     one, csrc = rs.seconds + ag.seconds, rs.source
                 else:
                     ar = comm_mod.collective_time("all_reduce", nbytes, self.c, self.mesh, "tp", self.profile)
@@ -140,6 +141,15 @@ class LayerCosts:
                         host=self.host_copy_s(layer))
         self.cache[layer.signature] = out
         return out
+
+
+def fp8_gather_share(layer: Layer, cfg: ParallelConfig, engine: Engine) -> float:
+    """Bytes a sequence-parallel all-gather of ``layer`` moves over those of the compute dtype:
+    float8's 1 byte per element for a block's float8 linears on an engine that gathers them in
+    float8 (``Engine.fp8_tp_all_gather``), else 1.0."""
+    if cfg.fp8 == "none" or not engine.fp8_tp_all_gather or layer.kind != "transformer_block":
+        return 1.0
+    return 1.0 / DTYPE_BYTES[cfg.dtype]
 
 
 @dataclass(frozen=True)

@@ -129,3 +129,41 @@ def test_cli_evaluate_names_and_prices_the_engine(capsys):
     with pytest.raises(SystemExit):
         main(args + ["--engine", "megatron"])
     assert "invalid choice: 'megatron'" in capsys.readouterr().err
+
+
+def test_fp8_tp_all_gather_moves_float8_and_casts_before_the_gather(graph):
+    """Under float8 linears with sequence-parallel TP, an engine that gathers in float8 moves half
+    the bf16 bytes in its all-gathers and casts each column-parallel input on the rank's shard."""
+    from cost_models.compute import layer_time
+    from cost_models.layer_costs import fp8_gather_share
+
+    block = next(l for l in graph.layers if l.kind == "transformer_block")
+    cfg = ParallelConfig(tp=8, mbs=4, sp=True, fp8="tensorwise", compile=True)
+    gathers = Engine("g", fp8_tp_all_gather=True)
+    assert fp8_gather_share(block, cfg, gathers) == 0.5
+    assert fp8_gather_share(block, cfg, PLAIN) == 1.0
+    assert fp8_gather_share(block, cfg.replace(fp8="none"), gathers) == 1.0
+    head = next(l for l in graph.layers if l.kind == "head")
+    assert fp8_gather_share(head, cfg, gathers) == 1.0  # the head stays in the compute dtype
+    cl = parse_cluster("dgx-h100")
+    assert layer_time(block, graph, cl, cfg, engine=gathers).fwd_s < layer_time(block, graph, cl, cfg, engine=PLAIN).fwd_s
+    lc = LayerCosts(graph, cl, cfg, None, engine=gathers).get(block)
+    assert lc.tp < LayerCosts(graph, cl, cfg, None, engine=PLAIN).get(block).tp
+
+
+def test_fa2_attention_is_slower_on_hopper_only(graph):
+    """An engine running FlashAttention-2 prices the attention core FA2_HOPPER_SLOWDOWN times the
+    FA3-class kernel's on a device with float8 tensor cores; elsewhere FA2 is the kernel."""
+    from cost_models.compute import layer_time
+    from cost_models.engines import FA2_HOPPER_SLOWDOWN
+
+    block = next(l for l in graph.layers if l.kind == "transformer_block")
+    cfg = ParallelConfig(mbs=4)
+    fa2 = Engine("fa2", attention_fa2=True)
+    h100, a100 = parse_cluster("dgx-h100"), parse_cluster("dgx-a100-80g")
+    assert layer_time(block, graph, a100, cfg, engine=fa2) == layer_time(block, graph, a100, cfg, engine=PLAIN)
+    slow, fast = layer_time(block, graph, h100, cfg, engine=fa2), layer_time(block, graph, h100, cfg, engine=PLAIN)
+    without = layer_time(block, graph, h100, cfg.replace(attention="eager"), engine=PLAIN)  # no fused core at all
+    assert slow.fwd_s > fast.fwd_s and slow.bwd_s > fast.bwd_s
+    assert slow.fwd_s - fast.fwd_s < (FA2_HOPPER_SLOWDOWN - 1) * fast.fwd_s  # only the attention core slows
+    assert without.fwd_s != fast.fwd_s
