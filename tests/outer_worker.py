@@ -79,9 +79,9 @@ def hier_of(pm) -> str:
     p = next(p for _, p in pm.named_parameters())
     if isinstance(p, DTensor):
         return "hsdp" if p.device_mesh.ndim == 2 else "flat"
-    from torch.distributed._composable.replicate import replicate
+    from codegen.runtime.torch_compat import ddp_replicate
 
-    ddp = replicate.state(pm.stage_modules[0])._ddp
+    ddp = ddp_replicate().state(pm.stage_modules[0])._ddp
     return "hook" if getattr(ddp, "_comm_hooks", None) else "flat"
 
 

@@ -325,7 +325,8 @@ def _llama8b_plans():
 
 def test_a_long_tail_of_short_documents_prices_the_busiest_rank():
     """One 128K document per row: attention is most of the step and each of a cp=8 ring's 16K-key
-    blocks is long enough to hide its K/V transfer, so cp=8 (the ring on one node's NVLink) wins.
+    blocks is long enough to hide its K/V transfer, so cp=8 (the ring on one node's NVLink) wins,
+    or since activation offload, cp=4 with the activations on the host.
     Short documents leave about 4% of the attention work on average, and under a third of what is
     left on the ring's visiting blocks, so the cp=8 ring's transfers are no longer hidden. But the
     rows differ: the rare long document lands on some rank's row, and every micro-batch waits for
@@ -337,7 +338,8 @@ def test_a_long_tail_of_short_documents_prices_the_busiest_rank():
     g, cl, plans = _llama8b_plans()
     one, _ = plans["one"]
     packed, res = plans["docs"]
-    assert one.config.cp == 8 and packed.config.cp == 8
+    # one document per row: a wide ring, or cp=4 with its activations offloaded to the host
+    assert (one.config.cp, one.config.recompute) in ((8, "selective-op"), (4, "offload")) and packed.config.cp == 8
     d = packed.batch["documents"]
     assert d["attention_share"] < 0.06 and d["budget"] == 131072 and d["documents"] == 20000
     assert d["ring_visiting"]["cp=8"]["share"] < 0.5 * d["ring_visiting"]["cp=8"]["one_document"]
