@@ -70,7 +70,9 @@ When a :class:`ProfileDB` has samples for ``(kind, n, link)`` its interpolated
 time is used (source ``"profile"``). For a ``mixed`` group without such samples the
 hierarchical formula is composed from the profile's intra and inter samples when
 every phase is measured; a phase without samples falls back to the model and the
-result is then reported as ``"model"``.
+result is then reported as ``"model"``. On a local CPU cluster a layout that runs fewer
+processes than the profile timed its collectives with gets them faster by its processes'
+larger share of the cores (``cost_models.shared_cores.profiled_comm_factor``).
 
 Calibration: a profile's ``calibration`` (``autopar calibrate``) may hold
 ``comm_scale`` (every collective and p2p time is multiplied by it) and
@@ -93,7 +95,7 @@ from typing import Literal, Mapping
 from cost_models import wan
 from cost_models.cluster import Cluster, ClusterError, Link
 from cost_models.profile_db import COLLECTIVE_KINDS, ProfileDB
-from cost_models.shared_cores import sync_wait_s
+from cost_models.shared_cores import profiled_comm_factor, sync_wait_s
 
 DIMS = ("pp", "dp", "cp", "tp")
 NCCL_BUS_EFF = {"intra": 0.80, "inter": 0.90}
@@ -236,7 +238,7 @@ class _Phase:
         if self.profile is not None:
             t = self.profile.collective_time(kind, n, link, nbytes)
             if t is not None:
-                return t
+                return t * profiled_comm_factor(self.cluster, self.profile.world)
         self.all_measured = False
         return link_time(kind, nbytes, n, self.cluster, link)
 
@@ -284,7 +286,7 @@ def _group_time_raw(kind: str, nbytes: float, lay: GroupLayout, cluster: Cluster
     if profile is not None:
         t = profile.collective_time(kind, n if kind != "send_recv" else 2, lay.link, nbytes)
         if t is not None:
-            return CommEstimate(t, "profile")
+            return CommEstimate(t * profiled_comm_factor(cluster, profile.world), "profile")
     phase = _Phase(cluster, profile)
     if lay.link != "mixed":
         if kind == "send_recv":

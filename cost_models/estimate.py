@@ -101,7 +101,7 @@ from planner.feasibility import microbatches
 from planner.graph import ModelGraph
 from planner.low_comm import parse_low_comm
 from planner.plan import ParallelConfig, Partition, PlanError
-from planner.sharding import DDP_BUCKET_BYTES, SHARDED_PARAMS, shard_ranks, uses_ddp_reducer
+from planner.sharding import DDP_BUCKET_BYTES, SHARDED_PARAMS, shard_ranks, uses_ddp_reducer, zero1_broadcasts
 from planner.precision import DTYPE_BYTES, GRAD_REDUCE_BYTES, MASTER_BYTES
 from planner import schedule_ir as ir
 
@@ -238,24 +238,24 @@ def _dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units
     grads = params * GRAD_REDUCE_BYTES  # gradients are reduced in fp32 (planner.precision.mixed_precision)
     calls = max(1, math.ceil(grads / DDP_BUCKET_BYTES)) if uses_ddp_reducer(cfg.zero, cfg.pp, cfg.tp, cfg.dtype) \
         else units
-
     k = 1 if experts else hsdp_replicas(cluster, cfg)  # > 1: HSDP across cluster groups (fully_shard)
 
-    def ct(kind: str, per_param: float = GRAD_REDUCE_BYTES) -> float:
+    def ct(kind: str, per_param: float = GRAD_REDUCE_BYTES, n_calls: int = calls) -> float:
         if k > 1 and kind in ("all_gather", "reduce_scatter"):
-            return _hsdp_time(kind, params * per_param / calls, cluster, cfg, dpg, k, profile, comm_src) * calls
-        e = comm_mod.collective_time(kind, params * per_param / calls, cluster, flat, "dp", profile)
+            return _hsdp_time(kind, params * per_param / n_calls, cluster, cfg, dpg, k, profile, comm_src) * n_calls
+        e = comm_mod.collective_time(kind, params * per_param / n_calls, cluster, flat, "dp", profile)
         comm_src.add(e.source)
-        return e.seconds * calls
+        return e.seconds * n_calls
 
     per_microbatch = m if _per_microbatch_dp(cfg) else 1
     # parameters are gathered as their compute copies; under float8 tensorwise the blocks' linears
     # (``fp8_share`` of them) as float8 (torchao's FSDP float8 all-gather)
     f8 = fp8_share if cfg.fp8 == "tensorwise" else 0.0
     gather = DTYPE_BYTES[cfg.dtype] * (1 - f8) + 1.0 * f8
-    # the optimizer's owners send the updated parameters: Megatron's distributed optimizer its
-    # compute copies, autopar's ShardedOptimizer the fp32 master weights
-    after = ct("all_gather", gather if engine.dist_opt_reduce_scatter else MASTER_BYTES) if cfg.zero == "zero1" else 0.0
+    # the owners send the updated parameters: Megatron's distributed optimizer its compute copies,
+    # autopar's ShardedOptimizer its fp32 masters in buckets per owner (``zero1_broadcasts`` calls)
+    after = 0.0 if cfg.zero != "zero1" else ct("all_gather", gather) if engine.dist_opt_reduce_scatter \
+        else ct("all_gather", MASTER_BYTES, zero1_broadcasts(params * MASTER_BYTES, dpg))
     if cfg.zero == "zero1" and engine.dist_opt_reduce_scatter:
         comm = ct("reduce_scatter")  # each owner receives only its shard's gradients
     elif cfg.zero in ("ddp", "zero1"):

@@ -106,6 +106,20 @@ def sync_wait_s(cores: int, ranks: int) -> float:
     return BASE_SLICE_S * (1 + math.floor(math.log2(cores)))
 
 
+def profiled_comm_factor(cluster: Cluster, profiled_ranks: int) -> float:
+    """What a collective a profile timed with ``profiled_ranks`` processes on the node takes when
+    ``cluster.devices_per_node`` processes run instead, over the profiled time. gloo's collectives
+    are CPU work of the calling process (copies and reductions over loopback), and the profiler
+    times every group of a size at once (``cost_models.profiler.measure_collectives``), so a
+    call runs at its process's share of a core: ``min(1, cores / profiled) / min(1, cores /
+    running)``. Fewer processes than profiled (e.g. dp2 on a ``local-cpu:4`` profile of a
+    2-core machine) halve the time; 1.0 off local CPU clusters or with a core per process."""
+    if not local_cpu(cluster) or profiled_ranks <= 0:
+        return 1.0
+    cores = cluster.cores_per_node
+    return min(1.0, cores / profiled_ranks) / min(1.0, cores / cluster.devices_per_node)
+
+
 def local_cpu(cluster: Cluster) -> bool:
     """A one-node CPU cluster whose cores are known (``local-cpu``): threads per rank apply."""
     return cluster.backend == "gloo" and cluster.nodes == 1 and cluster.cores_per_node > 0

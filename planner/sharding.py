@@ -14,6 +14,33 @@ SHARDED_PARAMS = ("zero2", "fsdp")            # the ZERO modes that shard parame
 DDP_BUCKET_BYTES = 25 * 2**20                  # gradient bucket of DDP's reducer (its default 25 MiB)
 
 
+def zero1_buckets(owned_bytes: list[list[int]]) -> list[list[list[int]]]:
+    """How ZeRO-1's owners send their updated parameters (codegen/runtime/data_parallel.py
+    ``ShardedOptimizer``), as indices into each owner's list of parameter sizes (bytes): each
+    owner's parameters, in order, packed into buckets of at most ``DDP_BUCKET_BYTES`` (a larger
+    parameter is a bucket of its own), one broadcast per bucket. One call per parameter would
+    pay a blocking collective's latency (and, on shared CPU cores, a scheduler slice) each."""
+    out = []
+    for sizes in owned_bytes:
+        buckets: list[list[int]] = []
+        filled = DDP_BUCKET_BYTES
+        for i, b in enumerate(sizes):
+            if filled + b > DDP_BUCKET_BYTES:
+                buckets.append([])
+                filled = 0
+            buckets[-1].append(i)
+            filled += b
+        out.append(buckets)
+    return out
+
+
+def zero1_broadcasts(param_bytes: float, dp_group: int) -> int:
+    """Broadcasts per step of :func:`zero1_buckets` for ``param_bytes`` split about evenly over
+    ``dp_group`` owners: ``dp_group x ceil(param_bytes / dp_group / DDP_BUCKET_BYTES)``."""
+    per_owner = param_bytes / max(dp_group, 1)
+    return max(dp_group, 1) * max(1, -(-int(per_owner) // DDP_BUCKET_BYTES))
+
+
 FSDP_UNIT_PARAMS = 10**9  # a block holding more parameters (per rank, unsharded) is sharded module by module
 
 

@@ -67,3 +67,42 @@ def test_sync_wait_is_one_scheduler_slice_on_shared_cores():
     assert sync_wait_s(2, 4) == pytest.approx(BASE_SLICE_S * 2)
     assert sync_wait_s(8, 16) == pytest.approx(BASE_SLICE_S * 4)
     assert sync_wait_s(4, 4) == 0.0 and sync_wait_s(0, 4) == 0.0
+
+
+def test_fewer_processes_than_profiled_get_faster_collectives():
+    """A profile of local-cpu:4 on 2 cores timed every collective with 4 processes sharing them; a
+    dp2 layout (2 processes, a core each) runs the same call in half the time, dp4 in the same."""
+    from dataclasses import replace
+
+    from cost_models.comm import collective_time
+    from cost_models.profile_db import ProfileDB
+    from cost_models.shared_cores import profiled_comm_factor
+
+    four = replace(parse_cluster("local-cpu:4"), cores_per_node=2)
+    two = replace(four, devices_per_node=2)
+    assert profiled_comm_factor(four, 4) == 1.0
+    assert profiled_comm_factor(two, 4) == pytest.approx(0.5)
+    assert profiled_comm_factor(replace(two, cores_per_node=4), 4) == 1.0   # a core each when profiled too
+    assert profiled_comm_factor(parse_cluster("dgx-h100:1"), 8) == 1.0      # not a local CPU cluster
+    db = ProfileDB(cluster_fingerprint=four.fingerprint(), backend="gloo", world=4)
+    for nbytes in (2**20, 2**24):
+        db.add_collective("all_reduce", 2, "intra", nbytes, nbytes * 1e-9)
+    t4 = collective_time("all_reduce", 2**22, four, {"dp": 2, "pp": 2}, "dp", db)
+    t2 = collective_time("all_reduce", 2**22, two, {"dp": 2}, "dp", db)
+    assert t4.source == t2.source == "profile"
+    # dp4's call also waits for a descheduled peer (sync_wait_s); dp2 has a core per process
+    assert t2.seconds == pytest.approx((t4.seconds - sync_wait_s(2, 4)) / 2)
+    assert t2.seconds == pytest.approx(2**22 * 1e-9 / 2)
+
+
+def test_zero1_owners_send_their_parameters_in_buckets():
+    """ZeRO-1's broadcasts: one per bucket of an owner's parameters (never one per parameter),
+    a parameter larger than the bucket alone; the cost model counts the same calls."""
+    from planner.sharding import DDP_BUCKET_BYTES as B, zero1_broadcasts, zero1_buckets
+
+    assert zero1_buckets([[10, 20, 30], [5]]) == [[[0, 1, 2]], [[0]]]
+    assert zero1_buckets([[10, B, 5, B + 1]]) == [[[0], [1], [2], [3]]]
+    assert zero1_buckets([[B // 2, B // 2, 1]]) == [[[0, 1], [2]]]
+    assert zero1_buckets([[]]) == [[]]
+    assert zero1_broadcasts(4 * 32e6, 2) == 2 * 3      # 64 MB per owner: 3 buckets of 25 MiB
+    assert zero1_broadcasts(2e6, 4) == 4               # small: one call per owner

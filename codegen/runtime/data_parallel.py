@@ -56,7 +56,8 @@ from torch.distributed.tensor import DTensor
 
 from codegen.runtime import torch_compat
 from codegen.runtime.precision import mp_policy
-from planner.sharding import DDP_BUCKET_BYTES, DP_WRAPPERS, FSDP_MODULE_SHARE, SHARDED_PARAMS, fsdp_per_module
+from planner.sharding import (DDP_BUCKET_BYTES, DP_WRAPPERS, FSDP_MODULE_SHARE, SHARDED_PARAMS, fsdp_per_module,
+                              zero1_buckets)
 
 
 def _replicate():
@@ -192,8 +193,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     Parameters are assigned to the ranks of ``group`` greedily by size (largest first to
     the least loaded rank), so optimizer state is split about evenly. After the local
-    step every parameter is broadcast from its owner. Gradients must already be
-    all-reduced (``replicate``). ``state_dict`` holds the local shard's state only.
+    step each owner broadcasts its parameters, packed into buckets
+    (``planner.sharding.zero1_buckets``: one call per bucket, not per parameter). Gradients
+    must already be all-reduced (``replicate``). ``state_dict`` holds the local shard's state only.
     """
 
     def __init__(self, params: Iterable[nn.Parameter], factory: Callable[[list], torch.optim.Optimizer], group):
@@ -208,7 +210,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             r = min(range(n), key=lambda k: (load[k], k))
             self.owner[i] = r
             load[r] += self.all_params[i].numel()
-        self.src = [dist.get_global_rank(group, r) for r in self.owner]
+        self.me = me
+        self.buckets = self._buckets(n)
         mine = [p for p, o in zip(self.all_params, self.owner) if o == me]
         self.inner = factory(mine) if mine else None
         # torch.optim.Optimizer bookkeeping: one group over all parameters carrying the wrapped
@@ -232,8 +235,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for g in self.inner.param_groups:
                 g.update(hyper)
             self.inner.step()
-        for p, src in zip(self.all_params, self.src):
-            dist.broadcast(torch_compat.local_tensor(p.data), src=src, group=self.group)
+        for owner, idx in self.buckets:
+            local = [torch_compat.local_tensor(self.all_params[i].data) for i in idx]
+            if len(local) == 1:
+                dist.broadcast(local[0], src=dist.get_global_rank(self.group, owner), group=self.group)
+                continue
+            if owner == self.me:
+                flat = torch.cat([t.reshape(-1) for t in local])
+            else:
+                flat = torch.empty(sum(t.numel() for t in local), dtype=local[0].dtype, device=local[0].device)
+            dist.broadcast(flat, src=dist.get_global_rank(self.group, owner), group=self.group)
+            if owner != self.me:
+                for t, part in zip(local, flat.split([t.numel() for t in local])):
+                    t.copy_(part.view_as(t))
+
+    def _buckets(self, n: int) -> list[tuple[int, list[int]]]:
+        """(owner rank in the group, parameter indices) per broadcast: each owner's parameters of
+        one dtype and device, packed by ``zero1_buckets``."""
+        lists: dict[tuple, list[int]] = {}
+        for i, (p, o) in enumerate(zip(self.all_params, self.owner)):
+            t = torch_compat.local_tensor(p.data)
+            lists.setdefault((o, t.dtype, t.device), []).append(i)
+        keys = sorted(lists, key=lambda k: (k[0], str(k[1]), str(k[2])))
+        sizes = [[torch_compat.local_tensor(self.all_params[i].data).nbytes for i in lists[k]] for k in keys]
+        return [(k[0], [lists[k][j] for j in b]) for k, bs in zip(keys, zero1_buckets(sizes)) for b in bs]
 
     def state_dict(self):  # type: ignore[override]
         return self.inner.state_dict() if self.inner is not None else {}
