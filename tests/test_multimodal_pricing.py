@@ -42,3 +42,35 @@ def test_assignment_priced_faster_than_the_fixed_split() -> None:
     assert s["spread_after"] < s["spread_before"] and s["spread_after"] < 1.02
     assert 1.0 <= c.ideal_gap < 1.02
     assert all(a <= f + 1e-12 for a, f in zip(c.assigned, c.fixed))
+
+
+def test_plan_record_and_report_line() -> None:
+    from planner.report.data import multimodal_text
+    from planner.search.multimodal import multimodal_record
+    from planner.search.planning import evaluate_config
+
+    graph = load_graph("mllm-tiny", batch=1)
+    cluster = parse_cluster("local-cpu:4")
+    images = {0: 0.4, 1: 0.3, 6: 0.3}
+    est, _ = evaluate_config(graph, cluster, ParallelConfig(dp=4, mbs=1, dtype="fp32"), 16)
+    r = multimodal_record(graph, cluster, est, 16, images)
+    assert r["patches"] == 16 and r["text_tokens"] == 16 and r["batches"] > 0
+    assert r["spread_after"] < r["spread_before"] and r["recommended"] == (r["speedup"] >= 1 / 0.98)
+    line = multimodal_text(r)
+    assert "0:0.4, 1:0.3, 6:0.3" in line and f"{r['spread_before']:.2f}x the mean work" in line
+    est, _ = evaluate_config(graph, cluster, ParallelConfig(dp=2, pp=2, mbs=1, dtype="fp32"), 16)
+    r = multimodal_record(graph, cluster, est, 16, images)
+    assert not r["recommended"] and "data-parallel layouts only" in multimodal_text(r)
+
+
+def test_images_flag_refused_in_one_line() -> None:
+    from planner.errors import AutoparError
+    from planner.search.multimodal import multimodal_record, parse_images
+
+    assert parse_images("0:1,4:0.5,4:0.5") == {0: 1.0, 4: 1.0}
+    for bad in ("0-1", "1:x", "-1:1", "0:0"):
+        with pytest.raises(AutoparError, match="--images-per-sample"):
+            parse_images(bad)
+    graph = load_graph("llama-tiny", batch=1)
+    with pytest.raises(AutoparError, match="needs a vision"):
+        multimodal_record(graph, parse_cluster("local-cpu:4"), None, 4, {0: 1.0})
