@@ -89,8 +89,10 @@ class MultimodalBatch:
 
 class SampleBalancer:
     """Which samples this data-parallel rank runs: the per-batch planner's assignment
-    (``assign=True``) or the fixed split (consecutive blocks); ``last``: the last batch's
-    :class:`planner.batch_multimodal.Balance` (per-rank work before and after)."""
+    (``assign=True``) or the fixed split (consecutive blocks); ``capacity``: the decoder tokens
+    a rank may be given in all (its samples run one at a time, so memory bounds the largest
+    sample, not this sum); ``last``: the last batch's :class:`planner.batch_multimodal.Balance`
+    (per-rank work before and after)."""
 
     def __init__(self, dp: int, rank: int, cost: WorkCost, capacity: int, patches: int, assign: bool = True):
         if not 0 <= rank < dp:
