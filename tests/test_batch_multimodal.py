@@ -100,3 +100,22 @@ def test_bad_input_one_line() -> None:
         assign_samples(MultimodalBatchShape.of([8, 0], 4, PATCHES), 2, COST, capacity=100)
     with pytest.raises(AssignError, match="non-negative"):
         WorkCost(linear=1.0, attention=0.0, vision=-1.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 600), st.integers(0, 3)), min_size=1, max_size=30))
+def test_fuzz_pieces_with_images_never_split(pieces) -> None:
+    """Text pieces and pieces carrying images mixed on a pool that forms groups: every piece
+    with images runs whole, every token is held once."""
+    lens, imgs = [n for n, _ in pieces], [k for _, k in pieces]
+    cost = WorkCost(linear=1.0, attention=0.01, exchange=0.05, vision=50.0)
+    a = assign(lens, Pool(4, 4, 10 ** 6), cost, images=imgs)
+    assert all(p.size == 1 for p, k in zip(a.placements, imgs) if k > 0)
+    held = np.zeros(4, dtype=np.int64)
+    for p in a.placements:
+        held[list(p.workers)] += p.padded // p.size
+    assert held.tolist() == list(a.tokens)
+    solo = sum(cost.linear * n + cost.attention * n * n + cost.vision * k for n, k in zip(lens, imgs))
+    assert sum(a.work) >= solo * (1 - 1e-9)  # splitting only adds (padding, communication); images counted once
+    if all(p.size == 1 for p in a.placements):
+        assert sum(a.work) == pytest.approx(solo)
