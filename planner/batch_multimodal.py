@@ -56,8 +56,13 @@ def sample_work(shape: MultimodalBatchShape, cost: WorkCost) -> np.ndarray:
 def assign_samples(shape: MultimodalBatchShape, dp: int, cost: WorkCost, capacity: int) -> Assignment:
     """The samples over ``dp`` ranks (each whole, with its images), balanced by the per-batch
     planner; ``capacity``: the decoder tokens one rank may hold. Deterministic."""
-    if shape.tokens().min() < 1:
+    tokens = shape.tokens()
+    if tokens.min() < 1:
         raise AssignError("a sample has neither images nor text: drop empty samples from the batch")
+    if tokens.max() > capacity:
+        i = int(tokens.argmax())
+        raise AssignError(f"sample {i} ({shape.image_counts[i]} images, {int(tokens[i])} decoder tokens) exceeds the "
+                          f"{capacity} tokens a rank may hold: raise the memory per rank or cap the images per sample")
     return assign(shape.tokens().tolist(), Pool(dp, 1, capacity), cost, images=list(shape.image_counts))
 
 

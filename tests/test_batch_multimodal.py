@@ -96,8 +96,10 @@ def test_bad_input_one_line() -> None:
         fixed_split_work(MultimodalBatchShape.of([0, 1, 2], 4, PATCHES), 2, COST)
     with pytest.raises(AssignError, match="image counts for"):
         assign([4, 5], Pool(2, 1, 100), COST, images=[1])
-    with pytest.raises(AssignError, match="no worker has room"):
+    with pytest.raises(AssignError, match=r"sample 0 \(8 images, 132 decoder tokens\) exceeds the 100 tokens"):
         assign_samples(MultimodalBatchShape.of([8, 0], 4, PATCHES), 2, COST, capacity=100)
+    with pytest.raises(AssignError, match="no worker has room"):  # each fits, not all together
+        assign_samples(MultimodalBatchShape.of([5, 5, 5], 4, PATCHES), 1, COST, capacity=100)
     with pytest.raises(AssignError, match="non-negative"):
         WorkCost(linear=1.0, attention=0.0, vision=-1.0)
 
