@@ -8,7 +8,7 @@ recompute, bf16, flash attention: every GPU is a worker of the ``dp x cp`` pool.
 
 - **fixed layouts**: every ``dp x cp`` with ``dp`` dividing the rows, each row over a ring of
   ``cp`` GPUs (zigzag) or, where ``cp`` divides the 8 kv heads, over Ulysses' all-to-alls,
-  priced per batch by ``planner.batch_assign.static_work``; the best is the one with the
+  priced per batch by ``planner.batch_layout.static_work``; the best is the one with the
   least mean step (the 2-D hybrid is not among them);
 - **per-batch**: ``planner.batch_assign.assign`` on each batch (groups up to the whole pool,
   memory per GPU from the fixed cp-8 layout's estimate);

@@ -25,7 +25,7 @@ per-step work both share (data-parallel reduction, optimizer: ``fixed_s``). Each
 is judged by its mean over the batches; the best one is the baseline. Under a pipeline each
 micro-batch is assigned on its own and every worker's row is padded to the pool's capacity:
 the pad tokens cost linear work (``planner.batch_assign.padded_work``), and a step is the
-pipeline's over its micro-batches (``planner.batch_assign.pipeline_step``), on both sides.
+pipeline's over its micro-batches (``planner.batch_layout.pipeline_step``), on both sides.
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ from cost_models import comm as comm_mod
 from cost_models.cluster import Cluster
 from cost_models.context_parallel import cp_meshes, ring_step_bytes, ulysses_bytes
 from cost_models.layer_costs import LayerCosts, layer_pass_times
-from planner.batch_assign import (Pool, WorkCost, assign, microbatch_ranges, padded_work, pipeline_step,
-                                  static_work)
+from planner.batch_assign import Pool, WorkCost, assign, microbatch_ranges, padded_work
+from planner.batch_layout import pipeline_step, static_work
 from planner.graph import DocumentMix, ModelGraph
 from planner.plan import ParallelConfig
 
@@ -48,7 +48,7 @@ def _no_attention(seq_len: int) -> DocumentMix:
                        rows=1, sampled=False, attention_share=0.0, mean_tokens=float(seq_len))
 
 
-def _stage_seconds(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, profile) -> float:
+def stage_seconds(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, profile) -> float:
     """Forward + backward + recompute seconds of all layers, one micro-batch, over pp."""
     costs = LayerCosts(graph, cluster, cfg, profile)
     total = 0.0
@@ -65,8 +65,8 @@ def work_cost(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, profile=
     method = method or ("ulysses" if cfg.cp > 1 and cfg.ulysses == cfg.cp else "ring")
     worker = replace(cfg, dp=cfg.dp * cfg.cp, cp=1, ulysses=1, mbs=1)
     s = graph.seq_len
-    t1 = _stage_seconds(replace(graph, documents=None), cluster, worker, profile)
-    t0 = _stage_seconds(replace(graph, documents=_no_attention(s)), cluster, worker, profile)
+    t1 = stage_seconds(replace(graph, documents=None), cluster, worker, profile)
+    t0 = stage_seconds(replace(graph, documents=_no_attention(s)), cluster, worker, profile)
     linear, attention = t0 / s, max(t1 - t0, 0.0) / (s * s)
     budget = cfg.dp * cfg.cp  # the pool: groups up to all of it
     if budget < 2:

@@ -15,7 +15,12 @@ global mean token loss of the same batch.
 Cost of a piece of ``L`` tokens on a group of ``g`` workers, per worker (seconds, forward and
 backward, :class:`WorkCost`)::
 
-    linear * L/g + attention * L^2 / g + exposed(g)
+    linear * L/g + attention * L^2 / g + exposed(g)          (+ vision * images, whole pieces)
+
+A piece may carry *images* (a multimodal sample, ``planner.batch_multimodal``: its image
+tokens are part of its ``L``; its images also run through the vision encoder on the worker
+that takes it, ``vision`` seconds each). Such a piece always runs whole (group size 1: its
+images stay with it), so the vision term is balanced with the text by the same greedy.
 
 ``attention * L^2`` is the causal attention of the document (``L^2 / 2`` query-key pairs);
 the zigzag split gives each worker ``1 / g`` of it. ``exposed`` is the group's communication
@@ -27,9 +32,9 @@ The algorithm (deterministic, ``O(n log n + n P)`` plus ``O(P^2)`` numpy work pe
 a few milliseconds for 1,024 documents on 64 workers):
 
 1. target ``T`` = the ideal per-worker work (every piece whole, no communication, spread
-   evenly: ``sum(linear L + attention L^2) / P``);
+   evenly: ``sum(linear L + attention L^2 + vision images) / P``);
 2. pieces are taken heaviest first. A *heavy* piece (whole work above ``HEAVY x T``, or
-   more tokens than a worker holds) weighs the group sizes that fit the memory, from the
+   more tokens than a worker holds; never one carrying images) weighs the group sizes that fit the memory, from the
    smallest whose per-worker work is at most ``T`` (and every smaller one) to ``EXTRA_SIZES``
    beyond it;
 3. for each size, every window of consecutive workers the runtime forms (``Pool.windows``)
@@ -40,9 +45,9 @@ a few milliseconds for 1,024 documents on 64 workers):
 4. the other pieces go whole, heaviest first, to the least loaded worker with room (LPT);
 5. whole pieces move off the busiest worker while a move lowers it (``_refine``).
 
-:func:`static_work` prices the same batch on a fixed layout (rows of ``row_len`` tokens, one
-per dp rank, each split zigzag over ``cp`` ranks) with the same cost terms: the "before" of
-:class:`Assignment`.
+``planner.batch_layout.static_work`` prices the same batch on a fixed layout (rows of
+``row_len`` tokens, one per dp rank, each split zigzag over ``cp`` ranks) with the same cost
+terms: the "before" of :class:`Assignment`.
 """
 from __future__ import annotations
 
@@ -78,18 +83,20 @@ class WorkCost:
     causal document of ``L`` tokens costs ``attention * L^2``); ``exchange``: per token of a
     K/V block one ring step passes (forward and backward together); ``alltoall``: per token a
     worker holds, for Ulysses' all-to-alls (q, k, v, output; forward and backward);
-    ``latency``: per ring step or all-to-all round; ``method``: how a group's attention runs."""
+    ``latency``: per ring step or all-to-all round; ``method``: how a group's attention runs;
+    ``vision``: per image a piece carries (vision encoder and projector, multimodal batches)."""
     linear: float
     attention: float
     exchange: float = 0.0
     alltoall: float = 0.0
     latency: float = 0.0
     method: str = "ring"
+    vision: float = 0.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise AssignError(f"method {self.method!r}: use one of {', '.join(METHODS)}")
-        if min(self.linear, self.attention, self.exchange, self.alltoall, self.latency) < 0:
+        if min(self.linear, self.attention, self.exchange, self.alltoall, self.latency, self.vision) < 0:
             raise AssignError("work costs must be non-negative seconds")
 
 
@@ -292,12 +299,14 @@ def _place_whole(load: np.ndarray, held: np.ndarray, order: np.ndarray, lengths:
 
 
 def _assign_at(lens: np.ndarray, solo: np.ndarray, pool: Pool, cost: WorkCost,
-               target: float) -> "_Draft":
-    """Steps 2 to 4 with heavy pieces split toward ``target`` seconds per worker."""
+               target: float, whole: np.ndarray) -> "_Draft":
+    """Steps 2 to 4 with heavy pieces split toward ``target`` seconds per worker; pieces
+    marked ``whole`` (carrying images) never split."""
     order = np.lexsort((np.arange(lens.size), -solo))  # heaviest first, then batch order
     heavy = (solo > HEAVY * target) | (lens > pool.capacity)
     if pool.max_group == 1:
         heavy[:] = lens > pool.capacity
+    heavy &= ~whole
     load = np.zeros(pool.workers)
     held = np.zeros(pool.workers, dtype=np.int64)
     sizes = np.ones(lens.size, dtype=np.int64)
@@ -358,26 +367,31 @@ class _Draft:
                           tuple(order.tolist()))
 
 
-def assign(lengths: Sequence[int], pool: Pool, cost: WorkCost) -> Assignment:
+def assign(lengths: Sequence[int], pool: Pool, cost: WorkCost,
+           images: Optional[Sequence[int]] = None) -> Assignment:
     """Group size and workers for every piece of one global batch (module docstring): the
     greedy run toward each of ``TARGETS`` times the fair share (lower ones split the heavy
     pieces finer, leaving room for the next; as many as keep the heavy pieces placed in all
     under ``HEAVY_BUDGET``, at least two: the time stays bounded on large pools), the least
-    busy busiest worker winning (the first on a tie). ``lengths``: the pieces' token counts, in batch order. Deterministic: the
-    same inputs give the same assignment on every rank. :class:`AssignError` when a piece or
-    the batch cannot fit."""
+    busy busiest worker winning (the first on a tie). ``lengths``: the pieces' token counts, in
+    batch order; ``images``: the images each piece carries (default none; a piece with images
+    runs whole and costs ``cost.vision`` per image more). Deterministic: the same inputs give
+    the same assignment on every rank. :class:`AssignError` when a piece or the batch cannot fit."""
     lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
     if lens.size == 0 or int(lens.min()) < 1:
         raise AssignError("a batch needs at least one piece, each of at least one token")
-    solo = cost.linear * lens + cost.attention * lens.astype(np.float64) ** 2
+    imgs = np.zeros(lens.size, dtype=np.int64) if images is None else np.asarray(images, dtype=np.int64).reshape(-1)
+    if imgs.shape != lens.shape or (imgs.size and int(imgs.min()) < 0):
+        raise AssignError(f"{imgs.size} image counts for {lens.size} pieces: give one non-negative count per piece")
+    solo = cost.linear * lens + cost.attention * lens.astype(np.float64) ** 2 + cost.vision * imgs
     ideal = float(solo.sum()) / pool.workers
     best: Optional[_Draft] = None
     error: Optional[AssignError] = None
-    heavy = int(((solo > HEAVY * ideal) | (lens > pool.capacity)).sum())
+    heavy = int((((solo > HEAVY * ideal) | (lens > pool.capacity)) & (imgs == 0)).sum())
     runs = max(2, HEAVY_BUDGET // max(heavy, 1))
     for k in TARGETS[:runs]:
         try:
-            got = _assign_at(lens, solo, pool, cost, k * ideal)
+            got = _assign_at(lens, solo, pool, cost, k * ideal, imgs > 0)
         except AssignError as e:
             error = error or e
             continue
@@ -388,6 +402,7 @@ def assign(lengths: Sequence[int], pool: Pool, cost: WorkCost) -> Assignment:
     if best is None:
         raise error  # type: ignore[misc]
     return best.done(lens, ideal)
+
 
 def row_rank_pairs(lengths: Sequence[int], row_len: int, cp: int) -> tuple[np.ndarray, np.ndarray]:
     """(all, visiting) causal query-key pairs, diagonal included, per row and ring rank
@@ -420,28 +435,6 @@ def row_rank_pairs(lengths: Sequence[int], row_len: int, cp: int) -> tuple[np.nd
     return total, visiting
 
 
-def static_work(lengths: Sequence[int], row_len: int, dp: int, cp: int, cost: WorkCost) -> tuple[float, ...]:
-    """Per worker (``d * cp + c``) seconds of the batch on the fixed layout: the pieces fill rows
-    of ``row_len`` tokens in order (row ends fall on multiples of ``row_len`` of their running
-    sum), dp rank ``d`` takes the ``d``-th block of consecutive rows (as
-    ``ParallelModel.local_batch`` cuts them), each row split zigzag over ``cp`` ranks (ring:
-    exact per-rank pairs, :func:`row_rank_pairs`, the ring's transfers hidden behind each
-    rank's visiting pairs; Ulysses: every rank ``1 / cp`` of each document's heads, the
-    all-to-alls exposed)."""
-    lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
-    total = int(lens.sum())
-    if total == 0 or total % (row_len * dp) or (cp > 1 and row_len % (PAD_CHUNKS * cp)):
-        raise AssignError(f"{total} tokens do not make whole rows of {row_len} for {dp} dp ranks split over "
-                          f"cp = {cp} (rows must split into {PAD_CHUNKS * cp} chunks)")
-    ring = 1 if cost.method == "ulysses" else cp
-    tot, vis = row_rank_pairs(lens, row_len, ring)
-    tot, vis = tot * ring / cp, vis * ring / cp                           # Ulysses: 1 / cp of every row's heads
-    per_row = (cost.linear * row_len / cp + 2 * cost.attention * tot
-               + ring_exposed(row_len / cp, cp, 2 * cost.attention * vis, cost))   # [rows, cp] (or [rows, 1])
-    work = np.broadcast_to(per_row, (per_row.shape[0], cp)).reshape(dp, -1, cp).sum(axis=1)
-    return tuple(float(x) for x in work.reshape(-1))
-
-
 def row_tokens(pool: Pool, pp: int) -> int | None:
     """Tokens of each worker's micro-batch row: ``pool.capacity`` under a pipeline (its stages'
     buffers keep the first step's shape: rows are padded); None without one (what it holds)."""
@@ -461,12 +454,6 @@ def microbatch_ranges(lengths: Sequence[int], n: int) -> list[range]:
     ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
     cuts = np.searchsorted(ends, np.arange(1, n + 1) * (int(ends[-1]) // n), side="right") if len(ends) else [0] * n
     return [range(a, b) for a, b in zip([0, *cuts[:-1].tolist()], cuts.tolist())]
-
-
-def pipeline_step(times: Sequence[float], pp: int) -> float:
-    """Seconds of a gpipe / 1f1b step whose micro-batches take ``times`` per stage: all of them,
-    plus ``pp - 1`` of the slowest filling and draining the pipeline (exact for equal times)."""
-    return float(sum(times) + (pp - 1) * max(times))
 
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # what per-batch assignment has run under a pipeline

@@ -9,7 +9,8 @@ Ulysses groups; and under a pipeline, pp2 x (dp x cp = 2) with ring groups (1f1b
 groups (gpipe), two micro-batches, every worker's row padded to ``CAPACITY`` tokens, against the
 fixed pp2 x dp2 layout. Rank 0 writes per case the losses, the first step's gradient and loss errors
 against its fixed layout, the first step's group placements and tokens held per micro-batch
-and worker, and the padded row length (None without a pipeline).
+and worker, and the padded row length (None without a pipeline). Then the multimodal cases of
+tests/mm_worker.py (variable images per sample, dp4 and dp2) in the same launch.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from planner.batch_assign import Pool, WorkCost  # noqa: E402
 from planner.plan import ParallelConfig  # noqa: E402
 
 from dist_worker import LR, NORM, STEPS, compare  # noqa: E402
+from mm_worker import run_cases  # noqa: E402
 from model_cases import GB, SEED, SEQ, case, planner_view, stages_for  # noqa: E402
 from worker_io import failure, finish, report  # noqa: E402
 
@@ -99,6 +101,7 @@ def main() -> None:
         except Exception as exc:
             results[name] = failure(exc)
         report(name, results[name])
+    results.update(run_cases())  # multimodal batches (tests/mm_worker.py), in the same launch
     finish(results, out)
 
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.batch_assign import (AssignError, Pool, WorkCost, assign, padded_length, piece_work, static_work,
-                                  PAD_CHUNKS)
+from planner.batch_assign import AssignError, Pool, WorkCost, assign, padded_length, piece_work, PAD_CHUNKS
+from planner.batch_layout import static_work
 
 COST = WorkCost(linear=1e-6, attention=1e-10, exchange=2e-7, latency=1e-5)
 
@@ -305,7 +305,8 @@ def test_pipeline_rows_are_padded_and_the_padding_priced():
     work (``padded_work``), a step is the pipeline's over its micro-batches, and a longer row
     costs more on the same batches (``compare``)."""
     from cost_models.batch_pricing import Layout, compare
-    from planner.batch_assign import microbatch_ranges, padded_work, pipeline_step, row_tokens
+    from planner.batch_assign import microbatch_ranges, padded_work, row_tokens
+    from planner.batch_layout import pipeline_step
 
     lens = [64, 3, 5, 8, 12, 4, 4, 28, 7, 9, 16, 10, 6, 16, 40, 24]  # 256 tokens: 4 rows of 64
     assert [len(r) for r in microbatch_ranges(lens, 2)] == [8, 8]  # 128 tokens each, cut at a row end

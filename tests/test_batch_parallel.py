@@ -8,7 +8,11 @@ Ulysses groups of 2 and 4; under a pipeline (pp2 x cp2 ring with 1f1b, pp2 x dp2
 micro-batches each assigned on its own, rows padded to the pool's 40 tokens) against the
 fixed pp2 x dp2 layout. First-step gradients, their global norm and the 3 losses must
 match the fixed layout's within 1e-5 relative, and the long document must have run on the
-group size asked for.
+group size asked for. In the same launch (tests/mm_worker.py) mllm-tiny trains on multimodal
+batches with 0 to 6 images per sample (codegen/runtime/multimodal.py) on dp4 and dp2 with the
+per-batch planner's assignment and on dp4's fixed split: losses and first-step gradients
+within 1e-5 of one process on the whole batch, and the assignment must lower the busiest rank's
+work below the fixed split's.
 """
 from __future__ import annotations
 
@@ -61,3 +65,24 @@ def test_per_batch_assignment_matches_fixed_layout(runs, name: str) -> None:
         assert long_doc[0][1] == EXPECTED_SIZE[name]
     else:
         assert long_doc[0][1] > 1
+
+
+@pytest.mark.parametrize("name", ["mm-dp4-assigned", "mm-dp4-fixed", "mm-dp2-assigned"])
+def test_multimodal_assignment_matches_one_process(runs, name: str) -> None:
+    r = runs[name]
+    assert "error" not in r, r["error"]
+    assert not r["missing"], r["missing"]
+    assert r["grad_rel_err"] <= TOL, (r["worst"], r["grad_rel_err"])
+    assert r["norm_rel_err"] <= TOL
+    assert r["loss_rel_err"] <= TOL
+    dp = 2 if "dp2" in name else 4
+    groups = [r["samples"][i:i + dp] for i in range(0, 4, dp)]
+    for ranks in groups:  # every sample on exactly one rank of each data-parallel group
+        assert sorted(i for mine in ranks for i in mine) == list(range(8)), ranks
+    fixed, assigned = r["balance"]["fixed"], r["balance"]["assigned"]
+    if name.endswith("fixed"):
+        assert r["samples"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+        assert assigned == fixed
+    else:
+        assert max(assigned) < max(fixed), (assigned, fixed)  # the images no longer bunch on one rank
+        assert sum(assigned) == pytest.approx(sum(fixed))

@@ -43,7 +43,8 @@ on every member (each later segment's nodes are newer): no two groups wait on ea
 Limits (refused in one line before training, ``planner.batch_assign.per_batch_problem``, the
 rule the planner applies too): without a pipeline one micro-batch per step (``global_batch ==
 dp x mbs``); pipelines only gpipe / 1f1b with vpp 1; no tensor parallelism, no recompute; only
-the model's token inputs (no images).
+the model's token inputs (multimodal batches, whose samples carry images, are assigned to the
+data-parallel ranks by codegen/runtime/multimodal.py with the same planner).
 """
 from __future__ import annotations
 

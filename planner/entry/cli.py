@@ -137,6 +137,9 @@ def _add_planning_commands(sub) -> None:
     p.add_argument("--per-batch", action="store_true",
                    help="with --seq-lens: price assigning each batch's documents to context-parallel groups of the "
                         "size they need and run it when it is faster (batch.per_batch in the plan)")
+    p.add_argument("--images-per-sample", default="", metavar="N:W,...",
+                   help="a vision + language model's images per sample as IMAGES:WEIGHT pairs (e.g. 0:0.4,1:0.4,16:0.2): "
+                        "price assigning each batch's samples to the dp ranks (batch.multimodal in the plan)")
     p.add_argument("--schedule", default=None, metavar="FILE",
                    help="plan for your own pipeline schedule (.csv in torch's action format or .json): the layouts "
                         "with its pp and micro-batches, priced running it; the plan carries it")

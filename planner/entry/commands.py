@@ -179,6 +179,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if args.out:
         check_out(args.out, args.force)
+    images = None
+    if getattr(args, "images_per_sample", ""):  # checked before anything is captured
+        from planner.search.multimodal import parse_images
+        images = parse_images(args.images_per_sample)
     schedule = None
     if args.schedule:  # checked before anything is captured
         from planner.schedule_file import load as load_schedule
@@ -191,11 +195,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan, res = plan_model(graph, cluster, args.global_batch, spec=args.model, cluster_spec=args.cluster,
                            profile=profile, top_k=args.top_k, progress=_progress, loss=args.loss, fix=pins,
                            fp8=args.fp8, compile=args.compile, low_comm=args.low_comm,
-                           per_batch=args.per_batch, schedule=schedule, schedule_source=args.schedule or "")
+                           per_batch=args.per_batch, schedule=schedule, schedule_source=args.schedule or "",
+                           images=images)
     _progress(f"{res.considered} configurations considered, {res.pruned} pruned by bounds, "
               f"{res.estimated} estimated, {res.fully_solved} fully solved in {res.solve_s:.2f} s")
-    if "per_batch" in plan.batch:
-        _progress(plan.batch["per_batch"]["why"])
+    for key in ("per_batch", "multimodal"):
+        if key in plan.batch:
+            _progress(plan.batch[key]["why"])
     if "schedule" in plan.search:
         _progress(plan.search["schedule"])
     if args.out:

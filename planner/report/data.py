@@ -270,6 +270,17 @@ def documents_text(plan: Plan) -> str | None:
     return text
 
 
+def multimodal_text(b: dict) -> str:
+    """The summary's line on assigning a multimodal batch's samples (``batch.multimodal``,
+    planner/search/multimodal.py): why, and the per-rank balance before and after."""
+    if "spread_before" not in b:
+        return b["why"]
+    return (f"{b['why']}. On {b['batches']} batches sampled from images per sample "
+            f"{', '.join(f'{k}:{v:g}' for k, v in b['images'].items())} the busiest of "
+            f"the {b['dp']} dp ranks does {b['spread_before']:.2f}x the mean work on the fixed split, "
+            f"{b['spread_after']:.3f}x after assignment; {b['ideal_gap']:.3f}x the step of an ideal balance")
+
+
 def per_batch_text(plan: Plan) -> str | None:
     """The summary's line on per-batch assignment (``batch.per_batch``, planner/search/per_batch.py):
     chosen or not and why, the per-batch balance (busiest over mean worker) on the sampled
@@ -366,6 +377,10 @@ def summary_rows(r: Report) -> list[tuple[str, str, str, Any]]:
         if (pb := per_batch_text(p)) is not None:
             rows.insert(after_batch + 1, ("per_batch", "per-batch assignment (--per-batch)", pb,
                                           p.batch["per_batch"].get("chosen")))
+    if (mm := p.batch.get("multimodal")) is not None:  # after the batch: its samples over the dp ranks
+        after_batch = next(i for i, row in enumerate(rows) if row[0] == "batch") + 1
+        rows.insert(after_batch, ("multimodal", "samples over dp ranks (--images-per-sample)", multimodal_text(mm),
+                                  mm.get("recommended")))
     if p.search.get("fix"):  # after the configuration: what of it the user pinned
         after_config = next(i for i, row in enumerate(rows) if row[0] == "config") + 1
         rows.insert(after_config, ("fix", "pinned (--fix)", f"{p.search['fix']} (the search kept to these and chose the rest)",

@@ -122,7 +122,7 @@ def plan_model(graph: ModelGraph, cluster: Cluster, global_batch: int, *, spec: 
                profile=None, top_k: int = 5, progress: Callable[[str], None] | None = None,
                fix: Pins | str | None = None, seq_lens: SeqLens | None = None, per_batch: bool = False,
                schedule: Schedule | None = None, schedule_source: str = "the schedule",
-               **search_kw: Any) -> tuple[Plan, SearchResult]:
+               images: dict[int, float] | None = None, **search_kw: Any) -> tuple[Plan, SearchResult]:
     """Search the space and return the plan with its search record. ``fix`` pins part of the
     layout (a pin string such as ``"tp=8,pp=1"`` or ``"tp<=4"``, see planner/search/pins.py): only
     configurations it admits are searched, and the plan's ``search["fix"]`` records it.
@@ -132,13 +132,18 @@ def plan_model(graph: ModelGraph, cluster: Cluster, global_batch: int, *, spec: 
     ``per_batch`` (packed documents only) prices per-batch assignment of each batch's
     documents for the chosen layout and records it (``batch.per_batch``; planner/search/per_batch.py).
     ``schedule`` (a user's schedule IR, read from ``schedule_source``): plan the layouts that can
-    run it, priced running it (planner/search/user_schedule.py)."""
+    run it, priced running it (planner/search/user_schedule.py). ``images`` (a vision + language
+    model's images per sample -> weight) prices assigning each batch's samples to the dp ranks
+    (``batch.multimodal``; planner/search/multimodal.py)."""
     if global_batch < 1:
         raise AutoparError(f"--global-batch must be a positive integer, got {global_batch}")
     if seq_lens is not None:
         hist, source = as_histogram(seq_lens)
         graph = with_documents(graph, hist, source)
     pins = as_pins(fix).check_world(cluster.world, cluster.name)
+    if images:  # refused before the search: a model without images
+        from planner.search.multimodal import image_patches
+        image_patches(graph)
     if schedule is None:
         res = search(graph, cluster, global_batch, profile=profile, top_k=top_k, progress=progress, pins=pins,
                      **search_kw)
@@ -162,6 +167,9 @@ def plan_model(graph: ModelGraph, cluster: Cluster, global_batch: int, *, spec: 
             raise AutoparError("--per-batch assigns packed documents per batch: give their lengths with --seq-lens")
         from planner.search.per_batch import per_batch_record
         plan.batch["per_batch"] = _rounded(per_batch_record(graph, cluster, res.best, global_batch, profile))
+    if images:
+        from planner.search.multimodal import multimodal_record
+        plan.batch["multimodal"] = _rounded(multimodal_record(graph, cluster, res.best, global_batch, images, profile))
     return plan, res
 
 

@@ -10,6 +10,15 @@ Shapes: ``pixel_values`` [B, channels, image_size, image_size] (values in any ra
 no normalisation is applied), ``input_ids`` [B, S_text]. The decoder sequence is the
 ``num_patches`` image tokens followed by the text: ``S = num_patches + S_text``;
 logits are [B, S, vocab]. Image positions never contribute to the loss.
+
+Variable images per sample (``image_counts`` [B], int, each >= 0): ``pixel_values`` is then
+[N, channels, image_size, image_size] with ``N = sum(image_counts)``, the images of sample 0
+first, then sample 1's, and so on. Sample ``b``'s decoder sequence is its ``image_counts[b]``
+images' ``num_patches`` tokens each, in order, followed by its ``S_text`` text tokens; the
+sequences are right-padded (zero embeddings, targets ignored: causal attention never lets a
+real token see them) to the longest, ``max(image_counts) * num_patches + S_text``, so logits
+are [B, that, vocab]; positions restart at 0 in every sample. ``labels`` are then [B, S_text]
+(text only). The runtime's multimodal batches (codegen/runtime/multimodal.py) use this format.
 """
 from __future__ import annotations
 
@@ -84,10 +93,11 @@ class Projector(nn.Module):
 class MLLM(LlamaDecoder):
     """Vision encoder + projector + Llama decoder.
 
-    ``forward(input_ids [B, S_text], pixel_values [B, C, H, W], labels=None, positions=None)``.
-    ``labels``: [B, S_text] (padded on the left with -100 for the image tokens) or
-    [B, num_patches + S_text] (used as given). ``positions``: [S] or [B, S] over the
-    whole sequence (default ``arange(S)``).
+    ``forward(input_ids [B, S_text], pixel_values [B, C, H, W], labels=None, positions=None,
+    image_counts=None)``. ``labels``: [B, S_text] (padded on the left with -100 for the image
+    tokens) or [B, num_patches + S_text] (used as given). ``positions``: [S] or [B, S] over the
+    whole sequence (default ``arange(S)``). ``image_counts``: variable images per sample
+    (module docstring; ``pixel_values`` [N, C, H, W], ``labels`` [B, S_text]).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -99,8 +109,12 @@ class MLLM(LlamaDecoder):
 
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor,
                 labels: Optional[torch.Tensor] = None,
-                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+                positions: Optional[torch.Tensor] = None,
+                image_counts: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits [B, num_patches + S_text, vocab], or the mean loss over text labels."""
+        if image_counts is not None:
+            x, labels = self.variable_images(input_ids, pixel_values, image_counts, labels)
+            return self.run_decoder(x, labels, positions)
         image = self.projector(self.vision(pixel_values))
         text = self.embed(input_ids, positions)
         x = torch.cat((image.to(text.dtype), text), dim=1)
@@ -113,3 +127,31 @@ class MLLM(LlamaDecoder):
                 raise AutoparError(f"labels have length {labels.shape[-1]}, expected {n_txt} (text) or "
                                    f"{n_img + n_txt} (image + text); pass labels aligned with input_ids")
         return self.run_decoder(x, labels, positions)
+
+    def variable_images(self, input_ids: torch.Tensor, pixel_values: torch.Tensor, image_counts: torch.Tensor,
+                        labels: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The decoder input [B, S, hidden] and targets [B, S] (or None) of a batch with
+        ``image_counts`` images per sample (module docstring: each sample's image tokens, then its
+        text, right-padded to the longest)."""
+        counts = [int(c) for c in image_counts.reshape(-1).tolist()]
+        b, s_text = input_ids.shape
+        if len(counts) != b or min(counts, default=0) < 0 or sum(counts) != pixel_values.shape[0]:
+            raise AutoparError(f"image_counts {counts} for {b} samples and {pixel_values.shape[0]} images: give one "
+                               "count >= 0 per sample, summing to the images in pixel_values")
+        if labels is not None and labels.shape != input_ids.shape:
+            raise AutoparError(f"labels have shape {tuple(labels.shape)}, expected {tuple(input_ids.shape)}: with "
+                               "image_counts, labels are the text's targets")
+        text = self.embed(input_ids)
+        p = self.config.num_patches
+        feats = (self.projector(self.vision(pixel_values)).to(text.dtype) if sum(counts)
+                 else text.new_zeros((0, p, text.shape[-1])))
+        longest = max(counts) * p + s_text
+        starts = [sum(counts[:i]) for i in range(b)]
+        rows, targets = [], []
+        for i, (k, n) in enumerate(zip(starts, counts)):
+            pad = longest - n * p - s_text
+            rows.append(torch.cat((feats[k:k + n].reshape(n * p, text.shape[-1]), text[i], text.new_zeros((pad, text.shape[-1])))))
+            if labels is not None:
+                targets.append(torch.cat((labels.new_full((n * p,), IGNORE_INDEX), labels[i],
+                                          labels.new_full((pad,), IGNORE_INDEX))))
+        return torch.stack(rows), (torch.stack(targets) if labels is not None else None)
