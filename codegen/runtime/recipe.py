@@ -76,6 +76,16 @@ class Stages:
         return self.n_virtual - 1 in self.idx
 
 
+def runtime_problem(cfg: ParallelConfig) -> Optional[str]:
+    """What the planner prices but this runtime does not run yet (one line with the fix), or None:
+    sequence chunks (``seq_chunks > 1``: priced and scheduled in the IR, not yet split into
+    chunks with a KV store by the runtime)."""
+    if cfg.seq_chunks > 1:
+        return (f"seq_chunks={cfg.seq_chunks}: autopar's runtime does not run sequence chunks yet (they are planned "
+                "and priced only); plan again with --fix seq_chunks=1")
+    return None
+
+
 def check_runnable(cfg: ParallelConfig, adapter: Optional[ModelAdapter], facts: Optional[ModelFacts], batch: Batch,
                    cluster: Optional[ClusterShape] = None) -> None:
     """Refuse, before anything is built, what this rank's runtime cannot run (ValueError, one
@@ -87,7 +97,7 @@ def check_runnable(cfg: ParallelConfig, adapter: Optional[ModelAdapter], facts: 
         facts = dataclasses.replace(facts, units=len(adapter.units), limits={**facts.limits, **adapter.limits()})
     if cluster is None:
         cluster = Nodes("this job", 1, dist.get_world_size() if dist.is_initialized() else cfg.world)
-    found = problems(cfg, facts, batch, cluster)
+    found = problems(cfg, facts, batch, cluster) + [w for w in [runtime_problem(cfg)] if w]
     if found:
         raise ValueError(f"{cfg.label()} cannot run for this model: " + "; ".join(found))
 
