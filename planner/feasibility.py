@@ -495,5 +495,5 @@ def problems(cfg: ParallelConfig, f: ModelFacts, batch: Batch, cluster: ClusterS
              recompute_problem(cfg.recompute, cfg.schedule, cfg.pp),
              recompute_attention_problem(cfg.recompute, f.limits), batch_problem(cfg, batch),
              documents_problem(f.limits) if batch.documents else None,
-             seq_chunks_batch_problem(cfg.seq_chunks, batch.seq_len, batch.documents, f.limits), modes_problem(cfg.dtype, cfg.fp8, cfg.compile, cfg.tp, cfg.cp))
+             seq_chunks_batch_problem(cfg.seq_chunks, batch.seq_len, batch.documents, f.limits, cfg.recompute), modes_problem(cfg.dtype, cfg.fp8, cfg.compile, cfg.tp, cfg.cp))
     return [p for p in parts if p]

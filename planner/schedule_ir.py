@@ -350,13 +350,19 @@ def placement(name: str, p: int, v: int) -> tuple[int, ...]:
     return v_shape(p) if name in V_SCHEDULES else looped(p, stages_per_rank(name, v))
 
 
-def seq_chunks_batch_problem(k: int, seq_len: int, documents: bool, limits: Mapping[str, str]) -> str | None:
-    """The batch's and the model's side of ``k`` sequence chunks (one line with the fix), or None:
-    the sequence divides into k equal chunks; no packed documents (nor so per-batch assignment,
-    which only runs them: the earlier chunks' keys/values carry no document mask); autopar's
-    attention runs in place of the model's (limits ``attention``, ``cp``, ``any``), as for CP."""
+def seq_chunks_batch_problem(k: int, seq_len: int, documents: bool, limits: Mapping[str, str],
+                             recompute: str = "none") -> str | None:
+    """The batch's, the model's and the runtime's side of ``k`` sequence chunks (one line with the
+    fix), or None: the sequence divides into k equal chunks; no packed documents (nor so per-batch
+    assignment, which only runs them: the earlier chunks' keys/values carry no document mask);
+    autopar's attention runs in place of the model's (limits ``attention``, ``cp``, ``any``), as
+    for CP; no recomputation or offload (``recompute``: the runtime finds a chunk's keys/values by
+    the order of its forwards, which a replayed forward breaks: codegen/runtime/seq_chunks.py)."""
     if k == 1:
         return None
+    if recompute != "none":
+        return (f"seq_chunks={k} with recompute={recompute}: autopar's runtime runs sequence chunks without "
+                "recomputation or offload only; set recompute=none or seq_chunks=1")
     if seq_len % k:
         return f"seq_chunks={k} must divide the sequence length {seq_len}; pick a divisor of it (e.g. 2 or 4)"
     if documents:

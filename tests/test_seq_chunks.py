@@ -1,7 +1,13 @@
 """Sequence chunks (Seq1F1B): the IR's chunk order, its check, the simulator's per-chunk times and
-memory, the config / feasibility rules and the search's candidates. (The runtime does not run
-chunks yet: ``codegen.runtime.recipe.runtime_problem`` refuses them in one line.)"""
+memory, the config / feasibility rules, the search's candidates, and the runtime: its chunk
+attention against whole-sequence attention, and parity with one process (loss and gradients,
+fp32) for k = 2 and 4 on 2 and 4 gloo ranks (one launch per world size, tests/seq_chunks_worker.py)."""
 from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
 
 import pytest
 
@@ -131,11 +137,65 @@ def test_feasibility_refuses_what_chunks_cannot_cut():
     assert any("autopar's attention" in p for p in problems(cfg, limited, Batch(4, 1024), nodes))
 
 
-def test_runtime_refuses_chunks_in_one_line():
+def test_chunks_without_recompute_only_one_line():
+    """The runtime finds a chunk's keys/values by the order of its forwards: no recompute or
+    offload, refused by the feasibility rule (the search, evaluate, run) and per stage by the runtime."""
     from codegen.runtime.recipe import runtime_problem
-    assert runtime_problem(ParallelConfig.parse("pp=2")) is None
-    why = runtime_problem(ParallelConfig.parse("pp=2,seq_chunks=2"))
-    assert "does not run sequence chunks" in why and "--fix seq_chunks=1" in why and "\n" not in why
+    from planner.feasibility import Nodes
+    cfg = ParallelConfig.parse("pp=2,seq_chunks=2,recompute=full")
+    found = [p for p in problems(cfg, ModelFacts(units=8), Batch(4, 1024), Nodes("n", 1, 2)) if "seq_chunks" in p]
+    assert found and "recompute=full" in found[0] and "\n" not in found[0]
+    assert runtime_problem(ParallelConfig.parse("pp=2,seq_chunks=2"), ["none", "none"]) is None
+    why = runtime_problem(ParallelConfig.parse("pp=2,seq_chunks=2"), ["none", "offload"])
+    assert "recompute=offload" in why and "seq_chunks=1" in why
+    assert runtime_problem(ParallelConfig.parse("pp=2"), ["full", "offload"]) is None
+
+
+def test_units_layout_and_order_check():
+    import torch
+    from codegen.runtime.seq_chunks import check_order, to_units
+    t = torch.arange(2 * 3 * 8).reshape(6, 8)  # m = 2 micro-batches of mbs = 3 rows, S = 8
+    u = to_units(t, 2, 4)
+    assert u.shape == (2 * 4 * 3, 2)
+    for mb in range(2):
+        for j in range(4):
+            unit = u[(mb * 4 + j) * 3:(mb * 4 + j + 1) * 3]
+            assert torch.equal(unit, t[mb * 3:(mb + 1) * 3, j * 2:(j + 1) * 2])
+    check_order(ir.builtin("1f1b", 3, 4, 1, 2))
+    bad = Schedule("x", 2, (0,), ((Action("F", 0, 1), Action("F", 0, 0), Action("B", 0, 1), Action("B", 0, 0)),), 2)
+    with pytest.raises(ValueError, match="out of order"):
+        check_order(bad)
+
+
+def test_chunk_attention_equals_whole_sequence_attention():
+    """Chunks in order forward, then backward last chunk first (the IR's order): the outputs and
+    the q / k / v gradients equal causal attention over the whole sequence (GQA: 4 query heads
+    over 2 kv heads)."""
+    import torch
+    import torch.nn.functional as F
+    from codegen.runtime.seq_chunks import ChunkAttention, ChunkStore
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 8, 4, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 8, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    w = torch.randn_like(out)
+    want = torch.autograd.grad((out * w).sum(), (q, k, v))
+    for n in (2, 4):
+        store, c = ChunkStore(n), 8 // n
+        att = ChunkAttention(store, "layers.0")
+        outs = []
+        for j in range(n):
+            store.at(j * c)
+            sl = slice(j * c, (j + 1) * c)
+            outs.append(att(q[:, :, sl], k[:, :, sl], v[:, :, sl], causal=True))
+        assert torch.allclose(torch.cat(outs, 2), out, atol=1e-12)
+        for j in reversed(range(n)):
+            (outs[j] * w[:, :, j * c:(j + 1) * c]).sum().backward()
+        for t, g in zip((q, k, v), want):
+            assert torch.allclose(t.grad, g, atol=1e-12)
+            t.grad = None
+        store.clear()
+        assert not store.kv
 
 
 def test_search_tries_chunks_on_gpu_clusters_only():
@@ -176,3 +236,43 @@ def test_plan_words_say_the_sequences_run_as_chunks():
     words = step_words(plan)
     assert "cut into 4 chunks of 1024 tokens" in words and "32 units" in words
     assert "chunks of" not in step_words(SimpleNamespace(config=ParallelConfig.parse("pp=2"), batch=plan.batch))
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOL = 1e-5  # as tests/test_runtime_parity.py (fp32)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def launch(request, tmp_path_factory):
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from launches import run_launch
+    world = request.param
+    out = str(tmp_path_factory.mktemp("seq_chunks") / f"w{world}.json")
+
+    def cmd() -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
+                f"--master-port={_free_port()}", os.path.join(ROOT, "tests", "seq_chunks_worker.py"), out]
+    proc = run_launch(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"), timeout=600)
+    assert proc.returncode == 0 and os.path.exists(out), proc.stderr[-4000:]
+    with open(out) as fh:
+        return world, json.load(fh)
+
+
+def test_seq_chunks_parity_on_gloo_ranks(launch):
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import seq_chunks_worker as W
+    world, res = launch
+    ks = set()
+    for model in W.MODELS:
+        for name, kw, _ in W.LAYOUTS[world]:
+            r = res[f"{model}/{name}"]
+            assert "error" not in r, r.get("error")
+            assert r["loss_rel_err"] < TOL and r["grad_rel_err"] < TOL, (model, name, r["worst"], r["grad_rel_err"])
+            ks.add(kw["seq_chunks"])
+    assert ks == {2, 4}

@@ -317,7 +317,7 @@ def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str
                     yield cfg
                     yield from (cfg.replace(seq_chunks=k) for k in seq_chunks if k > 1 and pins.allows("seq_chunks", k)
                                 and not seq_chunks_problem(k, sched, pp, v, cp)
-                                and not seq_chunks_batch_problem(k, batch.seq_len, batch.documents, facts.limits))
+                                and not seq_chunks_batch_problem(k, batch.seq_len, batch.documents, facts.limits, rc))
                     if low_comm and low_comm_problem(low_comm, dp, ep) is None:
                         yield cfg.replace(low_comm=low_comm)
 
