@@ -81,5 +81,7 @@ def searched_chunks(cluster: Cluster) -> tuple[int, ...]:
     """The chunk counts the search tries on ``cluster``: :data:`SEARCHED` on GPU clusters; only
     whole sequences on CPU (gloo) clusters, where a chunk's fixed costs (one more pipeline unit:
     its p2p messages, schedule actions and Python dispatch) dominate and are not priced per
-    chunk here (a config may still name ``seq_chunks``)."""
+    chunk here (llama-tiny, pp2, 4 x 256 tokens on local-cpu:2: 0.146 s measured whole, 0.344 s
+    in 4 chunks, where this model predicts 0.227 and 0.213 s). A config may still name
+    ``seq_chunks``."""
     return SEARCHED if cluster.backend != "gloo" else (1,)
