@@ -169,6 +169,14 @@ def calibration(profile) -> dict[str, float]:
     return getattr(profile, "calibration", None) or {}
 
 
+def calibration_note(profile) -> str:
+    """One line for plans and reports: whether the estimate uses fitted coefficients, and which."""
+    cal = calibration(profile)
+    if not cal:
+        return "uncalibrated"
+    return profile.calibration_source or "calibrated (autopar calibrate)"
+
+
 def _gemm_shape(lin: Linear, tokens: float, tp: int, sp: bool = False) -> tuple[float, float, float]:
     """(M, N, K) of a linear's forward GEMM on one tp rank, as the runtime shards it: a
     TP-split linear by its features; one TP leaves whole (a router, a MoE layer's shared

@@ -87,7 +87,7 @@ from cost_models import comm as comm_mod
 from cost_models import pipeline as pipe_mod
 from cost_models import wan as wan_mod
 from cost_models.cluster import Cluster
-from cost_models.compute import calibration, memory_bandwidth, model_flops_per_seq
+from cost_models.compute import calibration, calibration_note, memory_bandwidth, model_flops_per_seq
 from cost_models.cpu_runtime import wrapper_unit_s
 from cost_models.engines import Engine, engine_of, exposed_s
 from cost_models.experts import ep_mesh
@@ -95,6 +95,7 @@ from cost_models.layer_costs import LayerCosts, act_bytes_io, layer_pass_times
 from cost_models.offload import host_capacity_bytes
 from cost_models.memory import LayerTable, StageMemory, dp_group
 from cost_models.pipeline_memory import inflight_closed, rank_memories
+from cost_models.seq_chunks import stage_attention_s
 from cost_models.wan_cost import crossings, hsdp_replicas, outer_step_s, stage_capacity, stage_devices, stage_slowdowns
 from cost_models.shared_cores import compute_concurrency, core_speedup, shares_cores, spare_core
 from planner.feasibility import microbatches
@@ -400,18 +401,18 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
 
     # ---- pipeline ----------------------------------------------------------------
     hops = _p2p_hops(graph, cluster, cfg, partition, profile, comm_src)
-    p2p = hops.slowest
-    pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, hops, fast, eng.p2p_overlap, schedule)
+    p2p, attn = hops.slowest, stage_attention_s(graph, partition, costs) if cfg.seq_chunks > 1 else None
+    pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, hops, fast, eng.p2p_overlap, schedule, attn)
     speed = _shared_core_speedup(cluster, cfg, bubble, result)
     if speed > 1.0:  # fewer ranks compute at once than the layer times assume: re-run at that speed
         stages = [st.sped_up(speed) for st in stages]
-        pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, hops, fast, eng.p2p_overlap, schedule)
+        pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, hops, fast, eng.p2p_overlap, schedule, attn)
 
     # ---- per-rank memory, data parallel, optimizer ------------------------------------------
     cal = calibration(profile)
     table = costs.table(cfg)
     on_rank = [[j for j, at in enumerate(placement) if at == r] for r in range(cfg.pp)]
-    memory = rank_memories(graph, cluster, cfg, partition, table, inflight_chunks, cal, on_rank)
+    memory = rank_memories(graph, cluster, cfg, partition, table, inflight_chunks, cal, on_rank, result and result.peak_inflight)
     mine = on_rank[max(range(cfg.pp), key=lambda r: sum(stages[j].fwd + stages[j].bwd for j in on_rank[r]))]
     rank_f, rank_b = (sum(getattr(stages[j], k) for j in mine) for k in ("fwd", "bwd"))
     dp_exposed, opt_s = _dp_and_optimizer(cluster, cfg, partition, table, on_rank, mine, m, (rank_f, rank_b),
@@ -441,35 +442,29 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
         wan=[x.to_dict() for x in crossings(graph, cluster, cfg, partition, m)], devices=stage_devices(cluster, cfg))
 
 
-def calibration_note(profile) -> str:
-    """One line for plans and reports: whether the estimate uses fitted coefficients, and which."""
-    cal = calibration(profile)
-    if not cal:
-        return "uncalibrated"
-    return profile.calibration_source or "calibrated (autopar calibrate)"
-
-
 def _pipeline(cfg: ParallelConfig, m: int, stages: list[_StageCost], hops: P2pHops, fast: bool,
-              p2p_overlap: bool = False, schedule: "ir.Schedule | None" = None):
+              p2p_overlap: bool = False, schedule: "ir.Schedule | None" = None, attn=None):
     """(pipeline seconds, peak in-flight chunks per rank, bubble fraction, PipelineResult or None):
     the simulator with each boundary's hop (a WAN cut charged its latency and bandwidth), or its
     closed form (the slowest hop everywhere) when ``fast``; pp = 1 runs the micro-batches back to
     back. With ``p2p_overlap`` (the engine's asynchronous p2p) the steady state hides every hop:
     the schedule runs without them and only the fill and drain hops are added. A custom schedule
     (``schedule``) and dualpipev are always simulated (no closed form). A WAN boundary carries
-    every micro-batch's activation one after another: the step is at least ``wan.link_floor_s``."""
+    every micro-batch's activation one after another: the step is at least ``wan.link_floor_s``.
+    Sequence chunks (``attn``: the stages' attention-core seconds) are simulated, each chunk's
+    hop ``1/k`` of a micro-batch's (bandwidth-bound)."""
     fwd, bwd = [st.fwd for st in stages], [st.bwd for st in stages]
     if cfg.pp == 1:
         return m * (fwd[0] + bwd[0]), [1], 0.0, None
     p2p = hops.slowest
     if p2p_overlap and p2p > 0:
         pipe_s, inflight, bubble, result = _pipeline(cfg, m, stages, P2pHops([0.0] * cfg.pp, []), fast,
-                                                     schedule=schedule)
+                                                     schedule=schedule, attn=attn)
         pipe_s += 2 * sum(hops.hops[:cfg.pp - 1])
     elif cfg.schedule == "custom":
         result = pipe_mod.simulate_schedule(schedule, fwd, bwd, p2p=hops.hops or 0.0)
         pipe_s, inflight, bubble = result.step_s, list(result.peak_inflight_chunks), result.bubble_frac
-    elif fast and cfg.schedule not in ir.V_SCHEDULES:
+    elif fast and cfg.schedule not in ir.V_SCHEDULES and attn is None:
         sched, n_stages = cfg.schedule, len(fwd)
         inflight = [inflight_closed(sched, cfg.pp, m, cfg.vpp, r) for r in range(cfg.pp)]
         node_hop = max((h for h, w in zip(hops.hops, hops.is_wan) if not w), default=0.0)
@@ -480,7 +475,9 @@ def _pipeline(cfg: ParallelConfig, m: int, stages: list[_StageCost], hops: P2pHo
         bubble = 1.0 - m * sum(fwd[j] + bwd[j] for j in range(n_stages)) / cfg.pp / pipe_s
         result = None
     else:
-        result = pipe_mod.simulate(cfg.schedule, cfg.pp, m, fwd, bwd, p2p=hops.hops or 0.0, v=cfg.vpp)
+        k, af, ab = (cfg.seq_chunks, *attn) if attn is not None else (1, 0.0, 0.0)
+        result = pipe_mod.simulate(cfg.schedule, cfg.pp, m, fwd, bwd, p2p=[h / k for h in hops.hops] or 0.0, v=cfg.vpp,
+                                   seq_chunks=k, attn_fwd=af, attn_bwd=ab)
         pipe_s, inflight, bubble = result.step_s, list(result.peak_inflight_chunks), result.bubble_frac
     floor = wan_mod.link_floor_s(m, hops.wan_bw, sum(fwd) + sum(bwd))
     if floor > pipe_s:

@@ -89,6 +89,7 @@ from planner.errors import PlanError
 from planner.plan import SCHEDULES, ParallelConfig  # the one list of schedules (callers of the simulator import it from here too)
 from planner.schedule_check import check as check_schedule
 from planner.schedule_ir import ScheduleError  # re-exported: the simulator's errors are the IR's
+from cost_models.seq_chunks import chunk_seconds
 
 __all__ = ["SCHEDULES", "SPLIT_SCHEDULES", "WGRAD_FRAC", "Event", "PipelineResult", "ScheduleError", "estimate_step",
            "linear_step", "schedule_orders", "simulate", "simulate_orders", "simulate_schedule", "split_backward",
@@ -161,18 +162,20 @@ class PipelineResult:
     peak_inflight: list[int]
     peak_inflight_chunks: list[int]
     peak_pending_w: list[int]
+    seq_chunks: int = 1  # k: peak_inflight counts sequences, peak_inflight_chunks (stage, chunk) units
     _raw: tuple = field(repr=False, default=())
 
     @cached_property
     def events(self) -> list[Event]:
         """All operations, sorted by (start, rank); built on first access."""
         orders, starts, dur, chunk_of = self._raw
-        n_stages = len(chunk_of)
+        n_stages, k = len(chunk_of), self.seq_chunks
         out: list[Event] = []
         for r, order in enumerate(orders):
             st = starts[r]
             for i, (kind, s, mb) in enumerate(order):
-                out.append(Event(r, s, chunk_of[s], mb, _KIND_NAMES[kind], st[i], st[i] + dur[kind * n_stages + s]))
+                end = st[i] + dur[(kind * n_stages + s) * k + mb % k]
+                out.append(Event(r, s, chunk_of[s], mb, _KIND_NAMES[kind], st[i], end))
         out.sort(key=lambda e: (e.start, e.rank))
         return out
 
@@ -241,11 +244,12 @@ class _Compiled:
     peaks: tuple[list[int], list[int], list[int]]
     chunk_of: list[int]
     work: list[list[tuple[int, int]]]  # per rank: (duration index, how many ops take it)
+    k: int = 1  # sequence chunks: durations per (kind, stage, chunk), index (kind S + stage) k + unit % k
 
 
 @lru_cache(maxsize=32)
-def _compile(schedule: str, p: int, m: int, v: int) -> _Compiled:
-    return _compile_schedule(ir.builtin(schedule, p, m, v))
+def _compile(schedule: str, p: int, m: int, v: int, k: int = 1) -> _Compiled:
+    return _compile_schedule(ir.builtin(schedule, p, m, v, k))
 
 
 def _hop_index(ra: int, rb: int, p: int) -> int:
@@ -260,7 +264,7 @@ def _hop_index(ra: int, rb: int, p: int) -> int:
 
 
 def _compile_schedule(s: ir.Schedule) -> _Compiled:
-    p, m, n, sr = s.p, s.n_microbatches, s.n_stages, s.stage_rank
+    p, m, n, sr, nk = s.p, s.n_microbatches, s.n_stages, s.stage_rank, s.seq_chunks
     edge = [_hop_index(sr[j], sr[j + 1], p) for j in range(n - 1)]  # the hop between stage j and j + 1
     last, sm = n - 1, n * m
     orders, steps = [], []
@@ -278,26 +282,30 @@ def _compile_schedule(s: ir.Schedule) -> _Compiled:
                 done, wake = 1, sr[st - 1] if st else -1
             if wake == r or wake < 0:
                 wake = p  # the sentinel slot of `blocked`: never matches
-            order.append((k, st, mb))
-            rs.append((dep, hop, (done * n + st) * m + mb, k * n + st, wake))
+            order.append((k, st, mb))  # (a chunk's same-stage dependencies: met by the checked order)
+            rs.append((dep, hop, (done * n + st) * m + mb, (k * n + st) * nk + mb % nk, wake))
         orders.append(order)
         steps.append(rs)
     chunk_of = [s.stages_of(r).index(st) for st, r in enumerate(sr)]
     work = [sorted(Counter(di for _, _, _, di, _ in rs).items()) for rs in steps]
-    return _Compiled(s.name, p, m, s.v, orders, steps, _peaks(orders, s.v), chunk_of, work)
+    return _Compiled(s.name, p, m, s.v, orders, steps, _peaks(orders, s.v, nk), chunk_of, work, nk)
 
 
 def simulate(schedule: str, p: int, m: int, fwd: Sequence[float] | float, bwd: Sequence[float] | float, *,
              wgrad: Sequence[float] | float | None = None, p2p: float | Sequence[float] = 0.0,
-             v: int = 1) -> PipelineResult:
+             v: int = 1, seq_chunks: int = 1, attn_fwd: Sequence[float] | float = 0.0,
+             attn_bwd: Sequence[float] | float = 0.0) -> PipelineResult:
     """Simulate one training step of built-in ``schedule`` (times in seconds; module docstring).
 
     ``fwd``/``bwd`` (and ``wgrad`` for the split schedules) give one entry per virtual stage, or
     a single number for all. For zb-h1 and dualpipev, ``bwd`` is the input-gradient time I and
     ``wgrad`` the weight-gradient time W (default: :func:`split_backward` of ``bwd``).
     ``p2p``: one hop for all cross-rank edges, or one per rank boundary r -> (r + 1) % p (a WAN cut).
+    ``seq_chunks`` k > 1: each of the ``m`` micro-batches runs as k sequence chunks (the IR's
+    chunk order), chunk j of a stage taking ``cost_models.seq_chunks.chunk_seconds`` of its
+    fwd / bwd with ``attn_fwd`` / ``attn_bwd`` seconds of them the attention core.
     """
-    comp = _compile(schedule, p, m, v)
+    comp = _compile(schedule, p, m, v, seq_chunks)
     n = len(comp.chunk_of)
     f, b = _per_stage("fwd", fwd, n), _per_stage("bwd", bwd, n)
     if schedule in SPLIT_SCHEDULES:
@@ -309,7 +317,8 @@ def simulate(schedule: str, p: int, m: int, fwd: Sequence[float] | float, bwd: S
                             "backward in bwd")
     else:
         i, w = b, [0.0] * n
-    return _run(comp, f, b, w, i, p2p)
+    attn = (_per_stage("attn_fwd", attn_fwd, n), _per_stage("attn_bwd", attn_bwd, n)) if seq_chunks > 1 else None
+    return _run(comp, f, b, w, i, p2p, attn)
 
 
 def simulate_schedule(s: ir.Schedule, fwd: Sequence[float] | float, bwd: Sequence[float] | float, *,
@@ -357,13 +366,28 @@ def simulate_orders(orders: Sequence[Sequence[tuple[int, int, int]]], m: int, fw
     return _run(_compile_schedule(s), f, [x + y for x, y in zip(b, w)], w, b, p2p)
 
 
+def _chunk_durations(comp: _Compiled, f: list[float], b: list[float], w: list[float], i: list[float],
+                     attn: tuple[list[float], list[float]] | None) -> list[float]:
+    """Durations indexed ``(kind n_stages + stage) k + chunk`` (F, B, W, I): each pass's chunk
+    share (``cost_models.seq_chunks.chunk_seconds``; the weight gradient has no attention part)."""
+    k = comp.k
+    if k == 1:
+        return f + b + w + i
+    af, ab = attn if attn is not None else ([0.0] * len(f), [0.0] * len(f))
+    out = []
+    for times, a in ((f, af), (b, ab), (w, [0.0] * len(f)), (i, ab)):
+        for t, at in zip(times, a):
+            out += [chunk_seconds(t, at, j, k) for j in range(k)]
+    return out
+
+
 def _run(comp: _Compiled, f: list[float], b: list[float], w: list[float], i: list[float],
-         p2p: float | Sequence[float]) -> PipelineResult:
-    p, m, n_stages = comp.p, comp.m, len(comp.chunk_of)
+         p2p: float | Sequence[float], attn: tuple[list[float], list[float]] | None = None) -> PipelineResult:
+    p, m = comp.p, comp.m
     per = _per_stage("p2p", p2p, p)  # per rank boundary r -> (r + 1) % p
     hops = per + [0.0, max(per)]  # + the step index _NO_HOP (same rank) and _FAR_HOP (non-adjacent ranks)
-    dur = f + b + w + i  # indexed kind * n_stages + stage
-    end = [-1.0] * (3 * n_stages * m) + [0.0]  # end time per op id; -1 = not run yet
+    dur = _chunk_durations(comp, f, b, w, i, attn)  # indexed (kind n_stages + stage) k + chunk
+    end = [-1.0] * (3 * len(comp.chunk_of) * m) + [0.0]  # end time per op id; -1 = not run yet
     starts: list[list[float]] = [[0.0] * len(o) for o in comp.steps]
     ptr = [0] * p
     free = [0.0] * p
@@ -403,19 +427,22 @@ def _run(comp: _Compiled, f: list[float], b: list[float], w: list[float], i: lis
     busy = [sum(dur[di] * k for di, k in work) for work in comp.work]
     bubble = max(0.0, 1.0 - (sum(busy) / p) / step) if step > 0 else 0.0  # clamp rounding
     inflight, inflight_chunks, pending_w = comp.peaks
-    return PipelineResult(schedule=comp.name, p=p, m=m, v=comp.v, step_s=step, bubble_frac=bubble, busy_s=busy,
-                          peak_inflight=list(inflight), peak_inflight_chunks=list(inflight_chunks),
-                          peak_pending_w=list(pending_w), _raw=(comp.orders, starts, dur, comp.chunk_of))
+    return PipelineResult(schedule=comp.name, p=p, m=m // comp.k, v=comp.v, step_s=step, bubble_frac=bubble,
+                          busy_s=busy, peak_inflight=list(inflight), peak_inflight_chunks=list(inflight_chunks),
+                          peak_pending_w=list(pending_w), seq_chunks=comp.k,
+                          _raw=(comp.orders, starts, dur, comp.chunk_of))
 
 
-def _peaks(orders: list[list[Op]], v: int) -> tuple[list[int], list[int], list[int]]:
-    """Per rank: peak micro-batches held (F until B or I), peak (chunk, mb) pairs held, peak W's pending."""
+def _peaks(orders: list[list[Op]], v: int, k: int = 1) -> tuple[list[int], list[int], list[int]]:
+    """Per rank: peak micro-batches held (F until B or I; with k sequence chunks, sequences with
+    a chunk held), peak (chunk, unit) pairs held, peak W's pending."""
     mbs_peak, chunk_peak, w_peak = [], [], []
     for order in orders:
         held = best = pend = wbest = 0
         per_mb: dict[int, int] = {}
         distinct = dbest = 0
-        for kind, _, mb in order:
+        for kind, _, unit in order:
+            mb = unit // k
             if kind == 0:
                 held += 1
                 best = max(best, held)
@@ -434,7 +461,7 @@ def _peaks(orders: list[list[Op]], v: int) -> tuple[list[int], list[int], list[i
                 if kind == 3:
                     pend += 1
                     wbest = max(wbest, pend)
-        mbs_peak.append(dbest if v > 1 else best)
+        mbs_peak.append(dbest if v > 1 or k > 1 else best)
         chunk_peak.append(best)
         w_peak.append(wbest)
     return mbs_peak, chunk_peak, w_peak

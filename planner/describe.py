@@ -81,6 +81,11 @@ def step_words(plan: Plan) -> str:
     n = int(plan.batch["global"]) // (c.dp * c.mbs)
     if c.pp > 1:
         chunks = f", {c.vpp} stages per pp rank" if c.vpp > 1 else ""
+        if c.seq_chunks > 1:  # Seq1F1B (planner/schedule_ir.py, cost_models/seq_chunks.py)
+            chunks += (f", each sequence cut into {c.seq_chunks} chunks of {int(plan.batch['seq_len']) // c.seq_chunks}"
+                       f" tokens run as pipeline units ({n * c.seq_chunks} units: the fill and drain shrink about "
+                       f"{c.seq_chunks}-fold, each unit holds 1/{c.seq_chunks} of a micro-batch's activations plus the "
+                       "earlier chunks' keys/values)")
         return f"the {c.schedule} schedule: {n} micro-batches of {c.mbs} sequences over pp={c.pp}{chunks}"
     return f"gradient accumulation: {n} micro-batches of {c.mbs} sequences (pp=1)"
 

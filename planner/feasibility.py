@@ -43,7 +43,8 @@ program call ``problems``. The parts:
   pipeline stage (:func:`fill_problem`) and as torch's schedules play them
   (:func:`schedule_problem`, :func:`interleave_problem`);
 - :func:`documents_problem`: packed documents where autopar's attention and positions run (and,
-  where the caller knows it, on causal attention only).
+  where the caller knows it, on causal attention only);
+- ``seq_chunks_batch_problem`` (planner/schedule_ir.py): sequence chunks' batch and model side.
 
 Pure Python on the contracts (imports planner/plan.py, schedule_ir.py and errors.py only).
 """
@@ -54,7 +55,7 @@ from typing import Any, Mapping, Protocol
 
 from planner.errors import PlanError
 from planner.plan import ModelFacts, ParallelConfig, recompute_problem
-from planner.schedule_ir import V_SCHEDULES, builtin_problem
+from planner.schedule_ir import V_SCHEDULES, builtin_problem, seq_chunks_batch_problem
 from planner.sharding import SHARDED_PARAMS
 
 # How a sequence lies over the cp ranks (codegen/runtime/context_parallel.py): zigzag cuts it into
@@ -494,5 +495,5 @@ def problems(cfg: ParallelConfig, f: ModelFacts, batch: Batch, cluster: ClusterS
              recompute_problem(cfg.recompute, cfg.schedule, cfg.pp),
              recompute_attention_problem(cfg.recompute, f.limits), batch_problem(cfg, batch),
              documents_problem(f.limits) if batch.documents else None,
-             modes_problem(cfg.dtype, cfg.fp8, cfg.compile, cfg.tp, cfg.cp))
+             seq_chunks_batch_problem(cfg.seq_chunks, batch.seq_len, batch.documents, f.limits, cfg.recompute), modes_problem(cfg.dtype, cfg.fp8, cfg.compile, cfg.tp, cfg.cp))
     return [p for p in parts if p]

@@ -16,7 +16,7 @@ from planner.low_comm import low_comm_problem
 from planner.precision import DTYPES
 from planner.schedule_check import check
 from planner.schedule_file import parse_json, to_json
-from planner.schedule_ir import Schedule, layout_problem
+from planner.schedule_ir import Schedule, layout_problem, seq_chunks_problem
 from planner.sharding import ZERO
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")   # the searched built-in schedules (planner/schedule_ir.py)
@@ -45,7 +45,7 @@ def recompute_problem(recompute: str, schedule: str, pp: int) -> str | None:
 
 
 FP8_RECIPES = ("none", "tensorwise", "rowwise")  # torchao float8 training recipes (codegen/runtime/fp8.py)
-QUIET_DEFAULTS = {"threads": 0, "fp8": "none", "compile": False, "low_comm": ""}  # fields a plan records only when set
+QUIET_DEFAULTS = {"threads": 0, "fp8": "none", "compile": False, "low_comm": "", "seq_chunks": 1}  # fields a plan records only when set
 ATTN_KERNELS = ("flash", "eager")      # flash: no S x S scores kept (SDPA flash / our Triton kernel)
 LOSS_KERNELS = ("fused", "eager")      # fused: linear + cross-entropy without [tokens x vocab] logits
 MESH_DIMS = ("pp", "dp", "cp", "tp")   # outer to inner
@@ -90,6 +90,7 @@ class ParallelConfig:
     fp8: str = "none"            # the blocks' linears in float8 (torchao): none | tensorwise | rowwise (FP8_RECIPES)
     compile: bool = False        # each block through torch.compile (regional compilation)
     low_comm: str = ""           # low-communication DP across groups of replicas, "GxH:dtype" (planner/low_comm.py)
+    seq_chunks: int = 1          # each micro-batch's sequence cut into k pipeline units (Seq1F1B; schedule_ir.py)
 
     @property
     def world(self) -> int:
@@ -134,7 +135,8 @@ class ParallelConfig:
             raise PlanError(f"compile={self.compile!r}: must be on or off")
         if self.fp8 != "none" and self.dtype == "fp32":
             raise PlanError(f"fp8={self.fp8} casts the bf16 compute copies: it needs dtype=bf16")
-        if (why := low_comm_problem(self.low_comm, self.dp, self.ep)) is not None:
+        if (why := low_comm_problem(self.low_comm, self.dp, self.ep) or
+                seq_chunks_problem(self.seq_chunks, self.schedule, self.pp, self.vpp, self.cp)) is not None:
             raise PlanError(why)
         if self.vpp > 1 and self.schedule not in ("interleaved-1f1b", "dualpipev", "custom"):
             raise PlanError(f"vpp={self.vpp} needs schedule=interleaved-1f1b (or dualpipev, or a custom schedule)")
@@ -167,7 +169,8 @@ class ParallelConfig:
         parts += (["sp"] if self.sp else []) + ([f"threads{self.threads}"] if self.threads else [])
         parts += [f"fp8-{self.fp8}"] if self.fp8 != "none" else []
         parts += ["compiled"] if self.compile else []
-        parts += [f"low-comm-{self.low_comm}"] if self.low_comm else []
+        parts += ([f"low-comm-{self.low_comm}"] if self.low_comm else []) + (
+            [f"seq-chunks{self.seq_chunks}"] if self.seq_chunks > 1 else [])
         return " ".join(parts)
 
     def to_str(self) -> str:
@@ -473,9 +476,8 @@ class Plan:
         return Plan.from_dict(d, source=path)
 
     def save(self, path: str, force: bool = False) -> None:
-        from planner.files import write_atomic
-
         """Atomic write (temporary file + rename); refuses to overwrite without ``force``."""
+        from planner.files import write_atomic
         write_atomic(path, self.to_json(), force=force)
 
     def check_fingerprints(self, model_fp: str | None = None, cluster_fp: str | None = None) -> None:
@@ -495,6 +497,4 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_num(v: Any) -> bool:
-    import math
-
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")

@@ -8,7 +8,8 @@ this order:
 2. each action: a known kind, an existing stage and micro-batch, on the rank holding its stage;
 3. every action once, and each (stage, micro-batch) has a forward and exactly one backward:
    ``B``, or ``I`` and ``W``;
-4. dependencies satisfiable across ranks (no deadlock): the ranks are executed symbolically, each
+4. dependencies (with sequence chunks, also the chunk order: ``schedule_ir.chunk_deps``)
+   satisfiable across ranks (no deadlock): the ranks are executed symbolically, each
    running its next action as soon as what it waits for has run anywhere (sends never block
    in torch's runtime; only a compute action waits for its input) - a rank stuck for good names
    the action and what it waits for;
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from planner.schedule_ir import BACKWARDS, KINDS, Action, Schedule, ScheduleError, parts
+from planner.schedule_ir import BACKWARDS, KINDS, Action, Schedule, ScheduleError, chunk_deps, parts
 
 
 def check(s: Schedule, act_bytes: Sequence[float] | None = None,
@@ -39,6 +40,10 @@ def _check_shape(s: Schedule, where: str) -> None:
         raise ScheduleError(f"{where}: no ranks; give one row of actions per pp rank")
     if isinstance(s.n_microbatches, bool) or not isinstance(s.n_microbatches, int) or s.n_microbatches < 1:
         raise ScheduleError(f"{where}: {s.n_microbatches!r} micro-batches; it needs at least one")
+    k = s.seq_chunks
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or s.n_microbatches % k:
+        raise ScheduleError(f"{where}: {k!r} sequence chunks do not divide its {s.n_microbatches} units; "
+                            "give units = micro-batches x chunks")
     if not s.stage_rank:
         raise ScheduleError(f"{where}: no stages; each rank must run the actions of at least one stage")
     for st, r in enumerate(s.stage_rank):
@@ -85,13 +90,20 @@ def _check_complete(s: Schedule, where: str) -> None:
 
 
 def needs(a: Action, n_stages: int) -> tuple[str, int, int] | None:
-    """What ``a`` waits for, as ``(kind, stage, mb)`` with kind ``F``, ``BI`` (a B or an I of
-    that stage and micro-batch) or ``I``; None for the first forward."""
+    """What ``a`` waits for from another stage or its own forward, as ``(kind, stage, mb)`` with
+    kind ``F``, ``BI`` (a B or an I of that stage and micro-batch) or ``I``; None for the first
+    forward. (Sequence chunks add :func:`planner.schedule_ir.chunk_deps`: :func:`all_needs`.)"""
     if a.kind == "F":
         return ("F", a.stage - 1, a.mb) if a.stage else None
     if a.kind in BACKWARDS:
         return ("BI", a.stage + 1, a.mb) if a.stage < n_stages - 1 else ("F", a.stage, a.mb)
     return ("I", a.stage, a.mb)
+
+
+def all_needs(a: Action, n_stages: int, k: int = 1) -> tuple[tuple[str, int, int], ...]:
+    """Everything ``a`` waits for: :func:`needs` and, with ``k`` sequence chunks, the chunk order."""
+    dep = needs(a, n_stages)
+    return ((dep,) if dep is not None else ()) + chunk_deps(a, k)
 
 
 def _check_deadlock(s: Schedule, where: str) -> None:
@@ -104,8 +116,7 @@ def _check_deadlock(s: Schedule, where: str) -> None:
         for r in range(s.p):
             while ptr[r] < len(order[r]):
                 a = order[r][ptr[r]]
-                dep = needs(a, s.n_stages)
-                if dep is not None and dep not in done:
+                if any(dep not in done for dep in all_needs(a, s.n_stages, s.seq_chunks)):
                     break
                 done.add((a.kind, a.stage, a.mb))
                 if a.kind in BACKWARDS:
@@ -115,7 +126,7 @@ def _check_deadlock(s: Schedule, where: str) -> None:
     for r in range(s.p):
         if ptr[r] < len(order[r]):
             a = order[r][ptr[r]]
-            kind, st, mb = needs(a, s.n_stages)
+            kind, st, mb = next(d for d in all_needs(a, s.n_stages, s.seq_chunks) if d not in done)
             dep = f"{st}{kind if kind != 'BI' else 'B/I'}{mb}"
             raise ScheduleError(f"{where}: deadlock - rank {r} waits forever at {a} for {dep} "
                                 f"(on rank {s.stage_rank[st]}); reorder so {dep} can run first")

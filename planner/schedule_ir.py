@@ -26,13 +26,23 @@ Dependencies (the same for every schedule)::
     B/I(s, mb) after B/I(s+1, mb)  (s < S-1), after F(S-1, mb) (s = S-1)
     W(s, mb)  after I(s, mb)
 
+Sequence chunks (Seq1F1B / TeraPipe; ``Schedule.seq_chunks = k > 1``): each micro-batch's
+sequence is cut into k chunks, and the IR's units (the ``mb`` of an action) are (micro-batch,
+chunk) pairs, unit ``u = mb k + j`` (:func:`unit`). Causal attention of chunk j reads the keys
+and values of chunks < j of the same sequence, and its backward produces their gradients, so on
+every stage two more dependencies hold (:func:`chunk_deps`)::
+
+    F(s, u)    after F(s, u-1)        (j > 0: the earlier chunk's keys/values exist)
+    B/I(s, u)  after B/I(s, u+1)      (j < k-1: the later chunks' gradients to this chunk's
+                                       keys/values are in; Seq1F1B's reverse chunk order)
+
 Built-in orders (:data:`BUILTINS`, :func:`builtin`): see each generator's docstring.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable, Mapping, Union
 
 from planner.errors import PlanError
 
@@ -88,6 +98,12 @@ class Schedule:
     n_microbatches: int
     stage_rank: tuple[int, ...]
     ranks: tuple[tuple[Step, ...], ...]
+    seq_chunks: int = 1  # k: units are (micro-batch, chunk) pairs, n_microbatches = sequences x k
+
+    @property
+    def n_sequences(self) -> int:
+        """Micro-batches (whole sequences): the units over the chunks per sequence."""
+        return self.n_microbatches // self.seq_chunks
 
     @property
     def p(self) -> int:
@@ -115,6 +131,28 @@ class Schedule:
         return any(a.kind == kind for r in range(self.p) for a in self.actions(r))
 
 
+def unit(mb: int, chunk: int, k: int) -> int:
+    """The IR unit (an action's ``mb``) of chunk ``chunk`` of micro-batch ``mb`` with k chunks each."""
+    return mb * k + chunk
+
+
+def chunk_deps(a: Action, k: int) -> tuple[tuple[str, int, int], ...]:
+    """The sequence-chunk dependencies of ``a`` (module docstring) as ``(kind, stage, unit)``:
+    kind ``F`` or ``BI`` (a B or an I); none with k = 1 or for a W."""
+    j = a.mb % k
+    if a.kind == "F" and j > 0:
+        return (("F", a.stage, a.mb - 1),)
+    if a.kind in BACKWARDS and j < k - 1:
+        return (("BI", a.stage, a.mb + 1),)
+    return ()
+
+
+def backward_unit(n: int, k: int) -> int:
+    """The unit of a stage's n-th backward in the built-in chunk orders: micro-batches in order,
+    each one's chunks last to first (the reverse chunk order of :func:`chunk_deps`)."""
+    return (n // k) * k + (k - 1 - n % k)
+
+
 def looped(p: int, v: int) -> tuple[int, ...]:
     """Stage ``s`` on rank ``s % p`` (``p v`` stages)."""
     return tuple(s % p for s in range(p * v))
@@ -126,24 +164,30 @@ def v_shape(p: int) -> tuple[int, ...]:
 
 
 # ---- built-in orders ------------------------------------------------------------------------
-def gpipe(p: int, m: int) -> Schedule:
-    """All forwards, then all backwards (GPipe)."""
-    ranks = [[Action("F", r, mb) for mb in range(m)] + [Action("B", r, mb) for mb in range(m)] for r in range(p)]
-    return _make("gpipe", m, looped(p, 1), ranks)
+def gpipe(p: int, m: int, k: int = 1) -> Schedule:
+    """All forwards, then all backwards (GPipe); with k sequence chunks over the m k units,
+    each micro-batch's chunks backward last to first (:func:`backward_unit`)."""
+    n = m * k
+    ranks = [[Action("F", r, u) for u in range(n)] + [Action("B", r, backward_unit(i, k)) for i in range(n)]
+             for r in range(p)]
+    return _make("gpipe", n, looped(p, 1), ranks, k)
 
 
-def one_f_one_b(p: int, m: int) -> Schedule:
+def one_f_one_b(p: int, m: int, k: int = 1) -> Schedule:
     """``w = min(p-1-r, m)`` warm-up forwards, then (F, B) pairs, then the remaining backwards
-    (PipeDream-flush; torch's ``Schedule1F1B``)."""
-    ranks = []
+    (PipeDream-flush; torch's ``Schedule1F1B``). With k sequence chunks (Seq1F1B) the same over
+    the ``m k`` units, forwards in unit order, backwards each micro-batch's chunks last to first
+    (:func:`backward_unit`), and ``k - 1`` more warm-up forwards: the last chunk of a sequence
+    must be forwarded before the sequence's first backward."""
+    ranks, n = [], m * k
     for r in range(p):
-        w = min(p - 1 - r, m)
-        order: list[Step] = [Action("F", r, mb) for mb in range(w)]
-        for j in range(m - w):
-            order += [Action("F", r, w + j), Action("B", r, j)]
-        order += [Action("B", r, mb) for mb in range(m - w, m)]
+        w = min(p - 1 - r + k - 1, n)
+        order: list[Step] = [Action("F", r, u) for u in range(w)]
+        for j in range(n - w):
+            order += [Action("F", r, w + j), Action("B", r, backward_unit(j, k))]
+        order += [Action("B", r, backward_unit(i, k)) for i in range(n - w, n)]
         ranks.append(order)
-    return _make("1f1b", m, looped(p, 1), ranks)
+    return _make("1f1b", n, looped(p, 1), ranks, k)
 
 
 def interleaved(p: int, m: int, v: int) -> Schedule:
@@ -266,13 +310,33 @@ class _DualPipeRank:
 
 
 BUILTINS: dict[str, Callable[..., Schedule]] = {
-    "gpipe": lambda p, m, v: gpipe(p, m),
-    "1f1b": lambda p, m, v: one_f_one_b(p, m),
+    "gpipe": lambda p, m, v, k=1: gpipe(p, m, k),
+    "1f1b": lambda p, m, v, k=1: one_f_one_b(p, m, k),
     "interleaved-1f1b": interleaved,
     "zb-h1": lambda p, m, v: zb_h1(p, m),
     "dualpipev": lambda p, m, v: dualpipev(p, m),
 }
 V_SCHEDULES = ("dualpipev",)  # two stages per rank, V-shaped placement
+CHUNK_SCHEDULES = ("gpipe", "1f1b")  # built-ins with a sequence-chunk order (full backwards, one stage per rank)
+
+
+def seq_chunks_problem(k: int, schedule: str, pp: int, vpp: int = 1, cp: int = 1) -> str | None:
+    """Why ``k`` sequence chunks cannot run with this pipeline (one line with the fix), or None:
+    k a positive integer; k > 1 only with pp > 1, one stage per rank and a schedule of
+    :data:`CHUNK_SCHEDULES` (a chunk's keys/values get their gradients in its full backward),
+    and not with context parallel (both split the sequence)."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        return f"seq_chunks={k!r}: must be a positive integer (1: whole sequences)"
+    if k == 1:
+        return None
+    if cp > 1:
+        return f"seq_chunks={k} with cp={cp}: chunks and context parallel both split the sequence; set one of them to 1"
+    if pp == 1:
+        return f"seq_chunks={k} splits sequences into pipeline units: it needs pp > 1 (or set seq_chunks=1)"
+    if schedule not in CHUNK_SCHEDULES or vpp > 1:
+        return (f"seq_chunks={k} runs with schedule {' or '.join(CHUNK_SCHEDULES)} and vpp=1, not {schedule}"
+                f"{f' vpp={vpp}' if vpp > 1 else ''}; pick one of those or set seq_chunks=1")
+    return None
 
 
 def stages_per_rank(name: str, v: int) -> int:
@@ -284,6 +348,30 @@ def stages_per_rank(name: str, v: int) -> int:
 def placement(name: str, p: int, v: int) -> tuple[int, ...]:
     """The rank of each virtual stage under built-in ``name``."""
     return v_shape(p) if name in V_SCHEDULES else looped(p, stages_per_rank(name, v))
+
+
+def seq_chunks_batch_problem(k: int, seq_len: int, documents: bool, limits: Mapping[str, str],
+                             recompute: str = "none") -> str | None:
+    """The batch's, the model's and the runtime's side of ``k`` sequence chunks (one line with the
+    fix), or None: the sequence divides into k equal chunks; no packed documents (nor so per-batch
+    assignment, which only runs them: the earlier chunks' keys/values carry no document mask);
+    autopar's attention runs in place of the model's (limits ``attention``, ``cp``, ``any``), as
+    for CP; no recomputation or offload (``recompute``: the runtime finds a chunk's keys/values by
+    the order of its forwards, which a replayed forward breaks: codegen/runtime/seq_chunks.py)."""
+    if k == 1:
+        return None
+    if recompute != "none":
+        return (f"seq_chunks={k} with recompute={recompute}: autopar's runtime runs sequence chunks without "
+                "recomputation or offload only; set recompute=none or seq_chunks=1")
+    if seq_len % k:
+        return f"seq_chunks={k} must divide the sequence length {seq_len}; pick a divisor of it (e.g. 2 or 4)"
+    if documents:
+        return (f"seq_chunks={k} with packed documents (--seq-lens): a chunk's attention to the earlier chunks "
+                "has no document mask; plan without --seq-lens or set seq_chunks=1")
+    for key in ("attention", "cp", "any"):
+        if key in limits:
+            return f"seq_chunks={k} runs autopar's attention in place of the model's, but {limits[key]}; set seq_chunks=1"
+    return None
 
 
 def builtin_problem(name: str, p: int, m: int, v: int = 1) -> str | None:
@@ -308,12 +396,13 @@ def builtin_problem(name: str, p: int, m: int, v: int = 1) -> str | None:
     return None
 
 
-def builtin(name: str, p: int, m: int, v: int = 1) -> Schedule:
+def builtin(name: str, p: int, m: int, v: int = 1, k: int = 1) -> Schedule:
     """Built-in schedule ``name`` over ``p`` ranks and ``m`` micro-batches (``v`` chunks per
-    rank for interleaved-1f1b; 1 or 2 for the V schedules)."""
-    if (why := builtin_problem(name, p, m, v)):
+    rank for interleaved-1f1b; 1 or 2 for the V schedules), each micro-batch cut into ``k``
+    sequence chunks (``m k`` units; :data:`CHUNK_SCHEDULES`)."""
+    if (why := builtin_problem(name, p, m, v) or (seq_chunks_problem(k, name, max(p, 2), v) if k != 1 else None)):
         raise ScheduleError(why)
-    return BUILTINS[name](p, m, v)
+    return BUILTINS[name](p, m, v, k) if k > 1 else BUILTINS[name](p, m, v)
 
 
 def layout_problem(s: Schedule, pp: int, vpp: int, m: int) -> str | None:
@@ -327,6 +416,6 @@ def layout_problem(s: Schedule, pp: int, vpp: int, m: int) -> str | None:
             "set pp, vpp, dp and mbs to match it")
 
 
-def _make(name: str, m: int, stage_rank: tuple[int, ...], ranks) -> Schedule:
+def _make(name: str, m: int, stage_rank: tuple[int, ...], ranks, k: int = 1) -> Schedule:
     return Schedule(name=name, n_microbatches=m, stage_rank=tuple(stage_rank),
-                    ranks=tuple(tuple(order) for order in ranks))
+                    ranks=tuple(tuple(order) for order in ranks), seq_chunks=k)

@@ -44,6 +44,7 @@ from codegen.runtime.adapters import ModelAdapter
 from codegen.runtime.attention import build_attention, context_attention, local_attention
 from codegen.runtime.batch_parallel import BatchPlanner, PerBatch, PerBatchAttention, PieceGroups
 from codegen.runtime.documents import Documents
+from codegen.runtime.seq_chunks import ChunkAttention, ChunkStore, check_order
 from codegen.runtime.mesh import cp_groups, device_type, dp_cp_mesh, hybrid_dp_mesh
 from codegen.runtime.fp8 import convert_blocks, fp8_device_problem
 from codegen.runtime.regional_compile import compile_blocks
@@ -66,6 +67,7 @@ class Stages:
     # the current micro-batch's packed documents, read by every block's attention (documents.py)
     documents: Documents = field(default_factory=Documents)
     offloaders: list[Offloader] = field(default_factory=list)  # one per stage module with offloaded blocks
+    chunks: Optional[ChunkStore] = None  # sequence chunks: the step's KV store (codegen/runtime/seq_chunks.py)
 
     @property
     def has_first(self) -> bool:
@@ -74,6 +76,16 @@ class Stages:
     @property
     def has_last(self) -> bool:
         return self.n_virtual - 1 in self.idx
+
+
+def runtime_problem(cfg: ParallelConfig, policies: Sequence[str] = ()) -> Optional[str]:
+    """What this runtime does not run of the plan's per-stage recompute ``policies`` (one line
+    with the fix), or None: sequence chunks with a stage recomputing or offloading
+    (``planner.schedule_ir.seq_chunks_batch_problem``'s rule, per stage)."""
+    for p in sorted(set(policies) - {"none"}):
+        if (why := ir.seq_chunks_batch_problem(cfg.seq_chunks, 0, False, {}, p)):
+            return why
+    return None
 
 
 def check_runnable(cfg: ParallelConfig, adapter: Optional[ModelAdapter], facts: Optional[ModelFacts], batch: Batch,
@@ -102,7 +114,10 @@ def pipeline_schedule(cfg: ParallelConfig, n_microbatches: int, custom: Optional
     """The schedule IR the pipeline runs: ``custom`` (the plan's own, for ``schedule=custom``),
     else the built-in ``cfg.schedule`` over pp ranks, the micro-batches and vpp."""
     if cfg.schedule != "custom":
-        return ir.builtin(cfg.schedule, cfg.pp, n_microbatches, cfg.vpp)
+        built = ir.builtin(cfg.schedule, cfg.pp, n_microbatches, cfg.vpp, cfg.seq_chunks)
+        if cfg.seq_chunks > 1:
+            check_order(built)
+        return built
     if custom is None:
         raise ValueError("schedule=custom needs the plan's schedule (plan.pipeline.schedule_ir); plan again with "
                          "--schedule FILE")
@@ -129,9 +144,9 @@ def split_stages(adapter: ModelAdapter, stages: Sequence[Sequence[str]], recompu
     placement = (schedule.stage_rank if cfg.schedule == "custom" and schedule is not None
                  else ir.placement(cfg.schedule, cfg.pp, cfg.vpp))
     idx, mods = ppar.build_stages(adapter, stages, recompute, mesh["pp"].get_local_rank(), placement)
-    out = Stages(mods, idx, len(stages), policy)
+    out = Stages(mods, idx, len(stages), policy, chunks=ChunkStore(cfg.seq_chunks) if cfg.seq_chunks > 1 else None)
     for sm in mods:
-        sm.loss_kernel, sm.sp, sm.documents = cfg.loss, cfg.sp, out.documents
+        sm.loss_kernel, sm.sp, sm.documents, sm.chunks = cfg.loss, cfg.sp, out.documents, out.chunks
     return out
 
 
@@ -176,6 +191,13 @@ def apply_attention(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, 
     assignment (``per_batch``, codegen/runtime/batch_parallel.py) every block runs
     :class:`PerBatchAttention` over each micro-batch's row layout (``stages.documents``) instead."""
     blocks = set(adapter.blocks)
+    if stages.chunks is not None:  # sequence chunks: each block's attention over its sequence's chunks so far
+        if (why := runtime_problem(cfg, list(stages.policy.values()))):  # a plan's stages may differ from cfg
+            raise ValueError(why)
+        for sm in stages.modules:
+            for u in (u for u in sm.units if u in blocks):
+                adapter.set_attention(sm.get_submodule(u), ChunkAttention(stages.chunks, u))
+        return
     if per_batch is not None:
         impl = PerBatchAttention(stages.documents, per_batch.groups, local_attention(cfg))
         for sm in stages.modules:

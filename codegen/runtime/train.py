@@ -61,6 +61,7 @@ from codegen.runtime import documents as docs
 from codegen.runtime import expert_parallel as epar
 from codegen.runtime import experts
 from codegen.runtime import recipe
+from codegen.runtime import seq_chunks
 from codegen.runtime import tensor_parallel as tpar
 from codegen.runtime.tp_styles import styles_for
 from codegen.runtime.adapters import IGNORE_INDEX, ModelAdapter, adapter_for
@@ -112,6 +113,7 @@ class ParallelModel:
         self.stage_modules = stages.modules
         self.documents = stages.documents  # the micro-batch's packed documents, read by the attention
         self.offloaders = stages.offloaders  # activation offload per stage module (offload.py): bytes moved
+        self.chunks = stages.chunks  # sequence chunks: the step's KV store (seq_chunks.py), or None
         # this step's per-step stage arguments, [rows of this rank, S_local] each: positions
         # (under CP or with packed documents) and doc_start (packed documents); cut per micro-batch
         self._step_args: dict[str, torch.Tensor] = {}
@@ -236,15 +238,30 @@ class ParallelModel:
         losses: list[torch.Tensor] = []
         # the last stage's outputs are scalar losses (nothing to merge); its forward gets the
         # micro-batch's targets as ``labels``, split like the schedule's target
+        step_args = dict(self._step_args)
+        if self.chunks is not None:  # sequence chunks: rows as (micro-batch, chunk) units, absolute positions
+            inputs, targets, step_args = self._units(inputs, targets)
         kw = dict(target=targets, losses=losses, labels=targets, return_outputs=False) if self.has_last else {}
-        kw.update(self._step_args)  # every stage: its micro-batch's positions and documents
+        kw.update(step_args)  # every stage: its micro-batch's positions and documents
         with tpar.loss_context(self.cfg.tp):
             self.schedule.step(*inputs, **kw) if self.has_first else self.schedule.step(**kw)
+        if self.chunks is not None:
+            self.chunks.clear()  # the step's keys/values and their gradients
         self._check_documents_used()
         total = torch.zeros((), dtype=torch.float64, device=self.device)  # nccl reduces device tensors only
         for loss in losses:
             total += _scalar(loss)
         return total
+
+    def _units(self, inputs: Sequence[torch.Tensor], targets: torch.Tensor):
+        """(inputs, targets, stage arguments) laid out as sequence-chunk units
+        (``seq_chunks.to_units``), each chunk with its absolute positions; the store emptied."""
+        self.chunks.clear()
+        m, k = self.n_microbatches, self.chunks.k
+        rows, seq = targets.shape
+        positions = torch.arange(seq, device=self.device).expand(rows, seq)
+        return ([seq_chunks.to_units(t, m, k) for t in inputs], seq_chunks.to_units(targets, m, k),
+                dict(positions=seq_chunks.to_units(positions, m, k)))
 
     def sync_grads(self) -> None:
         """After the backward, sum the gradients each rank holds only a part of: the weights

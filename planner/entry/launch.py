@@ -47,7 +47,10 @@ def check_plan(plan, *, import_user_code: bool = True) -> None:
 
     from planner.feasibility import Batch, Nodes, problems
 
+    from codegen.runtime.recipe import runtime_problem
+
     found = problems(plan.config, plan.facts, Batch.of_plan(plan.batch), Nodes.of_plan(plan.cluster, plan.config.world))
+    found += [w for w in [runtime_problem(plan.config, [str(s.get("recompute")) for s in plan.stages])] if w]
     if found:
         raise AutoparError(f"plan {plan.config.label()} cannot run for {plan.model.get('name')}: "
                            f"{'; '.join(found)}; plan again with `autopar plan`")

@@ -85,7 +85,9 @@ def simulate_step(plan: Plan) -> Timeline:
                 f"(m = min(m, 4·pp)) so it stays readable - the steady state repeats.")
     try:
         res = (simulate_schedule(own, e["stage_fwd_s"], e["stage_bwd_s"], p2p=p2p) if own is not None
-               else simulate(sched, cfg.pp, m, e["stage_fwd_s"], e["stage_bwd_s"], p2p=p2p, v=cfg.vpp))
+               else simulate(sched, cfg.pp, m, e["stage_fwd_s"], e["stage_bwd_s"], p2p=p2p / cfg.seq_chunks, v=cfg.vpp,
+                             seq_chunks=cfg.seq_chunks))  # (sequence chunks drawn as equal parts: the plan
+        #                                                    records no attention share per stage)
     except (ScheduleError, KeyError, TypeError, ValueError) as exc:
         return Timeline(None, sched, m, m_plan, p2p, tail, f"timeline not simulated: {exc}")
     return Timeline(res, sched, m, m_plan, p2p, tail, note)

@@ -47,6 +47,7 @@ from planner.feasibility import (Batch, ClusterShape, cp_problem, modes_problem,
 from planner.graph import ModelGraph
 from planner.low_comm import low_comm_problem
 from planner.plan import SCHEDULES, ModelFacts, ParallelConfig, recompute_policies
+from planner.schedule_ir import seq_chunks_batch_problem, seq_chunks_problem
 from planner.sharding import ZERO
 from planner.search.pins import Pins
 
@@ -275,7 +276,8 @@ def schedule_choices(pp: int, m: int, facts: ModelFacts, pins: Pins) -> list[tup
 
 def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str, loss: str,
              dominated: bool = True, pins: Pins | None = None, fp8: str = "none",
-             compile: bool = False, low_comm: str = "", offload: bool = True) -> Iterator[ParallelConfig]:
+             compile: bool = False, low_comm: str = "", offload: bool = True,
+             seq_chunks: Sequence[int] = (1,)) -> Iterator[ParallelConfig]:
     """The variants of one degree tuple with Ulysses degree ``ulysses`` that the ``pins``
     admit: schedule and vpp, DP sharding, recompute, sequence parallel - each where the
     runtime can run it. With ``dominated=False`` the variants the cost model proves no better
@@ -284,7 +286,8 @@ def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str
     --low-comm``, planner/low_comm.py): each variant also with low-communication DP across
     groups of replicas, where the degrees allow it. ``offload=False`` leaves ``recompute=offload``
     out unless the pins name the policy: the search's choice where offloading frees no device
-    memory (``cost_models.offload.offload_saves``: there it is dominated by ``none``)."""
+    memory (``cost_models.offload.offload_saves``: there it is dominated by ``none``). ``seq_chunks``:
+    the chunk counts > 1 tried beside each variant where they can run (planner/schedule_ir.py)."""
     pins = pins or Pins()
     dp, pp, cp, tp, ep = p.dp, p.pp, p.cp, p.tp, p.ep
     if modes_problem(dtype, fp8, compile, tp, cp):
@@ -312,6 +315,9 @@ def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str
                                          loss=loss, attention=attention, threads=p.threads, fp8=fp8,
                                          compile=compile)
                     yield cfg
+                    yield from (cfg.replace(seq_chunks=k) for k in seq_chunks if k > 1 and pins.allows("seq_chunks", k)
+                                and not seq_chunks_problem(k, sched, pp, v, cp)
+                                and not seq_chunks_batch_problem(k, batch.seq_len, batch.documents, facts.limits, rc))
                     if low_comm and low_comm_problem(low_comm, dp, ep) is None:
                         yield cfg.replace(low_comm=low_comm)
 

@@ -27,7 +27,7 @@ from planner.plan import RECOMPUTE, SCHEDULES, ParallelConfig
 from planner.sharding import ZERO
 
 DEGREES = ("dp", "pp", "cp", "tp")
-INT_KEYS = DEGREES + ("ep", "ulysses", "mbs", "vpp", "world")  # ep, ulysses: within dp x cp x tp / cp (not mesh degrees)
+INT_KEYS = DEGREES + ("ep", "ulysses", "mbs", "vpp", "seq_chunks", "world")  # ep, ulysses: within dp x cp x tp / cp (not mesh degrees)
 CHOICES: dict[str, tuple[str, ...]] = {"schedule": SCHEDULES, "zero": ZERO, "recompute": RECOMPUTE,
                                        "sp": ("on", "off")}
 OPERATORS = ("=", "<=", ">=")

@@ -54,6 +54,7 @@ from planner.low_comm import low_comm_problem, parse_low_comm
 from cost_models.compute import calibration
 from cost_models.memory import Reserve, framework_reserve, memory_floor
 from cost_models.offload import offload_saves
+from cost_models.seq_chunks import searched_chunks
 from cost_models.shared_cores import ranks_cluster
 from planner.errors import AutoparError
 from planner.graph import ModelGraph
@@ -242,7 +243,7 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     n_var = sum(1 for _ in variants(Point(dp, pp, cp, tp, mbs, m, ep, (ulysses,), base.threads), ulysses, space.facts,
                                      space.batch, space.dtype, space.loss, pins=pins, fp8=space.fp8,
                                      low_comm=space.low_comm, offload=offload_saves(space.cluster),
-                                     compile=space.compile))
+                                     compile=space.compile, seq_chunks=searched_chunks(space.cluster)))
     res.considered += n_var
     t = _Tuple(floor_s, dp, pp, cp, tp, mbs, m, n_var, costs, ep, moe=bool(space.facts.experts), ulysses=ulysses)
     if mem_floor > cap:
@@ -285,12 +286,13 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, s
         for cfg in variants(Point(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, t.ep, (t.ulysses,), threads), t.ulysses,
                             space.facts, space.batch, space.dtype, space.loss, dominated=False, pins=space.pins,
                             fp8=space.fp8, compile=space.compile, low_comm=space.low_comm,
-                            offload=offload_saves(space.cluster)):
+                            offload=offload_saves(space.cluster), seq_chunks=searched_chunks(space.cluster)):
             n_kept += 1
             # variant floor: this schedule on perfectly balanced stages, with its recompute
             f, b = stage[cfg.recompute]
             v = cfg.vpp
-            lb = estimate_step(cfg.schedule, t.pp, t.m, f / v, b / v, v=v) if t.pp > 1 else t.m * (f + b)
+            lb = estimate_step(cfg.schedule, t.pp, t.m, f / v, b / v, v=v) if t.pp > 1 and cfg.seq_chunks == 1 \
+                else t.m * (f + b)  # (sequence chunks: their fill and drain run the cheap first chunks)
             if cfg.sp not in wan_hops:
                 wan_hops[cfg.sp] = cheapest_wan_hops(g, space.cluster, cfg)
             if wan_hops[cfg.sp]:  # and the stall of its WAN boundaries, what the fast pass adds

@@ -189,7 +189,7 @@ def best_partition(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, glo
     from planner.search.partition import solve_partition
 
     prob = partition_problem(graph, cluster, cfg, global_batch, profile)
-    uniform = cfg.recompute != "none" or uniform_recompute
+    uniform = cfg.recompute != "none" or uniform_recompute or cfg.seq_chunks > 1  # (chunks: no recompute)
     prob.policies = (cfg.recompute,) if uniform else tuple(
         r for r in recompute_policies(cfg.schedule, cfg.pp) if not recompute_attention_problem(r, graph.limits)
         and (r != "offload" or offload_saves(cluster)))

@@ -70,6 +70,7 @@ class StageModule(nn.Module):
         self.units = list(units)
         self.recompute = recompute
         self.documents = None  # the build's Documents (codegen/runtime/documents.py), set by split_stages
+        self.chunks = None  # the build's sequence-chunk store (codegen/runtime/seq_chunks.py), set by split_stages
         self.loss_kernel = "eager"
         self.sp = False
         first, last = all_units.index(self.units[0]), all_units.index(self.units[-1])
@@ -85,6 +86,8 @@ class StageModule(nn.Module):
         packed documents, one row [S] without (every row's are the same), or None."""
         if doc_start is not None and self.documents is not None:
             self.documents.set(doc_start)
+        if self.chunks is not None and positions is not None:  # sequence chunks: where this chunk starts
+            self.chunks.at(int(positions[0, 0]))
         if positions is None or doc_start is not None:
             return positions
         return positions[0]
