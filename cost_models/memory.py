@@ -91,9 +91,9 @@ RESERVE_CPU = 0.0             # live tensors only; process overhead is not tenso
 
 
 
-@dataclass
+@dataclass(frozen=True)
 class StageMemory:
-    """Bytes on one rank of a stage."""
+    """Bytes on one rank of a stage (frozen: the search shares one per distinct rank)."""
     weights: float
     grads: float
     optimizer: float
@@ -206,8 +206,11 @@ class LayerTable:
     def __init__(self, graph: ModelGraph, cfg: ParallelConfig, engine: Engine = DEFAULT_ENGINE) -> None:
         rows: dict[tuple, tuple] = {}  # a repeated block has its representative's figures: computed once
 
+        def row_key(l: Layer) -> tuple:
+            return l.repeat_of or l.name, l.tied_params, l.moe.imbalance if l.moe else None
+
         def row(l: Layer) -> tuple:
-            key = (l.repeat_of or l.name, l.tied_params, l.moe.imbalance if l.moe else None)
+            key = row_key(l)
             if key not in rows:
                 rows[key] = (layer_params_local(l, cfg.tp, cfg.pp, cfg.ep, graph.hidden),
                              layer_experts(l, graph.hidden) / cfg.ep,       # part of params
@@ -217,6 +220,9 @@ class LayerTable:
             return rows[key]
 
         table = [row(l) for l in graph.layers]
+        ids = {k: n for n, k in enumerate(rows)}
+        # which distinct row each layer has: chunks of the same rows have the same figures
+        self.row_of = tuple(ids[row_key(l)] for l in graph.layers)
         self.params, self.experts, self.token_local = ([r[i] for r in table] for i in range(3))
         self.units = [r[3] for r in table]
         self.unit = [max(u) for u in self.units]
@@ -224,6 +230,11 @@ class LayerTable:
         # parameters of the blocks' dense linears (per tp rank): what float8 training casts
         self.fp8_params = [p - e if l.kind == "transformer_block" else 0.0
                            for p, e, l in zip(self.params, self.experts, graph.layers)]
+        # chunk_memory's results over these figures, per (MemoryRule.key, the chunk's rows, policy): a search
+        # prices chunks of the same repeated blocks under many schedules and splits; ChunkMemory is frozen
+        self.chunk_memo: dict[tuple, ChunkMemory] = {}
+        # a rank's memory per (its chunks' figures, in-flight micro-batches, reserve): see pipeline_memory
+        self.rank_memo: dict[tuple, StageMemory] = {}
 
 
 def per_param_bytes(cfg: ParallelConfig, experts: bool = False, replicas: int = 1) -> dict[str, float]:
@@ -348,13 +359,17 @@ class MemoryRule:
         w, g = self.f["weights_full"], self.f["grads_full"]
         cast = GRAD_REDUCE_BYTES if mixed_precision(cfg.dtype) else 0.0  # a unit's gradient cast to fp32
         dp = dp_group(cfg)
-        if dp_wrapper(cfg.zero, cfg.pp, cfg.tp, dp, cfg.dtype) == "fully_shard" and reshard_after_forward(cfg.zero, cfg.pp, dp):
+        units = dp_wrapper(cfg.zero, cfg.pp, cfg.tp, dp, cfg.dtype) == "fully_shard" and reshard_after_forward(
+            cfg.zero, cfg.pp, dp)
+        if units:
             # 2 units unsharded (one computing, one prefetched), with their grads (measured under bf16:
             # the fp32 reduce-scatter input of the last unit takes the place of a prefetched unit)
             self.transient = [2 * u * (w + g) for u in self.t.unit]
         else:
             # a layer's incoming weight gradient lives beside the accumulated p.grad before it is added in
             self.transient = [p * (g + cast) for p in self.t.params]
+        # everything chunk_memory reads beyond the table: equal keys over one table, equal figures
+        self.key = (tuple(self.f.items()), tuple(self.fe.items()), units, cast)
 
     def work(self, i: int, policy: str) -> float:
         """Back-propagating through layer ``i`` materialises gradients the size of its
@@ -364,7 +379,19 @@ class MemoryRule:
 
 
 def chunk_memory(rule: MemoryRule, layers: Sequence[int], policy: str) -> ChunkMemory:
-    """The figures of ``layers`` (consecutive indices into graph.layers) under ``policy``."""
+    """The figures of ``layers`` (consecutive indices into graph.layers) under ``policy``; computed
+    once per (rule, the layers' distinct rows, policy) over one table (``LayerTable.chunk_memo``)."""
+    t = rule.t
+    rows = t.row_of[layers.start:layers.stop] if isinstance(layers, range) and layers.step == 1 else tuple(
+        t.row_of[i] for i in layers)
+    key = (rule.key, rows, policy)
+    memo = t.chunk_memo
+    if key not in memo:
+        memo[key] = _chunk_memory(rule, layers, policy)
+    return memo[key]
+
+
+def _chunk_memory(rule: MemoryRule, layers: Sequence[int], policy: str) -> ChunkMemory:
     t, f, fe = rule.t, rule.f, rule.fe
     P = sum(t.params[i] for i in layers)
     Pe = sum(t.experts[i] for i in layers)  # routed experts: sharded over their own dp group
@@ -400,11 +427,9 @@ def rank_memory(chunks: Sequence[ChunkMemory], inflight: Sequence[float], reserv
     over = overshoot(chunks[c], inflight[c])
     act = sum(x.act * n for x, n in zip(chunks, inflight)) + over - chunks[c].work
     buffers = sum(x.pinned for x in chunks) + max(x.transient for x in chunks) + chunks[c].work
-    out = StageMemory(weights=sum(x.weights for x in chunks), grads=sum(x.grads for x in chunks),
-                      optimizer=sum(x.optimizer for x in chunks), activations=act, buffers=buffers,
-                      reserve=0.0, inflight=sum(inflight), host=sum(x.host * n for x, n in zip(chunks, inflight)))
-    out.reserve = reserve.of(out.tensors)
-    return out
+    states = [sum(x.weights for x in chunks), sum(x.grads for x in chunks), sum(x.optimizer for x in chunks)]
+    return StageMemory(*states, activations=act, buffers=buffers, reserve=reserve.of(sum(states) + act + buffers),
+                       inflight=sum(inflight), host=sum(x.host * n for x, n in zip(chunks, inflight)))
 
 
 def stage_memory(graph: ModelGraph, layers: list[int], cfg: ParallelConfig, inflight: float,

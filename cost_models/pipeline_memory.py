@@ -21,15 +21,19 @@ def rank_memories(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, part
                   table: LayerTable, inflight_chunks: list[int], cal: dict[str, float],
                   on_rank: list[list[int]]) -> list[StageMemory]:
     """Memory of every pp rank (``memory.rank_memory``): its chunks (``on_rank[r]``) with the
-    in-flight (chunk, micro-batch) pairs the pipeline holds there, spread evenly over the chunks."""
+    in-flight (chunk, micro-batch) pairs the pipeline holds there, spread evenly over the chunks.
+    Each distinct rank is priced once per table (``LayerTable.rank_memo``; the figures are frozen)."""
     rule = MemoryRule(graph, cfg, table, hsdp_replicas(cluster, cfg))
     reserve = framework_reserve(cluster.backend != "gloo", cal)
-    memory = []
+    memory, memo = [], table.rank_memo
     for r in range(cfg.pp):
         chunks = on_rank[r]
-        mems = [chunk_memory(rule, range(*partition.bounds[j]), partition.recompute[j]) for j in chunks]
-        m = rank_memory(mems, [inflight_chunks[r] / len(chunks)] * len(chunks), reserve)
-        memory.append(replace(m, inflight=inflight_chunks[r]))
+        mems = tuple(chunk_memory(rule, range(*partition.bounds[j]), partition.recompute[j]) for j in chunks)
+        key = (mems, inflight_chunks[r], reserve)
+        if key not in memo:
+            m = rank_memory(mems, [inflight_chunks[r] / len(chunks)] * len(chunks), reserve)
+            memo[key] = replace(m, inflight=inflight_chunks[r])
+        memory.append(memo[key])
     return memory
 
 
