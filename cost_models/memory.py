@@ -73,6 +73,7 @@ split equals this rule's.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Mapping, Sequence
 
 from cost_models.engines import DEFAULT_ENGINE, Engine, fuses_elementwise
@@ -230,10 +231,12 @@ class LayerTable:
         # parameters of the blocks' dense linears (per tp rank): what float8 training casts
         self.fp8_params = [p - e if l.kind == "transformer_block" else 0.0
                            for p, e, l in zip(self.params, self.experts, graph.layers)]
-        # chunk_memory's results over these figures, per (MemoryRule.key, the chunk's rows, policy): a search
-        # prices chunks of the same repeated blocks under many schedules and splits; ChunkMemory is frozen
-        self.chunk_memo: dict[tuple, ChunkMemory] = {}
-        # a rank's memory per (its chunks' figures, in-flight micro-batches, reserve): see pipeline_memory
+        # chunk_memory's results over these figures: ``chunks[chunk_ids[(rule id, the chunk's rows, policy)]]``
+        # (a search prices chunks of the same repeated blocks under many schedules and splits; frozen)
+        self.rule_ids: dict[tuple, int] = {}  # what a MemoryRule adds to the table (MemoryRule.id) -> a small id
+        self.chunk_ids: dict[tuple, int] = {}
+        self.chunks: list[ChunkMemory] = []
+        # a rank's memory per (its chunks' ids, in-flight micro-batches, reserve): see pipeline_memory
         self.rank_memo: dict[tuple, StageMemory] = {}
 
 
@@ -356,20 +359,25 @@ class MemoryRule:
                  replicas: int = 1) -> None:
         self.cfg, self.t = cfg, table or LayerTable(graph, cfg)
         self.f, self.fe = per_param_bytes(cfg, replicas=replicas), per_param_bytes(cfg, experts=True)
-        w, g = self.f["weights_full"], self.f["grads_full"]
         cast = GRAD_REDUCE_BYTES if mixed_precision(cfg.dtype) else 0.0  # a unit's gradient cast to fp32
         dp = dp_group(cfg)
-        units = dp_wrapper(cfg.zero, cfg.pp, cfg.tp, dp, cfg.dtype) == "fully_shard" and reshard_after_forward(
+        self.units = dp_wrapper(cfg.zero, cfg.pp, cfg.tp, dp, cfg.dtype) == "fully_shard" and reshard_after_forward(
             cfg.zero, cfg.pp, dp)
-        if units:
+        self.cast = cast
+        # everything chunk_memory reads beyond the table: equal keys over one table, equal figures
+        key = (tuple(self.f.items()), tuple(self.fe.items()), self.units, cast)
+        self.id = self.t.rule_ids.setdefault(key, len(self.t.rule_ids))
+
+    @cached_property
+    def transient(self) -> list[float]:
+        """Per layer, the weight-gradient working set (bytes; computed when a chunk is first priced)."""
+        w, g = self.f["weights_full"], self.f["grads_full"]
+        if self.units:
             # 2 units unsharded (one computing, one prefetched), with their grads (measured under bf16:
             # the fp32 reduce-scatter input of the last unit takes the place of a prefetched unit)
-            self.transient = [2 * u * (w + g) for u in self.t.unit]
-        else:
-            # a layer's incoming weight gradient lives beside the accumulated p.grad before it is added in
-            self.transient = [p * (g + cast) for p in self.t.params]
-        # everything chunk_memory reads beyond the table: equal keys over one table, equal figures
-        self.key = (tuple(self.f.items()), tuple(self.fe.items()), units, cast)
+            return [2 * u * (w + g) for u in self.t.unit]
+        # a layer's incoming weight gradient lives beside the accumulated p.grad before it is added in
+        return [p * (g + self.cast) for p in self.t.params]
 
     def work(self, i: int, policy: str) -> float:
         """Back-propagating through layer ``i`` materialises gradients the size of its
@@ -380,15 +388,22 @@ class MemoryRule:
 
 def chunk_memory(rule: MemoryRule, layers: Sequence[int], policy: str) -> ChunkMemory:
     """The figures of ``layers`` (consecutive indices into graph.layers) under ``policy``; computed
-    once per (rule, the layers' distinct rows, policy) over one table (``LayerTable.chunk_memo``)."""
+    once per (rule, the layers' distinct rows, policy) over one table (:func:`chunk_id`)."""
+    return rule.t.chunks[chunk_id(rule, layers, policy)]
+
+
+def chunk_id(rule: MemoryRule, layers: Sequence[int], policy: str) -> int:
+    """Where :func:`chunk_memory`'s figures of ``layers`` under ``policy`` sit in ``rule.t.chunks``
+    (computed on first use): equal ids, equal figures."""
     t = rule.t
     rows = t.row_of[layers.start:layers.stop] if isinstance(layers, range) and layers.step == 1 else tuple(
         t.row_of[i] for i in layers)
-    key = (rule.key, rows, policy)
-    memo = t.chunk_memo
-    if key not in memo:
-        memo[key] = _chunk_memory(rule, layers, policy)
-    return memo[key]
+    key = (rule.id, rows, policy)
+    n = t.chunk_ids.get(key)
+    if n is None:
+        n = t.chunk_ids[key] = len(t.chunks)
+        t.chunks.append(_chunk_memory(rule, layers, policy))
+    return n
 
 
 def _chunk_memory(rule: MemoryRule, layers: Sequence[int], policy: str) -> ChunkMemory:

@@ -9,7 +9,7 @@ from cost_models import pipeline as pipe_mod
 from cost_models.cluster import Cluster
 from cost_models.compute import calibration
 from cost_models.layer_costs import LayerCosts
-from cost_models.memory import LayerTable, MemoryRule, StageMemory, chunk_memory, framework_reserve, rank_memory
+from cost_models.memory import LayerTable, MemoryRule, StageMemory, chunk_id, framework_reserve, rank_memory
 from cost_models.wan_cost import hsdp_replicas, stage_capacity
 from planner import schedule_ir as ir
 from planner.feasibility import microbatches
@@ -22,16 +22,17 @@ def rank_memories(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, part
                   on_rank: list[list[int]]) -> list[StageMemory]:
     """Memory of every pp rank (``memory.rank_memory``): its chunks (``on_rank[r]``) with the
     in-flight (chunk, micro-batch) pairs the pipeline holds there, spread evenly over the chunks.
-    Each distinct rank is priced once per table (``LayerTable.rank_memo``; the figures are frozen)."""
+    Each distinct rank is priced once per table (``LayerTable.rank_memo``, by its chunks' ``memory.chunk_id``;
+    the figures are frozen)."""
     rule = MemoryRule(graph, cfg, table, hsdp_replicas(cluster, cfg))
     reserve = framework_reserve(cluster.backend != "gloo", cal)
     memory, memo = [], table.rank_memo
     for r in range(cfg.pp):
         chunks = on_rank[r]
-        mems = tuple(chunk_memory(rule, range(*partition.bounds[j]), partition.recompute[j]) for j in chunks)
-        key = (mems, inflight_chunks[r], reserve)
+        ids = tuple(chunk_id(rule, range(*partition.bounds[j]), partition.recompute[j]) for j in chunks)
+        key = (ids, inflight_chunks[r], reserve)
         if key not in memo:
-            m = rank_memory(mems, [inflight_chunks[r] / len(chunks)] * len(chunks), reserve)
+            m = rank_memory([table.chunks[i] for i in ids], [inflight_chunks[r] / len(chunks)] * len(chunks), reserve)
             memo[key] = replace(m, inflight=inflight_chunks[r])
         memory.append(memo[key])
     return memory

@@ -110,7 +110,7 @@ class _Space:
     table_cache: dict = field(default_factory=dict)   # memory tables, shared by the layer costs of every key
     ulysses_cache: dict = field(default_factory=dict)  # (cp, tp, ep, mbs) -> the best Ulysses degree
     split_cache: dict = field(default_factory=dict)    # (pp, vpp, recompute, dp cp tp) -> the fast pass's splits
-    stage_cache: dict = field(default_factory=dict)    # LayerCosts.key -> per policy, one micro-batch's (fwd, bwd) s
+    stage_cache: dict = field(default_factory=dict)    # per LayerCosts.key: one micro-batch's seconds over the layers
     leanest: tuple[float, bool] = (math.inf, False)   # least bytes per device any rejected layout needs, exact?
 
     def note_need(self, need: float, exact: bool) -> None:
@@ -205,9 +205,12 @@ def _base_config(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
 
 def _rank_seconds(space: _Space, base: ParallelConfig) -> float:
     """One micro-batch through every layer on one rank: compute + TP / CP / EP communication (on
-    the critical path in every variant of ``base``'s degrees)."""
-    costs = space.costs(base)
-    return sum(c.fwd_pass + c.bwd_pass for c in map(costs.get, space.graph.layers))
+    the critical path in every variant of ``base``'s degrees); once per layer costs."""
+    key = ("rank", LayerCosts.key(base))
+    if key not in space.stage_cache:
+        costs = space.costs(base)
+        space.stage_cache[key] = sum(c.fwd_pass + c.bwd_pass for c in map(costs.get, space.graph.layers))
+    return space.stage_cache[key]
 
 
 def _best_ulysses(space: _Space, p: Point) -> int:
