@@ -15,11 +15,14 @@ Llama-3 70B (seq 8192) on 2 x 64 H100 (``two-region-h100``: 8 DGX H100 per regio
   the one circuit;
 - ``WAN-unaware plan``: the ideal-link plan run on the two regions.
 
-    python -m benchmarks.multi_region [--global-batch 256] [--out benchmarks/results/multi_region.json]
+    python -m benchmarks.multi_region [--global-batch 256] [--repeat 3] [--out benchmarks/results/multi_region.json]
+
+``--repeat N``: the WAN-aware search timed N times, the median reported (a shared machine is noisy).
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 from benchmarks.results import write_json
@@ -62,16 +65,21 @@ def row(name: str, e, search: tuple[float, float] | None = None) -> dict:
             "search_s": search[0] if search else None, "search_cpu_s": search[1] if search else None, "wan": e.wan}
 
 
-def timed_plan(g, cluster: Cluster, gb: int, **kw):
-    """plan_model's search result and its (wall, CPU) seconds."""
-    t0, c0 = time.perf_counter(), time.process_time()
-    _, res = plan_model(g, cluster, gb, spec=MODEL, cluster_spec=CLUSTER, **kw)
-    return res, (time.perf_counter() - t0, time.process_time() - c0)
+def timed_plan(g, cluster: Cluster, gb: int, repeat: int = 1, **kw):
+    """plan_model's search result and the median of ``repeat`` runs' (wall, CPU) seconds."""
+    walls, cpus = [], []
+    for _ in range(repeat):
+        t0, c0 = time.perf_counter(), time.process_time()
+        _, res = plan_model(g, cluster, gb, spec=MODEL, cluster_spec=CLUSTER, **kw)
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return res, (statistics.median(walls), statistics.median(cpus))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--global-batch", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=1, help="time the WAN-aware search this many times (median)")
     ap.add_argument("--out", default="benchmarks/results/multi_region.json")
     args = ap.parse_args()
     gb = args.global_batch
@@ -80,7 +88,7 @@ def main() -> None:
     rows = []
     res_ideal, took = timed_plan(g, ideal(wan), gb)
     rows.append(row("ideal link", res_ideal.best, took))
-    res, took = timed_plan(g, wan, gb)
+    res, took = timed_plan(g, wan, gb, args.repeat)
     rows.append(row("planned (WAN-aware)", res.best, took))
     _, res_1f1b = plan_model(g, wan, gb, spec=MODEL, cluster_spec=CLUSTER, fix="schedule=1f1b")
     rows.append(row("1F1B, WAN-aware placement", res_1f1b.best))

@@ -73,6 +73,7 @@ split equals this rule's.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Mapping, Sequence
 
 from cost_models.engines import DEFAULT_ENGINE, Engine, fuses_elementwise
@@ -91,9 +92,9 @@ RESERVE_CPU = 0.0             # live tensors only; process overhead is not tenso
 
 
 
-@dataclass
+@dataclass(frozen=True)
 class StageMemory:
-    """Bytes on one rank of a stage."""
+    """Bytes on one rank of a stage (frozen: the search shares one per distinct rank)."""
     weights: float
     grads: float
     optimizer: float
@@ -206,8 +207,11 @@ class LayerTable:
     def __init__(self, graph: ModelGraph, cfg: ParallelConfig, engine: Engine = DEFAULT_ENGINE) -> None:
         rows: dict[tuple, tuple] = {}  # a repeated block has its representative's figures: computed once
 
+        def row_key(l: Layer) -> tuple:
+            return l.repeat_of or l.name, l.tied_params, l.moe.imbalance if l.moe else None
+
         def row(l: Layer) -> tuple:
-            key = (l.repeat_of or l.name, l.tied_params, l.moe.imbalance if l.moe else None)
+            key = row_key(l)
             if key not in rows:
                 rows[key] = (layer_params_local(l, cfg.tp, cfg.pp, cfg.ep, graph.hidden),
                              layer_experts(l, graph.hidden) / cfg.ep,       # part of params
@@ -217,6 +221,9 @@ class LayerTable:
             return rows[key]
 
         table = [row(l) for l in graph.layers]
+        ids = {k: n for n, k in enumerate(rows)}
+        # which distinct row each layer has: chunks of the same rows have the same figures
+        self.row_of = tuple(ids[row_key(l)] for l in graph.layers)
         self.params, self.experts, self.token_local = ([r[i] for r in table] for i in range(3))
         self.units = [r[3] for r in table]
         self.unit = [max(u) for u in self.units]
@@ -224,6 +231,13 @@ class LayerTable:
         # parameters of the blocks' dense linears (per tp rank): what float8 training casts
         self.fp8_params = [p - e if l.kind == "transformer_block" else 0.0
                            for p, e, l in zip(self.params, self.experts, graph.layers)]
+        # chunk_memory's results over these figures: ``chunks[chunk_ids[(rule id, the chunk's rows, policy)]]``
+        # (a search prices chunks of the same repeated blocks under many schedules and splits; frozen)
+        self.rule_ids: dict[tuple, int] = {}  # what a MemoryRule adds to the table (MemoryRule.id) -> a small id
+        self.chunk_ids: dict[tuple, int] = {}
+        self.chunks: list[ChunkMemory] = []
+        # a rank's memory per (its chunks' ids, in-flight micro-batches, reserve): see pipeline_memory
+        self.rank_memo: dict[tuple, StageMemory] = {}
 
 
 def per_param_bytes(cfg: ParallelConfig, experts: bool = False, replicas: int = 1) -> dict[str, float]:
@@ -345,16 +359,25 @@ class MemoryRule:
                  replicas: int = 1) -> None:
         self.cfg, self.t = cfg, table or LayerTable(graph, cfg)
         self.f, self.fe = per_param_bytes(cfg, replicas=replicas), per_param_bytes(cfg, experts=True)
-        w, g = self.f["weights_full"], self.f["grads_full"]
         cast = GRAD_REDUCE_BYTES if mixed_precision(cfg.dtype) else 0.0  # a unit's gradient cast to fp32
         dp = dp_group(cfg)
-        if dp_wrapper(cfg.zero, cfg.pp, cfg.tp, dp, cfg.dtype) == "fully_shard" and reshard_after_forward(cfg.zero, cfg.pp, dp):
+        self.units = dp_wrapper(cfg.zero, cfg.pp, cfg.tp, dp, cfg.dtype) == "fully_shard" and reshard_after_forward(
+            cfg.zero, cfg.pp, dp)
+        self.cast = cast
+        # everything chunk_memory reads beyond the table: equal keys over one table, equal figures
+        key = (tuple(self.f.items()), tuple(self.fe.items()), self.units, cast)
+        self.id = self.t.rule_ids.setdefault(key, len(self.t.rule_ids))
+
+    @cached_property
+    def transient(self) -> list[float]:
+        """Per layer, the weight-gradient working set (bytes; computed when a chunk is first priced)."""
+        w, g = self.f["weights_full"], self.f["grads_full"]
+        if self.units:
             # 2 units unsharded (one computing, one prefetched), with their grads (measured under bf16:
             # the fp32 reduce-scatter input of the last unit takes the place of a prefetched unit)
-            self.transient = [2 * u * (w + g) for u in self.t.unit]
-        else:
-            # a layer's incoming weight gradient lives beside the accumulated p.grad before it is added in
-            self.transient = [p * (g + cast) for p in self.t.params]
+            return [2 * u * (w + g) for u in self.t.unit]
+        # a layer's incoming weight gradient lives beside the accumulated p.grad before it is added in
+        return [p * (g + self.cast) for p in self.t.params]
 
     def work(self, i: int, policy: str) -> float:
         """Back-propagating through layer ``i`` materialises gradients the size of its
@@ -364,7 +387,26 @@ class MemoryRule:
 
 
 def chunk_memory(rule: MemoryRule, layers: Sequence[int], policy: str) -> ChunkMemory:
-    """The figures of ``layers`` (consecutive indices into graph.layers) under ``policy``."""
+    """The figures of ``layers`` (consecutive indices into graph.layers) under ``policy``; computed
+    once per (rule, the layers' distinct rows, policy) over one table (:func:`chunk_id`)."""
+    return rule.t.chunks[chunk_id(rule, layers, policy)]
+
+
+def chunk_id(rule: MemoryRule, layers: Sequence[int], policy: str) -> int:
+    """Where :func:`chunk_memory`'s figures of ``layers`` under ``policy`` sit in ``rule.t.chunks``
+    (computed on first use): equal ids, equal figures."""
+    t = rule.t
+    rows = t.row_of[layers.start:layers.stop] if isinstance(layers, range) and layers.step == 1 else tuple(
+        t.row_of[i] for i in layers)
+    key = (rule.id, rows, policy)
+    n = t.chunk_ids.get(key)
+    if n is None:
+        n = t.chunk_ids[key] = len(t.chunks)
+        t.chunks.append(_chunk_memory(rule, layers, policy))
+    return n
+
+
+def _chunk_memory(rule: MemoryRule, layers: Sequence[int], policy: str) -> ChunkMemory:
     t, f, fe = rule.t, rule.f, rule.fe
     P = sum(t.params[i] for i in layers)
     Pe = sum(t.experts[i] for i in layers)  # routed experts: sharded over their own dp group
@@ -400,11 +442,9 @@ def rank_memory(chunks: Sequence[ChunkMemory], inflight: Sequence[float], reserv
     over = overshoot(chunks[c], inflight[c])
     act = sum(x.act * n for x, n in zip(chunks, inflight)) + over - chunks[c].work
     buffers = sum(x.pinned for x in chunks) + max(x.transient for x in chunks) + chunks[c].work
-    out = StageMemory(weights=sum(x.weights for x in chunks), grads=sum(x.grads for x in chunks),
-                      optimizer=sum(x.optimizer for x in chunks), activations=act, buffers=buffers,
-                      reserve=0.0, inflight=sum(inflight), host=sum(x.host * n for x, n in zip(chunks, inflight)))
-    out.reserve = reserve.of(out.tensors)
-    return out
+    states = [sum(x.weights for x in chunks), sum(x.grads for x in chunks), sum(x.optimizer for x in chunks)]
+    return StageMemory(*states, activations=act, buffers=buffers, reserve=reserve.of(sum(states) + act + buffers),
+                       inflight=sum(inflight), host=sum(x.host * n for x, n in zip(chunks, inflight)))
 
 
 def stage_memory(graph: ModelGraph, layers: list[int], cfg: ParallelConfig, inflight: float,

@@ -12,7 +12,7 @@ from cost_models import pipeline as pipe_mod
 from cost_models.cluster import Cluster
 from cost_models.compute import calibration
 from cost_models.layer_costs import LayerCosts
-from cost_models.memory import LayerTable, MemoryRule, StageMemory, chunk_memory, framework_reserve, rank_memory
+from cost_models.memory import LayerTable, MemoryRule, StageMemory, chunk_id, framework_reserve, rank_memory
 from cost_models.seq_chunks import kv_store_bytes, per_unit
 from cost_models.wan_cost import hsdp_replicas, stage_capacity
 from planner import schedule_ir as ir
@@ -27,19 +27,26 @@ def rank_memories(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, part
     """Memory of every pp rank (``memory.rank_memory``): its chunks (``on_rank[r]``) with the
     in-flight (chunk, micro-batch) pairs the pipeline holds there, spread evenly over the chunks.
     With sequence chunks: pairs of (stage, sequence chunk) units, ``1/k`` of a micro-batch's
-    activations and back-propagation working set each (``seq_chunks.per_unit``), plus the KV store of the ``seqs_held[r]`` sequences in flight (default :func:`seqs_bound`)."""
+    activations and back-propagation working set each (``seq_chunks.per_unit``), plus the KV store
+    of the ``seqs_held[r]`` sequences in flight (default :func:`seqs_bound`). Each distinct rank is
+    priced once per table (``LayerTable.rank_memo``, by its chunks' ``memory.chunk_id``; the
+    figures are frozen)."""
     rule = MemoryRule(graph, cfg, table, hsdp_replicas(cluster, cfg))
     reserve = framework_reserve(cluster.backend != "gloo", cal)
-    memory, k = [], cfg.seq_chunks
+    memory, memo, k = [], table.rank_memo, cfg.seq_chunks
     for r in range(cfg.pp):
         chunks = on_rank[r]
-        mems = [per_unit(chunk_memory(rule, range(*partition.bounds[j]), partition.recompute[j]), k) for j in chunks]
-        m = rank_memory(mems, [inflight_chunks[r] / len(chunks)] * len(chunks), reserve)
+        ids = tuple(chunk_id(rule, range(*partition.bounds[j]), partition.recompute[j]) for j in chunks)
+        kv = 0.0
         if k > 1:
             seqs = seqs_held[r] if seqs_held is not None else seqs_bound(inflight_chunks[r], k)
-            layers = [i for j in chunks for i in range(*partition.bounds[j])]
-            m = replace(m, activations=m.activations + seqs * kv_store_bytes(graph, cfg, layers))
-        memory.append(replace(m, inflight=inflight_chunks[r]))
+            kv = seqs * kv_store_bytes(graph, cfg, [i for j in chunks for i in range(*partition.bounds[j])])
+        key = (ids, inflight_chunks[r], reserve, k, kv)
+        if key not in memo:
+            m = rank_memory([per_unit(table.chunks[i], k) for i in ids], [inflight_chunks[r] / len(chunks)] * len(chunks),
+                            reserve)
+            memo[key] = replace(m, activations=m.activations + kv, inflight=inflight_chunks[r])
+        memory.append(memo[key])
     return memory
 
 

@@ -116,6 +116,21 @@ def test_ilp_matches_brute_force_with_binding_memory() -> None:
     assert binding >= 0.8 * len(cases), binding
 
 
+def test_fastest_policy_split_is_the_optimum_where_it_fits() -> None:
+    """Where the split that is time-optimal under ``none`` alone (the fastest policy on every layer)
+    fits, it answers the per-stage policy choice (solve_partition's shortcut): the brute-force optimum."""
+    shortcut = 0
+    for n, pr, _ in _instances():
+        table = _brute(pr)
+        free_best = min(table)
+        pr.capacity = free_best[1] * 1.05             # room for the unconstrained optimum
+        res = solve_partition(pr, time_limit=20)
+        assert res.status == "optimal", (n, res.status)
+        assert res.objective_s == pytest.approx(free_best[0], rel=5e-3), (n, res.partition)
+        shortcut += set(res.partition.recompute) == {"none"}
+    assert shortcut >= 0.8 * len(_instances()), shortcut
+
+
 def test_objective_exact_for_uniform_stages() -> None:
     # uniform stages, no p2p: the closed forms of cost_models.pipeline.estimate_step
     f, b = 0.3, 0.6

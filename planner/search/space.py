@@ -22,8 +22,11 @@ Pruning keeps the space whole but cheap, with two bounds per degree tuple
   ``t = sum(fwd + bwd + comm) / pp`` (``cost_models.pipeline.linear_step`` on equal stages).
   On a cluster with a WAN, at least ``cost_models.wan_cost.wan_floor_s`` (the gradients'
   cross-group phase; a WAN pipeline boundary's activations one after another).
-  At or above the incumbent's step time, no variant can win; all are pruned.
-Tuples are visited in increasing floor, so a good incumbent comes early. Inside a
+  Above what a variant must beat to be solved (``planner.search.incumbents``: the
+  ``solve_top``-th best estimate so far, and for a variant a generated schedule may run
+  across the WAN the best such one beyond them), no variant can matter; all are pruned.
+Tuples and variants are visited best floor first (one heap), so good incumbents come early
+and the pruned search solves exactly what the unpruned one would. Inside a
 tuple, each variant gets its own floor (its schedule's closed form on perfectly
 balanced stages, plus its recompute; with a pipeline boundary on the WAN, plus the stall
 the fast pass charges it: ``cost_models.wan_cost.pipeline_wan_floor_s``), and variants the cost model proves no better
@@ -39,6 +42,7 @@ a pinned layout needs.
 """
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from dataclasses import dataclass, field
@@ -63,6 +67,7 @@ from planner.plan import RECOMPUTE, ModelFacts, ParallelConfig
 from planner.search.candidates import (DOMINATED_REASON, Point, Rejections, batch_of, compile_problem, facts_of,
                                        fp8_problem, points,
                                        request_problem, schedule_choices, variants)
+from planner.search.incumbents import Incumbents
 from planner.search.pins import Pins
 from planner.search.stage_split import fast_splits, generates, split_and_estimate
 
@@ -106,6 +111,7 @@ class _Space:
     table_cache: dict = field(default_factory=dict)   # memory tables, shared by the layer costs of every key
     ulysses_cache: dict = field(default_factory=dict)  # (cp, tp, ep, mbs) -> the best Ulysses degree
     split_cache: dict = field(default_factory=dict)    # (pp, vpp, recompute, dp cp tp) -> the fast pass's splits
+    stage_cache: dict = field(default_factory=dict)    # per LayerCosts.key: one micro-batch's seconds over the layers
     leanest: tuple[float, bool] = (math.inf, False)   # least bytes per device any rejected layout needs, exact?
 
     def note_need(self, need: float, exact: bool) -> None:
@@ -147,10 +153,11 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
            solve_top: int = 3, max_mbs: int = 8, dtype: str | None = None, loss: str = "eager",
            pins: Pins | None = None, ilp_time_limit: float = 10.0,
            progress: Callable[[str], None] | None = None, fp8: str = "none", compile: bool = False,
-           low_comm: str = "") -> SearchResult:
+           low_comm: str = "", prune: bool = True) -> SearchResult:
     """Find the configuration with the best predicted step time that fits among those the
     ``pins`` admit: degree tuples with their floors, then every variant's closed-form
-    estimate on an even split, then the ILP split and the simulated schedule for the best few."""
+    estimate on an even split, then the ILP split and the simulated schedule for the best few.
+    ``prune=False``: no time floor prunes anything (the same plan, slower: tests compare)."""
     t0 = time.perf_counter()
     facts, batch = facts_of(graph), batch_of(graph, global_batch)
     parse_low_comm(low_comm)  # a bad --low-comm: one line before anything is priced
@@ -164,7 +171,7 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
     tuples = _tuples_with_floors(space, max_mbs)
     if progress:
         progress(f"{len(tuples)} degree tuples after the memory floor; {res.considered} configurations")
-    ranked = _ranked_variants(space, tuples)
+    ranked = _ranked_variants(space, tuples, Incumbents(max(solve_top, 1), prune))
     _solve_best(space, ranked, solve_top, ilp_time_limit, top_k)
     res.solve_s = time.perf_counter() - t0
     return res
@@ -199,9 +206,12 @@ def _base_config(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
 
 def _rank_seconds(space: _Space, base: ParallelConfig) -> float:
     """One micro-batch through every layer on one rank: compute + TP / CP / EP communication (on
-    the critical path in every variant of ``base``'s degrees)."""
-    costs = space.costs(base)
-    return sum(c.fwd_pass + c.bwd_pass for c in map(costs.get, space.graph.layers))
+    the critical path in every variant of ``base``'s degrees); once per layer costs."""
+    key = ("rank", LayerCosts.key(base))
+    if key not in space.stage_cache:
+        costs = space.costs(base)
+        space.stage_cache[key] = sum(c.fwd_pass + c.bwd_pass for c in map(costs.get, space.graph.layers))
+    return space.stage_cache[key]
 
 
 def _best_ulysses(space: _Space, p: Point) -> int:
@@ -255,76 +265,109 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     return t
 
 
-def _balanced_stage_times(costs: LayerCosts, graph: ModelGraph, pp: int) -> dict[str, tuple[float, float]]:
+def _balanced_stage_times(space: _Space, costs: LayerCosts, pp: int) -> dict[str, tuple[float, float]]:
     """Per recompute policy, (forward, backward) seconds of one micro-batch on one of ``pp``
-    perfectly balanced stages, by the estimator's own per-layer rule (``layer_pass_times``)."""
-    out = {}
-    for policy in RECOMPUTE:
-        times = [layer_pass_times(costs.get(l), policy) for l in graph.layers]
-        out[policy] = (sum(x.fwd for x in times) / pp, sum(x.bwd for x in times) / pp)
-    return out
+    perfectly balanced stages, by the estimator's own per-layer rule (``layer_pass_times``); the
+    sums over the layers once per layer costs (``_Space.stage_cache``)."""
+    key = LayerCosts.key(costs.cfg)
+    if key not in space.stage_cache:
+        sums = {}
+        for policy in RECOMPUTE:
+            times = [layer_pass_times(costs.get(l), policy) for l in space.graph.layers]
+            sums[policy] = (sum(x.fwd for x in times), sum(x.bwd for x in times))
+        space.stage_cache[key] = sums
+    return {policy: (f / pp, b / pp) for policy, (f, b) in space.stage_cache[key].items()}
 
 
-def _ranked_variants(space: _Space, tuples: list[_Tuple]) -> list[tuple[float, str, Estimate]]:
-    """Every variant (schedule, vpp, sharding, recompute, sp) of the tuples whose floors beat the
-    best step time found so far, priced with the closed-form pipeline on an even split; those
+def _ranked_variants(space: _Space, tuples: list[_Tuple], inc: Incumbents) -> list[tuple[float, str, Estimate]]:
+    """Every variant (schedule, vpp, sharding, recompute, sp) of the tuples, best floor first
+    (a tuple's floor is below its variants'), priced with the closed-form pipeline on an even
+    split unless its floor is above what it must beat (``planner.search.incumbents``); those
     that fit, fastest first."""
-    g, res, rej = space.graph, space.res, space.rej
+    res, rej = space.res, space.rej
     ranked: list[tuple[float, str, Estimate]] = []
-    best_s = math.inf
-    for t in tuples:
-        if t.floor_s >= best_s:
-            # with routed experts, per expert-parallel degree: the report's "why not ep=..." reads it
-            rej.add((f"ep={t.ep}: " if t.moe else "") + "time floor above the best step time found", t.label, t.n_var)
-            res.pruned += t.n_var
+    heap: list[tuple] = [(t.floor_s, n, t, None) for n, t in enumerate(tuples)]  # (floor, order, tuple, variant)
+    heapq.heapify(heap)
+    order = len(heap)
+    while heap:
+        floor_s, _, t, cfg = heapq.heappop(heap)
+        if cfg is None:
+            if floor_s > inc.threshold(_may_protect(space, t.pp, t.m)):
+                # with routed experts, per expert-parallel degree: the report's "why not ep=..." reads it
+                rej.add((f"ep={t.ep}: " if t.moe else "") + "time floor above the best step time found", t.label,
+                        t.n_var)
+                res.pruned += t.n_var
+                continue
+            for lb, c in _variant_floors(space, t):
+                heapq.heappush(heap, (lb, order, t, c))
+                order += 1
             continue
-        n_kept = 0
-        costs = t.costs
-        stage = _balanced_stage_times(costs, g, t.pp)
-        threads = layout_threads(space.cluster, t.dp * t.pp * t.cp * t.tp)
-        wan_hops: dict[bool, list[WanHop]] = {}  # per sequence parallel: the tuple's WAN boundaries at their cheapest
-        for cfg in variants(Point(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, t.ep, (t.ulysses,), threads), t.ulysses,
-                            space.facts, space.batch, space.dtype, space.loss, dominated=False, pins=space.pins,
-                            fp8=space.fp8, compile=space.compile, low_comm=space.low_comm,
-                            offload=offload_saves(space.cluster), seq_chunks=searched_chunks(space.cluster)):
-            n_kept += 1
-            # variant floor: this schedule on perfectly balanced stages, with its recompute
-            f, b = stage[cfg.recompute]
-            v = cfg.vpp
-            lb = estimate_step(cfg.schedule, t.pp, t.m, f / v, b / v, v=v) if t.pp > 1 and cfg.seq_chunks == 1 \
-                else t.m * (f + b)  # (sequence chunks: their fill and drain run the cheap first chunks)
-            if cfg.sp not in wan_hops:
-                wan_hops[cfg.sp] = cheapest_wan_hops(g, space.cluster, cfg)
-            if wan_hops[cfg.sp]:  # and the stall of its WAN boundaries, what the fast pass adds
-                lb = pipeline_wan_floor_s(t.m, t.pp, BalancedPipe(
-                    lb, f + b, [inflight_closed(cfg.schedule, t.pp, t.m, v, r) // v for r in range(t.pp)]),
-                    wan_hops[cfg.sp])
-            if lb >= best_s:
-                rej.add("time floor above the best step time found", cfg.label())
-                res.pruned += 1
-                continue
-            e = _fast_estimate(space, cfg, costs if LayerCosts.key(cfg) == LayerCosts.key(costs.cfg) else
-                               space.costs(cfg), t.m)
-            res.estimated += 1
-            if isinstance(e, tuple):
-                r, over, need = e
-                space.note_need(need, exact=True)
-                rej.add(f"OOM by {_bucket(over)} on stage {r}", cfg.label())
-                continue
-            if not e.fits:  # the devices fit; the offloaded activations overflow the host memory
-                r = max(range(len(e.memory)), key=lambda k: e.memory[k].host)
-                rej.add(f"offload: host memory short by {_bucket(e.memory[r].host - e.host_capacity)} on stage {r} "
-                        f"(host_memory_gib in the cluster file)", cfg.label())
-                continue
-            ranked.append((e.step_s, cfg.to_str(), e))
-            best_s = min(best_s, e.step_s)
-        if t.n_var - n_kept:
-            rej.add(DOMINATED_REASON, t.label, t.n_var - n_kept)
-            res.pruned += t.n_var - n_kept
+        protect = _may_protect(space, cfg.pp, t.m) and generates(cfg, t.m)
+        if floor_s > inc.threshold(protect):
+            rej.add("time floor above the best step time found", cfg.label())
+            res.pruned += 1
+            continue
+        e = _fast_estimate(space, cfg, t.costs if LayerCosts.key(cfg) == LayerCosts.key(t.costs.cfg) else
+                           space.costs(cfg), t.m)
+        res.estimated += 1
+        if isinstance(e, tuple):
+            r, over, need = e
+            space.note_need(need, exact=True)
+            rej.add(f"OOM by {_bucket(over)} on stage {r}", cfg.label())
+            continue
+        if not e.fits:  # the devices fit; the offloaded activations overflow the host memory
+            r = max(range(len(e.memory)), key=lambda k: e.memory[k].host)
+            rej.add(f"offload: host memory short by {_bucket(e.memory[r].host - e.host_capacity)} on stage {r} "
+                    f"(host_memory_gib in the cluster file)", cfg.label())
+            continue
+        ranked.append((e.step_s, cfg.to_str(), e))
+        inc.add(e.step_s, _wan_generating(space, e))
     if not ranked:
         res.rejected, res.rejected_counts = rej.examples, rej.counts
         raise AutoparError(_nothing_fits(space))
     return sorted(ranked, key=lambda x: (x[0], x[1]))
+
+
+def _variant_floors(space: _Space, t: _Tuple) -> list[tuple[float, ParallelConfig]]:
+    """The variants of a tuple the cost model does not prove dominated, each with its floor: its
+    schedule on perfectly balanced stages with its recompute, and with a pipeline boundary on the
+    WAN the stall the fast pass charges it (seconds); the dominated ones are recorded."""
+    g = space.graph
+    stage = _balanced_stage_times(space, t.costs, t.pp)
+    threads = layout_threads(space.cluster, t.dp * t.pp * t.cp * t.tp)
+    wan_hops: dict[bool, list[WanHop]] = {}  # per sequence parallel: the tuple's WAN boundaries at their cheapest
+    out = []
+    for cfg in variants(Point(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, t.ep, (t.ulysses,), threads), t.ulysses,
+                        space.facts, space.batch, space.dtype, space.loss, dominated=False, pins=space.pins,
+                        fp8=space.fp8, compile=space.compile, low_comm=space.low_comm,
+                        offload=offload_saves(space.cluster), seq_chunks=searched_chunks(space.cluster)):
+        f, b = stage[cfg.recompute]
+        v = cfg.vpp
+        lb = estimate_step(cfg.schedule, t.pp, t.m, f / v, b / v, v=v) if t.pp > 1 and cfg.seq_chunks == 1 \
+            else t.m * (f + b)  # (sequence chunks: their fill and drain run the cheap first chunks)
+        if cfg.sp not in wan_hops:
+            wan_hops[cfg.sp] = cheapest_wan_hops(g, space.cluster, cfg)
+        if wan_hops[cfg.sp]:  # and the stall of its WAN boundaries, what the fast pass adds
+            lb = pipeline_wan_floor_s(t.m, t.pp, BalancedPipe(
+                lb, f + b, [inflight_closed(cfg.schedule, t.pp, t.m, v, r) // v for r in range(t.pp)]),
+                wan_hops[cfg.sp])
+        out.append((lb, cfg))
+    if t.n_var - len(out):
+        space.rej.add(DOMINATED_REASON, t.label, t.n_var - len(out))
+        space.res.pruned += t.n_var - len(out)
+    return out
+
+
+def _may_protect(space: _Space, pp: int, m: int) -> bool:
+    """Whether a layout of ``pp`` stages may hold a protected variant (``_wan_generated``'s kind): a
+    superset, known before pricing (a WAN, a pipeline, the schedule not pinned)."""
+    return space.cluster.topology is not None and pp > 1 and "schedule" not in space.pins.choice
+
+
+def _wan_generating(space: _Space, e: Estimate) -> bool:
+    """A priced variant a generated schedule may run with a pipeline boundary on the WAN."""
+    return generates(e.config, e.microbatches) and any(x["dim"] == "pp" for x in e.wan) \
+        and "schedule" not in space.pins.choice
 
 
 def _fast_estimate(space: _Space, cfg: ParallelConfig, costs: LayerCosts,
@@ -393,9 +436,7 @@ def _wan_generated(space: _Space, rest: list[tuple[float, str, Estimate]]) -> li
     (``cost_models.wan.stall_s``); a schedule generated for the stage times and hops can hold
     them back differently and hide the hop, which only the full solve sees."""
     for item in rest:
-        e = item[2]
-        if generates(e.config, e.microbatches) and any(x["dim"] == "pp" for x in e.wan) \
-                and "schedule" not in space.pins.choice:
+        if _wan_generating(space, item[2]):
             return [item]
     return []
 

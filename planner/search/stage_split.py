@@ -156,8 +156,10 @@ GEN_MAX_WORK = 65_536  # generate a schedule only where pp^2 x micro-batches sta
 
 def generates(cfg: ParallelConfig, m: int) -> bool:
     """Whether :func:`with_generated_schedule` tries a generated schedule for ``cfg`` with ``m``
-    micro-batches: one stage per rank under 1f1b or zb-h1, ``pp^2 m`` within :data:`GEN_MAX_WORK`."""
-    return cfg.pp > 1 and cfg.vpp == 1 and cfg.schedule in ("1f1b", "zb-h1") and cfg.pp ** 2 * m <= GEN_MAX_WORK
+    micro-batches: one stage per rank under 1f1b or zb-h1 without sequence chunks (the generator
+    orders whole micro-batches), ``pp^2 m`` within :data:`GEN_MAX_WORK`."""
+    return cfg.pp > 1 and cfg.vpp == 1 and cfg.schedule in ("1f1b", "zb-h1") and cfg.seq_chunks == 1 \
+        and cfg.pp ** 2 * m <= GEN_MAX_WORK
 
 
 def with_generated_schedule(graph: ModelGraph, cluster: Cluster, e: Estimate, profile, engine,
