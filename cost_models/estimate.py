@@ -337,8 +337,9 @@ def _dp_and_optimizer(cluster: Cluster, cfg: ParallelConfig, partition: Partitio
                        for lo, hi in (partition.bounds[j] for j in mine) for i in range(lo, hi)))
     dp = _dp_comm(cluster, cfg, m, P - Pe, units, profile, comm_src, engine,
                   fp8_share=lin / (P - Pe) if cfg.fp8 != "none" and P > Pe else 0.0)
-    if Pe:
-        ex = _dp_comm(cluster, cfg, m, Pe, units, profile, comm_src, engine, experts=True)
+    if Pe:  # one FSDP unit per routed-experts module (codegen/runtime/data_parallel.py shard_experts)
+        e_units = sum(1 for lo, hi in (partition.bounds[j] for j in mine) for i in range(lo, hi) if table.experts[i])
+        ex = _dp_comm(cluster, cfg, m, Pe, max(1, e_units), profile, comm_src, engine, experts=True)
         dp = DpTraffic(dp.overlappable + ex.overlappable, dp.after_step + ex.after_step, max(dp.last_call, ex.last_call))
     ov = OVERLAP.get(cluster.backend, 0.5)
     if not spare_core(cluster.cores_per_node, min(cfg.world, cluster.devices_per_node)):

@@ -185,3 +185,28 @@ def test_published_moe_runs_fit_as_they_ran_and_price_within_15_percent(key):
         pytest.xfail(f"Qwen3 EP8 PP32 VPP3 predicted {r['error']:+.0%} too fast: one layer per chunk at 512 "
                      "micro-batches, its per-micro-batch overheads not priced yet")
     assert abs(r["error"]) < 0.15, r["error"]
+
+
+def test_experts_data_parallel_calls_are_one_per_routed_layer():
+    """FSDP shards each routed-experts module as one unit over the experts' data-parallel group
+    (codegen/runtime/data_parallel.py shard_experts): the expert traffic is priced as that many calls
+    per micro-batch (two gathers and a reduce-scatter each), not one per layer of the stage.
+    A profile where every 2-rank gather / reduce-scatter costs 1 s and nothing else costs anything
+    counts the calls: 4 layers, 1 of them dense -> 3 routed units -> 9 s."""
+    from cost_models.cluster import parse_cluster
+    from cost_models.estimate import estimate
+    from cost_models.profile_db import ProfileDB
+    from planner.search.stage_split import even_split
+
+    cfg = ModelConfig(name="moe-calls", arch="moe", layers=4, hidden=64, ffn_hidden=128, heads=4, kv_heads=2,
+                      vocab=256, seq_len=32, experts=4, top_k=2, expert_ffn_hidden=32, dense_layers=1)
+    g = graph_of_config(cfg)
+    cluster = dataclasses.replace(parse_cluster("local-cpu:4"), cores_per_node=4)  # no shared-core waits
+    db = ProfileDB(cluster_fingerprint=cluster.fingerprint(), backend="gloo", world=4)
+    for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
+        for n in (2, 4):
+            for nbytes in (1, 2**30):
+                db.add_collective(kind, n, "intra", nbytes, 1.0 if (n == 2 and kind != "all_to_all") else 0.0)
+    pc = ParallelConfig(dp=4, ep=2, mbs=1, zero="fsdp")
+    e = estimate(g, cluster, pc, even_split(g, 1), 4, profile=db)
+    assert e.breakdown["dp_comm"] == pytest.approx(9.0, abs=0.5)
