@@ -212,6 +212,9 @@ def test_long_context_llama8b_128k_on_one_dgx_h100_offloads():
     assert best.config.recompute == "offload" and best.config.cp > 1, best.config.label()
     assert best.breakdown.get("offload", 0.0) < 0.01 * best.step_s  # the copies hide behind the compute
     assert 0 < best.memory[0].host <= best.host_capacity
-    full = [a for a in res.alternatives if a.config.recompute == "full"]
-    assert full and min(a.step_s for a in full) > 1.1 * best.step_s
+    # the best full-recompute layout, searched as such (the exact pruning leaves it out of the
+    # alternatives: its floor is above the third-best estimate)
+    _, full = plan_model(g, parse_cluster("dgx-h100"), 8, spec="llama3-8b", cluster_spec="dgx-h100",
+                         fix="recompute=full")
+    assert full.best.config.recompute == "full" and full.best.step_s > 1.1 * best.step_s
     assert any(r.startswith("offload: host memory short by") for r in res.rejected)
