@@ -27,15 +27,17 @@ where a sample runs. A rank with no samples contributes zero gradients.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from planner.batch_assign import WorkCost
-from planner.batch_multimodal import Balance, MultimodalBatchShape, assign_samples, fixed_split, fixed_split_work
+from planner.batch_multimodal import (Balance, MultimodalBatchShape, assign_samples, fixed_split, fixed_split_work,
+                                      layout_problem)
+from planner.plan import ParallelConfig
 
 IGNORE_INDEX = -100
 KEYS = ("input_ids", "labels", "pixel_values", "image_counts")
@@ -85,6 +87,36 @@ class MultimodalBatch:
     def target_count(self) -> int:
         """Non-ignored targets of the whole batch (the global mean's denominator)."""
         return int((self.labels != IGNORE_INDEX).sum())
+
+
+@dataclass(frozen=True)
+class MultimodalPlan:
+    """What an emitted program runs of the plan's ``batch.multimodal`` (when chosen): the
+    images-per-sample distribution its synthetic batches draw from ({images: weight}), the
+    balancer's rates (``WorkCost``, seconds), the decoder tokens a rank may be given and the
+    image tokens per image."""
+    images: dict[int, float]
+    cost: WorkCost
+    capacity: int
+    patches: int
+
+    def balancer(self, cfg: ParallelConfig, dp_rank: int) -> "SampleBalancer":
+        """This rank's :class:`SampleBalancer`; one line (ValueError) naming the fix where the
+        layout cannot run assignment (``planner.batch_multimodal.layout_problem``)."""
+        if why := layout_problem(cfg):
+            raise ValueError(f"{cfg.label()}: {why}")
+        return SampleBalancer(cfg.dp, dp_rank, self.cost, self.capacity, self.patches)
+
+
+def multimodal_of(literal: Optional[Mapping[str, Any]]) -> Optional[MultimodalPlan]:
+    """The program's ``MULTIMODAL`` literal (``codegen.emit.multimodal_literal``) as a
+    :class:`MultimodalPlan`, None for a plan without it."""
+    if literal is None:
+        return None
+    names = {f.name for f in fields(WorkCost)}
+    cost = WorkCost(**{k: v for k, v in literal["cost"].items() if k in names})
+    return MultimodalPlan({int(k): float(v) for k, v in literal["images"].items()}, cost, int(literal["capacity"]),
+                          int(literal["patches"]))
 
 
 class SampleBalancer:
