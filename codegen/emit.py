@@ -214,8 +214,8 @@ def plan_block(plan: Plan, stages: list[list[str]], layout: dict[str, str], leng
         f"DOCUMENT_LENGTHS = {lengths!r}",
         "# per-batch assignment of each batch's documents to context-parallel groups (None: the fixed layout)",
         f"PER_BATCH = per_batch_of({per_batch_literal(plan)!r})",
-        "# per-batch assignment of each batch's samples (images and text) to the dp ranks (None: the fixed split)",
-        f"MULTIMODAL = multimodal_of({multimodal_literal(plan)!r})",
+        f"MULTIMODAL = multimodal_of({multimodal_literal(plan)!r})"
+        "  # each batch's samples (images, text) assigned to the dp ranks (None: fixed split)",
         f"STAGES = {stages_literal(stages)}",
         f"RECOMPUTE = {[str(s['recompute']) for s in plan.stages]!r}  # activation recomputation per virtual stage",
         tp_plan_literal(layout, [u for s in stages for u in s], plan.config.tp, plan.config.sp),

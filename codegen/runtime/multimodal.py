@@ -132,6 +132,13 @@ class SampleBalancer:
         self.dp, self.rank, self.cost, self.capacity, self.patches, self.assign = dp, rank, cost, capacity, patches, assign
         self.last: Optional[Balance] = None
 
+    def work(self) -> dict[str, list[float]]:
+        """The last batch's predicted seconds per rank: ``fixed`` (the fixed split) and
+        ``assigned`` (what this balancer gave them; the same as ``fixed`` when it does not assign)."""
+        if self.last is None:
+            raise ValueError("no batch balanced yet: call samples() first")
+        return {"fixed": list(self.last.fixed), "assigned": list(self.last.assigned)}
+
     def samples(self, batch: MultimodalBatch) -> list[int]:
         """This rank's samples of ``batch``, in batch order (the same rule on every rank)."""
         shape = batch.shape(self.patches)
