@@ -175,9 +175,10 @@ def train_step(model: nn.Module, batch: dict[str, torch.Tensor], balancer: Sampl
     total = mb.target_count()
     if total == 0:
         raise ValueError("the batch has no text targets (every label is -100): nothing to train on")
-    local = torch.zeros((), dtype=torch.float64)
+    device = next(model.parameters()).device  # the batch may be built on the CPU (nccl reduces device tensors)
+    local = torch.zeros((), dtype=torch.float64, device=device)
     for i in balancer.samples(mb):
-        one = mb.sample(i)
+        one = {k: v.to(device) for k, v in mb.sample(i).items()}
         n = int((one["labels"] != IGNORE_INDEX).sum())
         if n == 0:  # no targets: the sample adds nothing to the loss
             continue
