@@ -91,6 +91,7 @@ def test_plan_chooses_assignment_and_the_program_runs_it(launched) -> None:
     assert plan.config.dp == 2 and rec["chosen"] and "the program assigns" in rec["why"]
     assert multimodal_text(rec).startswith("chosen: ")
     assert "MULTIMODAL = multimodal_of({" in text
+    assert f"PREDICTED = {{'step_s': {rec['assigned_s']!r}," in text  # the assigned step, printed beside the run's
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
 
 
@@ -129,6 +130,14 @@ def test_layouts_that_cannot_assign_are_refused_in_one_line() -> None:
     plan.batch["multimodal"].update(chosen=True, capacity=10, cost={"linear": 1.0, "attention": 0.0})
     with pytest.raises(PlanError, match="data-parallel layouts only"):
         emit(plan)  # before any process starts
+    plan = _plan()
+    plan.batch["multimodal"]["cost"]["method"] = "os.system('id')"
+    with pytest.raises(PlanError, match="batch.multimodal"):
+        emit(plan)
+    plan.batch["multimodal"]["cost"]["method"] = "ring"
+    plan.batch["multimodal"]["images"] = {"__import__('os')": 1.0}
+    with pytest.raises(PlanError, match="batch.multimodal"):
+        emit(plan)
     mm = multimodal_of({"images": {0: 1.0}, "cost": {"linear": 1.0, "attention": 0.0}, "capacity": 10, "patches": 4})
     with pytest.raises(ValueError, match="pp 2"):
         mm.balancer(ParallelConfig(dp=1, pp=2, dtype="fp32"), 0)

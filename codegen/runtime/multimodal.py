@@ -24,6 +24,13 @@ text token loss over ``N_tokens``, the non-ignored targets of the whole global b
 gradients are then summed over the data-parallel group. So the loss and gradients are those
 of the global mean token loss of the batch, on any assignment: a rank's share only changes
 where a sample runs. A rank with no samples contributes zero gradients.
+
+**In an emitted program** (codegen/program_template.py): when the plan's ``batch.multimodal``
+is chosen, ``MULTIMODAL`` (:func:`multimodal_of`) holds its images-per-sample weights and rates;
+the build refuses a layout ``planner.batch_multimodal.layout_problem`` names, wraps nothing for
+data parallelism (this step sums the gradients, so ranks may run different numbers of
+samples) and every step runs :func:`train_step`; clipping, the optimizer, checkpoints and
+the log (with each rank's predicted work, :meth:`SampleBalancer.work`) are the program's own.
 """
 from __future__ import annotations
 
