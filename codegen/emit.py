@@ -43,6 +43,7 @@ from typing import Optional
 from codegen.runtime.tp_plan import block_stack, tp_plan_for
 from codegen.runtime.tp_styles import IMPORTS, sources_for
 from planner.batch_assign import METHODS
+from planner.batch_multimodal import layout_problem
 from planner.describe import describe
 from planner.feasibility import Nodes
 from planner.files import write_atomic
@@ -213,6 +214,8 @@ def plan_block(plan: Plan, stages: list[list[str]], layout: dict[str, str], leng
         f"DOCUMENT_LENGTHS = {lengths!r}",
         "# per-batch assignment of each batch's documents to context-parallel groups (None: the fixed layout)",
         f"PER_BATCH = per_batch_of({per_batch_literal(plan)!r})",
+        f"MULTIMODAL = multimodal_of({multimodal_literal(plan)!r})"
+        "  # each batch's samples (images, text) assigned to the dp ranks (None: fixed split)",
         f"STAGES = {stages_literal(stages)}",
         f"RECOMPUTE = {[str(s['recompute']) for s in plan.stages]!r}  # activation recomputation per virtual stage",
         tp_plan_literal(layout, [u for s in stages for u in s], plan.config.tp, plan.config.sp),
@@ -251,11 +254,39 @@ def per_batch_literal(plan: Plan) -> Optional[dict]:
             "cost": dict(zip(("linear", "attention", "exchange", "alltoall", "latency"), nums), method=cost["method"])}
 
 
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0
+
+
+def multimodal_literal(plan: Plan) -> Optional[dict]:
+    """The plan's multimodal sample assignment as the program's literal: None unless chosen,
+    else its images-per-sample weights, rates, capacity and patches, checked to be plain
+    numbers on a layout that runs it (``planner.batch_multimodal.layout_problem``)."""
+    rec = plan.batch.get("multimodal") or {}
+    if not rec.get("chosen"):
+        return None
+    if why := layout_problem(plan.config):
+        raise PlanError(f"batch.multimodal is chosen but {why}")
+    cost, images = rec.get("cost") or {}, rec.get("images") or {}
+    keys = ("linear", "attention", "exchange", "alltoall", "latency", "vision")
+    ints = [rec.get(k) for k in ("capacity", "patches")]
+    if (not images or not all(str(k).isdigit() and _number(v) for k, v in images.items())
+            or not all(_number(cost.get(k, 0.0)) for k in keys) or cost.get("method", "ring") not in METHODS
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in ints)):
+        raise PlanError("batch.multimodal in the plan must hold images-per-sample weights, non-negative rates and "
+                        "a positive capacity and patches; plan again with `autopar plan --images-per-sample`")
+    return {"images": {int(k): float(v) for k, v in images.items()}, "capacity": ints[0], "patches": ints[1],
+            "cost": dict({k: float(cost.get(k, 0.0)) for k in keys}, method=cost.get("method", "ring"))}
+
+
 def predicted_step(plan: Plan) -> float:
-    """The step time the program prints beside its own: per-batch assignment's expected step
-    when the plan runs it, else the estimate's."""
+    """The step time the program prints beside its own: per-batch (or multimodal sample)
+    assignment's expected step when the plan runs it, else the estimate's."""
     rec = plan.batch.get("per_batch") or {}
-    return float(rec["expected_step_s"]) if rec.get("chosen") else float(plan.estimate["step_s"])
+    if rec.get("chosen"):
+        return float(rec["expected_step_s"])
+    mm = plan.batch.get("multimodal") or {}
+    return float(mm["assigned_s"]) if mm.get("chosen") else float(plan.estimate["step_s"])
 
 
 def comment_words(plan: Plan) -> dict[str, str]:

@@ -28,6 +28,8 @@ from codegen.runtime.corpus import DTYPES, is_hook, open_tokens, token_batches
 from codegen.runtime.data import batch_digest, packed_documents, synthetic, user_hook
 from codegen.runtime.mesh import build_mesh, init_distributed, teardown
 from codegen.runtime.metrics import ScalarLog, peak_memory_per_rank
+from codegen.runtime.multimodal import multimodal_of
+from codegen.runtime.multimodal import train_step as sample_step
 from codegen.runtime.optim import MAX_GRAD_NORM, adamw, build_optimizer, warmup_cosine
 from codegen.runtime.recipe import (
     apply_attention,
@@ -67,6 +69,7 @@ GLOBAL_BATCH, SEQ_LEN = 1, 32  # sequences per optimizer step, tokens per sequen
 DOCUMENT_LENGTHS = []
 # per-batch assignment of each batch's documents to context-parallel groups (None: the fixed layout)
 PER_BATCH = per_batch_of(None)
+MULTIMODAL = multimodal_of(None)  # each batch's samples (images, text) assigned to the dp ranks (None: fixed split)
 STAGES = [["embed", "layers.0", "norm", "head"]]  # layer units per virtual stage; stage j on pp rank j % pp (dualpipev: V-shaped; custom: SCHEDULE's placement)
 RECOMPUTE = ["none"]  # activation recomputation per virtual stage
 # tensor-parallel style per module (emit keeps the imports of those it writes)
@@ -124,6 +127,7 @@ def build(model: torch.nn.Module, args: argparse.Namespace, device: torch.device
     batch = Batch(GLOBAL_BATCH, SEQ_LEN, documents=bool(DOCUMENT_LENGTHS))
     check_runnable(CONFIG, adapter, FACTS, batch, CLUSTER)  # refuse what cannot run, before building
     mesh = build_mesh(CONFIG)  # dims (pp, dp, cp, tp) = @mesh
+    samples = MULTIMODAL.balancer(CONFIG, mesh["dp"].get_local_rank()) if MULTIMODAL else None  # dp only, fp32
     stages = split_stages(adapter, STAGES, RECOMPUTE, CONFIG, mesh, SCHEDULE)  # this pp rank's stage modules
     materialize(adapter, stages, device, args.seed)  # meta: initialise own units; else take rank 0's weights
     # weights tied across pp ranks (pp > 1), found before TP splits them: their grads are summed
@@ -136,30 +140,35 @@ def build(model: torch.nn.Module, args: argparse.Namespace, device: torch.device
     apply_fp8(adapter, stages, CONFIG, device)  # @float_eight
     apply_recompute(adapter, stages)  # @recompute
     apply_compile(adapter, stages, CONFIG)  # @compile
-    dp_mesh = apply_dp(adapter, stages, CONFIG, mesh, experts, DP_SPANS)  # @dp: hierarchical across regions
+    dp_mesh = apply_dp(adapter, stages, CONFIG, mesh, experts, DP_SPANS, wrap=samples is None)  # @dp: hierarchical across regions; none for MULTIMODAL
     optimizer = build_optimizer(stages.modules, make_optimizer(args), CONFIG.zero, dp_mesh.size(),
                                 dp_mesh.get_group())  # @optimizer
     loss_fn = TokenLoss(dp_mesh.size())  # summed token loss / global token count * dp*cp size
     schedule = build_schedule(stages, CONFIG, mesh, GLOBAL_BATCH, loss_fn, device, SCHEDULE)  # @step
     return ParallelModel(adapter, CONFIG, mesh, stages, optimizer, loss_fn, GLOBAL_BATCH, device,
-                         dp_mesh=dp_mesh, schedule=schedule, tied=tied, batch_planner=batch_planner)
+                         dp_mesh=dp_mesh, schedule=schedule, tied=tied, batch_planner=batch_planner,
+                         sample_balancer=samples)
 
 
 def train_step(pm: ParallelModel, batch: dict, lr: float, clip: float) -> tuple[float, float]:
     """One optimizer step on the GLOBAL batch (the same on every rank) at learning rate ``lr``;
     returns (mean token loss of the batch, global gradient norm before clipping)."""
-    inputs, targets = pm.local_batch(batch)  # this rank's dp rows and cp sequence shard
     pm.optimizer.zero_grad()
-    if pm.schedule is not None:  # pp > 1: the schedule runs forward and backward of every micro-batch
-        loss = pm.pipeline(inputs, targets)
-    else:  # gradient accumulation over the micro-batches
-        loss = torch.zeros((), dtype=torch.float64, device=pm.device)
-        for mb in range(pm.n_microbatches):
-            loss += pm.microbatch(inputs, targets, mb)  # forward + backward of one micro-batch
-    pm.sync_grads()
+    if pm.sample_balancer is not None:  # multimodal: this rank's samples whole, gradients summed over dp
+        mean = sample_step(pm.model, batch, pm.sample_balancer, pm.dp_mesh.get_group())
+    else:
+        inputs, targets = pm.local_batch(batch)  # this rank's dp rows and cp sequence shard
+        if pm.schedule is not None:  # pp > 1: the schedule runs forward and backward of every micro-batch
+            loss = pm.pipeline(inputs, targets)
+        else:  # gradient accumulation over the micro-batches
+            loss = torch.zeros((), dtype=torch.float64, device=pm.device)
+            for mb in range(pm.n_microbatches):
+                loss += pm.microbatch(inputs, targets, mb)  # forward + backward of one micro-batch
+        pm.sync_grads()
+        mean = pm.global_loss(loss)
     norm = pm.clip_grad_norm_(clip)  # @clip
     pm.optimizer_step(lr)
-    return pm.global_loss(loss), norm
+    return mean, norm
 
 
 def make_data(args: argparse.Namespace, spec: zoo.ModelSpec):
@@ -182,7 +191,8 @@ def make_data(args: argparse.Namespace, spec: zoo.ModelSpec):
     if DOCUMENT_LENGTHS:  # packed documents, as planned: attention within each
         return packed_documents(VOCAB, GLOBAL_BATCH, SEQ_LEN, DOCUMENT_LENGTHS, args.seed,
                                 model_shifts_labels=ADAPTER == "hf")
-    return synthetic(VOCAB, GLOBAL_BATCH, SEQ_LEN, args.seed, mllm=mllm, model_shifts_labels=ADAPTER == "hf")
+    return synthetic(VOCAB, GLOBAL_BATCH, SEQ_LEN, args.seed, mllm=mllm, model_shifts_labels=ADAPTER == "hf",
+                     images=MULTIMODAL.images if MULTIMODAL else None)  # images per sample: the plan's weights
 
 
 def main() -> None:
@@ -211,6 +221,8 @@ def main() -> None:
                 rec = {"step": step + 1, "loss": loss, "step_s": step_s, "memory_gib": mem, "lr": lr,
                        "grad_norm": norm, "tokens_per_s": GLOBAL_BATCH * SEQ_LEN / step_s,
                        "batch": batch_digest(batch)}
+                if pm.sample_balancer is not None:  # the predicted seconds per dp rank, fixed split vs assigned
+                    rec["dp_work"] = pm.sample_balancer.work()
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
                 scalars.write(rec)  # TensorBoard scalars beside the log, when tensorboard is installed

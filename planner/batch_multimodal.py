@@ -21,6 +21,9 @@ from typing import Sequence
 import numpy as np
 
 from planner.batch_assign import AssignError, Assignment, Pool, WorkCost, assign
+from planner.plan import ParallelConfig
+from planner.precision import mixed_precision
+from planner.sharding import SHARDED_PARAMS
 
 
 @dataclass(frozen=True)
@@ -111,3 +114,18 @@ def balance(shape: MultimodalBatchShape, dp: int, cost: WorkCost, capacity: int)
     """The fixed split and the assignment of one batch, side by side."""
     a = assign_samples(shape, dp, cost, capacity)
     return Balance(fixed_split_work(shape, dp, cost), a.work, a.ideal)
+
+
+def layout_problem(cfg: ParallelConfig) -> str | None:
+    """Why a layout cannot run multimodal per-batch assignment, or None: its samples run whole
+    on each data-parallel rank over a plain (unwrapped) module whose gradients the step sums
+    by hand (codegen/runtime/multimodal.py), so tp, pp, cp and ep 1, no low-communication
+    groups, replicated parameters (ddp or zero1) and fp32 (no wrapper casts)."""
+    fix = "plan again with --fix tp=1,pp=1,cp=1,ep=1,zero=ddp on an fp32 cluster, or without --images-per-sample"
+    if cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1 or cfg.ep > 1 or cfg.low_comm:
+        return (f"multimodal assignment runs on data-parallel layouts only (tp, pp, cp, ep 1, no low-comm); the plan "
+                f"has tp {cfg.tp}, pp {cfg.pp}, cp {cfg.cp}, ep {cfg.ep}: {fix}")
+    if cfg.zero in SHARDED_PARAMS or mixed_precision(cfg.dtype):
+        return (f"multimodal assignment runs replicated fp32 parameters (ddp or zero1); the plan has {cfg.zero} "
+                f"{cfg.dtype}: {fix}")
+    return None

@@ -55,12 +55,12 @@ def test_plan_record_and_report_line() -> None:
     est, _ = evaluate_config(graph, cluster, ParallelConfig(dp=4, mbs=1, dtype="fp32"), 16)
     r = multimodal_record(graph, cluster, est, 16, images)
     assert r["patches"] == 16 and r["text_tokens"] == 16 and r["batches"] > 0
-    assert r["spread_after"] < r["spread_before"] and r["recommended"] == (r["speedup"] >= 1 / 0.98)
+    assert r["spread_after"] < r["spread_before"] and r["chosen"] == (r["speedup"] >= 1 / 0.98)
     line = multimodal_text(r)
     assert "0:0.4, 1:0.3, 6:0.3" in line and f"{r['spread_before']:.2f}x the mean work" in line
     est, _ = evaluate_config(graph, cluster, ParallelConfig(dp=2, pp=2, mbs=1, dtype="fp32"), 16)
     r = multimodal_record(graph, cluster, est, 16, images)
-    assert not r["recommended"] and "data-parallel layouts only" in multimodal_text(r)
+    assert not r["chosen"] and "data-parallel layouts only" in multimodal_text(r)
 
 
 def test_images_flag_refused_in_one_line() -> None:

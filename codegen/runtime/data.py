@@ -10,7 +10,7 @@ import hashlib
 import importlib
 import math
 import re
-from typing import Callable
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -58,12 +58,21 @@ def markov_tokens(succ: torch.Tensor, rows: int, length: int, g: torch.Generator
 
 
 def synthetic(vocab: int, global_batch: int, seq_len: int, seed: int = 0, *, mllm=None,
-              model_shifts_labels: bool = False) -> DataFn:
+              model_shifts_labels: bool = False, images: Optional[Mapping[int, float]] = None) -> DataFn:
     """``step -> batch`` of learnable synthetic text (:func:`markov_tokens`: a model's loss falls
     from ``ln(vocab)`` toward :func:`entropy_floor` as it learns the successor table);
     ``labels`` are the next tokens (``input_ids`` itself when ``model_shifts_labels``: a
-    transformers causal LM shifts them), images for the MLLM (``mllm``: its zoo config)."""
+    transformers causal LM shifts them), images for the MLLM (``mllm``: its zoo config): one
+    per sample, or with ``images`` ({images: weight}, the plan's images per sample) each
+    sample's count drawn from those weights and the batch in the multimodal format
+    (``image_counts``; codegen/runtime/multimodal.py). Each sample's text is ``seq_len`` less
+    one image's tokens either way. Everything is drawn from (seed, step) alone."""
     succ = successor_table(vocab, seed)
+    if images is not None and (mllm is None or not images or min(images.values()) < 0
+                               or sum(images.values()) <= 0 or min(images) < 0):
+        raise ValueError("images per sample need an image-text model and weights >= 0 (some > 0) per count >= 0")
+    counts = torch.tensor(sorted(images), dtype=torch.int64) if images else None
+    weights = torch.tensor([images[k] for k in sorted(images)], dtype=torch.float64) if images else None
 
     def batch(step: int) -> dict:
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
@@ -73,9 +82,12 @@ def synthetic(vocab: int, global_batch: int, seq_len: int, seed: int = 0, *, mll
             out = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, :-1].contiguous()}
         else:
             out = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+        n = global_batch
+        if counts is not None:  # each sample's image count from the plan's weights
+            out["image_counts"] = counts[torch.multinomial(weights, global_batch, replacement=True, generator=g)]
+            n = int(out["image_counts"].sum())
         if mllm is not None:
-            out["pixel_values"] = torch.randn(global_batch, mllm.channels, mllm.image_size, mllm.image_size,
-                                              generator=g)
+            out["pixel_values"] = torch.randn(n, mllm.channels, mllm.image_size, mllm.image_size, generator=g)
         return out
 
     return batch
@@ -111,10 +123,11 @@ def packed_documents(vocab: int, global_batch: int, seq_len: int, lengths: list[
 
 
 def batch_digest(batch: dict) -> str:
-    """16 hex digits naming a batch's tokens (``input_ids``, ``labels`` and ``cu_seqlens``):
-    the program logs it per step, so two runs can be shown to have trained on the same data."""
+    """16 hex digits naming a batch's tokens (``input_ids``, ``labels``, ``cu_seqlens`` and
+    ``image_counts``): the program logs it per step, so two runs can be shown to have trained
+    on the same data."""
     h = hashlib.blake2b(digest_size=8)
-    for key in ("input_ids", "labels", "cu_seqlens"):
+    for key in ("input_ids", "labels", "cu_seqlens", "image_counts"):
         if key in batch:
             h.update(key.encode() + batch[key].to(torch.int64).cpu().contiguous().numpy().tobytes())
     return h.hexdigest()

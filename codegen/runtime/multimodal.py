@@ -24,18 +24,27 @@ text token loss over ``N_tokens``, the non-ignored targets of the whole global b
 gradients are then summed over the data-parallel group. So the loss and gradients are those
 of the global mean token loss of the batch, on any assignment: a rank's share only changes
 where a sample runs. A rank with no samples contributes zero gradients.
+
+**In an emitted program** (codegen/program_template.py): when the plan's ``batch.multimodal``
+is chosen, ``MULTIMODAL`` (:func:`multimodal_of`) holds its images-per-sample weights and rates;
+the build refuses a layout ``planner.batch_multimodal.layout_problem`` names, wraps nothing for
+data parallelism (this step sums the gradients, so ranks may run different numbers of
+samples) and every step runs :func:`train_step`; clipping, the optimizer, checkpoints and
+the log (with each rank's predicted work, :meth:`SampleBalancer.work`) are the program's own.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from planner.batch_assign import WorkCost
-from planner.batch_multimodal import Balance, MultimodalBatchShape, assign_samples, fixed_split, fixed_split_work
+from planner.batch_multimodal import (Balance, MultimodalBatchShape, assign_samples, fixed_split, fixed_split_work,
+                                      layout_problem)
+from planner.plan import ParallelConfig
 
 IGNORE_INDEX = -100
 KEYS = ("input_ids", "labels", "pixel_values", "image_counts")
@@ -87,6 +96,36 @@ class MultimodalBatch:
         return int((self.labels != IGNORE_INDEX).sum())
 
 
+@dataclass(frozen=True)
+class MultimodalPlan:
+    """What an emitted program runs of the plan's ``batch.multimodal`` (when chosen): the
+    images-per-sample distribution its synthetic batches draw from ({images: weight}), the
+    balancer's rates (``WorkCost``, seconds), the decoder tokens a rank may be given and the
+    image tokens per image."""
+    images: dict[int, float]
+    cost: WorkCost
+    capacity: int
+    patches: int
+
+    def balancer(self, cfg: ParallelConfig, dp_rank: int) -> "SampleBalancer":
+        """This rank's :class:`SampleBalancer`; one line (ValueError) naming the fix where the
+        layout cannot run assignment (``planner.batch_multimodal.layout_problem``)."""
+        if why := layout_problem(cfg):
+            raise ValueError(f"{cfg.label()}: {why}")
+        return SampleBalancer(cfg.dp, dp_rank, self.cost, self.capacity, self.patches)
+
+
+def multimodal_of(literal: Optional[Mapping[str, Any]]) -> Optional[MultimodalPlan]:
+    """The program's ``MULTIMODAL`` literal (``codegen.emit.multimodal_literal``) as a
+    :class:`MultimodalPlan`, None for a plan without it."""
+    if literal is None:
+        return None
+    names = {f.name for f in fields(WorkCost)}
+    cost = WorkCost(**{k: v for k, v in literal["cost"].items() if k in names})
+    return MultimodalPlan({int(k): float(v) for k, v in literal["images"].items()}, cost, int(literal["capacity"]),
+                          int(literal["patches"]))
+
+
 class SampleBalancer:
     """Which samples this data-parallel rank runs: the per-batch planner's assignment
     (``assign=True``) or the fixed split (consecutive blocks); ``capacity``: the decoder tokens
@@ -99,6 +138,13 @@ class SampleBalancer:
             raise ValueError(f"rank {rank} outside the {dp} data-parallel ranks")
         self.dp, self.rank, self.cost, self.capacity, self.patches, self.assign = dp, rank, cost, capacity, patches, assign
         self.last: Optional[Balance] = None
+
+    def work(self) -> dict[str, list[float]]:
+        """The last batch's predicted seconds per rank: ``fixed`` (the fixed split) and
+        ``assigned`` (what this balancer gave them; the same as ``fixed`` when it does not assign)."""
+        if self.last is None:
+            raise ValueError("no batch balanced yet: call samples() first")
+        return {"fixed": list(self.last.fixed), "assigned": list(self.last.assigned)}
 
     def samples(self, batch: MultimodalBatch) -> list[int]:
         """This rank's samples of ``batch``, in batch order (the same rule on every rank)."""
@@ -136,9 +182,10 @@ def train_step(model: nn.Module, batch: dict[str, torch.Tensor], balancer: Sampl
     total = mb.target_count()
     if total == 0:
         raise ValueError("the batch has no text targets (every label is -100): nothing to train on")
-    local = torch.zeros((), dtype=torch.float64)
+    device = next(model.parameters()).device  # the batch may be built on the CPU (nccl reduces device tensors)
+    local = torch.zeros((), dtype=torch.float64, device=device)
     for i in balancer.samples(mb):
-        one = mb.sample(i)
+        one = {k: v.to(device) for k, v in mb.sample(i).items()}
         n = int((one["labels"] != IGNORE_INDEX).sum())
         if n == 0:  # no targets: the sample adds nothing to the loss
             continue

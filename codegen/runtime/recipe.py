@@ -285,14 +285,17 @@ def apply_compile(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig) ->
 
 
 def apply_dp(adapter: ModelAdapter, stages: Stages, cfg: ParallelConfig, mesh: DeviceMesh,
-             experts: Optional[Experts] = None, dp_spans: int = 1) -> DeviceMesh:
+             experts: Optional[Experts] = None, dp_spans: int = 1, wrap: bool = True) -> DeviceMesh:
     """FSDP2 / replicate (``cfg.zero``) of each block and stage module over ``dp`` x ``cp``,
     the routed experts of ``experts`` (expert parallelism) first over their own data-parallel
     group; returns the dense gradient-reduction mesh (1-D). ``dp_spans``: the cluster groups
     (regions) the dp x cp group spans (the plan's ``cluster["dp_spans"]``): DP across them runs
     hierarchically where ``planner.sharding.dp_replicas`` says (over a 2-D mesh,
-    ``hybrid_dp_mesh``)."""
+    ``hybrid_dp_mesh``). ``wrap=False``: no wrapper (the caller's step reduces the gradients:
+    multimodal sample assignment, codegen/runtime/multimodal.py); the mesh only."""
     dp_mesh = dp_cp_mesh(mesh)
+    if not wrap:
+        return dp_mesh
     if experts is not None and (dp_mesh.size() > 1 or experts.mesh["edp"].size() > 1):
         dpar.shard_experts(experts.modules, experts.mesh["edp"], cfg.zero, pipelined=cfg.pp > 1, dtype=cfg.dtype)
     n = dp_mesh.size()

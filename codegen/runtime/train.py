@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor
 from planner.feasibility import Batch, Nodes, problems
 from planner.plan import ModelFacts, ParallelConfig, Plan
 from planner.schedule_ir import Schedule
+from codegen.runtime.multimodal import SampleBalancer
 from codegen.runtime import batch_parallel as bpar
 from codegen.runtime import context_parallel as cpar
 from codegen.runtime import data_parallel as dpar
@@ -106,7 +107,7 @@ class ParallelModel:
     def __init__(self, adapter: ModelAdapter, cfg: ParallelConfig, mesh: DeviceMesh, stages: recipe.Stages,
                  optimizer: Optimizers, loss_fn: TokenLoss, global_batch: int, device: torch.device, *,
                  dp_mesh: DeviceMesh, schedule=None, tied=None, load_balance: str = "zigzag",
-                 batch_planner: Optional[bpar.BatchPlanner] = None):
+                 batch_planner: Optional[bpar.BatchPlanner] = None, sample_balancer: Optional[SampleBalancer] = None):
         self.adapter, self.model, self.cfg = adapter, adapter.model, cfg
         self.mesh, self.dp_mesh = mesh, dp_mesh
         self.stage_idx, self.n_virtual, self.load_balance = stages.idx, stages.n_virtual, load_balance
@@ -124,6 +125,8 @@ class ParallelModel:
         self.optimizer, self.loss_fn, self.schedule, self.tied = optimizer, loss_fn, schedule, tied
         self.step_count = 0
         self.batch_planner = batch_planner  # per-batch assignment (codegen/runtime/batch_parallel.py) or None
+        # multimodal samples over the dp ranks (codegen/runtime/multimodal.py SampleBalancer) or None
+        self.sample_balancer = sample_balancer
         self.dp_rank = mesh["dp"].get_local_rank()
         self.cp_rank = mesh["cp"].get_local_rank()
         self.tp_rank = mesh["tp"].get_local_rank()

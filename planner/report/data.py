@@ -275,9 +275,10 @@ def documents_text(plan: Plan) -> str | None:
 def multimodal_text(b: dict) -> str:
     """The summary's line on assigning a multimodal batch's samples (``batch.multimodal``,
     planner/search/multimodal.py): why, and the per-rank balance before and after."""
+    text = ("chosen: " if b.get("chosen") else "not chosen: ") + b["why"]
     if "spread_before" not in b:
-        return b["why"]
-    return (f"{b['why']}. On {b['batches']} batches sampled from images per sample "
+        return text
+    return (f"{text}. On {b['batches']} batches sampled from images per sample "
             f"{', '.join(f'{k}:{v:g}' for k, v in b['images'].items())} the busiest of "
             f"the {b['dp']} dp ranks does {b['spread_before']:.2f}x the mean work on the fixed split, "
             f"{b['spread_after']:.3f}x after assignment; {b['ideal_gap']:.3f}x the step of an ideal balance")
@@ -382,7 +383,7 @@ def summary_rows(r: Report) -> list[tuple[str, str, str, Any]]:
     if (mm := p.batch.get("multimodal")) is not None:  # after the batch: its samples over the dp ranks
         after_batch = next(i for i, row in enumerate(rows) if row[0] == "batch") + 1
         rows.insert(after_batch, ("multimodal", "samples over dp ranks (--images-per-sample)", multimodal_text(mm),
-                                  mm.get("recommended")))
+                                  mm.get("chosen")))
     if p.search.get("fix"):  # after the configuration: what of it the user pinned
         after_config = next(i for i, row in enumerate(rows) if row[0] == "config") + 1
         rows.insert(after_config, ("fix", "pinned (--fix)", f"{p.search['fix']} (the search kept to these and chose the rest)",

@@ -8,9 +8,11 @@ against the fixed split, on ``SAMPLED`` batches drawn from the distribution (see
 Each sample has the graph's text tokens (its ``seq_len`` less one image's patches) and its
 images' patches; its images and text run whole on one rank, one sample per forward and
 backward (codegen/runtime/multimodal.py: a rank's memory holds one sample, so the pool's
-capacity does not bound its samples' sum). ``recommended`` when assignment saves at least
-``MIN_GAIN`` of the step; the runtime runs it with ``codegen.runtime.multimodal.train_step``
-on data-parallel layouts only (tp, pp and cp 1): other layouts are recorded with why.
+capacity does not bound its samples' sum). ``chosen`` when assignment saves at least
+``MIN_GAIN`` of the step on a layout that can run it (``planner.batch_multimodal.layout_problem``:
+data-parallel, replicated fp32 parameters): the emitted program then runs every step with
+``codegen.runtime.multimodal.train_step`` over the record's rates; other layouts are recorded
+with why.
 """
 from __future__ import annotations
 
@@ -19,12 +21,12 @@ from typing import Any, Mapping
 from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate
 from cost_models.multimodal_pricing import compare_multimodal, multimodal_work_cost, sample_image_counts
-from planner.batch_multimodal import MultimodalBatchShape
+from planner.batch_multimodal import MultimodalBatchShape, layout_problem
 from planner.errors import AutoparError
 from planner.graph import ModelGraph
 
 SAMPLED = 200       # batches drawn from the distribution
-MIN_GAIN = 0.02     # the least share of the step assignment must save to be recommended
+MIN_GAIN = 0.02     # the least share of the step assignment must save to be chosen
 CAPACITY = 10 ** 12  # samples run one at a time (module docstring)
 
 
@@ -57,10 +59,9 @@ def multimodal_record(graph: ModelGraph, cluster: Cluster, est: Estimate, global
     patches = image_patches(graph)
     cfg = est.config
     out: dict[str, Any] = {"images": {str(k): v for k, v in sorted(images.items())}, "dp": cfg.dp,
-                           "recommended": False}
-    if cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1:
-        return dict(out, why=f"multimodal assignment runs on data-parallel layouts only (tp, pp, cp 1); the plan has "
-                             f"tp {cfg.tp}, pp {cfg.pp}, cp {cfg.cp}")
+                           "chosen": False, "capacity": CAPACITY}
+    if why := layout_problem(cfg):
+        return dict(out, why=why)
     if global_batch % cfg.dp:
         return dict(out, why=f"the global batch of {global_batch} samples does not split over dp {cfg.dp}")
     cost = multimodal_work_cost(graph, cluster, cfg, profile)
@@ -74,4 +75,4 @@ def multimodal_record(graph: ModelGraph, cluster: Cluster, est: Estimate, global
              f"({s['speedup']:.2f}x; busiest over mean rank {s['spread_before']:.2f} -> {s['spread_after']:.3f})")
     if s["speedup"] < 1 / (1 - MIN_GAIN):
         return dict(out, why=f"assigning samples saves under {MIN_GAIN:.0%}: {words}")
-    return dict(out, recommended=True, why=f"assign each batch's samples to the dp ranks: {words}")
+    return dict(out, chosen=True, why=f"the program assigns each batch's samples to the dp ranks: {words}")
