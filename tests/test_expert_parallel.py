@@ -185,16 +185,19 @@ def _why_not_ep(r, cl) -> dict:
     return {w["degree"]: w for w in why_not_degrees(plan) if w["degree"].startswith("ep=")}
 
 
-def test_fast_network_picks_expert_parallelism_within_a_node():
+def test_fast_network_picks_expert_parallelism_and_prices_crossing_nodes():
+    """On a fast inter-node network expert parallelism wins, and an ep group crossing nodes pays
+    more all-to-all time than one inside a node. (Whether ep 8 or ep 16 wins there is a near tie:
+    ep 16 halves each rank's experts and their data-parallel traffic, 0.0873 s against 0.0874 s.)"""
     r, cl = _plan_on(400.0)
-    best = r.best.config
-    assert best.ep > 1 and best.ep <= cl.devices_per_node  # ep consecutive ranks of dp x cp x tp
-    # the best layout of each wider ep was kept: crossing nodes costs all-to-all time
-    wider = [a for a in r.alternatives if a.config.ep > cl.devices_per_node]
-    assert wider and all(a.breakdown["ep_comm"] > r.best.breakdown["ep_comm"] for a in wider)
+    assert r.best.config.ep > 1  # ep consecutive ranks of dp x cp x tp
+    kept = [r.best, *r.alternatives]
+    inside = [a for a in kept if 1 < a.config.ep <= cl.devices_per_node]
+    wider = [a for a in kept if a.config.ep > cl.devices_per_node]
+    assert inside and wider
+    assert min(a.breakdown["ep_comm"] for a in wider) > max(a.breakdown["ep_comm"] for a in inside)
     rows = _why_not_ep(r, cl)
-    assert "ep comm" in rows["ep=16"]["alternative"]["why_not"]
-    assert rows["ep=1"]["reasons"] or rows["ep=1"]["alternative"]  # ep=1 lost too, and the report says how
+    assert rows["ep=1"]["reasons"] or rows["ep=1"]["alternative"]  # ep=1 lost, and the report says how
 
 
 def test_slow_network_keeps_experts_within_a_node_and_the_report_says_why():
