@@ -270,6 +270,27 @@ def documents_group(world: int) -> dict:
     return results
 
 
+def layout_parity(models, layouts, run_one) -> dict:
+    """Per model the one-process reference once, then per layout ``(name, *rest)`` of ``layouts``
+    ``run_one(model_name, rest, data)`` -> (losses, grads, seconds, extra fields), compared with
+    it; a failing layout is recorded and the others still run; each result is reported."""
+    results = {}
+    for model_name in models:
+        c = case(model_name)
+        data = c.batches(STEPS)
+        ref_losses, ref_grads = c.reference(data, LR)
+        for name, *rest in layouts:
+            key = f"{model_name}/{name}"
+            try:
+                losses, grads, dt, extra = run_one(model_name, rest, data)
+                results[key] = {"losses": losses, "ref_losses": ref_losses, "seconds": dt, **extra,
+                                **compare(grads, ref_grads, losses, ref_losses)}
+            except Exception as exc:  # report, keep going with the other layouts
+                results[key] = failure(exc)
+            report(key, results[key])
+    return results
+
+
 def parity_group(world: int) -> dict:
     """Every model and layout of ``world`` in this one launch: each build is closed before the
     next (``ParallelModel.close`` destroys its process groups; tests/test_close.py)."""

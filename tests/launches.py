@@ -52,3 +52,27 @@ def run_launch(cmd: Cmd, *, env: Optional[dict] = None, timeout: float = 600, cw
         warnings.warn(LaunchCrashed(f"{' '.join(args[-3:])}: a rank was killed by a signal (rc {proc.returncode}); "
                                     f"running the launch again. Its stderr's end:\n{proc.stderr[-3000:]}"))
     raise AssertionError("unreachable")
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback now (torchrun's rendezvous port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_worker(worker: str, world: int, out: str, timeout: float = 600) -> dict:
+    """Launch ``tests/<worker>`` on ``world`` gloo ranks (one intra-op thread each) writing its
+    JSON results to ``out``; assert the launch succeeded and return the results."""
+    import json
+    import sys
+
+    def cmd() -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
+                f"--master-port={free_port()}", os.path.join(ROOT, "tests", worker), out]
+    proc = run_launch(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"), timeout=timeout)
+    assert proc.returncode == 0 and os.path.exists(out), proc.stderr[-4000:]
+    with open(out) as fh:
+        return json.load(fh)

@@ -17,9 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from codegen.runtime.mesh import init_distributed  # noqa: E402
-from dist_worker import LR, STEPS, compare, run_layout  # noqa: E402
-from model_cases import case  # noqa: E402
-from worker_io import failure, finish, report  # noqa: E402
+from dist_worker import layout_parity, run_layout  # noqa: E402
+from worker_io import finish  # noqa: E402
 
 MODELS = ("llama-tiny", "hf-llama")
 # (name, ParallelConfig kwargs, recompute policy per virtual stage)
@@ -46,27 +45,17 @@ def _moved(pm) -> list[int]:
     return [t.tolist() for t in out]
 
 
+def _run(model_name: str, layout: list, data) -> tuple:
+    kw, policies = layout
+    moved: list = []
+    losses, grads, dt = run_layout(model_name, kw, len(policies), data, policies=policies,
+                                   before_close=lambda pm: moved.append(_moved(pm)))
+    return losses, grads, dt, {"offloaded_bytes": moved[0]}
+
+
 def main() -> None:
-    out = sys.argv[1]
     init_distributed()
-    world = dist.get_world_size()
-    results = {}
-    for model_name in MODELS:
-        c = case(model_name)
-        data = c.batches(STEPS)
-        ref_losses, ref_grads = c.reference(data, LR)
-        for name, kw, policies in LAYOUTS[world]:
-            key = f"{model_name}/{name}"
-            moved: list[int] = []
-            try:
-                losses, grads, dt = run_layout(model_name, kw, len(policies), data, policies=policies,
-                                               before_close=lambda pm: moved.append(_moved(pm)))
-                results[key] = {"losses": losses, "ref_losses": ref_losses, "seconds": dt,
-                                "offloaded_bytes": moved[0], **compare(grads, ref_grads, losses, ref_losses)}
-            except Exception as exc:  # report, keep going with the other layouts
-                results[key] = failure(exc)
-            report(key, results[key])
-    finish(results, out)
+    finish(layout_parity(MODELS, LAYOUTS[dist.get_world_size()], _run), sys.argv[1])
 
 
 if __name__ == "__main__":

@@ -17,9 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from codegen.runtime.mesh import init_distributed  # noqa: E402
-from dist_worker import LR, STEPS, compare, run_layout  # noqa: E402
-from model_cases import case  # noqa: E402
-from worker_io import failure, finish, report  # noqa: E402
+from dist_worker import layout_parity, run_layout  # noqa: E402
+from worker_io import finish  # noqa: E402
 
 MODELS = ("llama-tiny", "gpt-tiny", "hf-llama")
 # (name, ParallelConfig kwargs, virtual stages)
@@ -32,25 +31,14 @@ LAYOUTS = {
 }
 
 
+def _run(model_name: str, layout: list, data) -> tuple:
+    kw, n_virtual = layout
+    return (*run_layout(model_name, kw, n_virtual, data), {})
+
+
 def main() -> None:
-    out = sys.argv[1]
     init_distributed()
-    world = dist.get_world_size()
-    results = {}
-    for model_name in MODELS:
-        c = case(model_name)
-        data = c.batches(STEPS)
-        ref_losses, ref_grads = c.reference(data, LR)
-        for name, kw, n_virtual in LAYOUTS[world]:
-            key = f"{model_name}/{name}"
-            try:
-                losses, grads, dt = run_layout(model_name, kw, n_virtual, data)
-                results[key] = {"losses": losses, "ref_losses": ref_losses, "seconds": dt,
-                                **compare(grads, ref_grads, losses, ref_losses)}
-            except Exception as exc:  # report, keep going with the other layouts
-                results[key] = failure(exc)
-            report(key, results[key])
-    finish(results, out)
+    finish(layout_parity(MODELS, LAYOUTS[dist.get_world_size()], _run), sys.argv[1])
 
 
 if __name__ == "__main__":

@@ -5,9 +5,7 @@ launch each, tests/offload_worker.py); the pricing (cost_models/offload.py, laye
 layer_activation) and the search (tried where it frees device memory, chosen per stage)."""
 from __future__ import annotations
 
-import json
 import os
-import socket
 import sys
 
 import pytest
@@ -27,7 +25,7 @@ from planner.search.candidates import variants
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from launches import run_launch  # noqa: E402
+from launches import run_worker  # noqa: E402
 import offload_worker as W  # noqa: E402
 
 TOL = 1e-5  # as tests/test_runtime_parity.py (fp32)
@@ -134,24 +132,10 @@ def test_the_search_tries_offload_only_where_it_frees_memory():
 
 
 # ---- parity on gloo ranks ------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=[2, 4])
 def launch(request, tmp_path_factory):
     world = request.param
-    out = str(tmp_path_factory.mktemp("offload") / f"w{world}.json")
-
-    def cmd() -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-                f"--master-port={_free_port()}", os.path.join(ROOT, "tests", "offload_worker.py"), out]
-    proc = run_launch(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"), timeout=600)
-    assert proc.returncode == 0 and os.path.exists(out), proc.stderr[-4000:]
-    with open(out) as fh:
-        return world, json.load(fh)
+    return world, run_worker("offload_worker.py", world, str(tmp_path_factory.mktemp("offload") / f"w{world}.json"))
 
 
 def test_offload_parity_on_gloo_ranks(launch):

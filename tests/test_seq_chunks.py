@@ -4,9 +4,7 @@ attention against whole-sequence attention, and parity with one process (loss an
 fp32) for k = 2 and 4 on 2 and 4 gloo ranks (one launch per world size, tests/seq_chunks_worker.py)."""
 from __future__ import annotations
 
-import json
 import os
-import socket
 import sys
 
 import pytest
@@ -242,26 +240,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5  # as tests/test_runtime_parity.py (fp32)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=[2, 4])
 def launch(request, tmp_path_factory):
     sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from launches import run_launch
+    from launches import run_worker
     world = request.param
-    out = str(tmp_path_factory.mktemp("seq_chunks") / f"w{world}.json")
-
-    def cmd() -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-                f"--master-port={_free_port()}", os.path.join(ROOT, "tests", "seq_chunks_worker.py"), out]
-    proc = run_launch(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"), timeout=600)
-    assert proc.returncode == 0 and os.path.exists(out), proc.stderr[-4000:]
-    with open(out) as fh:
-        return world, json.load(fh)
+    return world, run_worker("seq_chunks_worker.py", world, str(tmp_path_factory.mktemp("seq_chunks") / f"w{world}.json"))
 
 
 def test_seq_chunks_parity_on_gloo_ranks(launch):
