@@ -252,13 +252,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _buckets(self, n: int) -> list[tuple[int, list[int]]]:
         """(owner rank in the group, parameter indices) per broadcast: each owner's parameters of
         one dtype and device, packed by ``zero1_buckets``."""
-        lists: dict[tuple, list[int]] = {}
+        lists: dict[tuple, list[tuple[int, int]]] = {}  # (owner, dtype, device) -> [(index, bytes)]
         for i, (p, o) in enumerate(zip(self.all_params, self.owner)):
             t = torch_compat.local_tensor(p.data)
-            lists.setdefault((o, t.dtype, t.device), []).append(i)
-        keys = sorted(lists, key=lambda k: (k[0], str(k[1]), str(k[2])))
-        sizes = [[torch_compat.local_tensor(self.all_params[i].data).nbytes for i in lists[k]] for k in keys]
-        return [(k[0], [lists[k][j] for j in b]) for k, bs in zip(keys, zero1_buckets(sizes)) for b in bs]
+            lists.setdefault((o, str(t.dtype), str(t.device)), []).append((i, t.nbytes))
+        keys = sorted(lists)
+        sizes = [[b for _, b in lists[k]] for k in keys]
+        return [(k[0], [lists[k][j][0] for j in b]) for k, bs in zip(keys, zero1_buckets(sizes)) for b in bs]
 
     def state_dict(self):  # type: ignore[override]
         return self.inner.state_dict() if self.inner is not None else {}
