@@ -61,8 +61,12 @@ A group whose members lie in ``k > 1`` cluster groups, ``g`` in each, runs hiera
 ``g`` concurrent rings of ``k`` across the WAN carrying ``B / g`` each, every flow of the
 dimension sharing the link's aggregate bandwidth (``cost_models.wan``: ``dim_span``,
 ``flow_link``); a pipeline boundary on the cut is one WAN hop per rank pair
-(:func:`p2p_hops`), the boundary's pairs sharing the link. Never from a profile (it measures
-the node links only).
+(:func:`p2p_hops`), the boundary's pairs sharing the link. A group the runtime reduces flat
+(``flat=True``: FSDP2's ``replicate``, which takes a one-dimensional mesh,
+``planner.sharding.dp_replicas``) is one ring over all its ``n`` members (:func:`_flat_wan_time`):
+each of its ``2(n - 1)`` (all-reduce) or ``n - 1`` steps moves ``B / n`` per member and waits for
+its WAN edge, one flow per group of the dimension sharing the link, plus the link's latency.
+Never from a profile (it measures the node links only).
 
 Measured profile
 ----------------
@@ -244,29 +248,37 @@ class _Phase:
 
 
 def collective_time(kind: str, nbytes: float, cluster: Cluster, mesh: Mesh | Mapping[str, int], dim: str,
-                    profile: ProfileDB | None = None) -> CommEstimate:
-    """Seconds for one ``kind`` collective of ``nbytes`` (per-rank buffer) over a ``dim`` group."""
+                    profile: ProfileDB | None = None, *, flat: bool = False) -> CommEstimate:
+    """Seconds for one ``kind`` collective of ``nbytes`` (per-rank buffer) over a ``dim`` group.
+    A group spanning cluster groups runs hierarchically, or as one ring when ``flat`` (module
+    docstring)."""
     if kind not in COLLECTIVE_KINDS:
         raise ClusterError(f"unknown collective {kind!r}: use one of {', '.join(COLLECTIVE_KINDS)}")
     m = Mesh.of(mesh)
     lay = group_layout(cluster, m, dim)
     span = wan.dim_span(cluster, lay.size, m.stride(dim), m.world)
     if span is not None:
-        return _group_time(kind, float(nbytes), lay, cluster, profile, _Wan(span, m.stride(dim)))
+        return _group_time(kind, float(nbytes), lay, cluster, profile, _Wan(span, m.stride(dim), flat))
     return _group_time(kind, float(nbytes), lay, cluster, profile)
 
 
 @dataclass(frozen=True)
 class _Wan:
-    """A group spanning cluster groups (``cost_models.wan``) and its members' stride."""
+    """A group spanning cluster groups (``cost_models.wan``), its members' stride, and whether it
+    runs as one flat ring (else hierarchically)."""
     span: wan.WanSpan
     stride: int
+    flat: bool = False
 
 
 def _group_time(kind: str, nbytes: float, lay: GroupLayout, cluster: Cluster,
                 profile: ProfileDB | None, across: "_Wan | None" = None) -> CommEstimate:
-    est = (_wan_group_time(kind, nbytes, across, cluster, profile) if across is not None
-           else _group_time_raw(kind, nbytes, lay, cluster, profile))
+    if across is None:
+        est = _group_time_raw(kind, nbytes, lay, cluster, profile)
+    elif across.flat and kind != "send_recv":
+        est = CommEstimate(_flat_wan_time(kind, nbytes, lay.size, across.span, cluster), "model")
+    else:
+        est = _wan_group_time(kind, nbytes, across, cluster, profile)
     if est.seconds:
         est = CommEstimate(est.seconds + sync_wait_s(cluster.cores_per_node, cluster.devices_per_node), est.source)
     cal = getattr(profile, "calibration", None)
@@ -342,6 +354,21 @@ def _wan_group_time(kind: str, nbytes: float, across: _Wan, cluster: Cluster,
     else:
         t = cross("send_recv", nbytes)
     return CommEstimate(t, "model")
+
+
+def _flat_wan_time(kind: str, nbytes: float, n: int, span: wan.WanSpan, cluster: Cluster) -> float:
+    """One flat ring of ``n`` members across cluster groups, seconds: each ring step moves
+    ``nbytes / n`` per member and is as slow as its WAN edge, whose link every group of the
+    dimension shares with one flow each (``span.flows / span.per_group`` of them), plus the
+    link's one-way latency; the all-to-all sends the ``(n - g) / n`` of the buffer bound for the
+    other groups over that flow."""
+    groups = max(1, span.flows // span.per_group)
+    link = wan.flow_link(cluster, span.spanned, groups)
+    bw, lat = link.bandwidth_bps, link.latency_s
+    if kind == "all_to_all":
+        return (n - span.per_group) / n * nbytes / bw + (n - 1) * lat
+    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    return steps * (nbytes / n / bw + lat)
 
 
 def p2p_links(cluster: Cluster, mesh: Mesh | Mapping[str, int]) -> list[LinkClass]:

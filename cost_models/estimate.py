@@ -244,7 +244,9 @@ def _dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units
     def ct(kind: str, per_param: float = GRAD_REDUCE_BYTES, n_calls: int = calls) -> float:
         if k > 1 and kind in ("all_gather", "reduce_scatter"):
             return _hsdp_time(kind, params * per_param / n_calls, cluster, cfg, dpg, k, profile, comm_src) * n_calls
-        e = comm_mod.collective_time(kind, params * per_param / n_calls, cluster, flat, "dp", profile)
+        # across cluster groups the runtime runs DP flat where dp_replicas says 1 (one ring)
+        e = comm_mod.collective_time(kind, params * per_param / n_calls, cluster, flat, "dp", profile,
+                                     flat=k == 1 and not experts)
         comm_src.add(e.source)
         return e.seconds * n_calls
 

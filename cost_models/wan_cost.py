@@ -46,8 +46,9 @@ class Crossing:
     flows: int             # transfers sharing the link at once
     gbs_per_flow: float    # what one flow gets, GB/s
     latency_ms: float      # one-way
-    seconds: float         # WAN seconds per step (pp: 2 m hops; dp: the gradients' cross-group phase;
-    #                        outer: one exchange, made once per H steps)
+    seconds: float         # WAN seconds per step (pp: 2 m hops; dp: the gradients' cross-group phase,
+    #                        or the whole ring when flat; outer: one exchange, made once per H steps)
+    mode: str = ""         # dp: "hierarchical" or "flat" (planner.sharding.dp_replicas)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -76,10 +77,13 @@ def crossings(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partitio
         span = wan.dim_span(cluster, mesh.size(dim), mesh.stride(dim), mesh.world)
         if span is None:
             continue
-        secs = _grad_wan_s(graph, cluster, cfg, span) if dim == "dp" else 0.0
+        mode = ("hierarchical" if hsdp_replicas(cluster, cfg) > 1 else "flat") if dim == "dp" else ""
+        secs = _grad_wan_s(graph, cluster, cfg, span, mesh if mode == "flat" else None) if dim == "dp" else 0.0
+        flows = span.flows // span.per_group if mode == "flat" else span.flows
+        link = wan.flow_link(cluster, span.spanned, flows) if mode == "flat" else span.link
         out.append(Crossing(dim, f"{span.per_group} of each {dim} group's {mesh.size(dim)} ranks in each of "
                                  f"{span.groups} groups", _names(cluster, span.spanned),
-                            span.flows, span.link.bandwidth_gbs, span.link.latency_us / 1e3, secs))
+                            flows, link.bandwidth_gbs, link.latency_us / 1e3, secs, mode))
     return out
 
 
@@ -139,10 +143,15 @@ def _boundary_bytes(graph: ModelGraph, cfg: ParallelConfig, partition: Partition
     return max((act_bytes_io(graph.layers[i], graph, cfg) / cfg.seq_shards for i in cuts), default=0.0)
 
 
-def _grad_wan_s(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, span: wan.WanSpan) -> float:
+def _grad_wan_s(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, span: wan.WanSpan,
+                flat_mesh: comm_mod.Mesh | None = None) -> float:
     """The cross-group phase of one reduce-scatter of the average rank's gradients (a lower bound
-    of every sharding's gradient traffic over the WAN), seconds."""
+    of every hierarchical sharding's gradient traffic over the WAN), seconds; with ``flat_mesh``
+    (DP run as one ring) the ring's all-reduce of them."""
     params = sum(layer.params for layer in graph.layers) / (cfg.pp * cfg.tp)
+    if flat_mesh is not None:
+        return comm_mod.collective_time("all_reduce", params * GRAD_REDUCE_BYTES, cluster, flat_mesh, "dp",
+                                        flat=True).seconds
     per_flow = params * GRAD_REDUCE_BYTES / span.per_group
     k = span.groups
     return (k - 1) / k * per_flow / span.link.bandwidth_bps + (k - 1) * span.link.latency_s

@@ -151,8 +151,10 @@ def wan_words(crossings: list[dict]) -> list[str]:
             out.append(f"pp {x['where']} crosses {joins}: {link}; {x['seconds']:.3g} s of transfers per step "
                        f"before overlap (hidden by the micro-batches in flight)")
         elif x["dim"] == "dp":
-            out.append(f"dp x cp crosses {joins} ({x['where']}): hierarchical gradient reduction (reduce in each "
-                       f"group, exchange across, broadcast back), overlapped with the backward; {link}; at least "
+            how = ("one flat ring over every member (FSDP2's replicate takes a one-dimensional mesh), "
+                   if x.get("mode") == "flat" else
+                   "hierarchical gradient reduction (reduce in each group, exchange across, broadcast back), ")
+            out.append(f"dp x cp crosses {joins} ({x['where']}): {how}overlapped with the backward; {link}; at least "
                        f"{x['seconds']:.3g} s per step across")
         elif x["dim"] == "outer":
             out.append(f"low-communication DP across {joins or 'the groups'}: pseudo-gradients exchanged {x['where']}"

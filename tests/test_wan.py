@@ -44,6 +44,39 @@ def test_dp_across_the_wan_is_hierarchical():
     assert t > 10 * comm.collective_time("all_reduce", B, _flat(), mesh, "dp").seconds
 
 
+def test_dp_run_flat_across_the_wan_is_one_ring():
+    """FSDP2's replicate reduces over a 1-D mesh: one ring of all 16 members, each of its 30 steps
+    waiting on the WAN edge, which the dimension's 8 rings (one per tp rank) share."""
+    mesh = comm.Mesh(dp=16, tp=8)
+    B = 1e9
+    flat = comm.collective_time("all_reduce", B, WAN, mesh, "dp", flat=True).seconds
+    assert flat == pytest.approx(30 * (B / 16 / (12.5e9 / 8) + 0.010))
+    assert flat > 2 * comm.collective_time("all_reduce", B, WAN, mesh, "dp").seconds
+    inside = comm.Mesh(pp=2, dp=8, tp=8)  # a dp group inside one region: flat changes nothing
+    assert comm.collective_time("all_reduce", B, WAN, inside, "dp", flat=True).seconds == \
+        comm.collective_time("all_reduce", B, WAN, inside, "dp").seconds
+
+
+def test_estimate_prices_dp_across_regions_as_the_runtime_wraps_it():
+    """bf16 DDP runs FSDP2's replicate, flat across the regions; fp32 DDP runs DDP's reducer with
+    the hierarchical hook; the plan's crossing says which (planner.sharding.dp_replicas)."""
+    from cost_models.estimate import estimate
+    from planner.describe import wan_words
+    from planner.frontend.load import load_graph
+    from planner.plan import ParallelConfig, Partition
+
+    cl = parse_cluster("two-region-h100:1")
+    g = load_graph("llama-1b", batch=1, seq_len=2048)
+    whole = Partition.even(len(g.layers), 1)
+    flat = estimate(g, cl, ParallelConfig(dp=16, zero="ddp"), whole, 32)
+    hier = estimate(g, cl, ParallelConfig(dp=16, zero="ddp", dtype="fp32"), whole, 32)
+    (xf,), (xh,) = flat.wan, hier.wan
+    assert (xf["mode"], xh["mode"]) == ("flat", "hierarchical")
+    assert (xf["flows"], xh["flows"]) == (1, 8)
+    assert xf["seconds"] > 3 * xh["seconds"]
+    assert "one flat ring" in wan_words([xf])[0] and "hierarchical" in wan_words([xh])[0]
+
+
 def test_simulator_per_boundary_hops():
     f, b = [1.0] * 4, [2.0] * 4
     same = simulate("1f1b", 4, 8, f, b, p2p=0.1).step_s
