@@ -314,6 +314,15 @@ def print_table(res: dict[str, Any]) -> None:
                  f" ({v.get('note', 'not among the measured plans')})"))
 
 
+def add_profile_args(ap: argparse.ArgumentParser, work: str) -> None:
+    """The options :func:`load_profile` reads (profile to reuse or measure, work folder)."""
+    ap.add_argument("--profile", default="", help="reuse this profile, or 'none' for the roofline (default: measure)")
+    ap.add_argument("--profile-batches", default="1,4")
+    ap.add_argument("--profile-sizes", default="1024,65536,1048576,4194304,16777216,67108864")
+    ap.add_argument("--profile-repeats", type=int, default=3)
+    ap.add_argument("--work", default=work)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cluster", default="local-cpu:4")
@@ -326,11 +335,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--search-alternatives", type=int, default=1, help="distinct runner-ups per model")
     ap.add_argument("--max-plans", type=int, default=0, help="stop after this many plans (0: all)")
     ap.add_argument("--forced", default="", help="';'-separated config strings replacing the built-in forced layouts")
-    ap.add_argument("--profile", default="", help="reuse this profile, or 'none' for the roofline (default: measure)")
-    ap.add_argument("--profile-batches", default="1,4")
-    ap.add_argument("--profile-sizes", default="1024,65536,1048576,4194304,16777216,67108864")
-    ap.add_argument("--profile-repeats", type=int, default=3)
-    ap.add_argument("--work", default="runs/fidelity")
+    add_profile_args(ap, "runs/fidelity")
     ap.add_argument("--out", default="benchmarks/results/fidelity.json")
     ap.add_argument("--time-budget", type=float, default=0,
                     help="seconds from the start after which no new run is launched (0: no limit)")

@@ -95,7 +95,7 @@ from cost_models.layer_costs import LayerCosts, act_bytes_io, layer_pass_times
 from cost_models.offload import host_capacity_bytes
 from cost_models.memory import LayerTable, StageMemory, dp_group
 from cost_models.pipeline_memory import inflight_closed, rank_memories
-from cost_models.seq_chunks import stage_attention_s
+from cost_models.seq_chunks import stage_chunk_parts
 from cost_models.wan_cost import crossings, hsdp_replicas, outer_step_s, stage_capacity, stage_devices, stage_slowdowns
 from cost_models.shared_cores import compute_concurrency, core_speedup, shares_cores, spare_core
 from planner.feasibility import microbatches
@@ -404,11 +404,11 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
 
     # ---- pipeline ----------------------------------------------------------------
     hops = _p2p_hops(graph, cluster, cfg, partition, profile, comm_src)
-    p2p, attn = hops.slowest, stage_attention_s(graph, partition, costs) if cfg.seq_chunks > 1 else None
+    p2p, attn = hops.slowest, stage_chunk_parts(graph, partition, costs) if cfg.seq_chunks > 1 else None
     pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, hops, fast, eng.p2p_overlap, schedule, attn)
     speed = _shared_core_speedup(cluster, cfg, bubble, result)
     if speed > 1.0:  # fewer ranks compute at once than the layer times assume: re-run at that speed
-        stages = [st.sped_up(speed) for st in stages]
+        stages, attn = [st.sped_up(speed) for st in stages], attn and attn.scaled(1 / speed)
         pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, hops, fast, eng.p2p_overlap, schedule, attn)
 
     # ---- per-rank memory, data parallel, optimizer ------------------------------------------
@@ -454,7 +454,7 @@ def _pipeline(cfg: ParallelConfig, m: int, stages: list[_StageCost], hops: P2pHo
     the schedule runs without them and only the fill and drain hops are added. A custom schedule
     (``schedule``) and dualpipev are always simulated (no closed form). A WAN boundary carries
     every micro-batch's activation one after another: the step is at least ``wan.link_floor_s``.
-    Sequence chunks (``attn``: the stages' attention-core seconds) are simulated, each chunk's
+    Sequence chunks (``attn``: the stages' ``seq_chunks.ChunkParts``) are simulated, each chunk's
     hop ``1/k`` of a micro-batch's (bandwidth-bound)."""
     fwd, bwd = [st.fwd for st in stages], [st.bwd for st in stages]
     if cfg.pp == 1:
@@ -478,9 +478,9 @@ def _pipeline(cfg: ParallelConfig, m: int, stages: list[_StageCost], hops: P2pHo
         bubble = 1.0 - m * sum(fwd[j] + bwd[j] for j in range(n_stages)) / cfg.pp / pipe_s
         result = None
     else:
-        k, af, ab = (cfg.seq_chunks, *attn) if attn is not None else (1, 0.0, 0.0)
+        k, parts = (cfg.seq_chunks, vars(attn)) if attn is not None else (1, {})
         result = pipe_mod.simulate(cfg.schedule, cfg.pp, m, fwd, bwd, p2p=[h / k for h in hops.hops] or 0.0, v=cfg.vpp,
-                                   seq_chunks=k, attn_fwd=af, attn_bwd=ab)
+                                   seq_chunks=k, **parts)
         pipe_s, inflight, bubble = result.step_s, list(result.peak_inflight_chunks), result.bubble_frac
     floor = wan_mod.link_floor_s(m, hops.wan_bw, sum(fwd) + sum(bwd))
     if floor > pipe_s:

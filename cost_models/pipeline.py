@@ -294,7 +294,8 @@ def _compile_schedule(s: ir.Schedule) -> _Compiled:
 def simulate(schedule: str, p: int, m: int, fwd: Sequence[float] | float, bwd: Sequence[float] | float, *,
              wgrad: Sequence[float] | float | None = None, p2p: float | Sequence[float] = 0.0,
              v: int = 1, seq_chunks: int = 1, attn_fwd: Sequence[float] | float = 0.0,
-             attn_bwd: Sequence[float] | float = 0.0) -> PipelineResult:
+             attn_bwd: Sequence[float] | float = 0.0, fixed_fwd: Sequence[float] | float = 0.0,
+             fixed_bwd: Sequence[float] | float = 0.0) -> PipelineResult:
     """Simulate one training step of built-in ``schedule`` (times in seconds; module docstring).
 
     ``fwd``/``bwd`` (and ``wgrad`` for the split schedules) give one entry per virtual stage, or
@@ -303,8 +304,8 @@ def simulate(schedule: str, p: int, m: int, fwd: Sequence[float] | float, bwd: S
     ``p2p``: one hop for all cross-rank edges, or one per rank boundary r -> (r + 1) % p (a WAN cut).
     ``seq_chunks`` k > 1: each of the ``m`` micro-batches runs as k sequence chunks (the IR's
     chunk order), chunk j of a stage taking ``cost_models.seq_chunks.chunk_seconds`` of its
-    fwd / bwd with ``attn_fwd`` / ``attn_bwd`` seconds of them the attention core.
-    """
+    fwd / bwd with ``attn_fwd`` / ``attn_bwd`` seconds of them the attention core and
+    ``fixed_fwd`` / ``fixed_bwd`` the part every call pays whatever its tokens."""
     comp = _compile(schedule, p, m, v, seq_chunks)
     n = len(comp.chunk_of)
     f, b = _per_stage("fwd", fwd, n), _per_stage("bwd", bwd, n)
@@ -317,7 +318,8 @@ def simulate(schedule: str, p: int, m: int, fwd: Sequence[float] | float, bwd: S
                             "backward in bwd")
     else:
         i, w = b, [0.0] * n
-    attn = (_per_stage("attn_fwd", attn_fwd, n), _per_stage("attn_bwd", attn_bwd, n)) if seq_chunks > 1 else None
+    attn = tuple(_per_stage(name, x, n) for name, x in (("attn_fwd", attn_fwd), ("attn_bwd", attn_bwd),
+                 ("fixed_fwd", fixed_fwd), ("fixed_bwd", fixed_bwd))) if seq_chunks > 1 else None
     return _run(comp, f, b, w, i, p2p, attn)
 
 
@@ -367,22 +369,19 @@ def simulate_orders(orders: Sequence[Sequence[tuple[int, int, int]]], m: int, fw
 
 
 def _chunk_durations(comp: _Compiled, f: list[float], b: list[float], w: list[float], i: list[float],
-                     attn: tuple[list[float], list[float]] | None) -> list[float]:
-    """Durations indexed ``(kind n_stages + stage) k + chunk`` (F, B, W, I): each pass's chunk
-    share (``cost_models.seq_chunks.chunk_seconds``; the weight gradient has no attention part)."""
-    k = comp.k
+                     attn: tuple[list[float], ...] | None) -> list[float]:
+    """Durations indexed ``(kind n_stages + stage) k + chunk`` (F, B, W, I): each pass's chunk share
+    (``seq_chunks.chunk_seconds``; ``attn``: per stage the attention cores and fixed parts of F, B)."""
+    k, zero = comp.k, [0.0] * len(f)
     if k == 1:
         return f + b + w + i
-    af, ab = attn if attn is not None else ([0.0] * len(f), [0.0] * len(f))
-    out = []
-    for times, a in ((f, af), (b, ab), (w, [0.0] * len(f)), (i, ab)):
-        for t, at in zip(times, a):
-            out += [chunk_seconds(t, at, j, k) for j in range(k)]
-    return out
+    af, ab, ff, fb = attn or (zero,) * 4
+    return [chunk_seconds(t, at, j, k, fx) for times, a, x in ((f, af, ff), (b, ab, fb), (w, zero, zero), (i, ab, fb))
+            for t, at, fx in zip(times, a, x) for j in range(k)]
 
 
 def _run(comp: _Compiled, f: list[float], b: list[float], w: list[float], i: list[float],
-         p2p: float | Sequence[float], attn: tuple[list[float], list[float]] | None = None) -> PipelineResult:
+         p2p: float | Sequence[float], attn: tuple[list[float], ...] | None = None) -> PipelineResult:
     p, m = comp.p, comp.m
     per = _per_stage("p2p", p2p, p)  # per rank boundary r -> (r + 1) % p
     hops = per + [0.0, max(per)]  # + the step index _NO_HOP (same rank) and _FAR_HOP (non-adjacent ranks)

@@ -228,6 +228,29 @@ class ProfileDB:
         return (_interp_linear(xs, fw, tokens), _interp_linear(xs, bw, tokens))
 
 
+    def layer_fixed_share(self, signature: str, batch: int, seq_len: int, tp: int, cp: int,
+                          k: int = 1) -> tuple[float, float]:
+        """(forward, backward) share of a layer's time at ``batch`` sequences of ``seq_len`` that a
+        call pays whatever its tokens (cost_models/seq_chunks.py: what each of ``k`` sequence
+        chunks pays whole): ``t0 / t(batch seq_len)`` for the line ``t(n) = t0 + c n`` through the
+        measured times at ``seq_len / k`` and ``seq_len`` (this batch, tp and cp), else through the
+        two smallest token counts measured at ``seq_len``; ``t0`` clipped to ``[0, t(n1)]`` (a
+        pass that does not grow with its tokens is all fixed). (0, 0) without two such points."""
+        mine = [s for s in self.layers.get(signature, ()) if s.tp == tp and s.cp == cp]
+        chunk = k > 1 and seq_len % k == 0 and any(s.batch == batch and s.seq_len == seq_len // k for s in mine)
+        pts = [(batch, seq_len // k), (batch, seq_len)] if chunk else \
+            [(n // seq_len, seq_len) for n in sorted({s.tokens for s in mine if s.seq_len == seq_len})][:2]
+        if len(pts) < 2 or self.layer_time(signature, *pts[1], tp, cp) is None:
+            return 0.0, 0.0
+        n1, n2 = (bs * sl for bs, sl in pts)
+        now = self.layer_time(signature, batch, seq_len, tp, cp)
+        out = []
+        for t1, t2, t in zip(*(self.layer_time(signature, bs, sl, tp, cp) for bs, sl in pts), now):
+            t0 = min(max(t1 - (t2 - t1) / (n2 - n1) * n1, 0.0), t1)
+            out.append(min(1.0, t0 / t) if t > 0 else 0.0)
+        return out[0], out[1]
+
+
 def _merge_sizes(samples: list[CollectiveSample]) -> list[tuple[float, float]]:
     by_size: dict[int, list[float]] = {}
     for s in samples:

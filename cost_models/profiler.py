@@ -15,7 +15,8 @@ rank). The same code runs with gloo on CPUs and nccl on GPUs. It measures:
     and merge, without the p2p). Collectives inside a layer (TP all-reduces, the ring's
     exchange) are not in these times: the communication model adds them. All ranks
     measure at once, so the figures include the contention of ranks sharing a machine,
-    as in training.
+    as in training. Besides, at batch 1 without TP and CP, one sequence chunk of each
+    searched count (``cost_models.seq_chunks.chunk_lengths``).
 (b) **Collectives**: all-reduce, all-gather, reduce-scatter, all-to-all for each
     group size the mesh can have, with all groups of that size running at once
     (as all tp groups, or all dp groups, do in training), over message sizes.
@@ -350,10 +351,9 @@ def _unit_stack():
 
 
 def _wrapper_figures(mesh, repeats: int) -> dict[str, float]:
-    """Per unit and micro-batch, forward + backward: the data-parallel wrappers' own work over an
-    unwrapped stack (cost_models/cpu_runtime.py): ``replicate`` and ``fully_shard`` with gradient
-    sync off, less the latter's two all-gathers of a unit, and sync on over off, less its
-    reduce-scatter."""
+    """Per unit and micro-batch, forward + backward: the data-parallel wrappers' own work over an unwrapped
+    stack (cost_models/cpu_runtime.py): ``replicate`` and ``fully_shard`` with gradient sync off, less
+    the latter's two all-gathers of a unit, and sync on over off, less its reduce-scatter."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -435,8 +435,7 @@ def measure_runtime(db, world: int, repeats: int) -> None:
 
 def worker_args(cluster: str, model: str, out: str, *, seq_len: int | None = None, batches: str | None = None,
                 sizes: str | None = None, repeats: int | None = None) -> list[str]:
-    """The arguments after ``torchrun ...`` that run this profiler on every rank
-    (options left None take the profiler's defaults)."""
+    """The arguments after ``torchrun ...`` that run this profiler on every rank (None: its default)."""
     args = ["-m", "cost_models.profiler", "--cluster", cluster, "--model", model, "-o", out]
     for flag, v in (("--seq-len", seq_len), ("--batches", batches), ("--sizes", sizes), ("--repeats", repeats)):
         if v is not None:
@@ -459,10 +458,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from codegen.runtime.mesh import exit_process, init_distributed
     from cost_models.cluster import parse_cluster
     from cost_models.profile_db import ProfileDB
-
-    from codegen.runtime.mesh import exit_process, init_distributed
+    from cost_models.seq_chunks import chunk_lengths
 
     # as the training runtime starts: nccl on this rank's GPU, or gloo with the rank pinned to its cores
     device = init_distributed()
@@ -485,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
             cps = [c for c in range(1, world + 1) if world % c == 0 and sequence_problem(seq, c) is None]
             measure_layers(db, args.model, seq, [int(b) for b in args.batches.split(",")], tps, cps,
                            args.repeats, device)
+            for c in chunk_lengths(seq):  # one sequence chunk: what each chunk pays (ProfileDB.layer_fixed_share)
+                measure_layers(db, args.model, c, [1], [1], [1], args.repeats, device)
         if rank == 0:
             db.to_json(args.out)
             _log(f"wrote {args.out} in {time.perf_counter() - t0:.1f} s")

@@ -208,23 +208,82 @@ def test_search_tries_chunks_on_gpu_clusters_only():
     assert not any(k > 1 for s, k in found if s not in ir.CHUNK_SCHEDULES)
 
 
-def test_estimate_prices_chunks_faster_and_smaller_on_a_pipeline():
-    """The full estimate on a 2-stage pipeline (gloo cluster, 4 micro-batches): k = 2 and 4 shrink
-    the bubble and the activations held per rank; the KV store adds to rank 0's activations."""
+def _chunked_estimates(cluster: str, layout: str, gb: int, profile=None) -> dict:
     from cost_models.cluster import parse_cluster
     from cost_models.estimate import estimate
     from planner.frontend.load import load_graph
     from planner.search.stage_split import even_split
     g = load_graph("llama-tiny", batch=1, seq_len=256)
-    c = parse_cluster("local-cpu:2")
-    out = {}
-    for k in (1, 2, 4):
-        cfg = ParallelConfig.parse(f"pp=2,recompute=none,seq_chunks={k}")
-        out[k] = estimate(g, c, cfg, even_split(g, 2), 4)
+    return {k: estimate(g, parse_cluster(cluster), ParallelConfig.parse(f"{layout},recompute=none,seq_chunks={k}"),
+                        even_split(g, 2), gb, profile=profile) for k in (1, 2, 4)}
+
+
+def test_estimate_prices_chunks_faster_and_smaller_on_a_pipeline():
+    """The full estimate on a 2-stage pipeline (GPU roofline, 4 micro-batches per replica: no fixed
+    per-call part): k = 2 and 4 shrink the step, the bubble and the activations held per rank; the
+    KV store adds to rank 0's activations."""
+    out = _chunked_estimates("dgx-h100:1", "pp=2,dp=4", 16)
     assert out[4].step_s < out[2].step_s < out[1].step_s
     assert out[4].bubble_frac < out[2].bubble_frac < out[1].bubble_frac
     assert out[4].memory[0].activations < out[2].memory[0].activations < out[1].memory[0].activations
     assert out[2].pipeline.peak_inflight_chunks == [3, 2] and out[2].pipeline.seq_chunks == 2
+
+
+def test_cpu_pipeline_chunks_pay_the_wrappers_per_call_work():
+    """On local CPUs the pipeline's stages run under fully_shard (cost_models/cpu_runtime.py), whose
+    per-unit work every chunk pays whole: llama-tiny pp2 measured 0.146 s whole and 0.344 s in 4
+    chunks (README); the estimate must rank k = 4 slowest, and the busiest rank's busy time grows
+    by (k - 1) micro-batches x the wrapper's per-call seconds on its layers."""
+    from cost_models.cluster import parse_cluster
+    from cost_models.cpu_runtime import wrapper_unit_s
+    out = _chunked_estimates("local-cpu:2", "pp=2", 4)
+    assert out[1].step_s < out[2].step_s < out[4].step_s
+    wf, wb = wrapper_unit_s(parse_cluster("local-cpu:2"), ParallelConfig.parse("pp=2"))
+    n = [hi - lo for lo, hi in out[1].partition.bounds]
+    for k in (2, 4):
+        grow = [b4 - b1 for b1, b4 in zip(out[1].pipeline.busy_s, out[k].pipeline.busy_s)]
+        assert grow == pytest.approx([4 * (k - 1) * x * (wf + wb) for x in n], rel=1e-6)
+
+
+def test_chunk_seconds_charges_the_fixed_part_whole():
+    """Every chunk pays ``fixed``; the rest splits as chunk_share; the chunks of a pass sum to
+    ``total + (k - 1) fixed``; fixed = 0 is the old split, a fixed part over the total is capped."""
+    total, attn, fixed, k = 10.0, 2.0, 3.0, 4
+    got = [chunk_seconds(total, attn, j, k, fixed) for j in range(k)]
+    assert got == pytest.approx([fixed + chunk_share(j, k, attn / (total - fixed)) * (total - fixed)
+                                 for j in range(k)])
+    assert sum(got) == pytest.approx(total + (k - 1) * fixed)
+    assert chunk_seconds(total, attn, 1, k) == chunk_seconds(total, attn, 1, k, 0.0)
+    assert chunk_seconds(total, 0.0, 2, k, 50.0) == total
+
+
+def test_profile_fixed_share_is_the_affine_intercept():
+    """``ProfileDB.layer_fixed_share``: the intercept of the line through the two smallest token
+    counts at the sequence length, over the time at the asked batch; (0, 0) from one point."""
+    from cost_models.profile_db import ProfileDB
+    db = ProfileDB(cluster_fingerprint="x", backend="gloo", world=2)
+    db.add_layer("blk", 1, 64, 1, 1, 0.015, 0.040)   # t(n) = 5 ms + n / 6.4 ms forward
+    db.add_layer("blk", 4, 64, 1, 1, 0.045, 0.100)   # backward: 20 ms + n 0.3125 ms
+    f, b = db.layer_fixed_share("blk", 1, 64, 1, 1)
+    assert f == pytest.approx(0.005 / 0.015) and b == pytest.approx(0.020 / 0.040)
+    f4, _ = db.layer_fixed_share("blk", 4, 64, 1, 1)
+    assert f4 == pytest.approx(0.005 / 0.045)
+    db.add_layer("emb", 1, 64, 1, 1, 0.001, 0.021)   # a backward that does not grow: all fixed
+    db.add_layer("emb", 4, 64, 1, 1, 0.004, 0.016)
+    assert db.layer_fixed_share("emb", 1, 64, 1, 1) == pytest.approx((0.0, 1.0))
+    db.add_layer("one", 1, 64, 1, 1, 0.01, 0.02)
+    assert db.layer_fixed_share("one", 1, 64, 1, 1) == (0.0, 0.0)
+    # a chunk's own time measured (1 x 16 tokens): the line through it and the whole sequence, so
+    # that 4 chunks cost 4 x t(16) as measured
+    db.add_layer("blk", 1, 16, 1, 1, 0.006, 0.025)
+    f, b = db.layer_fixed_share("blk", 1, 64, 1, 1, k=4)
+    assert f * 0.015 == pytest.approx((4 * 0.006 - 0.015) / 3) and b * 0.040 == pytest.approx((4 * 0.025 - 0.040) / 3)
+    assert db.layer_fixed_share("blk", 1, 64, 1, 1, k=2) == pytest.approx((0.005 / 0.015, 0.020 / 0.040))
+
+
+def test_profiler_times_one_chunk_of_each_searched_count():
+    from cost_models.seq_chunks import chunk_lengths
+    assert chunk_lengths(64) == [32, 16] and chunk_lengths(6) == [3] and chunk_lengths(7) == []
 
 
 def test_plan_words_say_the_sequences_run_as_chunks():
@@ -260,3 +319,26 @@ def test_seq_chunks_parity_on_gloo_ranks(launch):
             assert r["loss_rel_err"] < TOL and r["grad_rel_err"] < TOL, (model, name, r["worst"], r["grad_rel_err"])
             ks.add(kw["seq_chunks"])
     assert ks == {2, 4}
+
+
+def test_estimate_charges_every_chunk_the_profiled_fixed_part():
+    """With a profile that times every layer on one chunk's tokens (64 of 256) too, k = 4 chunks
+    keep each rank's busy time at 4 micro-batches x (4 t(64) - t(256)) more per layer pass, plus
+    the wrapper's per-call work: exactly what 4 chunks cost as measured."""
+    from cost_models.cluster import parse_cluster
+    from cost_models.cpu_runtime import wrapper_unit_s
+    from cost_models.profile_db import ProfileDB
+    from planner.frontend.load import load_graph
+    g = load_graph("llama-tiny", batch=1, seq_len=256)
+    db = ProfileDB(cluster_fingerprint="x", backend="gloo", world=2)
+    for layer in g.layers:
+        if layer.repeat_of is None:
+            for batch, seq, f, b in ((1, 256, 4e-3, 9e-3), (4, 256, 13e-3, 30e-3), (1, 64, 1.5e-3, 4e-3)):
+                db.add_layer(layer.signature, batch, seq, 1, 1, f, b)
+    out = _chunked_estimates("local-cpu:2", "pp=2", 4, profile=db)
+    wf, wb = wrapper_unit_s(parse_cluster("local-cpu:2"), ParallelConfig.parse("pp=2"), db)
+    t0 = (4 * 1.5e-3 - 4e-3) / 3 + (4 * 4e-3 - 9e-3) / 3   # forward + backward, per layer and call
+    n = [hi - lo for lo, hi in out[1].partition.bounds]
+    grow = [b4 - b1 for b1, b4 in zip(out[1].pipeline.busy_s, out[4].pipeline.busy_s)]
+    assert grow == pytest.approx([4 * 3 * x * (t0 + wf + wb) for x in n], rel=1e-6)
+    assert out[4].step_s > out[1].step_s
