@@ -10,7 +10,10 @@ rows at once), its ``b`` queries, against the keys from the earliest document st
 
     elements = mbs x b x (x + b - min over the micro-batch's rows of doc_start[x : x + b])
 
-per head, whatever the documents' own causal pairs are. The pairs (``sum l (l+1) / 2``,
+per head, whatever the documents' own causal pairs are; and each (query block, key run) call
+(a ring block's keys come in runs too, the zigzag chunks) does a fixed work of its own, per call
+and per call and row (``BLOCK_ELEMENTS``, ``BLOCK_ROW_ELEMENTS``: elements at the fallback's
+speed). The pairs (``sum l (l+1) / 2``,
 ``cost_models.documents.busiest_share``) miss two things: a block holding the end of one
 document and the start of the next computes the rectangle back to the first one's start (short
 documents: about ``b^2`` per block, not ``sum l^2``), and rows of one micro-batch whose
@@ -18,12 +21,13 @@ documents start at different places share the earliest start (two rows of 2,048 
 log-uniform documents of 32-2,048 tokens: about 1.7x the elements of the rows one by one,
 measured 2.0-2.4x the time, 2026-12-03, torch 2.13, one thread of a 2-core Xeon).
 
-:func:`fallback_share` is the busiest rank's elements in a fixed layout (``dp`` ranks of ``mbs``
+:func:`fallback_share` is the busiest rank's work in a fixed layout (``dp`` ranks of ``mbs``
 consecutive rows each, rows split zigzag over ``cp`` ranks, a ring rank's work over its
 ``ulysses`` ranks' heads; every rank waits for the busiest, micro-batch by micro-batch, as in
-``busiest_share``), over the mean rank's elements with one document filling every row: 1.0
-exactly for rows of one document, so the fallback's measured speed against the fused kernel on
-one document (``cost_models.compute.CPU_TORCH_ATTENTION_SLOWDOWN``) prices every other mix.
+``busiest_share``), over the mean rank's work with one document filling every row and no ring:
+1.0 exactly for rows of one document at ``cp`` 1, so the fallback's measured speed against the
+fused kernel there (``cost_models.compute.CPU_TORCH_ATTENTION_SLOWDOWN``) prices every other
+mix and layout (a ring's extra calls included).
 Cost: one pass over the simulated rows' tokens per (mix, dp, cp, ulysses, mbs), cached.
 """
 from __future__ import annotations
@@ -32,6 +36,16 @@ import numpy as np
 
 from planner.feasibility import sequence_problem
 from planner.graph import DocumentMix
+
+# The fallback's fixed work per block, in score elements per head at its own speed (fitted
+# 2026-12-03 on 13 shapes, forward + backward, llama-mini's heads (4 of 64, 2 kv heads), torch
+# 2.13, one thread of a 2-core Xeon, load 2.3-3.0: t = alpha E + beta0 N + beta1 R over rows
+# of one document of 256-2,048 tokens and rows of 32-, 128- and 512-token documents, 1, 2 and
+# 4 rows at once, within 15%: alpha 95.7 ns per element, beta0 0.417 ms per (query block, key
+# run) call: its ~35 dispatched ops; beta1 0.497 ms per call and row of 128 queries: the block's
+# casts, exponentials and gradient sums over its queries). Their ratios to alpha.
+BLOCK_ELEMENTS = 4361.0
+BLOCK_ROW_ELEMENTS = 5197.0
 
 
 def fallback_chunk() -> int:
@@ -50,36 +64,55 @@ def row_doc_starts(mix: DocumentMix) -> np.ndarray:
     return out[: mix.rows * s].reshape(mix.rows, s)
 
 
-def block_bounds(seq_len: int, cp: int, chunk: int) -> np.ndarray:
-    """First positions of the fallback's query blocks of a row: each contiguous run of a rank's
-    positions (``seq_len / 2cp`` tokens zigzag, the whole row at ``cp`` 1) cut every ``chunk``."""
-    run = seq_len // (2 * cp) if cp > 1 else seq_len
-    return np.concatenate([np.arange(r, r + run, chunk) for r in range(0, seq_len, run)])
+def ring_runs(seq_len: int, cp: int, ulysses: int = 1) -> list[tuple[int, int, int]]:
+    """(first position, end, ring rank) of each maximal run of consecutive positions a ring rank
+    holds, in position order: its cp ranks' zigzag chunks ``2cp`` of the row, in the order
+    ``RingCompute.held_positions`` lays them (chunks ``cp - 1`` and ``cp`` of one rank, or of
+    one Ulysses group, make one run); the whole row at ``cp`` 1."""
+    if cp == 1:
+        return [(0, seq_len, 0)]
+    c = seq_len // (2 * cp)
+    runs = []
+    for ring in range(cp // ulysses):
+        held = [k for i in range(ulysses) for k in (ring * ulysses + i, 2 * cp - 1 - ring * ulysses - i)]
+        for k in held:
+            if runs and runs[-1][2] == ring and runs[-1][1] == k * c:
+                runs[-1] = (runs[-1][0], (k + 1) * c, ring)
+            else:
+                runs.append((k * c, (k + 1) * c, ring))
+    return sorted(runs)
 
 
 def rank_elements(mix: DocumentMix, dp: int, cp: int, ulysses: int = 1, mbs: int = 1,
                   chunk: int | None = None) -> tuple[np.ndarray, float]:
-    """(score elements per head the fallback computes per micro-batch and rank, ``[groups, dp x cp]``
-    in mesh order (dp outer, cp inner); the mean rank's with one document filling every row).
-    Micro-batches as in ``busiest_share`` (wrapping around fewer rows than one)."""
+    """(the fallback's work per micro-batch and rank in score elements per head, ``[groups, dp x cp]``
+    in mesh order (dp outer, cp inner); the mean rank's with one document filling every row and no
+    ring). Work: the blocks' rectangles (each run of a rank's queries, :func:`ring_runs`, cut every
+    ``chunk``) plus ``BLOCK_ELEMENTS`` per (query block, key run) call and ``BLOCK_ROW_ELEMENTS``
+    per call and row of ``chunk`` queries (module docstring). Micro-batches as in
+    ``busiest_share`` (wrapping around fewer rows than one)."""
     s = mix.seq_len
     chunk = chunk or fallback_chunk()
-    bounds = block_bounds(s, cp, chunk)
-    ends = np.append(bounds[1:], s)
+    runs = ring_runs(s, cp, ulysses)
+    bounds = np.concatenate([np.arange(a, e, chunk) for a, e, _ in runs])
+    owner = np.concatenate([np.full(len(range(a, e, chunk)), r) for a, e, r in runs])
+    ends = np.minimum(np.append(bounds[1:], s), [e for a, e, _ in runs for _ in range(a, e, chunk)])
     lo = np.minimum.reduceat(row_doc_starts(mix), bounds, axis=1)           # [rows, blocks]
     k = dp * mbs
     groups = max(mix.rows // k, 1)
     take = np.resize(np.arange(mix.rows), groups * k)
     lo = lo[take].reshape(groups, dp, mbs, -1).min(axis=2)                  # [groups, dp, blocks]
-    el = mbs * (ends - bounds) * (ends[None, None] - lo)
-    full = mbs * float(((ends - bounds) * ends).sum()) / cp
-    if cp == 1:
-        return el.sum(axis=2).reshape(groups, dp), full
-    run = s // (2 * cp)
-    chunk_of = bounds // run
-    owner = np.where(chunk_of < cp, chunk_of, 2 * cp - 1 - chunk_of) // ulysses   # the ring rank
-    ring = np.stack([el[:, :, owner == r].sum(axis=2) for r in range(cp // ulysses)], axis=2)
-    per_cp = np.repeat(ring, ulysses, axis=2) / ulysses                      # [groups, dp, cp]
+    firsts = np.array([a for a, _, _ in runs])
+    calls = np.searchsorted(firsts, ends - 1, side="right") - np.searchsorted(firsts, lo, side="right") + 1
+    rows = ends - bounds
+    heads = mbs * rows * (ends[None, None] - lo) + calls * BLOCK_ROW_ELEMENTS * mbs * rows / chunk
+    one = np.arange(0, s, chunk)
+    rows_one = np.minimum(one + chunk, s) - one
+    full = float((mbs * rows_one * (one + rows_one)).sum()
+                 + one.size * BLOCK_ELEMENTS + BLOCK_ROW_ELEMENTS * mbs * rows_one.sum() / chunk) / cp
+    ring = [(heads[:, :, owner == r].sum(axis=2) / ulysses + calls[:, :, owner == r].sum(axis=2) * BLOCK_ELEMENTS)
+            for r in range(max(cp // ulysses, 1))]                           # Ulysses: 1 / u of the heads
+    per_cp = np.repeat(np.stack(ring, axis=2), ulysses if cp > 1 else 1, axis=2)   # [groups, dp, cp]
     return per_cp.reshape(groups, dp * cp), full
 
 
