@@ -24,18 +24,26 @@ measured 2.0-2.4x the time, 2026-12-03, torch 2.13, one thread of a 2-core Xeon)
 :func:`fallback_share` is the busiest rank's work in a fixed layout (``dp`` ranks of ``mbs``
 consecutive rows each, rows split zigzag over ``cp`` ranks, a ring rank's work over its
 ``ulysses`` ranks' heads; every rank waits for the busiest, micro-batch by micro-batch, as in
-``busiest_share``), over the mean rank's work with one document filling every row and no ring:
-1.0 exactly for rows of one document at ``cp`` 1, so the fallback's measured speed against the
-fused kernel there (``cost_models.compute.CPU_TORCH_ATTENTION_SLOWDOWN``) prices every other
-mix and layout (a ring's extra calls included).
+``busiest_share``; on shared CPU cores the busiest core, :func:`busiest`), over the same layout's
+with one document filling every row: 1.0 exactly for rows of one document, so documents filling
+the row price as none, and the fallback's measured speed against the fused kernel there
+(``cost_models.compute.CPU_TORCH_ATTENTION_SLOWDOWN``; a ring's blocks, with or without
+documents, from the layer's profile or that factor) prices every other mix. Not priced here:
+what a ring's calls cost beyond ``cp`` 1's with one document per row (a block reaching ``k`` key
+runs makes ``k`` calls; cp 4: 16 calls per rank against 4, about +22% of its work), which a ring
+pays with or without documents.
+
 Cost: one pass over the simulated rows' tokens per (mix, dp, cp, ulysses, mbs), cached.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from cost_models.cluster import Cluster
+from cost_models.shared_cores import local_cpu, shares_cores
 from planner.feasibility import sequence_problem
 from planner.graph import DocumentMix
+from planner.plan import ParallelConfig
 
 # The fallback's fixed work per block, in score elements per head at its own speed (fitted
 # 2026-12-03 on 13 shapes, forward + backward, llama-mini's heads (4 of 64, 2 kv heads), torch
@@ -84,10 +92,10 @@ def ring_runs(seq_len: int, cp: int, ulysses: int = 1) -> list[tuple[int, int, i
 
 
 def rank_elements(mix: DocumentMix, dp: int, cp: int, ulysses: int = 1, mbs: int = 1,
-                  chunk: int | None = None) -> tuple[np.ndarray, float]:
+                  chunk: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(the fallback's work per micro-batch and rank in score elements per head, ``[groups, dp x cp]``
-    in mesh order (dp outer, cp inner); the mean rank's with one document filling every row and no
-    ring). Work: the blocks' rectangles (each run of a rank's queries, :func:`ring_runs`, cut every
+    in mesh order (dp outer, cp inner); the same for one document filling every row, ``[dp x cp]``).
+    Work: the blocks' rectangles (each run of a rank's queries, :func:`ring_runs`, cut every
     ``chunk``) plus ``BLOCK_ELEMENTS`` per (query block, key run) call and ``BLOCK_ROW_ELEMENTS``
     per call and row of ``chunk`` queries (module docstring). Micro-batches as in
     ``busiest_share`` (wrapping around fewer rows than one)."""
@@ -96,43 +104,66 @@ def rank_elements(mix: DocumentMix, dp: int, cp: int, ulysses: int = 1, mbs: int
     runs = ring_runs(s, cp, ulysses)
     bounds = np.concatenate([np.arange(a, e, chunk) for a, e, _ in runs])
     owner = np.concatenate([np.full(len(range(a, e, chunk)), r) for a, e, r in runs])
-    ends = np.minimum(np.append(bounds[1:], s), [e for a, e, _ in runs for _ in range(a, e, chunk)])
+    ends = np.append(bounds[1:], s)
+    firsts = np.array([a for a, _, _ in runs])
+
+    def work(lo: np.ndarray) -> np.ndarray:  # [groups, dp, blocks] earliest starts -> [groups, dp x cp]
+        calls = np.searchsorted(firsts, ends - 1, side="right") - np.searchsorted(firsts, lo, side="right") + 1
+        rows = mbs * (ends - bounds)
+        heads = rows * (ends - lo) + calls * BLOCK_ROW_ELEMENTS * rows / chunk
+        ring = [heads[..., owner == r].sum(axis=-1) / ulysses + calls[..., owner == r].sum(axis=-1) * BLOCK_ELEMENTS
+                for r in range(max(cp // ulysses, 1))]                  # Ulysses: 1 / u of the heads
+        return np.repeat(np.stack(ring, axis=-1), ulysses if cp > 1 else 1, axis=-1).reshape(lo.shape[0], dp * cp)
+
     lo = np.minimum.reduceat(row_doc_starts(mix), bounds, axis=1)           # [rows, blocks]
     k = dp * mbs
     groups = max(mix.rows // k, 1)
-    take = np.resize(np.arange(mix.rows), groups * k)
-    lo = lo[take].reshape(groups, dp, mbs, -1).min(axis=2)                  # [groups, dp, blocks]
-    firsts = np.array([a for a, _, _ in runs])
-    calls = np.searchsorted(firsts, ends - 1, side="right") - np.searchsorted(firsts, lo, side="right") + 1
-    rows = ends - bounds
-    heads = mbs * rows * (ends[None, None] - lo) + calls * BLOCK_ROW_ELEMENTS * mbs * rows / chunk
-    one = np.arange(0, s, chunk)
-    rows_one = np.minimum(one + chunk, s) - one
-    full = float((mbs * rows_one * (one + rows_one)).sum()
-                 + one.size * BLOCK_ELEMENTS + BLOCK_ROW_ELEMENTS * mbs * rows_one.sum() / chunk) / cp
-    ring = [(heads[:, :, owner == r].sum(axis=2) / ulysses + calls[:, :, owner == r].sum(axis=2) * BLOCK_ELEMENTS)
-            for r in range(max(cp // ulysses, 1))]                           # Ulysses: 1 / u of the heads
-    per_cp = np.repeat(np.stack(ring, axis=2), ulysses if cp > 1 else 1, axis=2)   # [groups, dp, cp]
-    return per_cp.reshape(groups, dp * cp), full
+    lo = lo[np.resize(np.arange(mix.rows), groups * k)].reshape(groups, dp, mbs, -1).min(axis=2)
+    return work(lo), work(np.zeros((1, dp, bounds.size), dtype=np.int64))[0]
+
+
+def pinned_cores(cluster: Cluster, cfg: ParallelConfig) -> int:
+    """The cores ``cfg``'s ranks share round-robin on a local CPU cluster (``mesh.pin_cpu_rank``:
+    local rank ``L`` on core ``L mod cores`` when there are more ranks than cores), when every rank
+    is one (dp, cp) worker (no pipeline, no TP); 0 otherwise (no sharing, or not modelled)."""
+    cores = cluster.cores_per_node
+    if (not local_cpu(cluster) or cfg.pp > 1 or cfg.tp > 1 or cfg.world != cluster.devices_per_node
+            or not shares_cores(cores, cfg.world)):
+        return 0
+    return cores
+
+
+def busiest(work: np.ndarray, cores: int = 0) -> np.ndarray:
+    """[groups]: what each micro-batch waits for, of the ranks' ``work`` ``[groups, ranks]``: the
+    busiest rank; on ``cores`` shared cores (:func:`pinned_cores`) the busiest core's mean over
+    its ranks: a rank that waits (a collective, the ring's exchange) blocks and yields its core
+    to the others pinned there, so a core runs its ranks' work one after another (the roofline
+    prices each rank at its share of a core: the mean, not the busiest, is that core's time)."""
+    if not shares_cores(cores, work.shape[1]):
+        return work.max(axis=1)
+    core = np.arange(work.shape[1]) % cores
+    return np.stack([work[:, core == c].mean(axis=1) for c in range(cores)], axis=1).max(axis=1)
 
 
 _CACHE: dict[tuple, tuple[DocumentMix, float]] = {}
 
 
-def fallback_share(mix: DocumentMix, dp: int, cp: int, ulysses: int = 1, mbs: int = 1) -> float:
-    """The busiest rank's fallback work over the mean rank's with one document per row, averaged
-    over the micro-batches (module docstring); cached per (mix, layout). A ring the runtime cannot
-    split is priced as ``cp`` 1 (the feasibility rule refuses it anyway)."""
+def fallback_share(mix: DocumentMix, dp: int, cp: int, ulysses: int = 1, mbs: int = 1, cores: int = 0) -> float:
+    """The busiest rank's fallback work (:func:`busiest`, on ``cores`` shared cores) over the same
+    with one document per row, averaged over the micro-batches (module docstring); cached
+    per (mix, layout, cores). A ring the runtime cannot split is priced as ``cp`` 1 (the
+    feasibility rule refuses it anyway)."""
     ulysses = max(ulysses, 1)
     if not mix.pieces or mix.rows < 1:  # a mix of figures only (no simulated rows): its own share
         return mix.attention_share
     if cp > 1 and sequence_problem(mix.seq_len, cp):
         cp = ulysses = 1
-    key = (id(mix), dp, cp, ulysses, mbs)
+    key = (id(mix), dp, cp, ulysses, mbs, cores)
     hit = _CACHE.get(key)
     if hit is None or hit[0] is not mix:
-        work, full = rank_elements(mix, dp, cp, ulysses, mbs)
+        work, one = rank_elements(mix, dp, cp, ulysses, mbs)
+        full = float(busiest(one[None], cores)[0])
         if len(_CACHE) > 256:
             _CACHE.clear()
-        hit = _CACHE[key] = (mix, float(work.max(axis=1).mean()) / full if full > 0 else 1.0)
+        hit = _CACHE[key] = (mix, float(busiest(work, cores).mean()) / full if full > 0 else 1.0)
     return hit[1]
