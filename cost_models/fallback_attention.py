@@ -54,12 +54,9 @@ from planner.plan import ParallelConfig
 # casts, exponentials and gradient sums over its queries). Their ratios to alpha.
 BLOCK_ELEMENTS = 4361.0
 BLOCK_ROW_ELEMENTS = 5197.0
-
-
-def fallback_chunk() -> int:
-    """Query rows per block of the plain-torch fallback (``attention_torch.CHUNK``)."""
-    from codegen.kernels.attention_torch import CHUNK
-    return CHUNK
+# Query rows per block of the fallback: codegen/kernels/attention_torch.py's ``CHUNK`` (the cost
+# models may not import the kernels; tests/test_fallback_attention.py checks the two agree).
+FALLBACK_CHUNK = 128
 
 
 def row_doc_starts(mix: DocumentMix) -> np.ndarray:
@@ -100,7 +97,7 @@ def rank_elements(mix: DocumentMix, dp: int, cp: int, ulysses: int = 1, mbs: int
     per call and row of ``chunk`` queries (module docstring). Micro-batches as in
     ``busiest_share`` (wrapping around fewer rows than one)."""
     s = mix.seq_len
-    chunk = chunk or fallback_chunk()
+    chunk = chunk or FALLBACK_CHUNK
     runs = ring_runs(s, cp, ulysses)
     bounds = np.concatenate([np.arange(a, e, chunk) for a, e, _ in runs])
     owner = np.concatenate([np.full(len(range(a, e, chunk)), r) for a, e, r in runs])

@@ -4,8 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from codegen.kernels.attention_torch import CHUNK
 from cost_models.documents import busiest_share, pack_mix
-from cost_models.fallback_attention import (BLOCK_ELEMENTS, BLOCK_ROW_ELEMENTS, busiest, fallback_chunk,
+from cost_models.fallback_attention import (BLOCK_ELEMENTS, BLOCK_ROW_ELEMENTS, FALLBACK_CHUNK, busiest,
                                             fallback_share, rank_elements, ring_runs)
 
 S = 2048
@@ -23,7 +24,7 @@ def test_one_document_per_row_is_one_for_every_layout():
 def test_short_documents_cost_a_block_square_each_block():
     # 32-token documents: every block of 128 queries computes 128 x 128 scores (four documents,
     # the rectangle back to the first one's start), not 4 x 32 x 33 / 2 pairs
-    assert fallback_chunk() == 128
+    assert FALLBACK_CHUNK == CHUNK == 128  # the kernel's blocks, mirrored by the cost model
     mix = pack_mix([32] * (4 * S // 32), S)
     assert fallback_share(mix, 4, 1) == pytest.approx(16 * (128 * 128 + CALL) / FULL)
     assert fallback_share(mix, 4, 1) > 3 * busiest_share(mix, 4, 1)
