@@ -60,12 +60,12 @@ FALLBACK_CHUNK = 128
 
 
 def row_doc_starts(mix: DocumentMix) -> np.ndarray:
-    """[rows, S] (int64): per token of the mix's simulated rows, its document's first position in
-    the row (the runtime's ``doc_start``; pieces never cross a row end)."""
+    """[rows, S] (int32: up to ``MAX_TOKENS`` of them): per token of the mix's simulated rows, its
+    document's first position in the row (the runtime's ``doc_start``; pieces never cross a row end)."""
     s = mix.seq_len
     pieces = np.asarray(mix.pieces, dtype=np.int64)
     starts = np.cumsum(pieces) - pieces
-    out = np.repeat(starts % s, pieces)
+    out = np.repeat((starts % s).astype(np.int32), pieces)
     return out[: mix.rows * s].reshape(mix.rows, s)
 
 
