@@ -55,6 +55,7 @@ from cost_models import gpu_kernels as gk
 from cost_models.cluster import Cluster
 from cost_models.dtensor_dispatch import dtensor_dispatch_s
 from cost_models.documents import busiest_share
+from cost_models.fallback_attention import fallback_share, pinned_cores
 from cost_models.engines import DEFAULT_ENGINE, FA2_HOPPER_SLOWDOWN, Engine, fuses_elementwise
 from cost_models.fused_elementwise import fused_op
 from cost_models.moe_layer import DISPATCH_KERNELS, dispatch_bytes, expert_rows, grouped_gemm_seconds
@@ -102,17 +103,21 @@ def attn_core_flops(layer: Layer, batch: int) -> float:
     return 4.0 * batch * a.heads * a.seq_len * a.kv_len * a.head_dim
 
 
-def attention_share(layer: Layer, graph: ModelGraph, cfg: ParallelConfig | None = None) -> float:
+def attention_share(layer: Layer, graph: ModelGraph, cfg: ParallelConfig | None = None,
+                    fallback: Cluster | None = None) -> float:
     """The share of :func:`attn_core_flops` that ``layer``'s attention core really does with the
     graph's packed documents; 1.0 without them, for a non-causal core (e.g. a vision
     encoder's, not document-masked) and for an eager (unfused) kernel under ``cfg``, which
     computes every score and masks it afterwards. Under ``cfg``: the busiest rank's share of
-    the layout (``cost_models.documents.busiest_share``: the step waits for it); without:
+    the layout (``cost_models.documents.busiest_share``: the step waits for it; ``fallback``: the
+    CPU cluster whose plain-torch kernel runs it, ``cost_models.fallback_attention``); without:
     the useful work (model FLOPs, ``DocumentMix.attention_share``)."""
     if not document_masked(layer, graph, cfg):
         return 1.0
     if cfg is None:
         return graph.documents.attention_share
+    if fallback is not None:
+        return fallback_share(graph.documents, cfg.dp, cfg.cp, cfg.ulysses, cfg.mbs, pinned_cores(fallback, cfg))
     return busiest_share(graph.documents, cfg.dp, cfg.cp, cfg.ulysses, cfg.mbs)
 
 
@@ -418,8 +423,8 @@ def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parall
     dscale = (2 if cfg.dtype != "fp32" else 4) / graph.dtype_bytes
     core = attn_core_flops(layer, graph.batch)
     causal = layer.attention is not None and layer.attention.causal
-    causal_cut = core * (1.0 - 0.5 * attention_share(layer, graph, cfg)) if causal else 0.0  # + what documents skip
     fallback = cfg.attention == "flash" and (document_masked(layer, graph, cfg) or cfg.cp > cfg.ulysses)
+    causal_cut = core * (1.0 - 0.5 * attention_share(layer, graph, cfg, cluster if fallback else None)) if causal else 0.0
     slow = CPU_TORCH_ATTENTION_SLOWDOWN if fallback else 1.0  # masks, or a ring's blocks: the torch fallback
     fwd = bwd = 0.0
     shard = _shard_factor(layer, cfg)

@@ -1,0 +1,166 @@
+"""Packed documents through the flash kernels' plain-torch fallback (CPU): the work it really does.
+
+On a CPU, causal attention over packed documents, and every ring block, runs through
+``codegen/kernels/attention_torch.py``: the queries go in blocks of ``CHUNK`` rows (at most a
+contiguous run of the rank's positions: a zigzag chunk of ``S / 2cp`` tokens), and each block
+computes, masks and multiplies a full rectangle of scores: every row of the micro-batch (``mbs``
+rows at once), its ``b`` queries, against the keys from the earliest document start of the block
+**over all the micro-batch's rows** to the block's last query. So per block of query positions
+``[x, x + b)``::
+
+    elements = mbs x b x (x + b - min over the micro-batch's rows of doc_start[x : x + b])
+
+per head, whatever the documents' own causal pairs are; and each (query block, key run) call
+(a ring block's keys come in runs too, the zigzag chunks) does a fixed work of its own, per call
+and per call and row (``BLOCK_ELEMENTS``, ``BLOCK_ROW_ELEMENTS``: elements at the fallback's
+speed). The pairs (``sum l (l+1) / 2``,
+``cost_models.documents.busiest_share``) miss two things: a block holding the end of one
+document and the start of the next computes the rectangle back to the first one's start (short
+documents: about ``b^2`` per block, not ``sum l^2``), and rows of one micro-batch whose
+documents start at different places share the earliest start (two rows of 2,048 tokens with
+log-uniform documents of 32-2,048 tokens: about 1.7x the elements of the rows one by one,
+measured 2.0-2.4x the time, 2026-12-03, torch 2.13, one thread of a 2-core Xeon).
+
+:func:`fallback_share` is the busiest rank's work in a fixed layout (``dp`` ranks of ``mbs``
+consecutive rows each, rows split zigzag over ``cp`` ranks, a ring rank's work over its
+``ulysses`` ranks' heads; every rank waits for the busiest, micro-batch by micro-batch, as in
+``busiest_share``; on shared CPU cores the busiest core, :func:`busiest`), over the same layout's
+with one document filling every row: 1.0 exactly for rows of one document, so documents filling
+the row price as none, and the fallback's measured speed against the fused kernel there
+(``cost_models.compute.CPU_TORCH_ATTENTION_SLOWDOWN``; a ring's blocks, with or without
+documents, from the layer's profile or that factor) prices every other mix. Not priced here:
+what a ring's calls cost beyond ``cp`` 1's with one document per row (a block reaching ``k`` key
+runs makes ``k`` calls; cp 4: 16 calls per rank against 4, about +22% of its work), which a ring
+pays with or without documents.
+
+Cost: one pass over the simulated rows' tokens per (mix, dp, cp, ulysses, mbs), cached.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from cost_models.cluster import Cluster
+from cost_models.shared_cores import local_cpu, shares_cores
+from planner.feasibility import sequence_problem
+from planner.graph import DocumentMix
+from planner.plan import ParallelConfig
+
+# The fallback's fixed work per block, in score elements per head at its own speed (fitted
+# 2026-12-03 on 13 shapes, forward + backward, llama-mini's heads (4 of 64, 2 kv heads), torch
+# 2.13, one thread of a 2-core Xeon, load 2.3-3.0: t = alpha E + beta0 N + beta1 R over rows
+# of one document of 256-2,048 tokens and rows of 32-, 128- and 512-token documents, 1, 2 and
+# 4 rows at once, within 15%: alpha 95.7 ns per element, beta0 0.417 ms per (query block, key
+# run) call: its ~35 dispatched ops; beta1 0.497 ms per call and row of 128 queries: the block's
+# casts, exponentials and gradient sums over its queries). Their ratios to alpha.
+BLOCK_ELEMENTS = 4361.0
+BLOCK_ROW_ELEMENTS = 5197.0
+# Query rows per block of the fallback: codegen/kernels/attention_torch.py's ``CHUNK`` (the cost
+# models may not import the kernels; tests/test_fallback_attention.py checks the two agree).
+FALLBACK_CHUNK = 128
+
+
+def row_doc_starts(mix: DocumentMix) -> np.ndarray:
+    """[rows, S] (int32: up to ``MAX_TOKENS`` of them): per token of the mix's simulated rows, its
+    document's first position in the row (the runtime's ``doc_start``; pieces never cross a row end)."""
+    s = mix.seq_len
+    pieces = np.asarray(mix.pieces, dtype=np.int64)
+    starts = np.cumsum(pieces) - pieces
+    out = np.repeat((starts % s).astype(np.int32), pieces)
+    return out[: mix.rows * s].reshape(mix.rows, s)
+
+
+def ring_runs(seq_len: int, cp: int, ulysses: int = 1) -> list[tuple[int, int, int]]:
+    """(first position, end, ring rank) of each maximal run of consecutive positions a ring rank
+    holds, in position order: its cp ranks' zigzag chunks ``2cp`` of the row, in the order
+    ``RingCompute.held_positions`` lays them (chunks ``cp - 1`` and ``cp`` of one rank, or of
+    one Ulysses group, make one run); the whole row at ``cp`` 1."""
+    if cp == 1:
+        return [(0, seq_len, 0)]
+    c = seq_len // (2 * cp)
+    runs = []
+    for ring in range(cp // ulysses):
+        held = [k for i in range(ulysses) for k in (ring * ulysses + i, 2 * cp - 1 - ring * ulysses - i)]
+        for k in held:
+            if runs and runs[-1][2] == ring and runs[-1][1] == k * c:
+                runs[-1] = (runs[-1][0], (k + 1) * c, ring)
+            else:
+                runs.append((k * c, (k + 1) * c, ring))
+    return sorted(runs)
+
+
+def rank_elements(mix: DocumentMix, dp: int, cp: int, ulysses: int = 1, mbs: int = 1,
+                  chunk: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(the fallback's work per micro-batch and rank in score elements per head, ``[groups, dp x cp]``
+    in mesh order (dp outer, cp inner); the same for one document filling every row, ``[dp x cp]``).
+    Work: the blocks' rectangles (each run of a rank's queries, :func:`ring_runs`, cut every
+    ``chunk``) plus ``BLOCK_ELEMENTS`` per (query block, key run) call and ``BLOCK_ROW_ELEMENTS``
+    per call and row of ``chunk`` queries (module docstring). Micro-batches as in
+    ``busiest_share`` (wrapping around fewer rows than one)."""
+    s = mix.seq_len
+    chunk = chunk or FALLBACK_CHUNK
+    runs = ring_runs(s, cp, ulysses)
+    bounds = np.concatenate([np.arange(a, e, chunk) for a, e, _ in runs])
+    owner = np.concatenate([np.full(len(range(a, e, chunk)), r) for a, e, r in runs])
+    ends = np.append(bounds[1:], s)
+    firsts = np.array([a for a, _, _ in runs])
+
+    def work(lo: np.ndarray) -> np.ndarray:  # [groups, dp, blocks] earliest starts -> [groups, dp x cp]
+        calls = np.searchsorted(firsts, ends - 1, side="right") - np.searchsorted(firsts, lo, side="right") + 1
+        rows = mbs * (ends - bounds)
+        heads = rows * (ends - lo) + calls * BLOCK_ROW_ELEMENTS * rows / chunk
+        ring = [heads[..., owner == r].sum(axis=-1) / ulysses + calls[..., owner == r].sum(axis=-1) * BLOCK_ELEMENTS
+                for r in range(max(cp // ulysses, 1))]                  # Ulysses: 1 / u of the heads
+        return np.repeat(np.stack(ring, axis=-1), ulysses if cp > 1 else 1, axis=-1).reshape(lo.shape[0], dp * cp)
+
+    lo = np.minimum.reduceat(row_doc_starts(mix), bounds, axis=1)           # [rows, blocks]
+    k = dp * mbs
+    groups = max(mix.rows // k, 1)
+    lo = lo[np.resize(np.arange(mix.rows), groups * k)].reshape(groups, dp, mbs, -1).min(axis=2)
+    return work(lo), work(np.zeros((1, dp, bounds.size), dtype=np.int64))[0]
+
+
+def pinned_cores(cluster: Cluster, cfg: ParallelConfig) -> int:
+    """The cores ``cfg``'s ranks share round-robin on a local CPU cluster (``mesh.pin_cpu_rank``:
+    local rank ``L`` on core ``L mod cores`` when there are more ranks than cores), when every rank
+    is one (dp, cp) worker (no pipeline, no TP); 0 otherwise (no sharing, or not modelled)."""
+    cores = cluster.cores_per_node
+    if (not local_cpu(cluster) or cfg.pp > 1 or cfg.tp > 1 or cfg.world != cluster.devices_per_node
+            or not shares_cores(cores, cfg.world)):
+        return 0
+    return cores
+
+
+def busiest(work: np.ndarray, cores: int = 0) -> np.ndarray:
+    """[groups]: what each micro-batch waits for, of the ranks' ``work`` ``[groups, ranks]``: the
+    busiest rank; on ``cores`` shared cores (:func:`pinned_cores`) the busiest core's mean over
+    its ranks: a rank that waits (a collective, the ring's exchange) blocks and yields its core
+    to the others pinned there, so a core runs its ranks' work one after another (the roofline
+    prices each rank at its share of a core: the mean, not the busiest, is that core's time)."""
+    if not shares_cores(cores, work.shape[1]):
+        return work.max(axis=1)
+    core = np.arange(work.shape[1]) % cores
+    return np.stack([work[:, core == c].mean(axis=1) for c in range(cores)], axis=1).max(axis=1)
+
+
+_CACHE: dict[tuple, tuple[DocumentMix, float]] = {}
+
+
+def fallback_share(mix: DocumentMix, dp: int, cp: int, ulysses: int = 1, mbs: int = 1, cores: int = 0) -> float:
+    """The busiest rank's fallback work (:func:`busiest`, on ``cores`` shared cores) over the same
+    with one document per row, averaged over the micro-batches (module docstring); cached
+    per (mix, layout, cores). A ring the runtime cannot split is priced as ``cp`` 1 (the
+    feasibility rule refuses it anyway)."""
+    ulysses = max(ulysses, 1)
+    if not mix.pieces or mix.rows < 1:  # a mix of figures only (no simulated rows): its own share
+        return mix.attention_share
+    if cp > 1 and sequence_problem(mix.seq_len, cp):
+        cp = ulysses = 1
+    key = (id(mix), dp, cp, ulysses, mbs, cores)
+    hit = _CACHE.get(key)
+    if hit is None or hit[0] is not mix:
+        work, one = rank_elements(mix, dp, cp, ulysses, mbs)
+        full = float(busiest(one[None], cores)[0])
+        if len(_CACHE) > 256:
+            _CACHE.clear()
+        hit = _CACHE[key] = (mix, float(busiest(work, cores).mean()) / full if full > 0 else 1.0)
+    return hit[1]
