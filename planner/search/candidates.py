@@ -298,7 +298,8 @@ def tagged_variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dty
                     pins: Pins | None = None, fp8: str = "none", compile: bool = False, low_comm: str = "",
                     offload: bool = True, seq_chunks: Sequence[int] = (1,)) -> Iterator[tuple[ParallelConfig, bool]]:
     """Every variant :func:`variants` yields with ``dominated=True``, in the same order, each with
-    whether ``dominated=False`` leaves it out (one enumeration serves the search's count and floors)."""
+    whether ``dominated=False`` leaves it out; what does not change within a schedule (the chunk
+    counts and recompute policies it allows) is checked once per schedule."""
     pins = pins or Pins()
     dp, pp, cp, tp, ep = p.dp, p.pp, p.cp, p.tp, p.ep
     if modes_problem(dtype, fp8, compile, tp, cp):

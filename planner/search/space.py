@@ -46,7 +46,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
@@ -66,7 +66,8 @@ from planner.feasibility import Batch, default_attention, layout_threads, sp_pro
 from planner.plan import RECOMPUTE, ModelFacts, ParallelConfig
 from planner.search.candidates import (DOMINATED_REASON, Point, Rejections, batch_of, compile_problem, facts_of,
                                        fp8_problem, points,
-                                       request_problem, schedule_choices, tagged_variants)
+                                       request_problem, schedule_choices, variants)
+from planner.search.heap import frozen_heap
 from planner.search.incumbents import Incumbents
 from planner.search.pins import Pins
 from planner.search.stage_split import fast_splits, generates, split_and_estimate
@@ -141,7 +142,6 @@ class _Tuple:
     ep: int = field(compare=False, default=1)
     moe: bool = field(compare=False, default=False)  # the model has routed experts: ep is named, even ep=1
     ulysses: int = field(compare=False, default=1)   # CP's Ulysses degree (ParallelConfig.cp_method)
-    variants: list[ParallelConfig] = field(compare=False, default_factory=list)  # those not proven dominated
 
     @property
     def label(self) -> str:
@@ -169,11 +169,12 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
                    dtype or ("fp32" if cluster.backend == "gloo" else "bf16"), loss,
                    default_attention(facts.limits), Rejections(), res, pins or Pins(), fp8=fp8, compile=compile,
                    low_comm=low_comm)
-    tuples = _tuples_with_floors(space, max_mbs)
-    if progress:
-        progress(f"{len(tuples)} degree tuples after the memory floor; {res.considered} configurations")
-    ranked = _ranked_variants(space, tuples, Incumbents(max(solve_top, 1), prune))
-    _solve_best(space, ranked, solve_top, ilp_time_limit, top_k)
+    with frozen_heap():  # the heap alive before the search: out of the collector's passes (planner/search/heap.py)
+        tuples = _tuples_with_floors(space, max_mbs)
+        if progress:
+            progress(f"{len(tuples)} degree tuples after the memory floor; {res.considered} configurations")
+        ranked = _ranked_variants(space, tuples, Incumbents(max(solve_top, 1), prune))
+        _solve_best(space, ranked, solve_top, ilp_time_limit, top_k)
     res.solve_s = time.perf_counter() - t0
     return res
 
@@ -251,14 +252,9 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     low = [base.replace(low_comm=space.low_comm)] if space.low_comm and not low_comm_problem(space.low_comm, dp) else []
     floor_s = max(floor_s, min(wan_floor_s(space.graph, space.cluster, c, m) for c in [base, *low]))  # 0 without a WAN
     mem_floor = reserve.of(memory_floor(space.graph, base, costs.table(base)))
-    tagged = list(tagged_variants(Point(dp, pp, cp, tp, mbs, m, ep, (ulysses,), base.threads), ulysses, space.facts,
-                                  space.batch, space.dtype, space.loss, pins=pins, fp8=space.fp8,
-                                  low_comm=space.low_comm, offload=offload_saves(space.cluster),
-                                  compile=space.compile, seq_chunks=searched_chunks(space.cluster)))
-    n_var = len(tagged)
+    n_var = sum(1 for _ in _variants(space, Point(dp, pp, cp, tp, mbs, m, ep, (ulysses,), base.threads), ulysses))
     res.considered += n_var
-    t = _Tuple(floor_s, dp, pp, cp, tp, mbs, m, n_var, costs, ep, moe=bool(space.facts.experts), ulysses=ulysses,
-               variants=[c for c, dominated in tagged if not dominated])
+    t = _Tuple(floor_s, dp, pp, cp, tp, mbs, m, n_var, costs, ep, moe=bool(space.facts.experts), ulysses=ulysses)
     if mem_floor > cap:
         space.note_need(mem_floor, exact=False)
         rej.add(f"OOM even with FSDP + full recompute: needs >= {mem_floor / GiB:.1f} GiB of "
@@ -266,6 +262,14 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
         res.pruned += n_var
         return None
     return t
+
+
+def _variants(space: _Space, p: Point, ulysses: int, dominated: bool = True) -> Iterator[ParallelConfig]:
+    """``candidates.variants`` of one degree tuple under the search's request (generated, not kept:
+    a search holds tens of thousands)."""
+    return variants(p, ulysses, space.facts, space.batch, space.dtype, space.loss, dominated=dominated,
+                    pins=space.pins, fp8=space.fp8, compile=space.compile, low_comm=space.low_comm,
+                    offload=offload_saves(space.cluster), seq_chunks=searched_chunks(space.cluster))
 
 
 def _balanced_stage_times(space: _Space, costs: LayerCosts, pp: int) -> dict[str, tuple[float, float]]:
@@ -337,10 +341,12 @@ def _variant_floors(space: _Space, t: _Tuple) -> list[tuple[float, ParallelConfi
     WAN the stall the fast pass charges it (seconds); the dominated ones are recorded."""
     g = space.graph
     stage = _balanced_stage_times(space, t.costs, t.pp)
+    threads = layout_threads(space.cluster, t.dp * t.pp * t.cp * t.tp)
+    point = Point(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, t.ep, (t.ulysses,), threads)
     wan_hops: dict[bool, list[WanHop]] = {}  # per sequence parallel: the tuple's WAN boundaries at their cheapest
     floors: dict[tuple, float] = {}  # per what a floor reads (not the DP sharding, nor the chunk count > 1)
     out = []
-    for cfg in t.variants:
+    for cfg in _variants(space, point, t.ulysses, dominated=False):
         key = (cfg.schedule, cfg.vpp, cfg.recompute, cfg.seq_chunks == 1, cfg.sp)
         if key not in floors:
             if cfg.sp not in wan_hops:
