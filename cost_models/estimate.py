@@ -95,6 +95,7 @@ from cost_models.layer_costs import LayerCosts, act_bytes_io, layer_pass_times
 from cost_models.offload import host_capacity_bytes
 from cost_models.memory import LayerTable, StageMemory, dp_group
 from cost_models.pipeline_memory import inflight_closed, rank_memories
+from cost_models.pipeline_memo import simulated
 from cost_models.seq_chunks import stage_attention_s
 from cost_models.wan_cost import crossings, hsdp_replicas, outer_step_s, stage_capacity, stage_devices, stage_slowdowns
 from cost_models.shared_cores import compute_concurrency, core_speedup, shares_cores, spare_core
@@ -477,8 +478,8 @@ def _pipeline(cfg: ParallelConfig, m: int, stages: list[_StageCost], hops: P2pHo
         result = None
     else:
         k, af, ab = (cfg.seq_chunks, *attn) if attn is not None else (1, 0.0, 0.0)
-        result = pipe_mod.simulate(cfg.schedule, cfg.pp, m, fwd, bwd, p2p=[h / k for h in hops.hops] or 0.0, v=cfg.vpp,
-                                   seq_chunks=k, attn_fwd=af, attn_bwd=ab)
+        result = simulated(cfg.schedule, cfg.pp, m, fwd, bwd, p2p=[h / k for h in hops.hops] or 0.0, v=cfg.vpp,
+                           seq_chunks=k, attn_fwd=af, attn_bwd=ab)  # (cost_models/pipeline_memo.py)
         pipe_s, inflight, bubble = result.step_s, list(result.peak_inflight_chunks), result.bubble_frac
     floor = wan_mod.link_floor_s(m, hops.wan_bw, sum(fwd) + sum(bwd))
     if floor > pipe_s:

@@ -51,6 +51,7 @@ from typing import Callable, Iterator
 from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
 from cost_models.pipeline_memory import fullest_rank, inflight_closed
+from cost_models.pipeline_memo import forget as forget_simulations
 from cost_models.layer_costs import LayerCosts, layer_pass_times
 from cost_models.pipeline import estimate_step, linear_step
 from cost_models.wan_cost import BalancedPipe, WanHop, cheapest_wan_hops, pipeline_wan_floor_s, wan_floor_s
@@ -169,6 +170,7 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
                    dtype or ("fp32" if cluster.backend == "gloo" else "bf16"), loss,
                    default_attention(facts.limits), Rejections(), res, pins or Pins(), fp8=fp8, compile=compile,
                    low_comm=low_comm)
+    forget_simulations()  # each search prices its own (cost_models/pipeline_memo.py)
     with frozen_heap():  # the heap alive before the search: out of the collector's passes (planner/search/heap.py)
         tuples = _tuples_with_floors(space, max_mbs)
         if progress:
