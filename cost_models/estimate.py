@@ -83,9 +83,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from cost_models import comm as comm_mod
-from cost_models import pipeline as pipe_mod
-from cost_models import wan as wan_mod
+from cost_models import comm as comm_mod, pipeline as pipe_mod, wan as wan_mod
 from cost_models.cluster import Cluster
 from cost_models.compute import calibration, calibration_note, memory_bandwidth, model_flops_per_seq
 from cost_models.cpu_runtime import wrapper_unit_s
@@ -95,6 +93,7 @@ from cost_models.layer_costs import LayerCosts, act_bytes_io, layer_pass_times
 from cost_models.offload import host_capacity_bytes
 from cost_models.memory import LayerTable, StageMemory, dp_group
 from cost_models.pipeline_memory import inflight_closed, rank_memories
+from cost_models.pipeline_memo import simulated
 from cost_models.seq_chunks import stage_chunk_parts
 from cost_models.wan_cost import crossings, hsdp_replicas, outer_step_s, stage_capacity, stage_devices, stage_slowdowns
 from cost_models.shared_cores import compute_concurrency, core_speedup, shares_cores, spare_core
@@ -479,8 +478,8 @@ def _pipeline(cfg: ParallelConfig, m: int, stages: list[_StageCost], hops: P2pHo
         result = None
     else:
         k, parts = (cfg.seq_chunks, vars(attn)) if attn is not None else (1, {})
-        result = pipe_mod.simulate(cfg.schedule, cfg.pp, m, fwd, bwd, p2p=[h / k for h in hops.hops] or 0.0, v=cfg.vpp,
-                                   seq_chunks=k, **parts)
+        result = simulated(cfg.schedule, cfg.pp, m, fwd, bwd, p2p=[h / k for h in hops.hops] or 0.0, v=cfg.vpp,
+                           seq_chunks=k, **parts)  # (cost_models/pipeline_memo.py)
         pipe_s, inflight, bubble = result.step_s, list(result.peak_inflight_chunks), result.bubble_frac
     floor = wan_mod.link_floor_s(m, hops.wan_bw, sum(fwd) + sum(bwd))
     if floor > pipe_s:

@@ -31,23 +31,40 @@ def rank_memories(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, part
     of the ``seqs_held[r]`` sequences in flight (default :func:`seqs_bound`). Each distinct rank is
     priced once per table (``LayerTable.rank_memo``, by its chunks' ``memory.chunk_id``; the
     figures are frozen)."""
-    rule = MemoryRule(graph, cfg, table, hsdp_replicas(cluster, cfg))
-    reserve = framework_reserve(cluster.backend != "gloo", cal)
-    memory, memo, k = [], table.rank_memo, cfg.seq_chunks
-    for r in range(cfg.pp):
-        chunks = on_rank[r]
-        ids = tuple(chunk_id(rule, range(*partition.bounds[j]), partition.recompute[j]) for j in chunks)
-        kv = 0.0
-        if k > 1:
-            seqs = seqs_held[r] if seqs_held is not None else seqs_bound(inflight_chunks[r], k)
-            kv = seqs * kv_store_bytes(graph, cfg, [i for j in chunks for i in range(*partition.bounds[j])])
-        key = (ids, inflight_chunks[r], reserve, k, kv)
+    price = _RankPricer(graph, cluster, cfg, partition, table, cal, on_rank)
+    return [price(r, inflight_chunks[r], seqs_held[r] if seqs_held is not None else None) for r in range(cfg.pp)]
+
+
+class _RankPricer:
+    """One (configuration, split)'s rank memory (:func:`rank_memories`' rule), rank by rank."""
+
+    def __init__(self, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
+                 table: LayerTable, cal: dict[str, float], on_rank: list[list[int]]) -> None:
+        rule = MemoryRule(graph, cfg, table, hsdp_replicas(cluster, cfg))
+        self.g, self.cfg, self.part, self.table, self.on_rank = graph, cfg, partition, table, on_rank
+        self.reserve = framework_reserve(cluster.backend != "gloo", cal)
+        stage_ids = [chunk_id(rule, range(*b), rc) for b, rc in zip(partition.bounds, partition.recompute)]
+        self.ids = [tuple(stage_ids[j] for j in chunks) for chunks in on_rank]  # per rank: its chunks' ids
+        self._kv: dict[int, float] = {}
+
+    def kv_bytes(self, r: int) -> float:
+        """The KV store of one sequence over rank ``r``'s layers (0 without sequence chunks)."""
+        if self.cfg.seq_chunks == 1:
+            return 0.0
+        if r not in self._kv:
+            self._kv[r] = kv_store_bytes(self.g, self.cfg, [i for j in self.on_rank[r]
+                                                            for i in range(*self.part.bounds[j])])
+        return self._kv[r]
+
+    def __call__(self, r: int, inflight: int, seqs_held: int | None = None) -> StageMemory:
+        """Rank ``r``'s memory with ``inflight`` (chunk, micro-batch) pairs (``seqs_held``: sequences)."""
+        k, ids, n = self.cfg.seq_chunks, self.ids[r], len(self.on_rank[r])
+        kv = (seqs_held if seqs_held is not None else seqs_bound(inflight, k)) * self.kv_bytes(r) if k > 1 else 0.0
+        key, memo = (ids, inflight, self.reserve, k, kv), self.table.rank_memo
         if key not in memo:
-            m = rank_memory([per_unit(table.chunks[i], k) for i in ids], [inflight_chunks[r] / len(chunks)] * len(chunks),
-                            reserve)
-            memo[key] = replace(m, activations=m.activations + kv, inflight=inflight_chunks[r])
-        memory.append(memo[key])
-    return memory
+            m = rank_memory([per_unit(self.table.chunks[i], k) for i in ids], [inflight / n] * n, self.reserve)
+            memo[key] = replace(m, activations=m.activations + kv, inflight=inflight)
+        return memo[key]
 
 
 def seqs_bound(units: int, k: int) -> int:
@@ -68,15 +85,47 @@ def inflight_closed(schedule: str, p: int, m: int, v: int, r: int, k: int = 1) -
 def fast_memory(graph: ModelGraph, cfg: ParallelConfig, partition: Partition, global_batch: int,
                 costs: LayerCosts, profile=None) -> tuple[list[StageMemory], float] | None:
     """(per pp rank memory, bytes per device) as ``estimate(..., fast=True, costs=costs)`` prices them
-    (the closed forms' in-flight micro-batches), without the times: the search checks a variant fits
-    before pricing it. ``costs``: cfg's layer costs (same ``LayerCosts.key``). None where the fast
-    estimate simulates the schedule instead (V-shaped and custom schedules)."""
+    (the closed forms' in-flight micro-batches), without the times. ``costs``: cfg's layer costs
+    (same ``LayerCosts.key``). None where the fast estimate simulates the schedule instead
+    (V-shaped and custom schedules)."""
     if cfg.schedule == "custom" or cfg.schedule in ir.V_SCHEDULES:
         return None
+    inflight, on_rank = _closed_inflight(cfg, global_batch)
+    memory = rank_memories(graph, costs.c, cfg, partition, costs.table(cfg), inflight, calibration(profile), on_rank)
+    return memory, stage_capacity(costs.c, cfg)
+
+
+def fullest_rank(graph: ModelGraph, cfg: ParallelConfig, partition: Partition, global_batch: int,
+                 costs: LayerCosts, profile=None) -> tuple[int, float, float] | None:
+    """(pp rank, its bytes, bytes per device) of :func:`fast_memory`'s fullest rank (the first of the
+    largest totals; the search checks a variant fits before pricing its times), None where
+    :func:`fast_memory` is. Ranks holding the same chunks (equal ``memory.chunk_id`` s and KV store)
+    differ only in their in-flight pairs, and with at least one pair per chunk a rank's total never
+    falls as they grow (``memory.overshoot`` is then its chunk's constant peak, the activations grow,
+    the reserve with them), so one rank per such group is priced, the one with the most in flight
+    (and, where it reaches the largest total, the earlier ranks of its group, for the first of ties)."""
+    if cfg.schedule == "custom" or cfg.schedule in ir.V_SCHEDULES:
+        return None
+    inflight, on_rank = _closed_inflight(cfg, global_batch)
+    price = _RankPricer(graph, costs.c, cfg, partition, costs.table(cfg), calibration(profile), on_rank)
+    groups: dict[tuple, list[int]] = {}
+    for r in range(cfg.pp):
+        groups.setdefault((price.ids[r], price.kv_bytes(r)) if inflight[r] >= len(on_rank[r]) else (r,), []).append(r)
+    top = {max(rs, key=lambda r: (inflight[r], -r)): rs for rs in groups.values()}
+    totals = {r: price(r, inflight[r]).total for r in top}
+    most = max(totals.values())
+    for r in [r for r in top if totals[r] == most]:  # the earlier ranks of a group reaching it may tie it
+        totals.update((q, price(q, inflight[q]).total) for q in top[r] if q < r)
+    r = min(q for q, t in totals.items() if t == most)
+    return r, most, stage_capacity(costs.c, cfg)
+
+
+def _closed_inflight(cfg: ParallelConfig, global_batch: int) -> tuple[list[int], list[list[int]]]:
+    """The closed forms' in-flight (chunk, micro-batch) pairs per pp rank and each rank's virtual stages."""
     m = microbatches(cfg, global_batch)
     inflight = ([inflight_closed(cfg.schedule, cfg.pp, m, cfg.vpp, r, cfg.seq_chunks) for r in range(cfg.pp)]
                 if cfg.pp > 1 else [1])
-    placement = pipe_mod.stage_placement(cfg, m)
-    on_rank = [[j for j, at in enumerate(placement) if at == r] for r in range(cfg.pp)]
-    memory = rank_memories(graph, costs.c, cfg, partition, costs.table(cfg), inflight, calibration(profile), on_rank)
-    return memory, stage_capacity(costs.c, cfg)
+    on_rank: list[list[int]] = [[] for _ in range(cfg.pp)]
+    for j, at in enumerate(pipe_mod.stage_placement(cfg, m)):
+        on_rank[at].append(j)
+    return inflight, on_rank

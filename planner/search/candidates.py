@@ -288,6 +288,18 @@ def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str
     out unless the pins name the policy: the search's choice where offloading frees no device
     memory (``cost_models.offload.offload_saves``: there it is dominated by ``none``). ``seq_chunks``:
     the chunk counts > 1 tried beside each variant where they can run (planner/schedule_ir.py)."""
+    for cfg, dom in tagged_variants(p, ulysses, facts, batch, dtype, loss, pins=pins, fp8=fp8, compile=compile,
+                                    low_comm=low_comm, offload=offload, seq_chunks=seq_chunks):
+        if dominated or not dom:
+            yield cfg
+
+
+def tagged_variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str, loss: str,
+                    pins: Pins | None = None, fp8: str = "none", compile: bool = False, low_comm: str = "",
+                    offload: bool = True, seq_chunks: Sequence[int] = (1,)) -> Iterator[tuple[ParallelConfig, bool]]:
+    """Every variant :func:`variants` yields with ``dominated=True``, in the same order, each with
+    whether ``dominated=False`` leaves it out; what does not change within a schedule (the chunk
+    counts and recompute policies it allows) is checked once per schedule."""
     pins = pins or Pins()
     dp, pp, cp, tp, ep = p.dp, p.pp, p.cp, p.tp, p.ep
     if modes_problem(dtype, fp8, compile, tp, cp):
@@ -296,30 +308,34 @@ def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str
     attention = default_attention(facts.limits)
     zeros = ("ddp",) if dp * cp == 1 else tuple(z for z in (ZERO if "zero" in pins.choice else ZEROS)
                                                  if pins.allows("zero", z))
+    sps = [(s, sp_ok and not s and pins.allows("sp", True)) for s in ((False, True) if sp_ok else (False,))
+           if pins.allows("sp", s)]  # (sp, dominated by sp=on)
+    low = bool(low_comm) and low_comm_problem(low_comm, dp, ep) is None
     for sched, v in schedule_choices(pp, p.m, facts, pins):
-        if not dominated and sched == "gpipe" and pins.allows("schedule", "1f1b"):
-            continue
+        dom_sched = sched == "gpipe" and pins.allows("schedule", "1f1b")
+        ks = [k for k in seq_chunks if k > 1 and pins.allows("seq_chunks", k)
+              and not seq_chunks_problem(k, sched, pp, v, cp)]
+        policies = [r for r in recompute_policies(sched, pp) if pins.allows("recompute", r)
+                    and not recompute_attention_problem(r, facts.limits)
+                    and (offload or r != "offload" or "recompute" in pins.choice)]
+        chunked = {rc: [k for k in ks if not seq_chunks_batch_problem(k, batch.seq_len, batch.documents, facts.limits,
+                                                                      rc)] for rc in policies}
         for zero in zeros:
             if zero_problem(zero, tp, dp * cp, facts, ep):
                 continue
-            for rc in (r for r in recompute_policies(sched, pp) if pins.allows("recompute", r)
-                       and not recompute_attention_problem(r, facts.limits)
-                       and (offload or r != "offload" or "recompute" in pins.choice)):
-                for sp in (s for s in ((False, True) if sp_ok else (False,)) if pins.allows("sp", s)):
+            for rc in policies:
+                for sp, dom_sp in sps:
                     if ep_problem(ep, dp, cp, facts, tp, sp):  # a MoE model under TP needs SP
                         continue
-                    if not dominated and sp_ok and not sp and pins.allows("sp", True):
-                        continue
+                    dom = dom_sched or dom_sp
                     cfg = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, ulysses=ulysses, mbs=p.mbs,
                                          schedule=sched, vpp=v, zero=zero, recompute=rc, sp=sp, dtype=dtype,
                                          loss=loss, attention=attention, threads=p.threads, fp8=fp8,
                                          compile=compile)
-                    yield cfg
-                    yield from (cfg.replace(seq_chunks=k) for k in seq_chunks if k > 1 and pins.allows("seq_chunks", k)
-                                and not seq_chunks_problem(k, sched, pp, v, cp)
-                                and not seq_chunks_batch_problem(k, batch.seq_len, batch.documents, facts.limits, rc))
-                    if low_comm and low_comm_problem(low_comm, dp, ep) is None:
-                        yield cfg.replace(low_comm=low_comm)
+                    yield cfg, dom
+                    yield from ((cfg.replace(seq_chunks=k), dom) for k in chunked[rc])
+                    if low:
+                        yield cfg.replace(low_comm=low_comm), dom
 
 
 def configurations(facts: ModelFacts, cluster: ClusterShape, batch: Batch, *, dtype: str, loss: str,

@@ -46,11 +46,12 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
-from cost_models.pipeline_memory import fast_memory, inflight_closed
+from cost_models.pipeline_memory import fullest_rank, inflight_closed
+from cost_models.pipeline_memo import forget as forget_simulations
 from cost_models.layer_costs import LayerCosts, layer_pass_times
 from cost_models.pipeline import estimate_step, linear_step
 from cost_models.wan_cost import BalancedPipe, WanHop, cheapest_wan_hops, pipeline_wan_floor_s, wan_floor_s
@@ -67,6 +68,7 @@ from planner.plan import RECOMPUTE, ModelFacts, ParallelConfig
 from planner.search.candidates import (DOMINATED_REASON, Point, Rejections, batch_of, compile_problem, facts_of,
                                        fp8_problem, points,
                                        request_problem, schedule_choices, variants)
+from planner.search.heap import frozen_heap
 from planner.search.incumbents import Incumbents
 from planner.search.pins import Pins
 from planner.search.stage_split import fast_splits, generates, split_and_estimate
@@ -168,11 +170,13 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
                    dtype or ("fp32" if cluster.backend == "gloo" else "bf16"), loss,
                    default_attention(facts.limits), Rejections(), res, pins or Pins(), fp8=fp8, compile=compile,
                    low_comm=low_comm)
-    tuples = _tuples_with_floors(space, max_mbs)
-    if progress:
-        progress(f"{len(tuples)} degree tuples after the memory floor; {res.considered} configurations")
-    ranked = _ranked_variants(space, tuples, Incumbents(max(solve_top, 1), prune))
-    _solve_best(space, ranked, solve_top, ilp_time_limit, top_k)
+    forget_simulations()  # each search prices its own (cost_models/pipeline_memo.py)
+    with frozen_heap():  # the heap alive before the search: out of the collector's passes (planner/search/heap.py)
+        tuples = _tuples_with_floors(space, max_mbs)
+        if progress:
+            progress(f"{len(tuples)} degree tuples after the memory floor; {res.considered} configurations")
+        ranked = _ranked_variants(space, tuples, Incumbents(max(solve_top, 1), prune))
+        _solve_best(space, ranked, solve_top, ilp_time_limit, top_k)
     res.solve_s = time.perf_counter() - t0
     return res
 
@@ -250,10 +254,7 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     low = [base.replace(low_comm=space.low_comm)] if space.low_comm and not low_comm_problem(space.low_comm, dp) else []
     floor_s = max(floor_s, min(wan_floor_s(space.graph, space.cluster, c, m) for c in [base, *low]))  # 0 without a WAN
     mem_floor = reserve.of(memory_floor(space.graph, base, costs.table(base)))
-    n_var = sum(1 for _ in variants(Point(dp, pp, cp, tp, mbs, m, ep, (ulysses,), base.threads), ulysses, space.facts,
-                                     space.batch, space.dtype, space.loss, pins=pins, fp8=space.fp8,
-                                     low_comm=space.low_comm, offload=offload_saves(space.cluster),
-                                     compile=space.compile, seq_chunks=searched_chunks(space.cluster)))
+    n_var = sum(1 for _ in _variants(space, Point(dp, pp, cp, tp, mbs, m, ep, (ulysses,), base.threads), ulysses))
     res.considered += n_var
     t = _Tuple(floor_s, dp, pp, cp, tp, mbs, m, n_var, costs, ep, moe=bool(space.facts.experts), ulysses=ulysses)
     if mem_floor > cap:
@@ -263,6 +264,14 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
         res.pruned += n_var
         return None
     return t
+
+
+def _variants(space: _Space, p: Point, ulysses: int, dominated: bool = True) -> Iterator[ParallelConfig]:
+    """``candidates.variants`` of one degree tuple under the search's request (generated, not kept:
+    a search holds tens of thousands)."""
+    return variants(p, ulysses, space.facts, space.batch, space.dtype, space.loss, dominated=dominated,
+                    pins=space.pins, fp8=space.fp8, compile=space.compile, low_comm=space.low_comm,
+                    offload=offload_saves(space.cluster), seq_chunks=searched_chunks(space.cluster))
 
 
 def _balanced_stage_times(space: _Space, costs: LayerCosts, pp: int) -> dict[str, tuple[float, float]]:
@@ -335,27 +344,36 @@ def _variant_floors(space: _Space, t: _Tuple) -> list[tuple[float, ParallelConfi
     g = space.graph
     stage = _balanced_stage_times(space, t.costs, t.pp)
     threads = layout_threads(space.cluster, t.dp * t.pp * t.cp * t.tp)
+    point = Point(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, t.ep, (t.ulysses,), threads)
     wan_hops: dict[bool, list[WanHop]] = {}  # per sequence parallel: the tuple's WAN boundaries at their cheapest
+    floors: dict[tuple, float] = {}  # per what a floor reads (not the DP sharding, nor the chunk count > 1)
     out = []
-    for cfg in variants(Point(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, t.ep, (t.ulysses,), threads), t.ulysses,
-                        space.facts, space.batch, space.dtype, space.loss, dominated=False, pins=space.pins,
-                        fp8=space.fp8, compile=space.compile, low_comm=space.low_comm,
-                        offload=offload_saves(space.cluster), seq_chunks=searched_chunks(space.cluster)):
-        f, b = stage[cfg.recompute]
-        v = cfg.vpp
-        lb = estimate_step(cfg.schedule, t.pp, t.m, f / v, b / v, v=v) if t.pp > 1 and cfg.seq_chunks == 1 \
-            else t.m * (f + b)  # (sequence chunks: their fill and drain run the cheap first chunks)
-        if cfg.sp not in wan_hops:
-            wan_hops[cfg.sp] = cheapest_wan_hops(g, space.cluster, cfg)
-        if wan_hops[cfg.sp]:  # and the stall of its WAN boundaries, what the fast pass adds
-            lb = pipeline_wan_floor_s(t.m, t.pp, BalancedPipe(
-                lb, f + b, [inflight_closed(cfg.schedule, t.pp, t.m, v, r) // v for r in range(t.pp)]),
-                wan_hops[cfg.sp])
-        out.append((lb, cfg))
+    for cfg in _variants(space, point, t.ulysses, dominated=False):
+        key = (cfg.schedule, cfg.vpp, cfg.recompute, cfg.seq_chunks == 1, cfg.sp)
+        if key not in floors:
+            if cfg.sp not in wan_hops:
+                wan_hops[cfg.sp] = cheapest_wan_hops(g, space.cluster, cfg)
+            floors[key] = _variant_floor(t, cfg, stage[cfg.recompute], wan_hops[cfg.sp])
+        out.append((floors[key], cfg))
     if t.n_var - len(out):
         space.rej.add(DOMINATED_REASON, t.label, t.n_var - len(out))
         space.res.pruned += t.n_var - len(out)
     return out
+
+
+def _variant_floor(t: _Tuple, cfg: ParallelConfig, stage: tuple[float, float], wan_hops: list[WanHop]) -> float:
+    """One variant's floor (seconds): its schedule's closed form on perfectly balanced stages of
+    ``stage`` = (forward, backward) seconds per micro-batch with its recompute, and with WAN
+    boundaries (``wan_hops``) the stall the fast pass charges them. Reads the schedule, vpp,
+    whether there are sequence chunks and (through ``wan_hops``) sequence parallel, nothing else."""
+    f, b = stage
+    v = cfg.vpp
+    lb = estimate_step(cfg.schedule, t.pp, t.m, f / v, b / v, v=v) if t.pp > 1 and cfg.seq_chunks == 1 \
+        else t.m * (f + b)  # (sequence chunks: their fill and drain run the cheap first chunks)
+    if not wan_hops:
+        return lb
+    return pipeline_wan_floor_s(t.m, t.pp, BalancedPipe(
+        lb, f + b, [inflight_closed(cfg.schedule, t.pp, t.m, v, r) // v for r in range(t.pp)]), wan_hops)
 
 
 def _may_protect(space: _Space, pp: int, m: int) -> bool:
@@ -373,24 +391,24 @@ def _wan_generating(space: _Space, e: Estimate) -> bool:
 def _fast_estimate(space: _Space, cfg: ParallelConfig, costs: LayerCosts,
                    m: int) -> Estimate | tuple[int, float, float]:
     """The fast pass on one variant: the closed-form estimate on the first split of ``fast_splits``
-    that fits, its memory checked before its times (``cost_models.pipeline_memory.fast_memory``, the
+    that fits, its memory checked before its times (``cost_models.pipeline_memory.fullest_rank``, the
     same figures); when none fits, (pp rank, bytes over, bytes needed) of the last split tried."""
     g = space.graph
     key = (cfg.pp, cfg.vpp, cfg.recompute, cfg.dp * cfg.cp * cfg.tp)  # what the splits depend on
     if key not in space.split_cache:
         space.split_cache[key] = fast_splits(g, space.cluster, cfg)
     for part in space.split_cache[key]:  # the even split; on mixed devices speed-weighted first
-        fm = fast_memory(g, cfg, part, space.global_batch, costs, space.profile)
+        fm = fullest_rank(g, cfg, part, space.global_batch, costs, space.profile)
         if fm is None:  # a schedule the fast pass simulates: price it, memory and all
             e = estimate(g, space.cluster, cfg, part, space.global_batch, profile=space.profile, fast=True, costs=costs)
-            memory, cap = e.memory, e.capacity
+            r = max(range(len(e.memory)), key=lambda k: e.memory[k].total)
+            need, cap = e.memory[r].total, e.capacity
         else:
-            (memory, cap), e = fm, None
-        r = max(range(len(memory)), key=lambda k: memory[k].total)
-        if memory[r].total <= cap:
+            (r, need, cap), e = fm, None
+        if need <= cap:
             return e or estimate(g, space.cluster, cfg, part, space.global_batch, profile=space.profile, fast=True,
                                  costs=costs)
-    return r, memory[r].total - cap, memory[r].total
+    return r, need - cap, need
 
 
 def _solve_best(space: _Space, ranked: list[tuple[float, str, Estimate]], solve_top: int, ilp_time_limit: float,

@@ -1,0 +1,31 @@
+"""planner/search/heap.py: the heap alive before a search is frozen only during it, also on an
+error, and a caller's own freeze is left as it is."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from planner.search.heap import frozen_heap
+
+
+def test_frozen_during_the_block_and_put_back_after_it_even_on_an_error():
+    assert gc.get_freeze_count() == 0
+    with frozen_heap():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(ValueError):
+        with frozen_heap():
+            raise ValueError("a search that fails")
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_callers_freeze_is_not_undone():
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with frozen_heap():
+            pass
+        assert gc.get_freeze_count() == frozen > 0
+    finally:
+        gc.unfreeze()
