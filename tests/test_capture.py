@@ -168,6 +168,20 @@ def test_hf_models_capture(spec, block):
     assert any(l.kind == "head" for l in g.layers)
 
 
+
+def test_hf_loss_is_captured_with_the_head():
+    """transformers computes a causal LM's loss at the model's root after its head: the capture
+    gives those ops (the vocabulary-wide log-softmax and its backward) to the head, the unit that
+    ran last, as the zoo's own head holds its loss, not to the embedding (the first unit):
+    a pipeline prices the loss on its last stage."""
+    pytest.importorskip("transformers")
+    hf, own = load_graph("hf:llama-tiny", batch=1, seq_len=16), load_graph("llama-tiny", batch=1, seq_len=16)
+    hf_head, own_head = (next(l for l in g.layers if l.kind == "head") for g in (hf, own))
+    assert hf_head.bwd_bytes == pytest.approx(own_head.bwd_bytes, rel=0.01)
+    assert hf_head.act_bytes == pytest.approx(own_head.act_bytes, rel=0.01)
+    assert hf.layers[0].kind == "embedding"
+    assert hf.layers[0].bwd_bytes == pytest.approx(own.layers[0].bwd_bytes, rel=0.01)
+
 def test_kernel_causal_reads_the_flag_or_the_masked_module():
     """An attention kernel is causal by its own flag (wherever its schema puts it), or, handed a
     mask, by the ``is_causal`` attribute of the module running it; never for a module that says

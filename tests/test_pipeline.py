@@ -44,6 +44,21 @@ def test_interleaved_divides_bubble_by_v(p: int, m: int, v: int) -> None:
     assert all(c >= x for c, x in zip(r.peak_inflight_chunks, r.peak_inflight))
 
 
+
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 3), (4, 16, 3), (4, 8, 2)])
+def test_heavy_last_virtual_stage_paces_every_microbatch(p: int, m: int, v: int) -> None:
+    """A head (and its loss) on the last virtual stage, worth d more than a block stage per
+    micro-batch, makes the last rank the busiest: every one of the m micro-batches waits for it,
+    so the interleaved step grows by m x d over the uniform (m v + p - 1)(f + b), not by d or
+    by the d / v a bubble term would charge."""
+    f, b, n = 1.0, 2.0, p * v
+    uniform = simulate("interleaved-1f1b", p, m, f, b, v=v).step_s
+    assert uniform == pytest.approx((m * v + p - 1) * (f + b), rel=1e-12)
+    fh, bh = [f] * n, [b] * n
+    fh[-1], bh[-1] = 1.5 * f, 1.5 * b  # d = 0.5 (f + b) per micro-batch on the last stage
+    heavy = simulate("interleaved-1f1b", p, m, fh, bh, v=v).step_s
+    assert heavy - uniform == pytest.approx(m * 0.5 * (f + b), rel=1e-9)
+
 def test_interleaved_needs_m_multiple_of_p() -> None:
     with pytest.raises(ScheduleError, match="divisible"):
         simulate("interleaved-1f1b", 4, 6, 1.0, 2.0, v=2)

@@ -282,6 +282,7 @@ class _UnitHooks:
         self.order: list[str] = []          # unit paths in the order they first ran
         self.handles: list = []
         self.stack: list[tuple[UnitRecord | None, str]] = []
+        self.open: list[UnitRecord] = []    # the units whose forward is running (outermost first)
         self.saved_seen: set[int] = set()
         # the storages counted, held until the capture ends: a saved tensor whose graph node is
         # freed early (a branch the loss does not reach) would free its storage, and a later one
@@ -313,6 +314,7 @@ class _UnitHooks:
         def hook(mod, args, kwargs):
             rec = self.rec
             self.stack.append((rec.unit, rec.part))
+            self.open.append(u)
             rec.unit, rec.part = u, ""
             if not u.ran:
                 u.ran = True
@@ -332,8 +334,9 @@ class _UnitHooks:
                 if t.requires_grad:
                     t.register_hook(self.enter_backward(u, ""))
             rec.unit, rec.part = self.stack.pop()
-            if rec.unit is None:
-                rec.unit, rec.part = u, ""  # root-level ops after a unit belong to it
+            self.open.pop()
+            if not any(o is rec.unit for o in self.open):  # back at the root: what follows (an HF
+                rec.unit, rec.part = u, ""  # model's loss after its head) belongs to the unit that ran last
         return hook
 
     def part_pre(self, u: UnitRecord, pname: str, lin: nn.Module | None):
