@@ -13,7 +13,9 @@ COMPAT = os.path.join("codegen", "runtime", "torch_compat.py")
 SCANNED = ("planner", "cost_models", "codegen", "benchmarks", "tests")
 # private methods of torch objects (a DeviceMesh, a process group) an attribute chain cannot tell
 # from our own: named here so a call outside torch_compat fails
-PRIVATE_METHODS = {"_flatten", "_unflatten", "_get_root_mesh", "_get_backend", "_set_default_backend"}
+PRIVATE_METHODS = {"_flatten", "_unflatten", "_get_root_mesh", "_get_backend", "_set_default_backend",
+                   "_modules", "_cdata", "_forward_pre_hooks", "_forward_hooks", "_backward_hooks",
+                   "_parameters", "_buffers", "_local_tensor"}  # and private attributes of modules, storages, DTensors
 
 
 def _private(name: str) -> bool:
@@ -61,10 +63,11 @@ def private_torch_uses(source: str) -> list[str]:
 def test_the_scan_sees_each_kind_of_private_use():
     src = ("import torch\nimport torch.distributed as dist\nfrom torch.utils._pytree import tree_map\n"
            "aten = torch.ops.aten\nx = aten._scaled_dot_product_flash_attention\ny = torch._foreach_norm\n"
-           "z = dist.distributed_c10d._world\nm = mesh._flatten('a')\nok = torch.ops.aten.mm\n")
-    assert [u.split(": ", 1)[1] for u in private_torch_uses(src)] == [
+           "z = dist.distributed_c10d._world\nm = mesh._flatten('a')\nok = torch.ops.aten.mm\n"
+           "kids = block._modules\nsid = t.untyped_storage()._cdata\n")
+    assert sorted(u.split(": ", 1)[1] for u in private_torch_uses(src)) == sorted([
         "from torch.utils._pytree import tree_map", "aten._scaled_dot_product_flash_attention",
-        "torch._foreach_norm", "dist.distributed_c10d._world", "._flatten"]
+        "torch._foreach_norm", "dist.distributed_c10d._world", "._flatten", "._modules", "._cdata"])
 
 
 def test_private_torch_apis_only_in_torch_compat():

@@ -46,7 +46,7 @@ class Installs:
         self._marks: set[tuple[int, Hashable]] = set()
         self._groups: list = []
         self._exit_hook: Optional[Callable[[], None]] = None
-        self._modules = _snapshot(model) if model is not None else []
+        self._module_state = _snapshot(model) if model is not None else []
         self.closed = False
 
     def first_time(self, obj: Any, what: Hashable) -> bool:
@@ -112,7 +112,7 @@ class Installs:
             self._exit_hook = None
         while self._undo:
             self._undo.pop()()
-        for mod, attrs, hooks in self._modules:
+        for mod, attrs, hooks in self._module_state:
             _restore(mod, attrs, hooks)
 
 

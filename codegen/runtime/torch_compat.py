@@ -50,6 +50,13 @@ these, this module is the one place to change. Each entry, and why we need it:
   action lists (autopar's schedule IR, ``planner/schedule_ir.py``, in torch's action strings),
   adding the sends / receives, FSDP unshard / reshard and gradient reductions itself; torch's
   public schedule classes each fix their own order.
+- :func:`children_registry` (``nn.Module._modules``): a module's child registry itself, so a
+  capture can drop children from a deep copy keeping their names (``planner/frontend/trace.py``)
+  and a stage view can swap children on a shallow copy without touching the model's own
+  registry (``codegen/runtime/adapters/hf_stage.py``); ``add_module`` writes into the registry
+  the copy shares.
+- :func:`storage_key` (``UntypedStorage._cdata``): a storage's identity (fake tensors' storages
+  have no data pointer), so the capture counts each saved storage once.
 - :func:`local_tensor` (``DTensor._local_tensor``): a DTensor parameter's or gradient's local
   shard as the storage itself (collectives write into it in place; ``to_local()`` is an autograd
   op returning an alias that must not be written through).
@@ -68,9 +75,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 CHECKED_ON = ("2.13.0",)
 
 __all__ = ["CHECKED_ON", "FakeTensorMode", "StridedShard", "TorchDispatchMode", "checkpoint_generator",
-           "clear_dtensor_caches", "ddp_replicate", "flatten_mesh", "foreach_mul_", "foreach_norm", "funcol",
+           "children_registry", "clear_dtensor_caches", "ddp_replicate", "flatten_mesh", "foreach_mul_", "foreach_norm", "funcol",
            "is_traceable_wrapper_subclass", "live_process_groups", "local_tensor", "module_hook_dicts", "preload_dynamo", "replicate",
-           "replicate_ddp_class", "saved_attention_ops", "saved_collective_ops", "schedule_runtime", "tree_flatten",
+           "replicate_ddp_class", "saved_attention_ops", "saved_collective_ops", "schedule_runtime",
+           "set_children_registry", "storage_key", "tree_flatten",
            "tree_map"]
 
 
@@ -154,6 +162,21 @@ def module_hook_dicts(module: torch.nn.Module) -> dict[str, dict]:
     """``{name: dict}`` of ``module``'s hook registries (forward / backward / state-dict hooks
     and their flag sets keyed by hook id), as ``nn.Module.__init__`` creates them."""
     return {k: v for k, v in module.__dict__.items() if k.startswith("_") and "hooks" in k and isinstance(v, dict)}
+
+
+def children_registry(module: torch.nn.Module) -> dict:
+    """``module``'s child registry (``{name: child}``, the dict itself: writes change the module)."""
+    return module._modules
+
+
+def set_children_registry(module: torch.nn.Module, children: dict) -> None:
+    """Give ``module`` its own child registry ``children`` (a shallow copy stops sharing the original's)."""
+    module._modules = children
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An identity of ``t``'s storage, equal for tensors sharing it (fake tensors included)."""
+    return t.untyped_storage()._cdata
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

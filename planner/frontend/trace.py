@@ -36,12 +36,11 @@ from __future__ import annotations
 import copy
 import hashlib
 import time
-from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from codegen.runtime.torch_compat import TorchDispatchMode, tree_map
+from codegen.runtime.torch_compat import TorchDispatchMode, children_registry, storage_key, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from planner.frontend.records import UnitRecord, UnitRun, assemble, nbytes, tensors
@@ -211,8 +210,9 @@ def _fake_copy(model: nn.Module, fake_mode, keep: set[int], members: set[int]) -
     drop = set(dropped)
     for m in clone.modules():
         if _is_stack(m):
-            kept = [(n, c) for n, c in m._modules.items() if id(c) not in drop]
-            m._modules = OrderedDict(kept)
+            reg = children_registry(m)
+            for n in [n for n, c in reg.items() if id(c) in drop]:
+                del reg[n]
     return clone
 
 
@@ -288,7 +288,7 @@ class _UnitHooks:
         # freed early (a branch the loss does not reach) would free its storage, and a later one
         # allocated at the same address would be taken for it (captures varied run to run)
         self.saved_alive: list = []
-        self.param_storages = {p.untyped_storage()._cdata for p in clone.parameters()}
+        self.param_storages = {storage_key(p) for p in clone.parameters()}
         self.lin_names: dict[int, str] = {}
         self.tp_parts: dict[str, set[str]] = {}   # unit -> its parts TP splits (from the first forward)
 
@@ -381,7 +381,7 @@ class _UnitHooks:
         if u is None:
             return t
         try:
-            sid = t.untyped_storage()._cdata
+            sid = storage_key(t)
         except Exception:
             return t
         if rec.builder is not None:

@@ -40,9 +40,9 @@ def attach(root: nn.Module, fqn: str, mod: nn.Module) -> None:
     parts = fqn.split(".")
     parent = root
     for p in parts[:-1]:
-        if p not in parent._modules:
+        if p not in dict(parent.named_children()):
             parent.add_module(p, nn.Module())
-        parent = parent._modules[p]
+        parent = parent.get_submodule(p)
     parent.add_module(parts[-1], mod)
 
 

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from codegen.runtime import kernels as kern
+from codegen.runtime import kernels as kern, torch_compat
 from codegen.runtime.adapters.base import StageModule, attach
 
 ATTN_NAME = "autopar"                # + _<tag>: causal attention through the runtime's implementation, no masks
@@ -99,13 +99,14 @@ def module_view(module: nn.Module, replace: dict[str, nn.Module], prefix: str = 
     (copies are made only along those paths; everything else is the model's own module)."""
     out = copy.copy(module)
     out.__dict__ = dict(module.__dict__)
-    out._modules = dict(module._modules)
-    for name, child in module._modules.items():
+    children = dict(torch_compat.children_registry(module))
+    torch_compat.set_children_registry(out, children)
+    for name, child in list(children.items()):
         path = f"{prefix}{name}"
         if path in replace:
-            out._modules[name] = replace[path]
+            children[name] = replace[path]
         elif child is not None and any(r.startswith(path + ".") for r in replace):
-            out._modules[name] = module_view(child, replace, path + ".")
+            children[name] = module_view(child, replace, path + ".")
     return out
 
 
