@@ -359,11 +359,10 @@ def _wan_group_time(kind: str, nbytes: float, across: _Wan, cluster: Cluster,
 def _flat_wan_time(kind: str, nbytes: float, n: int, span: wan.WanSpan, cluster: Cluster) -> float:
     """One flat ring of ``n`` members across cluster groups, seconds: each ring step moves
     ``nbytes / n`` per member and is as slow as its WAN edge, whose link every group of the
-    dimension shares with one flow each (``span.flows / span.per_group`` of them), plus the
+    dimension shares with one flow each (``cost_models.wan.flat_ring_link``), plus the
     link's one-way latency; the all-to-all sends the ``(n - g) / n`` of the buffer bound for the
     other groups over that flow."""
-    groups = max(1, span.flows // span.per_group)
-    link = wan.flow_link(cluster, span.spanned, groups)
+    _, link = wan.flat_ring_link(cluster, span)
     bw, lat = link.bandwidth_bps, link.latency_s
     if kind == "all_to_all":
         return (n - span.per_group) / n * nbytes / bw + (n - 1) * lat

@@ -89,6 +89,13 @@ def flow_link(cluster: Cluster, groups: tuple[int, ...], flows: int) -> Link:
     return Link(bandwidth_gbs=bw, latency_us=max(p.latency_us for p in pairs))
 
 
+def flat_ring_link(cluster: Cluster, span: WanSpan) -> tuple[int, Link]:
+    """(flows, one flow's link) when the dimension's groups each run as one flat ring instead of
+    ``span.per_group`` concurrent ones: one flow per group of the dimension shares the link."""
+    flows = max(1, span.flows // span.per_group)
+    return flows, flow_link(cluster, span.spanned, flows)
+
+
 def boundary_links(cluster: Cluster, pp: int, stride: int) -> list[Link | None]:
     """Per pipeline boundary (stage i -> i+1): the per-flow WAN link when it crosses cluster groups
     (``stride`` rank pairs sending at once), else None."""

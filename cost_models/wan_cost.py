@@ -79,8 +79,7 @@ def crossings(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partitio
             continue
         mode = ("hierarchical" if hsdp_replicas(cluster, cfg) > 1 else "flat") if dim == "dp" else ""
         secs = _grad_wan_s(graph, cluster, cfg, span, mesh if mode == "flat" else None) if dim == "dp" else 0.0
-        flows = span.flows // span.per_group if mode == "flat" else span.flows
-        link = wan.flow_link(cluster, span.spanned, flows) if mode == "flat" else span.link
+        flows, link = wan.flat_ring_link(cluster, span) if mode == "flat" else (span.flows, span.link)
         out.append(Crossing(dim, f"{span.per_group} of each {dim} group's {mesh.size(dim)} ranks in each of "
                                  f"{span.groups} groups", _names(cluster, span.spanned),
                             flows, link.bandwidth_gbs, link.latency_us / 1e3, secs, mode))
