@@ -1,7 +1,7 @@
 """The search's memory-first check prices one rank per group of ranks holding the same chunks
 (``cost_models.pipeline_memory.fullest_rank``): it must name the same rank, bytes and capacity as
 the full per-rank memory (``fast_memory``), ties included; and the search's one enumeration of a
-tuple's variants (``candidates.tagged_variants``) is what ``variants`` yields with and without the
+tuple's variants (``candidates.variants``) is what it yields with and without the
 dominated ones."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from cost_models.layer_costs import LayerCosts
 from cost_models.pipeline_memory import fast_memory, fullest_rank
 from planner.frontend.load import load_graph
 from planner.plan import ParallelConfig, Partition
-from planner.search.candidates import Point, batch_of, facts_of, tagged_variants, variants
+from planner.search.candidates import Point, batch_of, facts_of, variants
 from planner.search.pins import Pins
 from planner.search.stage_split import even_split
 
@@ -62,12 +62,14 @@ def test_fullest_rank_is_the_first_fullest_of_every_rank(cluster):
     assert checked == 63 and ties  # gpipe holds as many micro-batches on every rank: equal middle ranks tie
 
 
-def test_tagged_variants_are_what_variants_yields():
+def test_undominated_variants_are_the_others_less_gpipe_and_sp_off():
+    """``variants(dominated=False)`` is ``variants()`` in the same order less what 1F1B (over gpipe)
+    and sequence parallel (over none) dominate, chunked and low-comm copies included."""
     facts, batch = facts_of(G), batch_of(G, 64)
     for p, pins in [(Point(2, 4, 1, 2, 1, 32, 1, (1,)), Pins()), (Point(1, 4, 2, 2, 1, 64, 1, (1, 2)), Pins()),
                     (Point(8, 1, 1, 2, 1, 8, 1, (1,)), Pins())]:
-        tagged = list(tagged_variants(p, 1, facts, batch, "bf16", "eager", pins=pins, seq_chunks=(1, 2, 4)))
-        assert [c for c, _ in tagged] == list(variants(p, 1, facts, batch, "bf16", "eager", pins=pins,
-                                                       seq_chunks=(1, 2, 4)))
+        every = list(variants(p, 1, facts, batch, "bf16", "eager", pins=pins, seq_chunks=(1, 2, 4)))
         kept = list(variants(p, 1, facts, batch, "bf16", "eager", dominated=False, pins=pins, seq_chunks=(1, 2, 4)))
-        assert [c for c, d in tagged if not d] == kept and len(kept) < len(tagged)
+        sp_ok = any(c.sp for c in every)
+        assert kept == [c for c in every if c.schedule != "gpipe" and (c.sp or not sp_ok)]
+        assert len(kept) < len(every)

@@ -288,18 +288,6 @@ def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str
     out unless the pins name the policy: the search's choice where offloading frees no device
     memory (``cost_models.offload.offload_saves``: there it is dominated by ``none``). ``seq_chunks``:
     the chunk counts > 1 tried beside each variant where they can run (planner/schedule_ir.py)."""
-    for cfg, dom in tagged_variants(p, ulysses, facts, batch, dtype, loss, pins=pins, fp8=fp8, compile=compile,
-                                    low_comm=low_comm, offload=offload, seq_chunks=seq_chunks):
-        if dominated or not dom:
-            yield cfg
-
-
-def tagged_variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str, loss: str,
-                    pins: Pins | None = None, fp8: str = "none", compile: bool = False, low_comm: str = "",
-                    offload: bool = True, seq_chunks: Sequence[int] = (1,)) -> Iterator[tuple[ParallelConfig, bool]]:
-    """Every variant :func:`variants` yields with ``dominated=True``, in the same order, each with
-    whether ``dominated=False`` leaves it out; what does not change within a schedule (the chunk
-    counts and recompute policies it allows) is checked once per schedule."""
     pins = pins or Pins()
     dp, pp, cp, tp, ep = p.dp, p.pp, p.cp, p.tp, p.ep
     if modes_problem(dtype, fp8, compile, tp, cp):
@@ -327,15 +315,16 @@ def tagged_variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dty
                 for sp, dom_sp in sps:
                     if ep_problem(ep, dp, cp, facts, tp, sp):  # a MoE model under TP needs SP
                         continue
-                    dom = dom_sched or dom_sp
+                    if not dominated and (dom_sched or dom_sp):
+                        continue
                     cfg = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, ulysses=ulysses, mbs=p.mbs,
                                          schedule=sched, vpp=v, zero=zero, recompute=rc, sp=sp, dtype=dtype,
                                          loss=loss, attention=attention, threads=p.threads, fp8=fp8,
                                          compile=compile)
-                    yield cfg, dom
-                    yield from ((cfg.replace(seq_chunks=k), dom) for k in chunked[rc])
+                    yield cfg
+                    yield from (cfg.replace(seq_chunks=k) for k in chunked[rc])
                     if low:
-                        yield cfg.replace(low_comm=low_comm), dom
+                        yield cfg.replace(low_comm=low_comm)
 
 
 def configurations(facts: ModelFacts, cluster: ClusterShape, batch: Batch, *, dtype: str, loss: str,
