@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import bisect
 import random
-from typing import Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 import numpy as np
 
@@ -218,14 +218,28 @@ def _crossing_visits(mix: DocumentMix, cp: int, ulysses: int, starts: list[int],
     return visits
 
 
-_CACHE: dict[tuple[int, int, int], tuple[DocumentMix, int, int]] = {}
-_LAYOUT: dict[int, tuple[DocumentMix, list[int], list[int]]] = {}
+_CACHE: dict[tuple, tuple[DocumentMix, Any]] = {}
+_LAYOUT: dict[tuple, tuple[DocumentMix, Any]] = {}
+T = TypeVar("T")
+
+
+def per_mix(store: dict[tuple, tuple[DocumentMix, Any]], mix: DocumentMix, key: tuple, compute: Callable[[], T],
+            limit: int) -> T:
+    """``compute()`` kept in ``store`` for this ``mix`` object and ``key`` (a mix holds lists, so it
+    is keyed by identity, the object kept beside its result so a reused id misses); ``store`` is
+    emptied when it holds more than ``limit``. Every per-mix cache of the cost models uses it."""
+    k = (id(mix), *key)
+    hit = store.get(k)
+    if hit is None or hit[0] is not mix:
+        if len(store) > limit:
+            store.clear()
+        hit = store[k] = (mix, compute())
+    return hit[1]
 
 
 def _layout(mix: DocumentMix) -> tuple[list[int], list[int]]:
     """(each piece's first token, the causal pairs of the first k rows for k = 0..rows), cached per mix."""
-    hit = _LAYOUT.get(id(mix))
-    if hit is None or hit[0] is not mix:
+    def compute() -> tuple[list[int], list[int]]:
         starts, row_pairs, t, acc = [], [0], 0, 0
         for p in mix.pieces:
             starts.append(t)
@@ -233,10 +247,8 @@ def _layout(mix: DocumentMix) -> tuple[list[int], list[int]]:
             acc += _pairs(p)
             if t % mix.seq_len == 0:
                 row_pairs.append(acc)
-        if len(_LAYOUT) > 64:
-            _LAYOUT.clear()
-        hit = _LAYOUT[id(mix)] = (mix, starts, row_pairs)
-    return hit[1], hit[2]
+        return starts, row_pairs
+    return per_mix(_LAYOUT, mix, (), compute, 64)
 
 
 def visiting_pairs(mix: DocumentMix, cp: int, ulysses: int = 1) -> tuple[int, int]:
@@ -245,16 +257,11 @@ def visiting_pairs(mix: DocumentMix, cp: int, ulysses: int = 1) -> tuple[int, in
     per (mix, cp, ulysses). ValueError when the row does not split into ``2 cp`` chunks."""
     if why := sequence_problem(mix.seq_len, cp):
         raise ValueError(why)
-    key = (id(mix), cp, ulysses)
-    hit = _CACHE.get(key)
-    if hit is None or hit[0] is not mix:
+    def compute() -> tuple[int, int]:
         starts, row_pairs = _layout(mix)
         rows = _rows_for(cp, mix.rows)
-        visits = 0 if cp // ulysses <= 1 else _crossing_visits(mix, cp, ulysses, starts, rows)
-        if len(_CACHE) > 1024:
-            _CACHE.clear()
-        hit = _CACHE[key] = (mix, visits, row_pairs[rows])
-    return hit[1], hit[2]
+        return (0 if cp // ulysses <= 1 else _crossing_visits(mix, cp, ulysses, starts, rows)), row_pairs[rows]
+    return per_mix(_CACHE, mix, (cp, ulysses), compute, 1024)
 
 
 def full_row_pairs(seq_len: int, cp: int, ulysses: int = 1) -> tuple[int, int]:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import numpy as np
 
 from cost_models.cluster import Cluster
+from cost_models.documents import per_mix
 from cost_models.shared_cores import local_cpu, shares_cores
 from planner.feasibility import sequence_problem
 from planner.graph import DocumentMix
@@ -142,7 +143,7 @@ def busiest(work: np.ndarray, cores: int = 0) -> np.ndarray:
     return np.stack([work[:, core == c].mean(axis=1) for c in range(cores)], axis=1).max(axis=1)
 
 
-_CACHE: dict[tuple, tuple[DocumentMix, float]] = {}
+_CACHE: dict[tuple, tuple[DocumentMix, float]] = {}  # (documents.per_mix)
 
 
 def fallback_share(mix: DocumentMix, dp: int, cp: int, ulysses: int = 1, mbs: int = 1, cores: int = 0) -> float:
@@ -155,12 +156,8 @@ def fallback_share(mix: DocumentMix, dp: int, cp: int, ulysses: int = 1, mbs: in
         return mix.attention_share
     if cp > 1 and sequence_problem(mix.seq_len, cp):
         cp = ulysses = 1
-    key = (id(mix), dp, cp, ulysses, mbs, cores)
-    hit = _CACHE.get(key)
-    if hit is None or hit[0] is not mix:
+    def compute() -> float:
         work, one = rank_elements(mix, dp, cp, ulysses, mbs)
         full = float(busiest(one[None], cores)[0])
-        if len(_CACHE) > 256:
-            _CACHE.clear()
-        hit = _CACHE[key] = (mix, float(busiest(work, cores).mean()) / full if full > 0 else 1.0)
-    return hit[1]
+        return float(busiest(work, cores).mean()) / full if full > 0 else 1.0
+    return per_mix(_CACHE, mix, (dp, cp, ulysses, mbs, cores), compute, 256)
