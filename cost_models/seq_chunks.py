@@ -79,13 +79,18 @@ def stage_chunk_parts(graph: ModelGraph, partition: Partition, costs: LayerCosts
     data-parallel wrapper's per-unit work (``cost_models.cpu_runtime.wrapper_unit_s``)."""
     cfg, prof = costs.cfg, costs.profile
     wf, wb = wrapper_unit_s(costs.c, cfg, prof)
-    out = ChunkParts([], [], [], [])
+    out, shares = ChunkParts([], [], [], []), {}  # the profiled fixed shares, once per layer signature
     for lo, hi in partition.bounds:
         af = ff = fb = 0.0
         for layer in graph.layers[lo:hi]:
             c = costs.get(layer)
-            sf, sb = prof.layer_fixed_share(layer.signature, cfg.mbs, graph.seq_len, cfg.tp, cfg.cp, cfg.seq_chunks) \
-                if prof is not None and c.source == "profile" else (0.0, 0.0)
+            if prof is None or c.source != "profile":
+                sf, sb = 0.0, 0.0
+            else:
+                if layer.signature not in shares:
+                    shares[layer.signature] = prof.layer_fixed_share(layer.signature, cfg.mbs, graph.seq_len, cfg.tp,
+                                                                     cfg.cp, cfg.seq_chunks)
+                sf, sb = shares[layer.signature]
             af, ff, fb = af + c.core, ff + sf * c.fwd + wf, fb + sb * c.bwd + wb
         out.attn_fwd.append(af)
         out.attn_bwd.append(ATTN_BWD_OVER_FWD * af)
