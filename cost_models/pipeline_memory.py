@@ -1,6 +1,7 @@
 """Per pp rank memory of a pipeline (``cost_models.memory``'s rule over each rank's chunks), and the
 in-flight micro-batches of the built-in schedules' closed forms; the estimate's memory and the
-search's memory-first check (:func:`fast_memory`) both call it. With sequence chunks
+search's memory-first check (:func:`fullest_rank`; :func:`fast_memory` gives every rank's figures
+the same way) call it. With sequence chunks
 (``cfg.seq_chunks = k``) the in-flight figures count (stage, chunk) units, each ``1/k`` of a
 micro-batch's activations, and every sequence in flight adds its KV store
 (``cost_models/seq_chunks.py``)."""
