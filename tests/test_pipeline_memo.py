@@ -23,7 +23,9 @@ def test_every_argument_is_in_the_key():
                simulated("1f1b", 4, 8, F, B, **dict(ARGS, p2p=[0.01, 0.4, 0.01, 0.0])),
                simulated("1f1b", 4, 8, F, B, **dict(ARGS, seq_chunks=2)),
                simulated("1f1b", 4, 8, F, B, **dict(ARGS, attn_fwd=0.3)),
-               simulated("1f1b", 4, 8, F, B, **dict(ARGS, attn_bwd=0.5))]
+               simulated("1f1b", 4, 8, F, B, **dict(ARGS, attn_bwd=0.5)),
+               simulated("1f1b", 4, 8, F, B, **dict(ARGS, fixed_fwd=0.05)),
+               simulated("1f1b", 4, 8, F, B, **dict(ARGS, fixed_bwd=0.1))]
     for c in changed:
         assert c is not base and c.step_s != base.step_s
     inter = simulated("interleaved-1f1b", 2, 8, F, B, p2p=0.01, v=2)
