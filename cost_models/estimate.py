@@ -101,7 +101,8 @@ from planner.feasibility import microbatches
 from planner.graph import ModelGraph
 from planner.low_comm import parse_low_comm
 from planner.plan import ParallelConfig, Partition, PlanError
-from planner.sharding import DDP_BUCKET_BYTES, SHARDED_PARAMS, shard_ranks, uses_ddp_reducer, zero1_broadcasts
+from planner.sharding import DDP_BUCKET_BYTES, SHARDED_PARAMS, expert_replicas, shard_ranks, uses_ddp_reducer
+from planner.sharding import zero1_broadcasts
 from planner.precision import DTYPE_BYTES, GRAD_REDUCE_BYTES, MASTER_BYTES
 from planner import schedule_ir as ir
 
@@ -238,14 +239,14 @@ def _dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units
     grads = params * GRAD_REDUCE_BYTES  # gradients are reduced in fp32 (planner.precision.mixed_precision)
     calls = max(1, math.ceil(grads / DDP_BUCKET_BYTES)) if uses_ddp_reducer(cfg.zero, cfg.pp, cfg.tp, cfg.dtype) \
         else units
-    k = 1 if experts else hsdp_replicas(cluster, cfg)  # > 1: HSDP across cluster groups (fully_shard)
+    k = expert_replicas(cfg.ep, hsdp_replicas(cluster, cfg)) if experts else hsdp_replicas(cluster, cfg)  # > 1: HSDP
 
     def ct(kind: str, per_param: float = GRAD_REDUCE_BYTES, n_calls: int = calls) -> float:
         if k > 1 and kind in ("all_gather", "reduce_scatter"):
             return _hsdp_time(kind, params * per_param / n_calls, cluster, cfg, dpg, k, profile, comm_src) * n_calls
         # across cluster groups the runtime runs DP flat where dp_replicas says 1 (one ring)
         e = comm_mod.collective_time(kind, params * per_param / n_calls, cluster, flat, "dp", profile,
-                                     flat=k == 1 and not experts)
+                                     flat=k == 1)
         comm_src.add(e.source)
         return e.seconds * n_calls
 
@@ -354,8 +355,8 @@ def _dp_and_optimizer(cluster: Cluster, cfg: ParallelConfig, partition: Partitio
         low.every if low else 1)
     dp_exposed += _token_local_sync_s(cluster, cfg, partition, table, on_rank, profile, comm_src)
     shard, shard_e = (1, 1) if cfg.zero == "ddp" else (dp_group(cfg), dp_group(cfg, experts=True))
-    if cfg.zero in SHARDED_PARAMS:  # HSDP across cluster groups: one group's ranks shard the states
-        shard = shard_ranks(shard, hsdp_replicas(cluster, cfg))
+    if cfg.zero in SHARDED_PARAMS and (k := hsdp_replicas(cluster, cfg)) > 1:  # HSDP: one group's ranks shard
+        shard, shard_e = shard_ranks(shard, k), shard_ranks(shard_e, expert_replicas(cfg.ep, k))
     opt_params = (P - Pe) / shard + Pe / shard_e
     opt_s = engine.optimizer_bytes_per_param * opt_params / memory_bandwidth(cluster, cal)
     return dp_exposed, opt_s * cal.get("opt_scale", 1.0)

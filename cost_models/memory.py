@@ -83,7 +83,8 @@ from cost_models.op_recompute import checkpointed, op_saved_bytes
 from planner.graph import TP_SPLIT_ROLES, Layer, ModelGraph
 from planner.low_comm import inner_dp
 from planner.plan import RECOMPUTE, ParallelConfig
-from planner.sharding import FSDP_MODULE_SHARE, ZERO, dp_wrapper, fsdp_per_module, reshard_after_forward, shard_ranks
+from planner.sharding import (FSDP_MODULE_SHARE, ZERO, dp_wrapper, expert_replicas, fsdp_per_module,
+                              reshard_after_forward, shard_ranks)
 from planner.precision import DTYPE_BYTES, GRAD_REDUCE_BYTES, MASTER_BYTES, mixed_precision
 
 GiB = 2**30
@@ -263,7 +264,7 @@ def per_param_bytes(cfg: ParallelConfig, experts: bool = False, replicas: int = 
         if cfg.zero == "zero1":
             f["optimizer"] = o / dp
         return f
-    dp = dp if experts else shard_ranks(dp, replicas)
+    dp = shard_ranks(dp, expert_replicas(cfg.ep, replicas) if experts else replicas)
     f.update(weights=w / dp, grads=g / dp, optimizer=o / dp)
     if cfg.pp > 1:
         # gathered parameters, and unreduced gradients (accumulated in fp32) until the last micro-batch's

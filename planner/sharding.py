@@ -117,3 +117,12 @@ def shard_ranks(dp_group: int, replicas: int) -> int:
     """Ranks that shard the model states of a data-parallel group of ``dp_group`` ranks
     replicated across ``replicas`` cluster groups (:func:`dp_replicas`): the ranks of one group."""
     return dp_group // replicas
+
+
+def expert_replicas(ep: int, replicas: int) -> int:
+    """Cluster groups the routed experts' data-parallel group is replicated across, given the
+    dense group's ``replicas`` (:func:`dp_replicas`): under expert parallelism (``ep`` > 1) the
+    runtime shards the experts with FSDP2 over their own 1-D mesh
+    (codegen/runtime/data_parallel.py ``shard_experts``), which runs flat: 1; without it they are
+    wrapped with their block, as the dense group: ``replicas``."""
+    return 1 if ep > 1 else replicas

@@ -176,3 +176,26 @@ def test_generated_schedules_on_the_wan_and_a_pinned_schedule():
     _, pinned = plan_model(g, cl, 64, spec="llama3-8b", cluster_spec="two-region-h100:2",
                            fix="schedule=1f1b,seq_chunks=1")  # (sequence chunks run no generated schedule)
     assert pinned.best.config.schedule == "1f1b" and generates(pinned.best.config, pinned.best.microbatches)
+
+
+def test_experts_dp_across_regions_is_priced_as_the_runtime_shards_them():
+    """Under expert parallelism the routed experts are sharded by FSDP2 over their own 1-D mesh
+    (codegen/runtime/data_parallel.py shard_experts): flat across the regions, one ring whose
+    every step waits on the WAN; without EP they are wrapped with their block (HSDP)."""
+    from cost_models.estimate import estimate
+    from cost_models.memory import per_param_bytes
+    from planner.frontend.load import load_graph
+    from planner.plan import ParallelConfig, Partition
+    from planner.sharding import expert_replicas
+
+    assert expert_replicas(2, 2) == 1 and expert_replicas(1, 2) == 2 and expert_replicas(1, 1) == 1
+    ep2, dense = ParallelConfig(dp=16, ep=2, zero="fsdp"), ParallelConfig(dp=16, zero="fsdp")
+    assert per_param_bytes(ep2, experts=True, replicas=2)["optimizer"] == pytest.approx(8.0 / 8)  # edp 8, flat
+    assert per_param_bytes(dense, experts=True, replicas=2)["optimizer"] == pytest.approx(8.0 / 8)  # 16 / 2 groups
+    cl = parse_cluster("two-region-h100:1")
+    g = load_graph("mixtral-8x7b", batch=1, seq_len=4096)
+    whole = Partition.even(len(g.layers), 1)
+    # ep 8: the experts' group is 2 ranks, one per region (flat = hierarchical); ep 2: 8 ranks in one ring
+    s8 = estimate(g, cl, ParallelConfig(dp=16, ep=8, zero="fsdp"), whole, 32)
+    s2 = estimate(g, cl, ep2, whole, 32)
+    assert s2.breakdown["dp_comm"] > 1.5 * s8.breakdown["dp_comm"]  # hierarchical priced them alike (1.02x)
