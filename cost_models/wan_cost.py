@@ -28,7 +28,9 @@ from dataclasses import asdict, dataclass
 from cost_models import comm as comm_mod
 from cost_models import wan
 from cost_models.cluster import Cluster
+from cost_models.experts import ep_mesh
 from cost_models.layer_costs import act_bytes_io
+from cost_models.memory import layer_experts
 from planner.graph import ModelGraph
 from planner.low_comm import WIRE_BYTES, inner_dp, parse_low_comm
 from planner.plan import ParallelConfig, Partition
@@ -40,7 +42,7 @@ from planner.sharding import dp_replicas, dp_wrapper
 class Crossing:
     """One mesh dimension (or pipeline boundary) on the WAN: seconds per step, before overlap."""
 
-    dim: str               # pp | dp | cp | tp | outer (low-communication DP's exchange)
+    dim: str               # pp | dp | cp | tp | ep | edp (the experts' dp group) | outer (low-communication DP)
     where: str             # in words: the boundary, or the group's members per cluster group
     groups: list[str]      # the cluster groups it joins
     flows: int             # transfers sharing the link at once
@@ -48,7 +50,7 @@ class Crossing:
     latency_ms: float      # one-way
     seconds: float         # WAN seconds per step (pp: 2 m hops; dp: the gradients' cross-group phase,
     #                        or the whole ring when flat; outer: one exchange, made once per H steps)
-    mode: str = ""         # dp: "hierarchical" or "flat" (planner.sharding.dp_replicas)
+    mode: str = ""         # dp, edp: "hierarchical" or "flat" (planner.sharding.dp_replicas, expert_replicas)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -83,7 +85,7 @@ def crossings(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partitio
         out.append(Crossing(dim, f"{span.per_group} of each {dim} group's {mesh.size(dim)} ranks in each of "
                                  f"{span.groups} groups", _names(cluster, span.spanned),
                             flows, link.bandwidth_gbs, link.latency_us / 1e3, secs, mode))
-    return out
+    return out + _expert_crossings(graph, cluster, cfg)
 
 
 def outer_step_s(cluster: Cluster, cfg: ParallelConfig, params_rank: float, profile=None) -> float:
@@ -142,12 +144,36 @@ def _boundary_bytes(graph: ModelGraph, cfg: ParallelConfig, partition: Partition
     return max((act_bytes_io(graph.layers[i], graph, cfg) / cfg.seq_shards for i in cuts), default=0.0)
 
 
+def _expert_crossings(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig) -> list[Crossing]:
+    """Under expert parallelism, the EP group (``ep``: every MoE layer's all-to-alls) and the
+    experts' own data-parallel group (``edp``: their gradients, FSDP2 over a one-dimensional mesh,
+    so one flat ring: ``planner.sharding.expert_replicas``) where they span cluster groups."""
+    if cfg.ep == 1:
+        return []
+    mesh, out = ep_mesh(cfg), []  # the EP group is its cp dimension, the experts' dp group its dp one
+    experts = sum(layer_experts(layer, graph.hidden) for layer in graph.layers) / (cfg.pp * cfg.ep)
+    for dim, name in (("cp", "ep"), ("dp", "edp")):
+        span = wan.dim_span(cluster, mesh.size(dim), mesh.stride(dim), mesh.world)
+        if span is None:
+            continue
+        secs = comm_mod.collective_time("all_reduce", experts * GRAD_REDUCE_BYTES, cluster, mesh, "dp",
+                                        flat=True).seconds if name == "edp" else 0.0
+        flows, link = wan.flat_ring_link(cluster, span) if name == "edp" else (span.flows, span.link)
+        out.append(Crossing(name, f"{span.per_group} of each {name} group's {mesh.size(dim)} ranks in each of "
+                                  f"{span.groups} groups", _names(cluster, span.spanned), flows,
+                            link.bandwidth_gbs, link.latency_us / 1e3, secs, "flat" if name == "edp" else ""))
+    return out
+
+
 def _grad_wan_s(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, span: wan.WanSpan,
                 flat_mesh: comm_mod.Mesh | None = None) -> float:
     """The cross-group phase of one reduce-scatter of the average rank's gradients (a lower bound
     of every hierarchical sharding's gradient traffic over the WAN), seconds; with ``flat_mesh``
-    (DP run as one ring) the ring's all-reduce of them."""
-    params = sum(layer.params for layer in graph.layers) / (cfg.pp * cfg.tp)
+    (DP run as one ring) the ring's all-reduce of them. Under expert parallelism the routed
+    experts are reduced over their own group instead (:func:`_expert_crossings`)."""
+    split = cfg.ep > 1
+    params = sum(layer.params - (layer_experts(layer, graph.hidden) if split else 0)
+                 for layer in graph.layers) / (cfg.pp * cfg.tp)
     if flat_mesh is not None:
         return comm_mod.collective_time("all_reduce", params * GRAD_REDUCE_BYTES, cluster, flat_mesh, "dp",
                                         flat=True).seconds

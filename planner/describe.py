@@ -156,6 +156,10 @@ def wan_words(crossings: list[dict]) -> list[str]:
                    "hierarchical gradient reduction (reduce in each group, exchange across, broadcast back), ")
             out.append(f"dp x cp crosses {joins} ({x['where']}): {how}overlapped with the backward; {link}; at least "
                        f"{x['seconds']:.3g} s per step across")
+        elif x["dim"] == "edp":
+            out.append(f"the experts' data-parallel group crosses {joins} ({x['where']}): one flat ring over every "
+                       f"member (FSDP2 over the experts' own mesh), overlapped with the backward; {link}; at least "
+                       f"{x['seconds']:.3g} s per step across")
         elif x["dim"] == "outer":
             out.append(f"low-communication DP across {joins or 'the groups'}: pseudo-gradients exchanged {x['where']}"
                        f" ({link}), {x['seconds']:.3g} s per exchange; {CAVEAT}")

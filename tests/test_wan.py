@@ -199,3 +199,25 @@ def test_experts_dp_across_regions_is_priced_as_the_runtime_shards_them():
     s8 = estimate(g, cl, ParallelConfig(dp=16, ep=8, zero="fsdp"), whole, 32)
     s2 = estimate(g, cl, ep2, whole, 32)
     assert s2.breakdown["dp_comm"] > 1.5 * s8.breakdown["dp_comm"]  # hierarchical priced them alike (1.02x)
+
+
+def test_expert_groups_crossing_the_wan_are_reported():
+    """The plan says where the EP group and the experts' own data-parallel group cross the WAN;
+    the dense dp crossing then counts the dense parameters only."""
+    from cost_models.estimate import estimate
+    from planner.describe import wan_words
+    from planner.frontend.load import load_graph
+    from planner.plan import ParallelConfig, Partition
+
+    cl = parse_cluster("two-region-h100:1")
+    g = load_graph("mixtral-8x7b", batch=1, seq_len=4096)
+    whole = Partition.even(len(g.layers), 1)
+    by_dim = {x["dim"]: x for x in estimate(g, cl, ParallelConfig(dp=16, ep=2, zero="fsdp"), whole, 32).wan}
+    assert set(by_dim) == {"dp", "edp"} and by_dim["edp"]["mode"] == "flat"
+    assert by_dim["edp"]["seconds"] > 10 * by_dim["dp"]["seconds"]  # the routed experts are most of Mixtral
+    dense = {x["dim"]: x for x in estimate(g, cl, ParallelConfig(dp=16, zero="fsdp"), whole, 32).wan}
+    assert dense["dp"]["seconds"] > 10 * by_dim["dp"]["seconds"]  # without EP the experts ride in the dense group
+    wide = {x["dim"] for x in estimate(g, cl, ParallelConfig(dp=16, ep=16, zero="fsdp"), whole, 32).wan}
+    assert wide == {"dp", "ep"}  # an EP group over both regions; the experts' dp group is one rank
+    words = wan_words(list(by_dim.values()))
+    assert any("experts' data-parallel group crosses" in w and "one flat ring" in w for w in words)
