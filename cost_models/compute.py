@@ -55,7 +55,7 @@ from cost_models import gpu_kernels as gk
 from cost_models.cluster import Cluster
 from cost_models.dtensor_dispatch import dtensor_dispatch_s
 from cost_models.documents import busiest_share
-from cost_models.fallback_attention import fallback_share, pinned_cores
+from cost_models.fallback_attention import fallback_work, pinned_cores
 from cost_models.engines import DEFAULT_ENGINE, FA2_HOPPER_SLOWDOWN, Engine, fuses_elementwise
 from cost_models.fused_elementwise import fused_op
 from cost_models.moe_layer import DISPATCH_KERNELS, dispatch_bytes, expert_rows, grouped_gemm_seconds
@@ -105,19 +105,19 @@ def attn_core_flops(layer: Layer, batch: int) -> float:
 
 def attention_share(layer: Layer, graph: ModelGraph, cfg: ParallelConfig | None = None,
                     fallback: Cluster | None = None) -> float:
-    """The share of :func:`attn_core_flops` that ``layer``'s attention core really does with the
-    graph's packed documents; 1.0 without them, for a non-causal core (e.g. a vision
-    encoder's, not document-masked) and for an eager (unfused) kernel under ``cfg``, which
-    computes every score and masks it afterwards. Under ``cfg``: the busiest rank's share of
-    the layout (``cost_models.documents.busiest_share``: the step waits for it; ``fallback``: the
-    CPU cluster whose plain-torch kernel runs it, ``cost_models.fallback_attention``); without:
-    the useful work (model FLOPs, ``DocumentMix.attention_share``)."""
+    """The share of :func:`attn_core_flops` that ``layer``'s attention core really does with the graph's
+    packed documents; 1.0 without them, for a non-causal core (a vision encoder's) and for an eager
+    kernel under ``cfg`` (it computes every score, then masks). Under ``cfg``: the busiest rank's share
+    of the layout (``cost_models.documents.busiest_share``: the step waits for it; ``fallback``: the CPU
+    cluster whose plain-torch kernel runs it, documents or not, its blocks and calls over cp 1's per
+    rank, ``cost_models.fallback_attention.fallback_work``); without: the useful work (model FLOPs)."""
+    if fallback is not None and cfg is not None:
+        mix = graph.documents if document_masked(layer, graph, cfg) else None
+        return fallback_work(mix, graph.seq_len, cfg.dp, cfg.cp, cfg.ulysses, cfg.mbs, pinned_cores(fallback, cfg))
     if not document_masked(layer, graph, cfg):
         return 1.0
     if cfg is None:
         return graph.documents.attention_share
-    if fallback is not None:
-        return fallback_share(graph.documents, cfg.dp, cfg.cp, cfg.ulysses, cfg.mbs, pinned_cores(fallback, cfg))
     return busiest_share(graph.documents, cfg.dp, cfg.cp, cfg.ulysses, cfg.mbs)
 
 
