@@ -73,7 +73,7 @@ BWD_ATTN_CORE_FACTOR = 2.5  # flash backward = 2.5x its forward FLOPs
 # for its 654 captured ops: 0.264 s for 8 sequences in one micro-batch, 0.295 s in eight). It
 # makes small micro-batches cost what they do; ``compute_scale`` (calibration) scales it too.
 CPU_OP_OVERHEAD_S = 6e-6
-# A CPU runs packed documents' masked attention and a ring's blocks (offsets, log-sum-exp) through
+# A CPU runs packed documents' masked attention and CP's blocks (ring or Ulysses, both RingCompute) through
 # the flash kernels' plain-torch fallback (kernels/attention_torch.py, fp32 chunks): each FLOP
 # about 3x slower than fused SDPA, which a plain causal call gets (torch 2.13, a 2-core Xeon, one thread, llama-mini's attention
 # on a causal row of 2,048 tokens, forward + backward: 895 ms against 308 ms).
@@ -423,9 +423,9 @@ def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parall
     dscale = (2 if cfg.dtype != "fp32" else 4) / graph.dtype_bytes
     core = attn_core_flops(layer, graph.batch)
     causal = layer.attention is not None and layer.attention.causal
-    fallback = cfg.attention == "flash" and (document_masked(layer, graph, cfg) or cfg.cp > cfg.ulysses)
+    fallback = cfg.attention == "flash" and (document_masked(layer, graph, cfg) or cfg.cp > 1)
     causal_cut = core * (1.0 - 0.5 * attention_share(layer, graph, cfg, cluster if fallback else None)) if causal else 0.0
-    slow = CPU_TORCH_ATTENTION_SLOWDOWN if fallback else 1.0  # masks, or a ring's blocks: the torch fallback
+    slow = CPU_TORCH_ATTENTION_SLOWDOWN if fallback else 1.0  # masks, or CP's blocks: the torch fallback
     fwd = bwd = 0.0
     shard = _shard_factor(layer, cfg)
     for op in layer.ops:

@@ -27,8 +27,8 @@ consecutive rows each, rows split zigzag over ``cp`` ranks, a ring rank's work o
 ``busiest_share``; on shared CPU cores the busiest core, :func:`busiest`), over the same layout's
 with one document filling every row: 1.0 exactly for rows of one document, so documents filling
 the row price as none, and the fallback's measured speed against the fused kernel there
-(``cost_models.compute.CPU_TORCH_ATTENTION_SLOWDOWN``; a ring's blocks, with or without
-documents, from the layer's profile or that factor) prices every other mix.
+(``cost_models.compute.CPU_TORCH_ATTENTION_SLOWDOWN``; CP's blocks, ring or Ulysses, with or
+without documents, from the layer's profile or that factor) prices every other mix.
 
 :func:`ring_factor` prices what that factor, measured at ``cp`` 1, leaves out: a ring's calls
 beyond cp 1's, with or without documents (a block reaching ``k`` key runs makes ``k`` calls,
