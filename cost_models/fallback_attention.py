@@ -61,8 +61,9 @@ from planner.plan import ParallelConfig
 # 4 rows at once, within 15%: alpha 95.7 ns per element, beta0 0.417 ms per (query block, key
 # run) call: its ~35 dispatched ops; beta1 0.497 ms per call and row of 128 queries: the block's
 # casts, exponentials and gradient sums over its queries). Their ratios to alpha. Known gap
-# (2026-12-03, load 1.7-2.1): benchmarks.batch_assign_run's rows, 4 per micro-batch, run 21-28%
-# over this model at cp 1 and in a cp 4 ring alike; one row per micro-batch within 5%.
+# (2026-12-03, load 1.7-3.4): benchmarks.batch_assign_run's rows, 4 different ones per micro-batch,
+# run 1.2-1.5x this model at cp 1 and in a cp 4 ring alike (three runs), while each of them alone
+# is within 10% and one row repeated 4 times costs 4x one row (interleaved in one process).
 BLOCK_ELEMENTS = 4361.0
 BLOCK_ROW_ELEMENTS = 5197.0
 # Query rows per block of the fallback: codegen/kernels/attention_torch.py's ``CHUNK`` (the cost
