@@ -423,7 +423,7 @@ def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parall
     dscale = (2 if cfg.dtype != "fp32" else 4) / graph.dtype_bytes
     core = attn_core_flops(layer, graph.batch)
     causal = layer.attention is not None and layer.attention.causal
-    fallback = cfg.attention == "flash" and (document_masked(layer, graph, cfg) or cfg.cp > 1)
+    fallback = cfg.attention == "flash" and (document_masked(layer, graph, cfg) or (causal and cfg.cp > 1))
     causal_cut = core * (1.0 - 0.5 * attention_share(layer, graph, cfg, cluster if fallback else None)) if causal else 0.0
     slow = CPU_TORCH_ATTENTION_SLOWDOWN if fallback else 1.0  # masks, or CP's blocks: the torch fallback
     fwd = bwd = 0.0

@@ -226,6 +226,12 @@ def test_cpu_attention_through_the_torch_fallback_is_priced_slower():
     # chunks, three key runs at u = 2): its calls' fixed work whole at half the heads costs more
     ring, uly = ParallelConfig(cp=2, dtype="fp32"), ParallelConfig(cp=2, ulysses=2, dtype="fp32")
     assert layer_time(block, g, cpu, ring).fwd_s < layer_time(block, g, cpu, uly).fwd_s  # same core FLOPs per rank
+    # a non-causal core (a vision encoder's) under CP: RingCompute hands it to the local kernel, fused SDPA
+    from dataclasses import replace
+
+    enc = replace(block, attention=replace(block.attention, causal=False))
+    flash = ParallelConfig(cp=2, dtype="fp32")
+    assert layer_time(enc, g, cpu, flash) == layer_time(enc, g, cpu, flash.replace(attention="eager"))  # no slowdown
 
 
 def test_documents_filling_the_row_price_exactly_as_without_on_cpus_and_profiles():
