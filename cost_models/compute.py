@@ -55,7 +55,7 @@ from cost_models import gpu_kernels as gk
 from cost_models.cluster import Cluster
 from cost_models.dtensor_dispatch import dtensor_dispatch_s
 from cost_models.documents import busiest_share
-from cost_models.fallback_attention import fallback_share, pinned_cores
+from cost_models.fallback_attention import fallback_work, pinned_cores
 from cost_models.engines import DEFAULT_ENGINE, FA2_HOPPER_SLOWDOWN, Engine, fuses_elementwise
 from cost_models.fused_elementwise import fused_op
 from cost_models.moe_layer import DISPATCH_KERNELS, dispatch_bytes, expert_rows, grouped_gemm_seconds
@@ -73,7 +73,7 @@ BWD_ATTN_CORE_FACTOR = 2.5  # flash backward = 2.5x its forward FLOPs
 # for its 654 captured ops: 0.264 s for 8 sequences in one micro-batch, 0.295 s in eight). It
 # makes small micro-batches cost what they do; ``compute_scale`` (calibration) scales it too.
 CPU_OP_OVERHEAD_S = 6e-6
-# A CPU runs packed documents' masked attention and a ring's blocks (offsets, log-sum-exp) through
+# A CPU runs packed documents' masked attention and CP's blocks (ring or Ulysses, both RingCompute) through
 # the flash kernels' plain-torch fallback (kernels/attention_torch.py, fp32 chunks): each FLOP
 # about 3x slower than fused SDPA, which a plain causal call gets (torch 2.13, a 2-core Xeon, one thread, llama-mini's attention
 # on a causal row of 2,048 tokens, forward + backward: 895 ms against 308 ms).
@@ -105,19 +105,19 @@ def attn_core_flops(layer: Layer, batch: int) -> float:
 
 def attention_share(layer: Layer, graph: ModelGraph, cfg: ParallelConfig | None = None,
                     fallback: Cluster | None = None) -> float:
-    """The share of :func:`attn_core_flops` that ``layer``'s attention core really does with the
-    graph's packed documents; 1.0 without them, for a non-causal core (e.g. a vision
-    encoder's, not document-masked) and for an eager (unfused) kernel under ``cfg``, which
-    computes every score and masks it afterwards. Under ``cfg``: the busiest rank's share of
-    the layout (``cost_models.documents.busiest_share``: the step waits for it; ``fallback``: the
-    CPU cluster whose plain-torch kernel runs it, ``cost_models.fallback_attention``); without:
-    the useful work (model FLOPs, ``DocumentMix.attention_share``)."""
+    """The share of :func:`attn_core_flops` that ``layer``'s attention core really does with the graph's
+    packed documents; 1.0 without them, for a non-causal core (a vision encoder's) and for an eager
+    kernel under ``cfg`` (it computes every score, then masks). Under ``cfg``: the busiest rank's share
+    of the layout (``cost_models.documents.busiest_share``: the step waits for it; ``fallback``: the CPU
+    cluster whose plain-torch kernel runs it, documents or not, its blocks and calls over cp 1's per
+    rank, ``cost_models.fallback_attention.fallback_work``); without: the useful work (model FLOPs)."""
+    if fallback is not None and cfg is not None:
+        mix = graph.documents if document_masked(layer, graph, cfg) else None
+        return fallback_work(mix, graph.seq_len, cfg.dp, cfg.cp, cfg.ulysses, cfg.mbs, pinned_cores(fallback, cfg))
     if not document_masked(layer, graph, cfg):
         return 1.0
     if cfg is None:
         return graph.documents.attention_share
-    if fallback is not None:
-        return fallback_share(graph.documents, cfg.dp, cfg.cp, cfg.ulysses, cfg.mbs, pinned_cores(fallback, cfg))
     return busiest_share(graph.documents, cfg.dp, cfg.cp, cfg.ulysses, cfg.mbs)
 
 
@@ -423,9 +423,9 @@ def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parall
     dscale = (2 if cfg.dtype != "fp32" else 4) / graph.dtype_bytes
     core = attn_core_flops(layer, graph.batch)
     causal = layer.attention is not None and layer.attention.causal
-    fallback = cfg.attention == "flash" and (document_masked(layer, graph, cfg) or cfg.cp > cfg.ulysses)
+    fallback = cfg.attention == "flash" and (document_masked(layer, graph, cfg) or (causal and cfg.cp > 1))
     causal_cut = core * (1.0 - 0.5 * attention_share(layer, graph, cfg, cluster if fallback else None)) if causal else 0.0
-    slow = CPU_TORCH_ATTENTION_SLOWDOWN if fallback else 1.0  # masks, or a ring's blocks: the torch fallback
+    slow = CPU_TORCH_ATTENTION_SLOWDOWN if fallback else 1.0  # masks, or CP's blocks: the torch fallback
     fwd = bwd = 0.0
     shard = _shard_factor(layer, cfg)
     for op in layer.ops:

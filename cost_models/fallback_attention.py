@@ -27,15 +27,23 @@ consecutive rows each, rows split zigzag over ``cp`` ranks, a ring rank's work o
 ``busiest_share``; on shared CPU cores the busiest core, :func:`busiest`), over the same layout's
 with one document filling every row: 1.0 exactly for rows of one document, so documents filling
 the row price as none, and the fallback's measured speed against the fused kernel there
-(``cost_models.compute.CPU_TORCH_ATTENTION_SLOWDOWN``; a ring's blocks, with or without
-documents, from the layer's profile or that factor) prices every other mix. Not priced here:
-what a ring's calls cost beyond ``cp`` 1's with one document per row (a block reaching ``k`` key
-runs makes ``k`` calls; cp 4: 16 calls per rank against 4, about +22% of its work), which a ring
-pays with or without documents.
+(``cost_models.compute.CPU_TORCH_ATTENTION_SLOWDOWN``; CP's blocks, ring or Ulysses, with or
+without documents, from the layer's profile or that factor) prices every other mix.
+
+:func:`ring_factor` prices what that factor, measured at ``cp`` 1, leaves out: a ring's calls
+beyond cp 1's, with or without documents (a block reaching ``k`` key runs makes ``k`` calls,
+:func:`ring_calls`; one row of 2,048 over cp 4: 16 calls per rank against cp 1's 4, +13% of the
+rank's work with 4 rows per micro-batch, +19% with one). :func:`fallback_work`, the product of the
+two, is what the CPU estimate charges (``cost_models.compute.attention_share``), on the roofline
+only: a layer profiled at its ``cp`` is the profiler's own timing of the ring (``RingCompute``),
+charged nothing more; the roofline's ratio with and without documents that scales it has the
+ring's calls on both sides.
 
 Cost: one pass over the simulated rows' tokens per (mix, dp, cp, ulysses, mbs), cached.
 """
 from __future__ import annotations
+
+from functools import lru_cache
 
 import numpy as np
 
@@ -52,7 +60,10 @@ from planner.plan import ParallelConfig
 # of one document of 256-2,048 tokens and rows of 32-, 128- and 512-token documents, 1, 2 and
 # 4 rows at once, within 15%: alpha 95.7 ns per element, beta0 0.417 ms per (query block, key
 # run) call: its ~35 dispatched ops; beta1 0.497 ms per call and row of 128 queries: the block's
-# casts, exponentials and gradient sums over its queries). Their ratios to alpha.
+# casts, exponentials and gradient sums over its queries). Their ratios to alpha. Known gap
+# (2026-12-03, load 1.7-3.4): benchmarks.batch_assign_run's rows, 4 different ones per micro-batch,
+# run 1.2-1.5x this model at cp 1 and in a cp 4 ring alike (three runs), while each of them alone
+# is within 10% and one row repeated 4 times costs 4x one row (interleaved in one process).
 BLOCK_ELEMENTS = 4361.0
 BLOCK_ROW_ELEMENTS = 5197.0
 # Query rows per block of the fallback: codegen/kernels/attention_torch.py's ``CHUNK`` (the cost
@@ -89,6 +100,46 @@ def ring_runs(seq_len: int, cp: int, ulysses: int = 1) -> list[tuple[int, int, i
     return sorted(runs)
 
 
+def _blocks(seq_len: int, cp: int, ulysses: int, chunk: int) -> tuple[np.ndarray, ...]:
+    """(first position, end, ring rank of each query block; first position of each key run): each
+    run of :func:`ring_runs` cut every ``chunk`` queries, the fallback's blocks."""
+    runs = ring_runs(seq_len, cp, ulysses)
+    bounds = np.concatenate([np.arange(a, e, chunk) for a, e, _ in runs])
+    owner = np.concatenate([np.full(len(range(a, e, chunk)), r) for a, e, r in runs])
+    return bounds, np.append(bounds[1:], seq_len), owner, np.array([a for a, _, _ in runs])
+
+
+def _calls(ends: np.ndarray, firsts: np.ndarray, lo: np.ndarray) -> np.ndarray:
+    """(query block, key run) calls of blocks ending at ``ends`` whose keys start at ``lo``: the key
+    runs from the one holding ``lo`` to the one holding the block's last query."""
+    return np.searchsorted(firsts, ends - 1, side="right") - np.searchsorted(firsts, lo, side="right") + 1
+
+
+def ring_calls(seq_len: int, cp: int, ulysses: int = 1, chunk: int | None = None) -> np.ndarray:
+    """[cp / ulysses]: the fallback's (query block, key run) calls per ring rank for one layer's
+    forward with one document per row (its backward makes as many, the same blocks): what
+    :func:`ring_factor` prices. ``seq_len / chunk`` at ``cp`` 1 (the whole row, one rank)."""
+    bounds, ends, owner, firsts = _blocks(seq_len, cp, ulysses, chunk or FALLBACK_CHUNK)
+    calls = _calls(ends, firsts, np.zeros_like(bounds))
+    return np.array([calls[owner == r].sum() for r in range(max(cp // ulysses, 1))])
+
+
+def _layout_work(seq_len: int, dp: int, cp: int, ulysses: int, mbs: int, chunk: int,
+                 lo: np.ndarray | None) -> np.ndarray:
+    """[groups, dp x cp] fallback work per micro-batch and rank (:func:`rank_elements`) of blocks whose
+    keys start at ``lo`` ``[groups, dp, blocks]`` (the micro-batch's earliest document start per
+    block), or at 0 (one document per row: ``[1, dp x cp]``) when ``lo`` is None."""
+    bounds, ends, owner, firsts = _blocks(seq_len, cp, ulysses, chunk)
+    if lo is None:
+        lo = np.zeros((1, dp, bounds.size), dtype=np.int64)
+    calls = _calls(ends, firsts, lo)
+    rows = mbs * (ends - bounds)
+    heads = rows * (ends - lo) + calls * BLOCK_ROW_ELEMENTS * rows / chunk
+    ring = [heads[..., owner == r].sum(axis=-1) / ulysses + calls[..., owner == r].sum(axis=-1) * BLOCK_ELEMENTS
+            for r in range(max(cp // ulysses, 1))]                      # Ulysses: 1 / u of the heads
+    return np.repeat(np.stack(ring, axis=-1), ulysses if cp > 1 else 1, axis=-1).reshape(lo.shape[0], dp * cp)
+
+
 def rank_elements(mix: DocumentMix, dp: int, cp: int, ulysses: int = 1, mbs: int = 1,
                   chunk: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(the fallback's work per micro-batch and rank in score elements per head, ``[groups, dp x cp]``
@@ -99,25 +150,13 @@ def rank_elements(mix: DocumentMix, dp: int, cp: int, ulysses: int = 1, mbs: int
     ``busiest_share`` (wrapping around fewer rows than one)."""
     s = mix.seq_len
     chunk = chunk or FALLBACK_CHUNK
-    runs = ring_runs(s, cp, ulysses)
-    bounds = np.concatenate([np.arange(a, e, chunk) for a, e, _ in runs])
-    owner = np.concatenate([np.full(len(range(a, e, chunk)), r) for a, e, r in runs])
-    ends = np.append(bounds[1:], s)
-    firsts = np.array([a for a, _, _ in runs])
-
-    def work(lo: np.ndarray) -> np.ndarray:  # [groups, dp, blocks] earliest starts -> [groups, dp x cp]
-        calls = np.searchsorted(firsts, ends - 1, side="right") - np.searchsorted(firsts, lo, side="right") + 1
-        rows = mbs * (ends - bounds)
-        heads = rows * (ends - lo) + calls * BLOCK_ROW_ELEMENTS * rows / chunk
-        ring = [heads[..., owner == r].sum(axis=-1) / ulysses + calls[..., owner == r].sum(axis=-1) * BLOCK_ELEMENTS
-                for r in range(max(cp // ulysses, 1))]                  # Ulysses: 1 / u of the heads
-        return np.repeat(np.stack(ring, axis=-1), ulysses if cp > 1 else 1, axis=-1).reshape(lo.shape[0], dp * cp)
-
+    bounds = _blocks(s, cp, ulysses, chunk)[0]
     lo = np.minimum.reduceat(row_doc_starts(mix), bounds, axis=1)           # [rows, blocks]
     k = dp * mbs
     groups = max(mix.rows // k, 1)
     lo = lo[np.resize(np.arange(mix.rows), groups * k)].reshape(groups, dp, mbs, -1).min(axis=2)
-    return work(lo), work(np.zeros((1, dp, bounds.size), dtype=np.int64))[0]
+    return (_layout_work(s, dp, cp, ulysses, mbs, chunk, lo),
+            _layout_work(s, dp, cp, ulysses, mbs, chunk, None)[0])
 
 
 def pinned_cores(cluster: Cluster, cfg: ParallelConfig) -> int:
@@ -161,3 +200,29 @@ def fallback_share(mix: DocumentMix, dp: int, cp: int, ulysses: int = 1, mbs: in
         full = float(busiest(one[None], cores)[0])
         return float(busiest(work, cores).mean()) / full if full > 0 else 1.0
     return per_mix(_CACHE, mix, (dp, cp, ulysses, mbs, cores), compute, 256)
+
+
+@lru_cache(maxsize=1024)
+def ring_factor(seq_len: int, dp: int, cp: int, ulysses: int = 1, mbs: int = 1, cores: int = 0) -> float:
+    """The busiest rank's fallback work with one document per row in a layout (:func:`busiest` on
+    ``cores``) over ``1 / cp`` of cp 1's on the same rows (what ``CPU_TORCH_ATTENTION_SLOWDOWN``
+    prices, cp 1's calls included): the ring's (query block, key run) calls beyond cp 1's
+    (:func:`ring_calls`, forward and backward alike), each ``BLOCK_ELEMENTS`` and
+    ``BLOCK_ROW_ELEMENTS`` per row of ``FALLBACK_CHUNK`` queries, Ulysses' at ``1 / u`` of the heads
+    but every call whole, and the blocks' rectangles (cp 1's when a zigzag chunk holds whole
+    blocks). 1.0 at cp 1; a ring the runtime cannot split is priced as cp 1 (:func:`fallback_share`)."""
+    if cp == 1 or sequence_problem(seq_len, cp):
+        return 1.0
+    one = _layout_work(seq_len, dp, cp, max(ulysses, 1), mbs, FALLBACK_CHUNK, None)
+    per_rank = _layout_work(seq_len, 1, 1, 1, mbs, FALLBACK_CHUNK, None)[0, 0] / cp
+    return float(busiest(one, cores)[0]) / per_rank
+
+
+def fallback_work(mix: DocumentMix | None, seq_len: int, dp: int, cp: int, ulysses: int = 1, mbs: int = 1,
+                  cores: int = 0) -> float:
+    """What the CPU's plain-torch kernel does for a causal attention core on the busiest rank, over
+    ``1 / cp`` of cp 1's with one document per row: the packed documents' :func:`fallback_share`
+    (``mix``; None: one document per row) times the layout's :func:`ring_factor`. The one place
+    the CPU estimate prices the fallback's layout (``cost_models.compute.attention_share``)."""
+    share = 1.0 if mix is None else fallback_share(mix, dp, cp, ulysses, mbs, cores)
+    return share * ring_factor(seq_len, dp, cp, max(ulysses, 1), mbs, cores)

@@ -7,7 +7,8 @@ import pytest
 from codegen.kernels.attention_torch import CHUNK
 from cost_models.documents import busiest_share, pack_mix
 from cost_models.fallback_attention import (BLOCK_ELEMENTS, BLOCK_ROW_ELEMENTS, FALLBACK_CHUNK, busiest,
-                                            fallback_share, rank_elements, ring_runs)
+                                            fallback_share, fallback_work, rank_elements, ring_calls, ring_factor,
+                                            ring_runs)
 
 S = 2048
 CALL = BLOCK_ELEMENTS + BLOCK_ROW_ELEMENTS  # one call of one row of 128 queries
@@ -72,3 +73,99 @@ def test_shared_cores_wait_for_the_busiest_core():
     assert 0 < x < 0.2 and w[0, 3] == w[0, 2]
     assert fallback_share(mix, 4, 1) == pytest.approx(1.0)
     assert fallback_share(mix, 4, 1, cores=2) == pytest.approx((1 + x) / 2)
+
+
+def _counted_calls(seq: int, cp: int, ulysses: int) -> list[tuple[int, int]]:
+    """(forward, backward) calls of the fallback's score blocks per ring rank, traced on a real run
+    of the runtime's ring path (``RingCompute`` with the flash kernels, on CPU their plain-torch
+    fallback) over one row of ``seq`` tokens: the fallback computes one block of scores per
+    (query block, key run) call, so each call into its score function is one."""
+    import sys
+
+    import torch
+
+    import codegen.kernels.attention_torch as at
+    from codegen.runtime.context_parallel import RingCompute
+
+    count = [0]
+
+    def trace(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename == at.__file__ and frame.f_code.co_name == "_scores":
+            count[0] += 1
+
+    ring, out = cp // ulysses, []
+    for rank in range(ring):
+        q, k, v = (torch.randn(1, 2, seq * ulysses // cp, 64, requires_grad=True) for _ in range(3))
+        sys.setprofile(trace)
+        try:
+            y = RingCompute(ring, rank, flash=True, ulysses=ulysses)(q, k, v, causal=True)
+            fwd = count[0]
+            y.sum().backward()                         # CPU autograd: on this thread
+        finally:
+            sys.setprofile(None)
+        out.append((fwd, count[0] - fwd))
+        count[0] = 0
+    return out
+
+
+@pytest.mark.parametrize("cp,ulysses", [(2, 1), (4, 1), (2, 2), (4, 2), (4, 4)])
+def test_ring_calls_are_the_fallbacks_calls(monkeypatch, cp, ulysses):
+    # the cost model's (query block, key run) calls per ring rank against the runtime's own ring
+    # run through the fallback, counted: forward and backward alike
+    monkeypatch.delenv("AUTOPAR_KERNEL_IMPL", raising=False)  # "auto": the fallback on CPU
+    seq = 1024
+    got = _counted_calls(seq, cp, ulysses)
+    want = ring_calls(seq, cp, ulysses).tolist()
+    assert [f for f, _ in got] == want and [b for _, b in got] == want
+    assert ring_calls(seq, 1).tolist() == [seq // CHUNK]   # cp 1: one call per block of the row
+    assert sum(want) > seq // CHUNK                        # a ring's extra calls: what ring_factor prices
+
+
+def test_ring_factor_prices_the_calls_beyond_cp_1():
+    # one row of 2,048 over cp 4 (mbs 1): each rank holds 4 blocks of 128 and makes 16 calls
+    # against cp 1's 16 for all 16 blocks; the rectangles are cp 1's, split
+    rect = 128 * 128 * 16 * 17 / 2
+    assert ring_calls(S, 4).tolist() == [16] * 4
+    assert ring_factor(S, 1, 4) == pytest.approx((rect / 4 + 16 * CALL) / (FULL / 4))
+    assert ring_factor(S, 4, 1) == 1.0 and ring_factor(S, 1, 4, cores=2) == ring_factor(S, 1, 4)
+    # pure Ulysses over 2: 32 calls (three key runs) at half the heads, the fixed part whole
+    assert ring_calls(S, 2, 2).tolist() == [32]
+    assert ring_factor(S, 1, 2, 2) == pytest.approx((rect / 2 + 32 * (BLOCK_ROW_ELEMENTS / 2 + BLOCK_ELEMENTS))
+                                                    / (FULL / 2))
+    assert fallback_work(None, S, 1, 4) == ring_factor(S, 1, 4)
+    mix = pack_mix([1024, 1024] * 2, S)
+    assert fallback_work(mix, S, 1, 2) == pytest.approx(fallback_share(mix, 1, 2) * ring_factor(S, 1, 2))
+    assert fallback_work(mix, S, 1, 2) == pytest.approx(2 * (128 * 4608 + 12 * CALL) / FULL)
+
+
+def test_a_rings_estimate_grows_by_what_its_calls_cost(monkeypatch):
+    # llama-mini's attention (4 heads of 64) over cp 4, 4 rows per micro-batch, no documents: the
+    # roofline's fallback core grows by ring_factor - 1 of cp 1's per rank, forward and backward,
+    # and the estimate's compute by that, every attention layer
+    import cost_models.fallback_attention as fa
+    from cost_models import compute
+    from cost_models.cluster import parse_cluster
+    from planner.frontend.load import graph_of_config
+    from planner.plan import ParallelConfig
+    from planner.search.planning import evaluate_config
+    from planner.zoo import ModelConfig
+
+    g = graph_of_config(ModelConfig(name="ring-llama", arch="llama", layers=2, hidden=256, ffn_hidden=688, heads=4,
+                                    kv_heads=2, vocab=1024, seq_len=S, max_seq_len=S))
+    cpu = parse_cluster("local-cpu:4")
+    cfg = ParallelConfig(cp=4, mbs=4, dtype="fp32")
+    block = next(l for l in g.layers if l.attention is not None)
+    factor = ring_factor(S, 1, 4, 1, 4, fa.pinned_cores(cpu, cfg))
+    rect = 4 * 128 * 128 * 136                                      # 4 rows' causal rectangles
+    assert factor == pytest.approx((rect / 4 + 16 * (BLOCK_ELEMENTS + 4 * BLOCK_ROW_ELEMENTS))
+                                   / ((rect + 16 * (BLOCK_ELEMENTS + 4 * BLOCK_ROW_ELEMENTS)) / 4))
+    core_s = (compute.attn_core_flops(block, g.batch) * 0.5 * compute.CPU_TORCH_ATTENTION_SLOWDOWN * cfg.mbs
+              / g.batch / cfg.cp / (cpu.peak_flops("fp32") * compute.EFF_MATMUL_CPU))  # cp 1's fallback core per rank
+    calls, est = compute.roofline_time(block, g, cpu, cfg), evaluate_config(g, cpu, cfg, 4)[0]
+    monkeypatch.setattr(fa, "ring_factor", lambda *a, **k: 1.0)
+    plain, est0 = compute.roofline_time(block, g, cpu, cfg), evaluate_config(g, cpu, cfg, 4)[0]
+    assert calls.fwd_s - plain.fwd_s == pytest.approx((factor - 1) * core_s)
+    assert calls.bwd_s - plain.bwd_s == pytest.approx((factor - 1) * core_s * compute.BWD_ATTN_CORE_FACTOR)
+    layers = sum(l.attention is not None for l in g.layers)
+    assert est.breakdown["compute"] - est0.breakdown["compute"] == pytest.approx(
+        layers * (factor - 1) * core_s * (1 + compute.BWD_ATTN_CORE_FACTOR))
