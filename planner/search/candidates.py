@@ -288,12 +288,35 @@ def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str
     out unless the pins name the policy: the search's choice where offloading frees no device
     memory (``cost_models.offload.offload_saves``: there it is dominated by ``none``). ``seq_chunks``:
     the chunk counts > 1 tried beside each variant where they can run (planner/schedule_ir.py)."""
+    attention = default_attention(facts.limits)
+    for sched, v, zero, rc, sp, k, low in variant_choices(p, facts, batch, dtype, dominated, pins, fp8, compile,
+                                                          low_comm, offload, seq_chunks):
+        yield ParallelConfig(dp=p.dp, pp=p.pp, cp=p.cp, tp=p.tp, ep=p.ep, ulysses=ulysses, mbs=p.mbs,
+                             schedule=sched, vpp=v, zero=zero, recompute=rc, sp=sp, dtype=dtype,
+                             loss=loss, attention=attention, threads=p.threads, fp8=fp8,
+                             compile=compile, low_comm=low, seq_chunks=k)
+
+
+def variant_count(p: Point, facts: ModelFacts, batch: Batch, dtype: str, dominated: bool = True,
+                  pins: Pins | None = None, fp8: str = "none", compile: bool = False, low_comm: str = "",
+                  offload: bool = True, seq_chunks: Sequence[int] = (1,)) -> int:
+    """How many :func:`variants` the same arguments give, without building them (the search counts
+    every tuple's variants; a configuration object costs microseconds, a choice tuple far less)."""
+    return sum(1 for _ in variant_choices(p, facts, batch, dtype, dominated, pins, fp8, compile, low_comm, offload,
+                                          seq_chunks))
+
+
+def variant_choices(p: Point, facts: ModelFacts, batch: Batch, dtype: str, dominated: bool = True,
+                    pins: Pins | None = None, fp8: str = "none", compile: bool = False, low_comm: str = "",
+                    offload: bool = True, seq_chunks: Sequence[int] = (1,)
+                    ) -> Iterator[tuple[str, int, str, str, bool, int, str]]:
+    """:func:`variants`' choices in its order, as (schedule, vpp, zero, recompute, sp, seq_chunks,
+    low_comm): the one enumeration both it and :func:`variant_count` read."""
     pins = pins or Pins()
     dp, pp, cp, tp, ep = p.dp, p.pp, p.cp, p.tp, p.ep
     if modes_problem(dtype, fp8, compile, tp, cp):
         return
     sp_ok = sp_problem(tp, cp, facts, batch) is None
-    attention = default_attention(facts.limits)
     zeros = ("ddp",) if dp * cp == 1 else tuple(z for z in (ZERO if "zero" in pins.choice else ZEROS)
                                                  if pins.allows("zero", z))
     sps = [(s, sp_ok and not s and pins.allows("sp", True)) for s in ((False, True) if sp_ok else (False,))
@@ -317,14 +340,11 @@ def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str
                         continue
                     if not dominated and (dom_sched or dom_sp):
                         continue
-                    cfg = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, ulysses=ulysses, mbs=p.mbs,
-                                         schedule=sched, vpp=v, zero=zero, recompute=rc, sp=sp, dtype=dtype,
-                                         loss=loss, attention=attention, threads=p.threads, fp8=fp8,
-                                         compile=compile)
-                    yield cfg
-                    yield from (cfg.replace(seq_chunks=k) for k in chunked[rc])
+                    yield sched, v, zero, rc, sp, 1, ""
+                    for k in chunked[rc]:
+                        yield sched, v, zero, rc, sp, k, ""
                     if low:
-                        yield cfg.replace(low_comm=low_comm)
+                        yield sched, v, zero, rc, sp, 1, low_comm
 
 
 def configurations(facts: ModelFacts, cluster: ClusterShape, batch: Batch, *, dtype: str, loss: str,

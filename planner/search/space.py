@@ -66,7 +66,7 @@ from planner.graph import ModelGraph
 from planner.feasibility import Batch, default_attention, layout_threads, sp_problem
 from planner.plan import RECOMPUTE, ModelFacts, ParallelConfig
 from planner.search.candidates import (DOMINATED_REASON, Point, Rejections, batch_of, compile_problem, facts_of,
-                                       fp8_problem, points,
+                                       fp8_problem, points, variant_count,
                                        request_problem, schedule_choices, variants)
 from planner.search.heap import frozen_heap
 from planner.search.incumbents import Incumbents
@@ -254,7 +254,8 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     low = [base.replace(low_comm=space.low_comm)] if space.low_comm and not low_comm_problem(space.low_comm, dp) else []
     floor_s = max(floor_s, min(wan_floor_s(space.graph, space.cluster, c, m) for c in [base, *low]))  # 0 without a WAN
     mem_floor = reserve.of(memory_floor(space.graph, base, costs.table(base)))
-    n_var = sum(1 for _ in _variants(space, Point(dp, pp, cp, tp, mbs, m, ep, (ulysses,), base.threads), ulysses))
+    n_var = variant_count(Point(dp, pp, cp, tp, mbs, m, ep, (ulysses,), base.threads), space.facts, space.batch,
+                          space.dtype, **_variant_request(space))
     res.considered += n_var
     t = _Tuple(floor_s, dp, pp, cp, tp, mbs, m, n_var, costs, ep, moe=bool(space.facts.experts), ulysses=ulysses)
     if mem_floor > cap:
@@ -270,8 +271,13 @@ def _variants(space: _Space, p: Point, ulysses: int, dominated: bool = True) -> 
     """``candidates.variants`` of one degree tuple under the search's request (generated, not kept:
     a search holds tens of thousands)."""
     return variants(p, ulysses, space.facts, space.batch, space.dtype, space.loss, dominated=dominated,
-                    pins=space.pins, fp8=space.fp8, compile=space.compile, low_comm=space.low_comm,
-                    offload=offload_saves(space.cluster), seq_chunks=searched_chunks(space.cluster))
+                    **_variant_request(space))
+
+
+def _variant_request(space: _Space) -> dict:
+    """The request's arguments to ``candidates.variants`` / ``variant_count`` beyond the tuple."""
+    return dict(pins=space.pins, fp8=space.fp8, compile=space.compile, low_comm=space.low_comm,
+                offload=offload_saves(space.cluster), seq_chunks=searched_chunks(space.cluster))
 
 
 def _balanced_stage_times(space: _Space, costs: LayerCosts, pp: int) -> dict[str, tuple[float, float]]:
