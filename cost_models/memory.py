@@ -236,6 +236,7 @@ class LayerTable:
         self.rule_ids: dict[tuple, int] = {}  # what a MemoryRule adds to the table (MemoryRule.id) -> a small id
         self.chunk_ids: dict[tuple, int] = {}
         self.chunks: list[ChunkMemory] = []
+        self.split_ids: dict[tuple, tuple[int, ...]] = {}  # (rule id, bounds, policies) -> chunk ids (split_ids)
         # a rank's memory per (its chunks' ids, in-flight micro-batches, reserve): see pipeline_memory
         self.rank_memo: dict[tuple, StageMemory] = {}
 
@@ -404,6 +405,17 @@ def chunk_id(rule: MemoryRule, layers: Sequence[int], policy: str) -> int:
         n = t.chunk_ids[key] = len(t.chunks)
         t.chunks.append(_chunk_memory(rule, layers, policy))
     return n
+
+
+def split_ids(rule: MemoryRule, bounds: Sequence[tuple[int, int]], policies: Sequence[str]) -> tuple[int, ...]:
+    """:func:`chunk_id` of every stage of a split (``bounds[j]``: stage j's half-open layer range
+    under ``policies[j]``), kept per (rule id, split) in the table: the search checks many variants
+    of one rule on the same split."""
+    key = (rule.id, tuple(bounds), tuple(policies))
+    ids = rule.t.split_ids.get(key)
+    if ids is None:
+        ids = rule.t.split_ids[key] = tuple(chunk_id(rule, range(*b), rc) for b, rc in zip(bounds, policies))
+    return ids
 
 
 def _chunk_memory(rule: MemoryRule, layers: Sequence[int], policy: str) -> ChunkMemory:

@@ -13,7 +13,7 @@ from cost_models import pipeline as pipe_mod
 from cost_models.cluster import Cluster
 from cost_models.compute import calibration
 from cost_models.layer_costs import LayerCosts
-from cost_models.memory import LayerTable, MemoryRule, StageMemory, chunk_id, framework_reserve, rank_memory
+from cost_models.memory import LayerTable, MemoryRule, StageMemory, framework_reserve, rank_memory, split_ids
 from cost_models.seq_chunks import kv_store_bytes, per_unit
 from cost_models.wan_cost import hsdp_replicas, stage_capacity
 from planner import schedule_ir as ir
@@ -44,7 +44,7 @@ class _RankPricer:
         rule = MemoryRule(graph, cfg, table, hsdp_replicas(cluster, cfg))
         self.g, self.cfg, self.part, self.table, self.on_rank = graph, cfg, partition, table, on_rank
         self.reserve = framework_reserve(cluster.backend != "gloo", cal)
-        stage_ids = [chunk_id(rule, range(*b), rc) for b, rc in zip(partition.bounds, partition.recompute)]
+        stage_ids = split_ids(rule, partition.bounds, partition.recompute)
         self.ids = [tuple(stage_ids[j] for j in chunks) for chunks in on_rank]  # per rank: its chunks' ids
         self._kv: dict[int, float] = {}
 
