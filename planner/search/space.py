@@ -52,7 +52,7 @@ from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
 from cost_models.pipeline_memory import fullest_rank, inflight_closed
 from cost_models.pipeline_memo import forget as forget_simulations
-from cost_models.layer_costs import LayerCosts, layer_pass_times
+from cost_models.layer_costs import LayerCosts
 from cost_models.pipeline import estimate_step, linear_step
 from cost_models.wan_cost import BalancedPipe, WanHop, cheapest_wan_hops, pipeline_wan_floor_s, wan_floor_s
 from planner.low_comm import low_comm_problem, parse_low_comm
@@ -288,7 +288,7 @@ def _balanced_stage_times(space: _Space, costs: LayerCosts, pp: int) -> dict[str
     if key not in space.stage_cache:
         sums = {}
         for policy in RECOMPUTE:
-            times = [layer_pass_times(costs.get(l), policy) for l in space.graph.layers]
+            times = [costs.pass_times(l, policy) for l in space.graph.layers]
             sums[policy] = (sum(x.fwd for x in times), sum(x.bwd for x in times))
         space.stage_cache[key] = sums
     return {policy: (f / pp, b / pp) for policy, (f, b) in space.stage_cache[key].items()}
