@@ -8,6 +8,8 @@ micro-batch's activations, and every sequence in flight adds its KV store
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
+from typing import Sequence
 
 from cost_models import pipeline as pipe_mod
 from cost_models.cluster import Cluster
@@ -23,8 +25,8 @@ from planner.plan import ParallelConfig, Partition
 
 
 def rank_memories(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
-                  table: LayerTable, inflight_chunks: list[int], cal: dict[str, float],
-                  on_rank: list[list[int]], seqs_held: list[int] | None = None) -> list[StageMemory]:
+                  table: LayerTable, inflight_chunks: Sequence[int], cal: dict[str, float],
+                  on_rank: Sequence[Sequence[int]], seqs_held: Sequence[int] | None = None) -> list[StageMemory]:
     """Memory of every pp rank (``memory.rank_memory``): its chunks (``on_rank[r]``) with the
     in-flight (chunk, micro-batch) pairs the pipeline holds there, spread evenly over the chunks.
     With sequence chunks: pairs of (stage, sequence chunk) units, ``1/k`` of a micro-batch's
@@ -40,7 +42,7 @@ class _RankPricer:
     """One (configuration, split)'s rank memory (:func:`rank_memories`' rule), rank by rank."""
 
     def __init__(self, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
-                 table: LayerTable, cal: dict[str, float], on_rank: list[list[int]]) -> None:
+                 table: LayerTable, cal: dict[str, float], on_rank: Sequence[Sequence[int]]) -> None:
         rule = MemoryRule(graph, cfg, table, hsdp_replicas(cluster, cfg))
         self.g, self.cfg, self.part, self.table, self.on_rank = graph, cfg, partition, table, on_rank
         self.reserve = framework_reserve(cluster.backend != "gloo", cal)
@@ -121,12 +123,17 @@ def fullest_rank(graph: ModelGraph, cfg: ParallelConfig, partition: Partition, g
     return r, most, stage_capacity(costs.c, cfg)
 
 
-def _closed_inflight(cfg: ParallelConfig, global_batch: int) -> tuple[list[int], list[list[int]]]:
+def _closed_inflight(cfg: ParallelConfig, global_batch: int) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
     """The closed forms' in-flight (chunk, micro-batch) pairs per pp rank and each rank's virtual stages."""
-    m = microbatches(cfg, global_batch)
-    inflight = ([inflight_closed(cfg.schedule, cfg.pp, m, cfg.vpp, r, cfg.seq_chunks) for r in range(cfg.pp)]
-                if cfg.pp > 1 else [1])
-    on_rank: list[list[int]] = [[] for _ in range(cfg.pp)]
-    for j, at in enumerate(pipe_mod.stage_placement(cfg, m)):
+    return _closed_forms(cfg.schedule, cfg.pp, cfg.vpp, cfg.seq_chunks, microbatches(cfg, global_batch))
+
+
+@lru_cache(maxsize=1024)
+def _closed_forms(schedule: str, pp: int, vpp: int, k: int, m: int) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """:func:`_closed_inflight` of these values, kept (the search asks for each many times): the
+    built-in schedules' placement reads only the schedule, pp and vpp."""
+    inflight = tuple(inflight_closed(schedule, pp, m, vpp, r, k) for r in range(pp)) if pp > 1 else (1,)
+    on_rank: list[list[int]] = [[] for _ in range(pp)]
+    for j, at in enumerate(pipe_mod.stage_placement(ParallelConfig(pp=pp, vpp=vpp, schedule=schedule), m)):
         on_rank[at].append(j)
-    return inflight, on_rank
+    return inflight, tuple(map(tuple, on_rank))

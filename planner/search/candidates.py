@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from planner.feasibility import (Batch, ClusterShape, cp_problem, modes_problem, default_attention, documents_problem, ep_problem,
                                  fill_problem, layout_threads, length_problem, loss_problem, model_problem,
@@ -77,11 +77,13 @@ class Rejections:
         self.examples: dict[str, list[str]] = {}
         self.counts: dict[str, int] = {}
 
-    def add(self, reason: str, example: str, n: int = 1) -> None:
+    def add(self, reason: str, example: str | Callable[[], str], n: int = 1) -> None:
+        """Count ``n`` configurations under ``reason``; ``example`` (or what calling it gives: a label
+        made only while the reason has fewer than three) among its examples."""
         self.counts[reason] = self.counts.get(reason, 0) + n
         ex = self.examples.setdefault(reason, [])
         if len(ex) < 3:
-            ex.append(example)
+            ex.append(example if isinstance(example, str) else example())
 
 
 def facts_of(graph: ModelGraph) -> ModelFacts:

@@ -319,7 +319,7 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple], inc: Incumbents) -> li
             continue
         protect = _may_protect(space, cfg.pp, t.m) and generates(cfg, t.m)
         if floor_s > inc.threshold(protect):
-            rej.add("time floor above the best step time found", cfg.label())
+            rej.add("time floor above the best step time found", cfg.label)
             res.pruned += 1
             continue
         e = _fast_estimate(space, cfg, t.costs if LayerCosts.key(cfg) == LayerCosts.key(t.costs.cfg) else
@@ -328,7 +328,7 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple], inc: Incumbents) -> li
         if isinstance(e, tuple):
             r, over, need = e
             space.note_need(need, exact=True)
-            rej.add(f"OOM by {_bucket(over)} on stage {r}", cfg.label())
+            rej.add(f"OOM by {_bucket(over)} on stage {r}", cfg.label)
             continue
         if not e.fits:  # the devices fit; the offloaded activations overflow the host memory
             r = max(range(len(e.memory)), key=lambda k: e.memory[k].host)
