@@ -430,8 +430,10 @@ def _chunk_memory(rule: MemoryRule, layers: Sequence[int], policy: str, rows: tu
         sums = t.chunk_sums[(rows, policy)] = _chunk_sums(rule, layers, policy)
     P, Pe, held, peak, work, host = sums  # Pe: routed experts, sharded over their own dp group
     weights, grads, opt, pinned = ((P - Pe) * f[k] + Pe * fe[k] for k in ("weights", "grads", "optimizer", "buffers"))
+    tr, run = rule.transient, isinstance(layers, range) and layers.step == 1  # a run: max of a slice (exact)
     return ChunkMemory(weights=weights, grads=grads, optimizer=opt, pinned=pinned, act=held, peak=peak, work=work,
-                       transient=max((rule.transient[i] for i in layers), default=0.0), host=host)
+                       transient=max(tr[layers.start:layers.stop] if run else [tr[i] for i in layers], default=0.0),
+                       host=host)
 
 
 def _chunk_sums(rule: MemoryRule, layers: Sequence[int], policy: str) -> tuple[float, ...]:
