@@ -15,7 +15,8 @@ from cost_models import pipeline as pipe_mod
 from cost_models.cluster import Cluster
 from cost_models.compute import calibration
 from cost_models.layer_costs import LayerCosts
-from cost_models.memory import LayerTable, MemoryRule, StageMemory, framework_reserve, rank_memory, split_ids
+from cost_models.memory import (LayerTable, MemoryRule, StageMemory, chunk_memory, framework_reserve, rank_memory,
+                                split_ids)
 from cost_models.seq_chunks import kv_store_bytes, per_unit
 from cost_models.wan_cost import hsdp_replicas, stage_capacity
 from planner import schedule_ir as ir
@@ -91,7 +92,7 @@ def fast_memory(graph: ModelGraph, cfg: ParallelConfig, partition: Partition, gl
     (the closed forms' in-flight micro-batches), without the times. ``costs``: cfg's layer costs
     (same ``LayerCosts.key``). None where the fast estimate simulates the schedule instead
     (V-shaped and custom schedules)."""
-    if cfg.schedule == "custom" or cfg.schedule in ir.V_SCHEDULES:
+    if simulated_memory(cfg):
         return None
     inflight, on_rank = _closed_inflight(cfg, global_batch)
     memory = rank_memories(graph, costs.c, cfg, partition, costs.table(cfg), inflight, calibration(profile), on_rank)
@@ -107,7 +108,7 @@ def fullest_rank(graph: ModelGraph, cfg: ParallelConfig, partition: Partition, g
     falls as they grow (``memory.overshoot`` is then its chunk's constant peak, the activations grow,
     the reserve with them), so one rank per such group is priced, the one with the most in flight
     (and, where it reaches the largest total, the earlier ranks of its group, for the first of ties)."""
-    if cfg.schedule == "custom" or cfg.schedule in ir.V_SCHEDULES:
+    if simulated_memory(cfg):
         return None
     inflight, on_rank = _closed_inflight(cfg, global_batch)
     price = _RankPricer(graph, costs.c, cfg, partition, costs.table(cfg), calibration(profile), on_rank)
@@ -121,6 +122,42 @@ def fullest_rank(graph: ModelGraph, cfg: ParallelConfig, partition: Partition, g
         totals.update((q, price(q, inflight[q]).total) for q in top[r] if q < r)
     r = min(q for q, t in totals.items() if t == most)
     return r, most, stage_capacity(costs.c, cfg)
+
+
+BOUND_SLACK = 1e-9  # memory_bound's relative margin: its sums and the split's per-stage sums round differently
+
+
+def memory_bound(graph: ModelGraph, cfg: ParallelConfig, global_batch: int, costs: LayerCosts,
+                 profile=None) -> tuple[float, float] | None:
+    """(a lower bound of :func:`fullest_rank`'s bytes on any split of cfg's ``pp * vpp`` stages under
+    the uniform ``cfg.recompute``, bytes per device), None where :func:`fullest_rank` is; cheap: no
+    split, one ``memory.chunk_memory`` of all layers (kept in the table) and the closed forms.
+
+    Proof. ``memory.rank_memory`` gives rank r ``total_r = T_r + reserve.of(T_r)``, increasing in its
+    tensor bytes ``T_r`` (``Reserve.frac >= 0``), with ``T_r`` = its chunks' states (``ChunkMemory.
+    states``: weights, grads, optimizer, pinned) + activations + buffers. Its activations plus buffers
+    are at least ``sum_c x_r act_c``: the chunk c with the largest overshoot adds ``overshoot_c -
+    work_c`` to the activations and ``work_c`` to the buffers, ``overshoot_c >= 0``, and the largest
+    transient and the KV store are >= 0; ``x_r = inflight_r / n_r`` the pairs per chunk
+    (with k sequence chunks ``seq_chunks.per_unit`` divides act by k: ``x_r / k``). States and act
+    are sums over layers (linear in ``LayerTable``'s per-layer figures), so the chunks of all ranks
+    add up to ``chunk_memory`` of all layers, and ``max_r T_r >= (S + min_r(x_r) A / k) / pp`` with
+    S, A that chunk's states and activations. Less :data:`BOUND_SLACK` for rounding."""
+    if simulated_memory(cfg):
+        return None
+    rule = MemoryRule(graph, cfg, costs.table(cfg), hsdp_replicas(costs.c, cfg))
+    whole = chunk_memory(rule, range(len(graph.layers)), cfg.recompute)
+    inflight, on_rank = _closed_inflight(cfg, global_batch)
+    x = min(i / len(c) for i, c in zip(inflight, on_rank) if c) / cfg.seq_chunks
+    tensors = (whole.states + x * whole.act) / cfg.pp * (1.0 - BOUND_SLACK)
+    reserve = framework_reserve(costs.c.backend != "gloo", calibration(profile))
+    return tensors + reserve.of(tensors), stage_capacity(costs.c, cfg)
+
+
+def simulated_memory(cfg: ParallelConfig) -> bool:
+    """Whether the fast estimate takes cfg's in-flight micro-batches from a simulation (V-shaped and
+    custom schedules), not the closed forms this module's fast checks read."""
+    return cfg.schedule == "custom" or cfg.schedule in ir.V_SCHEDULES
 
 
 def _closed_inflight(cfg: ParallelConfig, global_batch: int) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:

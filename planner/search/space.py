@@ -50,7 +50,7 @@ from typing import Callable, Iterator
 
 from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
-from cost_models.pipeline_memory import fullest_rank, inflight_closed
+from cost_models.pipeline_memory import fullest_rank, inflight_closed, memory_bound
 from cost_models.pipeline_memo import forget as forget_simulations
 from cost_models.layer_costs import LayerCosts
 from cost_models.pipeline import estimate_step, linear_step
@@ -327,8 +327,10 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple], inc: Incumbents) -> li
         res.estimated += 1
         if isinstance(e, tuple):
             r, over, need = e
-            space.note_need(need, exact=True)
-            rej.add(f"OOM by {_bucket(over)} on stage {r}", cfg.label)
+            space.note_need(need, exact=r is not None)
+            rej.add(f"OOM by {_bucket(over)} on stage {r}" if r is not None else
+                    f"OOM by >= {_bucket(over)} (states and in-flight activations, averaged over the pp ranks)",
+                    cfg.label)
             continue
         if not e.fits:  # the devices fit; the offloaded activations overflow the host memory
             r = max(range(len(e.memory)), key=lambda k: e.memory[k].host)
@@ -395,11 +397,15 @@ def _wan_generating(space: _Space, e: Estimate) -> bool:
 
 
 def _fast_estimate(space: _Space, cfg: ParallelConfig, costs: LayerCosts,
-                   m: int) -> Estimate | tuple[int, float, float]:
+                   m: int) -> Estimate | tuple[int | None, float, float]:
     """The fast pass on one variant: the closed-form estimate on the first split of ``fast_splits``
     that fits, its memory checked before its times (``cost_models.pipeline_memory.fullest_rank``, the
-    same figures); when none fits, (pp rank, bytes over, bytes needed) of the last split tried."""
+    same figures); when none fits, (pp rank, bytes over, bytes needed) of the last split tried, or
+    (None, bytes over at least, bytes needed at least) where ``pipeline_memory.memory_bound``, a
+    lower bound of the fullest rank on every split, is over already."""
     g = space.graph
+    if (low := memory_bound(g, cfg, space.global_batch, costs, space.profile)) and low[0] > low[1]:
+        return None, low[0] - low[1], low[0]
     key = (cfg.pp, cfg.vpp, cfg.recompute, cfg.dp * cfg.cp * cfg.tp)  # what the splits depend on
     if key not in space.split_cache:
         space.split_cache[key] = fast_splits(g, space.cluster, cfg)
