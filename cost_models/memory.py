@@ -234,10 +234,12 @@ class LayerTable:
         # (a search prices chunks of the same repeated blocks under many schedules and splits; frozen)
         self.rule_ids: dict[tuple, int] = {}  # what a MemoryRule adds to the table (MemoryRule.id) -> a small id
         self.chunk_ids: dict[tuple, int] = {}
+        self.rows_of: dict[range | tuple, int] = {}  # layers -> the id of their rows (row_ids), see chunk_id
+        self.row_ids: dict[tuple, int] = {}
         self.chunks: list[ChunkMemory] = []
         self.chunk_sums: dict[tuple, tuple[float, ...]] = {}  # (rows, policy) -> _chunk_sums, shared by the rules
         self.transients: dict[int, list[float]] = {}  # rule id -> MemoryRule.transient
-        self.split_ids: dict[tuple, tuple[int, ...]] = {}  # (rule id, bounds, policies) -> chunk ids (split_ids)
+        self.split_ids: dict[tuple, tuple[int, ...]] = {}  # (rule id, bounds, policies) -> chunk ids (pipeline_memory.split_ids)
         # a rank's memory per (its chunks' ids, in-flight micro-batches, reserve): see pipeline_memory
         self.rank_memo: dict[tuple, StageMemory] = {}
 
@@ -399,26 +401,16 @@ def chunk_memory(rule: MemoryRule, layers: Sequence[int], policy: str) -> ChunkM
 def chunk_id(rule: MemoryRule, layers: Sequence[int], policy: str) -> int:
     """Where :func:`chunk_memory`'s figures of ``layers`` under ``policy`` sit in ``rule.t.chunks``
     (computed on first use): equal ids, equal figures."""
-    t = rule.t
-    rows = t.row_of[layers.start:layers.stop] if isinstance(layers, range) and layers.step == 1 else tuple(
-        t.row_of[i] for i in layers)
+    t, span = rule.t, layers if isinstance(layers, range) else tuple(layers)
+    rows = t.rows_of.get(span)
+    if rows is None:  # the layers' rows as a small id, once per table (the keys below hash it often)
+        rows = t.rows_of[span] = t.row_ids.setdefault(tuple(t.row_of[i] for i in layers), len(t.row_ids))
     key = (rule.id, rows, policy)
     n = t.chunk_ids.get(key)
     if n is None:
         n = t.chunk_ids[key] = len(t.chunks)
         t.chunks.append(_chunk_memory(rule, layers, policy, rows))
     return n
-
-
-def split_ids(rule: MemoryRule, bounds: Sequence[tuple[int, int]], policies: Sequence[str]) -> tuple[int, ...]:
-    """:func:`chunk_id` of every stage of a split (``bounds[j]``: stage j's half-open layer range
-    under ``policies[j]``), kept per (rule id, split) in the table: the search checks many variants
-    of one rule on the same split."""
-    key = (rule.id, tuple(bounds), tuple(policies))
-    ids = rule.t.split_ids.get(key)
-    if ids is None:
-        ids = rule.t.split_ids[key] = tuple(chunk_id(rule, range(*b), rc) for b, rc in zip(bounds, policies))
-    return ids
 
 
 def _chunk_memory(rule: MemoryRule, layers: Sequence[int], policy: str, rows: tuple) -> ChunkMemory:

@@ -15,8 +15,8 @@ from cost_models import pipeline as pipe_mod
 from cost_models.cluster import Cluster
 from cost_models.compute import calibration
 from cost_models.layer_costs import LayerCosts
-from cost_models.memory import (LayerTable, MemoryRule, StageMemory, chunk_memory, framework_reserve, rank_memory,
-                                split_ids)
+from cost_models.memory import (LayerTable, MemoryRule, StageMemory, chunk_id, chunk_memory, framework_reserve,
+                                rank_memory)
 from cost_models.seq_chunks import kv_store_bytes, per_unit
 from cost_models.wan_cost import hsdp_replicas, stage_capacity
 from planner import schedule_ir as ir
@@ -69,6 +69,17 @@ class _RankPricer:
             m = rank_memory([per_unit(self.table.chunks[i], k) for i in ids], [inflight / n] * n, self.reserve)
             memo[key] = replace(m, activations=m.activations + kv, inflight=inflight)
         return memo[key]
+
+
+def split_ids(rule: MemoryRule, bounds: Sequence[tuple[int, int]], policies: Sequence[str]) -> tuple[int, ...]:
+    """``memory.chunk_id`` of every stage of a split (``bounds[j]``: stage j's half-open layer range
+    under ``policies[j]``), kept per (rule id, split) in the table: the search checks many variants
+    of one rule on the same split."""
+    key = (rule.id, tuple(bounds), tuple(policies))
+    ids = rule.t.split_ids.get(key)
+    if ids is None:
+        ids = rule.t.split_ids[key] = tuple(chunk_id(rule, range(*b), rc) for b, rc in zip(bounds, policies))
+    return ids
 
 
 def seqs_bound(units: int, k: int) -> int:
