@@ -290,13 +290,18 @@ def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str
     out unless the pins name the policy: the search's choice where offloading frees no device
     memory (``cost_models.offload.offload_saves``: there it is dominated by ``none``). ``seq_chunks``:
     the chunk counts > 1 tried beside each variant where they can run (planner/schedule_ir.py)."""
-    attention = default_attention(facts.limits)
-    for sched, v, zero, rc, sp, k, low in variant_choices(p, facts, batch, dtype, dominated, pins, fp8, compile,
-                                                          low_comm, offload, seq_chunks):
-        yield ParallelConfig(dp=p.dp, pp=p.pp, cp=p.cp, tp=p.tp, ep=p.ep, ulysses=ulysses, mbs=p.mbs,
-                             schedule=sched, vpp=v, zero=zero, recompute=rc, sp=sp, dtype=dtype,
-                             loss=loss, attention=attention, threads=p.threads, fp8=fp8,
-                             compile=compile, low_comm=low, seq_chunks=k)
+    for choice in variant_choices(p, facts, batch, dtype, dominated, pins, fp8, compile, low_comm, offload, seq_chunks):
+        yield variant_config(p, ulysses, choice, facts, dtype, loss, fp8, compile)
+
+
+def variant_config(p: Point, ulysses: int, choice: tuple[str, int, str, str, bool, int, str], facts: ModelFacts,
+                   dtype: str, loss: str, fp8: str = "none", compile: bool = False) -> ParallelConfig:
+    """The configuration of one of :func:`variant_choices`' choices (what :func:`variants` yields)."""
+    sched, v, zero, rc, sp, k, low = choice
+    return ParallelConfig(dp=p.dp, pp=p.pp, cp=p.cp, tp=p.tp, ep=p.ep, ulysses=ulysses, mbs=p.mbs, schedule=sched,
+                          vpp=v, zero=zero, recompute=rc, sp=sp, dtype=dtype, loss=loss,
+                          attention=default_attention(facts.limits), threads=p.threads, fp8=fp8, compile=compile,
+                          low_comm=low, seq_chunks=k)
 
 
 def variant_count(p: Point, facts: ModelFacts, batch: Batch, dtype: str, dominated: bool = True,

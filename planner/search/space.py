@@ -46,7 +46,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
@@ -66,10 +66,11 @@ from planner.graph import ModelGraph
 from planner.feasibility import Batch, default_attention, layout_threads, sp_problem
 from planner.plan import RECOMPUTE, ModelFacts, ParallelConfig
 from planner.search.candidates import (DOMINATED_REASON, Point, Rejections, batch_of, compile_problem, facts_of,
-                                       fp8_problem, points, variant_count,
-                                       request_problem, schedule_choices, variants)
+                                       fp8_problem, points, variant_choices, variant_config, variant_count,
+                                       request_problem, schedule_choices)
 from planner.search.heap import frozen_heap
 from planner.search.incumbents import Incumbents
+from planner.search.no_fit import nothing_fits
 from planner.search.pins import Pins
 from planner.search.stage_split import fast_splits, generates, split_and_estimate
 
@@ -267,13 +268,6 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     return t
 
 
-def _variants(space: _Space, p: Point, ulysses: int, dominated: bool = True) -> Iterator[ParallelConfig]:
-    """``candidates.variants`` of one degree tuple under the search's request (generated, not kept:
-    a search holds tens of thousands)."""
-    return variants(p, ulysses, space.facts, space.batch, space.dtype, space.loss, dominated=dominated,
-                    **_variant_request(space))
-
-
 def _variant_request(space: _Space) -> dict:
     """The request's arguments to ``candidates.variants`` / ``variant_count`` beyond the tuple."""
     return dict(pins=space.pins, fp8=space.fp8, compile=space.compile, low_comm=space.low_comm,
@@ -305,8 +299,8 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple], inc: Incumbents) -> li
     heapq.heapify(heap)
     order = len(heap)
     while heap:
-        floor_s, _, t, cfg = heapq.heappop(heap)
-        if cfg is None:
+        floor_s, _, t, choice = heapq.heappop(heap)
+        if choice is None:
             if floor_s > inc.threshold(_may_protect(space, t.pp, t.m)):
                 # with routed experts, per expert-parallel degree: the report's "why not ep=..." reads it
                 rej.add((f"ep={t.ep}: " if t.moe else "") + "time floor above the best step time found", t.label,
@@ -317,11 +311,15 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple], inc: Incumbents) -> li
                 heapq.heappush(heap, (lb, order, t, c))
                 order += 1
             continue
-        protect = _may_protect(space, cfg.pp, t.m) and generates(cfg, t.m)
-        if floor_s > inc.threshold(protect):
-            rej.add("time floor above the best step time found", cfg.label)
+        # above threshold(True) pruned, at most threshold(False) kept; between, kept if protected: the
+        # configuration is built only where that asks (or the reason's examples want its label)
+        cfg = _config(space, t, choice) if inc.threshold(False) < floor_s <= inc.threshold(True) else None
+        if floor_s > inc.threshold(cfg is not None and _may_protect(space, t.pp, t.m) and generates(cfg, t.m)):
+            rej.add("time floor above the best step time found",
+                    cfg.label if cfg else lambda: _config(space, t, choice).label())
             res.pruned += 1
             continue
+        cfg = cfg or _config(space, t, choice)
         e = _fast_estimate(space, cfg, t.costs if LayerCosts.key(cfg) == LayerCosts.key(t.costs.cfg) else
                            space.costs(cfg), t.m)
         res.estimated += 1
@@ -341,32 +339,46 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple], inc: Incumbents) -> li
         inc.add(e.step_s, _wan_generating(space, e))
     if not ranked:
         res.rejected, res.rejected_counts = rej.examples, rej.counts
-        raise AutoparError(_nothing_fits(space))
+        raise AutoparError(nothing_fits(space.graph.name, space.cluster, space.pins, space.rej, space.leanest))
     return sorted(ranked, key=lambda x: (x[0], x[1]))
 
 
-def _variant_floors(space: _Space, t: _Tuple) -> list[tuple[float, ParallelConfig]]:
-    """The variants of a tuple the cost model does not prove dominated, each with its floor: its
-    schedule on perfectly balanced stages with its recompute, and with a pipeline boundary on the
-    WAN the stall the fast pass charges it (seconds); the dominated ones are recorded."""
+def _variant_floors(space: _Space, t: _Tuple) -> list[tuple[float, tuple]]:
+    """The variants of a tuple the cost model does not prove dominated (``candidates.variant_choices``;
+    :func:`_config` builds one), each with its floor: its schedule on perfectly balanced stages with
+    its recompute, and with a pipeline boundary on the WAN the stall the fast pass charges it
+    (seconds); the dominated ones are recorded."""
     g = space.graph
     stage = _balanced_stage_times(space, t.costs, t.pp)
-    threads = layout_threads(space.cluster, t.dp * t.pp * t.cp * t.tp)
-    point = Point(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, t.ep, (t.ulysses,), threads)
     wan_hops: dict[bool, list[WanHop]] = {}  # per sequence parallel: the tuple's WAN boundaries at their cheapest
     floors: dict[tuple, float] = {}  # per what a floor reads (not the DP sharding, nor the chunk count > 1)
     out = []
-    for cfg in _variants(space, point, t.ulysses, dominated=False):
-        key = (cfg.schedule, cfg.vpp, cfg.recompute, cfg.seq_chunks == 1, cfg.sp)
+    for choice in variant_choices(_point(space, t), space.facts, space.batch, space.dtype, dominated=False,
+                                  **_variant_request(space)):
+        sched, v, _, rc, sp, k, _ = choice
+        key = (sched, v, rc, k == 1, sp)
         if key not in floors:
-            if cfg.sp not in wan_hops:
-                wan_hops[cfg.sp] = cheapest_wan_hops(g, space.cluster, cfg)
-            floors[key] = _variant_floor(t, cfg, stage[cfg.recompute], wan_hops[cfg.sp])
-        out.append((floors[key], cfg))
+            cfg = _config(space, t, choice)
+            if sp not in wan_hops:
+                wan_hops[sp] = cheapest_wan_hops(g, space.cluster, cfg)
+            floors[key] = _variant_floor(t, cfg, stage[rc], wan_hops[sp])
+        out.append((floors[key], choice))
     if t.n_var - len(out):
         space.rej.add(DOMINATED_REASON, t.label, t.n_var - len(out))
         space.res.pruned += t.n_var - len(out)
     return out
+
+
+def _point(space: _Space, t: _Tuple) -> Point:
+    """The tuple as ``candidates.Point`` (its one Ulysses degree)."""
+    threads = layout_threads(space.cluster, t.dp * t.pp * t.cp * t.tp)
+    return Point(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, t.ep, (t.ulysses,), threads)
+
+
+def _config(space: _Space, t: _Tuple, choice: tuple) -> ParallelConfig:
+    """The configuration of one of the tuple's variant choices (``candidates.variant_config``)."""
+    return variant_config(_point(space, t), t.ulysses, choice, space.facts, space.dtype, space.loss, space.fp8,
+                          space.compile)
 
 
 def _variant_floor(t: _Tuple, cfg: ParallelConfig, stage: tuple[float, float], wan_hops: list[WanHop]) -> float:
@@ -473,22 +485,3 @@ def _wan_generated(space: _Space, rest: list[tuple[float, str, Estimate]]) -> li
 
 def _bucket(over: float) -> str:
     return f"{over / GiB:.1f} GiB"
-
-
-def _nothing_fits(space: _Space) -> str:
-    """Why no layout is left: the least memory per device a layout needs against the device's
-    (when memory is what rejected them), else the first reasons; with pins, which ones."""
-    cluster, rej, pins = space.cluster, space.rej, space.pins
-    what = f"layout with {pins.to_str()}" if pins else "configuration"
-    where = f"{space.graph.name} on {cluster.name} ({cluster.world} devices)"
-    need, exact = space.leanest
-    if need < math.inf:
-        cap = cluster.memory_bytes
-        knobs = ["loosen --fix"] * bool(pins) + ["add devices"] + [k for key, k in (
-            ("zero", "use FSDP/ZeRO"), ("recompute", "full recompute"), ("cp", "context parallel (longer sequences)"))
-            if key not in pins.keys()]
-        return (f"no {what} fits {where}: the best needs {'' if exact else 'at least '}{need / GiB:.1f} GiB per "
-                f"device, {cap / GiB:.1f} GiB available (smallest shortfall {(need - cap) / GiB:.1f} GiB); "
-                + ", ".join(knobs[:-1]) + " or " + knobs[-1])
-    reasons = "; ".join(list(rej.counts)[:3]) or "the pins leave no configuration"
-    return f"no valid {what} for {where}: {reasons}" + ("; loosen --fix" if pins else "")
