@@ -1,7 +1,8 @@
 """Per pp rank memory of a pipeline (``cost_models.memory``'s rule over each rank's chunks), and the
 in-flight micro-batches of the built-in schedules' closed forms; the estimate's memory and the
 search's memory-first check (:func:`fullest_rank`; :func:`fast_memory` gives every rank's figures
-the same way) call it. With sequence chunks
+the same way; :func:`memory_bound`, a lower bound of it without a split, goes first) call it. With
+sequence chunks
 (``cfg.seq_chunks = k``) the in-flight figures count (stage, chunk) units, each ``1/k`` of a
 micro-batch's activations, and every sequence in flight adds its KV store
 (``cost_models/seq_chunks.py``)."""

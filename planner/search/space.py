@@ -31,7 +31,9 @@ tuple, each variant gets its own floor (its schedule's closed form on perfectly
 balanced stages, plus its recompute; with a pipeline boundary on the WAN, plus the stall
 the fast pass charges it: ``cost_models.wan_cost.pipeline_wan_floor_s``), and variants the cost model proves no better
 than another (``candidates.DOMINATED``) are skipped.
-Surviving variants get the closed-form estimate on an even stage split; the best
+Surviving variants get the closed-form estimate on an even stage split, their memory checked first
+(``cost_models.pipeline_memory.memory_bound``, a lower bound of the fullest rank on any split,
+rejects a variant before the exact ``fullest_rank`` where it is over the device already); the best
 ``solve_top`` are then re-partitioned by the ILP (planner/search/partition.py) and
 simulated in full ("fully solved"), and the best of those is the plan.
 
@@ -269,7 +271,7 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
 
 
 def _variant_request(space: _Space) -> dict:
-    """The request's arguments to ``candidates.variants`` / ``variant_count`` beyond the tuple."""
+    """The request's arguments to ``candidates.variant_choices`` / ``variant_count`` beyond the tuple."""
     return dict(pins=space.pins, fp8=space.fp8, compile=space.compile, low_comm=space.low_comm,
                 offload=offload_saves(space.cluster), seq_chunks=searched_chunks(space.cluster))
 
