@@ -55,3 +55,22 @@ def test_memory_bound_is_none_where_the_schedule_is_simulated():
     c = parse_cluster("dgx-h100:2")
     cfg = ParallelConfig(dp=4, pp=4, schedule="dualpipev", vpp=2, zero="fsdp")
     assert memory_bound(G, cfg, 64, LayerCosts(G, c, cfg, None)) is None
+
+
+def test_no_fit_error_names_the_same_exact_need_as_without_the_bound(monkeypatch):
+    """Where nothing fits, the variants the bound rejected are priced exactly (least bound first), so
+    the error's leanest need is the one the exact check alone finds."""
+    import planner.search.space as space
+    from planner.errors import AutoparError
+    from planner.search.planning import plan_model
+
+    c = parse_cluster("dgx-h100:1")
+
+    def message() -> str:
+        with pytest.raises(AutoparError) as e:
+            plan_model(G, c, 64, spec="llama3-8b", cluster_spec="dgx-h100:1", fix="tp=1,pp=1,zero=ddp")
+        return str(e.value)
+
+    bounded = message()
+    monkeypatch.setattr(space, "memory_bound", lambda *a, **k: None)
+    assert bounded == message() and "the best needs at least" not in bounded

@@ -118,6 +118,15 @@ class _Space:
     split_cache: dict = field(default_factory=dict)    # (pp, vpp, recompute, dp cp tp) -> the fast pass's splits
     stage_cache: dict = field(default_factory=dict)    # per LayerCosts.key: one micro-batch's seconds over the layers
     leanest: tuple[float, bool] = (math.inf, False)   # least bytes per device any rejected layout needs, exact?
+    bounded: list[tuple] = field(default_factory=list)  # (bound, cfg, costs, m): the memory bound's rejections
+
+    def exact_leanest(self) -> None:
+        """Where nothing fits: the bound's rejections priced exactly while their bound (<= their need) is
+        below the least need found, so the error names the leanest layout's exact need."""
+        for low, cfg, costs, m in sorted(self.bounded, key=lambda x: x[0]):
+            if low >= self.leanest[0]:
+                break
+            self.note_need(_fast_estimate(self, cfg, costs, m, bound=False)[2], exact=True)
 
     def note_need(self, need: float, exact: bool) -> None:
         """Record the memory a layout that did not fit needs (``exact``: priced; else a floor)."""
@@ -327,7 +336,7 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple], inc: Incumbents) -> li
         res.estimated += 1
         if isinstance(e, tuple):
             r, over, need = e
-            space.note_need(need, exact=r is not None)
+            space.note_need(need if r is not None else math.inf, exact=True)  # a bound's: see exact_leanest
             rej.add(f"OOM by {_bucket(over)} on stage {r}" if r is not None else
                     f"OOM by >= {_bucket(over)} (states and in-flight activations, averaged over the pp ranks)",
                     cfg.label)
@@ -341,6 +350,7 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple], inc: Incumbents) -> li
         inc.add(e.step_s, _wan_generating(space, e))
     if not ranked:
         res.rejected, res.rejected_counts = rej.examples, rej.counts
+        space.exact_leanest()
         raise AutoparError(nothing_fits(space.graph.name, space.cluster, space.pins, space.rej, space.leanest))
     return sorted(ranked, key=lambda x: (x[0], x[1]))
 
@@ -410,15 +420,16 @@ def _wan_generating(space: _Space, e: Estimate) -> bool:
         and "schedule" not in space.pins.choice
 
 
-def _fast_estimate(space: _Space, cfg: ParallelConfig, costs: LayerCosts,
-                   m: int) -> Estimate | tuple[int | None, float, float]:
+def _fast_estimate(space: _Space, cfg: ParallelConfig, costs: LayerCosts, m: int,
+                   bound: bool = True) -> Estimate | tuple[int | None, float, float]:
     """The fast pass on one variant: the closed-form estimate on the first split of ``fast_splits``
     that fits, its memory checked before its times (``cost_models.pipeline_memory.fullest_rank``, the
     same figures); when none fits, (pp rank, bytes over, bytes needed) of the last split tried, or
     (None, bytes over at least, bytes needed at least) where ``pipeline_memory.memory_bound``, a
-    lower bound of the fullest rank on every split, is over already."""
+    lower bound of the fullest rank on every split, is over already (``bound=False``: not asked)."""
     g = space.graph
-    if (low := memory_bound(g, cfg, space.global_batch, costs, space.profile)) and low[0] > low[1]:
+    if bound and (low := memory_bound(g, cfg, space.global_batch, costs, space.profile)) and low[0] > low[1]:
+        space.bounded.append((low[0], cfg, costs, m))
         return None, low[0] - low[1], low[0]
     key = (cfg.pp, cfg.vpp, cfg.recompute, cfg.dp * cfg.cp * cfg.tp)  # what the splits depend on
     if key not in space.split_cache:
