@@ -89,7 +89,7 @@ from cost_models.compute import calibration, calibration_note, memory_bandwidth,
 from cost_models.cpu_runtime import wrapper_unit_s
 from cost_models.engines import Engine, engine_of, exposed_s
 from cost_models.experts import ep_mesh
-from cost_models.layer_costs import LayerCosts, act_bytes_io, layer_pass_times
+from cost_models.layer_costs import LayerCosts, act_bytes_io
 from cost_models.offload import host_capacity_bytes
 from cost_models.memory import LayerTable, StageMemory, dp_group
 from cost_models.pipeline_memory import inflight_closed, rank_memories
@@ -197,11 +197,12 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
         parts = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "ep_comm": 0.0, "recompute": 0.0, "runtime": f + b,
                  "offload": 0.0}
         for i in range(lo, hi):
-            c = costs.get(graph.layers[i])
+            layer = graph.layers[i]
+            c = costs.get(layer)
             comp_src.add(c.source)
             if c.tp or c.cp or c.ep_fwd:
                 comm_src.add(c.comm_source)
-            t = layer_pass_times(c, rc)
+            t = costs.pass_times(layer, rc)
             f += t.fwd
             b += t.bwd
             cf += t.compute_fwd

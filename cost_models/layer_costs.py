@@ -71,6 +71,7 @@ class LayerCosts:
         self.base, self.c = cluster, ranks_cluster(cluster, cfg)  # the ranks cfg runs (shared_cores.py)
         self.mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
         self.cache: dict[str, LayerCost] = {}
+        self.pass_cache: dict[tuple[str, str], PassTimes] = {}  # (signature, recompute policy) -> pass_times
         self.tables = tables if tables is not None else {}  # memory figures: may be shared by several (the search)
 
     @staticmethod
@@ -95,6 +96,14 @@ class LayerCosts:
         if not checkpointed(layer):
             return 0.0
         return copy_seconds(layer_activation(layer, self.g, self.cfg, "none", self.engine), self.c)
+
+    def pass_times(self, layer: Layer, policy: str) -> "PassTimes":
+        """:func:`layer_pass_times` of the layer's :meth:`get` under ``policy`` (cached by signature)."""
+        key = (layer.signature, policy)
+        hit = self.pass_cache.get(key)
+        if hit is None:
+            hit = self.pass_cache[key] = layer_pass_times(self.get(layer), policy)
+        return hit
 
     def get(self, layer: Layer) -> "LayerCost":
         """The layer's seconds for one micro-batch under the config (cached by signature)."""

@@ -73,7 +73,6 @@ split equals this rule's.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from functools import cached_property
 from typing import Mapping, Sequence
 
 from cost_models.engines import DEFAULT_ENGINE, Engine, fuses_elementwise
@@ -236,7 +235,12 @@ class LayerTable:
         # (a search prices chunks of the same repeated blocks under many schedules and splits; frozen)
         self.rule_ids: dict[tuple, int] = {}  # what a MemoryRule adds to the table (MemoryRule.id) -> a small id
         self.chunk_ids: dict[tuple, int] = {}
+        self.rows_of: dict[range | tuple, int] = {}  # layers -> the id of their rows (row_ids), see chunk_id
+        self.row_ids: dict[tuple, int] = {}
         self.chunks: list[ChunkMemory] = []
+        self.chunk_sums: dict[tuple, tuple[float, ...]] = {}  # (rows, policy) -> _chunk_sums, shared by the rules
+        self.transients: dict[int, list[float]] = {}  # rule id -> MemoryRule.transient
+        self.split_ids: dict[tuple, tuple[int, ...]] = {}  # (rule id, bounds, policies) -> chunk ids (pipeline_memory.split_ids)
         # a rank's memory per (its chunks' ids, in-flight micro-batches, reserve): see pipeline_memory
         self.rank_memo: dict[tuple, StageMemory] = {}
 
@@ -369,16 +373,18 @@ class MemoryRule:
         key = (tuple(self.f.items()), tuple(self.fe.items()), self.units, cast)
         self.id = self.t.rule_ids.setdefault(key, len(self.t.rule_ids))
 
-    @cached_property
+    @property
     def transient(self) -> list[float]:
-        """Per layer, the weight-gradient working set (bytes; computed when a chunk is first priced)."""
-        w, g = self.f["weights_full"], self.f["grads_full"]
-        if self.units:
-            # 2 units unsharded (one computing, one prefetched), with their grads (measured under bf16:
-            # the fp32 reduce-scatter input of the last unit takes the place of a prefetched unit)
-            return [2 * u * (w + g) for u in self.t.unit]
-        # a layer's incoming weight gradient lives beside the accumulated p.grad before it is added in
-        return [p * (g + self.cast) for p in self.t.params]
+        """Per layer, the weight-gradient working set (bytes; computed when a chunk is first priced,
+        once per rule id over the table: the id's key holds everything it reads)."""
+        if self.id not in self.t.transients:
+            w, g = self.f["weights_full"], self.f["grads_full"]
+            # units: 2 unsharded (one computing, one prefetched), with their grads (measured under bf16: the
+            # fp32 reduce-scatter input of the last unit takes the place of a prefetched unit); else a layer's
+            # incoming weight gradient lives beside the accumulated p.grad before it is added in
+            self.t.transients[self.id] = [2 * u * (w + g) for u in self.t.unit] if self.units else [
+                p * (g + self.cast) for p in self.t.params]
+        return self.t.transients[self.id]
 
     def work(self, i: int, policy: str) -> float:
         """Back-propagating through layer ``i`` materialises gradients the size of its
@@ -396,22 +402,40 @@ def chunk_memory(rule: MemoryRule, layers: Sequence[int], policy: str) -> ChunkM
 def chunk_id(rule: MemoryRule, layers: Sequence[int], policy: str) -> int:
     """Where :func:`chunk_memory`'s figures of ``layers`` under ``policy`` sit in ``rule.t.chunks``
     (computed on first use): equal ids, equal figures."""
-    t = rule.t
-    rows = t.row_of[layers.start:layers.stop] if isinstance(layers, range) and layers.step == 1 else tuple(
-        t.row_of[i] for i in layers)
+    t, span = rule.t, layers if isinstance(layers, range) else tuple(layers)
+    rows = t.rows_of.get(span)
+    if rows is None:  # the layers' rows as a small id, once per table (the keys below hash it often)
+        rows = t.rows_of[span] = t.row_ids.setdefault(tuple(t.row_of[i] for i in layers), len(t.row_ids))
     key = (rule.id, rows, policy)
     n = t.chunk_ids.get(key)
     if n is None:
         n = t.chunk_ids[key] = len(t.chunks)
-        t.chunks.append(_chunk_memory(rule, layers, policy))
+        t.chunks.append(_chunk_memory(rule, layers, policy, rows))
     return n
 
 
-def _chunk_memory(rule: MemoryRule, layers: Sequence[int], policy: str) -> ChunkMemory:
+def _chunk_memory(rule: MemoryRule, layers: Sequence[int], policy: str, rows: tuple) -> ChunkMemory:
+    """:func:`chunk_memory`'s figures: the rule's bytes per parameter times the layers' sums
+    (:func:`_chunk_sums`, the same for every rule over the table: kept per (rows, policy))."""
     t, f, fe = rule.t, rule.f, rule.fe
-    P = sum(t.params[i] for i in layers)
-    Pe = sum(t.experts[i] for i in layers)  # routed experts: sharded over their own dp group
+    sums = t.chunk_sums.get((rows, policy))
+    if sums is None:
+        sums = t.chunk_sums[(rows, policy)] = _chunk_sums(rule, layers, policy)
+    P, Pe, held, peak, work, host = sums  # Pe: routed experts, sharded over their own dp group
     weights, grads, opt, pinned = ((P - Pe) * f[k] + Pe * fe[k] for k in ("weights", "grads", "optimizer", "buffers"))
+    tr, run = rule.transient, isinstance(layers, range) and layers.step == 1  # a run: max of a slice (exact)
+    return ChunkMemory(weights=weights, grads=grads, optimizer=opt, pinned=pinned, act=held, peak=peak, work=work,
+                       transient=max(tr[layers.start:layers.stop] if run else [tr[i] for i in layers], default=0.0),
+                       host=host)
+
+
+def _chunk_sums(rule: MemoryRule, layers: Sequence[int], policy: str) -> tuple[float, ...]:
+    """(parameters, routed-expert parameters, activations held, back-propagation overshoot, its
+    working set, offloaded bytes) of ``layers`` under ``policy``: read from the table alone
+    (``MemoryRule.work`` reads only the table's activations)."""
+    t = rule.t
+    P = sum(t.params[i] for i in layers)
+    Pe = sum(t.experts[i] for i in layers)
     act = t.act[policy]
     held, best, work = 0.0, -1.0, 0.0
     for i in layers:  # the worst layer j (the later one on ties)
@@ -419,10 +443,8 @@ def _chunk_memory(rule: MemoryRule, layers: Sequence[int], policy: str) -> Chunk
         w = rule.work(i, policy)
         if held + w >= best:
             best, work = held + w, w
-    return ChunkMemory(weights=weights, grads=grads, optimizer=opt, pinned=pinned, act=held,
-                       peak=max(0.0, best - held) if layers else 0.0, work=work,
-                       transient=max((rule.transient[i] for i in layers), default=0.0),
-                       host=sum(t.act["none"][i] - act[i] for i in layers) if policy == "offload" else 0.0)
+    host = sum(t.act["none"][i] - act[i] for i in layers) if policy == "offload" else 0.0
+    return P, Pe, held, max(0.0, best - held) if layers else 0.0, work, host
 
 
 def overshoot(chunk: ChunkMemory, inflight: float) -> float:

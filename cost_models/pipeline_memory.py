@@ -1,19 +1,23 @@
 """Per pp rank memory of a pipeline (``cost_models.memory``'s rule over each rank's chunks), and the
 in-flight micro-batches of the built-in schedules' closed forms; the estimate's memory and the
 search's memory-first check (:func:`fullest_rank`; :func:`fast_memory` gives every rank's figures
-the same way) call it. With sequence chunks
+the same way; :func:`memory_bound`, a lower bound of it without a split, goes first) call it. With
+sequence chunks
 (``cfg.seq_chunks = k``) the in-flight figures count (stage, chunk) units, each ``1/k`` of a
 micro-batch's activations, and every sequence in flight adds its KV store
 (``cost_models/seq_chunks.py``)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
+from typing import Sequence
 
 from cost_models import pipeline as pipe_mod
 from cost_models.cluster import Cluster
 from cost_models.compute import calibration
 from cost_models.layer_costs import LayerCosts
-from cost_models.memory import LayerTable, MemoryRule, StageMemory, chunk_id, framework_reserve, rank_memory
+from cost_models.memory import (LayerTable, MemoryRule, StageMemory, chunk_id, chunk_memory, framework_reserve,
+                                rank_memory)
 from cost_models.seq_chunks import kv_store_bytes, per_unit
 from cost_models.wan_cost import hsdp_replicas, stage_capacity
 from planner import schedule_ir as ir
@@ -23,8 +27,8 @@ from planner.plan import ParallelConfig, Partition
 
 
 def rank_memories(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
-                  table: LayerTable, inflight_chunks: list[int], cal: dict[str, float],
-                  on_rank: list[list[int]], seqs_held: list[int] | None = None) -> list[StageMemory]:
+                  table: LayerTable, inflight_chunks: Sequence[int], cal: dict[str, float],
+                  on_rank: Sequence[Sequence[int]], seqs_held: Sequence[int] | None = None) -> list[StageMemory]:
     """Memory of every pp rank (``memory.rank_memory``): its chunks (``on_rank[r]``) with the
     in-flight (chunk, micro-batch) pairs the pipeline holds there, spread evenly over the chunks.
     With sequence chunks: pairs of (stage, sequence chunk) units, ``1/k`` of a micro-batch's
@@ -40,11 +44,11 @@ class _RankPricer:
     """One (configuration, split)'s rank memory (:func:`rank_memories`' rule), rank by rank."""
 
     def __init__(self, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
-                 table: LayerTable, cal: dict[str, float], on_rank: list[list[int]]) -> None:
+                 table: LayerTable, cal: dict[str, float], on_rank: Sequence[Sequence[int]]) -> None:
         rule = MemoryRule(graph, cfg, table, hsdp_replicas(cluster, cfg))
         self.g, self.cfg, self.part, self.table, self.on_rank = graph, cfg, partition, table, on_rank
         self.reserve = framework_reserve(cluster.backend != "gloo", cal)
-        stage_ids = [chunk_id(rule, range(*b), rc) for b, rc in zip(partition.bounds, partition.recompute)]
+        stage_ids = split_ids(rule, partition.bounds, partition.recompute)
         self.ids = [tuple(stage_ids[j] for j in chunks) for chunks in on_rank]  # per rank: its chunks' ids
         self._kv: dict[int, float] = {}
 
@@ -68,6 +72,17 @@ class _RankPricer:
         return memo[key]
 
 
+def split_ids(rule: MemoryRule, bounds: Sequence[tuple[int, int]], policies: Sequence[str]) -> tuple[int, ...]:
+    """``memory.chunk_id`` of every stage of a split (``bounds[j]``: stage j's half-open layer range
+    under ``policies[j]``), kept per (rule id, split) in the table: the search checks many variants
+    of one rule on the same split."""
+    key = (rule.id, tuple(bounds), tuple(policies))
+    ids = rule.t.split_ids.get(key)
+    if ids is None:
+        ids = rule.t.split_ids[key] = tuple(chunk_id(rule, range(*b), rc) for b, rc in zip(bounds, policies))
+    return ids
+
+
 def seqs_bound(units: int, k: int) -> int:
     """Sequences that ``units`` consecutive (stage, chunk) units in flight can touch, at most."""
     return -(-units // k) + (1 if k > 1 else 0)
@@ -89,7 +104,7 @@ def fast_memory(graph: ModelGraph, cfg: ParallelConfig, partition: Partition, gl
     (the closed forms' in-flight micro-batches), without the times. ``costs``: cfg's layer costs
     (same ``LayerCosts.key``). None where the fast estimate simulates the schedule instead
     (V-shaped and custom schedules)."""
-    if cfg.schedule == "custom" or cfg.schedule in ir.V_SCHEDULES:
+    if simulated_memory(cfg):
         return None
     inflight, on_rank = _closed_inflight(cfg, global_batch)
     memory = rank_memories(graph, costs.c, cfg, partition, costs.table(cfg), inflight, calibration(profile), on_rank)
@@ -105,7 +120,7 @@ def fullest_rank(graph: ModelGraph, cfg: ParallelConfig, partition: Partition, g
     falls as they grow (``memory.overshoot`` is then its chunk's constant peak, the activations grow,
     the reserve with them), so one rank per such group is priced, the one with the most in flight
     (and, where it reaches the largest total, the earlier ranks of its group, for the first of ties)."""
-    if cfg.schedule == "custom" or cfg.schedule in ir.V_SCHEDULES:
+    if simulated_memory(cfg):
         return None
     inflight, on_rank = _closed_inflight(cfg, global_batch)
     price = _RankPricer(graph, costs.c, cfg, partition, costs.table(cfg), calibration(profile), on_rank)
@@ -121,12 +136,53 @@ def fullest_rank(graph: ModelGraph, cfg: ParallelConfig, partition: Partition, g
     return r, most, stage_capacity(costs.c, cfg)
 
 
-def _closed_inflight(cfg: ParallelConfig, global_batch: int) -> tuple[list[int], list[list[int]]]:
+BOUND_SLACK = 1e-9  # memory_bound's relative margin: its sums and the split's per-stage sums round differently
+
+
+def memory_bound(graph: ModelGraph, cfg: ParallelConfig, global_batch: int, costs: LayerCosts,
+                 profile=None) -> tuple[float, float] | None:
+    """(a lower bound of :func:`fullest_rank`'s bytes on any split of cfg's ``pp * vpp`` stages under
+    the uniform ``cfg.recompute``, bytes per device), None where :func:`fullest_rank` is; cheap: no
+    split, one ``memory.chunk_memory`` of all layers (kept in the table) and the closed forms.
+
+    Proof. ``memory.rank_memory`` gives rank r ``total_r = T_r + reserve.of(T_r)``, increasing in its
+    tensor bytes ``T_r`` (``Reserve.frac >= 0``), with ``T_r`` = its chunks' states (``ChunkMemory.
+    states``: weights, grads, optimizer, pinned) + activations + buffers. Its activations plus buffers
+    are at least ``sum_c x_r act_c``: the chunk c with the largest overshoot adds ``overshoot_c -
+    work_c`` to the activations and ``work_c`` to the buffers, ``overshoot_c >= 0``, and the largest
+    transient and the KV store are >= 0; ``x_r = inflight_r / n_r`` the pairs per chunk
+    (with k sequence chunks ``seq_chunks.per_unit`` divides act by k: ``x_r / k``). States and act
+    are sums over layers (linear in ``LayerTable``'s per-layer figures), so the chunks of all ranks
+    add up to ``chunk_memory`` of all layers, and ``max_r T_r >= (S + min_r(x_r) A / k) / pp`` with
+    S, A that chunk's states and activations. Less :data:`BOUND_SLACK` for rounding."""
+    if simulated_memory(cfg):
+        return None
+    rule = MemoryRule(graph, cfg, costs.table(cfg), hsdp_replicas(costs.c, cfg))
+    whole = chunk_memory(rule, range(len(graph.layers)), cfg.recompute)
+    inflight, on_rank = _closed_inflight(cfg, global_batch)
+    x = min(i / len(c) for i, c in zip(inflight, on_rank) if c) / cfg.seq_chunks
+    tensors = (whole.states + x * whole.act) / cfg.pp * (1.0 - BOUND_SLACK)
+    reserve = framework_reserve(costs.c.backend != "gloo", calibration(profile))
+    return tensors + reserve.of(tensors), stage_capacity(costs.c, cfg)
+
+
+def simulated_memory(cfg: ParallelConfig) -> bool:
+    """Whether the fast estimate takes cfg's in-flight micro-batches from a simulation (V-shaped and
+    custom schedules), not the closed forms this module's fast checks read."""
+    return cfg.schedule == "custom" or cfg.schedule in ir.V_SCHEDULES
+
+
+def _closed_inflight(cfg: ParallelConfig, global_batch: int) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
     """The closed forms' in-flight (chunk, micro-batch) pairs per pp rank and each rank's virtual stages."""
-    m = microbatches(cfg, global_batch)
-    inflight = ([inflight_closed(cfg.schedule, cfg.pp, m, cfg.vpp, r, cfg.seq_chunks) for r in range(cfg.pp)]
-                if cfg.pp > 1 else [1])
-    on_rank: list[list[int]] = [[] for _ in range(cfg.pp)]
-    for j, at in enumerate(pipe_mod.stage_placement(cfg, m)):
+    return _closed_forms(cfg.schedule, cfg.pp, cfg.vpp, cfg.seq_chunks, microbatches(cfg, global_batch))
+
+
+@lru_cache(maxsize=1024)
+def _closed_forms(schedule: str, pp: int, vpp: int, k: int, m: int) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """:func:`_closed_inflight` of these values, kept (the search asks for each many times): the
+    built-in schedules' placement reads only the schedule, pp and vpp."""
+    inflight = tuple(inflight_closed(schedule, pp, m, vpp, r, k) for r in range(pp)) if pp > 1 else (1,)
+    on_rank: list[list[int]] = [[] for _ in range(pp)]
+    for j, at in enumerate(pipe_mod.stage_placement(ParallelConfig(pp=pp, vpp=vpp, schedule=schedule), m)):
         on_rank[at].append(j)
-    return inflight, on_rank
+    return inflight, tuple(map(tuple, on_rank))

@@ -63,6 +63,12 @@ def dim_span(cluster: Cluster, size: int, stride: int, world: int) -> WanSpan | 
                    spanned=members)
 
 
+def span_groups(cluster: Cluster, size: int, stride: int, world: int) -> int:
+    """:func:`dim_span`'s ``groups`` (1 where it is None) without pricing the link."""
+    bounds = group_bounds(cluster)
+    return _span(size, stride, world, bounds)[0] if bounds and size > 1 else 1
+
+
 @lru_cache(maxsize=4096)
 def _span(size: int, stride: int, world: int, bounds: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
     """(most cluster groups one dimension group spans, the groups it spans) over all the dimension's groups."""

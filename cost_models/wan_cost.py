@@ -291,8 +291,7 @@ def dp_spans(cluster: Cluster, cfg: ParallelConfig) -> int:
     if cfg.low_comm or n == 1:
         return 1
     mesh = comm_mod.Mesh(pp=cfg.pp, dp=n, cp=1, tp=cfg.tp)
-    span = wan.dim_span(cluster, n, mesh.stride("dp"), mesh.world)
-    return 1 if span is None else span.groups
+    return wan.span_groups(cluster, n, mesh.stride("dp"), mesh.world)
 
 
 def hsdp_replicas(cluster: Cluster, cfg: ParallelConfig) -> int:

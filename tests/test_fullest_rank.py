@@ -12,7 +12,7 @@ from cost_models.layer_costs import LayerCosts
 from cost_models.pipeline_memory import fast_memory, fullest_rank
 from planner.frontend.load import load_graph
 from planner.plan import ParallelConfig, Partition
-from planner.search.candidates import Point, batch_of, facts_of, variants
+from planner.search.candidates import Point, batch_of, facts_of, variant_choices, variant_config, variant_count, variants
 from planner.search.pins import Pins
 from planner.search.stage_split import even_split
 
@@ -73,3 +73,7 @@ def test_undominated_variants_are_the_others_less_gpipe_and_sp_off():
         sp_ok = any(c.sp for c in every)
         assert kept == [c for c in every if c.schedule != "gpipe" and (c.sp or not sp_ok)]
         assert len(kept) < len(every)
+        # the search counts them without building them, and builds one from its choice
+        assert variant_count(p, facts, batch, "bf16", pins=pins, seq_chunks=(1, 2, 4)) == len(every)
+        choices = list(variant_choices(p, facts, batch, "bf16", pins=pins, seq_chunks=(1, 2, 4)))
+        assert [variant_config(p, 1, ch, facts, "bf16", "eager") for ch in choices] == every

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from planner.feasibility import (Batch, ClusterShape, cp_problem, modes_problem, default_attention, documents_problem, ep_problem,
                                  fill_problem, layout_threads, length_problem, loss_problem, model_problem,
@@ -77,11 +77,13 @@ class Rejections:
         self.examples: dict[str, list[str]] = {}
         self.counts: dict[str, int] = {}
 
-    def add(self, reason: str, example: str, n: int = 1) -> None:
+    def add(self, reason: str, example: str | Callable[[], str], n: int = 1) -> None:
+        """Count ``n`` configurations under ``reason``; ``example`` (or what calling it gives: a label
+        made only while the reason has fewer than three) among its examples."""
         self.counts[reason] = self.counts.get(reason, 0) + n
         ex = self.examples.setdefault(reason, [])
         if len(ex) < 3:
-            ex.append(example)
+            ex.append(example if isinstance(example, str) else example())
 
 
 def facts_of(graph: ModelGraph) -> ModelFacts:
@@ -288,12 +290,40 @@ def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str
     out unless the pins name the policy: the search's choice where offloading frees no device
     memory (``cost_models.offload.offload_saves``: there it is dominated by ``none``). ``seq_chunks``:
     the chunk counts > 1 tried beside each variant where they can run (planner/schedule_ir.py)."""
+    for choice in variant_choices(p, facts, batch, dtype, dominated, pins, fp8, compile, low_comm, offload, seq_chunks):
+        yield variant_config(p, ulysses, choice, facts, dtype, loss, fp8, compile)
+
+
+def variant_config(p: Point, ulysses: int, choice: tuple[str, int, str, str, bool, int, str], facts: ModelFacts,
+                   dtype: str, loss: str, fp8: str = "none", compile: bool = False) -> ParallelConfig:
+    """The configuration of one of :func:`variant_choices`' choices (what :func:`variants` yields)."""
+    sched, v, zero, rc, sp, k, low = choice
+    return ParallelConfig(dp=p.dp, pp=p.pp, cp=p.cp, tp=p.tp, ep=p.ep, ulysses=ulysses, mbs=p.mbs, schedule=sched,
+                          vpp=v, zero=zero, recompute=rc, sp=sp, dtype=dtype, loss=loss,
+                          attention=default_attention(facts.limits), threads=p.threads, fp8=fp8, compile=compile,
+                          low_comm=low, seq_chunks=k)
+
+
+def variant_count(p: Point, facts: ModelFacts, batch: Batch, dtype: str, dominated: bool = True,
+                  pins: Pins | None = None, fp8: str = "none", compile: bool = False, low_comm: str = "",
+                  offload: bool = True, seq_chunks: Sequence[int] = (1,)) -> int:
+    """How many :func:`variants` the same arguments give, without building them (the search counts
+    every tuple's variants; a configuration object costs microseconds, a choice tuple far less)."""
+    return sum(1 for _ in variant_choices(p, facts, batch, dtype, dominated, pins, fp8, compile, low_comm, offload,
+                                          seq_chunks))
+
+
+def variant_choices(p: Point, facts: ModelFacts, batch: Batch, dtype: str, dominated: bool = True,
+                    pins: Pins | None = None, fp8: str = "none", compile: bool = False, low_comm: str = "",
+                    offload: bool = True, seq_chunks: Sequence[int] = (1,)
+                    ) -> Iterator[tuple[str, int, str, str, bool, int, str]]:
+    """:func:`variants`' choices in its order, as (schedule, vpp, zero, recompute, sp, seq_chunks,
+    low_comm): the one enumeration both it and :func:`variant_count` read."""
     pins = pins or Pins()
     dp, pp, cp, tp, ep = p.dp, p.pp, p.cp, p.tp, p.ep
     if modes_problem(dtype, fp8, compile, tp, cp):
         return
     sp_ok = sp_problem(tp, cp, facts, batch) is None
-    attention = default_attention(facts.limits)
     zeros = ("ddp",) if dp * cp == 1 else tuple(z for z in (ZERO if "zero" in pins.choice else ZEROS)
                                                  if pins.allows("zero", z))
     sps = [(s, sp_ok and not s and pins.allows("sp", True)) for s in ((False, True) if sp_ok else (False,))
@@ -317,14 +347,11 @@ def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str
                         continue
                     if not dominated and (dom_sched or dom_sp):
                         continue
-                    cfg = ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, ulysses=ulysses, mbs=p.mbs,
-                                         schedule=sched, vpp=v, zero=zero, recompute=rc, sp=sp, dtype=dtype,
-                                         loss=loss, attention=attention, threads=p.threads, fp8=fp8,
-                                         compile=compile)
-                    yield cfg
-                    yield from (cfg.replace(seq_chunks=k) for k in chunked[rc])
+                    yield sched, v, zero, rc, sp, 1, ""
+                    for k in chunked[rc]:
+                        yield sched, v, zero, rc, sp, k, ""
                     if low:
-                        yield cfg.replace(low_comm=low_comm)
+                        yield sched, v, zero, rc, sp, 1, low_comm
 
 
 def configurations(facts: ModelFacts, cluster: ClusterShape, batch: Batch, *, dtype: str, loss: str,

@@ -31,7 +31,9 @@ tuple, each variant gets its own floor (its schedule's closed form on perfectly
 balanced stages, plus its recompute; with a pipeline boundary on the WAN, plus the stall
 the fast pass charges it: ``cost_models.wan_cost.pipeline_wan_floor_s``), and variants the cost model proves no better
 than another (``candidates.DOMINATED``) are skipped.
-Surviving variants get the closed-form estimate on an even stage split; the best
+Surviving variants get the closed-form estimate on an even stage split, their memory checked first
+(``cost_models.pipeline_memory.memory_bound``, a lower bound of the fullest rank on any split,
+rejects a variant before the exact ``fullest_rank`` where it is over the device already); the best
 ``solve_top`` are then re-partitioned by the ILP (planner/search/partition.py) and
 simulated in full ("fully solved"), and the best of those is the plan.
 
@@ -46,13 +48,13 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
-from cost_models.pipeline_memory import fullest_rank, inflight_closed
+from cost_models.pipeline_memory import fullest_rank, inflight_closed, memory_bound
 from cost_models.pipeline_memo import forget as forget_simulations
-from cost_models.layer_costs import LayerCosts, layer_pass_times
+from cost_models.layer_costs import LayerCosts
 from cost_models.pipeline import estimate_step, linear_step
 from cost_models.wan_cost import BalancedPipe, WanHop, cheapest_wan_hops, pipeline_wan_floor_s, wan_floor_s
 from planner.low_comm import low_comm_problem, parse_low_comm
@@ -66,10 +68,11 @@ from planner.graph import ModelGraph
 from planner.feasibility import Batch, default_attention, layout_threads, sp_problem
 from planner.plan import RECOMPUTE, ModelFacts, ParallelConfig
 from planner.search.candidates import (DOMINATED_REASON, Point, Rejections, batch_of, compile_problem, facts_of,
-                                       fp8_problem, points,
-                                       request_problem, schedule_choices, variants)
+                                       fp8_problem, points, variant_choices, variant_config, variant_count,
+                                       request_problem, schedule_choices)
 from planner.search.heap import frozen_heap
 from planner.search.incumbents import Incumbents
+from planner.search.no_fit import nothing_fits
 from planner.search.pins import Pins
 from planner.search.stage_split import fast_splits, generates, split_and_estimate
 
@@ -115,6 +118,15 @@ class _Space:
     split_cache: dict = field(default_factory=dict)    # (pp, vpp, recompute, dp cp tp) -> the fast pass's splits
     stage_cache: dict = field(default_factory=dict)    # per LayerCosts.key: one micro-batch's seconds over the layers
     leanest: tuple[float, bool] = (math.inf, False)   # least bytes per device any rejected layout needs, exact?
+    bounded: list[tuple] = field(default_factory=list)  # (bound, cfg, costs, m): the memory bound's rejections
+
+    def exact_leanest(self) -> None:
+        """Where nothing fits: the bound's rejections priced exactly while their bound (<= their need) is
+        below the least need found, so the error names the leanest layout's exact need."""
+        for low, cfg, costs, m in sorted(self.bounded, key=lambda x: x[0]):
+            if low >= self.leanest[0]:
+                break
+            self.note_need(_fast_estimate(self, cfg, costs, m, bound=False)[2], exact=True)
 
     def note_need(self, need: float, exact: bool) -> None:
         """Record the memory a layout that did not fit needs (``exact``: priced; else a floor)."""
@@ -254,7 +266,8 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     low = [base.replace(low_comm=space.low_comm)] if space.low_comm and not low_comm_problem(space.low_comm, dp) else []
     floor_s = max(floor_s, min(wan_floor_s(space.graph, space.cluster, c, m) for c in [base, *low]))  # 0 without a WAN
     mem_floor = reserve.of(memory_floor(space.graph, base, costs.table(base)))
-    n_var = sum(1 for _ in _variants(space, Point(dp, pp, cp, tp, mbs, m, ep, (ulysses,), base.threads), ulysses))
+    n_var = variant_count(Point(dp, pp, cp, tp, mbs, m, ep, (ulysses,), base.threads), space.facts, space.batch,
+                          space.dtype, **_variant_request(space))
     res.considered += n_var
     t = _Tuple(floor_s, dp, pp, cp, tp, mbs, m, n_var, costs, ep, moe=bool(space.facts.experts), ulysses=ulysses)
     if mem_floor > cap:
@@ -266,12 +279,10 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     return t
 
 
-def _variants(space: _Space, p: Point, ulysses: int, dominated: bool = True) -> Iterator[ParallelConfig]:
-    """``candidates.variants`` of one degree tuple under the search's request (generated, not kept:
-    a search holds tens of thousands)."""
-    return variants(p, ulysses, space.facts, space.batch, space.dtype, space.loss, dominated=dominated,
-                    pins=space.pins, fp8=space.fp8, compile=space.compile, low_comm=space.low_comm,
-                    offload=offload_saves(space.cluster), seq_chunks=searched_chunks(space.cluster))
+def _variant_request(space: _Space) -> dict:
+    """The request's arguments to ``candidates.variant_choices`` / ``variant_count`` beyond the tuple."""
+    return dict(pins=space.pins, fp8=space.fp8, compile=space.compile, low_comm=space.low_comm,
+                offload=offload_saves(space.cluster), seq_chunks=searched_chunks(space.cluster))
 
 
 def _balanced_stage_times(space: _Space, costs: LayerCosts, pp: int) -> dict[str, tuple[float, float]]:
@@ -282,7 +293,7 @@ def _balanced_stage_times(space: _Space, costs: LayerCosts, pp: int) -> dict[str
     if key not in space.stage_cache:
         sums = {}
         for policy in RECOMPUTE:
-            times = [layer_pass_times(costs.get(l), policy) for l in space.graph.layers]
+            times = [costs.pass_times(l, policy) for l in space.graph.layers]
             sums[policy] = (sum(x.fwd for x in times), sum(x.bwd for x in times))
         space.stage_cache[key] = sums
     return {policy: (f / pp, b / pp) for policy, (f, b) in space.stage_cache[key].items()}
@@ -299,8 +310,8 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple], inc: Incumbents) -> li
     heapq.heapify(heap)
     order = len(heap)
     while heap:
-        floor_s, _, t, cfg = heapq.heappop(heap)
-        if cfg is None:
+        floor_s, _, t, choice = heapq.heappop(heap)
+        if choice is None:
             if floor_s > inc.threshold(_may_protect(space, t.pp, t.m)):
                 # with routed experts, per expert-parallel degree: the report's "why not ep=..." reads it
                 rej.add((f"ep={t.ep}: " if t.moe else "") + "time floor above the best step time found", t.label,
@@ -311,18 +322,24 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple], inc: Incumbents) -> li
                 heapq.heappush(heap, (lb, order, t, c))
                 order += 1
             continue
-        protect = _may_protect(space, cfg.pp, t.m) and generates(cfg, t.m)
-        if floor_s > inc.threshold(protect):
-            rej.add("time floor above the best step time found", cfg.label())
+        # above threshold(True) pruned, at most threshold(False) kept; between, kept if protected: the
+        # configuration is built only where that asks (or the reason's examples want its label)
+        cfg = _config(space, t, choice) if inc.threshold(False) < floor_s <= inc.threshold(True) else None
+        if floor_s > inc.threshold(cfg is not None and _may_protect(space, t.pp, t.m) and generates(cfg, t.m)):
+            rej.add("time floor above the best step time found",
+                    cfg.label if cfg else lambda: _config(space, t, choice).label())
             res.pruned += 1
             continue
+        cfg = cfg or _config(space, t, choice)
         e = _fast_estimate(space, cfg, t.costs if LayerCosts.key(cfg) == LayerCosts.key(t.costs.cfg) else
                            space.costs(cfg), t.m)
         res.estimated += 1
         if isinstance(e, tuple):
             r, over, need = e
-            space.note_need(need, exact=True)
-            rej.add(f"OOM by {_bucket(over)} on stage {r}", cfg.label())
+            space.note_need(need if r is not None else math.inf, exact=True)  # a bound's: see exact_leanest
+            rej.add(f"OOM by {_bucket(over)} on stage {r}" if r is not None else
+                    f"OOM by >= {_bucket(over)} (states and in-flight activations, averaged over the pp ranks)",
+                    cfg.label)
             continue
         if not e.fits:  # the devices fit; the offloaded activations overflow the host memory
             r = max(range(len(e.memory)), key=lambda k: e.memory[k].host)
@@ -333,32 +350,47 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple], inc: Incumbents) -> li
         inc.add(e.step_s, _wan_generating(space, e))
     if not ranked:
         res.rejected, res.rejected_counts = rej.examples, rej.counts
-        raise AutoparError(_nothing_fits(space))
+        space.exact_leanest()
+        raise AutoparError(nothing_fits(space.graph.name, space.cluster, space.pins, space.rej, space.leanest))
     return sorted(ranked, key=lambda x: (x[0], x[1]))
 
 
-def _variant_floors(space: _Space, t: _Tuple) -> list[tuple[float, ParallelConfig]]:
-    """The variants of a tuple the cost model does not prove dominated, each with its floor: its
-    schedule on perfectly balanced stages with its recompute, and with a pipeline boundary on the
-    WAN the stall the fast pass charges it (seconds); the dominated ones are recorded."""
+def _variant_floors(space: _Space, t: _Tuple) -> list[tuple[float, tuple]]:
+    """The variants of a tuple the cost model does not prove dominated (``candidates.variant_choices``;
+    :func:`_config` builds one), each with its floor: its schedule on perfectly balanced stages with
+    its recompute, and with a pipeline boundary on the WAN the stall the fast pass charges it
+    (seconds); the dominated ones are recorded."""
     g = space.graph
     stage = _balanced_stage_times(space, t.costs, t.pp)
-    threads = layout_threads(space.cluster, t.dp * t.pp * t.cp * t.tp)
-    point = Point(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, t.ep, (t.ulysses,), threads)
     wan_hops: dict[bool, list[WanHop]] = {}  # per sequence parallel: the tuple's WAN boundaries at their cheapest
     floors: dict[tuple, float] = {}  # per what a floor reads (not the DP sharding, nor the chunk count > 1)
     out = []
-    for cfg in _variants(space, point, t.ulysses, dominated=False):
-        key = (cfg.schedule, cfg.vpp, cfg.recompute, cfg.seq_chunks == 1, cfg.sp)
+    for choice in variant_choices(_point(space, t), space.facts, space.batch, space.dtype, dominated=False,
+                                  **_variant_request(space)):
+        sched, v, _, rc, sp, k, _ = choice
+        key = (sched, v, rc, k == 1, sp)
         if key not in floors:
-            if cfg.sp not in wan_hops:
-                wan_hops[cfg.sp] = cheapest_wan_hops(g, space.cluster, cfg)
-            floors[key] = _variant_floor(t, cfg, stage[cfg.recompute], wan_hops[cfg.sp])
-        out.append((floors[key], cfg))
+            cfg = _config(space, t, choice)
+            if sp not in wan_hops:
+                wan_hops[sp] = cheapest_wan_hops(g, space.cluster, cfg)
+            floors[key] = _variant_floor(t, cfg, stage[rc], wan_hops[sp])
+        out.append((floors[key], choice))
     if t.n_var - len(out):
         space.rej.add(DOMINATED_REASON, t.label, t.n_var - len(out))
         space.res.pruned += t.n_var - len(out)
     return out
+
+
+def _point(space: _Space, t: _Tuple) -> Point:
+    """The tuple as ``candidates.Point`` (its one Ulysses degree)."""
+    threads = layout_threads(space.cluster, t.dp * t.pp * t.cp * t.tp)
+    return Point(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, t.ep, (t.ulysses,), threads)
+
+
+def _config(space: _Space, t: _Tuple, choice: tuple) -> ParallelConfig:
+    """The configuration of one of the tuple's variant choices (``candidates.variant_config``)."""
+    return variant_config(_point(space, t), t.ulysses, choice, space.facts, space.dtype, space.loss, space.fp8,
+                          space.compile)
 
 
 def _variant_floor(t: _Tuple, cfg: ParallelConfig, stage: tuple[float, float], wan_hops: list[WanHop]) -> float:
@@ -388,12 +420,17 @@ def _wan_generating(space: _Space, e: Estimate) -> bool:
         and "schedule" not in space.pins.choice
 
 
-def _fast_estimate(space: _Space, cfg: ParallelConfig, costs: LayerCosts,
-                   m: int) -> Estimate | tuple[int, float, float]:
+def _fast_estimate(space: _Space, cfg: ParallelConfig, costs: LayerCosts, m: int,
+                   bound: bool = True) -> Estimate | tuple[int | None, float, float]:
     """The fast pass on one variant: the closed-form estimate on the first split of ``fast_splits``
     that fits, its memory checked before its times (``cost_models.pipeline_memory.fullest_rank``, the
-    same figures); when none fits, (pp rank, bytes over, bytes needed) of the last split tried."""
+    same figures); when none fits, (pp rank, bytes over, bytes needed) of the last split tried, or
+    (None, bytes over at least, bytes needed at least) where ``pipeline_memory.memory_bound``, a
+    lower bound of the fullest rank on every split, is over already (``bound=False``: not asked)."""
     g = space.graph
+    if bound and (low := memory_bound(g, cfg, space.global_batch, costs, space.profile)) and low[0] > low[1]:
+        space.bounded.append((low[0], cfg, costs, m))
+        return None, low[0] - low[1], low[0]
     key = (cfg.pp, cfg.vpp, cfg.recompute, cfg.dp * cfg.cp * cfg.tp)  # what the splits depend on
     if key not in space.split_cache:
         space.split_cache[key] = fast_splits(g, space.cluster, cfg)
@@ -461,22 +498,3 @@ def _wan_generated(space: _Space, rest: list[tuple[float, str, Estimate]]) -> li
 
 def _bucket(over: float) -> str:
     return f"{over / GiB:.1f} GiB"
-
-
-def _nothing_fits(space: _Space) -> str:
-    """Why no layout is left: the least memory per device a layout needs against the device's
-    (when memory is what rejected them), else the first reasons; with pins, which ones."""
-    cluster, rej, pins = space.cluster, space.rej, space.pins
-    what = f"layout with {pins.to_str()}" if pins else "configuration"
-    where = f"{space.graph.name} on {cluster.name} ({cluster.world} devices)"
-    need, exact = space.leanest
-    if need < math.inf:
-        cap = cluster.memory_bytes
-        knobs = ["loosen --fix"] * bool(pins) + ["add devices"] + [k for key, k in (
-            ("zero", "use FSDP/ZeRO"), ("recompute", "full recompute"), ("cp", "context parallel (longer sequences)"))
-            if key not in pins.keys()]
-        return (f"no {what} fits {where}: the best needs {'' if exact else 'at least '}{need / GiB:.1f} GiB per "
-                f"device, {cap / GiB:.1f} GiB available (smallest shortfall {(need - cap) / GiB:.1f} GiB); "
-                + ", ".join(knobs[:-1]) + " or " + knobs[-1])
-    reasons = "; ".join(list(rej.counts)[:3]) or "the pins leave no configuration"
-    return f"no valid {what} for {where}: {reasons}" + ("; loosen --fix" if pins else "")
