@@ -197,8 +197,7 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
         parts = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "ep_comm": 0.0, "recompute": 0.0, "runtime": f + b,
                  "offload": 0.0}
         for i in range(lo, hi):
-            layer = graph.layers[i]
-            c = costs.get(layer)
+            c = costs.get(layer := graph.layers[i])
             comp_src.add(c.source)
             if c.tp or c.cp or c.ep_fwd:
                 comm_src.add(c.comm_source)
