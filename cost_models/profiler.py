@@ -21,10 +21,11 @@ rank). The same code runs with gloo on CPUs and nccl on GPUs. It measures:
     group size the mesh can have, with all groups of that size running at once
     (as all tp groups, or all dp groups, do in training), over message sizes.
 (c) **p2p**: send/recv between rank pairs, all pairs at once.
-(d) **The CPU runtime's own work** (gloo only, :func:`measure_runtime`; cost_models/cpu_runtime.py):
-    data-parallel wrappers per unit, EP dispatch per MoE layer, into ``ProfileDB.runtime``.
+(d) **The CPU runtime's own work** (gloo only, ``cost_models.profile_runtime.measure_runtime``;
+    cost_models/cpu_runtime.py): data-parallel wrappers per unit, EP dispatch per MoE layer,
+    DTensor's vocabulary-parallel embedding backward per table element, into ``ProfileDB.runtime``.
 
-Timing (:func:`timeit`): after a warm-up call, ``--repeats`` batches of k back-to-back
+Timing (``cost_models.profile_timing.timeit``): after a warm-up call, ``--repeats`` batches of k back-to-back
 calls, k chosen so a batch lasts about 20 ms (1 for anything slower), and the median
 batch time / k. Batching amortises timer and scheduler jitter, which dominates
 sub-millisecond operations when ranks share cores. All ranks use one agreed k and
@@ -37,10 +38,11 @@ import argparse
 import copy
 import math
 import os
-import statistics
 import sys
 import time
-from typing import Any, Callable
+
+from cost_models.profile_runtime import measure_runtime
+from cost_models.profile_timing import agree_min, all_gather_into, reduce_scatter_into, timeit
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 DEFAULT_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 22, 1 << 24)
@@ -51,74 +53,6 @@ def _log(msg: str) -> None:
 
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"[profile] {msg}", flush=True)
-
-
-def timeit(fn: Callable[[], Any], repeats: int, sync: Callable[[], None], budget_s: float = 2.0,
-            target_s: float = 0.02, agree: Callable[[int], int] | None = None,
-            lockstep: Callable[[], None] | None = None) -> float:
-    """Seconds per call of ``fn``: the median over ``n`` timed batches of ``k`` back-to-back
-    calls, divided by ``k``.
-
-    One warm-up call, then one timed call ``t``; ``k = ceil(target_s / t)`` (1 when a call
-    takes longer than ``target_s``; at most 1000) and ``n = repeats``, cut to what fits in
-    ``budget_s`` (at least 3 when ``repeats`` allows). ``agree`` maps this rank's k and n
-    to ones every rank uses (collectives must be issued the same number of times
-    everywhere); ``lockstep`` (a barrier) runs before every batch, so ranks sharing cores
-    time their batches while the others compute too, as in training.
-    """
-    fn()
-    sync()
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    first = max(time.perf_counter() - t0, 1e-9)
-    k = min(1000, max(1, math.ceil(target_s / first)))
-    n = max(min(3, repeats), min(repeats, math.ceil(budget_s / (k * first)) if math.isfinite(budget_s) else repeats))
-    if agree is not None:
-        k, n = agree(k), agree(n)
-    ts: list[float] = []
-    for _ in range(n):
-        if lockstep is not None:
-            lockstep()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(k):
-            fn()
-        sync()
-        ts.append((time.perf_counter() - t0) / k)
-    return statistics.median(ts)
-
-
-def _reduce_device() -> str:
-    """Where a small tensor must live for a collective on the default group (nccl: the GPU)."""
-    import torch.distributed as dist
-
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
-
-
-def _agree_min(k: int) -> int:
-    """The smallest ``k`` over all ranks (every rank times the same number of calls; the
-    smallest keeps a rank whose calls are slow, or a rank with nothing to time, from
-    stretching everyone's batches)."""
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([k], dtype=torch.int64, device=_reduce_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
-
-
-def _all_gather(out, inp, group):
-    import torch.distributed as dist
-
-    # torch >= 2.13 renamed all_gather_into_tensor; older releases (the GPU box has 2.11) lack the new name
-    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, inp, group=group)
-
-
-def _reduce_scatter(out, inp, group):
-    import torch.distributed as dist
-
-    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, inp, group=group)
 
 
 def _groups(world: int, n: int) -> list[list[int]]:
@@ -143,15 +77,15 @@ def measure_collectives(db, world: int, rank: int, sizes, repeats: int, device) 
                     fn = lambda: dist.all_reduce(x, group=mine)
                 elif kind == "all_gather":
                     inp = torch.ones(elems // n, device=device)
-                    fn = lambda: _all_gather(x, inp, group=mine)
+                    fn = lambda: all_gather_into(x, inp, group=mine)
                 elif kind == "reduce_scatter":
                     out = torch.empty(elems // n, device=device)
-                    fn = lambda: _reduce_scatter(out, x, group=mine)
+                    fn = lambda: reduce_scatter_into(out, x, group=mine)
                 else:
                     out = torch.empty_like(x)
                     fn = lambda: dist.all_to_all_single(out, x, group=mine)
                 dist.barrier()
-                t = timeit(fn, repeats, sync, budget_s=math.inf, agree=_agree_min)
+                t = timeit(fn, repeats, sync, budget_s=math.inf, agree=agree_min)
                 tt = torch.tensor([t], dtype=torch.float64, device=device)
                 dist.all_reduce(tt, op=dist.ReduceOp.MAX)
                 db.add_collective(kind, n, "intra" if _same_node(groups[0]) else "inter", elems * 4, tt.item())
@@ -172,7 +106,7 @@ def measure_collectives(db, world: int, rank: int, sizes, repeats: int, device) 
                 dist.recv(x, peer)
                 dist.send(x, peer)
         dist.barrier()
-        t = timeit(pingpong, repeats, sync, budget_s=math.inf, agree=_agree_min) / 2
+        t = timeit(pingpong, repeats, sync, budget_s=math.inf, agree=agree_min) / 2
         tt = torch.tensor([t], dtype=torch.float64, device=device)
         dist.all_reduce(tt, op=dist.ReduceOp.MAX)
         db.add_collective("send_recv", 2, "intra" if _same_node([0, 1]) else "inter", x.numel() * 4, tt.item())
@@ -334,103 +268,11 @@ def _time_layer(model, layer, inputs: tuple, tp: int, ring, repeats: int, sync, 
         if isinstance(m, SelfAttention):
             m.attn_impl = ring
     dist.barrier()
-    tf = timeit(fwd, repeats, sync, agree=_agree_min, lockstep=dist.barrier)
-    tfb = timeit(fwd_bwd, repeats, sync, agree=_agree_min, lockstep=dist.barrier)
+    tf = timeit(fwd, repeats, sync, agree=agree_min, lockstep=dist.barrier)
+    tfb = timeit(fwd_bwd, repeats, sync, agree=agree_min, lockstep=dist.barrier)
     tt = torch.tensor([tf, max(tfb - tf, 0.0)], dtype=torch.float64, device=device)
     dist.all_reduce(tt, op=dist.ReduceOp.MAX)
     return tt[0].item(), tt[1].item()
-
-
-RUNTIME_UNITS = 8  # the wrapper measurement's stack of units (two 64 x 64 linears on [4, 16, 64] each)
-
-
-def _unit_stack():
-    import torch.nn as nn
-
-    return nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)) for _ in range(RUNTIME_UNITS)])
-
-
-def _wrapper_figures(mesh, repeats: int) -> dict[str, float]:
-    """Per unit and micro-batch, forward + backward: the data-parallel wrappers' own work over an unwrapped
-    stack (cost_models/cpu_runtime.py): ``replicate`` and ``fully_shard`` with gradient sync off, less
-    the latter's two all-gathers of a unit, and sync on over off, less its reduce-scatter."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
-    from codegen.runtime import torch_compat
-
-    x, n, sync = torch.randn(4, 16, 64), mesh.size(), (lambda: None)  # CPU only: nothing to synchronise
-    def fwd_bwd(wrap=None, grad_sync=True) -> float:
-        m = _unit_stack()
-        if wrap is not None:
-            for unit in m:
-                wrap(unit)
-            wrap(m)
-            m.set_requires_gradient_sync(grad_sync)
-        return timeit(lambda: m(x).sum().backward(), repeats, sync, agree=_agree_min, lockstep=dist.barrier)
-
-    plain = fwd_bwd()
-    rep = fwd_bwd(lambda u: torch_compat.replicate()(u, mesh=mesh), grad_sync=False)
-    fsdp_off = fwd_bwd(lambda u: fully_shard(u, mesh=mesh), grad_sync=False)
-    fsdp_on = fwd_bwd(lambda u: fully_shard(u, mesh=mesh), grad_sync=True)
-    numel = sum(p.numel() for p in _unit_stack()[0].parameters()) // n * n
-    flat, shard = torch.ones(numel), torch.ones(numel // n)
-    ag = timeit(lambda: _all_gather(flat, shard, None), repeats, sync, agree=_agree_min, lockstep=dist.barrier)
-    rs = timeit(lambda: _reduce_scatter(shard, flat, None), repeats, sync, agree=_agree_min, lockstep=dist.barrier)
-    units = RUNTIME_UNITS + 1  # the stack's root is a unit too
-    return {"replicate_unit_s": (rep - plain) / units, "fsdp_unit_s": (fsdp_off - plain) / units - 2 * ag,
-            "fsdp_reduce_unit_s": (fsdp_on - fsdp_off) / units - rs}
-
-
-def _ep_figure(world: int, repeats: int) -> float:
-    """One MoE layer's TokenDispatch forward + backward over every rank (2 experts per rank, 8 rows of
-    64 per expert from each) less the local GEMMs, four row and one count all-to-all timed alone."""
-    import torch
-    import torch.distributed as dist
-    import torch.nn as nn
-
-    from codegen.runtime.expert_parallel import TokenDispatch
-
-    experts = 2 * world
-    split, rows, mine = [8] * experts, torch.randn(8 * experts, 64, requires_grad=True), torch.randn(8 * experts, 64)
-
-    class Routed(nn.Module):
-        expert_weights = ("w",)
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = nn.Parameter(torch.randn(2, 64, 64) * 0.1)
-
-        def run_local(self, x, sizes, weights):
-            return torch.cat([c @ weights[0][e] for e, c in enumerate(torch.split(x, sizes))])
-
-    routed, disp = Routed(), TokenDispatch(dist.group.WORLD, world, experts)
-    out, counts, t = torch.empty_like(mine), torch.tensor(split), {}
-    for name, fn in (("ep", lambda: disp(routed, rows, split).sum().backward()),
-                     ("local", lambda: routed.run_local(mine.requires_grad_(), [4 * experts] * 2, [routed.w]).sum()
-                      .backward()),
-                     ("rows", lambda: dist.all_to_all_single(out, mine.detach())),
-                     ("counts", lambda: dist.all_to_all_single(torch.empty_like(counts), counts))):
-        t[name] = timeit(fn, repeats, lambda: None, agree=_agree_min, lockstep=dist.barrier)
-    return t["ep"] - t["local"] - 4 * t["rows"] - t["counts"]
-
-
-def measure_runtime(db, world: int, repeats: int) -> None:
-    """The CPU runtime's own per-call work (cost_models/cpu_runtime.py) on this cluster's ranks,
-    the slowest rank's, into ``db.runtime`` (at least 0; nothing on GPUs or one rank)."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if world < 2 or dist.get_backend() != "gloo":
-        return
-    figs = _wrapper_figures(init_device_mesh("cpu", (world,)), repeats)
-    figs["ep_dispatch_s"] = _ep_figure(world, repeats)
-    tt = torch.tensor([figs[k] for k in sorted(figs)], dtype=torch.float64)
-    dist.all_reduce(tt, op=dist.ReduceOp.MAX)
-    db.runtime = {k: max(0.0, v) for k, v in zip(sorted(figs), tt.tolist())}
-    _log("runtime work: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in db.runtime.items()))
 
 
 def worker_args(cluster: str, model: str, out: str, *, seq_len: int | None = None, batches: str | None = None,

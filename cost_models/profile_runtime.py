@@ -1,0 +1,138 @@
+"""The CPU runtime's own per-call work, measured on a cluster's ranks (cost_models/cpu_runtime.py lists
+the keys; ``cost_models.profiler`` calls :func:`measure_runtime`): the data-parallel wrappers per
+unit, the EP dispatch per MoE layer and DTensor's vocabulary-parallel embedding backward per element
+of the table, into ``ProfileDB.runtime``."""
+from __future__ import annotations
+
+from cost_models.profile_timing import agree_min, all_gather_into, reduce_scatter_into, timeit
+
+
+def _log(msg: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"[profile] {msg}", flush=True)
+
+
+RUNTIME_UNITS = 8  # the wrapper measurement's stack of units (two 64 x 64 linears on [4, 16, 64] each)
+
+
+def _unit_stack():
+    import torch.nn as nn
+
+    return nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)) for _ in range(RUNTIME_UNITS)])
+
+
+def _wrapper_figures(mesh, repeats: int) -> dict[str, float]:
+    """Per unit and micro-batch, forward + backward: the data-parallel wrappers' own work over an unwrapped
+    stack (cost_models/cpu_runtime.py): ``replicate`` and ``fully_shard`` with gradient sync off, less
+    the latter's two all-gathers of a unit, and sync on over off, less its reduce-scatter."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from codegen.runtime import torch_compat
+
+    x, n, sync = torch.randn(4, 16, 64), mesh.size(), (lambda: None)  # CPU only: nothing to synchronise
+    def fwd_bwd(wrap=None, grad_sync=True) -> float:
+        m = _unit_stack()
+        if wrap is not None:
+            for unit in m:
+                wrap(unit)
+            wrap(m)
+            m.set_requires_gradient_sync(grad_sync)
+        return timeit(lambda: m(x).sum().backward(), repeats, sync, agree=agree_min, lockstep=dist.barrier)
+
+    plain = fwd_bwd()
+    rep = fwd_bwd(lambda u: torch_compat.replicate()(u, mesh=mesh), grad_sync=False)
+    fsdp_off = fwd_bwd(lambda u: fully_shard(u, mesh=mesh), grad_sync=False)
+    fsdp_on = fwd_bwd(lambda u: fully_shard(u, mesh=mesh), grad_sync=True)
+    numel = sum(p.numel() for p in _unit_stack()[0].parameters()) // n * n
+    flat, shard = torch.ones(numel), torch.ones(numel // n)
+    ag = timeit(lambda: all_gather_into(flat, shard, None), repeats, sync, agree=agree_min, lockstep=dist.barrier)
+    rs = timeit(lambda: reduce_scatter_into(shard, flat, None), repeats, sync, agree=agree_min, lockstep=dist.barrier)
+    units = RUNTIME_UNITS + 1  # the stack's root is a unit too
+    return {"replicate_unit_s": (rep - plain) / units, "fsdp_unit_s": (fsdp_off - plain) / units - 2 * ag,
+            "fsdp_reduce_unit_s": (fsdp_on - fsdp_off) / units - rs}
+
+
+def _ep_figure(world: int, repeats: int) -> float:
+    """One MoE layer's TokenDispatch forward + backward over every rank (2 experts per rank, 8 rows of
+    64 per expert from each) less the local GEMMs, four row and one count all-to-all timed alone."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    from codegen.runtime.expert_parallel import TokenDispatch
+
+    experts = 2 * world
+    split, rows, mine = [8] * experts, torch.randn(8 * experts, 64, requires_grad=True), torch.randn(8 * experts, 64)
+
+    class Routed(nn.Module):
+        expert_weights = ("w",)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(2, 64, 64) * 0.1)
+
+        def run_local(self, x, sizes, weights):
+            return torch.cat([c @ weights[0][e] for e, c in enumerate(torch.split(x, sizes))])
+
+    routed, disp = Routed(), TokenDispatch(dist.group.WORLD, world, experts)
+    out, counts, t = torch.empty_like(mine), torch.tensor(split), {}
+    for name, fn in (("ep", lambda: disp(routed, rows, split).sum().backward()),
+                     ("local", lambda: routed.run_local(mine.requires_grad_(), [4 * experts] * 2, [routed.w]).sum()
+                      .backward()),
+                     ("rows", lambda: dist.all_to_all_single(out, mine.detach())),
+                     ("counts", lambda: dist.all_to_all_single(torch.empty_like(counts), counts))):
+        t[name] = timeit(fn, repeats, lambda: None, agree=agree_min, lockstep=dist.barrier)
+    return t["ep"] - t["local"] - 4 * t["rows"] - t["counts"]
+
+
+VOCAB_TABLE = (16384, 512)  # the vocabulary-parallel embedding measured: rows, width (32 MiB of fp32)
+
+
+def _vocab_figure(world: int, repeats: int) -> float:
+    """Seconds per element of the whole table that DTensor's vocabulary-parallel embedding backward
+    adds (cost_models/dtensor_dispatch.py): ``VOCAB_TABLE`` split over tp 2 as the runtime splits it
+    (``RowwiseParallel``), forward + backward on [4, 64] ids, less the rank's plain local shard (what
+    the profiler's layer times hold) and the forward's output all-reduce (the communication model's)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    rows, width = VOCAB_TABLE
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+    ids = torch.randint(0, rows, (4, 64), generator=torch.Generator().manual_seed(0))
+    inside, out = ids < rows // 2, torch.zeros(4, 64, width)
+    sharded = parallelize_module(nn.Embedding(rows, width), mesh,
+                                 RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    local = nn.Embedding(rows // 2, width)
+    t = {}
+    for name, fn in (("dtensor", lambda: sharded(ids).sum().backward()),
+                     ("local", lambda: (local(torch.where(inside, ids, 0)) * inside.unsqueeze(-1)).sum().backward()),
+                     ("reduce", lambda: dist.all_reduce(out, group=mesh.get_group()))):
+        t[name] = timeit(fn, repeats, lambda: None, agree=agree_min, lockstep=dist.barrier)
+    return (t["dtensor"] - t["local"] - t["reduce"]) / (rows * width)
+
+
+def measure_runtime(db, world: int, repeats: int) -> None:
+    """The CPU runtime's own per-call work (cost_models/cpu_runtime.py) on this cluster's ranks,
+    the slowest rank's, into ``db.runtime`` (at least 0; nothing on GPUs or one rank)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if world < 2 or dist.get_backend() != "gloo":
+        return
+    figs = _wrapper_figures(init_device_mesh("cpu", (world,)), repeats)
+    figs["ep_dispatch_s"] = _ep_figure(world, repeats)
+    if world % 2 == 0:  # tp 2 groups
+        figs["dtensor_vocab_el_s"] = _vocab_figure(world, repeats)
+    tt = torch.tensor([figs[k] for k in sorted(figs)], dtype=torch.float64)
+    dist.all_reduce(tt, op=dist.ReduceOp.MAX)
+    db.runtime = {k: max(0.0, v) for k, v in zip(sorted(figs), tt.tolist())}
+    _log("runtime work: " + ", ".join(f"{k} {v * 1e3:.4g} ms" for k, v in db.runtime.items()))

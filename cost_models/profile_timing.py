@@ -1,0 +1,77 @@
+"""The profiler's timing and collective helpers (cost_models/profiler.py, cost_models/profile_runtime.py):
+batched timing of a call on every rank alike, the ranks' agreed counts, and the all-gather /
+reduce-scatter calls under their torch-version names."""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any, Callable
+
+
+def timeit(fn: Callable[[], Any], repeats: int, sync: Callable[[], None], budget_s: float = 2.0,
+            target_s: float = 0.02, agree: Callable[[int], int] | None = None,
+            lockstep: Callable[[], None] | None = None) -> float:
+    """Seconds per call of ``fn``: the median over ``n`` timed batches of ``k`` back-to-back
+    calls, divided by ``k``.
+
+    One warm-up call, then one timed call ``t``; ``k = ceil(target_s / t)`` (1 when a call
+    takes longer than ``target_s``; at most 1000) and ``n = repeats``, cut to what fits in
+    ``budget_s`` (at least 3 when ``repeats`` allows). ``agree`` maps this rank's k and n
+    to ones every rank uses (collectives must be issued the same number of times
+    everywhere); ``lockstep`` (a barrier) runs before every batch, so ranks sharing cores
+    time their batches while the others compute too, as in training.
+    """
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    first = max(time.perf_counter() - t0, 1e-9)
+    k = min(1000, max(1, math.ceil(target_s / first)))
+    n = max(min(3, repeats), min(repeats, math.ceil(budget_s / (k * first)) if math.isfinite(budget_s) else repeats))
+    if agree is not None:
+        k, n = agree(k), agree(n)
+    ts: list[float] = []
+    for _ in range(n):
+        if lockstep is not None:
+            lockstep()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            fn()
+        sync()
+        ts.append((time.perf_counter() - t0) / k)
+    return statistics.median(ts)
+
+
+def reduce_device() -> str:
+    """Where a small tensor must live for a collective on the default group (nccl: the GPU)."""
+    import torch.distributed as dist
+
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def agree_min(k: int) -> int:
+    """The smallest ``k`` over all ranks (every rank times the same number of calls; the
+    smallest keeps a rank whose calls are slow, or a rank with nothing to time, from
+    stretching everyone's batches)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([k], dtype=torch.int64, device=reduce_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def all_gather_into(out, inp, group):
+    import torch.distributed as dist
+
+    # torch >= 2.13 renamed all_gather_into_tensor; older releases (the GPU box has 2.11) lack the new name
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, inp, group=group)
+
+
+def reduce_scatter_into(out, inp, group):
+    import torch.distributed as dist
+
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, inp, group=group)
