@@ -128,13 +128,19 @@ def plan_against(c: Case, graphs: Graphs) -> dict[str, Any]:
     """autopar's pick for the same job against the published layout, both priced by the same
     model on autopar's runtime (the engine the pick would run on), and why they differ: the
     step-time categories (``Estimate.breakdown``) that move most between the two."""
+    from planner.errors import AutoparError
     from planner.search.planning import evaluate_config, plan_model
 
     g, cl = graphs.get(c.model), cluster_for(c)
-    _, res = plan_model(g, cl, c.global_batch, spec=c.model["name"], cluster_spec=cl.name, fp8=c.cfg.fp8,
-                        compile=c.cfg.compile)
-    ours = res.best
     theirs, _ = evaluate_config(g, cl, c.cfg, c.global_batch, even_split=True)
+    try:
+        _, res = plan_model(g, cl, c.global_batch, spec=c.model["name"], cluster_spec=cl.name, fp8=c.cfg.fp8,
+                            compile=c.cfg.compile)
+    except AutoparError as err:  # a job autopar's runtime cannot run at all: say why, keep going
+        return {"pick": None, "speedup": None, "theirs_fits": theirs.fits, "degrees_match": False,
+                "why": f"no plan: {str(err).split(': ', 1)[-1][:160]}", "theirs_on_autopar_s": theirs.step_s,
+                "ours_s": None}
+    ours = res.best
     deg = ("dp", "pp", "cp", "tp")
     keys = set(ours.breakdown) | set(theirs.breakdown)
     delta = {k: theirs.breakdown.get(k, 0.0) - ours.breakdown.get(k, 0.0) for k in keys}
@@ -167,11 +173,14 @@ def plan_report(exact: list[Case], graphs: Graphs) -> list[dict[str, Any]]:
     print("autopar's pick against the published layout, both on autopar's runtime; why: the step's share "
           "each category saves (-) or adds (+) in our pick")
     for p in picks:
+        if p["pick"] is None:
+            print(f"  {p['id']:<44} {p['why']}")
+            continue
         print(f"  {p['id']:<44} {p['pick']:<60} {p['speedup']:.3f}x  "
               f"{'same degrees; ' if p['degrees_match'] else ''}{'' if p['theirs_fits'] else 'theirs OOM; '}{p['why']}")
-    sp = [p["speedup"] for p in picks]
-    print(f"planner vs published layouts: median {statistics.median(sp):.3f}x, min {min(sp):.3f}x, "
-          f"degrees match {sum(p['degrees_match'] for p in picks)} of {len(picks)}")
+    sp = [p["speedup"] for p in picks if p["speedup"] is not None]
+    print(f"planner vs published layouts ({len(sp)} of {len(picks)} planned): median {statistics.median(sp):.3f}x, "
+          f"min {min(sp):.3f}x, degrees match {sum(p['degrees_match'] for p in picks)} of {len(picks)}")
     return picks
 
 
