@@ -363,7 +363,7 @@ class MemoryRule:
     def __init__(self, graph: ModelGraph, cfg: ParallelConfig, table: LayerTable | None = None,
                  replicas: int = 1) -> None:
         self.cfg, self.t = cfg, table or LayerTable(graph, cfg)
-        self.f, self.fe = per_param_bytes(cfg, replicas=replicas), per_param_bytes(cfg, experts=True)
+        self.f, self.fe = per_param_bytes(cfg, replicas=replicas), per_param_bytes(cfg, experts=True, replicas=replicas)
         cast = GRAD_REDUCE_BYTES if mixed_precision(cfg.dtype) else 0.0  # a unit's gradient cast to fp32
         dp = dp_group(cfg)
         self.units = dp_wrapper(cfg.zero, cfg.pp, cfg.tp, dp, cfg.dtype) == "fully_shard" and reshard_after_forward(

@@ -192,6 +192,10 @@ def test_experts_dp_across_regions_is_priced_as_the_runtime_shards_them():
     ep2, dense = ParallelConfig(dp=16, ep=2, zero="fsdp"), ParallelConfig(dp=16, zero="fsdp")
     assert per_param_bytes(ep2, experts=True, replicas=2)["optimizer"] == pytest.approx(8.0 / 8)  # edp 8, flat
     assert per_param_bytes(dense, experts=True, replicas=2)["optimizer"] == pytest.approx(8.0 / 8)  # 16 / 2 groups
+    from cost_models.memory import MemoryRule
+    g0 = load_graph("moe-tiny", batch=1, seq_len=64)
+    assert MemoryRule(g0, dense, replicas=2).fe["optimizer"] == pytest.approx(8.0 / 8)  # the memory model asks alike
+    assert MemoryRule(g0, ep2, replicas=2).fe["optimizer"] == pytest.approx(8.0 / 8)
     cl = parse_cluster("two-region-h100:1")
     g = load_graph("mixtral-8x7b", batch=1, seq_len=4096)
     whole = Partition.even(len(g.layers), 1)
