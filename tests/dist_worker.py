@@ -327,9 +327,14 @@ def mllm_ilp_split(pc) -> tuple[list[list[str]], list[str]]:
     from planner.search.planning import evaluate_config
 
     g = load_graph("mllm-tiny", batch=1, seq_len=SEQ)
-    e, _ = evaluate_config(g, parse_cluster(f"local-cpu:{pc.world}"), pc, GB)
+
+    def split():  # made on rank 0 (worker_io.made_once)
+        e, _ = evaluate_config(g, parse_cluster(f"local-cpu:{pc.world}"), pc, GB)
+        return e.partition.bounds, list(e.partition.recompute)
+
+    bounds, recompute = made_once(split)
     names = [l.name for l in g.layers]
-    return [names[a:b] for a, b in e.partition.bounds], list(e.partition.recompute)
+    return [names[a:b] for a, b in bounds], recompute
 
 
 def mllm_pp2() -> dict:

@@ -25,7 +25,7 @@ from codegen.runtime.train import parallelize  # noqa: E402
 from planner.feasibility import default_attention  # noqa: E402
 from planner.plan import ParallelConfig  # noqa: E402
 from model_cases import fitting_problems  # noqa: E402
-from worker_io import failure, finish, report, write_results  # noqa: E402
+from worker_io import failure, finish, made_once, report, write_results  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_configs")
 FAMILIES = ("qwen2", "phi", "gpt_neox", "gemma2", "cohere", "stablelm", "opt", "phi3", "olmo2", "deepseek_v3",
@@ -72,9 +72,13 @@ def run(family: str) -> dict:
     graph = load_graph(spec(family), batch=1, seq_len=SEQ)
     facts = facts_of(graph)
     cfg = layout_for(facts)
-    est, problems = evaluate_config(graph, parse_cluster("local-cpu:4"), cfg, GB)  # the planner's stage split
+    def split():  # the planner's stage split, made on rank 0 (worker_io.made_once)
+        est, problems = evaluate_config(graph, parse_cluster("local-cpu:4"), cfg, GB)
+        return est.partition.bounds, list(est.partition.recompute), problems
+
+    bounds, recompute, problems = made_once(split)
     names = [l.name for l in graph.layers]
-    stages = [names[a:b] for a, b in est.partition.bounds]
+    stages = [names[a:b] for a, b in bounds]
     g = torch.Generator().manual_seed(7)
     data = [{"input_ids": (ids := torch.randint(0, graph.vocab or 128, (GB, SEQ), generator=g)), "labels": ids}
             for _ in range(STEPS)]
@@ -89,7 +93,7 @@ def run(family: str) -> dict:
             ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
         opt.step()
         ref_losses.append(loss.item())
-    pm = parallelize(build(family, "meta"), cfg, stages, est.partition.recompute, tp_layout(graph), GB, SEQ, "cpu",
+    pm = parallelize(build(family, "meta"), cfg, stages, recompute, tp_layout(graph), GB, SEQ, "cpu",
                      seed=SEED, facts=facts, optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=LR))
     t0 = time.perf_counter()
     losses, grads = [], None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -36,3 +36,21 @@ def finish(results: dict, out: str) -> None:
     write_results(results, out)
     teardown()
     exit_process(0)
+
+
+def made_once(fn: Callable[[], Any]) -> Any:
+    """``fn()`` run on rank 0 only, its result (or its error, raised on every rank) broadcast.
+    For what the planner decides in a worker (a stage split): it reads this machine's speed live
+    (``local-cpu:N``), so ranks deciding alone may decide differently and hang; autopar plans
+    once and broadcasts too (planner/entry/api.py)."""
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [(True, fn())]
+        except Exception as exc:  # noqa: BLE001 - every rank raises it below
+            box = [(False, f"{type(exc).__name__}: {exc}")]
+    dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise RuntimeError(f"on rank 0: {value}")
+    return value
