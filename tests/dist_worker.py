@@ -28,7 +28,7 @@ from planner.schedule_file import parse, to_csv
 from planner.search.schedule_gen import generate
 
 from model_cases import GB, SEED, SEQ, case, planner_view, refusals, stages_for  # noqa: E402
-from worker_io import failure, finish, report  # noqa: E402
+from worker_io import failure, finish, made_once, report  # noqa: E402
 
 STEPS, LR = 3, 0.1
 NORM = "<global grad norm>"  # the key of the first step's global gradient norm among the gradients
