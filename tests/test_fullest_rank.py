@@ -15,6 +15,7 @@ from planner.plan import ParallelConfig, Partition
 from planner.search.candidates import Point, batch_of, facts_of, variant_choices, variant_config, variant_count, variants
 from planner.search.pins import Pins
 from planner.search.stage_split import even_split
+from split_cases import uneven_split
 
 G = load_graph("llama3-8b", batch=1, seq_len=4096)
 
@@ -30,17 +31,6 @@ def _middle_heavy(pp: int, v: int) -> Partition:
     return Partition(bounds, ["none"] * S)
 
 
-def _uneven(pp: int, v: int) -> Partition:
-    """A split whose stages all differ in size (no two ranks hold the same chunks)."""
-    n, S = len(G.layers), pp * v
-    sizes = [1 + (j % 3) for j in range(S - 1)]
-    bounds, a = [], 0
-    for s in sizes:
-        bounds.append((a, a + s))
-        a += s
-    return Partition(bounds + [(a, n)], ["none"] * S)
-
-
 @pytest.mark.parametrize("cluster", ["dgx-h100:2", "two-region-h100:1"])
 def test_fullest_rank_is_the_first_fullest_of_every_rank(cluster):
     c = parse_cluster(cluster)
@@ -51,7 +41,7 @@ def test_fullest_rank_is_the_first_fullest_of_every_rank(cluster):
             cfg = ParallelConfig(dp=16 // pp, pp=pp, tp=1, mbs=1, schedule=sched, vpp=v, zero=zero, recompute=rc,
                                  dtype="bf16", seq_chunks=k)
             costs = LayerCosts(G, c, cfg, None)
-            for part in (even_split(G, pp * v, rc), _uneven(pp, v), _middle_heavy(pp, v)):
+            for part in (even_split(G, pp * v, rc), uneven_split(len(G.layers), pp * v), _middle_heavy(pp, v)):
                 part = Partition(part.bounds, [rc] * len(part.bounds))
                 memory, cap = fast_memory(G, cfg, part, gb, costs)
                 totals = [x.total for x in memory]

@@ -14,6 +14,7 @@ from cost_models.pipeline_memory import fullest_rank, memory_bound
 from planner.frontend.load import load_graph
 from planner.plan import ParallelConfig, Partition
 from planner.search.stage_split import even_split
+from split_cases import uneven_split
 
 G = load_graph("llama3-8b", batch=1, seq_len=4096)
 
@@ -21,13 +22,8 @@ G = load_graph("llama3-8b", batch=1, seq_len=4096)
 def _splits(pp: int, v: int, rc: str) -> list[Partition]:
     """The even split, one whose stages all differ in size, and one with a heavy middle."""
     n, S = len(G.layers), pp * v
-    sizes = [1 + (j % 3) for j in range(S - 1)]
-    uneven, a = [], 0
-    for s in sizes:
-        uneven.append((a, a + s))
-        a += s
     heavy = [(0, 1)] + [(1 + j, 2 + j) for j in range(S - 2)] + [(S - 1, n)] if S > 1 else [(0, n)]
-    return [Partition(b, [rc] * S) for b in (even_split(G, S, rc).bounds, uneven + [(a, n)], heavy)]
+    return [even_split(G, S, rc), uneven_split(n, S, rc), Partition(heavy, [rc] * S)]
 
 
 @pytest.mark.parametrize("cluster", ["dgx-h100:2", "two-region-h100:1"])
