@@ -79,10 +79,9 @@ def hier_of(pm) -> str:
     p = next(p for _, p in pm.named_parameters())
     if isinstance(p, DTensor):
         return "hsdp" if p.device_mesh.ndim == 2 else "flat"
-    from codegen.runtime.torch_compat import ddp_replicate
+    from codegen.runtime.torch_compat import replicate_comm_hooked
 
-    ddp = ddp_replicate().state(pm.stage_modules[0])._ddp
-    return "hook" if getattr(ddp, "_comm_hooks", None) else "flat"
+    return "hook" if replicate_comm_hooked(pm.stage_modules[0]) else "flat"
 
 
 def plan_run(low_comm: str, zero: str = "ddp", dp_spans: int = 1) -> dict:

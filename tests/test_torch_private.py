@@ -15,7 +15,8 @@ SCANNED = ("planner", "cost_models", "codegen", "benchmarks", "tests")
 # from our own: named here so a call outside torch_compat fails
 PRIVATE_METHODS = {"_flatten", "_unflatten", "_get_root_mesh", "_get_backend", "_set_default_backend",
                    "_modules", "_cdata", "_forward_pre_hooks", "_forward_hooks", "_backward_hooks",
-                   "_parameters", "_buffers", "_local_tensor"}  # and private attributes of modules, storages, DTensors
+                   "_parameters", "_buffers", "_local_tensor", "_ddp", "_comm_hooks",
+                   "_opname"}  # and private attributes of modules, storages, DTensors, DDP states, ops
 
 
 def _private(name: str) -> bool:
@@ -57,6 +58,9 @@ def private_torch_uses(source: str) -> list[str]:
                 found.append(f"{node.lineno}: {'.'.join(c)}")
             elif node.attr in PRIVATE_METHODS:
                 found.append(f"{node.lineno}: .{node.attr}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in PRIVATE_METHODS):
+            found.append(f"{node.lineno}: getattr(..., {node.args[1].value!r})")
     return sorted(set(found))
 
 
@@ -64,10 +68,11 @@ def test_the_scan_sees_each_kind_of_private_use():
     src = ("import torch\nimport torch.distributed as dist\nfrom torch.utils._pytree import tree_map\n"
            "aten = torch.ops.aten\nx = aten._scaled_dot_product_flash_attention\ny = torch._foreach_norm\n"
            "z = dist.distributed_c10d._world\nm = mesh._flatten('a')\nok = torch.ops.aten.mm\n"
-           "kids = block._modules\nsid = t.untyped_storage()._cdata\n")
+           "kids = block._modules\nsid = t.untyped_storage()._cdata\nname = getattr(op, '_opname', None)\n")
     assert sorted(u.split(": ", 1)[1] for u in private_torch_uses(src)) == sorted([
         "from torch.utils._pytree import tree_map", "aten._scaled_dot_product_flash_attention",
-        "torch._foreach_norm", "dist.distributed_c10d._world", "._flatten", "._modules", "._cdata"])
+        "torch._foreach_norm", "dist.distributed_c10d._world", "._flatten", "._modules", "._cdata",
+        "getattr(..., '_opname')"])
 
 
 def test_private_torch_apis_only_in_torch_compat():

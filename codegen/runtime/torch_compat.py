@@ -103,6 +103,18 @@ def ddp_replicate():
     return fn
 
 
+def replicate_comm_hooked(module: torch.nn.Module) -> bool:
+    """Whether the DDP reducer :func:`ddp_replicate` put on ``module`` has a communication hook
+    (its state's private ``_ddp._comm_hooks``)."""
+    return bool(getattr(ddp_replicate().state(module)._ddp, "_comm_hooks", None))
+
+
+def op_base_name(target: Any) -> str | None:
+    """An aten op's name without namespace or overload (``mm`` for ``aten.mm.default``): the
+    private ``_opname`` of torch's ``OpOverload`` / ``OpOverloadPacket``; None for other callables."""
+    return getattr(target, "_opname", None)
+
+
 def replicate_ddp_class() -> type:
     """The class a module becomes under :func:`ddp_replicate` (``_composable.replicate.DDP``)."""
     from torch.distributed._composable.replicate import DDP

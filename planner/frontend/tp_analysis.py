@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from codegen.runtime.torch_compat import op_base_name
 from planner.frontend.fx_graph import unit_nodes
 from planner.graph import BLOCK_KINDS, ModelGraph
 from planner.frontend.layer_kinds import ATTN_OPS
@@ -78,7 +79,7 @@ def _join(*parts: str) -> str:
 def _op(n: fx.Node) -> str:
     if n.target is operator.getitem:
         return "getitem"
-    return getattr(n.target, "_opname", getattr(n.target, "__name__", str(n.target)))
+    return op_base_name(n.target) or getattr(n.target, "__name__", str(n.target))
 
 
 def _shape(n) -> tuple:
