@@ -8,7 +8,7 @@ The vocabulary-parallel embedding: DTensor's sharding rule for ``embedding_dense
 2.13, ``torch/distributed/tensor/_ops/_embedding_ops.py``) has no strategy that yields the weight
 gradient sharded by rows (only by columns, or partial), so every tp rank builds the gradient of the
 WHOLE table (a zero-filled [vocab, hidden] tensor and the index-add into it) and copies its own
-vocab/tp rows out of it, where the profiler's local shard (cost_models/profiler.py) works on its
+vocab/tp rows out of it, where the profiler's local shard (cost_models/profile_runtime.py) works on its
 vocab/tp rows alone. Seen in a torch.profiler trace of gpt-small dp2 tp2 sp on local-cpu:4 (quiet
 box): every rank fills a [50257, 768] tensor each micro-batch and copies a [25129, 768] one.
 Priced per element of the whole table (:func:`vocab_table_elements`) at a figure the profiler

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from codegen.runtime import context_parallel as cpar
-from cost_models import profiler
+from cost_models import profile_timing, profiler
 from cost_models.memory import layer_params_local
 from cost_models.profile_db import ProfileDB
 from planner import zoo
@@ -83,7 +83,7 @@ def test_ring_compute_covers_the_causal_attention_once(monkeypatch):
 
 def test_timeit_batches_fast_calls_and_agrees_on_the_batch():
     calls, agreed, steps = [], [], []
-    t = profiler.timeit(lambda: calls.append(1), repeats=3, sync=lambda: None, target_s=0.005,
+    t = profile_timing.timeit(lambda: calls.append(1), repeats=3, sync=lambda: None, target_s=0.005,
                          agree=lambda x: agreed.append(x) or x + 1, lockstep=lambda: steps.append(1))
     k, n = agreed
     assert k > 10 and n == 3                       # a no-op is far below 5 ms: batched; 3 batches asked
@@ -96,7 +96,7 @@ def test_timeit_cuts_slow_calls_to_the_budget():
     import time
 
     calls = []
-    profiler.timeit(lambda: calls.append(time.sleep(0.01)), repeats=50, sync=lambda: None, budget_s=0.05,
+    profile_timing.timeit(lambda: calls.append(time.sleep(0.01)), repeats=50, sync=lambda: None, budget_s=0.05,
                      target_s=0.001)
     assert 2 + 3 <= len(calls) <= 2 + 6            # k = 1; about 0.05 s / 0.01 s batches, at least 3
 
