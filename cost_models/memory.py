@@ -243,6 +243,7 @@ class LayerTable:
         self.split_ids: dict[tuple, tuple[int, ...]] = {}  # (rule id, bounds, policies) -> chunk ids (pipeline_memory.split_ids)
         # a rank's memory per (its chunks' ids, in-flight micro-batches, reserve): see pipeline_memory
         self.rank_memo: dict[tuple, StageMemory] = {}
+        self.rules: dict[tuple, MemoryRule] = {}  # rule_of's key -> the rule (the search asks per variant)
 
 
 def per_param_bytes(cfg: ParallelConfig, experts: bool = False, replicas: int = 1) -> dict[str, float]:
@@ -362,7 +363,7 @@ class MemoryRule:
 
     def __init__(self, graph: ModelGraph, cfg: ParallelConfig, table: LayerTable | None = None,
                  replicas: int = 1) -> None:
-        self.cfg, self.t = cfg, table or LayerTable(graph, cfg)
+        self.t = table or LayerTable(graph, cfg)
         self.f, self.fe = per_param_bytes(cfg, replicas=replicas), per_param_bytes(cfg, experts=True, replicas=replicas)
         cast = GRAD_REDUCE_BYTES if mixed_precision(cfg.dtype) else 0.0  # a unit's gradient cast to fp32
         dp = dp_group(cfg)

@@ -45,7 +45,7 @@ class _RankPricer:
 
     def __init__(self, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
                  table: LayerTable, cal: dict[str, float], on_rank: Sequence[Sequence[int]]) -> None:
-        rule = MemoryRule(graph, cfg, table, hsdp_replicas(cluster, cfg))
+        rule = rule_of(graph, cfg, table, hsdp_replicas(cluster, cfg))
         self.g, self.cfg, self.part, self.table, self.on_rank = graph, cfg, partition, table, on_rank
         self.reserve = framework_reserve(cluster.backend != "gloo", cal)
         stage_ids = split_ids(rule, partition.bounds, partition.recompute)
@@ -70,6 +70,16 @@ class _RankPricer:
             m = rank_memory([per_unit(self.table.chunks[i], k) for i in ids], [inflight / n] * n, self.reserve)
             memo[key] = replace(m, activations=m.activations + kv, inflight=inflight)
         return memo[key]
+
+
+def rule_of(graph: ModelGraph, cfg: ParallelConfig, table: LayerTable, replicas: int = 1) -> MemoryRule:
+    """``MemoryRule(graph, cfg, table, replicas)``, built once per what it reads of ``cfg`` (the DP
+    sharding, dtype, degrees and low-communication groups) and kept in ``table``."""
+    key = (cfg.zero, cfg.dtype, cfg.dp, cfg.cp, cfg.pp, cfg.tp, cfg.ep, cfg.low_comm, replicas)
+    rule = table.rules.get(key)
+    if rule is None:
+        rule = table.rules[key] = MemoryRule(graph, cfg, table, replicas)
+    return rule
 
 
 def split_ids(rule: MemoryRule, bounds: Sequence[tuple[int, int]], policies: Sequence[str]) -> tuple[int, ...]:
@@ -157,7 +167,7 @@ def memory_bound(graph: ModelGraph, cfg: ParallelConfig, global_batch: int, cost
     S, A that chunk's states and activations. Less :data:`BOUND_SLACK` for rounding."""
     if simulated_memory(cfg):
         return None
-    rule = MemoryRule(graph, cfg, costs.table(cfg), hsdp_replicas(costs.c, cfg))
+    rule = rule_of(graph, cfg, costs.table(cfg), hsdp_replicas(costs.c, cfg))
     whole = chunk_memory(rule, range(len(graph.layers)), cfg.recompute)
     inflight, on_rank = _closed_inflight(cfg, global_batch)
     x = min(i / len(c) for i, c in zip(inflight, on_rank) if c) / cfg.seq_chunks

@@ -63,6 +63,10 @@ class Topology:
     def __post_init__(self) -> None:
         if not self.pairs:
             self.pairs = _complete(self.declared)
+        starts = [0]
+        for g in self.groups:
+            starts.append(starts[-1] + g.nodes)
+        self._starts = tuple(starts)  # first node of each group (the groups are fixed once made)
 
     # ---- reading -------------------------------------------------------------
     @property
@@ -85,7 +89,7 @@ class Topology:
 
     def first_node(self, group: int) -> int:
         """The first node of group ``group``."""
-        return sum(g.nodes for g in self.groups[:group])
+        return self._starts[group]
 
     def link(self, a: int, b: int) -> GroupLink:
         """The link from group index ``a`` to group index ``b`` (a != b)."""

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
-from cost_models.pipeline_memory import inflight_closed
+from cost_models.pipeline_memory import inflight_closed, rule_of
 from cost_models.layer_costs import LayerCosts, act_bytes_io, layer_pass_times
 from cost_models.compute import calibration
-from cost_models.memory import MemoryRule, chunk_memory, framework_reserve
+from cost_models.memory import chunk_memory, framework_reserve
 from cost_models.offload import offload_saves
 from cost_models.wan_cost import hsdp_replicas, stage_capacity, stage_slowdowns
 from planner.feasibility import recompute_attention_problem
@@ -99,7 +99,7 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
 
     mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
     costs = LayerCosts(graph, cluster, cfg.replace(recompute="none"), profile)  # recompute is priced below
-    rule = MemoryRule(graph, cfg, costs.table(cfg), hsdp_replicas(cluster, cfg))
+    rule = rule_of(graph, cfg, costs.table(cfg), hsdp_replicas(cluster, cfg))
     groups = graph.stage_groups()
     fwd, bwd, act, peak, static, transient, out_p2p, classes = [], [], [], [], [], [], [], []
     for g, (lo, hi) in enumerate(groups):
