@@ -155,6 +155,7 @@ class _Tuple:
     ep: int = field(compare=False, default=1)
     moe: bool = field(compare=False, default=False)  # the model has routed experts: ep is named, even ep=1
     ulysses: int = field(compare=False, default=1)   # CP's Ulysses degree (ParallelConfig.cp_method)
+    point: Point | None = field(compare=False, default=None)  # as candidates.Point (its one Ulysses degree)
 
     @property
     def label(self) -> str:
@@ -266,10 +267,11 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     low = [base.replace(low_comm=space.low_comm)] if space.low_comm and not low_comm_problem(space.low_comm, dp) else []
     floor_s = max(floor_s, min(wan_floor_s(space.graph, space.cluster, c, m) for c in [base, *low]))  # 0 without a WAN
     mem_floor = reserve.of(memory_floor(space.graph, base, costs.table(base)))
-    n_var = variant_count(Point(dp, pp, cp, tp, mbs, m, ep, (ulysses,), base.threads), space.facts, space.batch,
-                          space.dtype, **_variant_request(space))
+    point = Point(dp, pp, cp, tp, mbs, m, ep, (ulysses,), base.threads)
+    n_var = variant_count(point, space.facts, space.batch, space.dtype, **_variant_request(space))
     res.considered += n_var
-    t = _Tuple(floor_s, dp, pp, cp, tp, mbs, m, n_var, costs, ep, moe=bool(space.facts.experts), ulysses=ulysses)
+    t = _Tuple(floor_s, dp, pp, cp, tp, mbs, m, n_var, costs, ep, moe=bool(space.facts.experts), ulysses=ulysses,
+               point=point)
     if mem_floor > cap:
         space.note_need(mem_floor, exact=False)
         rej.add(f"OOM even with FSDP + full recompute: needs >= {mem_floor / GiB:.1f} GiB of "
@@ -365,15 +367,14 @@ def _variant_floors(space: _Space, t: _Tuple) -> list[tuple[float, tuple]]:
     wan_hops: dict[bool, list[WanHop]] = {}  # per sequence parallel: the tuple's WAN boundaries at their cheapest
     floors: dict[tuple, float] = {}  # per what a floor reads (not the DP sharding, nor the chunk count > 1)
     out = []
-    for choice in variant_choices(_point(space, t), space.facts, space.batch, space.dtype, dominated=False,
+    for choice in variant_choices(t.point, space.facts, space.batch, space.dtype, dominated=False,
                                   **_variant_request(space)):
         sched, v, _, rc, sp, k, _ = choice
         key = (sched, v, rc, k == 1, sp)
         if key not in floors:
-            cfg = _config(space, t, choice)
-            if sp not in wan_hops:
-                wan_hops[sp] = cheapest_wan_hops(g, space.cluster, cfg)
-            floors[key] = _variant_floor(t, cfg, stage[rc], wan_hops[sp])
+            if sp not in wan_hops:  # (one configuration per sequence parallel: the rest reads the choice)
+                wan_hops[sp] = cheapest_wan_hops(g, space.cluster, _config(space, t, choice))
+            floors[key] = _variant_floor(t, sched, v, k, stage[rc], wan_hops[sp])
         out.append((floors[key], choice))
     if t.n_var - len(out):
         space.rej.add(DOMINATED_REASON, t.label, t.n_var - len(out))
@@ -381,31 +382,24 @@ def _variant_floors(space: _Space, t: _Tuple) -> list[tuple[float, tuple]]:
     return out
 
 
-def _point(space: _Space, t: _Tuple) -> Point:
-    """The tuple as ``candidates.Point`` (its one Ulysses degree)."""
-    threads = layout_threads(space.cluster, t.dp * t.pp * t.cp * t.tp)
-    return Point(t.dp, t.pp, t.cp, t.tp, t.mbs, t.m, t.ep, (t.ulysses,), threads)
-
-
 def _config(space: _Space, t: _Tuple, choice: tuple) -> ParallelConfig:
     """The configuration of one of the tuple's variant choices (``candidates.variant_config``)."""
-    return variant_config(_point(space, t), t.ulysses, choice, space.facts, space.dtype, space.loss, space.fp8,
+    return variant_config(t.point, t.ulysses, choice, space.facts, space.dtype, space.loss, space.fp8,
                           space.compile)
 
 
-def _variant_floor(t: _Tuple, cfg: ParallelConfig, stage: tuple[float, float], wan_hops: list[WanHop]) -> float:
-    """One variant's floor (seconds): its schedule's closed form on perfectly balanced stages of
-    ``stage`` = (forward, backward) seconds per micro-batch with its recompute, and with WAN
-    boundaries (``wan_hops``) the stall the fast pass charges them. Reads the schedule, vpp,
-    whether there are sequence chunks and (through ``wan_hops``) sequence parallel, nothing else."""
+def _variant_floor(t: _Tuple, sched: str, v: int, k: int, stage: tuple[float, float], wan_hops: list[WanHop]) -> float:
+    """One variant's floor (seconds): its schedule ``sched`` (vpp ``v``, ``k`` sequence chunks) in closed
+    form on perfectly balanced stages of ``stage`` = (forward, backward) seconds per micro-batch with its
+    recompute, and with WAN boundaries (``wan_hops``, which read sequence parallel) the stall the fast
+    pass charges them. Nothing else of the variant."""
     f, b = stage
-    v = cfg.vpp
-    lb = estimate_step(cfg.schedule, t.pp, t.m, f / v, b / v, v=v) if t.pp > 1 and cfg.seq_chunks == 1 \
+    lb = estimate_step(sched, t.pp, t.m, f / v, b / v, v=v) if t.pp > 1 and k == 1 \
         else t.m * (f + b)  # (sequence chunks: their fill and drain run the cheap first chunks)
     if not wan_hops:
         return lb
     return pipeline_wan_floor_s(t.m, t.pp, BalancedPipe(
-        lb, f + b, [inflight_closed(cfg.schedule, t.pp, t.m, v, r) // v for r in range(t.pp)]), wan_hops)
+        lb, f + b, [inflight_closed(sched, t.pp, t.m, v, r) // v for r in range(t.pp)]), wan_hops)
 
 
 def _may_protect(space: _Space, pp: int, m: int) -> bool:
