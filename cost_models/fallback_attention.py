@@ -9,16 +9,16 @@ block's last query. So per block of query positions ``[x, x + b)``::
 
     elements = sum over the micro-batch's rows r of b x (x + b - min doc_start[r, x : x + b])
 
-per head, whatever the documents' own causal pairs are. Consecutive rows reaching the same keys
-of a key run (a ring block's keys come in runs, the zigzag chunks) share one call
-(``attention_torch.row_calls``; all rows without documents, or with one filling each row); each
-call does a fixed work of its own (``BLOCK_ELEMENTS``), and each row of it a fixed work per
-``CHUNK`` queries (``BLOCK_ROW_ELEMENTS``; both in elements at the fallback's speed). The pairs
-(``sum l (l+1) / 2``, ``cost_models.documents.busiest_share``) miss that a block holding the
-end of one document and the start of the next computes the rectangle back to the first one's
-start (short documents: about ``b^2`` per block, not ``sum l^2``), and the calls. (Before
-2026-12-03 the rows of a micro-batch shared their earliest start: 1.5-1.6x the time of the rows
-one by one on ``benchmarks.fallback_rows``' rows.)
+per head, whatever the documents' own causal pairs are. Each row of a block is one call per key
+run it reaches (a ring block's keys come in runs, the zigzag chunks; ``attention_torch.row_calls``:
+one row at a time, so the score buffer stays in cache); each call does a fixed work of its own
+(``BLOCK_ELEMENTS``) and one per ``CHUNK`` queries (``BLOCK_ROW_ELEMENTS``; both in elements at
+the fallback's speed). The pairs (``sum l (l+1) / 2``, ``cost_models.documents.busiest_share``)
+miss that a block holding the end of one document and the start of the next computes the
+rectangle back to the first one's start (short documents: about ``b^2`` per block, not
+``sum l^2``), and the calls. (Before 2026-12-03 the rows of a micro-batch went in one call from
+their earliest start: on ``benchmarks.fallback_rows``' rows 1.5-1.6x the time of the rows one by
+one, and four one-document rows of 2,048 1.25x.)
 
 :func:`fallback_share` is the busiest rank's work in a fixed layout (``dp`` ranks of ``mbs``
 consecutive rows each, rows split zigzag over ``cp`` ranks, a ring rank's work over its
@@ -31,8 +31,8 @@ without documents, from the layer's profile or that factor) prices every other m
 
 :func:`ring_factor` prices what that factor, measured at ``cp`` 1, leaves out: a ring's calls
 beyond cp 1's, with or without documents (a block reaching ``k`` key runs makes ``k`` calls,
-:func:`ring_calls`; one row of 2,048 over cp 4: 16 calls per rank against cp 1's 4, +13% of the
-rank's work with 4 rows per micro-batch, +19% with one). :func:`fallback_work`, the product of the
+:func:`ring_calls`; one row of 2,048 over cp 4: 16 calls per rank and row against cp 1's 4, +19%
+of the rank's work, whatever the rows per micro-batch: each row its own calls). :func:`fallback_work`, the product of the
 two, is what the CPU estimate charges (``cost_models.compute.attention_share``), on the roofline
 only: a layer profiled at its ``cp`` is the profiler's own timing of the ring (``RingCompute``),
 charged nothing more; the roofline's ratio with and without documents that scales it has the
@@ -113,29 +113,24 @@ def _blocks(seq_len: int, cp: int, ulysses: int, chunk: int) -> tuple[np.ndarray
             np.array([e for _, e, _ in runs]))
 
 
-def _calls(ends: np.ndarray, firsts: np.ndarray, lasts: np.ndarray, lo: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(calls, row runs) ``[..., blocks]`` of the query blocks ending at ``ends`` over the micro-batch
-    rows whose keys start at ``lo`` ``[..., mbs, blocks]`` (each row's earliest document start in
-    the block), key runs ``[firsts, lasts)``. In each key run a row reaches the keys from
-    ``max(lo, first)`` to ``min(last, block end)`` when that is not empty (a row run); consecutive
-    rows reaching the same keys make one call (``attention_torch.row_calls``)."""
+def _calls(ends: np.ndarray, firsts: np.ndarray, lasts: np.ndarray, lo: np.ndarray) -> np.ndarray:
+    """Calls ``[..., blocks]`` of the query blocks ending at ``ends`` over the micro-batch rows whose
+    keys start at ``lo`` ``[..., mbs, blocks]`` (each row's earliest document start in the block),
+    key runs ``[firsts, lasts)``: one per row and key run it reaches, the keys from
+    ``max(lo, first)`` to ``min(last, block end)`` when that is not empty
+    (``attention_torch.row_calls``: one row at a time)."""
     calls = np.zeros(lo.shape[:-2] + lo.shape[-1:], dtype=np.int64)
-    row_runs = np.zeros_like(calls)
     for first, last in zip(firsts, lasts):
-        start = np.maximum(lo, first)
-        seen = start < np.minimum(last, ends)
-        joined = seen[..., 1:, :] & seen[..., :-1, :] & (start[..., 1:, :] == start[..., :-1, :])
-        calls += seen.sum(axis=-2) - joined.sum(axis=-2)
-        row_runs += seen.sum(axis=-2)
-    return calls, row_runs
+        calls += (np.maximum(lo, first) < np.minimum(last, ends)).sum(axis=-2)
+    return calls
 
 
 def ring_calls(seq_len: int, cp: int, ulysses: int = 1, chunk: int | None = None) -> np.ndarray:
-    """[cp / ulysses]: the fallback's (query block, key run) calls per ring rank for one layer's
-    forward with one document per row (its backward makes as many, the same blocks): what
+    """[cp / ulysses]: the fallback's (query block, key run) calls per ring rank and row for one
+    layer's forward with one document per row (its backward makes as many, the same blocks): what
     :func:`ring_factor` prices. ``seq_len / chunk`` at ``cp`` 1 (the whole row, one rank)."""
     bounds, ends, owner, firsts, lasts = _blocks(seq_len, cp, ulysses, chunk or FALLBACK_CHUNK)
-    calls = _calls(ends, firsts, lasts, np.zeros((1, bounds.size), dtype=np.int64))[0]
+    calls = _calls(ends, firsts, lasts, np.zeros((1, bounds.size), dtype=np.int64))
     return np.array([calls[owner == r].sum() for r in range(max(cp // ulysses, 1))])
 
 
@@ -147,9 +142,9 @@ def _layout_work(seq_len: int, dp: int, cp: int, ulysses: int, mbs: int, chunk: 
     bounds, ends, owner, firsts, lasts = _blocks(seq_len, cp, ulysses, chunk)
     if lo is None:
         lo = np.zeros((1, dp, mbs, bounds.size), dtype=np.int64)
-    calls, row_runs = _calls(ends, firsts, lasts, lo)
+    calls = _calls(ends, firsts, lasts, lo)
     size = ends - bounds
-    heads = size * (ends - lo).sum(axis=-2) + row_runs * BLOCK_ROW_ELEMENTS * size / chunk
+    heads = size * (ends - lo).sum(axis=-2) + calls * BLOCK_ROW_ELEMENTS * size / chunk
     ring = [heads[..., owner == r].sum(axis=-1) / ulysses + calls[..., owner == r].sum(axis=-1) * BLOCK_ELEMENTS
             for r in range(max(cp // ulysses, 1))]                      # Ulysses: 1 / u of the heads
     return np.repeat(np.stack(ring, axis=-1), ulysses if cp > 1 else 1, axis=-1).reshape(lo.shape[0], dp * cp)
@@ -161,8 +156,8 @@ def rank_elements(mix: DocumentMix, dp: int, cp: int, ulysses: int = 1, mbs: int
     in mesh order (dp outer, cp inner); the same for one document filling every row, ``[dp x cp]``).
     Work: each row's rectangles (each run of a rank's queries, :func:`ring_runs`, cut every
     ``chunk``; keys from the row's own earliest document start) plus ``BLOCK_ELEMENTS`` per call
-    (consecutive rows reaching the same keys of a key run, :func:`_calls`) and
-    ``BLOCK_ROW_ELEMENTS`` per row of a call and ``chunk`` queries (module docstring). Micro-batches as in
+    (a row and a key run it reaches, :func:`_calls`) and ``BLOCK_ROW_ELEMENTS`` per call and
+    ``chunk`` queries (module docstring). Micro-batches as in
     ``busiest_share`` (wrapping around fewer rows than one)."""
     s = mix.seq_len
     chunk = chunk or FALLBACK_CHUNK
@@ -222,9 +217,9 @@ def fallback_share(mix: DocumentMix, dp: int, cp: int, ulysses: int = 1, mbs: in
 def ring_factor(seq_len: int, dp: int, cp: int, ulysses: int = 1, mbs: int = 1, cores: int = 0) -> float:
     """The busiest rank's fallback work with one document per row in a layout (:func:`busiest` on
     ``cores``) over ``1 / cp`` of cp 1's on the same rows (what ``CPU_TORCH_ATTENTION_SLOWDOWN``
-    prices, cp 1's calls included): the ring's (query block, key run) calls beyond cp 1's
+    prices, cp 1's calls included): the ring's (query block, key run) calls per row beyond cp 1's
     (:func:`ring_calls`, forward and backward alike), each ``BLOCK_ELEMENTS`` and
-    ``BLOCK_ROW_ELEMENTS`` per row of ``FALLBACK_CHUNK`` queries, Ulysses' at ``1 / u`` of the heads
+    ``BLOCK_ROW_ELEMENTS`` per ``FALLBACK_CHUNK`` queries, Ulysses' at ``1 / u`` of the heads
     but every call whole, and the blocks' rectangles (cp 1's when a zigzag chunk holds whole
     blocks). 1.0 at cp 1; a ring the runtime cannot split is priced as cp 1 (:func:`fallback_share`)."""
     if cp == 1 or sequence_problem(seq_len, cp):

@@ -33,12 +33,11 @@ def test_short_documents_cost_a_block_square_each_block():
 
 def test_rows_of_one_micro_batch_reach_back_to_their_own_starts():
     # a row of short documents beside a row of one document: each row's blocks reach back to its
-    # own earliest document start (a block square each block of the short row), the two rows in
-    # two calls per block but the first (both from position 0)
+    # own earliest document start (a block square each block of the short row), a call per row
+    # and block
     mix = pack_mix([32] * (S // 32) + [S], S)
     rect = 128 * 128 * 136
-    want = (16 * 128 * 128 + rect + 31 * BLOCK_ELEMENTS + 32 * BLOCK_ROW_ELEMENTS) / (
-        2 * rect + 16 * BLOCK_ELEMENTS + 32 * BLOCK_ROW_ELEMENTS)
+    want = (16 * 128 * 128 + rect + 32 * CALL) / (2 * rect + 32 * CALL)
     assert fallback_share(mix, 1, 1, 1, mbs=2) == pytest.approx(want)
     assert fallback_share(mix, 2, 1, 1, mbs=1) == pytest.approx(1.0)  # busiest rank: the long row
     work, one = rank_elements(mix, 2, 1)
@@ -136,9 +135,9 @@ def test_ring_calls_are_the_fallbacks_calls(monkeypatch, cp, ulysses):
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_modelled_work_is_the_fallbacks_blocks(monkeypatch, cp):
     # four rows of one micro-batch, documents starting at different places (rows 0 and 1 one
-    # document: one block together; short documents in row 3): the model's score elements,
-    # calls and row runs per ring rank equal the blocks the runtime's ring makes, counted,
-    # forward and backward alike; no row reaches back to another row's document start
+    # document; short documents in row 3): the model's score elements, calls and rows x queries
+    # per ring rank equal the blocks the runtime's ring makes, counted, forward and backward
+    # alike; no row reaches back to another row's document start, and each call is one row
     import cost_models.fallback_attention as fa
     from cost_models.fallback_attention import row_doc_starts
 
@@ -156,8 +155,9 @@ def test_modelled_work_is_the_fallbacks_blocks(monkeypatch, cp):
     assert np.array([f for f, _ in got]) == pytest.approx(want) and np.array([b for _, b in got]) == pytest.approx(want)
     if cp == 1:  # hand count: rows 0, 1 the causal rectangle (8 blocks); row 2 each block from its
         # earliest start (0, 0, 200, 200, 200, 200, 700, 700); row 3 a block square each block;
-        # calls: 1 in block 0, 2 in block 1 (row 3 from 128), 3 in each other (rows 0-1, 2, 3)
-        assert want[0].tolist() == [21, 2 * 128 * 128 * 36 + 128 * 2408 + 8 * 128 * 128, 4 * 1024]
+        # a call per row and block (the queries' rows of 128, each call one row)
+        assert want[0].tolist() == [32, 2 * 128 * 128 * 36 + 128 * 2408 + 8 * 128 * 128, 32 * 128]
+    assert want[:, 2].tolist() == pytest.approx((want[:, 0] * 128).tolist())  # one row a call
 
 
 def test_ring_factor_prices_the_calls_beyond_cp_1():
@@ -196,8 +196,7 @@ def test_a_rings_estimate_grows_by_what_its_calls_cost(monkeypatch):
     block = next(l for l in g.layers if l.attention is not None)
     factor = ring_factor(S, 1, 4, 1, 4, fa.pinned_cores(cpu, cfg))
     rect = 4 * 128 * 128 * 136                                      # 4 rows' causal rectangles
-    assert factor == pytest.approx((rect / 4 + 16 * (BLOCK_ELEMENTS + 4 * BLOCK_ROW_ELEMENTS))
-                                   / ((rect + 16 * (BLOCK_ELEMENTS + 4 * BLOCK_ROW_ELEMENTS)) / 4))
+    assert factor == pytest.approx((rect / 4 + 4 * 16 * CALL) / ((rect + 4 * 16 * CALL) / 4))  # a call per row
     core_s = (compute.attn_core_flops(block, g.batch) * 0.5 * compute.CPU_TORCH_ATTENTION_SLOWDOWN * cfg.mbs
               / g.batch / cfg.cp / (cpu.peak_flops("fp32") * compute.EFF_MATMUL_CPU))  # cp 1's fallback core per rank
     calls, est = compute.roofline_time(block, g, cpu, cfg), evaluate_config(g, cpu, cfg, 4)[0]

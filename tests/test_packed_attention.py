@@ -144,11 +144,10 @@ def test_torch_fallback_skips_keys_chunk_by_chunk():
 @pytest.mark.parametrize("causal,docs", [(True, True), (True, False), (False, False)])
 def test_torch_fallback_rows_reach_back_to_their_own_documents(causal, docs):
     """Five rows of one micro-batch whose documents start at different places, at ring offsets
-    (queries at 200..499, keys at 100..359), GQA: each (query chunk, row) computes only the keys
-    from that row's own earliest document start, consecutive rows with the same keys in one
-    block (rows 0-2 in the first chunk; row 1 sees nothing in the last: its document starts
-    at 380), and the output, log-sum-exp and gradients equal the dense masked reference;
-    without documents every row shares one block per chunk."""
+    (queries at 200..499, keys at 100..359), GQA: each (query chunk, row) computes, one row at a
+    time, only the keys from that row's own earliest document start (row 1 sees nothing in the
+    last chunk: its document starts at 380), and the output, log-sum-exp and gradients equal
+    the dense masked reference; without documents every row its own block of every key."""
     from codegen.kernels.attention_torch import row_calls
 
     lens = [[500], [380, 120], [500], [150, 180, 170], [420, 80]]
@@ -162,11 +161,12 @@ def test_torch_fallback_rows_reach_back_to_their_own_documents(causal, docs):
     assert maxerr(out, rout) < 1e-5 and maxerr(lse[fin], rlse[fin]) < 1e-5
     assert_grads_match((out, lse), (rout, rlse), fin, (q, k, v))
     calls = [row_calls(5, slice(r, min(sq, r + 128)), sk, causal, q_off, kv_off, ds) for r in (0, 128, 256)]
-    if docs:  # chunk 0: rows 0-2 from key 0, row 3 from its document at 150 (key 50), row 4 from 0
-        assert calls[0] == [(slice(0, 3), slice(0, 228)), (slice(3, 4), slice(50, 228)), (slice(4, 5), slice(0, 228))]
+    starts = [0, 0, 0, 50, 0] if docs else [0] * 5  # chunk 0: row 3 from its document at 150 (key 50)
+    assert calls[0] == [(slice(b, b + 1), slice(lo, 228 if causal else sk)) for b, lo in enumerate(starts)]
+    if docs:
         assert slice(1, 2) not in [bs for bs, _ in calls[2]] and not fin[1, :, 256:].any()
     else:
-        assert [len(c) for c in calls] == [1, 1, 1] and calls[0][0][0] == slice(0, 5)
+        assert [len(c) for c in calls] == [5, 5, 5]
 
 
 def test_doc_start_is_validated():

@@ -6,11 +6,10 @@ gives, per query, the global position of the first key it may see (its document'
 token), so query ``i`` sees key ``j`` iff ``doc_start[b, i] <= j + kv_offset <= i + q_offset``.
 
 Like the kernels, it skips work no query may see: each chunk of ``CHUNK`` query rows of each
-batch row attends only the keys from that row's earliest document start in the chunk to the
-chunk's last query (causal). Consecutive batch rows with the same key range share one call
-(:func:`row_calls`; every row without documents), so a causal call does about half the S x S
-work and packed short documents about the sum of their squared lengths (plus a chunk per
-document), row by row, never back to another row's document start.
+batch row, one row at a time (:func:`row_calls`), attends only the keys from that row's
+earliest document start in the chunk to the chunk's last query (causal), so a causal call
+does about half the S x S work and packed short documents about the sum of their squared
+lengths (plus a chunk per document), never back to another row's document start.
 """
 from __future__ import annotations
 
@@ -24,21 +23,17 @@ CHUNK = 128  # query rows per step: bounds the score buffer to chunk x Sk, and t
 
 def row_calls(batch: int, rows: slice, sk: int, causal: bool, q_offset: int, kv_offset: int,
               doc_start: Optional[Tensor]) -> list[tuple[slice, slice]]:
-    """(batch rows, keys) of each score block the query chunk ``rows`` computes: each batch row's
-    keys run from its earliest document start in the chunk (packed documents) to the chunk's
-    last query (causal); consecutive batch rows with the same keys make one block; rows that
-    see no key make none. ``cost_models.fallback_attention`` prices exactly these blocks."""
+    """(batch row, keys) of each score block the query chunk ``rows`` computes: one per batch row
+    that sees a key, its keys from its own earliest document start in the chunk (packed
+    documents) to the chunk's last query (causal). One row at a time keeps the score buffer
+    at ``CHUNK x Sk`` per head (four rows of 2,048 keys at once ran 1.25x slower than one by
+    one: out of cache). ``cost_models.fallback_attention`` prices exactly these blocks."""
     hi = min(sk, max(0, rows.stop + q_offset - kv_offset)) if causal else sk
     if doc_start is None:
-        return [(slice(0, batch), slice(0, hi))] if hi > 0 else []
-    los = (doc_start[:, rows].min(dim=1).values - kv_offset).clamp(0, hi).tolist()
-    calls: list[tuple[slice, slice]] = []
-    for b, lo in enumerate(los):
-        if calls and calls[-1][1].start == lo and calls[-1][0].stop == b:
-            calls[-1] = (slice(calls[-1][0].start, b + 1), calls[-1][1])
-        else:
-            calls.append((slice(b, b + 1), slice(lo, hi)))
-    return [(bs, keys) for bs, keys in calls if keys.start < keys.stop]
+        los = [0] * batch
+    else:
+        los = (doc_start[:, rows].min(dim=1).values - kv_offset).clamp(0, hi).tolist()
+    return [(slice(b, b + 1), slice(lo, hi)) for b, lo in enumerate(los) if lo < hi]
 
 
 def _scores(q5: Tensor, k: Tensor, bs: slice, rows: slice, keys: slice, causal: bool, sm_scale: float,
