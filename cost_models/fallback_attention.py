@@ -59,10 +59,14 @@ from planner.plan import ParallelConfig
 # of one document of 256-2,048 tokens and rows of 32-, 128- and 512-token documents, 1, 2 and
 # 4 rows at once, within 15%: alpha 95.7 ns per element, beta0 0.417 ms per (query block, key
 # run) call: its ~35 dispatched ops; beta1 0.497 ms per call and row of 128 queries: the block's
-# casts, exponentials and gradient sums over its queries). Their ratios to alpha. Since each row
-# reaches back to its own start only (row_calls), benchmarks.fallback_rows (2026-12-03, load
-# 1.6): batch_assign_run's rows 0-3 and 4-7 in one micro-batch 1.07 / 1.06x this model's share
-# of the same process's one-document row, each row alone 0.92-1.08x (were 1.64 / 1.52x, 1.06-1.17x).
+# casts, exponentials and gradient sums over its queries). Their ratios to alpha; not re-fitted for
+# one row per call (row_calls). benchmarks.fallback_rows, 2026-12-03 19:20 UTC, quiet.sh, load 3.2:
+# batch_assign_run's rows 0-3 and 4-7 in one micro-batch 1.04 / 1.06x this model's share of the
+# same process's one-document row, each row alone 0.96-1.13x (before row_calls 1.64 / 1.52x,
+# 1.06-1.17x). Known gap: over a cp 4 ring (--cp 4, load 2.5) four one-document rows 1.07x, the
+# rows with documents 1.17-1.62x: the ring's own work outside these calls (RingCompute's
+# log-sum-exp merges, its cats; 12-21 ms per rank, row and layer at cp 2 and 4, fwd + bwd, timed
+# around the calls) is priced nowhere on a CPU and does not shrink with the documents.
 BLOCK_ELEMENTS = 4361.0
 BLOCK_ROW_ELEMENTS = 5197.0
 # The fit's alpha: seconds per score element per head (llama-mini's call: 4 heads of 64, forward +
