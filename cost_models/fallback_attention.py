@@ -3,23 +3,22 @@
 On a CPU, causal attention over packed documents, and every ring block, runs through
 ``codegen/kernels/attention_torch.py``: the queries go in blocks of ``CHUNK`` rows (at most a
 contiguous run of the rank's positions: a zigzag chunk of ``S / 2cp`` tokens), and each block
-computes, masks and multiplies a full rectangle of scores: every row of the micro-batch (``mbs``
-rows at once), its ``b`` queries, against the keys from the earliest document start of the block
-**over all the micro-batch's rows** to the block's last query. So per block of query positions
-``[x, x + b)``::
+computes, masks and multiplies, for each row of the micro-batch, a full rectangle of scores: its
+``b`` queries against the keys from **that row's** earliest document start in the block to the
+block's last query. So per block of query positions ``[x, x + b)``::
 
-    elements = mbs x b x (x + b - min over the micro-batch's rows of doc_start[x : x + b])
+    elements = sum over the micro-batch's rows r of b x (x + b - min doc_start[r, x : x + b])
 
-per head, whatever the documents' own causal pairs are; and each (query block, key run) call
-(a ring block's keys come in runs too, the zigzag chunks) does a fixed work of its own, per call
-and per call and row (``BLOCK_ELEMENTS``, ``BLOCK_ROW_ELEMENTS``: elements at the fallback's
-speed). The pairs (``sum l (l+1) / 2``,
-``cost_models.documents.busiest_share``) miss two things: a block holding the end of one
-document and the start of the next computes the rectangle back to the first one's start (short
-documents: about ``b^2`` per block, not ``sum l^2``), and rows of one micro-batch whose
-documents start at different places share the earliest start (two rows of 2,048 tokens with
-log-uniform documents of 32-2,048 tokens: about 1.7x the elements of the rows one by one,
-measured 2.0-2.4x the time, 2026-12-03, torch 2.13, one thread of a 2-core Xeon).
+per head, whatever the documents' own causal pairs are. Each row of a block is one call per key
+run it reaches (a ring block's keys come in runs, the zigzag chunks; ``attention_torch.row_calls``:
+one row at a time, so the score buffer stays in cache); each call does a fixed work of its own
+(``BLOCK_ELEMENTS``) and one per ``CHUNK`` queries (``BLOCK_ROW_ELEMENTS``; both in elements at
+the fallback's speed). The pairs (``sum l (l+1) / 2``, ``cost_models.documents.busiest_share``)
+miss that a block holding the end of one document and the start of the next computes the
+rectangle back to the first one's start (short documents: about ``b^2`` per block, not
+``sum l^2``), and the calls. (Before 2026-12-03 the rows of a micro-batch went in one call from
+their earliest start: on ``benchmarks.fallback_rows``' rows 1.5-1.6x the time of the rows one by
+one, and four one-document rows of 2,048 1.25x.)
 
 :func:`fallback_share` is the busiest rank's work in a fixed layout (``dp`` ranks of ``mbs``
 consecutive rows each, rows split zigzag over ``cp`` ranks, a ring rank's work over its
@@ -32,8 +31,8 @@ without documents, from the layer's profile or that factor) prices every other m
 
 :func:`ring_factor` prices what that factor, measured at ``cp`` 1, leaves out: a ring's calls
 beyond cp 1's, with or without documents (a block reaching ``k`` key runs makes ``k`` calls,
-:func:`ring_calls`; one row of 2,048 over cp 4: 16 calls per rank against cp 1's 4, +13% of the
-rank's work with 4 rows per micro-batch, +19% with one). :func:`fallback_work`, the product of the
+:func:`ring_calls`; one row of 2,048 over cp 4: 16 calls per rank and row against cp 1's 4, +19%
+of the rank's work, whatever the rows per micro-batch: each row its own calls). :func:`fallback_work`, the product of the
 two, is what the CPU estimate charges (``cost_models.compute.attention_share``), on the roofline
 only: a layer profiled at its ``cp`` is the profiler's own timing of the ring (``RingCompute``),
 charged nothing more; the roofline's ratio with and without documents that scales it has the
@@ -60,12 +59,20 @@ from planner.plan import ParallelConfig
 # of one document of 256-2,048 tokens and rows of 32-, 128- and 512-token documents, 1, 2 and
 # 4 rows at once, within 15%: alpha 95.7 ns per element, beta0 0.417 ms per (query block, key
 # run) call: its ~35 dispatched ops; beta1 0.497 ms per call and row of 128 queries: the block's
-# casts, exponentials and gradient sums over its queries). Their ratios to alpha. Known gap
-# (2026-12-03, load 1.7-3.4): benchmarks.batch_assign_run's rows, 4 different ones per micro-batch,
-# run 1.2-1.5x this model at cp 1 and in a cp 4 ring alike (three runs), while each of them alone
-# is within 10% and one row repeated 4 times costs 4x one row (interleaved in one process).
+# casts, exponentials and gradient sums over its queries). Their ratios to alpha; not re-fitted for
+# one row per call (row_calls). benchmarks.fallback_rows, 2026-12-03 19:20 UTC, quiet.sh, load 3.2:
+# batch_assign_run's rows 0-3 and 4-7 in one micro-batch 1.04 / 1.06x this model's share of the
+# same process's one-document row, each row alone 0.96-1.13x (before row_calls 1.64 / 1.52x,
+# 1.06-1.17x). Known gap: over a cp 4 ring (--cp 4, load 2.5) four one-document rows 1.07x, the
+# rows with documents 1.17-1.62x: the ring's own work outside these calls (RingCompute's
+# log-sum-exp merges, its cats; 12-21 ms per rank, row and layer at cp 2 and 4, fwd + bwd, timed
+# around the calls) is priced nowhere on a CPU and does not shrink with the documents.
 BLOCK_ELEMENTS = 4361.0
 BLOCK_ROW_ELEMENTS = 5197.0
+# The fit's alpha: seconds per score element per head (llama-mini's call: 4 heads of 64, forward +
+# backward); the estimate prices by ratios of work (fallback_share): this only turns work into
+# seconds for benchmarks.fallback_rows.
+FALLBACK_ELEMENT_S = 95.7e-9
 # Query rows per block of the fallback: codegen/kernels/attention_torch.py's ``CHUNK`` (the cost
 # models may not import the kernels; tests/test_fallback_attention.py checks the two agree).
 FALLBACK_CHUNK = 128
@@ -101,40 +108,47 @@ def ring_runs(seq_len: int, cp: int, ulysses: int = 1) -> list[tuple[int, int, i
 
 
 def _blocks(seq_len: int, cp: int, ulysses: int, chunk: int) -> tuple[np.ndarray, ...]:
-    """(first position, end, ring rank of each query block; first position of each key run): each
-    run of :func:`ring_runs` cut every ``chunk`` queries, the fallback's blocks."""
+    """(first position, end, ring rank of each query block; first position, end of each key run):
+    each run of :func:`ring_runs` cut every ``chunk`` queries, the fallback's blocks."""
     runs = ring_runs(seq_len, cp, ulysses)
     bounds = np.concatenate([np.arange(a, e, chunk) for a, e, _ in runs])
     owner = np.concatenate([np.full(len(range(a, e, chunk)), r) for a, e, r in runs])
-    return bounds, np.append(bounds[1:], seq_len), owner, np.array([a for a, _, _ in runs])
+    return (bounds, np.append(bounds[1:], seq_len), owner, np.array([a for a, _, _ in runs]),
+            np.array([e for _, e, _ in runs]))
 
 
-def _calls(ends: np.ndarray, firsts: np.ndarray, lo: np.ndarray) -> np.ndarray:
-    """(query block, key run) calls of blocks ending at ``ends`` whose keys start at ``lo``: the key
-    runs from the one holding ``lo`` to the one holding the block's last query."""
-    return np.searchsorted(firsts, ends - 1, side="right") - np.searchsorted(firsts, lo, side="right") + 1
+def _calls(ends: np.ndarray, firsts: np.ndarray, lasts: np.ndarray, lo: np.ndarray) -> np.ndarray:
+    """Calls ``[..., blocks]`` of the query blocks ending at ``ends`` over the micro-batch rows whose
+    keys start at ``lo`` ``[..., mbs, blocks]`` (each row's earliest document start in the block),
+    key runs ``[firsts, lasts)``: one per row and key run it reaches, the keys from
+    ``max(lo, first)`` to ``min(last, block end)`` when that is not empty
+    (``attention_torch.row_calls``: one row at a time)."""
+    calls = np.zeros(lo.shape[:-2] + lo.shape[-1:], dtype=np.int64)
+    for first, last in zip(firsts, lasts):
+        calls += (np.maximum(lo, first) < np.minimum(last, ends)).sum(axis=-2)
+    return calls
 
 
 def ring_calls(seq_len: int, cp: int, ulysses: int = 1, chunk: int | None = None) -> np.ndarray:
-    """[cp / ulysses]: the fallback's (query block, key run) calls per ring rank for one layer's
-    forward with one document per row (its backward makes as many, the same blocks): what
+    """[cp / ulysses]: the fallback's (query block, key run) calls per ring rank and row for one
+    layer's forward with one document per row (its backward makes as many, the same blocks): what
     :func:`ring_factor` prices. ``seq_len / chunk`` at ``cp`` 1 (the whole row, one rank)."""
-    bounds, ends, owner, firsts = _blocks(seq_len, cp, ulysses, chunk or FALLBACK_CHUNK)
-    calls = _calls(ends, firsts, np.zeros_like(bounds))
+    bounds, ends, owner, firsts, lasts = _blocks(seq_len, cp, ulysses, chunk or FALLBACK_CHUNK)
+    calls = _calls(ends, firsts, lasts, np.zeros((1, bounds.size), dtype=np.int64))
     return np.array([calls[owner == r].sum() for r in range(max(cp // ulysses, 1))])
 
 
 def _layout_work(seq_len: int, dp: int, cp: int, ulysses: int, mbs: int, chunk: int,
                  lo: np.ndarray | None) -> np.ndarray:
     """[groups, dp x cp] fallback work per micro-batch and rank (:func:`rank_elements`) of blocks whose
-    keys start at ``lo`` ``[groups, dp, blocks]`` (the micro-batch's earliest document start per
+    keys start at ``lo`` ``[groups, dp, mbs, blocks]`` (each row's earliest document start per
     block), or at 0 (one document per row: ``[1, dp x cp]``) when ``lo`` is None."""
-    bounds, ends, owner, firsts = _blocks(seq_len, cp, ulysses, chunk)
+    bounds, ends, owner, firsts, lasts = _blocks(seq_len, cp, ulysses, chunk)
     if lo is None:
-        lo = np.zeros((1, dp, bounds.size), dtype=np.int64)
-    calls = _calls(ends, firsts, lo)
-    rows = mbs * (ends - bounds)
-    heads = rows * (ends - lo) + calls * BLOCK_ROW_ELEMENTS * rows / chunk
+        lo = np.zeros((1, dp, mbs, bounds.size), dtype=np.int64)
+    calls = _calls(ends, firsts, lasts, lo)
+    size = ends - bounds
+    heads = size * (ends - lo).sum(axis=-2) + calls * BLOCK_ROW_ELEMENTS * size / chunk
     ring = [heads[..., owner == r].sum(axis=-1) / ulysses + calls[..., owner == r].sum(axis=-1) * BLOCK_ELEMENTS
             for r in range(max(cp // ulysses, 1))]                      # Ulysses: 1 / u of the heads
     return np.repeat(np.stack(ring, axis=-1), ulysses if cp > 1 else 1, axis=-1).reshape(lo.shape[0], dp * cp)
@@ -144,17 +158,18 @@ def rank_elements(mix: DocumentMix, dp: int, cp: int, ulysses: int = 1, mbs: int
                   chunk: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(the fallback's work per micro-batch and rank in score elements per head, ``[groups, dp x cp]``
     in mesh order (dp outer, cp inner); the same for one document filling every row, ``[dp x cp]``).
-    Work: the blocks' rectangles (each run of a rank's queries, :func:`ring_runs`, cut every
-    ``chunk``) plus ``BLOCK_ELEMENTS`` per (query block, key run) call and ``BLOCK_ROW_ELEMENTS``
-    per call and row of ``chunk`` queries (module docstring). Micro-batches as in
+    Work: each row's rectangles (each run of a rank's queries, :func:`ring_runs`, cut every
+    ``chunk``; keys from the row's own earliest document start) plus ``BLOCK_ELEMENTS`` per call
+    (a row and a key run it reaches, :func:`_calls`) and ``BLOCK_ROW_ELEMENTS`` per call and
+    ``chunk`` queries (module docstring). Micro-batches as in
     ``busiest_share`` (wrapping around fewer rows than one)."""
     s = mix.seq_len
     chunk = chunk or FALLBACK_CHUNK
     bounds = _blocks(s, cp, ulysses, chunk)[0]
-    lo = np.minimum.reduceat(row_doc_starts(mix), bounds, axis=1)           # [rows, blocks]
+    lo = np.minimum.reduceat(row_doc_starts(mix), bounds, axis=1)           # [rows, blocks]: each row's own
     k = dp * mbs
     groups = max(mix.rows // k, 1)
-    lo = lo[np.resize(np.arange(mix.rows), groups * k)].reshape(groups, dp, mbs, -1).min(axis=2)
+    lo = lo[np.resize(np.arange(mix.rows), groups * k)].reshape(groups, dp, mbs, -1)
     return (_layout_work(s, dp, cp, ulysses, mbs, chunk, lo),
             _layout_work(s, dp, cp, ulysses, mbs, chunk, None)[0])
 
@@ -206,9 +221,9 @@ def fallback_share(mix: DocumentMix, dp: int, cp: int, ulysses: int = 1, mbs: in
 def ring_factor(seq_len: int, dp: int, cp: int, ulysses: int = 1, mbs: int = 1, cores: int = 0) -> float:
     """The busiest rank's fallback work with one document per row in a layout (:func:`busiest` on
     ``cores``) over ``1 / cp`` of cp 1's on the same rows (what ``CPU_TORCH_ATTENTION_SLOWDOWN``
-    prices, cp 1's calls included): the ring's (query block, key run) calls beyond cp 1's
+    prices, cp 1's calls included): the ring's (query block, key run) calls per row beyond cp 1's
     (:func:`ring_calls`, forward and backward alike), each ``BLOCK_ELEMENTS`` and
-    ``BLOCK_ROW_ELEMENTS`` per row of ``FALLBACK_CHUNK`` queries, Ulysses' at ``1 / u`` of the heads
+    ``BLOCK_ROW_ELEMENTS`` per ``FALLBACK_CHUNK`` queries, Ulysses' at ``1 / u`` of the heads
     but every call whole, and the blocks' rectangles (cp 1's when a zigzag chunk holds whole
     blocks). 1.0 at cp 1; a ring the runtime cannot split is priced as cp 1 (:func:`fallback_share`)."""
     if cp == 1 or sequence_problem(seq_len, cp):

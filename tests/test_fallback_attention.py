@@ -31,11 +31,14 @@ def test_short_documents_cost_a_block_square_each_block():
     assert fallback_share(mix, 4, 1) > 3 * busiest_share(mix, 4, 1)
 
 
-def test_rows_of_one_micro_batch_share_the_earliest_start():
-    # a row of short documents beside a row of one document: the micro-batch's blocks reach
-    # back to position 0, the whole causal rectangle for both rows
+def test_rows_of_one_micro_batch_reach_back_to_their_own_starts():
+    # a row of short documents beside a row of one document: each row's blocks reach back to its
+    # own earliest document start (a block square each block of the short row), a call per row
+    # and block
     mix = pack_mix([32] * (S // 32) + [S], S)
-    assert fallback_share(mix, 1, 1, 1, mbs=2) == pytest.approx(1.0)
+    rect = 128 * 128 * 136
+    want = (16 * 128 * 128 + rect + 32 * CALL) / (2 * rect + 32 * CALL)
+    assert fallback_share(mix, 1, 1, 1, mbs=2) == pytest.approx(want)
     assert fallback_share(mix, 2, 1, 1, mbs=1) == pytest.approx(1.0)  # busiest rank: the long row
     work, one = rank_elements(mix, 2, 1)
     assert work[0, 0] < 0.2 * work[0, 1]
@@ -75,36 +78,44 @@ def test_shared_cores_wait_for_the_busiest_core():
     assert fallback_share(mix, 4, 1, cores=2) == pytest.approx((1 + x) / 2)
 
 
-def _counted_calls(seq: int, cp: int, ulysses: int) -> list[tuple[int, int]]:
-    """(forward, backward) calls of the fallback's score blocks per ring rank, traced on a real run
-    of the runtime's ring path (``RingCompute`` with the flash kernels, on CPU their plain-torch
-    fallback) over one row of ``seq`` tokens: the fallback computes one block of scores per
-    (query block, key run) call, so each call into its score function is one."""
+def _counted_blocks(seq: int, cp: int, ulysses: int, doc_start=None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per ring rank, (forward, backward) ``[calls, score elements per head, rows x queries]`` of the
+    fallback's score blocks, traced on a real run of the runtime's ring path (``RingCompute``
+    with the flash kernels, on CPU their plain-torch fallback) over ``doc_start``'s rows (None:
+    one row of one document): each block is one return of its score function, whose
+    ``[rows, kv heads, group, queries, keys]`` shape says its elements."""
     import sys
 
     import torch
 
     import codegen.kernels.attention_torch as at
     from codegen.runtime.context_parallel import RingCompute
+    from codegen.runtime.documents import Documents
 
-    count = [0]
+    count = np.zeros(3)
 
     def trace(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename == at.__file__ and frame.f_code.co_name == "_scores":
-            count[0] += 1
+        if event == "return" and frame.f_code.co_filename == at.__file__ and frame.f_code.co_name == "_scores":
+            b, _, _, queries, keys = arg.shape
+            count[:] += (1, b * queries * keys, b * queries)
 
+    docs = None
+    if doc_start is not None:
+        docs = Documents()
+        docs.set(torch.as_tensor(doc_start, dtype=torch.int64))
+    rows = 1 if doc_start is None else len(doc_start)
     ring, out = cp // ulysses, []
     for rank in range(ring):
-        q, k, v = (torch.randn(1, 2, seq * ulysses // cp, 64, requires_grad=True) for _ in range(3))
+        q, k, v = (torch.randn(rows, 4 // ulysses, seq * ulysses // cp, 64, requires_grad=True) for _ in range(3))
         sys.setprofile(trace)
         try:
-            y = RingCompute(ring, rank, flash=True, ulysses=ulysses)(q, k, v, causal=True)
-            fwd = count[0]
+            y = RingCompute(ring, rank, flash=True, ulysses=ulysses, documents=docs)(q, k, v, causal=True)
+            fwd = count.copy()
             y.sum().backward()                         # CPU autograd: on this thread
         finally:
             sys.setprofile(None)
-        out.append((fwd, count[0] - fwd))
-        count[0] = 0
+        out.append((fwd, count - fwd))
+        count[:] = 0
     return out
 
 
@@ -114,11 +125,39 @@ def test_ring_calls_are_the_fallbacks_calls(monkeypatch, cp, ulysses):
     # run through the fallback, counted: forward and backward alike
     monkeypatch.delenv("AUTOPAR_KERNEL_IMPL", raising=False)  # "auto": the fallback on CPU
     seq = 1024
-    got = _counted_calls(seq, cp, ulysses)
+    got = _counted_blocks(seq, cp, ulysses)
     want = ring_calls(seq, cp, ulysses).tolist()
-    assert [f for f, _ in got] == want and [b for _, b in got] == want
+    assert [f[0] for f, _ in got] == want and [b[0] for _, b in got] == want
     assert ring_calls(seq, 1).tolist() == [seq // CHUNK]   # cp 1: one call per block of the row
     assert sum(want) > seq // CHUNK                        # a ring's extra calls: what ring_factor prices
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_modelled_work_is_the_fallbacks_blocks(monkeypatch, cp):
+    # four rows of one micro-batch, documents starting at different places (rows 0 and 1 one
+    # document; short documents in row 3): the model's score elements, calls and rows x queries
+    # per ring rank equal the blocks the runtime's ring makes, counted, forward and backward
+    # alike; no row reaches back to another row's document start, and each call is one row
+    import cost_models.fallback_attention as fa
+    from cost_models.fallback_attention import row_doc_starts
+
+    monkeypatch.delenv("AUTOPAR_KERNEL_IMPL", raising=False)
+    seq = 1024
+    mix = pack_mix([seq, seq, 200, 500, 324] + [64] * 16, seq)
+    assert mix.rows == 4
+    got = _counted_blocks(seq, cp, 1, row_doc_starts(mix))
+    parts = []
+    for element, row in ((0.0, 0.0), (1.0, 0.0), (0.0, CHUNK)):   # elements; + calls; + rows x queries
+        monkeypatch.setattr(fa, "BLOCK_ELEMENTS", element)
+        monkeypatch.setattr(fa, "BLOCK_ROW_ELEMENTS", row)
+        parts.append(rank_elements(mix, 1, cp, mbs=4)[0][0])
+    want = np.stack([parts[1] - parts[0], parts[0], parts[2] - parts[0]], axis=1)  # [ranks, 3]
+    assert np.array([f for f, _ in got]) == pytest.approx(want) and np.array([b for _, b in got]) == pytest.approx(want)
+    if cp == 1:  # hand count: rows 0, 1 the causal rectangle (8 blocks); row 2 each block from its
+        # earliest start (0, 0, 200, 200, 200, 200, 700, 700); row 3 a block square each block;
+        # a call per row and block (the queries' rows of 128, each call one row)
+        assert want[0].tolist() == [32, 2 * 128 * 128 * 36 + 128 * 2408 + 8 * 128 * 128, 32 * 128]
+    assert want[:, 2].tolist() == pytest.approx((want[:, 0] * 128).tolist())  # one row a call
 
 
 def test_ring_factor_prices_the_calls_beyond_cp_1():
@@ -157,8 +196,7 @@ def test_a_rings_estimate_grows_by_what_its_calls_cost(monkeypatch):
     block = next(l for l in g.layers if l.attention is not None)
     factor = ring_factor(S, 1, 4, 1, 4, fa.pinned_cores(cpu, cfg))
     rect = 4 * 128 * 128 * 136                                      # 4 rows' causal rectangles
-    assert factor == pytest.approx((rect / 4 + 16 * (BLOCK_ELEMENTS + 4 * BLOCK_ROW_ELEMENTS))
-                                   / ((rect + 16 * (BLOCK_ELEMENTS + 4 * BLOCK_ROW_ELEMENTS)) / 4))
+    assert factor == pytest.approx((rect / 4 + 4 * 16 * CALL) / ((rect + 4 * 16 * CALL) / 4))  # a call per row
     core_s = (compute.attn_core_flops(block, g.batch) * 0.5 * compute.CPU_TORCH_ATTENTION_SLOWDOWN * cfg.mbs
               / g.batch / cfg.cp / (cpu.peak_flops("fp32") * compute.EFF_MATMUL_CPU))  # cp 1's fallback core per rank
     calls, est = compute.roofline_time(block, g, cpu, cfg), evaluate_config(g, cpu, cfg, 4)[0]

@@ -48,13 +48,16 @@ def per_document(q, k, v, lengths):
     return torch.cat(outs, 0)
 
 
-def masked_reference(q, k, v, doc_start, q_offset, kv_offset):
-    """Plain fp32 attention with the causal and document masks at global offsets: (out, lse)."""
+def masked_reference(q, k, v, doc_start, q_offset, kv_offset, causal=True):
+    """Plain fp32 attention with the causal and document masks (``doc_start`` None: none) at
+    global offsets: (out, lse)."""
     rep = q.shape[1] // k.shape[1]
     s = q.float() @ k.float().repeat_interleave(rep, 1).transpose(-1, -2) / q.shape[-1] ** 0.5
     i = torch.arange(q.shape[2])[:, None] + q_offset
     j = torch.arange(k.shape[2])[None, :] + kv_offset
-    visible = (j <= i)[None] & (j[None] >= doc_start[:, :, None])          # [B, Sq, Sk]
+    visible = ((j <= i) | (not causal))[None]                               # [1, Sq, Sk]
+    if doc_start is not None:
+        visible = visible & (j[None] >= doc_start[:, :, None])               # [B, Sq, Sk]
     s = s.masked_fill(~visible[:, None], float("-inf"))
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])
@@ -136,6 +139,34 @@ def test_torch_fallback_skips_keys_chunk_by_chunk():
     assert torch.equal(torch.isfinite(lse), fin) and (out[~fin] == 0).all()
     assert maxerr(out, rout) < 1e-5 and maxerr(lse[fin], rlse[fin]) < 1e-5
     assert_grads_match((out, lse), (rout, rlse), fin, (q, k, v))
+
+
+@pytest.mark.parametrize("causal,docs", [(True, True), (True, False), (False, False)])
+def test_torch_fallback_rows_reach_back_to_their_own_documents(causal, docs):
+    """Five rows of one micro-batch whose documents start at different places, at ring offsets
+    (queries at 200..499, keys at 100..359), GQA: each (query chunk, row) computes, one row at a
+    time, only the keys from that row's own earliest document start (row 1 sees nothing in the
+    last chunk: its document starts at 380), and the output, log-sum-exp and gradients equal
+    the dense masked reference; without documents every row its own block of every key."""
+    from codegen.kernels.attention_torch import row_calls
+
+    lens = [[500], [380, 120], [500], [150, 180, 170], [420, 80]]
+    q_off, kv_off, sq, sk = 200, 100, 300, 260
+    ds = doc_starts(lens)[:, q_off:] if docs else None
+    q, k, v = qkv(5, 4, 2, sq, 16, seed=11, Sk=sk)
+    out, lse = flash_attention(q, k, v, causal=causal, q_offset=q_off, kv_offset=kv_off, impl="torch", doc_start=ds)
+    rout, rlse = masked_reference(q, k, v, ds, q_off, kv_off, causal=causal)
+    fin = torch.isfinite(rlse)
+    assert torch.equal(torch.isfinite(lse), fin) and (out[~fin] == 0).all()
+    assert maxerr(out, rout) < 1e-5 and maxerr(lse[fin], rlse[fin]) < 1e-5
+    assert_grads_match((out, lse), (rout, rlse), fin, (q, k, v))
+    calls = [row_calls(5, slice(r, min(sq, r + 128)), sk, causal, q_off, kv_off, ds) for r in (0, 128, 256)]
+    starts = [0, 0, 0, 50, 0] if docs else [0] * 5  # chunk 0: row 3 from its document at 150 (key 50)
+    assert calls[0] == [(slice(b, b + 1), slice(lo, 228 if causal else sk)) for b, lo in enumerate(starts)]
+    if docs:
+        assert slice(1, 2) not in [bs for bs, _ in calls[2]] and not fin[1, :, 256:].any()
+    else:
+        assert [len(c) for c in calls] == [5, 5, 5]
 
 
 def test_doc_start_is_validated():

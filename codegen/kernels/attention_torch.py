@@ -5,10 +5,11 @@ natural-log LSE, ``-inf`` rows), including packed documents: ``doc_start`` [B, S
 gives, per query, the global position of the first key it may see (its document's first
 token), so query ``i`` sees key ``j`` iff ``doc_start[b, i] <= j + kv_offset <= i + q_offset``.
 
-Like the kernels, it skips work no query may see: each chunk of ``CHUNK`` query rows
-attends only the keys from its earliest document start to its last query (causal), so a
-causal call does about half the S x S work and packed short documents about the sum of
-their squared lengths (plus a chunk per document).
+Like the kernels, it skips work no query may see: each chunk of ``CHUNK`` query rows of each
+batch row, one row at a time (:func:`row_calls`), attends only the keys from that row's
+earliest document start in the chunk to the chunk's last query (causal), so a causal call
+does about half the S x S work and packed short documents about the sum of their squared
+lengths (plus a chunk per document), never back to another row's document start.
 """
 from __future__ import annotations
 
@@ -20,26 +21,33 @@ from torch import Tensor
 CHUNK = 128  # query rows per step: bounds the score buffer to chunk x Sk, and the keys skipped
 
 
-def _key_range(rows: slice, sk: int, causal: bool, q_offset: int, kv_offset: int,
-               doc_start: Optional[Tensor]) -> slice:
-    """The keys any query of ``rows`` may see: from the earliest document start (packed
-    documents) to the last query (causal); empty when none."""
+def row_calls(batch: int, rows: slice, sk: int, causal: bool, q_offset: int, kv_offset: int,
+              doc_start: Optional[Tensor]) -> list[tuple[slice, slice]]:
+    """(batch row, keys) of each score block the query chunk ``rows`` computes: one per batch row
+    that sees a key, its keys from its own earliest document start in the chunk (packed
+    documents) to the chunk's last query (causal). One row at a time keeps the score buffer
+    at ``CHUNK x Sk`` per head (four rows of 2,048 keys at once ran 1.25x slower than one by
+    one: out of cache). ``cost_models.fallback_attention`` prices exactly these blocks."""
     hi = min(sk, max(0, rows.stop + q_offset - kv_offset)) if causal else sk
-    lo = 0 if doc_start is None else min(hi, max(0, int(doc_start[:, rows].min()) - kv_offset))
-    return slice(lo, hi)
+    if doc_start is None:
+        los = [0] * batch
+    else:
+        los = (doc_start[:, rows].min(dim=1).values - kv_offset).clamp(0, hi).tolist()
+    return [(slice(b, b + 1), slice(lo, hi)) for b, lo in enumerate(los) if lo < hi]
 
 
-def _scores(q5: Tensor, k: Tensor, rows: slice, keys: slice, causal: bool, sm_scale: float, q_offset: int,
-            kv_offset: int, doc_start: Optional[Tensor]) -> Tensor:
-    """fp32 scores [B, KVH, G, rows, keys] with the causal and document masks applied as -inf."""
-    k = k[:, :, keys]
-    s = torch.matmul(q5[:, :, :, rows].float(), k.float().unsqueeze(2).transpose(-1, -2)) * sm_scale
+def _scores(q5: Tensor, k: Tensor, bs: slice, rows: slice, keys: slice, causal: bool, sm_scale: float,
+            q_offset: int, kv_offset: int, doc_start: Optional[Tensor]) -> Tensor:
+    """fp32 scores [b, KVH, G, rows, keys] of batch rows ``bs`` with the causal and document
+    masks applied as -inf."""
+    k = k[bs, :, keys]
+    s = torch.matmul(q5[bs, :, :, rows].float(), k.float().unsqueeze(2).transpose(-1, -2)) * sm_scale
     kj = torch.arange(keys.start, keys.stop, device=q5.device)[None, :] + kv_offset
     if causal:
         qi = torch.arange(rows.start, rows.stop, device=q5.device)[:, None] + q_offset
         s = s.masked_fill(qi < kj, float("-inf"))
-    if doc_start is not None:  # [B, rows, Sk] -> broadcast over the kv heads and their groups
-        before = kj[None] < doc_start[:, rows, None].to(kj.device)
+    if doc_start is not None:  # [b, rows, keys] -> broadcast over the kv heads and their groups
+        before = kj[None] < doc_start[bs, rows, None].to(kj.device)
         s = s.masked_fill(before[:, None, None], float("-inf"))
     return s
 
@@ -50,20 +58,17 @@ def flash_attn_fwd_torch(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale
     B, H, Sq, D = q.shape
     KVH = k.shape[1]
     q5 = q.view(B, KVH, H // KVH, Sq, D) if q.is_contiguous() else q.reshape(B, KVH, H // KVH, Sq, D)
-    out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    out = torch.zeros((B, H, Sq, D), dtype=q.dtype, device=q.device)            # 0 where nothing is visible
+    lse = torch.full((B, H, Sq), float("-inf"), dtype=torch.float32, device=q.device)
     o5, l4 = out.view(B, KVH, H // KVH, Sq, D), lse.view(B, KVH, H // KVH, Sq)
     for r0 in range(0, Sq, CHUNK):
         rows = slice(r0, min(Sq, r0 + CHUNK))
-        keys = _key_range(rows, k.shape[2], causal, q_offset, kv_offset, doc_start)
-        if keys.stop <= keys.start:  # nothing visible
-            o5[:, :, :, rows], l4[:, :, :, rows] = 0, float("-inf")
-            continue
-        s = _scores(q5, k, rows, keys, causal, sm_scale, q_offset, kv_offset, doc_start)
-        m = torch.logsumexp(s, dim=-1)                                   # -inf if all masked
-        p = torch.exp(s - m.masked_fill(m == float("-inf"), 0.0).unsqueeze(-1))
-        o5[:, :, :, rows] = torch.matmul(p, v[:, :, keys].float().unsqueeze(2)).to(q.dtype)
-        l4[:, :, :, rows] = m
+        for bs, keys in row_calls(B, rows, k.shape[2], causal, q_offset, kv_offset, doc_start):
+            s = _scores(q5, k, bs, rows, keys, causal, sm_scale, q_offset, kv_offset, doc_start)
+            m = torch.logsumexp(s, dim=-1)                               # -inf if all masked
+            p = torch.exp(s - m.masked_fill(m == float("-inf"), 0.0).unsqueeze(-1))
+            o5[bs, :, :, rows] = torch.matmul(p, v[bs, :, keys].float().unsqueeze(2)).to(q.dtype)
+            l4[bs, :, :, rows] = m
     return out, lse
 
 
@@ -82,21 +87,18 @@ def flash_attn_bwd_torch(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     lse5 = lse.float().reshape(B, KVH, G, Sq)
     lse5 = lse5.masked_fill(lse5 == float("-inf"), float("inf"))
     kf, vf = k.float().unsqueeze(2), v.float().unsqueeze(2)
-    dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+    dq = torch.zeros((B, H, Sq, D), dtype=q.dtype, device=q.device)              # 0 where nothing is visible
     dk = torch.zeros((B, KVH, k.shape[2], D), dtype=torch.float32, device=q.device)
     dv = torch.zeros_like(dk)
     dq5 = dq.view(B, KVH, G, Sq, D)
     for r0 in range(0, Sq, CHUNK):
         rows = slice(r0, min(Sq, r0 + CHUNK))
-        keys = _key_range(rows, k.shape[2], causal, q_offset, kv_offset, doc_start)
-        if keys.stop <= keys.start:  # nothing visible: no gradient
-            dq5[:, :, :, rows] = 0
-            continue
-        s = _scores(q5, k, rows, keys, causal, sm_scale, q_offset, kv_offset, doc_start)
-        p = torch.exp(s - lse5[..., rows, None])
-        do = do5[:, :, :, rows]
-        dv[:, :, keys] += torch.matmul(p.transpose(-1, -2), do).sum(2)
-        ds = p * (torch.matmul(do, vf[..., keys, :].transpose(-1, -2)) - delta5[..., rows, None])
-        dq5[:, :, :, rows] = (torch.matmul(ds, kf[..., keys, :]) * sm_scale).to(q.dtype)
-        dk[:, :, keys] += (torch.matmul(ds.transpose(-1, -2), q5[:, :, :, rows].float()) * sm_scale).sum(2)
+        for bs, keys in row_calls(B, rows, k.shape[2], causal, q_offset, kv_offset, doc_start):
+            s = _scores(q5, k, bs, rows, keys, causal, sm_scale, q_offset, kv_offset, doc_start)
+            p = torch.exp(s - lse5[bs, ..., rows, None])
+            do = do5[bs, :, :, rows]
+            dv[bs, :, keys] += torch.matmul(p.transpose(-1, -2), do).sum(2)
+            ds = p * (torch.matmul(do, vf[bs, ..., keys, :].transpose(-1, -2)) - delta5[bs, ..., rows, None])
+            dq5[bs, :, :, rows] = (torch.matmul(ds, kf[bs, ..., keys, :]) * sm_scale).to(q.dtype)
+            dk[bs, :, keys] += (torch.matmul(ds.transpose(-1, -2), q5[bs, :, :, rows].float()) * sm_scale).sum(2)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
