@@ -192,19 +192,34 @@ class VocabParallelEmbedding(ParallelStyle):
         return module
 
 
-def vocab_parallel_lookup(ids: torch.Tensor, weight: DTensor, padding_idx: int | None, mesh: DeviceMesh,
-                          layout: Placement) -> torch.Tensor:
-    """``embedding(ids, weight)`` from the rank's rows of ``weight`` (``Shard(0)`` over the 1-D
-    ``mesh``, split as ``torch.chunk`` splits: ceil(V / tp) rows a rank, the last ones fewer):
-    ids outside the rank's rows looked up as row 0 and their outputs zeroed, the sum over the
-    ranks (a ``Partial`` DTensor) redistributed to ``layout`` (``Shard(1)``: a reduce-scatter;
-    ``Replicate()``: an all-reduce) and returned as this rank's local tensor. ``ids``: a plain
-    tensor, the same on every tp rank."""
-    local = weight.to_local()  # differentiable: the gradient comes back a Shard(0) DTensor of local rows
-    start = min(mesh.get_local_rank() * -(-weight.shape[0] // mesh.size()), weight.shape[0])
+def vocab_shard_rows(vocab: int, tp: int, rank: int) -> tuple[int, int]:
+    """(first row, rows) of a ``vocab``-row table that tp rank ``rank`` holds under ``Shard(0)``,
+    split as ``torch.chunk`` splits: ceil(vocab / tp) rows a rank, the last ones fewer (or none)."""
+    per = -(-vocab // tp)
+    start = min(rank * per, vocab)
+    return start, min(per, vocab - start)
+
+
+def vocab_shard_lookup(ids: torch.Tensor, local: torch.Tensor, start: int,
+                       padding_idx: int | None = None) -> torch.Tensor:
+    """One rank's part of ``embedding(ids, table)`` from its rows ``local`` (the table's rows
+    ``start`` on): ids outside them looked up as row 0 and their outputs zeroed, so the sum of the
+    ranks' parts is the lookup and each rank's backward builds the gradient of its rows alone.
+    ``padding_idx``: the table's (its row gets no gradient), or None."""
     outside = (ids < start) | (ids >= start + local.shape[0])
     pad = padding_idx - start if padding_idx is not None and 0 <= padding_idx - start < local.shape[0] else None
-    out = F.embedding((ids - start).masked_fill(outside, 0), local, pad).masked_fill(outside.unsqueeze(-1), 0.0)
+    return F.embedding((ids - start).masked_fill(outside, 0), local, pad).masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def vocab_parallel_lookup(ids: torch.Tensor, weight: DTensor, padding_idx: int | None, mesh: DeviceMesh,
+                          layout: Placement) -> torch.Tensor:
+    """``embedding(ids, weight)`` for ``weight`` a ``Shard(0)`` DTensor over the 1-D ``mesh``: the
+    rank's part (:func:`vocab_shard_lookup`), the sum over the ranks (a ``Partial`` DTensor)
+    redistributed to ``layout`` (``Shard(1)``: a reduce-scatter; ``Replicate()``: an all-reduce) and
+    returned as this rank's local tensor. ``ids``: a plain tensor, the same on every tp rank."""
+    local = weight.to_local()  # differentiable: the gradient comes back a Shard(0) DTensor of local rows
+    start, _ = vocab_shard_rows(weight.shape[0], mesh.size(), mesh.get_local_rank())
+    out = vocab_shard_lookup(ids, local, start, padding_idx)
     return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [layout]).to_local()
 
 
