@@ -158,9 +158,10 @@ def import_lines(module: str, names: list[str]) -> list[str]:
 
 
 def prune_style_imports(lines: list[str], block: str) -> list[str]:
-    """The template's style imports (``codegen.runtime.tp_styles.IMPORTS``, on one line or
-    parenthesised over several) cut to the names ``block`` calls; an import left with no
-    name is dropped."""
+    """The template's style imports (from the modules of ``codegen.runtime.tp_styles.IMPORTS``, on
+    one line or parenthesised over several) written with the names of ``IMPORTS`` that ``block``
+    calls, whichever the template names (its placeholder plan cannot call them all); an import
+    left with no name is dropped."""
     out, i = [], 0
     while i < len(lines):
         m = re.fullmatch(r"from ([\w.]+) import (\(?)(.*)", lines[i])
@@ -168,11 +169,9 @@ def prune_style_imports(lines: list[str], block: str) -> list[str]:
         if m is None or m.group(1) not in IMPORTS:
             out.append(lines[i - 1])
             continue
-        names = m.group(3)
-        while m.group(2) and lines[i - 1] != ")":  # the parenthesised names, up to the line ")"
-            names += " " + lines[i]
+        while m.group(2) and lines[i - 1] != ")":  # skip the parenthesised names, up to the line ")"
             i += 1
-        used = [n for n in re.findall(r"\w+", names) if re.search(rf"\b{n}\(", block)]
+        used = [n for n in IMPORTS[m.group(1)] if re.search(rf"\b{n}\(", block)]
         out += import_lines(m.group(1), used) if used else []
     return out
 

@@ -14,7 +14,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -51,6 +51,7 @@ from codegen.runtime.tensor_parallel import (
     GatherSequenceInput,
     PackedColwise,
     ReplicatedEmbedding,
+    VocabParallelEmbedding,
 )
 from codegen.runtime.tp_plan import tp_plan_for
 from codegen.runtime.train import ParallelModel, TokenLoss
@@ -82,7 +83,7 @@ BLOCK_TP_PLAN = {
         "norm": SequenceParallel(),
     },
 }
-TP_PLAN = {"embed.tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+TP_PLAN = {"embed.tok": VocabParallelEmbedding(output_layouts=Shard(1)),
            "embed.pos": ReplicatedEmbedding(sp=True),
            "head.proj": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
 PREDICTED = {"step_s": 0.0, "memory_gib": [0.0]}  # per step, per rank: printed beside what the run measures

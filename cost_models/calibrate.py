@@ -21,9 +21,7 @@ replicate_unit_s,   CPU data-parallel wrapper work per unit and      cpu_runtime
 fsdp_unit_s,        micro-batch (replicate; fully_shard; its
 fsdp_reduce_unit_s  gradient reduction)
 ep_dispatch_s       CPU EP dispatch host work per MoE layer          cpu_runtime.ep_dispatch_s
-dtensor_vocab_el_s  CPU DTensor vocabulary-parallel embedding        cpu_runtime.vocab_grad_s
-                    backward per element of the whole table
-                    (these five: given, not fitted; the profile measures them)
+                    (these four: given, not fitted; the profile measures them)
 gpu.<coefficient>   a GPU kernel-model coefficient (GpuCoefficients) gpu_kernels
 
 comm_scale          multiplies every collective / p2p time           comm._group_time

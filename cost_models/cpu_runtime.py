@@ -17,9 +17,6 @@ beside it, and the profiler measures them again the same way):
   bucketed reducer (``planner.sharding.uses_ddp_reducer``) measured 0.006-0.02 ms per unit: 0.
 - **DTensor dispatch** per TP-sharded module: ``cost_models.dtensor_dispatch.dtensor_dispatch_s``
   (``CPU_DTENSOR_MODULE_S``), priced with the layer time.
-- **DTensor's vocabulary-parallel embedding backward** builds the gradient of the whole table on
-  every tp rank (cost_models/dtensor_dispatch.py): per element of the table and micro-batch,
-  ``CPU_DTENSOR_VOCAB_EL_S``, in the backward (:func:`vocab_grad_s`).
 - **EP dispatch on gloo** (codegen/runtime/expert_parallel.py ``TokenDispatch``), per MoE
   layer and micro-batch: beside the count exchange and the two row all-to-alls that
   cost_models/experts.py prices from the collective model, the host copies of the counts
@@ -29,7 +26,7 @@ beside it, and the profiler measures them again the same way):
 Nothing on GPU clusters (there the host runs ahead of the kernels; unmeasured: 0). A profile
 of the cluster measures each again (``cost_models.profile_runtime.measure_runtime``, the same setups
 as the defaults; ``ProfileDB.runtime``), which replaces the default. The calibration keys
-``replicate_unit_s``, ``fsdp_unit_s``, ``fsdp_reduce_unit_s``, ``ep_dispatch_s`` and ``dtensor_vocab_el_s`` replace the
+``replicate_unit_s``, ``fsdp_unit_s``, ``fsdp_reduce_unit_s`` and ``ep_dispatch_s`` replace the
 measured figures where a calibration gives them (``autopar calibrate`` does not fit them yet:
 cost_models/calibrate.py).
 """
@@ -37,7 +34,6 @@ from __future__ import annotations
 
 from cost_models.cluster import Cluster
 from cost_models.compute import calibration
-from cost_models.dtensor_dispatch import CPU_DTENSOR_VOCAB_EL_S, vocab_table_elements
 from planner.graph import Layer
 from planner.plan import ParallelConfig
 from planner.sharding import dp_wrapper
@@ -56,10 +52,9 @@ CPU_FSDP_REDUCE_UNIT_S = 1.3e-3
 # 2.8 / 3.1 ms (8.2 at 4 ranks on the 2 cores: waiting, not computing, so not scaled by them).
 CPU_EP_DISPATCH_S = 3.0e-3
 
-KEYS = ("replicate_unit_s", "fsdp_unit_s", "fsdp_reduce_unit_s", "ep_dispatch_s", "dtensor_vocab_el_s")
+KEYS = ("replicate_unit_s", "fsdp_unit_s", "fsdp_reduce_unit_s", "ep_dispatch_s")
 DEFAULTS = {"replicate_unit_s": CPU_REPLICATE_UNIT_S, "fsdp_unit_s": CPU_FSDP_UNIT_S,
-            "fsdp_reduce_unit_s": CPU_FSDP_REDUCE_UNIT_S, "ep_dispatch_s": CPU_EP_DISPATCH_S,
-            "dtensor_vocab_el_s": CPU_DTENSOR_VOCAB_EL_S}
+            "fsdp_reduce_unit_s": CPU_FSDP_REDUCE_UNIT_S, "ep_dispatch_s": CPU_EP_DISPATCH_S}
 
 
 def measured(key: str, profile=None) -> float:
@@ -99,12 +94,3 @@ def ep_dispatch_s(layer: Layer, cluster: Cluster, cfg: ParallelConfig, profile=N
         return 0.0, 0.0
     s = figure("ep_dispatch_s", profile)
     return s / 2, s / 2
-
-
-def vocab_grad_s(layer: Layer, cluster: Cluster, cfg: ParallelConfig, profile=None) -> float:
-    """Backward seconds per micro-batch that DTensor's vocabulary-parallel embedding backward adds in
-    ``layer`` on a CPU cluster: the whole tables' elements (``dtensor_dispatch.vocab_table_elements``)
-    x the per-element figure (module docstring); 0 without TP, without such an embedding or on GPUs."""
-    if cluster.backend != "gloo":
-        return 0.0
-    return vocab_table_elements(layer, cfg) * figure("dtensor_vocab_el_s", profile)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from cost_models import comm as comm_mod
 from cost_models.cluster import Cluster
 from cost_models.compute import LayerTime, attention_share, attn_core_flops, document_masked, layer_time
-from cost_models.cpu_runtime import ep_dispatch_s, vocab_grad_s
+from cost_models.cpu_runtime import ep_dispatch_s
 from cost_models.context_parallel import cp_comm
 from cost_models.documents import ring_hiding
 from cost_models.engines import DEFAULT_ENGINE, Engine, exposed_s
@@ -145,8 +145,7 @@ class LayerCosts:
         if ex.fwd:
             csrc = ex.source
         dis_f, dis_b = ep_dispatch_s(layer, self.c, cfg, self.profile)  # the CPU dispatch's own work
-        vocab_b = vocab_grad_s(layer, self.c, cfg, self.profile)  # DTensor's whole-table embedding gradient
-        out = LayerCost(fwd=lt.fwd_s, bwd=lt.bwd_s + vocab_b, tp=tp_s, cp=cp_s, core=core_s, op_rc=lt.op_recompute_s,
+        out = LayerCost(fwd=lt.fwd_s, bwd=lt.bwd_s, tp=tp_s, cp=cp_s, core=core_s, op_rc=lt.op_recompute_s,
                         source=lt.source, comm_source=csrc, ep_fwd=ex.fwd + dis_f, ep_bwd=ex.bwd + dis_b,
                         host=self.host_copy_s(layer))
         self.cache[layer.signature] = out

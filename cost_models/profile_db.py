@@ -14,8 +14,7 @@ JSON layout (``version`` 1)::
      "calibration": {"compute_scale": 1.1, "overlap": 0.2, "comm_scale": 1.3, ...}}
 
 ``runtime`` (optional, CPU clusters) holds the CPU runtime's own per-call work the profiler
-measured (cost_models/cpu_runtime.py lists the keys: data-parallel wrappers, EP dispatch, DTensor's
-vocabulary-parallel embedding backward).
+measured (cost_models/cpu_runtime.py lists the keys: data-parallel wrappers, EP dispatch).
 
 ``calibration`` (optional; absent = ``{}``) holds the cost-model coefficients fitted to
 measured training runs by ``autopar calibrate`` (cost_models/calibrate.py lists the

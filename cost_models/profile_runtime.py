@@ -1,7 +1,6 @@
 """The CPU runtime's own per-call work, measured on a cluster's ranks (cost_models/cpu_runtime.py lists
 the keys; ``cost_models.profiler`` calls :func:`measure_runtime`): the data-parallel wrappers per
-unit, the EP dispatch per MoE layer and DTensor's vocabulary-parallel embedding backward per element
-of the table, into ``ProfileDB.runtime``."""
+unit and the EP dispatch per MoE layer, into ``ProfileDB.runtime``."""
 from __future__ import annotations
 
 from cost_models.profile_timing import agree_min, all_gather_into, reduce_scatter_into, timeit
@@ -89,36 +88,6 @@ def _ep_figure(world: int, repeats: int) -> float:
     return t["ep"] - t["local"] - 4 * t["rows"] - t["counts"]
 
 
-VOCAB_TABLE = (16384, 512)  # the vocabulary-parallel embedding measured: rows, width (32 MiB of fp32)
-
-
-def _vocab_figure(world: int, repeats: int) -> float:
-    """Seconds per element of the whole table that DTensor's vocabulary-parallel embedding backward
-    adds (cost_models/dtensor_dispatch.py): ``VOCAB_TABLE`` split over tp 2 as the runtime splits it
-    (``RowwiseParallel``), forward + backward on [4, 64] ids, less the rank's plain local shard (what
-    the profiler's layer times hold) and the forward's output all-reduce (the communication model's)."""
-    import torch
-    import torch.distributed as dist
-    import torch.nn as nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
-
-    rows, width = VOCAB_TABLE
-    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))["tp"]
-    ids = torch.randint(0, rows, (4, 64), generator=torch.Generator().manual_seed(0))
-    inside, out = ids < rows // 2, torch.zeros(4, 64, width)
-    sharded = parallelize_module(nn.Embedding(rows, width), mesh,
-                                 RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
-    local = nn.Embedding(rows // 2, width)
-    t = {}
-    for name, fn in (("dtensor", lambda: sharded(ids).sum().backward()),
-                     ("local", lambda: (local(torch.where(inside, ids, 0)) * inside.unsqueeze(-1)).sum().backward()),
-                     ("reduce", lambda: dist.all_reduce(out, group=mesh.get_group()))):
-        t[name] = timeit(fn, repeats, lambda: None, agree=agree_min, lockstep=dist.barrier)
-    return (t["dtensor"] - t["local"] - t["reduce"]) / (rows * width)
-
-
 def measure_runtime(db, world: int, repeats: int) -> None:
     """The CPU runtime's own per-call work (cost_models/cpu_runtime.py) on this cluster's ranks,
     the slowest rank's, into ``db.runtime`` (at least 0; nothing on GPUs or one rank)."""
@@ -130,8 +99,6 @@ def measure_runtime(db, world: int, repeats: int) -> None:
         return
     figs = _wrapper_figures(init_device_mesh("cpu", (world,)), repeats)
     figs["ep_dispatch_s"] = _ep_figure(world, repeats)
-    if world % 2 == 0:  # tp 2 groups
-        figs["dtensor_vocab_el_s"] = _vocab_figure(world, repeats)
     tt = torch.tensor([figs[k] for k in sorted(figs)], dtype=torch.float64)
     dist.all_reduce(tt, op=dist.ReduceOp.MAX)
     db.runtime = {k: max(0.0, v) for k, v in zip(sorted(figs), tt.tolist())}

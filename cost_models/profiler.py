@@ -22,8 +22,8 @@ rank). The same code runs with gloo on CPUs and nccl on GPUs. It measures:
     (as all tp groups, or all dp groups, do in training), over message sizes.
 (c) **p2p**: send/recv between rank pairs, all pairs at once.
 (d) **The CPU runtime's own work** (gloo only, ``cost_models.profile_runtime.measure_runtime``;
-    cost_models/cpu_runtime.py): data-parallel wrappers per unit, EP dispatch per MoE layer,
-    DTensor's vocabulary-parallel embedding backward per table element, into ``ProfileDB.runtime``.
+    cost_models/cpu_runtime.py): data-parallel wrappers per unit and EP dispatch per MoE layer,
+    into ``ProfileDB.runtime``.
 
 Timing (``cost_models.profile_timing.timeit``): after a warm-up call, ``--repeats`` batches of k back-to-back
 calls, k chosen so a batch lasts about 20 ms (1 for anything slower), and the median
@@ -119,22 +119,22 @@ def _same_node(group: list[int]) -> bool:
 
 
 def _vocab_shard_embedding(emb, tp: int):
-    """A TP rank's vocabulary-parallel token embedding: vocab/tp rows; ids outside the
-    rank's range (rank 0's here) look up row 0 and are zeroed, as torch's vocab-parallel
-    embedding does before its all-reduce."""
+    """A TP rank's vocabulary-parallel token embedding (rank 0's rows): the runtime's own local
+    lookup (``codegen.runtime.tensor_parallel.vocab_shard_lookup``), ids outside its rows looked up
+    as row 0 and zeroed."""
     import torch
     import torch.nn as nn
+
+    from codegen.runtime.tensor_parallel import vocab_shard_lookup, vocab_shard_rows
 
     class VocabShardEmbedding(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.rows = emb.num_embeddings // tp
+            self.start, self.rows = vocab_shard_rows(emb.num_embeddings, tp, 0)
             self.weight = nn.Parameter(emb.weight.detach()[:self.rows].clone())
 
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            inside = ids < self.rows
-            out = nn.functional.embedding(torch.where(inside, ids, 0), self.weight)
-            return out * inside.unsqueeze(-1)
+            return vocab_shard_lookup(ids, self.weight, self.start)
 
     return VocabShardEmbedding()
 

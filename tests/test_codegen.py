@@ -175,7 +175,8 @@ def test_tp_styles_are_one_text_read_both_ways():
 
 LINTED = [("llama-tiny", PP2TP2, 4), ("llama-tiny", "dp=2,cp=2,ulysses=2,mbs=1,dtype=fp32", 4),
           ("llama-tiny", "dp=1,cp=4,ulysses=2,mbs=1,dtype=fp32", 4), ("moe-tiny", "dp=2,ep=2,zero=fsdp,mbs=1,dtype=fp32", 2),
-          ("gpt-tiny", "dp=2,recompute=selective-op,zero=zero1,mbs=1,dtype=fp32", 2)]
+          ("gpt-tiny", "dp=2,recompute=selective-op,zero=zero1,mbs=1,dtype=fp32", 2),
+          ("gpt-tiny", "tp=2,mbs=1,dtype=fp32", 2)]  # TP without SP: Replicate, absent from the template
 
 
 def test_emitted_programs_pass_ruff_and_pyflakes(tmp_path):

@@ -7,7 +7,8 @@ The plan's ``{fqn: role}`` layout becomes ``{fqn: ParallelStyle}`` in
 - ``row``         a linear split by input features (attention output, MLP down, fc2)
 - ``packed_qkv``  one linear whose output is ``[q | k | v]`` in three equal parts (GPT-2's
                   ``c_attn``): each rank keeps its heads of every part (``_StridedShard``)
-- ``vocab_embed`` token embedding split by vocabulary rows
+- ``vocab_embed`` token embedding split by vocabulary rows, looked up on each rank's own rows
+                  (:class:`VocabParallelEmbedding`)
 - ``embed``       an embedding not split (learned positions): replicated weights, every
                   tensor argument replicated (positions may come as a keyword, as OPT's do);
                   with SP its output is cut to the rank's sequence shard (dim -2)
@@ -31,13 +32,13 @@ import contextlib
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from codegen.runtime.torch_compat import StridedShard
-
 
 
 def is_conv1d(m: nn.Module) -> bool:
@@ -158,6 +159,68 @@ class ReplicatedEmbedding(ParallelStyle):
         module.register_forward_pre_hook(pre, with_kwargs=True)
         module.register_forward_hook(post, with_kwargs=True)
         return module
+
+
+class VocabParallelEmbedding(ParallelStyle):
+    """A token embedding (``nn.Embedding``) split by vocabulary rows over the tp ranks: its weight
+    a ``Shard(0)`` DTensor, as torch's ``RowwiseParallel`` leaves it (so checkpoints, a tied
+    column-parallel head, FSDP over dp and the optimizer see the same parameter), but the lookup
+    runs on the rank's own rows (:func:`vocab_parallel_lookup`). Its output, a plain tensor, is
+    ``output_layouts``'s local part: ``Shard(1)`` the rank's sequence shard (SP), ``Replicate()``
+    the whole ``[B, S, H]``.
+
+    Why not ``RowwiseParallel(input_layouts=Replicate())``: DTensor has no row-sharded strategy
+    for the lookup's backward (``embedding_dense_backward``, torch 2.13), so every tp rank builds
+    the gradient of the whole table and copies its rows out of it (issue 26: 1.55 s of a 5.4 s
+    gpt-small dp2 tp2 sp step on 4 CPU ranks). Here the backward touches the local rows only."""
+
+    def __init__(self, *, output_layouts: Placement):
+        super().__init__()
+        self.output_layouts = output_layouts
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Embedding) or module.max_norm is not None or module.scale_grad_by_freq \
+                or module.sparse:
+            raise ValueError(f"vocabulary-parallel embedding: {type(module).__name__} is not a plain nn.Embedding "
+                             "(no max_norm, scale_grad_by_freq or sparse); give it the 'embed' role instead")
+        _distribute(module, "weight", device_mesh, Shard(0))
+
+        def forward(ids: torch.Tensor) -> torch.Tensor:  # the weight read at each call: FSDP2 swaps it
+            return vocab_parallel_lookup(ids, module.weight, module.padding_idx, device_mesh, self.output_layouts)
+
+        module.forward = forward  # an attribute of the instance, removed by the build's Installs at close
+        return module
+
+
+def vocab_shard_rows(vocab: int, tp: int, rank: int) -> tuple[int, int]:
+    """(first row, rows) of a ``vocab``-row table that tp rank ``rank`` holds under ``Shard(0)``,
+    split as ``torch.chunk`` splits: ceil(vocab / tp) rows a rank, the last ones fewer (or none)."""
+    per = -(-vocab // tp)
+    start = min(rank * per, vocab)
+    return start, min(per, vocab - start)
+
+
+def vocab_shard_lookup(ids: torch.Tensor, local: torch.Tensor, start: int,
+                       padding_idx: int | None = None) -> torch.Tensor:
+    """One rank's part of ``embedding(ids, table)`` from its rows ``local`` (the table's rows
+    ``start`` on): ids outside them looked up as row 0 and their outputs zeroed, so the sum of the
+    ranks' parts is the lookup and each rank's backward builds the gradient of its rows alone.
+    ``padding_idx``: the table's (its row gets no gradient), or None."""
+    outside = (ids < start) | (ids >= start + local.shape[0])
+    pad = padding_idx - start if padding_idx is not None and 0 <= padding_idx - start < local.shape[0] else None
+    return F.embedding((ids - start).masked_fill(outside, 0), local, pad).masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def vocab_parallel_lookup(ids: torch.Tensor, weight: DTensor, padding_idx: int | None, mesh: DeviceMesh,
+                          layout: Placement) -> torch.Tensor:
+    """``embedding(ids, weight)`` for ``weight`` a ``Shard(0)`` DTensor over the 1-D ``mesh``: the
+    rank's part (:func:`vocab_shard_lookup`), the sum over the ranks (a ``Partial`` DTensor)
+    redistributed to ``layout`` (``Shard(1)``: a reduce-scatter; ``Replicate()``: an all-reduce) and
+    returned as this rank's local tensor. ``ids``: a plain tensor, the same on every tp rank."""
+    local = weight.to_local()  # differentiable: the gradient comes back a Shard(0) DTensor of local rows
+    start, _ = vocab_shard_rows(weight.shape[0], mesh.size(), mesh.get_local_rank())
+    out = vocab_shard_lookup(ids, local, start, padding_idx)
+    return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [layout]).to_local()
 
 
 def for_module(style: ParallelStyle, module: nn.Module) -> ParallelStyle:

@@ -21,13 +21,14 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from codegen.runtime.tensor_parallel import PackedColwise, ReplicatedEmbedding
+from codegen.runtime.tensor_parallel import PackedColwise, ReplicatedEmbedding, VocabParallelEmbedding
 from planner.plan import TP_ROLES
 
 # every name a style's source text may use, by the module the emitted program imports it from
 IMPORTS = {"torch.distributed.tensor": ("Replicate", "Shard"),
            "torch.distributed.tensor.parallel": ("ColwiseParallel", "RowwiseParallel", "SequenceParallel"),
-           "codegen.runtime.tensor_parallel": ("GatherSequenceInput", "PackedColwise", "ReplicatedEmbedding")}
+           "codegen.runtime.tensor_parallel": ("GatherSequenceInput", "PackedColwise", "ReplicatedEmbedding",
+                                               "VocabParallelEmbedding")}
 STYLE_NAMES = {name: getattr(importlib.import_module(module), name) for module, names in IMPORTS.items()
                for name in names}
 GATHER = "GatherSequenceInput()"
@@ -43,7 +44,7 @@ def style_source(role: str, sp: bool) -> Optional[str]:
     return {"column": "ColwiseParallel()",
             "row": f"RowwiseParallel(output_layouts={seq})",
             "packed_qkv": "PackedColwise()",
-            "vocab_embed": f"RowwiseParallel(input_layouts=Replicate(), output_layouts={seq})",
+            "vocab_embed": f"VocabParallelEmbedding(output_layouts={seq})",
             "embed": f"ReplicatedEmbedding(sp={sp})",
             "vocab_head": f"ColwiseParallel(input_layouts={seq}, output_layouts=Shard(-1), use_local_output=False)",
             "norm": "SequenceParallel()" if sp else None}[role]
@@ -78,12 +79,14 @@ def role_of(style: ParallelStyle) -> Optional[str]:
         return "packed_qkv"
     if isinstance(style, ColwiseParallel):
         return "column" if style.use_local_output else "vocab_head"
-    if isinstance(style, RowwiseParallel):
+    if isinstance(style, RowwiseParallel):  # torch's vocabulary-parallel embedding too, where a user writes it
         return "vocab_embed" if style.input_layouts == (Replicate(),) else "row"
     if isinstance(style, SequenceParallel):
         return "norm"
     if isinstance(style, ReplicatedEmbedding):
         return "embed"
+    if isinstance(style, VocabParallelEmbedding):
+        return "vocab_embed"
     return None
 
 
