@@ -183,6 +183,8 @@ class VocabParallelEmbedding(ParallelStyle):
                 or module.sparse:
             raise ValueError(f"vocabulary-parallel embedding: {type(module).__name__} is not a plain nn.Embedding "
                              "(no max_norm, scale_grad_by_freq or sparse); give it the 'embed' role instead")
+        if type(module).forward is not nn.Embedding.forward:  # its own forward (e.g. Gemma's scaled lookup): DTensor's path
+            return RowwiseParallel(input_layouts=Replicate(), output_layouts=self.output_layouts)._apply(module, device_mesh)
         _distribute(module, "weight", device_mesh, Shard(0))
 
         def forward(ids: torch.Tensor) -> torch.Tensor:  # the weight read at each call: FSDP2 swaps it
