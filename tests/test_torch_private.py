@@ -16,7 +16,7 @@ SCANNED = ("planner", "cost_models", "codegen", "benchmarks", "tests")
 PRIVATE_METHODS = {"_flatten", "_unflatten", "_get_root_mesh", "_get_backend", "_set_default_backend",
                    "_modules", "_cdata", "_forward_pre_hooks", "_forward_hooks", "_backward_hooks",
                    "_parameters", "_buffers", "_local_tensor", "_ddp", "_comm_hooks",
-                   "_opname"}  # and private attributes of modules, storages, DTensors, DDP states, ops
+                   "_opname", "_apply", "_partition_linear_fn", "_prepare_input_fn", "_prepare_output_fn"}  # and private attributes of modules, storages, DTensors, DDP states, ops
 
 
 def _private(name: str) -> bool:

@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
-from codegen.runtime.torch_compat import StridedShard
+from codegen.runtime.torch_compat import StridedShard, apply_as_linear, apply_style
 
 
 def is_conv1d(m: nn.Module) -> bool:
@@ -61,7 +61,7 @@ class Conv1DColwise(ColwiseParallel):
         _distribute(module, "bias", device_mesh, Shard(0))
 
     def _apply(self, module, device_mesh):
-        return _apply_as_linear(self, module, device_mesh)
+        return apply_as_linear(self, module, device_mesh)
 
 
 class Conv1DRowwise(RowwiseParallel):
@@ -76,7 +76,7 @@ class Conv1DRowwise(RowwiseParallel):
         _distribute(module, "bias", device_mesh, Replicate())
 
     def _apply(self, module, device_mesh):
-        return _apply_as_linear(self, module, device_mesh)
+        return apply_as_linear(self, module, device_mesh)
 
 
 class PackedColwise(ColwiseParallel):
@@ -93,19 +93,7 @@ class PackedColwise(ColwiseParallel):
         return outputs.to_local()  # already this rank's [q_r | k_r | v_r]: no redistribution
 
     def _apply(self, module, device_mesh):
-        return _apply_as_linear(self, module, device_mesh)
-
-
-def _apply_as_linear(style, module, device_mesh):
-    """Run a ColwiseParallel/RowwiseParallel subclass's partition on a Conv1D or Linear."""
-    from functools import partial
-
-    from torch.distributed.tensor import distribute_module
-
-    return distribute_module(
-        module, device_mesh, style._partition_linear_fn,
-        partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
-        partial(style._prepare_output_fn, style.output_layouts, style.use_local_output))
+        return apply_as_linear(self, module, device_mesh)
 
 
 class GatherSequenceInput(ParallelStyle):
@@ -184,7 +172,8 @@ class VocabParallelEmbedding(ParallelStyle):
             raise ValueError(f"vocabulary-parallel embedding: {type(module).__name__} is not a plain nn.Embedding "
                              "(no max_norm, scale_grad_by_freq or sparse); give it the 'embed' role instead")
         if type(module).forward is not nn.Embedding.forward:  # its own forward (e.g. Gemma's scaled lookup): DTensor's path
-            return RowwiseParallel(input_layouts=Replicate(), output_layouts=self.output_layouts)._apply(module, device_mesh)
+            return apply_style(RowwiseParallel(input_layouts=Replicate(), output_layouts=self.output_layouts), module,
+                               device_mesh)
         _distribute(module, "weight", device_mesh, Shard(0))
 
         def forward(ids: torch.Tensor) -> torch.Tensor:  # the weight read at each call: FSDP2 swaps it

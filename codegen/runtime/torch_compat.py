@@ -35,6 +35,11 @@ these, this module is the one place to change. Each entry, and why we need it:
   its process groups, so DTensor's sharding cache hands a new build output specs holding an
   older build's mesh; once that build's groups are destroyed the cached specs name groups that
   no longer exist (``Could not resolve the process group``). Cleared when groups are destroyed.
+- :func:`apply_style` / :func:`apply_as_linear` (``ParallelStyle._apply`` and a linear style's
+  ``_partition_linear_fn`` / ``_prepare_input_fn`` / ``_prepare_output_fn``): one of torch's TP styles
+  applied to a module from inside another style (a subclassed embedding keeps torch's row-wise
+  path), and a Colwise/Rowwise subclass's partition run on a transformers ``Conv1D`` (weight
+  ``[in, out]``), which torch's own ``_apply`` refuses (``codegen/runtime/tensor_parallel.py``).
 - :func:`module_hook_dicts` (``nn.Module._forward_pre_hooks`` and the other hook dicts): a
   closed build removes the hooks it registered on a model's modules, by id, whoever
   registered them (``codegen/runtime/installs.py``).
@@ -221,3 +226,21 @@ def schedule_runtime(stages: list, n_microbatches: int, loss_fn, scale_grads: bo
     sched.pipeline_order = actions
     sched._prepare_schedule_with_comms(actions)
     return sched
+
+
+def apply_style(style: Any, module: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
+    """``style`` (a torch ``ParallelStyle``) applied to ``module`` alone, as ``parallelize_module`` does."""
+    return style._apply(module, device_mesh)
+
+
+def apply_as_linear(style: Any, module: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
+    """A ColwiseParallel / RowwiseParallel (subclass)'s partition and input / output preparation
+    run on ``module`` whatever its type (torch's ``_apply`` accepts ``nn.Linear`` and ``nn.Embedding`` only)."""
+    from functools import partial
+
+    from torch.distributed.tensor import distribute_module
+
+    return distribute_module(
+        module, device_mesh, style._partition_linear_fn,
+        partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+        partial(style._prepare_output_fn, style.output_layouts, style.use_local_output))
