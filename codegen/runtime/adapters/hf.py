@@ -82,6 +82,12 @@ def _decoder_layers(base: nn.Module, n_layers: int) -> Optional[str]:
     return None
 
 
+def model_tp_plan(model) -> dict[str, str]:
+    """The model's own tensor-parallel plan (transformers' ``_tp_plan``, ``{fqn pattern: style name}``;
+    no public accessor in transformers 5.24), empty when it has none."""
+    return getattr(model, "_tp_plan", None) or {}
+
+
 class HFAdapter(ModelAdapter):
     kind = "hf"
 
@@ -195,7 +201,7 @@ class HFAdapter(ModelAdapter):
             out["flash_attention"] = f"{reason}: the flash kernel covers plain causal attention only"
             out["sp"] = (f"{reason}: the model builds its attention masks from the embedding output's length, "
                          "which sequence parallel shards")
-        plan = getattr(self.model, "_tp_plan", None) or {}
+        plan = model_tp_plan(self.model)
         # the MoE layers (the experts' parents) are not tensor-parallel whatever the model's own
         # plan says: under TP each rank runs them on its own sequence shard
         moe_parts = {n.rpartition(".")[0] for n, m in block.named_modules() if any(m is e for e in experts)}
@@ -215,7 +221,7 @@ class HFAdapter(ModelAdapter):
     def tp_layout_from_plan(self) -> dict[str, str]:
         """The model's own ``_tp_plan`` as ``{fqn: role}`` (wildcards expanded, the head
         vocabulary-parallel); empty when the model has none."""
-        plan = getattr(self.model, "_tp_plan", None) or {}
+        plan = model_tp_plan(self.model)
         out: dict[str, str] = {}
         n = len(self.blocks)
         for key, style in plan.items():
