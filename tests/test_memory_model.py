@@ -95,3 +95,28 @@ def test_the_working_set_moves_a_boundary():
               for j in range(2)]
     got = evaluate_partition(prob, part).rank_memory
     assert all(x > y for x, y in zip(got, linear))
+
+
+def test_a_kept_rule_is_the_rule_of_every_config_sharing_its_key():
+    """``pipeline_memory.rule_of`` keeps one MemoryRule per the fields it keys on; every config that
+    differs only elsewhere (schedule, recompute, sp, fp8, chunks, ...) must get the figures a fresh
+    rule gives it, so a field MemoryRule starts reading without joining the key fails here."""
+    from cost_models.memory import LayerTable
+    from cost_models.pipeline_memory import rule_of
+
+    g = load_graph("moe-tiny")
+    base = ParallelConfig(dp=2, pp=2, tp=2, ep=2, zero="fsdp", dtype="bf16")
+    table = LayerTable(g, base)
+    others = [dict(schedule="interleaved-1f1b", vpp=2), dict(recompute="full"), dict(sp=True), dict(mbs=2),
+              dict(attention="eager"), dict(threads=2), dict(fp8="tensorwise"), dict(compile=True),
+              dict(schedule="zb-h1"), dict(seq_chunks=2), dict(loss="fused")]
+    for zero in ZERO:
+        for replicas in (1, 2):
+            kept = rule_of(g, base.replace(zero=zero), table, replicas)
+            for kw in others:
+                cfg = base.replace(zero=zero, **kw)
+                fresh = MemoryRule(g, cfg, table, replicas)
+                got = rule_of(g, cfg, table, replicas)
+                assert got is kept, kw
+                assert (got.f, got.fe, got.units, got.cast, got.id) == (fresh.f, fresh.fe, fresh.units, fresh.cast,
+                                                                        fresh.id), (zero, replicas, kw)
