@@ -19,7 +19,9 @@ Pruning keeps the space whole but cheap, with two bounds per degree tuple
   every variant does) with perfect pipeline balance, no recompute, plus the
   smallest bubble any schedule here reaches (interleaving with the most chunks tried, v = 4
   unless ``--fix vpp`` allows more: ``(pp-1) t / v``), i.e. ``m t + (pp-1) t / v`` with
-  ``t = sum(fwd + bwd + comm) / pp`` (``cost_models.pipeline.linear_step`` on equal stages).
+  ``t = sum(fwd + bwd + comm) / pp`` (``cost_models.pipeline.linear_step`` on equal stages), and
+  at least ``m`` times the busiest rank's work when whole stage groups are dealt to the pp ranks
+  (planner/search/rank_floor.py: 80 blocks on 64 ranks leave some rank two; one device type).
   On a cluster with a WAN, at least ``cost_models.wan_cost.wan_floor_s`` (the gradients'
   cross-group phase; a WAN pipeline boundary's activations one after another).
   Above what a variant must beat to be solved (``planner.search.incumbents``: the
@@ -28,7 +30,7 @@ Pruning keeps the space whole but cheap, with two bounds per degree tuple
 Tuples and variants are visited best floor first (one heap), so good incumbents come early
 and the pruned search solves exactly what the unpruned one would. Inside a
 tuple, each variant gets its own floor (its schedule's closed form on perfectly
-balanced stages, plus its recompute; with a pipeline boundary on the WAN, plus the stall
+balanced stages, plus its recompute, at least its busiest rank's; with a pipeline boundary on the WAN, plus the stall
 the fast pass charges it: ``cost_models.wan_cost.pipeline_wan_floor_s``), and variants the cost model proves no better
 than another (``candidates.DOMINATED``) are skipped.
 Surviving variants get the closed-form estimate on an even stage split, their memory checked first
@@ -74,6 +76,7 @@ from planner.search.heap import frozen_heap
 from planner.search.incumbents import Incumbents
 from planner.search.no_fit import nothing_fits
 from planner.search.pins import Pins
+from planner.search.rank_floor import RankFloors
 from planner.search.stage_split import fast_splits, generates, split_and_estimate
 
 GiB = 2**30
@@ -119,6 +122,7 @@ class _Space:
     stage_cache: dict = field(default_factory=dict)    # per LayerCosts.key: one micro-batch's seconds over the layers
     leanest: tuple[float, bool] = (math.inf, False)   # least bytes per device any rejected layout needs, exact?
     bounded: list[tuple] = field(default_factory=list)  # (bound, cfg, costs, m): the memory bound's rejections
+    rank_floors: RankFloors | None = None             # the busiest rank's floors (planner/search/rank_floor.py)
 
     def exact_leanest(self) -> None:
         """Where nothing fits: the bound's rejections priced exactly while their bound (<= their need) is
@@ -182,7 +186,7 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
     space = _Space(graph, cluster, global_batch, profile, facts, batch,
                    dtype or ("fp32" if cluster.backend == "gloo" else "bf16"), loss,
                    default_attention(facts.limits), Rejections(), res, pins or Pins(), fp8=fp8, compile=compile,
-                   low_comm=low_comm)
+                   low_comm=low_comm, rank_floors=RankFloors(graph, cluster))
     forget_simulations()  # each search prices its own (cost_models/pipeline_memo.py)
     with frozen_heap():  # the heap alive before the search: out of the collector's passes (planner/search/heap.py)
         tuples = _tuples_with_floors(space, max_mbs)
@@ -265,7 +269,8 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     v = max([4] + [v for _, v in schedule_choices(pp, m, space.facts, pins)])
     floor_s = linear_step("interleaved-1f1b", pp, m, v, [t_rank] * pp, [0.0] * pp)
     low = [base.replace(low_comm=space.low_comm)] if space.low_comm and not low_comm_problem(space.low_comm, dp) else []
-    floor_s = max(floor_s, min(wan_floor_s(space.graph, space.cluster, c, m) for c in [base, *low]))  # 0 without a WAN
+    floor_s = max(floor_s, min(wan_floor_s(space.graph, space.cluster, c, m) for c in [base, *low]),  # 0 without a WAN
+                  space.rank_floors.step_floor(costs, "none", pp, m))
     mem_floor = reserve.of(memory_floor(space.graph, base, costs.table(base)))
     point = Point(dp, pp, cp, tp, mbs, m, ep, (ulysses,), base.threads)
     n_var = variant_count(point, space.facts, space.batch, space.dtype, **_variant_request(space))
@@ -374,7 +379,8 @@ def _variant_floors(space: _Space, t: _Tuple) -> list[tuple[float, tuple]]:
         if key not in floors:
             if sp not in wan_hops:  # (one configuration per sequence parallel: the rest reads the choice)
                 wan_hops[sp] = cheapest_wan_hops(g, space.cluster, _config(space, t, choice))
-            floors[key] = _variant_floor(t, sched, v, k, stage[rc], wan_hops[sp])
+            floors[key] = max(_variant_floor(t, sched, v, k, stage[rc], wan_hops[sp]),
+                              space.rank_floors.step_floor(t.costs, rc, t.pp, t.m))
         out.append((floors[key], choice))
     if t.n_var - len(out):
         space.rej.add(DOMINATED_REASON, t.label, t.n_var - len(out))
