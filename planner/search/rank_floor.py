@@ -32,45 +32,57 @@ def applies(cluster: Cluster) -> bool:
 def busiest_share(group_s: Sequence[float], ranks: int) -> float:
     """Seconds the busiest of ``ranks`` ranks holds at least, whatever whole groups of
     ``group_s`` (seconds each) it is dealt: for each ``j``, some rank holds at least
-    ``ceil(j / ranks)`` of the ``j`` largest groups, so at least the sum of the smallest that many
-    of them; and at least the average ``sum / ranks``."""
+    ``c = ceil(j / ranks)`` of the ``j`` largest groups, so at least the sum of the smallest ``c``
+    of them (for one ``c`` the smallest such ``j``, ``(c - 1) ranks + 1``, gives the most); and at
+    least the average ``sum / ranks``."""
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
     g = sorted(group_s, reverse=True)
     best = sum(g) / ranks
-    for j in range(1, len(g) + 1):
-        c = -(-j // ranks)
+    for c in range(1, -(-len(g) // ranks) + 1):
+        j = (c - 1) * ranks + 1
         best = max(best, sum(g[j - c:j]))
     return best
 
 
 def group_seconds(graph: ModelGraph, costs: LayerCosts, policy: str) -> list[float]:
-    """One micro-batch's forward + backward seconds of each stage group under recompute ``policy``,
-    by the estimator's per-layer rule (``LayerCosts.pass_times``)."""
-    out = []
-    for lo, hi in graph.stage_groups():
-        times = [costs.pass_times(graph.layers[i], policy) for i in range(lo, hi)]
-        out.append(sum(t.fwd + t.bwd for t in times))
+    """One micro-batch's forward + backward seconds of each stage group (``graph.stage_groups()``)
+    under recompute ``policy``, by the estimator's per-layer rule (``LayerCosts.pass_times``, a
+    function of the layer's signature: each signature priced once)."""
+    per = {sig: t.fwd + t.bwd for sig, t in _by_signature(graph, costs, policy).items()}
+    return [sum(per[graph.layers[i].signature] for i in range(lo, hi)) for lo, hi in graph.stage_groups()]
+
+
+def _by_signature(graph: ModelGraph, costs: LayerCosts, policy: str) -> dict:
+    out = {}
+    for layer in graph.layers:
+        if layer.signature not in out:
+            out[layer.signature] = costs.pass_times(layer, policy)
     return out
 
 
 class RankFloors:
-    """One search's busiest-rank floors: per (layer costs, recompute policy) the groups' seconds,
-    per pp their :func:`busiest_share`, each computed once."""
+    """One search's per-rank time figures: per (layer costs, recompute policy) the stage groups'
+    seconds, per pp their :func:`busiest_share`, each computed once."""
 
     def __init__(self, graph: ModelGraph, cluster: Cluster):
         self.graph, self.on = graph, applies(cluster)
         self._groups: dict[tuple, list[float]] = {}
         self._shares: dict[tuple, float] = {}
 
+    def groups(self, costs: LayerCosts, policy: str) -> list[float]:
+        """:func:`group_seconds` of ``costs`` under ``policy`` (kept)."""
+        key = (LayerCosts.key(costs.cfg), policy)
+        if key not in self._groups:
+            self._groups[key] = group_seconds(self.graph, costs, policy)
+        return self._groups[key]
+
     def step_floor(self, costs: LayerCosts, policy: str, pp: int, m: int) -> float:
         """Seconds a step of ``m`` micro-batches on ``pp`` ranks takes at least (module docstring);
         0 where the bound does not apply."""
         if not self.on:
             return 0.0
-        key = (LayerCosts.key(costs.cfg), policy)
-        if key not in self._groups:
-            self._groups[key] = group_seconds(self.graph, costs, policy)
-        if (key, pp) not in self._shares:
-            self._shares[key, pp] = busiest_share(self._groups[key], pp)
-        return m * self._shares[key, pp]
+        key = (LayerCosts.key(costs.cfg), policy, pp)
+        if key not in self._shares:
+            self._shares[key] = busiest_share(self.groups(costs, policy), pp)
+        return m * self._shares[key]

@@ -228,11 +228,7 @@ def _base_config(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
 def _rank_seconds(space: _Space, base: ParallelConfig) -> float:
     """One micro-batch through every layer on one rank: compute + TP / CP / EP communication (on
     the critical path in every variant of ``base``'s degrees); once per layer costs."""
-    key = ("rank", LayerCosts.key(base))
-    if key not in space.stage_cache:
-        costs = space.costs(base)
-        space.stage_cache[key] = sum(c.fwd_pass + c.bwd_pass for c in map(costs.get, space.graph.layers))
-    return space.stage_cache[key]
+    return sum(space.rank_floors.groups(space.costs(base), "none"))  # (recompute none: fwd_pass + bwd_pass)
 
 
 def _best_ulysses(space: _Space, p: Point) -> int:
