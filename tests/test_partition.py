@@ -204,9 +204,9 @@ def test_determinism() -> None:
 def test_segment_compression_129_layers_16_stages(pp: int, v: int) -> None:
     pr = _llama_like(126, pp, v, 64, 60e9)
     assert pr.n_layers == 129 and len(segments(pr)) == 4
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: HiGHS runs in this process; a loaded box stretches wall time only
     res = solve_partition(pr, time_limit=1.0)
-    dt = time.perf_counter() - t0
+    dt = time.process_time() - t0
     assert dt < 2.0, dt
     assert res.feasible and (res.status == "optimal" or res.gap <= 0.10), res.status
     S = pp * v
