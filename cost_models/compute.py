@@ -325,13 +325,13 @@ class _GpuPass:
         if layer.moe is not None:  # routed experts: per expert, its share of the rows (balanced load)
             routed = self.tokens / cfg.seq_shards  # under TP the rank routes its sequence shard
             local = layer.moe.experts // cfg.ep
-            fwd0, bwd0 = self.fwd, self.bwd
+            fwd0, bwd0, unkept = self.fwd, self.bwd, routed_unkept_share(layer)  # (walks the matmuls: once)
             for m, n, k in expert_gemms(layer.moe, routed, graph.hidden, cfg.ep):
                 if self.engine.moe_grouped_gemm:  # one kernel over the local experts
                     t = self.grouped(local, m, n, k)
                 else:
                     t = self.gemm(m, n, k, local)
-                self.unkept += t * routed_unkept_share(layer)
+                self.unkept += t * unkept
             self.experts_fwd, self.experts_bwd = self.fwd - fwd0, self.bwd - bwd0
             rows_cap, h, f = m_cap * layer.moe.top_k, graph.hidden, layer.moe.expert_ffn
             io = 3 * (rows_cap * h + layer.moe.experts * h * f + rows_cap * f)  # inputs, weights, outputs
