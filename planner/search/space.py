@@ -122,7 +122,10 @@ class _Space:
     stage_cache: dict = field(default_factory=dict)    # per LayerCosts.key: one micro-batch's seconds over the layers
     leanest: tuple[float, bool] = (math.inf, False)   # least bytes per device any rejected layout needs, exact?
     bounded: list[tuple] = field(default_factory=list)  # (bound, cfg, costs, m): the memory bound's rejections
-    rank_floors: RankFloors | None = None             # the busiest rank's floors (planner/search/rank_floor.py)
+    rank_floors: RankFloors = field(init=False)       # the busiest rank's floors (planner/search/rank_floor.py)
+
+    def __post_init__(self) -> None:
+        self.rank_floors = RankFloors(self.graph, self.cluster)
 
     def exact_leanest(self) -> None:
         """Where nothing fits: the bound's rejections priced exactly while their bound (<= their need) is
@@ -186,7 +189,7 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
     space = _Space(graph, cluster, global_batch, profile, facts, batch,
                    dtype or ("fp32" if cluster.backend == "gloo" else "bf16"), loss,
                    default_attention(facts.limits), Rejections(), res, pins or Pins(), fp8=fp8, compile=compile,
-                   low_comm=low_comm, rank_floors=RankFloors(graph, cluster))
+                   low_comm=low_comm)
     forget_simulations()  # each search prices its own (cost_models/pipeline_memo.py)
     with frozen_heap():  # the heap alive before the search: out of the collector's passes (planner/search/heap.py)
         tuples = _tuples_with_floors(space, max_mbs)
