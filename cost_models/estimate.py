@@ -73,7 +73,7 @@ reserve on CPU clusters (measured peak RSS includes the interpreter and torch, a
 allocator's retained and fragmented memory grows with the tensors). compute.py and comm.py read their own keys.
 
 MFU = model FLOPs of the step (full-square attention, forward + backward; with packed
-documents the attention at its document-masked work, ``compute.model_flops_per_seq``) /
+documents the attention at its document-masked work, ``layer_work.model_flops_per_seq``) /
 (step x world x peak). Every figure carries its source: ``profile`` where measured
 layer times or collective times were used, ``roofline`` / ``model`` otherwise.
 """
@@ -85,7 +85,8 @@ from typing import Any
 
 from cost_models import comm as comm_mod, pipeline as pipe_mod, wan as wan_mod
 from cost_models.cluster import Cluster
-from cost_models.compute import calibration, calibration_note, memory_bandwidth, model_flops_per_seq
+from cost_models.compute import calibration, calibration_note, memory_bandwidth
+from cost_models.layer_work import model_flops_per_seq
 from cost_models.cpu_runtime import wrapper_unit_s
 from cost_models.engines import Engine, engine_of, exposed_s
 from cost_models.experts import ep_mesh
@@ -101,8 +102,7 @@ from planner.feasibility import microbatches
 from planner.graph import ModelGraph
 from planner.low_comm import parse_low_comm
 from planner.plan import ParallelConfig, Partition, PlanError
-from planner.sharding import DDP_BUCKET_BYTES, SHARDED_PARAMS, expert_replicas, shard_ranks, uses_ddp_reducer
-from planner.sharding import zero1_broadcasts
+from planner.sharding import DDP_BUCKET_BYTES, SHARDED_PARAMS, expert_replicas, shard_ranks, uses_ddp_reducer, zero1_broadcasts
 from planner.precision import DTYPE_BYTES, GRAD_REDUCE_BYTES, MASTER_BYTES
 from planner import schedule_ir as ir
 

@@ -30,7 +30,7 @@ reduce the experts' gradients) is the second dimension (``dp`` of the same mesh)
 Grouped GEMMs: each rank runs ``experts / ep`` local experts, each on
 ``tokens x top_k x ep / experts x imbalance`` rows (``cost_models.moe_layer.expert_rows``), which is what
 makes expert parallelism pay on GPUs: larger per-expert GEMMs run nearer peak
-(``cost_models/compute.py``'s wave-quantised GEMM model).
+(``cost_models/gpu_layer.py``'s wave-quantised GEMM model).
 
 How an engine runs the layer (grouped GEMMs, fused permute, what it keeps: ``Engine.moe_*``)
 is ``cost_models/moe_layer.py``; here, its communication: the all-to-all of an EP group

@@ -33,7 +33,7 @@ without documents, from the layer's profile or that factor) prices every other m
 beyond cp 1's, with or without documents (a block reaching ``k`` key runs makes ``k`` calls,
 :func:`ring_calls`; one row of 2,048 over cp 4: 16 calls per rank and row against cp 1's 4, +19%
 of the rank's work, whatever the rows per micro-batch: each row its own calls). :func:`fallback_work`, the product of the
-two, is what the CPU estimate charges (``cost_models.compute.attention_share``), on the roofline
+two, is what the CPU estimate charges (``cost_models.layer_work.attention_share``), on the roofline
 only: a layer profiled at its ``cp`` is the profiler's own timing of the ring (``RingCompute``),
 charged nothing more; the roofline's ratio with and without documents that scales it has the
 ring's calls on both sides.
@@ -238,6 +238,6 @@ def fallback_work(mix: DocumentMix | None, seq_len: int, dp: int, cp: int, ulyss
     """What the CPU's plain-torch kernel does for a causal attention core on the busiest rank, over
     ``1 / cp`` of cp 1's with one document per row: the packed documents' :func:`fallback_share`
     (``mix``; None: one document per row) times the layout's :func:`ring_factor`. The one place
-    the CPU estimate prices the fallback's layout (``cost_models.compute.attention_share``)."""
+    the CPU estimate prices the fallback's layout (``cost_models.layer_work.attention_share``)."""
     share = 1.0 if mix is None else fallback_share(mix, dp, cp, ulysses, mbs, cores)
     return share * ring_factor(seq_len, dp, cp, max(ulysses, 1), mbs, cores)

@@ -21,7 +21,7 @@ gradient; RoPE reads and writes q and k, its backward the same for their gradien
 activation reads what the column linears wrote and writes what the row linear reads, its
 backward reads the output gradient and the inputs and writes their gradients). The residual
 adds (the layer's own op) are one read of two tensors and a write, as the capture counts them;
-the attention core is the flash kernel's (cost_models/compute.py); a MoE part is its engine's
+the attention core is the flash kernel's (cost_models/gpu_layer.py); a MoE part is its engine's
 dispatcher (cost_models/moe_layer.py).
 
 What the block keeps for backward (:func:`block_saved`), per token: each norm its input (w e) and

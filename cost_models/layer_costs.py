@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from cost_models import comm as comm_mod
 from cost_models.cluster import Cluster
-from cost_models.compute import LayerTime, attention_share, attn_core_flops, document_masked, layer_time
+from cost_models.compute import layer_time
+from cost_models.layer_work import LayerTime, attention_share, attn_core_flops, document_masked
 from cost_models.cpu_runtime import ep_dispatch_s
 from cost_models.context_parallel import cp_comm
 from cost_models.documents import ring_hiding

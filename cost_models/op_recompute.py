@@ -19,7 +19,7 @@ Priced from the graph, per layer, at the captured batch and dtype:
   recompute. Split like ``Layer.act_bytes``: outputs of column / vocab linears and of the
   attention are divided by tp, the rest (block input, row outputs) by tp only under
   sequence parallel.
-- recompute time (``cost_models/compute.py``): on GPUs, the unkept linears' forward GEMMs,
+- recompute time (``cost_models/compute.py``; ``cost_models/gpu_layer.py``): on GPUs, the unkept linears' forward GEMMs,
   half the routed experts' and every memory-bound kernel of the forward (norms,
   activations, rotary, residual adds), from the kernel model; attention is kept. Where
   there is no kernel breakdown (CPU roofline, profiled layers), the forward FLOPs outside

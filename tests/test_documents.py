@@ -14,7 +14,8 @@ import pytest
 
 from cost_models import documents as docs
 from cost_models.cluster import parse_cluster
-from cost_models.compute import attention_share, layer_time, model_flops_per_seq
+from cost_models.compute import layer_time
+from cost_models.layer_work import attention_share, model_flops_per_seq
 from cost_models.layer_costs import LayerCosts
 from planner.errors import AutoparError
 from planner.graph import ModelGraph
@@ -267,7 +268,7 @@ def test_short_documents_cut_the_attention_time_flops_and_mfu_figures():
         assert packed.fwd_s < full.fwd_s and packed.bwd_s < full.bwd_s
         eager = cfg.replace(attention="eager")  # an unfused kernel computes every masked score
         assert layer_time(block, gd, cl, eager) == layer_time(block, g, cl, eager)
-    from cost_models.compute import attn_core_flops
+    from cost_models.layer_work import attn_core_flops
 
     saved = sum(3 * attn_core_flops(l, g.batch) * (1 - share) for l in g.layers if l.attention is not None)
     assert model_flops_per_seq(gd) == pytest.approx(g.flops_per_seq() - saved / g.batch)

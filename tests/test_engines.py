@@ -100,7 +100,7 @@ def test_default_engine_is_autopar_and_plans_price_on_it(graph):
 
 
 def test_unfused_attention_costs_more_than_flash_and_selective_drops_its_scores(graph):
-    from cost_models.compute import gpu_layer_time
+    from cost_models.gpu_layer import gpu_layer_time
     from cost_models.memory import layer_activation
 
     cl = parse_cluster("dgx-h100")

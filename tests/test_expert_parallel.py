@@ -15,7 +15,7 @@ import torch
 from codegen.runtime.expert_parallel import by_expert
 from cost_models import comm as comm_mod
 from cost_models.cluster import load_preset
-from cost_models.compute import expert_gemms
+from cost_models.layer_work import expert_gemms
 from cost_models.experts import alltoall_bytes, ep_mesh, expert_comm
 from cost_models.moe_layer import expert_rows
 from cost_models.memory import layer_params_local, per_param_bytes, stage_memory

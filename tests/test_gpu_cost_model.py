@@ -12,7 +12,7 @@ from benchmarks import published_runs as pr
 from cost_models import comm
 from cost_models import gpu_kernels as gk
 from cost_models.cluster import parse_cluster
-from cost_models.compute import gpu_layer_time
+from cost_models.gpu_layer import gpu_layer_time
 from cost_models.engines import exposed_s
 from cost_models.shared_cores import sync_wait_s
 from planner.plan import ParallelConfig

@@ -152,7 +152,7 @@ def test_fused_elementwise_lowers_saved_bytes_and_memory_time_only_where_the_eng
     """Fused norms / RoPE / SwiGLU (cost_models/fused_elementwise.py) keep and move less than the
     capture's eager fp32 ops; autopar's runtime (eager) prices the block exactly as captured, and
     Megatron's norm recompute drops the norms' outputs on top."""
-    from cost_models.compute import gpu_layer_time
+    from cost_models.gpu_layer import gpu_layer_time
     from cost_models.memory import layer_activation
 
     g = graph_of_config(ModelConfig(name="l", arch="llama", layers=2, hidden=1024, ffn_hidden=2816, heads=8,
