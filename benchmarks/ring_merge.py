@@ -186,7 +186,8 @@ def main() -> None:
             print(f"{name}: {what}/measured {1 + err.min():.2f} .. {1 + err.max():.2f} "
                   f"(rms {np.sqrt((err ** 2).mean()):.3f})")
     write_json(args.out, {"load": [load0, load1], "reps": args.reps, "reference_s": ref_s,
-                          "reference_elements": ref_elements, "harness_s": null_s, "flash": coef_f.tolist(), "plain": coef_p.tolist(),
+                          "reference_elements": ref_elements, "harness_s": null_s, "flash": coef_f.tolist(),
+                          "plain": coef_p.tolist(),
                           "cases": rows})
     print(f"wrote {args.out}")
 

@@ -40,8 +40,8 @@ from cost_models.cluster import Cluster
 from cost_models.context_parallel import cp_meshes, ring_step_bytes, ulysses_bytes
 from cost_models.documents import pack_mix
 from cost_models.fallback_attention import rank_elements
-from cost_models.ring_merges import plain_ring_elements
 from cost_models.layer_costs import LayerCosts, layer_pass_times
+from cost_models.ring_merges import plain_ring_elements
 from planner.batch_assign import Pool, WorkCost, assign, microbatch_ranges, padded_work
 from planner.batch_layout import pipeline_step, static_work
 from planner.graph import DocumentMix, ModelGraph

@@ -71,6 +71,9 @@ from planner.plan import ParallelConfig
 # 1.06-1.17x). Over a cp 4 ring (--cp 4, load 2.5) four one-document rows 1.07x, the rows with
 # documents 1.17-1.62x before the ring's own work outside these calls (RingCompute's merges, the
 # calls' wrappers and slices) was priced: cost_models.ring_merges, fitted by benchmarks.ring_merge.
+# Priced (--cp 4 --reps 3, quiet.sh, 2026-12-03 23:28 UTC, load 5.0 falling: the run before it),
+# the rows with documents 0.90-1.10x (the same run without it 1.04-1.47x), rows 0-3 / 4-7 in one
+# micro-batch 0.93 / 1.02x (1.11 / 1.24x), four one-document rows 0.86x (0.96x).
 BLOCK_ELEMENTS = 4361.0
 BLOCK_ROW_ELEMENTS = 5197.0
 # The fit's alpha: seconds per score element per head (llama-mini's call: 4 heads of 64, forward +

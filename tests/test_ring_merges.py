@@ -10,7 +10,12 @@ import pytest
 import cost_models.ring_merges as rm
 from cost_models.documents import pack_mix
 from cost_models.fallback_attention import rank_elements, row_doc_starts
-from cost_models.ring_merges import PLAIN_RING_ELEMENTS, PLAIN_ROW_ELEMENTS, plain_ring_elements, ring_steps
+from cost_models.ring_merges import (
+    PLAIN_RING_ELEMENTS,
+    PLAIN_ROW_ELEMENTS,
+    plain_ring_elements,
+    ring_steps,
+)
 
 OWN = ("MERGE_ROW_ELEMENTS", "CALL_ROW_ELEMENTS", "RING_CALL_ELEMENTS")
 
@@ -22,8 +27,8 @@ def _traced(seq: int, cp: int, ulysses: int, doc_start=None, flash: bool = True)
     summed; ``flash=False``: the plain path (``merge_partials``, no calls)."""
     import torch
 
-    import codegen.kernels.attention as attention
     import codegen.runtime.context_parallel as cpm
+    from codegen.kernels import attention
     from codegen.runtime.documents import Documents
 
     count = np.zeros(4)
@@ -150,7 +155,8 @@ def test_plain_ring_is_the_per_batch_groups_merges(monkeypatch):
     bare = replace(cost, merge=0.0, ring=0.0)
     for g, n in ((2, 1000), (4, 1000)):  # padded to 1,000 and 1,008: shares of 500 and 252
         share = -(-n // (2 * g)) * 2
-        assert piece_work(n, g, cost) - piece_work(n, g, bare) == pytest.approx((g - 1) * cost.merge * share + cost.ring)
+        added = piece_work(n, g, cost) - piece_work(n, g, bare)
+        assert added == pytest.approx((g - 1) * cost.merge * share + cost.ring)
     assert piece_work(1000, 1, cost) == piece_work(1000, 1, bare)
     uly = WorkCost(linear=1e-6, attention=1e-10, alltoall=1e-7, method="ulysses", merge=1.0, ring=1.0)
     assert piece_work(1000, 2, uly) == piece_work(1000, 2, replace(uly, merge=0.0, ring=0.0))  # no ring merges
