@@ -241,7 +241,8 @@ def per_batch_literal(plan: Plan) -> Optional[dict]:
     if not rec.get("chosen"):
         return None
     cost = rec.get("cost") or {}
-    nums = [cost.get(k) for k in ("linear", "attention", "exchange", "alltoall", "latency")]
+    keys = ("linear", "attention", "exchange", "alltoall", "latency", "merge", "ring")
+    nums = [cost.get(k, 0.0 if k in ("merge", "ring") else None) for k in keys]  # merge, ring: absent from older plans
     ints = [rec.get(k) for k in ("workers", "max_group", "capacity")]
     if (not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in nums)
             or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in ints)
@@ -250,7 +251,7 @@ def per_batch_literal(plan: Plan) -> Optional[dict]:
                         f"a method of {', '.join(METHODS)}; plan again with `autopar plan --per-batch`")
     return {"chosen": True, "workers": ints[0], "max_group": ints[1], "capacity": ints[2],
             "aligned": bool(rec.get("aligned", False)),
-            "cost": dict(zip(("linear", "attention", "exchange", "alltoall", "latency"), nums), method=cost["method"])}
+            "cost": dict(zip(keys, nums), method=cost["method"])}
 
 
 def _number(x: object) -> bool:

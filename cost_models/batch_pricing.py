@@ -14,7 +14,10 @@ comparison). ``exchange``: the seconds per token of a ring step's K/V block (all
 layers; forward once, backward K/V and their gradients: 3x), from the communication model's
 ``send_recv`` over a ring of the whole ``dp x cp`` pool laid on the mesh as CP is (the
 slowest links a group may cross); ``latency``: the same for an empty block. Under
-Ulysses, ``alltoall``: the four all-to-alls per layer, forward and backward.
+Ulysses, ``alltoall``: the four all-to-alls per layer, forward and backward. On a CPU,
+``merge`` and ``ring``: the plain ring path's own work (the groups' ``RingAttention``:
+``cost_models.ring_merges.plain_ring_elements``) at the fallback's seconds per element
+(:func:`fallback_element_s`); 0 on GPUs.
 
 **Memory** (:func:`capacity_tokens`): the tokens a worker may hold, from a fixed layout's
 estimate: what its activations leave free of the device, at its activation bytes per token.
@@ -35,7 +38,10 @@ from typing import Optional, Sequence
 from cost_models import comm as comm_mod
 from cost_models.cluster import Cluster
 from cost_models.context_parallel import cp_meshes, ring_step_bytes, ulysses_bytes
+from cost_models.documents import pack_mix
+from cost_models.fallback_attention import rank_elements
 from cost_models.layer_costs import LayerCosts, layer_pass_times
+from cost_models.ring_merges import plain_ring_elements
 from planner.batch_assign import Pool, WorkCost, assign, microbatch_ranges, padded_work
 from planner.batch_layout import pipeline_step, static_work
 from planner.graph import DocumentMix, ModelGraph
@@ -56,6 +62,20 @@ def stage_seconds(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, prof
         t = layer_pass_times(costs.get(layer), cfg.recompute)
         total += t.fwd + t.bwd
     return total / cfg.pp
+
+
+def fallback_element_s(graph: ModelGraph, cluster: Cluster, worker: ParallelConfig) -> float:
+    """Seconds of one fallback score element per head (``cost_models.fallback_attention``'s unit),
+    all layers of the stage, forward + backward, on a CPU cluster (0 elsewhere): the roofline's
+    fallback core for one document filling a row of ``worker`` (cp 1, one row; the profile
+    times the fused kernel there, not the fallback) over that row's modelled elements."""
+    if cluster.backend != "gloo":
+        return 0.0
+    s = graph.seq_len
+    one = pack_mix([s], s)
+    t1 = stage_seconds(replace(graph, documents=one), cluster, worker, None)
+    t0 = stage_seconds(replace(graph, documents=_no_attention(s)), cluster, worker, None)
+    return max(t1 - t0, 0.0) / float(rank_elements(one, 1, 1)[1][0])
 
 
 def work_cost(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, profile=None,
@@ -85,8 +105,11 @@ def work_cost(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, profile=
         a2a = comm_mod.collective_time("all_to_all", ulysses_bytes(l.attention, uly_cfg), cluster, uly_mesh, "cp",
                                        profile).seconds
         alltoall += 2 * a2a / (s / budget) * budget / max(budget - 1, 1)  # per token held, before the (g-1)/g
+    per_row, fixed = plain_ring_elements(s, budget)
+    element = fallback_element_s(graph, cluster, worker) if layers else 0.0
     return WorkCost(linear=linear, attention=attention, exchange=max(exchange, 0.0) / cfg.pp,
-                    alltoall=alltoall / cfg.pp, latency=latency / cfg.pp, method=method)
+                    alltoall=alltoall / cfg.pp, latency=latency / cfg.pp, method=method,
+                    merge=per_row * element, ring=fixed * element)
 
 
 def capacity_tokens(tokens_per_rank: float, activations: float, other: float, device_bytes: float) -> int:

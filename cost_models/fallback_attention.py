@@ -32,11 +32,15 @@ without documents, from the layer's profile or that factor) prices every other m
 :func:`ring_factor` prices what that factor, measured at ``cp`` 1, leaves out: a ring's calls
 beyond cp 1's, with or without documents (a block reaching ``k`` key runs makes ``k`` calls,
 :func:`ring_calls`; one row of 2,048 over cp 4: 16 calls per rank and row against cp 1's 4, +19%
-of the rank's work, whatever the rows per micro-batch: each row its own calls). :func:`fallback_work`, the product of the
+of the rank's work, whatever the rows per micro-batch: each row its own calls), and the ring's
+own work outside the calls (``cost_models.ring_merges``: its log-sum-exp merges and the calls'
+wrappers and slices, per rank over the steps it computes, :func:`ring_own`; in both
+:func:`rank_elements`' work and its one-document reference, so it does not shrink with the
+documents). :func:`fallback_work`, the product of the
 two, is what the CPU estimate charges (``cost_models.layer_work.attention_share``), on the roofline
 only: a layer profiled at its ``cp`` is the profiler's own timing of the ring (``RingCompute``),
 charged nothing more; the roofline's ratio with and without documents that scales it has the
-ring's calls on both sides.
+ring's calls and own work on both sides.
 
 Cost: one pass over the simulated rows' tokens per (mix, dp, cp, ulysses, mbs), cached.
 """
@@ -48,6 +52,7 @@ import numpy as np
 
 from cost_models.cluster import Cluster
 from cost_models.documents import per_mix
+from cost_models.ring_merges import own_work, ring_runs, ring_steps
 from cost_models.shared_cores import local_cpu, shares_cores
 from planner.feasibility import sequence_problem
 from planner.graph import DocumentMix
@@ -63,10 +68,12 @@ from planner.plan import ParallelConfig
 # one row per call (row_calls). benchmarks.fallback_rows, 2026-12-03 19:20 UTC, quiet.sh, load 3.2:
 # batch_assign_run's rows 0-3 and 4-7 in one micro-batch 1.04 / 1.06x this model's share of the
 # same process's one-document row, each row alone 0.96-1.13x (before row_calls 1.64 / 1.52x,
-# 1.06-1.17x). Known gap: over a cp 4 ring (--cp 4, load 2.5) four one-document rows 1.07x, the
-# rows with documents 1.17-1.62x: the ring's own work outside these calls (RingCompute's
-# log-sum-exp merges, its cats; 12-21 ms per rank, row and layer at cp 2 and 4, fwd + bwd, timed
-# around the calls) is priced nowhere on a CPU and does not shrink with the documents.
+# 1.06-1.17x). Over a cp 4 ring (--cp 4, load 2.5) four one-document rows 1.07x, the rows with
+# documents 1.17-1.62x before the ring's own work outside these calls (RingCompute's merges, the
+# calls' wrappers and slices) was priced: cost_models.ring_merges, fitted by benchmarks.ring_merge.
+# Priced (--cp 4 --reps 3, quiet.sh, 2026-12-03 23:28 UTC, load 5.0 falling: the run before it),
+# the rows with documents 0.90-1.10x (the same run without it 1.04-1.47x), rows 0-3 / 4-7 in one
+# micro-batch 0.93 / 1.02x (1.11 / 1.24x), four one-document rows 0.86x (0.96x).
 BLOCK_ELEMENTS = 4361.0
 BLOCK_ROW_ELEMENTS = 5197.0
 # The fit's alpha: seconds per score element per head (llama-mini's call: 4 heads of 64, forward +
@@ -86,25 +93,6 @@ def row_doc_starts(mix: DocumentMix) -> np.ndarray:
     starts = np.cumsum(pieces) - pieces
     out = np.repeat((starts % s).astype(np.int32), pieces)
     return out[: mix.rows * s].reshape(mix.rows, s)
-
-
-def ring_runs(seq_len: int, cp: int, ulysses: int = 1) -> list[tuple[int, int, int]]:
-    """(first position, end, ring rank) of each maximal run of consecutive positions a ring rank
-    holds, in position order: its cp ranks' zigzag chunks ``2cp`` of the row, in the order
-    ``RingCompute.held_positions`` lays them (chunks ``cp - 1`` and ``cp`` of one rank, or of
-    one Ulysses group, make one run); the whole row at ``cp`` 1."""
-    if cp == 1:
-        return [(0, seq_len, 0)]
-    c = seq_len // (2 * cp)
-    runs = []
-    for ring in range(cp // ulysses):
-        held = [k for i in range(ulysses) for k in (ring * ulysses + i, 2 * cp - 1 - ring * ulysses - i)]
-        for k in held:
-            if runs and runs[-1][2] == ring and runs[-1][1] == k * c:
-                runs[-1] = (runs[-1][0], (k + 1) * c, ring)
-            else:
-                runs.append((k * c, (k + 1) * c, ring))
-    return sorted(runs)
 
 
 def _blocks(seq_len: int, cp: int, ulysses: int, chunk: int) -> tuple[np.ndarray, ...]:
@@ -151,7 +139,40 @@ def _layout_work(seq_len: int, dp: int, cp: int, ulysses: int, mbs: int, chunk: 
     heads = size * (ends - lo).sum(axis=-2) + calls * BLOCK_ROW_ELEMENTS * size / chunk
     ring = [heads[..., owner == r].sum(axis=-1) / ulysses + calls[..., owner == r].sum(axis=-1) * BLOCK_ELEMENTS
             for r in range(max(cp // ulysses, 1))]                      # Ulysses: 1 / u of the heads
-    return np.repeat(np.stack(ring, axis=-1), ulysses if cp > 1 else 1, axis=-1).reshape(lo.shape[0], dp * cp)
+    work = np.stack(ring, axis=-1) + ring_own(seq_len, cp, ulysses, mbs, lo, ends, owner)
+    return np.repeat(work, ulysses if cp > 1 else 1, axis=-1).reshape(lo.shape[0], dp * cp)
+
+
+def steps_seen(lo: np.ndarray, ends: np.ndarray, owner: np.ndarray, seq_len: int, cp: int,
+               ulysses: int) -> np.ndarray:
+    """[..., ring ranks, steps] bool: whether ring rank ``k``'s step ``s`` (the block of ring rank
+    ``k - s``) is computed for micro-batches whose rows' blocks (ending at ``ends``, held by ring
+    rank ``owner``) reach back to ``lo`` ``[..., mbs, blocks]``: its own block always; a visiting
+    one when some row's query sees one of its keys (``RingCompute``'s ``any_visible``: a key in
+    ``[doc_start, position]``; a row's document starts never fall, so a block's first query's
+    start, its least, decides)."""
+    r = max(cp // ulysses, 1)
+    runs = ring_runs(seq_len, cp, ulysses)
+    reach = [np.zeros(lo.shape, dtype=bool) for _ in range(r)]
+    for first, last, j in runs:
+        reach[j] |= np.maximum(lo, first) < np.minimum(last, ends)
+    seen = np.ones(lo.shape[:-2] + (r, r), dtype=bool)
+    for k in range(r):
+        for s in range(1, r):
+            seen[..., k, s] = reach[(k - s) % r][..., owner == k].any(axis=(-2, -1))
+    return seen
+
+
+def ring_own(seq_len: int, cp: int, ulysses: int, mbs: int, lo: np.ndarray, ends: np.ndarray,
+             owner: np.ndarray) -> np.ndarray:
+    """[..., ring ranks] the ring's own work outside the fallback's calls
+    (``cost_models.ring_merges``: its merges, concatenations and calls' wrappers over the steps
+    :func:`steps_seen` computes), in the fallback's elements; 0 at ``cp`` 1."""
+    if cp == 1:
+        return np.zeros(lo.shape[:-2] + (1,))
+    seen = steps_seen(lo, ends, owner, seq_len, cp, ulysses)
+    counts = (ring_steps(seq_len, cp, ulysses) * seen[..., None]).sum(axis=-2)
+    return own_work(counts, mbs, ulysses)
 
 
 def rank_elements(mix: DocumentMix, dp: int, cp: int, ulysses: int = 1, mbs: int = 1,
@@ -224,8 +245,9 @@ def ring_factor(seq_len: int, dp: int, cp: int, ulysses: int = 1, mbs: int = 1, 
     prices, cp 1's calls included): the ring's (query block, key run) calls per row beyond cp 1's
     (:func:`ring_calls`, forward and backward alike), each ``BLOCK_ELEMENTS`` and
     ``BLOCK_ROW_ELEMENTS`` per ``FALLBACK_CHUNK`` queries, Ulysses' at ``1 / u`` of the heads
-    but every call whole, and the blocks' rectangles (cp 1's when a zigzag chunk holds whole
-    blocks). 1.0 at cp 1; a ring the runtime cannot split is priced as cp 1 (:func:`fallback_share`)."""
+    but every call whole, the blocks' rectangles (cp 1's when a zigzag chunk holds whole
+    blocks) and the ring's own work (:func:`ring_own`, every step computed). 1.0 at cp 1; a
+    ring the runtime cannot split is priced as cp 1 (:func:`fallback_share`)."""
     if cp == 1 or sequence_problem(seq_len, cp):
         return 1.0
     one = _layout_work(seq_len, dp, cp, max(ulysses, 1), mbs, FALLBACK_CHUNK, None)

@@ -25,8 +25,9 @@ images stay with it), so the vision term is balanced with the text by the same g
 ``attention * L^2`` is the causal attention of the document (``L^2 / 2`` query-key pairs);
 the zigzag split gives each worker ``1 / g`` of it. ``exposed`` is the group's communication
 not hidden by attention (:func:`ring_exposed`: ``g - 1`` ring steps each moving the K/V of
-``L / g`` tokens, hidden behind that step's visiting block, ``attention * L^2 / g^2``; or
-under Ulysses the all-to-alls, never hidden).
+``L / g`` tokens, hidden behind that step's visiting block, ``attention * L^2 / g^2``, and
+the ring's own merges, ``(g - 1) merge L / g + ring``; or under Ulysses the all-to-alls,
+never hidden).
 
 The algorithm (deterministic, ``O(n log n + n P)`` plus ``O(P^2)`` numpy work per heavy piece;
 a few milliseconds for 1,024 documents on 64 workers):
@@ -84,7 +85,9 @@ class WorkCost:
     K/V block one ring step passes (forward and backward together); ``alltoall``: per token a
     worker holds, for Ulysses' all-to-alls (q, k, v, output; forward and backward);
     ``latency``: per ring step or all-to-all round; ``method``: how a group's attention runs;
-    ``vision``: per image a piece carries (vision encoder and projector, multimodal batches)."""
+    ``vision``: per image a piece carries (vision encoder and projector, multimodal batches);
+    ``merge``: per query a ring worker merges per visiting step, ``ring``: per group share, the
+    ring's own work beside its attention (a CPU's plain ring path; 0 where not priced)."""
     linear: float
     attention: float
     exchange: float = 0.0
@@ -92,11 +95,14 @@ class WorkCost:
     latency: float = 0.0
     method: str = "ring"
     vision: float = 0.0
+    merge: float = 0.0
+    ring: float = 0.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise AssignError(f"method {self.method!r}: use one of {', '.join(METHODS)}")
-        if min(self.linear, self.attention, self.exchange, self.alltoall, self.latency, self.vision) < 0:
+        if min(self.linear, self.attention, self.exchange, self.alltoall, self.latency, self.vision, self.merge,
+               self.ring) < 0:
             raise AssignError("work costs must be non-negative seconds")
 
 
@@ -214,8 +220,9 @@ def group_work(length: int, sizes: np.ndarray, cost: WorkCost) -> np.ndarray:
     share = n / g
     if cost.method == "ulysses":
         comm = cost.alltoall * share * (g - 1) / g + cost.latency
-    else:
+    else:  # the ring's transfers beyond its visiting blocks, and its own merges
         comm = (g - 1) * np.maximum(0.0, cost.exchange * share + cost.latency - att * (1 - 1 / g) / np.maximum(g - 1, 1))
+        comm = comm + (g - 1) * cost.merge * share + cost.ring
     return cost.linear * share + att + np.where(sizes > 1, comm, 0.0)
 
 

@@ -9,10 +9,18 @@ from cost_models.documents import busiest_share, pack_mix
 from cost_models.fallback_attention import (BLOCK_ELEMENTS, BLOCK_ROW_ELEMENTS, FALLBACK_CHUNK, busiest,
                                             fallback_share, fallback_work, rank_elements, ring_calls, ring_factor,
                                             ring_runs)
+from cost_models.ring_merges import CALL_ROW_ELEMENTS, MERGE_ROW_ELEMENTS, RING_CALL_ELEMENTS
 
 S = 2048
 CALL = BLOCK_ELEMENTS + BLOCK_ROW_ELEMENTS  # one call of one row of 128 queries
 FULL = 128 * 128 * 16 * 17 / 2 + 16 * CALL  # one row of one document, no ring: 16 blocks
+
+
+def own(merged: float, calls: int, held: float, rows: float = 1) -> float:
+    """The ring's own work (cost_models.ring_merges) of hand-counted query rows merged and flash
+    calls of a rank holding ``held`` query rows, ``rows`` batch rows (at 1 / u of the heads: u x
+    fewer rows)."""
+    return MERGE_ROW_ELEMENTS * merged * rows + CALL_ROW_ELEMENTS * calls * held * rows + RING_CALL_ELEMENTS * calls
 
 
 def test_one_document_per_row_is_one_for_every_layout():
@@ -53,13 +61,21 @@ def test_ring_ranks_hold_their_zigzag_blocks():
     # hand count: each rank 128 x 4,608 elements; calls: rank 0's 4 blocks of chunk 0 one each,
     # of chunk 3 two; rank 1's of chunk 1 two, of chunk 2 one: 12 calls each. One document:
     # 128 x 8,704 elements, 16 calls (rank 0's chunk 3 blocks reach all three runs)
+    # The ring's own work, both steps computed (every block some query sees): rank 0's own block
+    # makes 3 flash calls (its late run reaches both its runs: a merge of 512 queries), the
+    # visiting block 1 (only the late run reaches it) and a merge of all 1,024; rank 1 (one run)
+    # 2 calls and the visiting merge
+    own0, own1 = own(512 + 1024, 4, 1024), own(1024, 2, 1024)
     mix = pack_mix([1024, 1024] * 2, S)
     work, one = rank_elements(mix, 1, 2)
-    assert work[0].tolist() == pytest.approx([128 * 4608 + 12 * CALL] * 2)
-    assert one.tolist() == pytest.approx([128 * 8704 + 16 * CALL] * 2)
-    assert fallback_share(mix, 1, 2) == pytest.approx((128 * 4608 + 12 * CALL) / (128 * 8704 + 16 * CALL))
+    assert work[0].tolist() == pytest.approx([128 * 4608 + 12 * CALL + own0, 128 * 4608 + 12 * CALL + own1])
+    assert one.tolist() == pytest.approx([128 * 8704 + 16 * CALL + own0, 128 * 8704 + 16 * CALL + own1])
+    assert fallback_share(mix, 1, 2) == pytest.approx((128 * 4608 + 12 * CALL + own0) / (128 * 8704 + 16 * CALL + own0))
     uly, _ = rank_elements(mix, 1, 2, ulysses=2)  # Ulysses: every rank all 24 calls at half the heads
-    assert uly[0].tolist() == pytest.approx([128 * 4608 + 12 * BLOCK_ROW_ELEMENTS + 24 * BLOCK_ELEMENTS] * 2)
+    # pure Ulysses: one step over the runs [0, 512), [512, 1536), [1536, 2048) (held in the order
+    # 0, 3, 1, 2: chunks 1 and 2 one run): 1 + 2 + 3 calls, merges of 1,024 and 2 x 512 queries
+    uly_own = own(2048, 6, 2048, rows=0.5)
+    assert uly[0].tolist() == pytest.approx([128 * 4608 + 12 * BLOCK_ROW_ELEMENTS + 24 * BLOCK_ELEMENTS + uly_own] * 2)
 
 
 def test_shared_cores_wait_for_the_busiest_core():
@@ -139,9 +155,12 @@ def test_modelled_work_is_the_fallbacks_blocks(monkeypatch, cp):
     # per ring rank equal the blocks the runtime's ring makes, counted, forward and backward
     # alike; no row reaches back to another row's document start, and each call is one row
     import cost_models.fallback_attention as fa
+    import cost_models.ring_merges as rm
     from cost_models.fallback_attention import row_doc_starts
 
     monkeypatch.delenv("AUTOPAR_KERNEL_IMPL", raising=False)
+    for name in ("MERGE_ROW_ELEMENTS", "CALL_ROW_ELEMENTS", "RING_CALL_ELEMENTS"):  # the calls only (own work:
+        monkeypatch.setattr(rm, name, 0.0)                                         # test_ring_own_work...)
     seq = 1024
     mix = pack_mix([seq, seq, 200, 500, 324] + [64] * 16, seq)
     assert mix.rows == 4
@@ -163,18 +182,22 @@ def test_modelled_work_is_the_fallbacks_blocks(monkeypatch, cp):
 def test_ring_factor_prices_the_calls_beyond_cp_1():
     # one row of 2,048 over cp 4 (mbs 1): each rank holds 4 blocks of 128 and makes 16 calls
     # against cp 1's 16 for all 16 blocks; the rectangles are cp 1's, split
+    # and the ring's own work: the busiest, rank 0 (chunks 0 and 7), merges 3 x 256 queries in its
+    # blocks (its late run reaching two key runs) and 3 x 512 over the visiting ones, in 8 calls
     rect = 128 * 128 * 16 * 17 / 2
     assert ring_calls(S, 4).tolist() == [16] * 4
-    assert ring_factor(S, 1, 4) == pytest.approx((rect / 4 + 16 * CALL) / (FULL / 4))
-    assert ring_factor(S, 4, 1) == 1.0 and ring_factor(S, 1, 4, cores=2) == ring_factor(S, 1, 4)
+    assert ring_factor(S, 1, 4) == pytest.approx((rect / 4 + 16 * CALL + own(3 * 256 + 3 * 512, 8, 512)) / (FULL / 4))
+    assert ring_factor(S, 4, 1) == 1.0
+    # on 2 shared cores the busier core's mean: ranks 0 and 2 (ranks 1 and 3 make 8 and 4 calls)
+    assert ring_factor(S, 1, 4, cores=2) == pytest.approx((rect / 4 + 16 * CALL + own(2048, 8, 512)) / (FULL / 4))
     # pure Ulysses over 2: 32 calls (three key runs) at half the heads, the fixed part whole
     assert ring_calls(S, 2, 2).tolist() == [32]
-    assert ring_factor(S, 1, 2, 2) == pytest.approx((rect / 2 + 32 * (BLOCK_ROW_ELEMENTS / 2 + BLOCK_ELEMENTS))
-                                                    / (FULL / 2))
+    assert ring_factor(S, 1, 2, 2) == pytest.approx((rect / 2 + 32 * (BLOCK_ROW_ELEMENTS / 2 + BLOCK_ELEMENTS)
+                                                     + own(2048, 6, 2048, rows=0.5)) / (FULL / 2))
     assert fallback_work(None, S, 1, 4) == ring_factor(S, 1, 4)
     mix = pack_mix([1024, 1024] * 2, S)
     assert fallback_work(mix, S, 1, 2) == pytest.approx(fallback_share(mix, 1, 2) * ring_factor(S, 1, 2))
-    assert fallback_work(mix, S, 1, 2) == pytest.approx(2 * (128 * 4608 + 12 * CALL) / FULL)
+    assert fallback_work(mix, S, 1, 2) == pytest.approx(2 * (128 * 4608 + 12 * CALL + own(1536, 4, 1024)) / FULL)
 
 
 def test_a_rings_estimate_grows_by_what_its_calls_cost(monkeypatch):
@@ -196,7 +219,10 @@ def test_a_rings_estimate_grows_by_what_its_calls_cost(monkeypatch):
     block = next(l for l in g.layers if l.attention is not None)
     factor = ring_factor(S, 1, 4, 1, 4, fa.pinned_cores(cpu, cfg))
     rect = 4 * 128 * 128 * 136                                      # 4 rows' causal rectangles
-    assert factor == pytest.approx((rect / 4 + 4 * 16 * CALL) / ((rect + 4 * 16 * CALL) / 4))  # a call per row
+    # a call per row; the ring's own work on core 0's ranks 0 and 2 (the busier: ranks 1 and 3 make
+    # 8 and 4 calls), each 8 calls, merging 2,304 and 1,792 queries of each of 4 rows
+    ring_own = own((2304 + 1792) / 2, 8, 512, rows=4)
+    assert factor == pytest.approx((rect / 4 + 4 * 16 * CALL + ring_own) / ((rect + 4 * 16 * CALL) / 4))
     core_s = (compute.attn_core_flops(block, g.batch) * 0.5 * compute.CPU_TORCH_ATTENTION_SLOWDOWN * cfg.mbs
               / g.batch / cfg.cp / (cpu.peak_flops("fp32") * compute.EFF_MATMUL_CPU))  # cp 1's fallback core per rank
     calls, est = compute.roofline_time(block, g, cpu, cfg), evaluate_config(g, cpu, cfg, 4)[0]

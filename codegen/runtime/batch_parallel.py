@@ -277,6 +277,7 @@ def per_batch_of(record: Optional[dict]) -> Optional[PerBatch]:
     if not record or not record.get("chosen"):
         return None
     cost = {k: record["cost"][k] for k in ("linear", "attention", "exchange", "alltoall", "latency", "method")}
+    cost.update({k: record["cost"].get(k, 0.0) for k in ("merge", "ring")})  # absent from older plans
     pool = Pool(int(record["workers"]), int(record["max_group"]), int(record["capacity"]),
                 aligned=bool(record.get("aligned", False)))
     return PerBatch(pool, WorkCost(**cost))
