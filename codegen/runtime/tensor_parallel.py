@@ -53,15 +53,27 @@ def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> No
                                                      requires_grad=p.requires_grad))
 
 
+def _conv1d_colwise(name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+    _distribute(module, "weight", device_mesh, Shard(1))
+    _distribute(module, "bias", device_mesh, Shard(0))
+
+
+def _conv1d_rowwise(name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+    _distribute(module, "weight", device_mesh, Shard(0))
+    _distribute(module, "bias", device_mesh, Replicate())
+
+
+def _packed_colwise(name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+    out_dim = 1 if is_conv1d(module) else 0
+    _distribute(module, "weight", device_mesh, StridedShard(out_dim, split_factor=3))
+    _distribute(module, "bias", device_mesh, StridedShard(0, split_factor=3))
+
+
 class Conv1DColwise(ColwiseParallel):
     """ColwiseParallel for ``Conv1D``: weight ``[in, out]`` split on dim 1, bias on dim 0."""
 
-    def _partition_linear_fn(self, name, module, device_mesh):
-        _distribute(module, "weight", device_mesh, Shard(1))
-        _distribute(module, "bias", device_mesh, Shard(0))
-
     def _apply(self, module, device_mesh):
-        return apply_as_linear(self, module, device_mesh)
+        return apply_as_linear(self, module, device_mesh, _conv1d_colwise)
 
 
 class Conv1DRowwise(RowwiseParallel):
@@ -71,29 +83,17 @@ class Conv1DRowwise(RowwiseParallel):
         super().__init__(**kw)
         self.desired_input_layouts = (Shard(-1),)
 
-    def _partition_linear_fn(self, name, module, device_mesh):
-        _distribute(module, "weight", device_mesh, Shard(0))
-        _distribute(module, "bias", device_mesh, Replicate())
-
     def _apply(self, module, device_mesh):
-        return apply_as_linear(self, module, device_mesh)
+        return apply_as_linear(self, module, device_mesh, _conv1d_rowwise)
 
 
 class PackedColwise(ColwiseParallel):
     """A column linear computing ``[q | k | v]`` (three equal parts): every rank keeps chunk r
-    of each part, ``StridedShard(split_factor=3)``, and gets its local ``[q_r | k_r | v_r]``."""
-
-    def _partition_linear_fn(self, name, module, device_mesh):
-        out_dim = 1 if is_conv1d(module) else 0
-        _distribute(module, "weight", device_mesh, StridedShard(out_dim, split_factor=3))
-        _distribute(module, "bias", device_mesh, StridedShard(0, split_factor=3))
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        return outputs.to_local()  # already this rank's [q_r | k_r | v_r]: no redistribution
+    of each part, ``StridedShard(split_factor=3)``, and gets its local ``[q_r | k_r | v_r]``
+    (already this rank's part of each: no redistribution of the output)."""
 
     def _apply(self, module, device_mesh):
-        return apply_as_linear(self, module, device_mesh)
+        return apply_as_linear(self, module, device_mesh, _packed_colwise, local_output=True)
 
 
 class GatherSequenceInput(ParallelStyle):

@@ -36,7 +36,7 @@ these, this module is the one place to change. Each entry, and why we need it:
   older build's mesh; once that build's groups are destroyed the cached specs name groups that
   no longer exist (``Could not resolve the process group``). Cleared when groups are destroyed.
 - :func:`apply_style` / :func:`apply_as_linear` (``ParallelStyle._apply`` and a linear style's
-  ``_partition_linear_fn`` / ``_prepare_input_fn`` / ``_prepare_output_fn``): one of torch's TP styles
+  ``_prepare_input_fn`` / ``_prepare_output_fn``; our partition functions replace its ``_partition_linear_fn``): one of torch's TP styles
   applied to a module from inside another style (a subclassed embedding keeps torch's row-wise
   path), and a Colwise/Rowwise subclass's partition run on a transformers ``Conv1D`` (weight
   ``[in, out]``), which torch's own ``_apply`` refuses (``codegen/runtime/tensor_parallel.py``).
@@ -68,7 +68,7 @@ these, this module is the one place to change. Each entry, and why we need it:
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -233,14 +233,21 @@ def apply_style(style: Any, module: torch.nn.Module, device_mesh: Any) -> torch.
     return style._apply(module, device_mesh)
 
 
-def apply_as_linear(style: Any, module: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
-    """A ColwiseParallel / RowwiseParallel (subclass)'s partition and input / output preparation
-    run on ``module`` whatever its type (torch's ``_apply`` accepts ``nn.Linear`` and ``nn.Embedding`` only)."""
+def apply_as_linear(style: Any, module: torch.nn.Module, device_mesh: Any,
+                    partition: Callable[[str, torch.nn.Module, Any], None], local_output: bool = False
+                    ) -> torch.nn.Module:
+    """A ColwiseParallel / RowwiseParallel (subclass) run on ``module`` whatever its type (torch's
+    ``_apply`` accepts ``nn.Linear`` and ``nn.Embedding`` only): ``partition(name, module, mesh)``
+    distributes its parameters, then the style's own input preparation and, unless
+    ``local_output`` (the output already the rank's local part, returned as is), its output's."""
     from functools import partial
 
     from torch.distributed.tensor import distribute_module
 
-    return distribute_module(
-        module, device_mesh, style._partition_linear_fn,
-        partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
-        partial(style._prepare_output_fn, style.output_layouts, style.use_local_output))
+    def local(mod, outputs, mesh):
+        return outputs.to_local()
+
+    output = local if local_output else partial(style._prepare_output_fn, style.output_layouts, style.use_local_output)
+    return distribute_module(module, device_mesh, partition,
+                             partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+                             output)
