@@ -26,6 +26,7 @@ import contextlib
 import os
 import statistics
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -126,8 +127,49 @@ def fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         keep &= coef > 0
 
 
-def main() -> None:
+@dataclass
+class Measured:
+    """Median seconds per case, the reference row's and the empty harness's, the load before / after."""
+    seconds: dict[tuple, float]
+    ref_s: float
+    null_s: float
+    load: tuple
+
+
+def measure(cases: list[tuple], reps: int) -> Measured:
+    """Each case ``reps`` times (after one warm-up round) with the kernel bodies stubbed, beside the
+    real one-document reference row and the empty harness."""
     from benchmarks.fallback_rows import time_call
+
+    ref_doc = torch.zeros(1, REF_SEQ, dtype=torch.int64)
+    times: dict[tuple, list[float]] = {c: [] for c in cases}
+    ref, null = [], []
+    load0 = os.getloadavg()
+    for _ in range(reps + 1):  # the first a warm-up
+        ref.append(time_call(ref_doc))
+        null.append(statistics.median(time_null() for _ in range(5)))
+        with stubbed():
+            for c in cases:
+                times[c].append(time_ring(*c))
+    return Measured({c: statistics.median(t[1:]) for c, t in times.items()}, statistics.median(ref[1:]),
+                    statistics.median(null[1:]), (load0, os.getloadavg()))
+
+
+def table(cases: list[tuple], m: Measured, y: np.ndarray, pred: np.ndarray) -> list[dict]:
+    """Print and return one row per case: counts, ms, measured and fitted elements, the committed constants'."""
+    print(f"{'path':6s} {'cp':>3s} {'rank':>4s} {'tokens':>6s} {'rows':>4s} {'counts':>20s} {'ms':>7s} "
+          f"{'elements':>9s} {'fit':>9s} {'fit/meas':>8s}")
+    rows = []
+    for c, ys, ps in zip(cases, y, pred):
+        xs, ms = counts(*c), m.seconds[c] * 1e3
+        print(f"{'flash' if c[4] else 'plain':6s} {c[0]:3d} {c[1]:4d} {c[2]:6d} {c[3]:4d} "
+              f"{' '.join(f'{v:.0f}' for v in xs):>20s} {ms:7.2f} {ys:9.0f} {ps:9.0f} {ps / ys:8.2f}")
+        rows.append({"path": "flash" if c[4] else "plain", "cp": c[0], "rank": c[1], "tokens": c[2], "rows": c[3],
+                     "counts": xs.tolist(), "ms": ms, "elements": ys, "fit": ps, "committed": modelled(*c)})
+    return rows
+
+
+def main() -> None:
     from benchmarks.results import write_json
     from cost_models.documents import pack_mix
     from cost_models.fallback_attention import rank_elements
@@ -140,55 +182,30 @@ def main() -> None:
     torch.set_num_threads(1)
     cases = [(cp, r, t, b, True) for cp, t, b in FLASH_SHAPES for r in range(cp)]
     cases += [(g, r, t, b, False) for g, t, b in PLAIN_SHAPES for r in range(g)]
-    ref_doc = torch.zeros(1, REF_SEQ, dtype=torch.int64)
-    times: dict[tuple, list[float]] = {c: [] for c in cases}
-    ref: list[float] = []
-    null: list[float] = []
-    load0 = os.getloadavg()
-    for rep in range(args.reps + 1):  # the first a warm-up
-        ref.append(time_call(ref_doc))
-        null.append(statistics.median(time_null() for _ in range(5)))
-        with stubbed():
-            for c in cases:
-                times[c].append(time_ring(*c))
-    load1 = os.getloadavg()
-    ref_s = statistics.median(ref[1:])
+    m = measure(cases, args.reps)
     ref_elements = float(rank_elements(pack_mix([REF_SEQ], REF_SEQ), 1, 1)[1][0])
-    null_s = statistics.median(null[1:])
-    y = np.array([(statistics.median(times[c][1:]) - null_s) / ref_s * ref_elements for c in cases])
+    y = np.array([(m.seconds[c] - m.null_s) / m.ref_s * ref_elements for c in cases])
     flash = np.array([c[4] for c in cases])
     xf = np.array([counts(*c) for c in cases if c[4]])
     xp = np.array([counts(*c) for c in cases if not c[4]])
     coef_f, coef_p = fit(xf, y[flash]), fit(xp, y[~flash])
     pred = np.zeros(len(cases))
     pred[flash], pred[~flash] = xf @ coef_f, xp @ coef_p
-    print(f"load {load0} -> {load1}  torch {torch.__version__}  {args.reps} reps; reference row "
-          f"{ref_s * 1e3:.1f} ms = {ref_elements:.0f} elements ({ref_s / ref_elements * 1e9:.1f} ns each); "
-          f"harness {null_s * 1e3:.2f} ms (subtracted)")
-    print("fit, flash path (per row merged, call x row held, call): "
-          + "  ".join(f"{c:.2f}" for c in coef_f))
+    print(f"load {m.load[0]} -> {m.load[1]}  torch {torch.__version__}  {args.reps} reps; reference row "
+          f"{m.ref_s * 1e3:.1f} ms = {ref_elements:.0f} elements ({m.ref_s / ref_elements * 1e9:.1f} ns each); "
+          f"harness {m.null_s * 1e3:.2f} ms (subtracted)")
+    print("fit, flash path (per row merged, call x row held, call): " + "  ".join(f"{c:.2f}" for c in coef_f))
     print("fit, plain path (per row merged, ring call): " + "  ".join(f"{c:.2f}" for c in coef_p))
-    print(f"{'path':6s} {'cp':>3s} {'rank':>4s} {'tokens':>6s} {'rows':>4s} {'counts':>20s} {'ms':>7s} "
-          f"{'elements':>9s} {'fit':>9s} {'fit/meas':>8s}")
-    rows = []
-    xs_all = [counts(*c) for c in cases]
-    for c, xs, ys, ps in zip(cases, xs_all, y, pred):
-        ms = statistics.median(times[c][1:]) * 1e3
-        print(f"{'flash' if c[4] else 'plain':6s} {c[0]:3d} {c[1]:4d} {c[2]:6d} {c[3]:4d} "
-              f"{' '.join(f'{v:.0f}' for v in xs):>20s} {ms:7.2f} {ys:9.0f} {ps:9.0f} {ps / ys:8.2f}")
-        rows.append({"path": "flash" if c[4] else "plain", "cp": c[0], "rank": c[1], "tokens": c[2], "rows": c[3],
-                     "counts": xs.tolist(), "ms": ms, "elements": ys, "fit": ps,
-                     "committed": modelled(*c)})
-    committed = np.array([modelled(*c) for c in cases])
-    for name, m in (("flash", flash), ("plain", ~flash)):
+    rows = table(cases, m, y, pred)
+    committed = np.array([r["committed"] for r in rows])
+    for name, sel in (("flash", flash), ("plain", ~flash)):
         for what, p in (("fit", pred), ("committed constants", committed)):
-            err = p[m] / y[m] - 1
+            err = p[sel] / y[sel] - 1
             print(f"{name}: {what}/measured {1 + err.min():.2f} .. {1 + err.max():.2f} "
                   f"(rms {np.sqrt((err ** 2).mean()):.3f})")
-    write_json(args.out, {"load": [load0, load1], "reps": args.reps, "reference_s": ref_s,
-                          "reference_elements": ref_elements, "harness_s": null_s, "flash": coef_f.tolist(),
-                          "plain": coef_p.tolist(),
-                          "cases": rows})
+    write_json(args.out, {"load": list(m.load), "reps": args.reps, "reference_s": m.ref_s,
+                          "reference_elements": ref_elements, "harness_s": m.null_s, "flash": coef_f.tolist(),
+                          "plain": coef_p.tolist(), "cases": rows})
     print(f"wrote {args.out}")
 
 
