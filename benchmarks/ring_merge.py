@@ -110,7 +110,7 @@ def modelled(cp: int, rank: int, tokens: int, rows: int, flash: bool) -> float:
     from cost_models.ring_merges import own_work, plain_ring_elements, ring_steps
 
     if not flash:
-        per_row, fixed = plain_ring_elements(tokens, cp)
+        per_row, fixed = plain_ring_elements(cp)
         return per_row * tokens * (cp - 1) * rows + fixed
     return float(own_work(ring_steps(tokens * cp, cp)[rank].sum(axis=0), rows))
 

@@ -105,7 +105,7 @@ def work_cost(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, profile=
         a2a = comm_mod.collective_time("all_to_all", ulysses_bytes(l.attention, uly_cfg), cluster, uly_mesh, "cp",
                                        profile).seconds
         alltoall += 2 * a2a / (s / budget) * budget / max(budget - 1, 1)  # per token held, before the (g-1)/g
-    per_row, fixed = plain_ring_elements(s, budget)
+    per_row, fixed = plain_ring_elements(budget)
     element = fallback_element_s(graph, cluster, worker) if layers else 0.0
     return WorkCost(linear=linear, attention=attention, exchange=max(exchange, 0.0) / cfg.pp,
                     alltoall=alltoall / cfg.pp, latency=latency / cfg.pp, method=method,

@@ -113,7 +113,7 @@ def own_work(counts: np.ndarray, mbs: int, ulysses: int = 1) -> np.ndarray:
             + RING_CALL_ELEMENTS * counts[..., CALLS])
 
 
-def plain_ring_elements(tokens: float, g: int) -> tuple[float, float]:
+def plain_ring_elements(g: int) -> tuple[float, float]:
     """(fallback elements per query row and visiting step, fixed elements per call) of the plain
     ring path over ``g`` workers, one row per micro-batch, forward + backward: a worker holding
     ``tokens`` of a piece does ``first x tokens x (g - 1) + second`` (nothing at ``g`` 1)."""

@@ -144,7 +144,7 @@ def test_plain_ring_is_the_per_batch_groups_merges(monkeypatch):
     for g in (2, 4):
         got = _traced(512, g, 1, flash=False)
         assert got[:, :2].tolist() == [[g - 1, (g - 1) * 512 / g]] * g
-    assert plain_ring_elements(512, 1) == (0.0, 0.0)
+    assert plain_ring_elements(1) == (0.0, 0.0)
     graph = load_graph("llama-mini", batch=1, seq_len=2048)
     cpu = parse_cluster("local-cpu:4")
     cost = work_cost(graph, cpu, ParallelConfig(dp=2, cp=2, mbs=2, dtype="fp32"))
