@@ -19,6 +19,12 @@ PRIVATE_METHODS = {"_flatten", "_unflatten", "_get_root_mesh", "_get_backend", "
                    "_opname", "_apply", "_partition_linear_fn", "_prepare_input_fn", "_prepare_output_fn"}  # and private attributes of modules, storages, DTensors, DDP states, ops
 
 
+# private hooks of torch's TP styles a subclass could override (torch calls them): only torch_compat
+# may reach them; our styles pass their own functions (``torch_compat.apply_as_linear``). ``_apply``,
+# ParallelStyle's one method to implement, is how every custom style is written.
+PRIVATE_HOOKS = {"_partition_linear_fn", "_prepare_input_fn", "_prepare_output_fn", "_partition_embedding_fn"}
+
+
 def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
@@ -58,6 +64,8 @@ def private_torch_uses(source: str) -> list[str]:
                 found.append(f"{node.lineno}: {'.'.join(c)}")
             elif node.attr in PRIVATE_METHODS:
                 found.append(f"{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.FunctionDef) and node.name in PRIVATE_HOOKS:
+            found.append(f"{node.lineno}: def {node.name}")
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
               and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in PRIVATE_METHODS):
             found.append(f"{node.lineno}: getattr(..., {node.args[1].value!r})")
@@ -68,11 +76,12 @@ def test_the_scan_sees_each_kind_of_private_use():
     src = ("import torch\nimport torch.distributed as dist\nfrom torch.utils._pytree import tree_map\n"
            "aten = torch.ops.aten\nx = aten._scaled_dot_product_flash_attention\ny = torch._foreach_norm\n"
            "z = dist.distributed_c10d._world\nm = mesh._flatten('a')\nok = torch.ops.aten.mm\n"
-           "kids = block._modules\nsid = t.untyped_storage()._cdata\nname = getattr(op, '_opname', None)\n")
+           "kids = block._modules\nsid = t.untyped_storage()._cdata\nname = getattr(op, '_opname', None)\n"
+           "class S(ColwiseParallel):\n    def _prepare_output_fn(self, *a):\n        pass\n")
     assert sorted(u.split(": ", 1)[1] for u in private_torch_uses(src)) == sorted([
         "from torch.utils._pytree import tree_map", "aten._scaled_dot_product_flash_attention",
         "torch._foreach_norm", "dist.distributed_c10d._world", "._flatten", "._modules", "._cdata",
-        "getattr(..., '_opname')"])
+        "getattr(..., '_opname')", "def _prepare_output_fn"])
 
 
 def test_private_torch_apis_only_in_torch_compat():
