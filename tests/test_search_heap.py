@@ -26,6 +26,8 @@ def test_a_callers_freeze_is_not_undone():
         frozen = gc.get_freeze_count()
         with frozen_heap():
             pass
-        assert gc.get_freeze_count() == frozen > 0
+        # unfreezing would empty the permanent generation; frozen objects that die meanwhile leave
+        # it one by one (CI saw 1562169 -> 1562167), so "still frozen" is the count staying near
+        assert frozen > 1000 and gc.get_freeze_count() > frozen // 2
     finally:
         gc.unfreeze()
