@@ -10,8 +10,7 @@ Step time (seconds)::
 - TP: every row-parallel linear (and the vocabulary-parallel embedding) ends in an
   all-reduce of the layer's activation [mbs, S/cp, h] in the forward and one in the
   backward; with sequence parallel each becomes a reduce-scatter plus an all-gather
-  (same bytes, no replicated norms). TP collectives sit on the critical path: fully
-  exposed.
+  (same bytes, no replicated norms). TP collectives sit on the critical path: fully exposed.
 - CP (ring attention, Ulysses or their hybrid; cost_models/context_parallel.py): the ring
   passes K and V around (cp / ulysses - 1 steps of 2 * mbs * S/cp * kv_heads * head_dim *
   dtype bytes), overlapping the attention compute of the previous step, so only
@@ -19,34 +18,33 @@ Step time (seconds)::
   gradients); Ulysses adds four all-to-alls of q, k, v and the output, forward and backward.
 - EP (routed experts split over ``ep`` of the dp x cp ranks): each MoE layer's token
   all-to-alls, dispatch and combine, forward and backward (cost_models/experts.py), on the
-  critical path like TP's; the experts' gradients are reduced over their own data-parallel
-  group (dp x cp x tp / ep ranks), the dense ones over dp x cp.
+  critical path like TP's, or under the engine's 1F1B overlap what the other micro-batch's
+  compute does not hide, plus the passes without a partner (``experts.unpaired_ep_s``); the
+  experts' gradients are reduced over their own group (dp x cp x tp / ep ranks), the dense ones over dp x cp.
 - PP: the simulator of cost_models/pipeline.py on the per-stage times (the closed
   form when ``fast=True``), p2p = the stage boundary's activation over the pp link.
-- DP (over the flattened dp x cp group, since CP ranks hold the same weights), as
-  the runtime (codegen/runtime/data_parallel.py) does it:
-  DDP (FSDP2 ``replicate``) all-reduces gradients once per step (accumulation over
-  micro-batches skips the sync); ZeRO-1 is that all-reduce plus, after the optimizer
-  step, each parameter broadcast from the rank that updated it (priced as an
-  all-gather of the parameters; not overlapped). ZeRO-2 and FSDP (``fully_shard``)
-  without a pipeline reduce-scatter gradients every micro-batch and all-gather
-  parameters every micro-batch (FSDP twice: forward and backward); under a pipeline
-  schedule torch's stages keep parameters unsharded and skip gradient sync until the
-  last micro-batch, so it is one all-gather and one reduce-scatter per step. Each is
-  issued per layer unit (the runtime wraps every layer): one call per layer of the rank,
-  each with its share of the bytes (and its own latency) - except DDP / ZeRO-1 without a
-  pipeline or TP (``planner.sharding.uses_ddp_reducer``), which all-reduce per 25 MiB bucket.
-  **Overlap assumption**: gradient traffic overlaps the backward of the last
-  micro-batch (per-micro-batch FSDP/ZeRO-2 traffic the whole forward and backward), with
-  efficiency ``OVERLAP[backend]`` (streams on NCCL overlap well; gloo shares the CPU
-  with compute). :func:`exposed_s`: the last call (unit or bucket: its reduction
-  starts only when the backward is over) is always exposed; the rest only where it exceeds the window.
-- Optimizer: AdamW over every parameter the rank updates, at the device's effective memory
-  bandwidth (``compute.memory_bandwidth``): the engine's bytes per parameter
-  (``Engine.optimizer_bytes_per_param``: a fused kernel in autopar's runtime, Megatron
-  and torchtitan; the eight passes of a foreach AdamW otherwise). Measured here: the fused
-  CPU kernel 0.6 ns per parameter (6.4 M parameters, 2 threads, 4.0 ms; the default
-  per-parameter loop 16.3 ms).
+- DP (over the flattened dp x cp group, since CP ranks hold the same weights), as the runtime
+  (codegen/runtime/data_parallel.py) does it: DDP (FSDP2 ``replicate``) all-reduces gradients once
+  per step (accumulation over micro-batches skips the sync); ZeRO-1 is that all-reduce plus, after
+  the optimizer step, each parameter broadcast from the rank that updated it (priced as an
+  all-gather of the parameters; not overlapped). ZeRO-2 and FSDP (``fully_shard``) without a
+  pipeline reduce-scatter gradients every micro-batch and all-gather parameters every micro-batch
+  (FSDP twice: forward and backward); under a pipeline schedule torch's stages keep parameters
+  unsharded and skip gradient sync until the last micro-batch, so it is one all-gather and one
+  reduce-scatter per step. Each is issued per layer unit (the runtime wraps every layer): one call
+  per layer of the rank, each with its share of the bytes (and its own latency) - except DDP /
+  ZeRO-1 without a pipeline or TP (``planner.sharding.uses_ddp_reducer``), which all-reduce per
+  25 MiB bucket. **Overlap assumption**: gradient traffic overlaps the backward of the last
+  micro-batch (per-micro-batch FSDP/ZeRO-2 traffic the whole forward and backward), with efficiency
+  ``OVERLAP[backend]`` (streams on NCCL overlap well; gloo shares the CPU with compute).
+  :func:`exposed_s`: the last call (unit or bucket: its reduction starts only when the backward is
+  over) is always exposed; the rest only where it exceeds the window.
+- Optimizer: AdamW over every parameter the rank updates, at the device's effective memory bandwidth
+  (``compute.memory_bandwidth``): the engine's bytes per parameter
+  (``Engine.optimizer_bytes_per_param``: a fused kernel in autopar's runtime, Megatron and
+  torchtitan; the eight passes of a foreach AdamW otherwise). Measured here: the fused CPU kernel
+  0.6 ns per parameter (6.4 M parameters, 2 threads, 4.0 ms; the default per-parameter loop
+  16.3 ms).
 - Engine (cost_models/engines.py): what the engine that runs the layout hides. autopar's
   runtime by default; published runs under their own. Its switches decide whether TP
   collectives hide behind the layer's GEMMs, whether gradient reduction hides behind the
@@ -61,8 +59,7 @@ Step time (seconds)::
   (cost_models/shared_cores.py); DP traffic on a node with more ranks than cores hides
   behind nothing (overlap 0): gloo's communication needs the cores the compute holds.
 
-Memory per pp rank: cost_models/memory.py with the in-flight micro-batches the
-simulator reports for that rank.
+Memory per pp rank: cost_models/memory.py with the in-flight micro-batches the simulator reports for that rank.
 
 Calibration (``profile.calibration``, fitted by ``autopar calibrate``): ``overlap``
 replaces ``OVERLAP[backend]``; ``opt_scale`` multiplies the optimizer time (a CPU
@@ -89,7 +86,7 @@ from cost_models.compute import calibration, calibration_note, memory_bandwidth
 from cost_models.layer_work import model_flops_per_seq
 from cost_models.cpu_runtime import wrapper_unit_s
 from cost_models.engines import Engine, engine_of, exposed_s
-from cost_models.experts import ep_mesh
+from cost_models.experts import ep_mesh, unpaired_ep_s
 from cost_models.layer_costs import LayerCosts, act_bytes_io
 from cost_models.offload import host_capacity_bytes
 from cost_models.memory import LayerTable, StageMemory, dp_group
@@ -195,7 +192,7 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
         f, b = (hi - lo) * wf, (hi - lo) * wb  # one wrapped unit per layer (the stage root holds the rest)
         cf, cb = f, b
         parts = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "ep_comm": 0.0, "recompute": 0.0, "runtime": f + b,
-                 "offload": 0.0}
+                 "offload": 0.0, "ep_unpaired": 0.0}
         for i in range(lo, hi):
             c = costs.get(layer := graph.layers[i])
             comp_src.add(c.source)
@@ -210,6 +207,7 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
             parts["tp_comm"] += c.tp
             parts["cp_comm"] += c.cp
             parts["ep_comm"] += c.ep_fwd + c.ep_bwd
+            parts["ep_unpaired"] += c.ep_unpaired
             parts["recompute"] += t.recompute
             parts["offload"] += t.offload
         out.append(_StageCost(f, b, cf, cb, parts))
@@ -422,9 +420,11 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
                                           profile, comm_src, eng)
 
     overhead = cal.get("step_overhead_s", 0.0)
-    step = pipe_s + dp_exposed + opt_s + overhead
-    breakdown = {k: v for k in ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "runtime", "offload")
-                 for v in [m * sum(stages[j].parts[k] for j in mine)] if v or k not in ("runtime", "offload")}
+    ep_alone = unpaired_ep_s(cfg.pp, cfg.vpp, m, [st.parts["ep_unpaired"] for st in stages], on_rank)
+    step = pipe_s + dp_exposed + opt_s + overhead + ep_alone
+    breakdown = {k: v + (ep_alone if k == "ep_comm" else 0.0) for k in ("compute", "recompute", "tp_comm", "cp_comm",
+                 "ep_comm", "runtime", "offload") for v in [m * sum(stages[j].parts[k] for j in mine)]
+                 if v or k not in ("runtime", "offload")}
     breakdown.update(p2p=0.0, bubble=max(0.0, pipe_s - m * (rank_f + rank_b)), dp_comm=dp_exposed, optimizer=opt_s)
     breakdown.update({"overhead": overhead} if overhead else {})
     if cfg.pp > 1 and p2p:  # p2p inside the pipeline time: split the idle time between bubble and transfers

@@ -49,8 +49,14 @@ forward experts beside the backward's dispatch, forward combine beside backward 
 each adds what its partner does not hide, and at least the share of its time the
 dispatcher's SMs take from that compute (``cost_models.engines.paired_exposed_s``). Where the
 layer time is not split (a profiled layer), the layer's all-to-alls pair with all of its
-compute. The warm-up and cool-down micro-batches, which have no partner, are not separated
-out (under 2 % of the micro-batches of the published runs).
+compute. The passes that have no partner run their all-to-alls exposed: the schedule's
+warm-up forwards and the cool-down backwards that match them (:func:`unpaired_passes`,
+Megatron-Core's ``get_pp_rank_microbatches`` with the overlap's extra warm-up micro-batch; on
+the first pipeline rank of an interleaved pipeline ``2 (pp - 1) + (vpp - 1) pp + 1`` of its
+``m vpp`` chunk passes: 39 of 512 for pp 8, vpp 4, m 128). Each such pass adds what the overlap
+had hidden of its chunk's all-to-alls (``ExpertComm.alone`` - ``fwd`` - ``bwd`` per layer), on
+the critical path: the first rank's warm-up is the pipeline's fill and its cool-down the
+drain (:func:`unpaired_ep_s`).
 """
 from __future__ import annotations
 
@@ -97,6 +103,8 @@ class ExpertComm:
     fwd: float
     bwd: float
     source: str
+    alone: float = 0.0  # forward + backward when the passes have no partner to hide behind (the overlap's
+    #                     warm-up / cool-down); fwd + bwd without the overlap
 
 
 @dataclass(frozen=True)
@@ -137,11 +145,34 @@ def expert_comm(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parallel
     counts = comm_mod.collective_time("all_to_all", m.experts * COUNT_BYTES, cluster, mesh, "cp", profile)
     sync = HOST_SYNC_S if cluster.backend != "gloo" else 0.0  # gloo's counts are already on the host
     fwd, bwd = 2 * one + counts.seconds + sync, 2 * one
+    alone = fwd + bwd
     if engine.ep_overlap:
         chunks = (window or ComputeChunks(0.0, 0.0)).pairs(one + counts.seconds + sync, one, one, one)
         exposed = paired_exposed_s(chunks, engine.ep_comm_sms / cluster.device.sms if cluster.device.sms else 0.0)
         fwd, bwd = (fwd * exposed / (fwd + bwd), bwd * exposed / (fwd + bwd)) if fwd + bwd else (0.0, 0.0)
-    return ExpertComm(fwd=fwd, bwd=bwd, source=source)
+    return ExpertComm(fwd=fwd, bwd=bwd, source=source, alone=alone)
+
+
+def unpaired_passes(pp: int, vpp: int, m: int, rank: int) -> int:
+    """Chunk forwards pipeline rank ``rank`` runs with no backward beside it under the 1F1B
+    all-to-all overlap (as many backwards run alone in the cool-down), of its ``m vpp``:
+    Megatron-Core's warm-up (``get_pp_rank_microbatches``: ``2 (pp - rank - 1) + (vpp - 1) pp``
+    interleaved, ``pp - rank - 1`` otherwise) plus the one extra micro-batch the overlap
+    schedules first so that every paired forward and backward are independent; without a
+    pipeline, the first micro-batch's forward (``combined_1f1b_schedule_for_no_pipelining``)."""
+    if pp == 1:
+        return min(1, m)
+    warm = 2 * (pp - rank - 1) + (vpp - 1) * pp if vpp > 1 else pp - rank - 1
+    return min(warm + 1, m * vpp)
+
+
+def unpaired_ep_s(pp: int, vpp: int, m: int, stage_unpaired: list[float], on_rank: list[list[int]]) -> float:
+    """Seconds the passes without a partner add to the step under the 1F1B all-to-all overlap
+    (module docstring): on the rank where it is largest, :func:`unpaired_passes` times what one
+    micro-batch's forward + backward of an average chunk of the rank adds alone
+    (``stage_unpaired[j]``: ``ExpertComm.alone - fwd - bwd`` summed over virtual stage j's layers)."""
+    return max((unpaired_passes(pp, vpp, m, r) * sum(stage_unpaired[j] for j in js) / len(js)
+                for r, js in enumerate(on_rank) if js), default=0.0)
 
 
 def remote_nodes(moe: MoEDims, ep: int, per_node: int) -> float:

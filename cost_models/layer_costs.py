@@ -50,6 +50,8 @@ class LayerCost:
     ep_fwd: float = 0.0    # expert all-to-alls (cost_models/experts.py): forward, backward
     ep_bwd: float = 0.0
     host: float = 0.0      # a repeated block's saved activations over the host link, one way (offload)
+    ep_unpaired: float = 0.0  # what one micro-batch's forward + backward adds when the engine's 1F1B
+    #                           all-to-all overlap has no partner pass for them (experts.unpaired_ep_s)
 
     @property
     def fwd_pass(self) -> float:
@@ -148,7 +150,7 @@ class LayerCosts:
         dis_f, dis_b = ep_dispatch_s(layer, self.c, cfg, self.profile)  # the CPU dispatch's own work
         out = LayerCost(fwd=lt.fwd_s, bwd=lt.bwd_s, tp=tp_s, cp=cp_s, core=core_s, op_rc=lt.op_recompute_s,
                         source=lt.source, comm_source=csrc, ep_fwd=ex.fwd + dis_f, ep_bwd=ex.bwd + dis_b,
-                        host=self.host_copy_s(layer))
+                        host=self.host_copy_s(layer), ep_unpaired=max(0.0, ex.alone - ex.fwd - ex.bwd))
         self.cache[layer.signature] = out
         return out
 

@@ -9,7 +9,8 @@ import pytest
 from cost_models import gpu_kernels as gk
 from cost_models.cluster import load_preset
 from cost_models.engines import ENGINES, Engine, exposed_s, paired_exposed_s
-from cost_models.experts import ComputeChunks, alltoall_bytes, expert_comm, remote_nodes
+from cost_models.experts import (ComputeChunks, alltoall_bytes, expert_comm, remote_nodes, unpaired_ep_s,
+                                 unpaired_passes)
 from cost_models.moe_layer import grouped_gemm_seconds
 from planner.frontend.load import graph_of_config, load_graph
 from planner.graph import MoEDims
@@ -77,6 +78,59 @@ def test_ep_overlap_pairs_each_all_to_all_with_one_chunk(moe32):
     sms = Engine("s", ep_overlap=True, ep_comm_sms=33)
     slowed = expert_comm(layer, moe32, cl, cfg, window=ComputeChunks(2 * big, 2 * big, big, big), engine=sms)
     assert slowed.fwd + slowed.bwd == pytest.approx(33 / 132 * (base.fwd + base.bwd))
+
+
+def test_overlap_keeps_what_a_pass_without_partner_pays(moe32):
+    """``alone`` is the layer's all-to-alls unhidden whatever the window: with the overlap off it
+    equals fwd + bwd; with it on and everything hidden, the same total."""
+    cl, cfg = h100(4), ParallelConfig(dp=32, ep=32, mbs=4)
+    layer = moe_layer(moe32)
+    base = expert_comm(layer, moe32, cl, cfg)
+    assert base.alone == pytest.approx(base.fwd + base.bwd) and base.alone > 0
+    hidden = expert_comm(layer, moe32, cl, cfg, window=ComputeChunks(1e3, 1e3), engine=Engine("o", ep_overlap=True))
+    assert hidden.fwd + hidden.bwd == 0.0 and hidden.alone == pytest.approx(base.alone)
+
+
+def test_unpaired_passes_follow_megatrons_warmup_plus_the_overlaps_extra_microbatch():
+    # interleaved: 2 (pp - rank - 1) + (vpp - 1) pp, + 1 for the overlap (get_pp_rank_microbatches)
+    assert unpaired_passes(8, 4, 128, 0) == 14 + 24 + 1
+    assert unpaired_passes(8, 4, 128, 7) == 0 + 24 + 1
+    assert unpaired_passes(4, 1, 16, 0) == 3 + 1 and unpaired_passes(4, 1, 16, 3) == 1  # 1F1B: pp - rank - 1
+    assert unpaired_passes(1, 1, 8, 0) == 1  # no pipeline: the first forward (and the last backward) alone
+    assert unpaired_passes(8, 4, 2, 0) == 8  # never more than the rank's m x vpp chunk passes
+
+
+def test_unpaired_all_to_alls_add_on_the_rank_with_most_of_them():
+    """Rank 0 (39 unpaired passes at pp 8, vpp 4, m 128) with 1 s of hidden all-to-all per chunk
+    pass: 39 s; stages without the overlap's hiding (0 s each) add nothing."""
+    on_rank = [[r, r + 8, r + 16, r + 24] for r in range(8)]
+    assert unpaired_ep_s(8, 4, 128, [1.0] * 32, on_rank) == pytest.approx(39.0)
+    assert unpaired_ep_s(8, 4, 128, [0.0] * 32, on_rank) == 0.0
+    # the average chunk of a rank: rank 7's chunks carry 4 s each, rank 0's 1 s: 25 x 4 > 39 x 1
+    lop = [4.0 if r % 8 == 7 else 1.0 for r in range(32)]
+    assert unpaired_ep_s(8, 4, 128, lop, on_rank) == pytest.approx(100.0)
+
+
+def test_unpaired_passes_add_to_the_overlapped_step_once_per_step(moe32):
+    """Under the 1F1B overlap ``ep_comm`` is m x (what each micro-batch leaves exposed) + the
+    unpaired passes' all-to-alls, which do not grow with m: doubling m leaves
+    2 ep(m) - ep(2m) = that extra, which is rank 0's pp warm-up + 1 passes times its stage's
+    hidden all-to-alls. Without the overlap nothing is added."""
+    from cost_models.estimate import estimate
+    from cost_models.layer_costs import LayerCosts
+    from planner.search.stage_split import even_split
+
+    cl, ov = h100(4), Engine("o", ep_overlap=True)
+    cfg = ParallelConfig(dp=8, pp=2, ep=8, mbs=1, schedule="1f1b", zero="zero1")
+    part = even_split(moe32, cfg.pp)
+    ep = {gb: estimate(moe32, cl, cfg, part, gb, engine=ov).breakdown["ep_comm"] for gb in (64, 128)}
+    costs = LayerCosts(moe32, cl, cfg, None, engine=ov)
+    hidden = [sum(costs.get(moe32.layers[i]).ep_unpaired for i in range(lo, hi)) for lo, hi in part.bounds]
+    extra = max(unpaired_passes(2, 1, 8, r) * hidden[r] for r in range(2))
+    assert extra > 0
+    assert 2 * ep[64] - ep[128] == pytest.approx(extra, rel=1e-6)
+    plain = {gb: estimate(moe32, cl, cfg, part, gb).breakdown["ep_comm"] for gb in (64, 128)}
+    assert 2 * plain[64] - plain[128] == pytest.approx(0.0, abs=1e-12)
 
 
 def test_paired_exposed_sm_share():
