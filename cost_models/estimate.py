@@ -86,7 +86,7 @@ from cost_models.compute import calibration, calibration_note, memory_bandwidth
 from cost_models.layer_work import model_flops_per_seq
 from cost_models.cpu_runtime import wrapper_unit_s
 from cost_models.engines import Engine, engine_of, exposed_s
-from cost_models.experts import ep_mesh, unpaired_ep_s
+from cost_models.experts import ep_mesh, overlap_inflight, unpaired_ep_s
 from cost_models.layer_costs import LayerCosts, act_bytes_io
 from cost_models.offload import host_capacity_bytes
 from cost_models.memory import LayerTable, StageMemory, dp_group
@@ -410,10 +410,10 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
         pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, hops, fast, eng.p2p_overlap, schedule, attn)
 
     # ---- per-rank memory, data parallel, optimizer ------------------------------------------
-    cal = calibration(profile)
-    table = costs.table(cfg)
+    cal, table = calibration(profile), costs.table(cfg)
     on_rank = [[j for j, at in enumerate(placement) if at == r] for r in range(cfg.pp)]
-    memory = rank_memories(graph, cluster, cfg, partition, table, inflight_chunks, cal, on_rank, result and result.peak_inflight)
+    memory = rank_memories(graph, cluster, cfg, partition, table, overlap_inflight(inflight_chunks, cfg, eng, m), cal,
+                           on_rank, result and result.peak_inflight)
     mine = on_rank[max(range(cfg.pp), key=lambda r: sum(stages[j].fwd + stages[j].bwd for j in on_rank[r]))]
     rank_f, rank_b = (sum(getattr(stages[j], k) for j in mine) for k in ("fwd", "bwd"))
     dp_exposed, opt_s = _dp_and_optimizer(cluster, cfg, partition, table, on_rank, mine, m, (rank_f, rank_b),

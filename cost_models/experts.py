@@ -166,6 +166,16 @@ def unpaired_passes(pp: int, vpp: int, m: int, rank: int) -> int:
     return min(warm + 1, m * vpp)
 
 
+def overlap_inflight(inflight: list[int], cfg: ParallelConfig, engine: Engine, m: int) -> list[int]:
+    """The (chunk, micro-batch) pairs each pipeline rank holds under the engine's 1F1B all-to-all
+    overlap: one more than its schedule's (``inflight``), the extra micro-batch the overlap runs
+    forward before pairing (:func:`unpaired_passes`; without a pipeline the next micro-batch's
+    forward beside the backward), at most all ``m vpp``; unchanged without the overlap or EP."""
+    if not (engine.ep_overlap and cfg.ep > 1):
+        return list(inflight)
+    return [min(c + 1, m * cfg.vpp) for c in inflight]
+
+
 def unpaired_ep_s(pp: int, vpp: int, m: int, stage_unpaired: list[float], on_rank: list[list[int]]) -> float:
     """Seconds the passes without a partner add to the step under the 1F1B all-to-all overlap
     (module docstring): on the rank where it is largest, :func:`unpaired_passes` times what one

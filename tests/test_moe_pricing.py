@@ -9,8 +9,8 @@ import pytest
 from cost_models import gpu_kernels as gk
 from cost_models.cluster import load_preset
 from cost_models.engines import ENGINES, Engine, exposed_s, paired_exposed_s
-from cost_models.experts import (ComputeChunks, alltoall_bytes, expert_comm, remote_nodes, unpaired_ep_s,
-                                 unpaired_passes)
+from cost_models.experts import (ComputeChunks, alltoall_bytes, expert_comm, overlap_inflight, remote_nodes,
+                                 unpaired_ep_s, unpaired_passes)
 from cost_models.moe_layer import grouped_gemm_seconds
 from planner.frontend.load import graph_of_config, load_graph
 from planner.graph import MoEDims
@@ -131,6 +131,24 @@ def test_unpaired_passes_add_to_the_overlapped_step_once_per_step(moe32):
     assert 2 * ep[64] - ep[128] == pytest.approx(extra, rel=1e-6)
     plain = {gb: estimate(moe32, cl, cfg, part, gb).breakdown["ep_comm"] for gb in (64, 128)}
     assert 2 * plain[64] - plain[128] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_overlap_holds_one_more_microbatch_in_flight(moe32):
+    """The overlap's extra warm-up micro-batch: one more (chunk, micro-batch) pair on every rank,
+    capped at all of them; nothing without the overlap or without EP; and the estimate's memory
+    rises by it while the layout without the overlap keeps its own."""
+    from cost_models.estimate import estimate
+    from planner.search.stage_split import even_split
+
+    ov = Engine("o", ep_overlap=True)
+    cfg = ParallelConfig(dp=8, pp=2, ep=8, mbs=1, schedule="1f1b", zero="zero1")
+    assert overlap_inflight([2, 1], cfg, ov, m=8) == [3, 2]
+    assert overlap_inflight([2, 2], cfg, ov, m=2) == [2, 2]
+    assert overlap_inflight([2, 1], cfg, Engine("p"), m=8) == [2, 1]
+    assert overlap_inflight([2, 1], dataclasses.replace(cfg, ep=1), ov, m=8) == [2, 1]
+    part = even_split(moe32, cfg.pp)
+    plain, over = (estimate(moe32, h100(4), cfg, part, 64, engine=e) for e in (Engine("p"), ov))
+    assert all(o.total > p.total for o, p in zip(over.memory, plain.memory))
 
 
 def test_paired_exposed_sm_share():
