@@ -72,7 +72,7 @@ class Graphs:
 
 
 FIT_KEYS = ("gpu.gemm_eff_max", "gpu.attn_eff_max", "gpu.mem_eff", "overlap")
-OVERLAP_DOCUMENTED = 0.8  # the DP-overlap prior (cost_models/estimate.py OVERLAP)
+OVERLAP_DOCUMENTED = 0.8  # the DP-overlap prior (cost_models/dp_cost.py OVERLAP)
 
 
 def predict(c: Case, graphs: Graphs, cal: dict[str, float] | None = None) -> dict[str, Any]:

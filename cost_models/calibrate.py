@@ -28,8 +28,8 @@ comm_scale          multiplies every collective / p2p time           comm._group
 comm_scale.<kind>   the same for one kind (all_reduce, all_gather,   comm._group_time
                     reduce_scatter, all_to_all, send_recv)
 comm_latency_s      seconds added to every collective / p2p call     comm._group_time
-overlap             DP-communication overlap efficiency (OVERLAP)    estimate.estimate
-opt_scale           multiplies the optimizer step time               estimate.estimate
+overlap             DP-communication overlap efficiency (OVERLAP)    dp_cost.dp_and_optimizer
+opt_scale           multiplies the optimizer step time               dp_cost.dp_and_optimizer
 step_overhead_s     seconds added to every step                      estimate.estimate
 mem_reserve_gib     per-process memory beside the tensors (CPU)      estimate.estimate
 mem_reserve_frac    + this fraction of the tensor bytes (CPU)        estimate.estimate
@@ -72,7 +72,8 @@ from typing import Any, Callable, Sequence
 from cost_models.cluster import Cluster
 from cost_models.compute import CPU_OP_OVERHEAD_S, EFF_MATMUL_CPU, EFF_MEMORY
 from cost_models.dtensor_dispatch import CPU_DTENSOR_MODULE_S
-from cost_models.estimate import OVERLAP, GiB, estimate
+from cost_models.dp_cost import OVERLAP
+from cost_models.estimate import GiB, estimate
 from cost_models.profile_db import COLLECTIVE_KINDS, ProfileDB
 from planner.graph import ModelGraph
 from planner.plan import ParallelConfig, Partition, Plan

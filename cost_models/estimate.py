@@ -23,28 +23,9 @@ Step time (seconds)::
   experts' gradients are reduced over their own group (dp x cp x tp / ep ranks), the dense ones over dp x cp.
 - PP: the simulator of cost_models/pipeline.py on the per-stage times (the closed
   form when ``fast=True``), p2p = the stage boundary's activation over the pp link.
-- DP (over the flattened dp x cp group, since CP ranks hold the same weights), as the runtime
-  (codegen/runtime/data_parallel.py) does it: DDP (FSDP2 ``replicate``) all-reduces gradients once
-  per step (accumulation over micro-batches skips the sync); ZeRO-1 is that all-reduce plus, after
-  the optimizer step, each parameter broadcast from the rank that updated it (priced as an
-  all-gather of the parameters; not overlapped). ZeRO-2 and FSDP (``fully_shard``) without a
-  pipeline reduce-scatter gradients every micro-batch and all-gather parameters every micro-batch
-  (FSDP twice: forward and backward); under a pipeline schedule torch's stages keep parameters
-  unsharded and skip gradient sync until the last micro-batch, so it is one all-gather and one
-  reduce-scatter per step. Each is issued per layer unit (the runtime wraps every layer): one call
-  per layer of the rank, each with its share of the bytes (and its own latency) - except DDP /
-  ZeRO-1 without a pipeline or TP (``planner.sharding.uses_ddp_reducer``), which all-reduce per
-  25 MiB bucket. **Overlap assumption**: gradient traffic overlaps the backward of the last
-  micro-batch (per-micro-batch FSDP/ZeRO-2 traffic the whole forward and backward), with efficiency
-  ``OVERLAP[backend]`` (streams on NCCL overlap well; gloo shares the CPU with compute).
-  :func:`exposed_s`: the last call (unit or bucket: its reduction starts only when the backward is
-  over) is always exposed; the rest only where it exceeds the window.
-- Optimizer: AdamW over every parameter the rank updates, at the device's effective memory bandwidth
-  (``compute.memory_bandwidth``): the engine's bytes per parameter
-  (``Engine.optimizer_bytes_per_param``: a fused kernel in autopar's runtime, Megatron and
-  torchtitan; the eight passes of a foreach AdamW otherwise). Measured here: the fused CPU kernel
-  0.6 ns per parameter (6.4 M parameters, 2 threads, 4.0 ms; the default per-parameter loop
-  16.3 ms).
+- DP and the optimizer step (cost_models/dp_cost.py): the gradient / parameter traffic as the
+  runtime issues it, hidden behind the backward where the engine overlaps it, and AdamW at the
+  device's memory bandwidth.
 - Engine (cost_models/engines.py): what the engine that runs the layout hides. autopar's
   runtime by default; published runs under their own. Its switches decide whether TP
   collectives hide behind the layer's GEMMs, whether gradient reduction hides behind the
@@ -82,30 +63,25 @@ from typing import Any
 
 from cost_models import comm as comm_mod, pipeline as pipe_mod, wan as wan_mod
 from cost_models.cluster import Cluster
-from cost_models.compute import calibration, calibration_note, memory_bandwidth
+from cost_models.compute import calibration, calibration_note
 from cost_models.layer_work import model_flops_per_seq
 from cost_models.cpu_runtime import wrapper_unit_s
-from cost_models.engines import Engine, engine_of, exposed_s
-from cost_models.experts import ep_mesh, overlap_inflight, unpaired_ep_s
+from cost_models.dp_cost import dp_and_optimizer
+from cost_models.engines import Engine, engine_of
+from cost_models.experts import overlap_inflight, unpaired_ep_s
 from cost_models.layer_costs import LayerCosts, act_bytes_io
 from cost_models.offload import host_capacity_bytes
-from cost_models.memory import LayerTable, StageMemory, dp_group
+from cost_models.memory import StageMemory
 from cost_models.pipeline_memory import inflight_closed, rank_memories
 from cost_models.pipeline_memo import simulated
 from cost_models.seq_chunks import stage_chunk_parts
-from cost_models.wan_cost import crossings, hsdp_replicas, outer_step_s, stage_capacity, stage_devices, stage_slowdowns
-from cost_models.shared_cores import compute_concurrency, core_speedup, shares_cores, spare_core
+from cost_models.wan_cost import crossings, stage_capacity, stage_devices, stage_slowdowns
+from cost_models.shared_cores import compute_concurrency, core_speedup, shares_cores
 from planner.feasibility import microbatches
 from planner.graph import ModelGraph
-from planner.low_comm import parse_low_comm
 from planner.plan import ParallelConfig, Partition, PlanError
-from planner.sharding import DDP_BUCKET_BYTES, SHARDED_PARAMS, expert_replicas, shard_ranks, uses_ddp_reducer, zero1_broadcasts
-from planner.precision import DTYPE_BYTES, GRAD_REDUCE_BYTES, MASTER_BYTES
 from planner import schedule_ir as ir
 
-# DP-communication overlap efficiency where the engine overlaps it: nccl 0.82 fitted on the
-# published runs (benchmarks/published_runs.py --fit; prior 0.8), gloo from the local fidelity runs.
-OVERLAP = {"nccl": 0.82, "gloo": 0.3}
 GiB = 2**30
 
 
@@ -217,77 +193,6 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
 
 
 @dataclass(frozen=True)
-class DpTraffic:
-    """Gradient / parameter traffic of the dp x cp group in one step, seconds."""
-    overlappable: float   # may hide behind compute
-    after_step: float     # after the optimizer step (ZeRO-1's parameter broadcast)
-    last_call: float      # its last call, which nothing follows to hide it
-
-
-def _dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units: int, profile,
-             comm_src: set, engine: Engine, experts: bool = False, fp8_share: float = 0.0) -> DpTraffic:
-    """The dp x cp group's traffic as the runtime issues it: one call per DDP bucket under DDP's
-    reducer (``uses_ddp_reducer``), one per layer unit of the rank (``units``) otherwise; for
-    the routed experts (``experts``) over their own data-parallel group (``memory.dp_group``,
-    ``cost_models.experts.ep_mesh``)."""
-    dpg = dp_group(cfg, experts)
-    if dpg == 1:
-        return DpTraffic(0.0, 0.0, 0.0)
-    flat = ep_mesh(cfg) if experts else comm_mod.Mesh(pp=cfg.pp, dp=dpg, cp=1, tp=cfg.tp)
-    grads = params * GRAD_REDUCE_BYTES  # gradients are reduced in fp32 (planner.precision.mixed_precision)
-    calls = max(1, math.ceil(grads / DDP_BUCKET_BYTES)) if uses_ddp_reducer(cfg.zero, cfg.pp, cfg.tp, cfg.dtype) \
-        else units
-    k = expert_replicas(cfg.ep, hsdp_replicas(cluster, cfg)) if experts else hsdp_replicas(cluster, cfg)  # > 1: HSDP
-
-    def ct(kind: str, per_param: float = GRAD_REDUCE_BYTES, n_calls: int = calls) -> float:
-        if k > 1 and kind in ("all_gather", "reduce_scatter"):
-            return _hsdp_time(kind, params * per_param / n_calls, cluster, cfg, dpg, k, profile, comm_src) * n_calls
-        # across cluster groups the runtime runs DP flat where dp_replicas says 1 (one ring)
-        e = comm_mod.collective_time(kind, params * per_param / n_calls, cluster, flat, "dp", profile,
-                                     flat=k == 1)
-        comm_src.add(e.source)
-        return e.seconds * n_calls
-
-    per_microbatch = m if _per_microbatch_dp(cfg) else 1
-    # parameters are gathered as their compute copies; under float8 tensorwise the blocks' linears
-    # (``fp8_share`` of them) as float8 (torchao's FSDP float8 all-gather)
-    f8 = fp8_share if cfg.fp8 == "tensorwise" else 0.0
-    gather = DTYPE_BYTES[cfg.dtype] * (1 - f8) + 1.0 * f8
-    # the owners send the updated parameters: Megatron's distributed optimizer its compute copies,
-    # autopar's ShardedOptimizer its fp32 masters in buckets per owner (``zero1_broadcasts`` calls)
-    after = 0.0 if cfg.zero != "zero1" else ct("all_gather", gather) if engine.dist_opt_reduce_scatter \
-        else ct("all_gather", MASTER_BYTES, zero1_broadcasts(params * MASTER_BYTES, dpg))
-    if cfg.zero == "zero1" and engine.dist_opt_reduce_scatter:
-        comm = ct("reduce_scatter")  # each owner receives only its shard's gradients
-    elif cfg.zero in ("ddp", "zero1"):
-        comm = ct("all_reduce")
-    elif cfg.zero == "zero2":
-        comm = per_microbatch * (ct("reduce_scatter") + ct("all_gather", gather))
-    else:
-        gathers = 2 if _per_microbatch_dp(cfg) else 1  # fsdp: forward and backward, unless held by the pipeline
-        comm = per_microbatch * (gathers * ct("all_gather", gather) + ct("reduce_scatter"))
-    return DpTraffic(comm, after, comm / (per_microbatch * calls))
-
-
-def _hsdp_time(kind: str, nbytes: float, cluster: Cluster, cfg: ParallelConfig, dpg: int, k: int, profile,
-               comm_src: set) -> float:
-    """One FSDP2 HSDP collective over a dp group of ``dpg`` ranks replicated across ``k`` cluster
-    groups (``wan_cost.hsdp_replicas``), seconds: the parameters' all-gather inside a group only;
-    the gradients' reduce-scatter inside a group, then the all-reduce of its shard (``1 / g`` of
-    the bytes) across the groups by the ``g`` ranks at each place of a group."""
-    g = dpg // k
-    inner = comm_mod.collective_time(kind, nbytes, cluster, comm_mod.Mesh(pp=cfg.pp, dp=g, cp=1, tp=cfg.tp),
-                                     "dp", profile) if g > 1 else None
-    t = inner.seconds if inner is not None else 0.0
-    if inner is not None:
-        comm_src.add(inner.source)
-    if kind == "reduce_scatter":
-        across = comm_mod.Mesh(pp=cfg.pp, dp=k, cp=1, tp=g * cfg.tp)  # the ranks at one place in each group
-        t += comm_mod.collective_time("all_reduce", nbytes / g, cluster, across, "dp", profile).seconds
-    return t
-
-
-@dataclass(frozen=True)
 class P2pHops:
     """The pipeline's hops, seconds: one per rank boundary (entry r: rank r -> r + 1, the last one
     the wrap-around an interleaved schedule uses), and each WAN boundary's bandwidth part (what
@@ -318,67 +223,6 @@ def _p2p_hops(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partitio
     links = wan_mod.boundary_links(cluster, cfg.pp, mesh.stride("pp"))
     wan_bw = [max(sizes) / k.bandwidth_bps for k in links if k is not None]
     return P2pHops(hops + [max(hops)], wan_bw, [k is not None for k in links])
-
-
-def _dp_and_optimizer(cluster: Cluster, cfg: ParallelConfig, partition: Partition, table: LayerTable,
-                      on_rank: list[list[int]], mine: list[int], m: int, rank_fb: tuple[float, float], profile,
-                      comm_src: set, engine: Engine) -> tuple[float, float]:
-    """(exposed DP communication, optimizer step) seconds: the gradient / parameter traffic of the
-    rank holding the most parameters (routed experts over their own group), hidden behind the
-    busiest rank's (``mine``) backward, or its whole step when FSDP / ZeRO-2 communicate every
-    micro-batch (forward and backward per micro-batch: ``rank_fb``), and its AdamW pass."""
-    cal = calibration(profile)
-    held = [(sum(table.params[i] for j in js for i in range(*partition.bounds[j])),
-             sum(table.experts[i] for j in js for i in range(*partition.bounds[j]))) for js in on_rank]
-    P, Pe = max(held)  # the rank with the most parameters, and its routed experts' share
-    lin = max(sum(table.fp8_params[i] for j in js for i in range(*partition.bounds[j])) for js in on_rank)
-    per_module = cfg.zero in SHARDED_PARAMS  # FSDP / ZeRO-2 shard a very large block module by module
-    units = max(1, sum(len(table.units[i]) if per_module else 1
-                       for lo, hi in (partition.bounds[j] for j in mine) for i in range(lo, hi)))
-    dp = _dp_comm(cluster, cfg, m, P - Pe, units, profile, comm_src, engine,
-                  fp8_share=lin / (P - Pe) if cfg.fp8 != "none" and P > Pe else 0.0)
-    if Pe:  # one FSDP unit per routed-experts module (codegen/runtime/data_parallel.py shard_experts)
-        e_units = sum(1 for lo, hi in (partition.bounds[j] for j in mine) for i in range(lo, hi) if table.experts[i])
-        ex = _dp_comm(cluster, cfg, m, Pe, max(1, e_units), profile, comm_src, engine, experts=True)
-        dp = DpTraffic(dp.overlappable + ex.overlappable, dp.after_step + ex.after_step, max(dp.last_call, ex.last_call))
-    ov = OVERLAP.get(cluster.backend, 0.5)
-    if not spare_core(cluster.cores_per_node, min(cfg.world, cluster.devices_per_node)):
-        ov = 0.0  # no spare core for the communication thread: it competes with the compute it would hide behind
-    ov = cal.get("overlap", ov) if engine.dp_overlap else 0.0
-    window = (m * sum(rank_fb) if _per_microbatch_dp(cfg) else rank_fb[1]) * ov
-    after = exposed_s(dp.after_step, rank_fb[0] * ov) if engine.param_gather_overlap else dp.after_step
-    dp_exposed = exposed_s(dp.overlappable, window, dp.last_call) + after
-    low = parse_low_comm(cfg.low_comm)  # low-communication DP: one blocking exchange every H steps
-    dp_exposed += outer_step_s(cluster, cfg, (P - Pe) / (dp_group(cfg) if cfg.zero == "fsdp" else 1), profile) / (
-        low.every if low else 1)
-    dp_exposed += _token_local_sync_s(cluster, cfg, partition, table, on_rank, profile, comm_src)
-    shard, shard_e = (1, 1) if cfg.zero == "ddp" else (dp_group(cfg), dp_group(cfg, experts=True))
-    if cfg.zero in SHARDED_PARAMS and (k := hsdp_replicas(cluster, cfg)) > 1:  # HSDP: one group's ranks shard
-        shard, shard_e = shard_ranks(shard, k), shard_ranks(shard_e, expert_replicas(cfg.ep, k))
-    opt_params = (P - Pe) / shard + Pe / shard_e
-    opt_s = engine.optimizer_bytes_per_param * opt_params / memory_bandwidth(cluster, cal)
-    return dp_exposed, opt_s * cal.get("opt_scale", 1.0)
-
-
-def _token_local_sync_s(cluster: Cluster, cfg: ParallelConfig, partition: Partition, table: LayerTable,
-                        on_rank: list[list[int]], profile, comm_src: set) -> float:
-    """The once-per-step all-reduce over tp of the gradients of the MoE parameters every tp rank
-    holds whole (``memory.layer_token_local``), on the rank holding the most of them, after
-    the backward (nothing hides it); sharded over dp x cp by FSDP / ZeRO-2."""
-    held = max((sum(table.token_local[i] for j in js for i in range(*partition.bounds[j])) for js in on_rank),
-               default=0.0)
-    if not held:
-        return 0.0
-    nbytes = held * GRAD_REDUCE_BYTES / (dp_group(cfg) if cfg.zero in SHARDED_PARAMS else 1)
-    mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
-    e = comm_mod.collective_time("all_reduce", nbytes, cluster, mesh, "tp", profile)
-    comm_src.add(e.source)
-    return e.seconds
-
-
-def _per_microbatch_dp(cfg: ParallelConfig) -> bool:
-    """ZeRO-2 / FSDP without a pipeline communicate every micro-batch (module docstring)."""
-    return cfg.zero in SHARDED_PARAMS and cfg.pp == 1
 
 
 def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
@@ -416,20 +260,14 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
                            on_rank, result and result.peak_inflight)
     mine = on_rank[max(range(cfg.pp), key=lambda r: sum(stages[j].fwd + stages[j].bwd for j in on_rank[r]))]
     rank_f, rank_b = (sum(getattr(stages[j], k) for j in mine) for k in ("fwd", "bwd"))
-    dp_exposed, opt_s = _dp_and_optimizer(cluster, cfg, partition, table, on_rank, mine, m, (rank_f, rank_b),
-                                          profile, comm_src, eng)
+    dp_exposed, opt_s = dp_and_optimizer(cluster, cfg, partition, table, on_rank, mine, m, (rank_f, rank_b),
+                                         profile, comm_src, eng)
 
     overhead = cal.get("step_overhead_s", 0.0)
     ep_alone = unpaired_ep_s(cfg.pp, cfg.vpp, m, [st.parts["ep_unpaired"] for st in stages], on_rank)
     step = pipe_s + dp_exposed + opt_s + overhead + ep_alone
-    breakdown = {k: v + (ep_alone if k == "ep_comm" else 0.0) for k in ("compute", "recompute", "tp_comm", "cp_comm",
-                 "ep_comm", "runtime", "offload") for v in [m * sum(stages[j].parts[k] for j in mine)]
-                 if v or k not in ("runtime", "offload")}
-    breakdown.update(p2p=0.0, bubble=max(0.0, pipe_s - m * (rank_f + rank_b)), dp_comm=dp_exposed, optimizer=opt_s)
-    breakdown.update({"overhead": overhead} if overhead else {})
-    if cfg.pp > 1 and p2p:  # p2p inside the pipeline time: split the idle time between bubble and transfers
-        breakdown["p2p"] = min(breakdown["bubble"], 2 * (m + cfg.pp - 1) * p2p)
-        breakdown["bubble"] -= breakdown["p2p"]
+    breakdown = _breakdown(stages, mine, m, cfg.pp, pipe_s, p2p,
+                           dict(ep_comm=ep_alone, dp_comm=dp_exposed, optimizer=opt_s, overhead=overhead))
     tokens, model_flops = global_batch * graph.seq_len, model_flops_per_seq(graph) * global_batch  # doc-masked
     peak = cluster.peak_flops("fp32" if cluster.backend == "gloo" else cfg.dtype)
     src = "profile" if comp_src == {"profile"} else ("roofline" if "profile" not in comp_src else "mixed")
@@ -443,6 +281,25 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
         pipeline=result, p2p_hop_s=p2p, calibration=calibration_note(profile), engine=eng.name,
         schedule_ir=schedule if cfg.schedule == "custom" else None,
         wan=[x.to_dict() for x in crossings(graph, cluster, cfg, partition, m)], devices=stage_devices(cluster, cfg))
+
+
+def _breakdown(stages: list[_StageCost], mine: list[int], m: int, pp: int, pipe_s: float, p2p: float,
+               step_terms: dict[str, float]) -> dict[str, float]:
+    """Seconds per category of the busiest rank's step (``mine``: its virtual stages): the stages'
+    parts over ``m`` micro-batches, the pipeline's idle time (``bubble``, of which the p2p hops'
+    share is ``p2p``), and ``step_terms``: what the step adds beside the pipeline (``dp_comm``,
+    ``optimizer``, ``overhead`` when not 0, and ``ep_comm``'s passes without a partner)."""
+    out = {k: m * sum(stages[j].parts[k] for j in mine) for k in ("compute", "recompute", "tp_comm", "cp_comm",
+                                                                   "ep_comm", "runtime", "offload")}
+    out = {k: v for k, v in out.items() if v or k not in ("runtime", "offload")}
+    out["ep_comm"] += step_terms.get("ep_comm", 0.0)
+    busy = m * sum(stages[j].fwd + stages[j].bwd for j in mine)
+    out.update(p2p=0.0, bubble=max(0.0, pipe_s - busy), dp_comm=step_terms["dp_comm"], optimizer=step_terms["optimizer"])
+    out.update({"overhead": step_terms["overhead"]} if step_terms.get("overhead") else {})
+    if pp > 1 and p2p:  # p2p inside the pipeline time: split the idle time between bubble and transfers
+        out["p2p"] = min(out["bubble"], 2 * (m + pp - 1) * p2p)
+        out["bubble"] -= out["p2p"]
+    return out
 
 
 def _pipeline(cfg: ParallelConfig, m: int, stages: list[_StageCost], hops: P2pHops, fast: bool,

@@ -1,8 +1,8 @@
 """The precision rules a plan's ``dtype`` stands for (leaf contract: imports nothing of autopar).
 
-The memory model (cost_models/memory.py), the time model (cost_models/estimate.py) and the
-runtime (codegen/runtime/precision.py) read these, so what a bf16 plan budgets is what the
-program holds and sends.
+The memory model (cost_models/memory.py), the time model (cost_models/estimate.py,
+cost_models/dp_cost.py) and the runtime (codegen/runtime/precision.py) read these, so what a bf16
+plan budgets is what the program holds and sends.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 sharding modes, how the runtime wraps a stage for each, and when FSDP shards module by module.
 
 codegen/runtime/data_parallel.py applies them; the memory model (cost_models/memory.py), the
-time model (cost_models/estimate.py) and the CPU runtime terms (cost_models/cpu_runtime.py)
+time model (cost_models/dp_cost.py) and the CPU runtime terms (cost_models/cpu_runtime.py)
 price what they say.
 """
 from __future__ import annotations
@@ -107,7 +107,7 @@ def dp_replicas(wrapper: str, dp: int, spanned: int) -> int:
     reduce-scatters each bucket inside the group, all-reduces the shard across and all-gathers
     it back. FSDP2's ``replicate`` takes only a 1-D mesh: it stays flat. The runtime
     (codegen/runtime/data_parallel.py), the memory model (:func:`shard_ranks`) and the time
-    model (cost_models/estimate.py) all ask this."""
+    model (cost_models/dp_cost.py) all ask this."""
     if spanned <= 1 or wrapper not in HIERARCHICAL_WRAPPERS or dp % spanned:
         return 1
     return spanned

@@ -1,0 +1,181 @@
+"""The data-parallel traffic of one training step and the optimizer step, priced (seconds).
+
+- DP (over the flattened dp x cp group, since CP ranks hold the same weights), as the runtime
+  (codegen/runtime/data_parallel.py) does it: DDP (FSDP2 ``replicate``) all-reduces gradients once
+  per step (accumulation over micro-batches skips the sync); ZeRO-1 is that all-reduce plus, after
+  the optimizer step, each parameter broadcast from the rank that updated it (priced as an
+  all-gather of the parameters; not overlapped). ZeRO-2 and FSDP (``fully_shard``) without a
+  pipeline reduce-scatter gradients every micro-batch and all-gather parameters every micro-batch
+  (FSDP twice: forward and backward); under a pipeline schedule torch's stages keep parameters
+  unsharded and skip gradient sync until the last micro-batch, so it is one all-gather and one
+  reduce-scatter per step. Each is issued per layer unit (the runtime wraps every layer): one call
+  per layer of the rank, each with its share of the bytes (and its own latency) - except DDP /
+  ZeRO-1 without a pipeline or TP (``planner.sharding.uses_ddp_reducer``), which all-reduce per
+  25 MiB bucket. **Overlap assumption**: gradient traffic overlaps the backward of the last
+  micro-batch (per-micro-batch FSDP/ZeRO-2 traffic the whole forward and backward), with efficiency
+  ``OVERLAP[backend]`` (streams on NCCL overlap well; gloo shares the CPU with compute).
+  :func:`exposed_s`: the last call (unit or bucket: its reduction starts only when the backward is
+  over) is always exposed; the rest only where it exceeds the window.
+- Optimizer: AdamW over every parameter the rank updates, at the device's effective memory bandwidth
+  (``compute.memory_bandwidth``): the engine's bytes per parameter
+  (``Engine.optimizer_bytes_per_param``: a fused kernel in autopar's runtime, Megatron and
+  torchtitan; the eight passes of a foreach AdamW otherwise). Measured here: the fused CPU kernel
+  0.6 ns per parameter (6.4 M parameters, 2 threads, 4.0 ms; the default per-parameter loop
+  16.3 ms).
+
+The step composes these with the pipeline (cost_models/estimate.py): :func:`dp_and_optimizer`
+gives the exposed DP communication and the optimizer step of the busiest pipeline rank.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cost_models import comm as comm_mod
+from cost_models.cluster import Cluster
+from cost_models.compute import calibration, memory_bandwidth
+from cost_models.engines import Engine, exposed_s
+from cost_models.experts import ep_mesh
+from cost_models.memory import LayerTable, dp_group
+from cost_models.shared_cores import spare_core
+from cost_models.wan_cost import hsdp_replicas, outer_step_s
+from planner.low_comm import parse_low_comm
+from planner.plan import ParallelConfig, Partition
+from planner.precision import DTYPE_BYTES, GRAD_REDUCE_BYTES, MASTER_BYTES
+from planner.sharding import (DDP_BUCKET_BYTES, SHARDED_PARAMS, expert_replicas, shard_ranks, uses_ddp_reducer,
+                              zero1_broadcasts)
+
+# DP-communication overlap efficiency where the engine overlaps it: nccl 0.82 fitted on the
+# published runs (benchmarks/published_runs.py --fit; prior 0.8), gloo from the local fidelity runs.
+OVERLAP = {"nccl": 0.82, "gloo": 0.3}
+
+@dataclass(frozen=True)
+class DpTraffic:
+    """Gradient / parameter traffic of the dp x cp group in one step, seconds."""
+    overlappable: float   # may hide behind compute
+    after_step: float     # after the optimizer step (ZeRO-1's parameter broadcast)
+    last_call: float      # its last call, which nothing follows to hide it
+
+
+def dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units: int, profile,
+             comm_src: set, engine: Engine, experts: bool = False, fp8_share: float = 0.0) -> DpTraffic:
+    """The dp x cp group's traffic as the runtime issues it: one call per DDP bucket under DDP's
+    reducer (``uses_ddp_reducer``), one per layer unit of the rank (``units``) otherwise; for
+    the routed experts (``experts``) over their own data-parallel group (``memory.dp_group``,
+    ``cost_models.experts.ep_mesh``)."""
+    dpg = dp_group(cfg, experts)
+    if dpg == 1:
+        return DpTraffic(0.0, 0.0, 0.0)
+    flat = ep_mesh(cfg) if experts else comm_mod.Mesh(pp=cfg.pp, dp=dpg, cp=1, tp=cfg.tp)
+    grads = params * GRAD_REDUCE_BYTES  # gradients are reduced in fp32 (planner.precision.mixed_precision)
+    calls = max(1, math.ceil(grads / DDP_BUCKET_BYTES)) if uses_ddp_reducer(cfg.zero, cfg.pp, cfg.tp, cfg.dtype) \
+        else units
+    k = expert_replicas(cfg.ep, hsdp_replicas(cluster, cfg)) if experts else hsdp_replicas(cluster, cfg)  # > 1: HSDP
+
+    def ct(kind: str, per_param: float = GRAD_REDUCE_BYTES, n_calls: int = calls) -> float:
+        if k > 1 and kind in ("all_gather", "reduce_scatter"):
+            return hsdp_time(kind, params * per_param / n_calls, cluster, cfg, dpg, k, profile, comm_src) * n_calls
+        # across cluster groups the runtime runs DP flat where dp_replicas says 1 (one ring)
+        e = comm_mod.collective_time(kind, params * per_param / n_calls, cluster, flat, "dp", profile,
+                                     flat=k == 1)
+        comm_src.add(e.source)
+        return e.seconds * n_calls
+
+    per_microbatch = m if per_microbatch_dp(cfg) else 1
+    # parameters are gathered as their compute copies; under float8 tensorwise the blocks' linears
+    # (``fp8_share`` of them) as float8 (torchao's FSDP float8 all-gather)
+    f8 = fp8_share if cfg.fp8 == "tensorwise" else 0.0
+    gather = DTYPE_BYTES[cfg.dtype] * (1 - f8) + 1.0 * f8
+    # the owners send the updated parameters: Megatron's distributed optimizer its compute copies,
+    # autopar's ShardedOptimizer its fp32 masters in buckets per owner (``zero1_broadcasts`` calls)
+    after = 0.0 if cfg.zero != "zero1" else ct("all_gather", gather) if engine.dist_opt_reduce_scatter \
+        else ct("all_gather", MASTER_BYTES, zero1_broadcasts(params * MASTER_BYTES, dpg))
+    if cfg.zero == "zero1" and engine.dist_opt_reduce_scatter:
+        comm = ct("reduce_scatter")  # each owner receives only its shard's gradients
+    elif cfg.zero in ("ddp", "zero1"):
+        comm = ct("all_reduce")
+    elif cfg.zero == "zero2":
+        comm = per_microbatch * (ct("reduce_scatter") + ct("all_gather", gather))
+    else:
+        gathers = 2 if per_microbatch_dp(cfg) else 1  # fsdp: forward and backward, unless held by the pipeline
+        comm = per_microbatch * (gathers * ct("all_gather", gather) + ct("reduce_scatter"))
+    return DpTraffic(comm, after, comm / (per_microbatch * calls))
+
+
+def hsdp_time(kind: str, nbytes: float, cluster: Cluster, cfg: ParallelConfig, dpg: int, k: int, profile,
+               comm_src: set) -> float:
+    """One FSDP2 HSDP collective over a dp group of ``dpg`` ranks replicated across ``k`` cluster
+    groups (``wan_cost.hsdp_replicas``), seconds: the parameters' all-gather inside a group only;
+    the gradients' reduce-scatter inside a group, then the all-reduce of its shard (``1 / g`` of
+    the bytes) across the groups by the ``g`` ranks at each place of a group."""
+    g = dpg // k
+    inner = comm_mod.collective_time(kind, nbytes, cluster, comm_mod.Mesh(pp=cfg.pp, dp=g, cp=1, tp=cfg.tp),
+                                     "dp", profile) if g > 1 else None
+    t = inner.seconds if inner is not None else 0.0
+    if inner is not None:
+        comm_src.add(inner.source)
+    if kind == "reduce_scatter":
+        across = comm_mod.Mesh(pp=cfg.pp, dp=k, cp=1, tp=g * cfg.tp)  # the ranks at one place in each group
+        t += comm_mod.collective_time("all_reduce", nbytes / g, cluster, across, "dp", profile).seconds
+    return t
+
+
+def dp_and_optimizer(cluster: Cluster, cfg: ParallelConfig, partition: Partition, table: LayerTable,
+                      on_rank: list[list[int]], mine: list[int], m: int, rank_fb: tuple[float, float], profile,
+                      comm_src: set, engine: Engine) -> tuple[float, float]:
+    """(exposed DP communication, optimizer step) seconds: the gradient / parameter traffic of the
+    rank holding the most parameters (routed experts over their own group), hidden behind the
+    busiest rank's (``mine``) backward, or its whole step when FSDP / ZeRO-2 communicate every
+    micro-batch (forward and backward per micro-batch: ``rank_fb``), and its AdamW pass."""
+    cal = calibration(profile)
+    held = [(sum(table.params[i] for j in js for i in range(*partition.bounds[j])),
+             sum(table.experts[i] for j in js for i in range(*partition.bounds[j]))) for js in on_rank]
+    P, Pe = max(held)  # the rank with the most parameters, and its routed experts' share
+    lin = max(sum(table.fp8_params[i] for j in js for i in range(*partition.bounds[j])) for js in on_rank)
+    per_module = cfg.zero in SHARDED_PARAMS  # FSDP / ZeRO-2 shard a very large block module by module
+    units = max(1, sum(len(table.units[i]) if per_module else 1
+                       for lo, hi in (partition.bounds[j] for j in mine) for i in range(lo, hi)))
+    dp = dp_comm(cluster, cfg, m, P - Pe, units, profile, comm_src, engine,
+                  fp8_share=lin / (P - Pe) if cfg.fp8 != "none" and P > Pe else 0.0)
+    if Pe:  # one FSDP unit per routed-experts module (codegen/runtime/data_parallel.py shard_experts)
+        e_units = sum(1 for lo, hi in (partition.bounds[j] for j in mine) for i in range(lo, hi) if table.experts[i])
+        ex = dp_comm(cluster, cfg, m, Pe, max(1, e_units), profile, comm_src, engine, experts=True)
+        dp = DpTraffic(dp.overlappable + ex.overlappable, dp.after_step + ex.after_step, max(dp.last_call, ex.last_call))
+    ov = OVERLAP.get(cluster.backend, 0.5)
+    if not spare_core(cluster.cores_per_node, min(cfg.world, cluster.devices_per_node)):
+        ov = 0.0  # no spare core for the communication thread: it competes with the compute it would hide behind
+    ov = cal.get("overlap", ov) if engine.dp_overlap else 0.0
+    window = (m * sum(rank_fb) if per_microbatch_dp(cfg) else rank_fb[1]) * ov
+    after = exposed_s(dp.after_step, rank_fb[0] * ov) if engine.param_gather_overlap else dp.after_step
+    dp_exposed = exposed_s(dp.overlappable, window, dp.last_call) + after
+    low = parse_low_comm(cfg.low_comm)  # low-communication DP: one blocking exchange every H steps
+    dp_exposed += outer_step_s(cluster, cfg, (P - Pe) / (dp_group(cfg) if cfg.zero == "fsdp" else 1), profile) / (
+        low.every if low else 1)
+    dp_exposed += token_local_sync_s(cluster, cfg, partition, table, on_rank, profile, comm_src)
+    shard, shard_e = (1, 1) if cfg.zero == "ddp" else (dp_group(cfg), dp_group(cfg, experts=True))
+    if cfg.zero in SHARDED_PARAMS and (k := hsdp_replicas(cluster, cfg)) > 1:  # HSDP: one group's ranks shard
+        shard, shard_e = shard_ranks(shard, k), shard_ranks(shard_e, expert_replicas(cfg.ep, k))
+    opt_params = (P - Pe) / shard + Pe / shard_e
+    opt_s = engine.optimizer_bytes_per_param * opt_params / memory_bandwidth(cluster, cal)
+    return dp_exposed, opt_s * cal.get("opt_scale", 1.0)
+
+
+def token_local_sync_s(cluster: Cluster, cfg: ParallelConfig, partition: Partition, table: LayerTable,
+                        on_rank: list[list[int]], profile, comm_src: set) -> float:
+    """The once-per-step all-reduce over tp of the gradients of the MoE parameters every tp rank
+    holds whole (``memory.layer_token_local``), on the rank holding the most of them, after
+    the backward (nothing hides it); sharded over dp x cp by FSDP / ZeRO-2."""
+    held = max((sum(table.token_local[i] for j in js for i in range(*partition.bounds[j])) for js in on_rank),
+               default=0.0)
+    if not held:
+        return 0.0
+    nbytes = held * GRAD_REDUCE_BYTES / (dp_group(cfg) if cfg.zero in SHARDED_PARAMS else 1)
+    mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
+    e = comm_mod.collective_time("all_reduce", nbytes, cluster, mesh, "tp", profile)
+    comm_src.add(e.source)
+    return e.seconds
+
+
+def per_microbatch_dp(cfg: ParallelConfig) -> bool:
+    """ZeRO-2 / FSDP without a pipeline communicate every micro-batch (module docstring)."""
+    return cfg.zero in SHARDED_PARAMS and cfg.pp == 1
