@@ -36,7 +36,8 @@ from cost_models.cluster import Cluster
 from cost_models.compute import calibration, memory_bandwidth
 from cost_models.engines import Engine, exposed_s
 from cost_models.experts import ep_mesh
-from cost_models.memory import LayerTable, dp_group
+from cost_models.memory import LayerTable
+from cost_models.model_states import dp_group
 from cost_models.shared_cores import spare_core
 from cost_models.wan_cost import hsdp_replicas, outer_step_s
 from planner.low_comm import parse_low_comm
@@ -61,7 +62,7 @@ def dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units:
              comm_src: set, engine: Engine, experts: bool = False, fp8_share: float = 0.0) -> DpTraffic:
     """The dp x cp group's traffic as the runtime issues it: one call per DDP bucket under DDP's
     reducer (``uses_ddp_reducer``), one per layer unit of the rank (``units``) otherwise; for
-    the routed experts (``experts``) over their own data-parallel group (``memory.dp_group``,
+    the routed experts (``experts``) over their own data-parallel group (``model_states.dp_group``,
     ``cost_models.experts.ep_mesh``)."""
     dpg = dp_group(cfg, experts)
     if dpg == 1:

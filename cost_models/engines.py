@@ -18,6 +18,11 @@ behaviour of a named engine (the flag or default that turns it on is cited):
   gradients and all-gathers the updated parameters (Megatron-Core's distributed optimizer,
   the same bytes as one all-reduce); otherwise all-reduce, then each parameter broadcast
   from its owner (autopar's runtime).
+- ``dist_opt_states``: the distributed optimizer's states (Megatron-Core
+  ``--use-distributed-optimizer``): under ZeRO-1 the parameters in the compute dtype, fp32 main
+  gradients, the fp32 master weights and moments sharded over dp (``2 + 4 + 12 / dp`` bytes per
+  parameter in bf16: cost_models/model_states.py); otherwise autopar's runtime's (fp32 masters
+  and gradients, a compute copy per unit).
 - ``param_gather_overlap``: ZeRO-1's parameter all-gather runs behind the next step's first
   forward (Megatron-Core ``--overlap-param-gather``); otherwise after the optimizer step.
 - ``p2p_overlap``: pipeline sends and receives are asynchronous and hide behind the other
@@ -98,6 +103,7 @@ class Engine:
     tp_overlap: bool = False
     dp_overlap: bool = True
     dist_opt_reduce_scatter: bool = False
+    dist_opt_states: bool = False
     param_gather_overlap: bool = False
     p2p_overlap: bool = False
     ep_overlap: bool = False
@@ -126,22 +132,24 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine("megatron-2021", dp_overlap=False, fused_optimizer=True,
            doc="Megatron-LM 2021-22 (Narayanan et al. SC'21, Korthikanti et al. 2022): gradients reduced "
                "after the backward, Apex FusedAdam"),
-    Engine("megatron-core-2023", dp_overlap=False, dist_opt_reduce_scatter=True, p2p_overlap=True,
-           fused_optimizer=True,
+    Engine("megatron-core-2023", dp_overlap=False, dist_opt_reduce_scatter=True, dist_opt_states=True,
+           p2p_overlap=True, fused_optimizer=True,
            doc="Megatron-LM with its default flags (no --overlap-grad-reduce, no --tp-comm-overlap), the "
                "distributed optimizer and overlapped p2p of the interleaved schedule (MegaScale's baseline)"),
     Engine("megatron-core", tp_overlap=True, dp_overlap=True, dist_opt_reduce_scatter=True,
-           param_gather_overlap=True, p2p_overlap=True, fused_optimizer=True,
+           dist_opt_states=True, param_gather_overlap=True, p2p_overlap=True, fused_optimizer=True,
            doc="Megatron-Core with --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap "
                "(the flags of its README's H100 scaling table)"),
-    Engine("megatron-moe", dp_overlap=True, dist_opt_reduce_scatter=True, param_gather_overlap=True,
-           p2p_overlap=True, fused_optimizer=True, moe_grouped_gemm=True, moe_fused_permute=True, fused_elementwise=True,
+    Engine("megatron-moe", dp_overlap=True, dist_opt_reduce_scatter=True, dist_opt_states=True,
+           param_gather_overlap=True, p2p_overlap=True, fused_optimizer=True, moe_grouped_gemm=True,
+           moe_fused_permute=True, fused_elementwise=True,
            doc="Megatron-Core MoE model zoo: --moe-grouped-gemm --moe-permute-fusion, all-to-all dispatcher, "
                "--overlap-grad-reduce --overlap-param-gather"),
-    Engine("megatron-moe-deepep", dp_overlap=True, dist_opt_reduce_scatter=True, param_gather_overlap=True,
-           p2p_overlap=True, fused_optimizer=True, moe_grouped_gemm=True, moe_fused_permute=True, fused_elementwise=True,
-           ep_node_dedup=True, doc="megatron-moe with the flex dispatcher on DeepEP"),
-    Engine("megatron-moe-deepep-overlap", dp_overlap=True, dist_opt_reduce_scatter=True,
+    Engine("megatron-moe-deepep", dp_overlap=True, dist_opt_reduce_scatter=True, dist_opt_states=True,
+           param_gather_overlap=True, p2p_overlap=True, fused_optimizer=True, moe_grouped_gemm=True,
+           moe_fused_permute=True, fused_elementwise=True, ep_node_dedup=True,
+           doc="megatron-moe with the flex dispatcher on DeepEP"),
+    Engine("megatron-moe-deepep-overlap", dp_overlap=True, dist_opt_reduce_scatter=True, dist_opt_states=True,
            param_gather_overlap=True, p2p_overlap=True, fused_optimizer=True, moe_grouped_gemm=True,
            moe_fused_permute=True, fused_elementwise=True, ep_node_dedup=True, ep_overlap=True, ep_comm_sms=DEEPEP_SMS,
            doc="megatron-moe-deepep with --overlap-moe-expert-parallel-comm (1F1B all-to-all overlap)"),

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 
 from cost_models import comm as comm_mod
 from cost_models.cluster import Cluster
-from cost_models.memory import dp_group
+from cost_models.model_states import dp_group
 from cost_models.engines import DEFAULT_ENGINE, Engine, paired_exposed_s
 from planner.graph import Layer, ModelGraph, MoEDims
 from planner.plan import ParallelConfig
@@ -77,7 +77,7 @@ COUNT_BYTES = 8         # int64 tokens-per-expert counts
 
 def ep_mesh(cfg: ParallelConfig) -> comm_mod.Mesh:
     """The experts' mesh as a ``comm.Mesh``: the EP group is its ``cp`` dimension, the experts'
-    data-parallel group (``memory.dp_group``) its ``dp`` dimension. Under EP that is
+    data-parallel group (``model_states.dp_group``) its ``dp`` dimension. Under EP that is
     ``[pp, dp*cp*tp/ep, ep]`` (the EP group the innermost ranks, tp ones first); without it
     the experts are replicated over tp like the rest of the block: ``[pp, dp*cp, 1, tp]``."""
     if cfg.ep == 1:

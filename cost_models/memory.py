@@ -6,37 +6,10 @@ peak(stage) = weights + gradients + optimizer states            (model states)
               the backward gradient working set, the recompute working set)
             + framework reserve
 
-Model states, per parameter held by this rank (``P`` = stage parameters / tp for
-the TP-sharded part), AdamW, as the runtime holds them (``planner.precision.mixed_precision``;
-codegen/runtime/precision.py):
-
-| dtype            | weights (master) | grads | Adam m, v | compute copy ``c`` (gathered / cast per unit) |
-|------------------|------------------|-------|-----------|-----------------------------------------------|
-| bf16/fp16 mixed  | 4                | 4     | 4 + 4     | 2 (gradients reduced and accumulated in fp32) |
-| fp32             | 4                | 4     | 4 + 4     | 4                                             |
-
-(16 bytes at rest either way, as torchtitan's FSDP2 mixed precision holds them; Megatron's
-distributed optimizer holds 2 + 4 + 12 / dp instead.) DP sharding, as the runtime
-(codegen/runtime/data_parallel.py) holds it at the peak:
-
-| zero              | at rest (weights, grads, optimizer)  | buffers during the step                 |
-|-------------------|--------------------------------------|-----------------------------------------|
-| ddp               | P w, P g, P o                        | P c: ``replicate``'s unsharded copy     |
-| zero1             | P w, P g, P o / dp                   | P c (``replicate`` too)                 |
-| zero2, pp = 1     | P w / dp, P g / dp, P o / dp         | P c: every layer stays gathered from    |
-|                   |                                      | forward to backward                     |
-| fsdp, pp = 1      | P w / dp, P g / dp, P o / dp         | 2 units' unsharded weights + grads (a   |
-|                   |                                      | unit: the layer, or one module of a     |
-|                   |                                      | very large block, ``fsdp_units``)       |
-| zero2/fsdp, pp > 1| P w / dp, P g / dp, P o / dp         | P (c + g - g / dp): torch's pipeline    |
-|                   |                                      | stages keep parameters gathered and     |
-|                   |                                      | gradients unreduced until the last      |
-|                   |                                      | micro-batch (sharded grads come later)  |
-
-With one data-parallel rank nothing is copied or gathered in fp32; in mixed precision the
-rank still holds the compute copy (``replicate`` on one rank makes it: P c). In backward, the largest layer's fresh
-weight gradient coexists with the accumulated one, and the gradients of its
-activations with the activations (one layer's worth: the working set).
+Model states per parameter (weights, gradients, AdamW states, the DP wrapper's buffers) under
+each DP sharding mode and engine: cost_models/model_states.py (:func:`per_param_bytes`). In
+backward, the largest layer's fresh weight gradient coexists with the accumulated one, and the
+gradients of its activations with the activations (one layer's worth: the working set).
 
 Activations per micro-batch come from the ModelGraph's saved-for-backward bytes
 (captured at ``graph.batch`` sequences), rescaled to ``mbs`` sequences and to the
@@ -77,14 +50,13 @@ from typing import Mapping, Sequence
 
 from cost_models.engines import DEFAULT_ENGINE, Engine, fuses_elementwise
 from cost_models.fused_elementwise import block_saved
+from cost_models.model_states import dp_group, per_param_bytes
 from cost_models.moe_layer import routed_saved_bytes
 from cost_models.op_recompute import checkpointed, op_saved_bytes
 from planner.graph import TP_SPLIT_ROLES, Layer, ModelGraph
-from planner.low_comm import inner_dp
 from planner.plan import RECOMPUTE, ParallelConfig
-from planner.sharding import (FSDP_MODULE_SHARE, ZERO, dp_wrapper, expert_replicas, fsdp_per_module,
-                              reshard_after_forward, shard_ranks)
-from planner.precision import DTYPE_BYTES, GRAD_REDUCE_BYTES, MASTER_BYTES, mixed_precision
+from planner.sharding import FSDP_MODULE_SHARE, dp_wrapper, fsdp_per_module, reshard_after_forward
+from planner.precision import DTYPE_BYTES, GRAD_REDUCE_BYTES, mixed_precision
 
 GiB = 2**30
 RESERVE_GPU = 2.0 * GiB       # CUDA context (~0.5 GiB) + NCCL buffers + fragmentation
@@ -220,6 +192,8 @@ class LayerTable:
                              {p: layer_activation(l, graph, cfg, p, engine) for p in RECOMPUTE})
             return rows[key]
 
+        self.engine = engine  # the states it holds (model_states.per_param_bytes) and what it keeps
+
         table = [row(l) for l in graph.layers]
         ids = {k: n for n, k in enumerate(rows)}
         # which distinct row each layer has: chunks of the same rows have the same figures
@@ -246,40 +220,6 @@ class LayerTable:
         self.rules: dict[tuple, MemoryRule] = {}  # rule_of's key -> the rule (the search asks per variant)
 
 
-def per_param_bytes(cfg: ParallelConfig, experts: bool = False, replicas: int = 1) -> dict[str, float]:
-    """Bytes per parameter a rank holds (``weights``, ``grads``, ``optimizer`` at rest,
-    ``buffers`` held through the step) under ``cfg``'s dtype and DP wrapper (the tables in
-    the module docstring), plus the unsharded compute copies ``weights_full`` / ``grads_full``
-    (a unit gathered, or cast, for its forward and backward); for routed experts
-    (``experts``) the sharding group is the experts' data-parallel group (:func:`dp_group`).
-    ``replicas``: cluster groups the dense dp group is replicated across (HSDP,
-    ``cost_models.wan_cost.hsdp_replicas``): FSDP then shards over one group's ranks
-    (``planner.sharding.shard_ranks``)."""
-    dp = dp_group(cfg, experts)
-    c = DTYPE_BYTES[cfg.dtype]  # the compute copy: the plan's dtype
-    w, g, o = MASTER_BYTES, GRAD_REDUCE_BYTES, ADAM_STATE_BYTES
-    if cfg.zero not in ZERO:
-        raise ValueError(f"data-parallel sharding {cfg.zero!r}: use {', '.join(ZERO)}")
-    f = {"weights_full": c, "grads_full": c, "weights": w, "grads": g, "optimizer": o, "buffers": 0.0}
-    wrapper = dp_wrapper(cfg.zero, cfg.pp, cfg.tp, dp, cfg.dtype)
-    if wrapper == "none":
-        return f
-    if wrapper != "fully_shard":  # ddp, zero1: replicated parameters
-        f["buffers"] = c  # replicate's unsharded compute copy, forward to backward
-        if cfg.zero == "zero1":
-            f["optimizer"] = o / dp
-        return f
-    dp = shard_ranks(dp, expert_replicas(cfg.ep, replicas) if experts else replicas)
-    f.update(weights=w / dp, grads=g / dp, optimizer=o / dp)
-    if cfg.pp > 1:
-        # gathered parameters, and unreduced gradients (accumulated in fp32) until the last micro-batch's
-        # reduce-scatter (their sharded result, counted in grads, comes after the peak)
-        f["buffers"] = c + g - g / dp
-    elif not reshard_after_forward(cfg.zero, cfg.pp, dp):
-        f["buffers"] = c  # zero2: every layer gathered from forward to backward
-    return f
-
-
 def fsdp_units(layer: Layer, cfg: ParallelConfig, hidden: int) -> list[float]:
     """Parameters (per rank, unsharded) of each unit FSDP / ZeRO-2 (``SHARDED_PARAMS``) shards
     ``layer`` into: the layer itself, or, for a block the runtime shards module by module
@@ -292,18 +232,6 @@ def fsdp_units(layer: Layer, cfg: ParallelConfig, hidden: int) -> list[float]:
     parts.append(layer_experts(layer, hidden) / cfg.ep)
     big = [p for p in parts if p >= FSDP_MODULE_SHARE * total]
     return big + [max(0.0, total - sum(big))]
-
-
-ADAM_STATE_BYTES = 8.0  # AdamW's two fp32 moments per parameter
-
-
-def dp_group(cfg: ParallelConfig, experts: bool = False) -> int:
-    """Ranks holding the same parameters and reducing their gradients: dp x cp (CP ranks hold
-    the same weights); for routed experts under expert parallelism the experts' own group,
-    dp x cp x tp / ep (``ParallelConfig.expert_mesh``: the tp ranks route tokens of their own)."""
-    if experts and cfg.ep > 1:
-        return cfg.expert_mesh[0]
-    return inner_dp(cfg.dp, cfg.low_comm) * cfg.cp  # low-communication DP: the replicas of one group
 
 
 @dataclass(frozen=True)
@@ -364,7 +292,7 @@ class MemoryRule:
     def __init__(self, graph: ModelGraph, cfg: ParallelConfig, table: LayerTable | None = None,
                  replicas: int = 1) -> None:
         self.t = table or LayerTable(graph, cfg)
-        self.f, self.fe = per_param_bytes(cfg, replicas=replicas), per_param_bytes(cfg, experts=True, replicas=replicas)
+        self.f, self.fe = (per_param_bytes(cfg, e, replicas, self.t.engine) for e in (False, True))
         cast = GRAD_REDUCE_BYTES if mixed_precision(cfg.dtype) else 0.0  # a unit's gradient cast to fp32
         dp = dp_group(cfg)
         self.units = dp_wrapper(cfg.zero, cfg.pp, cfg.tp, dp, cfg.dtype) == "fully_shard" and reshard_after_forward(

@@ -18,7 +18,8 @@ from cost_models.cluster import load_preset
 from cost_models.layer_work import expert_gemms
 from cost_models.experts import alltoall_bytes, ep_mesh, expert_comm
 from cost_models.moe_layer import expert_rows
-from cost_models.memory import layer_params_local, per_param_bytes, stage_memory
+from cost_models.memory import layer_params_local, stage_memory
+from cost_models.model_states import per_param_bytes
 from planner.frontend.load import graph_of_config
 from planner.plan import ModelFacts, ParallelConfig
 from planner.feasibility import expert_groups

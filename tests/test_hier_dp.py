@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.wan_rig import rig_cluster
-from cost_models.memory import per_param_bytes
+from cost_models.model_states import per_param_bytes
 from cost_models.wan_cost import dp_spans, hsdp_replicas
 from planner.plan import ParallelConfig
 from planner.sharding import dp_replicas, shard_ranks

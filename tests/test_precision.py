@@ -26,7 +26,7 @@ import sys
 import pytest
 import torch
 
-from cost_models.memory import per_param_bytes
+from cost_models.model_states import per_param_bytes
 from planner.feasibility import modes_problem
 from planner.plan import ParallelConfig
 from planner.sharding import dp_wrapper, reshard_after_forward, uses_ddp_reducer

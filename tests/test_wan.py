@@ -183,7 +183,7 @@ def test_experts_dp_across_regions_is_priced_as_the_runtime_shards_them():
     (codegen/runtime/data_parallel.py shard_experts): flat across the regions, one ring whose
     every step waits on the WAN; without EP they are wrapped with their block (HSDP)."""
     from cost_models.estimate import estimate
-    from cost_models.memory import per_param_bytes
+    from cost_models.model_states import per_param_bytes
     from planner.frontend.load import load_graph
     from planner.plan import ParallelConfig, Partition
     from planner.sharding import expert_replicas
