@@ -1,7 +1,7 @@
 """Published Megatron-Core mixture-of-experts runs, expressed for the GPU cost model.
 
 The runs (``benchmarks/published/published_runs_moe.json``: Mixtral 8x22B on 128 H100, Qwen3-235B-A22B
-on 256 H100 at two layouts, from NVIDIA's Megatron-Core MoE model zoo) are priced on the graphs of
+on 256 H100 at every H100 layout of its table (five rows), from NVIDIA's Megatron-Core MoE model zoo) are priced on the graphs of
 their real transformers configs (``hf_config``: the class and the values used), captured on fake
 tensors (:func:`moe_graph`; nothing downloads), at their published layouts (:func:`moe_config`),
 with their MoE layers run as their engine ran them (:func:`moe_engine`: Megatron-Core's
@@ -56,16 +56,18 @@ def moe_case_model(run: dict) -> dict[str, Any]:
 
 
 def moe_config(run: dict) -> ParallelConfig:
-    """``run``'s published layout: Megatron's distributed optimizer (zero1), sequence parallel
+    """``run``'s published layout: Megatron's distributed optimizer (zero1; FSDP where the run used
+    Megatron-Core's FSDP, priced as autopar's), sequence parallel
     with TP (Megatron requires it with EP and TP), the interleaved schedule when it has virtual
     stages, and its recompute: none, or Megatron's selective modules, priced as autopar's
     ``selective`` (the runs recompute norms and activations only, never whole layers)."""
     vpp = run["virtual_pipeline_stages"] or 1
     rc = (run["activation_recompute"] or "none").lower()
     recompute = "full" if rc.startswith("full") else ("selective" if rc.startswith("selective") else "none")
+    zero = "fsdp" if "fsdp" in (run.get("zero_or_dist_optimizer") or "").lower() else "zero1"
     return ParallelConfig(dp=run["dp"], pp=run["pp"], cp=run["cp"] or 1, tp=run["tp"], ep=run["ep"],
                           mbs=run["micro_batch_size"], schedule="interleaved-1f1b" if vpp > 1 else "1f1b", vpp=vpp,
-                          zero="zero1", recompute=recompute, sp=run["tp"] > 1, dtype="bf16")
+                          zero=zero, recompute=recompute, sp=run["tp"] > 1, dtype="bf16")
 
 
 def moe_engine(run: dict) -> Engine:
