@@ -245,18 +245,26 @@ def test_fused_elementwise_lowers_saved_bytes_and_memory_time_only_where_the_eng
     assert gpu_layer_time(block, g, h100, cfg, engine=dataclasses.replace(eager, name="x")) == t_eager
 
 
-@pytest.mark.slow  # captures Qwen3-235B and Mixtral 8x22B on fake tensors and prices four runs: about 15 s
-@pytest.mark.parametrize("key", ["mixtral", "tp2pp32ep8vpp3", "tp2pp8ep32vpp4"])
-def test_published_moe_runs_fit_as_they_ran_and_price_within_15_percent(key):
+@pytest.mark.slow  # captures Qwen3-235B (once) and Mixtral 8x22B on fake tensors and prices four runs: about 8 s
+@pytest.mark.parametrize("key", ["mixtral", "tp2pp32ep8vpp3", "tp2pp8ep32vpp4", "tp4pp8ep8vpp4"])
+def test_published_moe_runs_fit_as_they_ran_and_price_within_15_percent(key, qwen3_graph):
     from benchmarks import published_moe as pm
 
     run = next(r for r in pm.load_runs() if r["id"].endswith(key) or key in r["id"] and "overlap" not in r["id"])
-    r = pm.price(run)
+    r = pm.price(run, None if key == "mixtral" else qwen3_graph)
     assert r["fits"], r["memory_gib"]  # they ran in 80 GB
-    if key == "tp2pp32ep8vpp3":
-        pytest.xfail(f"Qwen3 EP8 PP32 VPP3 predicted {r['error']:+.0%} too fast: one layer per chunk at 512 "
-                     "micro-batches, its per-micro-batch overheads not priced yet")
+    if key in ("tp2pp32ep8vpp3", "tp4pp8ep8vpp4"):
+        pytest.xfail(f"Qwen3 {key} predicted {r['error']:+.0%} too fast: the two pipelined rows of the main(1e057005) "
+                     "commit, whose flags are not published (README, published MoE runs)")
     assert abs(r["error"]) < 0.15, r["error"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_graph():
+    """Qwen3-235B-A22B captured once on fake tensors from its transformers config (about 4 s)."""
+    from benchmarks import published_moe as pm
+
+    return pm.moe_graph(next(r for r in pm.load_runs() if "qwen3" in r["id"]))
 
 
 def test_experts_data_parallel_calls_are_one_per_routed_layer():
