@@ -33,8 +33,8 @@ Step time (seconds)::
   parameters every micro-batch (FSDP twice: forward and backward); under a pipeline
   schedule torch's stages keep parameters unsharded and skip gradient sync until the
   last micro-batch, so it is one all-gather and one reduce-scatter per step. Each is
-  issued per layer unit (the runtime wraps every layer): one call per layer of the rank,
-  each with its share of the bytes (and its own latency) - except DDP / ZeRO-1 without a
+  issued per wrapped unit (cost_models/dp_units.py: each block, and the stage root holding
+  the other layers): one call each, with its share of the bytes - except DDP / ZeRO-1 without a
   pipeline or TP (``planner.sharding.uses_ddp_reducer``), which all-reduce per 25 MiB bucket.
   **Overlap assumption**: gradient traffic overlaps the backward of the last
   micro-batch (per-micro-batch FSDP/ZeRO-2 traffic the whole forward and backward), with
@@ -88,6 +88,7 @@ from cost_models.cluster import Cluster
 from cost_models.compute import calibration, calibration_note, memory_bandwidth
 from cost_models.layer_work import model_flops_per_seq
 from cost_models.cpu_runtime import wrapper_unit_s
+from cost_models.dp_units import stage_units
 from cost_models.engines import Engine, engine_of, exposed_s
 from cost_models.experts import ep_mesh
 from cost_models.layer_costs import LayerCosts, act_bytes_io
@@ -192,7 +193,7 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
     out = []
     wf, wb = wrapper_unit_s(costs.c, costs.cfg, costs.profile)
     for (lo, hi), rc in zip(partition.bounds, partition.recompute):
-        f, b = (hi - lo) * wf, (hi - lo) * wb  # one wrapped unit per layer (the stage root holds the rest)
+        f, b = (u := stage_units(graph, costs.table(cfg), cfg, lo, hi)) * wf, u * wb  # per wrapped unit
         cf, cb = f, b
         parts = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "ep_comm": 0.0, "recompute": 0.0, "runtime": f + b,
                  "offload": 0.0}
@@ -322,7 +323,7 @@ def _p2p_hops(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partitio
     return P2pHops(hops + [max(hops)], wan_bw, [k is not None for k in links])
 
 
-def _dp_and_optimizer(cluster: Cluster, cfg: ParallelConfig, partition: Partition, table: LayerTable,
+def _dp_and_optimizer(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition, table: LayerTable,
                       on_rank: list[list[int]], mine: list[int], m: int, rank_fb: tuple[float, float], profile,
                       comm_src: set, engine: Engine) -> tuple[float, float]:
     """(exposed DP communication, optimizer step) seconds: the gradient / parameter traffic of the
@@ -334,14 +335,13 @@ def _dp_and_optimizer(cluster: Cluster, cfg: ParallelConfig, partition: Partitio
              sum(table.experts[i] for j in js for i in range(*partition.bounds[j]))) for js in on_rank]
     P, Pe = max(held)  # the rank with the most parameters, and its routed experts' share
     lin = max(sum(table.fp8_params[i] for j in js for i in range(*partition.bounds[j])) for js in on_rank)
-    per_module = cfg.zero in SHARDED_PARAMS  # FSDP / ZeRO-2 shard a very large block module by module
-    units = max(1, sum(len(table.units[i]) if per_module else 1
-                       for lo, hi in (partition.bounds[j] for j in mine) for i in range(lo, hi)))
-    dp = _dp_comm(cluster, cfg, m, P - Pe, units, profile, comm_src, engine,
-                  fp8_share=lin / (P - Pe) if cfg.fp8 != "none" and P > Pe else 0.0)
-    if Pe:  # one FSDP unit per routed-experts module (codegen/runtime/data_parallel.py shard_experts)
+    units = max(1, sum(stage_units(graph, table, cfg, *partition.bounds[j]) for j in mine))  # as the runtime wraps
+    own = Pe if cfg.ep > 1 else 0.0  # the routed experts' own units: under EP only (else in their blocks')
+    dp = _dp_comm(cluster, cfg, m, P - own, units, profile, comm_src, engine,
+                  fp8_share=lin / (P - own) if cfg.fp8 != "none" and P > own else 0.0)
+    if own:  # one FSDP unit per routed-experts module (codegen/runtime/data_parallel.py shard_experts)
         e_units = sum(1 for lo, hi in (partition.bounds[j] for j in mine) for i in range(lo, hi) if table.experts[i])
-        ex = _dp_comm(cluster, cfg, m, Pe, max(1, e_units), profile, comm_src, engine, experts=True)
+        ex = _dp_comm(cluster, cfg, m, own, max(1, e_units), profile, comm_src, engine, experts=True)
         dp = DpTraffic(dp.overlappable + ex.overlappable, dp.after_step + ex.after_step, max(dp.last_call, ex.last_call))
     ov = OVERLAP.get(cluster.backend, 0.5)
     if not spare_core(cluster.cores_per_node, min(cfg.world, cluster.devices_per_node)):
@@ -418,7 +418,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     memory = rank_memories(graph, cluster, cfg, partition, table, inflight_chunks, cal, on_rank, result and result.peak_inflight)
     mine = on_rank[max(range(cfg.pp), key=lambda r: sum(stages[j].fwd + stages[j].bwd for j in on_rank[r]))]
     rank_f, rank_b = (sum(getattr(stages[j], k) for j in mine) for k in ("fwd", "bwd"))
-    dp_exposed, opt_s = _dp_and_optimizer(cluster, cfg, partition, table, on_rank, mine, m, (rank_f, rank_b),
+    dp_exposed, opt_s = _dp_and_optimizer(graph, cluster, cfg, partition, table, on_rank, mine, m, (rank_f, rank_b),
                                           profile, comm_src, eng)
 
     overhead = cal.get("step_overhead_s", 0.0)
