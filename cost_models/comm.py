@@ -248,18 +248,22 @@ class _Phase:
 
 
 def collective_time(kind: str, nbytes: float, cluster: Cluster, mesh: Mesh | Mapping[str, int], dim: str,
-                    profile: ProfileDB | None = None, *, flat: bool = False) -> CommEstimate:
+                    profile: ProfileDB | None = None, *, flat: bool = False, chained: bool = False) -> CommEstimate:
     """Seconds for one ``kind`` collective of ``nbytes`` (per-rank buffer) over a ``dim`` group.
     A group spanning cluster groups runs hierarchically, or as one ring when ``flat`` (module
-    docstring)."""
+    docstring). ``chained``: issued right after another collective of the same group, with no
+    compute between (the EP dispatch after its count exchange): every peer is already running, so
+    no shared-core wait (``shared_cores.sync_wait_s``) is added; measured, an all-to-all over 4
+    ranks on 2 cores right after another costs its back-to-back time, 2.49 / 2.67 ms against
+    2.54 / 2.26 back-to-back and 3.46 / 3.14 after compute (benchmarks/collective_in_step.py)."""
     if kind not in COLLECTIVE_KINDS:
         raise ClusterError(f"unknown collective {kind!r}: use one of {', '.join(COLLECTIVE_KINDS)}")
     m = Mesh.of(mesh)
     lay = group_layout(cluster, m, dim)
     span = wan.dim_span(cluster, lay.size, m.stride(dim), m.world)
     if span is not None:
-        return _group_time(kind, float(nbytes), lay, cluster, profile, _Wan(span, m.stride(dim), flat))
-    return _group_time(kind, float(nbytes), lay, cluster, profile)
+        return _group_time(kind, float(nbytes), lay, cluster, profile, _Wan(span, m.stride(dim), flat), chained)
+    return _group_time(kind, float(nbytes), lay, cluster, profile, chained=chained)
 
 
 @dataclass(frozen=True)
@@ -272,14 +276,14 @@ class _Wan:
 
 
 def _group_time(kind: str, nbytes: float, lay: GroupLayout, cluster: Cluster,
-                profile: ProfileDB | None, across: "_Wan | None" = None) -> CommEstimate:
+                profile: ProfileDB | None, across: "_Wan | None" = None, chained: bool = False) -> CommEstimate:
     if across is None:
         est = _group_time_raw(kind, nbytes, lay, cluster, profile)
     elif across.flat and kind != "send_recv":
         est = CommEstimate(_flat_wan_time(kind, nbytes, lay.size, across.span, cluster), "model")
     else:
         est = _wan_group_time(kind, nbytes, across, cluster, profile)
-    if est.seconds:
+    if est.seconds and not chained:
         est = CommEstimate(est.seconds + sync_wait_s(cluster.cores_per_node, cluster.devices_per_node), est.source)
     cal = getattr(profile, "calibration", None)
     if cal and est.seconds:

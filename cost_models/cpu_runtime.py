@@ -7,8 +7,8 @@ a count the layout decides times a per-call figure measured on this machine's ki
 (torch 2.13, 2 gloo ranks of one thread on a 2-core Xeon; how each was measured is written
 beside it, and the profiler measures them again the same way):
 
-- **Data-parallel wrappers** (codegen/runtime/data_parallel.py), per wrapped unit (the runtime
-  wraps every layer unit and the stage root) and micro-batch, forward and backward:
+- **Data-parallel wrappers** (codegen/runtime/data_parallel.py), per wrapped unit (each block
+  and the stage root: ``cost_models.dp_units.stage_units`` counts them) and micro-batch, forward and backward:
   FSDP2's ``replicate`` (ddp / zero1 with TP parameters or a pipeline) copies each parameter
   in and out of its buffers and runs its hooks: ``CPU_REPLICATE_UNIT_S``; ``fully_shard``
   (fsdp / zero2) adds its unshard / reshard bookkeeping and the copies around every

@@ -8,10 +8,10 @@
   pipeline reduce-scatter gradients every micro-batch and all-gather parameters every micro-batch
   (FSDP twice: forward and backward); under a pipeline schedule torch's stages keep parameters
   unsharded and skip gradient sync until the last micro-batch, so it is one all-gather and one
-  reduce-scatter per step. Each is issued per layer unit (the runtime wraps every layer): one call
-  per layer of the rank, each with its share of the bytes (and its own latency) - except DDP /
-  ZeRO-1 without a pipeline or TP (``planner.sharding.uses_ddp_reducer``), which all-reduce per
-  25 MiB bucket. **Overlap assumption**: gradient traffic overlaps the backward of the last
+  reduce-scatter per step. Each is issued per wrapped unit (cost_models/dp_units.py: each block,
+  and the stage root holding the other layers): one call each, with its share of the bytes (and its
+  own latency) - except DDP / ZeRO-1 without a pipeline or TP (``planner.sharding.uses_ddp_reducer``),
+  which all-reduce per 25 MiB bucket. **Overlap assumption**: gradient traffic overlaps the backward of the last
   micro-batch (per-micro-batch FSDP/ZeRO-2 traffic the whole forward and backward), with efficiency
   ``OVERLAP[backend]`` (streams on NCCL overlap well; gloo shares the CPU with compute).
   :func:`exposed_s`: the last call (unit or bucket: its reduction starts only when the backward is
@@ -34,12 +34,14 @@ from dataclasses import dataclass
 from cost_models import comm as comm_mod
 from cost_models.cluster import Cluster
 from cost_models.compute import calibration, memory_bandwidth
+from cost_models.dp_units import stage_units
 from cost_models.engines import Engine, exposed_s
 from cost_models.experts import ep_mesh
 from cost_models.memory import LayerTable
 from cost_models.model_states import dp_group
 from cost_models.shared_cores import spare_core
 from cost_models.wan_cost import hsdp_replicas, outer_step_s
+from planner.graph import ModelGraph
 from planner.low_comm import parse_low_comm
 from planner.plan import ParallelConfig, Partition
 from planner.precision import DTYPE_BYTES, GRAD_REDUCE_BYTES, MASTER_BYTES
@@ -61,7 +63,7 @@ class DpTraffic:
 def dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units: int, profile,
              comm_src: set, engine: Engine, experts: bool = False, fp8_share: float = 0.0) -> DpTraffic:
     """The dp x cp group's traffic as the runtime issues it: one call per DDP bucket under DDP's
-    reducer (``uses_ddp_reducer``), one per layer unit of the rank (``units``) otherwise; for
+    reducer (``uses_ddp_reducer``), one per wrapped unit of the rank (``units``) otherwise; for
     the routed experts (``experts``) over their own data-parallel group (``model_states.dp_group``,
     ``cost_models.experts.ep_mesh``)."""
     dpg = dp_group(cfg, experts)
@@ -121,7 +123,7 @@ def hsdp_time(kind: str, nbytes: float, cluster: Cluster, cfg: ParallelConfig, d
     return t
 
 
-def dp_and_optimizer(cluster: Cluster, cfg: ParallelConfig, partition: Partition, table: LayerTable,
+def dp_and_optimizer(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition, table: LayerTable,
                       on_rank: list[list[int]], mine: list[int], m: int, rank_fb: tuple[float, float], profile,
                       comm_src: set, engine: Engine) -> tuple[float, float]:
     """(exposed DP communication, optimizer step) seconds: the gradient / parameter traffic of the
@@ -133,14 +135,13 @@ def dp_and_optimizer(cluster: Cluster, cfg: ParallelConfig, partition: Partition
              sum(table.experts[i] for j in js for i in range(*partition.bounds[j]))) for js in on_rank]
     P, Pe = max(held)  # the rank with the most parameters, and its routed experts' share
     lin = max(sum(table.fp8_params[i] for j in js for i in range(*partition.bounds[j])) for js in on_rank)
-    per_module = cfg.zero in SHARDED_PARAMS  # FSDP / ZeRO-2 shard a very large block module by module
-    units = max(1, sum(len(table.units[i]) if per_module else 1
-                       for lo, hi in (partition.bounds[j] for j in mine) for i in range(lo, hi)))
-    dp = dp_comm(cluster, cfg, m, P - Pe, units, profile, comm_src, engine,
-                  fp8_share=lin / (P - Pe) if cfg.fp8 != "none" and P > Pe else 0.0)
-    if Pe:  # one FSDP unit per routed-experts module (codegen/runtime/data_parallel.py shard_experts)
+    units = max(1, sum(stage_units(graph, table, cfg, *partition.bounds[j]) for j in mine))  # as the runtime wraps
+    own = Pe if cfg.ep > 1 else 0.0  # the routed experts' own units: under EP only (else in their blocks')
+    dp = dp_comm(cluster, cfg, m, P - own, units, profile, comm_src, engine,
+                 fp8_share=lin / (P - own) if cfg.fp8 != "none" and P > own else 0.0)
+    if own:  # one FSDP unit per routed-experts module (codegen/runtime/data_parallel.py shard_experts)
         e_units = sum(1 for lo, hi in (partition.bounds[j] for j in mine) for i in range(lo, hi) if table.experts[i])
-        ex = dp_comm(cluster, cfg, m, Pe, max(1, e_units), profile, comm_src, engine, experts=True)
+        ex = dp_comm(cluster, cfg, m, own, max(1, e_units), profile, comm_src, engine, experts=True)
         dp = DpTraffic(dp.overlappable + ex.overlappable, dp.after_step + ex.after_step, max(dp.last_call, ex.last_call))
     ov = OVERLAP.get(cluster.backend, 0.5)
     if not spare_core(cluster.cores_per_node, min(cfg.world, cluster.devices_per_node)):

@@ -67,6 +67,7 @@ from cost_models.compute import calibration, calibration_note
 from cost_models.layer_work import model_flops_per_seq
 from cost_models.cpu_runtime import wrapper_unit_s
 from cost_models.dp_cost import dp_and_optimizer
+from cost_models.dp_units import stage_units
 from cost_models.engines import Engine, engine_of
 from cost_models.experts import overlap_inflight, unpaired_ep_s
 from cost_models.layer_costs import LayerCosts, act_bytes_io
@@ -165,7 +166,7 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
     out = []
     wf, wb = wrapper_unit_s(costs.c, costs.cfg, costs.profile)
     for (lo, hi), rc in zip(partition.bounds, partition.recompute):
-        f, b = (hi - lo) * wf, (hi - lo) * wb  # one wrapped unit per layer (the stage root holds the rest)
+        f, b = (u := stage_units(graph, costs.table(cfg), cfg, lo, hi)) * wf, u * wb  # per wrapped unit
         cf, cb = f, b
         parts = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "ep_comm": 0.0, "recompute": 0.0, "runtime": f + b,
                  "offload": 0.0, "ep_unpaired": 0.0}
@@ -260,7 +261,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
                            on_rank, result and result.peak_inflight)
     mine = on_rank[max(range(cfg.pp), key=lambda r: sum(stages[j].fwd + stages[j].bwd for j in on_rank[r]))]
     rank_f, rank_b = (sum(getattr(stages[j], k) for j in mine) for k in ("fwd", "bwd"))
-    dp_exposed, opt_s = dp_and_optimizer(cluster, cfg, partition, table, on_rank, mine, m, (rank_f, rank_b),
+    dp_exposed, opt_s = dp_and_optimizer(graph, cluster, cfg, partition, table, on_rank, mine, m, (rank_f, rank_b),
                                          profile, comm_src, eng)
 
     overhead = cal.get("step_overhead_s", 0.0)

@@ -5,7 +5,9 @@ Under ``ep`` > 1 (``planner.plan.ParallelConfig.ep``; the runtime is
 
 1. exchanges the tokens per expert with its EP group (an all-to-all of ``experts`` int64
    counts) and copies the received counts to the host, which waits for the device
-   (``HOST_SYNC_S``: one device-to-host copy draining the stream);
+   (``HOST_SYNC_S``: one device-to-host copy draining the stream); the dispatch follows it with
+   no compute between, so on shared CPU cores it pays no scheduler wait (``comm.collective_time``'s
+   ``chained``);
 2. **dispatch**: sends each routed (token, choice) row to the rank holding its expert and
    **combine**: sends the expert outputs back; each an all-to-all whose per-rank buffer is
 
@@ -139,15 +141,18 @@ def expert_comm(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parallel
     lay = comm_mod.group_layout(cluster, mesh, "cp")
     if engine.ep_node_dedup and lay.link == "mixed":
         one, source = node_dedup_seconds(m, nbytes, lay, cluster), "model"
+        after = one
     else:
         rows = comm_mod.collective_time("all_to_all", nbytes, cluster, mesh, "cp", profile)
         one, source = rows.seconds, rows.source
+        # the dispatch follows the count exchange with no compute between: its peers are running
+        after = comm_mod.collective_time("all_to_all", nbytes, cluster, mesh, "cp", profile, chained=True).seconds
     counts = comm_mod.collective_time("all_to_all", m.experts * COUNT_BYTES, cluster, mesh, "cp", profile)
     sync = HOST_SYNC_S if cluster.backend != "gloo" else 0.0  # gloo's counts are already on the host
-    fwd, bwd = 2 * one + counts.seconds + sync, 2 * one
+    fwd, bwd = after + one + counts.seconds + sync, 2 * one
     alone = fwd + bwd
     if engine.ep_overlap:
-        chunks = (window or ComputeChunks(0.0, 0.0)).pairs(one + counts.seconds + sync, one, one, one)
+        chunks = (window or ComputeChunks(0.0, 0.0)).pairs(after + counts.seconds + sync, one, one, one)
         exposed = paired_exposed_s(chunks, engine.ep_comm_sms / cluster.device.sms if cluster.device.sms else 0.0)
         fwd, bwd = (fwd * exposed / (fwd + bwd), bwd * exposed / (fwd + bwd)) if fwd + bwd else (0.0, 0.0)
     return ExpertComm(fwd=fwd, bwd=bwd, source=source, alone=alone)

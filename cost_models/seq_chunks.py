@@ -32,6 +32,7 @@ from typing import Sequence
 
 from cost_models.cluster import Cluster
 from cost_models.cpu_runtime import wrapper_unit_s
+from cost_models.dp_units import stage_units
 from cost_models.layer_costs import LayerCosts
 from cost_models.memory import ChunkMemory
 from planner.graph import ModelGraph
@@ -76,7 +77,8 @@ def stage_chunk_parts(graph: ModelGraph, partition: Partition, costs: LayerCosts
     """Per virtual stage, one micro-batch: the attention cores (``LayerCost.core``; the backward
     ``ATTN_BWD_OVER_FWD`` times it) and the fixed part of every layer's pass (its profiled
     ``ProfileDB.layer_fixed_share`` of the priced time, 0 without a profile) plus the
-    data-parallel wrapper's per-unit work (``cost_models.cpu_runtime.wrapper_unit_s``)."""
+    data-parallel wrapper's per-unit work (``cost_models.cpu_runtime.wrapper_unit_s``) on each unit it
+    wraps (``cost_models.dp_units.stage_units``)."""
     cfg, prof = costs.cfg, costs.profile
     wf, wb = wrapper_unit_s(costs.c, cfg, prof)
     out, shares = ChunkParts([], [], [], []), {}  # the profiled fixed shares, once per layer signature
@@ -91,7 +93,9 @@ def stage_chunk_parts(graph: ModelGraph, partition: Partition, costs: LayerCosts
                     shares[layer.signature] = prof.layer_fixed_share(layer.signature, cfg.mbs, graph.seq_len, cfg.tp,
                                                                      cfg.cp, cfg.seq_chunks)
                 sf, sb = shares[layer.signature]
-            af, ff, fb = af + c.core, ff + sf * c.fwd + wf, fb + sb * c.bwd + wb
+            af, ff, fb = af + c.core, ff + sf * c.fwd, fb + sb * c.bwd
+        units = stage_units(graph, costs.table(cfg), cfg, lo, hi)  # the wrapper's work, per wrapped unit
+        ff, fb = ff + units * wf, fb + units * wb
         out.attn_fwd.append(af)
         out.attn_bwd.append(ATTN_BWD_OVER_FWD * af)
         out.fixed_fwd.append(ff)

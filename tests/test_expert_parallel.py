@@ -61,6 +61,30 @@ def test_alltoall_bytes_and_time_match_hand_counts():
     assert expert_comm(layer, g, cl, cfg.replace(ep=1)).fwd == 0.0
 
 
+def test_dispatch_after_the_count_exchange_pays_no_shared_core_wait():
+    """On 4 ranks sharing 2 cores every collective after compute pays the scheduler wait
+    (``shared_cores.sync_wait_s``); the dispatch, right after the count exchange, does not
+    (benchmarks/collective_in_step.py): the forward is two row all-to-alls and the counts less one wait."""
+    from cost_models.cluster import parse_cluster
+    from cost_models.shared_cores import sync_wait_s
+    g = graph_of_config(ModelConfig(name="moe-cpu", arch="moe", layers=2, hidden=64, ffn_hidden=128, heads=4, kv_heads=2,
+                                    vocab=256, seq_len=32, experts=4, top_k=2, expert_ffn_hidden=64),
+                        batch=1, seq_len=32)
+    layer = _moe_layer(g)
+    cl = dataclasses.replace(parse_cluster("local-cpu:4"), cores_per_node=2)
+    cfg = ParallelConfig(dp=4, ep=4, mbs=2, zero="fsdp")
+    wait = sync_wait_s(2, 4)
+    assert wait > 0
+    b = alltoall_bytes(layer.moe, g, cfg)
+    rows = comm_mod.collective_time("all_to_all", b, cl, ep_mesh(cfg), "cp").seconds
+    chained = comm_mod.collective_time("all_to_all", b, cl, ep_mesh(cfg), "cp", chained=True).seconds
+    assert chained == pytest.approx(rows - wait)
+    counts = comm_mod.collective_time("all_to_all", layer.moe.experts * 8, cl, ep_mesh(cfg), "cp").seconds
+    ex = expert_comm(layer, g, cl, cfg)
+    assert ex.fwd == pytest.approx(2 * rows + counts - wait)
+    assert ex.bwd == pytest.approx(2 * rows)            # the backward's all-to-alls each follow compute
+
+
 def test_grouped_gemm_flops_match_hand_counts():
     g = _fine()
     m = _moe_layer(g).moe

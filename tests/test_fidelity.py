@@ -87,7 +87,9 @@ def test_fit_recovers_synthetic_coefficients(monkeypatch):
         s = C.RunSample(cs, g, c, cfg, e.partition, 8, 0.0, [m.tensors / 2**30 + 0.4 for m in e.memory])
         s.measured_step_s = C.predict(s, None, true).step_s * rng.uniform(0.97, 1.03)
         samples.append(s)
-    fitted = C.fit(samples, None, keys=("compute_scale", "comm_scale"), per_kind=False)
+    # designed runs that identify both coefficients take a weaker prior (``fit``'s own note): the default
+    # pulls comm_scale towards 1 by more the smaller communication's share of these steps (3.8 noiseless)
+    fitted = C.fit(samples, None, keys=("compute_scale", "comm_scale"), per_kind=False, prior=0.002)
     assert fitted["eff_matmul"] == pytest.approx(0.7 / 3.0, rel=0.15)  # roofline runs: folded into efficiency
     assert fitted["comm_scale"] == pytest.approx(5.0, rel=0.25)
     assert fitted["mem_reserve_gib"] == pytest.approx(0.4, abs=1e-6)

@@ -239,10 +239,20 @@ def test_cpu_pipeline_chunks_pay_the_wrappers_per_call_work():
     out = _chunked_estimates("local-cpu:2", "pp=2", 4)
     assert out[1].step_s < out[2].step_s < out[4].step_s
     wf, wb = wrapper_unit_s(parse_cluster("local-cpu:2"), ParallelConfig.parse("pp=2"))
-    n = [hi - lo for lo, hi in out[1].partition.bounds]
+    n = _wrapped_units(out[1])
+    assert n == [3, 3]  # each stage: its 2 blocks and the stage root (embedding; final norm and head)
     for k in (2, 4):
         grow = [b4 - b1 for b1, b4 in zip(out[1].pipeline.busy_s, out[k].pipeline.busy_s)]
         assert grow == pytest.approx([4 * (k - 1) * x * (wf + wb) for x in n], rel=1e-6)
+
+
+def _wrapped_units(est) -> list[int]:
+    """The data-parallel wrapper's units on each stage of ``est`` (llama-tiny, as _chunked_estimates)."""
+    from cost_models.dp_units import stage_units
+    from cost_models.memory import LayerTable
+    from planner.frontend.load import load_graph
+    g = load_graph("llama-tiny", batch=1, seq_len=256)
+    return [stage_units(g, LayerTable(g, est.config), est.config, lo, hi) for lo, hi in est.partition.bounds]
 
 
 def test_chunk_seconds_charges_the_fixed_part_whole():
@@ -338,7 +348,7 @@ def test_estimate_charges_every_chunk_the_profiled_fixed_part():
     out = _chunked_estimates("local-cpu:2", "pp=2", 4, profile=db)
     wf, wb = wrapper_unit_s(parse_cluster("local-cpu:2"), ParallelConfig.parse("pp=2"), db)
     t0 = (4 * 1.5e-3 - 4e-3) / 3 + (4 * 4e-3 - 9e-3) / 3   # forward + backward, per layer and call
-    n = [hi - lo for lo, hi in out[1].partition.bounds]
+    n, units = [hi - lo for lo, hi in out[1].partition.bounds], _wrapped_units(out[1])
     grow = [b4 - b1 for b1, b4 in zip(out[1].pipeline.busy_s, out[4].pipeline.busy_s)]
-    assert grow == pytest.approx([4 * 3 * x * (t0 + wf + wb) for x in n], rel=1e-6)
+    assert grow == pytest.approx([4 * 3 * (x * t0 + u * (wf + wb)) for x, u in zip(n, units)], rel=1e-6)
     assert out[4].step_s > out[1].step_s

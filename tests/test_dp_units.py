@@ -1,0 +1,58 @@
+"""The data-parallel wrapper's units (cost_models/dp_units.py): each block and one stage root, as
+codegen/runtime/data_parallel.py wraps them; the estimate's per-unit FSDP collectives and CPU
+wrapper work count those, not the graph's layers."""
+import dataclasses
+
+import pytest
+
+from cost_models.cluster import parse_cluster
+from cost_models.cpu_runtime import wrapper_unit_s
+from cost_models.dp_units import stage_units
+from cost_models.estimate import estimate
+from cost_models.memory import LayerTable
+from cost_models.profile_db import ProfileDB
+from cost_models.shared_cores import sync_wait_s
+from planner.frontend.load import load_graph
+from planner.plan import ParallelConfig, Partition
+from planner.search.stage_split import even_split
+
+MOE = "benchmarks/fidelity_moe.toml"  # embed, 4 blocks, norm, head
+
+
+def _units(spec: str, layout: str, pp: int) -> list[int]:
+    g = load_graph(spec, batch=1, seq_len=64)
+    cfg = ParallelConfig.parse(layout + ",dtype=fp32")
+    t = LayerTable(g, cfg)
+    return [stage_units(g, t, cfg, lo, hi) for lo, hi in even_split(g, pp).bounds]
+
+
+def test_blocks_and_one_stage_root():
+    assert _units(MOE, "dp=4,zero=fsdp", 1) == [5]          # 4 blocks + the root (embed, norm, head together)
+    assert _units(MOE, "dp=4,zero=ddp", 1) == [5]           # replicate wraps the same modules
+    assert _units("llama-tiny", "pp=2,zero=fsdp", 2) == [3, 3]
+    g = load_graph("llama-tiny", batch=1, seq_len=64)
+    cfg = ParallelConfig.parse("pp=3,zero=fsdp,dtype=fp32")
+    t = LayerTable(g, cfg)
+    # a middle stage of blocks only has no root parameters: no unit of its own
+    assert [stage_units(g, t, cfg, lo, hi) for lo, hi in ((0, 1), (1, 4), (4, 7))] == [1, 3, 2]
+
+
+def test_fsdp_step_pays_each_unit_once():
+    """moe-fid dp4 fsdp on 4 ranks sharing 2 cores (no overlap): the DP traffic is 5 units x (two
+    all-gathers + one reduce-scatter) per micro-batch at the profile's constant call time plus the
+    per-call wait, and the wrapper's work 5 x its per-unit figure: 7 (the graph's layers) before, and
+    without EP the routed experts (in their blocks' units) 3 units more of their own."""
+    g = load_graph(MOE, batch=1, seq_len=64)
+    c = parse_cluster("local-cpu:4")
+    c = dataclasses.replace(c, cores_per_node=2)
+    db = ProfileDB(cluster_fingerprint="x", backend="gloo", world=4)
+    call = 2e-3
+    for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
+        for nbytes in (1 << 10, 1 << 26):
+            db.add_collective(kind, 4, "intra", nbytes, call)
+    cfg = ParallelConfig.parse("dp=4,mbs=2,zero=fsdp,dtype=fp32")
+    e = estimate(g, c, cfg, Partition(bounds=[(0, len(g.layers))], recompute=["none"]), 8, profile=db)
+    per_call = call + sync_wait_s(2, 4)
+    assert e.breakdown["dp_comm"] == pytest.approx(5 * 3 * per_call)
+    wf, wb = wrapper_unit_s(c, cfg, db)
+    assert e.breakdown["runtime"] == pytest.approx(5 * (wf + wb))
