@@ -178,6 +178,31 @@ def token_local_sync_s(cluster: Cluster, cfg: ParallelConfig, partition: Partiti
     return e.seconds
 
 
+SYNC_BYTES = 8  # one float64 / float32 scalar: the loss sum, a squared gradient norm
+
+
+def step_sync_s(cluster: Cluster, cfg: ParallelConfig, profile, comm_src: set) -> float:
+    """The step's own blocking scalar all-reduces after the backward, seconds (latency-bound): the
+    loss over all ranks (codegen/runtime/train.py ``global_loss``), and the squared gradient norm
+    (codegen/runtime/optim.py ``clip_grad_norm_``) over every mesh dimension gradients are
+    sharded on - dp x cp under FSDP / ZeRO-2 (and the experts' own group under EP), tp under
+    TP (with FSDP the TP-sharded gradients reduce over both) - and over pp. Replicated
+    gradients (DDP, ZeRO-1 without TP) add nothing beyond the loss's call."""
+    dims = []  # (mesh, dim) of each call after the loss's
+    mesh = comm_mod.Mesh(pp=cfg.pp, dp=dp_group(cfg), cp=1, tp=cfg.tp)
+    sharded = cfg.zero in SHARDED_PARAMS
+    if sharded:
+        dims += [(mesh, "dp")] * (2 if cfg.tp > 1 else 1) + ([(ep_mesh(cfg), "dp")] if cfg.ep > 1 else [])
+    dims += [(mesh, "tp")] * (cfg.tp > 1) + [(mesh, "pp")] * (cfg.pp > 1)
+    world = comm_mod.Mesh(pp=1, dp=cfg.world, cp=1, tp=1)
+    total = 0.0
+    for m, dim in [(world, "dp")] + dims:
+        e = comm_mod.collective_time("all_reduce", SYNC_BYTES, cluster, m, dim, profile)
+        comm_src.add(e.source)
+        total += e.seconds
+    return total
+
+
 def per_microbatch_dp(cfg: ParallelConfig) -> bool:
     """ZeRO-2 / FSDP without a pipeline communicate every micro-batch (module docstring)."""
     return cfg.zero in SHARDED_PARAMS and cfg.pp == 1

@@ -25,7 +25,7 @@ Step time (seconds)::
   form when ``fast=True``), p2p = the stage boundary's activation over the pp link.
 - DP and the optimizer step (cost_models/dp_cost.py): the gradient / parameter traffic as the
   runtime issues it, hidden behind the backward where the engine overlaps it, and AdamW at the
-  device's memory bandwidth.
+  device's memory bandwidth; the step's scalar all-reduces (loss, gradient norm: ``sync``).
 - Engine (cost_models/engines.py): what the engine that runs the layout hides. autopar's
   runtime by default; published runs under their own. Its switches decide whether TP
   collectives hide behind the layer's GEMMs, whether gradient reduction hides behind the
@@ -66,7 +66,7 @@ from cost_models.cluster import Cluster
 from cost_models.compute import calibration, calibration_note
 from cost_models.layer_work import model_flops_per_seq
 from cost_models.cpu_runtime import wrapper_unit_s
-from cost_models.dp_cost import dp_and_optimizer
+from cost_models.dp_cost import dp_and_optimizer, step_sync_s
 from cost_models.dp_units import stage_units
 from cost_models.engines import Engine, engine_of
 from cost_models.experts import overlap_inflight, unpaired_ep_s
@@ -266,9 +266,10 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
 
     overhead = cal.get("step_overhead_s", 0.0)
     ep_alone = unpaired_ep_s(cfg.pp, cfg.vpp, m, [st.parts["ep_unpaired"] for st in stages], on_rank)
-    step = pipe_s + dp_exposed + opt_s + overhead + ep_alone
+    sync = step_sync_s(cluster, cfg, profile, comm_src)  # the loss's and the gradient norm's all-reduces
+    step = pipe_s + dp_exposed + opt_s + overhead + ep_alone + sync
     breakdown = _breakdown(stages, mine, m, cfg.pp, pipe_s, p2p,
-                           dict(ep_comm=ep_alone, dp_comm=dp_exposed, optimizer=opt_s, overhead=overhead))
+                           dict(ep_comm=ep_alone, dp_comm=dp_exposed, optimizer=opt_s, overhead=overhead, sync=sync))
     tokens, model_flops = global_batch * graph.seq_len, model_flops_per_seq(graph) * global_batch  # doc-masked
     peak = cluster.peak_flops("fp32" if cluster.backend == "gloo" else cfg.dtype)
     src = "profile" if comp_src == {"profile"} else ("roofline" if "profile" not in comp_src else "mixed")
@@ -289,14 +290,14 @@ def _breakdown(stages: list[_StageCost], mine: list[int], m: int, pp: int, pipe_
     """Seconds per category of the busiest rank's step (``mine``: its virtual stages): the stages'
     parts over ``m`` micro-batches, the pipeline's idle time (``bubble``, of which the p2p hops'
     share is ``p2p``), and ``step_terms``: what the step adds beside the pipeline (``dp_comm``,
-    ``optimizer``, ``overhead`` when not 0, and ``ep_comm``'s passes without a partner)."""
+    ``optimizer``, ``sync`` and ``overhead`` when not 0, and ``ep_comm``'s passes without a partner)."""
     out = {k: m * sum(stages[j].parts[k] for j in mine) for k in ("compute", "recompute", "tp_comm", "cp_comm",
                                                                    "ep_comm", "runtime", "offload")}
     out = {k: v for k, v in out.items() if v or k not in ("runtime", "offload")}
     out["ep_comm"] += step_terms.get("ep_comm", 0.0)
     busy = m * sum(stages[j].fwd + stages[j].bwd for j in mine)
     out.update(p2p=0.0, bubble=max(0.0, pipe_s - busy), dp_comm=step_terms["dp_comm"], optimizer=step_terms["optimizer"])
-    out.update({"overhead": step_terms["overhead"]} if step_terms.get("overhead") else {})
+    out.update({k: step_terms[k] for k in ("sync", "overhead") if step_terms.get(k)})
     if pp > 1 and p2p:  # p2p inside the pipeline time: split the idle time between bubble and transfers
         out["p2p"] = min(out["bubble"], 2 * (m + pp - 1) * p2p)
         out["bubble"] -= out["p2p"]

@@ -56,3 +56,26 @@ def test_fsdp_step_pays_each_unit_once():
     assert e.breakdown["dp_comm"] == pytest.approx(5 * 3 * per_call)
     wf, wb = wrapper_unit_s(c, cfg, db)
     assert e.breakdown["runtime"] == pytest.approx(5 * (wf + wb))
+
+
+def test_step_sync_counts_the_loss_and_the_gradient_norm_all_reduces():
+    """The step's scalar all-reduces, priced from a profile where every all-reduce costs 1 s
+    (4 gloo ranks on 4 cores: no shared-core waits): one process none; DDP the loss's only; FSDP
+    the loss's and the norm's over dp; FSDP + TP the norm's over dp twice (the replicated and the
+    TP-sharded gradients) and over tp; a pipeline adds the norm's over pp."""
+    from cost_models.dp_cost import step_sync_s
+
+    cluster = dataclasses.replace(parse_cluster("local-cpu:4"), cores_per_node=4)
+    db = ProfileDB(cluster_fingerprint=cluster.fingerprint(), backend="gloo", world=4)
+    for n in (2, 4):
+        for nbytes in (1, 2**20):
+            db.add_collective("all_reduce", n, "intra", nbytes, 1.0)
+
+    def calls(**kw) -> float:
+        return step_sync_s(cluster, ParallelConfig(**kw), db, set())
+
+    assert calls(dp=1) == 0.0
+    assert calls(dp=4, zero="ddp") == pytest.approx(1.0)
+    assert calls(dp=4, zero="fsdp") == pytest.approx(2.0)
+    assert calls(dp=2, tp=2, zero="fsdp", sp=True) == pytest.approx(4.0)
+    assert calls(dp=2, pp=2, zero="ddp") == pytest.approx(2.0)

@@ -16,7 +16,7 @@ from planner.plan import ParallelConfig, Plan, PlanError
 GiB = 2**30
 MEM_CATS = ("weights", "grads", "optimizer", "activations", "buffers", "reserve")
 TIME_PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "runtime", "p2p", "bubble", "dp_comm",
-              "optimizer")
+              "sync", "optimizer")
 MAX_SIM_MB = 64          # above this many micro-batches the timeline draws min(m, 4 pp)
 MAX_MESH_DEVICES = 32    # devices drawn in the mesh grid (whole nodes, at least one)
 WARMUP_STEPS = 2
@@ -78,7 +78,7 @@ def simulate_step(plan: Plan) -> Timeline:
     p2p = float(e.get("p2p_hop_s", 0.0)) if cfg.pp > 1 else 0.0
     if cfg.pp > 1 and not p2p and bd.get("p2p"):  # plans written before the estimate kept the hop time
         p2p = bd["p2p"] / (2 * (m_plan + cfg.pp - 1))
-    tail = [("dp_comm", float(bd.get("dp_comm", 0.0))), ("optimizer", float(bd.get("optimizer", 0.0)))]
+    tail = [(k, float(bd.get(k, 0.0))) for k in ("dp_comm", "sync", "optimizer")]
     note = ""
     if m != m_plan:
         note = (f"{m_plan} micro-batches per step; the timeline draws the first {m} "
@@ -433,7 +433,7 @@ PART_DESC = {"compute": "compute (busiest pipeline rank)", "recompute": "activat
               "ep_comm": "expert all-to-all (dispatch, combine)",
               "runtime": "CPU runtime work (data-parallel wrappers)",
               "p2p": "pipeline send/recv", "bubble": "pipeline bubble", "dp_comm": "exposed DP communication",
-              "optimizer": "optimizer step"}
+              "sync": "the step's scalar all-reduces (loss, gradient norm)", "optimizer": "optimizer step"}
 
 
 def mesh_groups(plan: Plan) -> list[str]:
