@@ -187,14 +187,14 @@ def layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelC
                profile=None, engine: Engine = DEFAULT_ENGINE, profiled_on: Cluster | None = None) -> LayerTime:
     """Forward and backward seconds of ``layer`` for one micro-batch of ``cfg.mbs`` sequences
     on one rank: from ``profile`` (a ProfileDB) when it measured this layer class at this
-    tp/cp, interpolated across shapes; from the roofline otherwise. A calibrated profile's
+    tp/cp in ``cfg.dtype``, interpolated across shapes; from the roofline otherwise. A calibrated profile's
     ``compute_scale`` multiplies either. ``profiled_on``: the cluster the profile measured when
     ``cluster`` is another (fewer CPU ranks with more threads, :func:`_speed_scaled`)."""
     cal = calibration(profile)
     k = cal.get("compute_scale", 1.0)
     df, db = dtensor_dispatch_s(layer, cluster, cfg, cal)
     if profile is not None:
-        got = profile.layer_time(layer.signature, cfg.mbs, graph.seq_len, cfg.tp, cfg.cp)
+        got = profile.layer_time(layer.signature, cfg.mbs, graph.seq_len, cfg.tp, cfg.cp, cfg.dtype)
         if got is not None and attention_share(layer, graph, cfg) != 1.0:
             got = _documents_scaled(got, layer, graph, cluster, cfg, cal)
         if got is not None and profiled_on is not None and profiled_on is not cluster:

@@ -6,12 +6,17 @@ Written by ``cost_models/profiler.py`` (``autopar profile``), read by ``comm.py`
 JSON layout (``version`` 1)::
 
     {"version": 1, "cluster_fingerprint": "<Cluster.fingerprint()>",
-     "backend": "nccl", "world": 16,
+     "backend": "nccl", "world": 16, "dtype": "bf16",
      "collectives": {"all_reduce/8/intra": [{"nbytes": 1024, "seconds": 1.2e-5}, ...]},
      "layers": {"<layer signature>": [{"shape": {"batch": 1, "seq_len": 2048, "tp": 2, "cp": 1},
                                         "fwd_s": 0.004, "bwd_s": 0.008}, ...]},
      "runtime": {"replicate_unit_s": 2.6e-4, ...},
      "calibration": {"compute_scale": 1.1, "overlap": 0.2, "comm_scale": 1.3, ...}}
+
+``dtype`` is the compute dtype the layers were timed in (the profiler's ``--dtype``, by default
+the cluster's plans' own: ``planner.precision.default_dtype``); a file without it was timed in
+fp32. Layer times price only plans of that dtype (:meth:`ProfileDB.layer_time`): a bf16 plan
+priced from fp32 timings was 7x too slow on an H200 (llama-1b, 3.16 s predicted, 0.44 s run).
 
 ``runtime`` (optional, CPU clusters) holds the CPU runtime's own per-call work the profiler
 measured (cost_models/cpu_runtime.py lists the keys: data-parallel wrappers, EP dispatch).
@@ -54,6 +59,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from planner.precision import DTYPES
 
 PROFILE_VERSION = 1
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -108,6 +115,7 @@ class ProfileDB:
     calibration: dict[str, float] = field(default_factory=dict)  # fitted by `autopar calibrate`
     runtime: dict[str, float] = field(default_factory=dict)  # measured CPU runtime work (cpu_runtime.KEYS)
     calibration_source: str = ""  # one line: what the calibration was fitted on (shown in plans)
+    dtype: str = "fp32"  # the compute dtype the layers were timed in (module docstring)
 
     # ---- building ----------------------------------------------------------------
     def add_collective(self, kind: str, group_size: int, link: str, nbytes: int, seconds: float) -> None:
@@ -137,6 +145,7 @@ class ProfileDB:
             "cluster_fingerprint": self.cluster_fingerprint,
             "backend": self.backend,
             "world": self.world,
+            "dtype": self.dtype,
             "collectives": {k: [{"nbytes": s.nbytes, "seconds": s.seconds} for s in v]
                             for k, v in sorted(self.collectives.items())},
             "layers": {k: [{"shape": s.shape, "fwd_s": s.fwd_s, "bwd_s": s.bwd_s} for s in v]
@@ -173,12 +182,16 @@ class ProfileDB:
             if not all(math.isfinite(v) for v in calibration.values()):
                 raise ValueError("calibration holds a non-finite coefficient")
             runtime = {str(k): float(v) for k, v in (data.get("runtime") or {}).items()}
+            dtype = str(data.get("dtype") or "fp32")
+            if dtype not in DTYPES:
+                raise ValueError(f"dtype {dtype!r} is none of {', '.join(DTYPES)}")
             if not all(math.isfinite(v) and v >= 0 for v in runtime.values()):
                 raise ValueError("runtime holds a negative or non-finite figure")
             return cls(cluster_fingerprint=str(data["cluster_fingerprint"]), backend=str(data["backend"]),
                        world=int(data["world"]), collectives=collectives, layers=layers, version=version,
                        calibration=calibration, runtime=runtime,
-                       calibration_source=str(data.get("calibration_source") or ""))
+                       calibration_source=str(data.get("calibration_source") or ""),
+                       dtype=dtype)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"{source}: malformed profile ({type(e).__name__}: {e}): run `autopar profile` again") from None
 
@@ -208,8 +221,12 @@ class ProfileDB:
             return None
         return _interp_loglog(_merge_sizes(samples), float(nbytes))
 
-    def layer_time(self, signature: str, batch: int, seq_len: int, tp: int, cp: int) -> tuple[float, float] | None:
-        """(fwd_s, bwd_s) for a layer at a shape (module docstring); None if not measured at this tp/cp."""
+    def layer_time(self, signature: str, batch: int, seq_len: int, tp: int, cp: int,
+                   dtype: str | None = None) -> tuple[float, float] | None:
+        """(fwd_s, bwd_s) for a layer at a shape (module docstring); None if not measured at this
+        tp/cp, or (``dtype`` given) timed in another compute dtype."""
+        if dtype is not None and dtype != self.dtype:
+            return None
         samples = [s for s in self.layers.get(signature, ()) if s.tp == tp and s.cp == cp]
         if not samples:
             return None

@@ -16,7 +16,9 @@ rank). The same code runs with gloo on CPUs and nccl on GPUs. It measures:
     exchange) are not in these times: the communication model adds them. All ranks
     measure at once, so the figures include the contention of ranks sharing a machine,
     as in training. Besides, at batch 1 without TP and CP, one sequence chunk of each
-    searched count (``cost_models.seq_chunks.chunk_lengths``).
+    searched count (``cost_models.seq_chunks.chunk_lengths``). Layers run in the compute
+    dtype of the plans the profile will price (``--dtype``, by default the cluster's:
+    bf16 on GPUs, fp32 on CPUs), as the runtime's compute copies of the parameters do.
 (b) **Collectives**: all-reduce, all-gather, reduce-scatter, all-to-all for each
     group size the mesh can have, with all groups of that size running at once
     (as all tp groups, or all dp groups, do in training), over message sizes.
@@ -43,6 +45,7 @@ import time
 
 from cost_models.profile_runtime import measure_runtime
 from cost_models.profile_timing import agree_min, all_gather_into, reduce_scatter_into, timeit
+from planner.precision import DTYPES, default_dtype
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 DEFAULT_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 22, 1 << 24)
@@ -196,12 +199,14 @@ def local_labels(args: tuple, kwargs: dict, layer, tp: int) -> tuple[tuple, dict
 
 def measure_layers(db, spec: str, seq_len: int, batches, tps, cps, repeats: int, device) -> None:
     """Time forward and backward of each distinct layer of ``spec`` (its representative) per
-    micro-batch size, TP degree and CP degree, as the runtime shards it; into ``db``."""
+    micro-batch size, TP degree and CP degree, as the runtime shards it, in ``db.dtype`` (the
+    runtime's compute copies of the parameters, and so its activations); into ``db``."""
     import torch
     import torch.distributed as dist
 
     from codegen.runtime.context_parallel import RingCompute
     from codegen.runtime.layers import sdpa_attention
+    from codegen.runtime.precision import compute_dtype
     from planner import zoo
     from planner.frontend.load import load_graph
 
@@ -210,7 +215,7 @@ def measure_layers(db, spec: str, seq_len: int, batches, tps, cps, repeats: int,
     if ms.cfg is None:
         raise SystemExit("error: the profiler measures zoo models (presets or TOML specs); "
                          "profile a preset of the same shape")
-    model = zoo.build_model(ms.cfg, device=device, seed=0)
+    model = zoo.build_model(ms.cfg, device=device, seed=0).to(compute_dtype(db.dtype))
     reps = {layer.signature: layer for layer in graph.layers if layer.repeat_of is None}
     sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
     total, done = len(reps) * len(batches) * len(tps) * len(cps), 0
@@ -276,10 +281,11 @@ def _time_layer(model, layer, inputs: tuple, tp: int, ring, repeats: int, sync, 
 
 
 def worker_args(cluster: str, model: str, out: str, *, seq_len: int | None = None, batches: str | None = None,
-                sizes: str | None = None, repeats: int | None = None) -> list[str]:
+                sizes: str | None = None, repeats: int | None = None, dtype: str | None = None) -> list[str]:
     """The arguments after ``torchrun ...`` that run this profiler on every rank (None: its default)."""
     args = ["-m", "cost_models.profiler", "--cluster", cluster, "--model", model, "-o", out]
-    for flag, v in (("--seq-len", seq_len), ("--batches", batches), ("--sizes", sizes), ("--repeats", repeats)):
+    for flag, v in (("--seq-len", seq_len), ("--batches", batches), ("--sizes", sizes), ("--repeats", repeats),
+                    ("--dtype", dtype)):
         if v is not None:
             args += [flag, str(v)]
     return args
@@ -294,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sizes", default=",".join(str(s) for s in DEFAULT_SIZES))
     ap.add_argument("--skip-layers", action="store_true")
+    ap.add_argument("--dtype", choices=DTYPES, default=None,
+                    help="compute dtype the layers are timed in (default: the cluster's plans' own, "
+                         "planner.precision.default_dtype: bf16 on GPUs, fp32 on CPUs)")
     ap.add_argument("-o", "--out", required=True)
     args = ap.parse_args(argv)
 
@@ -311,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     try:
         cluster = parse_cluster(args.cluster)
-        db = ProfileDB(cluster_fingerprint=cluster.fingerprint(), backend=dist.get_backend(), world=world)
+        db = ProfileDB(cluster_fingerprint=cluster.fingerprint(), backend=dist.get_backend(), world=world,
+                       dtype=args.dtype or default_dtype(cluster.backend))
         t0 = time.perf_counter()
         measure_collectives(db, world, rank, [int(s) for s in args.sizes.split(",")], args.repeats, device)
         measure_runtime(db, world, args.repeats)

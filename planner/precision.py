@@ -10,6 +10,13 @@ DTYPES = ("bf16", "fp16", "fp32")  # a plan's compute dtype
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # bytes per element of each compute dtype
 
 
+def default_dtype(backend: str) -> str:
+    """The compute dtype of a plan whose request names none, by the cluster's ``backend``: bf16 on
+    GPUs (nccl), fp32 on CPU ranks (gloo), whose matmuls run no faster in bf16. The profiler
+    times layers in it too (cost_models/profiler.py), so a profile prices the plans it is for."""
+    return "fp32" if backend == "gloo" else "bf16"
+
+
 def mixed_precision(dtype: str) -> bool:
     """Whether a plan of compute ``dtype`` trains in mixed precision, as the runtime runs it
     (codegen/runtime/precision.py, FSDP2's ``MixedPrecisionPolicy`` on every layout): fp32

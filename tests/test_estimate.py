@@ -39,7 +39,7 @@ def test_roofline_source_and_sane_figures(llama8b, h100):
 
 def test_profile_changes_estimate(llama8b, h100):
     base = _est(llama8b, h100, "dp=64,zero=fsdp,recompute=full")
-    db = ProfileDB(cluster_fingerprint=h100.fingerprint(), backend="nccl", world=64)
+    db = ProfileDB(cluster_fingerprint=h100.fingerprint(), backend="nccl", world=64, dtype="bf16")
     for l in llama8b.layers:
         if l.repeat_of is None:
             db.add_layer(l.signature, 1, 4096, 1, 1, 0.05, 0.1)
@@ -48,6 +48,22 @@ def test_profile_changes_estimate(llama8b, h100):
     assert prof.step_s != pytest.approx(base.step_s, rel=0.05)
     # 35 layers x 4 micro-batches x (0.05 fwd + 0.1 bwd + 0.05 recompute fwd)
     assert prof.breakdown["compute"] == pytest.approx(4 * 35 * 0.15, rel=1e-6)
+    # layers timed in another dtype price nothing: a bf16 plan from fp32 timings was 7x off on an H200
+    db.dtype = "fp32"
+    assert _est(llama8b, h100, "dp=64,zero=fsdp,recompute=full", profile=db).step_s == pytest.approx(base.step_s)
+    assert _est(llama8b, h100, "dp=64,zero=fsdp,recompute=full,dtype=fp32", profile=db).source == "profile"
+
+
+def test_profile_dtype_round_trip_and_bad_value():
+    db = ProfileDB(cluster_fingerprint="f", backend="nccl", world=1, dtype="bf16")
+    d = db.to_dict()
+    assert d["dtype"] == "bf16" and ProfileDB.from_dict(d).dtype == "bf16"
+    del d["dtype"]
+    assert ProfileDB.from_dict(d).dtype == "fp32"  # files from before the field were timed in fp32
+    d["dtype"] = "bfloat16"
+    with pytest.raises(ValueError, match="dtype 'bfloat16' is none of bf16, fp16, fp32") as e:
+        ProfileDB.from_dict(d)
+    assert "\n" not in str(e.value)
 
 
 def test_memory_sharding_order(llama8b):

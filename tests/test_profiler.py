@@ -125,15 +125,17 @@ def test_pin_cpu_rank_gives_each_rank_its_own_cores(monkeypatch):
 @pytest.mark.slow
 def test_profiler_two_processes(tmp_path):
     """One real profile on 2 gloo processes: every layer class at tp 1/2 x cp 1/2 x 2 batch
-    sizes, every collective kind at both sizes, positive times."""
+    sizes, every collective kind at both sizes, positive times; layers timed in bf16 (a GPU
+    cluster's plans' dtype) when asked, and the file says so."""
     from planner.entry.launch import torchrun_cmd
 
     out = tmp_path / "p.json"
     cmd = torchrun_cmd(2, profiler.worker_args("local-cpu:2", "gpt-tiny", str(out), seq_len=32, batches="1,2",
-                                               sizes="1024,65536", repeats=2))
+                                               sizes="1024,65536", repeats=2, dtype="bf16"))
     r = run_launch(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     db = ProfileDB.load(out)
+    assert db.dtype == "bf16"
     graph = load_graph("gpt-tiny", batch=1, seq_len=32)
     sigs = {l.signature for l in graph.layers}
     assert set(db.layers) == sigs

@@ -340,7 +340,7 @@ def test_estimate_charges_every_chunk_the_profiled_fixed_part():
     from cost_models.profile_db import ProfileDB
     from planner.frontend.load import load_graph
     g = load_graph("llama-tiny", batch=1, seq_len=256)
-    db = ProfileDB(cluster_fingerprint="x", backend="gloo", world=2)
+    db = ProfileDB(cluster_fingerprint="x", backend="gloo", world=2, dtype="bf16")  # the plan's dtype
     for layer in g.layers:
         if layer.repeat_of is None:
             for batch, seq, f, b in ((1, 256, 4e-3, 9e-3), (4, 256, 13e-3, 30e-3), (1, 64, 1.5e-3, 4e-3)):

@@ -15,6 +15,7 @@ from planner.entry import commands as cmd
 from planner.entry import measure
 from planner.errors import AutoparError
 from planner.plan import FP8_RECIPES, LOSS_KERNELS
+from planner.precision import DTYPES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -234,6 +235,8 @@ def _add_inspection_commands(sub) -> None:
     p.add_argument("--cluster", required=True, help="local-cpu:N, a preset[:nodes] or cluster.toml")
     p.add_argument("--batches", default="1,2", help="micro-batch sizes to measure, comma-separated")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed runs per measurement (median)")
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="compute dtype to time layers in (default: the cluster's plans' own: bf16 on GPUs, fp32 on CPUs)")
     p.add_argument("-o", "--out", required=True)
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
     p.set_defaults(fn=measure.cmd_profile)

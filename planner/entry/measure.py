@@ -22,7 +22,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     zoo.load_model_spec(args.model)  # fail early on a bad model
     check_out(args.out, args.force)
     worker = worker_args(args.cluster, args.model, args.out, seq_len=args.seq_len or None, batches=args.batches,
-                         repeats=args.repeats)
+                         repeats=args.repeats, dtype=args.dtype)
     if cluster.nodes > 1 or cluster.backend != "gloo":
         print("run on every node (set NODE_RANK and MASTER_ADDR):")
         print(f"  torchrun --nnodes {cluster.nodes} --nproc-per-node {cluster.devices_per_node} "

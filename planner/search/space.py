@@ -60,6 +60,7 @@ from cost_models.layer_costs import LayerCosts
 from cost_models.pipeline import estimate_step, linear_step
 from cost_models.wan_cost import BalancedPipe, WanHop, cheapest_wan_hops, pipeline_wan_floor_s, wan_floor_s
 from planner.low_comm import low_comm_problem, parse_low_comm
+from planner.precision import default_dtype
 from cost_models.compute import calibration
 from cost_models.memory import Reserve, framework_reserve, memory_floor
 from cost_models.offload import offload_saves
@@ -187,7 +188,7 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
         raise AutoparError(f"{graph.name}: {why}")
     res = SearchResult(best=None, alternatives=[], rejected={}, rejected_counts={})  # type: ignore[arg-type]
     space = _Space(graph, cluster, global_batch, profile, facts, batch,
-                   dtype or ("fp32" if cluster.backend == "gloo" else "bf16"), loss,
+                   dtype or default_dtype(cluster.backend), loss,
                    default_attention(facts.limits), Rejections(), res, pins or Pins(), fp8=fp8, compile=compile,
                    low_comm=low_comm)
     forget_simulations()  # each search prices its own (cost_models/pipeline_memo.py)
