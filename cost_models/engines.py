@@ -57,11 +57,13 @@ behaviour of a named engine (the flag or default that turns it on is cited):
   move float8 (1 byte per element); reduce-scatters stay in the compute dtype (torchtitan's
   float8 TP styles, on by default with its ``Float8Linear``: docs/float8.md, "float8 all-gather
   ... for TP (by default for Float8Linear)").
-- ``attention_fa2``: the attention core runs torch's SDPA flash kernel, FlashAttention-2, which
-  on devices with float8 tensor cores (Hopper) runs ``FA2_HOPPER_SLOWDOWN`` times slower than the
-  FA3-class kernels (Transformer Engine's cuDNN attention, FlashAttention-3) of Megatron-Core's
-  H100 runs that the attention coefficient is fitted on (Shah et al. 2024, FlashAttention-3:
-  "1.5-2.0x faster than FlashAttention-2" on H100 in BF16; the midpoint). torchtitan (2024).
+- ``attention_kernel``: the kernel the attention core runs, a key of ``HOPPER_ATTENTION``, which
+  gives its (forward, backward) time on devices with float8 tensor cores (Hopper) as multiples of
+  the fitted fused-attention curve (``gpu_kernels.attention_seconds``), fitted on the FA3-class
+  kernels (Transformer Engine's cuDNN attention, FlashAttention-3) of Megatron-Core's H100 runs:
+  ``fa3`` those (Megatron-Core); ``fa2`` torch's SDPA flash kernel, FlashAttention-2 (torchtitan,
+  2024); ``autopar-triton`` autopar's own Triton kernel (codegen/kernels/attention.py), which
+  autopar's runtime runs for ``attention=flash`` on CUDA.
 - ``fused_optimizer``: one fused AdamW kernel per parameter group (Apex / TE FusedAdam in
   Megatron; torchtitan's default ``fused``; autopar's runtime, ``codegen.runtime.optim.adamw``):
   ``FUSED_OPT_BYTES_PER_PARAM`` instead of the
@@ -94,6 +96,17 @@ DEEPEP_SMS = 20
 # FlashAttention-2 on Hopper against FA3-class kernels: FlashAttention-3 (Shah et al. 2024) is
 # "1.5-2.0x faster than FlashAttention-2" on H100 in BF16; the midpoint.
 FA2_HOPPER_SLOWDOWN = 1.75
+# (forward, backward) time of each attention kernel on Hopper, as multiples of the fitted curve.
+# autopar-triton: benchmarks/kernels.py on one H200 (2026-12-04, benchmarks/measured/
+# gpu_check_h200_2026-12-04.json; causal, bf16, 32 heads over 8 KV heads, D 128, 16K tokens, S 1K-16K):
+# forward 1.09 / 0.83 / 0.79 / 0.81 of the curve's time, backward 2.26 / 2.24 / 2.23 / 2.20; the medians.
+# (SDPA's FlashAttention-2 backend measured on the same run: forward 1.09, backward 1.83 / 1.39 /
+# 1.28 / 1.20, below the paper's 1.75 that ``fa2`` keeps, with which torchtitan's runs are fitted.)
+HOPPER_ATTENTION: dict[str, tuple[float, float]] = {
+    "fa3": (1.0, 1.0),
+    "fa2": (FA2_HOPPER_SLOWDOWN, FA2_HOPPER_SLOWDOWN),
+    "autopar-triton": (0.82, 2.235),
+}
 
 
 @dataclass(frozen=True)
@@ -112,11 +125,16 @@ class Engine:
     ep_node_dedup: bool = False
     ep_comm_sms: int = 0
     fp8_tp_all_gather: bool = False
-    attention_fa2: bool = False
+    attention_kernel: str = "fa3"
     fused_optimizer: bool = False
     fused_elementwise: bool = False
     recompute_modules: tuple[str, ...] = ()
     doc: str = ""
+
+    def __post_init__(self) -> None:
+        if self.attention_kernel not in HOPPER_ATTENTION:
+            raise ValueError(f"engine {self.name}: attention_kernel {self.attention_kernel!r} is none of "
+                             f"{', '.join(HOPPER_ATTENTION)}")
 
     @property
     def optimizer_bytes_per_param(self) -> float:
@@ -125,7 +143,7 @@ class Engine:
 
 
 ENGINES: dict[str, Engine] = {e.name: e for e in (
-    Engine("autopar", fused_optimizer=True,
+    Engine("autopar", fused_optimizer=True, attention_kernel="autopar-triton",
            doc="autopar's runtime (codegen/runtime): FSDP2 / DDP gradient overlap, fused AdamW "
                "(codegen.runtime.optim.adamw; the per-parameter loop where plain and DTensor parameters mix), "
                "blocking collectives elsewhere"),
@@ -156,11 +174,11 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine("llama3", dp_overlap=True, p2p_overlap=True, fused_optimizer=True,
            doc="Meta's Llama 3 stack as its paper describes it: FSDP (ZeRO-2-like) with overlapped "
                "reduction, asynchronous pipeline P2P"),
-    Engine("torchtitan", dp_overlap=True, fused_optimizer=True, fp8_tp_all_gather=True, attention_fa2=True,
+    Engine("torchtitan", dp_overlap=True, fused_optimizer=True, fp8_tp_all_gather=True, attention_kernel="fa2",
            doc="torchtitan: FSDP2 with prefetch and overlapped reduce-scatter, fused AdamW (its default), "
                "eager TP without async TP"),
     Engine("torchtitan-asynctp", tp_overlap=True, dp_overlap=True, fused_optimizer=True, fp8_tp_all_gather=True,
-           attention_fa2=True,
+           attention_kernel="fa2",
            doc="torchtitan with --parallelism.enable_async_tensor_parallel (under torch.compile): the TP "
                "all-gather / reduce-scatter decomposed and overlapped with the GEMMs (micro-pipelined)"),
 )}

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from cost_models import gpu_kernels as gk
 from cost_models.cluster import Cluster
-from cost_models.engines import DEFAULT_ENGINE, FA2_HOPPER_SLOWDOWN, Engine, fuses_elementwise
+from cost_models.engines import DEFAULT_ENGINE, HOPPER_ATTENTION, Engine, fuses_elementwise
 from cost_models.fused_elementwise import fused_op
 from cost_models.layer_work import (LayerTime, attention_share, attn_core_flops, captured_tokens, document_kv_len,
-                                    expert_gemms, gemm_shape, shard_factor)
+                                    expert_gemms, fused_loss_layer, gemm_shape, shard_factor)
 from cost_models.moe_layer import DISPATCH_KERNELS, dispatch_bytes, grouped_gemm_seconds
 from cost_models.op_recompute import checkpointed, kept_linears, routed_unkept_share
 from planner.graph import OUT_SPLIT_ROLES, Layer, ModelGraph
@@ -49,6 +49,11 @@ def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Paral
 # the amax is taken in the kernel that produced the tensor, leaving the cast's read and write (2 + 1).
 # At 2 bytes per bf16 element (scaled to the compute dtype's size).
 FP8_CAST_BYTES = {False: 5.0, True: 3.0}
+# autopar's fused linear + cross-entropy forward (its Triton kernel: logits tile by tile with an
+# online log-sum-exp) against a cuBLAS GEMM of the same shape as the kernel model prices it:
+# benchmarks/kernels.py on one H200 (2026-12-04, benchmarks/measured/gpu_check_h200_2026-12-04.json),
+# 8192 tokens, H 4096, V 128,256: 21.3 ms against the model's 13.4 ms.
+FUSED_LOSS_FWD_SLOWDOWN = 1.59
 
 
 class _GpuPass:
@@ -66,6 +71,7 @@ class _GpuPass:
         self.gemm_bytes_cap: dict[str, float] = {}
         self.fp8: gk.GpuSpec | None = None  # float8 linears: the device at its fp8 peak
         self.fp8_cores = False  # the device has float8 tensor cores (Hopper and later)
+        self.fused_loss = fused_loss_layer(layer, cfg)  # the head's logits GEMM and loss in one kernel
 
     def gemm(self, m: float, n: float, k: float, times: float = 1.0) -> float:
         """Add ``times`` GEMMs of (m, n, k) forward and their two backward GEMMs; the forward seconds."""
@@ -94,6 +100,19 @@ class _GpuPass:
         self.bwd += gk.memory_seconds(cast * dy_rows * n + 2 * (m * k + k * n), 4, self.gpu, co)
         return t
 
+    def fused_loss_gemm(self, m: float, n: float, k: float) -> float:
+        """Add autopar's fused linear + cross-entropy in place of the head's logits GEMM (m, n, k)
+        (codegen/kernels/fused_loss.py): the forward kernel at ``FUSED_LOSS_FWD_SLOWDOWN`` times
+        the GEMM's time; the backward runs it again (it recomputes the logits chunk by chunk),
+        writes each chunk's logit gradient [m, n] once and runs the two dense backward GEMMs. The
+        loss's memory-bound kernels never run (:meth:`memory_bound`); the forward seconds."""
+        gpu, co, elem = self.gpu, self.co, self.elem
+        t = FUSED_LOSS_FWD_SLOWDOWN * gk.gemm_seconds(m, n, k, elem, gpu, co)
+        self.fwd += t
+        self.bwd += (t + gk.gemm_seconds(m, k, n, elem, gpu, co) + gk.gemm_seconds(n, k, m, elem, gpu, co)
+                     + gk.memory_seconds(m * n * elem, 1, gpu, co))
+        return t
+
     def grouped(self, groups: int, m: float, n: float, k: float) -> float:
         """Add a grouped GEMM of ``groups`` (m, n, k) forward and its two backward ones
         (``cost_models.moe_layer.grouped_gemm_seconds``); the forward seconds."""
@@ -109,7 +128,10 @@ class _GpuPass:
         kept = {id(lin) for lin in kept_linears(layer)}
         for lin in layer.linears:
             shape = gemm_shape(lin, self.tokens, cfg.tp, cfg.sp)
-            t = self.fp8_linear(*shape, lin.role) if self.fp8 is not None else self.gemm(*shape)
+            if self.fused_loss and lin.role == "vocab":
+                t = self.fused_loss_gemm(*shape)
+            else:
+                t = self.fp8_linear(*shape, lin.role) if self.fp8 is not None else self.gemm(*shape)
             self.unkept += 0.0 if id(lin) in kept else t
             op = next((o.name for o in layer.ops if o.name and lin.name.startswith(o.name + ".")), "")
             io = m_cap * lin.in_features + lin.in_features * lin.out_features + m_cap * lin.out_features
@@ -141,9 +163,9 @@ class _GpuPass:
         if cfg.attention == "eager":
             self.eager_attention(a)
             return
-        slow = FA2_HOPPER_SLOWDOWN if self.engine.attention_fa2 and self.fp8_cores else 1.0  # engines.py
-        self.fwd += slow * gk.attention_seconds(core, kv, gpu, co)
-        self.bwd += slow * gk.attention_seconds(core, kv, gpu, co, backward=True)
+        sf, sb = HOPPER_ATTENTION[self.engine.attention_kernel] if self.fp8_cores else (1.0, 1.0)  # engines.py
+        self.fwd += sf * gk.attention_seconds(core, kv, gpu, co)
+        self.bwd += sb * gk.attention_seconds(core, kv, gpu, co, backward=True)
         if ring > 1:  # each ring step's partial output merged by log-sum-exp: read two, write one (fp32)
             merge = 3 * cfg.mbs * (a.seq_len / cfg.cp) * (a.heads / cfg.tp) * (a.head_dim + 1) * 4
             self.fwd += gk.memory_seconds((ring - 1) * merge, ring - 1, gpu, co)
@@ -181,6 +203,9 @@ class _GpuPass:
                 kern_b = kern_b - share * layer.bwd_kernels + DISPATCH_KERNELS[1]
                 continue
             share = (op.fwd_bytes / layer.fwd_bytes) if layer.fwd_bytes else 0.0
+            if self.fused_loss and op.tp_style == "vocab":  # logits, softmax, loss: inside the fused kernel
+                kern_f, kern_b = kern_f - share * layer.fwd_kernels, kern_b - share * layer.bwd_kernels
+                continue
             fused = fused_op(op, layer, self.graph, self.elem) if fuses_elementwise(self.engine, cfg) else None
             if fused is not None:  # the engine's fused kernels (cost_models/fused_elementwise.py)
                 tokens = (self.m_cap or self.graph.batch * self.graph.seq_len) * scale

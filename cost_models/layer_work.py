@@ -31,6 +31,12 @@ class LayerTime:
     experts_bwd_s: float = 0.0
 
 
+def fused_loss_layer(layer: Layer, cfg: ParallelConfig) -> bool:
+    """Whether ``layer`` runs autopar's fused linear + cross-entropy under ``cfg`` (``loss=fused``
+    on the head or loss layer: its logits never reach memory; codegen/kernels/fused_loss.py)."""
+    return cfg.loss == "fused" and bool(layer.vocab) and layer.kind in ("head", "loss")
+
+
 def attn_core_flops(layer: Layer, batch: int) -> float:
     """Forward FLOPs of Q K^T and P V for ``batch`` sequences (full square, no causal halving):
     the capture's figure, one document filling each sequence."""

@@ -50,6 +50,7 @@ from typing import Mapping, Sequence
 
 from cost_models.engines import DEFAULT_ENGINE, Engine, fuses_elementwise
 from cost_models.fused_elementwise import block_saved
+from cost_models.layer_work import fused_loss_layer
 from cost_models.model_states import dp_group, per_param_bytes
 from cost_models.moe_layer import routed_saved_bytes
 from cost_models.op_recompute import checkpointed, op_saved_bytes
@@ -142,7 +143,7 @@ def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recom
     if blk is not None:  # fused norms / rope / activation: what they keep (cost_models/fused_elementwise.py)
         moe_part = min(m.act_bytes, rest) if m is not None else 0.0
         tp_part, rest = blk[0] * tokens, blk[1] * tokens + moe_part
-    if cfg.loss == "fused" and layer.vocab and layer.kind in ("head", "loss"):
+    if fused_loss_layer(layer, cfg):
         tp_part = 0.0  # no logits / log-probabilities kept
         rest = max(rest, layer.input_bytes)
     if recompute == "selective" and blk is None:

@@ -374,7 +374,9 @@ def test_the_report_explains_the_documents_and_a_rejected_cp():
     rows = {key: text for key, _, text, _ in summary_rows(build_report(plan, layers=False))}
     assert "20,000 documents" in rows["documents"] and "131,072 tokens (the budget" in rows["documents"]
     assert "causal attention work" in rows["documents"]
-    assert "busiest rank does 2." in rows["documents"]  # cp=8 x dp=2: about 2.3x the mean rank's attention
+    d = plan.batch["documents"]
+    ratio = d["busiest_share"] / d["attention_share"]  # cp=8: about 1.6-2.3x the mean rank's attention
+    assert 1.3 < ratio < 3 and f"busiest rank does {ratio:.2f}x" in rows["documents"]
     why = {w["degree"]: w for w in why_not_degrees(plan)}
     assert "visiting blocks" in why["cp=4"]["documents"] and "exposed" in why["cp=4"]["documents"]
     from planner.report.render import render_html

@@ -159,7 +159,7 @@ def test_fa2_attention_is_slower_on_hopper_only(graph):
 
     block = next(l for l in graph.layers if l.kind == "transformer_block")
     cfg = ParallelConfig(mbs=4)
-    fa2 = Engine("fa2", attention_fa2=True)
+    fa2 = Engine("fa2", attention_kernel="fa2")
     h100, a100 = parse_cluster("dgx-h100"), parse_cluster("dgx-a100-80g")
     assert layer_time(block, graph, a100, cfg, engine=fa2) == layer_time(block, graph, a100, cfg, engine=PLAIN)
     slow, fast = layer_time(block, graph, h100, cfg, engine=fa2), layer_time(block, graph, h100, cfg, engine=PLAIN)
@@ -167,3 +167,27 @@ def test_fa2_attention_is_slower_on_hopper_only(graph):
     assert slow.fwd_s > fast.fwd_s and slow.bwd_s > fast.bwd_s
     assert slow.fwd_s - fast.fwd_s < (FA2_HOPPER_SLOWDOWN - 1) * fast.fwd_s  # only the attention core slows
     assert without.fwd_s != fast.fwd_s
+
+
+def test_autopar_triton_attention_as_measured_on_hopper(graph):
+    """autopar's engine prices its Triton flash kernel as benchmarks/kernels.py measured it on an
+    H200: the forward below the fitted curve, the backward above it, by HOPPER_ATTENTION's factors
+    on the attention core alone (launch floor included); A100s keep the curve."""
+    from cost_models import gpu_kernels as gk
+    from cost_models.compute import layer_time
+    from cost_models.engines import DEFAULT_ENGINE, HOPPER_ATTENTION
+
+    block = next(l for l in graph.layers if l.kind == "transformer_block")
+    cfg = ParallelConfig(mbs=4)
+    assert DEFAULT_ENGINE.attention_kernel == "autopar-triton"
+    sf, sb = HOPPER_ATTENTION["autopar-triton"]
+    h100, a100 = parse_cluster("dgx-h100"), parse_cluster("dgx-a100-80g")
+    assert layer_time(block, graph, a100, cfg) == layer_time(block, graph, a100, cfg, engine=PLAIN)
+    ours, fa3 = layer_time(block, graph, h100, cfg), layer_time(block, graph, h100, cfg, engine=PLAIN)
+    assert ours.fwd_s < fa3.fwd_s and ours.bwd_s > fa3.bwd_s
+    launch = gk.GpuCoefficients().launch_s
+    core_f = (ours.fwd_s - fa3.fwd_s) / (sf - 1)  # the attention core's forward seconds on the curve
+    core_b = (ours.bwd_s - fa3.bwd_s) / (sb - 1)
+    assert core_b - launch == pytest.approx(gk.BWD_ATTN_FACTOR * (core_f - launch), rel=1e-6)
+    with pytest.raises(ValueError, match="attention_kernel 'fa4'"):
+        Engine("x", attention_kernel="fa4")

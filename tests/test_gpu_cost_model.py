@@ -134,6 +134,32 @@ def test_tensor_parallel_shards_gemms_into_less_efficient_shapes():
     assert (big.fwd_s + big.bwd_s) < 16 * (t1.fwd_s + t1.bwd_s)  # larger micro-batches run closer to peak
 
 
+@pytest.mark.parametrize("tp", [1, 4])
+def test_fused_loss_recomputes_its_logits_and_never_writes_them(tp):
+    """loss=fused prices the head as autopar's fused kernel runs (FUSED_LOSS_FWD_SLOWDOWN measured
+    on an H200): the logits GEMM in the forward kernel, again in the backward with the two dense
+    backward GEMMs and one write of the chunk gradients, and none of the loss's memory-bound
+    kernels; at H200 shapes it costs 1.3-1.5x the eager head (measured 1.48x at H 4096)."""
+    from cost_models.gpu_layer import FUSED_LOSS_FWD_SLOWDOWN
+    from cost_models.layer_work import gemm_shape
+    from planner.frontend.load import load_graph
+
+    g = load_graph("llama-1b", batch=1, seq_len=2048)
+    head = next(l for l in g.layers if l.kind == "head")
+    c = _cl("dgx-h100")
+    gpu = gk.GpuSpec(peak=c.peak_flops("bf16"), bw=c.device.mem_bw_gbs * 1e9, sms=c.device.sms)
+    co = gk.GpuCoefficients()
+    m, n, k = gemm_shape(head.linears[0], 4 * 2048, tp)
+    fused = gpu_layer_time(head, g, c, ParallelConfig(tp=tp, mbs=4, loss="fused"))
+    eager = gpu_layer_time(head, g, c, ParallelConfig(tp=tp, mbs=4))
+    fwd = FUSED_LOSS_FWD_SLOWDOWN * gk.gemm_seconds(m, n, k, 2, gpu, co)
+    assert fused.fwd_s == pytest.approx(fwd, rel=1e-9)
+    assert fused.bwd_s == pytest.approx(fwd + gk.gemm_seconds(m, k, n, 2, gpu, co) + gk.gemm_seconds(n, k, m, 2, gpu, co)
+                                        + gk.memory_seconds(m * n * 2, 1, gpu, co), rel=1e-9)
+    assert eager.fwd_s > gk.gemm_seconds(m, n, k, 2, gpu, co)  # eager pays its softmax and loss in HBM
+    assert 1.2 < (fused.fwd_s + fused.bwd_s) / (eager.fwd_s + eager.bwd_s) < 1.6
+
+
 # ---- the development set ------------------------------------------------------------------
 def _runs():
     runs = []

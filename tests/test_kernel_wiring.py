@@ -99,7 +99,9 @@ def planner_case():
 def test_fused_loss_changes_the_plan_for_a_128k_vocabulary(planner_case) -> None:
     """llama-1b (vocab 128256, tied) at 40k tokens per sequence on 8 A100-80G, cp fixed to 1:
     with eager logits (40960 x 128256 per micro-batch) plain dp8 does not fit, so the planner
-    pays for tp2+sp; with the fused loss dp8 fits and is faster (selective recompute pinned)."""
+    pays for tp2+sp; with the fused loss dp8 fits (selective recompute pinned), at about the same
+    step time: the kernel's logit recompute and its slower forward (measured on an H200,
+    ``gpu_layer.FUSED_LOSS_FWD_SLOWDOWN``) cost about what dropping TP's collectives saves."""
     from planner.search.planning import plan_model
     g, cl = planner_case
     c = PLANNER_CASE
@@ -114,7 +116,7 @@ def test_fused_loss_changes_the_plan_for_a_128k_vocabulary(planner_case) -> None
     e, f = best["eager"].config, best["fused"].config
     assert (e.dp, e.tp, e.sp) == (4, 2, True), e.label()
     assert (f.dp, f.tp) == (8, 1), f.label()
-    assert best["fused"].step_s < best["eager"].step_s
+    assert best["fused"].step_s == pytest.approx(best["eager"].step_s, rel=0.03)
 
 
 def test_fused_loss_lowers_head_stage_activations_and_makes_dp8_fit(planner_case) -> None:
