@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Every GPU check in one script, for a lent GPU machine (one H200: torch 2.11, triton 3.6, no
-# internet). Finishes in under 8 minutes (the timeouts sum to 11); results land in $OUT (or benchmarks/results).
+# internet). Finishes in under 8 minutes (the timeouts sum to 17); results land in $OUT (or benchmarks/results).
 #   0. bf16 GEMM and attention TFLOP/s at a few shapes beside the cost model's values
 #      (benchmarks/gpu_efficiency.py)
 #   1. the Triton kernels on real CUDA: correctness against fp32 references, then their
 #      benchmark against SDPA-flash and eager linear + cross-entropy   (benchmarks/kernels.py)
 #   2. a profile of the GPU: layer times of llama-1b at the shapes a 1-GPU plan runs
 #   3. an emitted program on nccl: plan llama-1b for this one GPU with that profile, emit,
-#      run 10 steps in bf16 mixed precision (the plan's dtype), compare predicted and measured
+#      run 20 steps in bf16 mixed precision (the plan's dtype), compare predicted and measured;
+#      the same layout with SDPA attention (attention=eager) and with the fused loss, each
+#      priced as given (autopar evaluate) and run
 #   4. the same with float8 linears and compiled blocks (--fp8 tensorwise --compile; needs
 #      torchao on the machine, else the run says so in one line)
-# Not yet run on a GPU (no machine was lent when it was written).
+# First run on one H200 on 2026-12-04 (2 min 50 s; benchmarks/measured/gpu_check_h200_2026-12-04.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
@@ -34,16 +36,26 @@ echo "== 2. profile of the GPU (layers of llama-1b, seq 2048)"
 timeout 60 "$PY" -m torch.distributed.run --nproc-per-node 1 -m cost_models.profiler --cluster "$OUT/h200x1.toml" \
   --model llama-1b --seq-len 2048 --batches 1,2 --repeats 5 -o "$OUT/profile_h200.json" 2>&1 | tail -5
 
-echo "== 3. plan -> emit -> run on nccl"
+echo "== 3. plan -> emit -> run on nccl; then the same layout with SDPA attention and with the fused loss"
 PROFILE=()
 [ -s "$OUT/profile_h200.json" ] && PROFILE=(--profile "$OUT/profile_h200.json")  # uncalibrated roofline if step 2 failed
 timeout 60 "$PY" -m planner.entry.cli plan --model llama-1b --cluster "$OUT/h200x1.toml" --global-batch 8 --seq-len 2048 \
   "${PROFILE[@]}" --force -o "$OUT/plan_h200.json" 2>&1 | tail -15
-timeout 100 "$PY" -m planner.entry.cli run "$OUT/plan_h200.json" --steps 10 --dir "$OUT/run_h200" 2>&1 | tail -15
+timeout 100 "$PY" -m planner.entry.cli run "$OUT/plan_h200.json" --steps 20 --dir "$OUT/run_h200" 2>&1 | tail -8
 cp "$OUT/run_h200/train_log.jsonl" "$OUT/train_log_h200.jsonl" 2>/dev/null || true
+CONFIG=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['config'])" "$OUT/plan_h200.json" 2>/dev/null)
+for variant in "attention=eager" "loss=fused"; do  # priced as given (autopar evaluate), then run
+  tag=${variant//=/_}
+  cfg=$(echo "$CONFIG" | sed -e "s/${variant%%=*}=[a-z]*/$variant/")
+  [ -n "$CONFIG" ] || break
+  timeout 60 "$PY" -m planner.entry.cli evaluate --model llama-1b --cluster "$OUT/h200x1.toml" --global-batch 8 \
+    --seq-len 2048 "${PROFILE[@]}" --config "$cfg" --force -o "$OUT/plan_h200_$tag.json" 2>&1 | tail -2
+  timeout 100 "$PY" -m planner.entry.cli run "$OUT/plan_h200_$tag.json" --steps 20 --dir "$OUT/run_h200_$tag" 2>&1 | tail -4
+  cp "$OUT/run_h200_$tag/train_log.jsonl" "$OUT/train_log_h200_$tag.jsonl" 2>/dev/null || true
+done
 
 echo "== 4. plan -> emit -> run with float8 linears and compiled blocks"
 timeout 60 "$PY" -m planner.entry.cli plan --model llama-1b --cluster "$OUT/h200x1.toml" --global-batch 8 --seq-len 2048 \
   "${PROFILE[@]}" --fp8 tensorwise --compile --force -o "$OUT/plan_h200_fp8.json" 2>&1 | tail -15
-timeout 120 "$PY" -m planner.entry.cli run "$OUT/plan_h200_fp8.json" --steps 10 --dir "$OUT/run_h200_fp8" 2>&1 | tail -15
+timeout 120 "$PY" -m planner.entry.cli run "$OUT/plan_h200_fp8.json" --steps 20 --dir "$OUT/run_h200_fp8" 2>&1 | tail -15
 cp "$OUT/run_h200_fp8/train_log.jsonl" "$OUT/train_log_h200_fp8.jsonl" 2>/dev/null || true

@@ -2,7 +2,9 @@
 
     python -m benchmarks.kernels [--quick] [--out benchmarks/results/kernels.json]
 
-Attention: bf16, D=128, H=32, KVH=8, B*S=16k tokens, causal, S in {1k, 4k, 8k, 16k};
+Attention: bf16, D=128, H=32, KVH=8, B*S=16k tokens, causal, S in {1k, 4k, 8k, 16k}, and D=64 at
+S=2k (llama-1b's heads); ours, SDPA forced to its FlashAttention-2 backend, and SDPA as it chooses
+(what ``attention=eager`` runs on CUDA);
 TFLOP/s with fwd FLOPs = 4*B*H*S^2*D * 0.5 (causal) and bwd = 2.5 x fwd; peak memory =
 torch.cuda.max_memory_allocated above the inputs during one fwd+bwd, in MiB.
 Fused loss: bf16, N=8192 tokens, H=4096, V=128256, ~10% ignore_index; median fwd and
@@ -32,10 +34,12 @@ def _attn_ref_fp32(q, k, v, causal):
     return torch.exp(s - lse[..., None]) @ v, lse
 
 
-def _sdpa(q, k, v, causal):
+def _sdpa(q, k, v, causal, forced=True):
+    import contextlib
+
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if forced else contextlib.nullcontext():
         try:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
         except (RuntimeError, TypeError):
@@ -102,6 +106,7 @@ def _peak_mib(fn):
 
 
 def bench_attention(dev, seqs, tokens=16384, H=32, KVH=8, D=128):
+    """Rows of ours / SDPA-flash / SDPA's own choice at each length of ``seqs``."""
     import torch
     from triton.testing import do_bench
     from codegen.kernels.attention import flash_attention
@@ -113,8 +118,9 @@ def bench_attention(dev, seqs, tokens=16384, H=32, KVH=8, D=128):
         dout = torch.randn_like(q)
         fwd_flop = 4 * B * H * S * S * D * 0.5
         for name, fn in (("ours", lambda: flash_attention(q, k, v, causal=True)[0]),
-                         ("sdpa_flash", lambda: _sdpa(q, k, v, True))):
-            row = {"kernel": "attention", "impl": name, "S": S, "B": B}
+                         ("sdpa_flash", lambda: _sdpa(q, k, v, True)),
+                         ("sdpa_default", lambda: _sdpa(q, k, v, True, forced=False))):
+            row = {"kernel": "attention", "impl": name, "S": S, "B": B, "D": D}
             try:
                 t_f = do_bench(fn)
                 o = fn()
@@ -186,7 +192,7 @@ def main(argv=None):
     result["check"] = {"attention": check_attention(dev), "linear_ce": check_loss(dev)}
     print("correctness:", json.dumps(result["check"]), flush=True)
     seqs = [1024, 4096] if args.quick else [1024, 4096, 8192, 16384]
-    result["attention"] = bench_attention(dev, seqs)
+    result["attention"] = bench_attention(dev, seqs) + bench_attention(dev, [2048], D=64)
     result["linear_ce"] = bench_loss(dev, N=4096 if args.quick else 8192)
     result["wall_s"] = time.time() - t0
     write_json(args.out, result)

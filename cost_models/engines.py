@@ -99,13 +99,13 @@ FA2_HOPPER_SLOWDOWN = 1.75
 # (forward, backward) time of each attention kernel on Hopper, as multiples of the fitted curve.
 # autopar-triton: benchmarks/kernels.py on one H200 (2026-12-04, benchmarks/measured/
 # gpu_check_h200_2026-12-04.json; causal, bf16, 32 heads over 8 KV heads, D 128, 16K tokens, S 1K-16K):
-# forward 1.09 / 0.83 / 0.79 / 0.81 of the curve's time, backward 2.26 / 2.24 / 2.23 / 2.20; the medians.
-# (SDPA's FlashAttention-2 backend measured on the same run: forward 1.09, backward 1.83 / 1.39 /
-# 1.28 / 1.20, below the paper's 1.75 that ``fa2`` keeps, with which torchtitan's runs are fitted.)
+# forward 0.99 / 0.84 / 0.81 / 0.80 of the curve's time, backward 2.28 / 2.23 / 2.22 / 2.20; the medians.
+# (SDPA's FlashAttention-2 backend measured on the same run: forward 1.10, backward 1.85 / 1.38 /
+# 1.28 / 1.21, below the paper's 1.75 that ``fa2`` keeps, with which torchtitan's runs are fitted.)
 HOPPER_ATTENTION: dict[str, tuple[float, float]] = {
     "fa3": (1.0, 1.0),
     "fa2": (FA2_HOPPER_SLOWDOWN, FA2_HOPPER_SLOWDOWN),
-    "autopar-triton": (0.82, 2.235),
+    "autopar-triton": (0.824, 2.227),
 }
 
 
