@@ -103,7 +103,7 @@ FA2_HOPPER_SLOWDOWN = 1.75
 # (SDPA's FlashAttention-2 backend measured on the same run: forward 1.10, backward 1.85 / 1.38 /
 # 1.28 / 1.21, below the paper's 1.75 that ``fa2`` keeps, with which torchtitan's runs are fitted:
 # its medians (1.10, 1.33) in ``fa2`` move torchtitan's 31 published runs from 8.0% to 16.8% median
-# error (all too slow predicted), so the paper's factor carries more than the kernel on its H100s.)
+# error (predicted faster than they ran), so the paper's factor carries more than the kernel on its H100s.)
 HOPPER_ATTENTION: dict[str, tuple[float, float]] = {
     "fa3": (1.0, 1.0),
     "fa2": (FA2_HOPPER_SLOWDOWN, FA2_HOPPER_SLOWDOWN),
