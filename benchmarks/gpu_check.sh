@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check in one script, for a lent GPU machine (one H200: torch 2.11, triton 3.6, no
-# internet). Finishes in under 8 minutes (the timeouts sum to 17); results land in $OUT (or benchmarks/results).
+# internet). Finishes in under 8 minutes (the timeouts sum to 22: run it under an outer timeout); results land in $OUT (or benchmarks/results).
 #   0. bf16 GEMM and attention TFLOP/s at a few shapes beside the cost model's values
 #      (benchmarks/gpu_efficiency.py)
 #   1. the Triton kernels on real CUDA: correctness against fp32 references, then their
@@ -11,7 +11,8 @@
 #      the same layout with SDPA attention (attention=eager) and with the fused loss, each
 #      priced as given (autopar evaluate) and run
 #   4. the same with float8 linears and compiled blocks (--fp8 tensorwise --compile; needs
-#      torchao on the machine, else the run says so in one line)
+#      torchao on the machine, else the run says so in one line), then each of the two alone
+#      (the first run, 2026-12-04, measured both together no faster than bf16 and 0.9 GiB larger)
 # First run on one H200 on 2026-12-04 (2 min 50 s; benchmarks/measured/gpu_check_h200_2026-12-04.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,8 +55,18 @@ for variant in "attention=eager" "loss=fused"; do  # priced as given (autopar ev
   cp "$OUT/run_h200_$tag/train_log.jsonl" "$OUT/train_log_h200_$tag.jsonl" 2>/dev/null || true
 done
 
-echo "== 4. plan -> emit -> run with float8 linears and compiled blocks"
+echo "== 4. plan -> emit -> run with float8 linears and compiled blocks; then each alone on the same layout"
 timeout 60 "$PY" -m planner.entry.cli plan --model llama-1b --cluster "$OUT/h200x1.toml" --global-batch 8 --seq-len 2048 \
   "${PROFILE[@]}" --fp8 tensorwise --compile --force -o "$OUT/plan_h200_fp8.json" 2>&1 | tail -15
-timeout 120 "$PY" -m planner.entry.cli run "$OUT/plan_h200_fp8.json" --steps 20 --dir "$OUT/run_h200_fp8" 2>&1 | tail -15
+timeout 120 "$PY" -m planner.entry.cli run "$OUT/plan_h200_fp8.json" --steps 20 --dir "$OUT/run_h200_fp8" 2>&1 | tail -8
 cp "$OUT/run_h200_fp8/train_log.jsonl" "$OUT/train_log_h200_fp8.jsonl" 2>/dev/null || true
+CONFIG8=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['config'])" "$OUT/plan_h200_fp8.json" 2>/dev/null)
+for variant in "fp8=none" "compile=off"; do  # compiled alone, float8 alone: which of the two moved time and memory
+  tag=${variant//=/_}
+  cfg=$(echo "$CONFIG8" | sed -e "s/${variant%%=*}=[a-z]*/$variant/")
+  [ -n "$CONFIG8" ] || break
+  timeout 60 "$PY" -m planner.entry.cli evaluate --model llama-1b --cluster "$OUT/h200x1.toml" --global-batch 8 \
+    --seq-len 2048 "${PROFILE[@]}" --config "$cfg" --force -o "$OUT/plan_h200_$tag.json" 2>&1 | tail -2
+  timeout 100 "$PY" -m planner.entry.cli run "$OUT/plan_h200_$tag.json" --steps 20 --dir "$OUT/run_h200_$tag" 2>&1 | tail -4
+  cp "$OUT/run_h200_$tag/train_log.jsonl" "$OUT/train_log_h200_$tag.jsonl" 2>/dev/null || true
+done
