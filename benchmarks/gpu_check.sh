@@ -8,7 +8,8 @@
 #   2. a profile of the GPU: layer times of llama-1b at the shapes a 1-GPU plan runs
 #   3. an emitted program on nccl: plan llama-1b for this one GPU with that profile, emit,
 #      run 20 steps in bf16 mixed precision (the plan's dtype), compare predicted and measured;
-#      the same layout with SDPA attention (attention=eager) and with the fused loss, each
+#      the same layout with SDPA attention (attention=eager), with the fused loss and with the
+#      activations offloaded to the host (recompute=offload, its first GPU run), each
 #      priced as given (autopar evaluate) and run
 #   4. the same with float8 linears and compiled blocks (--fp8 tensorwise --compile; needs
 #      torchao on the machine, else the run says so in one line), then each of the two alone
@@ -45,9 +46,9 @@ timeout 60 "$PY" -m planner.entry.cli plan --model llama-1b --cluster "$OUT/h200
 timeout 100 "$PY" -m planner.entry.cli run "$OUT/plan_h200.json" --steps 20 --dir "$OUT/run_h200" 2>&1 | tail -8
 cp "$OUT/run_h200/train_log.jsonl" "$OUT/train_log_h200.jsonl" 2>/dev/null || true
 CONFIG=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['config'])" "$OUT/plan_h200.json" 2>/dev/null)
-for variant in "attention=eager" "loss=fused"; do  # priced as given (autopar evaluate), then run
+for variant in "attention=eager" "loss=fused" "recompute=offload"; do  # priced as given (autopar evaluate), then run
   tag=${variant//=/_}
-  cfg=$(echo "$CONFIG" | sed -e "s/${variant%%=*}=[a-z]*/$variant/")
+  cfg=$(echo "$CONFIG" | sed -e "s/${variant%%=*}=[a-z0-9-]*/$variant/")
   [ -n "$CONFIG" ] || break
   timeout 60 "$PY" -m planner.entry.cli evaluate --model llama-1b --cluster "$OUT/h200x1.toml" --global-batch 8 \
     --seq-len 2048 "${PROFILE[@]}" --config "$cfg" --force -o "$OUT/plan_h200_$tag.json" 2>&1 | tail -2
@@ -63,7 +64,7 @@ cp "$OUT/run_h200_fp8/train_log.jsonl" "$OUT/train_log_h200_fp8.jsonl" 2>/dev/nu
 CONFIG8=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['config'])" "$OUT/plan_h200_fp8.json" 2>/dev/null)
 for variant in "fp8=none" "compile=off"; do  # compiled alone, float8 alone: which of the two moved time and memory
   tag=${variant//=/_}
-  cfg=$(echo "$CONFIG8" | sed -e "s/${variant%%=*}=[a-z]*/$variant/")
+  cfg=$(echo "$CONFIG8" | sed -e "s/${variant%%=*}=[a-z0-9-]*/$variant/")
   [ -n "$CONFIG8" ] || break
   timeout 60 "$PY" -m planner.entry.cli evaluate --model llama-1b --cluster "$OUT/h200x1.toml" --global-batch 8 \
     --seq-len 2048 "${PROFILE[@]}" --config "$cfg" --force -o "$OUT/plan_h200_$tag.json" 2>&1 | tail -2
