@@ -164,7 +164,7 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
     and the CPU runtime's data-parallel wrapper work per wrapped unit (cost_models/cpu_runtime.py);
     on mixed devices sped up or slowed down to its rank's (``placement[j]``) device."""
     out = []
-    wf, wb = wrapper_unit_s(costs.c, costs.cfg, costs.profile)
+    wf, wb = wrapper_unit_s(costs.c, cfg, costs.profile)  # cfg's wrapper: costs may be another zero's or pp's
     for (lo, hi), rc in zip(partition.bounds, partition.recompute):
         f, b = (u := stage_units(graph, costs.table(cfg), cfg, lo, hi)) * wf, u * wb  # per wrapped unit
         cf, cb = f, b
@@ -247,7 +247,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
 
     # ---- pipeline ----------------------------------------------------------------
     hops = _p2p_hops(graph, cluster, cfg, partition, profile, comm_src)
-    p2p, attn = hops.slowest, stage_chunk_parts(graph, partition, costs) if cfg.seq_chunks > 1 else None
+    p2p, attn = hops.slowest, stage_chunk_parts(graph, partition, costs, cfg) if cfg.seq_chunks > 1 else None
     pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, hops, fast, eng.p2p_overlap, schedule, attn)
     speed = _shared_core_speedup(cluster, cfg, bubble, result)
     if speed > 1.0:  # fewer ranks compute at once than the layer times assume: re-run at that speed

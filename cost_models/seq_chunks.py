@@ -73,13 +73,14 @@ class ChunkParts:
                                                                  self.fixed_bwd)))
 
 
-def stage_chunk_parts(graph: ModelGraph, partition: Partition, costs: LayerCosts) -> ChunkParts:
+def stage_chunk_parts(graph: ModelGraph, partition: Partition, costs: LayerCosts, cfg: ParallelConfig) -> ChunkParts:
     """Per virtual stage, one micro-batch: the attention cores (``LayerCost.core``; the backward
     ``ATTN_BWD_OVER_FWD`` times it) and the fixed part of every layer's pass (its profiled
     ``ProfileDB.layer_fixed_share`` of the priced time, 0 without a profile) plus the
     data-parallel wrapper's per-unit work (``cost_models.cpu_runtime.wrapper_unit_s``) on each unit it
-    wraps (``cost_models.dp_units.stage_units``)."""
-    cfg, prof = costs.cfg, costs.profile
+    wraps (``cost_models.dp_units.stage_units``), for ``cfg`` (``costs`` may have been built for
+    another configuration of the same ``LayerCosts.key``: another zero, pp or chunk count)."""
+    prof = costs.profile
     wf, wb = wrapper_unit_s(costs.c, cfg, prof)
     out, shares = ChunkParts([], [], [], []), {}  # the profiled fixed shares, once per layer signature
     for lo, hi in partition.bounds:

@@ -241,3 +241,22 @@ def test_measured_runtime_work_replaces_the_default_and_calibration_wins(tmp_pat
     (tmp_path / "bad.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="runtime holds a negative"):
         ProfileDB.load(tmp_path / "bad.json")
+
+
+def test_wrapper_work_is_the_priced_configurations_when_layer_costs_are_shared() -> None:
+    """The search shares one LayerCosts across configurations of one ``LayerCosts.key`` (which
+    leaves out zero and pp): the wrapper's work must be the priced configuration's. FSDP priced
+    through costs built for zero1 (DDP's reducer, no wrapper work) once lost all of it (0.096 ->
+    0.032 s on gpt-tiny dp2)."""
+    from cost_models.estimate import estimate
+    from cost_models.layer_costs import LayerCosts
+    from planner.plan import Partition
+
+    g, c = load_graph("gpt-tiny"), cpu(2, 2)
+    zero1, fsdp = (ParallelConfig(dp=2, zero=z, mbs=1, dtype="fp32") for z in ("zero1", "fsdp"))
+    assert LayerCosts.key(zero1) == LayerCosts.key(fsdp)
+    part = Partition.even(len(g.layers), 1, "none")
+    alone = estimate(g, c, fsdp, part, 8)
+    shared = estimate(g, c, fsdp, part, 8, costs=LayerCosts(g, c, zero1, None))
+    assert alone.breakdown["runtime"] > 0
+    assert shared.breakdown == pytest.approx(alone.breakdown) and shared.step_s == pytest.approx(alone.step_s)
