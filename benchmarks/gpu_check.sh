@@ -38,36 +38,42 @@ echo "== 2. profile of the GPU (layers of llama-1b, seq 2048)"
 timeout 60 "$PY" -m torch.distributed.run --nproc-per-node 1 -m cost_models.profiler --cluster "$OUT/h200x1.toml" \
   --model llama-1b --seq-len 2048 --batches 1,2 --repeats 5 -o "$OUT/profile_h200.json" 2>&1 | tail -5
 
-echo "== 3. plan -> emit -> run on nccl; then the same layout with SDPA attention and with the fused loss"
+# plan_and_run TAG [PLAN FLAGS...]: plan llama-1b for the one GPU (with the step-2 profile), run it 20 steps
+plan_and_run() {
+  local tag=$1; shift
+  timeout 60 "$PY" -m planner.entry.cli plan --model llama-1b --cluster "$OUT/h200x1.toml" --global-batch 8 \
+    --seq-len 2048 "${PROFILE[@]}" "$@" --force -o "$OUT/plan_$tag.json" 2>&1 | tail -15
+  run_plan "$tag" 120
+}
+
+# run_plan TAG LIMIT_S: run plan_TAG.json 20 steps, its log kept as train_log_TAG.jsonl
+run_plan() {
+  timeout "$2" "$PY" -m planner.entry.cli run "$OUT/plan_$1.json" --steps 20 --dir "$OUT/run_$1" 2>&1 | tail -8
+  cp "$OUT/run_$1/train_log.jsonl" "$OUT/train_log_$1.jsonl" 2>/dev/null || true
+}
+
+# run_variants TAG KEY=VALUE...: plan_TAG.json's configuration with each change, priced as given
+# (autopar evaluate), then run
+run_variants() {
+  local tag=$1 config variant cfg
+  shift
+  config=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['config'])" "$OUT/plan_$tag.json" 2>/dev/null)
+  [ -n "$config" ] || return 0
+  for variant in "$@"; do
+    cfg=$(echo "$config" | sed -e "s/${variant%%=*}=[a-z0-9-]*/$variant/")
+    timeout 60 "$PY" -m planner.entry.cli evaluate --model llama-1b --cluster "$OUT/h200x1.toml" --global-batch 8 \
+      --seq-len 2048 "${PROFILE[@]}" --config "$cfg" --force -o "$OUT/plan_${tag}_${variant//=/_}.json" 2>&1 | tail -2
+    run_plan "${tag}_${variant//=/_}" 100
+  done
+}
+
 PROFILE=()
 [ -s "$OUT/profile_h200.json" ] && PROFILE=(--profile "$OUT/profile_h200.json")  # uncalibrated roofline if step 2 failed
-timeout 60 "$PY" -m planner.entry.cli plan --model llama-1b --cluster "$OUT/h200x1.toml" --global-batch 8 --seq-len 2048 \
-  "${PROFILE[@]}" --force -o "$OUT/plan_h200.json" 2>&1 | tail -15
-timeout 100 "$PY" -m planner.entry.cli run "$OUT/plan_h200.json" --steps 20 --dir "$OUT/run_h200" 2>&1 | tail -8
-cp "$OUT/run_h200/train_log.jsonl" "$OUT/train_log_h200.jsonl" 2>/dev/null || true
-CONFIG=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['config'])" "$OUT/plan_h200.json" 2>/dev/null)
-for variant in "attention=eager" "loss=fused" "recompute=offload"; do  # priced as given (autopar evaluate), then run
-  tag=${variant//=/_}
-  cfg=$(echo "$CONFIG" | sed -e "s/${variant%%=*}=[a-z0-9-]*/$variant/")
-  [ -n "$CONFIG" ] || break
-  timeout 60 "$PY" -m planner.entry.cli evaluate --model llama-1b --cluster "$OUT/h200x1.toml" --global-batch 8 \
-    --seq-len 2048 "${PROFILE[@]}" --config "$cfg" --force -o "$OUT/plan_h200_$tag.json" 2>&1 | tail -2
-  timeout 100 "$PY" -m planner.entry.cli run "$OUT/plan_h200_$tag.json" --steps 20 --dir "$OUT/run_h200_$tag" 2>&1 | tail -4
-  cp "$OUT/run_h200_$tag/train_log.jsonl" "$OUT/train_log_h200_$tag.jsonl" 2>/dev/null || true
-done
+
+echo "== 3. plan -> emit -> run on nccl; then the same layout with SDPA attention, the fused loss, offload"
+plan_and_run h200
+run_variants h200 "attention=eager" "loss=fused" "recompute=offload"
 
 echo "== 4. plan -> emit -> run with float8 linears and compiled blocks; then each alone on the same layout"
-timeout 60 "$PY" -m planner.entry.cli plan --model llama-1b --cluster "$OUT/h200x1.toml" --global-batch 8 --seq-len 2048 \
-  "${PROFILE[@]}" --fp8 tensorwise --compile --force -o "$OUT/plan_h200_fp8.json" 2>&1 | tail -15
-timeout 120 "$PY" -m planner.entry.cli run "$OUT/plan_h200_fp8.json" --steps 20 --dir "$OUT/run_h200_fp8" 2>&1 | tail -8
-cp "$OUT/run_h200_fp8/train_log.jsonl" "$OUT/train_log_h200_fp8.jsonl" 2>/dev/null || true
-CONFIG8=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['config'])" "$OUT/plan_h200_fp8.json" 2>/dev/null)
-for variant in "fp8=none" "compile=off"; do  # compiled alone, float8 alone: which of the two moved time and memory
-  tag=${variant//=/_}
-  cfg=$(echo "$CONFIG8" | sed -e "s/${variant%%=*}=[a-z0-9-]*/$variant/")
-  [ -n "$CONFIG8" ] || break
-  timeout 60 "$PY" -m planner.entry.cli evaluate --model llama-1b --cluster "$OUT/h200x1.toml" --global-batch 8 \
-    --seq-len 2048 "${PROFILE[@]}" --config "$cfg" --force -o "$OUT/plan_h200_$tag.json" 2>&1 | tail -2
-  timeout 100 "$PY" -m planner.entry.cli run "$OUT/plan_h200_$tag.json" --steps 20 --dir "$OUT/run_h200_$tag" 2>&1 | tail -4
-  cp "$OUT/run_h200_$tag/train_log.jsonl" "$OUT/train_log_h200_$tag.jsonl" 2>/dev/null || true
-done
+plan_and_run h200_fp8 --fp8 tensorwise --compile
+run_variants h200_fp8 "fp8=none" "compile=off"  # which of the two moved time and memory
