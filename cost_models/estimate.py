@@ -267,9 +267,9 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     overhead = cal.get("step_overhead_s", 0.0)
     ep_alone = unpaired_ep_s(cfg.pp, cfg.vpp, m, [st.parts["ep_unpaired"] for st in stages], on_rank)
     sync = step_sync_s(cluster, cfg, profile, comm_src)  # the loss's and the gradient norm's all-reduces
-    step = pipe_s + dp_exposed + opt_s + overhead + ep_alone + sync
-    breakdown = _breakdown(stages, mine, m, cfg.pp, pipe_s, p2p,
-                           dict(ep_comm=ep_alone, dp_comm=dp_exposed, optimizer=opt_s, overhead=overhead, sync=sync))
+    terms = dict(ep_comm=ep_alone, dp_comm=dp_exposed, optimizer=opt_s, overhead=overhead, sync=sync)
+    step = pipe_s + sum(terms.values())
+    breakdown = _breakdown(stages, mine, m, cfg.pp, pipe_s, p2p, terms)
     tokens, model_flops = global_batch * graph.seq_len, model_flops_per_seq(graph) * global_batch  # doc-masked
     peak = cluster.peak_flops("fp32" if cluster.backend == "gloo" else cfg.dtype)
     src = "profile" if comp_src == {"profile"} else ("roofline" if "profile" not in comp_src else "mixed")
