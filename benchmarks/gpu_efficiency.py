@@ -48,7 +48,7 @@ def main() -> None:
         print("skipped: no CUDA")
         return
     c = parse_cluster(args.cluster)
-    gpu = gk.GpuSpec(peak=c.peak_flops("bf16"), bw=c.device.mem_bw_gbs * 1e9, sms=c.device.sms)
+    gpu = gk.gpu_spec(c, "bf16")
     co = gk.GpuCoefficients()
     rows = []
     print(f"{'kernel':<34}{'measured TF/s':>14}{'model TF/s':>12}{'ratio':>8}")

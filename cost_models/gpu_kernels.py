@@ -108,6 +108,11 @@ class GpuSpec:
     sms: int = 0
 
 
+def gpu_spec(cluster, dtype: str) -> GpuSpec:
+    """A cluster's device (``cost_models.cluster.Cluster``) at its ``dtype`` peak."""
+    return GpuSpec(peak=cluster.peak_flops(dtype), bw=cluster.device.mem_bw_gbs * 1e9, sms=cluster.device.sms)
+
+
 def wave_efficiency(m: int, n: int, sms: int) -> float:
     """Busy fraction of the SMs over the waves of 128 x 128 output tiles (1.0 when sms = 0)."""
     if sms <= 0:

@@ -31,11 +31,11 @@ def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Paral
     divided as TP / SP / CP divide that op, plus a launch floor per memory-bound kernel."""
     co = gk.GpuCoefficients.of(cal)
     elem = 4 if cfg.dtype == "fp32" else 2
-    gpu = gk.GpuSpec(peak=cluster.peak_flops(cfg.dtype), bw=cluster.device.mem_bw_gbs * 1e9, sms=cluster.device.sms)
+    gpu = gk.gpu_spec(cluster, cfg.dtype)
     g = _GpuPass(layer, graph, cfg, gpu, co, elem, engine)
     g.fp8_cores = "fp8" in cluster.device.peak_tflops
     if cfg.fp8 != "none" and layer.kind == "transformer_block":  # the blocks' linears in float8 (torchao)
-        g.fp8 = gk.GpuSpec(peak=cluster.peak_flops("fp8"), bw=gpu.bw, sms=gpu.sms)
+        g.fp8 = gk.gpu_spec(cluster, "fp8")
     g.gemms()
     g.attention()
     mem_fwd = g.memory_bound()
@@ -130,8 +130,10 @@ class _GpuPass:
             shape = gemm_shape(lin, self.tokens, cfg.tp, cfg.sp)
             if self.fused_loss and lin.role == "vocab":
                 t = self.fused_loss_gemm(*shape)
+            elif self.fp8 is not None:
+                t = self.fp8_linear(*shape, lin.role)
             else:
-                t = self.fp8_linear(*shape, lin.role) if self.fp8 is not None else self.gemm(*shape)
+                t = self.gemm(*shape)
             self.unkept += 0.0 if id(lin) in kept else t
             op = next((o.name for o in layer.ops if o.name and lin.name.startswith(o.name + ".")), "")
             io = m_cap * lin.in_features + lin.in_features * lin.out_features + m_cap * lin.out_features

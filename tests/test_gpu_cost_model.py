@@ -147,7 +147,7 @@ def test_fused_loss_recomputes_its_logits_and_never_writes_them(tp):
     g = load_graph("llama-1b", batch=1, seq_len=2048)
     head = next(l for l in g.layers if l.kind == "head")
     c = _cl("dgx-h100")
-    gpu = gk.GpuSpec(peak=c.peak_flops("bf16"), bw=c.device.mem_bw_gbs * 1e9, sms=c.device.sms)
+    gpu = gk.gpu_spec(c, "bf16")
     co = gk.GpuCoefficients()
     m, n, k = gemm_shape(head.linears[0], 4 * 2048, tp)
     fused = gpu_layer_time(head, g, c, ParallelConfig(tp=tp, mbs=4, loss="fused"))
