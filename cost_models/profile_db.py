@@ -182,11 +182,11 @@ class ProfileDB:
             if not all(math.isfinite(v) for v in calibration.values()):
                 raise ValueError("calibration holds a non-finite coefficient")
             runtime = {str(k): float(v) for k, v in (data.get("runtime") or {}).items()}
+            if not all(math.isfinite(v) and v >= 0 for v in runtime.values()):
+                raise ValueError("runtime holds a negative or non-finite figure")
             dtype = str(data.get("dtype") or "fp32")
             if dtype not in DTYPES:
                 raise ValueError(f"dtype {dtype!r} is none of {', '.join(DTYPES)}")
-            if not all(math.isfinite(v) and v >= 0 for v in runtime.values()):
-                raise ValueError("runtime holds a negative or non-finite figure")
             return cls(cluster_fingerprint=str(data["cluster_fingerprint"]), backend=str(data["backend"]),
                        world=int(data["world"]), collectives=collectives, layers=layers, version=version,
                        calibration=calibration, runtime=runtime,
