@@ -253,7 +253,7 @@ def test_published_moe_runs_fit_as_they_ran_and_price_within_15_percent(key, qwe
     run = next(r for r in pm.load_runs() if r["id"].endswith(key) or key in r["id"] and "overlap" not in r["id"])
     r = pm.price(run, None if key == "mixtral" else qwen3_graph)
     assert r["fits"], r["memory_gib"]  # they ran in 80 GB
-    if key in ("tp2pp32ep8vpp3", "tp4pp8ep8vpp4"):
+    if key in ("tp2pp32ep8vpp3", "tp4pp8ep8vpp4") and abs(r["error"]) >= 0.15:  # known gaps: pass once closed
         pytest.xfail(f"Qwen3 {key} predicted {r['error']:+.0%} too fast: the two pipelined rows of the main(1e057005) "
                      "commit, whose flags are not published (README, published MoE runs)")
     assert abs(r["error"]) < 0.15, r["error"]
