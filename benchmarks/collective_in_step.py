@@ -1,7 +1,8 @@
 """What a gloo collective adds to a step when it follows compute, against the profiler's back-to-back time.
 
 ``torchrun --nproc-per-node 4 -m benchmarks.collective_in_step`` (the ranks pinned as the runtime pins
-them, ``codegen.runtime.mesh.init_distributed``). For groups of 4 and of 2 consecutive ranks, all
+them, ``codegen.runtime.mesh.init_distributed``); the table also lands in
+``benchmarks/results/collective_in_step.json`` (ms per group size). For groups of 4 and of 2 consecutive ranks, all
 groups at once, each all-to-all (64 B, as the EP count exchange; 128 KiB, as moe-fid's dispatch at
 mbs 2 x 64 tokens) is timed four ways, each the median of 5 loops of 60 iterations, the slowest rank:
 
@@ -26,6 +27,10 @@ from __future__ import annotations
 import statistics
 import time
 from typing import Callable
+
+from benchmarks.results import write_json
+
+OUT = "benchmarks/results/collective_in_step.json"
 
 
 def _loop(body: Callable[[], object], iters: int) -> float:
@@ -59,6 +64,7 @@ def main() -> int:
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     a, b = torch.randn(256, 256), torch.randn(256, 256)
+    table: dict[str, dict[str, float]] = {}  # group size -> ms per timing
 
     def compute() -> torch.Tensor:
         y = a
@@ -66,7 +72,7 @@ def main() -> int:
             y = torch.tanh(y @ b)
         return y
 
-    for n in [k for k in (world, 2) if k > 1 and world % k == 0]:
+    for n in sorted({k for k in (world, 2) if k > 1 and world % k == 0}, reverse=True):  # once each
         group = [dist.new_group(list(range(i, i + n))) for i in range(0, world, n)][rank // n]
 
         def a2a(nbytes: int) -> Callable[[], object]:
@@ -78,10 +84,13 @@ def main() -> int:
         t = {name: timed_ms(body) for name, body in (
             ("C", compute), ("C+c", lambda: (compute(), counts())), ("C+c+r", lambda: (compute(), counts(), rows())),
             ("C+r", lambda: (compute(), rows())), ("r", rows), ("c", counts))}
+        table[str(n)] = t
         if rank == 0:
             print(f"group of {n}: 64 B {t['c']:.2f} back-to-back / +{t['C+c'] - t['C']:.2f} after compute; "
                   f"128 KiB {t['r']:.2f} / +{t['C+r'] - t['C']:.2f}, after the 64 B call "
                   f"+{t['C+c+r'] - t['C+c']:.2f} ms (compute chunk {t['C']:.2f} ms)", flush=True)
+    if rank == 0:
+        write_json(OUT, {"world": world, "ms": table})
     dist.barrier()
     dist.destroy_process_group()
     return 0
