@@ -166,7 +166,8 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
     out = []
     wf, wb = wrapper_unit_s(costs.c, cfg, costs.profile)  # cfg's wrapper: costs may be another zero's or pp's
     for (lo, hi), rc in zip(partition.bounds, partition.recompute):
-        f, b = (u := stage_units(graph, costs.table(cfg), cfg, lo, hi)) * wf, u * wb  # per wrapped unit
+        u = stage_units(graph, costs.table(cfg), cfg, lo, hi) if wf or wb else 0  # (none on GPUs: not counted)
+        f, b = u * wf, u * wb  # per wrapped unit
         cf, cb = f, b
         parts = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "ep_comm": 0.0, "recompute": 0.0, "runtime": f + b,
                  "offload": 0.0, "ep_unpaired": 0.0}

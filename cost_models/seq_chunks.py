@@ -95,7 +95,7 @@ def stage_chunk_parts(graph: ModelGraph, partition: Partition, costs: LayerCosts
                                                                      cfg.cp, cfg.seq_chunks)
                 sf, sb = shares[layer.signature]
             af, ff, fb = af + c.core, ff + sf * c.fwd, fb + sb * c.bwd
-        units = stage_units(graph, costs.table(cfg), cfg, lo, hi)  # the wrapper's work, per wrapped unit
+        units = stage_units(graph, costs.table(cfg), cfg, lo, hi) if wf or wb else 0  # the wrapper's work, per unit
         ff, fb = ff + units * wf, fb + units * wb
         out.attn_fwd.append(af)
         out.attn_bwd.append(ATTN_BWD_OVER_FWD * af)
