@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 import numpy as np
 
-from planner.batch_assign import row_rank_pairs
+from planner.batch_layout import row_rank_pairs
 from planner.feasibility import sequence_problem
 from planner.graph import DocumentMix
 
@@ -313,7 +313,7 @@ def busiest_share(mix: DocumentMix, dp: int, cp: int, ulysses: int = 1, mbs: int
     busiest rank's attention work over the mean rank's, micro-batch by micro-batch. Each
     micro-batch gives ``dp`` ranks ``mbs`` consecutive simulated rows each, every row split
     zigzag over ``cp`` ranks (ring ranks hold their chunks' pairs,
-    ``planner.batch_assign.row_rank_pairs``; Ulysses' ranks 1 / ``ulysses`` of their ring
+    ``planner.batch_layout.row_rank_pairs``; Ulysses' ranks 1 / ``ulysses`` of their ring
     rank's heads, the same work), and every rank's layers wait for the busiest: the ring
     every layer, FSDP's gathers and the pipeline's sends every micro-batch, the gradient
     reduction every step (all ranks hold the same tokens, so the linear work is the same on

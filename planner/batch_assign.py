@@ -54,10 +54,10 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Optional, Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from planner.errors import AutoparError
 from planner.plan import ParallelConfig
@@ -226,22 +226,33 @@ def group_work(length: int, sizes: np.ndarray, cost: WorkCost) -> np.ndarray:
     return cost.linear * share + att + np.where(sizes > 1, comm, 0.0)
 
 
-def _candidate_sizes(n: int, sizes: np.ndarray, pool: Pool, cost: WorkCost,
-                     target: float) -> tuple[list[int], list[float]]:
-    """Step 2: the group sizes weighed for a heavy piece of ``n`` tokens, and their per-worker
-    work: of the sizes whose per-worker tokens fit, the smallest whose per-worker work is at
-    most ``target``, the one below it and ``EXTRA_SIZES`` beyond it."""
+def _fitting_sizes(n: int, sizes: np.ndarray, pool: Pool, cost: WorkCost) -> tuple[np.ndarray, np.ndarray]:
+    """The group sizes whose per-worker tokens fit a piece of ``n`` tokens, and its per-worker
+    work on each (the same for every target: computed once per length and batch)."""
     q = PAD_CHUNKS * sizes
     per = np.where(sizes > 1, -(-n // q) * q, n) // sizes
     fits = sizes[per <= pool.capacity]
     if fits.size == 0:
         raise AssignError(f"a document of {n} tokens needs more than {pool.max_group} workers of "
                           f"{pool.capacity} tokens each: raise the CP budget (cp) or the memory per rank")
-    work = group_work(n, fits, cost)
+    return fits, group_work(n, fits, cost)
+
+
+def _candidate_sizes(fits: np.ndarray, work: np.ndarray, target: float) -> tuple[list[int], list[float]]:
+    """Step 2: of the fitting sizes (:func:`_fitting_sizes`), the smallest whose per-worker work
+    is at most ``target``, the one below it and ``EXTRA_SIZES`` beyond it, with their work."""
     under = np.flatnonzero(work <= target)
     first = int(under[0]) if under.size else fits.size - 1
     keep = slice(max(first - 1, 0), first + 1 + EXTRA_SIZES)
     return fits[keep].tolist(), work[keep].tolist()
+
+
+@lru_cache(maxsize=1024)
+def _window_index(workers: int, g: int, step: int) -> np.ndarray:
+    """``[windows, g]`` worker indices of the windows of ``g`` starting every ``step`` workers."""
+    idx = np.arange(0, workers - g + 1, step)[:, None] + np.arange(g)
+    idx.setflags(write=False)  # shared by every call
+    return idx
 
 
 def _best_window(load: np.ndarray, held: np.ndarray, n: int, g: int, work: float, target: float,
@@ -251,8 +262,9 @@ def _best_window(load: np.ndarray, held: np.ndarray, n: int, g: int, work: float
     ``target``: below it nothing is gained), the work the split adds in all (``g x work``:
     less communication), the window's present load, then its place."""
     step = g if pool.aligned else 1
-    loads = sliding_window_view(load, g)[::step]
-    room = sliding_window_view(held, g)[::step].max(axis=1) + n // g <= pool.capacity
+    idx = _window_index(load.size, g, step)
+    loads = load[idx]
+    room = held[idx].max(axis=1) + n // g <= pool.capacity
     if not room.any():
         return None
     busiest = np.where(room, np.maximum(loads.max(axis=1) + work, target), np.inf)
@@ -261,11 +273,12 @@ def _best_window(load: np.ndarray, held: np.ndarray, n: int, g: int, work: float
     return (float(busiest[k]), g * work, float(total[k]), g, k * step), k * step
 
 
-def _place_heavy(n: int, sizes: np.ndarray, load: np.ndarray, held: np.ndarray, pool: Pool, cost: WorkCost,
+def _place_heavy(n: int, fitting: tuple[np.ndarray, np.ndarray], load: np.ndarray, held: np.ndarray, pool: Pool,
                  target: float) -> tuple[int, int, float]:
-    """Steps 2 and 3 for one heavy piece: (size, first worker, per-worker work), placed."""
+    """Steps 2 and 3 for one heavy piece of ``n`` tokens (its :func:`_fitting_sizes`): (size,
+    first worker, per-worker work), placed."""
     best = None
-    for g, w in zip(*_candidate_sizes(n, sizes, pool, cost, target)):
+    for g, w in zip(*_candidate_sizes(*fitting, target)):
         got = _best_window(load, held, padded_length(n, g), g, w, target, pool)
         if got is not None and (best is None or got[0] < best[0]):
             best = (got[0], g, got[1], w)
@@ -306,9 +319,10 @@ def _place_whole(load: np.ndarray, held: np.ndarray, order: np.ndarray, lengths:
 
 
 def _assign_at(lens: np.ndarray, solo: np.ndarray, pool: Pool, cost: WorkCost,
-               target: float, whole: np.ndarray) -> "_Draft":
+               target: float, whole: np.ndarray, fitting: dict) -> "_Draft":
     """Steps 2 to 4 with heavy pieces split toward ``target`` seconds per worker; pieces
-    marked ``whole`` (carrying images) never split."""
+    marked ``whole`` (carrying images) never split; ``fitting``: length -> its
+    :func:`_fitting_sizes`, filled as needed and kept across targets."""
     order = np.lexsort((np.arange(lens.size), -solo))  # heaviest first, then batch order
     heavy = (solo > HEAVY * target) | (lens > pool.capacity)
     if pool.max_group == 1:
@@ -321,7 +335,10 @@ def _assign_at(lens: np.ndarray, solo: np.ndarray, pool: Pool, cost: WorkCost,
     work = solo.copy()
     allowed = np.array(pool.group_sizes())
     for i in order[heavy[order]].tolist():
-        sizes[i], first[i], work[i] = _place_heavy(int(lens[i]), allowed, load, held, pool, cost, target)
+        n = int(lens[i])
+        if n not in fitting:
+            fitting[n] = _fitting_sizes(n, allowed, pool, cost)
+        sizes[i], first[i], work[i] = _place_heavy(n, fitting[n], load, held, pool, target)
     whole = order[(sizes[order] == 1) & ~heavy[order]]
     for i, w in _place_whole(load, held, whole, lens, work, pool.capacity).items():
         first[i] = w
@@ -396,9 +413,10 @@ def assign(lengths: Sequence[int], pool: Pool, cost: WorkCost,
     error: Optional[AssignError] = None
     heavy = int((((solo > HEAVY * ideal) | (lens > pool.capacity)) & (imgs == 0)).sum())
     runs = max(2, HEAVY_BUDGET // max(heavy, 1))
+    fitting: dict = {}
     for k in TARGETS[:runs]:
         try:
-            got = _assign_at(lens, solo, pool, cost, k * ideal, imgs > 0)
+            got = _assign_at(lens, solo, pool, cost, k * ideal, imgs > 0, fitting)
         except AssignError as e:
             error = error or e
             continue
@@ -409,37 +427,6 @@ def assign(lengths: Sequence[int], pool: Pool, cost: WorkCost,
     if best is None:
         raise error  # type: ignore[misc]
     return best.done(lens, ideal)
-
-
-def row_rank_pairs(lengths: Sequence[int], row_len: int, cp: int) -> tuple[np.ndarray, np.ndarray]:
-    """(all, visiting) causal query-key pairs, diagonal included, per row and ring rank
-    (``[rows, cp]`` arrays) of pieces packed in order into rows of ``row_len`` tokens (row ends
-    fall on multiples of ``row_len``; a partial last row is left out), each row split zigzag
-    into ``2 cp`` chunks: rank r holds chunks r and 2cp-1-r; a pair is visiting when its key
-    lies on another rank's chunks. The one count of a fixed layout's per-rank attention work
-    (:func:`static_work`, ``cost_models.documents.busiest_share``)."""
-    lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
-    ends = np.cumsum(lens)
-    rows = int(ends[-1]) // row_len if lens.size else 0
-    row = (ends - lens) // row_len
-    keep = row < rows
-    row, a, e = row[keep], (ends - lens)[keep] - row[keep] * row_len, ends[keep] - row[keep] * row_len
-    total, visiting = np.zeros((rows, cp)), np.zeros((rows, cp))
-    if cp == 1:
-        np.add.at(total[:, 0], row, ((e - a) * (e - a + 1) / 2).astype(np.float64))
-        return total, visiting
-    c = row_len // (PAD_CHUNKS * cp)
-    ranks = np.arange(cp)
-    lo = np.stack([ranks, PAD_CHUNKS * cp - 1 - ranks]) * c             # [2, cp] chunk starts (earlier, later)
-    for b in range(0, row.size, 4096):                                   # blocks of pieces: bounded memory
-        s_, e_ = a[b:b + 4096, None, None], e[b:b + 4096, None, None]
-        x, y = np.maximum(s_, lo[None]), np.minimum(e_, lo[None] + c)   # [pieces, 2, cp] queries in each chunk
-        n = np.maximum(y - x, 0).astype(np.float64)
-        tot = (n * (x + y + 1 - 2 * s_) / 2).sum(axis=1)
-        local = (n * (n + 1) / 2).sum(axis=1) + n[:, 0] * n[:, 1]
-        np.add.at(total, row[b:b + 4096], tot)
-        np.add.at(visiting, row[b:b + 4096], tot - local)
-    return total, visiting
 
 
 def row_tokens(pool: Pool, pp: int) -> int | None:

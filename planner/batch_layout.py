@@ -2,7 +2,8 @@
 :mod:`planner.batch_assign`, whose cost terms it reuses): :func:`static_work` prices a batch on
 the fixed layout (rows of ``row_len`` tokens, one block of rows per dp rank, each row split
 zigzag over ``cp`` ranks), the "before" of an :class:`planner.batch_assign.Assignment`;
-:func:`pipeline_step` a step of a pipeline over its micro-batches' times.
+:func:`pipeline_step` a step of a pipeline over its micro-batches' times; :func:`row_rank_pairs`
+the fixed layout's per-rank attention pairs.
 """
 from __future__ import annotations
 
@@ -10,7 +11,38 @@ from typing import Sequence
 
 import numpy as np
 
-from planner.batch_assign import PAD_CHUNKS, AssignError, WorkCost, ring_exposed, row_rank_pairs
+from planner.batch_assign import PAD_CHUNKS, AssignError, WorkCost, ring_exposed
+
+
+def row_rank_pairs(lengths: Sequence[int], row_len: int, cp: int) -> tuple[np.ndarray, np.ndarray]:
+    """(all, visiting) causal query-key pairs, diagonal included, per row and ring rank
+    (``[rows, cp]`` arrays) of pieces packed in order into rows of ``row_len`` tokens (row ends
+    fall on multiples of ``row_len``; a partial last row is left out), each row split zigzag
+    into ``2 cp`` chunks: rank r holds chunks r and 2cp-1-r; a pair is visiting when its key
+    lies on another rank's chunks. The one count of a fixed layout's per-rank attention work
+    (:func:`static_work`, ``cost_models.documents.busiest_share``)."""
+    lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    ends = np.cumsum(lens)
+    rows = int(ends[-1]) // row_len if lens.size else 0
+    row = (ends - lens) // row_len
+    keep = row < rows
+    row, a, e = row[keep], (ends - lens)[keep] - row[keep] * row_len, ends[keep] - row[keep] * row_len
+    total, visiting = np.zeros((rows, cp)), np.zeros((rows, cp))
+    if cp == 1:
+        np.add.at(total[:, 0], row, ((e - a) * (e - a + 1) / 2).astype(np.float64))
+        return total, visiting
+    c = row_len // (PAD_CHUNKS * cp)
+    ranks = np.arange(cp)
+    lo = np.stack([ranks, PAD_CHUNKS * cp - 1 - ranks]) * c             # [2, cp] chunk starts (earlier, later)
+    for b in range(0, row.size, 4096):                                   # blocks of pieces: bounded memory
+        s_, e_ = a[b:b + 4096, None, None], e[b:b + 4096, None, None]
+        x, y = np.maximum(s_, lo[None]), np.minimum(e_, lo[None] + c)   # [pieces, 2, cp] queries in each chunk
+        n = np.maximum(y - x, 0).astype(np.float64)
+        tot = (n * (x + y + 1 - 2 * s_) / 2).sum(axis=1)
+        local = (n * (n + 1) / 2).sum(axis=1) + n[:, 0] * n[:, 1]
+        np.add.at(total, row[b:b + 4096], tot)
+        np.add.at(visiting, row[b:b + 4096], tot - local)
+    return total, visiting
 
 
 def static_work(lengths: Sequence[int], row_len: int, dp: int, cp: int, cost: WorkCost) -> tuple[float, ...]:

@@ -115,7 +115,7 @@ def test_fixed_layouts_priced_at_the_busiest_rank(lengths, dp, cp, mbs, ulysses)
     """The cost model's attention share of a fixed layout (cost_models.documents.busiest_share) is
     the mean share times the busiest rank's attention over the mean rank's, micro-batch by
     micro-batch: the same per-rank pairs static_work prices a batch with (one rule,
-    planner.batch_assign.row_rank_pairs); one rank pays the mean exactly."""
+    planner.batch_layout.row_rank_pairs); one rank pays the mean exactly."""
     from cost_models.documents import busiest_share, pack_mix
 
     row = 64
