@@ -270,12 +270,12 @@ def _compile_schedule(s: ir.Schedule) -> _Compiled:
     orders, steps = [], []
     for r in range(p):
         order, rs = [], []
-        for a in s.actions(r):
-            k, st, mb = _IR_KIND[a.kind], a.stage, a.mb
-            if a.kind == "F":
+        for kind, st, mb in s.actions(r):
+            k = _IR_KIND[kind]
+            if kind == "F":
                 dep, hop = ((st - 1) * m + mb, edge[st - 1]) if st else (3 * sm, p)
                 done, wake = 0, sr[st + 1] if st < last else -1
-            elif a.kind == "W":
+            elif kind == "W":
                 dep, hop, done, wake = sm + st * m + mb, p, 2, -1
             else:  # B or I: the backward the previous stage waits for
                 dep, hop = (st * m + mb, p) if st == last else (sm + (st + 1) * m + mb, edge[st])
