@@ -81,7 +81,7 @@ class LayerCosts:
     def key(cfg: ParallelConfig) -> tuple:
         """What the per-layer seconds depend on: configurations with the same key share them."""
         return (cfg.tp, cfg.cp, cfg.ulysses, cfg.ep, cfg.mbs, cfg.sp, cfg.dtype, cfg.world, cfg.threads, cfg.fp8,
-                cfg.compile)
+                cfg.compile, cfg.attention, cfg.loss)
 
     def table(self, cfg: ParallelConfig) -> LayerTable:
         """Per-layer memory figures for cfg (they depend on tp, cp, ep, sp, mbs, dtype, kernels and

@@ -184,3 +184,18 @@ def test_dtensor_dispatch_priced_per_sharded_module_on_cpu():
     modules = sum(tp_modules(l, with_dt.config) for l in g.layers)
     assert with_dt.breakdown["compute"] - without.breakdown["compute"] == pytest.approx(
         2 * modules * CPU_DTENSOR_MODULE_S, rel=1e-6)
+
+
+@pytest.mark.parametrize("change", [dict(loss="fused"), dict(attention="eager")])
+def test_shared_layer_costs_are_not_reused_across_kernels(llama8b, h100, change):
+    """Per-layer costs built for one configuration are not reused for another whose attention or
+    loss kernel differs (``LayerCosts.key``): the estimate equals the one priced on its own."""
+    from cost_models.layer_costs import LayerCosts
+
+    a = ParallelConfig.parse("dp=64,zero=fsdp,dtype=bf16,attention=flash,loss=eager")
+    b = a.replace(**change)
+    part = Partition.even(len(llama8b.layers), 1, "none")
+    alone = estimate(llama8b, h100, b, part, 256)
+    shared = estimate(llama8b, h100, b, part, 256, costs=LayerCosts(llama8b, h100, a, None))
+    assert shared.step_s == pytest.approx(alone.step_s, rel=1e-12)
+    assert alone.step_s != pytest.approx(estimate(llama8b, h100, a, part, 256).step_s, rel=1e-6)
