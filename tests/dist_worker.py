@@ -205,7 +205,7 @@ def run_layout(model_name, cfg_kw, n_virtual, data, schedule=None, policies=None
     for s, b in enumerate(data):
         losses.append(pm.step(b))
         if s == 0:
-            grads = {n: g for n, (p, g) in pm.parameters_for_check().items()}
+            grads = pm.gradients_for_check()
             # the global gradient norm clipping would use (each tied parameter counted once)
             grads[NORM] = torch.tensor(pm.clip_grad_norm_(None), dtype=torch.float64)
     dt = time.perf_counter() - t0
