@@ -69,7 +69,7 @@ def train(model: str, cfg_kw: dict, data: list[dict], per_batch=None) -> tuple[l
     for s, b in enumerate(data):
         losses.append(pm.step(b))
         if s == 0:
-            grads = {n: g for n, (p, g) in pm.parameters_for_check().items()}
+            grads = pm.gradients_for_check()
             grads[NORM] = torch.tensor(pm.clip_grad_norm_(None), dtype=torch.float64)
             if pm.batch_planner is not None:
                 sizes = [[p.length, p.size, p.first] for a in pm.batch_planner.assignments for p in a.placements

@@ -100,7 +100,7 @@ def run(family: str) -> dict:
     for s, b in enumerate(data):
         losses.append(pm.step(b))
         if s == 0:
-            grads = {n: gr for n, (p, gr) in pm.parameters_for_check().items()}
+            grads = pm.gradients_for_check()
             grads[NORM] = torch.tensor(pm.clip_grad_norm_(None), dtype=torch.float64)  # tied weights once
     return {"config": cfg.label(), "stages": stages, "limits": facts.limits, "problems": problems,
             "losses": losses, "ref_losses": ref_losses, "seconds": time.perf_counter() - t0,

@@ -73,7 +73,7 @@ def run(model_name: str, cfg_kw: dict, n_virtual: int, data, layout: dict):
         for s, b in enumerate(data):
             losses.append(pm.step(b))
             if s == 0:
-                grads = {n: g for n, (p, g) in pm.parameters_for_check().items()}
+                grads = pm.gradients_for_check()
     finally:
         pm.close()
     calls = torch.tensor([CALLS[k] for k in CALLS], dtype=torch.int64)

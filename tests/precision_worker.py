@@ -121,7 +121,7 @@ def run(model_name: str, kw: dict, n_virtual: int, dtype: str, data: list[dict])
         if s == 0:
             for h in handles:
                 h.remove()
-            grads = {n: g for n, (p, g) in pm.parameters_for_check().items()}
+            grads = pm.gradients_for_check()
             grads[NORM] = torch.tensor(pm.clip_grad_norm_(None), dtype=torch.float64)
             held = [p for _, p in pm.named_parameters()]  # what the optimizers step, between steps
             stepped = {str(p.dtype).replace("torch.", "") for p in held}
