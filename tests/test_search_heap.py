@@ -31,3 +31,22 @@ def test_a_callers_freeze_is_not_undone():
         assert frozen > 1000 and gc.get_freeze_count() > frozen // 2
     finally:
         gc.unfreeze()
+
+
+def test_young_collections_rarer_during_the_block_and_the_threshold_restored():
+    from planner.search.heap import YOUNG_THRESHOLD
+
+    before = gc.get_threshold()
+    with pytest.raises(ValueError):
+        with frozen_heap():
+            assert gc.get_threshold()[0] == max(before[0], YOUNG_THRESHOLD)
+            assert gc.get_threshold()[1:] == before[1:]
+            raise ValueError("a search that fails")
+    assert gc.get_threshold() == before
+    gc.set_threshold(10 * YOUNG_THRESHOLD, *before[1:])  # a caller's higher threshold is kept, then restored
+    try:
+        with frozen_heap():
+            assert gc.get_threshold()[0] == 10 * YOUNG_THRESHOLD
+        assert gc.get_threshold()[0] == 10 * YOUNG_THRESHOLD
+    finally:
+        gc.set_threshold(*before)
