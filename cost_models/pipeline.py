@@ -79,9 +79,8 @@ only adds weight to every path.
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
+from functools import cached_property
 from typing import Sequence
 
 from planner import schedule_ir as ir
@@ -89,6 +88,7 @@ from planner.errors import PlanError
 from planner.plan import SCHEDULES, ParallelConfig  # the one list of schedules (callers of the simulator import it from here too)
 from planner.schedule_check import check as check_schedule
 from planner.schedule_ir import ScheduleError  # re-exported: the simulator's errors are the IR's
+from cost_models.pipeline_compiled import Compiled, Op, compile_builtin, compile_schedule
 from cost_models.seq_chunks import chunk_seconds
 
 __all__ = ["SCHEDULES", "SPLIT_SCHEDULES", "WGRAD_FRAC", "Event", "PipelineResult", "ScheduleError", "estimate_step",
@@ -181,10 +181,6 @@ class PipelineResult:
 
 
 # ---- per-rank operation orders (the schedule IR's, as tuples) ---------------------------------
-Op = tuple[int, int, int]  # (kind, virtual stage, micro-batch); kind 0=F, 1=B or I, 2=W
-_IR_KIND = {"F": 0, "B": 1, "W": 2, "I": 3}  # duration index: F, full B, W, input-grad I
-
-
 def schedule_orders(schedule: str, p: int, m: int, v: int = 1) -> list[list[Op]]:
     """Per-rank ordered operations ``(kind, virtual_stage, mb)`` of built-in ``schedule`` (the
     IR's order, planner/schedule_ir.py); kind 0=F, 1=B (the input-gradient I where the
@@ -228,69 +224,6 @@ def stage_placement(cfg: ParallelConfig, m: int, schedule: ir.Schedule | None = 
 
 
 # ---- simulation --------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Compiled:
-    """Duration-independent part of a simulation, cached per built-in (schedule, p, m, v)."""
-
-    name: str
-    p: int
-    m: int
-    v: int
-    orders: list[list[Op]]  # per rank: (duration kind 0..3 = F, B, W, I; stage; mb)
-    # per rank, per op: (dep_id, hop, op_id, duration_index, wake_rank); dep_id 3*S*m is a
-    # sentinel that is always ready, wake_rank p means nobody to wake; hop: the rank boundary
-    # the dependency crosses (:func:`_hop_index`)
-    steps: list[list[tuple[int, int, int, int, int]]]
-    peaks: tuple[list[int], list[int], list[int]]
-    chunk_of: list[int]
-    work: list[list[tuple[int, int]]]  # per rank: (duration index, how many ops take it)
-    k: int = 1  # sequence chunks: durations per (kind, stage, chunk), index (kind S + stage) k + unit % k
-
-
-@lru_cache(maxsize=32)
-def _compile(schedule: str, p: int, m: int, v: int, k: int = 1) -> _Compiled:
-    return _compile_schedule(ir.builtin(schedule, p, m, v, k))
-
-
-def _hop_index(ra: int, rb: int, p: int) -> int:
-    """Which hop an edge from rank ``ra`` to rank ``rb`` waits on: p (none) on one rank, the
-    boundary r of r -> (r + 1) % p between neighbours (either direction), p + 1 (the slowest
-    boundary) between ranks that are not neighbours (a custom placement)."""
-    if ra == rb:
-        return p
-    if rb == (ra + 1) % p:
-        return ra
-    return rb if ra == (rb + 1) % p else p + 1
-
-
-def _compile_schedule(s: ir.Schedule) -> _Compiled:
-    p, m, n, sr, nk = s.p, s.n_microbatches, s.n_stages, s.stage_rank, s.seq_chunks
-    edge = [_hop_index(sr[j], sr[j + 1], p) for j in range(n - 1)]  # the hop between stage j and j + 1
-    last, sm = n - 1, n * m
-    orders, steps = [], []
-    for r in range(p):
-        order, rs = [], []
-        for kind, st, mb in s.actions(r):
-            k = _IR_KIND[kind]
-            if kind == "F":
-                dep, hop = ((st - 1) * m + mb, edge[st - 1]) if st else (3 * sm, p)
-                done, wake = 0, sr[st + 1] if st < last else -1
-            elif kind == "W":
-                dep, hop, done, wake = sm + st * m + mb, p, 2, -1
-            else:  # B or I: the backward the previous stage waits for
-                dep, hop = (st * m + mb, p) if st == last else (sm + (st + 1) * m + mb, edge[st])
-                done, wake = 1, sr[st - 1] if st else -1
-            if wake == r or wake < 0:
-                wake = p  # the sentinel slot of `blocked`: never matches
-            order.append((k, st, mb))  # (a chunk's same-stage dependencies: met by the checked order)
-            rs.append((dep, hop, (done * n + st) * m + mb, (k * n + st) * nk + mb % nk, wake))
-        orders.append(order)
-        steps.append(rs)
-    chunk_of = [s.stages_of(r).index(st) for st, r in enumerate(sr)]
-    work = [sorted(Counter(di for _, _, _, di, _ in rs).items()) for rs in steps]
-    return _Compiled(s.name, p, m, s.v, orders, steps, _peaks(orders, s.v, nk), chunk_of, work, nk)
-
-
 def simulate(schedule: str, p: int, m: int, fwd: Sequence[float] | float, bwd: Sequence[float] | float, *,
              wgrad: Sequence[float] | float | None = None, p2p: float | Sequence[float] = 0.0,
              v: int = 1, seq_chunks: int = 1, attn_fwd: Sequence[float] | float = 0.0,
@@ -306,7 +239,7 @@ def simulate(schedule: str, p: int, m: int, fwd: Sequence[float] | float, bwd: S
     chunk order), chunk j of a stage taking ``cost_models.seq_chunks.chunk_seconds`` of its
     fwd / bwd with ``attn_fwd`` / ``attn_bwd`` seconds of them the attention core and
     ``fixed_fwd`` / ``fixed_bwd`` the part every call pays whatever its tokens."""
-    comp = _compile(schedule, p, m, v, seq_chunks)
+    comp = compile_builtin(schedule, p, m, v, seq_chunks)
     n = len(comp.chunk_of)
     f, b = _per_stage("fwd", fwd, n), _per_stage("bwd", bwd, n)
     if schedule in SPLIT_SCHEDULES:
@@ -335,7 +268,7 @@ def simulate_schedule(s: ir.Schedule, fwd: Sequence[float] | float, bwd: Sequenc
     w = [split_backward(x)[1] for x in b] if wgrad is None else _per_stage("wgrad", wgrad, n)
     if any(y > x for x, y in zip(b, w)):
         raise ScheduleError("wgrad must not exceed bwd: it is the weight-gradient part of the whole backward")
-    return _run(_compile_schedule(s), f, b, w, [x - y for x, y in zip(b, w)], p2p)
+    return _run(compile_schedule(s), f, b, w, [x - y for x, y in zip(b, w)], p2p)
 
 
 def simulate_orders(orders: Sequence[Sequence[tuple[int, int, int]]], m: int, fwd: Sequence[float] | float,
@@ -365,10 +298,10 @@ def simulate_orders(orders: Sequence[Sequence[tuple[int, int, int]]], m: int, fw
     n = s.n_stages
     f, b = _per_stage("fwd", fwd, n), _per_stage("bwd", bwd, n)
     w = [0.0] * n if wgrad is None else _per_stage("wgrad", wgrad, n)
-    return _run(_compile_schedule(s), f, [x + y for x, y in zip(b, w)], w, b, p2p)
+    return _run(compile_schedule(s), f, [x + y for x, y in zip(b, w)], w, b, p2p)
 
 
-def _chunk_durations(comp: _Compiled, f: list[float], b: list[float], w: list[float], i: list[float],
+def _chunk_durations(comp: Compiled, f: list[float], b: list[float], w: list[float], i: list[float],
                      attn: tuple[list[float], ...] | None) -> list[float]:
     """Durations indexed ``(kind n_stages + stage) k + chunk`` (F, B, W, I): each pass's chunk share
     (``seq_chunks.chunk_seconds``; ``attn``: per stage the attention cores and fixed parts of F, B)."""
@@ -380,7 +313,7 @@ def _chunk_durations(comp: _Compiled, f: list[float], b: list[float], w: list[fl
             for t, at, fx in zip(times, a, x) for j in range(k)]
 
 
-def _run(comp: _Compiled, f: list[float], b: list[float], w: list[float], i: list[float],
+def _run(comp: Compiled, f: list[float], b: list[float], w: list[float], i: list[float],
          p2p: float | Sequence[float], attn: tuple[list[float], ...] | None = None) -> PipelineResult:
     p, m = comp.p, comp.m
     per = _per_stage("p2p", p2p, p)  # per rank boundary r -> (r + 1) % p
@@ -430,40 +363,6 @@ def _run(comp: _Compiled, f: list[float], b: list[float], w: list[float], i: lis
                           busy_s=busy, peak_inflight=list(inflight), peak_inflight_chunks=list(inflight_chunks),
                           peak_pending_w=list(pending_w), seq_chunks=comp.k,
                           _raw=(comp.orders, starts, dur, comp.chunk_of))
-
-
-def _peaks(orders: list[list[Op]], v: int, k: int = 1) -> tuple[list[int], list[int], list[int]]:
-    """Per rank: peak micro-batches held (F until B or I; with k sequence chunks, sequences with
-    a chunk held), peak (chunk, unit) pairs held, peak W's pending."""
-    mbs_peak, chunk_peak, w_peak = [], [], []
-    for order in orders:
-        held = best = pend = wbest = 0
-        per_mb: dict[int, int] = {}
-        distinct = dbest = 0
-        for kind, _, unit in order:
-            mb = unit // k
-            if kind == 0:
-                held += 1
-                best = max(best, held)
-                c = per_mb.get(mb, 0)
-                if c == 0:
-                    distinct += 1
-                    dbest = max(dbest, distinct)
-                per_mb[mb] = c + 1
-            elif kind == 2:
-                pend -= 1
-            else:
-                held -= 1
-                per_mb[mb] -= 1
-                if per_mb[mb] == 0:
-                    distinct -= 1
-                if kind == 3:
-                    pend += 1
-                    wbest = max(wbest, pend)
-        mbs_peak.append(dbest if v > 1 or k > 1 else best)
-        chunk_peak.append(best)
-        w_peak.append(wbest)
-    return mbs_peak, chunk_peak, w_peak
 
 
 # ---- closed form ----------------------------------------------------------------------------

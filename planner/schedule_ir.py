@@ -181,13 +181,14 @@ def one_f_one_b(p: int, m: int, k: int = 1) -> Schedule:
     (:func:`backward_unit`), and ``k - 1`` more warm-up forwards: the last chunk of a sequence
     must be forwarded before the sequence's first backward."""
     ranks, n = [], m * k
+    units = [backward_unit(i, k) for i in range(n)]
     for r in range(p):
         w = min(p - 1 - r + k - 1, n)
-        order: list[Step] = [Action("F", r, u) for u in range(w)]
-        for j in range(n - w):
-            order += [Action("F", r, w + j), Action("B", r, backward_unit(j, k))]
-        order += [Action("B", r, backward_unit(i, k)) for i in range(n - w, n)]
-        ranks.append(order)
+        fwd, bwd = [Action("F", r, u) for u in range(n)], [Action("B", r, u) for u in units]
+        order: list[Step] = fwd[:w]
+        for pair in zip(fwd[w:], bwd):  # the steady (F, B) pairs
+            order.extend(pair)
+        ranks.append(order + bwd[n - w:])
     return _make("1f1b", n, looped(p, 1), ranks, k)
 
 
