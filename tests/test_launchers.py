@@ -74,3 +74,30 @@ def test_unknown_launcher_is_refused_in_one_line(tmp_path, capsys):
         main(["run", str(tmp_path / "plan.json"), "--launcher", "kubernetes"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "autopar has local and slurm" in err, err
+
+
+def test_cpu_ranks_beyond_the_cores_launch_under_batch_scheduling():
+    """``planner.entry.launch.cpu_scheduling``: only gloo launches with more ranks x threads than
+    cores get a pre-exec hook, and the process it runs in (and its children) is SCHED_BATCH."""
+    import sys
+
+    from planner.entry.launch import cpu_scheduling
+
+    cores = len(os.sched_getaffinity(0))
+    assert cpu_scheduling(cores, 1, "nccl") is None and cpu_scheduling(2 * cores, 1, "nccl") is None
+    assert cpu_scheduling(cores, 1, "gloo") is None
+    hook = cpu_scheduling(cores + 1, 1, "gloo") or cpu_scheduling(cores, 2, "gloo")
+    if not hasattr(os, "SCHED_BATCH"):
+        assert hook is None
+        return
+    assert hook is not None and cpu_scheduling(cores, 2, "gloo") is not None
+    policy = os.sched_getscheduler(0)  # the test session's own (tests/conftest.py): the default for this check
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    try:
+        def child(**kw) -> int:
+            return int(subprocess.run([sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"],
+                                      capture_output=True, text=True, check=True, **kw).stdout)
+        assert child() == os.SCHED_OTHER
+        assert child(preexec_fn=hook) == os.SCHED_BATCH
+    finally:
+        os.sched_setscheduler(0, policy, os.sched_param(0))

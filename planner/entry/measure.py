@@ -6,7 +6,7 @@ import argparse
 import json
 
 from planner.entry.commands import check_out
-from planner.entry.launch import torchrun_cmd
+from planner.entry.launch import cpu_scheduling, torchrun_cmd
 from planner.errors import AutoparError
 
 
@@ -29,7 +29,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
               f"--node-rank $NODE_RANK --master-addr $MASTER_ADDR --master-port 29500 " + " ".join(worker[1:]))
         return 0
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(torchrun_cmd(cluster.world, worker), env=env)
+    r = subprocess.run(torchrun_cmd(cluster.world, worker), env=env,
+                       preexec_fn=cpu_scheduling(cluster.world, 1, cluster.backend))
     if r.returncode != 0:
         raise AutoparError(f"profiling failed (torchrun exit {r.returncode}); see the output above, "
                            "or rerun with fewer processes")
