@@ -89,7 +89,7 @@ def _kind(graph) -> str:
 def profile_models(models: list[str], cluster_spec: str, seq: int, batches: str, repeats: int, sizes: str,
                    work: str) -> str:
     from cost_models.profiler import worker_args
-    from planner.entry.launch import torchrun_cmd
+    from planner.entry.launch import cpu_scheduling, torchrun_cmd
 
     cluster = parse_cluster(cluster_spec)
     merged: ProfileDB | None = None
@@ -100,6 +100,7 @@ def profile_models(models: list[str], cluster_spec: str, seq: int, batches: str,
                            sizes=sizes if i == 0 else "1024")
         t0 = time.perf_counter()
         subprocess.run(torchrun_cmd(cluster.world, args), check=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                       preexec_fn=cpu_scheduling(cluster.world, 1, cluster.backend),  # as the runs are launched
                        stdout=subprocess.DEVNULL)
         _log(f"profiled {model} in {time.perf_counter() - t0:.0f} s")
         db = ProfileDB.load(out)
