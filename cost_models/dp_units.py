@@ -34,3 +34,16 @@ def stage_units(graph: ModelGraph, table: LayerTable, cfg: ParallelConfig, lo: i
     blocks = sum(len(table.units[i]) if per_module else 1 for i, block in zip(range(lo, hi), kinds) if block)
     root = any(table.params[i] > 0 for i, block in zip(range(lo, hi), kinds) if not block)
     return blocks + int(root)
+
+
+def stage_wrapper_s(graph: ModelGraph, table: LayerTable, cfg: ParallelConfig, lo: int, hi: int,
+                    unit_s: tuple[float, float]) -> tuple[float, float]:
+    """(forward, backward) seconds of the data-parallel wrapper's work on the stage of layers
+    ``lo:hi``: ``unit_s`` per wrapped unit (``cost_models.cpu_runtime.wrapper_unit_s``) times
+    :func:`stage_units`; the units are not counted where a unit costs nothing (GPUs)."""
+    wf, wb = unit_s
+    if not (wf or wb):
+        return 0.0, 0.0
+    units = stage_units(graph, table, cfg, lo, hi)
+    return units * wf, units * wb
+

@@ -67,7 +67,7 @@ from cost_models.compute import calibration, calibration_note
 from cost_models.layer_work import model_flops_per_seq
 from cost_models.cpu_runtime import wrapper_unit_s
 from cost_models.dp_cost import dp_and_optimizer, step_sync_s
-from cost_models.dp_units import stage_units
+from cost_models.dp_units import stage_wrapper_s
 from cost_models.engines import Engine, engine_of
 from cost_models.experts import overlap_inflight, unpaired_ep_s
 from cost_models.layer_costs import LayerCosts, act_bytes_io
@@ -164,10 +164,9 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
     and the CPU runtime's data-parallel wrapper work per wrapped unit (cost_models/cpu_runtime.py);
     on mixed devices sped up or slowed down to its rank's (``placement[j]``) device."""
     out = []
-    wf, wb = wrapper_unit_s(costs.c, cfg, costs.profile)  # cfg's wrapper: costs may be another zero's or pp's
+    unit_s = wrapper_unit_s(costs.c, cfg, costs.profile)  # cfg's wrapper: costs may be another zero's or pp's
     for (lo, hi), rc in zip(partition.bounds, partition.recompute):
-        u = stage_units(graph, costs.table(cfg), cfg, lo, hi) if wf or wb else 0  # (none on GPUs: not counted)
-        f, b = u * wf, u * wb  # per wrapped unit
+        f, b = stage_wrapper_s(graph, costs.table(cfg), cfg, lo, hi, unit_s)
         cf, cb = f, b
         parts = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "ep_comm": 0.0, "recompute": 0.0, "runtime": f + b,
                  "offload": 0.0, "ep_unpaired": 0.0}

@@ -32,7 +32,7 @@ from typing import Sequence
 
 from cost_models.cluster import Cluster
 from cost_models.cpu_runtime import wrapper_unit_s
-from cost_models.dp_units import stage_units
+from cost_models.dp_units import stage_wrapper_s
 from cost_models.layer_costs import LayerCosts
 from cost_models.memory import ChunkMemory
 from planner.graph import ModelGraph
@@ -78,10 +78,10 @@ def stage_chunk_parts(graph: ModelGraph, partition: Partition, costs: LayerCosts
     ``ATTN_BWD_OVER_FWD`` times it) and the fixed part of every layer's pass (its profiled
     ``ProfileDB.layer_fixed_share`` of the priced time, 0 without a profile) plus the
     data-parallel wrapper's per-unit work (``cost_models.cpu_runtime.wrapper_unit_s``) on each unit it
-    wraps (``cost_models.dp_units.stage_units``), for ``cfg`` (``costs`` may have been built for
+    wraps (``cost_models.dp_units.stage_wrapper_s``), for ``cfg`` (``costs`` may have been built for
     another configuration of the same ``LayerCosts.key``: another zero, pp or chunk count)."""
     prof = costs.profile
-    wf, wb = wrapper_unit_s(costs.c, cfg, prof)
+    unit_s = wrapper_unit_s(costs.c, cfg, prof)
     out, shares = ChunkParts([], [], [], []), {}  # the profiled fixed shares, once per layer signature
     for lo, hi in partition.bounds:
         af = ff = fb = 0.0
@@ -95,8 +95,8 @@ def stage_chunk_parts(graph: ModelGraph, partition: Partition, costs: LayerCosts
                                                                      cfg.cp, cfg.seq_chunks)
                 sf, sb = shares[layer.signature]
             af, ff, fb = af + c.core, ff + sf * c.fwd, fb + sb * c.bwd
-        units = stage_units(graph, costs.table(cfg), cfg, lo, hi) if wf or wb else 0  # the wrapper's work, per unit
-        ff, fb = ff + units * wf, fb + units * wb
+        wf, wb = stage_wrapper_s(graph, costs.table(cfg), cfg, lo, hi, unit_s)  # the wrapper's work
+        ff, fb = ff + wf, fb + wb
         out.attn_fwd.append(af)
         out.attn_bwd.append(ATTN_BWD_OVER_FWD * af)
         out.fixed_fwd.append(ff)
