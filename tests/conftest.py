@@ -15,13 +15,10 @@ if not os.path.exists("/dev/nvidiactl"):
 os.environ["AUTOPAR_CALIBRATE"] = "0"
 os.environ.setdefault("AUTOPAR_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "autopar"))
 
-# The multi-process tests run 2-8 gloo ranks on this machine's few cores. Under the default
-# policy a rank woken by a peer's message preempts whatever runs, and gloo's event loops keep
-# waking: a 1 KB all_reduce over 4 ranks on 2 cores took 5.7 ms; under SCHED_BATCH (no wakeup
-# preemption; throughput unchanged) 1.2 ms, and tests/test_precision.py ran in 49.7 s instead of
-# 54.1-55.2 s (twice each). Set for this process, so every launch the tests start inherits it.
-if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_BATCH"):
-    try:
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    except OSError:  # not permitted here: the default policy, only slower
-        pass
+# The multi-process tests run 2-8 gloo ranks on this machine's few cores, under the scheduling
+# policy autopar gives such launches (planner.entry.launch.cpu_scheduling): set for this process,
+# so every launch the tests start inherits it (tests/test_precision.py 49.7 s instead of
+# 54.1-55.2 s on 2 cores, twice each).
+from planner.entry.launch import batch_scheduling  # noqa: E402
+
+batch_scheduling()

@@ -44,13 +44,20 @@ def cpu_scheduling(nproc: int, threads: int, backend: str) -> "Callable[[], None
 
     if backend != "gloo" or not hasattr(os, "SCHED_BATCH") or nproc * max(threads, 1) <= len(os.sched_getaffinity(0)):
         return None
+    return batch_scheduling
 
-    def batch() -> None:
-        try:
-            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-        except OSError:  # not permitted: the default policy, only slower
-            pass
-    return batch
+
+def batch_scheduling() -> None:
+    """Put the calling process (and the children it starts after) under SCHED_BATCH where the OS
+    has it and allows it (:func:`cpu_scheduling`); elsewhere nothing changes."""
+    import os
+
+    if not hasattr(os, "SCHED_BATCH"):
+        return
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except OSError:  # not permitted: the default policy, only slower
+        pass
 
 
 def torchrun_cmd(nproc: int, module_args: list[str]) -> list[str]:
