@@ -63,7 +63,15 @@ behaviour of a named engine (the flag or default that turns it on is cited):
   kernels (Transformer Engine's cuDNN attention, FlashAttention-3) of Megatron-Core's H100 runs:
   ``fa3`` those (Megatron-Core); ``fa2`` torch's SDPA flash kernel, FlashAttention-2 (torchtitan,
   2024); ``autopar-triton`` autopar's own Triton kernel (codegen/kernels/attention.py), which
-  autopar's runtime runs for ``attention=flash`` on CUDA.
+  autopar's runtime runs for ``attention=flash`` on CUDA; ``torch-sdpa`` torch's
+  ``scaled_dot_product_attention`` with the backend it chooses itself.
+- ``eager_attention``: what ``attention=eager`` runs: ``unfused`` (Megatron-LM before flash
+  attention: the scores and probabilities materialised in HBM, ``gpu_layer.eager_attention``), or a
+  fused kernel, a key of ``HOPPER_ATTENTION``: autopar's runtime calls SDPA
+  (``codegen.runtime.documents.EagerAttention``), fused on CUDA and on CPU alike - with a document
+  mask too (torch 2.13 on CPU: a causal boolean mask over 4K tokens and 16 heads added 0.14 GiB to
+  the peak, not the 1 GiB of materialised fp32 scores), so it keeps no S x S tensor; under CP
+  its ring runs unfused blocks (:meth:`Engine.attention_kernel_of`).
 - ``fused_optimizer``: one fused AdamW kernel per parameter group (Apex / TE FusedAdam in
   Megatron; torchtitan's default ``fused``; autopar's runtime, ``codegen.runtime.optim.adamw``):
   ``FUSED_OPT_BYTES_PER_PARAM`` instead of the
@@ -100,6 +108,10 @@ FA2_HOPPER_SLOWDOWN = 1.75
 # autopar-triton: benchmarks/kernels.py on one H200 (2026-12-04, benchmarks/measured/
 # gpu_check_h200_2026-12-04.json; causal, bf16, 32 heads over 8 KV heads, D 128, 16K tokens, S 1K-16K):
 # forward 0.99 / 0.84 / 0.81 / 0.80 of the curve's time, backward 2.28 / 2.23 / 2.22 / 2.20; the medians.
+# torch-sdpa: SDPA as it chooses its backend (torch 2.11, the same H200, benchmarks/kernels.py's
+# ``sdpa_default`` rows, the second run of 2026-12-04: benchmarks/measured/
+# gpu_check_h200_2026-12-04b.json): forward 0.65 / 0.63 / 0.61 / 0.61, backward 0.97 / 0.76 / 0.73 / 0.70;
+# the medians. (The same run reproduced autopar-triton's factors: 0.820, 2.220.)
 # (SDPA's FlashAttention-2 backend measured on the same run: forward 1.10, backward 1.85 / 1.38 /
 # 1.28 / 1.21, below the paper's 1.75 that ``fa2`` keeps, with which torchtitan's runs are fitted:
 # its medians (1.10, 1.33) in ``fa2`` move torchtitan's 31 published runs from 8.0% to 16.8% median
@@ -108,7 +120,9 @@ HOPPER_ATTENTION: dict[str, tuple[float, float]] = {
     "fa3": (1.0, 1.0),
     "fa2": (FA2_HOPPER_SLOWDOWN, FA2_HOPPER_SLOWDOWN),
     "autopar-triton": (0.824, 2.227),
+    "torch-sdpa": (0.622, 0.747),
 }
+UNFUSED_ATTENTION = "unfused"
 
 
 @dataclass(frozen=True)
@@ -128,6 +142,7 @@ class Engine:
     ep_comm_sms: int = 0
     fp8_tp_all_gather: bool = False
     attention_kernel: str = "fa3"
+    eager_attention: str = UNFUSED_ATTENTION
     fused_optimizer: bool = False
     fused_elementwise: bool = False
     recompute_modules: tuple[str, ...] = ()
@@ -137,6 +152,19 @@ class Engine:
         if self.attention_kernel not in HOPPER_ATTENTION:
             raise ValueError(f"engine {self.name}: attention_kernel {self.attention_kernel!r} is none of "
                              f"{', '.join(HOPPER_ATTENTION)}")
+        if self.eager_attention != UNFUSED_ATTENTION and self.eager_attention not in HOPPER_ATTENTION:
+            raise ValueError(f"engine {self.name}: eager_attention {self.eager_attention!r} is none of "
+                             f"{UNFUSED_ATTENTION}, {', '.join(HOPPER_ATTENTION)}")
+
+    def attention_kernel_of(self, attention: str, cp: int = 1) -> str:
+        """The kernel this engine runs for a plan's ``attention`` (``flash`` or ``eager``) at
+        context-parallel degree ``cp``: a key of ``HOPPER_ATTENTION``, or ``UNFUSED_ATTENTION``.
+        Under CP an eager plan's blocks are unfused whatever ``eager_attention`` says: autopar's
+        ring (and Ulysses, a ring of one) computes them in plain torch
+        (``codegen.runtime.context_parallel.partial_attention``: each block's scores materialised)."""
+        if attention == "flash":
+            return self.attention_kernel
+        return self.eager_attention if cp == 1 else UNFUSED_ATTENTION
 
     @property
     def optimizer_bytes_per_param(self) -> float:
@@ -145,7 +173,7 @@ class Engine:
 
 
 ENGINES: dict[str, Engine] = {e.name: e for e in (
-    Engine("autopar", fused_optimizer=True, attention_kernel="autopar-triton",
+    Engine("autopar", fused_optimizer=True, attention_kernel="autopar-triton", eager_attention="torch-sdpa",
            doc="autopar's runtime (codegen/runtime): FSDP2 / DDP gradient overlap, fused AdamW "
                "(codegen.runtime.optim.adamw; the per-parameter loop where plain and DTensor parameters mix), "
                "blocking collectives elsewhere"),

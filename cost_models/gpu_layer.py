@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from cost_models import gpu_kernels as gk
 from cost_models.cluster import Cluster
-from cost_models.engines import DEFAULT_ENGINE, HOPPER_ATTENTION, Engine, fuses_elementwise
+from cost_models.engines import DEFAULT_ENGINE, HOPPER_ATTENTION, UNFUSED_ATTENTION, Engine, fuses_elementwise
 from cost_models.fused_elementwise import fused_op
 from cost_models.layer_work import (LayerTime, attention_share, attn_core_flops, captured_tokens, document_kv_len,
                                     expert_gemms, fused_loss_layer, gemm_shape, shard_factor)
@@ -154,7 +154,8 @@ class _GpuPass:
             self.gemm_bytes_cap[layer.moe.part] = self.gemm_bytes_cap.get(layer.moe.part, 0.0) + io * graph.dtype_bytes
 
     def attention(self) -> None:
-        """The fused attention core, and the ring's log-sum-exp merges."""
+        """The attention core as the engine runs the plan's kernel (``Engine.attention_kernel_of``):
+        fused, at its kernel's factors on Hopper; or unfused. The ring's log-sum-exp merges."""
         layer, graph, cfg, gpu, co, a = self.layer, self.graph, self.cfg, self.gpu, self.co, self.layer.attention
         if a is None:
             return
@@ -162,10 +163,11 @@ class _GpuPass:
         core /= cfg.tp * cfg.cp
         ring = cfg.cp // cfg.ulysses  # CP's ring degree: each block call sees kv_len / ring keys
         kv = min(a.kv_len / ring, document_kv_len(layer, graph, cfg))  # packed documents: their mean length
-        if cfg.attention == "eager":
+        kernel = self.engine.attention_kernel_of(cfg.attention, cfg.cp)
+        if kernel == UNFUSED_ATTENTION:
             self.eager_attention(a)
             return
-        sf, sb = HOPPER_ATTENTION[self.engine.attention_kernel] if self.fp8_cores else (1.0, 1.0)  # engines.py
+        sf, sb = HOPPER_ATTENTION[kernel] if self.fp8_cores else (1.0, 1.0)  # engines.py
         self.fwd += sf * gk.attention_seconds(core, kv, gpu, co)
         self.bwd += sb * gk.attention_seconds(core, kv, gpu, co, backward=True)
         if ring > 1:  # each ring step's partial output merged by log-sum-exp: read two, write one (fp32)

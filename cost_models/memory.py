@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Mapping, Sequence
 
-from cost_models.engines import DEFAULT_ENGINE, Engine, fuses_elementwise
+from cost_models.engines import DEFAULT_ENGINE, UNFUSED_ATTENTION, Engine, fuses_elementwise
 from cost_models.fused_elementwise import block_saved
 from cost_models.layer_work import fused_loss_layer
 from cost_models.model_states import dp_group, per_param_bytes
@@ -148,7 +148,8 @@ def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recom
         rest = max(rest, layer.input_bytes)
     if recompute == "selective" and blk is None:
         tp_part -= min(layer.act_bytes_attn_core, tp_part)
-    if cfg.attention == "eager" and layer.attention is not None and recompute != "selective":
+    if engine.attention_kernel_of(cfg.attention, cfg.cp) == UNFUSED_ATTENTION and layer.attention is not None \
+            and recompute != "selective":
         a = layer.attention  # scores + probabilities (+ dropout mask) of an unfused attention
         tp_part += 2 * graph.batch * a.heads * a.seq_len * a.kv_len * graph.dtype_bytes  # / cp below, once
     if m is not None and engine.moe_fused_permute:  # the engine's MoE layer keeps its own tensors

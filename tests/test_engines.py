@@ -106,11 +106,34 @@ def test_unfused_attention_costs_more_than_flash_and_selective_drops_its_scores(
     cl = parse_cluster("dgx-h100")
     block = next(l for l in graph.layers if l.kind == "transformer_block")
     flash, eager = ParallelConfig(mbs=4), ParallelConfig(mbs=4, attention="eager")
-    tf, te = gpu_layer_time(block, graph, cl, flash), gpu_layer_time(block, graph, cl, eager)
+    tf, te = gpu_layer_time(block, graph, cl, flash, engine=PLAIN), gpu_layer_time(block, graph, cl, eager, engine=PLAIN)
     assert te.fwd_s > tf.fwd_s and te.bwd_s > tf.bwd_s  # full-square scores written and read in HBM
-    kept = layer_activation(block, graph, eager, "none")
-    assert kept > layer_activation(block, graph, flash, "none")
-    assert layer_activation(block, graph, eager, "selective") <= layer_activation(block, graph, flash, "none")
+    kept = layer_activation(block, graph, eager, "none", PLAIN)
+    assert kept > layer_activation(block, graph, flash, "none", PLAIN)
+    assert layer_activation(block, graph, eager, "selective", PLAIN) <= layer_activation(block, graph, flash, "none", PLAIN)
+
+
+def test_autopar_eager_attention_is_sdpa_without_cp_and_unfused_blocks_under_it(graph):
+    """autopar's runtime runs ``attention=eager`` as SDPA: fused, at ``torch-sdpa``'s measured factors
+    on Hopper, no scores kept; under CP its ring's plain-torch blocks are priced and kept unfused."""
+    from cost_models.engines import DEFAULT_ENGINE, HOPPER_ATTENTION, UNFUSED_ATTENTION
+    from cost_models.gpu_layer import gpu_layer_time
+    from cost_models.memory import layer_activation
+
+    cl = parse_cluster("dgx-h100")
+    block = next(l for l in graph.layers if l.kind == "transformer_block")
+    assert DEFAULT_ENGINE.attention_kernel_of("eager") == "torch-sdpa"
+    assert DEFAULT_ENGINE.attention_kernel_of("eager", cp=2) == UNFUSED_ATTENTION
+    assert DEFAULT_ENGINE.attention_kernel_of("flash", cp=2) == "autopar-triton"
+    flash, eager = ParallelConfig(mbs=4), ParallelConfig(mbs=4, attention="eager")
+    assert layer_activation(block, graph, eager, "none") == layer_activation(block, graph, flash, "none")
+    sdpa, tri = HOPPER_ATTENTION["torch-sdpa"], HOPPER_ATTENTION["autopar-triton"]
+    assert sdpa[1] < tri[1]  # the measured backward: SDPA's faster
+    assert gpu_layer_time(block, graph, cl, eager).bwd_s < gpu_layer_time(block, graph, cl, flash).bwd_s
+    ring_eager, ring_flash = eager.replace(cp=2, dp=1), flash.replace(cp=2, dp=1)
+    assert layer_activation(block, graph, ring_eager, "none") > layer_activation(block, graph, ring_flash, "none")
+    plain = gpu_layer_time(block, graph, cl, ring_eager, engine=PLAIN)
+    assert gpu_layer_time(block, graph, cl, ring_eager).fwd_s == pytest.approx(plain.fwd_s)
 
 
 def test_cli_evaluate_names_and_prices_the_engine(capsys):
