@@ -59,6 +59,7 @@ from cost_models.gpu_layer import gpu_layer_time
 from cost_models.layer_work import LayerTime, attention_share, attn_core_flops, document_masked, shard_factor
 from cost_models.shared_cores import thread_op_s
 from cost_models.op_recompute import checkpointed, kept_flops
+from cost_models.profile_db import PROFILED_KERNELS
 from planner.graph import Layer, ModelGraph
 from planner.plan import ParallelConfig
 
@@ -171,6 +172,31 @@ def _documents_scaled(got: tuple[float, float], layer: Layer, graph: ModelGraph,
     return got[0] * f, got[1] * b
 
 
+# The plan options whose kernels a GPU profile's times are scaled for (:func:`_kernels_scaled`): the
+# attention and loss kernels, priced from their own benchmark on the GPU (cost_models/engines.py's
+# HOPPER_ATTENTION, gpu_layer.FUSED_LOSS_FWD_SLOWDOWN). Not float8 and compile: on one H200 (llama-1b,
+# mbs 2; benchmarks/measured/gpu_check_h200_2026-12-04b.json) the kernel model priced them 7% / 16% /
+# 26% faster (fp8, compile, both) where they ran 269% slower / 6% faster / 19% slower, so a profiled
+# plan with them keeps the profile's bf16 eager time.
+KERNEL_SCALED = ("attention", "loss")
+
+
+def _kernels_scaled(got: tuple[float, float], layer: Layer, graph: ModelGraph, cluster: Cluster,
+                    cfg: ParallelConfig, cal: dict[str, float], engine: Engine) -> tuple[float, float]:
+    """A profiled (forward, backward) time on a GPU, measured with the profiler's kernels
+    (``PROFILED_KERNELS``: SDPA, the eager loss, ...), for ``cfg``'s attention and loss kernels
+    (``KERNEL_SCALED``): scaled by the kernel model's ratio of the two layer times. On CPUs the
+    profile stands as timed (the CPU fidelity runs, README, price the plans from it as timed)."""
+    profiled = cfg.replace(**{k: PROFILED_KERNELS[k] for k in KERNEL_SCALED})
+    if cluster.backend == "gloo" or profiled == cfg:
+        return got
+    now = gpu_layer_time(layer, graph, cluster, cfg, cal, engine)
+    then = gpu_layer_time(layer, graph, cluster, profiled, cal, engine)
+    f = now.fwd_s / then.fwd_s if then.fwd_s > 0 else 1.0
+    b = now.bwd_s / then.bwd_s if then.bwd_s > 0 else 1.0
+    return got[0] * f, got[1] * b
+
+
 def _speed_scaled(got: tuple[float, float], layer: Layer, graph: ModelGraph, cluster: Cluster,
                   profiled_on: Cluster, cfg: ParallelConfig, cal: dict[str, float]) -> tuple[float, float]:
     """A profiled (forward, backward) time, measured on ``profiled_on``'s ranks, on ``cluster``'s
@@ -187,7 +213,8 @@ def layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelC
                profile=None, engine: Engine = DEFAULT_ENGINE, profiled_on: Cluster | None = None) -> LayerTime:
     """Forward and backward seconds of ``layer`` for one micro-batch of ``cfg.mbs`` sequences
     on one rank: from ``profile`` (a ProfileDB) when it measured this layer class at this
-    tp/cp in ``cfg.dtype``, interpolated across shapes; from the roofline otherwise. A calibrated profile's
+    tp/cp in ``cfg.dtype``, interpolated across shapes (on GPUs scaled to ``cfg``'s kernels:
+    :func:`_kernels_scaled`); from the roofline otherwise. A calibrated profile's
     ``compute_scale`` multiplies either. ``profiled_on``: the cluster the profile measured when
     ``cluster`` is another (fewer CPU ranks with more threads, :func:`_speed_scaled`)."""
     cal = calibration(profile)
@@ -197,6 +224,8 @@ def layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelC
         got = profile.layer_time(layer.signature, cfg.mbs, graph.seq_len, cfg.tp, cfg.cp, cfg.dtype)
         if got is not None and attention_share(layer, graph, cfg) != 1.0:
             got = _documents_scaled(got, layer, graph, cluster, cfg, cal)
+        if got is not None:
+            got = _kernels_scaled(got, layer, graph, cluster, cfg, cal, engine)
         if got is not None and profiled_on is not None and profiled_on is not cluster:
             got = _speed_scaled(got, layer, graph, cluster, profiled_on, cfg, cal)
         if got is not None:  # the profiler times plain local shards: no DTensor dispatch

@@ -18,6 +18,11 @@ the cluster's plans' own: ``planner.precision.default_dtype``); a file without i
 fp32. Layer times price only plans of that dtype (:meth:`ProfileDB.layer_time`): a bf16 plan
 priced from fp32 timings was 7x too slow on an H200 (llama-1b, 3.16 s predicted, 0.44 s run).
 
+Layer times are of the kernels the profiler runs (``PROFILED_KERNELS``): SDPA attention (the
+runtime's ``attention=eager``), the model's own loss (``loss=eager``), linears in the compute dtype,
+no ``torch.compile``. A plan with another attention or loss kernel on a GPU is priced from them by
+the kernel model's ratio of the two (``cost_models.compute.KERNEL_SCALED``).
+
 ``runtime`` (optional, CPU clusters) holds the CPU runtime's own per-call work the profiler
 measured (cost_models/cpu_runtime.py lists the keys: data-parallel wrappers, EP dispatch).
 
@@ -63,6 +68,8 @@ from typing import Any
 from planner.precision import DTYPES
 
 PROFILE_VERSION = 1
+# The plan options the profiler's layer times were measured with (module docstring).
+PROFILED_KERNELS = {"attention": "eager", "loss": "eager", "fp8": "none", "compile": False}
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 LINKS = ("intra", "inter", "mixed")
 
