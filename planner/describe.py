@@ -45,9 +45,13 @@ class PlanWords:
         return asdict(self)
 
 
+# What each attention kernel runs (the search's choice between them: planner/search/kernel_choice.py).
+ATTENTION_KERNEL_WORDS = {"flash": "autopar's Triton flash kernel on GPUs", "eager": "torch SDPA; plain torch under CP"}
+
+
 def attention_words(plan: Plan) -> str:
     c = plan.config
-    kernel = f"{c.attention} attention kernel"
+    kernel = f"{c.attention} attention kernel ({ATTENTION_KERNEL_WORDS[c.attention]})"
     per_batch = plan.batch.get("per_batch") or {}
     if per_batch.get("chosen"):
         return (f"per-batch assignment: each batch's documents on {per_batch['method']} groups of 1 to "

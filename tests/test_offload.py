@@ -188,10 +188,12 @@ def test_long_context_llama8b_128k_on_one_dgx_h100_offloads():
     """Llama-3 8B, 128K-token sequences, one DGX H100: the plan is CP with offload, whose host
     copies hide behind each block's compute (a 128K sequence's attention is long), faster than
     the best full-recompute layout by more than 10 %; a layout whose offloaded bytes overflow the
-    host memory (dp4 cp2) is refused for it, in one line."""
+    host memory (dp4 cp2) is refused for it, in one line. With the flash kernel pinned: unpinned, the
+    plan runs SDPA without CP (planner/search/kernel_choice.py), its copies partly exposed."""
     from planner.search.planning import plan_model
     g = load_graph("llama3-8b", batch=1, seq_len=131072)
-    plan, res = plan_model(g, parse_cluster("dgx-h100"), 8, spec="llama3-8b", cluster_spec="dgx-h100", top_k=8)
+    plan, res = plan_model(g, parse_cluster("dgx-h100"), 8, spec="llama3-8b", cluster_spec="dgx-h100", top_k=8,
+                           fix="attention=flash")
     best = res.best
     assert best.config.recompute == "offload" and best.config.cp > 1, best.config.label()
     assert best.breakdown.get("offload", 0.0) < 0.01 * best.step_s  # the copies hide behind the compute
@@ -199,6 +201,6 @@ def test_long_context_llama8b_128k_on_one_dgx_h100_offloads():
     # the best full-recompute layout, searched as such (the exact pruning leaves it out of the
     # alternatives: its floor is above the third-best estimate)
     _, full = plan_model(g, parse_cluster("dgx-h100"), 8, spec="llama3-8b", cluster_spec="dgx-h100",
-                         fix="recompute=full")
+                         fix="recompute=full,attention=flash")
     assert full.best.config.recompute == "full" and full.best.step_s > 1.1 * best.step_s
     assert any(r.startswith("offload: host memory short by") for r in res.rejected)

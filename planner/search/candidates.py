@@ -295,12 +295,14 @@ def variants(p: Point, ulysses: int, facts: ModelFacts, batch: Batch, dtype: str
 
 
 def variant_config(p: Point, ulysses: int, choice: tuple[str, int, str, str, bool, int, str], facts: ModelFacts,
-                   dtype: str, loss: str, fp8: str = "none", compile: bool = False) -> ParallelConfig:
-    """The configuration of one of :func:`variant_choices`' choices (what :func:`variants` yields)."""
+                   dtype: str, loss: str, fp8: str = "none", compile: bool = False,
+                   attention: str | None = None) -> ParallelConfig:
+    """The configuration of one of :func:`variant_choices`' choices (what :func:`variants` yields);
+    ``attention`` None: ``default_attention`` (the search's own: planner/search/kernel_choice.py)."""
     sched, v, zero, rc, sp, k, low = choice
     return ParallelConfig(dp=p.dp, pp=p.pp, cp=p.cp, tp=p.tp, ep=p.ep, ulysses=ulysses, mbs=p.mbs, schedule=sched,
                           vpp=v, zero=zero, recompute=rc, sp=sp, dtype=dtype, loss=loss,
-                          attention=default_attention(facts.limits), threads=p.threads, fp8=fp8, compile=compile,
+                          attention=attention or default_attention(facts.limits), threads=p.threads, fp8=fp8, compile=compile,
                           low_comm=low, seq_chunks=k)
 
 

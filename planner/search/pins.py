@@ -6,8 +6,9 @@ A pin string is comma-separated items ``key=value``, ``key<=value`` or ``key>=va
   pinned (``=``) or bounded (``<=``, ``>=``); ``world``, the processes of the layout
   (dp x pp x cp x tp: on a local CPU cluster the search also weighs fewer processes with
   more threads each; ``auto_parallelize`` pins it to the job's processes);
-- ``schedule`` (applies when pp > 1), ``zero`` (applies when dp * cp > 1), ``recompute``
-  and ``sp`` (on/off): pinned with ``=`` only.
+- ``schedule`` (applies when pp > 1), ``zero`` (applies when dp * cp > 1), ``recompute``,
+  ``sp`` (on/off) and ``attention`` (flash/eager; unpinned, planner/search/kernel_choice.py
+  chooses): pinned with ``=`` only.
 
 The search (planner/search/space.py) tries only what the pins admit; ``zero=zero2`` and
 ``vpp`` values the search does not try by default are tried when pinned. Bad input is
@@ -29,7 +30,7 @@ from planner.sharding import ZERO
 DEGREES = ("dp", "pp", "cp", "tp")
 INT_KEYS = DEGREES + ("ep", "ulysses", "mbs", "vpp", "seq_chunks", "world")  # ep, ulysses: within dp x cp x tp / cp (not mesh degrees)
 CHOICES: dict[str, tuple[str, ...]] = {"schedule": SCHEDULES, "zero": ZERO, "recompute": RECOMPUTE,
-                                       "sp": ("on", "off")}
+                                       "sp": ("on", "off"), "attention": ("flash", "eager")}
 OPERATORS = ("=", "<=", ">=")
 _ITEM = re.compile(r"\s*([A-Za-z_]\w*)\s*([^\w\s.-]*)\s*(.*?)\s*")
 _EXAMPLE = 'e.g. --fix "tp=8,pp=1" or --fix "tp<=4,zero=fsdp"'

@@ -39,11 +39,10 @@ rejects a variant before the exact ``fullest_rank`` where it is over the device 
 ``solve_top`` are then re-partitioned by the ILP (planner/search/partition.py) and
 simulated in full ("fully solved"), and the best of those is the plan.
 
-Pins (``planner.search.pins.Pins``, ``autopar plan --fix``) narrow the space before any of this:
-only the degrees, micro-batch sizes and variants they admit are enumerated, counted and
-priced; when none of those fits, the error names the pins and the least memory per device
-a pinned layout needs.
-"""
+Pins (``planner.search.pins.Pins``, ``autopar plan --fix``) narrow the space before any of this: only the
+degrees, micro-batch sizes and variants they admit are enumerated, counted and priced; when none of those
+fits, the error names the pins and the least memory per device a pinned layout needs. The attention kernel:
+planner/search/kernel_choice.py."""
 from __future__ import annotations
 
 import heapq
@@ -68,13 +67,14 @@ from cost_models.seq_chunks import searched_chunks
 from cost_models.shared_cores import ranks_cluster
 from planner.errors import AutoparError
 from planner.graph import ModelGraph
-from planner.feasibility import Batch, default_attention, layout_threads, sp_problem
+from planner.feasibility import Batch, layout_threads, sp_problem
 from planner.plan import RECOMPUTE, ModelFacts, ParallelConfig
 from planner.search.candidates import (DOMINATED_REASON, Point, Rejections, batch_of, compile_problem, facts_of,
                                        fp8_problem, points, variant_choices, variant_config, variant_count,
                                        request_problem, schedule_choices)
 from planner.search.heap import frozen_heap
 from planner.search.incumbents import Incumbents
+from planner.search.kernel_choice import AttentionChoice, attention_choice
 from planner.search.no_fit import nothing_fits
 from planner.search.pins import Pins
 from planner.search.rank_floor import RankFloors
@@ -109,7 +109,7 @@ class _Space:
     batch: Batch
     dtype: str
     loss: str
-    attention: str
+    attention: AttentionChoice                        # the kernel per CP degree (planner/search/kernel_choice.py)
     rej: Rejections
     res: SearchResult
     pins: Pins = field(default_factory=Pins)
@@ -187,10 +187,10 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
     if why := request_problem(facts, batch, loss) or fp8_problem(fp8, cluster) or compile_problem(compile, cluster):
         raise AutoparError(f"{graph.name}: {why}")
     res = SearchResult(best=None, alternatives=[], rejected={}, rejected_counts={})  # type: ignore[arg-type]
-    space = _Space(graph, cluster, global_batch, profile, facts, batch,
-                   dtype or default_dtype(cluster.backend), loss,
-                   default_attention(facts.limits), Rejections(), res, pins or Pins(), fp8=fp8, compile=compile,
-                   low_comm=low_comm)
+    dtype, pins = dtype or default_dtype(cluster.backend), pins or Pins()
+    space = _Space(graph, cluster, global_batch, profile, facts, batch, dtype, loss,
+                   attention_choice(graph, cluster, facts, dtype, loss, pins.choice.get("attention")), Rejections(),
+                   res, pins, fp8=fp8, compile=compile, low_comm=low_comm)
     forget_simulations()  # each search prices its own (cost_models/pipeline_memo.py)
     with frozen_heap():  # the heap alive before the search: out of the collector's passes (planner/search/heap.py)
         tuples = _tuples_with_floors(space, max_mbs)
@@ -225,7 +225,7 @@ def _base_config(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     """The configuration a degree tuple's layer costs and floors are priced with."""
     return ParallelConfig(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, ulysses=ulysses, mbs=mbs, dtype=space.dtype,
                           loss=space.loss, fp8=space.fp8, compile=space.compile, sp=sp_problem(tp, cp, space.facts, space.batch) is None,
-                          attention=space.attention,
+                          attention=space.attention.of(cp),
                           zero="fsdp" if ep > 1 else "ddp", threads=layout_threads(space.cluster, dp * pp * cp * tp))
 
 
@@ -391,7 +391,7 @@ def _variant_floors(space: _Space, t: _Tuple) -> list[tuple[float, tuple]]:
 def _config(space: _Space, t: _Tuple, choice: tuple) -> ParallelConfig:
     """The configuration of one of the tuple's variant choices (``candidates.variant_config``)."""
     return variant_config(t.point, t.ulysses, choice, space.facts, space.dtype, space.loss, space.fp8,
-                          space.compile)
+                          space.compile, space.attention.of(t.point.cp))
 
 
 def _variant_floor(t: _Tuple, sched: str, v: int, k: int, stage: tuple[float, float], wan_hops: list[WanHop]) -> float:
