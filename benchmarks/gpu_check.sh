@@ -8,13 +8,14 @@
 #   2. a profile of the GPU: layer times of llama-1b at the shapes a 1-GPU plan runs
 #   3. an emitted program on nccl: plan llama-1b for this one GPU with that profile, emit,
 #      run 20 steps in bf16 mixed precision (the plan's dtype), compare predicted and measured;
-#      the same layout with SDPA attention (attention=eager), with the fused loss and with the
-#      activations offloaded to the host (recompute=offload, its first GPU run), each
-#      priced as given (autopar evaluate) and run
+#      the same layout with the other attention kernel (SDPA or autopar's flash kernel, whichever
+#      the plan did not choose), with the fused loss and with the activations offloaded to the
+#      host (recompute=offload), each priced as given (autopar evaluate) and run 12 steps
 #   4. the same with float8 linears and compiled blocks (--fp8 tensorwise --compile; needs
 #      torchao on the machine, else the run says so in one line), then each of the two alone
 #      (the first run, 2026-12-04, measured both together no faster than bf16 and 0.9 GiB larger)
-# First run on one H200 on 2026-12-04 (2 min 50 s; benchmarks/measured/gpu_check_h200_2026-12-04.json).
+# First run on one H200 on 2026-12-04 (2 min 50 s; benchmarks/measured/gpu_check_h200_2026-12-04.json);
+# the second, with every variant run 20 steps, 8 min 25 s (benchmarks/measured/gpu_check_h200_2026-12-04b.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
@@ -46,9 +47,9 @@ plan_and_run() {
   run_plan "$tag" 120
 }
 
-# run_plan TAG LIMIT_S: run plan_TAG.json 20 steps, its log kept as train_log_TAG.jsonl
+# run_plan TAG LIMIT_S [STEPS]: run plan_TAG.json STEPS (20) steps, its log kept as train_log_TAG.jsonl
 run_plan() {
-  timeout "$2" "$PY" -m planner.entry.cli run "$OUT/plan_$1.json" --steps 20 --dir "$OUT/run_$1" 2>&1 | tail -8
+  timeout "$2" "$PY" -m planner.entry.cli run "$OUT/plan_$1.json" --steps "${3:-20}" --dir "$OUT/run_$1" 2>&1 | tail -8
   cp "$OUT/run_$1/train_log.jsonl" "$OUT/train_log_$1.jsonl" 2>/dev/null || true
 }
 
@@ -63,7 +64,7 @@ run_variants() {
     cfg=$(echo "$config" | sed -e "s/${variant%%=*}=[a-z0-9-]*/$variant/")
     timeout 60 "$PY" -m planner.entry.cli evaluate --model llama-1b --cluster "$OUT/h200x1.toml" --global-batch 8 \
       --seq-len 2048 "${PROFILE[@]}" --config "$cfg" --force -o "$OUT/plan_${tag}_${variant//=/_}.json" 2>&1 | tail -2
-    run_plan "${tag}_${variant//=/_}" 100
+    run_plan "${tag}_${variant//=/_}" 100 12
   done
 }
 
@@ -72,7 +73,9 @@ PROFILE=()
 
 echo "== 3. plan -> emit -> run on nccl; then the same layout with SDPA attention, the fused loss, offload"
 plan_and_run h200
-run_variants h200 "attention=eager" "loss=fused" "recompute=offload"
+other=$("$PY" -c "import json, sys; print('flash' if 'attention=eager' in json.load(open(sys.argv[1]))['config'] else 'eager')" \
+  "$OUT/plan_h200.json" 2>/dev/null)
+run_variants h200 "attention=${other:-eager}" "loss=fused" "recompute=offload"
 
 echo "== 4. plan -> emit -> run with float8 linears and compiled blocks; then each alone on the same layout"
 plan_and_run h200_fp8 --fp8 tensorwise --compile
