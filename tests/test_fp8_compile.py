@@ -47,6 +47,24 @@ def test_refused_in_one_line_where_they_cannot_run(monkeypatch):
     assert compile_problem(True, parse_cluster("dgx-h100")) is None
 
 
+def test_float8_without_compile_warns_in_one_line(capsys):
+    """Float8 linears without compiled blocks run, slowly (3.7x bf16 on an H200): plan and evaluate
+    say so in one line naming the fix; with --compile, or without float8, nothing is said."""
+    from planner.entry.cli import main
+    from planner.search.candidates import fp8_caveat
+
+    why = fp8_caveat("tensorwise", False)
+    assert why and "\n" not in why and "add --compile" in why
+    assert fp8_caveat("tensorwise", True) is None and fp8_caveat("none", False) is None
+    args = ["--model", "gpt-small", "--cluster", "dgx-h100:1", "--global-batch", "8", "--seq-len", "512"]
+    assert main(["evaluate", *args, "--config", "dp=8,mbs=1,zero=ddp,fp8=tensorwise"]) == 0
+    assert "add --compile" in capsys.readouterr().out.replace("\n", " ")
+    assert main(["evaluate", *args, "--config", "dp=8,mbs=1,zero=ddp,fp8=tensorwise,compile=on"]) == 0
+    assert "add --compile" not in capsys.readouterr().out.replace("\n", " ")
+    assert main(["plan", *args, "--fp8", "tensorwise", "--json"]) == 0
+    assert "add --compile" in capsys.readouterr().err
+
+
 def test_pricing_compile_fuses_and_fp8_halves_the_gemms():
     g = load_graph("llama3-8b", batch=1, seq_len=4096)
     cl = parse_cluster("dgx-h100")

@@ -199,6 +199,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                            images=images)
     _progress(f"{res.considered} configurations considered, {res.pruned} pruned by bounds, "
               f"{res.estimated} estimated, {res.fully_solved} fully solved in {res.solve_s:.2f} s")
+    from planner.search.candidates import fp8_caveat
+    if caveat := fp8_caveat(args.fp8, args.compile):
+        _progress(f"warning: {caveat}")
     for key in ("per_batch", "multimodal"):
         if key in plan.batch:
             _progress(plan.batch[key]["why"])
@@ -267,7 +270,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     else:
         con = console()
         _print_estimate(con, e, "evaluate")
-        for p in problems:
+        from planner.search.candidates import fp8_caveat
+        for p in problems + [c for c in [fp8_caveat(cfg.fp8, cfg.compile)] if c]:
             con.print(f"[yellow]warning[/yellow]: {p}")
         con.print("pins: " + "; ".join(f"{pin} {'satisfied' if why is None else f'VIOLATED ({why})'}"
                                        for pin, why in checked) if pins else

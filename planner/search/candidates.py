@@ -120,6 +120,18 @@ def fp8_problem(fp8: str, cluster) -> str | None:
             "plan without --fp8")
 
 
+def fp8_caveat(fp8: str, compile: bool) -> str | None:
+    """One line for a float8 request without compiled blocks, which runs but slowly: torchao casts
+    each linear's operands in separate eager kernels (its docs ask for torch.compile). On one H200,
+    llama-1b's step took 1.397 s in float8 eager against 0.379 s in bf16 and 0.452 s in float8
+    compiled (benchmarks/measured/gpu_check_h200_2026-12-04b.json); the time model does not price
+    that overhead, so such a plan is predicted far too fast."""
+    if fp8 == "none" or compile:
+        return None
+    return (f"--fp8 {fp8} without --compile: torchao's eager casts ran llama-1b 3.7x slower than bf16 on an "
+            "H200 (1.397 vs 0.379 s per step), which the prediction does not include; add --compile")
+
+
 def compile_problem(compile: bool, cluster) -> str | None:
     """Why regional ``torch.compile`` cannot run on ``cluster`` (one line), or None: on CPUs
     inductor generates C++ and needs a compiler on this machine (``CXX``, c++, g++ or clang++)."""
