@@ -214,17 +214,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     con = console()
     _print_estimate(con, res.best, "plan" + (f" (pinned: {pins.to_str()})" if pins else ""))
-    from rich.table import Table
+    from rich.table import Column, Table
 
-    t = Table(title="alternatives")
-    for c in ("configuration", "step s", "vs plan", "why not"):
-        t.add_column(c)
+    t = Table("configuration", "step s", "vs plan", "why not", title="alternatives")
     for a in plan.alternatives:
         t.add_row(a["label"], f"{a['step_s']:.4g}", f"{a['delta_pct']:+.1f}%", a["why_not"])
     con.print(t)
-    t = Table(title="rejected")
-    t.add_column("reason")
-    t.add_column("count", justify="right")
+    t = Table("reason", Column("count", justify="right"), title="rejected")
     for r, v in sorted(plan.rejected.items(), key=lambda kv: -kv[1]["count"])[:10]:
         t.add_row(r, str(v["count"]))
     con.print(t)
