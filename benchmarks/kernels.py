@@ -3,8 +3,9 @@
     python -m benchmarks.kernels [--quick] [--out benchmarks/results/kernels.json]
 
 Attention: bf16, D=128, H=32, KVH=8, B*S=16k tokens, causal, S in {1k, 4k, 8k, 16k}, and D=64 at
-S=2k (llama-1b's heads); ours, SDPA forced to its FlashAttention-2 backend, and SDPA as it chooses
-(what ``attention=eager`` runs on CUDA);
+S=2k (llama-1b's heads); ours, SDPA forced to its FlashAttention-2 backend, SDPA as it chooses
+(what ``attention=eager`` runs on CUDA) and SDPA given the causal mask as a boolean tensor (what
+packed documents and sequence chunks run under ``attention=eager``);
 TFLOP/s with fwd FLOPs = 4*B*H*S^2*D * 0.5 (causal) and bwd = 2.5 x fwd; peak memory =
 torch.cuda.max_memory_allocated above the inputs during one fwd+bwd, in MiB.
 Fused loss: bf16, N=8192 tokens, H=4096, V=128256, ~10% ignore_index; median fwd and
@@ -46,6 +47,14 @@ def _sdpa(q, k, v, causal, forced=True):
             g = q.shape[1] // k.shape[1]
             return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
                                                   is_causal=causal)
+
+
+def _sdpa_masked(q, k, v, mask):
+    """SDPA given the causal mask as a boolean tensor, with the backend it picks: what
+    ``attention=eager`` runs for packed documents and what sequence chunks run (their masks are
+    not ``is_causal``), so the cost model's ``torch-sdpa`` factor can be checked for them."""
+    import torch.nn.functional as F
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
 def check_attention(dev):
@@ -117,9 +126,11 @@ def bench_attention(dev, seqs, tokens=16384, H=32, KVH=8, D=128):
         q, k, v = mk(H), mk(KVH), mk(KVH)
         dout = torch.randn_like(q)
         fwd_flop = 4 * B * H * S * S * D * 0.5
+        mask = torch.ones(S, S, dtype=torch.bool, device=dev).tril()[None, None]
         for name, fn in (("ours", lambda: flash_attention(q, k, v, causal=True)[0]),
                          ("sdpa_flash", lambda: _sdpa(q, k, v, True)),
-                         ("sdpa_default", lambda: _sdpa(q, k, v, True, forced=False))):
+                         ("sdpa_default", lambda: _sdpa(q, k, v, True, forced=False)),
+                         ("sdpa_masked", lambda: _sdpa_masked(q, k, v, mask))):
             row = {"kernel": "attention", "impl": name, "S": S, "B": B, "D": D}
             try:
                 t_f = do_bench(fn)
@@ -134,7 +145,7 @@ def bench_attention(dev, seqs, tokens=16384, H=32, KVH=8, D=128):
             q.grad = k.grad = v.grad = None
             rows.append(row)
             print(_fmt(row), flush=True)
-        q = k = v = dout = None  # free the inputs before the next length
+        q = k = v = dout = mask = None  # free the inputs before the next length
         torch.cuda.empty_cache()
     return rows
 
