@@ -16,6 +16,9 @@
 #      (the first run, 2026-12-04, measured both together no faster than bf16 and 0.9 GiB larger)
 # First run on one H200 on 2026-12-04 (2 min 50 s; benchmarks/measured/gpu_check_h200_2026-12-04.json);
 # the second, with every variant run 20 steps, 8 min 25 s (benchmarks/measured/gpu_check_h200_2026-12-04b.json).
+# PACK=1: at the end, everything it wrote under $OUT except the runs' folders goes into one
+# $OUT/gpu_check.tar.gz (the device tool brings back a limited number of files: the second run's
+# came back 8 of 24), and those files are removed from $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
@@ -80,3 +83,9 @@ run_variants h200 "attention=${other:-eager}" "loss=fused" "recompute=offload"
 echo "== 4. plan -> emit -> run with float8 linears and compiled blocks; then each alone on the same layout"
 plan_and_run h200_fp8 --fp8 tensorwise --compile
 run_variants h200_fp8 "fp8=none" "compile=off"  # which of the two moved time and memory
+
+if [ "${PACK:-0}" = 1 ]; then  # one archive instead of many files (header)
+  (cd "$OUT" && find . -maxdepth 1 -type f ! -name gpu_check.tar.gz ! -name .packed -printf '%P\n' > .packed \
+    && tar czf gpu_check.tar.gz -T .packed && xargs rm -f < .packed && rm -f .packed && rm -rf run_*)
+  ls -la "$OUT"
+fi
