@@ -36,9 +36,10 @@ Sharding, the way the runtime shards (see codegen/runtime/tensor_parallel.py):
   attention core does ``attention_share`` of the work of one document filling the row
   (:func:`attention_share`; FLOPs, times, per-op recompute and the model FLOPs of MFU
   alike), and on GPUs its kernel efficiency sees the shorter of the token-weighted mean
-  document and the ring block's kv length. An eager (unfused) kernel computes and masks
-  every score: its time does not change. Nor does memory (flash activations are linear in
-  tokens; eager attention still materialises the masked S x S scores).
+  document and the ring block's kv length. An eager kernel given the documents' mask (SDPA
+  in autopar's runtime, unfused in older engines) computes every score of the whole square, not
+  the causal half (``layer_work.full_square``). Memory does not change with documents (flash and
+  SDPA activations are linear in tokens; an unfused kernel materialises the S x S scores).
 - Micro-batch size scales FLOPs and bytes linearly from the captured batch.
 
 Calibration (``profile.calibration``, fitted to measured runs by ``autopar calibrate``,
@@ -56,7 +57,8 @@ from cost_models.cluster import Cluster
 from cost_models.dtensor_dispatch import dtensor_dispatch_s
 from cost_models.engines import DEFAULT_ENGINE, Engine
 from cost_models.gpu_layer import gpu_layer_time
-from cost_models.layer_work import LayerTime, attention_share, attn_core_flops, document_masked, shard_factor
+from cost_models.layer_work import (LayerTime, attention_share, attn_core_flops, document_masked, full_square,
+                                    shard_factor)
 from cost_models.shared_cores import thread_op_s
 from cost_models.op_recompute import checkpointed, kept_flops
 from cost_models.profile_db import PROFILED_KERNELS
@@ -135,7 +137,8 @@ def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parall
     core = attn_core_flops(layer, graph.batch)
     causal = layer.attention is not None and layer.attention.causal
     fallback = cfg.attention == "flash" and (document_masked(layer, graph, cfg) or (causal and cfg.cp > 1))
-    causal_cut = core * (1.0 - 0.5 * attention_share(layer, graph, cfg, cluster if fallback else None)) if causal else 0.0
+    causal_cut = core * (1.0 - 0.5 * attention_share(layer, graph, cfg, cluster if fallback else None)) \
+        if causal and not full_square(layer, graph, cfg) else 0.0  # SDPA given a document mask: the whole square
     slow = CPU_TORCH_ATTENTION_SLOWDOWN if fallback else 1.0  # masks, or CP's blocks: the torch fallback
     fwd = bwd = 0.0
     shard = shard_factor(layer, cfg)

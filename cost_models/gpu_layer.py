@@ -11,7 +11,7 @@ from cost_models.cluster import Cluster
 from cost_models.engines import DEFAULT_ENGINE, HOPPER_ATTENTION, UNFUSED_ATTENTION, Engine, fuses_elementwise
 from cost_models.fused_elementwise import fused_op
 from cost_models.layer_work import (LayerTime, attention_share, attn_core_flops, captured_tokens, document_kv_len,
-                                    expert_gemms, fused_loss_layer, gemm_shape, shard_factor)
+                                    expert_gemms, full_square, fused_loss_layer, gemm_shape, shard_factor)
 from cost_models.moe_layer import DISPATCH_KERNELS, dispatch_bytes, grouped_gemm_seconds
 from cost_models.op_recompute import checkpointed, kept_linears, routed_unkept_share
 from planner.graph import OUT_SPLIT_ROLES, Layer, ModelGraph
@@ -159,7 +159,8 @@ class _GpuPass:
         layer, graph, cfg, gpu, co, a = self.layer, self.graph, self.cfg, self.gpu, self.co, self.layer.attention
         if a is None:
             return
-        core = attn_core_flops(layer, cfg.mbs) * (0.5 if a.causal else 1.0) * attention_share(layer, graph, cfg)
+        half = a.causal and not full_square(layer, graph, cfg)  # SDPA with a document mask: the whole square
+        core = attn_core_flops(layer, cfg.mbs) * (0.5 if half else 1.0) * attention_share(layer, graph, cfg)
         core /= cfg.tp * cfg.cp
         ring = cfg.cp // cfg.ulysses  # CP's ring degree: each block call sees kv_len / ring keys
         kv = min(a.kv_len / ring, document_kv_len(layer, graph, cfg))  # packed documents: their mean length

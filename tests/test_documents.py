@@ -212,7 +212,8 @@ def test_documents_filling_the_row_price_exactly_as_without(cfg):
 def test_cpu_attention_through_the_torch_fallback_is_priced_slower():
     """On a CPU, masked documents and CP's blocks (ring or Ulysses) run the flash kernels' plain-torch
     fallback, fused SDPA the rest: documents filling the row (the same FLOPs) cost more than none
-    without CP, the same under it (both blocks), and an eager kernel does not change."""
+    without CP, the same under it (both blocks); an eager kernel, SDPA handed the documents' mask,
+    computes the whole square: its attention core twice the causal call's."""
     from cost_models.compute import CPU_TORCH_ATTENTION_SLOWDOWN
 
     g = _graph(8, 1024)
@@ -222,7 +223,7 @@ def test_cpu_attention_through_the_torch_fallback_is_priced_slower():
     plain, masked = (layer_time(block, x, cpu, ParallelConfig(dp=2, dtype="fp32")) for x in (g, gd))
     assert CPU_TORCH_ATTENTION_SLOWDOWN > 1 and masked.fwd_s > plain.fwd_s and masked.bwd_s > plain.bwd_s
     eager = ParallelConfig(dp=2, dtype="fp32", attention="eager")
-    assert layer_time(block, g, cpu, eager) == layer_time(block, gd, cpu, eager)
+    assert layer_time(block, gd, cpu, eager).fwd_s > layer_time(block, g, cpu, eager).fwd_s
     # Ulysses runs the fallback too (codegen.runtime.context_parallel.RingCompute: its group's zigzag
     # chunks, three key runs at u = 2): its calls' fixed work whole at half the heads costs more
     ring, uly = ParallelConfig(cp=2, dtype="fp32"), ParallelConfig(cp=2, ulysses=2, dtype="fp32")
@@ -266,8 +267,9 @@ def test_short_documents_cut_the_attention_time_flops_and_mfu_figures():
                     (parse_cluster("local-cpu:2"), ParallelConfig(dp=1, dtype="fp32"))):
         full, packed = layer_time(block, g, cl, cfg), layer_time(block, gd, cl, cfg)
         assert packed.fwd_s < full.fwd_s and packed.bwd_s < full.bwd_s
-        eager = cfg.replace(attention="eager")  # an unfused kernel computes every masked score
-        assert layer_time(block, gd, cl, eager) == layer_time(block, g, cl, eager)
+        eager = cfg.replace(attention="eager")  # SDPA given the mask computes every score of the square
+        causal, square = layer_time(block, g, cl, eager), layer_time(block, gd, cl, eager)
+        assert square.fwd_s > causal.fwd_s and square.bwd_s > causal.bwd_s
     from cost_models.layer_work import attn_core_flops
 
     saved = sum(3 * attn_core_flops(l, g.batch) * (1 - share) for l in g.layers if l.attention is not None)
@@ -479,3 +481,18 @@ def test_autopar_run_trains_on_the_planned_documents(tmp_path):
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     recs = [json.loads(line) for line in open(tmp_path / "run" / "train_log.jsonl")]
     assert [x["step"] for x in recs] == [1, 2, 3, 4] and all(x["loss"] == x["loss"] for x in recs)
+
+
+def test_full_square_is_sdpa_given_a_document_mask_without_cp():
+    """``layer_work.full_square``: the eager kernel (SDPA) handed packed documents' mask, without CP,
+    computes every score of the square; with no documents (``is_causal``), the flash kernel or under
+    CP (the ring's blocks skip what no query sees) it does not."""
+    from cost_models.layer_work import full_square
+
+    g = _graph(8, 1024)
+    gd = with_documents(g, {1024: 4})
+    block = next(l for l in g.layers if l.attention is not None)
+    eager = ParallelConfig(dp=2, attention="eager")
+    assert full_square(block, gd, eager)
+    assert not full_square(block, g, eager) and not full_square(block, gd, eager.replace(attention="flash"))
+    assert not full_square(block, gd, eager.replace(dp=1, cp=2))
