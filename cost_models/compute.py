@@ -164,15 +164,20 @@ def roofline_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parall
                      op_recompute_s=op_recompute_share(layer, graph, cfg) * fwd)
 
 
+def _ratio_scaled(got: tuple[float, float], now: LayerTime, then: LayerTime) -> tuple[float, float]:
+    """A profiled (forward, backward) time, measured where the model prices ``then``, for where it
+    prices ``now``: each pass times the model's own ratio of the two (1 where ``then``'s is 0)."""
+    f = now.fwd_s / then.fwd_s if then.fwd_s > 0 else 1.0
+    b = now.bwd_s / then.bwd_s if then.bwd_s > 0 else 1.0
+    return got[0] * f, got[1] * b
+
+
 def _documents_scaled(got: tuple[float, float], layer: Layer, graph: ModelGraph, cluster: Cluster,
-                      cfg: ParallelConfig, cal: dict[str, float]) -> tuple[float, float]:
+                      cfg: ParallelConfig, cal: dict[str, float], engine: Engine) -> tuple[float, float]:
     """A profiled (forward, backward) time, measured with one document filling each sequence,
     scaled to the graph's packed documents by the model's own ratio of the two layer times."""
-    with_docs = roofline_time(layer, graph, cluster, cfg, cal)
-    without = roofline_time(layer, replace(graph, documents=None), cluster, cfg, cal)
-    f = with_docs.fwd_s / without.fwd_s if without.fwd_s > 0 else 1.0
-    b = with_docs.bwd_s / without.bwd_s if without.bwd_s > 0 else 1.0
-    return got[0] * f, got[1] * b
+    return _ratio_scaled(got, roofline_time(layer, graph, cluster, cfg, cal, engine),
+                         roofline_time(layer, replace(graph, documents=None), cluster, cfg, cal, engine))
 
 
 # The plan options whose kernels a GPU profile's times are scaled for (:func:`_kernels_scaled`): the
@@ -193,11 +198,8 @@ def _kernels_scaled(got: tuple[float, float], layer: Layer, graph: ModelGraph, c
     profiled = cfg.replace(**{k: PROFILED_KERNELS[k] for k in KERNEL_SCALED})
     if cluster.backend == "gloo" or profiled == cfg:
         return got
-    now = gpu_layer_time(layer, graph, cluster, cfg, cal, engine)
-    then = gpu_layer_time(layer, graph, cluster, profiled, cal, engine)
-    f = now.fwd_s / then.fwd_s if then.fwd_s > 0 else 1.0
-    b = now.bwd_s / then.bwd_s if then.bwd_s > 0 else 1.0
-    return got[0] * f, got[1] * b
+    return _ratio_scaled(got, roofline_time(layer, graph, cluster, cfg, cal, engine),
+                         roofline_time(layer, graph, cluster, profiled, cal, engine))
 
 
 def _speed_scaled(got: tuple[float, float], layer: Layer, graph: ModelGraph, cluster: Cluster,
@@ -205,11 +207,8 @@ def _speed_scaled(got: tuple[float, float], layer: Layer, graph: ModelGraph, clu
     """A profiled (forward, backward) time, measured on ``profiled_on``'s ranks, on ``cluster``'s
     (other CPU ranks and threads: ``cost_models.shared_cores.ranks_cluster``), scaled by the
     roofline's own ratio of the two (its per-op cost does not speed up with threads)."""
-    now = roofline_time(layer, graph, cluster, cfg, cal)
-    then = roofline_time(layer, graph, profiled_on, cfg, cal)
-    f = now.fwd_s / then.fwd_s if then.fwd_s > 0 else 1.0
-    b = now.bwd_s / then.bwd_s if then.bwd_s > 0 else 1.0
-    return got[0] * f, got[1] * b
+    return _ratio_scaled(got, roofline_time(layer, graph, cluster, cfg, cal),
+                         roofline_time(layer, graph, profiled_on, cfg, cal))
 
 
 def layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
@@ -226,7 +225,7 @@ def layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelC
     if profile is not None:
         got = profile.layer_time(layer.signature, cfg.mbs, graph.seq_len, cfg.tp, cfg.cp, cfg.dtype)
         if got is not None and attention_share(layer, graph, cfg) != 1.0:
-            got = _documents_scaled(got, layer, graph, cluster, cfg, cal)
+            got = _documents_scaled(got, layer, graph, cluster, cfg, cal, engine)
         if got is not None:
             got = _kernels_scaled(got, layer, graph, cluster, cfg, cal, engine)
         if got is not None and profiled_on is not None and profiled_on is not cluster:
