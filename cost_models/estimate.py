@@ -206,6 +206,16 @@ class P2pHops:
     def slowest(self) -> float:
         return max(self.hops, default=0.0)
 
+    def per_chunk(self, k: int) -> list[float]:
+        """Each hop for one of ``k`` sequence chunks of a micro-batch: a WAN boundary's bandwidth
+        part over ``k`` and its latency whole, a boundary inside the cluster over ``k``
+        (bandwidth-bound); the last entry (the wrap-around) the slowest of them."""
+        if not self.is_wan:
+            return [h / k for h in self.hops]
+        bw = iter(self.wan_bw)
+        out = [h - (1 - 1 / k) * next(bw) if wan else h / k for h, wan in zip(self.hops, self.is_wan)]
+        return out + [max(out)]
+
 
 def _p2p_hops(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition, profile,
               comm_src: set) -> P2pHops:
@@ -232,7 +242,8 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     """Price one configuration with one stage split on ``engine`` (None: autopar's runtime). ``fast``:
     the pipeline's closed form (an upper bound, exact for uniform stages) instead of simulating it.
     ``costs`` shares per-layer costs between calls with the same ``LayerCosts.key`` (the search).
-    ``schedule``: the pipeline's own schedule IR when ``cfg.schedule`` is ``custom``."""
+    ``schedule``: the pipeline's own schedule IR when ``cfg.schedule`` is ``custom``, checked where it was
+    made (``planner.schedule_file``, ``schedule_gen.generate``, ``schedule_ir``'s generators)."""
     cfg.validate()
     if len(partition.bounds) != cfg.pp * cfg.vpp:
         raise PlanError(f"partition has {len(partition.bounds)} stages, config needs pp*vpp = {cfg.pp * cfg.vpp}")
@@ -314,7 +325,7 @@ def _pipeline(cfg: ParallelConfig, m: int, stages: list[_StageCost], hops: P2pHo
     (``schedule``) and dualpipev are always simulated (no closed form). A WAN boundary carries
     every micro-batch's activation one after another: the step is at least ``wan.link_floor_s``.
     Sequence chunks (``attn``: the stages' ``seq_chunks.ChunkParts``) are simulated, each chunk's
-    hop ``1/k`` of a micro-batch's (bandwidth-bound)."""
+    hop ``1/k`` of a micro-batch's bandwidth part plus a WAN's latency whole (``P2pHops.per_chunk``)."""
     fwd, bwd = [st.fwd for st in stages], [st.bwd for st in stages]
     if cfg.pp == 1:
         return m * (fwd[0] + bwd[0]), [1], 0.0, None
@@ -324,7 +335,8 @@ def _pipeline(cfg: ParallelConfig, m: int, stages: list[_StageCost], hops: P2pHo
                                                      schedule=schedule, attn=attn)
         pipe_s += 2 * sum(hops.hops[:cfg.pp - 1])
     elif cfg.schedule == "custom":
-        result = pipe_mod.simulate_schedule(schedule, fwd, bwd, p2p=hops.hops or 0.0)
+        k, parts = (cfg.seq_chunks, vars(attn)) if attn is not None else (1, {})
+        result = pipe_mod.simulate_schedule(schedule, fwd, bwd, p2p=hops.per_chunk(k) or 0.0, check=False, **parts)
         pipe_s, inflight, bubble = result.step_s, list(result.peak_inflight_chunks), result.bubble_frac
     elif fast and cfg.schedule not in ir.V_SCHEDULES and attn is None:
         sched, n_stages = cfg.schedule, len(fwd)
@@ -338,7 +350,7 @@ def _pipeline(cfg: ParallelConfig, m: int, stages: list[_StageCost], hops: P2pHo
         result = None
     else:
         k, parts = (cfg.seq_chunks, vars(attn)) if attn is not None else (1, {})
-        result = simulated(cfg.schedule, cfg.pp, m, fwd, bwd, p2p=[h / k for h in hops.hops] or 0.0, v=cfg.vpp,
+        result = simulated(cfg.schedule, cfg.pp, m, fwd, bwd, p2p=hops.per_chunk(k) or 0.0, v=cfg.vpp,
                            seq_chunks=k, **parts)  # (cost_models/pipeline_memo.py)
         pipe_s, inflight, bubble = result.step_s, list(result.peak_inflight_chunks), result.bubble_frac
     floor = wan_mod.link_floor_s(m, hops.wan_bw, sum(fwd) + sum(bwd))

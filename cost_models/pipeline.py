@@ -80,7 +80,7 @@ only adds weight to every path.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Sequence
 
 from planner import schedule_ir as ir
@@ -218,12 +218,15 @@ def stage_placement(cfg: ParallelConfig, m: int, schedule: ir.Schedule | None = 
         return ir.placement(cfg.schedule, cfg.pp, cfg.vpp)
     if schedule is None:
         raise PlanError("schedule=custom needs its schedule: give the file with --schedule FILE")
-    if (why := ir.layout_problem(schedule, cfg.pp, cfg.vpp, m)):
+    if (why := ir.layout_problem(schedule, cfg.pp, cfg.vpp, m, cfg.seq_chunks)):
         raise PlanError(why)
     return schedule.stage_rank
 
 
 # ---- simulation --------------------------------------------------------------------------
+CHUNK_PARTS = ("attn_fwd", "attn_bwd", "fixed_fwd", "fixed_bwd")  # a chunked pass's parts (seq_chunks.ChunkParts)
+
+
 def simulate(schedule: str, p: int, m: int, fwd: Sequence[float] | float, bwd: Sequence[float] | float, *,
              wgrad: Sequence[float] | float | None = None, p2p: float | Sequence[float] = 0.0,
              v: int = 1, seq_chunks: int = 1, attn_fwd: Sequence[float] | float = 0.0,
@@ -251,24 +254,38 @@ def simulate(schedule: str, p: int, m: int, fwd: Sequence[float] | float, bwd: S
                             "backward in bwd")
     else:
         i, w = b, [0.0] * n
-    attn = tuple(_per_stage(name, x, n) for name, x in (("attn_fwd", attn_fwd), ("attn_bwd", attn_bwd),
-                 ("fixed_fwd", fixed_fwd), ("fixed_bwd", fixed_bwd))) if seq_chunks > 1 else None
+    attn = tuple(_per_stage(name, x, n) for name, x in zip(CHUNK_PARTS, (attn_fwd, attn_bwd, fixed_fwd, fixed_bwd))) \
+        if seq_chunks > 1 else None
     return _run(comp, f, b, w, i, p2p, attn)
 
 
 def simulate_schedule(s: ir.Schedule, fwd: Sequence[float] | float, bwd: Sequence[float] | float, *,
                       wgrad: Sequence[float] | float | None = None,
-                      p2p: float | Sequence[float] = 0.0) -> PipelineResult:
-    """Simulate the schedule IR ``s`` (checked first: planner/schedule_check.py). ``bwd`` is each
+                      p2p: float | Sequence[float] = 0.0, check: bool = True,
+                      **chunk_parts: Sequence[float] | float) -> PipelineResult:
+    """Simulate the schedule IR ``s`` (checked first, planner/schedule_check.py, unless ``check`` is
+    False: the estimate's schedules were checked where they were made). ``bwd`` is each
     stage's whole backward (what B takes), ``wgrad`` its weight-gradient part W (default
-    :func:`split_backward`); an I takes ``bwd - wgrad``."""
-    check_schedule(s)
+    :func:`split_backward`); an I takes ``bwd - wgrad``. A schedule in sequence chunks
+    (``s.seq_chunks`` > 1) takes ``chunk_parts`` as :func:`simulate` does (``attn_fwd``,
+    ``attn_bwd``, ``fixed_fwd``, ``fixed_bwd``), ``p2p`` then one chunk's hop."""
     n = s.n_stages
     f, b = _per_stage("fwd", fwd, n), _per_stage("bwd", bwd, n)
     w = [split_backward(x)[1] for x in b] if wgrad is None else _per_stage("wgrad", wgrad, n)
     if any(y > x for x, y in zip(b, w)):
         raise ScheduleError("wgrad must not exceed bwd: it is the weight-gradient part of the whole backward")
-    return _run(compile_schedule(s), f, b, w, [x - y for x, y in zip(b, w)], p2p)
+    attn = tuple(_per_stage(name, chunk_parts.get(name, 0.0), n) for name in CHUNK_PARTS) \
+        if s.seq_chunks > 1 else None
+    if check:
+        check_schedule(s)
+    return _run(compiled(s), f, b, w, [x - y for x, y in zip(b, w)], p2p, attn)
+
+
+@lru_cache(maxsize=64)
+def compiled(s: ir.Schedule) -> Compiled:
+    """``compile_schedule(s)``, once while ``s`` stays among the last 64 distinct schedules (the
+    search prices one generated or deepened schedule on many splits)."""
+    return compile_schedule(s)
 
 
 def simulate_orders(orders: Sequence[Sequence[tuple[int, int, int]]], m: int, fwd: Sequence[float] | float,

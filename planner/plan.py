@@ -153,8 +153,7 @@ class ParallelConfig:
         """How context parallel runs: ``ring`` (ring attention over cp),
         ``ulysses`` (all-to-all trading the sequence split for a head split around attention,
         over all cp ranks) or ``hybrid`` (Ulysses over groups of ``ulysses`` consecutive cp
-        ranks, ring attention across the ``cp / ulysses`` groups: USP / LoongTrain's 2-D CP);
-        ``none`` without CP."""
+        ranks, ring attention across the ``cp / ulysses`` groups: USP / LoongTrain's 2-D CP); ``none`` without CP."""
         if self.cp == 1:
             return "none"
         return "ring" if self.ulysses == 1 else ("ulysses" if self.ulysses == self.cp else "hybrid")
@@ -446,7 +445,8 @@ class Plan:
             raise PlanError(f"{len(self.stages)} stages for pp*vpp = {cfg.pp * cfg.vpp}")
         if (self.schedule_ir is not None) != (cfg.pp > 1 and cfg.schedule == "custom"):
             raise PlanError("pipeline.schedule_ir goes with schedule=custom (pp > 1), and only with it")
-        if self.schedule_ir and (why := layout_problem(self.schedule_ir, cfg.pp, cfg.vpp, self.batch["microbatches"])):
+        m, k = self.batch["microbatches"], cfg.seq_chunks
+        if self.schedule_ir and (why := layout_problem(self.schedule_ir, cfg.pp, cfg.vpp, m, k)):
             raise PlanError(why)
         for s in self.stages:
             if not s.get("layers") or any(n not in names for n in s["layers"]):

@@ -45,9 +45,9 @@ def parse_step(text: str, where: str) -> Step:
 
 
 def from_rows(rows: list[list[str]], name: str, where: str, m: int | None = None,
-              stage_rank: list[int] | None = None) -> Schedule:
+              stage_rank: list[int] | None = None, k: int = 1) -> Schedule:
     """A schedule from per-rank lists of cells (blank cells skipped); ``m`` and ``stage_rank``
-    inferred when not given."""
+    inferred when not given; ``k`` sequence chunks per micro-batch (``m`` counts units)."""
     ranks = []
     for r, row in enumerate(rows):
         if not isinstance(row, list):
@@ -70,7 +70,7 @@ def from_rows(rows: list[list[str]], name: str, where: str, m: int | None = None
         if (gap := next((s for s in range(n_stages) if s not in placed), None)) is not None:
             raise ScheduleError(f"{where}: no rank runs stage {gap}; every stage 0..{n_stages - 1} needs its actions")
         stage_rank = [placed[s] for s in range(n_stages)]
-    return Schedule(name=name, n_microbatches=m, stage_rank=tuple(stage_rank), ranks=tuple(ranks))
+    return Schedule(name=name, n_microbatches=m, stage_rank=tuple(stage_rank), ranks=tuple(ranks), seq_chunks=k)
 
 
 def parse_csv(text: str, name: str = "custom", where: str = "schedule.csv") -> Schedule:
@@ -93,18 +93,22 @@ def parse_json(text: str, name: str = "custom", where: str = "schedule.json") ->
         raise ScheduleError(f"{where}: expected an object with \"ranks\": [[\"0F0\", ...], ...]")
     if doc.get("version", 1) != 1:
         raise ScheduleError(f"{where}: version {doc.get('version')!r}; this autopar reads version 1")
-    m, sr = doc.get("microbatches"), doc.get("stage_ranks")
+    m, sr, k = doc.get("microbatches"), doc.get("stage_ranks"), doc.get("seq_chunks", 1)
     if m is not None and (isinstance(m, bool) or not isinstance(m, int)):
         raise ScheduleError(f"{where}: microbatches={m!r}; give a positive integer")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ScheduleError(f"{where}: seq_chunks={k!r}; give a positive integer (1: whole sequences)")
     if sr is not None and (not isinstance(sr, list) or not all(isinstance(x, int) and not isinstance(x, bool)
                                                                for x in sr)):
         raise ScheduleError(f"{where}: stage_ranks={sr!r}; give the pp rank of each stage, e.g. [0, 1, 1, 0]")
-    return from_rows(doc["ranks"], str(doc.get("name", name)), where, m, sr)
+    return from_rows(doc["ranks"], str(doc.get("name", name)), where, m, sr, k)
 
 
 def to_json(s: Schedule) -> str:
-    """``s`` in the JSON form."""
+    """``s`` in the JSON form (``seq_chunks`` only when it cuts sequences: ``microbatches`` then counts
+    the (micro-batch, chunk) units)."""
     return json.dumps({"version": 1, "name": s.name, "microbatches": s.n_microbatches,
+                       **({"seq_chunks": s.seq_chunks} if s.seq_chunks > 1 else {}),
                        "stage_ranks": list(s.stage_rank), "ranks": [[str(st) for st in steps] for steps in s.ranks]})
 
 

@@ -174,22 +174,37 @@ def gpipe(p: int, m: int, k: int = 1) -> Schedule:
     return _make("gpipe", n, looped(p, 1), ranks, k)
 
 
-def one_f_one_b(p: int, m: int, k: int = 1) -> Schedule:
+def one_f_one_b(p: int, m: int, k: int = 1, extra: tuple[int, ...] = ()) -> Schedule:
     """``w = min(p-1-r, m)`` warm-up forwards, then (F, B) pairs, then the remaining backwards
     (PipeDream-flush; torch's ``Schedule1F1B``). With k sequence chunks (Seq1F1B) the same over
     the ``m k`` units, forwards in unit order, backwards each micro-batch's chunks last to first
     (:func:`backward_unit`), and ``k - 1`` more warm-up forwards: the last chunk of a sequence
-    must be forwarded before the sequence's first backward."""
+    must be forwarded before the sequence's first backward. ``extra[r]``: rank r's further
+    warm-up forwards (:func:`deep_warmup`; named ``1f1b-deep``): more units in flight, which hide
+    a slow boundary's round trip."""
     ranks, n = [], m * k
     units = [backward_unit(i, k) for i in range(n)]
+    more = tuple(extra) + (0,) * (p - len(extra))
     for r in range(p):
-        w = min(p - 1 - r + k - 1, n)
+        w = min(p - 1 - r + k - 1 + more[r], n)
         fwd, bwd = [Action("F", r, u) for u in range(n)], [Action("B", r, u) for u in units]
         order: list[Step] = fwd[:w]
         for pair in zip(fwd[w:], bwd):  # the steady (F, B) pairs
             order.extend(pair)
         ranks.append(order + bwd[n - w:])
-    return _make("1f1b", n, looped(p, 1), ranks, k)
+    return _make("1f1b-deep" if any(more) else "1f1b", n, looped(p, 1), ranks, k)
+
+
+def deep_warmup(p: int, cut: int, depth: int) -> tuple[int, ...]:
+    """Per rank, the extra warm-up forwards that put ``depth`` more units in flight on every rank
+    up to ``cut`` (the rank before a slow boundary, e.g. a WAN cut: its units' round trip
+    through the ranks after it takes ``2 hop`` longer than 1F1B's warm-up covers). Every rank
+    before ``cut`` takes the same extra: a rank's warm-up must stay deeper than its successor's
+    (with the same depth the pair falls into lockstep, each waiting on the other: the
+    simulator prices pp8 with one more unit on rank 3 alone 1.6x slower than on ranks 0-3)."""
+    if not 0 <= cut < p or depth < 0:
+        raise ScheduleError(f"deep warm-up: cut {cut} must be a rank of 0..{p - 1} and depth {depth} >= 0")
+    return tuple(depth if r <= cut else 0 for r in range(p))
 
 
 def interleaved(p: int, m: int, v: int) -> Schedule:
@@ -335,8 +350,9 @@ def seq_chunks_problem(k: int, schedule: str, pp: int, vpp: int = 1, cp: int = 1
         return f"seq_chunks={k} with cp={cp}: chunks and context parallel both split the sequence; set one of them to 1"
     if pp == 1:
         return f"seq_chunks={k} splits sequences into pipeline units: it needs pp > 1 (or set seq_chunks=1)"
-    if schedule not in CHUNK_SCHEDULES or vpp > 1:
-        return (f"seq_chunks={k} runs with schedule {' or '.join(CHUNK_SCHEDULES)} and vpp=1, not {schedule}"
+    if schedule not in CHUNK_SCHEDULES + ("custom",) or vpp > 1:
+        return (f"seq_chunks={k} runs with schedule {' or '.join(CHUNK_SCHEDULES)} (or a custom one in chunks) "
+                f"and vpp=1, not {schedule}"
                 f"{f' vpp={vpp}' if vpp > 1 else ''}; pick one of those or set seq_chunks=1")
     return None
 
@@ -407,12 +423,15 @@ def builtin(name: str, p: int, m: int, v: int = 1, k: int = 1) -> Schedule:
     return BUILTINS[name](p, m, v, k) if k > 1 else BUILTINS[name](p, m, v)
 
 
-def layout_problem(s: Schedule, pp: int, vpp: int, m: int) -> str | None:
+def layout_problem(s: Schedule, pp: int, vpp: int, m: int, k: int = 1) -> str | None:
     """Why schedule ``s`` cannot run a pipeline of ``pp`` ranks, ``pp * vpp`` stages and ``m``
-    micro-batches (one line with the fix), or None."""
-    have, want = (s.p, s.n_stages, s.n_microbatches), (pp, pp * vpp, m)
-    if have == want:
+    micro-batches each cut into ``k`` sequence chunks (one line with the fix), or None."""
+    have, want = (s.p, s.n_stages, s.n_sequences), (pp, pp * vpp, m)
+    if have == want and s.seq_chunks == k:
         return None
+    if have == want:
+        return (f"schedule {s.name!r} cuts each micro-batch into {s.seq_chunks} sequence chunks, the layout into {k}; "
+                f"set seq_chunks={s.seq_chunks}")
     return (f"schedule {s.name!r} has {have[0]} ranks, {have[1]} stages and {have[2]} micro-batches; this layout has "
             f"pp={want[0]}, {want[1]} stages (pp x vpp) and {want[2]} micro-batches (global batch / (dp x mbs)); "
             "set pp, vpp, dp and mbs to match it")

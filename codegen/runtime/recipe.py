@@ -112,7 +112,8 @@ def plan_schedule(text: Optional[str]) -> Optional[Schedule]:
 
 def pipeline_schedule(cfg: ParallelConfig, n_microbatches: int, custom: Optional[Schedule] = None) -> Schedule:
     """The schedule IR the pipeline runs: ``custom`` (the plan's own, for ``schedule=custom``),
-    else the built-in ``cfg.schedule`` over pp ranks, the micro-batches and vpp."""
+    else the built-in ``cfg.schedule`` over pp ranks, the micro-batches and vpp; either cut into
+    ``cfg.seq_chunks`` sequence chunks (forwards in unit order: ``check_order``)."""
     if cfg.schedule != "custom":
         built = ir.builtin(cfg.schedule, cfg.pp, n_microbatches, cfg.vpp, cfg.seq_chunks)
         if cfg.seq_chunks > 1:
@@ -121,8 +122,10 @@ def pipeline_schedule(cfg: ParallelConfig, n_microbatches: int, custom: Optional
     if custom is None:
         raise ValueError("schedule=custom needs the plan's schedule (plan.pipeline.schedule_ir); plan again with "
                          "--schedule FILE")
-    if (why := ir.layout_problem(custom, cfg.pp, cfg.vpp, n_microbatches)):
+    if (why := ir.layout_problem(custom, cfg.pp, cfg.vpp, n_microbatches, cfg.seq_chunks)):
         raise ValueError(why)
+    if cfg.seq_chunks > 1:
+        check_order(custom)
     return custom
 
 

@@ -242,7 +242,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.schedule:  # the user's own order: schedule=custom, its stages per rank
         schedule = load_schedule(args.schedule)
         cfg = cfg.replace(schedule="custom", vpp=schedule.v).validate()
-        if (why := layout_problem(schedule, cfg.pp, cfg.vpp, microbatches(cfg, args.global_batch))):
+        if (why := layout_problem(schedule, cfg.pp, cfg.vpp, microbatches(cfg, args.global_batch), cfg.seq_chunks)):
             raise AutoparError(f"{args.schedule}: {why}")
     if args.out:
         check_out(args.out, args.force)
