@@ -234,6 +234,17 @@ def wan_floor_s(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, m: int
     return floor
 
 
+DEEP_WARMUP_MAX = 4  # the most extra 1F1B warm-up units the search puts before a WAN cut (planner/search/wan_warmup.py)
+
+
+def deep_allowance(schedule: str, v: int) -> int:
+    """Micro-batches the WAN floors add to a schedule's closed-form in-flight count on every rank:
+    :data:`DEEP_WARMUP_MAX` under 1F1B of one stage per rank (the search may deepen its warm-up
+    before a WAN cut), else 0. More in flight stalls less, so the floor stays below every
+    variant it stands for."""
+    return DEEP_WARMUP_MAX if schedule == "1f1b" and v == 1 else 0
+
+
 @dataclass(frozen=True)
 class BalancedPipe:
     """One variant's pipeline on perfectly balanced stages: ``closed_s`` its schedule's closed form

@@ -1,16 +1,14 @@
 """Search: every configuration of the device count, priced, pruned, ranked.
 
-Space: the candidates of planner/search/candidates.py - every degree tuple, micro-batch
-size, expert-parallel degree and variant (schedule, vpp, DP sharding, recompute, sequence
-parallel) the feasibility predicate's per-axis parts accept (planner/feasibility.py), within
-the search's documented space choices. Pipeline stages are cut between stage groups only
-(``ModelGraph.stage_groups``). With cp > 1 the context-parallel method (ring, Ulysses or the
-hybrid: ``ParallelConfig.ulysses``) changes only the layer times, so each tuple takes the
-Ulysses degree whose layers are fastest (``_best_ulysses``) and records the others as
-rejected with that reason.
+Space: the candidates of planner/search/candidates.py - every degree tuple, micro-batch size, expert-parallel degree
+and variant (schedule, vpp, DP sharding, recompute, sequence parallel) the feasibility predicate's per-axis parts
+accept (planner/feasibility.py), within the search's documented space choices. Pipeline stages are cut between stage
+groups only (``ModelGraph.stage_groups``). With cp > 1 the context-parallel method (ring, Ulysses or the hybrid:
+``ParallelConfig.ulysses``) changes only the layer times, so each tuple takes the Ulysses degree whose layers are
+fastest (``_best_ulysses``) and records the others as rejected with that reason.
 
-Pruning keeps the space whole but cheap, with two bounds per degree tuple
-(dp, pp, cp, tp, mbs), computed once for all its variants:
+Pruning keeps the space whole but cheap, with two bounds per degree tuple (dp, pp, cp, tp, mbs), computed once for
+all its variants:
 - **memory floor** (``cost_models.memory.memory_floor``, a lower bound of the one memory
   rule): the model states that FSDP with full recompute leaves on the fullest rank (at
   least the average over pp ranks) plus the reserve. Above the
@@ -27,17 +25,16 @@ Pruning keeps the space whole but cheap, with two bounds per degree tuple
   Above what a variant must beat to be solved (``planner.search.incumbents``: the
   ``solve_top``-th best estimate so far, and for a variant a generated schedule may run
   across the WAN the best such one beyond them), no variant can matter; all are pruned.
-Tuples and variants are visited best floor first (one heap), so good incumbents come early
-and the pruned search solves exactly what the unpruned one would. Inside a
-tuple, each variant gets its own floor (its schedule's closed form on perfectly
-balanced stages, plus its recompute, at least its busiest rank's; with a pipeline boundary on the WAN, plus the stall
-the fast pass charges it: ``cost_models.wan_cost.pipeline_wan_floor_s``), and variants the cost model proves no better
-than another (``candidates.DOMINATED``) are skipped.
+Tuples and variants are visited best floor first (one heap), so good incumbents come early and the pruned
+search solves exactly what the unpruned one would. Inside a tuple, each variant gets its own floor (its
+schedule's closed form on perfectly balanced stages, plus its recompute, at least its busiest rank's; with a
+pipeline boundary on the WAN, plus the stall of its most units in flight: ``wan_cost.pipeline_wan_floor_s``),
+and variants the cost model proves no better than another (``candidates.DOMINATED``) are skipped.
 Surviving variants get the closed-form estimate on an even stage split, their memory checked first
-(``cost_models.pipeline_memory.memory_bound``, a lower bound of the fullest rank on any split,
-rejects a variant before the exact ``fullest_rank`` where it is over the device already); the best
-``solve_top`` are then re-partitioned by the ILP (planner/search/partition.py) and
-simulated in full ("fully solved"), and the best of those is the plan.
+(``cost_models.pipeline_memory.memory_bound``, a lower bound of the fullest rank on any split, rejects a
+variant before the exact ``fullest_rank`` where it is over the device already; 1F1B across a WAN cut also
+with a deeper warm-up: planner/search/wan_warmup.py); the best ``solve_top`` are then re-partitioned by the
+ILP (planner/search/partition.py) and simulated in full ("fully solved"); the best of those is the plan.
 
 Pins (``planner.search.pins.Pins``, ``autopar plan --fix``) narrow the space before any of this: only the
 degrees, micro-batch sizes and variants they admit are enumerated, counted and priced; when none of those
@@ -57,7 +54,7 @@ from cost_models.pipeline_memory import fullest_rank, inflight_closed, memory_bo
 from cost_models.pipeline_memo import forget as forget_simulations
 from cost_models.layer_costs import LayerCosts
 from cost_models.pipeline import estimate_step, linear_step
-from cost_models.wan_cost import BalancedPipe, WanHop, cheapest_wan_hops, pipeline_wan_floor_s, wan_floor_s
+from cost_models.wan_cost import BalancedPipe, WanHop, cheapest_wan_hops, deep_allowance, pipeline_wan_floor_s, wan_floor_s
 from planner.low_comm import low_comm_problem, parse_low_comm
 from planner.precision import default_dtype
 from cost_models.compute import calibration
@@ -79,6 +76,7 @@ from planner.search.no_fit import nothing_fits
 from planner.search.pins import Pins
 from planner.search.rank_floor import RankFloors
 from planner.search.stage_split import fast_splits, generates, split_and_estimate
+from planner.search.wan_warmup import deepen, undeepened
 
 GiB = 2**30
 
@@ -353,6 +351,8 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple], inc: Incumbents) -> li
             rej.add(f"offload: host memory short by {_bucket(e.memory[r].host - e.host_capacity)} on stage {r} "
                     f"(host_memory_gib in the cluster file)", cfg.label())
             continue
+        if "schedule" not in space.pins.choice:  # 1F1B across a WAN cut: also with a deeper warm-up
+            e = deepen(space.graph, space.cluster, e, space.global_batch, space.profile, beat=inc.threshold(False))[0]
         ranked.append((e.step_s, cfg.to_str(), e))
         inc.add(e.step_s, _wan_generating(space, e))
     if not ranked:
@@ -397,15 +397,15 @@ def _config(space: _Space, t: _Tuple, choice: tuple) -> ParallelConfig:
 def _variant_floor(t: _Tuple, sched: str, v: int, k: int, stage: tuple[float, float], wan_hops: list[WanHop]) -> float:
     """One variant's floor (seconds): its schedule ``sched`` (vpp ``v``, ``k`` sequence chunks) in closed
     form on perfectly balanced stages of ``stage`` = (forward, backward) seconds per micro-batch with its
-    recompute, and with WAN boundaries (``wan_hops``, which read sequence parallel) the stall the fast
-    pass charges them. Nothing else of the variant."""
+    recompute, and with WAN boundaries (``wan_hops``, which read sequence parallel) the stall of its most
+    units in flight (``wan_cost.deep_allowance``). Nothing else of the variant."""
     f, b = stage
     lb = estimate_step(sched, t.pp, t.m, f / v, b / v, v=v) if t.pp > 1 and k == 1 \
         else t.m * (f + b)  # (sequence chunks: their fill and drain run the cheap first chunks)
     if not wan_hops:
         return lb
-    return pipeline_wan_floor_s(t.m, t.pp, BalancedPipe(
-        lb, f + b, [inflight_closed(sched, t.pp, t.m, v, r) // v for r in range(t.pp)]), wan_hops)
+    held = [inflight_closed(sched, t.pp, t.m, v, r) // v + deep_allowance(sched, v) for r in range(t.pp)]
+    return pipeline_wan_floor_s(t.m, t.pp, BalancedPipe(lb, f + b, held), wan_hops)
 
 
 def _may_protect(space: _Space, pp: int, m: int) -> bool:
@@ -455,11 +455,11 @@ def _solve_best(space: _Space, ranked: list[tuple[float, str, Estimate]], solve_
     res = space.res
     finals: list[tuple[float, str, Estimate]] = []
     for _, key, e in ranked[:max(solve_top, 1)] + _wan_generated(space, ranked[max(solve_top, 1):]):
-        e2, info = split_and_estimate(space.graph, space.cluster, e.config, space.global_batch, space.profile,
+        e2, info = split_and_estimate(space.graph, space.cluster, undeepened(e), space.global_batch, space.profile,
                                       ilp_time_limit, uniform_recompute="recompute" in space.pins.choice,
                                       generate="schedule" not in space.pins.choice)
         res.fully_solved += 1
-        res.partition_info[e.config.to_str()] = info
+        res.partition_info[undeepened(e).to_str()] = info
         if e2.fits:
             finals.append((e2.step_s, key, e2))
     finals.sort(key=lambda x: (x[0], x[1]))

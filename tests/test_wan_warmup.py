@@ -1,0 +1,90 @@
+"""1F1B with a deeper warm-up before a WAN cut (planner/search/wan_warmup.py, schedule_ir.deep_warmup),
+sequence-chunk hops that keep the WAN's latency whole, and custom schedules in sequence chunks."""
+from __future__ import annotations
+
+import pytest
+
+from cost_models.cluster import parse_cluster
+from cost_models.estimate import P2pHops
+from planner import schedule_ir as ir
+from planner.plan import ParallelConfig
+from planner.schedule_check import check
+
+WAN = parse_cluster("two-region-h100")
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_deep_warmup_holds_more_before_the_cut_and_checks(k):
+    from cost_models.pipeline import simulate, simulate_schedule
+
+    plain, deep = ir.one_f_one_b(8, 16, k), ir.one_f_one_b(8, 16, k, ir.deep_warmup(8, 3, 2))
+    assert (plain.name, deep.name) == ("1f1b", "1f1b-deep") and check(deep) is deep
+    a = simulate("1f1b", 8, 16, 1.0, 2.0, seq_chunks=k)
+    b = simulate_schedule(deep, 1.0, 2.0)
+    assert [y - x for x, y in zip(a.peak_inflight_chunks, b.peak_inflight_chunks)] == [2] * 4 + [0] * 4
+    hops = [0.01, 0.01, 0.01, 0.8, 0.01, 0.01, 0.01, 0.8]  # a slow boundary after rank 3
+    assert simulate_schedule(deep, 1.0, 2.0, p2p=hops).step_s < 0.9 * simulate("1f1b", 8, 16, 1.0, 2.0, p2p=hops,
+                                                                              seq_chunks=k).step_s
+    with pytest.raises(ir.ScheduleError, match="cut 8 must be a rank"):
+        ir.deep_warmup(8, 8, 1)
+
+
+def test_chunk_hops_keep_the_wan_latency_whole():
+    hops = P2pHops([0.004, 0.5, 0.004, 0.5], wan_bw=[0.4], is_wan=[False, True, False])
+    assert hops.per_chunk(4) == pytest.approx([0.001, 0.1 + 0.1, 0.001, 0.2])
+    assert P2pHops([0.004, 0.004], []).per_chunk(2) == pytest.approx([0.002, 0.002])
+
+
+def test_relieved_moves_one_group_from_the_fullest_stage():
+    from planner.frontend.load import load_graph
+    from planner.search.stage_split import even_split
+    from planner.search.wan_warmup import relieved
+
+    g = load_graph("llama3-8b", batch=1, seq_len=None)
+    part = even_split(g, 4)
+    groups = g.stage_groups()
+    first = {a: i for i, (a, _) in enumerate(groups)} | {groups[-1][1]: len(groups)}
+    count = lambda p: [first[hi] - first[lo] for lo, hi in p.bounds]  # noqa: E731
+    moved = relieved(part, groups, 0, [1, 3])
+    assert [count(p) for p in moved] == [[count(part)[0] - 1, count(part)[1] + 1] + count(part)[2:],
+                                         [count(part)[0] - 1] + count(part)[1:3] + [count(part)[3] + 1]]
+    assert all(p.bounds[0][0] == 0 and p.bounds[-1][1] == len(g.layers) for p in moved)
+
+
+def test_the_search_deepens_1f1b_across_the_wan_within_memory():
+    """Llama-3 70B over two regions, pp8 with 4 sequence chunks: the deeper warm-up hides the WAN
+    round trip (the plain 1F1B leaves > 10% of the step idle), fits in memory (moving a stage group off
+    the full first rank), and the search's WAN floor stays below it."""
+    from cost_models.pipeline_memory import inflight_closed
+    from cost_models.wan_cost import BalancedPipe, cheapest_wan_hops, deep_allowance, pipeline_wan_floor_s
+    from planner.frontend.load import load_graph
+    from planner.search.stage_split import split_and_estimate
+
+    g = load_graph("llama3-70b", batch=1, seq_len=None)
+    cfg = ParallelConfig(dp=8, pp=8, tp=2, mbs=1, zero="fsdp", sp=True, schedule="1f1b", seq_chunks=4,
+                         attention="eager")
+    plain, _ = split_and_estimate(g, WAN, cfg, 256)
+    deep, info = split_and_estimate(g, WAN, cfg, 256, generate=True)
+    assert plain.breakdown["p2p"] > 0.1 * plain.step_s
+    assert deep.config.schedule == "custom" and deep.schedule_ir.name == "1f1b-deep" and deep.fits
+    assert deep.step_s < 0.9 * plain.step_s and "1f1b-deep" in info["schedule"]
+    assert deep.partition.bounds != plain.partition.bounds  # the even split's first rank is too full for it
+    m = deep.microbatches
+    held = [inflight_closed("1f1b", 8, m, 1, r) + deep_allowance("1f1b", 1) for r in range(8)]
+    stage = sum(deep.stage_fwd_s) / 8 + sum(deep.stage_bwd_s) / 8
+    floor = pipeline_wan_floor_s(m, 8, BalancedPipe(m * stage, stage, held), cheapest_wan_hops(g, WAN, cfg))
+    assert floor <= deep.step_s
+
+
+def test_custom_schedules_in_sequence_chunks_validate_and_run_layouts():
+    from codegen.runtime.recipe import pipeline_schedule
+
+    deep = ir.one_f_one_b(2, 8, 2, ir.deep_warmup(2, 0, 1))  # 8 micro-batches in 2 chunks each
+    cfg = ParallelConfig(dp=1, pp=2, schedule="custom", seq_chunks=2).validate()
+    assert pipeline_schedule(cfg, 8, deep) is deep
+    assert "set seq_chunks=2" in ir.layout_problem(deep, 2, 1, 8, 4)
+    with pytest.raises(ValueError, match="sequence chunks"):
+        pipeline_schedule(cfg.replace(seq_chunks=1), 8, deep)
+    assert ir.layout_problem(deep, 2, 1, 8, 2) is None and deep.n_sequences == 8
+    from planner.schedule_file import parse, to_json
+    assert parse(to_json(deep), "json") == deep  # the plan's file form keeps the chunks
