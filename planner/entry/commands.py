@@ -148,7 +148,8 @@ def _estimate_summary(e) -> dict:
 def _print_estimate(con, e, title: str) -> None:
     from rich.table import Table
 
-    con.print(f"[bold]{title}[/bold]: {e.config.label()}")
+    own = e.schedule_ir.name if e.schedule_ir is not None and e.schedule_ir.name != "custom" else ""
+    con.print(f"[bold]{title}[/bold]: {e.config.label()}" + (f"   (schedule: {own})" if own else ""))
     con.print(f"  step {e.step_s:.4g} s   {e.tokens_per_s:,.0f} tokens/s   MFU {e.mfu * 100:.1f}%   "
               f"{e.tflops_per_device:.1f} model TFLOP/s per device   source: {e.source}")
     con.print(f"  calibration: {e.calibration}   engine: {e.engine}")
