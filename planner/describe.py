@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from planner.low_comm import CAVEAT, parse_low_comm
 from planner.plan import ParallelConfig, Plan
 from planner.precision import mixed_precision
+from planner.schedule_ir import deepened_by
 
 # How context parallelism splits attention (ParallelConfig.cp_method -> words).
 CP_METHODS = {"ring": "ring attention", "ulysses": "Ulysses all-to-all (heads for sequence)",
@@ -90,7 +91,13 @@ def step_words(plan: Plan) -> str:
                        f" tokens run as pipeline units ({n * c.seq_chunks} units: the fill and drain shrink about "
                        f"{c.seq_chunks}-fold, each unit holds 1/{c.seq_chunks} of a micro-batch's activations plus the "
                        "earlier chunks' keys/values)")
-        return f"the {c.schedule} schedule: {n} micro-batches of {c.mbs} sequences over pp={c.pp}{chunks}"
+        own = plan.schedule_ir.name if c.schedule == "custom" and plan.schedule_ir is not None else c.schedule
+        if own == "1f1b-deep":  # planner/search/wan_warmup.py
+            deeper = deepened_by(plan.schedule_ir)
+            ranks = [r for r, d in enumerate(deeper) if d]
+            chunks += (f"; 1F1B with {max(deeper)} more unit(s) in flight on pp ranks {ranks[0]}-{ranks[-1]}, whose "
+                       "warm-up is deepened to hide the slow link after them") if ranks else ""
+        return f"the {own} schedule: {n} micro-batches of {c.mbs} sequences over pp={c.pp}{chunks}"
     return f"gradient accumulation: {n} micro-batches of {c.mbs} sequences (pp=1)"
 
 

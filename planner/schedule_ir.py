@@ -207,6 +207,19 @@ def deep_warmup(p: int, cut: int, depth: int) -> tuple[int, ...]:
     return tuple(depth if r <= cut else 0 for r in range(p))
 
 
+def deepened_by(s: Schedule) -> tuple[int, ...]:
+    """Per rank, the warm-up forwards of ``s`` (one stage per rank) beyond 1F1B's (:func:`one_f_one_b`):
+    what :func:`deep_warmup` added (0 where the rank warms up as 1F1B does)."""
+    k, n = s.seq_chunks, s.n_microbatches
+    out = []
+    for r in range(s.p):
+        acts = s.actions(r)
+        first_b = next((i for i, a in enumerate(acts) if a.kind != "F"), len(acts))
+        w = min(s.p - 1 - r + k - 1, n)  # 1F1B's warm-up; its first backward follows one more forward
+        out.append(max(0, first_b - w - (1 if w < n else 0)))
+    return tuple(out)
+
+
 def interleaved(p: int, m: int, v: int) -> Schedule:
     """Megatron-LM's interleaved 1F1B (torch's ``ScheduleInterleaved1F1B``; m a multiple of p):
     the k-th forward runs chunk ``(k // p) % v`` on micro-batch ``(k // (p v)) p + k % p``,

@@ -19,6 +19,7 @@ def test_deep_warmup_holds_more_before_the_cut_and_checks(k):
 
     plain, deep = ir.one_f_one_b(8, 16, k), ir.one_f_one_b(8, 16, k, ir.deep_warmup(8, 3, 2))
     assert (plain.name, deep.name) == ("1f1b", "1f1b-deep") and check(deep) is deep
+    assert ir.deepened_by(deep) == (2,) * 4 + (0,) * 4 and ir.deepened_by(plain) == (0,) * 8  # (the report's words)
     a = simulate("1f1b", 8, 16, 1.0, 2.0, seq_chunks=k)
     b = simulate_schedule(deep, 1.0, 2.0)
     assert [y - x for x, y in zip(a.peak_inflight_chunks, b.peak_inflight_chunks)] == [2] * 4 + [0] * 4
