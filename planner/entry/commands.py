@@ -231,14 +231,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from planner.plan import ParallelConfig
+    from planner.config_text import config_keys, parse_config
     from planner.feasibility import default_attention, microbatches
     from planner.files import write_atomic
     from planner.schedule_file import load as load_schedule
     from planner.schedule_ir import layout_problem
+    from planner.search.candidates import facts_of
+    from planner.search.kernel_choice import attention_choice
     from planner.search.planning import build_plan, evaluate_config
 
-    cfg = ParallelConfig.parse(args.config)
+    cfg = parse_config(args.config)
     schedule = None
     if args.schedule:  # the user's own order: schedule=custom, its stages per rank
         schedule = load_schedule(args.schedule)
@@ -248,8 +250,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.out:
         check_out(args.out, args.force)
     graph, cluster, profile, pins = _load_inputs(args)
-    if "attention=" not in args.config:
-        cfg = cfg.replace(attention=default_attention(graph.limits))  # the default kernel may be one it cannot use
+    if "attention" not in config_keys(args.config):  # autopar's runtime: the kernel the search would plan with
+        choice = attention_choice(graph, cluster, facts_of(graph), cfg.dtype, cfg.loss) \
+            if args.engine in (None, "autopar") else None
+        cfg = cfg.replace(attention=choice.of(cfg.cp) if choice else default_attention(graph.limits))
     _progress(f"pricing {cfg.label()} on {cluster.world} devices of {cluster.name}")
     e, problems = evaluate_config(graph, cluster, cfg, args.global_batch, even_split=args.even_split,
                                   profile=profile, engine=args.engine, schedule=schedule)
