@@ -12,7 +12,10 @@ for the limit, the same split and schedule priced on both clusters; ``simulated`
 estimate's own step on the limited rig (compute priced from the cluster file, uncalibrated).
 Timings on a shared 2-core box are noisy: quote the load.
 
-    python -m benchmarks.wan_rig_plan [--mbit 200] [--model llama-mini] [--batch 16] [--fix dp=2,pp=2,tp=1,cp=1]
+``--variants``: the same layout also under plain 1F1B (pinned) and under 1F1B with its warm-up deepened
+before the cut (``planner/search/wan_warmup.py``), each measured and priced the same way.
+
+    python -m benchmarks.wan_rig_plan [--mbit 200] [--model llama-mini] [--batch 16] [--fix dp=2,pp=2,tp=1,cp=1] [--variants]
 """
 from __future__ import annotations
 
@@ -36,6 +39,25 @@ def make_plan(model: str, batch: int, fix: str, mbit: float, seq_len: int | None
     g = load_graph(model, batch=1, seq_len=seq_len)
     plan, _ = plan_model(g, rig_cluster(mbit), batch, spec=model, cluster_spec="wan-rig", fix=fix)
     return g, plan
+
+
+def variant_plans(model: str, batch: int, fix: str, mbit: float, seq_len: int | None = None) -> list:
+    """(name, graph, plan) of the search's plan and, for comparison, its layout under plain 1F1B
+    (pinned) and under 1F1B with the warm-up deepened before the cut (``planner.search.wan_warmup``)."""
+    from planner.search.planning import build_plan
+    from planner.search.stage_split import split_and_estimate
+    from planner.search.wan_warmup import deepen
+
+    graph, plan = make_plan(model, batch, fix, mbit, seq_len)
+    pinned = ",".join([fix, "schedule=1f1b"] + (["seq_chunks=1"] if "seq_chunks" not in fix else []))
+    _, plain = make_plan(model, batch, pinned, mbit, seq_len)
+    e, _ = split_and_estimate(graph, rig_cluster(mbit), plain.config, batch)
+    deep, depth = deepen(graph, rig_cluster(mbit), e, batch)
+    out = [("plan", graph, plan), ("1f1b", graph, plain)]
+    if depth:
+        out.append((f"1f1b-deep (+{depth})", graph, build_plan(graph, rig_cluster(mbit), deep, spec=model,
+                                                               cluster_spec="wan-rig")))
+    return out
 
 
 def priced_s(graph, plan, mbit: float | None) -> float:
@@ -65,30 +87,45 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--fix", default="dp=2,pp=2,tp=1,cp=1")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--variants", action="store_true",
+                    help="also the layout under plain 1F1B and under 1F1B with the warm-up deepened before the cut")
     ap.add_argument("--out", default="benchmarks/results/wan_rig_plan.json")
     args = ap.parse_args()
     if why := rig_problem():
         print(f"skipped: {why}")
         return
-    graph, plan = make_plan(args.model, args.batch, args.fix, args.mbit, args.seq_len)
+    plans = variant_plans(args.model, args.batch, args.fix, args.mbit, args.seq_len) if args.variants else \
+        [("plan",) + make_plan(args.model, args.batch, args.fix, args.mbit, args.seq_len)]
     port = 29900 + os.getpid() % 60
+    rows = []
+    print(f"{args.model}, batch {args.batch}, link {args.mbit:g} Mbit/s")
+    print(f"{'variant':<18}{'unlimited s':>12}{'limited s':>11}{'model link s':>14}{'predicted s':>13}{'error':>8}"
+          f"{'simulated s':>13}  plan")
+    for name, graph, plan in plans:
+        rows.append(measure(name, graph, plan, args.mbit, args.steps, port))
+        port += 2
+        r = rows[-1]
+        print(f"{name:<18}{r['unlimited_s']:>12.4f}{r['limited_s']:>11.4f}{r['modelled_link_s']:>14.4f}"
+              f"{r['predicted_s']:>13.4f}{r['error'] * 100:>7.1f}%{r['simulated_s']:>13.4f}  {r['plan']} ({r['schedule']})")
+    write_json(args.out, {"mbit": args.mbit, "model": args.model, "rows": rows})
+
+
+def measure(name: str, graph, plan, mbit: float, steps: int, port: int) -> dict:
+    """One plan trained without the limit and through the limited link (module docstring)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "plan.json")
         with open(path, "w") as fh:
             fh.write(plan.to_json())
-        free = run(None, path, args.steps, port)
-        slow = run(args.mbit, path, args.steps, port + 1)
-    link = priced_s(graph, plan, args.mbit) - priced_s(graph, plan, None)
+        free = run(None, path, steps, port)
+        slow = run(mbit, path, steps, port + 1)
+    link = priced_s(graph, plan, mbit) - priced_s(graph, plan, None)
     pred = free["mean_s"] + link
-    row = {"plan": plan.config.label(), "schedule": plan.config.schedule, "microbatches": plan.estimate.get("microbatches"),
-           "unlimited_s": free["mean_s"], "limited_s": slow["mean_s"], "modelled_link_s": link, "predicted_s": pred,
-           "error": pred / slow["mean_s"] - 1, "simulated_s": priced_s(graph, plan, args.mbit),
-           "losses": slow["losses"], "losses_unlimited": free["losses"]}
-    print(f"rig plan: {row['plan']} ({row['schedule']}), {args.model}, batch {args.batch}, link {args.mbit:g} Mbit/s")
-    print(f"{'unlimited s':>12}{'limited s':>11}{'model link s':>14}{'predicted s':>13}{'error':>8}{'simulated s':>13}")
-    print(f"{row['unlimited_s']:>12.4f}{row['limited_s']:>11.4f}{row['modelled_link_s']:>14.4f}{row['predicted_s']:>13.4f}"
-          f"{row['error'] * 100:>7.1f}%{row['simulated_s']:>13.4f}")
-    write_json(args.out, {"mbit": args.mbit, "model": args.model, "rows": [row]})
+    schedule = plan.schedule_ir.name if plan.schedule_ir is not None else plan.config.schedule
+    return {"variant": name, "plan": plan.config.label(), "schedule": schedule,
+            "microbatches": plan.estimate.get("microbatches"), "unlimited_s": free["mean_s"],
+            "limited_s": slow["mean_s"], "modelled_link_s": link, "predicted_s": pred,
+            "error": pred / slow["mean_s"] - 1, "simulated_s": priced_s(graph, plan, mbit),
+            "losses": slow["losses"], "losses_unlimited": free["losses"]}
 
 
 if __name__ == "__main__":

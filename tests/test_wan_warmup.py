@@ -108,3 +108,17 @@ def test_two_region_plan_within_ten_percent_of_one_fabric():
     naive_cfg = res.best.config.replace(schedule="1f1b", vpp=1)
     naive, _ = split_and_estimate(g, round_robin(WAN, naive_cfg.pp), naive_cfg, 256)
     assert naive.step_s >= 1.35 * res.best.step_s
+
+
+def test_the_rig_benchmark_compares_plain_and_deepened_1f1b():
+    """benchmarks/wan_rig_plan.py --variants: on the rig's 200 Mbit/s link (llama-mini dp2 pp2, 16
+    sequences) the deepened 1F1B is priced faster than plain 1F1B, and its plan carries the IR the
+    runtime runs."""
+    from benchmarks.wan_rig_plan import variant_plans
+
+    found = variant_plans("llama-mini", 16, "dp=2,pp=2,tp=1,cp=1", 200.0)
+    plans = {name.split(" ")[0]: plan for name, _, plan in found}
+    plain, deep = plans["1f1b"], plans["1f1b-deep"]
+    assert plain.config.schedule == "1f1b" and deep.schedule_ir.name == "1f1b-deep"
+    assert deep.estimate["step_s"] < 0.95 * plain.estimate["step_s"]
+    assert ir.deepened_by(deep.schedule_ir)[0] >= 1 and ir.deepened_by(deep.schedule_ir)[1] == 0
