@@ -86,16 +86,14 @@ def expand_groups(part: Partition, groups: list[tuple[int, int]]) -> Partition:
     return Partition([(groups[a][0], groups[b - 1][1]) for a, b in part.bounds], list(part.recompute))
 
 
-def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None,
-                      held: list[int] | None = None):
+def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None):
     """The ILP's inputs for one configuration: per stage group (layers a boundary may not
     split) times per recompute policy (``layer_pass_times``) and its memory figures
     (``cost_models.memory.chunk_memory`` of the group: states, activations, overshoot,
     weight-gradient working set), the schedule's in-flight micro-batches per virtual stage
-    and the tensor bytes a device holds beside the reserve (``framework_reserve``). ``held``:
-    per pp rank the units the schedule holds at peak (a custom schedule's), instead of the
-    built-in's closed form; with k sequence chunks a unit is ``1/k`` of a micro-batch (the
-    chunks' KV store, a few percent of their activations, is left to the estimate's check)."""
+    and the tensor bytes a device holds beside the reserve (``framework_reserve``). With k
+    sequence chunks a unit in flight is ``1/k`` of a micro-batch (the chunks' KV store, a few
+    percent of their activations, is left to the estimate's check)."""
     from planner.search.partition import PartitionProblem
     from planner.feasibility import microbatches
 
@@ -125,11 +123,9 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
             out_p2p.append(0.0)
     S = cfg.pp * cfg.vpp
     sched = cfg.schedule if cfg.pp > 1 else "1f1b"
-    k, inflight = cfg.seq_chunks, []
-    for j in range(S):
-        r = j % cfg.pp
-        units = held[r] if held is not None else inflight_closed(sched, cfg.pp, m, cfg.vpp, r, k) if cfg.pp > 1 else k
-        inflight.append(units / k / cfg.vpp)
+    k = cfg.seq_chunks
+    units = [inflight_closed(sched, cfg.pp, m, cfg.vpp, j % cfg.pp, k) if cfg.pp > 1 else k for j in range(S)]
+    inflight = [u / k / cfg.vpp for u in units]
     reserve = framework_reserve(cluster.backend != "gloo", calibration(profile))
     return PartitionProblem(fwd=fwd, bwd=bwd, act=act, static=static, out_p2p=out_p2p, classes=classes, pp=cfg.pp,
                             v=cfg.vpp, m=m, schedule=sched, inflight=inflight, peak=peak, transient=transient,
@@ -158,9 +154,9 @@ def split_and_estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
             e, info = e_even, dict(info, chosen="even split (simulated faster or the ILP split did not fit)")
     if not generate:
         return e, info
-    gen, deep = with_generated_schedule(graph, cluster, e, profile, engine, info), \
-        with_deep_warmup(graph, cluster, e, global_batch, profile, engine, info)
-    return min(gen, deep, key=lambda x: x[0].step_s)
+    generated = with_generated_schedule(graph, cluster, e, profile, engine, info)
+    deepened = with_deep_warmup(graph, cluster, e, global_batch, profile, engine, info)
+    return min(generated, deepened, key=lambda x: x[0].step_s)
 
 
 GEN_MAX_WORK = 65_536  # generate a schedule only where pp^2 x micro-batches stays within this (~0.15 s)
@@ -193,17 +189,16 @@ def with_generated_schedule(graph: ModelGraph, cluster: Cluster, e: Estimate, pr
 
 
 def best_partition(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None,
-                   time_limit: float = 10.0, uniform_recompute: bool = False,
-                   held: list[int] | None = None) -> tuple[Partition, dict]:
+                   time_limit: float = 10.0, uniform_recompute: bool = False) -> tuple[Partition, dict]:
     """The ILP's stage split (recompute per stage: with ``cfg.recompute = none`` the ILP may
     choose any policy per stage, unless ``uniform_recompute``) for ``cfg``; an even split when
-    pp == 1. ``held``: :func:`partition_problem`'s."""
+    pp == 1."""
     n = len(graph.layers)
     if cfg.pp * cfg.vpp == 1:
         return Partition.even(n, 1, cfg.recompute), {"status": "trivial (one stage)"}
     from planner.search.partition import solve_partition
 
-    prob = partition_problem(graph, cluster, cfg, global_batch, profile, held)
+    prob = partition_problem(graph, cluster, cfg, global_batch, profile)
     uniform = cfg.recompute != "none" or uniform_recompute or cfg.seq_chunks > 1  # (chunks: no recompute)
     prob.policies = (cfg.recompute,) if uniform else tuple(
         r for r in recompute_policies(cfg.schedule, cfg.pp) if not recompute_attention_problem(r, graph.limits)
