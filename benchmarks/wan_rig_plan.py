@@ -26,6 +26,7 @@ import tempfile
 
 from benchmarks.results import write_json
 from benchmarks.wan_rig import ROOT, rig, rig_cluster
+from planner.describe import schedule_name
 from planner.entry.netns_rig import launch_across, rig_problem
 
 WORKER = os.path.join(ROOT, "benchmarks", "rig_plan_worker.py")
@@ -52,11 +53,11 @@ def variant_plans(model: str, batch: int, fix: str, mbit: float, seq_len: int | 
     pinned = ",".join([fix, "schedule=1f1b"] + (["seq_chunks=1"] if "seq_chunks" not in fix else []))
     _, plain = make_plan(model, batch, pinned, mbit, seq_len)
     e, _ = split_and_estimate(graph, rig_cluster(mbit), plain.config, batch)
-    deep, depth = deepen(graph, rig_cluster(mbit), e, batch)
+    deep = deepen(graph, rig_cluster(mbit), e, batch)
     out = [("plan", graph, plan), ("1f1b", graph, plain)]
-    if depth:
-        out.append((f"1f1b-deep (+{depth})", graph, build_plan(graph, rig_cluster(mbit), deep, spec=model,
-                                                               cluster_spec="wan-rig")))
+    if deep.depth:
+        out.append((f"1f1b-deep (+{deep.depth})", graph, build_plan(graph, rig_cluster(mbit), deep.estimate,
+                                                                    spec=model, cluster_spec="wan-rig")))
     return out
 
 
@@ -120,8 +121,7 @@ def measure(name: str, graph, plan, mbit: float, steps: int, port: int) -> dict:
         slow = run(mbit, path, steps, port + 1)
     link = priced_s(graph, plan, mbit) - priced_s(graph, plan, None)
     pred = free["mean_s"] + link
-    schedule = plan.schedule_ir.name if plan.schedule_ir is not None else plan.config.schedule
-    return {"variant": name, "plan": plan.config.label(), "schedule": schedule,
+    return {"variant": name, "plan": plan.config.label(), "schedule": schedule_name(plan.config, plan.schedule_ir),
             "microbatches": plan.estimate.get("microbatches"), "unlimited_s": free["mean_s"],
             "limited_s": slow["mean_s"], "modelled_link_s": link, "predicted_s": pred,
             "error": pred / slow["mean_s"] - 1, "simulated_s": priced_s(graph, plan, mbit),

@@ -48,6 +48,7 @@ from planner.errors import PlanError
 
 KINDS = ("F", "B", "I", "W")          # compute actions (module docstring)
 BACKWARDS = ("B", "I")                # the actions a previous stage's backward waits for
+DEEP_1F1B = "1f1b-deep"               # 1F1B with deeper warm-ups (:func:`deep_warmup`), run as a plan's own schedule
 
 
 class ScheduleError(PlanError):
@@ -180,19 +181,24 @@ def one_f_one_b(p: int, m: int, k: int = 1, extra: tuple[int, ...] = ()) -> Sche
     the ``m k`` units, forwards in unit order, backwards each micro-batch's chunks last to first
     (:func:`backward_unit`), and ``k - 1`` more warm-up forwards: the last chunk of a sequence
     must be forwarded before the sequence's first backward. ``extra[r]``: rank r's further
-    warm-up forwards (:func:`deep_warmup`; named ``1f1b-deep``): more units in flight, which hide
+    warm-up forwards (:func:`deep_warmup`; named :data:`DEEP_1F1B`): more units in flight, which hide
     a slow boundary's round trip."""
     ranks, n = [], m * k
     units = [backward_unit(i, k) for i in range(n)]
     more = tuple(extra) + (0,) * (p - len(extra))
     for r in range(p):
-        w = min(p - 1 - r + k - 1 + more[r], n)
+        w = min(one_f_one_b_warmup(p, r, k, n) + more[r], n)
         fwd, bwd = [Action("F", r, u) for u in range(n)], [Action("B", r, u) for u in units]
         order: list[Step] = fwd[:w]
         for pair in zip(fwd[w:], bwd):  # the steady (F, B) pairs
             order.extend(pair)
         ranks.append(order + bwd[n - w:])
-    return _make("1f1b-deep" if any(more) else "1f1b", n, looped(p, 1), ranks, k)
+    return _make(DEEP_1F1B if any(more) else "1f1b", n, looped(p, 1), ranks, k)
+
+
+def one_f_one_b_warmup(p: int, r: int, k: int, n: int) -> int:
+    """1F1B's warm-up forwards on rank ``r`` of ``p`` over ``n`` units of ``k`` sequence chunks."""
+    return min(p - 1 - r + k - 1, n)
 
 
 def deep_warmup(p: int, cut: int, depth: int) -> tuple[int, ...]:
@@ -200,8 +206,9 @@ def deep_warmup(p: int, cut: int, depth: int) -> tuple[int, ...]:
     up to ``cut`` (the rank before a slow boundary, e.g. a WAN cut: its units' round trip
     through the ranks after it takes ``2 hop`` longer than 1F1B's warm-up covers). Every rank
     before ``cut`` takes the same extra: a rank's warm-up must stay deeper than its successor's
-    (with the same depth the pair falls into lockstep, each waiting on the other: the
-    simulator prices pp8 with one more unit on rank 3 alone 1.6x slower than on ranks 0-3)."""
+    (with the same depth the pair falls into lockstep, each waiting on the other: on a pp8 of
+    forward 1, backward 2 and hop 0.1 the simulator prices one more unit on rank 3 alone 1.6x
+    slower than on ranks 0-3)."""
     if not 0 <= cut < p or depth < 0:
         raise ScheduleError(f"deep warm-up: cut {cut} must be a rank of 0..{p - 1} and depth {depth} >= 0")
     return tuple(depth if r <= cut else 0 for r in range(p))
@@ -215,7 +222,7 @@ def deepened_by(s: Schedule) -> tuple[int, ...]:
     for r in range(s.p):
         acts = s.actions(r)
         first_b = next((i for i, a in enumerate(acts) if a.kind != "F"), len(acts))
-        w = min(s.p - 1 - r + k - 1, n)  # 1F1B's warm-up; its first backward follows one more forward
+        w = one_f_one_b_warmup(s.p, r, k, n)  # its first backward follows one more forward (while any is left)
         out.append(max(0, first_b - w - (1 if w < n else 0)))
     return tuple(out)
 

@@ -352,7 +352,7 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple], inc: Incumbents) -> li
                     f"(host_memory_gib in the cluster file)", cfg.label())
             continue
         if "schedule" not in space.pins.choice:  # 1F1B across a WAN cut: also with a deeper warm-up
-            e = deepen(space.graph, space.cluster, e, space.global_batch, space.profile, beat=inc.threshold(False))[0]
+            e = deepen(space.graph, space.cluster, e, space.global_batch, space.profile, beat=inc.threshold(False)).estimate
         ranked.append((e.step_s, cfg.to_str(), e))
         inc.add(e.step_s, _wan_generating(space, e))
     if not ranked:

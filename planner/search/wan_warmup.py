@@ -13,10 +13,11 @@ each: on Llama-3 70B over two regions (pp8, 4 chunks) one more unit takes the pi
 the extra activations overfill a rank, on the splits that move one stage group from the fullest
 rank to any other (:func:`relieved`: the ranks between pass one group along), keeps the fastest
 that fits, and stops at the first depth that does not help. The schedule is the plan's own
-(``schedule=custom``, named ``1f1b-deep``): the runtime runs that order, as the simulator priced it.
+(``schedule=custom``, named ``schedule_ir.DEEP_1F1B``): the runtime runs that order, as the simulator priced it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 from cost_models.cluster import Cluster
@@ -25,7 +26,7 @@ from cost_models.wan import boundary_links
 from cost_models.wan_cost import DEEP_WARMUP_MAX
 from planner.graph import ModelGraph
 from planner.plan import Partition
-from planner.schedule_ir import Schedule, deep_warmup, one_f_one_b
+from planner.schedule_ir import DEEP_1F1B, Schedule, deep_warmup, one_f_one_b
 
 
 def wan_cut(cluster: Cluster, pp: int, stride: int) -> int | None:
@@ -60,38 +61,50 @@ def relieved(part: Partition, groups: list[tuple[int, int]], fullest: int, to: l
     return out
 
 
+@dataclass(frozen=True)
+class Deepened:
+    """What :func:`deepen` found: the estimate to keep, the extra units in flight (0: the plain
+    1F1B estimate it was given) and the pp rank before the WAN cut (None: no cut)."""
+    estimate: Estimate
+    depth: int = 0
+    cut: int | None = None
+
+
 def deepen(graph: ModelGraph, cluster: Cluster, e: Estimate, global_batch: int, profile=None, engine=None,
-           beat: float | None = None) -> tuple[Estimate, int]:
-    """(the fastest fitting estimate of ``e``'s layout and split under 1F1B with a deeper warm-up
-    before its WAN cut, or ``e``; the depth, 0 for ``e``) (module docstring). Where a depth
-    overfills a rank, the splits of :func:`relieved` are priced: all of them, or, given ``beat``
-    (the search's fast pass: the step to beat, s), only the move to the rank with the most room,
-    and only where ``e`` without its pipeline's idle time (what a deeper warm-up can hide at most)
-    is below ``beat``."""
-    cfg, m, quick = e.config, e.microbatches, beat is not None
-    idle = e.breakdown.get("p2p", 0.0) + e.breakdown.get("bubble", 0.0)
-    cut = wan_cut(cluster, cfg.pp, cfg.dp * cfg.cp * cfg.tp) if cfg.pp > 1 and cfg.vpp == 1 and \
-        cfg.schedule == "1f1b" and e.fits and (not quick or e.step_s - idle < beat) else None
-    best, won = e, 0
-    for depth in range(1, DEEP_WARMUP_MAX + 1) if cut is not None else ():
-        s, custom = deep_schedule(cfg.pp, m, cfg.seq_chunks, cut, depth), cfg.replace(schedule="custom")
+           beat: float | None = None) -> Deepened:
+    """The fastest fitting estimate of ``e``'s layout and split under 1F1B with a deeper warm-up
+    before its WAN cut, or ``e`` (module docstring). Where a depth overfills a rank, the splits of
+    :func:`relieved` are priced: all of them, or, given ``beat`` (the search's fast pass: the step
+    to beat, s), only the move to the rank with the most room, and only where ``e`` without its
+    pipeline's idle time (what a deeper warm-up can hide at most) is below ``beat``."""
+    cfg = e.config
+    if cluster.topology is None or cfg.pp == 1 or cfg.vpp != 1 or cfg.schedule != "1f1b" or not e.fits:
+        return Deepened(e)
+    if beat is not None and e.step_s - e.breakdown.get("p2p", 0.0) - e.breakdown.get("bubble", 0.0) >= beat:
+        return Deepened(e)
+    cut = wan_cut(cluster, cfg.pp, cfg.dp * cfg.cp * cfg.tp)
+    if cut is None:
+        return Deepened(e)
+    best, custom, groups = Deepened(e, 0, cut), cfg.replace(schedule="custom"), graph.stage_groups()
+    for depth in range(1, DEEP_WARMUP_MAX + 1):
+        s = deep_schedule(cfg.pp, e.microbatches, cfg.seq_chunks, cut, depth)
         tries = [estimate(graph, cluster, custom, e.partition, global_batch, profile=profile, engine=engine,
                           schedule=s)]
         if not tries[0].fits:
             by_room = sorted(range(cfg.pp), key=lambda r: tries[0].capacity - tries[0].memory[r].total)
-            parts = relieved(e.partition, graph.stage_groups(), by_room[0], by_room[-1:] if quick else by_room[1:])
+            parts = relieved(e.partition, groups, by_room[0], by_room[-1:] if beat is not None else by_room[1:])
             tries = [estimate(graph, cluster, custom, part, global_batch, profile=profile, engine=engine, schedule=s)
                      for part in parts]
         found = min((t for t in tries if t.fits), key=lambda t: t.step_s, default=None)
-        if found is None or found.step_s >= best.step_s * (1 - 1e-9):
+        if found is None or found.step_s >= best.estimate.step_s * (1 - 1e-9):
             break
-        best, won = found, depth
-    return best, won
+        best = Deepened(found, depth, cut)
+    return best
 
 
 def undeepened(e: Estimate):
     """The configuration ``e`` deepened (:func:`deepen`): its 1F1B layout (``e``'s own otherwise)."""
-    deep = e.schedule_ir is not None and e.schedule_ir.name == "1f1b-deep"
+    deep = e.schedule_ir is not None and e.schedule_ir.name == DEEP_1F1B
     return e.config.replace(schedule="1f1b") if deep else e.config
 
 
@@ -100,9 +113,9 @@ def with_deep_warmup(graph: ModelGraph, cluster: Cluster, e: Estimate, global_ba
     """``e``, or its layout running 1F1B with a deeper warm-up before the WAN cut
     (``schedule=custom``, :func:`deepen` trying every relieving split) where that is faster and
     fits, with the choice in ``info``."""
-    best, depth = deepen(graph, cluster, e, global_batch, profile, engine)
-    if best is e:
+    found = deepen(graph, cluster, e, global_batch, profile, engine)
+    if not found.depth:
         return e, info
-    cut = wan_cut(cluster, e.config.pp, e.config.dp * e.config.cp * e.config.tp)
-    return best, dict(info, schedule=f"1f1b-deep: {depth} more unit(s) in flight before the WAN cut after "
-                                     f"pp rank {cut}, {e.step_s / best.step_s:.3f}x faster than 1f1b")
+    return found.estimate, dict(info, schedule=f"{DEEP_1F1B}: {found.depth} more unit(s) in flight before the WAN "
+                                              f"cut after pp rank {found.cut}, "
+                                              f"{e.step_s / found.estimate.step_s:.3f}x faster than 1f1b")
