@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from planner.low_comm import CAVEAT, parse_low_comm
 from planner.plan import ParallelConfig, Plan
 from planner.precision import mixed_precision
-from planner.schedule_ir import deepened_by
+from planner.schedule_ir import DEEP_1F1B, Schedule, deepened_by
 
 # How context parallelism splits attention (ParallelConfig.cp_method -> words).
 CP_METHODS = {"ring": "ring attention", "ulysses": "Ulysses all-to-all (heads for sequence)",
@@ -81,6 +81,12 @@ def recompute_words(plan: Plan) -> str:
                      for a, b, p in runs)
 
 
+def schedule_name(cfg: ParallelConfig, schedule_ir: Schedule | None) -> str:
+    """The pipeline schedule's name as the user should read it: a plan's own schedule IR by its
+    name (``1f1b-deep``, ``generated``, a file's), a built-in by ``cfg.schedule``."""
+    return schedule_ir.name if cfg.schedule == "custom" and schedule_ir is not None else cfg.schedule
+
+
 def step_words(plan: Plan) -> str:
     c = plan.config
     n = int(plan.batch["global"]) // (c.dp * c.mbs)
@@ -91,8 +97,8 @@ def step_words(plan: Plan) -> str:
                        f" tokens run as pipeline units ({n * c.seq_chunks} units: the fill and drain shrink about "
                        f"{c.seq_chunks}-fold, each unit holds 1/{c.seq_chunks} of a micro-batch's activations plus the "
                        "earlier chunks' keys/values)")
-        own = plan.schedule_ir.name if c.schedule == "custom" and plan.schedule_ir is not None else c.schedule
-        if own == "1f1b-deep":  # planner/search/wan_warmup.py
+        own = schedule_name(c, plan.schedule_ir)
+        if own == DEEP_1F1B:  # planner/search/wan_warmup.py
             deeper = deepened_by(plan.schedule_ir)
             ranks = [r for r, d in enumerate(deeper) if d]
             chunks += (f"; 1F1B with {max(deeper)} more unit(s) in flight on pp ranks {ranks[0]}-{ranks[-1]}, whose "

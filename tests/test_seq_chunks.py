@@ -299,10 +299,11 @@ def test_profiler_times_one_chunk_of_each_searched_count():
 def test_plan_words_say_the_sequences_run_as_chunks():
     from types import SimpleNamespace
     from planner.describe import step_words
-    plan = SimpleNamespace(config=ParallelConfig.parse("dp=1,pp=2,seq_chunks=4"), batch={"global": 8, "seq_len": 4096})
+    plan = SimpleNamespace(config=ParallelConfig.parse("dp=1,pp=2,seq_chunks=4"), batch={"global": 8, "seq_len": 4096},
+                           schedule_ir=None)
     words = step_words(plan)
     assert "cut into 4 chunks of 1024 tokens" in words and "32 units" in words
-    assert "chunks of" not in step_words(SimpleNamespace(config=ParallelConfig.parse("pp=2"), batch=plan.batch))
+    assert "chunks of" not in step_words(SimpleNamespace(config=ParallelConfig.parse("pp=2"), batch=plan.batch, schedule_ir=None))
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,7 +9,7 @@ import sys
 
 from planner.entry.launch import check_plan, compare_run, data_args, run_plan
 from planner.entry.launch import progress as _progress
-from planner.describe import device_words, wan_words
+from planner.describe import device_words, schedule_name, wan_words
 from planner.errors import AutoparError
 
 
@@ -148,8 +148,8 @@ def _estimate_summary(e) -> dict:
 def _print_estimate(con, e, title: str) -> None:
     from rich.table import Table
 
-    own = e.schedule_ir.name if e.schedule_ir is not None and e.schedule_ir.name != "custom" else ""
-    con.print(f"[bold]{title}[/bold]: {e.config.label()}" + (f"   (schedule: {own})" if own else ""))
+    own = schedule_name(e.config, e.schedule_ir)
+    con.print(f"[bold]{title}[/bold]: {e.config.label()}" + (f"   (schedule: {own})" if own != e.config.schedule else ""))
     con.print(f"  step {e.step_s:.4g} s   {e.tokens_per_s:,.0f} tokens/s   MFU {e.mfu * 100:.1f}%   "
               f"{e.tflops_per_device:.1f} model TFLOP/s per device   source: {e.source}")
     con.print(f"  calibration: {e.calibration}   engine: {e.engine}")
