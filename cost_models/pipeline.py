@@ -80,7 +80,7 @@ only adds weight to every path.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
+from functools import cached_property
 from typing import Sequence
 
 from planner import schedule_ir as ir
@@ -88,7 +88,7 @@ from planner.errors import PlanError
 from planner.plan import SCHEDULES, ParallelConfig  # the one list of schedules (callers of the simulator import it from here too)
 from planner.schedule_check import check as check_schedule
 from planner.schedule_ir import ScheduleError  # re-exported: the simulator's errors are the IR's
-from cost_models.pipeline_compiled import Compiled, Op, compile_builtin, compile_schedule
+from cost_models.pipeline_compiled import Compiled, Op, compile_builtin, compile_kept, compile_schedule
 from cost_models.seq_chunks import chunk_seconds
 
 __all__ = ["SCHEDULES", "SPLIT_SCHEDULES", "WGRAD_FRAC", "Event", "PipelineResult", "ScheduleError", "estimate_step",
@@ -278,14 +278,7 @@ def simulate_schedule(s: ir.Schedule, fwd: Sequence[float] | float, bwd: Sequenc
         if s.seq_chunks > 1 else None
     if check:
         check_schedule(s)
-    return _run(compiled(s), f, b, w, [x - y for x, y in zip(b, w)], p2p, attn)
-
-
-@lru_cache(maxsize=64)
-def compiled(s: ir.Schedule) -> Compiled:
-    """``compile_schedule(s)``, once while ``s`` stays among the last 64 distinct schedules (the
-    search prices one generated or deepened schedule on many splits)."""
-    return compile_schedule(s)
+    return _run(compile_kept(s), f, b, w, [x - y for x, y in zip(b, w)], p2p, attn)
 
 
 def simulate_orders(orders: Sequence[Sequence[tuple[int, int, int]]], m: int, fwd: Sequence[float] | float,

@@ -2,7 +2,8 @@
 (cost_models/pipeline.py): per rank, each operation's dependency, the hop it crosses, the id it
 completes, its duration index and the rank it may wake; the per-rank peaks of what is held; how
 many operations take each duration. Kept per built-in (schedule, p, m, v, k) by
-:func:`compile_builtin`: a search compiles each of its schedules once per process.
+:func:`compile_builtin` and per schedule IR by :func:`compile_kept`: a search compiles each of its
+schedules once per process.
 """
 from __future__ import annotations
 
@@ -40,6 +41,13 @@ class Compiled:
 def compile_builtin(schedule: str, p: int, m: int, v: int, k: int = 1) -> Compiled:
     """:func:`compile_schedule` of the built-in ``schedule`` (``planner.schedule_ir.builtin``), kept."""
     return compile_schedule(ir.builtin(schedule, p, m, v, k))
+
+
+@lru_cache(maxsize=64)
+def compile_kept(s: ir.Schedule) -> Compiled:
+    """:func:`compile_schedule` of a schedule IR (a plan's own: generated, deepened or a file's),
+    kept while it stays among the last 64 distinct ones: the search prices one on many splits."""
+    return compile_schedule(s)
 
 
 def _hop_index(ra: int, rb: int, p: int) -> int:
