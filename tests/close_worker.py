@@ -51,8 +51,8 @@ def registries() -> dict[str, dict]:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    return {name: {k: id(v) for k, v in reg._global_mapping.items()}
-            for name, reg in (("attention", AttentionInterface), ("mask", ALL_MASK_ATTENTION_FUNCTIONS),
+    return {name: {k: id(v) for k, v in reg.items()}  # (a GeneralInterface is a Mapping: local over global)
+            for name, reg in (("attention", AttentionInterface()), ("mask", ALL_MASK_ATTENTION_FUNCTIONS),
                               ("experts", ALL_EXPERTS_FUNCTIONS))}
 
 

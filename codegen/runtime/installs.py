@@ -58,7 +58,9 @@ class Installs:
         return True
 
     def register(self, registry: Any, key: str, value: Any) -> None:
-        """``registry.register(key, value)`` (a transformers ``GeneralInterface``), undone at close."""
+        """``registry.register(key, value)`` (a transformers ``GeneralInterface``), undone at close. The
+        one place that reaches its class-wide ``_global_mapping`` (transformers has no public way
+        to remove a registered key); everything else reads registries as the Mappings they are."""
         mapping = registry._global_mapping
         prev = mapping.get(key, _MISSING)
         registry.register(key, value)

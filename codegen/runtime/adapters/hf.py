@@ -297,7 +297,7 @@ class HFAdapter(ModelAdapter):
                 from transformers import AttentionInterface
                 import sys
                 eager = getattr(sys.modules[type(m).__module__], "eager_attention_forward", None)
-                fn = eager if self._original == "eager" else AttentionInterface._global_mapping.get(self._original, eager)
+                fn = eager if self._original == "eager" else AttentionInterface().get(self._original, eager)
                 self.own_attention[m] = (fn, _checkpointed if isinstance(impl, SelectiveAttention) else None)
 
     def inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
