@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from planner.config_text import config_keys, is_label, parse_config
 from planner.errors import PlanError
-from planner.plan import ParallelConfig
+from planner.plan import FP8_RECIPES, RECOMPUTE, RUN_SCHEDULES, ParallelConfig
+from planner.sharding import ZERO
 
 CONFIGS = [
     ParallelConfig(dp=8, pp=8, tp=2, zero="fsdp", sp=True, seq_chunks=4),
@@ -33,3 +36,21 @@ def test_keys_given_and_bad_words():
         parse_config("dp2 dp4")
     with pytest.raises(PlanError, match="schedule 'interleaved' is not one of"):
         parse_config("pp2 interleaved(v2)")
+
+
+@settings(max_examples=300, deadline=None)
+@given(dp=st.sampled_from([1, 2, 8]), pp=st.sampled_from([1, 2, 4]), cp=st.sampled_from([1, 2, 4]),
+       tp=st.sampled_from([1, 2]), ep=st.sampled_from([1, 2]), ulysses=st.sampled_from([1, 2]),
+       mbs=st.sampled_from([1, 3]), schedule=st.sampled_from(RUN_SCHEDULES), vpp=st.sampled_from([1, 2]),
+       zero=st.sampled_from(ZERO), recompute=st.sampled_from(RECOMPUTE), sp=st.booleans(),
+       threads=st.sampled_from([0, 2]), fp8=st.sampled_from(FP8_RECIPES), compile=st.booleans(),
+       low_comm=st.sampled_from(["", "2x4:bf16"]), seq_chunks=st.sampled_from([1, 2]))
+def test_every_label_reads_back(**kw):
+    """The label's words and the parser's cannot drift apart: any valid configuration's label (every
+    field it shows) reads back as that configuration."""
+    try:
+        cfg = ParallelConfig(**kw).validate()
+    except PlanError:
+        assume(False)
+    assume(cfg.pp > 1 or cfg.schedule == "1f1b")  # without a pipeline the label shows no schedule (none runs)
+    assert parse_config(cfg.label()) == cfg
