@@ -464,6 +464,8 @@ def per_batch_problem(cfg: ParallelConfig, global_batch: int, pool: Pool, method
         return f"per-batch pool of {pool.workers} workers, but dp x cp = {cfg.dp * cfg.cp}"
     if cfg.tp > 1:
         return "per-batch assignment runs without tensor parallelism yet (tp = 1)"
+    if cfg.dp_shares:
+        return "per-batch assignment places every batch's pieces itself: plan without dp_shares"
     if cfg.pp > 1 and (cfg.vpp > 1 or cfg.schedule not in PIPELINE_SCHEDULES):
         return (f"per-batch assignment runs under a pipeline only with schedule {' or '.join(PIPELINE_SCHEDULES)} "
                 f"and vpp = 1 (got {cfg.schedule}, vpp = {cfg.vpp})")

@@ -125,6 +125,8 @@ def layout_problem(cfg: ParallelConfig) -> str | None:
     if cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1 or cfg.ep > 1 or cfg.low_comm:
         return (f"multimodal assignment runs on data-parallel layouts only (tp, pp, cp, ep 1, no low-comm); the plan "
                 f"has tp {cfg.tp}, pp {cfg.pp}, cp {cfg.cp}, ep {cfg.ep}: {fix}")
+    if cfg.dp_shares:
+        return "multimodal assignment balances samples over the dp ranks itself: plan without dp_shares"
     if cfg.zero in SHARDED_PARAMS or mixed_precision(cfg.dtype):
         return (f"multimodal assignment runs replicated fp32 parameters (ddp or zero1); the plan has {cfg.zero} "
                 f"{cfg.dtype}: {fix}")

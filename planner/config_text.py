@@ -74,6 +74,8 @@ def _word(word: str) -> tuple[str, object]:
         return "fp8", word[4:]
     if word.startswith("low-comm-"):
         return "low_comm", word[len("low-comm-"):]
+    if word.startswith("shares"):
+        return "dp_shares", word[len("shares"):]
     raise PlanError(f"--config label word {word!r} is not one autopar prints (dpN ppN cpN tpN epN ulyssesN mbsN, "
                     f"a schedule, {'/'.join(ZERO)}, rc-POLICY, sp, seq-chunksN, fp8-RECIPE, compiled, "
-                    f"low-comm-GxH:DTYPE); {_EXAMPLE}")
+                    f"low-comm-GxH:DTYPE, sharesSxN+..); {_EXAMPLE}")

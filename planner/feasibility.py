@@ -54,7 +54,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
 from planner.errors import PlanError
-from planner.plan import ModelFacts, ParallelConfig, recompute_problem
+from planner.plan import ModelFacts, ParallelConfig
+from planner.recompute_rules import recompute_problem
 from planner.schedule_ir import V_SCHEDULES, builtin_problem, seq_chunks_batch_problem
 from planner.sharding import SHARDED_PARAMS
 

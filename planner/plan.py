@@ -1,6 +1,7 @@
 """The plan contract: a parallel configuration, a stage partition, and the Plan file.
 
-Contract: imports only the other contracts (errors, low_comm, precision, sharding, the schedule IR),
+Contract: imports only the other contracts (errors, low_comm, dp_shares, precision, recompute_rules,
+sharding, the schedule IR),
 so the cost models and codegen can read it. ``ParallelConfig`` is what the search enumerates and
 ``autopar evaluate --config`` parses; ``Partition`` is what the stage ILP produces.
 """
@@ -11,9 +12,11 @@ import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from planner.dp_shares import parse_shares, shares_problem
 from planner.errors import PlanError
 from planner.low_comm import low_comm_problem
 from planner.precision import DTYPES
+from planner.recompute_rules import RECOMPUTE, recompute_problem
 from planner.schedule_check import check
 from planner.schedule_file import parse_json, to_json
 from planner.schedule_ir import Schedule, layout_problem, seq_chunks_problem
@@ -23,29 +26,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")   # the searched buil
 # what a config may name: those, DualPipeV (vpp = 2, V-shaped) and custom (the plan's own schedule IR)
 RUN_SCHEDULES = SCHEDULES + ("dualpipev", "custom")
 
-RECOMPUTE = ("none", "selective", "selective-op", "full", "offload")  # codegen/runtime/recompute.py, offload.py
-SPLIT_BACKWARD = ("zb-h1", "dualpipev", "custom")  # schedules that (may) run a block's backward in two passes
-
-
-def recompute_policies(schedule: str, pp: int) -> tuple[str, ...]:
-    """The recompute policies the runtime can run under ``schedule``: all but ``selective-op``
-    where the schedule splits the backward (torch's per-op checkpointing frees each saved
-    output at the first recompute, and a split backward recomputes the block twice)."""
-    if pp > 1 and schedule in SPLIT_BACKWARD:
-        return tuple(r for r in RECOMPUTE if r != "selective-op")
-    return RECOMPUTE
-
-
-def recompute_problem(recompute: str, schedule: str, pp: int) -> str | None:
-    """Why ``recompute`` cannot run under ``schedule`` (one line with the fix), or None."""
-    if recompute in recompute_policies(schedule, pp):
-        return None
-    return (f"recompute={recompute} with schedule={schedule}: per-op checkpointing cannot be recomputed twice "
-            f"by a split backward; use recompute=full or selective, or another schedule")
-
-
 FP8_RECIPES = ("none", "tensorwise", "rowwise")  # torchao float8 training recipes (codegen/runtime/fp8.py)
-QUIET_DEFAULTS = {"threads": 0, "fp8": "none", "compile": False, "low_comm": "", "seq_chunks": 1}  # fields a plan records only when set
+QUIET_DEFAULTS = {"threads": 0, "fp8": "none", "compile": False, "low_comm": "", "seq_chunks": 1,
+                  "dp_shares": ""}  # fields a plan records only when set
 ATTN_KERNELS = ("flash", "eager")      # flash: no S x S scores kept (SDPA flash / our Triton kernel)
 LOSS_KERNELS = ("fused", "eager")      # fused: linear + cross-entropy without [tokens x vocab] logits
 MESH_DIMS = ("pp", "dp", "cp", "tp")   # outer to inner
@@ -91,6 +74,7 @@ class ParallelConfig:
     compile: bool = False        # each block through torch.compile (regional compilation)
     low_comm: str = ""           # low-communication DP across groups of replicas, "GxH:dtype" (planner/low_comm.py)
     seq_chunks: int = 1          # each micro-batch's sequence cut into k pipeline units (Seq1F1B; schedule_ir.py)
+    dp_shares: str = ""          # per dp rank, sequences of each micro-batch, "SxN+..." (planner/dp_shares.py); "": mbs each
 
     @property
     def world(self) -> int:
@@ -99,6 +83,11 @@ class ParallelConfig:
     @property
     def mesh_shape(self) -> tuple[int, int, int, int]:
         return (self.pp, self.dp, self.cp, self.tp)
+
+    @property
+    def rank_mbs(self) -> tuple[int, ...]:
+        """Per dp rank: the sequences it takes of each micro-batch (``dp_shares``, else ``mbs`` each)."""
+        return parse_shares(self.dp_shares) or (self.mbs,) * self.dp
 
     @property
     def seq_shards(self) -> int:
@@ -136,7 +125,8 @@ class ParallelConfig:
         if self.fp8 != "none" and self.dtype == "fp32":
             raise PlanError(f"fp8={self.fp8} casts the bf16 compute copies: it needs dtype=bf16")
         if (why := low_comm_problem(self.low_comm, self.dp, self.ep) or
-                seq_chunks_problem(self.seq_chunks, self.schedule, self.pp, self.vpp, self.cp)) is not None:
+                seq_chunks_problem(self.seq_chunks, self.schedule, self.pp, self.vpp, self.cp) or
+                shares_problem(self.dp_shares, self.dp, self.mbs, self.pp, self.ep, self.low_comm)) is not None:
             raise PlanError(why)
         if self.vpp > 1 and self.schedule not in ("interleaved-1f1b", "dualpipev", "custom"):
             raise PlanError(f"vpp={self.vpp} needs schedule=interleaved-1f1b (or dualpipev, or a custom schedule)")
@@ -170,6 +160,7 @@ class ParallelConfig:
         parts += ["compiled"] if self.compile else []
         parts += ([f"low-comm-{self.low_comm}"] if self.low_comm else []) + (
             [f"seq-chunks{self.seq_chunks}"] if self.seq_chunks > 1 else [])
+        parts += [f"shares{self.dp_shares}"] if self.dp_shares else []
         return " ".join(parts)
 
     def to_str(self) -> str:

@@ -39,6 +39,9 @@ LAYOUTS = {
         ("dp2-ddp", dict(dp=2, zero="ddp"), 1),
         ("dp2-zero1", dict(dp=2, zero="zero1"), 1),
         ("dp2-fsdp", dict(dp=2, zero="fsdp"), 1),
+        # unequal data-parallel shares (planner/dp_shares.py): one micro-batch of 4 rows, 1 + 3 and 3 + 1
+        ("dp2-fsdp-shares", dict(dp=2, mbs=2, zero="fsdp", dp_shares="1+3"), 1),
+        ("dp2-ddp-shares", dict(dp=2, mbs=2, zero="ddp", dp_shares="3+1"), 1),
         ("tp2-sp", dict(tp=2, sp=True), 1),
         ("pp2-gpipe", dict(pp=2, schedule="gpipe"), 2),
         ("pp2-1f1b", dict(pp=2, schedule="1f1b"), 2),
@@ -191,7 +194,7 @@ def reference(cfg, data):
 
 def run_layout(model_name, cfg_kw, n_virtual, data, schedule=None, policies=None, before_close=None):
     c = case(model_name)
-    pc = ParallelConfig(dtype="fp32", mbs=1, **cfg_kw).validate()
+    pc = ParallelConfig(**{"dtype": "fp32", "mbs": 1, **cfg_kw}).validate()
     _, layout, facts = planner_view(model_name)
     stages = stages_for(model_name, n_virtual)
     # a policy other than none alternates with full over the virtual stages, unless given per stage
@@ -256,7 +259,7 @@ def documents_group(world: int) -> dict:
             if only and name not in only.split(","):
                 continue
             key = f"{model_name}/{name}"
-            refused = refusals(ParallelConfig(dtype="fp32", mbs=1, **kw), planner_view(model_name)[2], documents=True)
+            refused = refusals(ParallelConfig(**{"dtype": "fp32", "mbs": 1, **kw}), planner_view(model_name)[2], documents=True)
             if refused:
                 results[key] = {"refused": refused}
                 continue
@@ -304,7 +307,7 @@ def parity_group(world: int) -> dict:
             if only and name not in only.split(","):
                 continue
             key = f"{model_name}/{name}"
-            refused = refusals(ParallelConfig(dtype="fp32", mbs=1, **kw), planner_view(model_name)[2])
+            refused = refusals(ParallelConfig(**{"dtype": "fp32", "mbs": 1, **kw}), planner_view(model_name)[2])
             if refused:  # the runtime refuses before building anything: record why
                 results[key] = {"refused": refused}
                 continue

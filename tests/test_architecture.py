@@ -21,7 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("planner", "cost_models", "codegen", "benchmarks")
 
 CONTRACTS = {"planner.errors", "planner.batch_assign", "planner.batch_layout", "planner.batch_multimodal", "planner.files", "planner.graph", "planner.plan", "planner.precision",
-             "planner.sharding", "planner.feasibility", "planner.describe", "planner.low_comm", "cost_models.cluster",
+             "planner.sharding", "planner.feasibility", "planner.describe", "planner.low_comm", "planner.dp_shares",
+             "planner.recompute_rules", "cost_models.cluster",
              "cost_models.hardware", "cost_models.topology", "planner.schedule_ir", "planner.schedule_check",
              "planner.schedule_file", "cost_models.machine"}  # machine: the figures a local-cpu cluster is measured from
 # layer -> the layers it may import (besides itself)

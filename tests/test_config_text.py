@@ -18,6 +18,7 @@ CONFIGS = [
     ParallelConfig(dp=2, pp=2, schedule="dualpipev", vpp=2, recompute="full", threads=2),
     ParallelConfig(dp=16, tp=8, zero="fsdp", fp8="rowwise", compile=True, low_comm="2x16:bf16"),
     ParallelConfig(dp=1, pp=2, schedule="zb-h1", recompute="offload"),
+    ParallelConfig(dp=4, mbs=2, zero="fsdp", dp_shares="1x2+3x2"),
 ]
 
 
@@ -44,7 +45,8 @@ def test_keys_given_and_bad_words():
        mbs=st.sampled_from([1, 3]), schedule=st.sampled_from(RUN_SCHEDULES), vpp=st.sampled_from([1, 2]),
        zero=st.sampled_from(ZERO), recompute=st.sampled_from(RECOMPUTE), sp=st.booleans(),
        threads=st.sampled_from([0, 2]), fp8=st.sampled_from(FP8_RECIPES), compile=st.booleans(),
-       low_comm=st.sampled_from(["", "2x4:bf16"]), seq_chunks=st.sampled_from([1, 2]))
+       low_comm=st.sampled_from(["", "2x4:bf16"]), seq_chunks=st.sampled_from([1, 2]),
+       dp_shares=st.sampled_from(["", "1+5", "2x4+4x4"]))
 def test_every_label_reads_back(**kw):
     """The label's words and the parser's cannot drift apart: any valid configuration's label (every
     field it shows) reads back as that configuration."""

@@ -14,7 +14,8 @@ from cost_models.memory import layer_activation
 from cost_models.compute import op_recompute_share
 from cost_models.op_recompute import op_saved_bytes
 from planner.frontend.load import graph_of_config
-from planner.plan import ParallelConfig, recompute_problem, ModelFacts
+from planner.plan import ParallelConfig, ModelFacts
+from planner.recompute_rules import recompute_problem
 from model_cases import fitting_problems
 from planner.zoo import preset
 

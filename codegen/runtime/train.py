@@ -19,7 +19,7 @@ or ``pipeline`` (the schedule runs them) -> ``sync_grads`` -> ``clip_grad_norm_`
 Batching: ``step(batch)`` receives the GLOBAL batch (``global_batch`` sequences) on every
 rank. The adapter turns it into the first stage's inputs and per-position targets (a
 transformers model's labels are shifted here, before any sharding); dp rank d takes rows
-``[d*B/dp, (d+1)*B/dp)``, cp rank c the zigzag sequence shard (see context_parallel), and
+``[d*B/dp, (d+1)*B/dp)`` (or its share under ``dp_shares``: planner/dp_shares.py), cp rank c the zigzag sequence shard (see context_parallel), and
 the rows are cut into ``global_batch / (dp * mbs)`` micro-batches of ``mbs`` sequences:
 pipeline micro-batches under PP, gradient accumulation without. A batch that packs several
 documents per row says so with ``cu_seqlens`` (codegen/runtime/documents.py): attention
@@ -51,6 +51,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from planner.dp_shares import rank_rows
 from planner.feasibility import Batch, Nodes, problems
 from planner.plan import ModelFacts, ParallelConfig, Plan
 from planner.schedule_ir import Schedule
@@ -146,6 +147,8 @@ class ParallelModel:
         self.n_microbatches = global_batch // (cfg.dp * cfg.mbs)
         self.outer = outer_loop_for(cfg, mesh, stages.modules)  # low-communication DP, or None
         self.outer_rank, self.groups = (mesh["outer"].get_local_rank(), mesh["outer"].size()) if self.outer else (0, 1)
+        self.replica = self.outer_rank * (cfg.dp // self.groups) + self.dp_rank  # of all dp x groups replicas
+        self.mbs = cfg.rank_mbs[self.replica]  # its sequences of each micro-batch (dp_shares, else cfg.mbs)
         self.has_first, self.has_last = stages.has_first, stages.has_last
         self.moe_layers = experts.moe_layers(stages.modules)
         # MoE parameters each tp rank holds whole and trains on its own sequence shard
@@ -162,13 +165,12 @@ class ParallelModel:
         targets = self.adapter.targets(batch)
         if self.batch_planner is not None and "cu_seqlens" in batch:
             return self._per_batch_local(batch, targets)
-        seq = targets.shape[1]
-        per, replicas = self.global_batch // self.cfg.dp, self.cfg.dp // self.groups
-        first = (self.outer_rank * replicas + self.dp_rank) * per  # low-communication DP: this group's rows
-        rows = slice(first, first + per)
+        seq, replicas = targets.shape[1], self.cfg.dp // self.groups
+        rows = rank_rows(self.cfg.rank_mbs, self.replica, self.n_microbatches)  # its share (planner/dp_shares.py)
         doc_start = self._doc_starts(batch, seq, rows)
         if doc_start is not None:  # each document's last target is ignored
             targets = docs.mask_document_ends(targets, batch["cu_seqlens"])
+        per = self.global_batch // self.cfg.dp  # (low-communication DP runs equal shares)
         mine = slice(self.outer_rank * replicas * per, (self.outer_rank + 1) * replicas * per)  # the group's rows
         self.loss_fn.n_tokens = int((targets[mine] != IGNORE_INDEX).sum())
         inputs = [t[rows] for t in self.adapter.inputs(batch)]
@@ -184,7 +186,7 @@ class ParallelModel:
             own = positions if positions is not None else torch.arange(seq, device=self.device)
             self._step_args = dict(doc_start=doc_start, positions=docs.document_positions(doc_start, own))
         elif positions is not None:  # the same global positions on every row
-            self._step_args = dict(positions=positions.expand(per, -1))
+            self._step_args = dict(positions=positions.expand(rows.stop - rows.start, -1))
         self.documents.set(None)
         return tuple(t.to(self.device) for t in inputs), targets.to(self.device)
 
@@ -238,7 +240,7 @@ class ParallelModel:
     def microbatch(self, inputs: Sequence[torch.Tensor], targets: torch.Tensor, mb: int) -> torch.Tensor:
         """Forward and backward of micro-batch ``mb`` without a pipeline (gradients accumulate;
         replicate's all-reduce runs after the last one); returns its scaled loss (float64)."""
-        sm, n, mbs = self.stage_modules[0], self.n_microbatches, self.cfg.mbs
+        sm, n, mbs = self.stage_modules[0], self.n_microbatches, self.mbs
         dpar.sync_gradients(sm, self.cfg.zero, last=mb == n - 1)
         sl = slice(mb * mbs, (mb + 1) * mbs)
         step_args = {k: v[sl] for k, v in self._step_args.items()}  # the stage's per-step arguments

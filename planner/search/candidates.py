@@ -46,7 +46,8 @@ from planner.feasibility import (Batch, ClusterShape, cp_problem, modes_problem,
                                  tp_problem, zero_problem)
 from planner.graph import ModelGraph
 from planner.low_comm import low_comm_problem
-from planner.plan import SCHEDULES, ModelFacts, ParallelConfig, recompute_policies
+from planner.plan import SCHEDULES, ModelFacts, ParallelConfig
+from planner.recompute_rules import recompute_policies
 from planner.schedule_ir import seq_chunks_batch_problem, seq_chunks_problem
 from planner.sharding import ZERO
 from planner.search.pins import Pins

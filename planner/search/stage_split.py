@@ -14,7 +14,8 @@ from cost_models.offload import offload_saves
 from cost_models.wan_cost import hsdp_replicas, stage_capacity, stage_slowdowns
 from planner.feasibility import recompute_attention_problem
 from planner.graph import BLOCK_KINDS, ModelGraph
-from planner.plan import RECOMPUTE, ParallelConfig, Partition, recompute_policies
+from planner.plan import RECOMPUTE, ParallelConfig, Partition
+from planner.recompute_rules import recompute_policies
 from planner.search.schedule_gen import best_schedule
 from planner.search.wan_warmup import with_deep_warmup
 
