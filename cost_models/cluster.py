@@ -159,8 +159,9 @@ class Cluster:
 
     @property
     def mixed(self) -> bool:
-        """True when groups hold different device types."""
-        return len({self.group_device(g).name for g in range(self.n_groups)}) > 1
+        """True when some rank's device is not the cluster's ``[device]`` (the reference every layer is
+        priced on): groups of different device types, or groups whose one type is not ``[device]``."""
+        return len({self.device.name} | {self.group_device(g).name for g in range(self.n_groups)}) > 1
 
     # ---- derived figures -------------------------------------------------------
     @property

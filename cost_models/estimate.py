@@ -58,7 +58,7 @@ layer times or collective times were used, ``roofline`` / ``model`` otherwise.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cost_models import comm as comm_mod, pipeline as pipe_mod, wan as wan_mod
@@ -76,6 +76,7 @@ from cost_models.memory import StageMemory
 from cost_models.pipeline_memory import inflight_closed, rank_memories
 from cost_models.pipeline_memo import simulated
 from cost_models.seq_chunks import stage_chunk_parts
+from cost_models.speed_shares import group_view, share_groups, shares_words
 from cost_models.wan_cost import crossings, stage_capacity, stage_devices, stage_slowdowns
 from cost_models.shared_cores import compute_concurrency, core_speedup, shares_cores
 from planner.feasibility import microbatches
@@ -247,6 +248,8 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     cfg.validate()
     if len(partition.bounds) != cfg.pp * cfg.vpp:
         raise PlanError(f"partition has {len(partition.bounds)} stages, config needs pp*vpp = {cfg.pp * cfg.vpp}")
+    if cfg.dp_shares:
+        return _by_shares(graph, cluster, cfg, partition, global_batch, profile=profile, fast=fast, engine=engine)
     m = microbatches(cfg, global_batch)
     placement = pipe_mod.stage_placement(cfg, m, schedule)
     eng = engine_of(engine)
@@ -294,6 +297,25 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
         pipeline=result, p2p_hop_s=p2p, calibration=calibration_note(profile), engine=eng.name,
         schedule_ir=schedule if cfg.schedule == "custom" else None,
         wan=[x.to_dict() for x in crossings(graph, cluster, cfg, partition, m)], devices=stage_devices(cluster, cfg))
+
+
+def _by_shares(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition, global_batch: int,
+               **kw: Any) -> Estimate:
+    """``cfg`` with unequal data-parallel shares (``cost_models/speed_shares.py``): each (group, share)
+    priced as the layout with ``mbs = share`` on the cluster as that group's ranks see it, over the same
+    micro-batch count; the step is the slowest one's (the gradients meet after every replica's
+    backward) with its breakdown, the memory the fullest one's (the most of its device's)."""
+    m = microbatches(cfg, global_batch)
+    parts = [estimate(graph, group_view(cluster, sg.group), cfg.replace(mbs=sg.share, dp_shares=""), partition,
+                      cfg.dp * sg.share * m, **kw) for sg in share_groups(cluster, cfg)]
+    slowest = max(parts, key=lambda e: e.step_s)
+    fullest = max(parts, key=lambda e: max(x.total for x in e.memory) / e.capacity)
+    step, model_flops = slowest.step_s, model_flops_per_seq(graph) * global_batch
+    peak = cluster.peak_flops("fp32" if cluster.backend == "gloo" else cfg.dtype)
+    return replace(slowest, memory=fullest.memory, capacity=fullest.capacity, config=cfg, global_batch=global_batch,
+                   step_s=step,
+                   tokens_per_s=global_batch * graph.seq_len / step, mfu=model_flops / (step * cfg.world * peak),
+                   tflops_per_device=model_flops / step / cfg.world / 1e12, devices=[shares_words(cluster, cfg)])
 
 
 def _breakdown(stages: list[_StageCost], mine: list[int], m: int, pp: int, pipe_s: float, p2p: float,

@@ -156,6 +156,15 @@ def device_words(stages: list[dict], devices: list[str]) -> str:
     return "; ".join(f"stage {j} ({len(s['layers'])} layers) on {devices[s['rank']]}" for j, s in enumerate(stages))
 
 
+def devices_text(cfg: ParallelConfig, stages: list[dict], devices: list[str]) -> tuple[str, str]:
+    """On mixed devices, the report's title and words for where the work sits (an estimate's
+    ``devices``): which stages on which devices, or under ``dp_shares`` what each group's dp
+    ranks take of every micro-batch (``cost_models.speed_shares.shares_words``)."""
+    if cfg.dp_shares:
+        return "data-parallel shares by device speed", f"{devices[0]} (gradients as with equal shares)"
+    return "stages on devices", device_words(stages, devices)
+
+
 def wan_words(crossings: list[dict]) -> list[str]:
     """One line per place the mesh crosses the links between cluster groups (an estimate's ``wan``
     list, ``cost_models.wan_cost.Crossing``); empty on a one-group cluster or when nothing crosses."""

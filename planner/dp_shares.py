@@ -72,6 +72,11 @@ def shares_problem(text: str, dp: int, mbs: int, pp: int = 1, ep: int = 1, low_c
                 f"the shares redistribute the rows of equal micro-batches (mbs is their mean)")
     if len(set(shares)) == 1:
         return f"dp_shares={text!r} is equal for every rank: leave it out (mbs={mbs} says the same)"
+    return layout_problem(pp, ep, low_comm)
+
+
+def layout_problem(pp: int, ep: int = 1, low_comm: str = "") -> str | None:
+    """Why a layout of ``pp`` stages, expert degree ``ep`` and ``low_comm`` cannot run unequal shares, or None."""
     if pp > 1:
         return (f"dp_shares with pp={pp}: every replica of a pipeline spans all its stages' ranks (pp is the mesh's "
                 f"outermost dimension), so replicas do not differ in speed; use pp=1 or leave dp_shares out")

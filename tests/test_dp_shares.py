@@ -8,9 +8,14 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from cost_models.cluster import parse_cluster
+from cost_models.estimate import estimate
+from cost_models.speed_shares import group_view, replica_groups, speed_shares
 from planner.dp_shares import parse_shares, rank_rows, shares_problem, shares_text
 from planner.errors import PlanError
-from planner.plan import ParallelConfig
+from planner.frontend.load import load_graph
+from planner.plan import ParallelConfig, Partition
+from planner.search.space import search
 
 
 @settings(max_examples=200, deadline=None)
@@ -54,3 +59,58 @@ def test_config_carries_shares():
     assert "shares1x2+3x2" in cfg.label()
     assert ParallelConfig.parse(cfg.to_str()) == cfg
     assert "dp_shares" not in ParallelConfig(dp=4).to_str()  # quiet when unset: old plans read and write as before
+
+
+# ---- pricing and choosing shares on a pool of mixed devices (cost_models/speed_shares.py) ----
+
+MIXED = parse_cluster("mixed-a100-h100")  # 32 A100 (312 TFLOP/s bf16) then 32 H100 (989)
+
+
+def test_shares_follow_device_speed():
+    assert speed_shares(MIXED, ParallelConfig(dp=64, mbs=4)) == "2x32+6x32"
+    assert speed_shares(MIXED, ParallelConfig(dp=64, mbs=1)) == ""  # one row each: nothing to move
+    assert speed_shares(MIXED, ParallelConfig(dp=32, pp=2, mbs=4)) == ""  # replicas span both pods' stages
+    assert speed_shares(MIXED, ParallelConfig(dp=32, ep=2, mbs=4)) == ""  # the runtime does not run them there
+    assert speed_shares(parse_cluster("dgx-h100:4"), ParallelConfig(dp=32, mbs=4)) == ""  # one device type
+    assert replica_groups(MIXED, ParallelConfig(dp=8, tp=8)) == (0,) * 4 + (1,) * 4
+
+
+@pytest.mark.parametrize("mbs", [2, 3, 5, 8])
+def test_water_filling_is_optimal(mbs):
+    """No single row moved between two ranks lowers the slowest rank's rows over speed."""
+    cfg = ParallelConfig(dp=8, tp=8, mbs=mbs)
+    shares = list(parse_shares(speed_shares(MIXED, cfg)) or (mbs,) * 8)
+    speed = [312 if g == 0 else 989 for g in replica_groups(MIXED, cfg)]
+    worst = max(s / v for s, v in zip(shares, speed))
+    assert sum(shares) == 8 * mbs and min(shares) >= 1
+    for i in range(8):
+        for j in range(8):
+            if i != j and shares[i] > 1:
+                moved = shares.copy()
+                moved[i] -= 1
+                moved[j] += 1
+                assert max(s / v for s, v in zip(moved, speed)) >= worst - 1e-12
+
+
+def test_shares_price_each_group_on_its_device():
+    g = load_graph("llama3-8b", batch=1, seq_len=2048)
+    cfg, part = ParallelConfig(dp=64, mbs=2, zero="fsdp"), Partition.even(len(g.layers), 1)
+    equal = estimate(g, MIXED, cfg, part, 128)  # every rank at the A100's pace
+    shared = estimate(g, MIXED, cfg.replace(dp_shares="1x32+3x32"), part, 128)
+    a100 = estimate(g, group_view(MIXED, 0), cfg.replace(mbs=1), part, 64)
+    h100 = estimate(g, group_view(MIXED, 1), cfg.replace(mbs=3), part, 192)
+    assert shared.step_s == max(a100.step_s, h100.step_s) < 0.6 * equal.step_s
+    assert shared.microbatches == equal.microbatches == 1 and shared.global_batch == 128
+    assert shared.memory == h100.memory and shared.capacity == h100.capacity  # the fullest device's
+    assert "h100-pod: H100-SXM5-80GB, 32 dp ranks taking 3 sequences" in shared.devices[0]
+    big = estimate(g, MIXED, ParallelConfig(dp=64, mbs=8, zero="fsdp", dp_shares="1x32+15x32"), part, 512)
+    assert not big.fits  # 15 sequences overfill the H100s, whatever the A100s hold
+
+
+def test_search_chooses_shares_where_they_win():
+    g = load_graph("llama3-8b", batch=1, seq_len=2048)
+    best = search(g, MIXED, 128).best
+    assert best.config.dp_shares and best.config.pp == 1, best.config.label()
+    equal = estimate(g, MIXED, best.config.replace(dp_shares=""), best.partition, 128)
+    assert best.step_s < 0.75 * equal.step_s
+    assert search(g, parse_cluster("dgx-h100:8"), 128).best.config.dp_shares == ""

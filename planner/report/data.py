@@ -10,7 +10,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from planner.describe import CP_METHODS, describe, device_words, wan_words
+from planner.describe import CP_METHODS, describe, devices_text, wan_words
 from planner.plan import ParallelConfig, Plan, PlanError
 
 GiB = 2**30
@@ -364,10 +364,10 @@ def summary_rows(r: Report) -> list[tuple[str, str, str, Any]]:
         ("source", "source of the figures", src_txt, src),
         ("calibration", "calibration", e.get("calibration", "uncalibrated"), e.get("calibration", "uncalibrated")),
     ]
-    if e.get("stage_devices"):  # mixed devices: which stages sit on which devices
+    if e.get("stage_devices"):  # mixed devices: which stages sit on which devices, or the dp ranks' shares
+        title, text = devices_text(cfg, p.stages, e["stage_devices"])
         rows.insert(next(i for i, row in enumerate(rows) if row[0] == "degrees") + 1,
-                    ("stage_devices", "stages on devices", device_words(p.stages, e["stage_devices"]),
-                     e["stage_devices"]))
+                    ("stage_devices", title, text, cfg.dp_shares or e["stage_devices"]))
     if e.get("wan"):  # after the batch: where the mesh crosses the links between cluster groups
         rows.insert(next(i for i, row in enumerate(rows) if row[0] == "batch") + 1,
                     ("wan", "across the WAN", "; ".join(wan_words(e["wan"])), e["wan"]))

@@ -20,7 +20,8 @@ from planner.plan import SCHEDULES, ParallelConfig, Plan
 from planner.schedule_ir import Schedule
 from planner.feasibility import degrees_problem, expert_groups_problem, problems
 from planner.search.candidates import batch_of, facts_of
-from planner.search.space import SearchResult, search
+from planner.search.result import SearchResult
+from planner.search.space import search
 from planner.search.seq_lens import SeqLens, as_histogram, with_documents
 from planner.search.stage_split import even_split as split_evenly
 from planner.search.stage_split import split_and_estimate

@@ -33,8 +33,9 @@ and variants the cost model proves no better than another (``candidates.DOMINATE
 Surviving variants get the closed-form estimate on an even stage split, their memory checked first
 (``cost_models.pipeline_memory.memory_bound``, a lower bound of the fullest rank on any split, rejects a
 variant before the exact ``fullest_rank`` where it is over the device already; 1F1B across a WAN cut also
-with a deeper warm-up: planner/search/wan_warmup.py); the best ``solve_top`` are then re-partitioned by the
-ILP (planner/search/partition.py) and simulated in full ("fully solved"); the best of those is the plan.
+with a deeper warm-up: planner/search/wan_warmup.py; on mixed devices also with dp shares by speed:
+planner/search/shares_variant.py); the best ``solve_top`` are then re-partitioned by the ILP
+(planner/search/partition.py) and simulated in full ("fully solved"); the best of those is the plan.
 
 Pins (``planner.search.pins.Pins``, ``autopar plan --fix``) narrow the space before any of this: only the
 degrees, micro-batch sizes and variants they admit are enumerated, counted and priced; when none of those
@@ -75,24 +76,12 @@ from planner.search.kernel_choice import AttentionChoice, attention_choice
 from planner.search.no_fit import nothing_fits
 from planner.search.pins import Pins
 from planner.search.rank_floor import RankFloors
+from planner.search.result import SearchResult
+from planner.search.shares_variant import with_speed_shares
 from planner.search.stage_split import fast_splits, generates, split_and_estimate
 from planner.search.wan_warmup import deepen, undeepened
 
 GiB = 2**30
-
-
-@dataclass
-class SearchResult:
-    best: Estimate
-    alternatives: list[Estimate]                  # next best (fit), ranked
-    rejected: dict[str, list[str]]                # reason -> example configurations
-    rejected_counts: dict[str, int]
-    considered: int = 0
-    pruned: int = 0
-    estimated: int = 0
-    fully_solved: int = 0
-    solve_s: float = 0.0
-    partition_info: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -338,6 +327,7 @@ def _ranked_variants(space: _Space, tuples: list[_Tuple], inc: Incumbents) -> li
         cfg = cfg or _config(space, t, choice)
         e = _fast_estimate(space, cfg, t.costs if LayerCosts.key(cfg) == LayerCosts.key(t.costs.cfg) else
                            space.costs(cfg), t.m)
+        e = with_speed_shares(space.graph, space.cluster, cfg, e, space.global_batch, space.profile)  # mixed devices
         res.estimated += 1
         if isinstance(e, tuple):
             r, over, need = e

@@ -20,7 +20,8 @@ from planner.errors import AutoparError
 from planner.graph import ModelGraph
 from planner.schedule_ir import Schedule
 from planner.search.pins import Pins
-from planner.search.space import SearchResult, search
+from planner.search.result import SearchResult
+from planner.search.space import search
 
 REPRICED = 8  # layouts priced with the user's schedule (each one simulation of its IR)
 
