@@ -72,6 +72,10 @@ behaviour of a named engine (the flag or default that turns it on is cited):
   mask too (torch 2.13 on CPU: a causal boolean mask over 4K tokens and 16 heads added 0.14 GiB to
   the peak, not the 1 GiB of materialised fp32 scores), so it keeps no S x S tensor; under CP
   its ring runs unfused blocks (:meth:`Engine.attention_kernel_of`).
+- ``fsdp2_mixed_precision``: FSDP2's ``MixedPrecisionPolicy`` (fp32 masters, compute-dtype copies
+  cast per unshard, gradients cast to fp32 and accumulated every backward): the per-micro-batch
+  copies of cost_models/mp_casts.py (autopar's runtime, codegen/runtime/precision.py; torchtitan's
+  ``mixed_precision_param`` bf16 / ``mixed_precision_reduce`` fp32 defaults).
 - ``fused_optimizer``: one fused AdamW kernel per parameter group (Apex / TE FusedAdam in
   Megatron; torchtitan's default ``fused``; autopar's runtime, ``codegen.runtime.optim.adamw``):
   ``FUSED_OPT_BYTES_PER_PARAM`` instead of the
@@ -143,6 +147,7 @@ class Engine:
     fp8_tp_all_gather: bool = False
     attention_kernel: str = "fa3"
     eager_attention: str = UNFUSED_ATTENTION
+    fsdp2_mixed_precision: bool = False
     fused_optimizer: bool = False
     fused_elementwise: bool = False
     recompute_modules: tuple[str, ...] = ()
@@ -174,6 +179,7 @@ class Engine:
 
 ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine("autopar", fused_optimizer=True, attention_kernel="autopar-triton", eager_attention="torch-sdpa",
+           fsdp2_mixed_precision=True,
            doc="autopar's runtime (codegen/runtime): FSDP2 / DDP gradient overlap, fused AdamW "
                "(codegen.runtime.optim.adamw; the per-parameter loop where plain and DTensor parameters mix), "
                "blocking collectives elsewhere"),
@@ -205,10 +211,11 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
            doc="Meta's Llama 3 stack as its paper describes it: FSDP (ZeRO-2-like) with overlapped "
                "reduction, asynchronous pipeline P2P"),
     Engine("torchtitan", dp_overlap=True, fused_optimizer=True, fp8_tp_all_gather=True, attention_kernel="fa2",
+           fsdp2_mixed_precision=True,
            doc="torchtitan: FSDP2 with prefetch and overlapped reduce-scatter, fused AdamW (its default), "
                "eager TP without async TP"),
     Engine("torchtitan-asynctp", tp_overlap=True, dp_overlap=True, fused_optimizer=True, fp8_tp_all_gather=True,
-           attention_kernel="fa2",
+           attention_kernel="fa2", fsdp2_mixed_precision=True,
            doc="torchtitan with --parallelism.enable_async_tensor_parallel (under torch.compile): the TP "
                "all-gather / reduce-scatter decomposed and overlapped with the GEMMs (micro-pipelined)"),
 )}

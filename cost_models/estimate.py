@@ -75,6 +75,7 @@ from cost_models.offload import host_capacity_bytes
 from cost_models.memory import StageMemory
 from cost_models.pipeline_memory import inflight_closed, rank_memories
 from cost_models.pipeline_memo import simulated
+from cost_models.mp_casts import stage_mp_casts
 from cost_models.seq_chunks import stage_chunk_parts
 from cost_models.speed_shares import group_view, share_groups, shares_words
 from cost_models.wan_cost import crossings, stage_capacity, stage_devices, stage_slowdowns
@@ -160,14 +161,19 @@ class _StageCost:
 
 
 def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, comp_src: set,
-                 comm_src: set, cfg: ParallelConfig, placement: tuple[int, ...]) -> list[_StageCost]:
+                 comm_src: set, cfg: ParallelConfig, placement: tuple[int, ...], m: int) -> list[_StageCost]:
     """Per virtual stage: its layers' compute, TP/CP communication and recompute (sources noted),
-    and the CPU runtime's data-parallel wrapper work per wrapped unit (cost_models/cpu_runtime.py);
-    on mixed devices sped up or slowed down to its rank's (``placement[j]``) device."""
+    and the data-parallel wrapper's work (breakdown ``runtime``): the CPU runtime's per wrapped
+    unit (cost_models/cpu_runtime.py), FSDP2's mixed-precision copies on GPUs
+    (cost_models/mp_casts.py, ``m`` micro-batches per step); on mixed devices sped up or slowed
+    down to its rank's (``placement[j]``) device."""
     out = []
     unit_s = wrapper_unit_s(costs.c, cfg, costs.profile)  # cfg's wrapper: costs may be another zero's or pp's
+    cal = calibration(costs.profile)
     for (lo, hi), rc in zip(partition.bounds, partition.recompute):
         f, b = stage_wrapper_s(graph, costs.table(cfg), cfg, lo, hi, unit_s)
+        mp = stage_mp_casts(graph, cfg, lo, hi, m, costs.c, cal, costs.engine)
+        f, b = f + mp.per_call_fwd + mp.per_microbatch_fwd, b + mp.per_call_bwd  # and the stage's copies
         cf, cb = f, b
         parts = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "ep_comm": 0.0, "recompute": 0.0, "runtime": f + b,
                  "offload": 0.0, "ep_unpaired": 0.0}
@@ -257,11 +263,11 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
         costs = LayerCosts(graph, cluster, cfg, profile, engine=eng)
     cluster = costs.c  # the ranks cfg runs: fewer CPU ranks with more threads each (shared_cores.ranks_cluster)
     comp_src, comm_src = set(), set()
-    stages = _stage_costs(graph, partition, costs, comp_src, comm_src, cfg, placement)
+    stages = _stage_costs(graph, partition, costs, comp_src, comm_src, cfg, placement, m)
 
     # ---- pipeline ----------------------------------------------------------------
     hops = _p2p_hops(graph, cluster, cfg, partition, profile, comm_src)
-    p2p, attn = hops.slowest, stage_chunk_parts(graph, partition, costs, cfg) if cfg.seq_chunks > 1 else None
+    p2p, attn = hops.slowest, stage_chunk_parts(graph, partition, costs, cfg, m) if cfg.seq_chunks > 1 else None
     pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, hops, fast, eng.p2p_overlap, schedule, attn)
     speed = _shared_core_speedup(cluster, cfg, bubble, result)
     if speed > 1.0:  # fewer ranks compute at once than the layer times assume: re-run at that speed

@@ -31,10 +31,12 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from cost_models.cluster import Cluster
+from cost_models.compute import calibration
 from cost_models.cpu_runtime import wrapper_unit_s
 from cost_models.dp_units import stage_wrapper_s
 from cost_models.layer_costs import LayerCosts
 from cost_models.memory import ChunkMemory
+from cost_models.mp_casts import stage_mp_casts
 from planner.graph import ModelGraph
 from planner.plan import ParallelConfig, Partition
 from planner.precision import DTYPE_BYTES
@@ -73,15 +75,19 @@ class ChunkParts:
                                                                  self.fixed_bwd)))
 
 
-def stage_chunk_parts(graph: ModelGraph, partition: Partition, costs: LayerCosts, cfg: ParallelConfig) -> ChunkParts:
+def stage_chunk_parts(graph: ModelGraph, partition: Partition, costs: LayerCosts, cfg: ParallelConfig,
+                      m: int) -> ChunkParts:
     """Per virtual stage, one micro-batch: the attention cores (``LayerCost.core``; the backward
     ``ATTN_BWD_OVER_FWD`` times it) and the fixed part of every layer's pass (its profiled
     ``ProfileDB.layer_fixed_share`` of the priced time, 0 without a profile) plus the
     data-parallel wrapper's per-unit work (``cost_models.cpu_runtime.wrapper_unit_s``) on each unit it
-    wraps (``cost_models.dp_units.stage_wrapper_s``), for ``cfg`` (``costs`` may have been built for
-    another configuration of the same ``LayerCosts.key``: another zero, pp or chunk count)."""
+    wraps (``cost_models.dp_units.stage_wrapper_s``), and FSDP2's mixed-precision copies every call
+    pays (``cost_models.mp_casts``: ``cfg`` with ``m`` micro-batches per step), for ``cfg`` (``costs`` may
+    have been built for another configuration of the same ``LayerCosts.key``: another zero, pp or chunk
+    count)."""
     prof = costs.profile
     unit_s = wrapper_unit_s(costs.c, cfg, prof)
+    cal = calibration(prof)
     out, shares = ChunkParts([], [], [], []), {}  # the profiled fixed shares, once per layer signature
     for lo, hi in partition.bounds:
         af = ff = fb = 0.0
@@ -96,7 +102,8 @@ def stage_chunk_parts(graph: ModelGraph, partition: Partition, costs: LayerCosts
                 sf, sb = shares[layer.signature]
             af, ff, fb = af + c.core, ff + sf * c.fwd, fb + sb * c.bwd
         wf, wb = stage_wrapper_s(graph, costs.table(cfg), cfg, lo, hi, unit_s)  # the wrapper's work
-        ff, fb = ff + wf, fb + wb
+        mp = stage_mp_casts(graph, cfg, lo, hi, m, costs.c, cal, costs.engine)  # every call's copies
+        ff, fb = ff + wf + mp.per_call_fwd, fb + wb + mp.per_call_bwd
         out.attn_fwd.append(af)
         out.attn_bwd.append(ATTN_BWD_OVER_FWD * af)
         out.fixed_fwd.append(ff)

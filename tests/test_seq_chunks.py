@@ -219,10 +219,11 @@ def _chunked_estimates(cluster: str, layout: str, gb: int, profile=None) -> dict
 
 
 def test_estimate_prices_chunks_faster_and_smaller_on_a_pipeline():
-    """The full estimate on a 2-stage pipeline (GPU roofline, 4 micro-batches per replica: no fixed
-    per-call part): k = 2 and 4 shrink the step, the bubble and the activations held per rank; the
-    KV store adds to rank 0's activations."""
-    out = _chunked_estimates("dgx-h100:1", "pp=2,dp=4", 16)
+    """The full estimate on a 2-stage pipeline (GPU roofline in fp32, 4 micro-batches per replica: no
+    fixed per-call part; mixed precision's per-call copies are tests/test_mp_casts.py's): k = 2 and 4
+    shrink the step, the bubble and the activations held per rank; the KV store adds to rank 0's
+    activations."""
+    out = _chunked_estimates("dgx-h100:1", "pp=2,dp=4,dtype=fp32", 16)
     assert out[4].step_s < out[2].step_s < out[1].step_s
     assert out[4].bubble_frac < out[2].bubble_frac < out[1].bubble_frac
     assert out[4].memory[0].activations < out[2].memory[0].activations < out[1].memory[0].activations

@@ -10,6 +10,7 @@ from cost_models.pipeline_memory import inflight_closed, rule_of
 from cost_models.layer_costs import LayerCosts, act_bytes_io, layer_pass_times
 from cost_models.compute import calibration
 from cost_models.memory import chunk_memory, framework_reserve
+from cost_models.mp_casts import stage_mp_casts
 from cost_models.offload import offload_saves
 from cost_models.wan_cost import hsdp_replicas, stage_capacity, stage_slowdowns
 from planner.feasibility import recompute_attention_problem
@@ -105,11 +106,13 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
     costs = LayerCosts(graph, cluster, cfg.replace(recompute="none"), profile)  # recompute is priced below
     rule = rule_of(graph, cfg, costs.table(cfg), hsdp_replicas(cluster, cfg))
     groups = graph.stage_groups()
+    cal = calibration(profile)
     fwd, bwd, act, peak, static, transient, out_p2p, classes = [], [], [], [], [], [], [], []
     for g, (lo, hi) in enumerate(groups):
         passes = {p: [layer_pass_times(costs.get(l), p) for l in graph.layers[lo:hi]] for p in RECOMPUTE}
-        fwd.append({p: sum(t.fwd for t in ts) for p, ts in passes.items()})
-        bwd.append({p: sum(t.bwd for t in ts) for p, ts in passes.items()})
+        mp = stage_mp_casts(graph, cfg, lo, hi, m, costs.c, cal, costs.engine)  # the estimate's stage rule too
+        fwd.append({p: sum(t.fwd for t in ts) + mp.fwd for p, ts in passes.items()})
+        bwd.append({p: sum(t.bwd for t in ts) + mp.per_call_bwd for p, ts in passes.items()})
         mem = {p: chunk_memory(rule, range(lo, hi), p) for p in RECOMPUTE}
         act.append({p: c.act for p, c in mem.items()})
         peak.append({p: c.peak for p, c in mem.items()})
