@@ -173,7 +173,7 @@ def _stage_costs(graph: ModelGraph, partition: Partition, costs: LayerCosts, com
     for (lo, hi), rc in zip(partition.bounds, partition.recompute):
         f, b = stage_wrapper_s(graph, costs.table(cfg), cfg, lo, hi, unit_s)
         mp = stage_mp_casts(graph, cfg, lo, hi, m, costs.c, cal, costs.engine)
-        f, b = f + mp.per_call_fwd + mp.per_microbatch_fwd, b + mp.per_call_bwd  # and the stage's copies
+        f, b = f + mp.fwd, b + mp.bwd  # and the stage's copies
         cf, cb = f, b
         parts = {"compute": 0.0, "tp_comm": 0.0, "cp_comm": 0.0, "ep_comm": 0.0, "recompute": 0.0, "runtime": f + b,
                  "offload": 0.0, "ep_unpaired": 0.0}

@@ -12,13 +12,21 @@ gradients then pass through memory-bound kernels, per element (bytes):
   and again for its backward when it reshards after the forward
   (``planner.sharding.reshard_after_forward``); a pipeline schedule keeps its stages gathered for
   the step's micro-batches: one unshard per step, its share per micro-batch;
-- every backward call casts the unit's compute-dtype gradients to fp32 (read 2, write 4 per element
-  of the unit) and adds them to the fp32 gradient it keeps (read 4 + 4, write 4 per element): its
-  shard when it reduce-scatters every micro-batch (FSDP / ZeRO-2 without a pipeline), the whole
-  unit when gradients accumulate unsynced until the last micro-batch (``replicate``, pipelines).
+- every backward call that reduce-scatters (FSDP / ZeRO-2 without a pipeline) casts the unit's
+  compute-dtype gradients to fp32 into the collective's buffer (read 2, write 4 per element of the
+  unit) and adds the reduced shard to the fp32 gradient it keeps (read 4 + 4, write 4 per element of
+  the shard). Where gradients accumulate unsynced until the last micro-batch (``replicate``,
+  pipelines: torch's schedules turn the sync off for all but the last backward), FSDP2 adds the
+  call's compute-dtype gradient into the unit's fp32 accumulator in place
+  (``FSDPParam.accumulate_unsharded_grad_if_needed``: read 4 + 2, write 4 per element of the unit;
+  the first call's cast, read 2 and write 4, is charged the same), and the step's one reduction
+  reads the accumulator into the collective's buffer (read 4, write 4 per element of the unit)
+  and adds the reduced shard (12 per element of the shard): its share per micro-batch. One
+  micro-batch per step without a pipeline reduces at once (the runtime keeps the sync on for the
+  last micro-batch: codegen/runtime/data_parallel.sync_gradients).
 
-Per-call work is paid by every sequence chunk (cost_models/seq_chunks.py); the pipeline's once-
-per-step unshard is not. The bytes run at the kernel model's HBM rate (``gpu_kernels.memory_seconds``),
+Per-call work is paid by every sequence chunk (cost_models/seq_chunks.py); the once-per-step
+shares are not. The bytes run at the kernel model's HBM rate (``gpu_kernels.memory_seconds``),
 two kernels per pass (a unit's foreach cast and its copy or add; a unit per layer holding
 parameters, as the runtime wraps blocks). The stage ILP adds the same per layer
 (planner/search/stage_split.py), so both price a stage alike. Engines without FSDP2's policy (Megatron-Core: bf16 parameters, fp32 main gradients
@@ -37,7 +45,7 @@ from cost_models.model_states import dp_group
 from planner.graph import Layer, ModelGraph
 from planner.plan import ParallelConfig
 from planner.precision import DTYPE_BYTES, GRAD_REDUCE_BYTES, MASTER_BYTES, mixed_precision
-from planner.sharding import SHARDED_PARAMS, reshard_after_forward
+from planner.sharding import SHARDED_PARAMS, ZERO, reshard_after_forward
 
 KERNELS_PER_PASS = 2  # per unit: the foreach cast and the copy (or the add)
 
@@ -45,20 +53,32 @@ KERNELS_PER_PASS = 2  # per unit: the foreach cast and the copy (or the add)
 @dataclass(frozen=True)
 class MpCasts:
     """One layer's (or stage's) mixed-precision copies for one micro-batch, seconds: what every
-    forward and backward call pays (each sequence chunk is a call), and the pipeline's once-per-step
-    unshard's share of a micro-batch (paid by the forward)."""
+    forward and backward call pays (each sequence chunk is a call), and the micro-batch's share of
+    what is paid once per step: the pipeline's unshard (by the forward), the reduction of gradients
+    accumulated unsynced (by the backward)."""
     per_call_fwd: float = 0.0
     per_call_bwd: float = 0.0
     per_microbatch_fwd: float = 0.0
+    per_microbatch_bwd: float = 0.0
 
     @property
     def fwd(self) -> float:
         """The forward's seconds per micro-batch (whole sequences)."""
         return self.per_call_fwd + self.per_microbatch_fwd
 
+    @property
+    def bwd(self) -> float:
+        """The backward's seconds per micro-batch (whole sequences)."""
+        return self.per_call_bwd + self.per_microbatch_bwd
+
     def __add__(self, o: "MpCasts") -> "MpCasts":
         return MpCasts(self.per_call_fwd + o.per_call_fwd, self.per_call_bwd + o.per_call_bwd,
-                       self.per_microbatch_fwd + o.per_microbatch_fwd)
+                       self.per_microbatch_fwd + o.per_microbatch_fwd, self.per_microbatch_bwd + o.per_microbatch_bwd)
+
+    def per_rank(self, ranks: int) -> "MpCasts":
+        """Each figure over ``ranks``."""
+        return MpCasts(self.per_call_fwd / ranks, self.per_call_bwd / ranks, self.per_microbatch_fwd / ranks,
+                       self.per_microbatch_bwd / ranks)
 
 
 def layer_mp_casts(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, m: int, cluster: Cluster,
@@ -73,15 +93,18 @@ def layer_mp_casts(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, m: int,
     shard = full / (dp_group(cfg) if cfg.zero in SHARDED_PARAMS else 1)
     elem = DTYPE_BYTES[cfg.dtype]
     unshard = (MASTER_BYTES + elem) * shard + 2 * elem * full
-    synced = cfg.zero in SHARDED_PARAMS and cfg.pp == 1  # reduce-scattered every micro-batch
-    grads = (elem + GRAD_REDUCE_BYTES) * full + 3 * GRAD_REDUCE_BYTES * (shard if synced else full)
     gpu, co = gk.gpu_spec(cluster, cfg.dtype), gk.GpuCoefficients.of(cal)
-    bwd = gk.memory_seconds(grads, KERNELS_PER_PASS, gpu, co)
+    seconds = lambda nbytes: gk.memory_seconds(nbytes, KERNELS_PER_PASS, gpu, co)  # noqa: E731
+    reducing = (elem + GRAD_REDUCE_BYTES) * full + 3 * GRAD_REDUCE_BYTES * shard  # cast into the buffer, add the shard
+    if cfg.pp == 1 and (cfg.zero in SHARDED_PARAMS or m == 1):  # every call reduces
+        grads, step = seconds(reducing), 0.0
+    else:  # added into the fp32 accumulator in place; the step's one reduction reads it back (4 + 4)
+        grads = seconds((elem + 2 * GRAD_REDUCE_BYTES) * full)
+        step = seconds(2 * GRAD_REDUCE_BYTES * full + 3 * GRAD_REDUCE_BYTES * shard) / m
     if cfg.pp > 1:
-        return MpCasts(0.0, bwd, gk.memory_seconds(unshard, KERNELS_PER_PASS, gpu, co) / m)
-    again = reshard_after_forward(cfg.zero, cfg.pp, dp_group(cfg))
-    fwd = gk.memory_seconds(unshard, KERNELS_PER_PASS, gpu, co)
-    return MpCasts(fwd, bwd + (fwd if again else 0.0), 0.0)
+        return MpCasts(0.0, grads, seconds(unshard) / m, step)
+    fwd = seconds(unshard)
+    return MpCasts(fwd, grads + (fwd if reshard_after_forward(cfg.zero, cfg.pp, dp_group(cfg)) else 0.0), 0.0, step)
 
 
 def stage_mp_casts(graph: ModelGraph, cfg: ParallelConfig, lo: int, hi: int, m: int, cluster: Cluster,
@@ -89,3 +112,24 @@ def stage_mp_casts(graph: ModelGraph, cfg: ParallelConfig, lo: int, hi: int, m: 
     """The copies of the stage holding layers ``lo:hi``: its layers' summed."""
     return sum((layer_mp_casts(graph.layers[i], graph, cfg, m, cluster, cal, engine) for i in range(lo, hi)),
                MpCasts())
+
+
+def least_mp_casts(graph: ModelGraph, cfg: ParallelConfig, m: int, cluster: Cluster, cal: dict[str, float] | None,
+                   engine: Engine) -> MpCasts:
+    """A lower bound of the copies one micro-batch pays on a rank of ``cfg``'s degrees in every variant
+    the search prices (any DP sharding, one sequence chunk: chunks only add calls): the whole model's
+    copies under the sharding that pays least, over ``cfg.pp`` (the stages hold the layers between
+    them); zero wherever :func:`layer_mp_casts` is. The search's time floors add it so that they stay
+    below the estimates that charge the copies."""
+    best: MpCasts | None = None
+    for zero in ZERO:
+        c, per_sig = cfg.replace(zero=zero, seq_chunks=1), {}
+        total = MpCasts()
+        for layer in graph.layers:
+            if layer.signature not in per_sig:
+                per_sig[layer.signature] = layer_mp_casts(layer, graph, c, m, cluster, cal, engine)
+            total = total + per_sig[layer.signature]
+        if best is None or total.fwd + total.bwd < best.fwd + best.bwd:
+            best = total
+    assert best is not None
+    return best.per_rank(cfg.pp)

@@ -5,31 +5,27 @@ and variant (schedule, vpp, DP sharding, recompute, sequence parallel) the feasi
 accept (planner/feasibility.py), within the search's documented space choices. Pipeline stages are cut between stage
 groups only (``ModelGraph.stage_groups``). With cp > 1 the context-parallel method (ring, Ulysses or the hybrid:
 ``ParallelConfig.ulysses``) changes only the layer times, so each tuple takes the Ulysses degree whose layers are
-fastest (``_best_ulysses``) and records the others as rejected with that reason.
-
-Pruning keeps the space whole but cheap, with two bounds per degree tuple (dp, pp, cp, tp, mbs), computed once for
-all its variants:
-- **memory floor** (``cost_models.memory.memory_floor``, a lower bound of the one memory
-  rule): the model states that FSDP with full recompute leaves on the fullest rank (at
-  least the average over pp ranks) plus the reserve. Above the
-  device memory, no variant can fit; all are rejected with that reason.
-- **time floor**: the rank's compute and TP/CP communication (critical-path work
-  every variant does) with perfect pipeline balance, no recompute, plus the
-  smallest bubble any schedule here reaches (interleaving with the most chunks tried, v = 4
-  unless ``--fix vpp`` allows more: ``(pp-1) t / v``), i.e. ``m t + (pp-1) t / v`` with
+fastest (``_best_ulysses``) and records the others as rejected with that reason. Pruning keeps the space whole but
+cheap, with two bounds per degree tuple (dp, pp, cp, tp, mbs), computed once for all its variants:
+- **memory floor** (``cost_models.memory.memory_floor``, a lower bound of the one memory rule): the model
+  states that FSDP with full recompute leaves on the fullest rank (at least the average over pp ranks) plus
+  the reserve. Above the device memory, no variant can fit; all are rejected with that reason.
+- **time floor**: the rank's compute, TP/CP communication and mixed-precision copies at their least
+  (``cost_models.mp_casts.least_mp_casts``: work every variant does) with perfect pipeline balance, no
+  recompute, plus the smallest bubble any schedule here reaches (interleaving with the most chunks tried,
+  v = 4 unless ``--fix vpp`` allows more: ``(pp-1) t / v``), i.e. ``m t + (pp-1) t / v`` with
   ``t = sum(fwd + bwd + comm) / pp`` (``cost_models.pipeline.linear_step`` on equal stages), and
   at least ``m`` times the busiest rank's work when whole stage groups are dealt to the pp ranks
-  (planner/search/rank_floor.py: 80 blocks on 64 ranks leave some rank two; one device type).
-  On a cluster with a WAN, at least ``cost_models.wan_cost.wan_floor_s`` (the gradients'
-  cross-group phase; a WAN pipeline boundary's activations one after another).
-  Above what a variant must beat to be solved (``planner.search.incumbents``: the
-  ``solve_top``-th best estimate so far, and for a variant a generated schedule may run
-  across the WAN the best such one beyond them), no variant can matter; all are pruned.
-Tuples and variants are visited best floor first (one heap), so good incumbents come early and the pruned
-search solves exactly what the unpruned one would. Inside a tuple, each variant gets its own floor (its
-schedule's closed form on perfectly balanced stages, plus its recompute, at least its busiest rank's; with a
-pipeline boundary on the WAN, plus the stall of its most units in flight: ``wan_cost.pipeline_wan_floor_s``),
-and variants the cost model proves no better than another (``candidates.DOMINATED``) are skipped.
+  (planner/search/rank_floor.py: 80 blocks on 64 ranks leave some rank two; one device type). On a cluster
+  with a WAN, at least ``cost_models.wan_cost.wan_floor_s`` (the gradients' cross-group phase; a WAN pipeline
+  boundary's activations one after another). Above what a variant must beat to be solved
+  (``planner.search.incumbents``: the ``solve_top``-th best estimate so far, and for a variant a generated
+  schedule may run across the WAN the best such one beyond them), no variant can matter; all are pruned.
+Tuples and variants are visited best floor first (one heap), so good incumbents come early and the pruned search
+solves exactly what the unpruned one would. Inside a tuple, each variant gets its own floor (its schedule's closed
+form on perfectly balanced stages, plus its recompute, at least its busiest rank's; with a pipeline boundary on
+the WAN, plus the stall of its most units in flight: ``wan_cost.pipeline_wan_floor_s``), and variants the cost
+model proves no better than another (``candidates.DOMINATED``) are skipped.
 Surviving variants get the closed-form estimate on an even stage split, their memory checked first
 (``cost_models.pipeline_memory.memory_bound``, a lower bound of the fullest rank on any split, rejects a
 variant before the exact ``fullest_rank`` where it is over the device already; 1F1B across a WAN cut also
@@ -37,10 +33,9 @@ with a deeper warm-up: planner/search/wan_warmup.py; on mixed devices also with 
 planner/search/shares_variant.py); the best ``solve_top`` are then re-partitioned by the ILP
 (planner/search/partition.py) and simulated in full ("fully solved"); the best of those is the plan.
 
-Pins (``planner.search.pins.Pins``, ``autopar plan --fix``) narrow the space before any of this: only the
-degrees, micro-batch sizes and variants they admit are enumerated, counted and priced; when none of those
-fits, the error names the pins and the least memory per device a pinned layout needs. The attention kernel:
-planner/search/kernel_choice.py."""
+Pins (``planner.search.pins.Pins``, ``autopar plan --fix``) narrow the space before any of this: only the degrees,
+micro-batch sizes and variants they admit are enumerated, counted and priced; when none of those fits, the error
+names the pins and the least memory per device a pinned layout needs. The attention kernel: kernel_choice.py."""
 from __future__ import annotations
 
 import heapq
@@ -50,10 +45,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from cost_models.cluster import Cluster
+from cost_models.engines import engine_of
 from cost_models.estimate import Estimate, estimate
 from cost_models.pipeline_memory import fullest_rank, inflight_closed, memory_bound
 from cost_models.pipeline_memo import forget as forget_simulations
 from cost_models.layer_costs import LayerCosts
+from cost_models.mp_casts import least_mp_casts
 from cost_models.pipeline import estimate_step, linear_step
 from cost_models.wan_cost import BalancedPipe, WanHop, cheapest_wan_hops, deep_allowance, pipeline_wan_floor_s, wan_floor_s
 from planner.low_comm import low_comm_problem, parse_low_comm
@@ -108,6 +105,7 @@ class _Space:
     ulysses_cache: dict = field(default_factory=dict)  # (cp, tp, ep, mbs) -> the best Ulysses degree
     split_cache: dict = field(default_factory=dict)    # (pp, vpp, recompute, dp cp tp) -> the fast pass's splits
     stage_cache: dict = field(default_factory=dict)    # per LayerCosts.key: one micro-batch's seconds over the layers
+    copies_cache: dict = field(default_factory=dict)   # (dp, pp, cp, tp, ep, m) -> the least mixed-precision copies
     leanest: tuple[float, bool] = (math.inf, False)   # least bytes per device any rejected layout needs, exact?
     bounded: list[tuple] = field(default_factory=list)  # (bound, cfg, costs, m): the memory bound's rejections
     rank_floors: RankFloors = field(init=False)       # the busiest rank's floors (planner/search/rank_floor.py)
@@ -154,8 +152,7 @@ class _Tuple:
 
     @property
     def label(self) -> str:
-        ep = f" ep={self.ep}" if self.moe else ""
-        uly = f" ulysses={self.ulysses}" if self.ulysses > 1 else ""
+        ep, uly = (f" ep={self.ep}" if self.moe else ""), (f" ulysses={self.ulysses}" if self.ulysses > 1 else "")
         return f"dp={self.dp} pp={self.pp} cp={self.cp}{uly} tp={self.tp}{ep} mbs={self.mbs}"
 
 
@@ -250,7 +247,7 @@ def _tuple_floor(space: _Space, dp: int, pp: int, cp: int, tp: int, ep: int, mbs
     base = _base_config(space, dp, pp, cp, tp, ep, mbs, ulysses)
     cap = ranks_cluster(space.cluster, base).memory_bytes  # fewer CPU ranks: each has more of the memory
     costs = space.costs(base)
-    t_rank = _rank_seconds(space, base) / pp
+    t_rank = _rank_seconds(space, base) / pp + sum(_copies(space, base, m))
     # bubble: no schedule here does better than interleaving with the most chunks tried (v >= 4; zb-h1's
     # bubble is at least (pp-1) t / 2): the step-time model's linear form on perfectly balanced stages
     v = max([4] + [v for _, v in schedule_choices(pp, m, space.facts, pins)])
@@ -279,10 +276,21 @@ def _variant_request(space: _Space) -> dict:
                 offload=offload_saves(space.cluster), seq_chunks=searched_chunks(space.cluster))
 
 
-def _balanced_stage_times(space: _Space, costs: LayerCosts, pp: int) -> dict[str, tuple[float, float]]:
+def _copies(space: _Space, base: ParallelConfig, m: int) -> tuple[float, float]:
+    """(forward, backward) seconds of the mixed-precision copies a rank of ``base``'s degrees pays per
+    micro-batch in every variant (``cost_models.mp_casts.least_mp_casts``); once per degrees and m."""
+    key = (base.dp, base.pp, base.cp, base.tp, base.ep, m)
+    if key not in space.copies_cache:
+        c = least_mp_casts(space.graph, base, m, space.cluster, calibration(space.profile), engine_of(None))
+        space.copies_cache[key] = (c.fwd, c.bwd)
+    return space.copies_cache[key]
+
+
+def _balanced_stage_times(space: _Space, costs: LayerCosts, pp: int, m: int) -> dict[str, tuple[float, float]]:
     """Per recompute policy, (forward, backward) seconds of one micro-batch on one of ``pp``
-    perfectly balanced stages, by the estimator's own per-layer rule (``layer_pass_times``); the
-    sums over the layers once per layer costs (``_Space.stage_cache``)."""
+    perfectly balanced stages, by the estimator's own per-layer rule (``layer_pass_times``), with the
+    copies every variant pays (:func:`_copies`); the sums over the layers once per layer costs
+    (``_Space.stage_cache``)."""
     key = LayerCosts.key(costs.cfg)
     if key not in space.stage_cache:
         sums = {}
@@ -290,7 +298,8 @@ def _balanced_stage_times(space: _Space, costs: LayerCosts, pp: int) -> dict[str
             times = [costs.pass_times(l, policy) for l in space.graph.layers]
             sums[policy] = (sum(x.fwd for x in times), sum(x.bwd for x in times))
         space.stage_cache[key] = sums
-    return {policy: (f / pp, b / pp) for policy, (f, b) in space.stage_cache[key].items()}
+    cf, cb = _copies(space, costs.cfg, m)
+    return {policy: (f / pp + cf, b / pp + cb) for policy, (f, b) in space.stage_cache[key].items()}
 
 
 def _ranked_variants(space: _Space, tuples: list[_Tuple], inc: Incumbents) -> list[tuple[float, str, Estimate]]:
@@ -358,7 +367,7 @@ def _variant_floors(space: _Space, t: _Tuple) -> list[tuple[float, tuple]]:
     its recompute, and with a pipeline boundary on the WAN the stall the fast pass charges it
     (seconds); the dominated ones are recorded."""
     g = space.graph
-    stage = _balanced_stage_times(space, t.costs, t.pp)
+    stage = _balanced_stage_times(space, t.costs, t.pp, t.m)
     wan_hops: dict[bool, list[WanHop]] = {}  # per sequence parallel: the tuple's WAN boundaries at their cheapest
     floors: dict[tuple, float] = {}  # per what a floor reads (not the DP sharding, nor the chunk count > 1)
     out = []

@@ -112,7 +112,7 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
         passes = {p: [layer_pass_times(costs.get(l), p) for l in graph.layers[lo:hi]] for p in RECOMPUTE}
         mp = stage_mp_casts(graph, cfg, lo, hi, m, costs.c, cal, costs.engine)  # the estimate's stage rule too
         fwd.append({p: sum(t.fwd for t in ts) + mp.fwd for p, ts in passes.items()})
-        bwd.append({p: sum(t.bwd for t in ts) + mp.per_call_bwd for p, ts in passes.items()})
+        bwd.append({p: sum(t.bwd for t in ts) + mp.bwd for p, ts in passes.items()})
         mem = {p: chunk_memory(rule, range(lo, hi), p) for p in RECOMPUTE}
         act.append({p: c.act for p, c in mem.items()})
         peak.append({p: c.peak for p, c in mem.items()})
