@@ -114,3 +114,22 @@ def test_search_chooses_shares_where_they_win():
     equal = estimate(g, MIXED, best.config.replace(dp_shares=""), best.partition, 128)
     assert best.step_s < 0.75 * equal.step_s
     assert search(g, parse_cluster("dgx-h100:8"), 128).best.config.dp_shares == ""
+
+
+def test_cli_evaluates_and_reports_shares(tmp_path, capsys):
+    """``autopar evaluate --config`` reads the label word; evaluate and the report say what each group takes;
+    the plan file keeps the shares."""
+    from planner.entry.cli import main
+    from planner.plan import Plan
+
+    out, md = tmp_path / "plan.json", tmp_path / "r.md"
+    assert main(["evaluate", "--model", "llama3-8b", "--cluster", "mixed-a100-h100", "--global-batch", "128",
+                 "--seq-len", "2048", "--config", "dp64 pp1 cp1 tp1 mbs2 fsdp shares1x32+3x32", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "data-parallel shares by device speed" in printed and "taking 3 sequences" in printed
+    assert Plan.load(str(out)).config.dp_shares == "1x32+3x32"
+    assert main(["report", str(out), "--md", str(md)]) == 0
+    assert "h100-pod: H100-SXM5-80GB, 32 dp ranks taking 3 sequences" in md.read_text()
+    assert main(["evaluate", "--model", "llama3-8b", "--cluster", "mixed-a100-h100", "--global-batch", "128",
+                 "--seq-len", "2048", "--config", "dp32 pp2 cp1 tp1 mbs2 fsdp shares1x16+3x16"]) != 0
+    assert "use pp=1 or leave dp_shares out" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import sys
 
 from planner.entry.launch import check_plan, compare_run, data_args, run_plan
 from planner.entry.launch import progress as _progress
-from planner.describe import device_words, schedule_name, wan_words
+from planner.describe import devices_text, schedule_name, wan_words
 from planner.errors import AutoparError
 
 
@@ -157,7 +157,8 @@ def _print_estimate(con, e, title: str) -> None:
         con.print(f"  across cluster groups: {line}")
     if e.devices:
         stages = [{"rank": j % e.config.pp, "layers": range(lo, hi)} for j, (lo, hi) in enumerate(e.partition.bounds)]
-        con.print(f"  stages on devices: {device_words(stages, e.devices)}")
+        title, text = devices_text(e.config, stages, e.devices)
+        con.print(f"  {title}: {text}")
     t = Table(title="memory per pipeline rank (GiB)")
     for c in ("rank", "weights", "grads", "optimizer", "activations", "buffers", "reserve", "total", "capacity"):
         t.add_column(c, justify="right")
