@@ -174,6 +174,11 @@ class Cluster:
         """Usable memory per device, bytes."""
         return int(self.device.memory_gib * 2**30)
 
+    def compute_dtype(self, dtype: str) -> str:
+        """The dtype whose peak a plan in ``dtype`` computes at here: fp32 on a CPU (gloo) cluster,
+        whatever the plan's dtype (CPU GEMMs run fp32), else the plan's."""
+        return "fp32" if self.backend == "gloo" else dtype
+
     def peak_flops(self, dtype: str = "bf16", device: Device | None = None) -> float:
         """Dense peak of one device (``device``: one of the groups'; default the cluster's) for ``dtype``,
         FLOP/s (see ``_DTYPE_FALLBACK``)."""

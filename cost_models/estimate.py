@@ -290,13 +290,10 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     terms = dict(ep_comm=ep_alone, dp_comm=dp_exposed, optimizer=opt_s, overhead=overhead, sync=sync)
     step = pipe_s + sum(terms.values())
     breakdown = _breakdown(stages, mine, m, cfg.pp, pipe_s, p2p, terms)
-    tokens, model_flops = global_batch * graph.seq_len, model_flops_per_seq(graph) * global_batch  # doc-masked
-    peak = cluster.peak_flops("fp32" if cluster.backend == "gloo" else cfg.dtype)
     src = "profile" if comp_src == {"profile"} else ("roofline" if "profile" not in comp_src else "mixed")
     return Estimate(
-        config=cfg, partition=partition, global_batch=global_batch, microbatches=m, step_s=step,
-        tokens_per_s=tokens / step, mfu=model_flops / (step * cfg.world * peak),
-        tflops_per_device=model_flops / step / cfg.world / 1e12, memory=memory, capacity=stage_capacity(cluster, cfg),
+        config=cfg, partition=partition, global_batch=global_batch, microbatches=m,
+        **_throughput(graph, cluster, cfg, global_batch, step), memory=memory, capacity=stage_capacity(cluster, cfg),
         breakdown=breakdown, stage_fwd_s=[st.fwd for st in stages], stage_bwd_s=[st.bwd for st in stages],
         bubble_frac=max(0.0, bubble), source=src, host_capacity=host_capacity_bytes(cluster),
         sources={"compute": src, "comm": "profile" if comm_src == {"profile"} else ("model" if comm_src else "none")},
@@ -316,12 +313,19 @@ def _by_shares(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partiti
                       cfg.dp * sg.share * m, **kw) for sg in share_groups(cluster, cfg)]
     slowest = max(parts, key=lambda e: e.step_s)
     fullest = max(parts, key=lambda e: max(x.total for x in e.memory) / e.capacity)
-    step, model_flops = slowest.step_s, model_flops_per_seq(graph) * global_batch
-    peak = cluster.peak_flops("fp32" if cluster.backend == "gloo" else cfg.dtype)
     return replace(slowest, memory=fullest.memory, capacity=fullest.capacity, config=cfg, global_batch=global_batch,
-                   step_s=step,
-                   tokens_per_s=global_batch * graph.seq_len / step, mfu=model_flops / (step * cfg.world * peak),
-                   tflops_per_device=model_flops / step / cfg.world / 1e12, devices=[shares_words(cluster, cfg)])
+                   devices=[shares_words(cluster, cfg)], **_throughput(graph, cluster, cfg, global_batch, slowest.step_s))
+
+
+def _throughput(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int,
+                step: float) -> dict[str, float]:
+    """A step of ``step`` seconds as the Estimate's throughput fields: tokens/s, MFU against the
+    reference device's peak at the dtype the plan computes in, and model TFLOP/s per device (the
+    model's FLOPs doc-masked)."""
+    model_flops = model_flops_per_seq(graph) * global_batch
+    peak = cluster.peak_flops(cluster.compute_dtype(cfg.dtype))
+    return dict(step_s=step, tokens_per_s=global_batch * graph.seq_len / step,
+                mfu=model_flops / (step * cfg.world * peak), tflops_per_device=model_flops / step / cfg.world / 1e12)
 
 
 def _breakdown(stages: list[_StageCost], mine: list[int], m: int, pp: int, pipe_s: float, p2p: float,

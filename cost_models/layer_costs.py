@@ -136,7 +136,7 @@ class LayerCosts:
         cp_s = 0.0
         a = layer.attention
         if a is not None:
-            peak = self.c.peak_flops("fp32" if self.c.backend == "gloo" else cfg.dtype)
+            peak = self.c.peak_flops(self.c.compute_dtype(cfg.dtype))
             core = attn_core_flops(layer, cfg.mbs) * (0.5 if a.causal else 1.0) * attention_share(layer, g, cfg)
             core_s = core / (cfg.tp * cfg.cp) / peak
             if cfg.cp > 1:  # ring, Ulysses or both (cost_models/context_parallel.py)

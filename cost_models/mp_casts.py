@@ -35,6 +35,7 @@ fp32 plans and CPU clusters (whose wrappers' measured work is ``cpu_runtime.wrap
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from cost_models import gpu_kernels as gk
@@ -71,14 +72,20 @@ class MpCasts:
         """The backward's seconds per micro-batch (whole sequences)."""
         return self.per_call_bwd + self.per_microbatch_bwd
 
-    def __add__(self, o: "MpCasts") -> "MpCasts":
-        return MpCasts(self.per_call_fwd + o.per_call_fwd, self.per_call_bwd + o.per_call_bwd,
-                       self.per_microbatch_fwd + o.per_microbatch_fwd, self.per_microbatch_bwd + o.per_microbatch_bwd)
+    @property
+    def seconds(self) -> float:
+        """Forward and backward per micro-batch."""
+        return self.fwd + self.bwd
 
-    def per_rank(self, ranks: int) -> "MpCasts":
-        """Each figure over ``ranks``."""
-        return MpCasts(self.per_call_fwd / ranks, self.per_call_bwd / ranks, self.per_microbatch_fwd / ranks,
-                       self.per_microbatch_bwd / ranks)
+    def _figures(self) -> tuple[float, float, float, float]:
+        return self.per_call_fwd, self.per_call_bwd, self.per_microbatch_fwd, self.per_microbatch_bwd
+
+    def __add__(self, o: "MpCasts") -> "MpCasts":
+        return MpCasts(*(a + b for a, b in zip(self._figures(), o._figures())))
+
+    def times(self, k: float) -> "MpCasts":
+        """Each figure times ``k``."""
+        return MpCasts(*(a * k for a in self._figures()))
 
 
 def layer_mp_casts(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, m: int, cluster: Cluster,
@@ -94,7 +101,10 @@ def layer_mp_casts(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, m: int,
     elem = DTYPE_BYTES[cfg.dtype]
     unshard = (MASTER_BYTES + elem) * shard + 2 * elem * full
     gpu, co = gk.gpu_spec(cluster, cfg.dtype), gk.GpuCoefficients.of(cal)
-    seconds = lambda nbytes: gk.memory_seconds(nbytes, KERNELS_PER_PASS, gpu, co)  # noqa: E731
+
+    def seconds(nbytes: float) -> float:
+        return gk.memory_seconds(nbytes, KERNELS_PER_PASS, gpu, co)
+
     reducing = (elem + GRAD_REDUCE_BYTES) * full + 3 * GRAD_REDUCE_BYTES * shard  # cast into the buffer, add the shard
     if cfg.pp == 1 and (cfg.zero in SHARDED_PARAMS or m == 1):  # every call reduces
         grads, step = seconds(reducing), 0.0
@@ -110,8 +120,7 @@ def layer_mp_casts(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, m: int,
 def stage_mp_casts(graph: ModelGraph, cfg: ParallelConfig, lo: int, hi: int, m: int, cluster: Cluster,
                    cal: dict[str, float] | None, engine: Engine) -> MpCasts:
     """The copies of the stage holding layers ``lo:hi``: its layers' summed."""
-    return sum((layer_mp_casts(graph.layers[i], graph, cfg, m, cluster, cal, engine) for i in range(lo, hi)),
-               MpCasts())
+    return _layers_mp_casts(graph, range(lo, hi), cfg, m, cluster, cal, engine)
 
 
 def least_mp_casts(graph: ModelGraph, cfg: ParallelConfig, m: int, cluster: Cluster, cal: dict[str, float] | None,
@@ -121,15 +130,16 @@ def least_mp_casts(graph: ModelGraph, cfg: ParallelConfig, m: int, cluster: Clus
     copies under the sharding that pays least, over ``cfg.pp`` (the stages hold the layers between
     them); zero wherever :func:`layer_mp_casts` is. The search's time floors add it so that they stay
     below the estimates that charge the copies."""
-    best: MpCasts | None = None
-    for zero in ZERO:
-        c, per_sig = cfg.replace(zero=zero, seq_chunks=1), {}
-        total = MpCasts()
-        for layer in graph.layers:
-            if layer.signature not in per_sig:
-                per_sig[layer.signature] = layer_mp_casts(layer, graph, c, m, cluster, cal, engine)
-            total = total + per_sig[layer.signature]
-        if best is None or total.fwd + total.bwd < best.fwd + best.bwd:
-            best = total
-    assert best is not None
-    return best.per_rank(cfg.pp)
+    every = range(len(graph.layers))
+    each = (_layers_mp_casts(graph, every, cfg.replace(zero=z, seq_chunks=1), m, cluster, cal, engine) for z in ZERO)
+    return min(each, key=lambda c: c.seconds).times(1 / cfg.pp)
+
+
+def _layers_mp_casts(graph: ModelGraph, layers: range, cfg: ParallelConfig, m: int, cluster: Cluster,
+                     cal: dict[str, float] | None, engine: Engine) -> MpCasts:
+    """The copies of ``layers`` summed: each structurally distinct layer (``Layer.signature``) priced once,
+    times how many of them there are."""
+    count = Counter(graph.layers[i].signature for i in layers)
+    first = {graph.layers[i].signature: graph.layers[i] for i in reversed(layers)}
+    return sum((layer_mp_casts(first[sig], graph, cfg, m, cluster, cal, engine).times(n) for sig, n in count.items()),
+               MpCasts())

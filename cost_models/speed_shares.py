@@ -18,6 +18,7 @@ collectives, are the cluster's.
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from dataclasses import dataclass, replace
 
 from cost_models.cluster import Cluster
@@ -41,13 +42,15 @@ def replica_groups(cluster: Cluster, cfg: ParallelConfig) -> tuple[int, ...] | N
     if not cluster.mixed or cfg.dp < 2 or layout_problem(cfg.pp, cfg.ep, cfg.low_comm):
         return None
     width = cfg.cp * cfg.tp
-    out = []
-    for d in range(cfg.dp):
-        first, last = cluster.group_of_rank(d * width), cluster.group_of_rank((d + 1) * width - 1)
-        if first != last:
-            return None
-        out.append(first)
-    return tuple(out) if len({cluster.group_device(g).name for g in out}) > 1 else None
+    if any(_group(cluster, cfg, d) != cluster.group_of_rank((d + 1) * width - 1) for d in range(cfg.dp)):
+        return None
+    out = tuple(_group(cluster, cfg, d) for d in range(cfg.dp))
+    return out if len({cluster.group_device(g).name for g in out}) > 1 else None
+
+
+def _group(cluster: Cluster, cfg: ParallelConfig, replica: int) -> int:
+    """The cluster group of dp replica ``replica``'s first rank (pp = 1: replicas of ``cp x tp`` ranks in order)."""
+    return cluster.group_of_rank(replica * cfg.cp * cfg.tp)
 
 
 def speed_shares(cluster: Cluster, cfg: ParallelConfig) -> str:
@@ -56,8 +59,7 @@ def speed_shares(cluster: Cluster, cfg: ParallelConfig) -> str:
     groups = replica_groups(cluster, cfg)
     if groups is None:
         return ""
-    dtype = "fp32" if cluster.backend == "gloo" else cfg.dtype
-    speed = [cluster.peak_flops(dtype, cluster.group_device(g)) for g in groups]
+    speed = [cluster.peak_flops(cluster.compute_dtype(cfg.dtype), cluster.group_device(g)) for g in groups]
     shares = [1] * cfg.dp
     finish = [(2 / v, r) for r, v in enumerate(speed)]  # (when rank r would finish one row more, r)
     heapq.heapify(finish)
@@ -70,12 +72,8 @@ def speed_shares(cluster: Cluster, cfg: ParallelConfig) -> str:
 
 def share_groups(cluster: Cluster, cfg: ParallelConfig) -> list[ShareGroup]:
     """``cfg.dp_shares`` by (cluster group, share), in rank order of their first rank."""
-    out: dict[tuple[int, int], int] = {}
-    width = cfg.cp * cfg.tp
-    for d, s in enumerate(cfg.rank_mbs):
-        key = (cluster.group_of_rank(d * width), s)
-        out[key] = out.get(key, 0) + 1
-    return [ShareGroup(g, s, n) for (g, s), n in out.items()]
+    count = Counter((_group(cluster, cfg, d), s) for d, s in enumerate(cfg.rank_mbs))
+    return [ShareGroup(g, s, n) for (g, s), n in count.items()]
 
 
 def group_view(cluster: Cluster, group: int) -> Cluster:

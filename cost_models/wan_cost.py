@@ -187,8 +187,7 @@ def stage_slowdowns(cluster: Cluster, cfg: ParallelConfig) -> list[float]:
     (``cost_models.wan.slowdowns``, at the dtype the plan computes in); all 1 on one device type."""
     if not cluster.mixed:  # every estimate asks: one device type is all 1
         return [1.0] * cfg.pp
-    dtype = "fp32" if cluster.backend == "gloo" else cfg.dtype
-    return wan.slowdowns(cluster, cfg.pp, cfg.dp * cfg.cp * cfg.tp, dtype)
+    return wan.slowdowns(cluster, cfg.pp, cfg.dp * cfg.cp * cfg.tp, cluster.compute_dtype(cfg.dtype))
 
 
 def stage_devices(cluster: Cluster, cfg: ParallelConfig) -> list[str]:
@@ -197,7 +196,7 @@ def stage_devices(cluster: Cluster, cfg: ParallelConfig) -> list[str]:
     if not cluster.mixed:
         return []
     stride = cfg.dp * cfg.cp * cfg.tp
-    devs = wan.rank_devices(cluster, cfg.pp, stride, "fp32" if cluster.backend == "gloo" else cfg.dtype)
+    devs = wan.rank_devices(cluster, cfg.pp, stride, cluster.compute_dtype(cfg.dtype))
     out = []
     for r, d in enumerate(devs):
         groups = sorted({cluster.group_of_rank(k) for k in (r * stride, (r + 1) * stride - 1)})

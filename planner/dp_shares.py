@@ -31,9 +31,8 @@ def parse_shares(text: str) -> tuple[int, ...]:
     if text == "":
         return ()
     out: list[int] = []
-    for run in text.split("+") if isinstance(text, str) else [None]:
-        m = _RUN.fullmatch(run) if run is not None else None
-        if m is None:
+    for run in text.split("+") if isinstance(text, str) else [""]:
+        if (m := _RUN.fullmatch(run)) is None:
             raise PlanError(f"dp_shares={text!r}: write runs SHARExRANKS joined by '+', e.g. 2x32+6x32 "
                             f"(32 dp ranks take 2 sequences per micro-batch, the next 32 take 6)")
         share, count = int(m.group(1)), int(m.group(2) or 1)

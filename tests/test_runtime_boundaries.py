@@ -1,5 +1,6 @@
 """The runtime's boundaries: from the planner's feasibility rules it imports the one public
-predicate (``problems``), its argument types and the sequence layout over cp ranks it cuts by, nothing else (a per-axis part or a helper
+predicate (``problems``), its argument types, the sequence layout over cp ranks and the micro-batch count it cuts by,
+nothing else (a per-axis part or a helper
 would restate the rule's composition); it imports nothing of the zoo (the zoo is built on the
 runtime's primitives, codegen/runtime/layers.py)."""
 from __future__ import annotations
@@ -10,7 +11,8 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNTIME = os.path.join(ROOT, "codegen", "runtime")
 PREDICATE = {"problems", "Batch", "Nodes", "ClusterShape",
-             "sequence_chunks", "sequence_problem"}  # how a sequence lies over the cp ranks, which the runtime cuts
+             "sequence_chunks", "sequence_problem",  # how a sequence lies over the cp ranks, which the runtime cuts
+             "microbatches"}  # how many micro-batches the rows are cut into (one rule, not restated)
 
 
 def runtime_imports() -> list[tuple[str, str, str]]:

@@ -54,7 +54,7 @@ from planner.plan import ModelFacts, ParallelConfig
 from planner.schedule_file import parse
 from planner.schedule_ir import Schedule
 from planner.sharding import dp_replicas, dp_wrapper, reshard_after_forward
-from planner.feasibility import Batch, ClusterShape, Nodes, problems
+from planner.feasibility import Batch, ClusterShape, Nodes, microbatches, problems
 
 
 @dataclass
@@ -338,7 +338,7 @@ def build_schedule(stages: Stages, cfg: ParallelConfig, mesh: DeviceMesh, global
     (``loss_fn`` does it)."""
     if cfg.pp == 1:
         return None
-    sched_ir = pipeline_schedule(cfg, global_batch // (cfg.dp * cfg.mbs), schedule)
+    sched_ir = pipeline_schedule(cfg, microbatches(cfg, global_batch), schedule)
     _, sched = ppar.build_schedule(stages.modules, stages.idx, stages.n_virtual, mesh["pp"].get_group(), device,
                                    sched_ir, loss_fn)
     return sched

@@ -52,7 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from planner.dp_shares import rank_rows
-from planner.feasibility import Batch, Nodes, problems
+from planner.feasibility import Batch, Nodes, microbatches, problems
 from planner.plan import ModelFacts, ParallelConfig, Plan
 from planner.schedule_ir import Schedule
 from codegen.runtime.multimodal import SampleBalancer
@@ -144,7 +144,7 @@ class ParallelModel:
         self.dp_rank = mesh["dp"].get_local_rank()
         self.cp_rank = mesh["cp"].get_local_rank()
         self.tp_rank = mesh["tp"].get_local_rank()
-        self.n_microbatches = global_batch // (cfg.dp * cfg.mbs)
+        self.n_microbatches = microbatches(cfg, global_batch)
         self.outer = outer_loop_for(cfg, mesh, stages.modules)  # low-communication DP, or None
         self.outer_rank, self.groups = (mesh["outer"].get_local_rank(), mesh["outer"].size()) if self.outer else (0, 1)
         self.replica = self.outer_rank * (cfg.dp // self.groups) + self.dp_rank  # of all dp x groups replicas
@@ -165,13 +165,13 @@ class ParallelModel:
         targets = self.adapter.targets(batch)
         if self.batch_planner is not None and "cu_seqlens" in batch:
             return self._per_batch_local(batch, targets)
-        seq, replicas = targets.shape[1], self.cfg.dp // self.groups
-        rows = rank_rows(self.cfg.rank_mbs, self.replica, self.n_microbatches)  # its share (planner/dp_shares.py)
+        seq, replicas, shares, m = targets.shape[1], self.cfg.dp // self.groups, self.cfg.rank_mbs, self.n_microbatches
+        rows = rank_rows(shares, self.replica, m)  # its share (planner/dp_shares.py)
         doc_start = self._doc_starts(batch, seq, rows)
         if doc_start is not None:  # each document's last target is ignored
             targets = docs.mask_document_ends(targets, batch["cu_seqlens"])
-        per = self.global_batch // self.cfg.dp  # (low-communication DP runs equal shares)
-        mine = slice(self.outer_rank * replicas * per, (self.outer_rank + 1) * replicas * per)  # the group's rows
+        first, last = self.outer_rank * replicas, (self.outer_rank + 1) * replicas - 1  # low-communication DP's group
+        mine = slice(rank_rows(shares, first, m).start, rank_rows(shares, last, m).stop)  # the group's rows
         self.loss_fn.n_tokens = int((targets[mine] != IGNORE_INDEX).sum())
         inputs = [t[rows] for t in self.adapter.inputs(batch)]
         targets = targets[rows]
@@ -416,7 +416,7 @@ def _build(adapter: ModelAdapter, cfg: ParallelConfig, stages: Sequence[Sequence
     """The recipe's steps after the feasibility check (:func:`parallelize`)."""
     mesh = mesh if mesh is not None else build_mesh(cfg)
     if cfg.pp > 1:  # the schedule checked before anything is built
-        schedule = recipe.pipeline_schedule(cfg, global_batch // (cfg.dp * cfg.mbs), schedule)
+        schedule = recipe.pipeline_schedule(cfg, microbatches(cfg, global_batch), schedule)
     split = recipe.split_stages(adapter, stages, stage_recompute, cfg, mesh, schedule)
     recipe.materialize(adapter, split, device, seed)
     tied = recipe.tie_weights(adapter, split, mesh)  # before TP splits the tied ends apart

@@ -91,7 +91,7 @@ def per_batch_record(graph: ModelGraph, cluster: Cluster, est: Estimate, global_
     if why := per_batch_problem(cfg, global_batch, pool, cost.method, *_heads(graph)):
         return dict(out, why=why)
     fixed = est.breakdown.get("dp_comm", 0.0) + est.breakdown.get("optimizer", 0.0)
-    microbatches = global_batch // (cfg.dp * cfg.mbs)
+    microbatches = est.microbatches
     batches = sampled_batches(graph, global_batch)
     best, error = None, None
     for row in (_row_candidates(held, capacity) if cfg.pp > 1 else [capacity]):

@@ -3,7 +3,7 @@ rows in proportion to their device's speed (``cost_models/speed_shares.py``, ``p
 
 Every variant the fast pass prices whose layout allows shares (``pp = 1``, each replica inside
 one cluster group) is priced once more with them; the faster of the two that fits stays, so the
-shares are chosen where they win and the report can say what equal shares would have cost.
+shares are chosen where they win.
 """
 from __future__ import annotations
 
