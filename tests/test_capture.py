@@ -213,6 +213,7 @@ def _cli(*args):
     return subprocess.run([sys.executable, "-m", "planner.entry.cli", *args], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_graph_json_and_errors(capsys):
     from planner.entry.cli import main
 

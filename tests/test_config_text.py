@@ -47,6 +47,7 @@ def test_keys_given_and_bad_words():
        threads=st.sampled_from([0, 2]), fp8=st.sampled_from(FP8_RECIPES), compile=st.booleans(),
        low_comm=st.sampled_from(["", "2x4:bf16"]), seq_chunks=st.sampled_from([1, 2]),
        dp_shares=st.sampled_from(["", "1+5", "2x4+4x4"]))
+@pytest.mark.slow
 def test_every_label_reads_back(**kw):
     """The label's words and the parser's cannot drift apart: any valid configuration's label (every
     field it shows) reads back as that configuration."""

@@ -157,6 +157,7 @@ def test_program_and_launcher_set_the_plans_threads() -> None:
             os.environ["OMP_NUM_THREADS"] = saved
 
 
+@pytest.mark.slow
 def test_runtime_runs_the_plans_threads() -> None:
     """A real one-rank gloo group: init_distributed(threads=2) runs two intra-op threads even
     under OMP_NUM_THREADS=1 (and leaves the environment's count when the plan sets none)."""

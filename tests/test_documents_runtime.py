@@ -89,8 +89,8 @@ IMPLS = {"flash-triton": lambda h: FlashAttention(impl="triton", documents=h),
          "eager": lambda h: docs.EagerAttention(h)}
 
 
-@pytest.mark.parametrize("impl", [pytest.param("flash-triton", marks=pytest.mark.skipif(
-    not TRITON, reason="triton interpreter not available")), "flash-torch", "eager"])
+@pytest.mark.parametrize("impl", [pytest.param("flash-triton", marks=[pytest.mark.slow, pytest.mark.skipif(
+    not TRITON, reason="triton interpreter not available")]), "flash-torch", "eager"])
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "hf-llama"])
 def test_packed_model_equals_documents_alone(name, impl):
     c = case(name)

@@ -197,6 +197,7 @@ def search_domain(f: ModelFacts, world: int, loss: str, attention: str, global_b
     return out
 
 
+@pytest.mark.slow
 @PROPS
 @given(request_st(), st.sampled_from(["eager", "fused"]), st.randoms(use_true_random=False))
 def test_search_enumerates_exactly_what_the_predicate_accepts(req, loss, rnd):

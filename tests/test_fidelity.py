@@ -65,6 +65,7 @@ def test_estimator_reads_each_coefficient():
     assert mem[0].tensors == pytest.approx(base.memory[0].tensors)
 
 
+@pytest.mark.slow
 def test_fit_recovers_synthetic_coefficients(monkeypatch):
     c = parse_cluster("local-cpu:4")
     # fixed device figures: the ones this machine's measurement gives change with its load, and with

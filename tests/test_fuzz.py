@@ -237,6 +237,7 @@ def cluster_spec(draw):
     return w if kind == "word" else f"{w}:{draw(COUNTS)}"
 
 
+@pytest.mark.slow
 @FUZZ
 @given(cluster_spec())
 def test_fuzz_parse_cluster(fake_detect, spec):
@@ -372,6 +373,7 @@ def _load_and_emit(d):
     return plan
 
 
+@pytest.mark.slow
 @FUZZ
 @given(data=st.data())
 def test_fuzz_plan_dict(plan_dict, data):

@@ -83,6 +83,7 @@ def reference(plan) -> list[tuple[float, float]]:
     return out
 
 
+@pytest.mark.slow
 def test_plan_chooses_assignment_and_the_program_runs_it(launched) -> None:
     from planner.report.data import multimodal_text
 
@@ -95,6 +96,7 @@ def test_plan_chooses_assignment_and_the_program_runs_it(launched) -> None:
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
 
 
+@pytest.mark.slow
 def test_program_losses_equal_one_process(launched) -> None:
     plan, _, records, ck = launched
     ref = reference(plan)
@@ -105,6 +107,7 @@ def test_program_losses_equal_one_process(launched) -> None:
     assert any(ck.iterdir())  # the checkpoint of the last step
 
 
+@pytest.mark.slow
 def test_logged_work_shows_assignment_evened_the_ranks(launched) -> None:
     _, _, records, _ = launched
     work = [r["dp_work"] for r in records]

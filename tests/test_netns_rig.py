@@ -25,6 +25,7 @@ def test_bad_rigs_are_refused_in_one_line():
     assert rig_spec(4, None) is None
 
 
+@pytest.mark.slow
 @needs_rig
 def test_rig_limits_only_the_traffic_that_crosses(tmp_path):
     out = tmp_path / "rig.json"
@@ -41,6 +42,7 @@ def test_rig_limits_only_the_traffic_that_crosses(tmp_path):
     assert got["within_mbit"] > 5 * rate, got                   # ranks of one region do not cross the link
 
 
+@pytest.mark.slow
 @needs_rig
 def test_a_plan_trains_the_same_on_the_rig(tmp_path):
     """llama-tiny dp4 (its gradient all-reduce crosses the cut): the same losses at 50 Mbit/s

@@ -138,6 +138,7 @@ def launch(request, tmp_path_factory):
     return world, run_worker("offload_worker.py", world, str(tmp_path_factory.mktemp("offload") / f"w{world}.json"))
 
 
+@pytest.mark.slow
 def test_offload_parity_on_gloo_ranks(launch):
     world, res = launch
     from planner.schedule_ir import placement

@@ -75,6 +75,7 @@ def launched(tmp_path_factory) -> dict:
         return json.load(fh)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(W.CASES))
 def test_loss_parity_with_reference_outer_loop(launched, name):
     cfg, r = W.CASES[name], launched[name]
@@ -86,6 +87,7 @@ def test_loss_parity_with_reference_outer_loop(launched, name):
     assert r["group_losses"][0] != pytest.approx(r["group_losses"][1], rel=1e-3)  # the groups really differ
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(W.CASES))
 def test_wan_bytes_per_step(launched, name):
     """What each rank sends across the groups: (n - 1) x the encoded pseudo-gradient per exchange
@@ -101,6 +103,7 @@ def test_wan_bytes_per_step(launched, name):
           f"(synchronous DP in fp32 would all-reduce {r['numel'] * 4} bytes every step)")
 
 
+@pytest.mark.slow
 def test_plan_low_comm_h1_plain_equals_synchronous_dp(launched):
     """Through the runtime the emitted program uses (parallelize, ParallelConfig.low_comm, a 5-d mesh
     with an "outer" dim): H = 1, outer lr 1, momentum 0 in fp32 under a plain-SGD inner optimizer
@@ -110,6 +113,7 @@ def test_plan_low_comm_h1_plain_equals_synchronous_dp(launched):
     assert max(low["spread"]) < 1e-6 and low["bytes_sent"] > 0
 
 
+@pytest.mark.slow
 def test_plan_low_comm_groups_drift_and_meet(launched):
     """H = 2 in bf16: the groups train apart for a step (parameters differ across ranks), and agree
     after every exchange; the optimisation differs from synchronous DP (the plan says so)."""
@@ -120,6 +124,7 @@ def test_plan_low_comm_groups_drift_and_meet(launched):
     assert r["losses"][2] != pytest.approx(sync["losses"][2], rel=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hier,flat", [("hier-ddp", "sync-dp4"), ("hier-fsdp", "flat-fsdp")])
 def test_hierarchical_dp_equals_flat_dp(launched, hier, flat):
     """Synchronous DP across 2 cluster groups of 2 ranks (parallelize's ``dp_spans=2``) runs
@@ -133,6 +138,7 @@ def test_hierarchical_dp_equals_flat_dp(launched, hier, flat):
     assert max(h["spread"]) < 1e-6
 
 
+@pytest.mark.slow
 def test_hsdp_build_matches_the_rules(launched):
     """What the runtime built for dp=4 in 2 groups is what the cost model prices and sizes: a
     (replicas, shard_ranks) mesh, each rank holding 1 / shard_ranks of the parameters."""

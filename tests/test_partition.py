@@ -90,6 +90,7 @@ def _instances():
     return out
 
 
+@pytest.mark.slow
 def test_ilp_matches_brute_force_with_binding_memory() -> None:
     binding = 0
     cases = _instances()
@@ -116,6 +117,7 @@ def test_ilp_matches_brute_force_with_binding_memory() -> None:
     assert binding >= 0.8 * len(cases), binding
 
 
+@pytest.mark.slow
 def test_fastest_policy_split_is_the_optimum_where_it_fits() -> None:
     """Where the split that is time-optimal under ``none`` alone (the fastest policy on every layer)
     fits, it answers the per-stage policy choice (solve_partition's shortcut): the brute-force optimum."""

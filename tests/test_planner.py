@@ -80,6 +80,7 @@ def test_nothing_fits_names_shortfall_and_knob():
     assert "smallest shortfall" in msg and "GiB" in msg and "devices" in msg
 
 
+@pytest.mark.slow
 def test_evaluate_names_stage_and_shortfall(llama8b):
     e, problems = evaluate_config(llama8b, parse_cluster("dgx-h100:1"), ParallelConfig.parse("dp=8,zero=ddp"), 64,
                                   even_split=True)

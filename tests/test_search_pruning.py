@@ -14,8 +14,8 @@ from planner.search.space import search
 
 CASES = [  # (model, seq, cluster, global batch)
     ("llama3-8b", 4096, "dgx-h100:2", 64),
-    ("llama3-8b", 8192, "two-region-h100:1", 32),
-    ("llama3-8b", 4096, "mixed-a100-h100:2", 64),
+    pytest.param("llama3-8b", 8192, "two-region-h100:1", 32, marks=pytest.mark.slow),
+    pytest.param("llama3-8b", 4096, "mixed-a100-h100:2", 64, marks=pytest.mark.slow),
 ]
 
 

@@ -319,6 +319,7 @@ def launch(request, tmp_path_factory):
     return world, run_worker("seq_chunks_worker.py", world, str(tmp_path_factory.mktemp("seq_chunks") / f"w{world}.json"))
 
 
+@pytest.mark.slow
 def test_seq_chunks_parity_on_gloo_ranks(launch):
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import seq_chunks_worker as W

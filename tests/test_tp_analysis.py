@@ -208,6 +208,7 @@ def test_user_module():
     assert layout["lm_head"] == "vocab_head"
 
 
+@pytest.mark.slow
 def test_layer_costs_are_sums_over_the_fx_graph_and_graph_fx_prints_a_block():
     """Capture's per-layer FLOPs are the sums of its FX nodes' FLOPs (forward and backward);
     ``autopar graph --fx`` prints one block's ATen ops, both phases."""
