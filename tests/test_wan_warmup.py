@@ -118,10 +118,10 @@ def test_two_region_plan_beats_naive_1f1b(two_region_plans):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 30: 1.107x once FSDP2's mixed-precision copies are priced "
-                   "(cost_models/mp_casts.py): a pipeline adds every call's gradient into an unsharded fp32 buffer")
 def test_two_region_plan_within_ten_percent_of_one_fabric(two_region_plans):
-    """Issue 30's bar: the plan within 10% of the same GPUs on one fabric."""
+    """Issue 30's bar: the plan within 10% of the same GPUs on one fabric. Met by a hair
+    (18.263 s against 16.604 s, 1.0999x) once a stage group moves off the busiest rank
+    (planner/search/split_moves.py); 1.108x on the ILP's split."""
     _, best, one = two_region_plans
     assert best.step_s <= 1.10 * one.step_s, (best.config.label(), best.step_s, one.step_s)
 

@@ -18,6 +18,7 @@ from planner.graph import BLOCK_KINDS, ModelGraph
 from planner.plan import RECOMPUTE, ParallelConfig, Partition
 from planner.recompute_rules import recompute_policies
 from planner.search.schedule_gen import best_schedule
+from planner.search.split_moves import with_split_moves
 from planner.search.wan_warmup import with_deep_warmup
 
 # The stage ILP's solver (planner/search/partition_solvers.py): HiGHS where highspy is installed (the
@@ -148,19 +149,24 @@ def split_and_estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
     ``generate``: try a schedule generated for the split's stage times instead of ``cfg``'s
     (:func:`with_generated_schedule`) and 1F1B with a deeper warm-up before a WAN cut
     (``planner/search/wan_warmup.py``), keeping the faster (the search, where the schedule is
-    not pinned)."""
+    not pinned). Both splits, and a generated or deepened schedule's, then move one stage group
+    at a time off the busiest rank where the simulator rates that faster
+    (``planner/search/split_moves.py``: the ILP's model ignores where the bottleneck sits)."""
     part, info = best_partition(graph, cluster, cfg, global_batch, profile, time_limit, uniform_recompute)
     e = estimate(graph, cluster, cfg, part, global_batch, profile=profile, engine=engine)
     if cfg.pp * cfg.vpp > 1:
-        e_even = estimate(graph, cluster, cfg, speed_split(graph, cluster, cfg), global_batch,
-                          profile=profile, engine=engine)
+        e, info = with_split_moves(graph, cluster, e, profile, engine, info)
+        e_even, info_even = with_split_moves(graph, cluster, estimate(
+            graph, cluster, cfg, speed_split(graph, cluster, cfg), global_batch, profile=profile, engine=engine),
+            profile, engine, dict(info, chosen="even split (simulated faster or the ILP split did not fit)"))
         if not e.fits or (e_even.fits and e_even.step_s < e.step_s):
-            e, info = e_even, dict(info, chosen="even split (simulated faster or the ILP split did not fit)")
+            e, info = e_even, info_even
     if not generate:
         return e, info
     generated = with_generated_schedule(graph, cluster, e, profile, engine, info)
     deepened = with_deep_warmup(graph, cluster, e, global_batch, profile, engine, info)
-    return min(generated, deepened, key=lambda x: x[0].step_s)
+    e, info = min(generated, deepened, key=lambda x: x[0].step_s)
+    return with_split_moves(graph, cluster, e, profile, engine, info) if e.schedule_ir is not None else (e, info)
 
 
 GEN_MAX_WORK = 65_536  # generate a schedule only where pp^2 x micro-batches stays within this (~0.15 s)
