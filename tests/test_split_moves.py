@@ -43,7 +43,7 @@ def test_moves_take_groups_off_a_heavy_last_stage(llama8b):
     size = [hi - lo for lo, hi in moved.partition.bounds]
     before = [hi - lo for lo, hi in e.partition.bounds]
     assert size[src] < before[src] and sum(size) == sum(before)
-    assert "stage group move" in info["split_moves"]
+    assert info["split_moves"].startswith("layers per stage " + "/".join(map(str, before)))
 
 
 def test_split_and_estimate_is_never_slower_than_either_split_moved(llama8b):
@@ -64,3 +64,17 @@ def test_layouts_the_moves_leave_alone(llama8b):
     e = _even(llama8b, pp=4, dp=2, zero="fsdp")
     assert moves_apply(e)
     assert len(rank_busy(e)) == 4 and min(rank_busy(e)) > 0
+
+
+def test_the_plan_and_its_report_say_how_the_split_moved(llama8b):
+    """A plan whose best split moved records it (``search.split``) and the report's stage section says it."""
+    from html import escape
+
+    from planner.report.data import build_report
+    from planner.report.render import render_html
+    from planner.search.planning import plan_model
+
+    plan, res = plan_model(llama8b, DGX, 32, spec="llama3-8b", cluster_spec="dgx-h100:1",
+                           fix="pp=8,dp=1,tp=1,cp=1,schedule=1f1b,zero=zero1,mbs=1")
+    assert "moved off the busiest rank" in res.split_note and plan.search["split"] == res.split_note
+    assert "Stage split: " + escape(res.split_note) in render_html(build_report(plan, layers=False))

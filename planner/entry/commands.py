@@ -209,6 +209,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             _progress(plan.batch[key]["why"])
     if "schedule" in plan.search:
         _progress(plan.search["schedule"])
+    if "split" in plan.search:
+        _progress(f"stage split: {plan.search['split']}")
     if args.out:
         write_atomic(args.out, plan.to_json(), force=args.force)
     if args.json:

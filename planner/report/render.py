@@ -124,10 +124,11 @@ def _stages_html(r: Report) -> str:
                     + _td(f'{s["memory_gib"]:.2f}', True) + "</tr>")
     head = ["virtual stage", "pp rank", "chunk", "layers", "#", "recompute", "fwd / micro-batch",
             "bwd / micro-batch", "busy per step", "rank memory GiB"]
+    split = f" Stage split: {escape(p.search['split'])}." if p.search.get("split") else ""
     return (_sec("stages", "Pipeline stages", _table(head, rows, "stage-table") +
                       f'<p class="note">{p.batch["microbatches"]} micro-batches per step; '
                       f'schedule {cfg.schedule if cfg.pp > 1 else "none (pp = 1)"}'
-                      f'{f", {cfg.vpp} chunks per rank" if cfg.vpp > 1 else ""}.</p>'))
+                      f'{f", {cfg.vpp} chunks per rank" if cfg.vpp > 1 else ""}.{split}</p>'))
 
 
 def _memory_html(r: Report) -> str:

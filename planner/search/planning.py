@@ -160,6 +160,8 @@ def plan_model(graph: ModelGraph, cluster: Cluster, global_batch: int, *, spec: 
         info["fix"] = pins.to_str()
     if schedule is not None:
         info["schedule"] = got.why
+    if res.split_note:
+        info["split"] = res.split_note
     plan = build_plan(graph, cluster, res.best, spec=spec, cluster_spec=cluster_spec,
                       alternatives=res.alternatives, rejected=res.rejected, counts=res.rejected_counts,
                       search_info=info, schedule=schedule)

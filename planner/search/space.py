@@ -453,18 +453,20 @@ def _solve_best(space: _Space, ranked: list[tuple[float, str, Estimate]], solve_
     the runner-ups (solved ones first) go into ``space.res``."""
     res = space.res
     finals: list[tuple[float, str, Estimate]] = []
+    notes: dict[str, str] = {}  # key -> how its split moved off the ILP's (planner/search/split_moves.py)
     for _, key, e in ranked[:max(solve_top, 1)] + _wan_generated(space, ranked[max(solve_top, 1):]):
         e2, info = split_and_estimate(space.graph, space.cluster, undeepened(e), space.global_batch, space.profile,
                                       ilp_time_limit, uniform_recompute="recompute" in space.pins.choice,
                                       generate="schedule" not in space.pins.choice)
         res.fully_solved += 1
         res.partition_info[undeepened(e).to_str()] = info
+        notes[key] = info.get("split_moves", "")
         if e2.fits:
             finals.append((e2.step_s, key, e2))
     finals.sort(key=lambda x: (x[0], x[1]))
     if not finals:
         finals = [ranked[0]]
-    res.best = finals[0][2]
+    res.best, res.split_note = finals[0][2], notes.get(finals[0][1], "")
     seen = {x[1] for x in finals}
     alts = ([x[2] for x in finals[1:]] + [x[2] for x in ranked if x[1] not in seen])[:top_k]
     # with routed experts: the best layout of every other expert-parallel degree too, so the
@@ -489,10 +491,7 @@ def _wan_generated(space: _Space, rest: list[tuple[float, str, Estimate]]) -> li
     such a boundary the stall of the built-in schedule's in-flight micro-batches
     (``cost_models.wan.stall_s``); a schedule generated for the stage times and hops can hold
     them back differently and hide the hop, which only the full solve sees."""
-    for item in rest:
-        if _wan_generating(space, item[2]):
-            return [item]
-    return []
+    return next(([item] for item in rest if _wan_generating(space, item[2])), [])
 
 
 def _bucket(over: float) -> str:

@@ -64,5 +64,6 @@ def with_split_moves(graph: ModelGraph, cluster: Cluster, e: Estimate, profile, 
         best, moves = found, moves + 1
     if not moves:
         return e, info
-    return best, dict(info, split_moves=f"{moves} stage group move(s) off the busiest rank: "
-                                        f"{e.step_s / best.step_s:.3f}x faster than the split it started from")
+    sizes = ["/".join(str(hi - lo) for lo, hi in x.partition.bounds) for x in (e, best)]
+    return best, dict(info, split_moves=f"layers per stage {sizes[0]} -> {sizes[1]} ({moves} stage group(s) moved "
+                                        f"off the busiest rank), {e.step_s / best.step_s:.3f}x faster")
