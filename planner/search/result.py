@@ -18,4 +18,4 @@ class SearchResult:
     fully_solved: int = 0
     solve_s: float = 0.0
     partition_info: dict = field(default_factory=dict)
-    split_note: str = ""                          # the best's stage groups moved off its busiest rank (split_moves)
+    split_note: str = ""                          # how the best's stage groups moved (split_moves.split_note)

@@ -453,7 +453,7 @@ def _solve_best(space: _Space, ranked: list[tuple[float, str, Estimate]], solve_
     the runner-ups (solved ones first) go into ``space.res``."""
     res = space.res
     finals: list[tuple[float, str, Estimate]] = []
-    notes: dict[str, str] = {}  # key -> how its split moved off the ILP's (planner/search/split_moves.py)
+    notes: dict[str, str] = {}  # key -> how its stage groups moved (planner/search/split_moves.py)
     for _, key, e in ranked[:max(solve_top, 1)] + _wan_generated(space, ranked[max(solve_top, 1):]):
         e2, info = split_and_estimate(space.graph, space.cluster, undeepened(e), space.global_batch, space.profile,
                                       ilp_time_limit, uniform_recompute="recompute" in space.pins.choice,

@@ -12,9 +12,9 @@ last stage: the head and loss of a large vocabulary). On Llama-3 70B over two re
 run 18.40 s, 21 / 21 / 20 / 21 18.26 s (``benchmarks/multi_region.py``).
 
 :func:`with_split_moves` takes an estimate of one stage per rank and prices the splits that move
-one stage group from its busiest rank to each other rank (the ranks between pass one group along:
-``wan_warmup.relieved``), keeps the fastest that fits, and repeats from it while a move helps, at
-most :data:`MAX_ROUNDS` times. Each candidate is a full estimate of the same configuration and
+one stage group from its busiest rank to each of the :data:`MAX_TARGETS` least busy other ranks
+(the ranks between pass one group along: ``wan_warmup.relieved``), keeps the fastest that fits, and
+repeats from it while a move helps, at most :data:`MAX_ROUNDS` times. Each candidate is a full estimate of the same configuration and
 schedule (a custom schedule's IR is reused: it orders stages, not layers).
 """
 from __future__ import annotations
@@ -43,13 +43,12 @@ def moves_apply(e: Estimate) -> bool:
     return cfg.pp > 1 and cfg.vpp == 1 and cfg.schedule != "dualpipev" and e.fits
 
 
-def with_split_moves(graph: ModelGraph, cluster: Cluster, e: Estimate, profile, engine,
-                     info: dict) -> tuple[Estimate, dict]:
+def with_split_moves(graph: ModelGraph, cluster: Cluster, e: Estimate, profile, engine) -> tuple[Estimate, int]:
     """``e``, or the same configuration and schedule on the fastest fitting split reached by
-    moving one stage group at a time off the busiest rank (module docstring), with the moves
-    counted in ``info``."""
+    moving one stage group at a time off the busiest rank (module docstring), with the number
+    of moves made."""
     if not moves_apply(e):
-        return e, info
+        return e, 0
     groups, best, moves = graph.stage_groups(), e, 0
     for _ in range(MAX_ROUNDS):
         busy = rank_busy(best)
@@ -62,8 +61,14 @@ def with_split_moves(graph: ModelGraph, cluster: Cluster, e: Estimate, profile, 
         if found is None or found.step_s >= best.step_s * (1 - 1e-9):
             break
         best, moves = found, moves + 1
+    return best, moves
+
+
+def split_note(start: Estimate, final: Estimate, moves: int, which: str) -> str:
+    """What the plan says of its split when groups moved: ``start``'s layers per stage (``which``
+    split: the ILP's or the even one) and ``final``'s, which may also hold a deeper warm-up's move
+    for memory (``wan_warmup.deepen``); "" without moves."""
     if not moves:
-        return e, info
-    sizes = ["/".join(str(hi - lo) for lo, hi in x.partition.bounds) for x in (e, best)]
-    return best, dict(info, split_moves=f"layers per stage {sizes[0]} -> {sizes[1]} ({moves} stage group(s) moved "
-                                        f"off the busiest rank), {e.step_s / best.step_s:.3f}x faster")
+        return ""
+    a, b = ("/".join(str(hi - lo) for lo, hi in x.partition.bounds) for x in (start, final))
+    return f"layers per stage {a} ({which}) -> {b}: {moves} stage group(s) moved off the busiest rank"

@@ -18,7 +18,7 @@ from planner.graph import BLOCK_KINDS, ModelGraph
 from planner.plan import RECOMPUTE, ParallelConfig, Partition
 from planner.recompute_rules import recompute_policies
 from planner.search.schedule_gen import best_schedule
-from planner.search.split_moves import with_split_moves
+from planner.search.split_moves import split_note, with_split_moves
 from planner.search.wan_warmup import with_deep_warmup
 
 # The stage ILP's solver (planner/search/partition_solvers.py): HiGHS where highspy is installed (the
@@ -153,20 +153,24 @@ def split_and_estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
     at a time off the busiest rank where the simulator rates that faster
     (``planner/search/split_moves.py``: the ILP's model ignores where the bottleneck sits)."""
     part, info = best_partition(graph, cluster, cfg, global_batch, profile, time_limit, uniform_recompute)
-    e = estimate(graph, cluster, cfg, part, global_batch, profile=profile, engine=engine)
+    start = estimate(graph, cluster, cfg, part, global_batch, profile=profile, engine=engine)
+    e, moves, which = *with_split_moves(graph, cluster, start, profile, engine), "the ILP's split"
     if cfg.pp * cfg.vpp > 1:
-        e, info = with_split_moves(graph, cluster, e, profile, engine, info)
-        e_even, info_even = with_split_moves(graph, cluster, estimate(
-            graph, cluster, cfg, speed_split(graph, cluster, cfg), global_batch, profile=profile, engine=engine),
-            profile, engine, dict(info, chosen="even split (simulated faster or the ILP split did not fit)"))
+        even = estimate(graph, cluster, cfg, speed_split(graph, cluster, cfg), global_batch, profile=profile,
+                        engine=engine)
+        e_even, moves_even = with_split_moves(graph, cluster, even, profile, engine)
         if not e.fits or (e_even.fits and e_even.step_s < e.step_s):
-            e, info = e_even, info_even
-    if not generate:
-        return e, info
-    generated = with_generated_schedule(graph, cluster, e, profile, engine, info)
-    deepened = with_deep_warmup(graph, cluster, e, global_batch, profile, engine, info)
-    e, info = min(generated, deepened, key=lambda x: x[0].step_s)
-    return with_split_moves(graph, cluster, e, profile, engine, info) if e.schedule_ir is not None else (e, info)
+            start, e, moves, which = even, e_even, moves_even, "the even split"
+            info = dict(info, chosen="even split (simulated faster or the ILP split did not fit)")
+    if generate:
+        generated = with_generated_schedule(graph, cluster, e, profile, engine, info)
+        deepened = with_deep_warmup(graph, cluster, e, global_batch, profile, engine, info)
+        e, info = min(generated, deepened, key=lambda x: x[0].step_s)
+        if e.schedule_ir is not None:  # the new schedule may favour another split
+            e, more = with_split_moves(graph, cluster, e, profile, engine)
+            moves += more
+    note = split_note(start, e, moves, which)
+    return e, (dict(info, split_moves=note) if note else info)
 
 
 GEN_MAX_WORK = 65_536  # generate a schedule only where pp^2 x micro-batches stays within this (~0.15 s)

@@ -80,6 +80,7 @@ def search_for_schedule(graph: ModelGraph, cluster: Cluster, global_batch: int, 
     if res is None:  # unreachable: price_with_schedule raised on an empty ranking
         raise AutoparError(f"{source}: nothing to plan")
     res.best, res.alternatives = got.best, got.alternatives
+    res.split_note = ""  # the schedule is priced on the even split (evaluate_config)
     return res, got
 
 
