@@ -111,6 +111,7 @@ from planner.search.partition_ilp import PartitionILP
 from planner.search.partition_problem import (PartitionProblem, PartitionResult, evaluate_partition, even_partition,
                                               quiet_pulp_deprecations, segment_classes, segments, step_objective)
 from planner.search.partition_solvers import lp_bound, run_model
+from planner.search.incumbents import faster
 
 __all__ = [
     "PartitionProblem", "PartitionResult", "solve_partition", "greedy_partition",
@@ -265,7 +266,7 @@ def _time_phase(pr: PartitionProblem, model: PartitionILP, start: PartitionResul
         return res
     res = evaluate_partition(pr, model.extract(), solver=label)
     res.ilp_objective_s = model.objective_s()
-    if start.feasible and start.objective_s < res.objective_s * (1 - 1e-9):
+    if start.feasible and faster(start.objective_s, res.objective_s):
         res = evaluate_partition(pr, start.partition, solver=label)   # never worse than the start
     proven = status == pulp.LpStatusOptimal and sol_status == pulp.LpSolutionOptimal
     if gap is None:

@@ -29,6 +29,7 @@ from typing import Sequence
 from cost_models.pipeline import PipelineResult, simulate, simulate_schedule, split_backward
 from planner.schedule_check import check
 from planner.schedule_ir import Action, Schedule, looped
+from planner.search.incumbents import faster
 
 _PRIORITY = {"I": 0, "F": 1, "W": 2}
 
@@ -142,6 +143,6 @@ def best_schedule(fwd: Sequence[float], bwd: Sequence[float], m: int, *, p2p: fl
             best = Choice(name, res)
     gen = generate(fwd, bwd, m, p2p=p2p)
     res = simulate_schedule(gen, fwd, bwd, p2p=p2p)
-    if best is None or res.step_s < best.result.step_s * (1 - 1e-9):
+    if best is None or faster(res.step_s, best.result.step_s):
         best = Choice("generated", res, gen)
     return best

@@ -23,6 +23,7 @@ from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
 from planner.graph import ModelGraph
 from planner.search.wan_warmup import relieved
+from planner.search.incumbents import faster
 
 MAX_ROUNDS = 3   # moves applied one after another at most
 MAX_TARGETS = 4  # ranks a round tries moving a group to (the least busy ones)
@@ -58,7 +59,7 @@ def with_split_moves(graph: ModelGraph, cluster: Cluster, e: Estimate, profile, 
                           schedule=best.schedule_ir)
                  for part in relieved(best.partition, groups, src, targets)]
         found = min((t for t in tries if t.fits), key=lambda t: t.step_s, default=None)
-        if found is None or found.step_s >= best.step_s * (1 - 1e-9):
+        if found is None or not faster(found.step_s, best.step_s):
             break
         best, moves = found, moves + 1
     return best, moves
