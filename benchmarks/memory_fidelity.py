@@ -129,7 +129,7 @@ def _storages_of(t) -> list:
 class LiveBytes:
     """Live bytes of tensor storages: each storage counted once, from creation (an op output)
     or the start (``add_existing``) until it dies or is resized; tracks the peak. The
-    bookkeeping of :func:`_make_tracker_cls`'s dispatch mode (a cooperative base class)."""
+    bookkeeping of :class:`LiveTensorTracker`."""
 
     def __init__(self):
         super().__init__()
@@ -193,37 +193,22 @@ class LiveBytes:
         self.peak_phase = "start"
 
 
-def _make_tracker_cls():
-    """:class:`LiveBytes` as a torch dispatch mode: every op output's storages are tracked, and
-    ``UntypedStorage.resize_`` (FSDP frees and regrows its unsharded parameters) while it is on."""
-    import torch
-    from codegen.runtime.torch_compat import TorchDispatchMode, tree_flatten
+class LiveTensorTracker(LiveBytes):
+    """:class:`LiveBytes` of a step run under :meth:`watching`: every op output's storages are
+    tracked, and every ``UntypedStorage.resize_`` (FSDP frees and regrows its unsharded parameters)."""
 
-    class LiveTensorTracker(LiveBytes, TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            flat, _ = tree_flatten(out)
-            label = str(func.overloadpacket.__name__)
-            for t in flat:
-                for st in _storages_of(t):
-                    self.track(st, label)
-            return out
+    def watching(self):
+        from codegen.runtime.torch_compat import observe_ops
 
-        def __enter__(self):
-            self._orig_resize = orig = torch.UntypedStorage.resize_
+        return observe_ops(self.seen, resized=lambda st: self.resized(st, "resize_"))
 
-            def resize_(st, size):
-                r = orig(st, size)
-                self.resized(st, "resize_")
-                return r
-            torch.UntypedStorage.resize_ = resize_
-            return super().__enter__()
+    def seen(self, func, args, kwargs, out) -> None:
+        from codegen.runtime.torch_compat import tree_flatten
 
-        def __exit__(self, *exc):
-            torch.UntypedStorage.resize_ = self._orig_resize
-            return super().__exit__(*exc)
-
-    return LiveTensorTracker
+        label = str(func.overloadpacket.__name__)
+        for t in tree_flatten(out)[0]:
+            for st in _storages_of(t):
+                self.track(st, label)
 
 
 def classify_peak(tracker, pm) -> dict[str, Any]:
@@ -292,8 +277,7 @@ def run_layout(model: str, variant: str, cfg_str: str, seq: int, gb: int, graphs
     t1 = time.perf_counter()
     dist.barrier()
     gc.collect()
-    Tracker = _make_tracker_cls()
-    tracker = Tracker()
+    tracker = LiveTensorTracker()
     orig_step = pm.optimizer.step
 
     def opt_step():
@@ -305,7 +289,7 @@ def run_layout(model: str, variant: str, cfg_str: str, seq: int, gb: int, graphs
     tracker.add_existing()
     start = tracker.total
     t2 = time.perf_counter()
-    with tracker:
+    with tracker.watching():
         loss2 = pm.step(batch)
     t3 = time.perf_counter()
     pm.optimizer.step = orig_step

@@ -15,7 +15,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from codegen.runtime.recompute import OpSavePolicy
-from codegen.runtime.torch_compat import TorchDispatchMode
+from codegen.runtime.torch_compat import observe_ops
 from cost_models.op_recompute import checkpointed, kept_linears, kept_matmuls
 from planner.frontend.layer_kinds import is_linear
 from planner.frontend.load import graph_of
@@ -24,24 +24,23 @@ from planner.zoo import build_model, example_batch, preset
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
-class RunPolicy(TorchDispatchMode):
+class RunPolicy:
     """Asks a fresh ``OpSavePolicy`` about every op of each watched block's forward (as torch's
     selective checkpointing does) and notes each matmul's decision, the Linear that ran it and its
     output size."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.policy, self.block, self.linear = None, None, ""
         self.seen: dict[str, list[tuple[str, bool, int]]] = {}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+    def watching(self):
+        return observe_ops(self.op)
+
+    def op(self, func, args, kwargs, out) -> None:
         if self.policy is not None:
             keep = self.policy(None, func, *args, **kwargs) == CheckpointPolicy.MUST_SAVE
             if func in self.policy.matmuls:
                 self.seen[self.block].append((self.linear, keep, out.numel()))
-        return out
 
     def watch(self, model: torch.nn.Module, names: list[str]) -> list:
         handles = []
@@ -137,7 +136,7 @@ def test_runtime_keeps_the_cost_models_matmuls(case):
     watch = RunPolicy()
     handles = watch.watch(model, [l.name for l in blocks])
     try:
-        with torch.no_grad(), watch:
+        with torch.no_grad(), watch.watching():
             model(**ex)
     finally:
         for h in handles:

@@ -2,7 +2,8 @@
 versions it was checked on): no other module of ours, tests included, imports a torch module
 or name starting with ``_`` or reaches one through an attribute of torch (``torch._foreach_norm``,
 ``torch.ops._c10d_functional``, ``aten._scaled_dot_product_*`` through ``aten = torch.ops.aten``),
-or calls the private DeviceMesh / process-group methods named in ``PRIVATE_METHODS``."""
+or calls the private DeviceMesh / process-group methods named in ``PRIVATE_METHODS``, or replaces an
+attribute of torch (a process-wide patch)."""
 from __future__ import annotations
 
 import ast
@@ -64,6 +65,9 @@ def private_torch_uses(source: str) -> list[str]:
                 found.append(f"{node.lineno}: {'.'.join(c)}")
             elif node.attr in PRIVATE_METHODS:
                 found.append(f"{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and (c := _chain(t)) and c[0] in torch_names
+                                                  for t in node.targets):
+            found.append(f"{node.lineno}: patches {'.'.join(c)}")  # a torch attribute replaced: a side channel
         elif isinstance(node, ast.FunctionDef) and node.name in PRIVATE_HOOKS:
             found.append(f"{node.lineno}: def {node.name}")
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
@@ -77,11 +81,12 @@ def test_the_scan_sees_each_kind_of_private_use():
            "aten = torch.ops.aten\nx = aten._scaled_dot_product_flash_attention\ny = torch._foreach_norm\n"
            "z = dist.distributed_c10d._world\nm = mesh._flatten('a')\nok = torch.ops.aten.mm\n"
            "kids = block._modules\nsid = t.untyped_storage()._cdata\nname = getattr(op, '_opname', None)\n"
-           "class S(ColwiseParallel):\n    def _prepare_output_fn(self, *a):\n        pass\n")
+           "class S(ColwiseParallel):\n    def _prepare_output_fn(self, *a):\n        pass\n"
+           "torch.UntypedStorage.resize_ = len\n")
     assert sorted(u.split(": ", 1)[1] for u in private_torch_uses(src)) == sorted([
         "from torch.utils._pytree import tree_map", "aten._scaled_dot_product_flash_attention",
         "torch._foreach_norm", "dist.distributed_c10d._world", "._flatten", "._modules", "._cdata",
-        "getattr(..., '_opname')", "def _prepare_output_fn"])
+        "getattr(..., '_opname')", "def _prepare_output_fn", "patches torch.UntypedStorage.resize_"])
 
 
 def test_private_torch_apis_only_in_torch_compat():

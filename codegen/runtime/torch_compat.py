@@ -43,10 +43,13 @@ these, this module is the one place to change. Each entry, and why we need it:
 - :func:`module_hook_dicts` (``nn.Module._forward_pre_hooks`` and the other hook dicts): a
   closed build removes the hooks it registered on a model's modules, by id, whoever
   registered them (``codegen/runtime/installs.py``).
-- :data:`FakeTensorMode` (``torch._subclasses.fake_tensor``), :data:`TorchDispatchMode`
-  and :func:`is_traceable_wrapper_subclass` (``torch.utils._python_dispatch``),
-  :func:`tree_map` / :func:`tree_flatten` (``torch.utils._pytree``): capture on fake tensors
-  and the op-level logs of the capture, the adapters' sequential check and the benchmarks.
+- :data:`FakeTensorMode` (``torch._subclasses.fake_tensor``), :func:`observe_ops` (a
+  ``TorchDispatchMode`` of ``torch.utils._python_dispatch``) and :func:`is_traceable_wrapper_subclass`,
+  :func:`tree_map` / :func:`tree_flatten` (``torch.utils._pytree``): capture on fake tensors and
+  every op-level log (the capture, the adapters' sequential check, the memory benchmark, tests).
+  ``observe_ops(..., resized=...)`` also reports ``UntypedStorage.resize_`` (FSDP2 frees and
+  regrows its unsharded parameters below the dispatcher), by replacing that method while the
+  block runs: the one patch of a torch class autopar makes (a measuring tool's), undone on exit.
 - :func:`preload_dynamo` (``torch._dynamo``): the plan-speed benchmark times its import apart.
 - :func:`op_argument_names` (``OpOverload._schema``): an ATen op's argument names, so the
   capture reads a kernel's ``is_causal`` by name wherever its schema puts it.
@@ -79,9 +82,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 CHECKED_ON = ("2.13.0",)
 
-__all__ = ["CHECKED_ON", "FakeTensorMode", "StridedShard", "TorchDispatchMode", "checkpoint_generator",
+__all__ = ["CHECKED_ON", "FakeTensorMode", "StridedShard", "checkpoint_generator",
            "children_registry", "clear_dtensor_caches", "ddp_replicate", "flatten_mesh", "foreach_mul_", "foreach_norm", "funcol",
-           "is_traceable_wrapper_subclass", "live_process_groups", "local_tensor", "module_hook_dicts", "preload_dynamo", "replicate",
+           "is_traceable_wrapper_subclass", "live_process_groups", "local_tensor", "module_hook_dicts", "observe_ops",
+           "preload_dynamo", "replicate",
            "replicate_ddp_class", "saved_attention_ops", "saved_collective_ops", "schedule_runtime",
            "set_children_registry", "storage_key", "tree_flatten",
            "tree_map"]
@@ -251,3 +255,48 @@ def apply_as_linear(style: Any, module: torch.nn.Module, device_mesh: Any,
     return distribute_module(module, device_mesh, partition,
                              partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
                              output)
+
+
+OpSeen = Callable[[Any, tuple, dict, Any], None]  # (ATen op, args, kwargs, its output)
+
+
+class _OpObserver(TorchDispatchMode):
+    """Runs every ATen op as called: ``before(op)`` first, ``after(op, args, kwargs, out)`` once it
+    returned; with ``resized``, ``resized(storage)`` after each ``UntypedStorage.resize_``."""
+
+    def __init__(self, after: OpSeen, before: Callable[[Any], None] | None,
+                 resized: Callable[[Any], None] | None):
+        super().__init__()
+        self.after, self.before, self.resized, self.resize = after, before, resized, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.before is not None:
+            self.before(func)
+        out = func(*args, **kwargs)
+        self.after(func, args, kwargs, out)
+        return out
+
+    def __enter__(self):
+        if self.resized is not None:
+            self.resize = orig = torch.UntypedStorage.resize_
+
+            def resize_(st, size):
+                out = orig(st, size)
+                self.resized(st)
+                return out
+            torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self.resize is not None:
+            torch.UntypedStorage.resize_, self.resize = self.resize, None
+        return super().__exit__(*exc)
+
+
+def observe_ops(after: OpSeen, before: Callable[[Any], None] | None = None,
+                resized: Callable[[Any], None] | None = None):
+    """A context manager (``with observe_ops(seen):``) under which every ATen op below autograd runs
+    as called and is reported: ``before(op)`` first (what was running when an op raises), then
+    ``after(op, args, kwargs, out)``; ``resized(storage)`` after each storage resize (module docstring)."""
+    return _OpObserver(after, before, resized)

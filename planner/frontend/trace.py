@@ -12,7 +12,7 @@ How it works
    to run its members in list order (what every transformer does).
 3. **Fake execution.** A structural copy of the model whose parameters are
    ``FakeTensor`` s on the CPU device (no storage is ever allocated) runs one
-   forward and one backward under a ``TorchDispatchMode`` that sees every ATen op
+   forward and one backward under ``torch_compat.observe_ops``, which sees every ATen op
    - the same op-level view ``torch.export`` records - and attributes it to the
    current unit and part (attention, MLP, norm, ...). Fake CPU tensors (not meta)
    make ``scaled_dot_product_attention`` pick the flash kernel a real run picks, so
@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from codegen.runtime.torch_compat import TorchDispatchMode, children_registry, storage_key, tree_map
+from codegen.runtime.torch_compat import children_registry, observe_ops, storage_key, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from planner.frontend.records import UnitRecord, UnitRun, assemble, nbytes, tensors
@@ -132,12 +132,11 @@ def part_module(unit: nn.Module, part: str) -> nn.Module:
     return child if isinstance(child, nn.Module) else unit
 
 
-class _Recorder(TorchDispatchMode):
-    """Sees every ATen op: appends it to the FX graph (``builder``, when set) with its FLOPs,
-    bytes and (unit, part, phase), and notes which op kinds each part ran."""
+class _Recorder:
+    """Sees every ATen op (:meth:`watching`): appends it to the FX graph (``builder``, when set)
+    with its FLOPs, bytes and (unit, part, phase), and notes which op kinds each part ran."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.unit: UnitRecord | None = None      # innermost running unit
         self.part = ""
         self.backward = False
@@ -145,10 +144,14 @@ class _Recorder(TorchDispatchMode):
         self.linear = ""                         # the Linear running (path relative to its unit)
         self.builder: GraphBuilder | None = None
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self.last_op = str(func.overloadpacket.__name__)
-        out = func(*args, **kwargs)
+    def watching(self):
+        """The context under which every op is recorded (``torch_compat.observe_ops``)."""
+        return observe_ops(self.seen, before=self.starting)
+
+    def starting(self, func) -> None:
+        self.last_op = str(func.overloadpacket.__name__)  # named in the error when the op raises
+
+    def seen(self, func, args, kwargs, out) -> None:
         unit = self.unit
         name = self.last_op
         if self.builder is not None:
@@ -167,7 +170,7 @@ class _Recorder(TorchDispatchMode):
                 unit=unit.name if unit is not None else None, part=self.part, op=name, flops=flops, bytes=nb,
                 phase="bwd" if self.backward else "fwd"))
         if unit is None:
-            return out
+            return
         unit.part(self.part)
         if not self.backward:
             unit.part(self.part).ops.add(name)
@@ -180,7 +183,6 @@ class _Recorder(TorchDispatchMode):
                 causal = kernel_causal(func, args, kwargs, part_module(unit.module, self.part))
                 unit.attention = AttentionDims(heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[-1],
                                                seq_len=q.shape[-2], kv_len=k.shape[-2], causal=causal)
-        return out
 
 
 # ---------------------------------------------------------------- capture -------
@@ -453,11 +455,11 @@ def capture_fx(model: nn.Module, example: dict[str, Any] | tuple, *, name: str |
         with fake_mode, EqualHeadAttention():  # MLA's narrower value heads as a fused kernel runs them
             # A first forward without grad-saving fixes each part's kind (for the TP
             # split of saved bytes), a second one records everything.
-            with torch.no_grad(), rec:
+            with torch.no_grad(), rec.watching():
                 clone(*fargs, **fkwargs)
             hooks.note_part_kinds(vocab)
             rec.builder = GraphBuilder({id(p): n for n, p in clone.named_parameters(remove_duplicate=False)})
-            with rec, torch.autograd.graph.saved_tensors_hooks(hooks.pack, lambda t: t):
+            with rec.watching(), torch.autograd.graph.saved_tensors_hooks(hooks.pack, lambda t: t):
                 out = clone(*fargs, **fkwargs)
                 loss = loss_fn(out) if loss_fn is not None else _default_loss(out)
                 rec.backward = True

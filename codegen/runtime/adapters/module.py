@@ -239,28 +239,33 @@ class ModuleAdapter(ModelAdapter):
     def check_sequential(self, example: tuple | dict) -> None:
         """Raise ValueError unless running the units in sequence performs the model's own
         floating-point ops in the same order (fake tensors: nothing is allocated)."""
-        from codegen.runtime.torch_compat import FakeTensorMode, TorchDispatchMode
+        from codegen.runtime.torch_compat import FakeTensorMode, observe_ops
 
-        class Log(TorchDispatchMode):
+        class Log:
+            """The floating-point ops run under :meth:`watching`, and the last op dispatched."""
+
             def __init__(self):
-                super().__init__()
-                self.ops = []
+                self.ops, self.last = [], "?"
 
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            def watching(self):
+                return observe_ops(self.seen, before=self.starting)
+
+            def starting(self, func) -> None:
                 self.last = func.overloadpacket.__name__
-                out = func(*args, **(kwargs or {}))
+
+            def seen(self, func, args, kwargs, out) -> None:
                 if isinstance(out, torch.Tensor) and out.is_floating_point():
                     self.ops.append((func.overloadpacket.__name__, tuple(out.shape)))
-                return out
 
         args, kwargs = (example, {}) if isinstance(example, tuple) else ((), dict(example))
         kwargs.pop("labels", None)
         ids = args[0] if args else kwargs.get("input_ids")
         with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
             fake_ids = mode.from_tensor(torch.zeros(ids.shape, dtype=ids.dtype, device="meta"))
-            with Log() as full:
+            full, seq = Log(), Log()
+            with full.watching():
                 self.model(fake_ids, *args[1:], **{k: v for k, v in kwargs.items() if k != "input_ids"})
-            with Log() as seq:
+            with seq.watching():
                 self._run_units_or_explain(fake_ids, seq)
         if full.ops != seq.ops:
             at = next((i for i, (a, b) in enumerate(zip(full.ops, seq.ops)) if a != b), min(len(full.ops), len(seq.ops)))
@@ -282,7 +287,7 @@ class ModuleAdapter(ModelAdapter):
             self.sequential(ids)
         except Exception as e:
             raise ValueError(
-                f"capture failed in {where['unit']} (aten.{getattr(log, 'last', '?')}) running "
+                f"capture failed in {where['unit']} (aten.{log.last}) running "
                 f"{type(self.model).__name__}'s units one after another: {first_line(e)}; they do not compute its "
                 "forward: pass an explicit ModuleSpec(blocks=..., before=..., after=..., loss=...) "
                 "(auto_parallelize(..., module_spec=...), or set model.autopar_spec)") from e
