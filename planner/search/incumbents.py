@@ -62,3 +62,8 @@ def faster(candidate_s: float, incumbent_s: float) -> bool:
     beyond :data:`FASTER_BY` (the search's refinements keep what they were given on a tie: the ILP's
     warm start, a built-in schedule, the split and warm-up before a move)."""
     return candidate_s < incumbent_s * (1 - FASTER_BY)
+
+
+def fastest_fitting(estimates):
+    """The fastest of ``estimates`` (cost_models.estimate.Estimate) that fits, or None."""
+    return min((e for e in estimates if e.fits), key=lambda e: e.step_s, default=None)

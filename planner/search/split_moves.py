@@ -23,7 +23,7 @@ from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
 from planner.graph import ModelGraph
 from planner.search.wan_warmup import relieved
-from planner.search.incumbents import faster
+from planner.search.incumbents import faster, fastest_fitting
 
 MAX_ROUNDS = 3   # moves applied one after another at most
 MAX_TARGETS = 4  # ranks a round tries moving a group to (the least busy ones)
@@ -39,9 +39,8 @@ def rank_busy(e: Estimate) -> list[float]:
 
 def moves_apply(e: Estimate) -> bool:
     """Whether :func:`with_split_moves` prices moves for ``e``: a pipeline of one stage per rank
-    (``vpp = 1``; dualpipev's V places two) that fits."""
-    cfg = e.config
-    return cfg.pp > 1 and cfg.vpp == 1 and cfg.schedule != "dualpipev" and e.fits
+    (``vpp = 1``: not interleaved, not dualpipev's V) that fits."""
+    return e.config.pp > 1 and e.config.vpp == 1 and e.fits
 
 
 def with_split_moves(graph: ModelGraph, cluster: Cluster, e: Estimate, profile, engine) -> tuple[Estimate, int]:
@@ -58,7 +57,7 @@ def with_split_moves(graph: ModelGraph, cluster: Cluster, e: Estimate, profile, 
         tries = [estimate(graph, cluster, best.config, part, best.global_batch, profile=profile, engine=engine,
                           schedule=best.schedule_ir)
                  for part in relieved(best.partition, groups, src, targets)]
-        found = min((t for t in tries if t.fits), key=lambda t: t.step_s, default=None)
+        found = fastest_fitting(tries)
         if found is None or not faster(found.step_s, best.step_s):
             break
         best, moves = found, moves + 1

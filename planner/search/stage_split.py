@@ -158,7 +158,8 @@ def split_and_estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
     if cfg.pp * cfg.vpp > 1:
         even = estimate(graph, cluster, cfg, speed_split(graph, cluster, cfg), global_batch, profile=profile,
                         engine=engine)
-        e_even, moves_even = with_split_moves(graph, cluster, even, profile, engine)
+        same = even.partition == start.partition  # (moved alike: no need to move it again)
+        e_even, moves_even = (even, 0) if same else with_split_moves(graph, cluster, even, profile, engine)
         if not e.fits or (e_even.fits and e_even.step_s < e.step_s):
             start, e, moves, which = even, e_even, moves_even, "the even split"
             info = dict(info, chosen="even split (simulated faster or the ILP split did not fit)")

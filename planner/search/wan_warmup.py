@@ -27,7 +27,7 @@ from cost_models.wan_cost import DEEP_WARMUP_MAX
 from planner.graph import ModelGraph
 from planner.plan import Partition
 from planner.schedule_ir import DEEP_1F1B, Schedule, deep_warmup, one_f_one_b
-from planner.search.incumbents import faster
+from planner.search.incumbents import faster, fastest_fitting
 
 
 def wan_cut(cluster: Cluster, pp: int, stride: int) -> int | None:
@@ -96,7 +96,7 @@ def deepen(graph: ModelGraph, cluster: Cluster, e: Estimate, global_batch: int, 
             parts = relieved(e.partition, groups, by_room[0], by_room[-1:] if beat is not None else by_room[1:])
             tries = [estimate(graph, cluster, custom, part, global_batch, profile=profile, engine=engine, schedule=s)
                      for part in parts]
-        found = min((t for t in tries if t.fits), key=lambda t: t.step_s, default=None)
+        found = fastest_fitting(tries)
         if found is None or not faster(found.step_s, best.estimate.step_s):
             break
         best = Deepened(found, depth, cut)
