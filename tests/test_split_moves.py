@@ -92,3 +92,28 @@ def test_the_plan_and_its_report_say_how_the_split_moved(llama8b):
     sizes = "/".join(str(len(s["layers"])) for s in plan.stages)
     assert res.split_note.split(" -> ")[1].startswith(sizes + ":")  # the split the plan runs
     assert "Stage split: " + escape(res.split_note) in render_html(build_report(plan, layers=False))
+
+
+@pytest.mark.slow
+def test_evaluate_says_how_the_split_moved(tmp_path, capsys):
+    """``autopar evaluate`` on the ILP's split prints the moves (as ``autopar plan`` does), gives them
+    under ``split`` with ``--json`` and records them in the plan it writes; ``--even-split`` moves nothing."""
+    import json
+
+    from planner.entry.cli import main
+    from planner.plan import Plan
+
+    args = ["evaluate", "--model", "llama3-8b", "--cluster", "dgx-h100:1", "--global-batch", "32", "--seq-len", "4096",
+            "--config", "pp=8,dp=1,tp=1,cp=1,schedule=1f1b,zero=zero1,mbs=1,dtype=bf16", "--no-calibrate"]
+    out = tmp_path / "plan.json"
+    assert main(args + ["-o", str(out)]) == 0
+    said = "[autopar] stage split: "
+    line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith(said))[len(said):]
+    assert "moved off the busiest rank" in line
+    plan = Plan.load(str(out))
+    assert plan.search["split"] == line
+    assert line.split(" -> ")[1].startswith("/".join(str(len(s["layers"])) for s in plan.stages) + ":")
+    assert main(args + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["split"] == plan.search["split"]
+    assert main(args + ["--json", "--even-split"]) == 0
+    assert "split" not in json.loads(capsys.readouterr().out)

@@ -241,7 +241,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from planner.schedule_ir import layout_problem
     from planner.search.candidates import facts_of
     from planner.search.kernel_choice import attention_choice
-    from planner.search.planning import build_plan, evaluate_config
+    from planner.search.planning import build_plan, evaluate_noted
 
     cfg = parse_config(args.config)
     schedule = None
@@ -258,17 +258,22 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             if args.engine in (None, "autopar") else None
         cfg = cfg.replace(attention=choice.of(cfg.cp) if choice else default_attention(graph.limits))
     _progress(f"pricing {cfg.label()} on {cluster.world} devices of {cluster.name}")
-    e, problems = evaluate_config(graph, cluster, cfg, args.global_batch, even_split=args.even_split,
-                                  profile=profile, engine=args.engine, schedule=schedule)
+    e, problems, split = evaluate_noted(graph, cluster, cfg, args.global_batch, even_split=args.even_split,
+                                        profile=profile, engine=args.engine, schedule=schedule)
+    if split:
+        _progress(f"stage split: {split}")
     if args.out and problems:
         raise AutoparError(f"{args.out} not written: the runtime cannot run {cfg.label()}: " + "; ".join(problems))
     if args.out:
         write_atomic(args.out, build_plan(graph, cluster, e, spec=args.model, cluster_spec=args.cluster,
+                                          search_info={"split": split} if split else None,
                                           schedule=schedule).to_json(), force=args.force)
     checked = pins.check(cfg)
     if args.json:
         d = _estimate_summary(e)
         d["problems"] = problems
+        if split:
+            d["split"] = split
         d["fix"] = {pin: why is None for pin, why in checked}
         print(json.dumps(d, indent=1))
     else:

@@ -180,14 +180,25 @@ def evaluate_config(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, gl
                     even_split: bool = False, profile=None, engine=None,
                     schedule: Schedule | None = None) -> tuple[Estimate, list[str]]:
     """Price ``cfg``; returns the estimate and what the runtime cannot run of it (empty if
+    nothing): :func:`evaluate_noted` without its note on the stage split."""
+    e, found, _ = evaluate_noted(graph, cluster, cfg, global_batch, even_split=even_split, profile=profile,
+                                 engine=engine, schedule=schedule)
+    return e, found
+
+
+def evaluate_noted(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, *,
+                   even_split: bool = False, profile=None, engine=None,
+                   schedule: Schedule | None = None) -> tuple[Estimate, list[str], str]:
+    """Price ``cfg``; returns the estimate, what the runtime cannot run of it (empty if
     nothing): the feasibility predicate (``planner.feasibility.problems``), as the search and
-    the runtime apply it. Where one of its problems leaves nothing to price (the degrees do not
-    cover the cluster, expert-parallel groups that do not exist, more stages than stage groups,
-    a global batch that does not split into micro-batches, micro-batches the schedule cannot order),
-    AutoparError with every problem. ``engine`` (cost_models/engines.py; None: autopar's runtime)
-    is the engine whose overlaps are priced. ``schedule``: the schedule IR of ``schedule=custom``
-    (a user's file); it and dualpipev are priced on the even split (the stage ILP models looped
-    stages)."""
+    the runtime apply it, and how its stage split moved off the busiest rank ("" if it did not:
+    ``planner.search.split_moves.split_note``). Where one of its problems leaves nothing to
+    price (the degrees do not cover the cluster, expert-parallel groups that do not exist, more
+    stages than stage groups, a global batch that does not split into micro-batches,
+    micro-batches the schedule cannot order), AutoparError with every problem. ``engine``
+    (cost_models/engines.py; None: autopar's runtime) is the engine whose overlaps are priced.
+    ``schedule``: the schedule IR of ``schedule=custom`` (a user's file); it and dualpipev are
+    priced on the even split (the stage ILP models looped stages)."""
     facts = facts_of(graph)
     found = problems(cfg, facts, batch_of(graph, global_batch), cluster)
     if degrees_problem(cfg, cluster) or expert_groups_problem(cfg.ep, cfg.dp, cfg.cp, facts, cfg.tp):  # no mesh
@@ -196,7 +207,8 @@ def evaluate_config(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, gl
         if even_split or cfg.pp * cfg.vpp == 1 or cfg.schedule not in SCHEDULES:
             part = split_evenly(graph, cfg.pp * cfg.vpp, cfg.recompute)
             return estimate(graph, cluster, cfg, part, global_batch, profile=profile, engine=engine,
-                            schedule=schedule), found
-        return split_and_estimate(graph, cluster, cfg, global_batch, profile, engine=engine)[0], found
+                            schedule=schedule), found, ""
+        e, info = split_and_estimate(graph, cluster, cfg, global_batch, profile, engine=engine)
+        return e, found, info.get("split_moves", "")
     except (PlanError, ScheduleError) as e:
         raise AutoparError(f"{cfg.label()} cannot be priced: " + "; ".join(found or [str(e)])) from None
