@@ -278,13 +278,9 @@ def run_layout(model: str, variant: str, cfg_str: str, seq: int, gb: int, graphs
     dist.barrier()
     gc.collect()
     tracker = LiveTensorTracker()
-    orig_step = pm.optimizer.step
-
-    def opt_step():
-        tracker.phase = "optimizer"
-        orig_step()
-        tracker.phase = "after"
-    pm.optimizer.step = opt_step
+    opts = pm.optimizer.optimizers  # torch's step hooks mark the optimizer phase: the first's pre, the last's post
+    hooks = [opts[0].register_step_pre_hook(lambda *_: setattr(tracker, "phase", "optimizer")),
+             opts[-1].register_step_post_hook(lambda *_: setattr(tracker, "phase", "after"))]
     batch = _batch(mcfg.vocab, gb, seq, 1)
     tracker.add_existing()
     start = tracker.total
@@ -292,7 +288,8 @@ def run_layout(model: str, variant: str, cfg_str: str, seq: int, gb: int, graphs
     with tracker.watching():
         loss2 = pm.step(batch)
     t3 = time.perf_counter()
-    pm.optimizer.step = orig_step
+    for h in hooks:
+        h.remove()
     info = classify_peak(tracker, pm)
     pp_rank = pm.mesh["pp"].get_local_rank()  # before close() destroys the mesh's groups
     pm.close()
