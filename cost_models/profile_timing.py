@@ -45,6 +45,47 @@ def timeit(fn: Callable[[], Any], repeats: int, sync: Callable[[], None], budget
     return statistics.median(ts)
 
 
+def timeit_paired(base: Callable[[], Any], more: Callable[[], Any], repeats: int, sync: Callable[[], None],
+                  budget_s: float = 2.0, target_s: float = 0.02, agree: Callable[[int], int] | None = None,
+                  lockstep: Callable[[], None] | None = None) -> tuple[float, float]:
+    """Seconds per call of ``base`` and what ``more`` (a call doing ``base``'s work and more: a
+    forward and backward against a forward) takes beyond it: the median over ``n`` rounds of
+    a batch of ``base`` then a batch of ``more``, and the median over the rounds of the two
+    batches' difference (per call). Alternating the two within each round puts a slow spell of
+    the machine into both sides of one round's difference, which the median then drops; two
+    separate medians (:func:`timeit` each) would subtract one spell from another.
+
+    ``k`` per function and ``n`` as :func:`timeit` chooses them (``budget_s`` for both together);
+    ``agree`` and ``lockstep`` as there."""
+    firsts = []
+    for fn in (base, more):
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        firsts.append(max(time.perf_counter() - t0, 1e-9))
+    ks = [min(1000, max(1, math.ceil(target_s / f))) for f in firsts]
+    per_round = sum(k * f for k, f in zip(ks, firsts))
+    n = max(min(3, repeats), min(repeats, math.ceil(budget_s / per_round) if math.isfinite(budget_s) else repeats))
+    if agree is not None:
+        ks, n = [agree(k) for k in ks], agree(n)
+    rounds: list[tuple[float, float]] = []
+    for _ in range(n):
+        t = []
+        for fn, k in zip((base, more), ks):
+            if lockstep is not None:
+                lockstep()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(k):
+                fn()
+            sync()
+            t.append((time.perf_counter() - t0) / k)
+        rounds.append((t[0], t[1]))
+    return statistics.median(a for a, _ in rounds), statistics.median(max(b - a, 0.0) for a, b in rounds)
+
+
 def reduce_device() -> str:
     """Where a small tensor must live for a collective on the default group (nccl: the GPU)."""
     import torch.distributed as dist

@@ -30,7 +30,9 @@ rank). The same code runs with gloo on CPUs and nccl on GPUs. It measures:
 Timing (``cost_models.profile_timing.timeit``): after a warm-up call, ``--repeats`` batches of k back-to-back
 calls, k chosen so a batch lasts about 20 ms (1 for anything slower), and the median
 batch time / k. Batching amortises timer and scheduler jitter, which dominates
-sub-millisecond operations when ranks share cores. All ranks use one agreed k and
+sub-millisecond operations when ranks share cores. A layer's forward and its forward +
+backward alternate in rounds (``profile_timing.timeit_paired``), and its backward is the median
+of the rounds' differences, so a slow spell of the machine lands on both sides of one round. All ranks use one agreed k and
 batch count, layers start every batch together (a barrier), and the slowest rank's
 time is reported. Only rank 0 writes the file (atomically).
 """
@@ -44,7 +46,7 @@ import sys
 import time
 
 from cost_models.profile_runtime import measure_runtime
-from cost_models.profile_timing import agree_min, all_gather_into, reduce_scatter_into, timeit
+from cost_models.profile_timing import agree_min, all_gather_into, reduce_scatter_into, timeit, timeit_paired
 from planner.precision import DTYPES, default_dtype
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -273,9 +275,8 @@ def _time_layer(model, layer, inputs: tuple, tp: int, ring, repeats: int, sync, 
         if isinstance(m, SelfAttention):
             m.attn_impl = ring
     dist.barrier()
-    tf = timeit(fwd, repeats, sync, agree=agree_min, lockstep=dist.barrier)
-    tfb = timeit(fwd_bwd, repeats, sync, agree=agree_min, lockstep=dist.barrier)
-    tt = torch.tensor([tf, max(tfb - tf, 0.0)], dtype=torch.float64, device=device)
+    tf, tb = timeit_paired(fwd, fwd_bwd, repeats, sync, budget_s=4.0, agree=agree_min, lockstep=dist.barrier)
+    tt = torch.tensor([tf, tb], dtype=torch.float64, device=device)
     dist.all_reduce(tt, op=dist.ReduceOp.MAX)
     return tt[0].item(), tt[1].item()
 

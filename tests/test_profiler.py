@@ -146,3 +146,20 @@ def test_profiler_two_processes(tmp_path):
     assert kinds == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}
     assert all(len(v) == 2 and all(s.seconds > 0 for s in v) for v in db.collectives.values())
     assert "[profile] wrote" in r.stdout
+
+
+def test_timeit_paired_drops_a_slow_spell_from_the_difference():
+    """A forward (10 ms) and a forward + backward (25 ms) timed in 5 alternating rounds; a slow
+    spell makes round 2's batches and round 3's forward 3x slower. The forward is the median
+    batch, 10 ms; the backward the median of the rounds' differences, 15 ms."""
+    import time
+
+    factors = iter([1, 1, 3, 3, 3, 1, 1, 1, 1, 1])  # per batch, set by the lockstep before it
+    slow = [1]
+
+    def call(ms):
+        return lambda: time.sleep(ms * slow[0] / 1000)
+
+    tf, tb = profile_timing.timeit_paired(call(10), call(25), repeats=5, sync=lambda: None, target_s=0.001,
+                                          lockstep=lambda: slow.__setitem__(0, next(factors)))
+    assert tf == pytest.approx(0.010, rel=0.25) and tb == pytest.approx(0.015, rel=0.25)
