@@ -10,8 +10,8 @@ from typing import Any, Callable
 
 
 def timeit(fn: Callable[[], Any], repeats: int, sync: Callable[[], None], budget_s: float = 2.0,
-            target_s: float = 0.02, agree: Callable[[int], int] | None = None,
-            lockstep: Callable[[], None] | None = None) -> float:
+           target_s: float = 0.02, agree: Callable[[int], int] | None = None,
+           lockstep: Callable[[], None] | None = None) -> float:
     """Seconds per call of ``fn``: the median over ``n`` timed batches of ``k`` back-to-back
     calls, divided by ``k``.
 
@@ -22,27 +22,12 @@ def timeit(fn: Callable[[], Any], repeats: int, sync: Callable[[], None], budget
     everywhere); ``lockstep`` (a barrier) runs before every batch, so ranks sharing cores
     time their batches while the others compute too, as in training.
     """
-    fn()
-    sync()
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    first = max(time.perf_counter() - t0, 1e-9)
-    k = min(1000, max(1, math.ceil(target_s / first)))
-    n = max(min(3, repeats), min(repeats, math.ceil(budget_s / (k * first)) if math.isfinite(budget_s) else repeats))
+    first = _probe(fn, sync)
+    k = _calls_per_batch(first, target_s)
+    n = _batches(repeats, budget_s, k * first)
     if agree is not None:
         k, n = agree(k), agree(n)
-    ts: list[float] = []
-    for _ in range(n):
-        if lockstep is not None:
-            lockstep()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(k):
-            fn()
-        sync()
-        ts.append((time.perf_counter() - t0) / k)
-    return statistics.median(ts)
+    return statistics.median(_batch_s(fn, k, sync, lockstep) for _ in range(n))
 
 
 def timeit_paired(base: Callable[[], Any], more: Callable[[], Any], repeats: int, sync: Callable[[], None],
@@ -57,33 +42,46 @@ def timeit_paired(base: Callable[[], Any], more: Callable[[], Any], repeats: int
 
     ``k`` per function and ``n`` as :func:`timeit` chooses them (``budget_s`` for both together);
     ``agree`` and ``lockstep`` as there."""
-    firsts = []
-    for fn in (base, more):
-        fn()
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        firsts.append(max(time.perf_counter() - t0, 1e-9))
-    ks = [min(1000, max(1, math.ceil(target_s / f))) for f in firsts]
-    per_round = sum(k * f for k, f in zip(ks, firsts))
-    n = max(min(3, repeats), min(repeats, math.ceil(budget_s / per_round) if math.isfinite(budget_s) else repeats))
+    firsts = [_probe(base, sync), _probe(more, sync)]
+    ks = [_calls_per_batch(f, target_s) for f in firsts]
+    n = _batches(repeats, budget_s, sum(k * f for k, f in zip(ks, firsts)))
     if agree is not None:
         ks, n = [agree(k) for k in ks], agree(n)
-    rounds: list[tuple[float, float]] = []
-    for _ in range(n):
-        t = []
-        for fn, k in zip((base, more), ks):
-            if lockstep is not None:
-                lockstep()
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(k):
-                fn()
-            sync()
-            t.append((time.perf_counter() - t0) / k)
-        rounds.append((t[0], t[1]))
+    rounds = [(_batch_s(base, ks[0], sync, lockstep), _batch_s(more, ks[1], sync, lockstep)) for _ in range(n)]
     return statistics.median(a for a, _ in rounds), statistics.median(max(b - a, 0.0) for a, b in rounds)
+
+
+def _probe(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
+    """Seconds of one call of ``fn`` after a warm-up call."""
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return max(time.perf_counter() - t0, 1e-9)
+
+
+def _calls_per_batch(first_s: float, target_s: float) -> int:
+    """Back-to-back calls in a batch of about ``target_s`` (1 for slower calls; at most 1000)."""
+    return min(1000, max(1, math.ceil(target_s / first_s)))
+
+
+def _batches(repeats: int, budget_s: float, batch_s: float) -> int:
+    """``repeats`` batches (or rounds) of ``batch_s``, cut to ``budget_s``, at least 3 when ``repeats`` allows."""
+    fits = math.ceil(budget_s / batch_s) if math.isfinite(budget_s) else repeats
+    return max(min(3, repeats), min(repeats, fits))
+
+
+def _batch_s(fn: Callable[[], Any], k: int, sync: Callable[[], None], lockstep: Callable[[], None] | None) -> float:
+    """Seconds per call of one batch of ``k`` back-to-back calls, started in ``lockstep``."""
+    if lockstep is not None:
+        lockstep()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(k):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / k
 
 
 def reduce_device() -> str:
