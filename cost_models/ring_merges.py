@@ -19,7 +19,7 @@ that does not shrink with the documents: per ring rank, micro-batch and layer,
   every query, or no query's document reaching the block) does none of this.
 
 :func:`ring_steps` counts these per (ring rank, step) from the runtime's own layout
-(``RingCompute.held_positions``' runs, ``ring_block_attention``'s rule for a key run a query
+(``RingCompute.held_positions`` in ``RingCompute.attention_order``: its runs; ``ring_block_attention``'s rule for a key run a query
 run reaches); :func:`own_work` prices them: ``MERGE_ROW_ELEMENTS`` per query row (a batch row's
 query, all heads) merged, ``CALL_ROW_ELEMENTS`` per call and query row the rank holds (the
 call's slices: their gradients are copied back into the whole q, k, v), ``RING_CALL_ELEMENTS``
@@ -61,21 +61,23 @@ MERGES, MERGED_ROWS, CALLS, CALL_ROWS = range(4)
 
 def ring_runs(seq_len: int, cp: int, ulysses: int = 1) -> list[tuple[int, int, int]]:
     """(first position, end, ring rank) of each maximal run of consecutive positions a ring rank
-    holds, in position order: its cp ranks' zigzag chunks ``2cp`` of the row, in the order
-    ``RingCompute.held_positions`` lays them (chunks ``cp - 1`` and ``cp`` of one rank, or of
-    one Ulysses group, make one run); the whole row at ``cp`` 1."""
+    holds, in position order: of the ``2cp`` zigzag chunks of the row, cp rank ``r`` holds ``r``
+    and ``2cp - 1 - r``, a ring rank its Ulysses group's (``ulysses`` consecutive cp ranks), and
+    it attends them in position order (``RingCompute.attention_order``), so its adjacent chunks
+    make one run (pure Ulysses: the whole row); the whole row at ``cp`` 1."""
     if cp == 1:
         return [(0, seq_len, 0)]
     c = seq_len // (2 * cp)
-    runs = []
-    for ring in range(cp // ulysses):
-        held = [k for i in range(ulysses) for k in (ring * ulysses + i, 2 * cp - 1 - ring * ulysses - i)]
-        for k in held:
-            if runs and runs[-1][2] == ring and runs[-1][1] == k * c:
-                runs[-1] = (runs[-1][0], (k + 1) * c, ring)
-            else:
-                runs.append((k * c, (k + 1) * c, ring))
-    return sorted(runs)
+    owner = [0] * (2 * cp)
+    for r in range(cp):
+        owner[r] = owner[2 * cp - 1 - r] = r // ulysses
+    runs: list[tuple[int, int, int]] = []
+    for k, ring in enumerate(owner):
+        if runs and runs[-1][2] == ring:
+            runs[-1] = (runs[-1][0], (k + 1) * c, ring)
+        else:
+            runs.append((k * c, (k + 1) * c, ring))
+    return runs
 
 
 def ring_steps(seq_len: int, cp: int, ulysses: int = 1) -> np.ndarray:

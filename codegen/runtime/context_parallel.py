@@ -38,8 +38,12 @@ u S/cp, D] (this rank's 1/u of the heads, the group's u sequence shards, rank or
 inner attention runs, and the output goes back the reverse way (the backward is the
 reverse exchange of the gradients). The inner attention is the ring over the ``cp / u``
 groups (a ring of one for pure Ulysses), whose ranks now hold the union of their
-group's zigzag chunks (:meth:`RingCompute.held_positions`): the causal masks, skipped
-blocks and flash offsets all follow from those global positions.
+group's zigzag chunks (:meth:`RingCompute.held_positions`). A rank attends them in position
+order (:meth:`RingCompute.attention_order`): q, k and v are put in that order before the ring
+(K/V travel in it) and the output back after, so a group's adjacent chunks make one
+contiguous run (pure Ulysses: the whole row, one flash call per step instead of one per pair
+of its ``2u`` chunks; the 2-D hybrid: two runs). The causal masks, skipped blocks and flash
+offsets all follow from those global positions.
 
 Gradients of a cp-sharded model must be summed over cp and the loss divided by the
 global token count; the runtime folds cp into the data-parallel reduction.
@@ -199,19 +203,30 @@ class RingCompute:
         self._positions: dict[tuple, tuple] = {}  # (seq, device) -> positions on that device
         self._doc_views = PerVersion()  # (documents.version, seq) -> (q_doc, seen per step)
 
-    def _ring_positions(self, seq: int, device: torch.device) -> tuple[torch.Tensor, list]:
-        """The local queries' global positions and, per ring step, the visiting block's
-        positions and whether no local query may see it, computed once per (seq, device):
-        the same for every layer and step, and the skip test needs no device sync."""
+    def _ring_positions(self, seq: int, device: torch.device) -> tuple[torch.Tensor, list, Optional[tuple]]:
+        """The local queries' global positions in attention order, per ring step the visiting
+        block's (in its rank's attention order) and whether no local query may see it, and
+        the (order, inverse) index pair of :meth:`attention_order` (None: the held order is
+        already sorted), computed once per (seq, device): the same for every layer and step,
+        and the skip test needs no device sync."""
         key = (seq, device)
         if key not in self._positions:
-            q = self.held_positions(seq, self.rank)
+            order = self.attention_order(seq, self.rank)
+            q = self.held_positions(seq, self.rank)[order]
             steps = []
             for step in range(1, self.cp):
-                kv = self.held_positions(seq, (self.rank - step) % self.cp)
+                ring_rank = (self.rank - step) % self.cp
+                kv = self.held_positions(seq, ring_rank)[self.attention_order(seq, ring_rank)]
                 steps.append((kv.to(device), bool((kv.min() > q).all())))
-            self._positions[key] = (q.to(device), steps)
+            sort = None if bool((order[1:] > order[:-1]).all()) else (order.to(device), order.argsort().to(device))
+            self._positions[key] = (q.to(device), steps, sort)
         return self._positions[key]
+
+    def attention_order(self, seq: int, ring_rank: int) -> torch.Tensor:
+        """Indices that put ring rank ``ring_rank``'s held tokens (:meth:`held_positions`) in
+        position order: the order its queries attend in and its K/V travel in (module
+        docstring). The identity without Ulysses (a rank's zigzag chunks ``r < 2cp - 1 - r``)."""
+        return self.held_positions(seq, ring_rank).argsort()
 
     def held_positions(self, seq: int, ring_rank: int) -> torch.Tensor:
         """Global positions of the tokens ring rank ``ring_rank`` attends with: its cp rank's
@@ -224,8 +239,10 @@ class RingCompute:
                  scale: Optional[float] = None) -> torch.Tensor:
         if not causal:
             return self.fallback(q, k, v, causal=causal, scale=scale)
-        q_pos, steps = self._ring_positions(q.shape[2] * self.cp, q.device)
+        q_pos, steps, sort = self._ring_positions(q.shape[2] * self.cp, q.device)
         q_doc, seen = self._document_view(q.shape[2] * self.cp, q_pos, steps)
+        if sort is not None:  # attend in position order (attention_order); the output goes back below
+            q, k, v = (t.index_select(2, sort[0]) for t in (q, k, v))
         kv = torch.stack((k, v))
         if self.flash and q.shape[-1] in _flash_head_dims():
             from codegen.kernels.attention import attn_merge
@@ -245,6 +262,8 @@ class RingCompute:
                 continue
             o_b, l_b = block(q, kv[0], kv[1], kv_pos)
             out, lse = merge(out, lse, o_b, l_b)
+        if sort is not None:
+            out = out.index_select(2, sort[1])
         return out.to(q.dtype)
 
     def _document_view(self, seq: int, q_pos: torch.Tensor, steps: list) -> tuple[Optional[torch.Tensor], list]:
