@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 
 def timeit(fn: Callable[[], Any], repeats: int, sync: Callable[[], None], budget_s: float = 2.0,
@@ -41,14 +41,32 @@ def timeit_paired(base: Callable[[], Any], more: Callable[[], Any], repeats: int
     separate medians (:func:`timeit` each) would subtract one spell from another.
 
     ``k`` per function and ``n`` as :func:`timeit` chooses them (``budget_s`` for both together);
-    ``agree`` and ``lockstep`` as there."""
-    firsts = [_probe(base, sync), _probe(more, sync)]
-    ks = [_calls_per_batch(f, target_s) for f in firsts]
-    n = _batches(repeats, budget_s, sum(k * f for k, f in zip(ks, firsts)))
+    ``agree`` and ``lockstep`` as there. :func:`timeit_paired_many` of the one pair."""
+    return timeit_paired_many([(base, more)], repeats, sync, budget_s, target_s, agree, lockstep)[0]
+
+
+def timeit_paired_many(pairs: Sequence[tuple[Callable[[], Any], Callable[[], Any]]], repeats: int,
+                       sync: Callable[[], None], budget_s: float = 2.0, target_s: float = 0.02,
+                       agree: Callable[[int], int] | None = None,
+                       lockstep: Callable[[], None] | None = None) -> list[tuple[float, float]]:
+    """:func:`timeit_paired` of every ``(base, more)`` pair, their rounds interleaved: round ``i``
+    times each pair's ``base`` and ``more`` batches in turn, so a slow spell of the machine
+    lands on one round of every pair (which their medians drop) instead of on all the rounds
+    of the pair timed while it lasted. ``budget_s`` per pair (the rounds cut to ``budget_s``
+    times the pairs, at least 3 when ``repeats`` allows); ``agree`` maps every pair's ``k``
+    and the round count to ones all ranks use."""
+    firsts = [(_probe(b, sync), _probe(m, sync)) for b, m in pairs]
+    ks = [(_calls_per_batch(fb, target_s), _calls_per_batch(fm, target_s)) for fb, fm in firsts]
+    round_s = sum(kb * fb + km * fm for (kb, km), (fb, fm) in zip(ks, firsts))
+    n = _batches(repeats, budget_s * len(pairs), round_s)
     if agree is not None:
-        ks, n = [agree(k) for k in ks], agree(n)
-    rounds = [(_batch_s(base, ks[0], sync, lockstep), _batch_s(more, ks[1], sync, lockstep)) for _ in range(n)]
-    return statistics.median(a for a, _ in rounds), statistics.median(max(b - a, 0.0) for a, b in rounds)
+        ks, n = [(agree(kb), agree(km)) for kb, km in ks], agree(n)
+    rounds: list[list[tuple[float, float]]] = [[] for _ in pairs]
+    for _ in range(n):
+        for got, (b, m), (kb, km) in zip(rounds, pairs, ks):
+            got.append((_batch_s(b, kb, sync, lockstep), _batch_s(m, km, sync, lockstep)))
+    return [(statistics.median(a for a, _ in got), statistics.median(max(b - a, 0.0) for a, b in got))
+            for got in rounds]
 
 
 def _probe(fn: Callable[[], Any], sync: Callable[[], None]) -> float:

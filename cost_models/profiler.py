@@ -31,8 +31,10 @@ Timing (``cost_models.profile_timing.timeit``): after a warm-up call, ``--repeat
 calls, k chosen so a batch lasts about 20 ms (1 for anything slower), and the median
 batch time / k. Batching amortises timer and scheduler jitter, which dominates
 sub-millisecond operations when ranks share cores. A layer's forward and its forward +
-backward alternate in rounds (``profile_timing.timeit_paired``), and its backward is the median
-of the rounds' differences, so a slow spell of the machine lands on both sides of one round. All ranks use one agreed k and
+backward alternate in rounds, and its backward is the median of the rounds' differences, so a
+slow spell of the machine lands on both sides of one round; the rounds of every layer shape of a
+CP degree are interleaved (``profile_timing.timeit_paired_many``: round i times each shape in
+turn), so a slow spell lands on one round of every shape, not on all rounds of the one timed then. All ranks use one agreed k and
 batch count, layers start every batch together (a barrier), and the slowest rank's
 time is reported. Only rank 0 writes the file (atomically).
 """
@@ -46,7 +48,7 @@ import sys
 import time
 
 from cost_models.profile_runtime import measure_runtime
-from cost_models.profile_timing import agree_min, all_gather_into, reduce_scatter_into, timeit, timeit_paired
+from cost_models.profile_timing import agree_min, all_gather_into, reduce_scatter_into, timeit, timeit_paired_many
 from planner.precision import DTYPES, default_dtype
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -220,20 +222,27 @@ def measure_layers(db, spec: str, seq_len: int, batches, tps, cps, repeats: int,
     model = zoo.build_model(ms.cfg, device=device, seed=0).to(compute_dtype(db.dtype))
     reps = {layer.signature: layer for layer in graph.layers if layer.repeat_of is None}
     sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
-    total, done = len(reps) * len(batches) * len(tps) * len(cps), 0
     for cp in cps:
         # this rank plays cp rank (rank % cp): the zigzag layout gives every cp rank equal work
         ring = RingCompute(cp, dist.get_rank() % cp, fallback=sdpa_attention) if cp > 1 else None
+        shapes, pairs, units = [], [], {}
         for b in batches:
             inputs = _layer_inputs(model, reps.values(), zoo.example_batch(ms.cfg, b, seq_len // cp, device=device))
             for tp in tps:
                 for sig, layer in reps.items():
-                    done += 1
                     if tp > 1 and layer.attention is not None and layer.attention.kv_heads % tp:
                         continue
-                    tf, tb = _time_layer(model, layer, inputs[layer.name], tp, ring, repeats, sync, device)
-                    db.add_layer(sig, b, seq_len, tp, cp, tf, tb)
-            _log(f"layers: {done}/{total} shapes measured (cp={cp}, batch={b})")
+                    if (sig, tp) not in units:
+                        units[sig, tp] = _unit_with(model, layer, tp, ring)
+                    shapes.append((sig, b, tp))
+                    pairs.append(_layer_calls(units[sig, tp], layer, inputs[layer.name], tp))
+        dist.barrier()
+        times = timeit_paired_many(pairs, repeats, sync, budget_s=4.0, agree=agree_min, lockstep=dist.barrier)
+        tt = torch.tensor(times, dtype=torch.float64, device=device).reshape(-1, 2)
+        dist.all_reduce(tt, op=dist.ReduceOp.MAX)  # the slowest rank's
+        for (sig, b, tp), (tf, tb) in zip(shapes, tt.tolist()):
+            db.add_layer(sig, b, seq_len, tp, cp, tf, tb)
+        _log(f"layers: {len(shapes)} shapes measured (cp={cp}, batches {list(batches)}, tp {list(tps)})")
 
 
 def _layer_inputs(model, layers, batch: dict) -> dict[str, tuple]:
@@ -250,15 +259,23 @@ def _layer_inputs(model, layers, batch: dict) -> dict[str, tuple]:
     return inputs
 
 
-def _time_layer(model, layer, inputs: tuple, tp: int, ring, repeats: int, sync, device) -> tuple[float, float]:
-    """(forward s, backward s) of ``layer``'s tp shard on ``inputs``, the slowest rank's, its
-    attention running ``ring``'s compute (or SDPA)."""
-    import torch
-    import torch.distributed as dist
-
+def _unit_with(model, layer, tp: int, ring):
+    """``layer``'s module as a tp rank holds it (:func:`shard_unit`), its attention running
+    ``ring``'s compute (or SDPA when None)."""
     from codegen.runtime.layers import SelfAttention
 
     unit = shard_unit(model.get_submodule(layer.name), layer, tp)
+    for m in unit.modules():
+        if isinstance(m, SelfAttention):
+            m.attn_impl = ring
+    return unit
+
+
+def _layer_calls(unit, layer, inputs: tuple, tp: int) -> tuple:
+    """(forward, forward + backward) calls of ``unit`` on ``inputs`` (their labels made local
+    to the tp rank's vocabulary shard): the pair :func:`profile_timing.timeit_paired_many` times."""
+    import torch
+
     a, k = local_labels(*inputs, layer, tp)
 
     def fwd():
@@ -271,14 +288,7 @@ def _time_layer(model, layer, inputs: tuple, tp: int, ring, repeats: int, sync, 
         out = out if isinstance(out, torch.Tensor) else out[0]
         (out.float().sum() if out.dim() else out).backward()
 
-    for m in unit.modules():
-        if isinstance(m, SelfAttention):
-            m.attn_impl = ring
-    dist.barrier()
-    tf, tb = timeit_paired(fwd, fwd_bwd, repeats, sync, budget_s=4.0, agree=agree_min, lockstep=dist.barrier)
-    tt = torch.tensor([tf, tb], dtype=torch.float64, device=device)
-    dist.all_reduce(tt, op=dist.ReduceOp.MAX)
-    return tt[0].item(), tt[1].item()
+    return fwd, fwd_bwd
 
 
 def worker_args(cluster: str, model: str, out: str, *, seq_len: int | None = None, batches: str | None = None,
