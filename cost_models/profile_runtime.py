@@ -3,7 +3,7 @@ the keys; ``cost_models.profiler`` calls :func:`measure_runtime`): the data-para
 unit and the EP dispatch per MoE layer, into ``ProfileDB.runtime``."""
 from __future__ import annotations
 
-from cost_models.profile_timing import agree_min, all_gather_into, reduce_scatter_into, timeit
+from cost_models.profile_timing import agree_min, timeit
 
 
 def _log(msg: str) -> None:
@@ -48,8 +48,10 @@ def _wrapper_figures(mesh, repeats: int) -> dict[str, float]:
     fsdp_on = fwd_bwd(lambda u: fully_shard(u, mesh=mesh), grad_sync=True)
     numel = sum(p.numel() for p in _unit_stack()[0].parameters()) // n * n
     flat, shard = torch.ones(numel), torch.ones(numel // n)
-    ag = timeit(lambda: all_gather_into(flat, shard, None), repeats, sync, agree=agree_min, lockstep=dist.barrier)
-    rs = timeit(lambda: reduce_scatter_into(shard, flat, None), repeats, sync, agree=agree_min, lockstep=dist.barrier)
+    ag = timeit(lambda: torch_compat.all_gather_into(flat, shard, None), repeats, sync, agree=agree_min,
+                lockstep=dist.barrier)
+    rs = timeit(lambda: torch_compat.reduce_scatter_into(shard, flat, None), repeats, sync, agree=agree_min,
+                lockstep=dist.barrier)
     units = RUNTIME_UNITS + 1  # the stack's root is a unit too
     return {"replicate_unit_s": (rep - plain) / units, "fsdp_unit_s": (fsdp_off - plain) / units - 2 * ag,
             "fsdp_reduce_unit_s": (fsdp_on - fsdp_off) / units - rs}

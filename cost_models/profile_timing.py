@@ -1,6 +1,6 @@
-"""The profiler's timing and collective helpers (cost_models/profiler.py, cost_models/profile_runtime.py):
-batched timing of a call on every rank alike, the ranks' agreed counts, and the all-gather /
-reduce-scatter calls under their torch-version names."""
+"""The profiler's timing helpers (cost_models/profiler.py, cost_models/profile_runtime.py):
+batched timing of a call on every rank alike and the ranks' agreed counts (the all-gather /
+reduce-scatter under their torch-version names: ``codegen.runtime.torch_compat``)."""
 from __future__ import annotations
 
 import math
@@ -119,16 +119,3 @@ def agree_min(k: int) -> int:
     t = torch.tensor([k], dtype=torch.int64, device=reduce_device())
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
-
-
-def all_gather_into(out, inp, group):
-    import torch.distributed as dist
-
-    # torch >= 2.13 renamed all_gather_into_tensor; older releases (the GPU box has 2.11) lack the new name
-    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, inp, group=group)
-
-
-def reduce_scatter_into(out, inp, group):
-    import torch.distributed as dist
-
-    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, inp, group=group)

@@ -48,7 +48,7 @@ import sys
 import time
 
 from cost_models.profile_runtime import measure_runtime
-from cost_models.profile_timing import agree_min, all_gather_into, reduce_scatter_into, timeit, timeit_paired_many
+from cost_models.profile_timing import agree_min, timeit, timeit_paired_many
 from planner.precision import DTYPES, default_dtype
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -70,6 +70,8 @@ def _groups(world: int, n: int) -> list[list[int]]:
 def measure_collectives(db, world: int, rank: int, sizes, repeats: int, device) -> None:
     import torch
     import torch.distributed as dist
+
+    from codegen.runtime.torch_compat import all_gather_into, reduce_scatter_into
 
     sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
     for n in [d for d in range(2, world + 1) if world % d == 0]:

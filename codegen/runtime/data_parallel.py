@@ -131,9 +131,9 @@ def hierarchical_hook(groups: HierGroups, bucket) -> torch.futures.Future[torch.
     pad = (-buf.numel()) % n
     flat = torch.cat([buf, buf.new_zeros(pad)]) if pad else buf
     shard = flat.new_empty(flat.numel() // n)
-    dist.reduce_scatter_tensor(shard, flat, group=groups.inner)
+    torch_compat.reduce_scatter_into(shard, flat, group=groups.inner)
     dist.all_reduce(shard, group=groups.outer)
-    dist.all_gather_into_tensor(flat, shard, group=groups.inner)
+    torch_compat.all_gather_into(flat, shard, group=groups.inner)
     if pad:
         buf.copy_(flat[:buf.numel()])
     fut: torch.futures.Future = torch.futures.Future()

@@ -68,6 +68,10 @@ these, this module is the one place to change. Each entry, and why we need it:
 - :func:`local_tensor` (``DTensor._local_tensor``): a DTensor parameter's or gradient's local
   shard as the storage itself (collectives write into it in place; ``to_local()`` is an autograd
   op returning an alias that must not be written through).
+- :func:`all_gather_into` / :func:`reduce_scatter_into`: the flat-tensor all-gather and
+  reduce-scatter under the name the running torch has (2.13 renamed ``all_gather_into_tensor`` /
+  ``reduce_scatter_tensor`` to ``all_gather_single`` / ``reduce_scatter_single``; the GPU box's
+  2.11 has only the old names).
 """
 from __future__ import annotations
 
@@ -83,12 +87,26 @@ from torch.utils._pytree import tree_flatten, tree_map
 CHECKED_ON = ("2.13.0",)
 
 __all__ = ["CHECKED_ON", "FakeTensorMode", "StridedShard", "checkpoint_generator",
-           "children_registry", "clear_dtensor_caches", "ddp_replicate", "flatten_mesh", "foreach_mul_", "foreach_norm", "funcol",
+           "all_gather_into", "children_registry", "clear_dtensor_caches", "ddp_replicate", "flatten_mesh", "foreach_mul_", "foreach_norm", "funcol",
            "is_traceable_wrapper_subclass", "live_process_groups", "local_tensor", "module_hook_dicts", "observe_ops",
-           "preload_dynamo", "replicate",
+           "preload_dynamo", "reduce_scatter_into", "replicate",
            "replicate_ddp_class", "saved_attention_ops", "saved_collective_ops", "schedule_runtime",
            "set_children_registry", "storage_key", "tree_flatten",
            "tree_map"]
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None):
+    """All-gather ``inp`` of every rank of ``group`` into the flat ``out`` (module docstring)."""
+    import torch.distributed as dist
+
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, inp, group=group)
+
+
+def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group=None):
+    """Sum the flat ``inp`` over ``group`` and scatter it, this rank's part into ``out`` (module docstring)."""
+    import torch.distributed as dist
+
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, inp, group=group)
 
 
 def preload_dynamo() -> None:
