@@ -30,31 +30,22 @@ def timeit(fn: Callable[[], Any], repeats: int, sync: Callable[[], None], budget
     return statistics.median(_batch_s(fn, k, sync, lockstep) for _ in range(n))
 
 
-def timeit_paired(base: Callable[[], Any], more: Callable[[], Any], repeats: int, sync: Callable[[], None],
-                  budget_s: float = 2.0, target_s: float = 0.02, agree: Callable[[int], int] | None = None,
-                  lockstep: Callable[[], None] | None = None) -> tuple[float, float]:
-    """Seconds per call of ``base`` and what ``more`` (a call doing ``base``'s work and more: a
-    forward and backward against a forward) takes beyond it: the median over ``n`` rounds of
-    a batch of ``base`` then a batch of ``more``, and the median over the rounds of the two
-    batches' difference (per call). Alternating the two within each round puts a slow spell of
-    the machine into both sides of one round's difference, which the median then drops; two
-    separate medians (:func:`timeit` each) would subtract one spell from another.
+def timeit_paired(pairs: Sequence[tuple[Callable[[], Any], Callable[[], Any]]], repeats: int,
+                  sync: Callable[[], None], budget_s: float = 2.0, target_s: float = 0.02,
+                  agree: Callable[[int], int] | None = None,
+                  lockstep: Callable[[], None] | None = None) -> list[tuple[float, float]]:
+    """Per ``(base, more)`` pair, seconds per call of ``base`` and what ``more`` (a call doing
+    ``base``'s work and more: a forward and backward against a forward) takes beyond it: the
+    median over ``n`` rounds of ``base``'s batch, and the median over the rounds of the two
+    batches' difference (per call). Within a round ``more``'s batch follows ``base``'s, so a
+    slow spell of the machine lands on both sides of one round's difference, which the median
+    then drops (two separate medians, :func:`timeit` each, would subtract one spell from
+    another); and the pairs' rounds are interleaved, round ``i`` timing each pair in turn, so a
+    spell lands on one round of every pair, not on all rounds of the pair timed while it lasted.
 
-    ``k`` per function and ``n`` as :func:`timeit` chooses them (``budget_s`` for both together);
-    ``agree`` and ``lockstep`` as there. :func:`timeit_paired_many` of the one pair."""
-    return timeit_paired_many([(base, more)], repeats, sync, budget_s, target_s, agree, lockstep)[0]
-
-
-def timeit_paired_many(pairs: Sequence[tuple[Callable[[], Any], Callable[[], Any]]], repeats: int,
-                       sync: Callable[[], None], budget_s: float = 2.0, target_s: float = 0.02,
-                       agree: Callable[[int], int] | None = None,
-                       lockstep: Callable[[], None] | None = None) -> list[tuple[float, float]]:
-    """:func:`timeit_paired` of every ``(base, more)`` pair, their rounds interleaved: round ``i``
-    times each pair's ``base`` and ``more`` batches in turn, so a slow spell of the machine
-    lands on one round of every pair (which their medians drop) instead of on all the rounds
-    of the pair timed while it lasted. ``budget_s`` per pair (the rounds cut to ``budget_s``
-    times the pairs, at least 3 when ``repeats`` allows); ``agree`` maps every pair's ``k``
-    and the round count to ones all ranks use."""
+    ``k`` per function as :func:`timeit` chooses it; ``n`` = ``repeats`` cut to ``budget_s`` per
+    pair (at least 3 when ``repeats`` allows); ``agree`` maps every ``k`` and ``n`` to ones all
+    ranks use, and ``lockstep`` runs before every batch, as there."""
     firsts = [(_probe(b, sync), _probe(m, sync)) for b, m in pairs]
     ks = [(_calls_per_batch(fb, target_s), _calls_per_batch(fm, target_s)) for fb, fm in firsts]
     round_s = sum(kb * fb + km * fm for (kb, km), (fb, fm) in zip(ks, firsts))

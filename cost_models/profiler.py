@@ -33,7 +33,7 @@ batch time / k. Batching amortises timer and scheduler jitter, which dominates
 sub-millisecond operations when ranks share cores. A layer's forward and its forward +
 backward alternate in rounds, and its backward is the median of the rounds' differences, so a
 slow spell of the machine lands on both sides of one round; the rounds of every layer shape of a
-CP degree are interleaved (``profile_timing.timeit_paired_many``: round i times each shape in
+CP degree are interleaved (``profile_timing.timeit_paired``: round i times each shape in
 turn), so a slow spell lands on one round of every shape, not on all rounds of the one timed then. All ranks use one agreed k and
 batch count, layers start every batch together (a barrier), and the slowest rank's
 time is reported. Only rank 0 writes the file (atomically).
@@ -48,7 +48,7 @@ import sys
 import time
 
 from cost_models.profile_runtime import measure_runtime
-from cost_models.profile_timing import agree_min, timeit, timeit_paired_many
+from cost_models.profile_timing import agree_min, timeit, timeit_paired
 from planner.precision import DTYPES, default_dtype
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -239,7 +239,7 @@ def measure_layers(db, spec: str, seq_len: int, batches, tps, cps, repeats: int,
                     shapes.append((sig, b, tp))
                     pairs.append(_layer_calls(units[sig, tp], layer, inputs[layer.name], tp))
         dist.barrier()
-        times = timeit_paired_many(pairs, repeats, sync, budget_s=4.0, agree=agree_min, lockstep=dist.barrier)
+        times = timeit_paired(pairs, repeats, sync, budget_s=4.0, agree=agree_min, lockstep=dist.barrier)
         tt = torch.tensor(times, dtype=torch.float64, device=device).reshape(-1, 2)
         dist.all_reduce(tt, op=dist.ReduceOp.MAX)  # the slowest rank's
         for (sig, b, tp), (tf, tb) in zip(shapes, tt.tolist()):
@@ -275,7 +275,7 @@ def _unit_with(model, layer, tp: int, ring):
 
 def _layer_calls(unit, layer, inputs: tuple, tp: int) -> tuple:
     """(forward, forward + backward) calls of ``unit`` on ``inputs`` (their labels made local
-    to the tp rank's vocabulary shard): the pair :func:`profile_timing.timeit_paired_many` times."""
+    to the tp rank's vocabulary shard): the pair :func:`profile_timing.timeit_paired` times."""
     import torch
 
     a, k = local_labels(*inputs, layer, tp)

@@ -161,13 +161,13 @@ def test_timeit_paired_drops_a_slow_spell_from_the_difference():
     def call(ms):
         return lambda: time.sleep(ms * slow[0] / 1000)
 
-    tf, tb = profile_timing.timeit_paired(call(10), call(25), repeats=5, sync=lambda: None, target_s=0.001,
-                                          lockstep=lambda: slow.__setitem__(0, next(factors)))
+    [(tf, tb)] = profile_timing.timeit_paired([(call(10), call(25))], repeats=5, sync=lambda: None, target_s=0.001,
+                                              lockstep=lambda: slow.__setitem__(0, next(factors)))
     assert tf == pytest.approx(0.010, rel=0.25) and tb == pytest.approx(0.015, rel=0.25)
 
 
 @pytest.mark.slow
-def test_timeit_paired_many_spreads_a_slow_spell_over_every_shape():
+def test_timeit_paired_spreads_a_slow_spell_over_every_shape():
     """Three layer shapes (forward 10 / 20 / 30 ms, backward twice that) timed in 5 interleaved
     rounds; a slow spell of 12 batches (longer than one shape's 10) makes rounds 2 and 3 of
     every shape 3x slower. Interleaved, each shape keeps 3 quick rounds of 5 and its medians
@@ -183,7 +183,7 @@ def test_timeit_paired_many_spreads_a_slow_spell_over_every_shape():
         return lambda: time.sleep(ms * slow[0] / 1000)
 
     pairs = [(call(f), call(3 * f)) for f in (10, 20, 30)]
-    got = profile_timing.timeit_paired_many(pairs, repeats=5, sync=lambda: None, target_s=0.001,
+    got = profile_timing.timeit_paired(pairs, repeats=5, sync=lambda: None, target_s=0.001,
                                             budget_s=math.inf, lockstep=lambda: slow.__setitem__(0, next(factors)))
     for (tf, tb), f in zip(got, (10, 20, 30)):
         assert tf == pytest.approx(f / 1000, rel=0.3) and tb == pytest.approx(2 * f / 1000, rel=0.3)

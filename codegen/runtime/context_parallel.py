@@ -211,22 +211,22 @@ class RingCompute:
         and the skip test needs no device sync."""
         key = (seq, device)
         if key not in self._positions:
-            order = self.attention_order(seq, self.rank)
-            q = self.held_positions(seq, self.rank)[order]
+            q, order = self.attention_order(seq, self.rank)
             steps = []
             for step in range(1, self.cp):
-                ring_rank = (self.rank - step) % self.cp
-                kv = self.held_positions(seq, ring_rank)[self.attention_order(seq, ring_rank)]
+                kv, _ = self.attention_order(seq, (self.rank - step) % self.cp)
                 steps.append((kv.to(device), bool((kv.min() > q).all())))
-            sort = None if bool((order[1:] > order[:-1]).all()) else (order.to(device), order.argsort().to(device))
+            identity = torch.equal(order, torch.arange(order.numel()))
+            sort = None if identity else (order.to(device), order.argsort().to(device))
             self._positions[key] = (q.to(device), steps, sort)
         return self._positions[key]
 
-    def attention_order(self, seq: int, ring_rank: int) -> torch.Tensor:
-        """Indices that put ring rank ``ring_rank``'s held tokens (:meth:`held_positions`) in
-        position order: the order its queries attend in and its K/V travel in (module
-        docstring). The identity without Ulysses (a rank's zigzag chunks ``r < 2cp - 1 - r``)."""
-        return self.held_positions(seq, ring_rank).argsort()
+    def attention_order(self, seq: int, ring_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(global positions, indices) of ring rank ``ring_rank``'s held tokens
+        (:meth:`held_positions`) in position order: the order its queries attend in and its
+        K/V travel in, and the indices that put its held tokens in it (module docstring). The
+        identity without Ulysses (a rank's zigzag chunks ``r < 2cp - 1 - r``)."""
+        return self.held_positions(seq, ring_rank).sort()
 
     def held_positions(self, seq: int, ring_rank: int) -> torch.Tensor:
         """Global positions of the tokens ring rank ``ring_rank`` attends with: its cp rank's
