@@ -10,6 +10,17 @@ stages; a heavy last stage (a 256K-vocabulary head: 2.5x a block stage); a heavy
 MoE's dense first blocks or a vision encoder: 2x); random uneven stages; and the stage times of
 the planned pipelines of the presets (benchmarks/plan_speed.py's cases that plan pp > 1).
 
+Second table, vocabulary passes (planner/vocab_passes.py: the head split by vocabulary into one
+pipeline stage per pp rank, placement looped(p, 2)). On a fixed one-stage-per-rank split no order
+beats ``order_floor``, so a heavy head bounds every schedule; the passes move 1/p of it to every
+rank. Per case: the layout's best one-stage-per-rank estimate (the search's split and schedule,
+generated or built-in, whole head), the passes under the interleaved 1F1B order, and the passes
+under a schedule generated for their stage times within each rank's memory (schedule_gen.generate on
+looped(p, 2)); the speed-ups are against the first. Synthetic heavy-head stages, and full estimates
+of Llama-3 8B (128K vocabulary) on 64 H100 and a 2B model with an untied 256K head
+(benchmarks/vocab256k.toml) on 16 H100, at 8K tokens. Priced only: the runtime does not run the
+passes yet, so the search does not choose them.
+
     python -m benchmarks.schedule_gen [--out benchmarks/results/schedule_gen.json]
 """
 from __future__ import annotations
@@ -19,7 +30,7 @@ import random
 
 from benchmarks.plan_speed import CASES
 from benchmarks.results import write_json
-from cost_models.pipeline import order_floor, simulate
+from cost_models.pipeline import order_floor, simulate, simulate_schedule
 from planner.search.schedule_gen import best_schedule
 
 
@@ -52,6 +63,57 @@ def presets() -> list[tuple[str, list[float], list[float], int, float]]:
     return out
 
 
+VOCAB_CASES = [("llama3-8b", "dgx-h100:8", 64, 512, (8, 16, 32)),
+               ("benchmarks/vocab256k.toml", "dgx-h100:2", 16, 256, (4, 8, 16))]
+
+
+def vocab_synthetic() -> list[dict]:
+    """Heavy-head stages (the head 1.5x a block stage on the last rank) against the same stages with
+    the head as p passes of 1.5/p each."""
+    from planner.schedule_ir import looped
+    from planner.search.schedule_gen import generate
+    rows = []
+    for p, m in ((4, 8), (8, 8), (8, 32)):
+        f = [1.0] * (p - 1) + [2.5]
+        best = min(simulate(s, p, m, f, [2 * x for x in f], p2p=0.02).step_s for s in ("1f1b", "zb-h1"))
+        vf = [1.0] * p + [1.5 / p] * p
+        vb = [2 * x for x in vf]
+        il = simulate("interleaved-1f1b", p, m, vf, vb, p2p=0.02, v=2).step_s
+        gen = simulate_schedule(generate(vf, vb, m, p2p=0.02, stage_rank=looped(p, 2)), vf, vb, p2p=0.02).step_s
+        rows.append({"case": f"heavy head p{p} m{m}", "best_s": best, "interleaved_s": il, "generated_s": gen})
+    return rows
+
+
+def vocab_models() -> list[dict]:
+    from cost_models.cluster import parse_cluster
+    from planner.frontend.load import load_graph
+    from planner.plan import ParallelConfig
+    from planner.search.stage_split import split_and_estimate
+    from planner.search.vocab_schedule import vocab_pass_estimates
+    rows = []
+    for model, cluster, world, gb, pps in VOCAB_CASES:
+        g, c = load_graph(model, batch=1, seq_len=8192), parse_cluster(cluster)
+        for pp in pps:
+            cfg = ParallelConfig(dp=world // pp, pp=pp, mbs=1, schedule="1f1b", zero="zero1").validate()
+            e, _ = split_and_estimate(g, c, cfg, gb, generate=True)
+            v = vocab_pass_estimates(g, c, e)
+            row = {"case": f"{g.name} {cluster} {e.config.label()}", "best_s": e.step_s, "best_fits": e.fits}
+            for k, x in v.items():
+                row[f"{k}_s"], row[f"{k}_fits"] = x.step_s, x.fits
+            rows.append(row)
+    return rows
+
+
+def print_vocab(rows: list[dict]) -> None:
+    print(f"\n{'vocabulary passes: case':62s} {'best':>9s} {'interl.':>9s} {'gener.':>9s} {'x interl.':>9s} {'x gener.':>9s}")
+    for r in rows:
+        il, gen = r.get("interleaved_s"), r.get("generated_s")
+        fit = lambda k: "" if r.get(f"{k}_fits", True) else "*"  # noqa: E731 - * marks a layout over memory
+        cell = lambda x, k: f"{x:8.4g}{fit(k)}" if x else f"{'-':>9s}"  # noqa: E731
+        print(f"{r['case'][:62]:62s} {r['best_s']:9.4g} {cell(il, 'interleaved'):>9s} {cell(gen, 'generated'):>9s} "
+              f"{(r['best_s'] / il if il else float('nan')):9.3f} {(r['best_s'] / gen if gen else float('nan')):9.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/schedule_gen.json")
@@ -68,7 +130,9 @@ def main() -> None:
         rows.append(row)
         print(f"{name[:62]:62s} {one:9.4g} {zb:9.4g} {c.name:>9s} {row['speedup_vs_best_builtin']:8.3f} "
               f"{row['best_builtin_over_floor']:10.3f}")
-    write_json(args.out, rows)
+    vocab = vocab_synthetic() + vocab_models()
+    print_vocab(vocab)
+    write_json(args.out, {"one_stage_per_rank": rows, "vocab_passes": vocab})
 
 
 if __name__ == "__main__":

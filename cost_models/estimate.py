@@ -278,7 +278,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     cal, table = calibration(profile), costs.table(cfg)
     on_rank = [[j for j, at in enumerate(placement) if at == r] for r in range(cfg.pp)]
     memory = rank_memories(graph, cluster, cfg, partition, table, overlap_inflight(inflight_chunks, cfg, eng, m), cal,
-                           on_rank, result and result.peak_inflight)
+                           on_rank, result and result.peak_inflight, schedule if cfg.schedule == "custom" else None)
     mine = on_rank[max(range(cfg.pp), key=lambda r: sum(stages[j].fwd + stages[j].bwd for j in on_rank[r]))]
     rank_f, rank_b = (sum(getattr(stages[j], k) for j in mine) for k in ("fwd", "bwd"))
     dp_exposed, opt_s = dp_and_optimizer(graph, cluster, cfg, partition, table, on_rank, mine, m, (rank_f, rank_b),

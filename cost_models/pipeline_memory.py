@@ -24,19 +24,26 @@ from planner import schedule_ir as ir
 from planner.feasibility import microbatches
 from planner.graph import ModelGraph
 from planner.plan import ParallelConfig, Partition
+from planner.schedule_check import held_at_peak
 
 
 def rank_memories(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition: Partition,
                   table: LayerTable, inflight_chunks: Sequence[int], cal: dict[str, float],
-                  on_rank: Sequence[Sequence[int]], seqs_held: Sequence[int] | None = None) -> list[StageMemory]:
+                  on_rank: Sequence[Sequence[int]], seqs_held: Sequence[int] | None = None,
+                  schedule: "ir.Schedule | None" = None) -> list[StageMemory]:
     """Memory of every pp rank (``memory.rank_memory``): its chunks (``on_rank[r]``) with the
-    in-flight (chunk, micro-batch) pairs the pipeline holds there, spread evenly over the chunks.
+    in-flight (chunk, micro-batch) pairs the pipeline holds there, spread evenly over the chunks;
+    with the plan's own ``schedule`` placing several chunks on a rank (one micro-batch per unit), the pairs each chunk holds when the
+    rank's activation bytes peak under that order (``schedule_check.held_at_peak``: a rank whose
+    chunks differ in size, such as vocabulary passes beside blocks, holds what the order holds).
     With sequence chunks: pairs of (stage, sequence chunk) units, ``1/k`` of a micro-batch's
     activations and back-propagation working set each (``seq_chunks.per_unit``), plus the KV store
     of the ``seqs_held[r]`` sequences in flight (default :func:`seqs_bound`). Each distinct rank is
     priced once per table (``LayerTable.rank_memo``, by its chunks' ``memory.chunk_id``; the
     figures are frozen)."""
     price = _RankPricer(graph, cluster, cfg, partition, table, cal, on_rank)
+    if schedule is not None and cfg.seq_chunks == 1 and schedule.v > 1:
+        return [price.under(schedule, r) for r in range(cfg.pp)]
     return [price(r, inflight_chunks[r], seqs_held[r] if seqs_held is not None else None) for r in range(cfg.pp)]
 
 
@@ -60,6 +67,17 @@ class _RankPricer:
             self._kv[r] = kv_store_bytes(self.g, self.cfg, [i for j in self.on_rank[r]
                                                             for i in range(*self.part.bounds[j])])
         return self._kv[r]
+
+    def under(self, schedule: "ir.Schedule", r: int) -> StageMemory:
+        """Rank ``r``'s memory holding what ``schedule`` holds at its activation peak, chunk by chunk."""
+        chunks = [self.table.chunks[i] for i in self.ids[r]]
+        acts = {j: x.act for j, x in zip(self.on_rank[r], chunks)}
+        held = held_at_peak(schedule, r, [acts.get(j, 0.0) for j in range(len(self.part.bounds))])
+        counts = tuple(held.get(j, 0) for j in self.on_rank[r])
+        key, memo = (self.ids[r], counts, self.reserve), self.table.rank_memo
+        if key not in memo:
+            memo[key] = replace(rank_memory(chunks, list(counts), self.reserve), inflight=sum(counts))
+        return memo[key]
 
     def __call__(self, r: int, inflight: int, seqs_held: int | None = None) -> StageMemory:
         """Rank ``r``'s memory with ``inflight`` (chunk, micro-batch) pairs (``seqs_held``: sequences)."""

@@ -140,18 +140,26 @@ def _check_deadlock(s: Schedule, where: str) -> None:
 def peak_activations(s: Schedule, act_bytes: Sequence[float]) -> list[float]:
     """Per rank, the most activation bytes held at once: a stage's micro-batch from its F until
     its B or I (``act_bytes[stage]`` each)."""
-    out = []
-    for r in range(s.p):
-        held = best = 0.0
-        for st in s.ranks[r]:
-            for a in parts(st):
-                if a.kind == "F":
-                    held += act_bytes[a.stage]
-                    best = max(best, held)
-                elif a.kind in BACKWARDS:
-                    held -= act_bytes[a.stage]
-        out.append(best)
-    return out
+    return [sum(act_bytes[st] * n for st, n in held_at_peak(s, r, act_bytes).items()) for r in range(s.p)]
+
+
+def held_at_peak(s: Schedule, r: int, act_bytes: Sequence[float]) -> dict[int, int]:
+    """Rank ``r``'s micro-batches held per stage (``{stage: count}``, every stage of the rank) at the
+    moment its activation bytes peak (``act_bytes[stage]`` per micro-batch; the first such moment)."""
+    held = {st: 0 for st in s.stages_of(r)}
+    best, at = 0.0, dict(held)
+    total = 0.0
+    for step in s.ranks[r]:
+        for a in parts(step):
+            if a.kind == "F":
+                held[a.stage] += 1
+                total += act_bytes[a.stage]
+                if total > best:
+                    best, at = total, dict(held)
+            elif a.kind in BACKWARDS:
+                held[a.stage] -= 1
+                total -= act_bytes[a.stage]
+    return at
 
 
 def _check_memory(s: Schedule, act_bytes: Sequence[float], limit_bytes: Sequence[float] | float,

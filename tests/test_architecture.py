@@ -24,7 +24,7 @@ CONTRACTS = {"planner.errors", "planner.batch_assign", "planner.batch_layout", "
              "planner.sharding", "planner.feasibility", "planner.describe", "planner.low_comm", "planner.dp_shares",
              "planner.recompute_rules", "cost_models.cluster",
              "cost_models.hardware", "cost_models.topology", "planner.schedule_ir", "planner.schedule_check",
-             "planner.schedule_file", "cost_models.machine"}  # machine: the figures a local-cpu cluster is measured from
+             "planner.schedule_file", "planner.vocab_passes", "cost_models.machine"}  # machine: the figures a local-cpu cluster is measured from
 # layer -> the layers it may import (besides itself)
 MAY_IMPORT = {
     "contract": set(),

@@ -23,91 +23,139 @@ never slower than the built-ins it is compared with.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from cost_models.pipeline import PipelineResult, simulate, simulate_schedule, split_backward
-from planner.schedule_check import check
-from planner.schedule_ir import Action, Schedule, looped
+from planner.schedule_check import check, peak_activations
+from planner.schedule_ir import Action, Schedule, builtin, builtin_problem, looped
 from planner.search.incumbents import faster
 
 _PRIORITY = {"I": 0, "F": 1, "W": 2}
 
 
 @dataclass
-class _Rank:
-    free: float = 0.0
-    next_f: int = 0
-    next_i: int = 0
-    held: float = 0.0
+class _State:
+    """The list scheduler's state: per stage the next forward and backward micro-batch, per rank
+    the time it is free, the activations it holds and its weight passes not yet run."""
+    stage_rank: tuple[int, ...]
+    m: int
+    dur: dict[str, list[float]]
+    act: list[float]
+    limit: list[float]
+    p2p: float
+    next_f: list[int] = field(default_factory=list)
+    next_i: list[int] = field(default_factory=list)
+    free: list[float] = field(default_factory=list)
+    held: list[float] = field(default_factory=list)
+    pending_w: list[list[tuple[int, int]]] = field(default_factory=list)
+    end: dict[tuple[str, int, int], float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        p, n = max(self.stage_rank) + 1, len(self.stage_rank)
+        self.next_f, self.next_i = [0] * n, [0] * n
+        self.free, self.held, self.pending_w = [0.0] * p, [0.0] * p, [[] for _ in range(p)]
+        self.on_rank = [[s for s in range(n) if self.stage_rank[s] == r] for r in range(p)]
+        # a forward of stage s leaves room to carry its micro-batch through the rank's later stages
+        self.need = [sum(self.act[t] for t in self.on_rank[self.stage_rank[s]] if t >= s) for s in range(n)]
+
+    def ready(self, dep: tuple[str, int, int], s: int) -> float | None:
+        """When ``dep``'s output is at stage ``s``'s rank (None: not run yet)."""
+        if dep not in self.end:
+            return None
+        return self.end[dep] + (self.p2p if self.stage_rank[dep[1]] != self.stage_rank[s] else 0.0)
 
 
 def generate(fwd: Sequence[float], bwd: Sequence[float], m: int, *, wgrad: Sequence[float] | None = None,
              p2p: float = 0.0, act: Sequence[float] | None = None, limit: Sequence[float] | None = None,
-             name: str = "generated") -> Schedule:
-    """A schedule for ``len(fwd)`` stages on as many ranks and ``m`` micro-batches (times in
-    seconds; ``bwd`` the whole backward, ``wgrad`` its weight part, default
-    :func:`split_backward`); ``act[s]`` one micro-batch's activations on stage s and
-    ``limit[r]`` the most rank r may hold (default: 1F1B's, ``min(p - r, m)`` micro-batches)."""
-    p = len(fwd)
+             stage_rank: Sequence[int] | None = None, name: str = "generated") -> Schedule:
+    """A schedule for ``len(fwd)`` virtual stages, stage s on rank ``stage_rank[s]`` (default one stage
+    per rank) and ``m`` micro-batches (times in seconds; ``bwd`` the whole backward, ``wgrad`` its
+    weight part, default :func:`split_backward`); ``act[s]`` one micro-batch's activations on stage s
+    and ``limit[r]`` the most rank r may hold (default: 1F1B's, ``min(p - r, m)`` micro-batches of
+    each of its stages)."""
+    n = len(fwd)
+    placement = tuple(stage_rank) if stage_rank is not None else looped(n, 1)
+    p = max(placement) + 1
     w = [split_backward(b)[1] for b in bwd] if wgrad is None else list(wgrad)
-    i = [b - x for b, x in zip(bwd, w)]
-    act = [1.0] * p if act is None else list(act)
-    limit = [min(p - r, m) * act[r] for r in range(p)] if limit is None else list(limit)
-    dur = {"F": list(fwd), "I": i, "W": w}
-    end: dict[tuple[str, int, int], float] = {}
-    ranks = [_Rank() for _ in range(p)]
-    pending_w: list[list[int]] = [[] for _ in range(p)]
+    act = [1.0] * n if act is None else list(act)
+    on_rank = [[s for s in range(n) if placement[s] == r] for r in range(p)]
+    if limit is None:
+        limit = default_limit(placement, m, act)
+    if any(lim < sum(act[s] for s in on_rank[r]) - 1e-12 for r, lim in enumerate(limit)):
+        raise ValueError(f"no schedule within the activation limits {limit}: raise them to one micro-batch "
+                         "of each stage a rank holds")
+    st = _State(placement, m, {"F": list(fwd), "I": [b - x for b, x in zip(bwd, w)], "W": w}, act, list(limit), p2p)
     orders: list[list[Action]] = [[] for _ in range(p)]
-    cands = [_candidate(r, ranks[r], pending_w[r], end, dur, p, m, p2p, act, limit) for r in range(p)]
-    for _ in range(3 * p * m):
-        best = min((c for c in cands if c is not None), key=lambda c: c[:3], default=None)
+    cands = [_candidate(r, st) for r in range(p)]
+    for _ in range(3 * n * m):
+        best = min((c for c in cands if c is not None), key=lambda c: c[:4], default=None)
         if best is None:
-            raise ValueError(f"no schedule within the activation limits {limit}: raise them")
-        _, _, r, a, start = best
-        st = ranks[r]
-        end[(a.kind, a.stage, a.mb)] = st.free = start + dur[a.kind][a.stage]
+            break
+        r, a, start = best[4], best[5], best[6]
+        _commit(st, r, a, start)
         orders[r].append(a)
-        if a.kind == "F":
-            st.next_f += 1
-            st.held += act[r]
-        elif a.kind == "I":
-            st.next_i += 1
-            st.held -= act[r]
-            pending_w[r].append(a.mb)
-        else:
-            pending_w[r].remove(a.mb)
-        for q in range(max(0, r - 1), min(p, r + 2)):  # only a rank and its neighbours see new inputs
-            cands[q] = _candidate(q, ranks[q], pending_w[q], end, dur, p, m, p2p, act, limit)
-    return check(Schedule(name, m, looped(p, 1), tuple(tuple(_merge(o)) for o in orders)))
+        touched = {r} | {placement[t] for t in (a.stage - 1, a.stage + 1) if 0 <= t < n}
+        for q in touched:  # only the ranks whose inputs this action made see new candidates
+            cands[q] = _candidate(q, st)
+    if any(f < m for f in st.next_f) or any(i < m for i in st.next_i) or any(st.pending_w):
+        raise ValueError(f"no schedule within the activation limits {limit}: raise them")
+    return check(Schedule(name, m, placement, tuple(tuple(_merge(o)) for o in orders)))
 
 
-def _candidate(r: int, st: _Rank, pend: list[int], end: dict, dur: dict, p: int, m: int, p2p: float,
-               act: Sequence[float], limit: Sequence[float]):
-    """(key, priority, rank, action, start) of rank r's next action, or None when it must wait.
-    ``key`` orders the ranks' candidates; it is the start but for a weight pass taken while the
-    rank waits for another rank: then the pass's end (committed only if nothing anywhere starts
-    before it ends, so no input can arrive meanwhile)."""
-    opts = []
-    if st.next_i < st.next_f:  # the next backward, once its forward ran here
-        mb = st.next_i
-        dep = ("F", r, mb) if r == p - 1 else ("I", r + 1, mb)
-        if dep in end:
-            t = max(st.free, end[dep] + (p2p if r < p - 1 else 0.0))
-            opts.append((t, _PRIORITY["I"], r, Action("I", r, mb), t))
-    if st.next_f < m and st.held + act[r] <= limit[r] + 1e-12:
-        mb = st.next_f
-        if r == 0 or ("F", r - 1, mb) in end:
-            t = max(st.free, end[("F", r - 1, mb)] + p2p if r else 0.0)
-            opts.append((t, _PRIORITY["F"], r, Action("F", r, mb), t))
+def default_limit(placement: Sequence[int], m: int, act: Sequence[float]) -> list[float]:
+    """The activations each rank may hold by default: what the built-in for the placement holds at
+    its peak (``act``-weighted) - 1F1B's ``min(p - r, m)`` micro-batches with one stage per rank,
+    interleaved 1F1B's on a looped placement of ``v`` stages per rank (when it can be made for ``m``)."""
+    p, n = max(placement) + 1, len(placement)
+    if n > p and tuple(placement) == looped(p, n // p) and not builtin_problem("interleaved-1f1b", p, m, n // p):
+        return peak_activations(builtin("interleaved-1f1b", p, m, n // p), list(act))
+    return [min(p - r, m) * sum(a for s, a in enumerate(act) if placement[s] == r) for r in range(p)]
+
+
+def _commit(st: _State, r: int, a: Action, start: float) -> None:
+    st.end[(a.kind, a.stage, a.mb)] = st.free[r] = start + st.dur[a.kind][a.stage]
+    if a.kind == "F":
+        st.next_f[a.stage] += 1
+        st.held[r] += st.act[a.stage]
+    elif a.kind == "I":
+        st.next_i[a.stage] += 1
+        st.held[r] -= st.act[a.stage]
+        st.pending_w[r].append((a.stage, a.mb))
+    else:
+        st.pending_w[r].remove((a.stage, a.mb))
+
+
+def _candidate(r: int, st: _State):
+    """(key, priority, tie, -, rank, action, start) of rank r's next action, or None when it must
+    wait. ``key`` orders the ranks' candidates; it is the start but for a weight pass taken while
+    the rank waits for another rank: then the pass's end (committed only if nothing anywhere
+    starts before it ends, so no input can arrive meanwhile). Ties: backward, then forward (the
+    deepest stage first: it brings a backward nearer), then weight pass."""
+    last, free, opts = len(st.stage_rank) - 1, st.free[r], []
+    for s in st.on_rank[r]:
+        if st.next_i[s] < st.next_f[s]:  # the next backward, once its forward ran here
+            mb = st.next_i[s]
+            t = st.ready(("F", s, mb) if s == last else ("I", s + 1, mb), s)
+            if t is not None:
+                t = max(free, t)
+                opts.append((t, _PRIORITY["I"], s, 0, r, Action("I", s, mb), t))
+        if st.next_f[s] < st.m and st.held[r] + st.need[s] <= st.limit[r] + 1e-12:
+            mb = st.next_f[s]
+            t = 0.0 if s == 0 else st.ready(("F", s - 1, mb), s)
+            if t is not None:
+                t = max(free, t)
+                opts.append((t, _PRIORITY["F"], -s, 0, r, Action("F", s, mb), t))
+    pend = st.pending_w[r]
     if pend:
-        w = Action("W", r, pend[0])
+        s, mb = pend[0]
+        w, dw = Action("W", s, mb), st.dur["W"][s]
         nxt = min((o[0] for o in opts), default=None)
-        if nxt is not None and st.free + dur["W"][r] <= nxt + 1e-12:  # fits in the gap
-            return (st.free, _PRIORITY["W"], r, w, st.free)
+        if nxt is not None and free + dw <= nxt + 1e-12:  # fits in the gap
+            return (free, _PRIORITY["W"], 0, 0, r, w, free)
         if nxt is None:  # nothing else here yet: now if nothing else is left, else only if no input comes sooner
-            done = st.next_i == m and st.next_f == m
-            return (st.free if done else st.free + dur["W"][r], _PRIORITY["W"], r, w, st.free)
+            done = all(st.next_i[t] == st.m and st.next_f[t] == st.m for t in st.on_rank[r])
+            return (free if done else free + dw, _PRIORITY["W"], 0, 0, r, w, free)
     return min(opts) if opts else None
 
 
