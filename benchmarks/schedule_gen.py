@@ -18,8 +18,8 @@ generated or built-in, whole head), the passes under the interleaved 1F1B order,
 under a schedule generated for their stage times within each rank's memory (schedule_gen.generate on
 looped(p, 2)); the speed-ups are against the first. Synthetic heavy-head stages, and full estimates
 of Llama-3 8B (128K vocabulary) on 64 H100 and a 2B model with an untied 256K head
-(benchmarks/vocab256k.toml) on 16 H100, at 8K tokens. Priced only: the runtime does not run the
-passes yet, so the search does not choose them.
+(benchmarks/vocab256k.toml) on 16 H100, at 8K tokens. The search keeps the passes where they are
+faster (planner/search/stage_split.with_generated_schedule).
 
     python -m benchmarks.schedule_gen [--out benchmarks/results/schedule_gen.json]
 """
@@ -88,7 +88,7 @@ def vocab_models() -> list[dict]:
     from cost_models.cluster import parse_cluster
     from planner.frontend.load import load_graph
     from planner.plan import ParallelConfig
-    from planner.search.stage_split import split_and_estimate
+    from planner.search.stage_split import passes_body, split_and_estimate
     from planner.search.vocab_schedule import vocab_pass_estimates
     rows = []
     for model, cluster, world, gb, pps in VOCAB_CASES:
@@ -96,7 +96,7 @@ def vocab_models() -> list[dict]:
         for pp in pps:
             cfg = ParallelConfig(dp=world // pp, pp=pp, mbs=1, schedule="1f1b", zero="zero1").validate()
             e, _ = split_and_estimate(g, c, cfg, gb, generate=True)
-            v = vocab_pass_estimates(g, c, e)
+            v = vocab_pass_estimates(g, c, e, passes_body(g, e.config))
             row = {"case": f"{g.name} {cluster} {e.config.label()}", "best_s": e.step_s, "best_fits": e.fits}
             for k, x in v.items():
                 row[f"{k}_s"], row[f"{k}_fits"] = x.step_s, x.fits

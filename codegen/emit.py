@@ -42,6 +42,7 @@ from typing import Optional
 
 from codegen.runtime.tp_plan import block_stack, tp_plan_for
 from codegen.runtime.tp_styles import IMPORTS, sources_for
+from planner.vocab_passes import parse_unit, stage_layers
 from planner.batch_assign import METHODS
 from planner.batch_multimodal import layout_problem
 from planner.describe import describe
@@ -318,10 +319,10 @@ def check_plan(plan: Plan) -> tuple[list[list[str]], dict[str, str], list[int]]:
     spec = plan.model.get("spec") or plan.model["name"]
     if not isinstance(spec, str) or not _SPEC.match(spec):
         raise PlanError(f"model spec {spec!r} in the plan is not a preset, .toml path or package.module:function")
-    names = plan.model["layers"]
+    names = stage_layers(plan.model["layers"], plan.config.vocab_passes, plan.config.pp)
     stages = [list(s["layers"]) for s in plan.stages]
     for n in (n for s in stages for n in s):
-        if n not in names or not _FQN.fullmatch(n):
+        if n not in names or not _FQN.fullmatch(parse_unit(n).head if parse_unit(n) else n):  # (a pass: its head)
             raise PlanError(f"layer name {n!r} in the plan is not a module path")
     layout = dict(plan.tp_layout)
     for fqn, role in layout.items():

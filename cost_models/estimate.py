@@ -84,6 +84,7 @@ from planner.feasibility import microbatches
 from planner.graph import ModelGraph
 from planner.plan import ParallelConfig, Partition, PlanError
 from planner import schedule_ir as ir
+from planner.vocab_passes import graph_for
 
 GiB = 2**30
 
@@ -252,6 +253,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     ``schedule``: the pipeline's own schedule IR when ``cfg.schedule`` is ``custom``, checked where it was
     made (``planner.schedule_file``, ``schedule_gen.generate``, ``schedule_ir``'s generators)."""
     cfg.validate()
+    graph = graph_for(graph, cfg.vocab_passes, cfg.pp)  # the head as vocabulary passes: the split covers them
     if len(partition.bounds) != cfg.pp * cfg.vpp:
         raise PlanError(f"partition has {len(partition.bounds)} stages, config needs pp*vpp = {cfg.pp * cfg.vpp}")
     if cfg.dp_shares:
@@ -259,7 +261,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     m = microbatches(cfg, global_batch)
     placement = pipe_mod.stage_placement(cfg, m, schedule)
     eng = engine_of(engine)
-    if costs is None or costs.key(costs.cfg) != costs.key(cfg) or costs.engine != eng:
+    if costs is None or costs.key(costs.cfg) != costs.key(cfg) or costs.engine != eng or costs.g is not graph:
         costs = LayerCosts(graph, cluster, cfg, profile, engine=eng)
     cluster = costs.c  # the ranks cfg runs: fewer CPU ranks with more threads each (shared_cores.ranks_cluster)
     comp_src, comm_src = set(), set()

@@ -14,9 +14,8 @@ degree to prune before any variant is priced (planner/search/candidates.py), and
 ``autopar evaluate``, ``autopar run``, the runtime's ``check_runnable`` and the emitted
 program call ``problems``. The parts:
 
-- :func:`model_problem`: the model's adapter runs nothing (limit ``any``);
-- :func:`length_problem`: the sequence is longer than the model's learned positions
-  (``ModelFacts.max_seq_len``);
+- :func:`model_problem`: the model's adapter runs nothing (limit ``any``); :func:`length_problem`:
+  the sequence is longer than the model's learned positions (``ModelFacts.max_seq_len``);
 - :func:`degrees_problem`: dp x pp x cp x tp is the cluster's device count, or on a local CPU
   cluster one of its process counts (:func:`rank_counts`: fewer ranks, more threads each);
 - :func:`tp_problem`: tp inside a node, dividing every attention's heads and kv heads and
@@ -260,18 +259,19 @@ def cp_problem(cp: int, f: ModelFacts, batch: Batch, ulysses: int = 1, tp: int =
     return None
 
 
-def pp_problem(pp: int, f: ModelFacts, vpp: int = 1) -> str | None:
-    """Why the runtime cannot pipeline this model over ``pp`` ranks of ``vpp`` virtual stages:
-    every stage needs at least one of the model's stage groups (``ModelFacts.units``)."""
+def pp_problem(pp: int, f: ModelFacts, vpp: int = 1, vocab_passes: bool = False) -> str | None:
+    """Why this model cannot pipeline over ``pp`` ranks of ``vpp`` virtual stages: each needs a stage
+    group (``ModelFacts.units``; vocabulary passes: the groups before the head make ``pp (vpp-1)``)."""
+    stages, units = (pp * (vpp - 1), f.units - 1) if vocab_passes else (pp * vpp, f.units)
     if pp == 1:
         return None
     if "pp" in f.limits:
         return f"pp={pp}: {f.limits['pp']}; use pp=1"
-    if pp > f.units:
-        return f"pp={pp} exceeds the {f.units} pipeline stages this model can be cut into; use pp <= {f.units}"
-    if pp * vpp > f.units:
-        return (f"pp*vpp = {pp * vpp} virtual stages exceed the {f.units} pipeline stages this model can be "
-                "cut into; use a smaller vpp")
+    if pp > units:
+        return f"pp={pp} exceeds the {units} pipeline stages this model can be cut into; use pp <= {units}"
+    if stages > units:
+        return (f"{'pp*(vpp-1)' if vocab_passes else 'pp*vpp'} = {stages} virtual stages exceed the {units} pipeline "
+                "stages this model can be cut into; use a smaller vpp")
     return None
 
 
@@ -488,7 +488,7 @@ def problems(cfg: ParallelConfig, f: ModelFacts, batch: Batch, cluster: ClusterS
     docstring). PlanError for a malformed ``cfg`` (``ParallelConfig.validate``)."""
     cfg.validate()
     parts = (model_problem(f), length_problem(batch.seq_len, f), degrees_problem(cfg, cluster), tp_problem(cfg.tp, f, cluster),
-             cp_problem(cfg.cp, f, batch, cfg.ulysses, cfg.tp), pp_problem(cfg.pp, f, cfg.vpp),
+             cp_problem(cfg.cp, f, batch, cfg.ulysses, cfg.tp), pp_problem(cfg.pp, f, cfg.vpp, cfg.vocab_passes),
              ep_problem(cfg.ep, cfg.dp, cfg.cp, f, cfg.tp, cfg.sp),
              sp_problem(cfg.tp, cfg.cp, f, batch) if cfg.sp else None,
              loss_problem(cfg.loss, f), attention_problem(cfg.attention, f),

@@ -21,6 +21,7 @@ from planner.schedule_check import check
 from planner.schedule_file import parse_json, to_json
 from planner.schedule_ir import Schedule, layout_problem, seq_chunks_problem
 from planner.sharding import ZERO
+from planner.vocab_passes import layout_problem as vp_layout_problem, stage_layers
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")   # the searched built-in schedules (planner/schedule_ir.py)
 # what a config may name: those, DualPipeV (vpp = 2, V-shaped) and custom (the plan's own schedule IR)
@@ -28,7 +29,7 @@ RUN_SCHEDULES = SCHEDULES + ("dualpipev", "custom")
 
 FP8_RECIPES = ("none", "tensorwise", "rowwise")  # torchao float8 training recipes (codegen/runtime/fp8.py)
 QUIET_DEFAULTS = {"threads": 0, "fp8": "none", "compile": False, "low_comm": "", "seq_chunks": 1,
-                  "dp_shares": ""}  # fields a plan records only when set
+                  "dp_shares": "", "vocab_passes": False}  # fields a plan records only when set
 ATTN_KERNELS = ("flash", "eager")      # flash: no S x S scores kept (SDPA flash / our Triton kernel)
 LOSS_KERNELS = ("fused", "eager")      # fused: linear + cross-entropy without [tokens x vocab] logits
 MESH_DIMS = ("pp", "dp", "cp", "tp")   # outer to inner
@@ -75,6 +76,7 @@ class ParallelConfig:
     low_comm: str = ""           # low-communication DP across groups of replicas, "GxH:dtype" (planner/low_comm.py)
     seq_chunks: int = 1          # each micro-batch's sequence cut into k pipeline units (Seq1F1B; schedule_ir.py)
     dp_shares: str = ""          # per dp rank, sequences of each micro-batch, "SxN+..." (planner/dp_shares.py); "": mbs each
+    vocab_passes: bool = False   # the head split by vocabulary into one stage per pp rank (planner/vocab_passes.py)
 
     @property
     def world(self) -> int:
@@ -132,6 +134,8 @@ class ParallelConfig:
             raise PlanError(f"vpp={self.vpp} needs schedule=interleaved-1f1b (or dualpipev, or a custom schedule)")
         if self.schedule == "dualpipev" and self.vpp != 2:
             raise PlanError(f"schedule=dualpipev runs 2 stages per rank: set vpp=2, not {self.vpp}")
+        if self.vocab_passes is not False and (why := vp_layout_problem(self)):
+            raise PlanError(why)
         if self.sp and self.tp == 1:
             raise PlanError("sp=on needs tp > 1 (sequence parallel shards along the tp group)")
         if self.cp % self.ulysses:
@@ -161,6 +165,7 @@ class ParallelConfig:
         parts += ([f"low-comm-{self.low_comm}"] if self.low_comm else []) + (
             [f"seq-chunks{self.seq_chunks}"] if self.seq_chunks > 1 else [])
         parts += [f"shares{self.dp_shares}"] if self.dp_shares else []
+        parts += ["vocab-passes"] if self.vocab_passes else []
         return " ".join(parts)
 
     def to_str(self) -> str:
@@ -338,7 +343,7 @@ class Plan:
         return ModelFacts.from_dict(self.model.get("facts") or {})
 
     def partition(self) -> Partition:
-        names = self.model["layers"]
+        names = stage_layers(self.model["layers"], self.config.vocab_passes, self.config.pp)
         index = {n: i for i, n in enumerate(names)}
         bounds = [(index[s["layers"][0]], index[s["layers"][-1]] + 1) for s in self.stages]
         return Partition(bounds, [s["recompute"] for s in self.stages])
@@ -431,7 +436,8 @@ class Plan:
                     raise PlanError(f"{what}.{k} must be a string")
 
     def _check_stages(self) -> None:
-        cfg, names = self.config, self.model["layers"]
+        cfg = self.config
+        names = stage_layers(self.model["layers"], cfg.vocab_passes, cfg.pp)
         if len(self.stages) != cfg.pp * cfg.vpp:
             raise PlanError(f"{len(self.stages)} stages for pp*vpp = {cfg.pp * cfg.vpp}")
         if (self.schedule_ir is not None) != (cfg.pp > 1 and cfg.schedule == "custom"):

@@ -120,11 +120,12 @@ def with_vocab_passes(graph: ModelGraph, pp: int) -> ModelGraph:
 
 def pass_count(names) -> int:
     """How many vocabulary passes a list of unit / layer names ends with (0: none)."""
+    names = list(names)
     found = [v for v in map(parse_unit, names) if v is not None]
     if not found:
         return 0
     p = found[0].p
-    if [v.j for v in found] != list(range(p)) or list(names)[-p:] != [pass_unit(found[0].head, j, p) for j in range(p)]:
+    if [v.j for v in found] != list(range(p)) or names[-p:] != [pass_unit(found[0].head, j, p) for j in range(p)]:
         raise ValueError(f"vocabulary passes must be the last {p} units, in order: got {[str(n) for n in names][-p:]}")
     return p
 
@@ -134,3 +135,38 @@ def model_units(names) -> list[str]:
     names = list(names)
     p = pass_count(names)
     return names if p == 0 else names[:-p] + [parse_unit(names[-1]).head]
+
+
+def layout_problem(cfg) -> Optional[str]:
+    """Why layout ``cfg`` (a ``ParallelConfig``, read by its fields) cannot have its head as
+    vocabulary passes (one line with the fix), or None: the passes are every rank's last virtual
+    stage of a looped pipeline of the plan's own schedule (``vpp = 2``: the blocks one stage per
+    rank), with data and pipeline parallelism only."""
+    if cfg.vocab_passes is not True:
+        return f"vocab_passes={cfg.vocab_passes!r}: must be on or off"
+    if cfg.pp < 2:
+        return "vocab_passes=on needs pp >= 2 (one pass per pp rank)"
+    if cfg.vpp != 2 or cfg.schedule != "custom":
+        return ("vocab_passes=on runs the blocks one stage per rank and the passes as each rank's second: "
+                "vpp=2 with the plan's own schedule (schedule=custom); plan again to get one")
+    if cfg.tp > 1 or cfg.cp > 1 or cfg.ep > 1 or cfg.seq_chunks > 1 or cfg.dp_shares:
+        return "vocab_passes=on runs with data and pipeline parallelism only (tp, cp, ep and seq_chunks 1, no dp_shares)"
+    if cfg.zero == "fsdp":
+        return "vocab_passes=on shards the head over the pp ranks; fsdp would shard it again: use zero=zero1, zero2 or ddp"
+    if cfg.loss == "fused":
+        return "vocab_passes=on computes each pass's log-sum-exp eagerly: use loss=eager"
+    return None
+
+
+def stage_layers(model_layers, vocab_passes: bool, pp: int) -> list[str]:
+    """The layer names a plan's stages split: the model's, its head as the ``pp`` passes with them."""
+    names = list(model_layers)
+    return names[:-1] + [pass_unit(names[-1], j, pp) for j in range(pp)] if vocab_passes else names
+
+
+def graph_for(graph: ModelGraph, vocab_passes: bool, pp: int) -> ModelGraph:
+    """The graph a layout prices and splits: ``graph`` with its head as ``pp`` passes when the layout
+    has them (and the graph does not yet), else ``graph``."""
+    if not vocab_passes or pass_count([layer.name for layer in graph.layers]):
+        return graph
+    return with_vocab_passes(graph, pp)

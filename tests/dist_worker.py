@@ -441,6 +441,9 @@ def main() -> None:
         results["ckpt"] = guarded("error", ckpt_resume, sys.argv[3])
     elif group == "mllm":
         results.update(mllm_pp2())
+    elif group == "vocab":  # vocabulary passes (tests/vocab_worker.py)
+        from vocab_worker import vocab_group
+        results.update(vocab_group(world))
     else:
         raise SystemExit(f"unknown group {group}")
     finish(results, out)

@@ -96,13 +96,39 @@ def test_llama3_8b_at_pp32_prices_faster_with_passes_and_fits():
     from cost_models.cluster import parse_cluster
     from planner.frontend.load import load_graph
     from planner.plan import ParallelConfig
-    from planner.search.stage_split import split_and_estimate
+    from planner.search.stage_split import passes_body, split_and_estimate
     from planner.search.vocab_schedule import vocab_pass_estimates
     g, c = load_graph("llama3-8b", batch=1, seq_len=8192), parse_cluster("dgx-h100:8")
     e, _ = split_and_estimate(g, c, ParallelConfig(dp=2, pp=32, schedule="1f1b", zero="zero1").validate(), 512,
                               generate=True)
-    v = vocab_pass_estimates(g, c, e)
+    v = vocab_pass_estimates(g, c, e, passes_body(g, e.config))
     gen = v["generated"]
-    assert gen.fits and gen.schedule_ir.v == 2 and gen.config.vpp == 2
+    assert gen.fits and gen.schedule_ir.v == 2 and gen.config.vpp == 2 and gen.config.vocab_passes
     assert e.step_s / gen.step_s >= 1.15
     assert all(m.total <= gen.capacity for m in gen.memory)
+
+
+def test_layouts_that_cannot_have_passes_are_refused_in_one_line():
+    from planner.errors import PlanError
+    from planner.plan import ParallelConfig
+    ok = dict(pp=2, vpp=2, schedule="custom", vocab_passes=True)
+    assert ParallelConfig(**ok).validate().label().endswith("vocab-passes")
+    for bad, words in ((dict(pp=1, vpp=1), "pp >= 2"), (dict(vpp=1), "vpp=2"), (dict(tp=2), "data and pipeline"),
+                       (dict(zero="fsdp"), "fsdp"), (dict(loss="fused"), "loss=eager"), (dict(seq_chunks=2), None)):
+        with pytest.raises(PlanError) as err:
+            ParallelConfig(**{**ok, **bad}).validate()
+        assert "\n" not in str(err.value) and (words is None or words in str(err.value))
+    with pytest.raises(PlanError, match="vpp=2"):
+        ParallelConfig.parse("pp=2,vocab_passes=on")
+
+
+def test_the_search_chooses_passes_where_they_are_faster():
+    from cost_models.cluster import parse_cluster
+    from planner.frontend.load import load_graph
+    from planner.plan import ParallelConfig
+    from planner.search.stage_split import split_and_estimate
+    g, c = load_graph("llama3-8b", batch=1, seq_len=8192), parse_cluster("dgx-h100:8")
+    e, info = split_and_estimate(g, c, ParallelConfig(dp=4, pp=16, schedule="1f1b", zero="zero1").validate(), 512,
+                                 generate=True)  # (pp32's 256 micro-batches are past GEN_MAX_WORK: not tried)
+    assert e.config.vocab_passes and "vocabulary passes" in info["schedule"], info
+    assert len(e.partition.bounds) == 32 and e.partition.bounds[-1][1] == len(g.layers) - 1 + 16

@@ -105,7 +105,7 @@ def clip_grad_norm_(params: Sequence[nn.Parameter], max_norm: Optional[float], p
     grads = [p.grad for p in params]
     device = grads[0].device if grads else torch.device("cpu")
     square = torch.zeros((), dtype=torch.float32, device=device)
-    for groups, local in _local_grad_groups(grads).items():
+    for groups, local in _local_grad_groups(grads, pp_group).items():
         part = torch.stack([n.float() ** 2 for n in foreach_norm(local, 2.0)]).sum()
         for pg in groups:
             dist.all_reduce(part, group=pg)
@@ -131,10 +131,11 @@ def _reduce_partial_grads(params: Sequence[nn.Parameter]) -> None:
                                                     for pl in g.placements])
 
 
-def _local_grad_groups(grads: Sequence[torch.Tensor]) -> dict:
+def _local_grad_groups(grads: Sequence[torch.Tensor], pp_group=None) -> dict:
     """Gradients (none of them ``Partial``) by the process groups their squared norms are summed
     over: a tuple of the groups of the mesh dimensions a DTensor is sharded on (``()`` for plain
-    tensors and fully replicated ones) -> their local tensors."""
+    tensors and fully replicated ones; ``pp_group`` left out: the caller sums every rank's squares
+    over it, a vocabulary pass's rows included) -> their local tensors."""
     out: dict = {}
     for g in grads:
         if not isinstance(g, DTensor):
@@ -142,6 +143,7 @@ def _local_grad_groups(grads: Sequence[torch.Tensor]) -> dict:
             continue
         mesh = g.device_mesh
         # every placement but Replicate splits the elements (Shard, and _StridedShard, which is not a Shard)
-        dims = tuple(mesh.get_group(d) for d, pl in enumerate(g.placements) if not pl.is_replicate())
+        dims = tuple(grp for d, pl in enumerate(g.placements) if not pl.is_replicate()
+                     and (grp := mesh.get_group(d)) is not pp_group)
         out.setdefault(dims, []).append(g.to_local())
     return out

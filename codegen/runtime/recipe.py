@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from codegen.runtime import data_parallel as dpar
 from codegen.runtime import expert_parallel as epar
 from codegen.runtime import pipeline_parallel as ppar
+from codegen.runtime import vocab_passes as vpass
 from codegen.runtime import recompute as rc
 from codegen.runtime.offload import Offloader, offload_blocks
 from codegen.runtime import tensor_parallel as tpar
@@ -49,6 +50,7 @@ from codegen.runtime.mesh import cp_groups, device_type, dp_cp_mesh, hybrid_dp_m
 from codegen.runtime.fp8 import convert_blocks, fp8_device_problem
 from codegen.runtime.regional_compile import compile_blocks
 from planner import schedule_ir as ir
+from planner.vocab_passes import pass_count
 from planner.batch_assign import per_batch_problem
 from planner.plan import ModelFacts, ParallelConfig
 from planner.schedule_file import parse
@@ -76,6 +78,11 @@ class Stages:
     @property
     def has_last(self) -> bool:
         return self.n_virtual - 1 in self.idx
+
+    @property
+    def reads_labels(self) -> bool:
+        """Whether a stage here reads the labels: the last one, or a vocabulary pass."""
+        return self.has_last or any(isinstance(m, vpass.VocabPassStage) for m in self.modules)
 
 
 def runtime_problem(cfg: ParallelConfig, policies: Sequence[str] = ()) -> Optional[str]:
@@ -144,6 +151,9 @@ def split_stages(adapter: ModelAdapter, stages: Sequence[Sequence[str]], recompu
         stages, recompute = [[u for s in stages for u in s]], ["none"]
     if len(stages) != cfg.pp * cfg.vpp:
         raise ValueError(f"{len(stages)} stages for pp={cfg.pp} x vpp={cfg.vpp}; give pp*vpp stage lists")
+    if cfg.vocab_passes != bool(pass_count(u for s in stages for u in s)):
+        raise ValueError(f"vocab_passes={'on' if cfg.vocab_passes else 'off'} but the plan's stages "
+                         f"{'do not end' if cfg.vocab_passes else 'end'} with vocabulary passes; plan again")
     placement = (schedule.stage_rank if cfg.schedule == "custom" and schedule is not None
                  else ir.placement(cfg.schedule, cfg.pp, cfg.vpp))
     idx, mods = ppar.build_stages(adapter, stages, recompute, mesh["pp"].get_local_rank(), placement)
@@ -162,6 +172,19 @@ def materialize(adapter: ModelAdapter, stages: Stages, device: torch.device, see
     if any(p.is_meta for p in model.parameters()):
         adapter.materialize([u for sm in stages.modules for u in sm.units], device, seed)
         return
+    _broadcast_weights(model, device)
+    for sm in stages.modules:
+        sm.to(device)
+
+
+def shard_vocab_passes(stages: Stages, mesh: DeviceMesh) -> None:
+    """Each vocabulary pass's head weight as its rows over the pp ranks (``vocab_passes.shard_heads``);
+    after :func:`materialize`, before anything wraps the weights."""
+    vpass.shard_heads(stages.modules, mesh["pp"])
+
+
+def _broadcast_weights(model: nn.Module, device: torch.device) -> None:
+    """Every rank takes global rank 0's weights (nccl: through ``device``, one tensor at a time)."""
     if dist.get_world_size() > 1:
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):
@@ -169,8 +192,6 @@ def materialize(adapter: ModelAdapter, stages: Stages, device: torch.device, see
                 dist.broadcast(buf, src=0)
                 if buf is not t.data:
                     t.data.copy_(buf)
-    for sm in stages.modules:
-        sm.to(device)
 
 
 def build_batch_planner(per_batch: Optional[PerBatch], cfg: ParallelConfig, facts: Optional[ModelFacts],

@@ -51,6 +51,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from planner.vocab_passes import model_units
 from planner.dp_shares import rank_rows
 from planner.feasibility import Batch, Nodes, microbatches, problems
 from planner.plan import ModelFacts, ParallelConfig, Plan
@@ -149,7 +150,7 @@ class ParallelModel:
         self.outer_rank, self.groups = (mesh["outer"].get_local_rank(), mesh["outer"].size()) if self.outer else (0, 1)
         self.replica = self.outer_rank * (cfg.dp // self.groups) + self.dp_rank  # of all dp x groups replicas
         self.mbs = cfg.rank_mbs[self.replica]  # its sequences of each micro-batch (dp_shares, else cfg.mbs)
-        self.has_first, self.has_last = stages.has_first, stages.has_last
+        self.has_first, self.has_last, self.reads_labels = stages.has_first, stages.has_last, stages.reads_labels
         self.moe_layers = experts.moe_layers(stages.modules)
         # MoE parameters each tp rank holds whole and trains on its own sequence shard
         self.tp_replicated = epar.tp_replicated_params(epar.moe_parts(stages.modules), cfg.ep) if cfg.tp > 1 else []
@@ -259,7 +260,8 @@ class ParallelModel:
         step_args = dict(self._step_args)
         if self.chunks is not None:  # sequence chunks: rows as (micro-batch, chunk) units, absolute positions
             inputs, targets, step_args = self._units(inputs, targets)
-        kw = dict(target=targets, losses=losses, labels=targets, return_outputs=False) if self.has_last else {}
+        kw = dict(target=targets, losses=losses, labels=targets, return_outputs=False) if self.has_last else \
+            (dict(labels=targets) if self.reads_labels else {})  # (vocabulary passes read them on every rank)
         kw.update(step_args)  # every stage: its micro-batch's positions and documents
         with tpar.loss_context(self.cfg.tp):
             self.schedule.step(*inputs, **kw) if self.has_first else self.schedule.step(**kw)
@@ -392,7 +394,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     """
     device = torch.device(device)
     own = adapter is None  # an adapter made here is undone here if the build fails
-    adapter = adapter or adapter_for(model, order=[u for s in stages for u in s], seq_len=seq_len, facts=facts)
+    adapter = adapter or adapter_for(model, order=model_units([u for s in stages for u in s]), seq_len=seq_len,
+                                     facts=facts)
     before = live_process_groups()
     try:
         recipe.check_runnable(cfg, adapter, facts, Batch(global_batch, seq_len, load_balance=load_balance))
@@ -419,6 +422,7 @@ def _build(adapter: ModelAdapter, cfg: ParallelConfig, stages: Sequence[Sequence
         schedule = recipe.pipeline_schedule(cfg, microbatches(cfg, global_batch), schedule)
     split = recipe.split_stages(adapter, stages, stage_recompute, cfg, mesh, schedule)
     recipe.materialize(adapter, split, device, seed)
+    recipe.shard_vocab_passes(split, mesh)
     tied = recipe.tie_weights(adapter, split, mesh)  # before TP splits the tied ends apart
     planner_ = recipe.build_batch_planner(per_batch, cfg, facts, global_batch, mesh)
     recipe.apply_attention(adapter, split, cfg, mesh, load_balance, planner_)

@@ -21,6 +21,7 @@ from planner.schedule_ir import Schedule
 from planner.feasibility import degrees_problem, expert_groups_problem, problems
 from planner.search.candidates import batch_of, facts_of
 from planner.search.result import SearchResult
+from planner.vocab_passes import stage_layers
 from planner.search.space import search
 from planner.search.seq_lens import SeqLens, as_histogram, with_documents
 from planner.search.stage_split import even_split as split_evenly
@@ -87,8 +88,8 @@ def build_plan(graph: ModelGraph, cluster: Cluster, e: Estimate, *, spec: str, c
                schedule: Schedule | None = None) -> Plan:
     """The plan file of estimate ``e`` (``schedule``: the schedule IR of ``schedule=custom``,
     recorded in the plan so the program runs it)."""
-    names = [l.name for l in graph.layers]
     cfg, schedule = e.config, schedule or e.schedule_ir
+    names = stage_layers([l.name for l in graph.layers], cfg.vocab_passes, cfg.pp)
     place = stage_placement(cfg, e.microbatches, schedule)
     stages = []
     for j, (lo, hi) in enumerate(e.partition.bounds):
@@ -104,7 +105,7 @@ def build_plan(graph: ModelGraph, cluster: Cluster, e: Estimate, *, spec: str, c
     if graph.documents is not None:
         batch["documents"] = _rounded(_documents_record(graph, cfg, cluster.world))
     return Plan(
-        model={"name": graph.name, "spec": spec, "fingerprint": graph.fingerprint(), "layers": names,
+        model={"name": graph.name, "spec": spec, "fingerprint": graph.fingerprint(), "layers": [l.name for l in graph.layers],
                "params": graph.params, "hidden": graph.hidden, "vocab": graph.vocab, "adapter": graph.adapter,
                "facts": facts_of(graph).to_dict()},
         cluster={"name": cluster.name, "spec": cluster_spec, "fingerprint": cluster.fingerprint(),

@@ -4,6 +4,8 @@ estimate (``split_and_estimate`` / ``best_partition``; the solver is planner/sea
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
 from cost_models.pipeline_memory import inflight_closed, rule_of
@@ -19,6 +21,7 @@ from planner.plan import RECOMPUTE, ParallelConfig, Partition
 from planner.recompute_rules import recompute_policies
 from planner.search.schedule_gen import best_schedule
 from planner.search.split_moves import split_note, with_split_moves
+from planner.search.vocab_schedule import passes_problem, with_vocab_passes
 from planner.search.wan_warmup import with_deep_warmup
 
 # The stage ILP's solver (planner/search/partition_solvers.py): HiGHS where highspy is installed (the
@@ -167,7 +170,7 @@ def split_and_estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
         generated = with_generated_schedule(graph, cluster, e, profile, engine, info)
         deepened = with_deep_warmup(graph, cluster, e, global_batch, profile, engine, info)
         e, info = min(generated, deepened, key=lambda x: x[0].step_s)
-        if e.schedule_ir is not None:  # the new schedule may favour another split
+        if e.schedule_ir is not None and not e.config.vocab_passes:  # the new schedule may favour another split
             e, more = with_split_moves(graph, cluster, e, profile, engine)
             moves += more
     note = split_note(start, e, moves, which)
@@ -193,14 +196,25 @@ def with_generated_schedule(graph: ModelGraph, cluster: Cluster, e: Estimate, pr
     cfg, m = e.config, e.microbatches
     if not generates(cfg, m):
         return e, info
+    best, note = e, None
     choice = best_schedule(e.stage_fwd_s, e.stage_bwd_s, m, p2p=e.p2p_hop_s)
-    if choice.schedule is None:
-        return e, info
-    gen = estimate(graph, cluster, cfg.replace(schedule="custom"), e.partition, e.global_batch, profile=profile,
-                   engine=engine, schedule=choice.schedule)
-    if not gen.fits or gen.step_s >= e.step_s:
-        return e, info
-    return gen, dict(info, schedule=f"generated: {e.step_s / gen.step_s:.3f}x faster than {cfg.schedule}")
+    if choice.schedule is not None:
+        gen = estimate(graph, cluster, cfg.replace(schedule="custom"), e.partition, e.global_batch, profile=profile,
+                       engine=engine, schedule=choice.schedule)
+        if gen.fits and gen.step_s < best.step_s:
+            best, note = gen, f"generated: {e.step_s / gen.step_s:.3f}x faster than {cfg.schedule}"
+    passes = None if passes_problem(graph, cfg) else with_vocab_passes(graph, cluster, e, passes_body(graph, cfg),
+                                                                        profile, engine)
+    if passes is not None and passes.step_s < best.step_s:
+        best, note = passes, (f"the head as {cfg.pp} vocabulary passes, {passes.schedule_ir.name}: "
+                              f"{e.step_s / passes.step_s:.3f}x faster than {cfg.schedule} with the head whole")
+    return best, (dict(info, schedule=note) if note else info)
+
+
+def passes_body(graph: ModelGraph, cfg: ParallelConfig) -> Partition:
+    """The split of ``graph``'s layers before its head over ``cfg.pp`` stages, for vocabulary passes
+    (``planner/search/vocab_schedule.py``): :func:`even_split`, the final norm with the last stage."""
+    return even_split(replace(graph, layers=graph.layers[:-1]), cfg.pp, cfg.recompute)
 
 
 def best_partition(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None,

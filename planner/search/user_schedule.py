@@ -92,7 +92,7 @@ def price_with_schedule(graph: ModelGraph, cluster: Cluster, global_batch: int, 
     s, seen, priced = schedule, set(), []
     shapes = sorted({e.microbatches for e in ranked if e.config.pp == s.p})
     for e in ranked:
-        cfg = e.config.replace(schedule="custom", vpp=s.v)
+        cfg = e.config.replace(schedule="custom", vpp=s.v, vocab_passes=False)  # the file orders the model's stages
         if e.config.pp != s.p or e.microbatches != s.n_microbatches or cfg.to_str() in seen:
             continue
         seen.add(cfg.to_str())

@@ -4,19 +4,18 @@ For a one-stage-per-rank layout ``e`` (pp ranks, 1f1b or zb-h1), :func:`with_voc
 prices the same layout with the head split into ``pp`` vocabulary passes (``planner/vocab_passes.py``:
 pass ``j`` the last virtual stage of rank ``j``, placement ``looped(pp, 2)``):
 
-1. the graph's head becomes the passes (``vocab_passes.with_vocab_passes``) and the blocks are
-   split evenly over the ``pp`` first stages (the head no longer weighs on the last one);
+1. the graph's head becomes the passes (``vocab_passes.with_vocab_passes``) and the layers before it
+   are split over the ``pp`` first stages as the caller gives (``stage_split.passes_body``: evenly,
+   the head no longer weighing on the last one);
 2. the interleaved 1F1B order on that placement prices the stages (``cfg.vpp = 2``, schedule
    ``custom``: the IR is the plan's own);
 3. a schedule is generated for those stage times (``schedule_gen.generate`` with the stages'
    activations, at most what the interleaved order holds per rank) and priced again;
 
-and keeps the faster of the two that fits. ``benchmarks/schedule_gen.py`` prints it beside the
-layout's best built-in. The search does not call it yet: the runtime cannot run vocabulary passes.
+and keeps the faster of the two that fits. The search (``stage_split.with_generated_schedule``)
+keeps it where it is faster than ``e``; ``benchmarks/schedule_gen.py`` prints both orders.
 """
 from __future__ import annotations
-
-from dataclasses import replace
 
 from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
@@ -28,41 +27,36 @@ from planner.search.schedule_gen import generate
 
 
 def passes_problem(graph: ModelGraph, cfg: ParallelConfig) -> str | None:
-    """Why layout ``cfg`` cannot have ``graph``'s head as vocabulary passes (None: it can): the
-    graph's own reason (``vocab_passes.problem``), and the layouts they are priced for."""
-    if (why := vp.problem(graph, cfg.pp)):
-        return why
+    """Why one-stage-per-rank layout ``cfg`` cannot be priced with ``graph``'s head as vocabulary
+    passes (None: it can): the graph's reason (``vocab_passes.problem``) or the layout's
+    (``vocab_passes.layout_problem`` of :func:`passes_config`)."""
     if cfg.vpp != 1 or cfg.schedule not in ("1f1b", "zb-h1"):
         return "vocabulary passes follow a one-stage-per-rank pipeline (1f1b or zb-h1)"
-    if cfg.tp > 1 or cfg.cp > 1 or cfg.seq_chunks > 1 or cfg.dp_shares or cfg.ep > 1:
-        return "vocabulary passes run with data and pipeline parallelism only (tp, cp, ep, chunks 1)"
-    if cfg.zero == "fsdp":
-        return "vocabulary passes shard the head over the pp ranks; FSDP would shard it again (use zero1/2 or ddp)"
-    if cfg.loss == "fused":
-        return "the fused lm-head loss kernel computes the whole vocabulary; vocabulary passes run the loss eagerly"
-    return None
+    return vp.problem(graph, cfg.pp) or vp.layout_problem(passes_config(cfg))
 
 
-def passes_partition(graph: ModelGraph, pp: int, recompute: str) -> Partition:
-    """``pp`` stages of ``graph``'s blocks (even, the final norm with the last) then one stage per
-    vocabulary pass, over ``vocab_passes.with_vocab_passes(graph, pp)``'s layers."""
-    from planner.search.stage_split import even_split
-    body = replace(graph, layers=graph.layers[:-1])
-    n = len(body.layers)
-    split = even_split(body, pp, recompute)
-    return Partition(list(split.bounds) + [(n + j, n + j + 1) for j in range(pp)],
-                     list(split.recompute) + ["none"] * pp)
+def passes_config(cfg: ParallelConfig) -> ParallelConfig:
+    """``cfg`` with its head as vocabulary passes: each rank's second stage, the plan's own schedule."""
+    return cfg.replace(vpp=2, schedule="custom", vocab_passes=True)
 
 
-def with_vocab_passes(graph: ModelGraph, cluster: Cluster, e: Estimate, profile=None, engine=None) -> Estimate | None:
+def passes_partition(graph: ModelGraph, body: Partition) -> Partition:
+    """The stages of ``body`` (a split of ``graph``'s layers before its head over the ``pp`` first
+    stages) then one stage per vocabulary pass, over ``vocab_passes.with_vocab_passes(graph, pp)``'s layers."""
+    n, pp = len(graph.layers) - 1, len(body.bounds)
+    return Partition(list(body.bounds) + [(n + j, n + j + 1) for j in range(pp)], list(body.recompute) + ["none"] * pp)
+
+
+def with_vocab_passes(graph: ModelGraph, cluster: Cluster, e: Estimate, body: Partition, profile=None,
+                      engine=None) -> Estimate | None:
     """Layout ``e.config`` with its head as vocabulary passes, under the faster of the interleaved
     order and a generated schedule that fits (module docstring); None where it cannot run
     (:func:`passes_problem`) or nothing fits."""
-    fits = [x for x in vocab_pass_estimates(graph, cluster, e, profile, engine).values() if x.fits]
+    fits = [x for x in vocab_pass_estimates(graph, cluster, e, body, profile, engine).values() if x.fits]
     return min(fits, key=lambda x: x.step_s) if fits else None
 
 
-def vocab_pass_estimates(graph: ModelGraph, cluster: Cluster, e: Estimate, profile=None,
+def vocab_pass_estimates(graph: ModelGraph, cluster: Cluster, e: Estimate, body: Partition, profile=None,
                          engine=None) -> dict[str, Estimate]:
     """``{"interleaved": ..., "generated": ...}``: layout ``e.config`` with vocabulary passes under the
     interleaved 1F1B order (where it can be made for the micro-batches) and under a schedule
@@ -71,15 +65,15 @@ def vocab_pass_estimates(graph: ModelGraph, cluster: Cluster, e: Estimate, profi
     cfg, m, p = e.config, e.microbatches, e.config.pp
     if passes_problem(graph, cfg):
         return {}
-    g2 = vp.with_vocab_passes(graph, p)
-    part = passes_partition(graph, p, cfg.recompute)
-    cfg2 = cfg.replace(vpp=2, schedule="custom")
+    g2 = vp.with_vocab_passes(graph, p)  # (estimate makes the same graph of the config: the split is over its layers)
+    part = passes_partition(graph, body)
+    cfg2 = passes_config(cfg)
     kw = dict(profile=profile, engine=engine)
     out = {}
     if not builtin_problem("interleaved-1f1b", p, m, 2):
-        out["interleaved"] = estimate(g2, cluster, cfg2, part, e.global_batch,
+        out["interleaved"] = estimate(graph, cluster, cfg2, part, e.global_batch,
                                       schedule=builtin("interleaved-1f1b", p, m, 2), **kw)
-    first = out.get("interleaved") or estimate(g2, cluster, cfg2, part, e.global_batch,
+    first = out.get("interleaved") or estimate(graph, cluster, cfg2, part, e.global_batch,
                                                schedule=Schedule("gpipe", m, looped(p, 2), _gpipe_orders(p, m)), **kw)
     act = [sum(g2.layers[i].act_bytes for i in range(lo, hi)) for lo, hi in part.bounds]
     try:
@@ -87,7 +81,7 @@ def vocab_pass_estimates(graph: ModelGraph, cluster: Cluster, e: Estimate, profi
                        limit=memory_limits(first, act), stage_rank=looped(p, 2), name="generated+vocab")
     except ValueError:  # not one micro-batch of each stage fits a rank
         return out
-    out["generated"] = estimate(g2, cluster, cfg2, part, e.global_batch, schedule=gen, **kw)
+    out["generated"] = estimate(graph, cluster, cfg2, part, e.global_batch, schedule=gen, **kw)
     return out
 
 

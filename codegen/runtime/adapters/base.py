@@ -152,6 +152,17 @@ class ModelAdapter:
         ``"fused_loss"``, ``"any"``) mapped to the reason, one line each."""
         return {}
 
+    def head_linear(self) -> str:
+        """The fqn of the head's bias-free Linear (the head unit itself, or its one Linear): what the
+        fused loss and vocabulary passes (``codegen/runtime/vocab_passes.py``) read the weight of;
+        raises ValueError naming what the head is instead."""
+        name = self.units[-1]
+        head = self.model.get_submodule(name)
+        found = [(n, m) for n, m in head.named_modules() if isinstance(m, nn.Linear)]
+        if len(found) != 1 or found[0][1].bias is not None:
+            raise ValueError(f"the head {name} is not one bias-free nn.Linear ({len(found)} Linear modules)")
+        return f"{name}.{found[0][0]}" if found[0][0] else name
+
     # ---- per-run behaviour -------------------------------------------------------------
     def build_stage(self, units: Sequence[str], recompute: str) -> StageModule:
         raise NotImplementedError
