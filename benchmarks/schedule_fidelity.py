@@ -10,8 +10,9 @@ run ``--repeats`` times for ``--steps`` steps through ``benchmarks/fidelity.py``
 
 gpipe, 1f1b, interleaved-1f1b (vpp 2), zb-h1, dualpipev, a generated schedule
 (``planner/search/schedule_gen.py`` for the 1f1b layout's own stage times), a user-written CSV
-schedule (:data:`USER_CSV`, torch's action format), sequence chunks (k = 2 and 4) and
-activation offload (``recompute=offload``).
+schedule (:data:`USER_CSV`, torch's action format), sequence chunks (k = 2 and 4), activation
+offload (``recompute=offload``) and the head as vocabulary passes under a schedule generated for
+them (``planner/search/vocab_schedule.schedule_for``).
 
     python -m benchmarks.schedule_fidelity [--cluster local-cpu:4] [--steps 6] [--profile PATH]
         [--repeats 2] [--families gpipe,1f1b,...] [--out benchmarks/results/schedule_fidelity.json]
@@ -48,6 +49,8 @@ FAMILIES: dict[str, str] = {
     "seq-chunks-2": f"{BASE},schedule=1f1b,seq_chunks=2",
     "seq-chunks-4": f"{BASE},schedule=1f1b,seq_chunks=4",
     "offload": f"{BASE},schedule=1f1b,recompute=offload",
+    "vocab-passes": f"{BASE},schedule=custom,vpp=2,vocab_passes=on",
+    "vocab-passes-interleaved": f"{BASE},schedule=custom,vpp=2,vocab_passes=on",
 }
 # a hand-written schedule for pp2 x 4 micro-batches: stage 0 runs three forwards ahead
 # (one more than 1F1B's warm-up), stage 1 alternates forward and backward
@@ -70,12 +73,20 @@ def price(family: str, graph, cluster, gb: int, profile, work: str):
     if family == "generated":
         base, _ = evaluate_config(graph, cluster, cfg, gb, profile=profile, even_split=True)
         schedule = generate(base.stage_fwd_s, base.stage_bwd_s, base.microbatches, p2p=base.p2p_hop_s)
+    elif family.startswith("vocab-passes"):  # the head as 4 passes: the interleaved order, or one generated
+        from planner.schedule_ir import builtin
+        from planner.search.vocab_schedule import schedule_for
+        from planner.vocab_passes import with_vocab_passes
+        schedule = builtin("interleaved-1f1b", cfg.pp, gb // cfg.mbs, 2)
+        if family == "vocab-passes":
+            first, _ = evaluate_config(graph, cluster, cfg, gb, profile=profile, even_split=True, schedule=schedule)
+            schedule = schedule_for(with_vocab_passes(graph, cfg.pp), first)
     elif family == "user-csv":
         path = os.path.join(work, "user_schedule.csv")
         with open(path, "w", encoding="utf-8") as f:
             f.write(USER_CSV)
         schedule = load_schedule(path)
-    if schedule is not None:
+    if schedule is not None and not cfg.vocab_passes:
         cfg = cfg.replace(schedule="custom", vpp=schedule.v).validate()
     e, problems = evaluate_config(graph, cluster, cfg, gb, profile=profile, even_split=True, schedule=schedule)
     if problems:

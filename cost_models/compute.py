@@ -62,6 +62,7 @@ from cost_models.layer_work import (LayerTime, attention_share, attn_core_flops,
 from cost_models.shared_cores import thread_op_s
 from cost_models.op_recompute import checkpointed, kept_flops
 from cost_models.profile_db import PROFILED_KERNELS
+from planner.vocab_passes import head_share
 from planner.graph import Layer, ModelGraph
 from planner.plan import ParallelConfig
 
@@ -211,6 +212,18 @@ def _speed_scaled(got: tuple[float, float], layer: Layer, graph: ModelGraph, clu
                          roofline_time(layer, graph, profiled_on, cfg, cal))
 
 
+def _profiled(profile, signature: str, graph: ModelGraph, cfg: ParallelConfig) -> tuple[float, float] | None:
+    """The profile's (forward, backward) seconds of a layer class, or None where it has none; a
+    vocabulary pass it did not measure takes its share of its head's (``vocab_passes.head_share``:
+    the rows' fraction of the head's measured time)."""
+    got = profile.layer_time(signature, cfg.mbs, graph.seq_len, cfg.tp, cfg.cp, cfg.dtype)
+    share = head_share(signature) if got is None else None
+    if share is not None:
+        whole = profile.layer_time(share.signature, cfg.mbs, graph.seq_len, cfg.tp, cfg.cp, cfg.dtype)
+        got = None if whole is None else (whole[0] * share.fraction, whole[1] * share.fraction)
+    return got
+
+
 def layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
                profile=None, engine: Engine = DEFAULT_ENGINE, profiled_on: Cluster | None = None) -> LayerTime:
     """Forward and backward seconds of ``layer`` for one micro-batch of ``cfg.mbs`` sequences
@@ -223,7 +236,7 @@ def layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelC
     k = cal.get("compute_scale", 1.0)
     df, db = dtensor_dispatch_s(layer, cluster, cfg, cal)
     if profile is not None:
-        got = profile.layer_time(layer.signature, cfg.mbs, graph.seq_len, cfg.tp, cfg.cp, cfg.dtype)
+        got = _profiled(profile, layer.signature, graph, cfg)
         if got is not None and attention_share(layer, graph, cfg) != 1.0:
             got = _documents_scaled(got, layer, graph, cluster, cfg, cal, engine)
         if got is not None:

@@ -66,6 +66,8 @@ def _word(word: str) -> tuple[str, object]:
         return "recompute", word[3:]
     if word == "sp":
         return "sp", True
+    if word == "vocab-passes":
+        return "vocab_passes", True
     if word == "compiled":
         return "compile", True
     if m := re.fullmatch(r"seq-chunks(\d+)", word):
@@ -77,5 +79,5 @@ def _word(word: str) -> tuple[str, object]:
     if word.startswith("shares"):
         return "dp_shares", word[len("shares"):]
     raise PlanError(f"--config label word {word!r} is not one autopar prints (dpN ppN cpN tpN epN ulyssesN mbsN, "
-                    f"a schedule, {'/'.join(ZERO)}, rc-POLICY, sp, seq-chunksN, fp8-RECIPE, compiled, "
+                    f"a schedule, {'/'.join(ZERO)}, rc-POLICY, sp, seq-chunksN, fp8-RECIPE, compiled, vocab-passes, "
                     f"low-comm-GxH:DTYPE, sharesSxN+..); {_EXAMPLE}")

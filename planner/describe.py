@@ -103,6 +103,9 @@ def step_words(plan: Plan) -> str:
             ranks = [r for r, d in enumerate(deeper) if d]
             chunks += (f"; 1F1B with {max(deeper)} more unit(s) in flight on pp ranks {ranks[0]}-{ranks[-1]}, whose "
                        "warm-up is deepened to hide the slow link after them") if ranks else ""
+        if c.vocab_passes:  # planner/vocab_passes.py
+            chunks += (f"; the head split by vocabulary into {c.pp} passes, each rank's second stage (the search "
+                       "keeps them where they price faster than the head whole on one rank)")
         return f"the {own} schedule: {n} micro-batches of {c.mbs} sequences over pp={c.pp}{chunks}"
     return f"gradient accumulation: {n} micro-batches of {c.mbs} sequences (pp=1)"
 

@@ -91,7 +91,7 @@ def _pass_layer(head: Layer, j: int, p: int, first_name: str, dtype_bytes: int) 
     saved_in = head.input_bytes
     tokens = head.input_bytes / max(1, head.linears[0].in_features * dtype_bytes)
     return replace(
-        head, name=pass_unit(head.name, j, p), signature=f"{head.signature}/vocab{p}:{hi - lo}",
+        head, name=pass_unit(head.name, j, p), signature=_pass_signature(head.signature, hi - lo, head.vocab),
         repeat_of=None if j == 0 or hi - lo != shard_rows(head.vocab, p, 0)[1] else first_name,
         fwd_flops=head.fwd_flops * frac, bwd_flops=head.bwd_flops * frac,
         fwd_bytes=head.fwd_bytes * frac + saved_in, bwd_bytes=head.bwd_bytes * frac + saved_in,
@@ -104,6 +104,23 @@ def _pass_layer(head: Layer, j: int, p: int, first_name: str, dtype_bytes: int) 
         linears=[replace(x, out_features=hi - lo) for x in head.linears],
         matmuls=[Matmul(m.linear, m.out_elems * frac, m.flops * frac) for m in head.matmuls],
         vocab=hi - lo, stage_start=True)
+
+
+def _pass_signature(head_signature: str, rows: int, vocab: int) -> str:
+    return f"{head_signature}/vocab{rows}of{vocab}"
+
+
+class HeadShare(NamedTuple):
+    """A pass's share of its head: the head's layer signature and the fraction of its rows."""
+    signature: str
+    fraction: float
+
+
+def head_share(signature: str) -> Optional[HeadShare]:
+    """The head a vocabulary pass's layer signature takes its share of, or None for another layer's
+    (the cost model prices a pass the profile has not measured from its head's measured time)."""
+    m = re.fullmatch(r"(?P<head>.+)/vocab(?P<rows>\d+)of(?P<vocab>\d+)", signature)
+    return HeadShare(m["head"], int(m["rows"]) / int(m["vocab"])) if m else None
 
 
 def with_vocab_passes(graph: ModelGraph, pp: int) -> ModelGraph:

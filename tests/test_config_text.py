@@ -19,6 +19,7 @@ CONFIGS = [
     ParallelConfig(dp=16, tp=8, zero="fsdp", fp8="rowwise", compile=True, low_comm="2x16:bf16"),
     ParallelConfig(dp=1, pp=2, schedule="zb-h1", recompute="offload"),
     ParallelConfig(dp=4, mbs=2, zero="fsdp", dp_shares="1x2+3x2"),
+    ParallelConfig(dp=2, pp=4, schedule="custom", vpp=2, zero="zero1", vocab_passes=True),
 ]
 
 

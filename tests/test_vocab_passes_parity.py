@@ -40,3 +40,30 @@ def test_vocabulary_passes_match_one_process(runs, world: int, model: str, layou
     assert r["loss_rel_err"] <= TOL
     pp = dict(V.LAYOUTS[world])[layout.rsplit("-", 1)[0]]["pp"]
     assert all(rows == [[VOCAB[model] // pp, 64]] for rows in r["rows"]), r["rows"]
+
+
+def test_emitted_program_with_vocabulary_passes_matches_one_process(tmp_path):
+    """The emitted program of a plan with vocabulary passes (llama-tiny, pp2, interleaved order;
+    2 processes), with its default optimizer, schedule and clipping: the single-process losses and
+    gradient norms step by step (a pass computing over the whole vocabulary, the head not split,
+    would add log 2 to the loss)."""
+    from cost_models.cluster import parse_cluster
+    from planner.frontend.load import load_graph
+    from planner.plan import ParallelConfig
+    from planner.entry.launch import run_plan
+    from planner.schedule_ir import builtin
+    from planner.search.planning import build_plan, evaluate_config
+    from test_codegen import assert_matches_one_process
+
+    g, c = load_graph("llama-tiny", batch=1, seq_len=32), parse_cluster("local-cpu:2")
+    cfg = ParallelConfig.parse("pp=2,mbs=1,dtype=fp32,schedule=custom,vpp=2,vocab_passes=on")
+    sched = builtin("interleaved-1f1b", 2, 4, 2)
+    e, problems = evaluate_config(g, c, cfg, 4, even_split=True, schedule=sched)
+    assert not problems, problems
+    plan = build_plan(g, c, e, spec="llama-tiny", cluster_spec="local-cpu:2", schedule=sched)
+    assert [s["layers"] for s in plan.stages][2:] == [["head[vocab 0/2]"], ["head[vocab 1/2]"]]
+    path = str(tmp_path / "plan.json")
+    plan.save(path)
+    rc, log = run_plan(path, steps=3, run_dir=str(tmp_path / "run"), timeout_s=240)
+    assert rc == 0
+    assert_matches_one_process(log, "llama-tiny", 3, world=2)

@@ -70,6 +70,7 @@ class Stages:
     documents: Documents = field(default_factory=Documents)
     offloaders: list[Offloader] = field(default_factory=list)  # one per stage module with offloaded blocks
     chunks: Optional[ChunkStore] = None  # sequence chunks: the step's KV store (codegen/runtime/seq_chunks.py)
+    pp_mesh: Optional[DeviceMesh] = None  # the pp dimension (vocabulary passes shard the head over it)
 
     @property
     def has_first(self) -> bool:
@@ -157,7 +158,8 @@ def split_stages(adapter: ModelAdapter, stages: Sequence[Sequence[str]], recompu
     placement = (schedule.stage_rank if cfg.schedule == "custom" and schedule is not None
                  else ir.placement(cfg.schedule, cfg.pp, cfg.vpp))
     idx, mods = ppar.build_stages(adapter, stages, recompute, mesh["pp"].get_local_rank(), placement)
-    out = Stages(mods, idx, len(stages), policy, chunks=ChunkStore(cfg.seq_chunks) if cfg.seq_chunks > 1 else None)
+    out = Stages(mods, idx, len(stages), policy, chunks=ChunkStore(cfg.seq_chunks) if cfg.seq_chunks > 1 else None,
+                 pp_mesh=mesh["pp"] if cfg.vocab_passes else None)
     for sm in mods:
         sm.loss_kernel, sm.sp, sm.documents, sm.chunks = cfg.loss, cfg.sp, out.documents, out.chunks
     return out
@@ -167,20 +169,17 @@ def materialize(adapter: ModelAdapter, stages: Stages, device: torch.device, see
     """A model built on ``meta``: allocate and initialise only this rank's units (seeded by
     ``seed``). A model built with its weights: every rank takes global rank 0's (replicas and
     stages start alike), then this rank's stages move to ``device``. nccl broadcasts device
-    tensors only: each tensor goes through ``device`` one at a time."""
+    tensors only: each tensor goes through ``device`` one at a time. Then each vocabulary pass's
+    head becomes its rows over the pp ranks (``vocab_passes.shard_heads``)."""
     model = adapter.model
     if any(p.is_meta for p in model.parameters()):
         adapter.materialize([u for sm in stages.modules for u in sm.units], device, seed)
-        return
-    _broadcast_weights(model, device)
-    for sm in stages.modules:
-        sm.to(device)
-
-
-def shard_vocab_passes(stages: Stages, mesh: DeviceMesh) -> None:
-    """Each vocabulary pass's head weight as its rows over the pp ranks (``vocab_passes.shard_heads``);
-    after :func:`materialize`, before anything wraps the weights."""
-    vpass.shard_heads(stages.modules, mesh["pp"])
+    else:
+        _broadcast_weights(model, device)
+        for sm in stages.modules:
+            sm.to(device)
+    if stages.pp_mesh is not None:  # then each vocabulary pass keeps its rows of the head
+        vpass.shard_heads(stages.modules, stages.pp_mesh)
 
 
 def _broadcast_weights(model: nn.Module, device: torch.device) -> None:

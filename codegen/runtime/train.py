@@ -51,7 +51,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from planner.vocab_passes import model_units
 from planner.dp_shares import rank_rows
 from planner.feasibility import Batch, Nodes, microbatches, problems
 from planner.plan import ModelFacts, ParallelConfig, Plan
@@ -394,8 +393,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, stages: Sequence[Sequence
     """
     device = torch.device(device)
     own = adapter is None  # an adapter made here is undone here if the build fails
-    adapter = adapter or adapter_for(model, order=model_units([u for s in stages for u in s]), seq_len=seq_len,
-                                     facts=facts)
+    adapter = adapter or adapter_for(model, order=[u for s in stages for u in s], seq_len=seq_len, facts=facts)
     before = live_process_groups()
     try:
         recipe.check_runnable(cfg, adapter, facts, Batch(global_batch, seq_len, load_balance=load_balance))
@@ -422,7 +420,6 @@ def _build(adapter: ModelAdapter, cfg: ParallelConfig, stages: Sequence[Sequence
         schedule = recipe.pipeline_schedule(cfg, microbatches(cfg, global_batch), schedule)
     split = recipe.split_stages(adapter, stages, stage_recompute, cfg, mesh, schedule)
     recipe.materialize(adapter, split, device, seed)
-    recipe.shard_vocab_passes(split, mesh)
     tied = recipe.tie_weights(adapter, split, mesh)  # before TP splits the tied ends apart
     planner_ = recipe.build_batch_planner(per_batch, cfg, facts, global_batch, mesh)
     recipe.apply_attention(adapter, split, cfg, mesh, load_balance, planner_)

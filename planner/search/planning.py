@@ -24,7 +24,7 @@ from planner.search.result import SearchResult
 from planner.vocab_passes import stage_layers
 from planner.search.space import search
 from planner.search.seq_lens import SeqLens, as_histogram, with_documents
-from planner.search.stage_split import even_split as split_evenly
+from planner.search.stage_split import config_even_split
 from planner.search.stage_split import split_and_estimate
 from planner.search.user_schedule import search_for_schedule
 from planner.frontend.tp_layout import tp_layout
@@ -206,7 +206,7 @@ def evaluate_noted(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, glo
         raise AutoparError(f"{cfg.label()} cannot be priced: " + "; ".join(found))
     try:
         if even_split or cfg.pp * cfg.vpp == 1 or cfg.schedule not in SCHEDULES:
-            part = split_evenly(graph, cfg.pp * cfg.vpp, cfg.recompute)
+            part = config_even_split(graph, cfg)
             return estimate(graph, cluster, cfg, part, global_batch, profile=profile, engine=engine,
                             schedule=schedule), found, ""
         e, info = split_and_estimate(graph, cluster, cfg, global_batch, profile, engine=engine)

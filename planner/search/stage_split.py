@@ -21,7 +21,7 @@ from planner.plan import RECOMPUTE, ParallelConfig, Partition
 from planner.recompute_rules import recompute_policies
 from planner.search.schedule_gen import best_schedule
 from planner.search.split_moves import split_note, with_split_moves
-from planner.search.vocab_schedule import passes_problem, with_vocab_passes
+from planner.search.vocab_schedule import passes_partition, passes_problem, with_vocab_passes
 from planner.search.wan_warmup import with_deep_warmup
 
 # The stage ILP's solver (planner/search/partition_solvers.py): HiGHS where highspy is installed (the
@@ -209,6 +209,14 @@ def with_generated_schedule(graph: ModelGraph, cluster: Cluster, e: Estimate, pr
         best, note = passes, (f"the head as {cfg.pp} vocabulary passes, {passes.schedule_ir.name}: "
                               f"{e.step_s / passes.step_s:.3f}x faster than {cfg.schedule} with the head whole")
     return best, (dict(info, schedule=note) if note else info)
+
+
+def config_even_split(graph: ModelGraph, cfg: ParallelConfig) -> Partition:
+    """:func:`even_split` of ``cfg``'s ``pp * vpp`` stages; with vocabulary passes the layers before
+    the head over ``pp`` stages, then the passes (``vocab_schedule.passes_partition``)."""
+    if cfg.vocab_passes:
+        return passes_partition(graph, passes_body(graph, cfg))
+    return even_split(graph, cfg.pp * cfg.vpp, cfg.recompute)
 
 
 def passes_body(graph: ModelGraph, cfg: ParallelConfig) -> Partition:

@@ -75,14 +75,23 @@ def vocab_pass_estimates(graph: ModelGraph, cluster: Cluster, e: Estimate, body:
                                       schedule=builtin("interleaved-1f1b", p, m, 2), **kw)
     first = out.get("interleaved") or estimate(graph, cluster, cfg2, part, e.global_batch,
                                                schedule=Schedule("gpipe", m, looped(p, 2), _gpipe_orders(p, m)), **kw)
-    act = [sum(g2.layers[i].act_bytes for i in range(lo, hi)) for lo, hi in part.bounds]
-    try:
-        gen = generate(first.stage_fwd_s, first.stage_bwd_s, m, p2p=first.p2p_hop_s, act=act,
-                       limit=memory_limits(first, act), stage_rank=looped(p, 2), name="generated+vocab")
-    except ValueError:  # not one micro-batch of each stage fits a rank
-        return out
-    out["generated"] = estimate(graph, cluster, cfg2, part, e.global_batch, schedule=gen, **kw)
+    gen = schedule_for(g2, first)
+    if gen is not None:
+        out["generated"] = estimate(graph, cluster, cfg2, part, e.global_batch, schedule=gen, **kw)
     return out
+
+
+def schedule_for(g2: ModelGraph, first: Estimate) -> Schedule | None:
+    """A schedule generated for the stage times of ``first`` (a layout with vocabulary passes over
+    ``g2``, the graph with them, priced under another order) within each rank's memory
+    (:func:`memory_limits`); None where not one micro-batch of each stage fits a rank."""
+    act = [sum(g2.layers[i].act_bytes for i in range(lo, hi)) for lo, hi in first.partition.bounds]
+    try:
+        return generate(first.stage_fwd_s, first.stage_bwd_s, first.microbatches, p2p=first.p2p_hop_s, act=act,
+                        limit=memory_limits(first, act), stage_rank=looped(first.config.pp, 2),
+                        name="generated+vocab")
+    except ValueError:
+        return None
 
 
 def memory_limits(first: Estimate, act: list[float]) -> list[float]:

@@ -53,6 +53,7 @@ from typing import Any, Optional, Sequence
 from torch import nn
 
 from codegen.runtime.adapters.base import IGNORE_INDEX, ModelAdapter, StageModule, Unit
+from planner.vocab_passes import model_units
 
 __all__ = ["IGNORE_INDEX", "ModelAdapter", "StageModule", "Unit", "adapter_for", "adapter_kind"]
 
@@ -80,7 +81,7 @@ def adapter_for(model: nn.Module, spec: Optional[Any] = None, *, order: Optional
     plan's layers; how a plain module's units are known at run time); ``seq_len``: tokens
     per sequence (decides whether a sliding window is active); ``facts``: the plan's
     ``ModelFacts`` (head counts a plain module's TP fix-ups read)."""
-    adapter = _adapter_of_kind(model, spec, order, seq_len)
+    adapter = _adapter_of_kind(model, spec, model_units(order) if order is not None else None, seq_len)
     adapter.facts = facts
     return adapter
 
