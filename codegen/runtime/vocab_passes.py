@@ -5,11 +5,12 @@ The rule (names, rows, what flows between passes and why the loss is exact) is
 
 - :class:`VocabPassStage`: pass ``j`` of ``p``, a :class:`StageModule` holding the head module
   under its own fqn (so the build materialises and initialises it like any unit); it is called
-  with the final hidden states (pass 0) or ``(h, lse, tgt)`` and the micro-batch's ``labels``, and
-  returns ``(h, lse, tgt)``, or on the last pass the summed token loss (the stage protocol's);
-- :func:`shard_heads`: after the weights exist, each pass's head weight becomes its rows, a
-  ``Shard(0)`` DTensor over the pp mesh (a checkpoint and the gradient check gather it like any
-  sharded weight; its squared norm is summed over the pp group once, ``optim.clip_grad_norm_``).
+  with the final hidden states (pass 0) or what the pass before sent (:func:`pack`: h, the
+  running log-sum-exp and target logit) and the micro-batch's ``labels``, and sends the same on,
+  or on the last pass returns the summed token loss (the stage protocol's);
+- :func:`shard_heads` (``recipe.materialize`` calls it once the weights exist): each pass's head
+  weight becomes its rows, a ``Shard(0)`` DTensor over the pp mesh (the gradient check gathers it;
+  its squared norm is summed over the pp group once, ``optim.clip_grad_norm_``).
 """
 from __future__ import annotations
 
@@ -44,7 +45,10 @@ class VocabPassStage(StageModule):
             raise ValueError("a vocabulary pass needs the micro-batch's labels (the schedule passes them to every rank)")
         self.take_step(positions, doc_start)
         h, lse, tgt = unpack(args) if self.vp.j else (args[0], None, None)
-        w = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight  # (differentiable)
+        if not isinstance(self.weight, DTensor):
+            raise RuntimeError(f"{pass_unit(self.vp.head, self.vp.j, self.vp.p)}: the head holds every row; "
+                               "recipe.materialize splits it over the pp ranks before the first step")
+        w = self.weight.to_local()  # this pass's rows (differentiable: the gradient comes back as the DTensor's)
         lo = shard_rows(int(self.weight.shape[0]), self.vp.p, self.vp.j)[0]
         logits = F.linear(h, w).float()
         here = labels - lo
