@@ -443,7 +443,7 @@ def main() -> None:
         results.update(mllm_pp2())
     elif group == "vocab":  # vocabulary passes (tests/vocab_worker.py)
         from vocab_worker import vocab_group
-        results.update(vocab_group(world))
+        results.update(vocab_group(world, os.path.dirname(os.path.abspath(out))))
     else:
         raise SystemExit(f"unknown group {group}")
     finish(results, out)

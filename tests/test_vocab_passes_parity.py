@@ -42,6 +42,15 @@ def test_vocabulary_passes_match_one_process(runs, world: int, model: str, layou
     assert all(rows == [[VOCAB[model] // pp, 64]] for rows in r["rows"]), r["rows"]
 
 
+def test_a_checkpoint_resumes_the_passes_exactly(runs) -> None:
+    """Saved after 2 steps (DCP: each pp rank its rows of the head, zero1's optimizer state) and
+    resumed in a fresh build: the last 2 losses are the uninterrupted run's."""
+    r = runs[2]["ckpt"]
+    assert "error" not in r, r.get("error")
+    assert r["resumed_from"] == 2
+    assert r["resumed"] == pytest.approx(r["uninterrupted"][2:], rel=1e-6)
+
+
 def test_emitted_program_with_vocabulary_passes_matches_one_process(tmp_path):
     """The emitted program of a plan with vocabulary passes (llama-tiny, pp2, interleaved order;
     2 processes), with its default optimizer, schedule and clipping: the single-process losses and

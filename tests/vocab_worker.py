@@ -71,9 +71,45 @@ def run(name: str, kw: dict, stages, schedule, data):
     return losses, grads, every
 
 
-def vocab_group(world: int) -> dict:
-    """Every model under every layout of ``world`` ranks and both schedules (module docstring)."""
+def checkpoint_case(ckpt_dir: str) -> dict:
+    """llama-tiny pp2 with passes (zero1, AdamW, the generated schedule): 4 steps uninterrupted; 2
+    steps, a checkpoint; a fresh build resumed from it for the last 2 (the head's rows saved and
+    loaded per pp rank)."""
+    from codegen.runtime import checkpoint as ck
+    name, c = "llama-tiny", case("llama-tiny")
+    data = c.batches(4)
+    stages, schedules = stages_and_schedules(name, 2, GB)
+    _, layout, facts = planner_view(name)
+
+    def build():
+        pc = ParallelConfig(dtype="fp32", mbs=1, pp=2, vpp=2, schedule="custom", vocab_passes=True,
+                            zero="zero1").validate()
+        return parallelize(c.build(c.parallel_device), pc, stages, ["none"] * 4, layout, GB, SEQ, "cpu",
+                           optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=1e-3), seed=SEED, facts=facts,
+                           schedule=schedules["generated"])
+    pm = build()
+    full = [float(pm.step(b)) for b in data]
+    pm.close()
+    pm = build()
+    [pm.step(b) for b in data[:2]]
+    ck.save(pm, ckpt_dir)
+    pm.close()
+    pm = build()
+    step = ck.load_latest(pm, ckpt_dir)
+    resumed = [float(pm.step(b)) for b in data[step:]]
+    pm.close()
+    return {"uninterrupted": full, "resumed_from": step, "resumed": resumed}
+
+
+def vocab_group(world: int, work_dir: str | None = None) -> dict:
+    """Every model under every layout of ``world`` ranks and both schedules (module docstring); with
+    ``work_dir`` on 2 ranks, also :func:`checkpoint_case` under it."""
     results: dict = {}
+    if work_dir is not None and world == 2:
+        try:
+            results["ckpt"] = checkpoint_case(os.path.join(work_dir, "vocab_ckpt"))
+        except Exception as exc:  # noqa: BLE001 - reported
+            results["ckpt"] = failure(exc)
     for name in MODELS:
         c = case(name)
         data = c.batches(3)
@@ -93,7 +129,7 @@ def vocab_group(world: int) -> dict:
 def main() -> None:
     out = sys.argv[1]
     init_distributed()
-    finish(vocab_group(dist.get_world_size()), out)
+    finish(vocab_group(dist.get_world_size(), os.path.dirname(os.path.abspath(out))), out)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ The rule (names, rows, what flows between passes and why the loss is exact) is
   running log-sum-exp and target logit) and the micro-batch's ``labels``, and sends the same on,
   or on the last pass returns the summed token loss (the stage protocol's);
 - :func:`shard_heads` (``recipe.materialize`` calls it once the weights exist): each pass's head
-  weight becomes its rows, a ``Shard(0)`` DTensor over the pp mesh (the gradient check gathers it;
-  its squared norm is summed over the pp group once, ``optim.clip_grad_norm_``).
+  weight becomes its rows, a ``Shard(0)`` DTensor over the pp mesh (a DCP checkpoint saves each
+  rank's rows, the gradient check gathers them; its squared norm is summed over the pp group once,
+  ``optim.clip_grad_norm_``).
 """
 from __future__ import annotations
 
