@@ -95,7 +95,7 @@ def vocab_models() -> list[dict]:
         g, c = load_graph(model, batch=1, seq_len=8192), parse_cluster(cluster)
         for pp in pps:
             cfg = ParallelConfig(dp=world // pp, pp=pp, mbs=1, schedule="1f1b", zero="zero1").validate()
-            e, _ = split_and_estimate(g, c, cfg, gb, generate=True)
+            e, _ = split_and_estimate(g, c, cfg, gb, generate=True, vocab_passes=False)  # the head whole
             v = vocab_pass_estimates(g, c, e, passes_body(g, e.config))
             row = {"case": f"{g.name} {cluster} {e.config.label()}", "best_s": e.step_s, "best_fits": e.fits}
             for k, x in v.items():

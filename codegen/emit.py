@@ -322,7 +322,7 @@ def check_plan(plan: Plan) -> tuple[list[list[str]], dict[str, str], list[int]]:
     names = stage_layers(plan.model["layers"], plan.config.vocab_passes, plan.config.pp)
     stages = [list(s["layers"]) for s in plan.stages]
     for n in (n for s in stages for n in s):
-        if n not in names or not _FQN.fullmatch(parse_unit(n).head if parse_unit(n) else n):  # (a pass: its head)
+        if n not in names or not _FQN.fullmatch(vp.head if (vp := parse_unit(n)) else n):  # (a pass: its head)
             raise PlanError(f"layer name {n!r} in the plan is not a module path")
     layout = dict(plan.tp_layout)
     for fqn, role in layout.items():

@@ -35,6 +35,7 @@ from typing import NamedTuple, Optional
 from planner.graph import Layer, Matmul, ModelGraph
 
 _UNIT = re.compile(r"^(?P<head>.+)\[vocab (?P<j>\d+)/(?P<p>\d+)\]$")
+_SIGNATURE = re.compile(r"(?P<head>.+)/vocab(?P<rows>\d+)of(?P<vocab>\d+)")  # a pass's layer signature
 PASS_OUT_FLOATS = 2  # per token besides h: the running log-sum-exp and target logit (float32)
 
 
@@ -119,7 +120,7 @@ class HeadShare(NamedTuple):
 def head_share(signature: str) -> Optional[HeadShare]:
     """The head a vocabulary pass's layer signature takes its share of, or None for another layer's
     (the cost model prices a pass the profile has not measured from its head's measured time)."""
-    m = re.fullmatch(r"(?P<head>.+)/vocab(?P<rows>\d+)of(?P<vocab>\d+)", signature)
+    m = _SIGNATURE.fullmatch(signature)
     return HeadShare(m["head"], int(m["rows"]) / int(m["vocab"])) if m else None
 
 

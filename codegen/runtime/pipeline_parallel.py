@@ -23,9 +23,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import PipelineStage
 
 from codegen.runtime import vocab_passes as vpass
-from codegen.runtime.torch_compat import local_tensor, schedule_runtime
+from codegen.runtime.torch_compat import local_tensor, own_outputs, schedule_runtime
 from planner.schedule_ir import Schedule
-from planner.vocab_passes import parse_unit
+from planner.vocab_passes import parse_unit, pass_count, stage_layers
 
 
 def build_stages(adapter, stage_units: Sequence[Sequence[str]], stage_recompute: Sequence[str],
@@ -33,7 +33,8 @@ def build_stages(adapter, stage_units: Sequence[Sequence[str]], stage_recompute:
     """(virtual stage indices, stage modules) this pp rank owns (virtual stage j lives on
     ``stage_rank[j]``), in virtual-stage order."""
     flat = [u for s in stage_units for u in s]
-    if flat != (want := vpass.expected_units(adapter, flat)):
+    p = pass_count(flat)
+    if flat != (want := stage_layers(adapter.units, p > 0, p)):
         raise ValueError(f"stages must cover the model's units in order; got {flat}, expected {want}")
     starts = adapter.stage_starts()
     for s in stage_units[1:]:
@@ -58,22 +59,11 @@ def build_schedule(stage_mods: Sequence[nn.Module], stage_idx: Sequence[int], n_
     """PipelineStages for this rank and torch's schedule runtime running the IR ``schedule``."""
     if schedule.n_stages != n_virtual:
         raise ValueError(f"schedule {schedule.name!r} has {schedule.n_stages} stages, the pipeline {n_virtual}")
-    for m in stage_mods:
-        m.register_forward_hook(_no_view_outputs)
+    for m in stage_mods:  # (torch's split backward detaches stage outputs in place; a view refuses)
+        m.register_forward_hook(own_outputs)
     stages = [PipelineStage(m, j, n_virtual, device, group=pp_group) for m, j in zip(stage_mods, stage_idx)]
     order = {r: [str(st) for st in steps] for r, steps in enumerate(schedule.ranks)}
     return stages, schedule_runtime(stages, schedule.n_microbatches, loss_fn, scale_grads, order)
-
-
-def _no_view_outputs(module: nn.Module, args, out):
-    """A stage's outputs as tensors of their own: torch's split backward detaches them in place
-    (``stage_backward_input``), which a view refuses (a transformers model's final norm can return
-    an alias of its result when it ends a stage: the blocks' last stage before vocabulary passes)."""
-    if isinstance(out, torch.Tensor):
-        return out.clone() if out._is_view() else None
-    if isinstance(out, tuple) and any(isinstance(t, torch.Tensor) and t._is_view() for t in out):
-        return tuple(t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t for t in out)
-    return None
 
 
 class TiedWeights:

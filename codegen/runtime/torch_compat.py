@@ -68,6 +68,10 @@ these, this module is the one place to change. Each entry, and why we need it:
 - :func:`local_tensor` (``DTensor._local_tensor``): a DTensor parameter's or gradient's local
   shard as the storage itself (collectives write into it in place; ``to_local()`` is an autograd
   op returning an alias that must not be written through).
+- :func:`own_outputs` (``Tensor._is_view``): a pipeline stage's outputs that are views made
+  tensors of their own, as a forward hook: torch's split backward (``stage_backward_input``)
+  detaches the stage outputs in place, which a view refuses (a transformers model's final norm can
+  return an alias of its result when it ends a stage).
 - :func:`all_gather_into` / :func:`reduce_scatter_into`: the flat-tensor all-gather and
   reduce-scatter under the name the running torch has (2.13 renamed ``all_gather_into_tensor`` /
   ``reduce_scatter_tensor`` to ``all_gather_single`` / ``reduce_scatter_single``; the GPU box's
@@ -88,11 +92,21 @@ CHECKED_ON = ("2.13.0",)
 
 __all__ = ["CHECKED_ON", "FakeTensorMode", "StridedShard", "checkpoint_generator",
            "all_gather_into", "children_registry", "clear_dtensor_caches", "ddp_replicate", "flatten_mesh", "foreach_mul_", "foreach_norm", "funcol",
-           "is_traceable_wrapper_subclass", "live_process_groups", "local_tensor", "module_hook_dicts", "observe_ops",
+           "is_traceable_wrapper_subclass", "live_process_groups", "local_tensor", "module_hook_dicts", "observe_ops", "own_outputs",
            "preload_dynamo", "reduce_scatter_into", "replicate",
            "replicate_ddp_class", "saved_attention_ops", "saved_collective_ops", "schedule_runtime",
            "set_children_registry", "storage_key", "tree_flatten",
            "tree_map"]
+
+
+def own_outputs(module: torch.nn.Module, args: Any, out: Any) -> Any:
+    """Forward hook: ``out`` with every tensor that is a view cloned (None: nothing to change; module
+    docstring)."""
+    if isinstance(out, torch.Tensor):
+        return out.clone() if out._is_view() else None
+    if isinstance(out, tuple) and any(isinstance(t, torch.Tensor) and t._is_view() for t in out):
+        return tuple(t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t for t in out)
+    return None
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None):

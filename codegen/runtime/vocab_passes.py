@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from codegen.runtime.adapters.base import IGNORE_INDEX, ModelAdapter, StageModule, attach
-from planner.vocab_passes import VocabPass, pass_count, pass_unit, shard_rows
+from planner.vocab_passes import VocabPass, pass_unit, shard_rows
 
 
 class VocabPassStage(StageModule):
@@ -83,21 +83,13 @@ def unpack(args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return h, stats[..., 0], stats[..., 1]
 
 
-def expected_units(adapter: ModelAdapter, flat: Sequence[str]) -> list[str]:
-    """The units a plan's stages must cover in order: the model's, its head as the plan's passes."""
-    p = pass_count(flat)
-    if p == 0:
-        return list(adapter.units)
-    return list(adapter.units[:-1]) + [pass_unit(adapter.units[-1], j, p) for j in range(p)]
-
-
 def build_pass(adapter: ModelAdapter, unit: str, vp: VocabPass) -> VocabPassStage:
     """The stage module of vocabulary pass ``unit`` (refused in one line where the model cannot run it)."""
     if (why := adapter.limits().get("fused_loss")):  # the same rule: the head is a plain Linear + cross-entropy
         raise ValueError(f"{unit}: {why}; plan without vocabulary passes")
     if vp.head != adapter.units[-1]:
         raise ValueError(f"{unit}: the model's head is {adapter.units[-1]}, not {vp.head}; plan again")
-    if any(vp.head in (a.split(".")[0], b.split(".")[0]) for a, b in adapter.tied()):
+    if any(x.startswith(vp.head + ".") for pair in adapter.tied() for x in pair):
         raise ValueError(f"{unit}: the head {vp.head} shares its weight with another layer; vocabulary passes "
                          "split an untied head (plan without them)")
     return VocabPassStage(adapter, vp)

@@ -79,20 +79,18 @@ def generate(fwd: Sequence[float], bwd: Sequence[float], m: int, *, wgrad: Seque
     p = max(placement) + 1
     w = [split_backward(b)[1] for b in bwd] if wgrad is None else list(wgrad)
     act = [1.0] * n if act is None else list(act)
-    on_rank = [[s for s in range(n) if placement[s] == r] for r in range(p)]
-    if limit is None:
-        limit = default_limit(placement, m, act)
-    if any(lim < sum(act[s] for s in on_rank[r]) - 1e-12 for r, lim in enumerate(limit)):
+    limit = default_limit(placement, m, act) if limit is None else list(limit)
+    st = _State(placement, m, {"F": list(fwd), "I": [b - x for b, x in zip(bwd, w)], "W": w}, act, limit, p2p)
+    if any(lim < sum(act[s] for s in st.on_rank[r]) - 1e-12 for r, lim in enumerate(limit)):
         raise ValueError(f"no schedule within the activation limits {limit}: raise them to one micro-batch "
                          "of each stage a rank holds")
-    st = _State(placement, m, {"F": list(fwd), "I": [b - x for b, x in zip(bwd, w)], "W": w}, act, list(limit), p2p)
     orders: list[list[Action]] = [[] for _ in range(p)]
     cands = [_candidate(r, st) for r in range(p)]
     for _ in range(3 * n * m):
-        best = min((c for c in cands if c is not None), key=lambda c: c[:4], default=None)
+        best = min((c for c in cands if c is not None), key=lambda c: c[:3], default=None)
         if best is None:
             break
-        r, a, start = best[4], best[5], best[6]
+        r, a, start = best[3:]
         _commit(st, r, a, start)
         orders[r].append(a)
         touched = {r} | {placement[t] for t in (a.stage - 1, a.stage + 1) if 0 <= t < n}
@@ -127,7 +125,7 @@ def _commit(st: _State, r: int, a: Action, start: float) -> None:
 
 
 def _candidate(r: int, st: _State):
-    """(key, priority, tie, -, rank, action, start) of rank r's next action, or None when it must
+    """(key, priority, tie, rank, action, start) of rank r's next action, or None when it must
     wait. ``key`` orders the ranks' candidates; it is the start but for a weight pass taken while
     the rank waits for another rank: then the pass's end (committed only if nothing anywhere
     starts before it ends, so no input can arrive meanwhile). Ties: backward, then forward (the
@@ -139,23 +137,23 @@ def _candidate(r: int, st: _State):
             t = st.ready(("F", s, mb) if s == last else ("I", s + 1, mb), s)
             if t is not None:
                 t = max(free, t)
-                opts.append((t, _PRIORITY["I"], s, 0, r, Action("I", s, mb), t))
+                opts.append((t, _PRIORITY["I"], s, r, Action("I", s, mb), t))
         if st.next_f[s] < st.m and st.held[r] + st.need[s] <= st.limit[r] + 1e-12:
             mb = st.next_f[s]
             t = 0.0 if s == 0 else st.ready(("F", s - 1, mb), s)
             if t is not None:
                 t = max(free, t)
-                opts.append((t, _PRIORITY["F"], -s, 0, r, Action("F", s, mb), t))
+                opts.append((t, _PRIORITY["F"], -s, r, Action("F", s, mb), t))
     pend = st.pending_w[r]
     if pend:
         s, mb = pend[0]
         w, dw = Action("W", s, mb), st.dur["W"][s]
         nxt = min((o[0] for o in opts), default=None)
         if nxt is not None and free + dw <= nxt + 1e-12:  # fits in the gap
-            return (free, _PRIORITY["W"], 0, 0, r, w, free)
+            return (free, _PRIORITY["W"], 0, r, w, free)
         if nxt is None:  # nothing else here yet: now if nothing else is left, else only if no input comes sooner
             done = all(st.next_i[t] == st.m and st.next_f[t] == st.m for t in st.on_rank[r])
-            return (free if done else free + dw, _PRIORITY["W"], 0, 0, r, w, free)
+            return (free if done else free + dw, _PRIORITY["W"], 0, r, w, free)
     return min(opts) if opts else None
 
 

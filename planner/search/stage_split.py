@@ -143,7 +143,7 @@ def partition_problem(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, 
 
 def split_and_estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, global_batch: int, profile=None,
                        time_limit: float = 10.0, uniform_recompute: bool = False,
-                       engine=None, generate: bool = False) -> tuple[Estimate, dict]:
+                       engine=None, generate: bool = False, vocab_passes: bool = True) -> tuple[Estimate, dict]:
     """``cfg`` simulated in full on its best stage split: the ILP's, unless the simulator
     rates the even split faster or the ILP's does not fit (the ILP optimises a linear model
     of the schedule; the simulator is the judge). Returns the estimate and the solver info.
@@ -152,8 +152,9 @@ def split_and_estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
     ``generate``: try a schedule generated for the split's stage times instead of ``cfg``'s
     (:func:`with_generated_schedule`) and 1F1B with a deeper warm-up before a WAN cut
     (``planner/search/wan_warmup.py``), keeping the faster (the search, where the schedule is
-    not pinned). Both splits, and a generated or deepened schedule's, then move one stage group
-    at a time off the busiest rank where the simulator rates that faster
+    not pinned; ``vocab_passes``: and the head as vocabulary passes). Both splits, and a generated or
+    deepened schedule's, then move one stage group at a time off the busiest rank where the simulator
+    rates that faster
     (``planner/search/split_moves.py``: the ILP's model ignores where the bottleneck sits)."""
     part, info = best_partition(graph, cluster, cfg, global_batch, profile, time_limit, uniform_recompute)
     start = estimate(graph, cluster, cfg, part, global_batch, profile=profile, engine=engine)
@@ -167,7 +168,7 @@ def split_and_estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig,
             start, e, moves, which = even, e_even, moves_even, "the even split"
             info = dict(info, chosen="even split (simulated faster or the ILP split did not fit)")
     if generate:
-        generated = with_generated_schedule(graph, cluster, e, profile, engine, info)
+        generated = with_generated_schedule(graph, cluster, e, profile, engine, info, vocab_passes)
         deepened = with_deep_warmup(graph, cluster, e, global_batch, profile, engine, info)
         e, info = min(generated, deepened, key=lambda x: x[0].step_s)
         if e.schedule_ir is not None and not e.config.vocab_passes:  # the new schedule may favour another split
@@ -189,9 +190,10 @@ def generates(cfg: ParallelConfig, m: int) -> bool:
 
 
 def with_generated_schedule(graph: ModelGraph, cluster: Cluster, e: Estimate, profile, engine,
-                            info: dict) -> tuple[Estimate, dict]:
+                            info: dict, vocab_passes: bool = True) -> tuple[Estimate, dict]:
     """``e``, or the same layout and split running a schedule generated for its stage times
-    (planner/search/schedule_gen.py, at 1F1B's activation memory) where that is faster and
+    (planner/search/schedule_gen.py, at 1F1B's activation memory), or (``vocab_passes``) the layout
+    with its head as vocabulary passes (planner/search/vocab_schedule.py), where that is faster and
     fits: one stage per rank, and ``pp^2 m`` within :data:`GEN_MAX_WORK`."""
     cfg, m = e.config, e.microbatches
     if not generates(cfg, m):
@@ -203,8 +205,8 @@ def with_generated_schedule(graph: ModelGraph, cluster: Cluster, e: Estimate, pr
                        engine=engine, schedule=choice.schedule)
         if gen.fits and gen.step_s < best.step_s:
             best, note = gen, f"generated: {e.step_s / gen.step_s:.3f}x faster than {cfg.schedule}"
-    passes = None if passes_problem(graph, cfg) else with_vocab_passes(graph, cluster, e, passes_body(graph, cfg),
-                                                                        profile, engine)
+    tried = vocab_passes and not passes_problem(graph, cfg)
+    passes = with_vocab_passes(graph, cluster, e, passes_body(graph, cfg), profile, engine) if tried else None
     if passes is not None and passes.step_s < best.step_s:
         best, note = passes, (f"the head as {cfg.pp} vocabulary passes, {passes.schedule_ir.name}: "
                               f"{e.step_s / passes.step_s:.3f}x faster than {cfg.schedule} with the head whole")

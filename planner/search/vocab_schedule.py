@@ -65,19 +65,19 @@ def vocab_pass_estimates(graph: ModelGraph, cluster: Cluster, e: Estimate, body:
     cfg, m, p = e.config, e.microbatches, e.config.pp
     if passes_problem(graph, cfg):
         return {}
-    g2 = vp.with_vocab_passes(graph, p)  # (estimate makes the same graph of the config: the split is over its layers)
+    g2 = vp.with_vocab_passes(graph, p)  # priced as is (estimate's graph_for leaves a graph with passes alone)
     part = passes_partition(graph, body)
     cfg2 = passes_config(cfg)
     kw = dict(profile=profile, engine=engine)
     out = {}
     if not builtin_problem("interleaved-1f1b", p, m, 2):
-        out["interleaved"] = estimate(graph, cluster, cfg2, part, e.global_batch,
+        out["interleaved"] = estimate(g2, cluster, cfg2, part, e.global_batch,
                                       schedule=builtin("interleaved-1f1b", p, m, 2), **kw)
-    first = out.get("interleaved") or estimate(graph, cluster, cfg2, part, e.global_batch,
+    first = out.get("interleaved") or estimate(g2, cluster, cfg2, part, e.global_batch,
                                                schedule=Schedule("gpipe", m, looped(p, 2), _gpipe_orders(p, m)), **kw)
     gen = schedule_for(g2, first)
     if gen is not None:
-        out["generated"] = estimate(graph, cluster, cfg2, part, e.global_batch, schedule=gen, **kw)
+        out["generated"] = estimate(g2, cluster, cfg2, part, e.global_batch, schedule=gen, **kw)
     return out
 
 

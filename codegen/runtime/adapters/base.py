@@ -153,9 +153,9 @@ class ModelAdapter:
         return {}
 
     def head_linear(self) -> str:
-        """The fqn of the head's bias-free Linear (the head unit itself, or its one Linear): what the
-        fused loss and vocabulary passes (``codegen/runtime/vocab_passes.py``) read the weight of;
-        raises ValueError naming what the head is instead."""
+        """The fqn of the head's bias-free Linear (the head unit itself, or its one Linear), whose
+        rows vocabulary passes split (``codegen/runtime/vocab_passes.py``); raises ValueError naming
+        what the head is instead."""
         name = self.units[-1]
         head = self.model.get_submodule(name)
         found = [(n, m) for n, m in head.named_modules() if isinstance(m, nn.Linear)]
