@@ -25,7 +25,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launches import run_launch  # noqa: E402
 from planner.entry.launch import free_port  # noqa: E402
-from test_runtime_parity import TOL  # noqa: E402
+from test_runtime_parity import assert_parity  # noqa: E402
 
 pytestmark = pytest.mark.slow
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "batch_worker.py")
@@ -46,20 +46,10 @@ def runs(tmp_path_factory) -> dict:
         return json.load(fh)
 
 
-def _assert_parity(r: dict) -> None:
-    """The run finished, every gradient was compared, and loss, gradients and the global norm
-    equal the reference's within TOL."""
-    assert "error" not in r, r["error"]
-    assert not r["missing"], r["missing"]
-    assert r["grad_rel_err"] <= TOL, (r["worst"], r["grad_rel_err"])
-    assert r["norm_rel_err"] <= TOL
-    assert r["loss_rel_err"] <= TOL
-
-
 @pytest.mark.parametrize("name", sorted(EXPECTED_SIZE))
 def test_per_batch_assignment_matches_fixed_layout(runs, name: str) -> None:
     r = runs[name]
-    _assert_parity(r)
+    assert_parity(r)
     long_doc = [g for g in r["groups"] if g[0] == 32]
     assert long_doc, r["groups"]  # the long document ran on a group
     if name.startswith("pp2"):  # every row padded to the capacity: the pads ran (fewer real tokens)
@@ -76,7 +66,7 @@ def test_per_batch_assignment_matches_fixed_layout(runs, name: str) -> None:
 @pytest.mark.parametrize("name", ["mm-dp4-assigned", "mm-dp4-fixed", "mm-dp2-assigned"])
 def test_multimodal_assignment_matches_one_process(runs, name: str) -> None:
     r = runs[name]
-    _assert_parity(r)
+    assert_parity(r)
     dp = 2 if "dp2" in name else 4
     groups = [r["samples"][i:i + dp] for i in range(0, 4, dp)]
     for ranks in groups:  # every sample on exactly one rank of each data-parallel group

@@ -54,6 +54,16 @@ def launch(nproc: int, group: str, out: str, *extra: str, timeout: int = 600) ->
         return json.load(fh)
 
 
+def assert_parity(r: dict) -> None:
+    """The run finished, every gradient was compared, and loss, gradients and the global norm
+    equal the reference's within TOL."""
+    assert "error" not in r, r["error"]
+    assert not r["missing"], r["missing"]
+    assert r["grad_rel_err"] <= TOL, (r["worst"], r["grad_rel_err"])
+    assert r["norm_rel_err"] <= TOL
+    assert r["loss_rel_err"] <= TOL
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """All launches, once per module: {world: results}, plus 'resume'."""

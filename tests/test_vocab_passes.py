@@ -100,7 +100,7 @@ def test_llama3_8b_at_pp32_prices_faster_with_passes_and_fits():
     from planner.search.vocab_schedule import vocab_pass_estimates
     g, c = load_graph("llama3-8b", batch=1, seq_len=8192), parse_cluster("dgx-h100:8")
     e, _ = split_and_estimate(g, c, ParallelConfig(dp=2, pp=32, schedule="1f1b", zero="zero1").validate(), 512,
-                              generate=True)
+                              generate=True, vocab_passes=False)
     v = vocab_pass_estimates(g, c, e, passes_body(g, e.config))
     gen = v["generated"]
     assert gen.fits and gen.schedule_ir.v == 2 and gen.config.vpp == 2 and gen.config.vocab_passes
@@ -132,3 +132,16 @@ def test_the_search_chooses_passes_where_they_are_faster():
                                  generate=True)  # (pp32's 256 micro-batches are past GEN_MAX_WORK: not tried)
     assert e.config.vocab_passes and "vocabulary passes" in info["schedule"], info
     assert len(e.partition.bounds) == 32 and e.partition.bounds[-1][1] == len(g.layers) - 1 + 16
+
+
+def test_the_runtime_refuses_a_pass_over_a_tied_head():
+    from dataclasses import replace
+
+    from codegen.runtime.adapters import adapter_for
+    from codegen.runtime.vocab_passes import build_pass
+    from planner import zoo
+    tied = adapter_for(zoo.build_model(replace(zoo.preset("gpt-tiny"), tie_embeddings=True), device="meta"))
+    with pytest.raises(ValueError, match="shares its weight"):
+        build_pass(tied, vp.pass_unit("head", 0, 2), vp.VocabPass("head", 0, 2))
+    untied = adapter_for(zoo.build_model(zoo.preset("gpt-tiny"), device="meta"))
+    assert build_pass(untied, vp.pass_unit("head", 1, 2), vp.VocabPass("head", 1, 2)).is_last

@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import vocab_worker as V  # noqa: E402
-from test_runtime_parity import TOL, launch  # noqa: E402
+from test_runtime_parity import assert_parity, launch  # noqa: E402
 
 pytestmark = pytest.mark.slow
 CASES = [(world, m, f"{lay}-{s}") for world in V.LAYOUTS for m in V.MODELS for lay, _ in V.LAYOUTS[world]
@@ -33,11 +33,7 @@ def runs(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("world, model, layout", CASES, ids=[f"w{w}/{m}/{lay}" for w, m, lay in CASES])
 def test_vocabulary_passes_match_one_process(runs, world: int, model: str, layout: str) -> None:
     r = runs[world][f"{model}/{layout}"]
-    assert "error" not in r, r["error"]
-    assert not r["missing"], r["missing"]
-    assert r["grad_rel_err"] <= TOL, (r["worst"], r["grad_rel_err"])
-    assert r["norm_rel_err"] <= TOL
-    assert r["loss_rel_err"] <= TOL
+    assert_parity(r)
     pp = dict(V.LAYOUTS[world])[layout.rsplit("-", 1)[0]]["pp"]
     assert all(rows == [[VOCAB[model] // pp, 64]] for rows in r["rows"]), r["rows"]
 
