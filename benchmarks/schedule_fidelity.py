@@ -72,7 +72,8 @@ def price(family: str, graph, cluster, gb: int, profile, work: str):
     schedule = None
     if family == "generated":
         base, _ = evaluate_config(graph, cluster, cfg, gb, profile=profile, even_split=True)
-        schedule = generate(base.stage_fwd_s, base.stage_bwd_s, base.microbatches, p2p=base.p2p_hop_s)
+        schedule = generate(base.stage_fwd_s, base.stage_bwd_s, base.microbatches, p2p=base.p2p_hop_s,
+                            split=base.split)
     elif family.startswith("vocab-passes"):  # the head as 4 passes: the interleaved order, or one generated
         from planner.schedule_ir import builtin
         from planner.search.vocab_schedule import schedule_for

@@ -23,6 +23,11 @@ beside it, and the profiler measures them again the same way):
   (``.tolist()``), the sort of the received rows by expert, and torch's functional uneven
   all-to-all with its autograd node and wait: ``CPU_EP_DISPATCH_S``, forward and backward.
 
+- **A backward split into I and W** (zero-bubble and generated schedules): torch's split walks the
+  autograd graph twice (the input gradients keeping the intermediates, then the weight gradients
+  from them), which costs more than one whole backward: ``CPU_SPLIT_BACKWARD_FRAC`` of the
+  backward, priced by the pipeline simulator (``cost_models.pipeline.SplitCost``; the estimate's ``split_cost``).
+
 Nothing on GPU clusters (there the host runs ahead of the kernels; unmeasured: 0). A profile
 of the cluster measures each again (``cost_models.profile_runtime.measure_runtime``, the same setups
 as the defaults; ``ProfileDB.runtime``), which replaces the default. The calibration keys
@@ -52,9 +57,15 @@ CPU_FSDP_REDUCE_UNIT_S = 1.3e-3
 # 2.8 / 3.1 ms (8.2 at 4 ranks on the 2 cores: waiting, not computing, so not scaled by them).
 CPU_EP_DISPATCH_S = 3.0e-3
 
-KEYS = ("replicate_unit_s", "fsdp_unit_s", "fsdp_reduce_unit_s", "ep_dispatch_s")
+# A llama-fid block (hidden 512, one thread, one process, [1, 128, 512]) whose backward runs as torch's
+# stage_backward_input then stage_backward_weight, over its whole backward: +6% / +11% / +4% (one, two,
+# four blocks), +5-8% at 512 tokens, +12-16% at 32 (the second walk's fixed part weighs more).
+CPU_SPLIT_BACKWARD_FRAC = 0.08
+
+KEYS = ("replicate_unit_s", "fsdp_unit_s", "fsdp_reduce_unit_s", "ep_dispatch_s", "split_backward_frac")
 DEFAULTS = {"replicate_unit_s": CPU_REPLICATE_UNIT_S, "fsdp_unit_s": CPU_FSDP_UNIT_S,
-            "fsdp_reduce_unit_s": CPU_FSDP_REDUCE_UNIT_S, "ep_dispatch_s": CPU_EP_DISPATCH_S}
+            "fsdp_reduce_unit_s": CPU_FSDP_REDUCE_UNIT_S, "ep_dispatch_s": CPU_EP_DISPATCH_S,
+            "split_backward_frac": CPU_SPLIT_BACKWARD_FRAC}
 
 
 def measured(key: str, profile=None) -> float:
@@ -94,3 +105,4 @@ def ep_dispatch_s(layer: Layer, cluster: Cluster, cfg: ParallelConfig, profile=N
         return 0.0, 0.0
     s = figure("ep_dispatch_s", profile)
     return s / 2, s / 2
+

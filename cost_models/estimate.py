@@ -65,7 +65,7 @@ from cost_models import comm as comm_mod, pipeline as pipe_mod, wan as wan_mod
 from cost_models.cluster import Cluster
 from cost_models.compute import calibration, calibration_note
 from cost_models.layer_work import model_flops_per_seq
-from cost_models.cpu_runtime import wrapper_unit_s
+from cost_models.cpu_runtime import figure as runtime_figure, wrapper_unit_s
 from cost_models.dp_cost import dp_and_optimizer, step_sync_s
 from cost_models.dp_units import stage_wrapper_s
 from cost_models.engines import Engine, engine_of
@@ -115,6 +115,7 @@ class Estimate:
     wan: list[dict] = field(default_factory=list)  # where the mesh crosses the WAN (cost_models/wan_cost.py)
     devices: list[str] = field(default_factory=list)  # mixed devices: "group: device" per pp rank
     host_capacity: float = math.inf   # host bytes a rank may pin for offloaded activations (cost_models/offload.py)
+    split: pipe_mod.SplitCost = pipe_mod.SplitCost()  # what a backward split into I and W costs (split_cost)
 
     @property
     def fits(self) -> bool:
@@ -136,6 +137,7 @@ class Estimate:
             "memory": [m.to_dict() for m in self.memory], "capacity_gib": self.capacity / GiB,
             "breakdown": self.breakdown, "bubble_frac": self.bubble_frac,
             "stage_fwd_s": self.stage_fwd_s, "stage_bwd_s": self.stage_bwd_s, "p2p_hop_s": self.p2p_hop_s,
+            "split_backward": {"extra": self.split.extra},
             "source": self.source, "sources": self.sources, "calibration": self.calibration, "engine": self.engine,
             "partition": self.partition.to_dict(), **({"wan": self.wan} if self.wan else {}),
             **({"stage_devices": self.devices} if self.devices else {}),
@@ -270,11 +272,13 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
     # ---- pipeline ----------------------------------------------------------------
     hops = _p2p_hops(graph, cluster, cfg, partition, profile, comm_src)
     p2p, attn = hops.slowest, stage_chunk_parts(graph, partition, costs, cfg, m) if cfg.seq_chunks > 1 else None
-    pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, hops, fast, eng.p2p_overlap, schedule, attn)
+    pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, hops, fast, eng.p2p_overlap, schedule, attn,
+                                                        split := split_cost(cluster, profile))
     speed = _shared_core_speedup(cluster, cfg, bubble, result)
     if speed > 1.0:  # fewer ranks compute at once than the layer times assume: re-run at that speed
         stages, attn = [st.sped_up(speed) for st in stages], attn and attn.scaled(1 / speed)
-        pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, hops, fast, eng.p2p_overlap, schedule, attn)
+        pipe_s, inflight_chunks, bubble, result = _pipeline(cfg, m, stages, hops, fast, eng.p2p_overlap, schedule,
+                                                            attn, split)
 
     # ---- per-rank memory, data parallel, optimizer ------------------------------------------
     cal, table = calibration(profile), costs.table(cfg)
@@ -300,7 +304,7 @@ def estimate(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, partition
         bubble_frac=max(0.0, bubble), source=src, host_capacity=host_capacity_bytes(cluster),
         sources={"compute": src, "comm": "profile" if comm_src == {"profile"} else ("model" if comm_src else "none")},
         pipeline=result, p2p_hop_s=p2p, calibration=calibration_note(profile), engine=eng.name,
-        schedule_ir=schedule if cfg.schedule == "custom" else None,
+        schedule_ir=schedule if cfg.schedule == "custom" else None, split=split,
         wan=[x.to_dict() for x in crossings(graph, cluster, cfg, partition, m)], devices=stage_devices(cluster, cfg))
 
 
@@ -350,7 +354,8 @@ def _breakdown(stages: list[_StageCost], mine: list[int], m: int, pp: int, pipe_
 
 
 def _pipeline(cfg: ParallelConfig, m: int, stages: list[_StageCost], hops: P2pHops, fast: bool,
-              p2p_overlap: bool = False, schedule: "ir.Schedule | None" = None, attn=None):
+              p2p_overlap: bool = False, schedule: "ir.Schedule | None" = None, attn=None,
+              split: pipe_mod.SplitCost = pipe_mod.SplitCost()):
     """(pipeline seconds, peak in-flight chunks per rank, bubble fraction, PipelineResult or None):
     the simulator with each boundary's hop (a WAN cut charged its latency and bandwidth), or its
     closed form (the slowest hop everywhere) when ``fast``; pp = 1 runs the micro-batches back to
@@ -359,24 +364,26 @@ def _pipeline(cfg: ParallelConfig, m: int, stages: list[_StageCost], hops: P2pHo
     (``schedule``) and dualpipev are always simulated (no closed form). A WAN boundary carries
     every micro-batch's activation one after another: the step is at least ``wan.link_floor_s``.
     Sequence chunks (``attn``: the stages' ``seq_chunks.ChunkParts``) are simulated, each chunk's
-    hop ``1/k`` of a micro-batch's bandwidth part plus a WAN's latency whole (``P2pHops.per_chunk``)."""
+    hop ``1/k`` of a micro-batch's bandwidth part plus a WAN's latency whole (``P2pHops.per_chunk``).
+    ``split``: what a backward split into I and W costs (:func:`split_cost`)."""
     fwd, bwd = [st.fwd for st in stages], [st.bwd for st in stages]
     if cfg.pp == 1:
         return m * (fwd[0] + bwd[0]), [1], 0.0, None
     p2p = hops.slowest
     if p2p_overlap and p2p > 0:
         pipe_s, inflight, bubble, result = _pipeline(cfg, m, stages, P2pHops([0.0] * cfg.pp, []), fast,
-                                                     schedule=schedule, attn=attn)
+                                                     schedule=schedule, attn=attn, split=split)
         pipe_s += 2 * sum(hops.hops[:cfg.pp - 1])
     elif cfg.schedule == "custom":
         k, parts = (cfg.seq_chunks, vars(attn)) if attn is not None else (1, {})
-        result = pipe_mod.simulate_schedule(schedule, fwd, bwd, p2p=hops.per_chunk(k) or 0.0, check=False, **parts)
+        result = pipe_mod.simulate_schedule(schedule, fwd, bwd, p2p=hops.per_chunk(k) or 0.0, check=False,
+                                            split=split, **parts)
         pipe_s, inflight, bubble = result.step_s, list(result.peak_inflight_chunks), result.bubble_frac
     elif fast and cfg.schedule not in ir.V_SCHEDULES and attn is None:
         sched, n_stages = cfg.schedule, len(fwd)
         inflight = [inflight_closed(sched, cfg.pp, m, cfg.vpp, r) for r in range(cfg.pp)]
         node_hop = max((h for h, w in zip(hops.hops, hops.is_wan) if not w), default=0.0)
-        pipe_s = pipe_mod.estimate_step(sched, cfg.pp, m, fwd, bwd, p2p=node_hop, v=cfg.vpp)
+        pipe_s = pipe_mod.estimate_step(sched, cfg.pp, m, fwd, bwd, p2p=node_hop, v=cfg.vpp, split=split)
         t = max(f + b for f, b in zip(fwd, bwd)) * cfg.vpp
         pipe_s += max((wan_mod.stall_s(m, cfg.pp, r, t, h, inflight[r] // cfg.vpp)
                        for r, (h, w) in enumerate(zip(hops.hops[:cfg.pp - 1], hops.is_wan)) if w), default=0.0)
@@ -385,13 +392,23 @@ def _pipeline(cfg: ParallelConfig, m: int, stages: list[_StageCost], hops: P2pHo
     else:
         k, parts = (cfg.seq_chunks, vars(attn)) if attn is not None else (1, {})
         result = simulated(cfg.schedule, cfg.pp, m, fwd, bwd, p2p=hops.per_chunk(k) or 0.0, v=cfg.vpp,
-                           seq_chunks=k, **parts)  # (cost_models/pipeline_memo.py)
+                           seq_chunks=k, split=split, **parts)  # (cost_models/pipeline_memo.py)
         pipe_s, inflight, bubble = result.step_s, list(result.peak_inflight_chunks), result.bubble_frac
     floor = wan_mod.link_floor_s(m, hops.wan_bw, sum(fwd) + sum(bwd))
     if floor > pipe_s:
         busy = 1.0 - bubble
         pipe_s, bubble = floor, 1.0 - busy * pipe_s / floor
     return pipe_s, inflight, bubble, result
+
+
+def split_cost(cluster: Cluster, profile=None) -> pipe_mod.SplitCost:
+    """What a backward split into I and W costs in autopar's runtime (torch's schedule runtime) on
+    ``cluster``: I and W ``1 + split_backward_frac`` times their shares (cost_models/cpu_runtime.py:
+    the profile's measured figure, else the default, on a CPU cluster; on GPUs the profile's, else none)."""
+    runtime = getattr(profile, "runtime", None) or {}
+    if cluster.backend == "gloo" or "split_backward_frac" in runtime:
+        return pipe_mod.SplitCost(extra=runtime_figure("split_backward_frac", profile))
+    return pipe_mod.SplitCost()
 
 
 def _shared_core_speedup(cluster: Cluster, cfg: ParallelConfig, bubble: float, result) -> float:

@@ -46,6 +46,9 @@ Result
 
 A split backward without measured weight-gradient times is ``(1 - WGRAD_FRAC) b`` input
 gradient (I) and ``WGRAD_FRAC b`` weight gradient (W) of the whole ``b``: :func:`split_backward`.
+What the engine pays for splitting is a :class:`SplitCost` (``split=``; default none): torch's
+split walks the autograd graph twice, so I and W cost ``1 + extra`` times their shares. A whole
+backward (B) costs ``b`` either way.
 
 Linear form (:func:`linear_step`, the ILP's objective)
 ------------------------------------------------------
@@ -91,7 +94,7 @@ from planner.schedule_ir import ScheduleError  # re-exported: the simulator's er
 from cost_models.pipeline_compiled import Compiled, Op, compile_builtin, compile_kept, compile_schedule
 from cost_models.seq_chunks import chunk_seconds
 
-__all__ = ["SCHEDULES", "SPLIT_SCHEDULES", "WGRAD_FRAC", "Event", "PipelineResult", "ScheduleError", "estimate_step",
+__all__ = ["SCHEDULES", "SPLIT_SCHEDULES", "WGRAD_FRAC", "Event", "PipelineResult", "ScheduleError", "SplitCost", "estimate_step",
            "linear_step", "schedule_orders", "simulate", "simulate_orders", "simulate_schedule", "split_backward",
            "order_floor", "stage_placement", "throughput_floor", "zb_h1_bubble_terms"]
 _KIND_NAMES = ("F", "B", "W", "I")  # by duration index
@@ -102,6 +105,26 @@ WGRAD_FRAC = 0.5  # zb-h1 without measured W: the weight gradient's share of the
 def split_backward(bwd: float, wgrad_frac: float = WGRAD_FRAC) -> tuple[float, float]:
     """(input-gradient B, weight-gradient W) seconds of a backward of ``bwd`` seconds."""
     return bwd * (1.0 - wgrad_frac), bwd * wgrad_frac
+
+
+@dataclass(frozen=True)
+class SplitCost:
+    """What running a stage's backward as I then W costs in the engine, beyond one whole backward B.
+
+    ``extra``: ``(I + W) / B - 1`` (torch's split walks the autograd graph once for the inputs,
+    keeping the intermediates, and again from them for the weights; cost_models/cpu_runtime.py's
+    ``split_backward_frac``, measured by the profiler). The default is the textbook split: ``I + W = B``.
+    Not priced: torch's runtime runs the first virtual stage's backward (its inputs take no
+    gradient) whole in its W and nothing in its I; every stage here splits alike, as the search's
+    closed-form floors assume."""
+
+    extra: float = 0.0
+
+    def parts(self, bwd: Sequence[float], wgrad: Sequence[float] | None = None) -> tuple[list[float], list[float]]:
+        """(I, W) seconds per virtual stage of the whole backwards ``bwd`` (``wgrad``: their weight
+        parts, default :func:`split_backward`)."""
+        w = [split_backward(b)[1] for b in bwd] if wgrad is None else list(wgrad)
+        return [(b - x) * (1.0 + self.extra) for b, x in zip(bwd, w)], [x * (1.0 + self.extra) for x in w]
 
 
 def zb_h1_bubble_terms(wgrad_frac: float = WGRAD_FRAC) -> tuple[float, float]:
@@ -231,12 +254,12 @@ def simulate(schedule: str, p: int, m: int, fwd: Sequence[float] | float, bwd: S
              wgrad: Sequence[float] | float | None = None, p2p: float | Sequence[float] = 0.0,
              v: int = 1, seq_chunks: int = 1, attn_fwd: Sequence[float] | float = 0.0,
              attn_bwd: Sequence[float] | float = 0.0, fixed_fwd: Sequence[float] | float = 0.0,
-             fixed_bwd: Sequence[float] | float = 0.0) -> PipelineResult:
+             fixed_bwd: Sequence[float] | float = 0.0, split: SplitCost = SplitCost()) -> PipelineResult:
     """Simulate one training step of built-in ``schedule`` (times in seconds; module docstring).
 
     ``fwd``/``bwd`` (and ``wgrad`` for the split schedules) give one entry per virtual stage, or
     a single number for all. For zb-h1 and dualpipev, ``bwd`` is the input-gradient time I and
-    ``wgrad`` the weight-gradient time W (default: :func:`split_backward` of ``bwd``).
+    ``wgrad`` the weight-gradient time W (default: ``split``'s parts of the whole ``bwd``).
     ``p2p``: one hop for all cross-rank edges, or one per rank boundary r -> (r + 1) % p (a WAN cut).
     ``seq_chunks`` k > 1: each of the ``m`` micro-batches runs as k sequence chunks (the IR's
     chunk order), chunk j of a stage taking ``cost_models.seq_chunks.chunk_seconds`` of its
@@ -246,9 +269,11 @@ def simulate(schedule: str, p: int, m: int, fwd: Sequence[float] | float, bwd: S
     n = len(comp.chunk_of)
     f, b = _per_stage("fwd", fwd, n), _per_stage("bwd", bwd, n)
     if schedule in SPLIT_SCHEDULES:
-        i, w = ([x for x, _ in map(split_backward, b)], [y for _, y in map(split_backward, b)]) if wgrad is None \
-            else (b, _per_stage("wgrad", wgrad, n))
-        b = [x + y for x, y in zip(i, w)]
+        if wgrad is None:
+            i, w = split.parts(b)
+        else:
+            i, w = b, _per_stage("wgrad", wgrad, n)
+            b = [x + y for x, y in zip(i, w)]
     elif wgrad is not None:
         raise ScheduleError(f"wgrad is only used by {' and '.join(SPLIT_SCHEDULES)}; for {schedule!r} put the whole "
                             "backward in bwd")
@@ -261,12 +286,12 @@ def simulate(schedule: str, p: int, m: int, fwd: Sequence[float] | float, bwd: S
 
 def simulate_schedule(s: ir.Schedule, fwd: Sequence[float] | float, bwd: Sequence[float] | float, *,
                       wgrad: Sequence[float] | float | None = None,
-                      p2p: float | Sequence[float] = 0.0, check: bool = True,
+                      p2p: float | Sequence[float] = 0.0, check: bool = True, split: SplitCost = SplitCost(),
                       **chunk_parts: Sequence[float] | float) -> PipelineResult:
     """Simulate the schedule IR ``s`` (checked first, planner/schedule_check.py, unless ``check`` is
     False: the estimate's schedules were checked where they were made). ``bwd`` is each
     stage's whole backward (what B takes), ``wgrad`` its weight-gradient part W (default
-    :func:`split_backward`); an I takes ``bwd - wgrad``. A schedule in sequence chunks
+    :func:`split_backward`); an I takes ``bwd - wgrad``, each part priced by ``split``. A schedule in sequence chunks
     (``s.seq_chunks`` > 1) takes ``chunk_parts`` as :func:`simulate` does (``attn_fwd``,
     ``attn_bwd``, ``fixed_fwd``, ``fixed_bwd``), ``p2p`` then one chunk's hop."""
     n = s.n_stages
@@ -278,7 +303,8 @@ def simulate_schedule(s: ir.Schedule, fwd: Sequence[float] | float, bwd: Sequenc
         if s.seq_chunks > 1 else None
     if check:
         check_schedule(s)
-    return _run(compile_kept(s), f, b, w, [x - y for x, y in zip(b, w)], p2p, attn)
+    i, w = split.parts(b, w)
+    return _run(compile_kept(s), f, b, w, i, p2p, attn)
 
 
 def simulate_orders(orders: Sequence[Sequence[tuple[int, int, int]]], m: int, fwd: Sequence[float] | float,
@@ -377,7 +403,8 @@ def _run(comp: Compiled, f: list[float], b: list[float], w: list[float], i: list
 
 # ---- closed form ----------------------------------------------------------------------------
 def estimate_step(schedule: str, p: int, m: int, fwd: Sequence[float] | float, bwd: Sequence[float] | float, *,
-                  wgrad: Sequence[float] | float | None = None, p2p: float = 0.0, v: int = 1) -> float:
+                  wgrad: Sequence[float] | float | None = None, p2p: float = 0.0, v: int = 1,
+                  split: SplitCost = SplitCost()) -> float:
     """Closed-form step seconds: exact for uniform stages with p2p = 0, else an upper bound.
 
     Arguments as for :func:`simulate`; the formulas are in the module docstring.
@@ -385,9 +412,10 @@ def estimate_step(schedule: str, p: int, m: int, fwd: Sequence[float] | float, b
     n_stages = _n_stages(schedule, p, m, v)
     fs, bs = _per_stage("fwd", fwd, n_stages), _per_stage("bwd", bwd, n_stages)
     if schedule in SPLIT_SCHEDULES:
-        ws = [split_backward(x)[1] for x in bs] if wgrad is None else _per_stage("wgrad", wgrad, n_stages)
         if wgrad is None:
-            bs = [split_backward(x)[0] for x in bs]
+            bs, ws = split.parts(bs)
+        else:
+            ws = _per_stage("wgrad", wgrad, n_stages)
     elif wgrad is not None:
         raise ScheduleError(f"wgrad is only used by {' and '.join(SPLIT_SCHEDULES)}; for {schedule!r} put the whole "
                             "backward in bwd")

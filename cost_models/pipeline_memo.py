@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Sequence
 
-from cost_models.pipeline import PipelineResult, simulate
+from cost_models.pipeline import PipelineResult, SplitCost, simulate
 
 MEMO_SIZE = 64  # results kept (a chunked Llama-3 70B pp8 result holds ~1 MB of events' raw data)
 
@@ -21,11 +21,12 @@ MEMO_SIZE = 64  # results kept (a chunked Llama-3 70B pp8 result holds ~1 MB of 
 def simulated(schedule: str, p: int, m: int, fwd: Sequence[float] | float, bwd: Sequence[float] | float, *,
               p2p: Sequence[float] | float = 0.0, v: int = 1, seq_chunks: int = 1,
               attn_fwd: Sequence[float] | float = 0.0, attn_bwd: Sequence[float] | float = 0.0,
-              fixed_fwd: Sequence[float] | float = 0.0, fixed_bwd: Sequence[float] | float = 0.0) -> PipelineResult:
+              fixed_fwd: Sequence[float] | float = 0.0, fixed_bwd: Sequence[float] | float = 0.0,
+              split: SplitCost = SplitCost()) -> PipelineResult:
     """``cost_models.pipeline.simulate`` of these arguments (seconds; one per virtual stage or one for
     all), computed once while they stay among the last :data:`MEMO_SIZE` distinct ones."""
     return _simulated(schedule, p, m, _value(fwd), _value(bwd), _value(p2p), v, seq_chunks, _value(attn_fwd),
-                      _value(attn_bwd), _value(fixed_fwd), _value(fixed_bwd))
+                      _value(attn_bwd), _value(fixed_fwd), _value(fixed_bwd), split)
 
 
 def forget() -> None:
@@ -39,6 +40,6 @@ def _value(x: Sequence[float] | float) -> tuple[float, ...] | float:
 
 @lru_cache(maxsize=MEMO_SIZE)
 def _simulated(schedule: str, p: int, m: int, fwd, bwd, p2p, v: int, k: int, attn_fwd, attn_bwd, fixed_fwd,
-               fixed_bwd) -> PipelineResult:
+               fixed_bwd, split: SplitCost) -> PipelineResult:
     return simulate(schedule, p, m, fwd, bwd, p2p=p2p, v=v, seq_chunks=k, attn_fwd=attn_fwd, attn_bwd=attn_bwd,
-                    fixed_fwd=fixed_fwd, fixed_bwd=fixed_bwd)
+                    fixed_fwd=fixed_fwd, fixed_bwd=fixed_bwd, split=split)

@@ -247,6 +247,61 @@ def measure_layers(db, spec: str, seq_len: int, batches, tps, cps, repeats: int,
         _log(f"layers: {len(shapes)} shapes measured (cp={cp}, batches {list(batches)}, tp {list(tps)})")
 
 
+def measure_split(db, spec: str, seq_len: int, repeats: int, device) -> None:
+    """What a backward split as torch's schedule runtime splits it (input gradients, then weight
+    gradients: ``torch_compat.split_backward``) costs beyond one whole backward, as a share of the
+    backward: over ``spec``'s layers with inputs that take gradients, at one sequence, tp 1, each
+    weighted by how often it repeats, the extra seconds over the whole backward's (``db``'s own
+    measurement of the layer); the slowest rank's, into ``db.runtime["split_backward_frac"]``
+    (cost_models/cpu_runtime.py). Nothing when no layer has such inputs."""
+    import torch
+    import torch.distributed as dist
+
+    from codegen.runtime.precision import compute_dtype
+    from planner import zoo
+    from planner.frontend.load import load_graph
+
+    graph, ms = load_graph(spec, batch=1, seq_len=seq_len), zoo.load_model_spec(spec)
+    model = zoo.build_model(ms.cfg, device=device, seed=0).to(compute_dtype(db.dtype))
+    reps = {layer.signature: layer for layer in graph.layers if layer.repeat_of is None}
+    inputs = _layer_inputs(model, reps.values(), zoo.example_batch(ms.cfg, 1, seq_len, device=device))
+    pairs, counts, whole = [], [], []
+    for sig, layer in reps.items():
+        a, k = inputs[layer.name]
+        if not any(isinstance(x, torch.Tensor) and x.is_floating_point() for x in a):
+            continue  # (the first stage's inputs: torch's runtime runs its backward whole, in its W)
+        pairs.append(_split_calls(_unit_with(model, layer, 1, None), a, k))
+        counts.append(sum(1 for x in graph.layers if x.signature == sig))
+        whole.append(db.layer_time(sig, 1, seq_len, 1, 1)[1])
+    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
+    times = timeit_paired(pairs, repeats, sync, budget_s=4.0, agree=agree_min, lockstep=dist.barrier) if pairs else []
+    over = sum(c * x for c, (_, x) in zip(counts, times)) / max(sum(c * b for c, b in zip(counts, whole)), 1e-12)
+    extra = torch.tensor([over], dtype=torch.float64, device=device)
+    dist.all_reduce(extra, op=dist.ReduceOp.MAX)
+    db.runtime = dict(db.runtime, split_backward_frac=max(0.0, float(extra.item())))
+    _log(f"split backward: +{db.runtime['split_backward_frac'] * 100:.1f}% of a whole backward ({len(pairs)} layers)")
+
+
+def _split_calls(unit, a: tuple, k: dict) -> tuple:
+    """(forward + whole backward, forward + split backward) calls of ``unit`` on ``(a, k)``."""
+    import torch
+
+    from codegen.runtime import torch_compat
+
+    def run(split: bool) -> None:
+        aa = [x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x for x in a]
+        out = unit(*aa, **k)
+        out = out if isinstance(out, torch.Tensor) else out[0]
+        grad = None if out.dim() == 0 else torch.ones_like(out)
+        if split:
+            torch_compat.split_backward(out, grad, [x for x in aa if isinstance(x, torch.Tensor)],
+                                        list(unit.parameters()))
+        else:
+            out.backward(grad)
+
+    return (lambda: run(False)), (lambda: run(True))
+
+
 def _layer_inputs(model, layers, batch: dict) -> dict[str, tuple]:
     """Each layer's (args, kwargs) in one forward of ``model`` on ``batch``."""
     import torch
@@ -351,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                            args.repeats, device)
             for c in chunk_lengths(seq):  # one sequence chunk: what each chunk pays (ProfileDB.layer_fixed_share)
                 measure_layers(db, args.model, c, [1], [1], [1], args.repeats, device)
+            measure_split(db, args.model, seq, args.repeats, device)
         if rank == 0:
             db.to_json(args.out)
             _log(f"wrote {args.out} in {time.perf_counter() - t0:.1f} s")

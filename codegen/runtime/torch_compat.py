@@ -76,6 +76,9 @@ these, this module is the one place to change. Each entry, and why we need it:
   reduce-scatter under the name the running torch has (2.13 renamed ``all_gather_into_tensor`` /
   ``reduce_scatter_tensor`` to ``all_gather_single`` / ``reduce_scatter_single``; the GPU box's
   2.11 has only the old names).
+- :func:`split_backward` (``torch.distributed.pipelining._backward``'s ``stage_backward_input`` and
+  ``stage_backward_weight``): a backward run as the schedule runtime runs an I then a W, so the
+  profiler times what splitting costs beyond one whole backward (``cost_models/profiler.py``).
 """
 from __future__ import annotations
 
@@ -95,7 +98,7 @@ __all__ = ["CHECKED_ON", "FakeTensorMode", "StridedShard", "checkpoint_generator
            "is_traceable_wrapper_subclass", "live_process_groups", "local_tensor", "module_hook_dicts", "observe_ops", "own_outputs",
            "preload_dynamo", "reduce_scatter_into", "replicate",
            "replicate_ddp_class", "saved_attention_ops", "saved_collective_ops", "schedule_runtime",
-           "set_children_registry", "storage_key", "tree_flatten",
+           "set_children_registry", "split_backward", "storage_key", "tree_flatten",
            "tree_map"]
 
 
@@ -262,6 +265,16 @@ def schedule_runtime(stages: list, n_microbatches: int, loss_fn, scale_grads: bo
     sched.pipeline_order = actions
     sched._prepare_schedule_with_comms(actions)
     return sched
+
+
+def split_backward(output: torch.Tensor, output_grad: torch.Tensor | None, inputs: list[torch.Tensor],
+                   params: list[torch.nn.Parameter]) -> None:
+    """The backward of ``output`` as torch's schedule runtime runs a split one: the input gradients
+    (``inputs``' ``.grad``, an I action), then the weight gradients (``params``' ``.grad``, a W)."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    _, groups = stage_backward_input([output], None if output_grad is None else [output_grad], inputs, iter(params))
+    stage_backward_weight(iter(params), groups)
 
 
 def apply_style(style: Any, module: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:

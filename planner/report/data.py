@@ -67,7 +67,7 @@ def fmt_n(x: float) -> str:
 def simulate_step(plan: Plan) -> Timeline:
     """Re-simulate one step from the plan's per-stage times (cap huge micro-batch counts; a
     plan's own schedule, ``schedule=custom``, is drawn whole)."""
-    from cost_models.pipeline import ScheduleError, simulate, simulate_schedule
+    from cost_models.pipeline import ScheduleError, SplitCost, simulate, simulate_schedule
 
     cfg, e = plan.config, plan.estimate
     m_plan = int(plan.batch["microbatches"])
@@ -84,9 +84,10 @@ def simulate_step(plan: Plan) -> Timeline:
         note = (f"{m_plan} micro-batches per step; the timeline draws the first {m} "
                 f"(m = min(m, 4·pp)) so it stays readable - the steady state repeats.")
     try:
-        res = (simulate_schedule(own, e["stage_fwd_s"], e["stage_bwd_s"], p2p=p2p) if own is not None
+        split = SplitCost(**e.get("split_backward", {}))  # (plans written before it: the textbook split)
+        res = (simulate_schedule(own, e["stage_fwd_s"], e["stage_bwd_s"], p2p=p2p, split=split) if own is not None
                else simulate(sched, cfg.pp, m, e["stage_fwd_s"], e["stage_bwd_s"], p2p=p2p / cfg.seq_chunks, v=cfg.vpp,
-                             seq_chunks=cfg.seq_chunks))  # (sequence chunks drawn as equal parts: the plan
+                             seq_chunks=cfg.seq_chunks, split=split))  # (sequence chunks drawn as equal parts: the plan
         #                                                    records no attention share per stage)
     except (ScheduleError, KeyError, TypeError, ValueError) as exc:
         return Timeline(None, sched, m, m_plan, p2p, tail, f"timeline not simulated: {exc}")

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from cost_models.pipeline import PipelineResult, simulate, simulate_schedule, split_backward
+from cost_models.pipeline import PipelineResult, SplitCost, simulate, simulate_schedule
 from planner.schedule_check import check, peak_activations
 from planner.schedule_ir import Action, Schedule, builtin, builtin_problem, looped
 from planner.search.incumbents import faster
@@ -68,19 +68,21 @@ class _State:
 
 def generate(fwd: Sequence[float], bwd: Sequence[float], m: int, *, wgrad: Sequence[float] | None = None,
              p2p: float = 0.0, act: Sequence[float] | None = None, limit: Sequence[float] | None = None,
-             stage_rank: Sequence[int] | None = None, name: str = "generated") -> Schedule:
+             stage_rank: Sequence[int] | None = None, name: str = "generated",
+             split: SplitCost = SplitCost()) -> Schedule:
     """A schedule for ``len(fwd)`` virtual stages, stage s on rank ``stage_rank[s]`` (default one stage
     per rank) and ``m`` micro-batches (times in seconds; ``bwd`` the whole backward, ``wgrad`` its
-    weight part, default :func:`split_backward`); ``act[s]`` one micro-batch's activations on stage s
+    weight part, default ``cost_models.pipeline.split_backward``; ``split`` what running them apart
+    costs, which the order is planned with); ``act[s]`` one micro-batch's activations on stage s
     and ``limit[r]`` the most rank r may hold (default: 1F1B's, ``min(p - r, m)`` micro-batches of
     each of its stages)."""
     n = len(fwd)
     placement = tuple(stage_rank) if stage_rank is not None else looped(n, 1)
     p = max(placement) + 1
-    w = [split_backward(b)[1] for b in bwd] if wgrad is None else list(wgrad)
+    i, w = split.parts(bwd, wgrad)
     act = [1.0] * n if act is None else list(act)
     limit = default_limit(placement, m, act) if limit is None else list(limit)
-    st = _State(placement, m, {"F": list(fwd), "I": [b - x for b, x in zip(bwd, w)], "W": w}, act, limit, p2p)
+    st = _State(placement, m, {"F": list(fwd), "I": i, "W": w}, act, limit, p2p)
     if any(lim < sum(act[s] for s in st.on_rank[r]) - 1e-12 for r, lim in enumerate(limit)):
         raise ValueError(f"no schedule within the activation limits {limit}: raise them to one micro-batch "
                          "of each stage a rank holds")
@@ -178,17 +180,18 @@ class Choice:
 
 
 def best_schedule(fwd: Sequence[float], bwd: Sequence[float], m: int, *, p2p: float = 0.0,
-                  builtins: Sequence[str] = ("1f1b", "zb-h1")) -> Choice:
+                  builtins: Sequence[str] = ("1f1b", "zb-h1"), split: SplitCost = SplitCost()) -> Choice:
     """The fastest of the ``builtins`` (one stage per rank) and the generated schedule at 1F1B's
-    activation memory per rank, simulated alike; the generated one wins only when strictly faster."""
+    activation memory per rank, simulated alike (a split backward costing ``split``); the generated
+    one wins only when strictly faster."""
     p = len(fwd)
     best = None
     for name in builtins:
-        res = simulate(name, p, m, fwd, bwd, p2p=p2p)
+        res = simulate(name, p, m, fwd, bwd, p2p=p2p, split=split)
         if best is None or res.step_s < best.result.step_s:
             best = Choice(name, res)
-    gen = generate(fwd, bwd, m, p2p=p2p)
-    res = simulate_schedule(gen, fwd, bwd, p2p=p2p)
+    gen = generate(fwd, bwd, m, p2p=p2p, split=split)
+    res = simulate_schedule(gen, fwd, bwd, p2p=p2p, split=split)
     if best is None or faster(res.step_s, best.result.step_s):
         best = Choice("generated", res, gen)
     return best

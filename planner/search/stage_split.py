@@ -199,7 +199,7 @@ def with_generated_schedule(graph: ModelGraph, cluster: Cluster, e: Estimate, pr
     if not generates(cfg, m):
         return e, info
     best, note = e, None
-    choice = best_schedule(e.stage_fwd_s, e.stage_bwd_s, m, p2p=e.p2p_hop_s)
+    choice = best_schedule(e.stage_fwd_s, e.stage_bwd_s, m, p2p=e.p2p_hop_s, split=e.split)
     if choice.schedule is not None:
         gen = estimate(graph, cluster, cfg.replace(schedule="custom"), e.partition, e.global_batch, profile=profile,
                        engine=engine, schedule=choice.schedule)

@@ -89,7 +89,7 @@ def schedule_for(g2: ModelGraph, first: Estimate) -> Schedule | None:
     try:
         return generate(first.stage_fwd_s, first.stage_bwd_s, first.microbatches, p2p=first.p2p_hop_s, act=act,
                         limit=memory_limits(first, act), stage_rank=looped(first.config.pp, 2),
-                        name="generated+vocab")
+                        name="generated+vocab", split=first.split)
     except ValueError:
         return None
 
