@@ -30,7 +30,7 @@ import random
 
 from benchmarks.plan_speed import CASES
 from benchmarks.results import write_json
-from cost_models.pipeline import order_floor, simulate, simulate_schedule
+from cost_models.pipeline import SplitCost, order_floor, simulate, simulate_schedule
 from planner.search.schedule_gen import best_schedule
 
 
@@ -75,11 +75,13 @@ def vocab_synthetic() -> list[dict]:
     rows = []
     for p, m in ((4, 8), (8, 8), (8, 32)):
         f = [1.0] * (p - 1) + [2.5]
-        best = min(simulate(s, p, m, f, [2 * x for x in f], p2p=0.02).step_s for s in ("1f1b", "zb-h1"))
+        torch = SplitCost(first_whole=True)  # (torch's runtime runs a first stage's split backward whole in W)
+        best = min(simulate(s, p, m, f, [2 * x for x in f], p2p=0.02, split=torch).step_s for s in ("1f1b", "zb-h1"))
         vf = [1.0] * p + [1.5 / p] * p
         vb = [2 * x for x in vf]
         il = simulate("interleaved-1f1b", p, m, vf, vb, p2p=0.02, v=2).step_s
-        gen = simulate_schedule(generate(vf, vb, m, p2p=0.02, stage_rank=looped(p, 2)), vf, vb, p2p=0.02).step_s
+        gen = simulate_schedule(generate(vf, vb, m, p2p=0.02, stage_rank=looped(p, 2), split=torch), vf, vb, p2p=0.02,
+                                split=torch).step_s
         rows.append({"case": f"heavy head p{p} m{m}", "best_s": best, "interleaved_s": il, "generated_s": gen})
     return rows
 

@@ -137,7 +137,7 @@ class Estimate:
             "memory": [m.to_dict() for m in self.memory], "capacity_gib": self.capacity / GiB,
             "breakdown": self.breakdown, "bubble_frac": self.bubble_frac,
             "stage_fwd_s": self.stage_fwd_s, "stage_bwd_s": self.stage_bwd_s, "p2p_hop_s": self.p2p_hop_s,
-            "split_backward": {"extra": self.split.extra},
+            "split_backward": {"extra": self.split.extra, "first_whole": self.split.first_whole},
             "source": self.source, "sources": self.sources, "calibration": self.calibration, "engine": self.engine,
             "partition": self.partition.to_dict(), **({"wan": self.wan} if self.wan else {}),
             **({"stage_devices": self.devices} if self.devices else {}),
@@ -403,12 +403,13 @@ def _pipeline(cfg: ParallelConfig, m: int, stages: list[_StageCost], hops: P2pHo
 
 def split_cost(cluster: Cluster, profile=None) -> pipe_mod.SplitCost:
     """What a backward split into I and W costs in autopar's runtime (torch's schedule runtime) on
-    ``cluster``: I and W ``1 + split_backward_frac`` times their shares (cost_models/cpu_runtime.py:
-    the profile's measured figure, else the default, on a CPU cluster; on GPUs the profile's, else none)."""
+    ``cluster``: the first virtual stage's whole backward in its W, and every other stage's I and W
+    ``1 + split_backward_frac`` times their shares (cost_models/cpu_runtime.py: the profile's
+    measured figure, else the default, on a CPU cluster; on GPUs the profile's, else none)."""
     runtime = getattr(profile, "runtime", None) or {}
     if cluster.backend == "gloo" or "split_backward_frac" in runtime:
-        return pipe_mod.SplitCost(extra=runtime_figure("split_backward_frac", profile))
-    return pipe_mod.SplitCost()
+        return pipe_mod.SplitCost(extra=runtime_figure("split_backward_frac", profile), first_whole=True)
+    return pipe_mod.SplitCost(first_whole=True)
 
 
 def _shared_core_speedup(cluster: Cluster, cfg: ParallelConfig, bubble: float, result) -> float:

@@ -47,8 +47,9 @@ Result
 A split backward without measured weight-gradient times is ``(1 - WGRAD_FRAC) b`` input
 gradient (I) and ``WGRAD_FRAC b`` weight gradient (W) of the whole ``b``: :func:`split_backward`.
 What the engine pays for splitting is a :class:`SplitCost` (``split=``; default none): torch's
-split walks the autograd graph twice, so I and W cost ``1 + extra`` times their shares. A whole
-backward (B) costs ``b`` either way.
+split walks the autograd graph twice, so I and W of a stage whose inputs take gradients cost
+``1 + extra`` times their shares, and its first virtual stage (inputs without gradients) runs
+nothing in I and its whole backward in W. A whole backward (B) costs ``b`` either way.
 
 Linear form (:func:`linear_step`, the ILP's objective)
 ------------------------------------------------------
@@ -111,20 +112,26 @@ def split_backward(bwd: float, wgrad_frac: float = WGRAD_FRAC) -> tuple[float, f
 class SplitCost:
     """What running a stage's backward as I then W costs in the engine, beyond one whole backward B.
 
-    ``extra``: ``(I + W) / B - 1`` (torch's split walks the autograd graph once for the inputs,
-    keeping the intermediates, and again from them for the weights; cost_models/cpu_runtime.py's
-    ``split_backward_frac``, measured by the profiler). The default is the textbook split: ``I + W = B``.
-    Not priced: torch's runtime runs the first virtual stage's backward (its inputs take no
-    gradient) whole in its W and nothing in its I; every stage here splits alike, as the search's
-    closed-form floors assume."""
+    ``extra``: ``(I + W) / B - 1`` of a stage whose inputs take gradients (torch's split walks the
+    autograd graph once for the inputs, keeping the intermediates, and again from them for the
+    weights; cost_models/cpu_runtime.py's ``split_backward_frac``, measured by the profiler).
+    ``first_whole``: the first virtual stage's inputs take no gradient, so torch's schedule runtime
+    runs nothing in its I and its whole backward, at no extra, in its W
+    (``_PipelineStageBase.backward_one_chunk`` skips it; ``backward_weight_one_chunk`` runs it
+    whole); its activations stay until then (``planner.schedule_check.frees``). The default is the
+    textbook split: ``I + W = B`` on every stage."""
 
     extra: float = 0.0
+    first_whole: bool = False
 
     def parts(self, bwd: Sequence[float], wgrad: Sequence[float] | None = None) -> tuple[list[float], list[float]]:
         """(I, W) seconds per virtual stage of the whole backwards ``bwd`` (``wgrad``: their weight
         parts, default :func:`split_backward`)."""
         w = [split_backward(b)[1] for b in bwd] if wgrad is None else list(wgrad)
-        return [(b - x) * (1.0 + self.extra) for b, x in zip(bwd, w)], [x * (1.0 + self.extra) for x in w]
+        i, w = [(b - x) * (1.0 + self.extra) for b, x in zip(bwd, w)], [x * (1.0 + self.extra) for x in w]
+        if self.first_whole and i:
+            i[0], w[0] = 0.0, float(bwd[0])
+        return i, w
 
 
 def zb_h1_bubble_terms(wgrad_frac: float = WGRAD_FRAC) -> tuple[float, float]:
@@ -412,8 +419,8 @@ def estimate_step(schedule: str, p: int, m: int, fwd: Sequence[float] | float, b
     n_stages = _n_stages(schedule, p, m, v)
     fs, bs = _per_stage("fwd", fwd, n_stages), _per_stage("bwd", bwd, n_stages)
     if schedule in SPLIT_SCHEDULES:
-        if wgrad is None:
-            bs, ws = split.parts(bs)
+        if wgrad is None:  # (the first stage split like the others: on uniform stages its whole W times the same)
+            bs, ws = SplitCost(split.extra).parts(bs)
         else:
             ws = _per_stage("wgrad", wgrad, n_stages)
     elif wgrad is not None:

@@ -13,6 +13,7 @@ from functools import lru_cache
 from typing import Sequence
 
 from planner import schedule_ir as ir
+from planner.schedule_check import frees
 
 Op = tuple[int, int, int]  # (kind, virtual stage, micro-batch); kind 0=F, 1=B or I, 2=W
 _IR_KIND = {"F": 0, "B": 1, "W": 2, "I": 3}  # duration index: F, full B, W, input-grad I
@@ -108,14 +109,15 @@ def _action_terms(kind: str, st: int, r: int, p: int, m: int, n: int, nk: int, s
 
 
 def _peaks(orders: list[list[Op]], v: int, k: int = 1) -> tuple[list[int], list[int], list[int]]:
-    """Per rank: peak micro-batches held (F until B or I; with k sequence chunks, sequences with
-    a chunk held), peak (chunk, unit) pairs held, peak W's pending."""
+    """Per rank: peak micro-batches held (F until the action that frees them, ``schedule_check.frees``;
+    with k sequence chunks, sequences with a chunk held), peak (chunk, unit) pairs held, peak W's
+    pending (from an I to its W; the first stage's, which holds the whole, counts as held)."""
     mbs_peak, chunk_peak, w_peak = [], [], []
     for order in orders:
         held = best = pend = wbest = 0
         per_mb: dict[int, int] = {}
         distinct = dbest = 0
-        for kind, _, unit in order:
+        for kind, st, unit in order:
             mb = unit // k
             if kind == 0:
                 held += 1
@@ -125,16 +127,15 @@ def _peaks(orders: list[list[Op]], v: int, k: int = 1) -> tuple[list[int], list[
                     distinct += 1
                     dbest = max(dbest, distinct)
                 per_mb[mb] = c + 1
-            elif kind == 2:
-                pend -= 1
-            else:
+                continue
+            if kind != 1 and st > 0:  # a W pending from its I (the first stage's W holds the activations)
+                pend += 1 if kind == 3 else -1
+                wbest = max(wbest, pend)
+            if frees("FBWI"[kind], st):
                 held -= 1
                 per_mb[mb] -= 1
                 if per_mb[mb] == 0:
                     distinct -= 1
-                if kind == 3:
-                    pend += 1
-                    wbest = max(wbest, pend)
         mbs_peak.append(dbest if v > 1 or k > 1 else best)
         chunk_peak.append(best)
         w_peak.append(wbest)

@@ -137,9 +137,16 @@ def _check_deadlock(s: Schedule, where: str) -> None:
                                 f"(on rank {s.stage_rank[st]}); reorder so {dep} can run first")
 
 
+def frees(kind: str, stage: int) -> bool:
+    """Whether an action of ``kind`` on virtual ``stage`` frees its micro-batch's activations, as torch's
+    schedule runtime runs it: a B; an I, but on the first stage its W (its inputs take no gradient:
+    torch runs nothing in its I and the whole backward, with the activations it reads, in its W)."""
+    return kind == "B" or (kind == "I" and stage > 0) or (kind == "W" and stage == 0)
+
+
 def peak_activations(s: Schedule, act_bytes: Sequence[float]) -> list[float]:
     """Per rank, the most activation bytes held at once: a stage's micro-batch from its F until
-    its B or I (``act_bytes[stage]`` each)."""
+    the action that frees it (:func:`frees`; ``act_bytes[stage]`` each)."""
     return [sum(act_bytes[st] * n for st, n in held_at_peak(s, r, act_bytes).items()) for r in range(s.p)]
 
 
@@ -156,7 +163,7 @@ def held_at_peak(s: Schedule, r: int, act_bytes: Sequence[float]) -> dict[int, i
                 total += act_bytes[a.stage]
                 if total > best:
                     best, at = total, dict(held)
-            elif a.kind in BACKWARDS:
+            elif frees(a.kind, a.stage):
                 held[a.stage] -= 1
                 total -= act_bytes[a.stage]
     return at

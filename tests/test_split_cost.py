@@ -3,6 +3,7 @@ the closed form, the generator and the estimate price it alike."""
 import pytest
 
 from cost_models.pipeline import SplitCost, estimate_step, simulate, simulate_schedule
+from planner.schedule_file import parse_csv
 from planner.schedule_ir import builtin, looped
 
 
@@ -25,6 +26,33 @@ def test_a_split_schedule_pays_the_extra_and_a_whole_backward_does_not():
     assert estimate_step("zb-h1", p, m, f, b, split=dear) >= zb1.step_s - 1e-9  # still an upper bound
 
 
+def test_the_first_stage_backward_runs_in_w_under_torch():
+    from planner.schedule_check import frees, peak_activations
+    p, m, f, b = 4, 8, [1.0] * 4, [2.0] * 4
+    i, w = SplitCost(extra=0.1, first_whole=True).parts([2.0, 4.0])
+    assert (i[0], w[0]) == (0.0, 2.0) and i[1] + w[1] == pytest.approx(4.4)
+    res = simulate("zb-h1", p, m, f, b, split=SplitCost(first_whole=True))
+    on0 = [e for e in res.events if e.stage == 0]
+    assert all(e.end == e.start for e in on0 if e.kind == "I")
+    assert all(e.end - e.start == pytest.approx(2.0) for e in on0 if e.kind == "W")
+    assert sum(res.busy_s) == pytest.approx(m * (sum(f) + sum(b)))
+    for pp, mm in ((2, 4), (4, 8), (8, 32)):  # uniform stages: the textbook split's step, the closed form's (which
+        torch = SplitCost(first_whole=True)  # charges the first stage the extra too: an upper bound with one)
+        assert simulate("zb-h1", pp, mm, 1.0, 2.0, split=torch).step_s == pytest.approx(
+            estimate_step("zb-h1", pp, mm, 1.0, 2.0, split=torch))
+        dear = SplitCost(0.1, first_whole=True)
+        assert simulate("zb-h1", pp, mm, 1.0, 2.0, split=dear).step_s <= estimate_step("zb-h1", pp, mm, 1.0, 2.0,
+                                                                                         split=dear) + 1e-9
+    # its activations are freed by its W, every other stage's by its I
+    assert (frees("I", 0), frees("W", 0), frees("I", 1), frees("W", 1), frees("B", 0)) == (False, True, True, False, True)
+    s = parse_csv("0F0,0F1,0I0,0W0,0I1,0W1\n1F0,1I0,1F1,1I1,1W0,1W1\n")
+    assert peak_activations(s, [1.0, 1.0]) == [2.0, 1.0]
+    late = parse_csv("0F0,0F1,0I0,0I1,0W0,0W1\n1F0,1I0,1F1,1I1,1W0,1W1\n")
+    assert peak_activations(late, [1.0, 1.0]) == [2.0, 1.0]
+    ahead = parse_csv("0F0,0I0,0F1,0I1,0W0,0W1\n1F0,1I0,1F1,1I1,1W0,1W1\n")
+    assert peak_activations(ahead, [1.0, 1.0]) == [2.0, 1.0]  # (0I0 frees nothing: 0F1 makes two)
+
+
 def test_the_generator_plans_with_the_split_cost():
     from planner.search.schedule_gen import best_schedule, generate
     f, b = [1.0] * 4, [2.0] * 4
@@ -43,7 +71,8 @@ def test_the_estimate_prices_the_cpu_runtimes_split():
     from planner.plan import ParallelConfig, Partition
 
     cpu, gpu = parse_cluster("local-cpu:4"), parse_cluster("dgx-h100:1")
-    assert split_cost(cpu) == SplitCost(extra=DEFAULTS["split_backward_frac"]) and split_cost(gpu) == SplitCost()
+    assert split_cost(cpu) == SplitCost(extra=DEFAULTS["split_backward_frac"], first_whole=True)
+    assert split_cost(gpu) == SplitCost(first_whole=True)
 
     class Measured:
         runtime = {"split_backward_frac": 0.3}

@@ -14,7 +14,12 @@ scheduler:
   backward is on the critical path and frees memory);
 - a weight pass (which nothing waits for) runs only when it fits in the gap before the
   rank's next forward or backward could start, or when nothing else can run; an I followed
-  directly by its W is written as one B.
+  directly by its W is written as one B;
+- the first stage never splits: its backward runs whole (B) where its I would. Torch's schedule
+  runtime runs nothing in a first stage's I (its inputs take no gradient) and the whole backward in
+  its W, holding the stage's activations until then (``planner.schedule_check.frees``,
+  ``cost_models.pipeline.SplitCost.first_whole``): a split there would only move the whole backward,
+  and the memory it frees, to the W.
 
 The result is checked (``planner/schedule_check.py``) and priced by the same simulator as the
 built-ins; :func:`best_schedule` keeps it only when it is faster than the best built-in at the
@@ -27,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from cost_models.pipeline import PipelineResult, SplitCost, simulate, simulate_schedule
-from planner.schedule_check import check, peak_activations
+from planner.schedule_check import check, frees, peak_activations
 from planner.schedule_ir import Action, Schedule, builtin, builtin_problem, looped
 from planner.search.incumbents import faster
 
@@ -80,6 +85,7 @@ def generate(fwd: Sequence[float], bwd: Sequence[float], m: int, *, wgrad: Seque
     placement = tuple(stage_rank) if stage_rank is not None else looped(n, 1)
     p = max(placement) + 1
     i, w = split.parts(bwd, wgrad)
+    i[0], w[0] = float(bwd[0]), 0.0  # the first stage's backward runs whole (B) where its I would (_merge)
     act = [1.0] * n if act is None else list(act)
     limit = default_limit(placement, m, act) if limit is None else list(limit)
     st = _State(placement, m, {"F": list(fwd), "I": i, "W": w}, act, limit, p2p)
@@ -118,12 +124,14 @@ def _commit(st: _State, r: int, a: Action, start: float) -> None:
     if a.kind == "F":
         st.next_f[a.stage] += 1
         st.held[r] += st.act[a.stage]
-    elif a.kind == "I":
-        st.next_i[a.stage] += 1
-        st.held[r] -= st.act[a.stage]
-        st.pending_w[r].append((a.stage, a.mb))
     else:
-        st.pending_w[r].remove((a.stage, a.mb))
+        if a.kind == "I":
+            st.next_i[a.stage] += 1
+            st.pending_w[r].append((a.stage, a.mb))
+        else:
+            st.pending_w[r].remove((a.stage, a.mb))
+        if frees(a.kind, a.stage):  # (the first stage's activations: at its W)
+            st.held[r] -= st.act[a.stage]
 
 
 def _candidate(r: int, st: _State):
@@ -160,10 +168,14 @@ def _candidate(r: int, st: _State):
 
 
 def _merge(order: list[Action]) -> list[Action]:
-    """An I followed directly by its own W written as one full backward B."""
+    """An I followed directly by its own W written as one full backward B, and the first stage's every
+    I as its B (its W, of no duration, dropped)."""
     out: list[Action] = []
     for a in order:
-        if a.kind == "W" and out and out[-1] == Action("I", a.stage, a.mb):
+        if a.stage == 0 and a.kind in "IW":
+            if a.kind == "I":
+                out.append(Action("B", 0, a.mb))
+        elif a.kind == "W" and out and out[-1] == Action("I", a.stage, a.mb):
             out[-1] = Action("B", a.stage, a.mb)
         else:
             out.append(a)
