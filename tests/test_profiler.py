@@ -147,6 +147,8 @@ def test_profiler_two_processes(tmp_path):
     assert kinds == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}
     assert all(len(v) == 2 and all(s.seconds > 0 for s in v) for v in db.collectives.values())
     assert "[profile] wrote" in r.stdout
+    # what a split backward costs beyond a whole one (torch's I then W), over the blocks and the head
+    assert 0.0 <= db.runtime["split_backward_frac"] < 2.0 and "[profile] split backward: +" in r.stdout
 
 
 def test_timeit_paired_drops_a_slow_spell_from_the_difference():
