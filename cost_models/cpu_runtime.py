@@ -105,4 +105,3 @@ def ep_dispatch_s(layer: Layer, cluster: Cluster, cfg: ParallelConfig, profile=N
         return 0.0, 0.0
     s = figure("ep_dispatch_s", profile)
     return s / 2, s / 2
-
