@@ -11,7 +11,8 @@ scheduler:
 - an action's earliest start is when its input is there (the previous stage's F, the next
   stage's I, plus the hop across ranks) and the rank is free; every round commits the action
   with the earliest start over all ranks (ties: backward, then forward, then weight pass - the
-  backward is on the critical path and frees memory);
+  backward is on the critical path and frees memory; a first stage's backward, which feeds no other
+  rank, after a forward);
 - a weight pass (which nothing waits for) runs only when it fits in the gap before the
   rank's next forward or backward could start, or when nothing else can run; an I followed
   directly by its W is written as one B;
@@ -37,6 +38,7 @@ from planner.schedule_ir import Action, Schedule, builtin, builtin_problem, loop
 from planner.search.incumbents import faster
 
 _PRIORITY = {"I": 0, "F": 1, "W": 2}
+_FIRST_BACKWARD = 1.5  # a first stage's backward feeds no other rank: at a tie, a forward (which does) first
 
 
 @dataclass
@@ -139,7 +141,8 @@ def _candidate(r: int, st: _State):
     wait. ``key`` orders the ranks' candidates; it is the start but for a weight pass taken while
     the rank waits for another rank: then the pass's end (committed only if nothing anywhere
     starts before it ends, so no input can arrive meanwhile). Ties: backward, then forward (the
-    deepest stage first: it brings a backward nearer), then weight pass."""
+    deepest stage first: it brings a backward nearer), then a first stage's backward (it feeds no
+    other rank), then weight pass."""
     last, free, opts = len(st.stage_rank) - 1, st.free[r], []
     for s in st.on_rank[r]:
         if st.next_i[s] < st.next_f[s]:  # the next backward, once its forward ran here
@@ -147,7 +150,7 @@ def _candidate(r: int, st: _State):
             t = st.ready(("F", s, mb) if s == last else ("I", s + 1, mb), s)
             if t is not None:
                 t = max(free, t)
-                opts.append((t, _PRIORITY["I"], s, r, Action("I", s, mb), t))
+                opts.append((t, _PRIORITY["I"] if s else _FIRST_BACKWARD, s, r, Action("I", s, mb), t))
         if st.next_f[s] < st.m and st.held[r] + st.need[s] <= st.limit[r] + 1e-12:
             mb = st.next_f[s]
             t = 0.0 if s == 0 else st.ready(("F", s - 1, mb), s)
