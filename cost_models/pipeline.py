@@ -92,13 +92,12 @@ from planner.errors import PlanError
 from planner.plan import SCHEDULES, ParallelConfig  # the one list of schedules (callers of the simulator import it from here too)
 from planner.schedule_check import check as check_schedule
 from planner.schedule_ir import ScheduleError  # re-exported: the simulator's errors are the IR's
-from cost_models.pipeline_compiled import Compiled, Op, compile_builtin, compile_kept, compile_schedule
+from cost_models.pipeline_compiled import KIND_NAMES, Compiled, Op, compile_builtin, compile_kept, compile_schedule
 from cost_models.seq_chunks import chunk_seconds
 
 __all__ = ["SCHEDULES", "SPLIT_SCHEDULES", "WGRAD_FRAC", "Event", "PipelineResult", "ScheduleError", "SplitCost", "estimate_step",
            "linear_step", "schedule_orders", "simulate", "simulate_orders", "simulate_schedule", "split_backward",
            "order_floor", "stage_placement", "throughput_floor", "zb_h1_bubble_terms"]
-_KIND_NAMES = ("F", "B", "W", "I")  # by duration index
 SPLIT_SCHEDULES = ("zb-h1", "dualpipev")  # built-ins that run I and W apart (simulate's wgrad applies)
 WGRAD_FRAC = 0.5  # zb-h1 without measured W: the weight gradient's share of the backward (module docstring)
 
@@ -116,10 +115,10 @@ class SplitCost:
     autograd graph once for the inputs, keeping the intermediates, and again from them for the
     weights; cost_models/cpu_runtime.py's ``split_backward_frac``, measured by the profiler).
     ``first_whole``: the first virtual stage's inputs take no gradient, so torch's schedule runtime
-    runs nothing in its I and its whole backward, at no extra, in its W
-    (``_PipelineStageBase.backward_one_chunk`` skips it; ``backward_weight_one_chunk`` runs it
-    whole); its activations stay until then (``planner.schedule_check.frees``). The default is the
-    textbook split: ``I + W = B`` on every stage."""
+    runs nothing in its I and its whole backward, at no extra, in its W (``PipelineStage``'s
+    ``backward_one_chunk`` skips the first stage's input gradients, ``backward_weight_one_chunk`` runs
+    its whole backward); its activations stay until then (``planner.schedule_check.frees``). The
+    default is the textbook split: ``I + W = B`` on every stage."""
 
     extra: float = 0.0
     first_whole: bool = False
@@ -205,7 +204,7 @@ class PipelineResult:
             st = starts[r]
             for i, (kind, s, mb) in enumerate(order):
                 end = st[i] + dur[(kind * n_stages + s) * k + mb % k]
-                out.append(Event(r, s, chunk_of[s], mb, _KIND_NAMES[kind], st[i], end))
+                out.append(Event(r, s, chunk_of[s], mb, KIND_NAMES[kind], st[i], end))
         out.sort(key=lambda e: (e.start, e.rank))
         return out
 
@@ -397,7 +396,7 @@ def _run(comp: Compiled, f: list[float], b: list[float], w: list[float], i: list
         if ptr[r] < len(comp.steps[r]):
             kind, s, mb = comp.orders[r][ptr[r]]
             raise ScheduleError(
-                f"schedule {comp.name!r} deadlocks: rank {r} waits forever at {_KIND_NAMES[kind]}(stage {s}, mb {mb})")
+                f"schedule {comp.name!r} deadlocks: rank {r} waits forever at {KIND_NAMES[kind]}(stage {s}, mb {mb})")
     step = max(free)
     busy = [sum(dur[di] * k for di, k in work) for work in comp.work]
     bubble = max(0.0, 1.0 - (sum(busy) / p) / step) if step > 0 else 0.0  # clamp rounding

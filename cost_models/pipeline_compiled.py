@@ -17,6 +17,7 @@ from planner.schedule_check import frees
 
 Op = tuple[int, int, int]  # (kind, virtual stage, micro-batch); kind 0=F, 1=B or I, 2=W
 _IR_KIND = {"F": 0, "B": 1, "W": 2, "I": 3}  # duration index: F, full B, W, input-grad I
+KIND_NAMES = tuple(_IR_KIND)  # the kind of each duration index
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ def _peaks(orders: list[list[Op]], v: int, k: int = 1) -> tuple[list[int], list[
             if kind != 1 and st > 0:  # a W pending from its I (the first stage's W holds the activations)
                 pend += 1 if kind == 3 else -1
                 wbest = max(wbest, pend)
-            if frees("FBWI"[kind], st):
+            if frees(KIND_NAMES[kind], st):
                 held -= 1
                 per_mb[mb] -= 1
                 if per_mb[mb] == 0:

@@ -47,6 +47,8 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
+from typing import Any, Callable, NamedTuple
 
 from cost_models.profile_runtime import measure_runtime
 from cost_models.profile_timing import agree_min, timeit, timeit_paired
@@ -213,24 +215,15 @@ def measure_layers(db, spec: str, seq_len: int, batches, tps, cps, repeats: int,
 
     from codegen.runtime.context_parallel import RingCompute
     from codegen.runtime.layers import sdpa_attention
-    from codegen.runtime.precision import compute_dtype
     from planner import zoo
-    from planner.frontend.load import load_graph
 
-    graph = load_graph(spec, batch=1, seq_len=seq_len)
-    ms = zoo.load_model_spec(spec)
-    if ms.cfg is None:
-        raise SystemExit("error: the profiler measures zoo models (presets or TOML specs); "
-                         "profile a preset of the same shape")
-    model = zoo.build_model(ms.cfg, device=device, seed=0).to(compute_dtype(db.dtype))
-    reps = {layer.signature: layer for layer in graph.layers if layer.repeat_of is None}
-    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
+    graph, cfg, model, reps, sync = _profiled_model(db, spec, seq_len, device)
     for cp in cps:
         # this rank plays cp rank (rank % cp): the zigzag layout gives every cp rank equal work
         ring = RingCompute(cp, dist.get_rank() % cp, fallback=sdpa_attention) if cp > 1 else None
         shapes, pairs, units = [], [], {}
         for b in batches:
-            inputs = _layer_inputs(model, reps.values(), zoo.example_batch(ms.cfg, b, seq_len // cp, device=device))
+            inputs = _layer_inputs(model, reps.values(), zoo.example_batch(cfg, b, seq_len // cp, device=device))
             for tp in tps:
                 for sig, layer in reps.items():
                     if tp > 1 and layer.attention is not None and layer.attention.kv_heads % tp:
@@ -248,6 +241,35 @@ def measure_layers(db, spec: str, seq_len: int, batches, tps, cps, repeats: int,
         _log(f"layers: {len(shapes)} shapes measured (cp={cp}, batches {list(batches)}, tp {list(tps)})")
 
 
+class _Profiled(NamedTuple):
+    """A zoo model as the profiler times it: its graph, config, the model in ``db.dtype`` on the
+    device, one representative layer per signature, and the device's synchronisation."""
+    graph: Any
+    cfg: Any
+    model: Any
+    reps: dict
+    sync: Callable[[], None]
+
+
+def _profiled_model(db, spec: str, seq_len: int, device) -> _Profiled:
+    """``spec`` built for timing (:class:`_Profiled`); refuses a model that is not a zoo spec."""
+    import torch
+
+    from codegen.runtime.precision import compute_dtype
+    from planner import zoo
+    from planner.frontend.load import load_graph
+
+    graph = load_graph(spec, batch=1, seq_len=seq_len)
+    ms = zoo.load_model_spec(spec)
+    if ms.cfg is None:
+        raise SystemExit("error: the profiler measures zoo models (presets or TOML specs); "
+                         "profile a preset of the same shape")
+    model = zoo.build_model(ms.cfg, device=device, seed=0).to(compute_dtype(db.dtype))
+    reps = {layer.signature: layer for layer in graph.layers if layer.repeat_of is None}
+    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
+    return _Profiled(graph, ms.cfg, model, reps, sync)
+
+
 def measure_split(db, spec: str, seq_len: int, repeats: int, device) -> None:
     """What a backward split as torch's schedule runtime splits it (input gradients, then weight
     gradients: ``torch_compat.split_backward``) costs beyond one whole backward, as a share of the
@@ -261,23 +283,19 @@ def measure_split(db, spec: str, seq_len: int, repeats: int, device) -> None:
     import torch
     import torch.distributed as dist
 
-    from codegen.runtime.precision import compute_dtype
     from planner import zoo
-    from planner.frontend.load import load_graph
 
-    graph, ms = load_graph(spec, batch=1, seq_len=seq_len), zoo.load_model_spec(spec)
-    model = zoo.build_model(ms.cfg, device=device, seed=0).to(compute_dtype(db.dtype))
-    reps = {layer.signature: layer for layer in graph.layers if layer.repeat_of is None}
-    inputs = _layer_inputs(model, reps.values(), zoo.example_batch(ms.cfg, 1, seq_len, device=device))
+    graph, cfg, model, reps, sync = _profiled_model(db, spec, seq_len, device)
+    inputs = _layer_inputs(model, reps.values(), zoo.example_batch(cfg, 1, seq_len, device=device))
+    count = Counter(layer.signature for layer in graph.layers)
     pairs, counts, whole = [], [], []
     for sig, layer in reps.items():
         a, k = inputs[layer.name]
         if not any(isinstance(x, torch.Tensor) and x.is_floating_point() for x in a):
             continue  # (the first stage's inputs: torch's runtime runs its backward whole, in its W)
         pairs.append(_split_calls(_unit_with(model, layer, 1, None), a, k))
-        counts.append(sum(1 for x in graph.layers if x.signature == sig))
+        counts.append(count[sig])
         whole.append(db.layer_time(sig, 1, seq_len, 1, 1)[1])
-    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
     times = timeit_paired(pairs, repeats, sync, budget_s=4.0, agree=agree_min, lockstep=dist.barrier) if pairs else []
     over = sum(c * x for c, (_, x) in zip(counts, times)) / max(sum(c * b for c, b in zip(counts, whole)), 1e-12)
     got = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]

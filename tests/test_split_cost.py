@@ -59,8 +59,11 @@ def test_the_generator_plans_with_the_split_cost():
     dear = SplitCost(extra=1.0)  # splitting doubles a backward: no split pays
     choice = best_schedule(f, b, 8, split=dear)
     assert choice.name == "1f1b", choice.name
-    gen = generate([1.0] * 4 + [0.3] * 4, [2.0] * 4 + [0.6] * 4, 8, stage_rank=looped(4, 2), split=dear)
-    assert simulate_schedule(gen, [1.0] * 4 + [0.3] * 4, [2.0] * 4 + [0.6] * 4, split=dear).step_s > 0
+    f, b = [1.0] * 4 + [0.3] * 4, [2.0] * 4 + [0.6] * 4  # the head as passes: the generator splits backwards
+    gen = generate(f, b, 8, stage_rank=looped(4, 2), split=dear)
+    split = [a for r in range(gen.p) for a in gen.actions(r) if a.kind == "W"]
+    assert split and not [a for a in split if a.stage == 0]  # (the first stage runs whole)
+    assert simulate_schedule(gen, f, b, split=dear).step_s > simulate_schedule(gen, f, b).step_s  # and pays for it
 
 
 def test_the_estimate_prices_the_cpu_runtimes_split():
