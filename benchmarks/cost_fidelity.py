@@ -29,11 +29,11 @@ from benchmarks.results import write_json
 
 def _run_profiler(nproc: int, model: str, seq: int, batches: str, sizes: str, out: str, repeats: int) -> None:
     from cost_models.profiler import worker_args
-    from planner.entry.launch import cpu_scheduling, torchrun_cmd
+    from planner.entry.launch import cpu_scheduling, torchrun_cmd, worker_env
 
     cmd = torchrun_cmd(nproc, worker_args(f"local-cpu:{nproc}", model, out, seq_len=seq, batches=batches, sizes=sizes,
                                           repeats=repeats))
-    subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), preexec_fn=cpu_scheduling(nproc, 1, "gloo"))
+    subprocess.run(cmd, check=True, env=worker_env(1), preexec_fn=cpu_scheduling(nproc, 1, "gloo"))
 
 
 def _compare(prof: ProfileDB, meas: ProfileDB) -> tuple[list[dict], list[dict]]:

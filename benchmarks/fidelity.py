@@ -89,7 +89,7 @@ def _kind(graph) -> str:
 def profile_models(models: list[str], cluster_spec: str, seq: int, batches: str, repeats: int, sizes: str,
                    work: str) -> str:
     from cost_models.profiler import worker_args
-    from planner.entry.launch import cpu_scheduling, torchrun_cmd
+    from planner.entry.launch import cpu_scheduling, torchrun_cmd, worker_env
 
     cluster = parse_cluster(cluster_spec)
     merged: ProfileDB | None = None
@@ -99,7 +99,7 @@ def profile_models(models: list[str], cluster_spec: str, seq: int, batches: str,
         args = worker_args(cluster_spec, model, out, seq_len=seq, batches=batches, repeats=repeats,
                            sizes=sizes if i == 0 else "1024")
         t0 = time.perf_counter()
-        subprocess.run(torchrun_cmd(cluster.world, args), check=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+        subprocess.run(torchrun_cmd(cluster.world, args), check=True, env=worker_env(1, cluster.backend),
                        preexec_fn=cpu_scheduling(cluster.world, 1, cluster.backend),  # as the runs are launched
                        stdout=subprocess.DEVNULL)
         _log(f"profiled {model} in {time.perf_counter() - t0:.0f} s")

@@ -40,6 +40,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from codegen.runtime.cpu_env import run_prefix
 from codegen.runtime.tp_plan import block_stack, tp_plan_for
 from codegen.runtime.tp_styles import IMPORTS, sources_for
 from planner.vocab_passes import parse_unit, stage_layers
@@ -189,7 +190,7 @@ def header(plan: Plan) -> str:
     return (f'"""Train {plan.model["name"]} with {c.label()} on {c.world} {device} ({plan.cluster["name"]}).\n\n'
             f"Emitted by autopar from a plan; predicted step {float(est['step_s']):.4g} s, "
             f"{float(est['tokens_per_s']):,.0f} tokens/s, MFU {float(est['mfu']):.1%}.\n"
-            f"Run: torchrun --nproc-per-node {c.world} {{this file}} --steps 20\n\n"
+            f"Run: {run_prefix(plan.cluster.get('backend', ''))}torchrun --nproc-per-node {c.world} {{this file}} --steps 20\n\n"
             "build() applies the plan, one codegen/runtime helper per concern; train_step() is one optimizer step.\n"
             '"""')
 

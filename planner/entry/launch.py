@@ -21,16 +21,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_env(threads: int = 0) -> dict:
+def worker_env(threads: int = 0, backend: str = "gloo") -> dict:
     """The environment of the worker processes autopar launches on this machine: ``threads``
     intra-op threads per rank (a plan's ``ParallelConfig.threads``; 0: one, torchrun's own
-    default for several processes) unless the user set ``OMP_NUM_THREADS``. The emitted
-    program sets a plan's threads itself too (``codegen.runtime.mesh.init_distributed``). A rank
-    that crashes inside torch prints its Python stack (``PYTHONFAULTHANDLER``, unless set)."""
+    default for several processes) unless the user set ``OMP_NUM_THREADS``; on a ``backend``
+    gloo cluster, glibc's allocator settings for CPU ranks (``codegen.runtime.cpu_env``) unless
+    the user set their own. The emitted program sets a plan's threads itself too
+    (``codegen.runtime.mesh.init_distributed``). A rank that crashes inside torch prints its
+    Python stack (``PYTHONFAULTHANDLER``, unless set)."""
     import os
 
-    return dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(threads, 1))),
-                PYTHONFAULTHANDLER=os.environ.get("PYTHONFAULTHANDLER", "1"))
+    from codegen.runtime.cpu_env import allocator_env
+
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(threads, 1))),
+               PYTHONFAULTHANDLER=os.environ.get("PYTHONFAULTHANDLER", "1"))
+    return env | (allocator_env(os.environ) if backend == "gloo" else {})
 
 
 def cpu_scheduling(nproc: int, threads: int, backend: str) -> "Callable[[], None] | None":
@@ -166,7 +171,7 @@ def run_plan(plan_path: str, *, steps: int, run_dir: str, ckpt_every: int = 0, m
         print(f"  torchrun --nnodes {plan.cluster['nodes']} --nproc-per-node {plan.cluster['devices_per_node']} "
               f"--node-rank $NODE_RANK --master-addr $MASTER_ADDR --master-port 29500 " + " ".join(worker))
         return 0, log
-    env = worker_env(plan.config.threads)
+    env = worker_env(plan.config.threads, plan.cluster.get("backend", ""))
     rig = rig_spec(plan.config.world, rig_mbit)
     rc = 1
     for attempt in range(max_restarts + 1):

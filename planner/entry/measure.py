@@ -6,12 +6,11 @@ import argparse
 import json
 
 from planner.entry.commands import check_out
-from planner.entry.launch import cpu_scheduling, torchrun_cmd
+from planner.entry.launch import cpu_scheduling, torchrun_cmd, worker_env
 from planner.errors import AutoparError
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    import os
     import subprocess
 
     from cost_models.cluster import parse_cluster
@@ -28,7 +27,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print(f"  torchrun --nnodes {cluster.nodes} --nproc-per-node {cluster.devices_per_node} "
               f"--node-rank $NODE_RANK --master-addr $MASTER_ADDR --master-port 29500 " + " ".join(worker[1:]))
         return 0
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = worker_env(1, cluster.backend)  # as the plans run
     r = subprocess.run(torchrun_cmd(cluster.world, worker), env=env,
                        preexec_fn=cpu_scheduling(cluster.world, 1, cluster.backend))
     if r.returncode != 0:
