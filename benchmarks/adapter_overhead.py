@@ -123,10 +123,10 @@ def main(argv=None) -> int:
         return 0
     import subprocess
 
-    from planner.entry.launch import torchrun_cmd
+    from planner.entry.launch import torchrun_cmd, worker_env
     cmd = torchrun_cmd(args.nproc, ["-m", "benchmarks.adapter_overhead", "--worker",
                                     *[a for a in (argv if argv is not None else sys.argv[1:]) if a != "--worker"]])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(worker_env(1), PYTHONWARNINGS="ignore")
     return subprocess.run(cmd, env=env).returncode
 
 

@@ -26,6 +26,7 @@ import tempfile
 import time
 
 from benchmarks.results import write_json
+from planner.entry.launch import worker_env
 
 SAMPLES, TEXT, SEED = 16, 64, 0
 IMAGES = {0: 0.45, 1: 0.3, 4: 0.15, 8: 0.1}
@@ -119,7 +120,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "-m", "benchmarks.batch_assign_mm_run",
            "--worker", tmp, "--steps", str(args.steps)]
-    subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    subprocess.run(cmd, check=True, env=dict(worker_env(1), PYTHONWARNINGS="ignore"))
     with open(tmp) as fh:
         r = json.load(fh)
     r["load_avg"] = [load, os.getloadavg()[0]]

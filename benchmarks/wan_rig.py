@@ -29,6 +29,7 @@ import json
 import os
 
 from benchmarks.results import write_json
+from planner.entry.launch import worker_env
 from planner.entry.netns_rig import Rig, RigSpec, launch_across, rig_problem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,7 +44,7 @@ def rig(mbit: float | None) -> Rig:
 
 def launch(r: Rig, mode: str, port: int, timeout: float = 300) -> dict:
     """The worker's 4 ranks on ``r`` (one torchrun per region); its RESULT record."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = dict(worker_env(1), PYTHONPATH=ROOT)
     run = launch_across(r, [WORKER, mode], env, timeout, port=port, capture=True)
     if run.rc != 0:
         raise RuntimeError(f"rig worker {mode} failed (rc {run.rc}): {run.stderr[0].strip().splitlines()[-1:]}")

@@ -27,6 +27,7 @@ import tempfile
 from benchmarks.results import write_json
 from benchmarks.wan_rig import ROOT, rig, rig_cluster
 from planner.describe import schedule_name
+from planner.entry.launch import worker_env
 from planner.entry.netns_rig import launch_across, rig_problem
 
 WORKER = os.path.join(ROOT, "benchmarks", "rig_plan_worker.py")
@@ -71,7 +72,7 @@ def priced_s(graph, plan, mbit: float | None) -> float:
 
 def run(mbit: float | None, path: str, steps: int, port: int, timeout: float = 600) -> dict:
     """The worker's 4 ranks on the rig at ``mbit`` (None: no limit); its RESULT record."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = dict(worker_env(1), PYTHONPATH=ROOT)
     with rig(mbit) as r:
         out = launch_across(r, [WORKER, path, str(steps)], env, timeout, port=port, capture=True)
     if out.rc != 0:

@@ -190,7 +190,8 @@ def header(plan: Plan) -> str:
     return (f'"""Train {plan.model["name"]} with {c.label()} on {c.world} {device} ({plan.cluster["name"]}).\n\n'
             f"Emitted by autopar from a plan; predicted step {float(est['step_s']):.4g} s, "
             f"{float(est['tokens_per_s']):,.0f} tokens/s, MFU {float(est['mfu']):.1%}.\n"
-            f"Run: {run_prefix(plan.cluster.get('backend', ''))}torchrun --nproc-per-node {c.world} {{this file}} --steps 20\n\n"
+            f"Run: {run_prefix(plan.cluster.get('backend', ''))}torchrun --nproc-per-node {c.world} {{this file}} "
+            "--steps 20\n\n"
             "build() applies the plan, one codegen/runtime helper per concern; train_step() is one optimizer step.\n"
             '"""')
 

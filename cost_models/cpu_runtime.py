@@ -58,8 +58,9 @@ CPU_FSDP_REDUCE_UNIT_S = 1.3e-3
 CPU_EP_DISPATCH_S = 3.0e-3
 
 # A llama-fid block (hidden 512, one thread, one process, [1, 128, 512]) whose backward runs split as
-# the schedule runtime splits it (codegen.runtime.torch_compat.split_backward), over its whole backward: +6% / +11% / +4% (one, two,
-# four blocks), +5-8% at 512 tokens, +12-16% at 32 (the second walk's fixed part weighs more).
+# the schedule runtime splits it (codegen.runtime.torch_compat.split_backward), over its whole
+# backward: +6% / +11% / +4% (one, two, four blocks), +5-8% at 512 tokens, +12-16% at 32 (the second
+# walk's fixed part weighs more).
 CPU_SPLIT_BACKWARD_FRAC = 0.08
 
 KEYS = ("replicate_unit_s", "fsdp_unit_s", "fsdp_reduce_unit_s", "ep_dispatch_s", "split_backward_frac")

@@ -22,7 +22,8 @@ def test_the_users_allocator_settings_stand(monkeypatch) -> None:
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "1048576")
     env = worker_env(1)
     assert env["MALLOC_MMAP_THRESHOLD_"] == "1048576" and "MALLOC_TRIM_THRESHOLD_" not in env
-    assert allocator_env({"MALLOC_TRIM_THRESHOLD_": "0"}) == {} and allocator_env({}) == MALLOC_ENV
+    assert allocator_env("gloo", {"MALLOC_TRIM_THRESHOLD_": "0"}) == {} and allocator_env("gloo") == MALLOC_ENV
+    assert allocator_env("nccl") == {}
 
 
 def test_the_run_line_says_them_on_cpu_only() -> None:

@@ -19,12 +19,13 @@ from typing import Mapping
 MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(256 << 20), "MALLOC_MMAP_THRESHOLD_": str(64 << 20)}
 
 
-def allocator_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The allocator settings a CPU rank launched from ``environ`` gets: :data:`MALLOC_ENV`, or
-    none where ``environ`` sets any of its keys already (the user's own stand)."""
-    return {} if any(k in environ for k in MALLOC_ENV) else dict(MALLOC_ENV)
+def allocator_env(backend: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The allocator settings a rank of a ``backend`` cluster launched from ``environ`` gets:
+    :data:`MALLOC_ENV` on gloo (CPU ranks), none on GPUs or where ``environ`` sets any of its keys
+    already (the user's own stand)."""
+    return dict(MALLOC_ENV) if backend == "gloo" and not any(k in (environ or {}) for k in MALLOC_ENV) else {}
 
 
 def run_prefix(backend: str) -> str:
-    """``K=V ...`` to put before ``torchrun`` on a ``backend`` cluster (the settings on gloo; empty elsewhere)."""
-    return "".join(f"{k}={v} " for k, v in MALLOC_ENV.items()) if backend == "gloo" else ""
+    """``K=V ...`` to put before ``torchrun`` on a ``backend`` cluster (:func:`allocator_env`)."""
+    return "".join(f"{k}={v} " for k, v in allocator_env(backend).items())

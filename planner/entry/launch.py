@@ -35,7 +35,7 @@ def worker_env(threads: int = 0, backend: str = "gloo") -> dict:
 
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(threads, 1))),
                PYTHONFAULTHANDLER=os.environ.get("PYTHONFAULTHANDLER", "1"))
-    return env | (allocator_env(os.environ) if backend == "gloo" else {})
+    return env | allocator_env(backend, os.environ)
 
 
 def cpu_scheduling(nproc: int, threads: int, backend: str) -> "Callable[[], None] | None":
