@@ -186,14 +186,16 @@ def step_sync_s(cluster: Cluster, cfg: ParallelConfig, profile, comm_src: set) -
     loss over all ranks (codegen/runtime/train.py ``global_loss``), and the squared gradient norm
     (codegen/runtime/optim.py ``clip_grad_norm_``) over every mesh dimension gradients are
     sharded on - dp x cp under FSDP / ZeRO-2 (and the experts' own group under EP), tp under
-    TP (with FSDP the TP-sharded gradients reduce over both) - and over pp. Replicated
-    gradients (DDP, ZeRO-1 without TP) add nothing beyond the loss's call."""
+    TP (with FSDP the TP-sharded gradients reduce over both) - and over pp; under sequence
+    parallel, the gradients left partial over tp (the norms' and the row-parallel biases', reduced
+    before the norm) in one flat all-reduce, latency-bound like the scalars (a few vectors of the
+    hidden size). Replicated gradients (DDP, ZeRO-1 without TP) add nothing beyond the loss's call."""
     dims = []  # (mesh, dim) of each call after the loss's
     mesh = comm_mod.Mesh(pp=cfg.pp, dp=dp_group(cfg), cp=1, tp=cfg.tp)
     sharded = cfg.zero in SHARDED_PARAMS
     if sharded:
         dims += [(mesh, "dp")] * (2 if cfg.tp > 1 else 1) + ([(ep_mesh(cfg), "dp")] if cfg.ep > 1 else [])
-    dims += [(mesh, "tp")] * (cfg.tp > 1) + [(mesh, "pp")] * (cfg.pp > 1)
+    dims += [(mesh, "tp")] * ((cfg.tp > 1) + (cfg.tp > 1 and cfg.sp)) + [(mesh, "pp")] * (cfg.pp > 1)
     world = comm_mod.Mesh(pp=1, dp=cfg.world, cp=1, tp=1)
     total = 0.0
     for m, dim in [(world, "dp")] + dims:

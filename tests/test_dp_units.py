@@ -62,7 +62,8 @@ def test_step_sync_counts_the_loss_and_the_gradient_norm_all_reduces():
     """The step's scalar all-reduces, priced from a profile where every all-reduce costs 1 s
     (4 gloo ranks on 4 cores: no shared-core waits): one process none; DDP the loss's only; FSDP
     the loss's and the norm's over dp; FSDP + TP the norm's over dp twice (the replicated and the
-    TP-sharded gradients) and over tp; a pipeline adds the norm's over pp."""
+    TP-sharded gradients) and over tp; sequence parallel adds the flat reduction of the gradients
+    it leaves partial over tp; a pipeline adds the norm's over pp."""
     from cost_models.dp_cost import step_sync_s
 
     cluster = dataclasses.replace(parse_cluster("local-cpu:4"), cores_per_node=4)
@@ -77,5 +78,6 @@ def test_step_sync_counts_the_loss_and_the_gradient_norm_all_reduces():
     assert calls(dp=1) == 0.0
     assert calls(dp=4, zero="ddp") == pytest.approx(1.0)
     assert calls(dp=4, zero="fsdp") == pytest.approx(2.0)
-    assert calls(dp=2, tp=2, zero="fsdp", sp=True) == pytest.approx(4.0)
+    assert calls(dp=2, tp=2, zero="fsdp", sp=True) == pytest.approx(5.0)
+    assert calls(tp=2, sp=False) == pytest.approx(2.0) and calls(tp=2, sp=True) == pytest.approx(3.0)
     assert calls(dp=2, pp=2, zero="ddp") == pytest.approx(2.0)
