@@ -228,6 +228,12 @@ class ProfileDB:
             return None
         return _interp_loglog(_merge_sizes(samples), float(nbytes))
 
+    def collective_floor(self, kind: str, group_size: int, link: str) -> float | None:
+        """Seconds of the smallest message measured for a collective (its per-call latency); None
+        if never measured."""
+        points = _merge_sizes(self.collectives.get(collective_key(kind, group_size, link)) or [])
+        return points[0][1] if points else None
+
     def layer_time(self, signature: str, batch: int, seq_len: int, tp: int, cp: int,
                    dtype: str | None = None) -> tuple[float, float] | None:
         """(fwd_s, bwd_s) for a layer at a shape (module docstring); None if not measured at this

@@ -71,7 +71,8 @@ def test_sync_wait_is_one_scheduler_slice_on_shared_cores():
 
 def test_fewer_processes_than_profiled_get_faster_collectives():
     """A profile of local-cpu:4 on 2 cores timed every collective with 4 processes sharing them; a
-    dp2 layout (2 processes, a core each) runs the same call in half the time, dp4 in the same."""
+    dp2 layout (2 processes, a core each) moves the same call's data in half the time, dp4 in the
+    same; the call's latency floor (its smallest message's time) does not shrink."""
     from dataclasses import replace
 
     from cost_models.comm import collective_time
@@ -85,14 +86,18 @@ def test_fewer_processes_than_profiled_get_faster_collectives():
     assert profiled_comm_factor(replace(two, cores_per_node=4), 4) == 1.0   # a core each when profiled too
     assert profiled_comm_factor(parse_cluster("dgx-h100:1"), 8) == 1.0      # not a local CPU cluster
     db = ProfileDB(cluster_fingerprint=four.fingerprint(), backend="gloo", world=4)
+    floor = 2e-4
+    db.add_collective("all_reduce", 2, "intra", 1024, floor)
     for nbytes in (2**20, 2**24):
         db.add_collective("all_reduce", 2, "intra", nbytes, nbytes * 1e-9)
     t4 = collective_time("all_reduce", 2**22, four, {"dp": 2, "pp": 2}, "dp", db)
     t2 = collective_time("all_reduce", 2**22, two, {"dp": 2}, "dp", db)
     assert t4.source == t2.source == "profile"
     # dp4's call also waits for a descheduled peer (sync_wait_s); dp2 has a core per process
-    assert t2.seconds == pytest.approx((t4.seconds - sync_wait_s(2, 4)) / 2)
-    assert t2.seconds == pytest.approx(2**22 * 1e-9 / 2)
+    assert t2.seconds == pytest.approx(floor + (t4.seconds - sync_wait_s(2, 4) - floor) / 2)
+    assert t2.seconds == pytest.approx(floor + (2**22 * 1e-9 - floor) / 2)
+    small = collective_time("all_reduce", 512, two, {"dp": 2}, "dp", db)
+    assert small.seconds == pytest.approx(floor)  # a latency-bound call: no faster with a core each
 
 
 def test_zero1_owners_send_their_parameters_in_buckets():
