@@ -127,8 +127,8 @@ def _reduce_partial_grads(params: Sequence[nn.Parameter]) -> None:
     twice. Gradients of one mesh, placements and dtype are reduced together: their local tensors
     flattened into one buffer, one all-reduce per ``Partial`` mesh dimension (gpt-small tp2 with
     sequence parallel has 50 such gradients: one DTensor redistribute each took 17-27 ms a step on
-    2 CPU ranks, the flat buffer 3 ms). A ``Partial`` other than a sum or a mean, or a non-contiguous local tensor, is
-    redistributed on its own."""
+    2 CPU ranks, the flat buffer 3 ms). A ``Partial`` other than a sum or a mean, or a
+    non-contiguous local tensor, is redistributed on its own."""
     together: dict[tuple, list[nn.Parameter]] = {}
     for p in params:
         g = p.grad
