@@ -195,7 +195,8 @@ def step_sync_s(cluster: Cluster, cfg: ParallelConfig, profile, comm_src: set) -
     sharded = cfg.zero in SHARDED_PARAMS
     if sharded:
         dims += [(mesh, "dp")] * (2 if cfg.tp > 1 else 1) + ([(ep_mesh(cfg), "dp")] if cfg.ep > 1 else [])
-    dims += [(mesh, "tp")] * ((cfg.tp > 1) + (cfg.tp > 1 and cfg.sp)) + [(mesh, "pp")] * (cfg.pp > 1)
+    tp_calls = (2 if cfg.sp else 1) if cfg.tp > 1 else 0  # the norm's, and sequence parallel's partial gradients
+    dims += [(mesh, "tp")] * tp_calls + [(mesh, "pp")] * (cfg.pp > 1)
     world = comm_mod.Mesh(pp=1, dp=cfg.world, cp=1, tp=1)
     total = 0.0
     for m, dim in [(world, "dp")] + dims:

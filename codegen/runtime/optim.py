@@ -129,7 +129,7 @@ def _reduce_partial_grads(params: Sequence[nn.Parameter]) -> None:
     sequence parallel has 50 such gradients: one DTensor redistribute each took 17-27 ms a step on
     2 CPU ranks, the flat buffer 3 ms). A ``Partial`` other than a sum or a mean, or a
     non-contiguous local tensor, is redistributed on its own."""
-    together: dict[tuple, list[nn.Parameter]] = {}
+    together: dict[tuple, list[tuple[nn.Parameter, torch.Tensor]]] = {}  # (mesh, placements, dtype) -> (p, local)
     for p in params:
         g = p.grad
         if not (isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements)):
@@ -137,12 +137,11 @@ def _reduce_partial_grads(params: Sequence[nn.Parameter]) -> None:
         local = g.to_local()
         if local.is_contiguous() and all(pl.reduce_op in ("sum", "avg") for pl in g.placements
                                          if isinstance(pl, Partial)):
-            together.setdefault((g.device_mesh, tuple(g.placements), local.dtype), []).append(p)
+            together.setdefault((g.device_mesh, tuple(g.placements), local.dtype), []).append((p, local))
         else:
             p.grad = g.redistribute(g.device_mesh, _replicated(g.placements))
-    for (mesh, placements, _), ps in together.items():
-        locals_ = [p.grad.to_local() for p in ps]
-        flat = torch.cat([t.reshape(-1) for t in locals_])
+    for (mesh, placements, _), members in together.items():
+        flat = torch.cat([local.reshape(-1) for _, local in members])
         for dim, pl in enumerate(placements):
             if isinstance(pl, Partial):
                 group = mesh.get_group(dim)
@@ -150,7 +149,7 @@ def _reduce_partial_grads(params: Sequence[nn.Parameter]) -> None:
                 if pl.reduce_op == "avg":
                     flat /= dist.get_world_size(group)
         out = _replicated(placements)
-        for p, local, part in zip(ps, locals_, torch.split(flat, [t.numel() for t in locals_])):
+        for (p, local), part in zip(members, torch.split(flat, [local.numel() for _, local in members])):
             p.grad = DTensor.from_local(part.view(local.shape), mesh, out, shape=p.grad.shape,
                                         stride=p.grad.stride())
 
