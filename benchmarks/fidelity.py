@@ -9,8 +9,10 @@
 3. Emit and run every plan's program (``planner.entry.launch.run_plan``) for ``--steps`` steps;
    the measured step time is the median after ``--warmup`` steps, the measured memory
    every rank's peak RSS. The planner's pick of the first model runs ``--repeats``
-   times (noise: min / median / max of the runs' medians; it enters the comparison
-   with the median of them).
+   times (noise: min / median / max of the runs' medians). Then, per model, the pick and
+   the two other plans measured fastest run ``--confirm`` more times, interleaved, so that
+   the regret compares medians of several runs (:func:`confirm_order`). A plan with several
+   runs enters the comparison with the median of their medians.
 4. Uncalibrated predictions vs measurements: Spearman rank correlation, MAPE, the
    planner's regret (measured time of its pick / best measured time, per model: plans
    of different models are not alternatives to each other), memory error.
@@ -34,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -49,11 +50,11 @@ from cost_models import calibrate as cal_mod  # noqa: E402
 from cost_models.cluster import parse_cluster  # noqa: E402
 from cost_models.profile_db import ProfileDB  # noqa: E402
 from benchmarks.fidelity_layouts import FORCED, FORCED_BY_WORLD  # noqa: E402
-from benchmarks.results import write_json
+from benchmarks.results import write_json  # noqa: E402
+from benchmarks.fidelity_runs import say as _log, noise_of, run_all, run_candidate  # noqa: E402
 
 LLAMA_SPEC = "benchmarks/fidelity_llama.toml"
 MOE_SPEC = "benchmarks/fidelity_moe.toml"
-RUN_TIMEOUT_S = 300  # a plan whose run hangs is killed and counted as failed
 
 
 @dataclass
@@ -64,10 +65,6 @@ class Candidate:
     origin: str                # "pick" | "search #k" | "forced"
     plan_path: str = ""
     runs: list[dict] = field(default_factory=list)   # {"dir", "rc", "median_s", "times", "mem_gib", "wall_s"}
-
-
-def _log(msg: str) -> None:
-    print(f"[fidelity] {msg}", file=sys.stderr, flush=True)
 
 
 def _layout_key(cfg) -> tuple:
@@ -164,35 +161,6 @@ def write_plans(cands: list[Candidate], cluster, cluster_spec: str, work: str) -
         plan = build_plan(c.graph, cluster, c.estimate, spec=c.model, cluster_spec=cluster_spec)
         c.plan_path = os.path.join(d, "plan.json")
         plan.save(c.plan_path, force=True)
-
-
-def run_candidate(c: Candidate, steps: int, warmup: int, tag: str, quiet: bool) -> dict:
-    from planner.entry.launch import run_plan
-
-    d = os.path.join(os.path.dirname(c.plan_path), f"run{tag}")
-    shutil.rmtree(d, ignore_errors=True)
-    os.makedirs(d)
-    t0 = time.perf_counter()
-    if quiet:
-        with open(os.path.join(d, "stdout.txt"), "w") as fo:
-            old_out, old_err = os.dup(1), os.dup(2)
-            os.dup2(fo.fileno(), 1)
-            os.dup2(fo.fileno(), 2)
-            try:
-                rc, log = run_plan(c.plan_path, steps=steps, run_dir=d, timeout_s=RUN_TIMEOUT_S)
-            finally:
-                os.dup2(old_out, 1)
-                os.dup2(old_err, 2)
-                os.close(old_out)
-                os.close(old_err)
-    else:
-        rc, log = run_plan(c.plan_path, steps=steps, run_dir=d, timeout_s=RUN_TIMEOUT_S)
-    wall = time.perf_counter() - t0
-    run = {"dir": d, "rc": rc, "wall_s": wall, "log": log}
-    if rc == 0 and os.path.exists(log):
-        times, mem = cal_mod.read_log(log, warmup)
-        run.update(median_s=statistics.median(times), times=times, mem_gib=mem)
-    return run
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -304,6 +272,9 @@ def print_table(res: dict[str, Any]) -> None:
         reg = ", ".join(f"{m} {v:.3f}" for m, v in s["regret"].items())
         print(f"{k:<14} Spearman {s['spearman']:.3f}  MAPE {s['mape_pct']:.1f}%  regret [{reg}]  memory err mean "
               f"{s['memory_mean_abs_err_pct']:.1f}% max {s['memory_max_abs_err_pct']:.1f}%")
+    if res.get("confirmed", {}).get("plans"):
+        c = res["confirmed"]
+        print(f"regret settled by {c['rounds']} interleaved re-run(s) of: " + "; ".join(c["plans"]))
     if res.get("noise"):
         n = res["noise"]
         print(f"noise ({n['label']}, {n['runs']} runs): run medians min {n['min_s']:.3f} median {n['median_s']:.3f} "
@@ -333,6 +304,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="runs of the first model's planner pick (noise)")
+    ap.add_argument("--confirm", type=int, default=2,
+                    help="paired re-runs of each model's pick and its two fastest-measured rivals (regret)")
     ap.add_argument("--search-alternatives", type=int, default=1, help="distinct runner-ups per model")
     ap.add_argument("--max-plans", type=int, default=0, help="stop after this many plans (0: all)")
     ap.add_argument("--forced", default="", help="';'-separated config strings replacing the built-in forced layouts")
@@ -355,24 +328,6 @@ def load_profile(args: argparse.Namespace, models: list[str]) -> tuple[str | Non
     profile = ProfileDB.load(path)
     profile.calibration = {}  # predictions "before" are the uncalibrated model's
     return path, profile
-
-
-def run_all(cands: list, args: argparse.Namespace, t_start: float) -> list[str]:
-    """Every plan once, then the repeats of the first (spread out in time: drift shows as noise);
-    returns the runs skipped for the time budget."""
-    order = [(i, 0) for i in range(len(cands))] + [(0, k) for k in range(1, args.repeats)] if cands else []
-    skipped = []
-    for i, k in order:
-        c = cands[i]
-        if args.time_budget and time.perf_counter() - t_start > args.time_budget:
-            skipped.append(f"{c.graph.name} {c.estimate.config.label()} run {k}")
-            continue
-        run = run_candidate(c, args.steps, args.warmup, str(k), quiet=not args.verbose)
-        c.runs.append(run)
-        _log(f"[{i + 1}/{len(cands)}{f' repeat {k}' if k else ''}] {c.graph.name} {c.estimate.config.label()}: "
-             f"rc {run['rc']}, predicted {c.estimate.step_s:.3f} s, measured "
-             f"{run.get('median_s', float('nan')):.3f} s, wall {run['wall_s']:.0f} s")
-    return skipped
 
 
 def run_replans(new: list, res: dict, cluster, profile, args: argparse.Namespace, t_start: float) -> None:
@@ -402,19 +357,6 @@ def run_replans(new: list, res: dict, cluster, profile, args: argparse.Namespace
              f"{c.estimate.step_s:.3f} s (calibrated), measured {run.get('median_s', float('nan')):.3f} s")
 
 
-def noise_of(cands: list) -> dict | None:
-    """Run-to-run spread of the first plan's repeats, or None with fewer than two runs."""
-    rep = [r for r in cands[0].runs if "median_s" in r] if cands else []
-    if len(rep) < 2:
-        return None
-    meds = sorted(r["median_s"] for r in rep)
-    return {"label": f"{cands[0].graph.name} {cands[0].estimate.config.label()}", "runs": len(rep),
-            "run_medians_s": meds, "min_s": meds[0], "median_s": statistics.median(meds),
-            "max_s": meds[-1], "spread_pct": (meds[-1] - meds[0]) / statistics.median(meds) * 100,
-            "all_steps_min_s": min(t for r in rep for t in r["times"]),
-            "all_steps_max_s": max(t for r in rep for t in r["times"])}
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
@@ -437,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"{len(cands)} plans: " + "; ".join(f"{c.graph.name} {c.estimate.config.label()} ({c.origin})"
                                              for c in cands))
     t0 = time.perf_counter()
-    skipped = run_all(cands, args, t_start)
+    skipped, confirmed = run_all(cands, args, t_start)
     timings["runs_s"] = time.perf_counter() - t0
 
     res = analyse(cands, cluster, profile, profile_path, args.cluster, args.global_batch, args.seq_len, out_dir)
@@ -449,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = [{"model": c.graph.name, "config": c.estimate.config.to_str(), "dirs": [r["dir"] for r in c.runs]}
               for c in cands if c.runs and not any(r["rc"] == 0 for r in c.runs)]
     timings["total_s"] = time.perf_counter() - t_start
-    res.update(failed=failed, skipped_for_time=skipped, timings=timings, args=vars(args), profile=profile_path,
+    res.update(failed=failed, skipped_for_time=skipped, confirmed={"rounds": args.confirm, "plans": confirmed},
+               timings=timings, args=vars(args), profile=profile_path,
                targets={"spearman": 0.9, "mape_pct": 15, "regret": 1.05, "memory_err_pct": 15})
     print_table(res)
     if failed:

@@ -30,8 +30,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.fidelity import (LLAMA_SPEC, Candidate, add_profile_args, load_profile, run_candidate,  # noqa: E402
-                                 write_plans)
+from benchmarks.fidelity import LLAMA_SPEC, Candidate, add_profile_args, load_profile, write_plans  # noqa: E402
+from benchmarks.fidelity_runs import run_candidate  # noqa: E402
 from benchmarks.results import write_json  # noqa: E402
 from cost_models.cluster import parse_cluster  # noqa: E402
 

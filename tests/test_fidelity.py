@@ -117,6 +117,29 @@ def test_calibrate_cli_rejects_bad_run_arg(tmp_path, capsys):
     assert "PLAN.json:train_log.jsonl" in capsys.readouterr().err
 
 
+def _cand(model: str, predicted: float, measured: list[float | None]):
+    from types import SimpleNamespace
+
+    runs = [{"rc": 0, "median_s": m} if m is not None else {"rc": 1} for m in measured]
+    return SimpleNamespace(graph=SimpleNamespace(name=model), estimate=SimpleNamespace(step_s=predicted), runs=runs)
+
+
+def test_regret_is_settled_by_interleaved_reruns_of_the_pick_and_its_fastest_rivals():
+    from benchmarks.fidelity_runs import confirm_order
+
+    cands = [_cand("a", 1.0, [3.0]), _cand("b", 0.5, [0.9]), _cand("a", 2.0, [2.0]), _cand("a", 3.0, [2.5]),
+             _cand("a", 0.9, [None]), _cand("a", 4.0, [5.0]), _cand("b", 0.6, [1.0]), _cand("c", 1.0, [1.0])]
+    order = confirm_order(cands, rounds=2)
+    # a: the pick among the measured (index 0; index 4 failed) and the two fastest others (2, 3);
+    # b: its pick (1) and its one other (6); c alone has nothing to compare: not re-run
+    assert order == [(0, "c1"), (2, "c1"), (3, "c1"), (1, "c1"), (6, "c1"),
+                     (0, "c2"), (2, "c2"), (3, "c2"), (1, "c2"), (6, "c2")]
+    # a pick that measured fastest is re-run with its rivals all the same (a lucky run is corrected too)
+    lucky = [_cand("a", 1.0, [1.0]), _cand("a", 2.0, [1.1])]
+    assert confirm_order(lucky, rounds=1) == [(0, "c1"), (1, "c1")]
+    assert confirm_order(cands, rounds=0) == []
+
+
 @pytest.mark.slow
 def test_fidelity_smoke_two_processes(tmp_path, monkeypatch, capsys):
     """2 plans on local-cpu:2, 4 steps each: predicted and measured for each, then calibrate them."""
@@ -128,12 +151,14 @@ def test_fidelity_smoke_two_processes(tmp_path, monkeypatch, capsys):
     t0 = time.perf_counter()
     assert fidelity.main(["--cluster", "local-cpu:2", "--models", "gpt-tiny", "--seq-len", "32",
                           "--global-batch", "4", "--steps", "4", "--warmup", "1", "--repeats", "1",
-                          "--search-alternatives", "0", "--max-plans", "2", "--profile", "none", "--no-run-replan",
+                          "--search-alternatives", "0", "--max-plans", "2", "--profile", "none", "--no-run-replan", "--confirm", "1",
                           "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert not res["failed"]
     assert len(res["plans"]) == 2
     assert len({r["config"] for r in res["plans"]}) == 2
+    # both plans of the one model re-run once to settle its regret: two runs each, medians of both
+    assert len(res["confirmed"]["plans"]) == 2 and all(len(r["runs"]) == 2 for r in res["plans"])
     for r in res["plans"]:
         assert r["predicted_step_s"] > 0 and r["measured_step_s"] > 0 and r["heldout_step_s"] > 0
         assert r["measured_mem_gib"] and all(m > 0.1 for m in r["measured_mem_gib"])
