@@ -9,7 +9,8 @@ rank). The same code runs with gloo on CPUs and nccl on GPUs. It measures:
     sizes ``--batches``, each TP shard size and each CP size, with a TP rank's local
     shapes exactly as the runtime shards them (column-parallel linears keep out/tp
     outputs, row-parallel ones in/tp inputs, the vocabulary-parallel head and token
-    embedding vocab/tp rows, the loss over the local logits) and, under CP, the rank's
+    embedding vocab/tp rows, the head's loss over the local logits through torch's
+    ``loss_parallel`` as the runtime's runs: :func:`shard_unit`) and, under CP, the rank's
     S/cp tokens through the runtime's own ring attention computation
     (``codegen.runtime.context_parallel.RingCompute``: every ring step's block attention
     and merge, without the p2p). Collectives inside a layer (TP all-reduces, the ring's
@@ -151,13 +152,23 @@ def _vocab_shard_embedding(emb, tp: int):
     return VocabShardEmbedding()
 
 
-def shard_unit(unit, layer, tp: int):
+def shard_unit(unit, layer, tp: int, loss_mesh=None):
     """A copy of ``unit`` (the module of graph ``layer``) with a TP rank's local shapes.
 
     Column-parallel linears keep out/tp outputs, row-parallel ones in/tp inputs, the
     vocabulary-parallel head out = vocab/tp, and a token embedding of the vocabulary
     vocab/tp rows (see ``codegen/runtime/tensor_parallel.py``). Returns ``unit`` itself
     when ``tp == 1``. Parameters are fresh: the copy never shares (or unties) the model's.
+
+    ``loss_mesh`` (a one-rank mesh, :func:`one_rank_mesh`): the head's local linear takes the
+    runtime's own ``vocab_head`` style on it, so its logits are a ``Shard(-1)`` DTensor and
+    the head's own loss (called under ``loss_context`` by :func:`layer_calls`) runs as the
+    runtime runs it: torch's ``loss_parallel``, an unfused log-softmax over the rank's vocabulary shard, not
+    the fused kernel a plain local loss takes (512 tokens x 25,128 columns, fp32, one thread:
+    300-320 ms forward + backward against 120-124 ms fused, 2026-12-05). Its two
+    all-reduces of a few bytes per token run on the one-rank group (nearly free); the head's
+    DTensor dispatch is then in the profile as well as in ``dtensor_dispatch_s`` (1.15 ms a
+    micro-batch, counted twice).
     """
     import torch.nn as nn
 
@@ -177,8 +188,8 @@ def shard_unit(unit, layer, tp: int):
             fin //= tp
         else:
             fout //= tp
-        setattr(parent, leaf, nn.Linear(fin, fout, bias=old.bias is not None, device=old.weight.device,
-                                        dtype=old.weight.dtype))
+        new = nn.Linear(fin, fout, bias=old.bias is not None, device=old.weight.device, dtype=old.weight.dtype)
+        setattr(parent, leaf, _as_vocab_head(new, loss_mesh) if lin.role == "vocab" and loss_mesh is not None else new)
     vocab_ops = {op.name for op in layer.ops if op.kind == "embedding" and op.tp_style == "vocab"}
     for name in vocab_ops:
         parent_name, _, leaf = name.rpartition(".")
@@ -187,6 +198,26 @@ def shard_unit(unit, layer, tp: int):
         if isinstance(old, nn.Embedding):
             setattr(parent, leaf, _vocab_shard_embedding(old, tp))
     return u
+
+
+def _as_vocab_head(linear, mesh):
+    """``linear`` under the runtime's ``vocab_head`` style on ``mesh`` (its logits a ``Shard(-1)`` DTensor)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from codegen.runtime.tp_styles import style_for, style_source
+
+    return parallelize_module(linear, mesh, style_for(style_source("vocab_head", sp=False)))
+
+
+def one_rank_mesh(device):
+    """A DeviceMesh of this rank alone, for :func:`shard_unit`'s head; every rank of the
+    process group calls it (the one-rank groups are made collectively)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group, _ = dist.new_subgroups(group_size=1)
+    return DeviceMesh.from_group(group, torch.device(device).type)
 
 
 def local_labels(args: tuple, kwargs: dict, layer, tp: int) -> tuple[tuple, dict]:
@@ -218,6 +249,7 @@ def measure_layers(db, spec: str, seq_len: int, batches, tps, cps, repeats: int,
     from planner import zoo
 
     graph, cfg, model, reps, sync = _profiled_model(db, spec, seq_len, device)
+    loss_mesh = one_rank_mesh(device) if max(tps) > 1 else None  # the head's loss as the runtime runs it
     for cp in cps:
         # this rank plays cp rank (rank % cp): the zigzag layout gives every cp rank equal work
         ring = RingCompute(cp, dist.get_rank() % cp, fallback=sdpa_attention) if cp > 1 else None
@@ -229,9 +261,9 @@ def measure_layers(db, spec: str, seq_len: int, batches, tps, cps, repeats: int,
                     if tp > 1 and layer.attention is not None and layer.attention.kv_heads % tp:
                         continue
                     if (sig, tp) not in units:
-                        units[sig, tp] = _unit_with(model, layer, tp, ring)
+                        units[sig, tp] = _unit_with(model, layer, tp, ring, loss_mesh)
                     shapes.append((sig, b, tp))
-                    pairs.append(_layer_calls(units[sig, tp], layer, inputs[layer.name], tp))
+                    pairs.append(layer_calls(units[sig, tp], layer, inputs[layer.name], tp))
         dist.barrier()
         times = timeit_paired(pairs, repeats, sync, budget_s=4.0, agree=agree_min, lockstep=dist.barrier)
         tt = torch.tensor(times, dtype=torch.float64, device=device).reshape(-1, 2)
@@ -338,34 +370,38 @@ def _layer_inputs(model, layers, batch: dict) -> dict[str, tuple]:
     return inputs
 
 
-def _unit_with(model, layer, tp: int, ring):
+def _unit_with(model, layer, tp: int, ring, loss_mesh=None):
     """``layer``'s module as a tp rank holds it (:func:`shard_unit`), its attention running
     ``ring``'s compute (or SDPA when None)."""
     from codegen.runtime.layers import SelfAttention
 
-    unit = shard_unit(model.get_submodule(layer.name), layer, tp)
+    unit = shard_unit(model.get_submodule(layer.name), layer, tp, loss_mesh)
     for m in unit.modules():
         if isinstance(m, SelfAttention):
             m.attn_impl = ring
     return unit
 
 
-def _layer_calls(unit, layer, inputs: tuple, tp: int) -> tuple:
+def layer_calls(unit, layer, inputs: tuple, tp: int) -> tuple:
     """(forward, forward + backward) calls of ``unit`` on ``inputs`` (their labels made local
-    to the tp rank's vocabulary shard): the pair :func:`profile_timing.timeit_paired` times."""
+    to the tp rank's vocabulary shard), under the runtime's ``loss_context(tp)`` (the head's
+    loss: :func:`shard_unit`): the pair :func:`profile_timing.timeit_paired` times."""
     import torch
+
+    from codegen.runtime.tensor_parallel import loss_context
 
     a, k = local_labels(*inputs, layer, tp)
 
     def fwd():
-        with torch.no_grad():
+        with torch.no_grad(), loss_context(tp):
             unit(*a, **k)
 
     def fwd_bwd():
         aa = [x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x for x in a]
-        out = unit(*aa, **k)
-        out = out if isinstance(out, torch.Tensor) else out[0]
-        (out.float().sum() if out.dim() else out).backward()
+        with loss_context(tp):
+            out = unit(*aa, **k)
+            out = out if isinstance(out, torch.Tensor) else out[0]
+            (out.float().sum() if out.dim() else out).backward()
 
     return fwd, fwd_bwd
 

@@ -54,6 +54,51 @@ def test_shard_unit_holds_a_tp_ranks_parameters_and_runs(spec):
     assert profiler.shard_unit(model.embed, graph.layers[0], 1) is model.embed
 
 
+def test_head_loss_is_timed_as_the_runtime_computes_it(tmp_path):
+    """Under TP the profiled head's logits are a vocabulary-sharded DTensor and its loss runs
+    through torch's loss_parallel, as the runtime's does (not the fused local kernel): the same
+    loss and gradients as the plain local shard with the same weights."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from codegen.runtime.tensor_parallel import loss_context
+
+    spec = "gpt-tiny"
+    graph = load_graph(spec, batch=1, seq_len=16)
+    cfg = zoo.load_model_spec(spec).cfg
+    model = zoo.build_model(cfg, device="cpu", seed=0)
+    head = next(l for l in graph.layers if l.repeat_of is None and any(x.role == "vocab" for x in l.linears))
+    got = {}
+    hook = model.get_submodule(head.name).register_forward_pre_hook(
+        lambda m, a, k: got.setdefault("in", (a, k)), with_kwargs=True)
+    with torch.no_grad():
+        model(**zoo.example_batch(cfg, 2, 16, device="cpu"))
+    hook.remove()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        unit = profiler.shard_unit(model.get_submodule(head.name), head, 2, profiler.one_rank_mesh("cpu"))
+        plain = profiler.shard_unit(model.get_submodule(head.name), head, 2)
+        with torch.no_grad():
+            for p, q in zip(unit.parameters(), plain.parameters()):
+                q.copy_(p.to_local() if isinstance(p, DTensor) else p)
+        assert any(isinstance(p, DTensor) for p in unit.parameters())  # the head's linear, on the mesh
+        fwd, fwd_bwd = profiler.layer_calls(unit, head, got["in"], 2)
+        fwd_bwd()
+        a, k = profiler.local_labels(*got["in"], head, 2)
+        want = plain(*a, **k)
+        want.backward()
+        with torch.no_grad(), loss_context(2):
+            loss = unit(*a, **k)
+        assert isinstance(loss, DTensor) or loss.dim() == 0
+        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
+        for p, q in zip(unit.parameters(), plain.parameters()):
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            torch.testing.assert_close(g, q.grad, rtol=1e-4, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_ring_compute_covers_the_causal_attention_once(monkeypatch):
     """Summed over the cp ranks, RingCompute's block attentions see every causal
     (query, key) pair exactly once, and zigzag gives every rank the same share: the work
