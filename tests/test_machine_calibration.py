@@ -118,6 +118,7 @@ def test_demo_profiles_this_machine_once_then_plans_calibrated(tmp_path, monkeyp
     for want in ("(calibrated)", "measured/predicted", "one process:", "speedup", "entropy floor", "report: "):
         assert want in out, out
     assert os.path.exists(out.split("report: ")[1].split()[0])
+    assert "one plain PyTorch process again" in out + r.stderr  # the baseline on both sides of the run
     recs = [json.loads(l) for l in open(run / "train_log.jsonl")]
     plan = json.loads((run / "plan.json").read_text())
     world = math.prod(int(kv.split("=")[1]) for kv in plan["config"].split(",") if kv.split("=")[0] in ("dp", "pp", "cp", "tp"))

@@ -20,6 +20,7 @@ class Baseline:
     step_s: float          # median wall seconds per optimizer step after the warm-up
     losses: list[float]    # every step's loss, warm-up included
     threads: int           # intra-op threads it ran with
+    times: list[float]     # wall seconds of each step after the warm-up
 
 
 def single_process_step(spec: str, global_batch: int, seq_len: int, *, steps: int = 3, warmup: int = 1,
@@ -58,4 +59,4 @@ def single_process_step(spec: str, global_batch: int, seq_len: int, *, steps: in
         losses.append(loss.item())
         if step >= warmup:
             times.append(time.perf_counter() - t0)
-    return Baseline(step_s=statistics.median(times), losses=losses, threads=torch.get_num_threads())
+    return Baseline(step_s=statistics.median(times), losses=losses, threads=torch.get_num_threads(), times=times)
