@@ -23,6 +23,11 @@ beside it, and the profiler measures them again the same way):
   (``.tolist()``), the sort of the received rows by expert, and torch's functional uneven
   all-to-all with its autograd node and wait: ``CPU_EP_DISPATCH_S``, forward and backward.
 
+- **The lockstep wait** of tensor parallelism's blocking collectives: each call waits until the
+  last rank of the group arrives, and ranks that ran the same segment of compute arrive apart
+  (their cores' speed wanders), more so after a longer segment; the profile's collectives are
+  timed back to back, without it. Priced as a share of the layer's compute:
+  ``CPU_LOCKSTEP_WAIT_FRAC`` (:func:`lockstep_wait_s`, in the layer's ``tp_comm``).
 - **A backward split into I and W** (zero-bubble and generated schedules): torch's split walks the
   autograd graph twice (the input gradients keeping the intermediates, then the weight gradients
   from them), which costs more than one whole backward: ``CPU_SPLIT_BACKWARD_FRAC`` of the
@@ -63,10 +68,16 @@ CPU_EP_DISPATCH_S = 3.0e-3
 # walk's fixed part weighs more).
 CPU_SPLIT_BACKWARD_FRAC = 0.08
 
-KEYS = ("replicate_unit_s", "fsdp_unit_s", "fsdp_reduce_unit_s", "ep_dispatch_s", "split_backward_frac")
+# 2 gloo ranks of one thread on the 2-core VM, 2026-12-05: fp32 384 x 384 GEMMs, then a 1 KB all-reduce,
+# against the GEMMs alone and the all-reduce alone (1.4-1.8 ms): segments of 6.7 / 16.2 ms waited
+# 1.05 / 1.92 ms more per call (15.8% / 11.9% of the segment); segments of 0.05-1.6 ms nothing more.
+CPU_LOCKSTEP_WAIT_FRAC = 0.12
+
+KEYS = ("replicate_unit_s", "fsdp_unit_s", "fsdp_reduce_unit_s", "ep_dispatch_s", "split_backward_frac",
+        "lockstep_wait_frac")
 DEFAULTS = {"replicate_unit_s": CPU_REPLICATE_UNIT_S, "fsdp_unit_s": CPU_FSDP_UNIT_S,
             "fsdp_reduce_unit_s": CPU_FSDP_REDUCE_UNIT_S, "ep_dispatch_s": CPU_EP_DISPATCH_S,
-            "split_backward_frac": CPU_SPLIT_BACKWARD_FRAC}
+            "split_backward_frac": CPU_SPLIT_BACKWARD_FRAC, "lockstep_wait_frac": CPU_LOCKSTEP_WAIT_FRAC}
 
 
 def measured(key: str, profile=None) -> float:
@@ -106,3 +117,15 @@ def ep_dispatch_s(layer: Layer, cluster: Cluster, cfg: ParallelConfig, profile=N
         return 0.0, 0.0
     s = figure("ep_dispatch_s", profile)
     return s / 2, s / 2
+
+
+def lockstep_wait_s(compute_s: float, cluster: Cluster, cfg: ParallelConfig, profile=None) -> float:
+    """Seconds a layer's blocking tensor-parallel collectives wait for the slowest rank of the
+    group on a CPU cluster, beyond their own time, per micro-batch (module docstring): the
+    measured ``lockstep_wait_frac`` of ``compute_s``, the layer's forward + backward compute that
+    its collectives cut into segments (each call waits for the ranks' spread over the segment
+    before it, so the waits add up to a share of the compute between them); 0 on GPUs (the host
+    runs ahead and the kernels keep pace) and without TP."""
+    if cluster.backend != "gloo" or cfg.tp == 1:
+        return 0.0
+    return figure("lockstep_wait_frac", profile) * compute_s

@@ -12,7 +12,7 @@ from cost_models import comm as comm_mod
 from cost_models.cluster import Cluster
 from cost_models.compute import layer_time
 from cost_models.layer_work import LayerTime, attention_share, attn_core_flops, document_masked
-from cost_models.cpu_runtime import ep_dispatch_s
+from cost_models.cpu_runtime import ep_dispatch_s, lockstep_wait_s
 from cost_models.context_parallel import cp_comm
 from cost_models.documents import ring_hiding
 from cost_models.engines import DEFAULT_ENGINE, Engine, exposed_s
@@ -132,6 +132,7 @@ class LayerCosts:
                 tp_s = 2 * n_red * one  # forward and backward
                 if self.engine.tp_overlap:  # chunked beside the GEMMs; the first ring step waits
                     tp_s = exposed_s(tp_s, lt.fwd_s + lt.bwd_s, tp_s / cfg.tp)
+                tp_s += lockstep_wait_s(lt.fwd_s + lt.bwd_s, self.c, cfg, self.profile)  # CPU ranks' spread
         core_s = 0.0
         cp_s = 0.0
         a = layer.attention

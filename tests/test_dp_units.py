@@ -81,3 +81,31 @@ def test_step_sync_counts_the_loss_and_the_gradient_norm_all_reduces():
     assert calls(dp=2, tp=2, zero="fsdp", sp=True) == pytest.approx(5.0)
     assert calls(tp=2, sp=False) == pytest.approx(2.0) and calls(tp=2, sp=True) == pytest.approx(3.0)
     assert calls(dp=2, pp=2, zero="ddp") == pytest.approx(2.0)
+
+
+def test_tp_collectives_wait_a_measured_share_of_the_compute_on_cpu_ranks():
+    """CPU ranks arrive apart at every blocking TP collective: each TP layer's tp_comm grows by
+    the profile's lockstep_wait_frac of its compute; nothing without TP, on GPUs, or at 0."""
+    from cost_models.cluster import parse_cluster
+    from cost_models.cpu_runtime import DEFAULTS, lockstep_wait_s
+    from cost_models.layer_costs import LayerCosts
+    from cost_models.profile_db import ProfileDB
+    from planner.frontend.load import load_graph
+    from planner.plan import ParallelConfig
+
+    cpu, gpu = parse_cluster("local-cpu:2"), parse_cluster("dgx-h100:1")
+    tp2, tp1 = ParallelConfig(tp=2, sp=True, dtype="fp32").validate(), ParallelConfig(dtype="fp32").validate()
+    assert lockstep_wait_s(2.0, cpu, tp2) == pytest.approx(2.0 * DEFAULTS["lockstep_wait_frac"])
+    assert lockstep_wait_s(2.0, cpu, tp1) == 0.0 and lockstep_wait_s(2.0, gpu, tp2) == 0.0
+    g = load_graph("gpt-tiny", batch=1)
+    block = next(l for l in g.layers if any(x.role == "row" for x in l.linears))
+
+    def block_cost(frac: float):
+        prof = ProfileDB(cpu.fingerprint(), "gloo", 2)
+        prof.runtime = {"lockstep_wait_frac": frac}
+        assert lockstep_wait_s(1.0, cpu, tp2, prof) == pytest.approx(frac)
+        return LayerCosts(g, cpu, tp2, prof).get(block)
+
+    none, some = block_cost(0.0), block_cost(0.3)
+    assert none.tp > 0 and none.fwd == pytest.approx(some.fwd) and none.bwd == pytest.approx(some.bwd)
+    assert some.tp - none.tp == pytest.approx(0.3 * (none.fwd + none.bwd))
