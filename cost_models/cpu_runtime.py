@@ -27,14 +27,16 @@ beside it, and the profiler measures them again the same way):
   last rank of the group arrives, and ranks that ran the same segment of compute arrive apart
   (their cores' speed wanders), more so after a longer segment; the profile's collectives are
   timed back to back, without it. Priced as a share of the layer's compute:
-  ``CPU_LOCKSTEP_WAIT_FRAC`` (:func:`lockstep_wait_s`, in the layer's ``tp_comm``).
+  ``CPU_LOCKSTEP_WAIT_FRAC`` (:func:`lockstep_wait_s`, in the layer's ``tp_comm``). The profiler
+  does not measure it: the same pairing inside a profile (GEMMs for 8 ms, then the all-reduce,
+  against each alone, in batches behind a barrier) gave 0.00, 0.04, 0.07 and 0.19 in four tries.
 - **A backward split into I and W** (zero-bubble and generated schedules): torch's split walks the
   autograd graph twice (the input gradients keeping the intermediates, then the weight gradients
   from them), which costs more than one whole backward: ``CPU_SPLIT_BACKWARD_FRAC`` of the
   backward, priced by the pipeline simulator (``cost_models.pipeline.SplitCost``; the estimate's ``split_cost``).
 
 Nothing on GPU clusters (there the host runs ahead of the kernels; unmeasured: 0). A profile
-of the cluster measures each again (``cost_models.profile_runtime.measure_runtime``, the same setups
+of the cluster measures each again (all but the lockstep wait) (``cost_models.profile_runtime.measure_runtime``, the same setups
 as the defaults; ``ProfileDB.runtime``), which replaces the default. The calibration keys
 ``replicate_unit_s``, ``fsdp_unit_s``, ``fsdp_reduce_unit_s`` and ``ep_dispatch_s`` replace the
 measured figures where a calibration gives them (``autopar calibrate`` does not fit them yet:
@@ -68,9 +70,10 @@ CPU_EP_DISPATCH_S = 3.0e-3
 # walk's fixed part weighs more).
 CPU_SPLIT_BACKWARD_FRAC = 0.08
 
-# 2 gloo ranks of one thread on the 2-core VM, 2026-12-05: fp32 384 x 384 GEMMs, then a 1 KB all-reduce,
-# against the GEMMs alone and the all-reduce alone (1.4-1.8 ms): segments of 6.7 / 16.2 ms waited
-# 1.05 / 1.92 ms more per call (15.8% / 11.9% of the segment); segments of 0.05-1.6 ms nothing more.
+# 2 gloo ranks of one thread on the 2-core VM, 2026-12-05, 60 iterations x 3 trials (medians): fp32
+# 384 x 384 GEMMs, then a 1 KB all-reduce, against the GEMMs alone and the all-reduce alone (1.0-2.2
+# ms): segments of 6.7 / 16.2 ms waited 1.05 / 1.92 ms more per call (15.8% / 11.9% of the segment),
+# again an hour later 5.0 / 14.3 ms -> 1.03 / 1.71 ms (20.4% / 12.0%); segments of 0.05-1.6 ms nothing.
 CPU_LOCKSTEP_WAIT_FRAC = 0.12
 
 KEYS = ("replicate_unit_s", "fsdp_unit_s", "fsdp_reduce_unit_s", "ep_dispatch_s", "split_backward_frac",

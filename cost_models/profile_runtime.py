@@ -1,10 +1,7 @@
 """The CPU runtime's own per-call work, measured on a cluster's ranks (cost_models/cpu_runtime.py lists
 the keys; ``cost_models.profiler`` calls :func:`measure_runtime`): the data-parallel wrappers per
-unit, the EP dispatch per MoE layer and the lockstep wait's share of the compute before a
-synchronising call, into ``ProfileDB.runtime``."""
+unit and the EP dispatch per MoE layer, into ``ProfileDB.runtime``."""
 from __future__ import annotations
-
-import time
 
 from cost_models.profile_timing import agree_min, timeit
 
@@ -93,45 +90,6 @@ def _ep_figure(world: int, repeats: int) -> float:
     return t["ep"] - t["local"] - 4 * t["rows"] - t["counts"]
 
 
-LOCKSTEP_SEGMENT_S = 8e-3  # the compute between two synchronising calls the lockstep wait is timed after
-
-
-def _lockstep_figure(repeats: int) -> float:
-    """The lockstep wait's share of the compute before each synchronising call
-    (cost_models/cpu_runtime.py ``lockstep_wait_s``): every rank runs fp32 GEMMs for about
-    ``LOCKSTEP_SEGMENT_S``, then a 1 KB all-reduce, paired in rounds against the GEMMs alone;
-    what the pair takes beyond the GEMMs, less the all-reduce timed alone, over the GEMMs'
-    time. The ranks' mean (the profile's layer times are each rank's own pace)."""
-    import math
-
-    import torch
-    import torch.distributed as dist
-
-    from cost_models.profile_timing import timeit_paired
-
-    a, b, small = torch.randn(384, 384), torch.randn(384, 384), torch.zeros(256)
-    t0 = time.perf_counter()
-    torch.mm(a, b)
-    one = max(time.perf_counter() - t0, 1e-5)
-    gemms = torch.tensor(min(64, max(1, math.ceil(LOCKSTEP_SEGMENT_S / one))))
-    dist.all_reduce(gemms, op=dist.ReduceOp.MAX)  # every rank the same segment
-
-    def seg():
-        for _ in range(int(gemms)):
-            torch.mm(a, b)
-
-    def seg_sync():
-        seg()
-        dist.all_reduce(small)
-
-    (compute, more), = timeit_paired([(seg, seg_sync)], repeats, lambda: None, target_s=0.1, agree=agree_min,
-                                     lockstep=dist.barrier)
-    alone = timeit(lambda: dist.all_reduce(small), repeats, lambda: None, agree=agree_min, lockstep=dist.barrier)
-    frac = torch.tensor(max(0.0, more - alone) / max(compute, 1e-9), dtype=torch.float64)
-    dist.all_reduce(frac)
-    return float(frac) / dist.get_world_size()
-
-
 def measure_runtime(db, world: int, repeats: int) -> None:
     """The CPU runtime's own per-call work (cost_models/cpu_runtime.py) on this cluster's ranks,
     the slowest rank's, into ``db.runtime`` (at least 0; nothing on GPUs or one rank)."""
@@ -143,7 +101,6 @@ def measure_runtime(db, world: int, repeats: int) -> None:
         return
     figs = _wrapper_figures(init_device_mesh("cpu", (world,)), repeats)
     figs["ep_dispatch_s"] = _ep_figure(world, repeats)
-    figs["lockstep_wait_frac"] = _lockstep_figure(repeats)
     tt = torch.tensor([figs[k] for k in sorted(figs)], dtype=torch.float64)
     dist.all_reduce(tt, op=dist.ReduceOp.MAX)
     db.runtime = {k: max(0.0, v) for k, v in zip(sorted(figs), tt.tolist())}
