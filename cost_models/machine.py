@@ -59,10 +59,11 @@ def best_time(fn: Any, repeats: int, budget_s: float) -> float:
 def thread_speedup(n: int = 384, pairs: int = 8) -> float:
     """How much faster an fp32 GEMM of ``n`` x ``n`` runs on every core's intra-op thread
     (``cpu_count()`` threads) than on one: 1.0 on one core. The best of ``pairs`` back-to-back
-    pairs (the best of 8 GEMMs on one thread, then on every core; about 0.06 s a pair): another
+    pairs (the best of 8 GEMMs on one thread, then on every core; 0.7 s for the 8 pairs here): another
     process or the host taking a core for a while only ever lowers a pair's ratio, as it only
     ever lengthens a time (:func:`best_time` keeps the least). One pair alone on a 2-core VM,
-    2026-12-05: 1.63-2.00, in spells of 0.2-1 s around 1.7; the best of ten: 1.76-2.00, 11 of 12 over 1.9."""
+    2026-12-05: 1.63-2.00, in spells of 0.2-1 s around 1.7; the best of 10 pairs: 1.76-2.00 over 12
+    calls, 11 over 1.9."""
     import torch
 
     cores = cpu_count()

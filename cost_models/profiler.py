@@ -164,8 +164,9 @@ def shard_unit(unit, layer, tp: int, loss_mesh=None):
     runtime's own ``vocab_head`` style on it, so its logits are a ``Shard(-1)`` DTensor and
     the head's own loss (called under ``loss_context`` by :func:`layer_calls`) runs as the
     runtime runs it: torch's ``loss_parallel``, an unfused log-softmax over the rank's vocabulary shard, not
-    the fused kernel a plain local loss takes (512 tokens x 25,128 columns, fp32, one thread:
-    300-320 ms forward + backward against 120-124 ms fused, 2026-12-05). Its two
+    the fused kernel a plain local loss takes (the loss alone on 512 tokens x 25,128 columns, fp32, one
+    thread, 2 ranks at once on an idle 2-core VM: 208-211 ms forward + backward against 86-88 ms fused;
+    gpt-small's whole head at tp2, batch 4: 372-406 ms against 363-388 ms, 2026-12-05). Its two
     all-reduces of a few bytes per token run on the one-rank group (nearly free); the head's
     DTensor dispatch is then in the profile as well as in ``dtensor_dispatch_s`` (1.15 ms a
     micro-batch, counted twice).

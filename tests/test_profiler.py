@@ -59,7 +59,7 @@ def test_head_loss_is_timed_as_the_runtime_computes_it(tmp_path):
     through torch's loss_parallel, as the runtime's does (not the fused local kernel): the same
     loss and gradients as the plain local shard with the same weights."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 
     from codegen.runtime.tensor_parallel import loss_context
 
@@ -82,8 +82,14 @@ def test_head_loss_is_timed_as_the_runtime_computes_it(tmp_path):
             for p, q in zip(unit.parameters(), plain.parameters()):
                 q.copy_(p.to_local() if isinstance(p, DTensor) else p)
         assert any(isinstance(p, DTensor) for p in unit.parameters())  # the head's linear, on the mesh
-        fwd, fwd_bwd = profiler.layer_calls(unit, head, got["in"], 2)
+        logits = []
+        vocab = next(m for m in unit.modules() if isinstance(m, torch.nn.Linear))
+        hook = vocab.register_forward_hook(lambda m, a, out: logits.append(out))
+        _, fwd_bwd = profiler.layer_calls(unit, head, got["in"], 2)
         fwd_bwd()
+        hook.remove()
+        # the loss saw vocabulary-sharded DTensor logits (what loss_parallel takes), not a local tensor
+        assert isinstance(logits[0], DTensor) and logits[0].placements == (Shard(logits[0].dim() - 1),)
         a, k = profiler.local_labels(*got["in"], head, 2)
         want = plain(*a, **k)
         want.backward()
