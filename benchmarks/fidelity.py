@@ -15,7 +15,10 @@
    runs enters the comparison with the median of their medians.
 4. Uncalibrated predictions vs measurements: Spearman rank correlation, MAPE, the
    planner's regret (measured time of its pick / best measured time, per model: plans
-   of different models are not alternatives to each other), memory error.
+   of different models are not alternatives to each other), memory error. Regret two ways:
+   ``regret``, the ratio of each plan's median over its runs, and ``regret_paired``, the
+   median over rounds of the ratio within one round (``fidelity_runs.paired_regret``: a
+   round that runs slow as a whole cancels; the target is read on the paired figure).
 5. Calibration (cost_models/calibrate.py), leave-one-out: every plan is predicted by a
    fit on the OTHER plans; the same figures on those held-out predictions. The fit on
    all plans is written into a calibrated copy of the profile and every model is
@@ -51,7 +54,7 @@ from cost_models.cluster import parse_cluster  # noqa: E402
 from cost_models.profile_db import ProfileDB  # noqa: E402
 from benchmarks.fidelity_layouts import FORCED, FORCED_BY_WORLD  # noqa: E402
 from benchmarks.results import write_json  # noqa: E402
-from benchmarks.fidelity_runs import say as _log, noise_of, run_all, run_candidate  # noqa: E402
+from benchmarks.fidelity_runs import say as _log, noise_of, paired_regret, run_all, run_candidate  # noqa: E402
 
 LLAMA_SPEC = "benchmarks/fidelity_llama.toml"
 MOE_SPEC = "benchmarks/fidelity_moe.toml"
@@ -216,8 +219,10 @@ def analyse(cands: list[Candidate], cluster, profile, profile_path: str | None, 
     res: dict[str, Any] = {"plans": rows}
     res["before"] = cal_mod.summarize(rows, "predicted_step_s", "predicted_mem_gib")
     res["before"]["regret"] = _regret(rows, "predicted_step_s")
+    res["before"]["regret_paired"] = paired_regret(rows, "predicted_step_s")
     res["after_heldout"] = cal_mod.summarize(rows, "heldout_step_s", "heldout_mem_gib")
     res["after_heldout"]["regret"] = _regret(rows, "heldout_step_s")
+    res["after_heldout"]["regret_paired"] = paired_regret(rows, "heldout_step_s")
     for model in sorted({r["model"] for r in rows}):
         mine = [r for r in rows if r["model"] == model]
         res.setdefault("per_model", {})[model] = {
@@ -270,8 +275,9 @@ def print_table(res: dict[str, Any]) -> None:
     for k in ("before", "after_heldout"):
         s = res[k]
         reg = ", ".join(f"{m} {v:.3f}" for m, v in s["regret"].items())
-        print(f"{k:<14} Spearman {s['spearman']:.3f}  MAPE {s['mape_pct']:.1f}%  regret [{reg}]  memory err mean "
-              f"{s['memory_mean_abs_err_pct']:.1f}% max {s['memory_max_abs_err_pct']:.1f}%")
+        paired = ", ".join(f"{m} {'-' if v is None else f'{v:.3f}'}" for m, v in s.get("regret_paired", {}).items())
+        print(f"{k:<14} Spearman {s['spearman']:.3f}  MAPE {s['mape_pct']:.1f}%  regret [{reg}]  paired [{paired}]  "
+              f"memory err mean {s['memory_mean_abs_err_pct']:.1f}% max {s['memory_max_abs_err_pct']:.1f}%")
     if res.get("confirmed", {}).get("plans"):
         c = res["confirmed"]
         print(f"regret settled by {c['rounds']} interleaved re-run(s) of: " + "; ".join(c["plans"]))
@@ -304,7 +310,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="runs of the first model's planner pick (noise)")
-    ap.add_argument("--confirm", type=int, default=2,
+    ap.add_argument("--confirm", type=int, default=4,
                     help="paired re-runs of each model's pick and its two fastest-measured rivals (regret)")
     ap.add_argument("--search-alternatives", type=int, default=1, help="distinct runner-ups per model")
     ap.add_argument("--max-plans", type=int, default=0, help="stop after this many plans (0: all)")

@@ -41,7 +41,7 @@ def run_candidate(c: Any, steps: int, warmup: int, tag: str, quiet: bool) -> dic
     else:
         rc, log = run_plan(c.plan_path, steps=steps, run_dir=d, timeout_s=RUN_TIMEOUT_S)
     wall = time.perf_counter() - t0
-    run = {"dir": d, "rc": rc, "wall_s": wall, "log": log}
+    run = {"dir": d, "tag": tag, "rc": rc, "wall_s": wall, "log": log}
     if rc == 0 and os.path.exists(log):
         times, mem = cal_mod.read_log(log, warmup)
         run.update(median_s=statistics.median(times), times=times, mem_gib=mem)
@@ -77,6 +77,41 @@ def confirm_order(cands: list, rounds: int, others: int = 2) -> list[tuple[int, 
         rest = sorted((i for i in ok if i != pick), key=lambda i: _first_median(cands[i]))
         groups.append([pick] + rest[:others])
     return [(i, f"c{r}") for r in range(1, rounds + 1) for g in groups for i in g]
+
+
+def round_medians(runs: list[dict]) -> dict[str, float]:
+    """Run tag -> the run's median step seconds, for the rounds every confirmed plan ran: the
+    first pass ("0") and the re-runs ("c1", "c2", ...); the noise repeats ("1", "2") are left
+    out (they ran back to back, apart from the other plans)."""
+    out = {}
+    for r in runs:
+        tag = r.get("tag", os.path.basename(r["dir"])[3:])
+        if r["rc"] == 0 and "median_s" in r and (tag == "0" or tag.startswith("c")):
+            out[tag] = r["median_s"]
+    return out
+
+
+def paired_regret(rows: list[dict], pred_key: str) -> dict[str, float | None]:
+    """Per model, regret from paired rounds: in each round that the plan ranked first by
+    ``pred_key`` and its rivals all ran (the first pass and each interleaved re-run), the pick's
+    median over the fastest median of that round; the median of those ratios. Plans measured in
+    one round ran minutes apart at most, so a drift of the machine's speed between rounds (on
+    this VM whole rounds run 25-45 % slower: moe-fid's three confirmed plans measured 54-66 ms
+    in one round and 77-86 ms in the next, 2026-12-06) cancels, where the ratio of medians over
+    rounds keeps it. None where the pick was not among the re-run plans, or fewer than two rounds
+    are complete."""
+    out: dict[str, float | None] = {}
+    for model in sorted({r["model"] for r in rows}):
+        mine = [r for r in rows if r["model"] == model]
+        pick = min(mine, key=lambda r: r[pred_key])
+        rounds = {id(r): round_medians(r["runs"]) for r in mine}
+        rivals = [r for r in mine if any(t.startswith("c") for t in rounds[id(r)])]
+        tags = [t for t in rounds[id(pick)] if all(t in rounds[id(r)] for r in rivals)]
+        if pick not in rivals or len(tags) < 2:
+            out[model] = None
+            continue
+        out[model] = statistics.median(rounds[id(pick)][t] / min(rounds[id(r)][t] for r in rivals) for t in tags)
+    return out
 
 
 def _first_median(c) -> float | None:

@@ -140,6 +140,30 @@ def test_regret_is_settled_by_interleaved_reruns_of_the_pick_and_its_fastest_riv
     assert confirm_order(cands, rounds=0) == []
 
 
+
+def _row(model: str, predicted: float, rounds: dict[str, float]) -> dict:
+    runs = [{"dir": f"x/run{t}", "tag": t, "rc": 0, "median_s": m} for t, m in rounds.items()]
+    measured = sorted(rounds.values())[len(rounds) // 2]  # the median, as fidelity's _sample takes it (odd counts)
+    return {"model": model, "predicted_step_s": predicted, "runs": runs, "measured_step_s": measured}
+
+
+def test_paired_regret_compares_plans_within_each_round():
+    from benchmarks.fidelity import _regret
+    from benchmarks.fidelity_runs import paired_regret
+
+    # the machine runs a whole round slow (c2): the pick is fastest in every round, but the
+    # median over rounds of each plan alone puts the rival ahead
+    drift = [_row("m", 1.0, {"0": 71, "c1": 54, "c2": 77}), _row("m", 2.0, {"0": 59, "c1": 62, "c2": 83}),
+             _row("m", 3.0, {"0": 90})]  # not re-run: measured slower in the first pass
+    assert _regret(drift, "predicted_step_s")["m"] == pytest.approx(71 / 62)
+    assert paired_regret(drift, "predicted_step_s")["m"] == pytest.approx(1.0)  # 71/59 only in round 0
+    # a pick slower in every round keeps its regret: the median of the per-round ratios
+    slow = [_row("m", 1.0, {"0": 1.2, "c1": 1.3, "c2": 1.1, "1": 0.5}), _row("m", 2.0, {"0": 1.0, "c1": 1.0, "c2": 1.0})]
+    assert paired_regret(slow, "predicted_step_s")["m"] == pytest.approx(1.2)  # the noise repeat "1" is left out
+    # a pick that was not re-run with its rivals has no paired figure
+    unconfirmed = [_row("m", 0.5, {"0": 2.0}), _row("m", 1.0, {"0": 1.0, "c1": 1.0}), _row("m", 2.0, {"0": 1.1, "c1": 1.1})]
+    assert paired_regret(unconfirmed, "predicted_step_s")["m"] is None
+
 @pytest.mark.slow
 def test_fidelity_smoke_two_processes(tmp_path, monkeypatch, capsys):
     """2 plans on local-cpu:2, 4 steps each: predicted and measured for each, then calibrate them."""
