@@ -181,8 +181,9 @@ def _sample(c: Candidate, cluster) -> cal_mod.RunSample | None:
                              step_times=[t for r in ok for t in r["times"]])
 
 
-def _regret(rows: list[dict], pred_key: str) -> dict[str, float]:
-    """Per model: measured time of the plan the predictions rank first / best measured time."""
+def median_regret(rows: list[dict], pred_key: str) -> dict[str, float]:
+    """Per model: measured time of the plan the predictions rank first / best measured time, each
+    plan at the median of its runs' medians."""
     out = {}
     for model in sorted({r["model"] for r in rows}):
         mine = [r for r in rows if r["model"] == model]
@@ -218,10 +219,10 @@ def analyse(cands: list[Candidate], cluster, profile, profile_path: str | None, 
         r["calibrated_all_step_s"] = after.step_s
     res: dict[str, Any] = {"plans": rows}
     res["before"] = cal_mod.summarize(rows, "predicted_step_s", "predicted_mem_gib")
-    res["before"]["regret"] = _regret(rows, "predicted_step_s")
+    res["before"]["regret"] = median_regret(rows, "predicted_step_s")
     res["before"]["regret_paired"] = paired_regret(rows, "predicted_step_s")
     res["after_heldout"] = cal_mod.summarize(rows, "heldout_step_s", "heldout_mem_gib")
-    res["after_heldout"]["regret"] = _regret(rows, "heldout_step_s")
+    res["after_heldout"]["regret"] = median_regret(rows, "heldout_step_s")
     res["after_heldout"]["regret_paired"] = paired_regret(rows, "heldout_step_s")
     for model in sorted({r["model"] for r in rows}):
         mine = [r for r in rows if r["model"] == model]

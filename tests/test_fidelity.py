@@ -148,14 +148,14 @@ def _row(model: str, predicted: float, rounds: dict[str, float]) -> dict:
 
 
 def test_paired_regret_compares_plans_within_each_round():
-    from benchmarks.fidelity import _regret
+    from benchmarks.fidelity import median_regret
     from benchmarks.fidelity_runs import paired_regret
 
     # the machine runs a whole round slow (c2): the pick is fastest in every round, but the
     # median over rounds of each plan alone puts the rival ahead
     drift = [_row("m", 1.0, {"0": 71, "c1": 54, "c2": 77}), _row("m", 2.0, {"0": 59, "c1": 62, "c2": 83}),
              _row("m", 3.0, {"0": 90})]  # not re-run: measured slower in the first pass
-    assert _regret(drift, "predicted_step_s")["m"] == pytest.approx(71 / 62)
+    assert median_regret(drift, "predicted_step_s")["m"] == pytest.approx(71 / 62)
     assert paired_regret(drift, "predicted_step_s")["m"] == pytest.approx(1.0)  # 71/59 only in round 0
     # a pick slower in every round keeps its regret: the median of the per-round ratios
     slow = [_row("m", 1.0, {"0": 1.2, "c1": 1.3, "c2": 1.1, "1": 0.5}), _row("m", 2.0, {"0": 1.0, "c1": 1.0, "c2": 1.0})]
