@@ -16,9 +16,9 @@
 4. Uncalibrated predictions vs measurements: Spearman rank correlation, MAPE, the
    planner's regret (measured time of its pick / best measured time, per model: plans
    of different models are not alternatives to each other), memory error. Regret two ways:
-   ``regret``, the ratio of each plan's median over its runs, and ``regret_paired``, the
-   median over rounds of the ratio within one round (``fidelity_runs.paired_regret``: a
-   round that runs slow as a whole cancels; the target is read on the paired figure).
+   ``regret``, each plan at the median of its runs, and ``regret_paired``, the median over
+   the re-run rounds of the ratio within one round (``fidelity_runs.paired_regret``: a round
+   that runs slow as a whole cancels). Both are printed against the same target.
 5. Calibration (cost_models/calibrate.py), leave-one-out: every plan is predicted by a
    fit on the OTHER plans; the same figures on those held-out predictions. The fit on
    all plans is written into a calibrated copy of the profile and every model is
@@ -45,7 +45,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from itertools import zip_longest
-from typing import Any
+from typing import Any, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -193,7 +193,9 @@ def median_regret(rows: list[dict], pred_key: str) -> dict[str, float]:
 
 
 def analyse(cands: list[Candidate], cluster, profile, profile_path: str | None, cluster_spec: str, gb: int,
-            seq: int, out_dir: str) -> dict[str, Any]:
+            seq: int, out_dir: str, confirmed: Sequence[str] = ()) -> dict[str, Any]:
+    """Predictions against measurements, before calibration and held out (module docstring, 4-5);
+    ``confirmed``: the plans re-run to settle regret ("model label", :func:`run_all`)."""
     from planner.search.planning import plan_model
 
     samples, rows = [], []
@@ -220,10 +222,10 @@ def analyse(cands: list[Candidate], cluster, profile, profile_path: str | None, 
     res: dict[str, Any] = {"plans": rows}
     res["before"] = cal_mod.summarize(rows, "predicted_step_s", "predicted_mem_gib")
     res["before"]["regret"] = median_regret(rows, "predicted_step_s")
-    res["before"]["regret_paired"] = paired_regret(rows, "predicted_step_s")
+    res["before"]["regret_paired"] = paired_regret(rows, "predicted_step_s", confirmed)
     res["after_heldout"] = cal_mod.summarize(rows, "heldout_step_s", "heldout_mem_gib")
     res["after_heldout"]["regret"] = median_regret(rows, "heldout_step_s")
-    res["after_heldout"]["regret_paired"] = paired_regret(rows, "heldout_step_s")
+    res["after_heldout"]["regret_paired"] = paired_regret(rows, "heldout_step_s", confirmed)
     for model in sorted({r["model"] for r in rows}):
         mine = [r for r in rows if r["model"] == model]
         res.setdefault("per_model", {})[model] = {
@@ -389,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     skipped, confirmed = run_all(cands, args, t_start)
     timings["runs_s"] = time.perf_counter() - t0
 
-    res = analyse(cands, cluster, profile, profile_path, args.cluster, args.global_batch, args.seq_len, out_dir)
+    res = analyse(cands, cluster, profile, profile_path, args.cluster, args.global_batch, args.seq_len, out_dir,
+                  confirmed)
     new = res.pop("_replan_new", [])
     if new and args.run_replan:
         run_replans(new, res, cluster, profile, args, t_start)

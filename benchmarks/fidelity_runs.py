@@ -8,7 +8,7 @@ import shutil
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Collection
 
 from cost_models import calibrate as cal_mod
 
@@ -79,38 +79,40 @@ def confirm_order(cands: list, rounds: int, others: int = 2) -> list[tuple[int, 
     return [(i, f"c{r}") for r in range(1, rounds + 1) for g in groups for i in g]
 
 
-def round_medians(runs: list[dict]) -> dict[str, float]:
-    """Run tag -> the run's median step seconds, for the rounds every confirmed plan ran: the
-    first pass ("0") and the re-runs ("c1", "c2", ...); the noise repeats ("1", "2") are left
-    out (they ran back to back, apart from the other plans)."""
+def rerun_medians(runs: list[dict]) -> dict[str, float]:
+    """Run tag -> the run's median step seconds, for the interleaved re-runs ("c1", "c2", ...)
+    that succeeded; the first pass ("0", where the rivals were chosen as the fastest) and the
+    noise repeats ("1", "2": back to back, apart from the other plans) are left out."""
     out = {}
     for r in runs:
         tag = r.get("tag", os.path.basename(r["dir"])[3:])
-        if r["rc"] == 0 and "median_s" in r and (tag == "0" or tag.startswith("c")):
+        if r["rc"] == 0 and "median_s" in r and tag.startswith("c"):
             out[tag] = r["median_s"]
     return out
 
 
-def paired_regret(rows: list[dict], pred_key: str) -> dict[str, float | None]:
-    """Per model, regret from paired rounds: in each round that the plan ranked first by
-    ``pred_key`` and its rivals all ran (the first pass and each interleaved re-run), the pick's
-    median over the fastest median of that round; the median of those ratios. Plans measured in
-    one round ran minutes apart at most, so a drift of the machine's speed between rounds (on
-    this VM whole rounds run 25-45 % slower: moe-fid's three confirmed plans measured 54-66 ms
-    in one round and 77-86 ms in the next, 2026-12-06) cancels, where the ratio of medians over
-    rounds keeps it. None where the pick was not among the re-run plans, or fewer than two rounds
-    are complete."""
+def paired_regret(rows: list[dict], pred_key: str, confirmed: Collection[str]) -> dict[str, float | None]:
+    """Per model, regret from paired rounds: in each interleaved re-run round where the plan
+    ranked first by ``pred_key`` and every other re-run plan of the model (``confirmed``: "model
+    label" as :func:`run_all` returns them) succeeded, the pick's median over the fastest median
+    of that round; the median of those ratios. One round runs each model's plans a few minutes
+    apart at most, so a drift of the machine's speed between rounds cancels, where the ratio of
+    medians over rounds keeps it (on this VM a whole round ran 30-43 % slower: moe-fid's three
+    re-run plans measured 54, 62, 66 ms in one round and 77, 83, 86 ms in the next, 2026-12-06).
+    The first pass is not a round here: its rivals were chosen as its fastest plans. None where
+    the pick was not re-run, or fewer than two rounds are complete."""
     out: dict[str, float | None] = {}
     for model in sorted({r["model"] for r in rows}):
         mine = [r for r in rows if r["model"] == model]
         pick = min(mine, key=lambda r: r[pred_key])
-        rounds = {id(r): round_medians(r["runs"]) for r in mine}
-        rivals = [r for r in mine if any(t.startswith("c") for t in rounds[id(r)])]
-        tags = [t for t in rounds[id(pick)] if all(t in rounds[id(r)] for r in rivals)]
-        if pick not in rivals or len(tags) < 2:
+        group = [r for r in mine if f"{model} {r['label']}" in confirmed]
+        rounds = [rerun_medians(r["runs"]) for r in group]
+        tags = sorted(set.intersection(*(set(m) for m in rounds))) if rounds else []
+        if pick not in group or len(tags) < 2:
             out[model] = None
             continue
-        out[model] = statistics.median(rounds[id(pick)][t] / min(rounds[id(r)][t] for r in rivals) for t in tags)
+        mine_r = rounds[group.index(pick)]
+        out[model] = statistics.median(mine_r[t] / min(m[t] for m in rounds) for t in tags)
     return out
 
 

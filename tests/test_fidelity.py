@@ -13,6 +13,7 @@ import json
 import math
 import os
 import random
+import statistics
 import time
 
 import pytest
@@ -140,29 +141,42 @@ def test_regret_is_settled_by_interleaved_reruns_of_the_pick_and_its_fastest_riv
     assert confirm_order(cands, rounds=0) == []
 
 
+def _row(label: str, predicted: float, rounds: dict[str, float | None]) -> dict:
+    """A fidelity row of model "m": per run tag its median, None for a failed run."""
+    runs = [{"dir": f"x/run{t}", "tag": t, "rc": 0, "median_s": v} if v is not None else
+            {"dir": f"x/run{t}", "tag": t, "rc": 1} for t, v in rounds.items()]
+    ok = [v for v in rounds.values() if v is not None]
+    return {"model": "m", "label": label, "predicted_step_s": predicted, "runs": runs,
+            "measured_step_s": statistics.median(ok)}
 
-def _row(model: str, predicted: float, rounds: dict[str, float]) -> dict:
-    runs = [{"dir": f"x/run{t}", "tag": t, "rc": 0, "median_s": m} for t, m in rounds.items()]
-    measured = sorted(rounds.values())[len(rounds) // 2]  # the median, as fidelity's _sample takes it (odd counts)
-    return {"model": model, "predicted_step_s": predicted, "runs": runs, "measured_step_s": measured}
 
-
-def test_paired_regret_compares_plans_within_each_round():
+def test_paired_regret_compares_plans_within_each_rerun_round():
     from benchmarks.fidelity import median_regret
     from benchmarks.fidelity_runs import paired_regret
 
-    # the machine runs a whole round slow (c2): the pick is fastest in every round, but the
-    # median over rounds of each plan alone puts the rival ahead
-    drift = [_row("m", 1.0, {"0": 71, "c1": 54, "c2": 77}), _row("m", 2.0, {"0": 59, "c1": 62, "c2": 83}),
-             _row("m", 3.0, {"0": 90})]  # not re-run: measured slower in the first pass
-    assert median_regret(drift, "predicted_step_s")["m"] == pytest.approx(71 / 62)
-    assert paired_regret(drift, "predicted_step_s")["m"] == pytest.approx(1.0)  # 71/59 only in round 0
-    # a pick slower in every round keeps its regret: the median of the per-round ratios
-    slow = [_row("m", 1.0, {"0": 1.2, "c1": 1.3, "c2": 1.1, "1": 0.5}), _row("m", 2.0, {"0": 1.0, "c1": 1.0, "c2": 1.0})]
-    assert paired_regret(slow, "predicted_step_s")["m"] == pytest.approx(1.2)  # the noise repeat "1" is left out
-    # a pick that was not re-run with its rivals has no paired figure
-    unconfirmed = [_row("m", 0.5, {"0": 2.0}), _row("m", 1.0, {"0": 1.0, "c1": 1.0}), _row("m", 2.0, {"0": 1.1, "c1": 1.1})]
-    assert paired_regret(unconfirmed, "predicted_step_s")["m"] is None
+    both = {"m a", "m b"}
+    # the machine runs a whole round slow (c2): the pick is fastest in every re-run round, but the
+    # median over rounds of each plan alone puts the rival ahead; the first pass (71 vs 59), where
+    # the rival was chosen as the fastest, is not a round
+    drift = [_row("a", 1.0, {"0": 71, "c1": 54, "c2": 77, "c3": 76}),
+             _row("b", 2.0, {"0": 59, "c1": 62, "c2": 83, "c3": 60}),
+             _row("c", 3.0, {"0": 90})]  # not re-run: measured slower in the first pass
+    assert median_regret(drift, "predicted_step_s")["m"] == pytest.approx(73.5 / 61)  # the medians of the 4 runs
+    assert paired_regret(drift, "predicted_step_s", both)["m"] == pytest.approx(1.0)  # 54/54, 77/77, 76/60: median 1
+    # a pick slower in every round keeps its regret; noise repeats ("1") are not rounds
+    slow = [_row("a", 1.0, {"0": 1.0, "c1": 1.3, "c2": 1.1, "1": 0.5}),
+            _row("b", 2.0, {"0": 1.0, "c1": 1.0, "c2": 1.0, "1": 9.0})]
+    assert paired_regret(slow, "predicted_step_s", both)["m"] == pytest.approx(1.2)
+    # a round where a re-run plan failed is dropped; with fewer than two rounds left there is no figure
+    failed = [_row("a", 1.0, {"0": 1, "c1": 1.0, "c2": 2.0, "c3": 1.0}),
+              _row("b", 2.0, {"0": 1, "c1": 0.5, "c2": None, "c3": 0.5})]
+    assert paired_regret(failed, "predicted_step_s", both)["m"] == pytest.approx(2.0)  # c2 (2.0 vs failed) dropped
+    assert paired_regret(failed[:1] + [_row("b", 2.0, {"0": 1, "c1": 0.5})], "predicted_step_s", both)["m"] is None
+    # a re-run plan whose re-runs were all skipped (none recorded) still counts: no complete round
+    assert paired_regret([drift[0], _row("b", 2.0, {"0": 59})], "predicted_step_s", both)["m"] is None
+    # a pick that was not re-run has no paired figure
+    assert paired_regret(drift, "predicted_step_s", {"m b", "m c"})["m"] is None
+
 
 @pytest.mark.slow
 def test_fidelity_smoke_two_processes(tmp_path, monkeypatch, capsys):
