@@ -307,8 +307,10 @@ def measure_split(db, spec: str, seq_len: int, repeats: int, device) -> None:
     """What a backward split as torch's schedule runtime splits it (input gradients, then weight
     gradients: ``torch_compat.split_backward``) costs beyond one whole backward, as a share of the
     backward: over ``spec``'s layers with inputs that take gradients, at one sequence, tp 1, each
-    weighted by how often it repeats, the extra seconds over the whole backward's (``db``'s own
-    measurement of the layer); the ranks' median, into ``db.runtime["split_backward_frac"]``
+    weighted by how often it repeats, the extra seconds over the whole backward's, timed in the
+    same rounds (the forward + whole backward call's time times the backward's share of the
+    layer in ``db``; over the layer time measured earlier in the profile, a CI run read 14.1
+    for the test's model, 2026-12-06); the ranks' median, into ``db.runtime["split_backward_frac"]``
     (cost_models/cpu_runtime.py); 0 when no layer has such inputs. The median, not the slowest rank's
     as the layer times take: a noisy difference's maximum over ranks ran high (llama-fid on
     local-cpu:4, three profiles: 8.4%, 17.8%, 20.4%, the split schedules then priced up to 11%
@@ -321,15 +323,19 @@ def measure_split(db, spec: str, seq_len: int, repeats: int, device) -> None:
     graph, cfg, model, reps, sync = _profiled_model(db, spec, seq_len, device)
     inputs = _layer_inputs(model, reps.values(), zoo.example_batch(cfg, 1, seq_len, device=device))
     count = Counter(layer.signature for layer in graph.layers)
-    pairs, counts, whole = [], [], []
+    pairs, counts, bwd_share = [], [], []
     for sig, layer in reps.items():
         a, k = inputs[layer.name]
         if not any(isinstance(x, torch.Tensor) and x.is_floating_point() for x in a):
             continue  # (the first stage's inputs: torch's runtime runs its backward whole, in its W)
         pairs.append(_split_calls(_unit_with(model, layer, 1, None), a, k))
         counts.append(count[sig])
-        whole.append(db.layer_time(sig, 1, seq_len, 1, 1)[1])
+        f, b = db.layer_time(sig, 1, seq_len, 1, 1)
+        bwd_share.append(b / max(f + b, 1e-12))
     times = timeit_paired(pairs, repeats, sync, budget_s=4.0, agree=agree_min, lockstep=dist.barrier) if pairs else []
+    # the whole backward as timed in the same rounds as the split: the forward + backward call's
+    # time, times the backward's share of the layer in the profile
+    whole = [s * base for s, (base, _) in zip(bwd_share, times)]
     over = sum(c * x for c, (_, x) in zip(counts, times)) / max(sum(c * b for c, b in zip(counts, whole)), 1e-12)
     got = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(got, torch.tensor([over], dtype=torch.float64, device=device))
