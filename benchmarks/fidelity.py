@@ -192,6 +192,23 @@ def median_regret(rows: list[dict], pred_key: str) -> dict[str, float]:
     return out
 
 
+# the two predictions the benchmark scores: (result key, step-time column, memory column)
+PREDICTIONS = (("before", "predicted_step_s", "predicted_mem_gib"),
+               ("after_heldout", "heldout_step_s", "heldout_mem_gib"))
+
+
+def summaries(rows: list[dict], confirmed: Sequence[str]) -> dict[str, Any]:
+    """Per prediction (``PREDICTIONS``) over all ``rows``: Spearman, MAPE, memory error and both
+    regrets; and ``per_model``, the same without regret for each model's rows."""
+    out: dict[str, Any] = {key: dict(cal_mod.summarize(rows, pred, mem), regret=median_regret(rows, pred),
+                                     regret_paired=paired_regret(rows, pred, confirmed))
+                           for key, pred, mem in PREDICTIONS}
+    models = sorted({r["model"] for r in rows})
+    out["per_model"] = {m: {key: cal_mod.summarize([r for r in rows if r["model"] == m], pred, mem)
+                            for key, pred, mem in PREDICTIONS} for m in models}
+    return out
+
+
 def analyse(cands: list[Candidate], cluster, profile, profile_path: str | None, cluster_spec: str, gb: int,
             seq: int, out_dir: str, confirmed: Sequence[str] = ()) -> dict[str, Any]:
     """Predictions against measurements, before calibration and held out (module docstring, 4-5);
@@ -219,18 +236,7 @@ def analyse(cands: list[Candidate], cluster, profile, profile_path: str | None, 
         after = cal_mod.predict(s, profile, full)
         r["breakdown_calibrated_all"] = after.breakdown
         r["calibrated_all_step_s"] = after.step_s
-    res: dict[str, Any] = {"plans": rows}
-    res["before"] = cal_mod.summarize(rows, "predicted_step_s", "predicted_mem_gib")
-    res["before"]["regret"] = median_regret(rows, "predicted_step_s")
-    res["before"]["regret_paired"] = paired_regret(rows, "predicted_step_s", confirmed)
-    res["after_heldout"] = cal_mod.summarize(rows, "heldout_step_s", "heldout_mem_gib")
-    res["after_heldout"]["regret"] = median_regret(rows, "heldout_step_s")
-    res["after_heldout"]["regret_paired"] = paired_regret(rows, "heldout_step_s", confirmed)
-    for model in sorted({r["model"] for r in rows}):
-        mine = [r for r in rows if r["model"] == model]
-        res.setdefault("per_model", {})[model] = {
-            "before": cal_mod.summarize(mine, "predicted_step_s", "predicted_mem_gib"),
-            "after_heldout": cal_mod.summarize(mine, "heldout_step_s", "heldout_mem_gib")}
+    res: dict[str, Any] = {"plans": rows, **summaries(rows, confirmed)}
     res["calibration"] = full
     res["calibration_fit_s"] = fit_s
     # the planner again, with the calibrated profile

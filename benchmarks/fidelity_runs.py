@@ -13,6 +13,7 @@ from typing import Any, Collection
 from cost_models import calibrate as cal_mod
 
 RUN_TIMEOUT_S = 300  # a plan whose run hangs is killed and counted as failed
+RERUN = "c"  # the tag prefix of the interleaved re-runs: "c1", "c2", ... (the first pass is "0")
 
 
 def say(msg: str) -> None:
@@ -76,19 +77,14 @@ def confirm_order(cands: list, rounds: int, others: int = 2) -> list[tuple[int, 
         pick = min(ok, key=lambda i: cands[i].estimate.step_s)
         rest = sorted((i for i in ok if i != pick), key=lambda i: _first_median(cands[i]))
         groups.append([pick] + rest[:others])
-    return [(i, f"c{r}") for r in range(1, rounds + 1) for g in groups for i in g]
+    return [(i, f"{RERUN}{r}") for r in range(1, rounds + 1) for g in groups for i in g]
 
 
 def rerun_medians(runs: list[dict]) -> dict[str, float]:
     """Run tag -> the run's median step seconds, for the interleaved re-runs ("c1", "c2", ...)
     that succeeded; the first pass ("0", where the rivals were chosen as the fastest) and the
     noise repeats ("1", "2": back to back, apart from the other plans) are left out."""
-    out = {}
-    for r in runs:
-        tag = r.get("tag", os.path.basename(r["dir"])[3:])
-        if r["rc"] == 0 and "median_s" in r and tag.startswith("c"):
-            out[tag] = r["median_s"]
-    return out
+    return {r["tag"]: r["median_s"] for r in runs if r["rc"] == 0 and "median_s" in r and r["tag"].startswith(RERUN)}
 
 
 def paired_regret(rows: list[dict], pred_key: str, confirmed: Collection[str]) -> dict[str, float | None]:
