@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import types
 
 import pytest
 import torch
@@ -202,41 +203,46 @@ def test_profiler_two_processes(tmp_path):
     assert 0.0 <= db.runtime["split_backward_frac"] < 2.0 and "[profile] split backward: +" in r.stdout
 
 
-def test_timeit_paired_drops_a_slow_spell_from_the_difference():
+def _virtual_calls(monkeypatch, slow: list):
+    """``call(ms)``: a function taking ``ms x slow[0]`` milliseconds of a virtual clock, which
+    ``profile_timing`` reads instead of the machine's."""
+    now = [0.0]
+    monkeypatch.setattr(profile_timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def call(ms: float):
+        def run() -> None:
+            now[0] += ms * slow[0] / 1000
+        return run
+    return call
+
+
+def test_timeit_paired_drops_a_slow_spell_from_the_difference(monkeypatch):
     """A forward (10 ms) and a forward + backward (25 ms) timed in 5 alternating rounds; a slow
     spell makes round 2's batches and round 3's forward 3x slower. The forward is the median
-    batch, 10 ms; the backward the median of the rounds' differences, 15 ms."""
-    import time
-
+    batch, 10 ms; the backward the median of the rounds' differences, 15 ms. The calls advance a
+    virtual clock (a loaded machine's sleeps overshoot: 12.8 ms for 10 in one full-suite run)."""
     factors = iter([1, 1, 3, 3, 3, 1, 1, 1, 1, 1])  # per batch, set by the lockstep before it
     slow = [1]
-
-    def call(ms):
-        return lambda: time.sleep(ms * slow[0] / 1000)
-
+    call = _virtual_calls(monkeypatch, slow)
     [(tf, tb)] = profile_timing.timeit_paired([(call(10), call(25))], repeats=5, sync=lambda: None, target_s=0.001,
                                               lockstep=lambda: slow.__setitem__(0, next(factors)))
-    assert tf == pytest.approx(0.010, rel=0.25) and tb == pytest.approx(0.015, rel=0.25)
+    assert tf == pytest.approx(0.010, rel=1e-9) and tb == pytest.approx(0.015, rel=1e-9)
 
 
 @pytest.mark.slow
-def test_timeit_paired_spreads_a_slow_spell_over_every_shape():
+def test_timeit_paired_spreads_a_slow_spell_over_every_shape(monkeypatch):
     """Three layer shapes (forward 10 / 20 / 30 ms, backward twice that) timed in 5 interleaved
     rounds; a slow spell of 12 batches (longer than one shape's 10) makes rounds 2 and 3 of
     every shape 3x slower. Interleaved, each shape keeps 3 quick rounds of 5 and its medians
     are its own times; timed one shape after another, the spell would fall on all the middle
     shape's rounds and price it 3x."""
-    import time
-
     batches = 3 * 2 * 5
     factors = iter([1] * 6 + [3] * 12 + [1] * (batches - 18))  # per batch (round-major), set by the lockstep
     slow = [1]
-
-    def call(ms):
-        return lambda: time.sleep(ms * slow[0] / 1000)
+    call = _virtual_calls(monkeypatch, slow)
 
     pairs = [(call(f), call(3 * f)) for f in (10, 20, 30)]
     got = profile_timing.timeit_paired(pairs, repeats=5, sync=lambda: None, target_s=0.001,
                                             budget_s=math.inf, lockstep=lambda: slow.__setitem__(0, next(factors)))
     for (tf, tb), f in zip(got, (10, 20, 30)):
-        assert tf == pytest.approx(f / 1000, rel=0.3) and tb == pytest.approx(2 * f / 1000, rel=0.3)
+        assert tf == pytest.approx(f / 1000, rel=1e-9) and tb == pytest.approx(2 * f / 1000, rel=1e-9)
