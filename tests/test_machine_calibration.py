@@ -86,6 +86,43 @@ def test_machine_profile_uses_the_cache_and_says_so(tmp_path, monkeypatch) -> No
     assert prof is None and "not been profiled" in note
 
 
+def test_cached_calibration_prices_at_the_figures_it_was_fitted_on(tmp_path, monkeypatch) -> None:
+    """A later process probes the machine anew (GEMM and copy speed); the cached fit's
+    efficiencies are re-expressed over its figures, so a plan is priced as the fit priced it
+    whether that probe read the machine 30% faster or slower. Without the fit's figures (a cache
+    that has none) the price follows the probe."""
+    from planner.plan import ParallelConfig
+    from planner.search.planning import evaluate_config
+
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("AUTOPAR_CALIBRATE", "1")
+    c = parse_cluster("local-cpu:2")
+    mc = replace(_fake(c, figures=mcal.machine_figures(c)), calibration={"eff_matmul": 0.5, "eff_memory": 0.6})
+    mcal.save_cached(c, mc)
+    g = load_graph("gpt-mini")
+    cfg = ParallelConfig(dp=1, mbs=16, zero="ddp", dtype="fp32", threads=2)
+
+    def priced(cluster, figures: bool = True) -> float:
+        if not figures:
+            mcal.save_cached(c, replace(mc, figures={}))
+        prof, _ = mcal.machine_profile(cluster, allow_profile=False)
+        e, why = evaluate_config(g, cluster, cfg, 16, profile=prof)
+        assert not why, why
+        return e.step_s
+
+    def probed(factor: float):
+        d = c.device
+        return replace(c, device=replace(d, peak_tflops={"fp32": d.peak_tflops["fp32"] * factor},
+                                         mem_bw_gbs=d.mem_bw_gbs * factor))
+
+    base = priced(c)
+    for factor in (0.7, 1.3):
+        assert mcal.machine_figures(probed(factor))["gemm_flops"] == pytest.approx(
+            factor * mc.figures["gemm_flops"])
+        assert priced(probed(factor)) == pytest.approx(base, rel=1e-9)
+    assert priced(probed(1.3), figures=False) < 0.9 * base
+
+
 def test_calibration_changes_the_plans_estimate(tmp_path, monkeypatch) -> None:
     from planner.search.planning import plan_model
 

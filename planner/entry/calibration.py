@@ -30,7 +30,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -43,7 +43,7 @@ REFERENCE_BATCH = 8              # sequences per step (its preset length, 96 tok
 ONE_PROCESS_BATCH = 16           # the one-process run's: twice the compute of the others' ranks
 STEPS, WARMUP = 4, 2             # timed and untimed steps per reference layout
 TIMEOUT_S = 120.0                # the profile is killed past this
-CACHE_VERSION = 2                # 2: the one-process run joined the reference runs
+CACHE_VERSION = 3                # 2: the one-process run joined the reference runs; 3: the figures fitted on
 
 
 @dataclass
@@ -56,6 +56,7 @@ class MachineCalibration:
     runs: list[dict]                  # per reference layout: label, measured and fitted step seconds
     created: str                      # UTC time of the profile
     profile_s: float                  # wall seconds the profile took
+    figures: dict[str, float] = field(default_factory=dict)  # machine_figures() the fit priced with
     version: int = CACHE_VERSION
 
     def summary(self) -> str:
@@ -174,7 +175,7 @@ def run_profile(progress: Callable[[str], None] | None = None) -> MachineCalibra
     mc = MachineCalibration(machine=machine_fingerprint(cluster), device=cluster.device.name, world=world,
                             calibration=fitted, runs=rows,
                             created=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                            profile_s=round(time.perf_counter() - t0, 1))
+                            profile_s=round(time.perf_counter() - t0, 1), figures=machine_figures(cluster))
     save_cached(cluster, mc)
     return mc
 
@@ -241,4 +242,28 @@ def machine_profile(cluster: Cluster, *, enabled: bool = True, allow_profile: bo
         mc = run_profile(progress)
     if mc is None:
         return None, "uncalibrated (this machine has not been profiled yet)"
-    return with_calibration(None, mc.calibration, cluster, source=mc.describe()), mc.summary()
+    return with_calibration(None, pinned_calibration(mc, cluster), cluster, source=mc.describe()), mc.summary()
+
+
+def machine_figures(cluster: Cluster) -> dict[str, float]:
+    """The figures ``Cluster.detect`` measured on this machine that the CPU roofline prices with,
+    per core (the device's per-process figures over its share of a core): ``gemm_flops`` (fp32
+    FLOP/s of one thread) and ``copy_bps`` (bytes/s read + written)."""
+    share = min(1.0, cluster.cores_per_node / cluster.devices_per_node) if cluster.cores_per_node else 1.0
+    return {"gemm_flops": cluster.peak_flops("fp32") / share, "copy_bps": cluster.device.mem_bw_gbs * 1e9 / share}
+
+
+def pinned_calibration(mc: MachineCalibration, cluster: Cluster) -> dict[str, float]:
+    """``mc``'s coefficients for planning on ``cluster``, whose figures were measured anew by this
+    process: the roofline's fitted efficiencies (``eff_matmul``, ``eff_memory``) re-expressed over
+    the new figures, so that a layer is priced at the speed the fit gave it (fit-time figure x
+    fitted efficiency) and not at a fresh probe's. The probe is a 0.5 s GEMM and a copy: on a
+    2-core VM, eight processes in a row read 133-176 GFLOP/s, and the demo's prediction of the same
+    plan with the same cache moved 0.208-0.267 s with it, while the runs it predicts did not
+    follow (2026-12-06)."""
+    cal = dict(mc.calibration)
+    live = machine_figures(cluster)
+    for key, fig in (("eff_matmul", "gemm_flops"), ("eff_memory", "copy_bps")):
+        if key in cal and mc.figures.get(fig) and live[fig] > 0:
+            cal[key] *= mc.figures[fig] / live[fig]
+    return cal

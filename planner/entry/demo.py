@@ -21,6 +21,10 @@ from typing import Callable
 
 from planner.errors import AutoparError
 
+# timed steps of the one-process baseline on each side of the plan's run: 3 + 3 steps' median
+# moved with the 1-3 s slow spells of a 2-core VM, whose step time wandered 0.23-0.31 s within one
+# 30-step run (2026-12-06)
+BASELINE_STEPS = 6
 
 @dataclass
 class DemoResult:
@@ -75,7 +79,7 @@ def run_demo(model: str, cluster_spec: str, global_batch: int, seq_len: int | No
              f"tokens) on {cluster.name}: {res.best.config.label()}, predicted {res.best.step_s:.3f} s/step")
     if (threads := threads_text(plan)) is not None:
         progress(threads)
-    before = single_process_step(model, global_batch, graph.seq_len, lr=lr)
+    before = single_process_step(model, global_batch, graph.seq_len, lr=lr, steps=BASELINE_STEPS)
     progress(f"one plain PyTorch process ({before.threads} threads): {before.step_s:.3f} s/step; "
              f"running the plan for {steps} steps")
     log = os.path.join(run_dir, "train_log.jsonl")
@@ -85,7 +89,7 @@ def run_demo(model: str, cluster_spec: str, global_batch: int, seq_len: int | No
     if rc != 0:
         raise AutoparError(f"the training job failed (torchrun exit {rc}); its output is above")
     c = compare_run(plan_path, log)
-    after = single_process_step(model, global_batch, graph.seq_len, lr=lr)
+    after = single_process_step(model, global_batch, graph.seq_len, lr=lr, steps=BASELINE_STEPS)
     single_s = statistics.median(before.times + after.times)
     progress(f"one plain PyTorch process again: {after.step_s:.3f} s/step (median of both: {single_s:.3f} s/step)")
     report = os.path.join(run_dir, "report.html")
