@@ -13,8 +13,9 @@ the same three layouts) and prices a plan with no communication at all - the one
 plan the search always considers - from whichever way the fit split them. ``cost_models.calibrate.fit`` fits the time and
 memory coefficients to those runs and the result is cached in the user's cache directory
 (``$AUTOPAR_CACHE_DIR``, else ``$XDG_CACHE_HOME/autopar``, else ``~/.cache/autopar``) under
-the machine's fingerprint (CPU model, cores, memory, torch version). Later plans on the
-machine reuse it, for any process count; every plan records whether it is calibrated
+the machine's fingerprint (CPU model, cores, memory, torch version), with the GEMM and copy
+speeds the fit priced with (:func:`pinned_calibration`). Later plans on the machine reuse it,
+for any process count; every plan records whether it is calibrated
 (``Plan.estimate["calibration"]``).
 
 The reference model is not the demo's (``gpt-mini``) and not the user's: the coefficients
@@ -259,8 +260,9 @@ def pinned_calibration(mc: MachineCalibration, cluster: Cluster) -> dict[str, fl
     the new figures, so that a layer is priced at the speed the fit gave it (fit-time figure x
     fitted efficiency) and not at a fresh probe's. The probe is a 0.5 s GEMM and a copy: on a
     2-core VM, eight processes in a row read 133-176 GFLOP/s, and the demo's prediction of the same
-    plan with the same cache moved 0.208-0.267 s with it, while the runs it predicts did not
-    follow (2026-12-06)."""
+    plan with the same cache moved 0.208-0.267 s with it; a demo priced at 0.214 s after a fast
+    probe measured 0.256 s (2026-12-06). The thread figures (``Cluster.thread_speedup``,
+    ``thread_sync_us``) stay live: they say whether another process holds a core now."""
     cal = dict(mc.calibration)
     live = machine_figures(cluster)
     for key, fig in (("eff_matmul", "gemm_flops"), ("eff_memory", "copy_bps")):

@@ -26,6 +26,7 @@ from planner.errors import AutoparError
 # 30-step run (2026-12-06)
 BASELINE_STEPS = 6
 
+
 @dataclass
 class DemoResult:
     plan_path: str
