@@ -173,9 +173,15 @@ def test_demo_profiles_this_machine_once_then_plans_calibrated(tmp_path, monkeyp
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", env["AUTOPAR_CACHE_DIR"])
     monkeypatch.setenv("AUTOPAR_CALIBRATE", "1")
     t0 = time.perf_counter()
-    prof, note = mcal.machine_profile(parse_cluster("local-cpu:2"), progress=lambda m: pytest.fail(m))
+    later = parse_cluster("local-cpu:2")
+    prof, note = mcal.machine_profile(later, progress=lambda m: pytest.fail(m))
     assert time.perf_counter() - t0 < 5 and cache[0].stat().st_mtime == before
-    assert note.startswith("calibrated on this machine") and prof.calibration == d["calibration"]
+    assert note.startswith("calibrated on this machine") and set(d["figures"]) == {"gemm_flops", "copy_bps"}
+    live = mcal.machine_figures(later)  # this process's own probe: the layers priced at the fit's speeds
+    for key, fig in (("eff_matmul", "gemm_flops"), ("eff_memory", "copy_bps")):
+        assert prof.calibration[key] * live[fig] == pytest.approx(d["calibration"][key] * d["figures"][fig])
+    assert {k: v for k, v in prof.calibration.items() if not k.startswith("eff_")} == \
+        {k: v for k, v in d["calibration"].items() if not k.startswith("eff_")}
     from planner.search.planning import plan_model
     p, _ = plan_model(load_graph("llama-tiny"), parse_cluster("local-cpu:2"), 4, spec="llama-tiny",
                       cluster_spec="local-cpu:2", profile=prof)
