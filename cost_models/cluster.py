@@ -179,6 +179,15 @@ class Cluster:
         whatever the plan's dtype (CPU GEMMs run fp32), else the plan's."""
         return "fp32" if self.backend == "gloo" else dtype
 
+    @property
+    def core_share(self) -> float:
+        """Share of a core each of a node's processes runs on: ``min(1, cores_per_node /
+        devices_per_node)`` where the cores are known (a detected local CPU cluster, whose
+        per-process figures ``detect`` scales by it), else 1.0."""
+        if not self.cores_per_node:
+            return 1.0
+        return min(1.0, self.cores_per_node / self.devices_per_node)
+
     def peak_flops(self, dtype: str = "bf16", device: Device | None = None) -> float:
         """Dense peak of one device (``device``: one of the groups'; default the cluster's) for ``dtype``,
         FLOP/s (see ``_DTYPE_FALLBACK``)."""

@@ -116,8 +116,7 @@ def profiled_comm_factor(cluster: Cluster, profiled_ranks: int) -> float:
     2-core machine) halve the time; 1.0 off local CPU clusters or with a core per process."""
     if not local_cpu(cluster) or profiled_ranks <= 0:
         return 1.0
-    cores = cluster.cores_per_node
-    return min(1.0, cores / profiled_ranks) / min(1.0, cores / cluster.devices_per_node)
+    return min(1.0, cluster.cores_per_node / profiled_ranks) / cluster.core_share
 
 
 def local_cpu(cluster: Cluster) -> bool:
@@ -151,10 +150,9 @@ def rank_speed(cluster: Cluster, ranks: int, threads: int) -> float:
     """Compute speed of one of ``ranks`` processes running ``threads`` threads each, over the
     cluster's per-device figure (``devices_per_node`` single-thread processes sharing the
     cores, ``Cluster.detect``): ``thread_scaling x min(1, cores / (ranks x threads))`` over
-    ``min(1, cores / devices_per_node)``."""
+    ``Cluster.core_share``."""
     cores = cluster.cores_per_node
-    base = min(1.0, cores / cluster.devices_per_node)
-    return thread_scaling(cluster, threads) * min(1.0, cores / (ranks * max(threads, 1))) / base
+    return thread_scaling(cluster, threads) * min(1.0, cores / (ranks * max(threads, 1))) / cluster.core_share
 
 
 def ranks_cluster(cluster: Cluster, cfg: ParallelConfig) -> Cluster:

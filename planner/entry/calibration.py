@@ -250,7 +250,7 @@ def machine_figures(cluster: Cluster) -> dict[str, float]:
     """The figures ``Cluster.detect`` measured on this machine that the CPU roofline prices with,
     per core (the device's per-process figures over its share of a core): ``gemm_flops`` (fp32
     FLOP/s of one thread) and ``copy_bps`` (bytes/s read + written)."""
-    share = min(1.0, cluster.cores_per_node / cluster.devices_per_node) if cluster.cores_per_node else 1.0
+    share = cluster.core_share
     return {"gemm_flops": cluster.peak_flops("fp32") / share, "copy_bps": cluster.device.mem_bw_gbs * 1e9 / share}
 
 
