@@ -246,9 +246,9 @@ def layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelC
         if got is not None:  # the profiler times plain local shards: no DTensor dispatch
             fwd = (got[0] + df) * k
             return LayerTime(fwd, (got[1] + db) * k, "profile",
-                             op_recompute_s=op_recompute_share(layer, graph, cfg) * fwd, dispatch_s=(df + db) * k)
+                             op_recompute_s=op_recompute_share(layer, graph, cfg) * fwd)
     t = roofline_time(layer, graph, cluster, cfg, cal, engine)
     share = t.op_recompute_s / t.fwd_s if t.fwd_s > 0 else 0.0
     fwd = (t.fwd_s + df) * k
     return LayerTime(fwd, (t.bwd_s + db) * k, t.source, op_recompute_s=share * fwd,
-                     experts_fwd_s=t.experts_fwd_s * k, experts_bwd_s=t.experts_bwd_s * k, dispatch_s=(df + db) * k)
+                     experts_fwd_s=t.experts_fwd_s * k, experts_bwd_s=t.experts_bwd_s * k)

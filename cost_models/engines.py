@@ -10,13 +10,6 @@ behaviour of a named engine (the flag or default that turns it on is cited):
   async TP). Each collective is cut into ``tp`` ring steps, each overlapped with a GEMM
   chunk; the first step waits for nothing to hide behind, so a layer's TP traffic ``C``
   beside its compute ``W`` costs ``exposed_s(C, W, C / tp)``.
-- ``tp_async_wait``: the TP collectives are issued asynchronously and waited at the first use
-  of their output (torch's ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel``
-  redistribute with ``async_op=True``: autopar's runtime and torchtitan). On a CPU cluster the
-  host's DTensor dispatch between issue and use (sharding propagation, wrapping, the next
-  module's hooks: ``cost_models/dtensor_dispatch.py``) runs while gloo moves the bytes, so a
-  layer's TP traffic ``C`` beside its dispatch ``D`` costs ``exposed_s(C, D)``; on GPUs the
-  dispatch runs ahead of the kernels (``D`` = 0) and the switch changes nothing.
 - ``dp_overlap``: gradient reduction issued bucket by bucket while the backward still runs
   (torch DDP and FSDP2 by default; Megatron-Core ``--overlap-grad-reduce``; absent from
   2021-22 Megatron-LM, whose local DDP reduced after the backward: Korthikanti et al.
@@ -141,7 +134,6 @@ class Engine:
     """One engine's overlap switches (module docstring: what each means and who has it)."""
     name: str
     tp_overlap: bool = False
-    tp_async_wait: bool = False
     dp_overlap: bool = True
     dist_opt_reduce_scatter: bool = False
     dist_opt_states: bool = False
@@ -186,7 +178,7 @@ class Engine:
 
 
 ENGINES: dict[str, Engine] = {e.name: e for e in (
-    Engine("autopar", tp_async_wait=True, fused_optimizer=True, attention_kernel="autopar-triton", eager_attention="torch-sdpa",
+    Engine("autopar", fused_optimizer=True, attention_kernel="autopar-triton", eager_attention="torch-sdpa",
            fsdp2_mixed_precision=True,
            doc="autopar's runtime (codegen/runtime): FSDP2 / DDP gradient overlap, fused AdamW "
                "(codegen.runtime.optim.adamw; the per-parameter loop where plain and DTensor parameters mix), "
@@ -218,11 +210,11 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine("llama3", dp_overlap=True, p2p_overlap=True, fused_optimizer=True,
            doc="Meta's Llama 3 stack as its paper describes it: FSDP (ZeRO-2-like) with overlapped "
                "reduction, asynchronous pipeline P2P"),
-    Engine("torchtitan", tp_async_wait=True, dp_overlap=True, fused_optimizer=True, fp8_tp_all_gather=True, attention_kernel="fa2",
+    Engine("torchtitan", dp_overlap=True, fused_optimizer=True, fp8_tp_all_gather=True, attention_kernel="fa2",
            fsdp2_mixed_precision=True,
            doc="torchtitan: FSDP2 with prefetch and overlapped reduce-scatter, fused AdamW (its default), "
                "eager TP without async TP"),
-    Engine("torchtitan-asynctp", tp_overlap=True, tp_async_wait=True, dp_overlap=True, fused_optimizer=True, fp8_tp_all_gather=True,
+    Engine("torchtitan-asynctp", tp_overlap=True, dp_overlap=True, fused_optimizer=True, fp8_tp_all_gather=True,
            attention_kernel="fa2", fsdp2_mixed_precision=True,
            doc="torchtitan with --parallelism.enable_async_tensor_parallel (under torch.compile): the TP "
                "all-gather / reduce-scatter decomposed and overlapped with the GEMMs (micro-pipelined)"),

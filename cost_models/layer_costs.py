@@ -132,8 +132,6 @@ class LayerCosts:
                 tp_s = 2 * n_red * one  # forward and backward
                 if self.engine.tp_overlap:  # chunked beside the GEMMs; the first ring step waits
                     tp_s = exposed_s(tp_s, lt.fwd_s + lt.bwd_s, tp_s / cfg.tp)
-                elif self.engine.tp_async_wait:  # waited at first use, after the host's dispatch
-                    tp_s = exposed_s(tp_s, lt.dispatch_s)
                 tp_s += lockstep_wait_s(lt.fwd_s + lt.bwd_s, self.c, cfg, self.profile)  # CPU ranks' spread
         core_s = 0.0
         cp_s = 0.0

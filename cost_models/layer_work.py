@@ -29,9 +29,6 @@ class LayerTime:
     # what an engine's 1F1B all-to-all overlap pairs with the other micro-batch's communication
     experts_fwd_s: float = 0.0
     experts_bwd_s: float = 0.0
-    # the host's DTensor dispatch within fwd_s + bwd_s (CPU clusters under TP; 0 elsewhere):
-    # what an engine's asynchronous TP collectives run beside (Engine.tp_async_wait)
-    dispatch_s: float = 0.0
 
 
 def fused_loss_layer(layer: Layer, cfg: ParallelConfig) -> bool:

@@ -88,7 +88,6 @@ def test_tp_collectives_wait_a_measured_share_of_the_compute_on_cpu_ranks():
     the profile's lockstep_wait_frac of its compute; nothing without TP, on GPUs, or at 0."""
     from cost_models.cluster import parse_cluster
     from cost_models.cpu_runtime import DEFAULTS, lockstep_wait_s
-    from cost_models.engines import Engine
     from cost_models.layer_costs import LayerCosts
     from cost_models.profile_db import ProfileDB
     from planner.frontend.load import load_graph
@@ -105,7 +104,7 @@ def test_tp_collectives_wait_a_measured_share_of_the_compute_on_cpu_ranks():
         prof = ProfileDB(cpu.fingerprint(), "gloo", 2)
         prof.runtime = {"lockstep_wait_frac": frac}
         assert lockstep_wait_s(1.0, cpu, tp2, prof) == pytest.approx(frac)
-        return LayerCosts(g, cpu, tp2, prof, engine=Engine("blocking tp")).get(block)  # collectives all exposed
+        return LayerCosts(g, cpu, tp2, prof).get(block)
 
     none, some = block_cost(0.0), block_cost(0.3)
     assert none.tp > 0 and none.fwd == pytest.approx(some.fwd) and none.bwd == pytest.approx(some.bwd)

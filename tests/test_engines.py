@@ -49,36 +49,6 @@ def test_tp_overlap_hides_tp_traffic_behind_the_layer_compute_but_its_first_ring
         assert hidden.tp == pytest.approx(plain.tp - window)
 
 
-@pytest.mark.parametrize("seq, mbs", [(16, 1), (1024, 4)])
-def test_async_tp_wait_hides_cpu_collectives_behind_the_dtensor_dispatch_only(seq, mbs):
-    """torch's TP styles wait for a collective at the first use of its output: on a CPU cluster
-    the host's DTensor dispatch in between runs beside it (tiny collectives at 16 tokens: all
-    hidden; 4 x 1024: the rest beyond the dispatch); on GPUs nothing changes (no host window)."""
-    from cost_models.compute import layer_time
-    from cost_models.cpu_runtime import lockstep_wait_s
-
-    g = load_graph("gpt-small", batch=1, seq_len=seq)
-    cfg = ParallelConfig(tp=2, mbs=mbs, sp=True)
-    block = next(l for l in g.layers if l.kind == "transformer_block")
-    cpu = parse_cluster("local-cpu:2")
-    plain = LayerCosts(g, cpu, cfg, None, engine=PLAIN).get(block)
-    waited = LayerCosts(g, cpu, cfg, None, engine=Engine("a", tp_async_wait=True)).get(block)
-    lt = layer_time(block, g, cpu, cfg)
-    lock = lockstep_wait_s(lt.fwd_s + lt.bwd_s, cpu, cfg)
-    comm, window = plain.tp - lock, lt.dispatch_s
-    assert comm > 0 and window > 0
-    assert waited.tp - lock == pytest.approx(exposed_s(comm, window), abs=1e-12)
-    if seq == 16:
-        assert comm < window and waited.tp == pytest.approx(lock)
-    else:
-        assert comm > window and waited.tp - lock == pytest.approx(comm - window)
-    gpu = parse_cluster("dgx-h100:2")
-    assert layer_time(block, g, gpu, cfg).dispatch_s == 0.0
-    assert LayerCosts(g, gpu, cfg, None, engine=Engine("a", tp_async_wait=True)).get(block).tp == \
-        LayerCosts(g, gpu, cfg, None, engine=PLAIN).get(block).tp
-    assert engine_of(None).tp_async_wait and not engine_of("megatron-core").tp_async_wait
-
-
 def test_gradient_reduction_exposed_without_dp_overlap_hidden_with_it(graph):
     cfg = ParallelConfig(dp=32, mbs=2)
     exposed = _est(graph, cfg, PLAIN).breakdown["dp_comm"]
