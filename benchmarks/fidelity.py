@@ -27,6 +27,8 @@
     python -m benchmarks.fidelity [--cluster local-cpu:4] [--seq-len 64] [--global-batch 8]
         [--steps 8] [--repeats 3] [--models gpt-small,benchmarks/fidelity_llama.toml,benchmarks/fidelity_moe.toml]
         [--out benchmarks/results/fidelity.json]
+    python -m benchmarks.fidelity --reanalyse runs/fidelity --out X.json   # steps 4-5 again on
+        # the runs of that work folder (its manifest.json), under the current cost model
 
 Targets (issue): Spearman >= 0.9, MAPE <= 15 %, regret <= 1.05, peak memory within 15 %; the
 expert-parallel layouts (benchmarks/fidelity_moe.toml) within 25 %. The forced layouts include fewer processes than
@@ -54,8 +56,11 @@ from cost_models.cluster import parse_cluster  # noqa: E402
 from cost_models.profile_db import ProfileDB  # noqa: E402
 from benchmarks.fidelity_layouts import FORCED, FORCED_BY_WORLD  # noqa: E402
 from benchmarks.results import write_json  # noqa: E402
-from benchmarks.fidelity_runs import say as _log, noise_of, paired_regret, run_all, run_candidate  # noqa: E402
+from benchmarks.fidelity_runs import (RERUN, load_runs, noise_of, paired_regret, read_manifest, run_all,  # noqa: E402
+                                      run_candidate, write_manifest)
+from benchmarks.fidelity_runs import say as _log  # noqa: E402
 
+TARGETS = {"spearman": 0.9, "mape_pct": 15, "regret": 1.05, "memory_err_pct": 15}
 LLAMA_SPEC = "benchmarks/fidelity_llama.toml"
 MOE_SPEC = "benchmarks/fidelity_moe.toml"
 
@@ -331,6 +336,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--run-replan", action=argparse.BooleanOptionalAction, default=True,
                     help="run the calibrated planner's pick when it is not among the measured plans")
     ap.add_argument("--verbose", action="store_true", help="show the training programs' output")
+    ap.add_argument("--reanalyse", default="", metavar="WORK",
+                    help="score the runs of an earlier work folder again (its manifest.json) under the current "
+                         "cost model: no profiling, no runs; --out is still written")
     return ap.parse_args(argv)
 
 
@@ -372,8 +380,61 @@ def run_replans(new: list, res: dict, cluster, profile, args: argparse.Namespace
              f"{c.estimate.step_s:.3f} s (calibrated), measured {run.get('median_s', float('nan')):.3f} s")
 
 
+def reload_candidates(man: dict, work: str, cluster, profile) -> list[Candidate]:
+    """The manifest's plans with their recorded runs, each priced by the current estimator on
+    the work folder's profile (the plan's own configuration, stage split and batch)."""
+    from cost_models.estimate import estimate
+    from planner.frontend.load import load_graph
+    from planner.plan import Plan
+
+    graphs: dict[str, Any] = {}
+    cands = []
+    for p in man["plans"]:
+        d = os.path.join(work, p["dir"])
+        plan = Plan.load(os.path.join(d, "plan.json"))
+        if p["model"] not in graphs:
+            graphs[p["model"]] = load_graph(p["model"], batch=1, seq_len=man["seq_len"])
+        g = graphs[p["model"]]
+        e = estimate(g, cluster, plan.config, plan.partition(), plan.batch["global"], profile=profile)
+        cands.append(Candidate(p["model"], g, e, p["origin"], os.path.join(d, "plan.json"),
+                               load_runs(d, man["warmup"])))
+    return cands
+
+
+def reanalyse(args: argparse.Namespace) -> int:
+    """``--reanalyse WORK``: steps 4-5 of the module docstring on the runs a work folder already
+    holds; the calibrated planner's new picks are named, not run."""
+    work = args.reanalyse
+    man = read_manifest(work)
+    cluster = parse_cluster(man["cluster"])
+    profile = None
+    if man["profile"]:
+        profile = ProfileDB.load(man["profile"])
+        profile.calibration = {}
+    cands = reload_candidates(man, work, cluster, profile)
+    confirmed = [f"{c.graph.name} {c.estimate.config.label()}" for c in cands
+                 if any(r["tag"].startswith(RERUN) for r in c.runs)]
+    rounds = max((int(r["tag"][len(RERUN):]) for c in cands for r in c.runs if r["tag"].startswith(RERUN)),
+                 default=0)
+    out_dir = os.path.dirname(args.out) or "."
+    os.makedirs(out_dir, exist_ok=True)
+    res = analyse(cands, cluster, profile, man["profile"], man["cluster"], man["global_batch"], man["seq_len"],
+                  out_dir, confirmed)
+    for c in res.pop("_replan_new", []):
+        res["replan_calibrated"][c.graph.name]["note"] = "not run: --reanalyse runs nothing"
+    if (noise := noise_of(cands)) is not None:
+        res["noise"] = noise
+    res.update(reanalysed=work, confirmed={"rounds": rounds, "plans": confirmed}, profile=man["profile"],
+               targets=TARGETS, args=vars(args))
+    print_table(res)
+    write_json(args.out, res)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.reanalyse:
+        return reanalyse(args)
     t_start = time.perf_counter()
     models = [m for m in args.models.split(",") if m]
     cluster = parse_cluster(args.cluster)
@@ -391,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     cands = choose_plans(models, cluster, args.cluster, args.seq_len, args.global_batch, profile,
                          args.search_alternatives, forced, args.max_plans)
     write_plans(cands, cluster, args.cluster, args.work)
+    write_manifest(args.work, cands, args, profile_path)
     _log(f"{len(cands)} plans: " + "; ".join(f"{c.graph.name} {c.estimate.config.label()} ({c.origin})"
                                              for c in cands))
     t0 = time.perf_counter()
@@ -409,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     timings["total_s"] = time.perf_counter() - t_start
     res.update(failed=failed, skipped_for_time=skipped, confirmed={"rounds": args.confirm, "plans": confirmed},
                timings=timings, args=vars(args), profile=profile_path,
-               targets={"spearman": 0.9, "mape_pct": 15, "regret": 1.05, "memory_err_pct": 15})
+               targets=TARGETS)
     print_table(res)
     if failed:
         print(f"{len(failed)} plan(s) failed to run: " + "; ".join(f["config"] for f in failed))

@@ -1,8 +1,11 @@
 """The fidelity benchmark's runs: each plan's program for a few steps, the repeats that show the
-machine's noise, and the interleaved re-runs that settle each model's regret."""
+machine's noise, and the interleaved re-runs that settle each model's regret; the work folder's
+manifest and the runs read back from it (``--reanalyse``)."""
 from __future__ import annotations
 
 import argparse
+import glob
+import json
 import os
 import shutil
 import statistics
@@ -14,6 +17,8 @@ from cost_models import calibrate as cal_mod
 
 RUN_TIMEOUT_S = 300  # a plan whose run hangs is killed and counted as failed
 RERUN = "c"  # the tag prefix of the interleaved re-runs: "c1", "c2", ... (the first pass is "0")
+MANIFEST = "manifest.json"  # the work folder's index of its plans (:func:`write_manifest`)
+RUN_RECORD = "run.json"     # a run folder's exit status and wall time (:func:`run_candidate`)
 
 
 def say(msg: str) -> None:
@@ -42,11 +47,64 @@ def run_candidate(c: Any, steps: int, warmup: int, tag: str, quiet: bool) -> dic
     else:
         rc, log = run_plan(c.plan_path, steps=steps, run_dir=d, timeout_s=RUN_TIMEOUT_S)
     wall = time.perf_counter() - t0
+    with open(os.path.join(d, RUN_RECORD), "w", encoding="utf-8") as f:
+        json.dump({"rc": rc, "wall_s": wall}, f)
+    return read_run(d, tag, warmup, rc, wall, log)
+
+
+def read_run(d: str, tag: str, warmup: int, rc: int, wall: float | None, log: str) -> dict:
+    """One run's record: its exit status, wall seconds and log, and where it succeeded and
+    logged steps its median step after ``warmup`` steps, those steps and every rank's peak RSS."""
     run = {"dir": d, "tag": tag, "rc": rc, "wall_s": wall, "log": log}
     if rc == 0 and os.path.exists(log):
         times, mem = cal_mod.read_log(log, warmup)
         run.update(median_s=statistics.median(times), times=times, mem_gib=mem)
     return run
+
+
+def write_manifest(work: str, cands: list, args: argparse.Namespace, profile_path: str | None) -> None:
+    """Index the work folder before its runs: each plan's folder, model and origin, and what the
+    analysis reads (cluster, batch, sequence, warm-up, profile), so that ``--reanalyse WORK``
+    scores the same runs again under the current cost model without running anything."""
+    plans = [{"dir": os.path.basename(os.path.dirname(c.plan_path)), "model": c.model, "origin": c.origin}
+             for c in cands]
+    man = {"cluster": args.cluster, "global_batch": args.global_batch, "seq_len": args.seq_len,
+           "warmup": args.warmup, "profile": os.path.abspath(profile_path) if profile_path else None, "plans": plans}
+    with open(os.path.join(work, MANIFEST), "w", encoding="utf-8") as f:
+        json.dump(man, f, indent=1)
+
+
+def read_manifest(work: str) -> dict:
+    """The manifest :func:`write_manifest` wrote, its profile found again if the folder moved;
+    SystemExit naming the problem where there is none."""
+    path = os.path.join(work, MANIFEST)
+    try:
+        with open(path, encoding="utf-8") as f:
+            man = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"--reanalyse {work}: no readable {MANIFEST} there ({e}); give a work folder "
+                         "that benchmarks.fidelity ran in (--work)") from None
+    prof = man.get("profile")
+    if prof and not os.path.exists(prof) and os.path.exists(os.path.join(work, os.path.basename(prof))):
+        man["profile"] = os.path.join(work, os.path.basename(prof))
+    return man
+
+
+def load_runs(plan_dir: str, warmup: int) -> list[dict]:
+    """The runs a plan's folder holds (``run<tag>/``), as :func:`run_candidate` recorded them; a
+    run without its record (a folder from before records were kept) counts as succeeded where
+    its log has steps."""
+    out = []
+    for d in sorted(glob.glob(os.path.join(plan_dir, "run*"))):
+        log = os.path.join(d, "train_log.jsonl")
+        rec_path = os.path.join(d, RUN_RECORD)
+        if os.path.exists(rec_path):
+            with open(rec_path, encoding="utf-8") as f:
+                rec = json.load(f)
+        else:
+            rec = {"rc": 0 if os.path.exists(log) and os.path.getsize(log) else 1, "wall_s": None}
+        out.append(read_run(d, os.path.basename(d)[len("run"):], warmup, rec["rc"], rec["wall_s"], log))
+    return out
 
 
 def run_all(cands: list, args: argparse.Namespace, t_start: float) -> tuple[list[str], list[str]]:

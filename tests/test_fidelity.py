@@ -202,6 +202,16 @@ def test_fidelity_smoke_two_processes(tmp_path, monkeypatch, capsys):
         assert r["measured_mem_gib"] and all(m > 0.1 for m in r["measured_mem_gib"])
     for k in ("spearman", "mape_pct"):
         assert k in res["before"] and k in res["after_heldout"]
+    # the same runs scored again from the work folder alone: the same measurements and predictions
+    again = tmp_path / "again.json"
+    assert fidelity.main(["--reanalyse", str(tmp_path / "work"), "--out", str(again)]) == 0
+    re_res = json.loads(again.read_text())
+    assert [r["config"] for r in re_res["plans"]] == [r["config"] for r in res["plans"]]
+    for a, b in zip(res["plans"], re_res["plans"]):
+        assert b["origin"] == a["origin"] and len(b["runs"]) == len(a["runs"])
+        for k in ("measured_step_s", "predicted_step_s", "heldout_step_s"):
+            assert b[k] == pytest.approx(a[k], rel=1e-9), k
+    assert re_res["confirmed"]["plans"] == res["confirmed"]["plans"]
     # the CLI on the same runs: finite coefficients that move the estimate and fit better in-sample
     empty = ProfileDB(parse_cluster("local-cpu:2").fingerprint(), "gloo", 2)
     empty.to_json(tmp_path / "profile.json")
@@ -224,3 +234,27 @@ def test_fidelity_smoke_two_processes(tmp_path, monkeypatch, capsys):
     assert msle(cal) < msle({})
     assert any(abs(C.predict(s, prof, cal).step_s / C.predict(s, prof, {}).step_s - 1) > 0.05 for s in samples)
     assert time.perf_counter() - t0 < 90
+
+
+def test_work_folder_runs_read_back_as_recorded(tmp_path):
+    """``--reanalyse`` reads each run folder as the run recorded it: a recorded failure stays one
+    (its partial log unread), a folder without a record counts where its log has steps."""
+    from benchmarks.fidelity_runs import RUN_RECORD, load_runs, read_manifest
+
+    def run_dir(tag: str, steps: list[float], rc: int | None) -> None:
+        d = tmp_path / "plan" / f"run{tag}"
+        d.mkdir(parents=True)
+        (d / "train_log.jsonl").write_text("".join(json.dumps({"step_s": t, "memory_gib": [0.5, 0.6]}) + "\n"
+                                                   for t in steps))
+        if rc is not None:
+            (d / RUN_RECORD).write_text(json.dumps({"rc": rc, "wall_s": 3.0}))
+
+    run_dir("0", [9.0, 9.0, 1.0, 3.0, 2.0], 0)
+    run_dir("c1", [9.0, 9.0, 4.0], None)
+    run_dir("c2", [9.0, 1.0], 1)
+    runs = {r["tag"]: r for r in load_runs(str(tmp_path / "plan"), warmup=2)}
+    assert runs["0"]["median_s"] == 2.0 and runs["0"]["mem_gib"] == [0.5, 0.6] and runs["0"]["wall_s"] == 3.0
+    assert runs["c1"]["rc"] == 0 and runs["c1"]["median_s"] == 4.0 and runs["c1"]["wall_s"] is None
+    assert runs["c2"]["rc"] == 1 and "median_s" not in runs["c2"]
+    with pytest.raises(SystemExit, match="no readable manifest.json there"):
+        read_manifest(str(tmp_path))
