@@ -348,9 +348,14 @@ def load_profile(args: argparse.Namespace, models: list[str]) -> tuple[str | Non
         return None, None
     path = args.profile or profile_models(models, args.cluster, args.seq_len, args.profile_batches,
                                           args.profile_repeats, args.profile_sizes, args.work)
+    return path, uncalibrated_profile(path)
+
+
+def uncalibrated_profile(path: str) -> ProfileDB:
+    """The profile at ``path`` without its calibration: predictions "before" are the uncalibrated model's."""
     profile = ProfileDB.load(path)
-    profile.calibration = {}  # predictions "before" are the uncalibrated model's
-    return path, profile
+    profile.calibration = {}
+    return profile
 
 
 def run_replans(new: list, res: dict, cluster, profile, args: argparse.Namespace, t_start: float) -> None:
@@ -407,10 +412,7 @@ def reanalyse(args: argparse.Namespace) -> int:
     work = args.reanalyse
     man = read_manifest(work)
     cluster = parse_cluster(man["cluster"])
-    profile = None
-    if man["profile"]:
-        profile = ProfileDB.load(man["profile"])
-        profile.calibration = {}
+    profile = uncalibrated_profile(man["profile"]) if man["profile"] else None
     cands = reload_candidates(man, work, cluster, profile)
     confirmed = [f"{c.graph.name} {c.estimate.config.label()}" for c in cands
                  if any(r["tag"].startswith(RERUN) for r in c.runs)]
