@@ -188,11 +188,11 @@ def test_kernel_causal_reads_the_flag_or_the_masked_module():
     it is not causal or says nothing."""
     from planner.frontend.layer_kinds import kernel_causal
 
-    from codegen.runtime.torch_compat import saved_attention_ops
+    from codegen.runtime.torch_compat import CPU_FLASH_ATTENTION_OP, EFFICIENT_ATTENTION_OP, saved_attention_ops
 
     ops = {str(op).split(".")[-2]: op for op in saved_attention_ops()}  # aten.<kernel>.default
-    cpu = ops["_scaled_dot_product_flash_attention_for_cpu"]
-    eff = ops["_scaled_dot_product_efficient_attention"]
+    cpu = ops[CPU_FLASH_ATTENTION_OP]
+    eff = ops[EFFICIENT_ATTENTION_OP]
     q, mask = torch.zeros(1, 2, 4, 8), torch.ones(4, 4, dtype=torch.bool)
 
     def attn(flag):

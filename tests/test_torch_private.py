@@ -2,8 +2,8 @@
 versions it was checked on): no other module of ours, tests included, imports a torch module
 or name starting with ``_`` or reaches one through an attribute of torch (``torch._foreach_norm``,
 ``torch.ops._c10d_functional``, ``aten._scaled_dot_product_*`` through ``aten = torch.ops.aten``),
-or calls the private DeviceMesh / process-group methods named in ``PRIVATE_METHODS``, or replaces an
-attribute of torch (a process-wide patch)."""
+or calls the private DeviceMesh / process-group methods named in ``PRIVATE_METHODS``, or matches a
+private ATen op by its name (``"_unsafe_view"``), or replaces an attribute of torch (a process-wide patch)."""
 from __future__ import annotations
 
 import ast
@@ -28,6 +28,19 @@ PRIVATE_HOOKS = {"_partition_linear_fn", "_prepare_input_fn", "_prepare_output_f
 
 def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
+
+
+def private_aten_op(name: str) -> bool:
+    """Whether ``name`` is a private ATen op's base name (``_softmax``, ``_unsafe_view``)."""
+    import torch
+
+    if not _private(name) or not name.isidentifier():
+        return False
+    try:
+        getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def _chain(node: ast.AST) -> list[str] | None:
@@ -58,6 +71,8 @@ def private_torch_uses(source: str) -> list[str]:
     for node in ast.walk(tree):  # aliases: aten = torch.ops.aten
         if isinstance(node, ast.Assign) and (c := _chain(node.value)) and c[0] in torch_names:
             torch_names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    affixes = {id(a) for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+               and node.func.attr in ("endswith", "startswith") for a in node.args}  # "_backward": a suffix
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
             c = _chain(node)
@@ -70,6 +85,9 @@ def private_torch_uses(source: str) -> list[str]:
             found.append(f"{node.lineno}: patches {'.'.join(c)}")  # a torch attribute replaced: a side channel
         elif isinstance(node, ast.FunctionDef) and node.name in PRIVATE_HOOKS:
             found.append(f"{node.lineno}: def {node.name}")
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in affixes
+              and private_aten_op(node.value)):
+            found.append(f"{node.lineno}: names aten {node.value}")  # a private op matched by its name
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
               and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in PRIVATE_METHODS):
             found.append(f"{node.lineno}: getattr(..., {node.args[1].value!r})")
@@ -82,11 +100,12 @@ def test_the_scan_sees_each_kind_of_private_use():
            "z = dist.distributed_c10d._world\nm = mesh._flatten('a')\nok = torch.ops.aten.mm\n"
            "kids = block._modules\nsid = t.untyped_storage()._cdata\nname = getattr(op, '_opname', None)\n"
            "class S(ColwiseParallel):\n    def _prepare_output_fn(self, *a):\n        pass\n"
-           "torch.UntypedStorage.resize_ = len\n")
+           "torch.UntypedStorage.resize_ = len\nVIEWS = {'view', '_unsafe_view', '_tp_plan'}\n")
     assert sorted(u.split(": ", 1)[1] for u in private_torch_uses(src)) == sorted([
         "from torch.utils._pytree import tree_map", "aten._scaled_dot_product_flash_attention",
         "torch._foreach_norm", "dist.distributed_c10d._world", "._flatten", "._modules", "._cdata",
-        "getattr(..., '_opname')", "def _prepare_output_fn", "patches torch.UntypedStorage.resize_"])
+        "getattr(..., '_opname')", "def _prepare_output_fn", "patches torch.UntypedStorage.resize_",
+        "names aten _unsafe_view"])
 
 
 def test_private_torch_apis_only_in_torch_compat():

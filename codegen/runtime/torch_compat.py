@@ -153,6 +153,24 @@ def replicate_comm_hooked(module: torch.nn.Module) -> bool:
     return bool(getattr(ddp_replicate().state(module)._ddp, "_comm_hooks", None))
 
 
+# ATen op base names (:func:`op_base_name`) the capture classifies a layer and its tensor-parallel
+# roles by, private ones among them (checked on torch 2.13.0): the fused attention kernels, the
+# SDPA entry points that dispatch to them, softmax / log-softmax, the norms, and the reshape /
+# cast ops between a weight and its matmul.
+CPU_FLASH_ATTENTION_OP = "_scaled_dot_product_flash_attention_for_cpu"
+EFFICIENT_ATTENTION_OP = "_scaled_dot_product_efficient_attention"
+FUSED_ATTENTION_OPS = frozenset({
+    CPU_FLASH_ATTENTION_OP, EFFICIENT_ATTENTION_OP, "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward"})
+SDPA_OPS = frozenset({"scaled_dot_product_attention", "_scaled_dot_product_attention_math",
+                      "_scaled_dot_product_fused_attention_overrideable"})
+SOFTMAX_OPS = frozenset({"_softmax", "_safe_softmax", "softmax"})
+LOG_SOFTMAX_OPS = frozenset({"_log_softmax", "log_softmax"})
+NORM_OPS = frozenset({"native_layer_norm", "_fused_rms_norm", "rms_norm", "layer_norm"})
+RESHAPE_OPS = frozenset({"view", "reshape", "_unsafe_view"})
+CAST_OPS = frozenset({"_to_copy", "to"})
+
+
 def op_base_name(target: Any) -> str | None:
     """An aten op's name without namespace or overload (``mm`` for ``aten.mm.default``): the
     private ``_opname`` of torch's ``OpOverload`` / ``OpOverloadPacket``; None for other callables."""

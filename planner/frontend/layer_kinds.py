@@ -7,22 +7,17 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from codegen.runtime.torch_compat import op_argument_names
+from codegen.runtime.torch_compat import FUSED_ATTENTION_OPS, LOG_SOFTMAX_OPS, NORM_OPS, SOFTMAX_OPS, op_argument_names
 from planner.graph import AttentionDims
 
-ATTN_OPS = {
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_flash_attention_forward", "_efficient_attention_forward", "flash_attn_fwd",
-}
-LOSS_OPS = {"nll_loss_forward", "nll_loss2d_forward", "_log_softmax", "cross_entropy_loss", "linear_ce_fwd"}
-NORM_OPS = {"native_layer_norm", "_fused_rms_norm", "rms_norm"}
+ATTN_OPS = FUSED_ATTENTION_OPS | {"flash_attn_fwd"}  # torch's kernels and autopar's own
+LOSS_OPS = LOG_SOFTMAX_OPS | {"nll_loss_forward", "nll_loss2d_forward", "cross_entropy_loss", "linear_ce_fwd"}
 
 
 def part_kind(part, module: nn.Module | None, vocab: int | None) -> tuple[str, str]:
     ops = part.ops
     mods = list(module.modules()) if module is not None else []
-    if ops & ATTN_OPS or any(o in ops for o in ("_softmax", "_safe_softmax")) and "bmm" in ops:
+    if ops & ATTN_OPS or ops & SOFTMAX_OPS and "bmm" in ops:
         return "attention", "heads"
     if "embedding" in ops:
         return "embedding", "vocab" if module is not None and any(

@@ -45,23 +45,22 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from codegen.runtime.torch_compat import op_base_name
+from codegen.runtime.torch_compat import (CAST_OPS, LOG_SOFTMAX_OPS, NORM_OPS, RESHAPE_OPS, SDPA_OPS, SOFTMAX_OPS,
+                                          op_base_name)
 from planner.frontend.fx_graph import unit_nodes
 from planner.graph import BLOCK_KINDS, ModelGraph
 from planner.frontend.layer_kinds import ATTN_OPS
 
 _MATMULS = {"mm", "addmm", "bmm", "linear", "matmul"}
-_WEIGHT_PATH = {"t", "transpose", "view", "permute", "expand", "_unsafe_view", "reshape", "_to_copy", "alias",
-                "detach", "contiguous", "clone"}
-_SHAPE_OPS = {"view", "reshape", "_unsafe_view", "transpose", "t", "permute", "expand", "clone", "contiguous",
-              "_to_copy", "to", "unsqueeze", "squeeze", "slice", "split", "split_with_sizes", "chunk", "unbind",
-              "getitem", "alias", "detach", "cat", "select", "narrow", "native_dropout", "dropout", "type_as"}
-_SDPA = ATTN_OPS | {"scaled_dot_product_attention", "_scaled_dot_product_attention_math",
-                    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_fused_attention_overrideable"}
-_SOFTMAX = {"_softmax", "_safe_softmax", "softmax"}
-_REDUCTIONS = {"mean", "sum", "var", "var_mean", "std", "std_mean", "amax", "amin", "max", "min", "norm",
-               "linalg_vector_norm", "logsumexp", "_softmax", "_log_softmax", "_safe_softmax", "softmax", "prod"}
-_NORMS = {"native_layer_norm", "_fused_rms_norm", "rms_norm", "layer_norm"}
+_WEIGHT_PATH = RESHAPE_OPS | CAST_OPS | {"t", "transpose", "permute", "expand", "alias", "detach", "contiguous",
+                                         "clone"}
+_SHAPE_OPS = RESHAPE_OPS | CAST_OPS | {
+    "transpose", "t", "permute", "expand", "clone", "contiguous", "unsqueeze", "squeeze", "slice", "split",
+    "split_with_sizes", "chunk", "unbind", "getitem", "alias", "detach", "cat", "select", "narrow", "native_dropout",
+    "dropout", "type_as"}
+_SDPA = ATTN_OPS | SDPA_OPS
+_REDUCTIONS = SOFTMAX_OPS | LOG_SOFTMAX_OPS | {"mean", "sum", "var", "var_mean", "std", "std_mean", "amax", "amin",
+                                               "max", "min", "norm", "linalg_vector_norm", "logsumexp", "prod"}
 
 
 @dataclass
@@ -147,7 +146,7 @@ def _attention_outputs(nodes: list[fx.Node], unit: set[fx.Node]) -> tuple[set[fx
             outs.add(n)
             outs.update(u for u in n.users if _op(u) == "getitem")
             qk.append((n.args[0], n.args[1]))
-        elif _op(n) in _SOFTMAX:
+        elif _op(n) in SOFTMAX_OPS:
             scores = _find(_inputs(n), unit, _inputs, is_matmul)   # q @ k^T
             pv = _find(_users(n), unit, _users, is_matmul)          # probabilities @ v
             if pv is not None:
@@ -159,7 +158,7 @@ def _attention_outputs(nodes: list[fx.Node], unit: set[fx.Node]) -> tuple[set[fx
 
 def _is_head_view(n: fx.Node) -> bool:
     """``[.., h*d] -> [.., h, d]``: the reshape into heads."""
-    if _op(n) not in ("view", "reshape", "_unsafe_view") or not isinstance(n.args[0], fx.Node):
+    if _op(n) not in RESHAPE_OPS or not isinstance(n.args[0], fx.Node):
         return False
     i, o = _shape(n.args[0]), _shape(n)
     return (len(i) >= 1 and len(o) > len(i) and o[-2] * o[-1] == i[-1]
@@ -168,7 +167,7 @@ def _is_head_view(n: fx.Node) -> bool:
 
 def _reduces_last(n: fx.Node, nd: int) -> bool:
     """Does ``n`` reduce over the last of its input's ``nd`` dims (norms, mean, softmax, ...)?"""
-    if _op(n) in _NORMS:
+    if _op(n) in NORM_OPS:
         return True
     if _op(n) not in _REDUCTIONS or torch.Tag.pointwise in getattr(n.target, "tags", ()):
         return False

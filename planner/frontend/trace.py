@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from codegen.runtime.torch_compat import children_registry, observe_ops, storage_key, tree_map
+from codegen.runtime.torch_compat import RESHAPE_OPS, children_registry, observe_ops, storage_key, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from planner.frontend.records import UnitRecord, UnitRun, assemble, nbytes, tensors
@@ -161,8 +161,8 @@ class _Recorder:
                 flops = float(fn(*args, **kwargs, out_val=out))
             elif "scaled_dot_product" in name or "flash_attn" in name:
                 flops = _attention_flops(name, args)
-            is_view = func.is_view or name in ("view", "_unsafe_view", "expand", "t", "transpose", "permute",
-                                                 "detach", "alias", "slice", "select", "unsqueeze", "squeeze")
+            is_view = func.is_view or name in RESHAPE_OPS or name in (
+                "expand", "t", "transpose", "permute", "detach", "alias", "slice", "select", "unsqueeze", "squeeze")
             # views move nothing; neither do ops that return no tensor (device / shape queries)
             moves = not is_view and bool(tensors(out))
             nb = sum(nbytes(t) for t in tensors((args, kwargs, out))) if moves else 0
