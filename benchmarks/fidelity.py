@@ -56,8 +56,8 @@ from cost_models.cluster import parse_cluster  # noqa: E402
 from cost_models.profile_db import ProfileDB  # noqa: E402
 from benchmarks.fidelity_layouts import FORCED, FORCED_BY_WORLD  # noqa: E402
 from benchmarks.results import write_json  # noqa: E402
-from benchmarks.fidelity_runs import (RERUN, load_runs, noise_of, paired_regret, read_manifest, run_all,  # noqa: E402
-                                      run_candidate, write_manifest)
+from benchmarks.fidelity_runs import (RERUN, load_runs, noise_of, paired_regret, plan_name, read_manifest,  # noqa: E402
+                                      run_all, run_candidate, write_manifest)
 from benchmarks.fidelity_runs import say as _log  # noqa: E402
 
 TARGETS = {"spearman": 0.9, "mape_pct": 15, "regret": 1.05, "memory_err_pct": 15}
@@ -179,7 +179,7 @@ def _sample(c: Candidate, cluster) -> cal_mod.RunSample | None:
         return None
     mems = [cal_mod.per_stage_memory(c.estimate.config, r["mem_gib"]) for r in ok]
     mem = [max(col) for col in zip(*mems)] if all(mems) else []
-    return cal_mod.RunSample(name=f"{c.graph.name} {c.estimate.config.label()}", graph=c.graph, cluster=cluster,
+    return cal_mod.RunSample(name=plan_name(c), graph=c.graph, cluster=cluster,
                              config=c.estimate.config, partition=c.estimate.partition,
                              global_batch=c.estimate.global_batch,
                              measured_step_s=statistics.median(r["median_s"] for r in ok), measured_mem_gib=mem,
@@ -381,7 +381,7 @@ def run_replans(new: list, res: dict, cluster, profile, args: argparse.Namespace
             v["after_measured_s"] = run["median_s"]
             v["after_regret"] = run["median_s"] / best
             v["after_regret_note"] = "vs the best of the measured plans and this one"
-        _log(f"replan {c.graph.name} {c.estimate.config.label()}: rc {run['rc']}, predicted "
+        _log(f"replan {plan_name(c)}: rc {run['rc']}, predicted "
              f"{c.estimate.step_s:.3f} s (calibrated), measured {run.get('median_s', float('nan')):.3f} s")
 
 
@@ -414,7 +414,7 @@ def reanalyse(args: argparse.Namespace) -> int:
     cluster = parse_cluster(man["cluster"])
     profile = uncalibrated_profile(man["profile"]) if man["profile"] else None
     cands = reload_candidates(man, work, cluster, profile)
-    confirmed = [f"{c.graph.name} {c.estimate.config.label()}" for c in cands
+    confirmed = [plan_name(c) for c in cands
                  if any(r["tag"].startswith(RERUN) for r in c.runs)]
     rounds = max((int(r["tag"][len(RERUN):]) for c in cands for r in c.runs if r["tag"].startswith(RERUN)),
                  default=0)
@@ -455,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
                          args.search_alternatives, forced, args.max_plans)
     write_plans(cands, cluster, args.cluster, args.work)
     write_manifest(args.work, cands, args, profile_path)
-    _log(f"{len(cands)} plans: " + "; ".join(f"{c.graph.name} {c.estimate.config.label()} ({c.origin})"
+    _log(f"{len(cands)} plans: " + "; ".join(f"{plan_name(c)} ({c.origin})"
                                              for c in cands))
     t0 = time.perf_counter()
     skipped, confirmed = run_all(cands, args, t_start)

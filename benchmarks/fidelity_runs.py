@@ -19,6 +19,12 @@ RUN_TIMEOUT_S = 300  # a plan whose run hangs is killed and counted as failed
 RERUN = "c"  # the tag prefix of the interleaved re-runs: "c1", "c2", ... (the first pass is "0")
 MANIFEST = "manifest.json"  # the work folder's index of its plans (:func:`write_manifest`)
 RUN_RECORD = "run.json"     # a run folder's exit status and wall time (:func:`run_candidate`)
+RUN_DIR = "run"             # a plan's run folders: run0, run1, ..., runc1, ... (``RUN_DIR + tag``)
+
+
+def plan_name(c: Any) -> str:
+    """"model layout": how the benchmark names a plan (re-run lists, samples, log lines)."""
+    return f"{c.graph.name} {c.estimate.config.label()}"
 
 
 def say(msg: str) -> None:
@@ -28,7 +34,7 @@ def say(msg: str) -> None:
 def run_candidate(c: Any, steps: int, warmup: int, tag: str, quiet: bool) -> dict:
     from planner.entry.launch import run_plan
 
-    d = os.path.join(os.path.dirname(c.plan_path), f"run{tag}")
+    d = os.path.join(os.path.dirname(c.plan_path), RUN_DIR + tag)
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
     t0 = time.perf_counter()
@@ -95,7 +101,7 @@ def load_runs(plan_dir: str, warmup: int) -> list[dict]:
     run without its record (a folder from before records were kept) counts as succeeded where
     its log has steps."""
     out = []
-    for d in sorted(glob.glob(os.path.join(plan_dir, "run*"))):
+    for d in sorted(glob.glob(os.path.join(plan_dir, RUN_DIR + "*"))):
         log = os.path.join(d, "train_log.jsonl")
         rec_path = os.path.join(d, RUN_RECORD)
         if os.path.exists(rec_path):
@@ -103,7 +109,7 @@ def load_runs(plan_dir: str, warmup: int) -> list[dict]:
                 rec = json.load(f)
         else:
             rec = {"rc": 0 if os.path.exists(log) and os.path.getsize(log) else 1, "wall_s": None}
-        out.append(read_run(d, os.path.basename(d)[len("run"):], warmup, rec["rc"], rec["wall_s"], log))
+        out.append(read_run(d, os.path.basename(d)[len(RUN_DIR):], warmup, rec["rc"], rec["wall_s"], log))
     return out
 
 
@@ -116,7 +122,7 @@ def run_all(cands: list, args: argparse.Namespace, t_start: float) -> tuple[list
     confirm = confirm_order(cands, args.confirm)
     skipped += run_order(cands, confirm, args, t_start)
     plans = dict.fromkeys(i for i, _ in confirm)
-    return skipped, [f"{cands[i].graph.name} {cands[i].estimate.config.label()}" for i in plans]
+    return skipped, [plan_name(cands[i]) for i in plans]
 
 
 def confirm_order(cands: list, rounds: int, others: int = 2) -> list[tuple[int, str]]:
@@ -180,7 +186,7 @@ def run_order(cands: list, order: list[tuple[int, str]], args: argparse.Namespac
     for i, tag in order:
         c = cands[i]
         if args.time_budget and time.perf_counter() - t_start > args.time_budget:
-            skipped.append(f"{c.graph.name} {c.estimate.config.label()} run {tag}")
+            skipped.append(f"{plan_name(c)} run {tag}")
             continue
         run = run_candidate(c, args.steps, args.warmup, tag, quiet=not args.verbose)
         c.runs.append(run)
@@ -196,7 +202,7 @@ def noise_of(cands: list) -> dict | None:
     if len(rep) < 2:
         return None
     meds = sorted(r["median_s"] for r in rep)
-    return {"label": f"{cands[0].graph.name} {cands[0].estimate.config.label()}", "runs": len(rep),
+    return {"label": plan_name(cands[0]), "runs": len(rep),
             "run_medians_s": meds, "min_s": meds[0], "median_s": statistics.median(meds),
             "max_s": meds[-1], "spread_pct": (meds[-1] - meds[0]) / statistics.median(meds) * 100,
             "all_steps_min_s": min(t for r in rep for t in r["times"]),
