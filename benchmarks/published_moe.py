@@ -16,14 +16,28 @@ source gives one, else its TFLOP/s per GPU under Megatron-LM's own count
 the attention projections, the causal-halved attention core, the top-k routed experts' SwiGLU
 (3 matrices), the logits; no router, no recompute): :func:`megatron_step_flops`.
 
+Routing (``moe_routing``): a run under Megatron-Core's ``--moe-router-force-load-balancing``
+gives every expert the mean load and is priced balanced; a dropless run's learned router gives
+the busiest expert-parallel rank more, which the planner takes as ``MoEDims.imbalance``
+(``autopar plan --moe-imbalance``: the routed GEMMs' rows and the all-to-alls' buffers scale with
+it). Its value for a model is not fitted to the runs priced here: :func:`routing_imbalance` solves,
+for each of the source's own forced-balance / dropless pairs of that model (``routing_ab``: one
+layout measured both ways), the imbalance at which the model prices the dropless step that much
+slower than the balanced one, and takes the median over the pairs. Qwen3's four long-context pairs
+(16K-128K tokens, where attention's growing share shrinks the gap from 1.245x to 1.090x) each
+give a value, so their spread says how well one imbalance explains them.
+
     python -m benchmarks.published_moe      # predicted vs published, per run
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
+import statistics
 import sys
 import tempfile
+from dataclasses import dataclass
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,6 +55,12 @@ CLUSTER = "dgx-h100"
 def load_runs(path: str = DATA) -> list[dict[str, Any]]:
     with open(path) as f:
         return json.load(f)["runs"]
+
+
+def load_routing_pairs(path: str = DATA) -> dict[str, list[dict[str, Any]]]:
+    """Per model name, the source's forced-balance / dropless pairs (``routing_ab``)."""
+    with open(path) as f:
+        return json.load(f)["routing_ab"]
 
 
 def moe_case_model(run: dict) -> dict[str, Any]:
@@ -129,30 +149,85 @@ def published_step_s(run: dict) -> float:
     return megatron_step_flops(run) / (run["tflops_per_gpu"] * 1e12 * run["num_gpus"])
 
 
-def price(run: dict, graph=None) -> dict[str, Any]:
-    """Predicted vs published for ``run`` at its layout (even stage split, as Megatron splits)."""
+def price(run: dict, graph=None, imbalance: float = 1.0) -> dict[str, Any]:
+    """Predicted vs published for ``run`` at its layout (even stage split, as Megatron splits),
+    its MoE layers' busiest rank getting ``imbalance`` times the mean load."""
     from cost_models.cluster import load_preset
+    from planner.frontend.load import with_moe_imbalance
     from planner.search.planning import evaluate_config
 
     cluster = load_preset(CLUSTER)
     cluster.nodes = run["num_gpus"] // run["gpus_per_node"]
     graph = graph if graph is not None else moe_graph(run)
+    graph = with_moe_imbalance(copy.deepcopy(graph), imbalance) if imbalance != 1.0 else graph
     e, problems = evaluate_config(graph, cluster, moe_config(run), run["global_batch_size_seqs"], even_split=True,
                                   engine=moe_engine(run))
-    pub = published_step_s(run)
+    pub = published_step_s(run) if run.get("iteration_time_s") or run.get("tflops_per_gpu") else float("nan")
     return {"id": run["id"], "step_s": e.step_s, "published_step_s": pub, "error": pub / e.step_s - 1.0,
-            "fits": e.fits, "memory_gib": max(m.total for m in e.memory) / 2**30, "problems": problems}
+            "fits": e.fits, "memory_gib": max(m.total for m in e.memory) / 2**30, "problems": problems,
+            "imbalance": imbalance}
+
+
+@dataclass(frozen=True)
+class RoutingImbalance:
+    """A model's dropless load imbalance (module docstring): the median of ``per_pair``, the value
+    each forced-balance / dropless pair of the source gives."""
+    model: str
+    value: float
+    per_pair: tuple[float, ...]
+
+
+def pair_run(run: dict, pair: dict) -> dict:
+    """``run`` (a run of the pair's model) at the pair's layout, with no published figure of its own."""
+    return dict(run, **pair["layout"], iteration_time_s=None, tflops_per_gpu=None)
+
+
+def solve_imbalance(run: dict, graph, ratio: float, hi: float = 4.0, tol: float = 1e-3) -> float:
+    """The imbalance at which ``run``'s step priced dropless is ``ratio`` times its balanced one
+    (bisection over [1, ``hi``]: the price rises with the imbalance); ``hi`` where even that is short."""
+    base = price(run, graph)["step_s"]
+    lo = 1.0
+    if price(run, graph, hi)["step_s"] / base < ratio:
+        return hi
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if price(run, graph, mid)["step_s"] / base < ratio else (lo, mid)
+    return (lo + hi) / 2
+
+
+def routing_imbalance(run: dict, pairs: list[dict], graph=None) -> RoutingImbalance:
+    """The dropless imbalance of ``run``'s model from the source's ``pairs`` of it (module
+    docstring); each pair's graph is captured at its sequence length unless it is ``run``'s."""
+    values = []
+    for pair in pairs:
+        r = pair_run(run, pair)
+        g = graph if graph is not None and r["seq_length"] == run["seq_length"] else moe_graph(r)
+        values.append(solve_imbalance(r, g, pair["forced_tflops"] / pair["dropless_tflops"]))
+    return RoutingImbalance(run["model_name"], statistics.median(values), tuple(values))
+
+
+def run_imbalance(run: dict, imbalances: dict[str, RoutingImbalance]) -> float:
+    """The load imbalance ``run`` is priced at: 1.0 under forced balance, else its model's."""
+    return 1.0 if run["moe_routing"] == "forced-balance" else imbalances[run["model_name"]].value
 
 
 def main() -> None:
     graphs: dict[str, Any] = {}
+    imbalances: dict[str, RoutingImbalance] = {}
+    pairs = load_routing_pairs()
     for run in load_runs():
         key = run["model_name"]
         if key not in graphs:
             graphs[key] = moe_graph(run)
-        r = price(run, graphs[key])
-        print(f"{r['id']:<62} predicted {r['step_s']:7.2f} s  published {r['published_step_s']:7.2f} s  "
-              f"error {r['error']:+6.1%}  fits {r['fits']} ({r['memory_gib']:.1f} GiB)"
+            imbalances[key] = routing_imbalance(run, pairs[key], graphs[key])
+            ri = imbalances[key]
+            print(f"{key}: dropless imbalance {ri.value:.2f} (median of {', '.join(f'{v:.2f}' for v in ri.per_pair)}: "
+                  f"the source's forced-balance / dropless pairs)")
+        balanced = price(run, graphs[key])
+        r = price(run, graphs[key], run_imbalance(run, imbalances))
+        print(f"{r['id']:<62} {run['moe_routing']:<14} predicted {r['step_s']:7.2f} s  published "
+              f"{r['published_step_s']:7.2f} s  error {r['error']:+6.1%} (balanced {balanced['error']:+6.1%})  "
+              f"fits {r['fits']} ({r['memory_gib']:.1f} GiB)"
               + (f"  problems: {'; '.join(r['problems'])}" if r["problems"] else ""))
 
 
