@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -50,6 +51,8 @@ from planner.plan import ParallelConfig  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "published", "published_runs_moe.json")
 CLUSTER = "dgx-h100"
+# the words of a run's "selective: '...'" recompute -> Megatron-Core's --recompute-modules
+RECOMPUTE_WORDS = {"norm": "layernorm", "act": "moe_act", "moe": "moe"}
 
 
 def load_runs(path: str = DATA) -> list[dict[str, Any]]:
@@ -95,15 +98,17 @@ def moe_engine(run: dict) -> Engine:
     all-to-all or DeepEP dispatcher (``moe_dispatcher``), and its EP all-to-alls hidden behind
     the other micro-batch under 1F1B where the run turned that on (``ep_a2a_overlap``). A run
     whose recompute is Megatron's ``--recompute-modules layernorm moe_act`` ("norm, act", priced
-    under autopar's ``selective``) has them as the engine's ``recompute_modules``: the norms'
-    outputs and the experts' activations are not kept (a published-run-only expression)."""
+    under autopar's ``selective``) has them as the engine's ``recompute_modules``
+    (``RECOMPUTE_WORDS``, the words of the quoted list): the norms' outputs and the experts'
+    activations (or the whole MoE layer: "moe") are not kept (a published-run-only expression)."""
     if run["moe_dispatcher"] == "alltoall":
         name = "megatron-moe"
     else:
         name = "megatron-moe-deepep" + ("-overlap" if run.get("ep_a2a_overlap") else "")
     rc = (run["activation_recompute"] or "").lower()
-    modules = tuple(m for m, word in (("layernorm", "norm"), ("moe_act", "act")) if rc.startswith("selective")
-                    and word in rc.split(":", 1)[-1])
+    named = re.search(r"'([^']*)'", rc) if rc.startswith("selective") else None
+    words = {w.strip() for w in named.group(1).split(",")} if named else set()
+    modules = tuple(m for word, m in RECOMPUTE_WORDS.items() if word in words)
     return replace(ENGINES[name], recompute_modules=modules) if modules else ENGINES[name]
 
 

@@ -251,4 +251,4 @@ def layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelC
     share = t.op_recompute_s / t.fwd_s if t.fwd_s > 0 else 0.0
     fwd = (t.fwd_s + df) * k
     return LayerTime(fwd, (t.bwd_s + db) * k, t.source, op_recompute_s=share * fwd,
-                     experts_fwd_s=t.experts_fwd_s * k, experts_bwd_s=t.experts_bwd_s * k)
+                     experts_fwd_s=t.experts_fwd_s * k, experts_bwd_s=t.experts_bwd_s * k, moe_fwd_s=t.moe_fwd_s * k)

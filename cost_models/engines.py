@@ -48,10 +48,12 @@ behaviour of a named engine (the flag or default that turns it on is cited):
   (Transformer Engine's fused RMSNorm / LayerNorm and RoPE, Megatron-Core's fused bias-SwiGLU /
   bias-GeLU), moving and keeping what those kernels do rather than the eager ops the capture
   recorded (cost_models/fused_elementwise.py); off in autopar's runtime and torchtitan (eager).
-- ``recompute_modules``: what Megatron-Core's selective recompute (``--recompute-modules``) drops
-  besides the attention core: ``layernorm`` (the norms' outputs, recomputed from their kept
-  inputs) and ``moe_act`` (the experts' activation outputs); set per run where a run states it
-  (benchmarks/published_moe.py), empty in every registered engine.
+- ``recompute_modules``: what Megatron-Core's selective recompute (``--recompute-modules``) re-runs
+  in place of its default, the attention core (``core_attn``): ``layernorm`` (the norms' outputs,
+  recomputed from their kept inputs), ``moe_act`` (the experts' activation outputs) and ``moe``
+  (the whole MoE layer: router, dispatch and combine all-to-alls, experts; it keeps only its input);
+  set per run where a run states it (benchmarks/published_moe.py), empty in every registered
+  engine (:attr:`Engine.selective_modules`).
 - ``fp8_tp_all_gather``: under float8 linears with sequence-parallel TP, the all-gathers of the
   activations into the column-parallel linears (and of the gradients into the row-parallel ones)
   move float8 (1 byte per element); reduce-scatters stay in the compute dtype (torchtitan's
@@ -127,6 +129,9 @@ HOPPER_ATTENTION: dict[str, tuple[float, float]] = {
     "torch-sdpa": (0.622, 0.747),
 }
 UNFUSED_ATTENTION = "unfused"
+# Megatron-Core's --recompute-modules that the model prices (Engine.recompute_modules): time in
+# cost_models.layer_costs.selective_recompute_s, memory in cost_models/memory.py
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "moe")
 
 
 @dataclass(frozen=True)
@@ -157,9 +162,18 @@ class Engine:
         if self.attention_kernel not in HOPPER_ATTENTION:
             raise ValueError(f"engine {self.name}: attention_kernel {self.attention_kernel!r} is none of "
                              f"{', '.join(HOPPER_ATTENTION)}")
+        if not set(self.recompute_modules) <= set(RECOMPUTE_MODULES):
+            raise ValueError(f"engine {self.name}: recompute_modules {self.recompute_modules} beyond "
+                             f"{', '.join(RECOMPUTE_MODULES)}")
         if self.eager_attention != UNFUSED_ATTENTION and self.eager_attention not in HOPPER_ATTENTION:
             raise ValueError(f"engine {self.name}: eager_attention {self.eager_attention!r} is none of "
                              f"{UNFUSED_ATTENTION}, {', '.join(HOPPER_ATTENTION)}")
+
+    @property
+    def selective_modules(self) -> tuple[str, ...]:
+        """What ``recompute=selective`` re-runs on this engine (``RECOMPUTE_MODULES``):
+        ``recompute_modules``, else the attention core (autopar's runtime; Megatron-Core's default)."""
+        return self.recompute_modules or ("core_attn",)
 
     def attention_kernel_of(self, attention: str, cp: int = 1) -> str:
         """The kernel this engine runs for a plan's ``attention`` (``flash`` or ``eager``) at

@@ -107,6 +107,7 @@ class ExpertComm:
     source: str
     alone: float = 0.0  # forward + backward when the passes have no partner to hide behind (the overlap's
     #                     warm-up / cool-down); fwd + bwd without the overlap
+    alone_fwd: float = 0.0  # the forward's part of ``alone``
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ def expert_comm(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Parallel
         chunks = (window or ComputeChunks(0.0, 0.0)).pairs(after + counts.seconds + sync, one, one, one)
         exposed = paired_exposed_s(chunks, engine.ep_comm_sms / cluster.device.sms if cluster.device.sms else 0.0)
         fwd, bwd = (fwd * exposed / (fwd + bwd), bwd * exposed / (fwd + bwd)) if fwd + bwd else (0.0, 0.0)
-    return ExpertComm(fwd=fwd, bwd=bwd, source=source, alone=alone)
+    return ExpertComm(fwd=fwd, bwd=bwd, source=source, alone=alone, alone_fwd=alone - 2 * one)
 
 
 def unpaired_passes(pp: int, vpp: int, m: int, rank: int) -> int:

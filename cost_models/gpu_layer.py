@@ -41,7 +41,8 @@ def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Paral
     mem_fwd = g.memory_bound()
     # per-op recompute re-runs the unkept GEMMs and every memory-bound kernel, not attention
     return LayerTime(g.fwd, g.bwd, "roofline", op_recompute_s=g.unkept + mem_fwd if checkpointed(layer) else 0.0,
-                     experts_fwd_s=g.experts_fwd, experts_bwd_s=g.experts_bwd)
+                     experts_fwd_s=g.experts_fwd, experts_bwd_s=g.experts_bwd,
+                     moe_fwd_s=g.experts_fwd + g.dispatch_fwd if g.dispatch_fwd else 0.0)
 
 
 # Bytes per element a float8 cast moves, by whether the block is compiled: eager, torchao reads the
@@ -68,6 +69,7 @@ class _GpuPass:
         self.tokens = self.m_cap * self.scale / cfg.cp
         self.fwd = self.bwd = self.unkept = 0.0  # unkept: the forward GEMMs per-op recompute runs again
         self.experts_fwd = self.experts_bwd = 0.0  # the routed experts' GEMMs (part of fwd / bwd)
+        self.dispatch_fwd = 0.0  # the engine's fused dispatcher's forward kernels (part of fwd)
         self.gemm_bytes_cap: dict[str, float] = {}
         self.fp8: gk.GpuSpec | None = None  # float8 linears: the device at its fp8 peak
         self.fp8_cores = False  # the device has float8 tensor cores (Hopper and later)
@@ -203,6 +205,7 @@ class _GpuPass:
             if fused_moe and op.name == layer.moe.part:  # the engine's fused dispatcher, not the capture's kernels
                 f, b = dispatch_bytes(layer.moe, self.tokens / cfg.seq_shards, self.graph.hidden, self.elem, cfg.ep)
                 mem_f, mem_b = mem_f + f, mem_b + b
+                self.dispatch_fwd = gk.memory_seconds(f, DISPATCH_KERNELS[0], self.gpu, self.co)
                 share = op.fwd_bytes / layer.fwd_bytes if layer.fwd_bytes else 0.0  # its kernels, by its bytes
                 kern_f = kern_f - share * layer.fwd_kernels + DISPATCH_KERNELS[0]
                 kern_b = kern_b - share * layer.bwd_kernels + DISPATCH_KERNELS[1]

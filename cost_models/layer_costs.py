@@ -52,6 +52,7 @@ class LayerCost:
     host: float = 0.0      # a repeated block's saved activations over the host link, one way (offload)
     ep_unpaired: float = 0.0  # what one micro-batch's forward + backward adds when the engine's 1F1B
     #                           all-to-all overlap has no partner pass for them (experts.unpaired_ep_s)
+    sel_rc: float = 0.0    # what ``selective`` re-runs in the backward as the engine runs it (selective_recompute_s)
 
     @property
     def fwd_pass(self) -> float:
@@ -151,9 +152,21 @@ class LayerCosts:
         dis_f, dis_b = ep_dispatch_s(layer, self.c, cfg, self.profile)  # the CPU dispatch's own work
         out = LayerCost(fwd=lt.fwd_s, bwd=lt.bwd_s, tp=tp_s, cp=cp_s, core=core_s, op_rc=lt.op_recompute_s,
                         source=lt.source, comm_source=csrc, ep_fwd=ex.fwd + dis_f, ep_bwd=ex.bwd + dis_b,
-                        host=self.host_copy_s(layer), ep_unpaired=max(0.0, ex.alone - ex.fwd - ex.bwd))
+                        host=self.host_copy_s(layer), ep_unpaired=max(0.0, ex.alone - ex.fwd - ex.bwd),
+                        sel_rc=selective_recompute_s(self.engine, core_s, lt.moe_fwd_s, ex.alone_fwd + dis_f))
         self.cache[layer.signature] = out
         return out
+
+
+def selective_recompute_s(engine: Engine, core_s: float, moe_fwd_s: float, moe_comm_fwd_s: float) -> float:
+    """What ``recompute=selective`` re-runs in one layer's backward, one micro-batch, on
+    ``engine`` (``Engine.selective_modules``): the attention core's forward (``core_attn``:
+    autopar's runtime, Megatron-Core's default) and the whole MoE layer's forward (``moe``: its
+    routed GEMMs and dispatcher kernels, ``moe_fwd_s``, and its forward all-to-alls, exposed,
+    ``moe_comm_fwd_s``). ``layernorm`` and ``moe_act`` re-run memory-bound
+    kernels that are not priced here (their saved bytes are: cost_models/memory.py)."""
+    mods = engine.selective_modules
+    return (core_s if "core_attn" in mods else 0.0) + (moe_fwd_s + moe_comm_fwd_s if "moe" in mods else 0.0)
 
 
 def fp8_gather_share(layer: Layer, cfg: ParallelConfig, engine: Engine) -> float:
@@ -182,13 +195,13 @@ def recompute_seconds(c: LayerCost, policy: str) -> float:
     """What ``policy`` re-runs in the backward of one layer and micro-batch: the whole forward
     (communication included) for ``full``; for ``selective-op`` its unkept compute
     (``op_rc``) and the forward TP communication at the same share of the forward (the
-    collectives feeding unkept outputs run again); the attention core for ``selective``;
-    nothing for ``none``."""
+    collectives feeding unkept outputs run again); for ``selective`` what the engine's selective
+    recompute re-runs (``sel_rc``: :func:`selective_recompute_s`); nothing for ``none``."""
     if policy == "full":
         return c.fwd_pass
     if policy == "selective-op":
         return c.op_rc * (1 + c.tp / 2 / c.fwd) if c.fwd > 0 else 0.0
-    return c.core if policy == "selective" else 0.0
+    return c.sel_rc if policy == "selective" else 0.0
 
 
 def layer_pass_times(c: LayerCost, policy: str) -> PassTimes:

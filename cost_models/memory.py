@@ -16,7 +16,9 @@ Activations per micro-batch come from the ModelGraph's saved-for-backward bytes
 compute dtype, then divided:
 - ``act_bytes_tp`` by tp; the rest by tp only with sequence parallel;
 - everything by cp (each rank holds S/cp tokens);
-- selective recompute drops ``act_bytes_attn_core``; full recompute keeps only each
+- selective recompute drops ``act_bytes_attn_core`` (on an engine with Megatron-Core's
+  ``--recompute-modules``, ``Engine.recompute_modules``: what those drop; ``moe``: the MoE layer
+  keeps only its input); full recompute keeps only each
   layer's input (``input_bytes``) plus, transiently, one layer's full activations;
   per-op recompute (``selective-op``) keeps what ``cost_models/op_recompute.py`` counts,
   with the same transient;
@@ -153,8 +155,10 @@ def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recom
         a = layer.attention  # scores + probabilities (+ dropout mask) of an unfused attention
         tp_part += 2 * graph.batch * a.heads * a.seq_len * a.kv_len * graph.dtype_bytes  # / cp below, once
     if m is not None and engine.moe_fused_permute:  # the engine's MoE layer keeps its own tensors
-        rest += routed_saved_bytes(m, tokens, graph.hidden, graph.dtype_bytes, cfg.ep, "moe_act" in dropped,
-                                   "layernorm" in dropped) - min(m.act_bytes, rest)
+        kept = tokens * graph.hidden * graph.dtype_bytes if "moe" in dropped else \
+            routed_saved_bytes(m, tokens, graph.hidden, graph.dtype_bytes, cfg.ep, "moe_act" in dropped,
+                               "layernorm" in dropped)  # recomputed whole, the layer keeps its input only
+        rest += kept - min(m.act_bytes, rest)
     else:
         rest += routed_excess_bytes(layer, graph, cfg)
     return (tp_part / cfg.tp + rest / cfg.seq_shards) * scale / cfg.cp
