@@ -5,7 +5,8 @@
 Each demo runs in a fresh process (as a user's would) with ``AUTOPAR_CACHE_DIR`` pointing at a
 new folder, so the first one profiles the machine; the second reuses the cache. Prints per run
 the wall time, the plan, predicted and measured step time (and their ratio), the one-process
-step time and speedup, the loss at the first and last step, and writes them as JSON.
+step time and speedup (``x=``: the demo called it a tie, the plan's median step within the
+one-process steps' middle half), the loss at the first and last step, and writes them as JSON.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def parse_summary(text: str) -> dict:
         m = re.search(pat, text, re.M)
         out[key] = (m.group(1) if key == "plan" else float(m.group(1))) if m else None
     out["calibrated"] = bool(re.search(r"^plan: .+ \(calibrated\)$", text, re.M))
+    out["tie"] = "(a tie: within the one-process steps' middle half" in text
     return out
 
 
@@ -65,7 +67,7 @@ def main() -> None:
           f"{'speedup':>8}{'loss first -> last':>22}")
     for r in rows:
         print(f"{r['run']:<18}{r['wall_s']:>8.1f}  {r['plan'] or '?':<28}{r['predicted_s']:>8.3f}{r['measured_s']:>8.3f}"
-              f"{r['ratio']:>7.2f}{r['single_process_s']:>9.3f}{r['speedup']:>7.2f}x"
+              f"{r['ratio']:>7.2f}{r['single_process_s']:>9.3f}{r['speedup']:>7.2f}{'x=' if r['tie'] else 'x '}"
               f"{r['first_loss']:>12.3f} -> {r['last_loss']:.3f}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:

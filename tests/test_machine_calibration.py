@@ -186,3 +186,21 @@ def test_demo_profiles_this_machine_once_then_plans_calibrated(tmp_path, monkeyp
     p, _ = plan_model(load_graph("llama-tiny"), parse_cluster("local-cpu:2"), 4, spec="llama-tiny",
                       cluster_spec="local-cpu:2", profile=prof)
     assert p.estimate["calibration"].startswith(note[:-1]) and len(note) < 120  # the plan keeps the details
+
+
+def test_demo_calls_a_tie_only_within_the_one_process_steps_middle_half() -> None:
+    """The summary's speedup line says "a tie" where the plan's median step lies within the
+    one-process steps' interquartile range, and benchmarks/first_run.py reads it back."""
+    from benchmarks.first_run import parse_summary
+    from planner.entry.demo import DemoResult, summary_lines
+
+    def result(measured: float) -> DemoResult:
+        return DemoResult(plan_path="p", report_path="r", label="dp1 threads2", calibration="calibrated on this",
+                          predicted_s=0.25, measured_s=measured, single_process_s=0.26,
+                          single_process_quartiles=(0.24, 0.28), first_loss=7.0, last_loss=5.0,
+                          entropy_floor=4.0, wall_s=40.0)
+    for measured, tie in ((0.27, True), (0.24, True), (0.29, False), (0.20, False)):
+        text = "\n".join(summary_lines(result(measured)))
+        assert result(measured).tie is tie
+        got = parse_summary(text)
+        assert got["tie"] is tie and got["speedup"] == pytest.approx(0.26 / measured, abs=5e-3), text
