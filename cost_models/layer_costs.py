@@ -35,10 +35,10 @@ def act_bytes_io(layer: Layer, graph: ModelGraph, cfg: ParallelConfig) -> float:
 class LayerCost:
     """One layer, one micro-batch, one rank (seconds): forward and backward compute, TP
     communication (forward + backward), CP's exposed ring exchange (forward + backward), the
-    attention core's forward (what ``selective`` recomputes), what ``selective-op`` recomputes
-    of the forward compute (``LayerTime.op_recompute_s``), the host-link copy of what the layer
-    saves (``offload``, repeated blocks only), and where the compute and communication figures
-    came from."""
+    attention core's forward, what ``selective`` re-runs on the engine (``sel_rc``), what
+    ``selective-op`` recomputes of the forward compute (``LayerTime.op_recompute_s``), the
+    host-link copy of what the layer saves (``offload``, repeated blocks only), and where the
+    compute and communication figures came from."""
     fwd: float
     bwd: float
     tp: float
