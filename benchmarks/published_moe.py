@@ -229,7 +229,8 @@ def main() -> None:
             print(f"{key}: dropless imbalance {ri.value:.2f} (median of {', '.join(f'{v:.2f}' for v in ri.per_pair)}: "
                   f"the source's forced-balance / dropless pairs)")
         balanced = price(run, graphs[key])
-        r = price(run, graphs[key], run_imbalance(run, imbalances))
+        imbalance = run_imbalance(run, imbalances)
+        r = price(run, graphs[key], imbalance) if imbalance != 1.0 else balanced
         print(f"{r['id']:<62} {run['moe_routing']:<14} predicted {r['step_s']:7.2f} s  published "
               f"{r['published_step_s']:7.2f} s  error {r['error']:+6.1%} (balanced {balanced['error']:+6.1%})  "
               f"fits {r['fits']} ({r['memory_gib']:.1f} GiB)"

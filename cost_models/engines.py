@@ -38,7 +38,7 @@ behaviour of a named engine (the flag or default that turns it on is cited):
   (DeepEP: 20 of an H100's 132, DeepSeek-V3 §3.2.2); compute overlapped with them runs on the
   rest, so even a hidden all-to-all costs that share of its time (:func:`paired_exposed_s`).
 - ``moe_grouped_gemm``: the local experts' GEMMs as one grouped kernel (Megatron-Core
-  ``--moe-grouped-gemm``; torchtitan ``torch._grouped_mm``), waves counted over all of them.
+  ``--moe-grouped-gemm``; torchtitan's grouped matmul), waves counted over all of them.
 - ``moe_fused_permute``: the dispatcher's permute / unpermute fused (Megatron-Core
   ``--moe-permute-fusion``): its passes and saved tensors, not the capture's eager kernels.
 - ``ep_node_dedup``: node-deduplicated dispatch across nodes (DeepEP; Megatron-Core

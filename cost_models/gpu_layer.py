@@ -42,7 +42,7 @@ def gpu_layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: Paral
     # per-op recompute re-runs the unkept GEMMs and every memory-bound kernel, not attention
     return LayerTime(g.fwd, g.bwd, "roofline", op_recompute_s=g.unkept + mem_fwd if checkpointed(layer) else 0.0,
                      experts_fwd_s=g.experts_fwd, experts_bwd_s=g.experts_bwd,
-                     moe_fwd_s=g.experts_fwd + g.dispatch_fwd if g.dispatch_fwd else 0.0)
+                     moe_fwd_s=g.experts_fwd + g.dispatch_fwd)
 
 
 # Bytes per element a float8 cast moves, by whether the block is compiled: eager, torchao reads the

@@ -29,8 +29,8 @@ class LayerTime:
     # what an engine's 1F1B all-to-all overlap pairs with the other micro-batch's communication
     experts_fwd_s: float = 0.0
     experts_bwd_s: float = 0.0
-    # the MoE layer's forward compute on an engine with its own dispatcher (the routed GEMMs and
-    # the fused permute / unpermute): what Megatron-Core's ``--recompute-modules moe`` runs again
+    # the MoE layer's forward compute (the routed GEMMs, and an engine's fused permute / unpermute):
+    # what Megatron-Core's ``--recompute-modules moe`` runs again
     moe_fwd_s: float = 0.0
 
 

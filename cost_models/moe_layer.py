@@ -11,7 +11,7 @@ The engine's MoE layer (its switches ``moe_grouped_gemm``, ``moe_fused_permute``
 layer (``codegen/runtime/layers.py``: one GEMM per local expert, eager permute and combine, what
 the capture saved); published runs as their engine ran it:
 
-- **grouped GEMM** (Megatron-Core ``--moe-grouped-gemm``; torchtitan ``torch._grouped_mm``): the
+- **grouped GEMM** (Megatron-Core ``--moe-grouped-gemm``; torchtitan's grouped matmul): the
   local experts' GEMMs are one kernel, so the waves of 128 x 128 output tiles are counted over
   all of them, each expert's rows rounded up to whole tiles (:func:`grouped_gemm_seconds`):
   efficiency rises with the rows each local expert gets, ``tokens x top_k x ep / experts``;
