@@ -100,7 +100,9 @@ def moe_engine(run: dict) -> Engine:
     whose recompute is Megatron's ``--recompute-modules layernorm moe_act`` ("norm, act", priced
     under autopar's ``selective``) has them as the engine's ``recompute_modules``
     (``RECOMPUTE_WORDS``, the words of the quoted list): the norms' outputs and the experts'
-    activations (or the whole MoE layer: "moe") are not kept (a published-run-only expression)."""
+    activations (or the whole MoE layer: "moe") are not kept (a published-run-only expression). A
+    run whose config counts the embedding and the loss as layers of the pipeline split
+    (``pipeline_split_ends``) has the engine's ``split_ends``."""
     if run["moe_dispatcher"] == "alltoall":
         name = "megatron-moe"
     else:
@@ -109,7 +111,8 @@ def moe_engine(run: dict) -> Engine:
     named = re.search(r"'([^']*)'", rc) if rc.startswith("selective") else None
     words = {w.strip() for w in named.group(1).split(",")} if named else set()
     modules = tuple(m for word, m in RECOMPUTE_WORDS.items() if word in words)
-    return replace(ENGINES[name], recompute_modules=modules) if modules else ENGINES[name]
+    return replace(ENGINES[name], recompute_modules=modules or ENGINES[name].recompute_modules,
+                   split_ends=bool(run.get("pipeline_split_ends")))
 
 
 def hf_config_of(run: dict):

@@ -54,6 +54,11 @@ behaviour of a named engine (the flag or default that turns it on is cited):
   (the whole MoE layer: router, dispatch and combine all-to-alls, experts; it keeps only its input);
   set per run where a run states it (benchmarks/published_moe.py), empty in every registered
   engine (:attr:`Engine.selective_modules`).
+- ``split_ends``: the even stage split counts the layers before the first block (the embedding)
+  and those after the last (final norm, head and loss) as one block each, so that the first and
+  last virtual stages hold one block fewer (Megatron-Core ``--account-for-embedding-in-pipeline-split``
+  and ``--account-for-loss-in-pipeline-split``: ``planner.search.stage_split.end_units``); set per
+  run where a run states it (benchmarks/published_moe.py), off in every registered engine.
 - ``fp8_tp_all_gather``: under float8 linears with sequence-parallel TP, the all-gathers of the
   activations into the column-parallel linears (and of the gradients into the row-parallel ones)
   move float8 (1 byte per element); reduce-scatters stay in the compute dtype (torchtitan's
@@ -156,6 +161,7 @@ class Engine:
     fused_optimizer: bool = False
     fused_elementwise: bool = False
     recompute_modules: tuple[str, ...] = ()
+    split_ends: bool = False
     doc: str = ""
 
     def __post_init__(self) -> None:

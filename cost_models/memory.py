@@ -23,7 +23,8 @@ compute dtype, then divided:
   per-op recompute (``selective-op``) keeps what ``cost_models/op_recompute.py`` counts,
   with the same transient;
 - under expert parallelism with an expected imbalance (``MoEDims.imbalance``), the busiest
-  rank's extra routed rows (:func:`routed_excess_bytes`);
+  rank's extra routed rows (:func:`routed_excess_bytes`), averaged over the MoE layers a rank
+  holds, whose routers are independent (:func:`held_moe`);
 - the fused linear+cross-entropy kernel drops the head's vocabulary-sized tensors
   (logits, log-probabilities): the head keeps only its input.
 In-flight micro-batches per stage come from the pipeline simulator (1F1B holds
@@ -54,9 +55,9 @@ from cost_models.engines import DEFAULT_ENGINE, UNFUSED_ATTENTION, Engine, fuses
 from cost_models.fused_elementwise import block_saved
 from cost_models.layer_work import fused_loss_layer
 from cost_models.model_states import dp_group, per_param_bytes
-from cost_models.moe_layer import routed_saved_bytes
+from cost_models.moe_layer import held_imbalance, routed_saved_bytes
 from cost_models.op_recompute import checkpointed, op_saved_bytes
-from planner.graph import TP_SPLIT_ROLES, Layer, ModelGraph
+from planner.graph import TP_SPLIT_ROLES, Layer, MoEDims, ModelGraph
 from planner.plan import RECOMPUTE, ParallelConfig
 from planner.sharding import FSDP_MODULE_SHARE, dp_wrapper, fsdp_per_module, reshard_after_forward
 from planner.precision import DTYPE_BYTES, GRAD_REDUCE_BYTES, mixed_precision
@@ -136,7 +137,7 @@ def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recom
     if recompute == "selective-op" and checkpointed(layer):
         kept = op_saved_bytes(layer, graph)
         return (kept.tp_part / cfg.tp + kept.rest / cfg.seq_shards) * scale / cfg.cp
-    m = layer.moe
+    m = held_moe(layer, graph, cfg)
     dropped = set(engine.recompute_modules) if recompute == "selective" else set()
     tokens = graph.batch * graph.seq_len
     tp_part = layer.act_bytes_tp
@@ -164,13 +165,21 @@ def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recom
     return (tp_part / cfg.tp + rest / cfg.seq_shards) * scale / cfg.cp
 
 
+def held_moe(layer: Layer, graph: ModelGraph, cfg: ParallelConfig) -> MoEDims | None:
+    """``layer``'s MoE dimensions with the load its busiest rank keeps over the MoE layers one
+    rank holds (``graph``'s over ``cfg.pp``, at least one): ``moe_layer.held_imbalance``."""
+    if layer.moe is None:
+        return None
+    return held_imbalance(layer.moe, max(1, sum(l.moe is not None for l in graph.layers) // cfg.pp))
+
+
 def routed_excess_bytes(layer: Layer, graph: ModelGraph, cfg: ParallelConfig) -> float:
     """Activations the busiest expert-parallel rank keeps beyond the balanced load the capture
     measured, for the captured batch at the captured dtype: its routed rows are ``imbalance``
     times the mean (``MoEDims.imbalance``, only under ep > 1), and each row keeps its input
     (hidden) and the gate, up, activation and product outputs (4 x expert_ffn) of a SwiGLU
     expert."""
-    m = layer.moe
+    m = held_moe(layer, graph, cfg)
     if m is None or cfg.ep == 1 or m.imbalance <= 1.0:
         return 0.0
     rows = graph.batch * graph.seq_len * m.top_k

@@ -30,6 +30,7 @@ fitted here (the GEMM and HBM efficiencies are ``cost_models/gpu_kernels.py``'s)
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from cost_models import gpu_kernels as gk
 from planner.graph import MoEDims
@@ -40,6 +41,25 @@ def expert_rows(moe: MoEDims, tokens: float, ep: int) -> float:
     ``top_k`` ways over ``experts``, from the ``ep`` ranks of the group; ``imbalance`` applies
     only under EP (without it each rank runs every expert on its own tokens)."""
     return tokens * moe.top_k * ep / moe.experts * (moe.imbalance if ep > 1 else 1.0)
+
+
+def held_imbalance(moe: MoEDims, layers: int) -> MoEDims:
+    """``moe`` with the load factor of the routed rows the busiest rank *keeps* over ``layers``
+    MoE layers (those its pipeline stage holds, each for its micro-batches in flight), where
+    ``imbalance`` is the busiest rank's load in one layer (the step waits on it layer by layer).
+
+    Each layer has its own router, and which experts a rank holds is an arbitrary index, so the
+    rank that is busiest in one layer is, in expectation, no busier than the mean in another.
+    With rank loads independent across layers and normally spread (a rank's excess in one layer
+    of spread ``s``, the busiest of the ``ep`` ranks ``s x z`` over the mean, ``z`` the expected
+    maximum of ``ep`` standard normals), the busiest rank's excess summed over ``L`` layers is
+    ``s x z x sqrt(L)``: per layer ``(imbalance - 1) / sqrt(L)`` (``z`` cancels). A hot expert is
+    taken to stay hot over one step's micro-batches (no averaging over them), and one layer's
+    backward working set is priced at this averaged load too (it holds that layer's excess,
+    ``(imbalance - 1) x (1 - 1 / sqrt(L))`` of one layer's rows more)."""
+    if moe.imbalance <= 1.0 or layers <= 1:
+        return moe
+    return replace(moe, imbalance=1.0 + (moe.imbalance - 1.0) / math.sqrt(layers))
 
 
 def grouped_gemm_seconds(groups: int, m: float, n: float, k: float, elem_bytes: float, gpu: gk.GpuSpec,

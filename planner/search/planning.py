@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
+from cost_models.engines import engine_of
 from cost_models.pipeline import stage_placement
 from cost_models.pipeline import ScheduleError
 from cost_models.wan_cost import dp_spans
@@ -206,7 +207,7 @@ def evaluate_noted(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, glo
         raise AutoparError(f"{cfg.label()} cannot be priced: " + "; ".join(found))
     try:
         if even_split or cfg.pp * cfg.vpp == 1 or cfg.schedule not in SCHEDULES:
-            part = config_even_split(graph, cfg)
+            part = config_even_split(graph, cfg, engine_of(engine).split_ends)
             return estimate(graph, cluster, cfg, part, global_batch, profile=profile, engine=engine,
                             schedule=schedule), found, ""
         e, info = split_and_estimate(graph, cluster, cfg, global_batch, profile, engine=engine)

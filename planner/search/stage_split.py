@@ -30,14 +30,18 @@ from planner.search.wan_warmup import with_deep_warmup
 ILP_SOLVER = "auto"
 
 
-def even_split(graph: ModelGraph, stages: int, recompute: str = "none") -> Partition:
+def even_split(graph: ModelGraph, stages: int, recompute: str = "none", ends_as_layers: bool = False) -> Partition:
     """Equal numbers of repeated blocks per stage, as Megatron-LM and torchtitan split a model
     (the first stages take the remainder): the layers before the first block (embeddings) ride
     with the first stage, those after a stage's last block (a projector, the final norm and
-    head) with the next stage or the last. Models with fewer blocks than stages: equal numbers
-    of stage groups (``ModelGraph.stage_groups``). In layers."""
-    groups = graph.stage_groups()
-    weight = [sum(graph.layers[i].kind in BLOCK_KINDS for i in range(lo, hi)) for lo, hi in groups]
+    head) with the next stage or the last. ``ends_as_layers`` (Megatron-Core's
+    ``--account-for-embedding-in-pipeline-split`` and ``--account-for-loss-in-pipeline-split``,
+    ``Engine.split_ends``): the layers before the first block and those after the last each count
+    as one block of the split, and may be a stage of their own (:func:`end_units`). Models with
+    fewer blocks than stages: equal numbers of stage groups (``ModelGraph.stage_groups``). In layers."""
+    groups = end_units(graph) if ends_as_layers else graph.stage_groups()
+    weight = [1 if ends_as_layers else sum(graph.layers[i].kind in BLOCK_KINDS for i in range(lo, hi))
+              for lo, hi in groups]
     total = sum(weight)
     if total < stages:
         return expand_groups(Partition.even(len(groups), stages, recompute), groups)
@@ -50,6 +54,21 @@ def even_split(graph: ModelGraph, stages: int, recompute: str = "none") -> Parti
             start, have = g + 1, 0
     bounds.append((start, len(groups)))
     return expand_groups(Partition(bounds, [recompute] * stages), groups)
+
+
+def end_units(graph: ModelGraph) -> list[tuple[int, int]]:
+    """The units of Megatron-Core's split with the embedding and the loss accounted as layers: the
+    layers before the first block, each block (with any non-block layers up to the next block), and
+    the layers after the last block (the final norm and head). Megatron's own embedding and loss
+    stages, not autopar's runtime's: its stage boundaries are ``ModelGraph.stage_groups``."""
+    blocks = [i for i, l in enumerate(graph.layers) if l.kind in BLOCK_KINDS]
+    if not blocks:
+        return graph.stage_groups()
+    units = [(0, blocks[0])] if blocks[0] > 0 else []
+    units += [(a, b) for a, b in zip(blocks, blocks[1:] + [blocks[-1] + 1])]
+    if blocks[-1] + 1 < len(graph.layers):
+        units.append((blocks[-1] + 1, len(graph.layers)))
+    return units
 
 
 def speed_split(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig) -> Partition:
@@ -213,12 +232,13 @@ def with_generated_schedule(graph: ModelGraph, cluster: Cluster, e: Estimate, pr
     return best, (dict(info, schedule=note) if note else info)
 
 
-def config_even_split(graph: ModelGraph, cfg: ParallelConfig) -> Partition:
-    """:func:`even_split` of ``cfg``'s ``pp * vpp`` stages; with vocabulary passes the layers before
-    the head over ``pp`` stages, then the passes (``vocab_schedule.passes_partition``)."""
+def config_even_split(graph: ModelGraph, cfg: ParallelConfig, ends_as_layers: bool = False) -> Partition:
+    """:func:`even_split` of ``cfg``'s ``pp * vpp`` stages (``ends_as_layers``: as there); with
+    vocabulary passes the layers before the head over ``pp`` stages, then the passes
+    (``vocab_schedule.passes_partition``)."""
     if cfg.vocab_passes:
         return passes_partition(graph, passes_body(graph, cfg))
-    return even_split(graph, cfg.pp * cfg.vpp, cfg.recompute)
+    return even_split(graph, cfg.pp * cfg.vpp, cfg.recompute, ends_as_layers)
 
 
 def passes_body(graph: ModelGraph, cfg: ParallelConfig) -> Partition:
