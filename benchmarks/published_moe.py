@@ -229,7 +229,7 @@ def main() -> None:
             graphs[key] = moe_graph(run)
             imbalances[key] = routing_imbalance(run, pairs[key], graphs[key])
             ri = imbalances[key]
-            print(f"{key}: dropless imbalance {ri.value:.2f} (median of {', '.join(f'{v:.2f}' for v in ri.per_pair)}: "
+            print(f"{key}: dropless imbalance {ri.value:.3f} (median of {', '.join(f'{v:.3f}' for v in ri.per_pair)}: "
                   f"the source's forced-balance / dropless pairs)")
         balanced = price(run, graphs[key])
         imbalance = run_imbalance(run, imbalances)

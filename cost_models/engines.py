@@ -58,7 +58,9 @@ behaviour of a named engine (the flag or default that turns it on is cited):
   and those after the last (final norm, head and loss) as one block each, so that the first and
   last virtual stages hold one block fewer (Megatron-Core ``--account-for-embedding-in-pipeline-split``
   and ``--account-for-loss-in-pipeline-split``: ``planner.search.stage_split.end_units``); set per
-  run where a run states it (benchmarks/published_moe.py), off in every registered engine.
+  run where a run states it (benchmarks/published_moe.py), off in every registered engine. It
+  prices Megatron's even split only: the stage ILP's splits and vocabulary passes keep autopar's
+  runtime's stage groups (its embedding runs with the first block), as do the plans autopar writes.
 - ``fp8_tp_all_gather``: under float8 linears with sequence-parallel TP, the all-gathers of the
   activations into the column-parallel linears (and of the gradients into the row-parallel ones)
   move float8 (1 byte per element); reduce-scatters stay in the compute dtype (torchtitan's

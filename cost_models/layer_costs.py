@@ -17,7 +17,7 @@ from cost_models.context_parallel import cp_comm
 from cost_models.documents import ring_hiding
 from cost_models.engines import DEFAULT_ENGINE, Engine, exposed_s
 from cost_models.experts import ComputeChunks, expert_comm
-from cost_models.memory import LayerTable, layer_activation
+from cost_models.memory import LayerTable, held_layers, layer_activation
 from cost_models.offload import copy_seconds, exposed_copy_s
 from cost_models.op_recompute import checkpointed
 from cost_models.shared_cores import ranks_cluster
@@ -85,10 +85,11 @@ class LayerCosts:
                 cfg.compile, cfg.attention, cfg.loss)
 
     def table(self, cfg: ParallelConfig) -> LayerTable:
-        """Per-layer memory figures for cfg (they depend on tp, cp, ep, sp, mbs, dtype, kernels and
-        whether a pipeline holds tied copies)."""
+        """Per-layer memory figures for cfg (they depend on tp, cp, ep, sp, mbs, dtype, kernels,
+        whether a pipeline holds tied copies and, under a MoE imbalance, the MoE layers a rank
+        holds: ``cost_models.memory.held_layers``)."""
         key = (cfg.tp, cfg.cp, cfg.ep, cfg.sp, cfg.mbs, cfg.dtype, cfg.attention, cfg.loss, cfg.pp > 1,
-               cfg.compile, self.engine)
+               cfg.compile, self.engine, held_layers(self.g, cfg))
         t = self.tables.get(key)
         if t is None:
             t = self.tables[key] = LayerTable(self.g, cfg, self.engine)

@@ -167,10 +167,20 @@ def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recom
 
 def held_moe(layer: Layer, graph: ModelGraph, cfg: ParallelConfig) -> MoEDims | None:
     """``layer``'s MoE dimensions with the load its busiest rank keeps over the MoE layers one
-    rank holds (``graph``'s over ``cfg.pp``, at least one): ``moe_layer.held_imbalance``."""
+    rank holds (:func:`held_layers`): ``moe_layer.held_imbalance``."""
     if layer.moe is None:
         return None
-    return held_imbalance(layer.moe, max(1, sum(l.moe is not None for l in graph.layers) // cfg.pp))
+    return held_imbalance(layer.moe, held_layers(graph, cfg))
+
+
+def held_layers(graph: ModelGraph, cfg: ParallelConfig) -> int:
+    """The MoE layers one rank holds, over which its kept excess rows average (``held_imbalance``'s
+    ``L``): ``graph``'s MoE layers over ``cfg.pp``, rounded down, at least one; one where there is
+    nothing to average (no expert parallelism, no layer with an imbalance). Per-layer memory
+    figures depend on it (``cost_models.layer_costs.LayerCosts.table`` keys them by it)."""
+    if cfg.ep == 1 or not any(l.moe is not None and l.moe.imbalance > 1.0 for l in graph.layers):
+        return 1
+    return max(1, sum(l.moe is not None for l in graph.layers) // cfg.pp)
 
 
 def routed_excess_bytes(layer: Layer, graph: ModelGraph, cfg: ParallelConfig) -> float:

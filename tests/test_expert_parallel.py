@@ -141,14 +141,18 @@ def test_imbalance_adds_the_busiest_ranks_routed_activations():
     layer = _moe_layer(g)
     cfg = ParallelConfig(dp=16, ep=8, zero="fsdp", mbs=1, dtype="bf16")
     even = layer_activation(layer, g, cfg, "none")
-    skewed = dataclasses.replace(layer, moe=dataclasses.replace(layer.moe, imbalance=1.5))
+    hot = dataclasses.replace(g, layers=[dataclasses.replace(l, moe=dataclasses.replace(l.moe, imbalance=1.5))
+                                         if l.moe else l for l in g.layers])  # every MoE layer skewed
+    skewed = _moe_layer(hot)
     moe_layers = sum(l.moe is not None for l in g.layers)
     # one layer per rank (pp = the MoE layers): 0.5 x 2048 tokens x top-8 rows x (hidden 2048 + 4 x 768) x bf16
     full = 0.5 * 2048 * 8 * (2048 + 4 * 768) * 2
-    assert layer_activation(skewed, g, cfg.replace(pp=moe_layers), "none") - even == pytest.approx(full)
+    assert layer_activation(skewed, hot, cfg.replace(pp=moe_layers), "none") - even == pytest.approx(full)
     # all of them on one rank: the busiest rank's excess averages over its layers' routers
-    assert moe_layers > 1 and layer_activation(skewed, g, cfg, "none") - even == pytest.approx(full / moe_layers ** 0.5)
-    assert layer_activation(skewed, g, cfg.replace(ep=1), "none") == layer_activation(layer, g, cfg.replace(ep=1), "none")
+    assert moe_layers > 1
+    assert layer_activation(skewed, hot, cfg, "none") - even == pytest.approx(full / moe_layers ** 0.5)
+    no_ep = cfg.replace(ep=1)
+    assert layer_activation(skewed, hot, no_ep, "none") == layer_activation(layer, g, no_ep, "none")
 
 
 def test_feasibility_rule_for_ep():

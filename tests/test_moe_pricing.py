@@ -370,7 +370,8 @@ def test_megatron_split_counts_embedding_and_loss_as_layers(qwen3_graph):
     ends = even_split(g, 96, ends_as_layers=True).bounds
     assert ends[0] == (0, first_block) and ends[-1] == (first_block + 94, len(g.layers))
     assert all(b - a == 1 for a, b in ends[1:-1])
-    blocks = [sum(k == "transformer_block" for k in kinds[a:b]) for a, b in even_split(g, 32, ends_as_layers=True).bounds]
+    split = even_split(g, 32, ends_as_layers=True)
+    blocks = [sum(k == "transformer_block" for k in kinds[a:b]) for a, b in split.bounds]
     assert blocks[0] == blocks[-1] == 2 and set(blocks[1:-1]) == {3}
     assert even_split(g, 96).bounds[0] == (0, first_block + 1)
 
@@ -399,3 +400,25 @@ def test_busiest_ranks_excess_rows_average_over_the_layers_it_holds(moe32):
     base = layer_activation(moe_layer(g), g, spread, "none")
     excess = {c.pp: layer_activation(layer, hot, c, "none") - base for c in (one, spread)}
     assert excess[1] == pytest.approx(excess[2] / math.sqrt(2), rel=1e-6) and excess[1] > 0
+
+
+def test_memory_tables_shared_by_a_search_follow_the_layers_a_rank_holds(moe32):
+    """The search shares per-layer memory tables across configurations (LayerCosts.table); under an
+    imbalance a MoE layer's kept bytes depend on the MoE layers a rank holds, so pp 2, 8 and 4 priced
+    through one cache each get the figures of a fresh table."""
+    from cost_models.layer_costs import LayerCosts
+    from cost_models.memory import LayerTable
+
+    cfg8 = ModelConfig(name="moe32x8", arch="moe", layers=8, hidden=256, ffn_hidden=512, heads=4, kv_heads=2,
+                       vocab=512, seq_len=256, experts=32, top_k=4, expert_ffn_hidden=128)
+    g = graph_of_config(cfg8)
+    g = dataclasses.replace(g, layers=[dataclasses.replace(l, moe=dataclasses.replace(l.moe, imbalance=1.6))
+                                       if l.moe else l for l in g.layers])
+    i = g.layers.index(moe_layer(g))
+    shared: dict = {}
+    got = {}
+    for pp in (2, 8, 4):
+        cfg = ParallelConfig(dp=8, pp=pp, ep=4, zero="fsdp")
+        got[pp] = LayerCosts(g, h100(pp), cfg, None, tables=shared).table(cfg).act["none"][i]
+        assert got[pp] == LayerTable(g, cfg).act["none"][i]
+    assert got[8] > got[4] > got[2]

@@ -235,7 +235,7 @@ def with_generated_schedule(graph: ModelGraph, cluster: Cluster, e: Estimate, pr
 def config_even_split(graph: ModelGraph, cfg: ParallelConfig, ends_as_layers: bool = False) -> Partition:
     """:func:`even_split` of ``cfg``'s ``pp * vpp`` stages (``ends_as_layers``: as there); with
     vocabulary passes the layers before the head over ``pp`` stages, then the passes
-    (``vocab_schedule.passes_partition``)."""
+    (``vocab_schedule.passes_partition``: autopar's own split, ``ends_as_layers`` does not apply)."""
     if cfg.vocab_passes:
         return passes_partition(graph, passes_body(graph, cfg))
     return even_split(graph, cfg.pp * cfg.vpp, cfg.recompute, ends_as_layers)
