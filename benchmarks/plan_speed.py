@@ -1,6 +1,6 @@
 """Planning speed over the whole space, each case in a fresh process (no cached state).
 
-Times: import (torch, autopar, and torch._dynamo, which torch otherwise imports lazily
+Times: import (torch, autopar, and torch's dynamo package, which torch otherwise imports lazily
 during the first model build), capture (build on meta + fake-tensor trace), search (enumerate, bound, estimate, ILP on the best few)
 and the whole `plan` call; counts: configurations considered, pruned by bounds, estimated
 with the closed form, fully solved (ILP split + simulated schedule).
@@ -34,7 +34,7 @@ from cost_models.cluster import parse_cluster
 from planner.frontend.load import load_graph
 from planner.search.planning import plan_model
 from codegen.runtime.torch_compat import preload_dynamo
-preload_dynamo()  # torch loads torch._dynamo lazily on the first nn.Module built under a device context (~0.9 s)
+preload_dynamo()  # torch loads its dynamo package lazily on the first nn.Module built under a device context (~0.9 s)
 t1 = time.perf_counter()
 model, cluster, gb, seq = sys.argv[1], sys.argv[2], int(sys.argv[3]), (int(sys.argv[4]) if sys.argv[4] != "None" else None)
 g = load_graph(model, batch=1, seq_len=seq)

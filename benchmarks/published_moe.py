@@ -111,8 +111,7 @@ def moe_engine(run: dict) -> Engine:
     named = re.search(r"'([^']*)'", rc) if rc.startswith("selective") else None
     words = {w.strip() for w in named.group(1).split(",")} if named else set()
     modules = tuple(m for word, m in RECOMPUTE_WORDS.items() if word in words)
-    return replace(ENGINES[name], recompute_modules=modules or ENGINES[name].recompute_modules,
-                   split_ends=bool(run.get("pipeline_split_ends")))
+    return replace(ENGINES[name], recompute_modules=modules, split_ends=bool(run.get("pipeline_split_ends")))
 
 
 def hf_config_of(run: dict):

@@ -168,8 +168,8 @@ def layer_activation(layer: Layer, graph: ModelGraph, cfg: ParallelConfig, recom
 def held_moe(layer: Layer, graph: ModelGraph, cfg: ParallelConfig) -> MoEDims | None:
     """``layer``'s MoE dimensions with the load its busiest rank keeps over the MoE layers one
     rank holds (:func:`held_layers`): ``moe_layer.held_imbalance``."""
-    if layer.moe is None:
-        return None
+    if layer.moe is None or layer.moe.imbalance <= 1.0 or cfg.ep == 1:
+        return layer.moe  # nothing to average (and no scan of the graph's layers per call)
     return held_imbalance(layer.moe, held_layers(graph, cfg))
 
 

@@ -15,9 +15,9 @@ AVERAGED over that mesh; the runtime's loss scaling accounts for it.
   forward to backward (ZeRO-2-like traffic; between steps parameters are stored
   sharded, which is ZeRO-3's memory).
 - ``ddp``   -> without a pipeline and on plain (not TP) parameters: torch's DDP reducer in
-  its composable form (``torch.distributed._composable.replicate``) on each stage module,
+  its composable form (torch's composable ``replicate``, through ``torch_compat.ddp_replicate``) on each stage module,
   bucketed all-reduces started as gradients become ready. Otherwise composable
-  ``replicate`` (``torch.distributed._composable.replicate_with_fsdp``) on every
+  ``replicate`` (FSDP2's replicate, through ``torch_compat.replicate``) on every
   transformer block and on each stage module, which works on DTensor (TP) parameters and
   under the pipeline schedules' manual backward, but copies every parameter in and out of
   its FSDP buffers each forward and backward (measured: a 32M-parameter Llama's fwd+bwd on
