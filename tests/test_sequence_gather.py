@@ -1,0 +1,89 @@
+"""Sequence parallelism's gather (codegen/runtime/tensor_parallel.py ``GatherSequenceInput``) on 2
+gloo ranks against one process: a block whose attention-like module feeds one gathered input to
+three column-parallel linears (q, k, v) and ends in a row-parallel one, styled through the one
+source (codegen/runtime/tp_styles.py). The loss and every gradient equal the unsharded block's,
+and a forward + backward makes the collectives sequence parallelism needs and no others: the
+gather and its reduce-scatter in the backward, the row linear's reduce-scatter and its all-gather
+in the backward; no all-reduce (each column linear all-reduced its own full-sequence input
+gradient while the gather handed the module a local tensor)."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+from torch import nn
+
+B, S, H = 2, 8, 8
+KINDS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+class Attn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(H, H, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(torch.tanh(self.q(x)) * self.k(x) + self.v(x))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = Attn()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(x)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, path: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.profiler import profile
+
+    from codegen.runtime.tensor_parallel import apply_tp
+    from codegen.runtime.tp_styles import styles_for
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        roles = {"attn.q": "column", "attn.k": "column", "attn.v": "column", "attn.o": "row"}
+        model = apply_tp(Block(), init_device_mesh("cpu", (world,)), styles_for(roles, True))
+        x = torch.randn(B, S, H).chunk(world, dim=1)[rank].requires_grad_()  # this rank's sequence shard
+        with profile() as prof:
+            loss = (model(x) ** 2).sum()  # this shard's part of the whole loss
+            loss.backward()
+        calls = {k: sum(e.name == f"_c10d_functional::{k}" for e in prof.events()) for k in KINDS}
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        torch.save({"loss": loss.item(), "grads": grads, "x_grad": x.grad, "calls": calls}, f"{path}/rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    from codegen.runtime.mesh import exit_process
+    exit_process(0)  # the gloo exit abort at interpreter exit (codegen/runtime/mesh.py)
+
+
+@pytest.mark.slow  # a 2-process launch (8-11 s on the shared 2 cores)
+def test_gathered_input_feeds_column_linears_with_one_reduce_scatter_back(tmp_path) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    torch.manual_seed(0)
+    ref = Block()
+    x = torch.randn(B, S, H).requires_grad_()  # the input's gradient: what the layers before need
+    loss = (ref(x) ** 2).sum()
+    loss.backward()
+    res = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert abs(sum(r["loss"] for r in res) - loss.item()) <= 1e-5 * abs(loss.item())
+    for rank, r in enumerate(res):
+        for name, p in ref.named_parameters():
+            assert torch.allclose(r["grads"][name], p.grad, rtol=1e-5, atol=1e-6), (rank, name)
+        assert torch.allclose(r["x_grad"], x.grad.chunk(2, dim=1)[rank], rtol=1e-5, atol=1e-6), rank
+        # forward: gather, row linear's reduce-scatter; backward: their all-gather and reduce-scatter
+        assert r["calls"] == {"all_reduce": 0, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, r["calls"]
