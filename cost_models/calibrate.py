@@ -38,8 +38,9 @@ mem_reserve_frac    + this fraction of the tensor bytes (CPU)        estimate.es
 When every fitted run on a CPU cluster priced its layers with the roofline (no measured
 layers), ``compute_scale`` is folded into ``eff_matmul``, ``eff_memory``, ``op_overhead_s`` and
 ``dtensor_module_s`` (the roofline is exactly proportional to 1/efficiency and to the per-op and
-per-module costs), so those are what is stored. The CPU runtime's per-call figures
-(cost_models/cpu_runtime.py) are measured, not scaled: their keys replace them only when given.
+per-module costs), so those are what is stored (``dtensor_module_s`` as measured by the profile, or
+its default, times the scale). The CPU runtime's other per-call figures (cost_models/cpu_runtime.py)
+are measured, not scaled: their keys replace them only when given.
 
 The fit. Step time: minimise the mean squared log error ``mean(log(pred/measured)^2)``
 over the runs, with a weak prior pulling each coefficient to its uncalibrated value

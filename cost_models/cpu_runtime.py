@@ -39,8 +39,8 @@ Nothing on GPU clusters (there the host runs ahead of the kernels; unmeasured: 0
 of the cluster measures each again (all but the lockstep wait) (``cost_models.profile_runtime.measure_runtime``, the same setups
 as the defaults; ``ProfileDB.runtime``), which replaces the default. The calibration keys
 ``replicate_unit_s``, ``fsdp_unit_s``, ``fsdp_reduce_unit_s``, ``ep_dispatch_s`` and ``dtensor_module_s`` replace the
-measured figures where a calibration gives them (``autopar calibrate`` does not fit them yet:
-cost_models/calibrate.py).
+measured figures where a calibration gives them (``autopar calibrate`` fits none of them; a CPU
+roofline fit stores ``dtensor_module_s`` scaled with its compute: cost_models/calibrate.py).
 """
 from __future__ import annotations
 
@@ -82,9 +82,9 @@ CPU_LOCKSTEP_WAIT_FRAC = 0.12
 # torch 2.13 on a 2-core Xeon (2 gloo ranks, 16 column + row linear pairs of 32 x 64 on 16
 # tokens: 45.2 ms fwd+bwd under ColwiseParallel / RowwiseParallel, 0.84 ms as plain local
 # shards, 7.7 ms of that the 32 all-reduces alone). The profile measures it again the same way on
-# the cluster's ranks (``cost_models.profile_runtime``): on the same VM on 2026-12-06 2.12 / 2.26 ms
-# with 2 ranks and 2.86 / 3.20 ms with 4 ranks on its 2 cores (a Python-bound figure that moves
-# with the machine and the ranks sharing its cores).
+# the cluster's ranks (``cost_models.profile_runtime``): on the same VM on 2026-12-06 1.12 / 1.50 ms
+# with 2 ranks and 2.88 / 3.55 ms with 4 ranks on its 2 cores (a fidelity profile an hour later:
+# 4.60 ms), a Python-bound figure that moves with the machine and the ranks sharing its cores.
 CPU_DTENSOR_MODULE_S = 1.15e-3
 
 KEYS = ("replicate_unit_s", "fsdp_unit_s", "fsdp_reduce_unit_s", "ep_dispatch_s", "dtensor_module_s",

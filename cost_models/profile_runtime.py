@@ -115,7 +115,8 @@ def _dtensor_figure(world: int, repeats: int) -> float | None:
     styles = {f"{i}.{j}": (ColwiseParallel() if j == 0 else RowwiseParallel())
               for i in range(DTENSOR_PAIRS) for j in (0, 1)}
     sharded, local = parallelize_module(pairs(64), tp, styles), pairs(32)
-    x, buf, group = torch.randn(16, 32), torch.randn(16, 32), tp.get_group()
+    # the input needs its gradient (as a block's does), so the first column linear all-reduces it too
+    x, buf, group = torch.randn(16, 32, requires_grad=True), torch.zeros(16, 32), tp.get_group()
 
     def all_reduces() -> None:
         for _ in range(2 * DTENSOR_PAIRS):

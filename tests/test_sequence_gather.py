@@ -5,7 +5,9 @@ source (codegen/runtime/tp_styles.py). The loss and every gradient equal the uns
 and a forward + backward makes the collectives sequence parallelism needs and no others: the
 gather and its reduce-scatter in the backward, the row linear's reduce-scatter and its all-gather
 in the backward; no all-reduce (each column linear all-reduced its own full-sequence input
-gradient while the gather handed the module a local tensor)."""
+gradient while the gather handed the module a local tensor). A module holding a parameter the
+plan leaves whole (a norm before its linears) gets a local tensor, as before, and trains the same:
+there its column linear all-reduces its input gradient."""
 from __future__ import annotations
 
 import socket
@@ -27,10 +29,22 @@ class Attn(nn.Module):
         return self.o(torch.tanh(self.q(x)) * self.k(x) + self.v(x))
 
 
-class Block(nn.Module):
+class NormedMLP(nn.Module):
+    """A user's MLP with its own norm on the gathered input (a module the plan does not style)."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.attn = Attn()
+        self.norm = nn.LayerNorm(H)
+        self.up, self.down = nn.Linear(H, 2 * H, bias=False), nn.Linear(2 * H, H, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, part: type[nn.Module] = Attn) -> None:
+        super().__init__()
+        self.attn = part()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.attn(x)
@@ -45,6 +59,7 @@ def _free_port() -> int:
 def _worker(rank: int, world: int, port: int, path: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
     from torch.profiler import profile
 
     from codegen.runtime.tensor_parallel import apply_tp
@@ -52,16 +67,20 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        torch.manual_seed(0)
-        roles = {"attn.q": "column", "attn.k": "column", "attn.v": "column", "attn.o": "row"}
-        model = apply_tp(Block(), init_device_mesh("cpu", (world,)), styles_for(roles, True))
-        x = torch.randn(B, S, H).chunk(world, dim=1)[rank].requires_grad_()  # this rank's sequence shard
-        with profile() as prof:
-            loss = (model(x) ** 2).sum()  # this shard's part of the whole loss
-            loss.backward()
-        calls = {k: sum(e.name == f"_c10d_functional::{k}" for e in prof.events()) for k in KINDS}
-        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-        torch.save({"loss": loss.item(), "grads": grads, "x_grad": x.grad, "calls": calls}, f"{path}/rank{rank}.pt")
+        mesh, out = init_device_mesh("cpu", (world,)), {}
+        for part, roles in ((Attn, {"attn.q": "column", "attn.k": "column", "attn.v": "column", "attn.o": "row"}),
+                            (NormedMLP, {"attn.up": "column", "attn.down": "row"})):
+            torch.manual_seed(0)
+            model = apply_tp(Block(part), mesh, styles_for(roles, True))
+            x = torch.randn(B, S, H).chunk(world, dim=1)[rank].requires_grad_()  # this rank's sequence shard
+            with profile() as prof:
+                loss = (model(x) ** 2).sum()  # this shard's part of the whole loss
+                loss.backward()
+            calls = {k: sum(e.name == f"_c10d_functional::{k}" for e in prof.events()) for k in KINDS}
+            grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                     for n, p in model.named_parameters()}
+            out[part.__name__] = {"loss": loss.item(), "grads": grads, "x_grad": x.grad, "calls": calls}
+        torch.save(out, f"{path}/rank{rank}.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -74,16 +93,21 @@ def test_gathered_input_feeds_column_linears_with_one_reduce_scatter_back(tmp_pa
     import torch.multiprocessing as mp
 
     mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
-    torch.manual_seed(0)
-    ref = Block()
-    x = torch.randn(B, S, H).requires_grad_()  # the input's gradient: what the layers before need
-    loss = (ref(x) ** 2).sum()
-    loss.backward()
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
-    assert abs(sum(r["loss"] for r in res) - loss.item()) <= 1e-5 * abs(loss.item())
-    for rank, r in enumerate(res):
-        for name, p in ref.named_parameters():
-            assert torch.allclose(r["grads"][name], p.grad, rtol=1e-5, atol=1e-6), (rank, name)
-        assert torch.allclose(r["x_grad"], x.grad.chunk(2, dim=1)[rank], rtol=1e-5, atol=1e-6), rank
-        # forward: gather, row linear's reduce-scatter; backward: their all-gather and reduce-scatter
-        assert r["calls"] == {"all_reduce": 0, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, r["calls"]
+    # Attn: gather and the row linear's reduce-scatter forward, their all-gather and one reduce-scatter
+    # back; NormedMLP (a local input): its column linear's all-reduce back instead of the reduce-scatter
+    expected = {"Attn": {"all_reduce": 0, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2},
+                "NormedMLP": {"all_reduce": 1, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 1}}
+    for part in (Attn, NormedMLP):
+        torch.manual_seed(0)
+        ref = Block(part)
+        x = torch.randn(B, S, H).requires_grad_()  # the input's gradient: what the layers before need
+        loss = (ref(x) ** 2).sum()
+        loss.backward()
+        got = [r[part.__name__] for r in res]
+        assert abs(sum(r["loss"] for r in got) - loss.item()) <= 1e-5 * abs(loss.item()), part.__name__
+        for rank, r in enumerate(got):
+            for name, p in ref.named_parameters():
+                assert torch.allclose(r["grads"][name], p.grad, rtol=1e-5, atol=1e-6), (part.__name__, rank, name)
+            assert torch.allclose(r["x_grad"], x.grad.chunk(2, dim=1)[rank], rtol=1e-5, atol=1e-6), rank
+            assert r["calls"] == expected[part.__name__], (part.__name__, r["calls"])

@@ -101,25 +101,33 @@ class GatherSequenceInput(ParallelStyle):
     argument, or the ``hidden_states`` keyword) from the sequence shard ``[B, S/tp, ..]`` (a
     local tensor, or a ``SequenceParallel`` norm's DTensor) to the full sequence, differentiably.
 
-    The module gets the gathered input as a ``Replicate`` DTensor, as torchtitan's
-    ``PrepareModuleInput`` gives it, not as a local tensor: its column-parallel linears then
-    take it as it is, their input gradients stay ``Partial`` and add up as such, and the
-    backward reduce-scatters their sum once. Given a local tensor, each column linear would wrap
-    it again and all-reduce its own full-sequence input gradient in the backward (q, k and v:
-    three all-reduces of the whole activation instead of one reduce-scatter; moe-fid dp2 tp2 ep4
-    fsdp sp on local-cpu:4 made 14 such all-reduces a step, torch.profiler, 2026-12-06)."""
+    A module whose parameters the TP plan all shards (every one a DTensor: its q, k, v and output
+    linears, say) gets the gathered input as a ``Replicate`` DTensor, as torchtitan's
+    ``PrepareModuleInput`` gives it: its column-parallel linears take it as it is, their input
+    gradients stay ``Partial`` and add up as such, and the backward reduce-scatters their sum once.
+    Given a local tensor, each column linear wraps it again and all-reduces its own full-sequence
+    input gradient in the backward (q, k and v: three all-reduces of the whole activation instead of
+    one reduce-scatter; moe-fid dp2 tp2 ep4 fsdp sp on local-cpu:4 made 14 such all-reduces a step,
+    torch.profiler, 2026-12-06). A module holding parameters the plan leaves whole (a user's norm or
+    scale beside its linears, a q/k norm) may feed the input to them, where a DTensor would meet
+    plain tensors: it gets the gathered input as a local tensor, with those all-reduces."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def gather(x):
+        sharded: list[bool] = []  # decided at the first forward, once the plan has styled the children
+
+        def gather(mod, x):
             if not isinstance(x, DTensor):  # a local sequence shard
                 x = DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
-            return x.redistribute(device_mesh, [Replicate()])
+            if not sharded:
+                sharded.append(all(isinstance(p, DTensor) for p in mod.parameters()))
+            x = x.redistribute(device_mesh, [Replicate()])
+            return x if sharded[0] else x.to_local()
 
         def hook(mod, args, kwargs):
             if args and isinstance(args[0], torch.Tensor):
-                return (gather(args[0]), *args[1:]), kwargs
+                return (gather(mod, args[0]), *args[1:]), kwargs
             if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-                return args, dict(kwargs, hidden_states=gather(kwargs["hidden_states"]))
+                return args, dict(kwargs, hidden_states=gather(mod, kwargs["hidden_states"]))
             raise ValueError(f"sequence parallel: {type(mod).__name__} got no hidden-state tensor to gather")
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
