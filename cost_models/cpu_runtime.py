@@ -16,7 +16,7 @@ beside it, and the profiler measures them again the same way):
   reduce-scatter (each micro-batch without a pipeline): ``CPU_FSDP_REDUCE_UNIT_S``. DDP's
   bucketed reducer (``planner.sharding.uses_ddp_reducer``) measured 0.006-0.02 ms per unit: 0.
 - **DTensor dispatch** per TP-sharded module: ``cost_models.dtensor_dispatch.dtensor_dispatch_s``
-  (``CPU_DTENSOR_MODULE_S``, key ``dtensor_module_s``), priced with the layer time.
+  (``CPU_DTENSOR_MODULE_S``), priced with the layer time.
 - **EP dispatch on gloo** (codegen/runtime/expert_parallel.py ``TokenDispatch``), per MoE
   layer and micro-batch: beside the count exchange and the two row all-to-alls that
   cost_models/experts.py prices from the collective model, the host copies of the counts
@@ -38,14 +38,14 @@ beside it, and the profiler measures them again the same way):
 Nothing on GPU clusters (there the host runs ahead of the kernels; unmeasured: 0). A profile
 of the cluster measures each again (all but the lockstep wait) (``cost_models.profile_runtime.measure_runtime``, the same setups
 as the defaults; ``ProfileDB.runtime``), which replaces the default. The calibration keys
-``replicate_unit_s``, ``fsdp_unit_s``, ``fsdp_reduce_unit_s``, ``ep_dispatch_s`` and ``dtensor_module_s`` replace the
-measured figures where a calibration gives them (``autopar calibrate`` fits none of them; a CPU
-roofline fit stores ``dtensor_module_s`` scaled with its compute: cost_models/calibrate.py).
+``replicate_unit_s``, ``fsdp_unit_s``, ``fsdp_reduce_unit_s`` and ``ep_dispatch_s`` replace the
+measured figures where a calibration gives them (``autopar calibrate`` does not fit them yet:
+cost_models/calibrate.py).
 """
 from __future__ import annotations
 
 from cost_models.cluster import Cluster
-from cost_models.profile_db import calibration
+from cost_models.compute import calibration
 from planner.graph import Layer
 from planner.plan import ParallelConfig
 from planner.sharding import dp_wrapper
@@ -76,23 +76,11 @@ CPU_SPLIT_BACKWARD_FRAC = 0.08
 # again an hour later 5.0 / 14.3 ms -> 1.03 / 1.71 ms (20.4% / 12.0%); segments of 0.05-1.6 ms nothing.
 CPU_LOCKSTEP_WAIT_FRAC = 0.12
 
-# DTensor tensor parallelism on a CPU adds its own dispatch (sharding propagation, wrapping and
-# unwrapping of local tensors, autograd nodes of the conversions) to every module it shards:
-# 1.15 ms per sharded module per micro-batch, forward and backward together, measured with
-# torch 2.13 on a 2-core Xeon (2 gloo ranks, 16 column + row linear pairs of 32 x 64 on 16
-# tokens: 45.2 ms fwd+bwd under ColwiseParallel / RowwiseParallel, 0.84 ms as plain local
-# shards, 7.7 ms of that the 32 all-reduces alone). The profile measures it again the same way on
-# the cluster's ranks (``cost_models.profile_runtime``): on the same VM on 2026-12-06 1.12 / 1.50 ms
-# with 2 ranks and 2.88 / 3.55 ms with 4 ranks on its 2 cores (a fidelity profile an hour later:
-# 4.60 ms), a Python-bound figure that moves with the machine and the ranks sharing its cores.
-CPU_DTENSOR_MODULE_S = 1.15e-3
-
-KEYS = ("replicate_unit_s", "fsdp_unit_s", "fsdp_reduce_unit_s", "ep_dispatch_s", "dtensor_module_s",
-        "split_backward_frac", "lockstep_wait_frac")
+KEYS = ("replicate_unit_s", "fsdp_unit_s", "fsdp_reduce_unit_s", "ep_dispatch_s", "split_backward_frac",
+        "lockstep_wait_frac")
 DEFAULTS = {"replicate_unit_s": CPU_REPLICATE_UNIT_S, "fsdp_unit_s": CPU_FSDP_UNIT_S,
             "fsdp_reduce_unit_s": CPU_FSDP_REDUCE_UNIT_S, "ep_dispatch_s": CPU_EP_DISPATCH_S,
-            "dtensor_module_s": CPU_DTENSOR_MODULE_S, "split_backward_frac": CPU_SPLIT_BACKWARD_FRAC,
-            "lockstep_wait_frac": CPU_LOCKSTEP_WAIT_FRAC}
+            "split_backward_frac": CPU_SPLIT_BACKWARD_FRAC, "lockstep_wait_frac": CPU_LOCKSTEP_WAIT_FRAC}
 
 
 def measured(key: str, profile=None) -> float:

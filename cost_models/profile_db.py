@@ -333,8 +333,3 @@ def _interp_linear(xs: list[int], ys: list[float], x: float) -> float:
             xa, xb, ya, yb = xs[i - 1], xs[i], ys[i - 1], ys[i]
             return ya + (yb - ya) * (x - xa) / (xb - xa)
     return ys[-1]  # unreachable
-
-
-def calibration(profile) -> dict[str, float]:
-    """The fitted coefficients of a ProfileDB (``{}`` without a profile or a calibration)."""
-    return getattr(profile, "calibration", None) or {}

@@ -1,7 +1,6 @@
 """The CPU runtime's own per-call work, measured on a cluster's ranks (cost_models/cpu_runtime.py lists
 the keys; ``cost_models.profiler`` calls :func:`measure_runtime`): the data-parallel wrappers per
-unit, the EP dispatch per MoE layer and DTensor's dispatch per TP-sharded module, into
-``ProfileDB.runtime``."""
+unit and the EP dispatch per MoE layer, into ``ProfileDB.runtime``."""
 from __future__ import annotations
 
 from cost_models.profile_timing import agree_min, timeit
@@ -91,43 +90,6 @@ def _ep_figure(world: int, repeats: int) -> float:
     return t["ep"] - t["local"] - 4 * t["rows"] - t["counts"]
 
 
-DTENSOR_PAIRS = 16  # the DTensor measurement's column + row linear pairs (32 -> 64 -> 32 on 16 tokens)
-
-
-def _dtensor_figure(world: int, repeats: int) -> float | None:
-    """Per TP-sharded module and micro-batch, forward + backward: DTensor's own work over tp groups of
-    2 ranks (``cpu_runtime.CPU_DTENSOR_MODULE_S``, the same setup): a stack of column + row parallel
-    linear pairs less the same stack as plain local shards, less its all-reduces (one per linear)
-    timed alone; None with an odd number of ranks."""
-    import torch
-    import torch.distributed as dist
-    import torch.nn as nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    if world % 2:
-        return None
-    tp = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))["tp"]
-
-    def pairs(inner: int) -> nn.Sequential:
-        return nn.Sequential(*[nn.Sequential(nn.Linear(32, inner), nn.Linear(inner, 32)) for _ in range(DTENSOR_PAIRS)])
-
-    styles = {f"{i}.{j}": (ColwiseParallel() if j == 0 else RowwiseParallel())
-              for i in range(DTENSOR_PAIRS) for j in (0, 1)}
-    sharded, local = parallelize_module(pairs(64), tp, styles), pairs(32)
-    # the input needs its gradient (as a block's does), so the first column linear all-reduces it too
-    x, buf, group = torch.randn(16, 32, requires_grad=True), torch.zeros(16, 32), tp.get_group()
-
-    def all_reduces() -> None:
-        for _ in range(2 * DTENSOR_PAIRS):
-            dist.all_reduce(buf, group=group)
-
-    t = {name: timeit(fn, repeats, lambda: None, agree=agree_min, lockstep=dist.barrier)
-         for name, fn in (("dtensor", lambda: sharded(x).sum().backward()),
-                          ("local", lambda: local(x).sum().backward()), ("ars", all_reduces))}
-    return (t["dtensor"] - t["local"] - t["ars"]) / (2 * DTENSOR_PAIRS)
-
-
 def measure_runtime(db, world: int, repeats: int) -> None:
     """The CPU runtime's own per-call work (cost_models/cpu_runtime.py) on this cluster's ranks,
     the slowest rank's, into ``db.runtime`` (at least 0; nothing on GPUs or one rank)."""
@@ -139,8 +101,6 @@ def measure_runtime(db, world: int, repeats: int) -> None:
         return
     figs = _wrapper_figures(init_device_mesh("cpu", (world,)), repeats)
     figs["ep_dispatch_s"] = _ep_figure(world, repeats)
-    if (dt := _dtensor_figure(world, repeats)) is not None:
-        figs["dtensor_module_s"] = dt
     tt = torch.tensor([figs[k] for k in sorted(figs)], dtype=torch.float64)
     dist.all_reduce(tt, op=dist.ReduceOp.MAX)
     db.runtime = {k: max(0.0, v) for k, v in zip(sorted(figs), tt.tolist())}

@@ -174,8 +174,8 @@ def shard_unit(unit, layer, tp: int, loss_mesh=None):
     thread, 2 ranks at once on an idle 2-core VM: 208-211 ms forward + backward against 86-88 ms fused;
     gpt-small's whole head at tp2, batch 4: 372-406 ms against 363-388 ms, 2026-12-05). Its two
     all-reduces of a few bytes per token run on the one-rank group (nearly free); the head's
-    DTensor dispatch is then in the profile as well as in ``dtensor_dispatch_s`` (``dtensor_module_s``
-    a micro-batch, counted twice).
+    DTensor dispatch is then in the profile as well as in ``dtensor_dispatch_s`` (1.15 ms a
+    micro-batch, counted twice).
     """
     import torch.nn as nn
 

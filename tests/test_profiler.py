@@ -201,8 +201,6 @@ def test_profiler_two_processes(tmp_path):
     assert "[profile] wrote" in r.stdout
     # what a split backward costs beyond a whole one (torch's I then W), over the blocks and the head
     assert 0.0 <= db.runtime["split_backward_frac"] < 2.0 and "[profile] split backward: +" in r.stdout
-    # DTensor's own work per sharded module on these ranks (the default was measured the same way)
-    assert 0.0 < db.runtime["dtensor_module_s"] < 0.05, db.runtime
 
 
 def _virtual_calls(monkeypatch, slow: list):
