@@ -70,6 +70,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _gloo_rank(rank: int, world: int, port: int, worker, args: tuple) -> None:
+    """One rank of :func:`spawn_gloo`: join the gloo group, run ``worker(rank, world, *args)``,
+    leave it and end through the gloo exit abort (codegen/runtime/mesh.py ``exit_process``)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        worker(rank, world, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    from codegen.runtime.mesh import exit_process
+    exit_process(0)
+
+
+def spawn_gloo(worker, world: int, *args) -> None:
+    """Run the module-level function ``worker(rank, world, *args)`` on ``world`` gloo ranks spawned
+    from this process (torch.multiprocessing); a rank's exception fails the call."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gloo_rank, args=(world, free_port(), worker, args), nprocs=world, join=True)
+
+
 def run_worker(worker: str, world: int, out: str, timeout: float = 600) -> dict:
     """Launch ``tests/<worker>`` on ``world`` gloo ranks (one intra-op thread each) writing its
     JSON results to ``out``; assert the launch succeeded and return the results."""

@@ -10,11 +10,11 @@ plan leaves whole (a norm before its linears) gets a local tensor, as before, an
 there its column linear all-reduces its input gradient."""
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 from torch import nn
+
+from launches import spawn_gloo
 
 B, S, H = 2, 8, 8
 KINDS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
@@ -50,14 +50,7 @@ class Block(nn.Module):
         return x + self.attn(x)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, path: str) -> None:
-    import torch.distributed as dist
+def _worker(rank: int, world: int, path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.profiler import profile
@@ -65,34 +58,25 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
     from codegen.runtime.tensor_parallel import apply_tp
     from codegen.runtime.tp_styles import styles_for
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        mesh, out = init_device_mesh("cpu", (world,)), {}
-        for part, roles in ((Attn, {"attn.q": "column", "attn.k": "column", "attn.v": "column", "attn.o": "row"}),
-                            (NormedMLP, {"attn.up": "column", "attn.down": "row"})):
-            torch.manual_seed(0)
-            model = apply_tp(Block(part), mesh, styles_for(roles, True))
-            x = torch.randn(B, S, H).chunk(world, dim=1)[rank].requires_grad_()  # this rank's sequence shard
-            with profile() as prof:
-                loss = (model(x) ** 2).sum()  # this shard's part of the whole loss
-                loss.backward()
-            calls = {k: sum(e.name == f"_c10d_functional::{k}" for e in prof.events()) for k in KINDS}
-            grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                     for n, p in model.named_parameters()}
-            out[part.__name__] = {"loss": loss.item(), "grads": grads, "x_grad": x.grad, "calls": calls}
-        torch.save(out, f"{path}/rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    from codegen.runtime.mesh import exit_process
-    exit_process(0)  # the gloo exit abort at interpreter exit (codegen/runtime/mesh.py)
+    mesh, out = init_device_mesh("cpu", (world,)), {}
+    for part, roles in ((Attn, {"attn.q": "column", "attn.k": "column", "attn.v": "column", "attn.o": "row"}),
+                        (NormedMLP, {"attn.up": "column", "attn.down": "row"})):
+        torch.manual_seed(0)
+        model = apply_tp(Block(part), mesh, styles_for(roles, True))
+        x = torch.randn(B, S, H).chunk(world, dim=1)[rank].requires_grad_()  # this rank's sequence shard
+        with profile() as prof:
+            loss = (model(x) ** 2).sum()  # this shard's part of the whole loss
+            loss.backward()
+        calls = {k: sum(e.name == f"_c10d_functional::{k}" for e in prof.events()) for k in KINDS}
+        grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                 for n, p in model.named_parameters()}
+        out[part.__name__] = {"loss": loss.item(), "grads": grads, "x_grad": x.grad, "calls": calls}
+    torch.save(out, f"{path}/rank{rank}.pt")
 
 
 @pytest.mark.slow  # a 2-process launch (8-11 s on the shared 2 cores)
 def test_gathered_input_feeds_column_linears_with_one_reduce_scatter_back(tmp_path) -> None:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_gloo(_worker, 2, str(tmp_path))
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     # Attn: gather and the row linear's reduce-scatter forward, their all-gather and one reduce-scatter
     # back; NormedMLP (a local input): its column linear's all-reduce back instead of the reduce-scatter

@@ -6,11 +6,11 @@ only, and the lookup's backward builds the gradient of those rows, never of the 
 ``RowwiseParallel`` builds all ``VOCAB`` rows on every rank)."""
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 from torch import nn
+
+from launches import spawn_gloo
 
 VOCAB, HIDDEN, PAD = 41, 8, 30  # 41 rows split 21 / 20; the padding row on rank 1's shard
 IDS = torch.tensor([[0, 20, 21, 40, 5, 30], [33, 1, 30, 19, 22, 40]])  # both shards, both boundaries
@@ -30,47 +30,31 @@ class TiedLM(nn.Module):
         return self.head(torch.tanh(self.emb(ids)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, path: str) -> None:
-    import torch.distributed as dist
+def _worker(rank: int, world: int, path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.profiler import profile
 
     from codegen.runtime.tensor_parallel import apply_tp, loss_context
     from codegen.runtime.tp_styles import styles_for
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        mesh, out = init_device_mesh("cpu", (world,)), {}
-        for sp in (False, True):
-            torch.manual_seed(0)
-            model = apply_tp(TiedLM(), mesh, styles_for({"emb": "vocab_embed", "head": "vocab_head"}, sp))
-            with loss_context(world), profile(record_shapes=True) as prof:
-                loss = nn.functional.cross_entropy(model(IDS).flatten(0, 1), LABELS.flatten())
-                loss.backward()
-            grad = model.emb.weight.grad
-            # the rows each lookup's backward builds a gradient of (its num_weights argument)
-            built = sorted({e.concrete_inputs[2] for e in prof.events() if e.name == "aten::embedding_dense_backward"})
-            out[sp] = {"loss": loss.full_tensor().item(), "grad": grad.full_tensor(), "local": tuple(grad.to_local().shape),
-                       "tied": model.head.weight is model.emb.weight, "built": built}
-        torch.save(out, f"{path}/rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    from codegen.runtime.mesh import exit_process
-    exit_process(0)  # the gloo exit abort at interpreter exit (codegen/runtime/mesh.py)
+    mesh, out = init_device_mesh("cpu", (world,)), {}
+    for sp in (False, True):
+        torch.manual_seed(0)
+        model = apply_tp(TiedLM(), mesh, styles_for({"emb": "vocab_embed", "head": "vocab_head"}, sp))
+        with loss_context(world), profile(record_shapes=True) as prof:
+            loss = nn.functional.cross_entropy(model(IDS).flatten(0, 1), LABELS.flatten())
+            loss.backward()
+        grad = model.emb.weight.grad
+        # the rows each lookup's backward builds a gradient of (its num_weights argument)
+        built = sorted({e.concrete_inputs[2] for e in prof.events() if e.name == "aten::embedding_dense_backward"})
+        out[sp] = {"loss": loss.full_tensor().item(), "grad": grad.full_tensor(), "local": tuple(grad.to_local().shape),
+                   "tied": model.head.weight is model.emb.weight, "built": built}
+    torch.save(out, f"{path}/rank{rank}.pt")
 
 
 @pytest.mark.slow  # a 2-process launch (8-11 s on the shared 2 cores)
 def test_vocab_parallel_embedding_equals_one_process_and_keeps_its_rows(tmp_path) -> None:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_gloo(_worker, 2, str(tmp_path))
     torch.manual_seed(0)
     ref = TiedLM()
     loss = nn.functional.cross_entropy(ref(IDS).flatten(0, 1), LABELS.flatten())

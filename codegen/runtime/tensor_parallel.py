@@ -113,15 +113,13 @@ class GatherSequenceInput(ParallelStyle):
     plain tensors: it gets the gathered input as a local tensor, with those all-reduces."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        sharded: list[bool] = []  # decided at the first forward, once the plan has styled the children
-
         def gather(mod, x):
             if not isinstance(x, DTensor):  # a local sequence shard
                 x = DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
-            if not sharded:
-                sharded.append(all(isinstance(p, DTensor) for p in mod.parameters()))
             x = x.redistribute(device_mesh, [Replicate()])
-            return x if sharded[0] else x.to_local()
+            # read at each forward: the children's styles apply after this one, and FSDP's unsharded
+            # parameters are in place only while the module runs
+            return x if all(isinstance(p, DTensor) for p in mod.parameters()) else x.to_local()
 
         def hook(mod, args, kwargs):
             if args and isinstance(args[0], torch.Tensor):
