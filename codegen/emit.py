@@ -130,7 +130,7 @@ def tp_plan_literal(layout: dict[str, str], units: list[str], tp: int, sp: bool)
     states it for the plan's role; both ``{}`` when tp == 1 (nothing is sharded)."""
     if tp == 1 or not layout:
         return "BLOCK_TP_PLAN, TP_PLAN = {}, {}  # tp=1: no tensor parallelism"
-    block_plan, rest = split_tp_plan(sources_for(layout, sp), units)
+    block_plan, rest = split_tp_plan(sources_for(layout, sp, units), units)
     out = ["# tensor-parallel style per module (torch's ParallelStyle; ours in codegen/runtime/tensor_parallel.py):",
            "# per block stack, the style of each module inside one block, applied to every block of it"]
     if block_plan:

@@ -51,6 +51,7 @@ from codegen.runtime.tensor_parallel import (
     GatherSequenceInput,
     PackedColwise,
     ReplicatedEmbedding,
+    ReplicateRegionInput,
     VocabParallelEmbedding,
 )
 from codegen.runtime.tp_plan import tp_plan_for
@@ -79,6 +80,7 @@ BLOCK_TP_PLAN = {
         "attn": GatherSequenceInput(),
         "attn.qkv": PackedColwise(),
         "attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "mlp": ReplicateRegionInput(),
         "mlp.up_proj": ColwiseParallel(),
         "norm": SequenceParallel(),
     },

@@ -43,6 +43,8 @@ LAYOUTS = {
         ("dp2-fsdp-shares", dict(dp=2, mbs=2, zero="fsdp", dp_shares="1+3"), 1),
         ("dp2-ddp-shares", dict(dp=2, mbs=2, zero="ddp", dp_shares="3+1"), 1),
         ("tp2-sp", dict(tp=2, sp=True), 1),
+        # TP without SP: each attention / MLP module's column linears share one replicated input
+        ("tp2", dict(tp=2), 1),
         ("pp2-gpipe", dict(pp=2, schedule="gpipe"), 2),
         ("pp2-1f1b", dict(pp=2, schedule="1f1b"), 2),
         ("pp2-interleaved-v2", dict(pp=2, schedule="interleaved-1f1b", vpp=2), 4),

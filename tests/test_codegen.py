@@ -170,7 +170,10 @@ def test_tp_styles_are_one_text_read_both_ways():
     assert for_module(row, torch.nn.Linear(4, 8)) is row
     layout = {"layers.0.attn.q": "column", "layers.0.attn.o": "row", "layers.0.norm": "norm"}
     assert sources_for(layout, True)["layers.0.attn"] == "GatherSequenceInput()"
-    assert "layers.0.attn" not in sources_for(layout, False) and "layers.0.norm" not in styles_for(layout, False)
+    assert sources_for(layout, False)["layers.0.attn"] == "ReplicateRegionInput()"
+    assert "layers.0.norm" not in styles_for(layout, False)
+    flat = {"layers.0.q": "column", "layers.0.o": "row", "layers.0.norm": "norm"}  # a block holding its linears
+    assert "layers.0" not in sources_for(flat, False, ["embed", "layers.0", "head"])
 
 
 LINTED = [("llama-tiny", PP2TP2, 4), ("llama-tiny", "dp=2,cp=2,ulysses=2,mbs=1,dtype=fp32", 4),

@@ -1,14 +1,18 @@
-"""Sequence parallelism's gather (codegen/runtime/tensor_parallel.py ``GatherSequenceInput``) on 2
-gloo ranks against one process: a block whose attention-like module feeds one gathered input to
-three column-parallel linears (q, k, v) and ends in a row-parallel one, styled through the one
-source (codegen/runtime/tp_styles.py). The loss and every gradient equal the unsharded block's,
-and a forward + backward makes the collectives sequence parallelism needs and no others: the
+"""The input of the module around a row-parallel linear (codegen/runtime/tensor_parallel.py
+``GatherSequenceInput`` under sequence parallelism, ``ReplicateRegionInput`` without) on 2 gloo
+ranks against one process: a block whose attention-like module feeds one input to three
+column-parallel linears (q, k, v) and ends in a row-parallel one, styled through the one source
+(codegen/runtime/tp_styles.py). The loss and every gradient equal the unsharded block's, and a
+forward + backward makes the collectives the layout needs and no others. Sequence parallel: the
 gather and its reduce-scatter in the backward, the row linear's reduce-scatter and its all-gather
-in the backward; no all-reduce (each column linear all-reduced its own full-sequence input
-gradient while the gather handed the module a local tensor). A module holding a parameter the
-plan leaves whole (a norm before its linears) gets a local tensor, as before, and trains the same:
-there its column linear all-reduces its input gradient."""
+in the backward; no all-reduce. Without: the row linear's all-reduce and one all-reduce of the
+input gradient in the backward (each column linear all-reduced its own input gradient while the
+module got a local tensor: q, k, v three). A module holding a parameter the plan leaves whole (a
+norm before its linears) gets a local tensor, as before, and trains the same: there its column
+linear all-reduces its input gradient."""
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -18,6 +22,13 @@ from launches import spawn_gloo
 
 B, S, H = 2, 8, 8
 KINDS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+# Attn: gather and the row linear's reduce-scatter forward, their all-gather and one reduce-scatter back;
+# without SP the row linear's all-reduce forward and one all-reduce back. NormedMLP (a local input): its
+# column linear's all-reduce back instead of the reduce-scatter
+EXPECTED = {("Attn", True): {"all_reduce": 0, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2},
+            ("Attn", False): {"all_reduce": 2, "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0},
+            ("NormedMLP", True): {"all_reduce": 1, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 1},
+            ("NormedMLP", False): {"all_reduce": 2, "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}}
 
 
 class Attn(nn.Module):
@@ -50,6 +61,10 @@ class Block(nn.Module):
         return x + self.attn(x)
 
 
+PARTS = ((Attn, {"attn.q": "column", "attn.k": "column", "attn.v": "column", "attn.o": "row"}),
+         (NormedMLP, {"attn.up": "column", "attn.down": "row"}))
+
+
 def _worker(rank: int, world: int, path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -59,39 +74,39 @@ def _worker(rank: int, world: int, path: str) -> None:
     from codegen.runtime.tp_styles import styles_for
 
     mesh, out = init_device_mesh("cpu", (world,)), {}
-    for part, roles in ((Attn, {"attn.q": "column", "attn.k": "column", "attn.v": "column", "attn.o": "row"}),
-                        (NormedMLP, {"attn.up": "column", "attn.down": "row"})):
+    for (part, roles), sp in itertools.product(PARTS, (True, False)):
         torch.manual_seed(0)
-        model = apply_tp(Block(part), mesh, styles_for(roles, True))
-        x = torch.randn(B, S, H).chunk(world, dim=1)[rank].requires_grad_()  # this rank's sequence shard
+        model = apply_tp(Block(part), mesh, styles_for(roles, sp))
+        x = torch.randn(B, S, H)
+        x = (x.chunk(world, dim=1)[rank] if sp else x).requires_grad_()  # this rank's sequence shard, or all
         with profile() as prof:
             loss = (model(x) ** 2).sum()  # this shard's part of the whole loss
             loss.backward()
         calls = {k: sum(e.name == f"_c10d_functional::{k}" for e in prof.events()) for k in KINDS}
         grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
                  for n, p in model.named_parameters()}
-        out[part.__name__] = {"loss": loss.item(), "grads": grads, "x_grad": x.grad, "calls": calls}
+        out[part.__name__, sp] = {"loss": loss.item(), "grads": grads, "x_grad": x.grad, "calls": calls}
     torch.save(out, f"{path}/rank{rank}.pt")
 
 
 @pytest.mark.slow  # a 2-process launch (8-11 s on the shared 2 cores)
-def test_gathered_input_feeds_column_linears_with_one_reduce_scatter_back(tmp_path) -> None:
+def test_region_input_feeds_column_linears_with_one_gradient_collective_back(tmp_path) -> None:
     spawn_gloo(_worker, 2, str(tmp_path))
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
-    # Attn: gather and the row linear's reduce-scatter forward, their all-gather and one reduce-scatter
-    # back; NormedMLP (a local input): its column linear's all-reduce back instead of the reduce-scatter
-    expected = {"Attn": {"all_reduce": 0, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2},
-                "NormedMLP": {"all_reduce": 1, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 1}}
-    for part in (Attn, NormedMLP):
+    for (part, _), sp in itertools.product(PARTS, (True, False)):
         torch.manual_seed(0)
         ref = Block(part)
         x = torch.randn(B, S, H).requires_grad_()  # the input's gradient: what the layers before need
         loss = (ref(x) ** 2).sum()
         loss.backward()
-        got = [r[part.__name__] for r in res]
-        assert abs(sum(r["loss"] for r in got) - loss.item()) <= 1e-5 * abs(loss.item()), part.__name__
+        case = (part.__name__, sp)
+        got = [r[case] for r in res]
+        # with SP each rank's loss is its shard's part of the whole; without, each rank has all of it
+        ranks_loss = sum(r["loss"] for r in got) if sp else got[0]["loss"]
+        assert abs(ranks_loss - loss.item()) <= 1e-5 * abs(loss.item()), case
         for rank, r in enumerate(got):
             for name, p in ref.named_parameters():
-                assert torch.allclose(r["grads"][name], p.grad, rtol=1e-5, atol=1e-6), (part.__name__, rank, name)
-            assert torch.allclose(r["x_grad"], x.grad.chunk(2, dim=1)[rank], rtol=1e-5, atol=1e-6), rank
-            assert r["calls"] == expected[part.__name__], (part.__name__, r["calls"])
+                assert torch.allclose(r["grads"][name], p.grad, rtol=1e-5, atol=1e-6), (case, rank, name)
+            x_grad = x.grad.chunk(2, dim=1)[rank] if sp else x.grad
+            assert torch.allclose(r["x_grad"], x_grad, rtol=1e-5, atol=1e-6), (case, rank)
+            assert r["calls"] == EXPECTED[case], (case, r["calls"])

@@ -16,10 +16,13 @@ The plan's ``{fqn: role}`` layout becomes ``{fqn: ParallelStyle}`` in
 - ``norm``        replicated weights; with sequence parallel it runs on a sequence shard
 
 Linears are ``nn.Linear`` or transformers' ``Conv1D`` (weight stored ``[in, out]``).
-Under sequence parallelism the parent of every ``row`` linear (the attention / MLP module)
-gets its hidden-state input (first positional argument, or ``hidden_states=``) gathered
-from the sequence shard (a block whose attention linears sit directly in it cannot run
-sequence parallel: the planner's ``sp`` limit, ``planner/frontend/load.py``). Attention modules must reshape with the local head count
+The parent of every ``row`` linear (the attention / MLP module) shares its hidden-state input
+(first positional argument, or ``hidden_states=``) among its column linears as one
+``Replicate`` DTensor (:class:`ReplicateRegionInput`: one all-reduce of their input gradients
+in the backward); under sequence parallelism it gathers it from the sequence shard first
+(:class:`GatherSequenceInput`; a block whose attention linears sit directly in it cannot run
+sequence parallel: the planner's ``sp`` limit, ``planner/frontend/load.py``; without SP such a
+block takes its input as it comes). Attention modules must reshape with the local head count
 (``view(B, S, -1, head_dim)``), so sharding q/k/v by output features shards heads; kv heads
 are sharded, never replicated, so tp must divide them (the planner's feasibility rule).
 
@@ -96,40 +99,62 @@ class PackedColwise(ColwiseParallel):
         return apply_as_linear(self, module, device_mesh, _packed_colwise, local_output=True)
 
 
-class GatherSequenceInput(ParallelStyle):
-    """Sequence parallel: gather a module's hidden-state input (its first positional
-    argument, or the ``hidden_states`` keyword) from the sequence shard ``[B, S/tp, ..]`` (a
-    local tensor, or a ``SequenceParallel`` norm's DTensor) to the full sequence, differentiably.
+class ReplicateRegionInput(ParallelStyle):
+    """Tensor parallelism without sequence parallelism: the module around a row-parallel linear
+    (the attention / MLP module) takes its replicated hidden-state input (its first positional
+    argument, or the ``hidden_states`` keyword) as a ``Replicate`` DTensor, as torchtitan's
+    ``PrepareModuleInput`` gives it, where the TP plan shards all of the module's parameters (every
+    one a DTensor: its q, k, v and output linears, say). Its column-parallel linears take it as it
+    is, their input gradients stay ``Partial`` and add up as such, and the backward all-reduces
+    their sum once (Megatron's f operator). Given a local tensor, each column linear wraps it again
+    and all-reduces its own input gradient (q, k and v: three all-reduces of the whole activation
+    instead of one). A module holding parameters the plan leaves whole (a user's norm or scale
+    beside its linears, a q/k norm) may feed the input to them, where a DTensor would meet plain
+    tensors: it gets its input as it came, with those all-reduces.
 
-    A module whose parameters the TP plan all shards (every one a DTensor: its q, k, v and output
-    linears, say) gets the gathered input as a ``Replicate`` DTensor, as torchtitan's
-    ``PrepareModuleInput`` gives it: its column-parallel linears take it as it is, their input
-    gradients stay ``Partial`` and add up as such, and the backward reduce-scatters their sum once.
-    Given a local tensor, each column linear wraps it again and all-reduces its own full-sequence
-    input gradient in the backward (q, k and v: three all-reduces of the whole activation instead of
-    one reduce-scatter; moe-fid dp2 tp2 ep4 fsdp sp on local-cpu:4 made 14 such all-reduces a step,
-    torch.profiler, 2026-12-06). A module holding parameters the plan leaves whole (a user's norm or
-    scale beside its linears, a q/k norm) may feed the input to them, where a DTensor would meet
-    plain tensors: it gets the gathered input as a local tensor, with those all-reduces."""
+    :class:`GatherSequenceInput` is the same under sequence parallelism, where the input comes as
+    the sequence shard and is gathered first."""
+
+    sequence_sharded = False  # the input arrives as the rank's sequence shard [B, S/tp, ..]
+
+    def replicated(self, x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        """The whole input as a ``Replicate`` DTensor (gathered from the sequence shard, a local
+        tensor or a ``SequenceParallel`` norm's DTensor, when :attr:`sequence_sharded`)."""
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Shard(1) if self.sequence_sharded else Replicate()], run_check=False)
+        return x.redistribute(mesh, [Replicate()])
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def gather(mod, x):
-            if not isinstance(x, DTensor):  # a local sequence shard
-                x = DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
-            x = x.redistribute(device_mesh, [Replicate()])
+        def prepare(mod, x):
             # read at each forward: the children's styles apply after this one, and FSDP's unsharded
             # parameters are in place only while the module runs
-            return x if all(isinstance(p, DTensor) for p in mod.parameters()) else x.to_local()
+            if all(isinstance(p, DTensor) for p in mod.parameters()):
+                return self.replicated(x, device_mesh)
+            return self.replicated(x, device_mesh).to_local() if self.sequence_sharded else x
 
         def hook(mod, args, kwargs):
             if args and isinstance(args[0], torch.Tensor):
-                return (gather(mod, args[0]), *args[1:]), kwargs
+                return (prepare(mod, args[0]), *args[1:]), kwargs
             if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-                return args, dict(kwargs, hidden_states=gather(mod, kwargs["hidden_states"]))
-            raise ValueError(f"sequence parallel: {type(mod).__name__} got no hidden-state tensor to gather")
+                return args, dict(kwargs, hidden_states=prepare(mod, kwargs["hidden_states"]))
+            if self.sequence_sharded:
+                raise ValueError(f"sequence parallel: {type(mod).__name__} got no hidden-state tensor to gather")
+            return None  # nothing to share: each column linear takes its input as it comes
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
         return module
+
+
+class GatherSequenceInput(ReplicateRegionInput):
+    """Sequence parallel: :class:`ReplicateRegionInput` for an input that arrives as the sequence
+    shard ``[B, S/tp, ..]`` (a local tensor, or a ``SequenceParallel`` norm's DTensor): gathered to
+    the full sequence, differentiably. A module whose parameters the plan all shards gets it as a
+    ``Replicate`` DTensor, and the backward reduce-scatters its column linears' summed input
+    gradients once (with a local tensor each column linear all-reduced its own full-sequence input
+    gradient: moe-fid dp2 tp2 ep4 fsdp sp on local-cpu:4 made 14 such all-reduces a step,
+    torch.profiler, 2026-12-06); any other module gets the gathered input as a local tensor."""
+
+    sequence_sharded = True
 
 
 class ReplicatedEmbedding(ParallelStyle):

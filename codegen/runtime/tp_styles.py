@@ -5,8 +5,9 @@ The plan records each module's role (``planner.plan.TP_ROLES``); training applie
 role gets: the emitted program writes that text as its TP plan's literals (so a user edits
 a layout where they see it, as in torchtitan), and :func:`style_for` builds the object by
 evaluating the same text over :data:`STYLE_NAMES` alone (no builtins), so the in-process
-API and the program cannot apply different styles. Under sequence parallelism the module
-around each row-parallel linear gathers its hidden-state input (``GatherSequenceInput``).
+API and the program cannot apply different styles. The module around each row-parallel linear
+shares its hidden-state input among its column linears (``ReplicateRegionInput``; under
+sequence parallelism gathered from the sequence shard first, ``GatherSequenceInput``).
 
 :func:`role_of` reads a style back as the role the adapters' local-size fix-ups need (which
 modules are column-parallel, which norms run on the sequence shard), for styles a user
@@ -15,7 +16,7 @@ wrote too.
 from __future__ import annotations
 
 import importlib
-from typing import Mapping, Optional
+from typing import Collection, Mapping, Optional
 
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
@@ -28,10 +29,11 @@ from planner.plan import TP_ROLES
 IMPORTS = {"torch.distributed.tensor": ("Replicate", "Shard"),
            "torch.distributed.tensor.parallel": ("ColwiseParallel", "RowwiseParallel", "SequenceParallel"),
            "codegen.runtime.tensor_parallel": ("GatherSequenceInput", "PackedColwise", "ReplicatedEmbedding",
-                                               "VocabParallelEmbedding")}
+                                               "ReplicateRegionInput", "VocabParallelEmbedding")}
 STYLE_NAMES = {name: getattr(importlib.import_module(module), name) for module, names in IMPORTS.items()
                for name in names}
-GATHER = "GatherSequenceInput()"
+# the style of the module around each row-parallel linear, by whether sequence parallelism is on
+REGION_INPUT = {True: "GatherSequenceInput()", False: "ReplicateRegionInput()"}
 
 
 def style_source(role: str, sp: bool) -> Optional[str]:
@@ -50,16 +52,19 @@ def style_source(role: str, sp: bool) -> Optional[str]:
             "norm": "SequenceParallel()" if sp else None}[role]
 
 
-def sources_for(layout: Mapping[str, str], sp: bool) -> dict[str, str]:
-    """``{module fqn: style source}`` for the plan's ``{fqn: role}`` layout, with the gather
-    of the sequence shard on the parent of every row-parallel linear under ``sp``."""
+def sources_for(layout: Mapping[str, str], sp: bool, units: Collection[str] = ()) -> dict[str, str]:
+    """``{module fqn: style source}`` for the plan's ``{fqn: role}`` layout, with
+    :data:`REGION_INPUT` on the parent of every row-parallel linear: not where that parent is a
+    layer unit of ``units`` (a block holding its linears directly, whose norms and residual take
+    the input as it comes; sequence parallelism refuses such a block, ``planner/frontend/load.py``),
+    nor where the layout styles the parent itself."""
     out: dict[str, str] = {}
     for fqn, role in layout.items():
         src = style_source(role, sp)
         if src is not None:
             out[fqn] = src
-        if role == "row" and sp:
-            out.setdefault(fqn.rpartition(".")[0], GATHER)
+        if role == "row" and (parent := fqn.rpartition(".")[0]) not in units:
+            out.setdefault(parent, REGION_INPUT[sp])
     return out
 
 
@@ -68,13 +73,13 @@ def style_for(source: str) -> ParallelStyle:
     return eval(source, {"__builtins__": {}}, dict(STYLE_NAMES))  # noqa: S307 - our own texts, names above only
 
 
-def styles_for(layout: Mapping[str, str], sp: bool) -> dict[str, ParallelStyle]:
+def styles_for(layout: Mapping[str, str], sp: bool, units: Collection[str] = ()) -> dict[str, ParallelStyle]:
     """``{module fqn: ParallelStyle}`` for the plan's layout (see :func:`sources_for`)."""
-    return {fqn: style_for(src) for fqn, src in sources_for(layout, sp).items()}
+    return {fqn: style_for(src) for fqn, src in sources_for(layout, sp, units).items()}
 
 
 def role_of(style: ParallelStyle) -> Optional[str]:
-    """The role ``style`` gives its module (None: the sequence gather around row linears)."""
+    """The role ``style`` gives its module (None: the region input around row linears)."""
     if isinstance(style, PackedColwise):
         return "packed_qkv"
     if isinstance(style, ColwiseParallel):
@@ -91,5 +96,5 @@ def role_of(style: ParallelStyle) -> Optional[str]:
 
 
 def roles_of(styles: Mapping[str, ParallelStyle]) -> dict[str, str]:
-    """``{fqn: role}`` of the styled modules (the gathers left out)."""
+    """``{fqn: role}`` of the styled modules (the region inputs left out)."""
     return {fqn: role for fqn, s in styles.items() if (role := role_of(s)) is not None}

@@ -423,7 +423,7 @@ def _build(adapter: ModelAdapter, cfg: ParallelConfig, stages: Sequence[Sequence
     tied = recipe.tie_weights(adapter, split, mesh)  # before TP splits the tied ends apart
     planner_ = recipe.build_batch_planner(per_batch, cfg, facts, global_batch, mesh)
     recipe.apply_attention(adapter, split, cfg, mesh, load_balance, planner_)
-    recipe.apply_tp(adapter, split, styles_for(tp_layout, cfg.sp), mesh, cfg.sp)
+    recipe.apply_tp(adapter, split, styles_for(tp_layout, cfg.sp, adapter.units), mesh, cfg.sp)
     experts = recipe.apply_ep(split, cfg)
     recipe.apply_fp8(adapter, split, cfg, device)
     recipe.apply_recompute(adapter, split)
