@@ -174,6 +174,11 @@ def test_tp_styles_are_one_text_read_both_ways():
     assert "layers.0.norm" not in styles_for(layout, False)
     flat = {"layers.0.q": "column", "layers.0.o": "row", "layers.0.norm": "norm"}  # a block holding its linears
     assert "layers.0" not in sources_for(flat, False, ["embed", "layers.0", "head"])
+    # BERT's row linears each sit in an output module of their own, fed the sharded activation: no region style
+    bert = {"l.attention.self.query": "column", "l.attention.output.dense": "row", "l.intermediate.dense": "column",
+            "l.output.dense": "row"}
+    for sp in (True, False):
+        assert set(sources_for(bert, sp)) == set(bert), sp
 
 
 LINTED = [("llama-tiny", PP2TP2, 4), ("llama-tiny", "dp=2,cp=2,ulysses=2,mbs=1,dtype=fp32", 4),

@@ -110,12 +110,15 @@ class ReplicateRegionInput(ParallelStyle):
     and all-reduces its own input gradient (q, k and v: three all-reduces of the whole activation
     instead of one). A module holding parameters the plan leaves whole (a user's norm or scale
     beside its linears, a q/k norm) may feed the input to them, where a DTensor would meet plain
-    tensors: it gets its input as it came, with those all-reduces.
+    tensors: it gets its input as it came, with those all-reduces. Not detected: a module whose
+    parameters are all sharded but which also adds or multiplies its input with a plain tensor (a
+    residual inside it) raises "mixed torch.Tensor and DTensor" at its first forward, as under
+    sequence parallelism; delete its line from the emitted program's TP plan.
 
     :class:`GatherSequenceInput` is the same under sequence parallelism, where the input comes as
     the sequence shard and is gathered first."""
 
-    sequence_sharded = False  # the input arrives as the rank's sequence shard [B, S/tp, ..]
+    sequence_sharded = False  # True: the input arrives as the rank's sequence shard [B, S/tp, ..]
 
     def replicated(self, x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
         """The whole input as a ``Replicate`` DTensor (gathered from the sequence shard, a local
@@ -132,10 +135,13 @@ class ReplicateRegionInput(ParallelStyle):
                 return self.replicated(x, device_mesh)
             return self.replicated(x, device_mesh).to_local() if self.sequence_sharded else x
 
+        def hidden(x) -> bool:  # a hidden state (not ids or a mask)
+            return isinstance(x, torch.Tensor) and x.is_floating_point()
+
         def hook(mod, args, kwargs):
-            if args and isinstance(args[0], torch.Tensor):
+            if args and hidden(args[0]):
                 return (prepare(mod, args[0]), *args[1:]), kwargs
-            if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            if hidden(kwargs.get("hidden_states")):
                 return args, dict(kwargs, hidden_states=prepare(mod, kwargs["hidden_states"]))
             if self.sequence_sharded:
                 raise ValueError(f"sequence parallel: {type(mod).__name__} got no hidden-state tensor to gather")

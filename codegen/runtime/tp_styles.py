@@ -54,16 +54,20 @@ def style_source(role: str, sp: bool) -> Optional[str]:
 
 def sources_for(layout: Mapping[str, str], sp: bool, units: Collection[str] = ()) -> dict[str, str]:
     """``{module fqn: style source}`` for the plan's ``{fqn: role}`` layout, with
-    :data:`REGION_INPUT` on the parent of every row-parallel linear: not where that parent is a
-    layer unit of ``units`` (a block holding its linears directly, whose norms and residual take
-    the input as it comes; sequence parallelism refuses such a block, ``planner/frontend/load.py``),
-    nor where the layout styles the parent itself."""
+    :data:`REGION_INPUT` on the parent of every row-parallel linear that also holds the column
+    linears feeding it (the attention / MLP module; not a module around the row linear alone, such
+    as BERT's output module, whose input is the sharded activation), unless that parent is a layer
+    unit of ``units`` (a block holding its linears directly, whose norms and residual take the
+    input as it comes; sequence parallelism refuses such a block, ``planner/frontend/load.py``) or
+    the layout styles it itself."""
     out: dict[str, str] = {}
+    columns = [fqn for fqn, role in layout.items() if role in ("column", "packed_qkv")]
     for fqn, role in layout.items():
         src = style_source(role, sp)
         if src is not None:
             out[fqn] = src
-        if role == "row" and (parent := fqn.rpartition(".")[0]) not in units:
+        parent = fqn.rpartition(".")[0]
+        if role == "row" and parent not in units and any(c.startswith(f"{parent}.") for c in columns):
             out.setdefault(parent, REGION_INPUT[sp])
     return out
 
