@@ -132,14 +132,16 @@ def plan_against(c: Case, graphs: Graphs) -> dict[str, Any]:
     from planner.search.planning import evaluate_config, plan_model
 
     g, cl = graphs.get(c.model), cluster_for(c)
-    theirs, _ = evaluate_config(g, cl, c.cfg, c.global_batch, even_split=True)
+    theirs, refused = evaluate_config(g, cl, c.cfg, c.global_batch, even_split=True)
     try:
         _, res = plan_model(g, cl, c.global_batch, spec=c.model["name"], cluster_spec=cl.name, fp8=c.cfg.fp8,
                             compile=c.cfg.compile)
     except AutoparError as err:  # a job autopar's runtime cannot run at all: say why, keep going
+        # where autopar's runtime refuses their layout too, that reason first: the planner's own lists the
+        # layouts it left out most often
+        why = f"their layout refused too: {refused[0]}" if refused else str(err).split(": ", 1)[-1]
         return {"pick": None, "speedup": None, "theirs_fits": theirs.fits, "degrees_match": False,
-                "why": f"no plan: {str(err).split(': ', 1)[-1][:160]}", "theirs_on_autopar_s": theirs.step_s,
-                "ours_s": None}
+                "why": f"no plan: {why[:160]}", "theirs_on_autopar_s": theirs.step_s, "ours_s": None}
     ours = res.best
     deg = ("dp", "pp", "cp", "tp")
     keys = set(ours.breakdown) | set(theirs.breakdown)

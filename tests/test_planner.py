@@ -80,6 +80,18 @@ def test_nothing_fits_names_shortfall_and_knob():
     assert "smallest shortfall" in msg and "GiB" in msg and "devices" in msg
 
 
+def test_nothing_runs_names_the_requested_mode_first():
+    """One sequence on 8 GPUs with --compile: data parallelism needs more sequences, a pipeline more
+    micro-batches, and compiled blocks do not run under TP or CP. The error names the request's own
+    option first (it was not counted at all: its tuples had no variant and vanished unrecorded)."""
+    g = load_graph("llama-tiny", batch=1, seq_len=256)
+    with pytest.raises(AutoparError) as e:
+        plan_model(g, parse_cluster("dgx-h100:1"), 1, spec="llama-tiny", cluster_spec="dgx-h100:1", compile=True)
+    reasons = str(e.value).split(": ", 1)[1].split("; ")
+    assert reasons[0].startswith("compile=on with cp > 1") and reasons[2].startswith("compile=on with tp > 1"), reasons
+    assert any(r.startswith("global batch 1 not divisible by dp=") for r in reasons), reasons
+
+
 @pytest.mark.slow
 def test_evaluate_names_stage_and_shortfall(llama8b):
     e, problems = evaluate_config(llama8b, parse_cluster("dgx-h100:1"), ParallelConfig.parse("dp=8,zero=ddp"), 64,

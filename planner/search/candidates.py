@@ -72,16 +72,21 @@ def divisors(n: int) -> list[int]:
 
 
 class Rejections:
-    """Why configurations were left out: reason -> count, and up to three examples each."""
+    """Why configurations were left out: reason -> count, up to three examples each, and which
+    reasons are the request's own options (compile, float8, the dtype: what the user may drop)."""
 
     def __init__(self) -> None:
         self.examples: dict[str, list[str]] = {}
         self.counts: dict[str, int] = {}
+        self.requested: set[str] = set()
 
-    def add(self, reason: str, example: str | Callable[[], str], n: int = 1) -> None:
-        """Count ``n`` configurations under ``reason``; ``example`` (or what calling it gives: a label
-        made only while the reason has fewer than three) among its examples."""
+    def add(self, reason: str, example: str | Callable[[], str], n: int = 1, requested: bool = False) -> None:
+        """Count ``n`` configurations under ``reason`` (``requested``: the request's options ruled
+        them out); ``example`` (or what calling it gives: a label made only while the reason has
+        fewer than three) among its examples."""
         self.counts[reason] = self.counts.get(reason, 0) + n
+        if requested:
+            self.requested.add(reason)
         ex = self.examples.setdefault(reason, [])
         if len(ex) < 3:
             ex.append(example if isinstance(example, str) else example())

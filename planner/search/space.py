@@ -34,8 +34,8 @@ planner/search/shares_variant.py); the best ``solve_top`` are then re-partitione
 (planner/search/partition.py) and simulated in full ("fully solved"); the best of those is the plan.
 
 Pins (``planner.search.pins.Pins``, ``autopar plan --fix``) narrow the space before any of this: only the degrees,
-micro-batch sizes and variants they admit are enumerated, counted and priced; when none of those fits, the error
-names the pins and the least memory per device a pinned layout needs. The attention kernel: kernel_choice.py."""
+micro-batch sizes and variants they admit are priced; when none fits, the error names the pins and the least memory
+per device a pinned layout needs (planner/search/no_fit.py). The attention kernel: kernel_choice.py."""
 from __future__ import annotations
 
 import heapq
@@ -62,7 +62,7 @@ from cost_models.seq_chunks import searched_chunks
 from cost_models.shared_cores import ranks_cluster
 from planner.errors import AutoparError
 from planner.graph import ModelGraph
-from planner.feasibility import Batch, layout_threads, sp_problem
+from planner.feasibility import Batch, layout_threads, modes_problem, sp_problem
 from planner.plan import RECOMPUTE, ModelFacts, ParallelConfig
 from planner.search.candidates import (DOMINATED_REASON, Point, Rejections, batch_of, compile_problem, facts_of,
                                        fp8_problem, points, variant_choices, variant_config, variant_count,
@@ -187,16 +187,18 @@ def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=No
 
 
 def _tuples_with_floors(space: _Space, max_mbs: int) -> list[_Tuple]:
-    """Every (dp, pp, cp, tp, ep, mbs) the feasibility predicate's per-degree parts allow
-    (``planner.search.candidates.points``), with a time floor (compute and TP/CP/EP
-    communication per rank plus the best schedule's bubble); tuples whose memory floor (FSDP
-    states and full recompute) exceeds the device are rejected."""
+    """Every (dp, pp, cp, tp, ep, mbs) the feasibility predicate's per-degree parts allow (``candidates.points``),
+    with a time floor (compute and TP/CP/EP communication per rank plus the best schedule's bubble); tuples the
+    request's modes leave no variant (``feasibility.modes_problem``: compile or float8 under TP / CP) or whose
+    memory floor (FSDP states and full recompute) exceeds the device are rejected."""
     reserve = framework_reserve(space.cluster.backend != "gloo", calibration(space.profile))
-    tuples = []
-    pins = space.pins
+    tuples, pins = [], space.pins
     # a pinned mbs may pass the default cap: up to its upper bound, or uncapped under a lower bound only
     max_mbs = pins.hi.get("mbs", math.inf if "mbs" in pins.lo else max_mbs)
     for p in points(space.facts, space.cluster, space.batch, space.rej, pins, max_mbs):
+        if why := modes_problem(space.dtype, space.fp8, space.compile, p.tp, p.cp):
+            space.rej.add(why, f"dp={p.dp} pp={p.pp} cp={p.cp} tp={p.tp} mbs={p.mbs}", requested=True)
+            continue
         u = _best_ulysses(space, p)
         t = _tuple_floor(space, p.dp, p.pp, p.cp, p.tp, p.ep, p.mbs, p.m, reserve, u)
         if t is not None:
