@@ -137,9 +137,8 @@ def plan_against(c: Case, graphs: Graphs) -> dict[str, Any]:
         _, res = plan_model(g, cl, c.global_batch, spec=c.model["name"], cluster_spec=cl.name, fp8=c.cfg.fp8,
                             compile=c.cfg.compile)
     except AutoparError as err:  # a job autopar's runtime cannot run at all: say why, keep going
-        # where autopar's runtime refuses their layout too, that reason first: the planner's own lists the
-        # layouts it left out most often
-        why = f"their layout refused too: {refused[0]}" if refused else str(err).split(": ", 1)[-1]
+        # where autopar's runtime refuses their layout too, why (the planner's own names what it met first)
+        why = f"their layout refused too: {'; '.join(refused)}" if refused else str(err).split(": ", 1)[-1]
         return {"pick": None, "speedup": None, "theirs_fits": theirs.fits, "degrees_match": False,
                 "why": f"no plan: {why[:160]}", "theirs_on_autopar_s": theirs.step_s, "ours_s": None}
     ours = res.best

@@ -248,6 +248,14 @@ def ulysses_degrees(facts: ModelFacts, batch: Batch, cp: int, tp: int, rej: Reje
     return out
 
 
+def degrees_label(dp: int, pp: int, cp: int, tp: int, mbs: int, ep: int = 1, moe: bool = False,
+                  ulysses: int = 1) -> str:
+    """A degree tuple as the search's rejections and the report name it (``ep`` for a MoE model,
+    ``ulysses`` above 1)."""
+    ep_s, uly = (f" ep={ep}" if moe else ""), (f" ulysses={ulysses}" if ulysses > 1 else "")
+    return f"dp={dp} pp={pp} cp={cp}{uly} tp={tp}{ep_s} mbs={mbs}"
+
+
 @dataclass(frozen=True)
 class Point:
     """One degree tuple of the search with its micro-batching and expert-parallel degree, and

@@ -64,8 +64,8 @@ from planner.errors import AutoparError
 from planner.graph import ModelGraph
 from planner.feasibility import Batch, layout_threads, modes_problem, sp_problem
 from planner.plan import RECOMPUTE, ModelFacts, ParallelConfig
-from planner.search.candidates import (DOMINATED_REASON, Point, Rejections, batch_of, compile_problem, facts_of,
-                                       fp8_problem, points, variant_choices, variant_config, variant_count,
+from planner.search.candidates import (DOMINATED_REASON, Point, Rejections, batch_of, compile_problem, degrees_label,
+                                       facts_of, fp8_problem, points, variant_choices, variant_config, variant_count,
                                        request_problem, schedule_choices)
 from planner.search.heap import frozen_heap
 from planner.search.incumbents import Incumbents
@@ -152,8 +152,7 @@ class _Tuple:
 
     @property
     def label(self) -> str:
-        ep, uly = (f" ep={self.ep}" if self.moe else ""), (f" ulysses={self.ulysses}" if self.ulysses > 1 else "")
-        return f"dp={self.dp} pp={self.pp} cp={self.cp}{uly} tp={self.tp}{ep} mbs={self.mbs}"
+        return degrees_label(self.dp, self.pp, self.cp, self.tp, self.mbs, self.ep, self.moe, self.ulysses)
 
 
 def search(graph: ModelGraph, cluster: Cluster, global_batch: int, *, profile=None, top_k: int = 5,
@@ -197,7 +196,8 @@ def _tuples_with_floors(space: _Space, max_mbs: int) -> list[_Tuple]:
     max_mbs = pins.hi.get("mbs", math.inf if "mbs" in pins.lo else max_mbs)
     for p in points(space.facts, space.cluster, space.batch, space.rej, pins, max_mbs):
         if why := modes_problem(space.dtype, space.fp8, space.compile, p.tp, p.cp):
-            space.rej.add(why, f"dp={p.dp} pp={p.pp} cp={p.cp} tp={p.tp} mbs={p.mbs}", requested=True)
+            space.rej.add(why, degrees_label(p.dp, p.pp, p.cp, p.tp, p.mbs, p.ep, bool(space.facts.experts),
+                                             max(p.ulysses)), requested=True)
             continue
         u = _best_ulysses(space, p)
         t = _tuple_floor(space, p.dp, p.pp, p.cp, p.tp, p.ep, p.mbs, p.m, reserve, u)
