@@ -228,9 +228,11 @@ def test_published_runs_are_predicted_within_the_target():
 def test_planning_against_a_job_autopar_cannot_run_says_why_and_goes_on():
     """``published_runs --plan`` over a job no autopar layout can run (torchtitan's 8B at CP2 with
     float8 and compile on 8 GPUs, global batch 4: compile under CP and float8 under TP are
-    refused, dp8 does not divide the batch) records the reason instead of stopping the report."""
+    refused, dp8 does not divide the batch) records the reason instead of stopping the report: that
+    autopar's runtime refuses the published layout too, and why."""
     runs = [r for path in pr.DATA for r in json.load(open(path, encoding="utf-8"))["runs"]]
     case = next(c for c in map(px.express, runs) if not isinstance(c, str) and c.run_id == "tt2412_t2_8B_cp2")
     got = pr.plan_against(case, pr.Graphs())
     assert got["pick"] is None and got["speedup"] is None and got["why"].startswith("no plan: ")
-    assert "not divisible by dp=8" in got["why"] and got["theirs_on_autopar_s"] > 0
+    assert got["why"].startswith("no plan: their layout refused too: ") and got["theirs_on_autopar_s"] > 0
+    assert "compile=on with cp > 1" in got["why"], got["why"]
