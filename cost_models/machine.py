@@ -89,10 +89,13 @@ def thread_speedup(n: int = 384, pairs: int = 8) -> float:
 
 
 def thread_sync_s(n: int = 1 << 16, calls: int = 100) -> float:
-    """Mean seconds an op that torch runs in parallel (an add of ``n`` floats, above its grain
-    size) takes longer on every core's intra-op thread than on one: the threads' wake-up and
-    join. Near 0 when the cores are free; a scheduler slice (milliseconds) when another process
-    holds a core, since every parallel op then waits for its descheduled thread. 0 on one core."""
+    """Seconds an op that torch runs in parallel (an add of ``n`` floats, above its grain size)
+    takes longer on every core's intra-op thread than on one: the threads' wake-up and join, as
+    the difference of the two medians over ``calls`` ops. Near 0 when the cores are free; a
+    scheduler slice (milliseconds) when another process holds a core, since most parallel ops
+    then wait for their descheduled thread. The median, not the mean: one op that waits out a
+    5 ms slice among 100 would add 50 us to the mean and so to every op the plan prices. 0 on
+    one core."""
     import statistics
 
     import torch
@@ -102,7 +105,7 @@ def thread_sync_s(n: int = 1 << 16, calls: int = 100) -> float:
         return 0.0
     threads = torch.get_num_threads()
     x, y, out = torch.randn(n), torch.randn(n), torch.empty(n)
-    mean = {}
+    mid = {}
     try:
         for t in (1, cores):
             torch.set_num_threads(t)
@@ -113,10 +116,10 @@ def thread_sync_s(n: int = 1 << 16, calls: int = 100) -> float:
                 t0 = time.perf_counter()
                 torch.add(x, y, out=out)
                 times.append(time.perf_counter() - t0)
-            mean[t] = statistics.mean(times)
+            mid[t] = statistics.median(times)
     finally:
         torch.set_num_threads(threads)
-    return max(0.0, mean[cores] - mean[1])
+    return max(0.0, mid[cores] - mid[1])
 
 
 def measure_cpu() -> tuple[float, float]:

@@ -72,17 +72,17 @@ def test_machine_profile_uses_the_cache_and_says_so(tmp_path, monkeypatch) -> No
     monkeypatch.setenv("AUTOPAR_CALIBRATE", "1")
     c = parse_cluster("local-cpu:2")
     mcal.save_cached(c, _fake(c))
-    prof, note = mcal.machine_profile(c, allow_profile=False)
+    prof, note, _ = mcal.machine_profile(c, allow_profile=False)
     assert prof.calibration == {"eff_matmul": 0.5, "comm_latency_s": 1e-3} and note.startswith("calibrated on this")
     assert prof.matches(c.fingerprint())
     assert mcal.machine_profile(c, enabled=False)[0] is None
     assert mcal.machine_profile(parse_cluster("dgx-h100"))[0] is None  # only local clusters are profiled
     monkeypatch.setenv("AUTOPAR_CALIBRATE", "0")
-    prof, note = mcal.machine_profile(c)
+    prof, note, _ = mcal.machine_profile(c)
     assert prof is None and note.startswith("uncalibrated (calibration off")
     monkeypatch.setenv("AUTOPAR_CALIBRATE", "1")
     os.remove(mcal.cache_path(c))
-    prof, note = mcal.machine_profile(c, allow_profile=False)
+    prof, note, _ = mcal.machine_profile(c, allow_profile=False)
     assert prof is None and "not been profiled" in note
 
 
@@ -105,7 +105,7 @@ def test_cached_calibration_prices_at_the_figures_it_was_fitted_on(tmp_path, mon
     def priced(cluster, figures: bool = True) -> float:
         if not figures:
             mcal.save_cached(c, replace(mc, figures={}))
-        prof, _ = mcal.machine_profile(cluster, allow_profile=False)
+        prof, _, cluster = mcal.machine_profile(cluster, allow_profile=False)
         e, why = evaluate_config(g, cluster, cfg, 16, profile=prof)
         assert not why, why
         return e.step_s
@@ -123,6 +123,41 @@ def test_cached_calibration_prices_at_the_figures_it_was_fitted_on(tmp_path, mon
     assert priced(probed(1.3), figures=False) < 0.9 * base
 
 
+def test_cached_calibration_plans_at_the_thread_figures_it_was_fitted_on(tmp_path, monkeypatch) -> None:
+    """A later process probes its threads anew (``Cluster.detect``); planning with the cached fit
+    prices a process's threads at the figures the fit priced with, so a probe that read the
+    machine's two threads at 1.6x instead of 2.0x (or a 40 us join) does not move the plan. A cache
+    without them, and planning uncalibrated, keep the probe's."""
+    from planner.plan import ParallelConfig
+    from planner.search.planning import evaluate_config
+
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("AUTOPAR_CALIBRATE", "1")
+    c = replace(parse_cluster("local-cpu:2"), cores_per_node=2)  # two cores whatever this machine has
+    fitted = replace(c, thread_speedup=2.0, thread_sync_us=0.0)
+    mc = _fake(c, figures=mcal.machine_figures(fitted))
+    assert mc.figures["thread_speedup"] == 2.0 and mc.figures["thread_sync_us"] == 0.0
+    mcal.save_cached(c, mc)
+    later = replace(c, thread_speedup=1.6, thread_sync_us=40.0)
+    g = load_graph("gpt-mini")
+    cfg = ParallelConfig(dp=1, mbs=16, zero="ddp", dtype="fp32", threads=2)
+
+    def priced(cluster) -> float:
+        prof, _, planned = mcal.machine_profile(cluster, allow_profile=False)
+        e, why = evaluate_config(g, planned, cfg, 16, profile=prof)
+        assert not why, why
+        return e.step_s
+
+    mp = mcal.machine_profile(later, allow_profile=False)
+    assert (mp.cluster.thread_speedup, mp.cluster.thread_sync_us) == (2.0, 0.0)
+    assert mp.cluster.fingerprint() == later.fingerprint() and mp.cluster.device == later.device
+    assert priced(later) == pytest.approx(priced(fitted), rel=1e-12)
+    mcal.save_cached(c, replace(mc, figures={k: v for k, v in mc.figures.items() if not k.startswith("thread_")}))
+    assert mcal.machine_profile(later, allow_profile=False).cluster is later
+    assert priced(later) > 1.1 * priced(fitted)  # the probe's figures, where the cache has none
+    assert mcal.machine_profile(later, enabled=False).cluster is later
+
+
 def test_calibration_changes_the_plans_estimate(tmp_path, monkeypatch) -> None:
     from planner.search.planning import plan_model
 
@@ -132,7 +167,7 @@ def test_calibration_changes_the_plans_estimate(tmp_path, monkeypatch) -> None:
     g = load_graph("llama-tiny")
     mc = replace(_fake(c), calibration={"comm_latency_s": 5e-3, "step_overhead_s": 0.05})
     mcal.save_cached(c, mc)
-    prof, _ = mcal.machine_profile(c, allow_profile=False)
+    prof, _, _ = mcal.machine_profile(c, allow_profile=False)
     raw, _ = plan_model(g, c, 4, spec="llama-tiny", cluster_spec="local-cpu:2")
     cal, _ = plan_model(g, c, 4, spec="llama-tiny", cluster_spec="local-cpu:2", profile=prof)
     assert raw.estimate["calibration"] == "uncalibrated"
@@ -174,9 +209,10 @@ def test_demo_profiles_this_machine_once_then_plans_calibrated(tmp_path, monkeyp
     monkeypatch.setenv("AUTOPAR_CALIBRATE", "1")
     t0 = time.perf_counter()
     later = parse_cluster("local-cpu:2")
-    prof, note = mcal.machine_profile(later, progress=lambda m: pytest.fail(m))
+    prof, note, _ = mcal.machine_profile(later, progress=lambda m: pytest.fail(m))
     assert time.perf_counter() - t0 < 5 and cache[0].stat().st_mtime == before
-    assert note.startswith("calibrated on this machine") and set(d["figures"]) == {"gemm_flops", "copy_bps"}
+    assert note.startswith("calibrated on this machine")
+    assert set(d["figures"]) == {"gemm_flops", "copy_bps", "thread_speedup", "thread_sync_us"}
     live = mcal.machine_figures(later)  # this process's own probe: the layers priced at the fit's speeds
     for key, fig in (("eff_matmul", "gemm_flops"), ("eff_memory", "copy_bps")):
         assert prof.calibration[key] * live[fig] == pytest.approx(d["calibration"][key] * d["figures"][fig])

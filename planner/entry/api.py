@@ -220,7 +220,8 @@ def plan_for(model: nn.Module | None, example: dict[str, torch.Tensor], req: Pla
     graph, name = _capture(model, example, req.module_spec)
     pins = req.pins or Pins()  # the job's processes are launched: a layout uses every one of them
     pins = Pins({**pins.lo, "world": world}, {**pins.hi, "world": world}, pins.choice)
-    p, _ = plan_model(graph, c, gb, spec=req.spec or name, cluster_spec=c.name, profile=_profile(c, req.profile),
+    c, profile = _profile(c, req.profile)
+    p, _ = plan_model(graph, c, gb, spec=req.spec or name, cluster_spec=c.name, profile=profile,
                       fix=pins, seq_lens=req.seq_lens)
     return p
 
@@ -244,12 +245,13 @@ def _capture(model: nn.Module, example: dict[str, torch.Tensor], module_spec: An
 
 
 def _profile(cluster, path: str | None):
-    """The cost-model profile: ``path``, else this machine's cached calibration (profiling it would
-    launch processes inside this job)."""
+    """``(cluster, profile)`` to plan with: ``path``, else this machine's cached calibration
+    (profiling it would launch processes inside this job) and the cluster at its thread figures."""
     if path:
         from cost_models.profile_db import ProfileDB
 
-        return ProfileDB.load(path)
+        return cluster, ProfileDB.load(path)
     from planner.entry.calibration import machine_profile
 
-    return machine_profile(cluster, allow_profile=False)[0]
+    mp = machine_profile(cluster, allow_profile=False)
+    return mp.cluster, mp.profile

@@ -13,8 +13,8 @@ the same three layouts) and prices a plan with no communication at all - the one
 plan the search always considers - from whichever way the fit split them. ``cost_models.calibrate.fit`` fits the time and
 memory coefficients to those runs and the result is cached in the user's cache directory
 (``$AUTOPAR_CACHE_DIR``, else ``$XDG_CACHE_HOME/autopar``, else ``~/.cache/autopar``) under
-the machine's fingerprint (CPU model, cores, memory, torch version), with the GEMM and copy
-speeds the fit priced with (:func:`pinned_calibration`). Later plans on the machine reuse it,
+the machine's fingerprint (CPU model, cores, memory, torch version), with the GEMM, copy and
+thread figures the fit priced with (:func:`pinned_calibration`, :func:`pinned_cluster`). Later plans on the machine reuse it,
 for any process count; every plan records whether it is calibrated
 (``Plan.estimate["calibration"]``).
 
@@ -33,9 +33,10 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from cost_models.cluster import Cluster
+from cost_models.profile_db import ProfileDB
 from planner.errors import AutoparError
 from planner.plan import ParallelConfig
 
@@ -226,32 +227,45 @@ def calibration_enabled() -> bool:
     return os.environ.get("AUTOPAR_CALIBRATE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+class MachineProfile(NamedTuple):
+    """What planning on this machine prices with (:func:`machine_profile`)."""
+    profile: ProfileDB | None  # the cached calibration, or None
+    note: str                  # one short line saying which
+    cluster: Cluster           # the cluster to plan on: the given one, at the thread figures the fit priced with
+
+
 def machine_profile(cluster: Cluster, *, enabled: bool = True, allow_profile: bool = True,
-                    progress: Callable[[str], None] | None = None):
-    """``(ProfileDB carrying this machine's calibration or None, one short line saying which)`` for
-    planning on ``cluster``: the cached calibration of a ``local-cpu`` cluster, profiling the
-    machine first when there is none and ``allow_profile``; None for other clusters, or when
+                    progress: Callable[[str], None] | None = None) -> MachineProfile:
+    """The ProfileDB carrying this machine's calibration, a line saying which, and the cluster to
+    plan ``cluster``'s job on: the cached calibration of a ``local-cpu`` cluster, profiling the
+    machine first when there is none and ``allow_profile``; no profile for other clusters, or when
     not ``enabled`` (``--no-calibrate``) or ``AUTOPAR_CALIBRATE=0``."""
     from cost_models.calibrate import with_calibration
 
     if not cluster.detected:
-        return None, "uncalibrated (no --profile for this cluster)"
+        return MachineProfile(None, "uncalibrated (no --profile for this cluster)", cluster)
     if not (enabled and calibration_enabled()):
-        return None, "uncalibrated (calibration off: --no-calibrate or AUTOPAR_CALIBRATE=0)"
+        return MachineProfile(None, "uncalibrated (calibration off: --no-calibrate or AUTOPAR_CALIBRATE=0)", cluster)
     mc = load_cached(cluster)
     if mc is None and allow_profile:
         mc = run_profile(progress)
     if mc is None:
-        return None, "uncalibrated (this machine has not been profiled yet)"
-    return with_calibration(None, pinned_calibration(mc, cluster), cluster, source=mc.describe()), mc.summary()
+        return MachineProfile(None, "uncalibrated (this machine has not been profiled yet)", cluster)
+    profile = with_calibration(None, pinned_calibration(mc, cluster), cluster, source=mc.describe())
+    return MachineProfile(profile, mc.summary(), pinned_cluster(mc, cluster))
 
 
 def machine_figures(cluster: Cluster) -> dict[str, float]:
     """The figures ``Cluster.detect`` measured on this machine that the CPU roofline prices with,
     per core (the device's per-process figures over its share of a core): ``gemm_flops`` (fp32
-    FLOP/s of one thread) and ``copy_bps`` (bytes/s read + written)."""
+    FLOP/s of one thread) and ``copy_bps`` (bytes/s read + written); and, where it measured them,
+    ``thread_speedup`` (a GEMM on every core's thread over one) and ``thread_sync_us`` (what a
+    parallel op adds on them)."""
     share = cluster.core_share
-    return {"gemm_flops": cluster.peak_flops("fp32") / share, "copy_bps": cluster.device.mem_bw_gbs * 1e9 / share}
+    figs = {"gemm_flops": cluster.peak_flops("fp32") / share, "copy_bps": cluster.device.mem_bw_gbs * 1e9 / share}
+    if cluster.thread_speedup:
+        figs.update(thread_speedup=float(cluster.thread_speedup), thread_sync_us=float(cluster.thread_sync_us))
+    return figs
 
 
 def pinned_calibration(mc: MachineCalibration, cluster: Cluster) -> dict[str, float]:
@@ -261,11 +275,25 @@ def pinned_calibration(mc: MachineCalibration, cluster: Cluster) -> dict[str, fl
     fitted efficiency) and not at a fresh probe's. The probe is a 0.5 s GEMM and a copy: on a
     2-core VM, eight processes in a row read 133-176 GFLOP/s, and the demo's prediction of the same
     plan with the same cache moved 0.208-0.267 s with it; a demo priced at 0.214 s after a fast
-    probe measured 0.256 s (2026-12-06). The thread figures (``Cluster.thread_speedup``,
-    ``thread_sync_us``) stay live: they say whether another process holds a core now."""
+    probe measured 0.256 s (2026-12-06). The thread figures are pinned too (:func:`pinned_cluster`)."""
     cal = dict(mc.calibration)
     live = machine_figures(cluster)
     for key, fig in (("eff_matmul", "gemm_flops"), ("eff_memory", "copy_bps")):
         if key in cal and mc.figures.get(fig) and live[fig] > 0:
             cal[key] *= mc.figures[fig] / live[fig]
     return cal
+
+
+def pinned_cluster(mc: MachineCalibration, cluster: Cluster) -> Cluster:
+    """``cluster`` at the thread figures ``mc``'s fit priced with (``Cluster.thread_speedup``,
+    ``thread_sync_us``; ``cluster`` itself when ``mc`` has none, a cache written before they
+    were kept). The fit's one-process reference run was priced at them, so a plan's threads are
+    priced as the fit priced them, not at this process's 0.7 s probe: on the 2-core VM a cached
+    demo that had planned one process with 2 threads at 0.281 s planned two processes in the next
+    run (2026-12-07), and a speedup probed at 1.9 instead of 2.0 moves the one-process plan 5%."""
+    from dataclasses import replace
+
+    figs = mc.figures
+    if "thread_speedup" not in figs or not cluster.detected:
+        return cluster
+    return replace(cluster, thread_speedup=figs["thread_speedup"], thread_sync_us=figs.get("thread_sync_us", 0.0))

@@ -102,7 +102,7 @@ def _load_inputs(args: argparse.Namespace):
 
         hist = read_seq_lens(args.seq_lens)
         seq_len = seq_len or default_budget(hist)
-    profile = _profile_for(cluster, getattr(args, "profile", None), not getattr(args, "no_calibrate", False))
+    cluster, profile = _profile_for(cluster, getattr(args, "profile", None), not getattr(args, "no_calibrate", False))
     graph = with_moe_imbalance(load_graph(args.model, batch=1, seq_len=seq_len), args.moe_imbalance)
     if hist is not None:
         import os
@@ -115,8 +115,9 @@ def _load_inputs(args: argparse.Namespace):
 
 
 def _profile_for(cluster, path: str | None, calibrate: bool):
-    """The profile to price with: ``path`` (or the cluster file's), checked to be this cluster's;
-    else, on this machine's CPUs, its cached calibration (profiled on first use), said in one line."""
+    """``(cluster, profile)`` to price with: ``path`` (or the cluster file's), checked to be this
+    cluster's; else, on this machine's CPUs, its cached calibration (profiled on first use), said in
+    one line, and the cluster at the thread figures it was fitted with."""
     from cost_models.profile_db import ProfileDB
 
     path = path or cluster.profile
@@ -126,14 +127,14 @@ def _profile_for(cluster, path: str | None, calibrate: bool):
             raise AutoparError(f"profile {path} was measured on another cluster "
                                f"({profile.cluster_fingerprint} != {cluster.fingerprint()}): profile this cluster "
                                "with `autopar profile`")
-        return profile
+        return cluster, profile
     if not cluster.detected:
-        return None
+        return cluster, None
     from planner.entry.calibration import machine_profile
 
-    profile, note = machine_profile(cluster, enabled=calibrate, progress=_progress)
-    _progress(note)
-    return profile
+    mp = machine_profile(cluster, enabled=calibrate, progress=_progress)
+    _progress(mp.note)
+    return mp.cluster, mp.profile
 
 
 def _estimate_summary(e) -> dict:

@@ -79,7 +79,7 @@ def run_demo(model: str, cluster_spec: str, global_batch: int, seq_len: int | No
     if cluster.detected and cluster.world > cluster.cores_per_node:
         raise AutoparError(f"{cluster.name} puts {cluster.world} processes on {cluster.cores_per_node} cores: "
                            "the demo runs one process per core; use --cluster local-cpu")
-    profile, note = machine_profile(cluster, enabled=calibrate, progress=progress)
+    profile, note, cluster = machine_profile(cluster, enabled=calibrate, progress=progress)
     progress(note)
     graph = load_graph(model, batch=1, seq_len=seq_len)
     os.makedirs(run_dir, exist_ok=True)
