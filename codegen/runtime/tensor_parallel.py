@@ -19,7 +19,7 @@ Linears are ``nn.Linear`` or transformers' ``Conv1D`` (weight stored ``[in, out]
 The parent of every ``row`` linear (the attention / MLP module) shares its hidden-state input
 (first positional argument, or ``hidden_states=``) among its column linears as one
 ``Replicate`` DTensor (:class:`ReplicateRegionInput`: one all-reduce of their input gradients
-in the backward); under sequence parallelism it gathers it from the sequence shard first
+in the backward; the module's own code keeps the local tensor); under sequence parallelism it gathers it from the sequence shard first
 (:class:`GatherSequenceInput`; a block whose attention linears sit directly in it cannot run
 sequence parallel: the planner's ``sp`` limit, ``planner/frontend/load.py``; without SP such a
 block takes its input as it comes). Attention modules must reshape with the local head count
@@ -101,19 +101,21 @@ class PackedColwise(ColwiseParallel):
 
 class ReplicateRegionInput(ParallelStyle):
     """Tensor parallelism without sequence parallelism: the module around a row-parallel linear
-    (the attention / MLP module) takes its replicated hidden-state input (its first positional
-    argument, or the ``hidden_states`` keyword) as a ``Replicate`` DTensor, as torchtitan's
-    ``PrepareModuleInput`` gives it, where the TP plan shards all of the module's parameters (every
-    one a DTensor: its q, k, v and output linears, say). Its column-parallel linears take it as it
-    is, their input gradients stay ``Partial`` and add up as such, and the backward all-reduces
-    their sum once (Megatron's f operator). Given a local tensor, each column linear wraps it again
-    and all-reduces its own input gradient (q, k and v: three all-reduces of the whole activation
-    instead of one). A module holding parameters the plan leaves whole (a user's norm or scale
-    beside its linears, a q/k norm) may feed the input to them, where a DTensor would meet plain
-    tensors: it gets its input as it came, with those all-reduces. Not detected: a module whose
-    parameters are all sharded but which also adds or multiplies its input with a plain tensor (a
-    residual inside it) raises "mixed torch.Tensor and DTensor" at its first forward, as under
-    sequence parallelism; delete its line from the emitted program's TP plan.
+    (the attention / MLP module) hands its sharded children its replicated hidden-state input (its
+    first positional argument, or the ``hidden_states`` keyword) as one ``Replicate`` DTensor, as
+    torchtitan's ``PrepareModuleInput`` gives it, where the TP plan shards all of the module's
+    parameters (every one a DTensor: its q, k, v and output linears, say). Its column-parallel
+    linears take it as it is, their input gradients stay ``Partial`` and add up as such, and the
+    backward all-reduces their sum once (Megatron's f operator). Given a local tensor, each column
+    linear wraps it again and all-reduces its own input gradient (q, k and v: three all-reduces of
+    the whole activation instead of one).
+
+    Only a child module called on the input itself gets the DTensor; the module's own code keeps
+    the local tensor, so a residual inside it (``x + self.down(...)``) adds plain tensors, and its
+    gradient joins the all-reduced one at the input. A child called on anything derived from the
+    input (after a dropout, say) takes that as a local tensor, with its own all-reduce. A module
+    holding parameters the plan leaves whole (a user's norm or scale beside its linears, a q/k
+    norm) gets nothing of this: each column linear takes its input as it comes.
 
     :class:`GatherSequenceInput` is the same under sequence parallelism, where the input comes as
     the sequence shard and is gathered first."""
@@ -128,12 +130,17 @@ class ReplicateRegionInput(ParallelStyle):
         return x.redistribute(mesh, [Replicate()])
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        held: dict[str, tuple[torch.Tensor, DTensor]] = {}  # while the module runs: (its input, that as a DTensor)
+
         def prepare(mod, x):
             # read at each forward: the children's styles apply after this one, and FSDP's unsharded
             # parameters are in place only while the module runs
-            if all(isinstance(p, DTensor) for p in mod.parameters()):
-                return self.replicated(x, device_mesh)
-            return self.replicated(x, device_mesh).to_local() if self.sequence_sharded else x
+            if not all(isinstance(p, DTensor) for p in mod.parameters()):
+                return self.replicated(x, device_mesh).to_local() if self.sequence_sharded else x
+            whole = self.replicated(x, device_mesh)
+            local = whole.to_local() if self.sequence_sharded else x
+            held["input"] = (local, whole)
+            return local
 
         def hidden(x) -> bool:  # a hidden state (not ids or a mask)
             return isinstance(x, torch.Tensor) and x.is_floating_point()
@@ -147,18 +154,34 @@ class ReplicateRegionInput(ParallelStyle):
                 raise ValueError(f"sequence parallel: {type(mod).__name__} got no hidden-state tensor to gather")
             return None  # nothing to share: each column linear takes its input as it comes
 
+        def child(mod, args, kwargs):  # a sharded child called on the module's input takes the DTensor
+            if "input" not in held:
+                return None
+            local, whole = held["input"]
+            if args and args[0] is local:
+                return (whole, *args[1:]), kwargs
+            if kwargs.get("hidden_states") is local:
+                return args, dict(kwargs, hidden_states=whole)
+            return None
+
         module.register_forward_pre_hook(hook, with_kwargs=True)
+        module.register_forward_hook(lambda mod, args, out: held.clear())
+        for sub in module.modules():
+            if sub is not module and next(sub.parameters(recurse=False), None) is not None:
+                sub.register_forward_pre_hook(child, with_kwargs=True, prepend=True)  # before its own style's
         return module
 
 
 class GatherSequenceInput(ReplicateRegionInput):
     """Sequence parallel: :class:`ReplicateRegionInput` for an input that arrives as the sequence
     shard ``[B, S/tp, ..]`` (a local tensor, or a ``SequenceParallel`` norm's DTensor): gathered to
-    the full sequence, differentiably. A module whose parameters the plan all shards gets it as a
-    ``Replicate`` DTensor, and the backward reduce-scatters its column linears' summed input
-    gradients once (with a local tensor each column linear all-reduced its own full-sequence input
-    gradient: moe-fid dp2 tp2 ep4 fsdp sp on local-cpu:4 made 14 such all-reduces a step,
-    torch.profiler, 2026-12-06); any other module gets the gathered input as a local tensor."""
+    the full sequence, differentiably. The module's code gets the gathered input as a local tensor;
+    where the plan shards all its parameters, the children called on it get it as a ``Replicate``
+    DTensor, and the backward reduce-scatters their summed input gradients once (with a local tensor
+    each column linear all-reduced its own full-sequence input gradient: moe-fid dp2 tp2 ep4 fsdp sp
+    on local-cpu:4 made 14 such all-reduces a step, torch.profiler, 2026-12-06). A residual inside
+    the module cannot run here: its output is the row linear's sequence shard, its input the whole
+    sequence."""
 
     sequence_sharded = True
 
