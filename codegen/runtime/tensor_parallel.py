@@ -146,6 +146,8 @@ class ReplicateRegionInput(ParallelStyle):
             return isinstance(x, torch.Tensor) and x.is_floating_point()
 
         def hook(mod, args, kwargs):
+            if not hooked:  # at the first forward, after the build's FSDP units registered their own: ours first
+                hook_children(mod)
             if args and hidden(args[0]):
                 return (prepare(mod, args[0]), *args[1:]), kwargs
             if hidden(kwargs.get("hidden_states")):
@@ -164,11 +166,20 @@ class ReplicateRegionInput(ParallelStyle):
                 return args, dict(kwargs, hidden_states=whole)
             return None
 
+        hooked: list[nn.Module] = []  # the children given the hook, at the module's first forward
+
+        def hook_children(mod: nn.Module) -> None:
+            # prepend: before the child's own style's hook and before a per-linear FSDP unit's pre-forward
+            # (data_parallel.module_units), which would hand the child a new alias of the input
+            hooked.extend(sub for sub in mod.modules() if sub is not mod and next(sub.parameters(recurse=False), None)
+                          is not None)
+            for sub in hooked:
+                sub.register_forward_pre_hook(child, with_kwargs=True, prepend=True)
+            hooked.append(mod)  # nothing to hook still marks the module done
+
         module.register_forward_pre_hook(hook, with_kwargs=True)
-        module.register_forward_hook(lambda mod, args, out: held.clear())
-        for sub in module.modules():
-            if sub is not module and next(sub.parameters(recurse=False), None) is not None:
-                sub.register_forward_pre_hook(child, with_kwargs=True, prepend=True)  # before its own style's
+        # always_call: a recompute that stops early (torch_compat.checkpoint_block) raises inside the module
+        module.register_forward_hook(lambda mod, args, out: held.clear(), always_call=True)
         return module
 
 
