@@ -145,7 +145,7 @@ def test_tp_styles_are_one_text_read_both_ways():
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from codegen.runtime.tp_styles import role_of, sources_for, style_for, style_source, styles_for
+    from codegen.runtime.tp_styles import role_of, sources_for, style_for, style_source, styles_for, ungathered_columns
     from planner.plan import TP_ROLES
 
     for sp in (False, True):
@@ -179,6 +179,9 @@ def test_tp_styles_are_one_text_read_both_ways():
             "l.output.dense": "row"}
     for sp in (True, False):
         assert set(sources_for(bert, sp)) == set(bert), sp
+    # ... so nothing gathers the sequence for its column linears: the planner's sp limit reads the same rule
+    assert ungathered_columns(bert) == ["l.attention.self.query", "l.intermediate.dense"]
+    assert ungathered_columns(layout) == [] and ungathered_columns(flat, ["layers.0"]) == ["layers.0.q"]
 
 
 LINTED = [("llama-tiny", PP2TP2, 4), ("llama-tiny", "dp=2,cp=2,ulysses=2,mbs=1,dtype=fp32", 4),

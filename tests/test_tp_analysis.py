@@ -198,7 +198,7 @@ def test_user_module():
     assert a.heads == {"transformer.h.0": (4, 2, 16)}
     assert a.problems == {}
     g = graph_of(model, (ids,), name="flat", seq_len=32, loss_fn=lambda out: out.float().sum())
-    assert "sp" in g.limits and "directly" in g.limits["sp"]  # no submodule to gather the sequence at
+    assert "sp" in g.limits and "transformer.h.0.q is a column-parallel linear in no module below" in g.limits["sp"]
     layout = layout_of(model, (ids,))
     for i in range(3):
         assert layout[f"transformer.h.{i}.out"] == "row"
@@ -206,6 +206,69 @@ def test_user_module():
         assert layout[f"transformer.h.{i}.ln1"] == "norm"
     assert layout["transformer.wte"] == "vocab_embed"
     assert layout["lm_head"] == "vocab_head"
+
+
+class BertStyleLM(nn.Module):
+    """BERT's block layout: attention.self (q, k, v) beside attention.output (dense + norm), then
+    intermediate (dense) beside output (dense + norm): each row linear in a module without the
+    column linears that feed it."""
+
+    def __init__(self, vocab: int = 128, d: int = 64, heads: int = 4, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(_BertBlock(d, heads) for _ in range(layers))
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.layers:
+            x = block(x)
+        return self.head(x)
+
+
+class _Dense(nn.Module):  # BERT's output modules: a linear, then the residual and a norm
+    def __init__(self, d_in: int, d: int):
+        super().__init__()
+        self.dense, self.norm = nn.Linear(d_in, d), nn.LayerNorm(d)
+
+    def forward(self, h, x):
+        return self.norm(x + self.dense(h))
+
+
+class _BertBlock(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.attention = nn.Module()
+        self.attention.self = nn.Module()
+        self.attention.self.query, self.attention.self.key, self.attention.self.value = (
+            nn.Linear(d, d) for _ in range(3))
+        self.attention.output = _Dense(d, d)
+        self.intermediate = nn.Linear(d, 4 * d)
+        self.output = _Dense(4 * d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        a = self.attention.self
+        q, k, v = (lin(x).reshape(b, s, self.heads, -1).transpose(1, 2) for lin in (a.query, a.key, a.value))
+        ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        x = self.attention.output(ctx, x)
+        return self.output(F.gelu(self.intermediate(x)), x)
+
+
+def test_bert_layout_runs_tensor_parallel_without_sequence_parallel():
+    """Its rows are read as rows and its columns as columns, and no module gathers the sequence
+    shard for the columns under SP (codegen.runtime.tp_styles.ungathered_columns), so the planner
+    refuses sp=on for it before anything runs."""
+    with torch.device("meta"):
+        model = BertStyleLM()
+    ids = torch.zeros(1, 32, dtype=torch.long, device="meta")
+    g = graph_of(model, (ids,), name="bert-style", seq_len=32, loss_fn=lambda out: out.float().sum())
+    roles = {lin.name: lin.role for lin in g.layers[1].linears}
+    assert roles["attention.output.dense"] == "row" and roles["output.dense"] == "row", roles
+    assert roles["attention.self.query"] == "column" and roles["intermediate"] == "column", roles
+    assert "tp" not in g.limits
+    assert "layers.0.attention.self.query is a column-parallel linear in no module below" in g.limits["sp"]
 
 
 @pytest.mark.slow

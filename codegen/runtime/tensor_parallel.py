@@ -19,10 +19,12 @@ Linears are ``nn.Linear`` or transformers' ``Conv1D`` (weight stored ``[in, out]
 The parent of every ``row`` linear (the attention / MLP module) shares its hidden-state input
 (first positional argument, or ``hidden_states=``) among its column linears as one
 ``Replicate`` DTensor (:class:`ReplicateRegionInput`: one all-reduce of their input gradients
-in the backward; the module's own code keeps the local tensor); under sequence parallelism it gathers it from the sequence shard first
-(:class:`GatherSequenceInput`; a block whose attention linears sit directly in it cannot run
-sequence parallel: the planner's ``sp`` limit, ``planner/frontend/load.py``; without SP such a
-block takes its input as it comes). Attention modules must reshape with the local head count
+in the backward; the module's own code keeps the local tensor); under sequence parallelism
+it gathers it from the sequence shard first (:class:`GatherSequenceInput`). Where a column
+linear sits in no such module (a block holding its linears directly, BERT's intermediate
+linear: ``tp_styles.ungathered_columns``) the layout cannot run sequence parallel (the
+planner's ``sp`` limit, ``planner/frontend/load.py``); without SP it takes its input as it
+comes. Attention modules must reshape with the local head count
 (``view(B, S, -1, head_dim)``), so sharding q/k/v by output features shards heads; kv heads
 are sharded, never replicated, so tp must divide them (the planner's feasibility rule).
 

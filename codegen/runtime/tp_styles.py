@@ -34,6 +34,7 @@ STYLE_NAMES = {name: getattr(importlib.import_module(module), name) for module, 
                for name in names}
 # the style of the module around each row-parallel linear, by whether sequence parallelism is on
 REGION_INPUT = {True: "GatherSequenceInput()", False: "ReplicateRegionInput()"}
+COLUMN_ROLES = ("column", "packed_qkv")  # the roles whose linears take the region's replicated input
 
 
 def style_source(role: str, sp: bool) -> Optional[str]:
@@ -52,22 +53,44 @@ def style_source(role: str, sp: bool) -> Optional[str]:
             "norm": "SequenceParallel()" if sp else None}[role]
 
 
+def region_parents(layout: Mapping[str, str], units: Collection[str] = ()) -> list[str]:
+    """The modules of the plan's ``{fqn: role}`` layout that get :data:`REGION_INPUT`: the parent of
+    every row-parallel linear that also holds the column linears feeding it (the attention / MLP
+    module; not a module around the row linear alone, such as BERT's output module, whose input is
+    the sharded activation), unless that parent is a layer unit of ``units`` (a block holding its
+    linears directly, whose norms and residual take the input as it comes)."""
+    columns = [fqn for fqn, role in layout.items() if role in COLUMN_ROLES]
+    out: list[str] = []
+    for fqn, role in layout.items():
+        parent = fqn.rpartition(".")[0]
+        if (role == "row" and parent and parent not in units and parent not in out
+                and any(c.startswith(f"{parent}.") for c in columns)):
+            out.append(parent)
+    return out
+
+
+def ungathered_columns(layout: Mapping[str, str], units: Collection[str] = ()) -> list[str]:
+    """The column linears of ``layout`` that no :func:`region_parents` module holds: under sequence
+    parallelism nothing gathers their input from the sequence shard, so the layout cannot run
+    sequence parallel (the planner's ``sp`` limit, ``planner/frontend/load.py``): a block holding
+    its linears directly; BERT's intermediate linear, whose row linear sits in a sibling module."""
+    regions = region_parents(layout, units)
+    return [fqn for fqn, role in layout.items()
+            if role in COLUMN_ROLES and not any(fqn.startswith(f"{r}.") for r in regions)]
+
+
 def sources_for(layout: Mapping[str, str], sp: bool, units: Collection[str] = ()) -> dict[str, str]:
-    """``{module fqn: style source}`` for the plan's ``{fqn: role}`` layout, with
-    :data:`REGION_INPUT` on the parent of every row-parallel linear that also holds the column
-    linears feeding it (the attention / MLP module; not a module around the row linear alone, such
-    as BERT's output module, whose input is the sharded activation), unless that parent is a layer
-    unit of ``units`` (a block holding its linears directly, whose norms and residual take the
-    input as it comes; sequence parallelism refuses such a block, ``planner/frontend/load.py``) or
-    the layout styles it itself."""
+    """``{module fqn: style source}`` for the plan's ``{fqn: role}`` layout: each role's
+    :func:`style_source`, and :data:`REGION_INPUT` on each of :func:`region_parents` (after its row
+    linear's style) unless the layout styles it itself."""
+    regions = set(region_parents(layout, units))
     out: dict[str, str] = {}
-    columns = [fqn for fqn, role in layout.items() if role in ("column", "packed_qkv")]
     for fqn, role in layout.items():
         src = style_source(role, sp)
         if src is not None:
             out[fqn] = src
         parent = fqn.rpartition(".")[0]
-        if role == "row" and parent not in units and any(c.startswith(f"{parent}.") for c in columns):
+        if role == "row" and parent in regions:
             out.setdefault(parent, REGION_INPUT[sp])
     return out
 

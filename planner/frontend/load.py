@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from codegen.runtime.tp_styles import ungathered_columns
 from planner.frontend.positions import max_positions
 from planner.frontend.trace import capture_fx
 from planner.errors import AutoparError, first_line
@@ -148,13 +149,17 @@ def _limits_from_roles(graph: ModelGraph, analysis) -> None:
         if graph.adapter == "module":  # the adapter rewrites head counts only (ModuleAdapter.tp_fixups)
             graph.limits.setdefault("tp", f"{packed} is a packed q/k/v projection, which a plain module splits by "
                                           "its global width (sizes autopar does not rewrite)")
-    flat = next((l.name for l in graph.layers if l.kind in BLOCK_KINDS
-                 and any(lin.role == "row" and "." not in lin.name for lin in l.linears)), None)
-    if flat is not None and "sp" not in graph.limits:
-        # the module around a row linear gathers the sequence under SP; here that is the
-        # block itself, whose norms and residual must see the shard
-        graph.limits["sp"] = (f"{flat} holds its attention / MLP linears directly (no submodule around "
-                              "them to gather the sequence shard); use sp=off")
+    if "sp" not in graph.limits:
+        # under SP the module around a row linear gathers the sequence shard for the column linears it
+        # holds (the runtime's rule, codegen.runtime.tp_styles): a column linear outside every such module
+        # would take the shard as the whole sequence
+        for layer in (l for l in graph.layers if l.kind in BLOCK_KINDS):
+            lost = ungathered_columns({lin.name: lin.role for lin in layer.linears})  # names below the block
+            if lost:
+                graph.limits["sp"] = (f"{layer.name}.{lost[0]} is a column-parallel linear in no module below its "
+                                      "block that also holds a row-parallel linear (nothing gathers the sequence "
+                                      "shard for it)")
+                break
 
 
 def graph_of_config(cfg, *, batch: int = 1, seq_len: int | None = None) -> ModelGraph:
