@@ -52,7 +52,7 @@ from typing import Any, Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cost_models import calibrate as cal_mod  # noqa: E402
-from cost_models.cluster import parse_cluster  # noqa: E402
+from cost_models.cluster import Cluster, parse_cluster  # noqa: E402
 from cost_models.profile_db import ProfileDB  # noqa: E402
 from benchmarks.fidelity_layouts import FORCED, FORCED_BY_WORLD  # noqa: E402
 from benchmarks.results import write_json  # noqa: E402
@@ -411,7 +411,11 @@ def reanalyse(args: argparse.Namespace) -> int:
     holds; the calibrated planner's new picks are named, not run."""
     work = args.reanalyse
     man = read_manifest(work)
-    cluster = parse_cluster(man["cluster"])
+    if "cluster_as_measured" in man:  # the figures the runs' plans were priced with
+        cluster = Cluster.from_dict(man["cluster_as_measured"], source=f"{work}/manifest")
+    else:  # a folder from before the manifest kept them: this process's own probes
+        cluster = parse_cluster(man["cluster"])
+        _log(f"{work}: the manifest has no measured cluster; pricing with this process's probes of {cluster.name}")
     profile = uncalibrated_profile(man["profile"]) if man["profile"] else None
     cands = reload_candidates(man, work, cluster, profile)
     confirmed = [plan_name(c) for c in cands
@@ -454,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     cands = choose_plans(models, cluster, args.cluster, args.seq_len, args.global_batch, profile,
                          args.search_alternatives, forced, args.max_plans)
     write_plans(cands, cluster, args.cluster, args.work)
-    write_manifest(args.work, cands, args, profile_path)
+    write_manifest(args.work, cands, args, profile_path, cluster)
     _log(f"{len(cands)} plans: " + "; ".join(f"{plan_name(c)} ({c.origin})"
                                              for c in cands))
     t0 = time.perf_counter()

@@ -68,14 +68,17 @@ def read_run(d: str, tag: str, warmup: int, rc: int, wall: float | None, log: st
     return run
 
 
-def write_manifest(work: str, cands: list, args: argparse.Namespace, profile_path: str | None) -> None:
+def write_manifest(work: str, cands: list, args: argparse.Namespace, profile_path: str | None, cluster) -> None:
     """Index the work folder before its runs: each plan's folder, model and origin, and what the
     analysis reads (cluster, batch, sequence, warm-up, profile), so that ``--reanalyse WORK``
-    scores the same runs again under the current cost model without running anything."""
+    scores the same runs again under the current cost model without running anything. ``cluster``:
+    the cluster as this process measured it (``Cluster.detect``'s probes, the thread speed-up among
+    them), kept so that a reanalysis prices with the same figures, not with its own probes."""
     plans = [{"dir": os.path.basename(os.path.dirname(c.plan_path)), "model": c.model, "origin": c.origin}
              for c in cands]
-    man = {"cluster": args.cluster, "global_batch": args.global_batch, "seq_len": args.seq_len,
-           "warmup": args.warmup, "profile": os.path.abspath(profile_path) if profile_path else None, "plans": plans}
+    man = {"cluster": args.cluster, "cluster_as_measured": cluster.to_dict(), "global_batch": args.global_batch,
+           "seq_len": args.seq_len, "warmup": args.warmup,
+           "profile": os.path.abspath(profile_path) if profile_path else None, "plans": plans}
     with open(os.path.join(work, MANIFEST), "w", encoding="utf-8") as f:
         json.dump(man, f, indent=1)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 
 def cpu_count() -> int:
@@ -56,14 +56,33 @@ def best_time(fn: Any, repeats: int, budget_s: float) -> float:
     return best
 
 
-def thread_speedup(n: int = 384, pairs: int = 8) -> float:
+RETRY_BELOW = 0.85  # of the cores: a thread speed-up read under this is probed longer (thread_speedup)
+
+
+def best_of_pairs(ratio: Callable[[], float], pairs: int, good: float, retry_s: float) -> float:
+    """The best of ``pairs`` calls of ``ratio`` (a probe that noise only ever lowers), then of more
+    calls until one reaches ``good`` or ``retry_s`` seconds have passed."""
+    best = max(ratio() for _ in range(max(1, pairs)))
+    t_end = time.perf_counter() + retry_s
+    while best < good and time.perf_counter() < t_end:
+        best = max(best, ratio())
+    return best
+
+
+def thread_speedup(n: int = 384, pairs: int = 8, retry_s: float = 1.5) -> float:
     """How much faster an fp32 GEMM of ``n`` x ``n`` runs on every core's intra-op thread
     (``cpu_count()`` threads) than on one: 1.0 on one core. The best of ``pairs`` back-to-back
     pairs (the best of 8 GEMMs on one thread, then on every core; 0.7 s for the 8 pairs here): another
     process or the host taking a core for a while only ever lowers a pair's ratio, as it only
     ever lengthens a time (:func:`best_time` keeps the least). One pair alone on a 2-core VM,
     2026-12-05: 1.63-2.00, in spells of 0.2-1 s around 1.7; the best of 10 pairs: 1.76-2.00 over 12
-    calls, 11 over 1.9."""
+    calls, 11 over 1.9. Below ``RETRY_BELOW`` of the cores it keeps taking pairs for up to ``retry_s``
+    more seconds (:func:`best_of_pairs`): a spell that holds a core through all 8 pairs reads low
+    throughout. The probe of a fidelity run on 2026-12-07 read about 1.0 (the prices it gave one
+    process with 2 threads, 1.5-2.0x the runs' times, need 1.0) where the day's other probes read
+    1.93-2.00; two processes spinning on both cores did not lower it (1.92), nor did a 4-rank job
+    ending just before it: that spell, its cause not found, held a core for longer. The retry
+    covers spells up to ``retry_s``, not all."""
     import torch
 
     cores = cpu_count()
@@ -82,7 +101,8 @@ def thread_speedup(n: int = 384, pairs: int = 8) -> float:
 
     try:
         timed(cores, 0.15)
-        best = max(timed(1, 0.02) / max(timed(cores, 0.02), 1e-9) for _ in range(max(1, pairs)))
+        best = best_of_pairs(lambda: timed(1, 0.02) / max(timed(cores, 0.02), 1e-9), pairs,
+                             RETRY_BELOW * cores, retry_s)
     finally:
         torch.set_num_threads(threads)
     return max(1.0, min(float(cores), best))

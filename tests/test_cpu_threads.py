@@ -68,6 +68,22 @@ def test_thread_speed_is_the_measured_scaling() -> None:
     assert ranks_cluster(gpu, ParallelConfig(dp=8, threads=4)) is gpu
 
 
+def test_thread_probe_outlasts_a_spell_that_holds_a_core() -> None:
+    """The thread speed-up probe (``machine.thread_speedup``) keeps taking pairs past its first
+    ones while they read under ``RETRY_BELOW`` of the cores, for up to ``retry_s``: a spell that
+    held a core through the first pairs does not become the machine's figure."""
+    from cost_models.machine import best_of_pairs
+
+    def probe(reads):
+        it = iter(reads)
+        return lambda: next(it, 1.0)
+
+    spell = [1.0] * 12 + [1.98]  # 12 pairs while something holds a core, then the machine
+    assert best_of_pairs(probe(spell), 8, 1.7, retry_s=10.0) == 1.98
+    assert best_of_pairs(probe(spell), 8, 1.7, retry_s=0.0) == 1.0  # the 8 pairs alone: the spell
+    assert best_of_pairs(probe([1.6] * 4 + [1.9]), 8, 1.7, retry_s=0.0) == 1.9  # a good pair among the 8
+
+
 def test_search_weighs_one_process_with_every_thread() -> None:
     """On two cores the search prices one process with two threads beside two processes, and
     the faster the threads scale the cheaper it is; with perfect scaling it wins."""

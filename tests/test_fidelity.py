@@ -202,7 +202,10 @@ def test_fidelity_smoke_two_processes(tmp_path, monkeypatch, capsys):
         assert r["measured_mem_gib"] and all(m > 0.1 for m in r["measured_mem_gib"])
     for k in ("spearman", "mape_pct"):
         assert k in res["before"] and k in res["after_heldout"]
-    # the same runs scored again from the work folder alone: the same measurements and predictions
+    # the same runs scored again from the work folder alone: the same measurements and predictions, priced on the
+    # cluster as this run measured it (not on the reanalysis's own probes of the machine)
+    man = json.loads((tmp_path / "work" / "manifest.json").read_text())
+    assert man["cluster_as_measured"]["name"] == "local-cpu:2" and man["cluster_as_measured"]["detected"]
     again = tmp_path / "again.json"
     assert fidelity.main(["--reanalyse", str(tmp_path / "work"), "--out", str(again)]) == 0
     re_res = json.loads(again.read_text())
