@@ -56,7 +56,9 @@ def best_time(fn: Any, repeats: int, budget_s: float) -> float:
     return best
 
 
-RETRY_BELOW = 0.85  # of the cores: a thread speed-up read under this is probed longer (thread_speedup)
+# a thread speed-up read under this share of the cores, or under RETRY_BELOW_MAX, is probed longer (thread_speedup);
+# on 2 cores here it reads 1.93-2.00
+RETRY_BELOW, RETRY_BELOW_MAX = 0.85, 1.7
 
 
 def best_of_pairs(ratio: Callable[[], float], pairs: int, good: float, retry_s: float) -> float:
@@ -76,7 +78,9 @@ def thread_speedup(n: int = 384, pairs: int = 8, retry_s: float = 1.5) -> float:
     process or the host taking a core for a while only ever lowers a pair's ratio, as it only
     ever lengthens a time (:func:`best_time` keeps the least). One pair alone on a 2-core VM,
     2026-12-05: 1.63-2.00, in spells of 0.2-1 s around 1.7; the best of 10 pairs: 1.76-2.00 over 12
-    calls, 11 over 1.9. Below ``RETRY_BELOW`` of the cores it keeps taking pairs for up to ``retry_s``
+    calls, 11 over 1.9. Below ``RETRY_BELOW`` of the cores (at most ``RETRY_BELOW_MAX``, so that a
+    machine of many cores, whose threads scale less at this size, does not pay it on every probe)
+    it keeps taking pairs for up to ``retry_s``
     more seconds (:func:`best_of_pairs`): a spell that holds a core through all 8 pairs reads low
     throughout. The probe of a fidelity run on 2026-12-07 read about 1.0 (the prices it gave one
     process with 2 threads, 1.5-2.0x the runs' times, need 1.0) where the day's other probes read
@@ -102,7 +106,7 @@ def thread_speedup(n: int = 384, pairs: int = 8, retry_s: float = 1.5) -> float:
     try:
         timed(cores, 0.15)
         best = best_of_pairs(lambda: timed(1, 0.02) / max(timed(cores, 0.02), 1e-9), pairs,
-                             RETRY_BELOW * cores, retry_s)
+                             min(RETRY_BELOW * cores, RETRY_BELOW_MAX), retry_s)
     finally:
         torch.set_num_threads(threads)
     return max(1.0, min(float(cores), best))

@@ -70,7 +70,8 @@ def test_thread_speed_is_the_measured_scaling() -> None:
 
 def test_thread_probe_outlasts_a_spell_that_holds_a_core() -> None:
     """The thread speed-up probe (``machine.thread_speedup``) keeps taking pairs past its first
-    ones while they read under ``RETRY_BELOW`` of the cores, for up to ``retry_s``: a spell that
+    ones while they read under ``RETRY_BELOW`` of the cores (at most ``RETRY_BELOW_MAX``), for up to
+    ``retry_s``: a spell that
     held a core through the first pairs does not become the machine's figure."""
     from cost_models.machine import best_of_pairs
 

@@ -214,6 +214,14 @@ def test_fidelity_smoke_two_processes(tmp_path, monkeypatch, capsys):
         assert b["origin"] == a["origin"] and len(b["runs"]) == len(a["runs"])
         for k in ("measured_step_s", "predicted_step_s", "heldout_step_s"):
             assert b[k] == pytest.approx(a[k], rel=1e-9), k
+    # ... and it is the manifest's cluster that prices them: a machine half as fast there, slower prices
+    man["cluster_as_measured"]["device"]["peak_tflops"]["fp32"] /= 2
+    man["cluster_as_measured"]["device"]["mem_bw_gbs"] /= 2
+    (tmp_path / "work" / "manifest.json").write_text(json.dumps(man))
+    slow = tmp_path / "slow.json"
+    assert fidelity.main(["--reanalyse", str(tmp_path / "work"), "--out", str(slow)]) == 0
+    for a, b in zip(res["plans"], json.loads(slow.read_text())["plans"]):
+        assert b["predicted_step_s"] > 1.01 * a["predicted_step_s"], (a["label"], a["predicted_step_s"])
     assert re_res["confirmed"]["plans"] == res["confirmed"]["plans"]
     # the CLI on the same runs: finite coefficients that move the estimate and fit better in-sample
     empty = ProfileDB(parse_cluster("local-cpu:2").fingerprint(), "gloo", 2)

@@ -198,7 +198,7 @@ def test_user_module():
     assert a.heads == {"transformer.h.0": (4, 2, 16)}
     assert a.problems == {}
     g = graph_of(model, (ids,), name="flat", seq_len=32, loss_fn=lambda out: out.float().sum())
-    assert "sp" in g.limits and "transformer.h.0.q is a column-parallel linear in no module below" in g.limits["sp"]
+    assert "sp" in g.limits and "transformer.h.0.q is a column-parallel linear that no attention / MLP" in g.limits["sp"]
     layout = layout_of(model, (ids,))
     for i in range(3):
         assert layout[f"transformer.h.{i}.out"] == "row"
@@ -268,7 +268,7 @@ def test_bert_layout_runs_tensor_parallel_without_sequence_parallel():
     assert roles["attention.output.dense"] == "row" and roles["output.dense"] == "row", roles
     assert roles["attention.self.query"] == "column" and roles["intermediate"] == "column", roles
     assert "tp" not in g.limits
-    assert "layers.0.attention.self.query is a column-parallel linear in no module below" in g.limits["sp"]
+    assert "layers.0.attention.self.query is a column-parallel linear that no attention / MLP" in g.limits["sp"]
 
 
 @pytest.mark.slow

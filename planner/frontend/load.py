@@ -156,9 +156,9 @@ def _limits_from_roles(graph: ModelGraph, analysis) -> None:
         for layer in (l for l in graph.layers if l.kind in BLOCK_KINDS):
             lost = ungathered_columns({lin.name: lin.role for lin in layer.linears})  # names below the block
             if lost:
-                graph.limits["sp"] = (f"{layer.name}.{lost[0]} is a column-parallel linear in no module below its "
-                                      "block that also holds a row-parallel linear (nothing gathers the sequence "
-                                      "shard for it)")
+                graph.limits["sp"] = (f"{layer.name}.{lost[0]} is a column-parallel linear that no attention / MLP "
+                                      "module of its block holds beside a row-parallel linear, so nothing gathers "
+                                      "the sequence shard for it")
                 break
 
 
