@@ -35,7 +35,7 @@ REFUSED = {
                "fused_loss": "post-processes"},
     "cohere": {"fused_loss": "post-processes"},
     "stablelm": {},
-    "opt": {"sp": "directly", "fused_loss": "post-processes"},
+    "opt": {"sp": "nothing gathers the sequence shard", "fused_loss": "post-processes"},
     "phi3": {"tp": "colwise_gather_output"},
     "olmo2": {"tp": "colwise_gather_output"},
     "deepseek_v3": {"tp": "moe_tp_experts"},  # its shared experts are a module, not a count
