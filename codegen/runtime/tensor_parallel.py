@@ -180,7 +180,7 @@ class ReplicateRegionInput(ParallelStyle):
             hooked.append(mod)  # nothing to hook still marks the module done
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
-        # always_call: a recompute that stops early (torch_compat.checkpoint_block) raises inside the module
+        # always_call: a recompute that stops early (recompute.checkpoint_block) raises inside the module
         module.register_forward_hook(lambda mod, args, out: held.clear(), always_call=True)
         return module
 
