@@ -147,9 +147,17 @@ class ReplicateRegionInput(ParallelStyle):
         def hidden(x) -> bool:  # a hidden state (not ids or a mask)
             return isinstance(x, torch.Tensor) and x.is_floating_point()
 
+        children_hooked = False
+
         def hook(mod, args, kwargs):
-            if not hooked:  # at the first forward, after the build's FSDP units registered their own: ours first
-                hook_children(mod)
+            nonlocal children_hooked
+            if not children_hooked:  # at the first forward, after the build's FSDP units registered theirs
+                # prepend: before the child's own style's hook and before a per-linear FSDP unit's pre-forward
+                # (data_parallel.module_units), which would hand the child a new alias of the input
+                for sub in mod.modules():
+                    if sub is not mod and next(sub.parameters(recurse=False), None) is not None:
+                        sub.register_forward_pre_hook(child, with_kwargs=True, prepend=True)
+                children_hooked = True
             if args and hidden(args[0]):
                 return (prepare(mod, args[0]), *args[1:]), kwargs
             if hidden(kwargs.get("hidden_states")):
@@ -167,17 +175,6 @@ class ReplicateRegionInput(ParallelStyle):
             if kwargs.get("hidden_states") is local:
                 return args, dict(kwargs, hidden_states=whole)
             return None
-
-        hooked: list[nn.Module] = []  # the children given the hook, at the module's first forward
-
-        def hook_children(mod: nn.Module) -> None:
-            # prepend: before the child's own style's hook and before a per-linear FSDP unit's pre-forward
-            # (data_parallel.module_units), which would hand the child a new alias of the input
-            hooked.extend(sub for sub in mod.modules() if sub is not mod and next(sub.parameters(recurse=False), None)
-                          is not None)
-            for sub in hooked:
-                sub.register_forward_pre_hook(child, with_kwargs=True, prepend=True)
-            hooked.append(mod)  # nothing to hook still marks the module done
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
         # always_call: a recompute that stops early (recompute.checkpoint_block) raises inside the module

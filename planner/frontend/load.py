@@ -21,7 +21,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from codegen.runtime.tp_styles import ungathered_columns
 from planner.frontend.positions import max_positions
 from planner.frontend.trace import capture_fx
 from planner.errors import AutoparError, first_line
@@ -150,6 +149,8 @@ def _limits_from_roles(graph: ModelGraph, analysis) -> None:
             graph.limits.setdefault("tp", f"{packed} is a packed q/k/v projection, which a plain module splits by "
                                           "its global width (sizes autopar does not rewrite)")
     if "sp" not in graph.limits:
+        from codegen.runtime.tp_styles import ungathered_columns  # torch's TP styles: only where roles are read
+
         # under SP the module around a row linear gathers the sequence shard for the column linears it
         # holds (the runtime's rule, codegen.runtime.tp_styles): a column linear outside every such module
         # would take the shard as the whole sequence
