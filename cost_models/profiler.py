@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from codegen.runtime.mesh import exit_process, init_distributed
+    from codegen.runtime.mesh import exit_process, init_distributed, unpinned
     from cost_models.cluster import parse_cluster
     from cost_models.profile_db import ProfileDB
     from cost_models.seq_chunks import chunk_lengths
@@ -459,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     try:
-        cluster = parse_cluster(args.cluster)
+        with unpinned():  # the cluster as the job sees it (a pinned rank's slice would name another)
+            cluster = parse_cluster(args.cluster)
         db = ProfileDB(cluster_fingerprint=cluster.fingerprint(), backend=dist.get_backend(), world=world,
                        dtype=args.dtype or default_dtype(cluster.backend))
         t0 = time.perf_counter()

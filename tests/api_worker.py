@@ -25,5 +25,6 @@ assert par.load(sys.argv[2]) == 2
 again = par.step(batch)
 if dist.get_rank() == 0:
     with open(sys.argv[1], "w") as f:
-        json.dump({"label": par.plan.config.label(), "losses": losses, "after": after, "again": again}, f)
+        json.dump({"label": par.plan.config.label(), "losses": losses, "after": after, "again": again,
+                   "cluster_fp": par.plan.cluster["fingerprint"], "cores": sorted(os.sched_getaffinity(0))}, f)
 par.close()  # the build's groups and the default group auto_parallelize created; the script ends normally

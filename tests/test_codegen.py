@@ -301,6 +301,12 @@ def test_auto_parallelize(nproc, tmp_path):
     d = json.loads(out.read_text())
     assert d["losses"][1] < d["losses"][0]
     assert d["again"] == d["after"]  # load() restored the step-2 state exactly
+    # rank 0 planned for this machine, not for the one core it is pinned to (and is pinned again after)
+    from cost_models.cluster import parse_cluster
+
+    assert d["cluster_fp"] == parse_cluster(f"local-cpu:{nproc}").fingerprint()
+    if nproc == 2 and len(os.sched_getaffinity(0)) >= 2:
+        assert len(d["cores"]) == len(os.sched_getaffinity(0)) // 2
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import torch
 
 from codegen.runtime import context_parallel as cpar
 from cost_models import profile_timing, profiler
+from cost_models.cluster import parse_cluster
 from cost_models.memory import layer_params_local
 from cost_models.profile_db import ProfileDB
 from planner import zoo
@@ -175,6 +176,28 @@ def test_pin_cpu_rank_gives_each_rank_its_own_cores(monkeypatch):
         os.sched_setaffinity(0, before)
 
 
+def test_unpinned_runs_a_pinned_rank_on_the_launchs_cores(monkeypatch):
+    """A rank pinned to one core plans and probes on every core its launch (the parent's
+    affinity) allowed, then runs on its own core again."""
+    from codegen.runtime.mesh import launch_cores, pin_cpu_rank, unpinned
+
+    before = os.sched_getaffinity(0)
+    if len(before) < 2 or os.sched_getaffinity(os.getppid()) != before:
+        pytest.skip("needs 2 cores and a parent with this process's cores")
+    try:
+        monkeypatch.delenv("AUTOPAR_NO_PIN", raising=False)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(len(before)))
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        mine = pin_cpu_rank()
+        assert len(mine) == 1 and launch_cores() == before
+        with unpinned():
+            assert os.sched_getaffinity(0) == before
+            assert parse_cluster("local-cpu:2").cores_per_node == len(before)
+        assert os.sched_getaffinity(0) == mine
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 @pytest.mark.slow
 def test_profiler_two_processes(tmp_path):
     """One real profile on 2 gloo processes: every layer class at tp 1/2 x cp 1/2 x 2 batch
@@ -189,6 +212,7 @@ def test_profiler_two_processes(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     db = ProfileDB.load(out)
     assert db.dtype == "bf16"
+    assert db.matches(parse_cluster("local-cpu:2").fingerprint())  # the cluster the job ran on, not a rank's core
     graph = load_graph("gpt-tiny", batch=1, seq_len=32)
     sigs = {l.signature for l in graph.layers}
     assert set(db.layers) == sigs

@@ -14,13 +14,16 @@ On CPUs every rank is pinned to its own slice of the machine's cores
 1 KiB send/recv took 0.12 ms in one launch and 1.4 ms in another; pinned, the same
 placement every launch makes runs reproducible, and the profiler (cost_models/profiler.py) pins
 the same way so its measurements hold for the training runs. ``AUTOPAR_NO_PIN=1``
-turns it off.
+turns it off. What plans or probes the machine inside a pinned rank runs :func:`unpinned`, on
+every core of the launch: pinned, it would see one rank's slice (a rank pinned to 1 of 2 cores
+named a 1-core machine, so its profile matched no cluster, and probed a thread speed-up of 1.0).
 """
 from __future__ import annotations
 
 import gc
 import os
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -54,6 +57,35 @@ def pin_cpu_rank() -> Optional[set[int]]:
     mine = set(cores[start:start + k])
     os.sched_setaffinity(0, mine)
     return mine
+
+
+def launch_cores() -> set[int]:
+    """The cores this job's launch allowed: under torchrun (``LOCAL_RANK`` set) also the agent's,
+    this rank's parent process, whose affinity :func:`pin_cpu_rank` did not narrow; else this
+    process's own."""
+    mine = os.sched_getaffinity(0)
+    if "LOCAL_RANK" not in os.environ:
+        return mine
+    try:
+        return mine | os.sched_getaffinity(os.getppid())
+    except OSError:  # the parent is gone or not ours to read
+        return mine
+
+
+@contextmanager
+def unpinned() -> Iterator[None]:
+    """Run the block on every core of the launch (:func:`launch_cores`), then on this rank's own
+    again: ``auto_parallelize``'s rank 0 plans (and probes the machine) while the other ranks wait
+    in a broadcast, and the profiler names the cluster its profile is for, as the job sees it."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, launch_cores())
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def init_distributed(backend: Optional[str] = None, threads: int = 0) -> torch.device:

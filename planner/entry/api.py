@@ -184,10 +184,13 @@ def _broadcast_plan(model: nn.Module, example: dict[str, torch.Tensor], req: Pla
 
     import torch.distributed as dist
 
+    from codegen.runtime.mesh import unpinned
+
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = plan_for(model, example, req, dist.get_world_size()).to_json()
+            with unpinned():  # plan for the machine the job runs on, not this rank's cores
+                box[0] = plan_for(model, example, req, dist.get_world_size()).to_json()
         except AutoparError as e:
             box[0] = {"error": str(e)}
     dist.broadcast_object_list(box, src=0)
