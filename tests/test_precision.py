@@ -130,3 +130,17 @@ def test_model_state_bytes_match_the_memory_model(runs, key):
     assert "error" not in r, r
     for k, m in r["measured"].items():
         assert abs(m / r["predicted"][k] - 1) <= STATE_TOL, (k, m, r["predicted"][k])
+
+
+@pytest.mark.parametrize("cluster, config, dtype", [("local-cpu:2", "dp=2", "fp32"), ("local-cpu:2", "dp=2,dtype=bf16", "bf16"),
+                                                    ("dgx-h100", "dp=8", "bf16")])
+def test_evaluate_prices_the_dtype_a_plan_for_the_cluster_trains_in(cluster, config, dtype, capsys):
+    """``autopar evaluate`` without ``dtype=`` prices the dtype the search would plan there
+    (``precision.default_dtype``: fp32 on CPU ranks), not ParallelConfig's bf16; a given one stays."""
+    import json
+
+    from planner.entry.cli import main
+
+    assert main(["evaluate", "--model", "gpt-tiny", "--cluster", cluster, "--global-batch", "8",
+                 "--config", config, "--json"]) == 0
+    assert f"dtype={dtype}," in json.loads(capsys.readouterr().out)["config"]

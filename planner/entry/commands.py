@@ -238,6 +238,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from planner.config_text import config_keys, parse_config
     from planner.feasibility import default_attention, microbatches
     from planner.files import write_atomic
+    from planner.precision import default_dtype
     from planner.schedule_file import load as load_schedule
     from planner.schedule_ir import layout_problem
     from planner.search.candidates import facts_of
@@ -254,6 +255,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.out:
         check_out(args.out, args.force)
     graph, cluster, profile, pins = _load_inputs(args)
+    if "dtype" not in config_keys(args.config):  # the dtype a plan for this cluster would train in
+        cfg = cfg.replace(dtype=default_dtype(cluster.backend))
     if "attention" not in config_keys(args.config):  # autopar's runtime: the kernel the search would plan with
         choice = attention_choice(graph, cluster, facts_of(graph), cfg.dtype, cfg.loss) \
             if args.engine in (None, "autopar") else None
