@@ -234,15 +234,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_evaluate(args: argparse.Namespace) -> int:
-    from planner.config_text import config_keys, parse_config
-    from planner.feasibility import default_attention, microbatches
-    from planner.files import write_atomic
+def _with_defaults(cfg, given: set, graph, cluster, engine: str | None):
+    """``cfg`` with what ``autopar evaluate --config`` left out as a plan for ``cluster`` would
+    have it: the dtype it trains in there (``precision.default_dtype``: fp32 on CPU ranks) and,
+    on autopar's runtime, the attention kernel the search would plan the layout with."""
+    from planner.feasibility import default_attention
     from planner.precision import default_dtype
-    from planner.schedule_file import load as load_schedule
-    from planner.schedule_ir import layout_problem
     from planner.search.candidates import facts_of
     from planner.search.kernel_choice import attention_choice
+
+    if "dtype" not in given:
+        cfg = cfg.replace(dtype=default_dtype(cluster.backend))
+    if "attention" not in given:
+        choice = attention_choice(graph, cluster, facts_of(graph), cfg.dtype, cfg.loss) \
+            if engine in (None, "autopar") else None
+        cfg = cfg.replace(attention=choice.of(cfg.cp) if choice else default_attention(graph.limits))
+    return cfg
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from planner.config_text import config_keys, parse_config
+    from planner.feasibility import microbatches
+    from planner.files import write_atomic
+    from planner.schedule_file import load as load_schedule
+    from planner.schedule_ir import layout_problem
     from planner.search.planning import build_plan, evaluate_noted
 
     cfg = parse_config(args.config)
@@ -255,12 +270,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.out:
         check_out(args.out, args.force)
     graph, cluster, profile, pins = _load_inputs(args)
-    if "dtype" not in config_keys(args.config):  # the dtype a plan for this cluster would train in
-        cfg = cfg.replace(dtype=default_dtype(cluster.backend))
-    if "attention" not in config_keys(args.config):  # autopar's runtime: the kernel the search would plan with
-        choice = attention_choice(graph, cluster, facts_of(graph), cfg.dtype, cfg.loss) \
-            if args.engine in (None, "autopar") else None
-        cfg = cfg.replace(attention=choice.of(cfg.cp) if choice else default_attention(graph.limits))
+    cfg = _with_defaults(cfg, config_keys(args.config), graph, cluster, args.engine)
     _progress(f"pricing {cfg.label()} on {cluster.world} devices of {cluster.name}")
     e, problems, split = evaluate_noted(graph, cluster, cfg, args.global_batch, even_split=args.even_split,
                                         profile=profile, engine=args.engine, schedule=schedule)
