@@ -60,6 +60,25 @@ def timeit_paired(pairs: Sequence[tuple[Callable[[], Any], Callable[[], Any]]], 
             for got in rounds]
 
 
+def timeit_rounds(fns: Sequence[Callable[[], Any]], repeats: int, sync: Callable[[], None],
+                  target_s: float = 0.02, agree: Callable[[int], int] | None = None,
+                  lockstep: Callable[[], None] | None = None) -> list[float]:
+    """Seconds per call of each of ``fns``: ``repeats`` rounds, round ``i`` timing one batch of
+    each function in turn, and per function the median of its rounds. A slow spell of the machine
+    (seconds long on a shared VM) then lands on one round of every function, not on all rounds of
+    the ones timed while it lasted. ``k`` per function, ``agree`` and ``lockstep`` as :func:`timeit`
+    (at least 3 rounds when ``repeats`` allows)."""
+    ks = [_calls_per_batch(_probe(fn, sync), target_s) for fn in fns]
+    n = max(min(3, repeats), repeats)
+    if agree is not None:
+        ks, n = [agree(k) for k in ks], agree(n)
+    rounds: list[list[float]] = [[] for _ in fns]
+    for _ in range(n):
+        for got, fn, k in zip(rounds, fns, ks):
+            got.append(_batch_s(fn, k, sync, lockstep))
+    return [statistics.median(got) for got in rounds]
+
+
 def _probe(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
     """Seconds of one call of ``fn`` after a warm-up call."""
     fn()

@@ -22,13 +22,14 @@ rank). The same code runs with gloo on CPUs and nccl on GPUs. It measures:
     bf16 on GPUs, fp32 on CPUs), as the runtime's compute copies of the parameters do.
 (b) **Collectives**: all-reduce, all-gather, reduce-scatter, all-to-all for each
     group size the mesh can have, with all groups of that size running at once
-    (as all tp groups, or all dp groups, do in training), over message sizes.
-(c) **p2p**: send/recv between rank pairs, all pairs at once.
+    (as all tp groups, or all dp groups, do in training), over message sizes, in interleaved
+    rounds, non-decreasing in size (``cost_models.profile_comm``).
+(c) **p2p**: send/recv between rank pairs, all pairs at once (the same way).
 (d) **The CPU runtime's own work** (gloo only, ``cost_models.profile_runtime.measure_runtime``;
     cost_models/cpu_runtime.py): data-parallel wrappers per unit and EP dispatch per MoE layer,
     into ``ProfileDB.runtime``.
 
-Timing (``cost_models.profile_timing.timeit``): after a warm-up call, ``--repeats`` batches of k back-to-back
+Timing (``cost_models.profile_timing``): after a warm-up call, ``--repeats`` batches of k back-to-back
 calls, k chosen so a batch lasts about 20 ms (1 for anything slower), and the median
 batch time / k. Batching amortises timer and scheduler jitter, which dominates
 sub-millisecond operations when ranks share cores. A layer's forward and its forward +
@@ -43,19 +44,17 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
-import os
 import statistics
 import sys
 import time
 from collections import Counter
 from typing import Any, Callable, NamedTuple
 
+from cost_models.profile_comm import measure_collectives
 from cost_models.profile_runtime import measure_runtime
-from cost_models.profile_timing import agree_min, timeit, timeit_paired
+from cost_models.profile_timing import agree_min, timeit_paired
 from planner.precision import DTYPES, default_dtype
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 DEFAULT_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 22, 1 << 24)
 # rounds the split backward is timed in, whatever the profile's --repeats: its figure is a
 # difference of two timings, so one slow round must be a minority for the median to drop it. Two
@@ -70,71 +69,6 @@ def _log(msg: str) -> None:
 
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"[profile] {msg}", flush=True)
-
-
-def _groups(world: int, n: int) -> list[list[int]]:
-    """Contiguous groups of n ranks (the inner-most mesh placement)."""
-    return [list(range(i, i + n)) for i in range(0, world, n)]
-
-
-def measure_collectives(db, world: int, rank: int, sizes, repeats: int, device) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from codegen.runtime.torch_compat import all_gather_into, reduce_scatter_into
-
-    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
-    for n in [d for d in range(2, world + 1) if world % d == 0]:
-        groups = _groups(world, n)
-        pgs = [dist.new_group(g) for g in groups]
-        mine = pgs[rank // n]
-        for kind in KINDS:
-            for nbytes in sizes:
-                elems = max(n, nbytes // 4 // n * n)
-                x = torch.ones(elems, device=device)
-                if kind == "all_reduce":
-                    fn = lambda: dist.all_reduce(x, group=mine)
-                elif kind == "all_gather":
-                    inp = torch.ones(elems // n, device=device)
-                    fn = lambda: all_gather_into(x, inp, group=mine)
-                elif kind == "reduce_scatter":
-                    out = torch.empty(elems // n, device=device)
-                    fn = lambda: reduce_scatter_into(out, x, group=mine)
-                else:
-                    out = torch.empty_like(x)
-                    fn = lambda: dist.all_to_all_single(out, x, group=mine)
-                dist.barrier()
-                t = timeit(fn, repeats, sync, budget_s=math.inf, agree=agree_min)
-                tt = torch.tensor([t], dtype=torch.float64, device=device)
-                dist.all_reduce(tt, op=dist.ReduceOp.MAX)
-                db.add_collective(kind, n, "intra" if _same_node(groups[0]) else "inter", elems * 4, tt.item())
-        _log(f"collectives over groups of {n}: done")
-    # p2p: pairs (0,1), (2,3), ... exchange at once; one-way time = ping-pong / 2. With an odd
-    # world the last rank has no partner: it times nothing but joins every barrier and reduction.
-    peer = rank ^ 1
-    for nbytes in sizes if world > 1 else ():
-        x = torch.ones(max(1, nbytes // 4), device=device)
-
-        def pingpong():
-            if peer >= world:
-                return
-            if rank % 2 == 0:
-                dist.send(x, peer)
-                dist.recv(x, peer)
-            else:
-                dist.recv(x, peer)
-                dist.send(x, peer)
-        dist.barrier()
-        t = timeit(pingpong, repeats, sync, budget_s=math.inf, agree=agree_min) / 2
-        tt = torch.tensor([t], dtype=torch.float64, device=device)
-        dist.all_reduce(tt, op=dist.ReduceOp.MAX)
-        db.add_collective("send_recv", 2, "intra" if _same_node([0, 1]) else "inter", x.numel() * 4, tt.item())
-    _log("p2p: done")
-
-
-def _same_node(group: list[int]) -> bool:
-    per = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    return len({r // per for r in group}) == 1
 
 
 def _vocab_shard_embedding(emb, tp: int):
@@ -464,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         db = ProfileDB(cluster_fingerprint=cluster.fingerprint(), backend=dist.get_backend(), world=world,
                        dtype=args.dtype or default_dtype(cluster.backend))
         t0 = time.perf_counter()
-        measure_collectives(db, world, rank, [int(s) for s in args.sizes.split(",")], args.repeats, device)
+        measure_collectives(db, world, rank, [int(s) for s in args.sizes.split(",")], args.repeats, device, log=_log)
         measure_runtime(db, world, args.repeats)
         if not args.skip_layers:
             from planner import zoo

@@ -53,6 +53,7 @@ def layer(mod: str) -> str:
     for prefix, name in (("codegen.kernels", "kernels"), ("codegen.runtime", "runtime"), ("codegen.emit", "emit"),
                          ("planner.zoo", "zoo"), ("planner.frontend", "frontend"), ("planner.search", "search"),
                          ("cost_models.profiler", "profiler"), ("cost_models.profile_runtime", "profiler"),
+                         ("cost_models.profile_comm", "profiler"),
                          ("cost_models.profile_timing", "profiler"), ("cost_models", "cost"), ("benchmarks", "benchmarks"),
                          ("planner", "user"), ("codegen.program_template", "user"), ("codegen", "emit")):
         if mod == prefix or mod.startswith(prefix + "."):

@@ -240,6 +240,26 @@ def _virtual_calls(monkeypatch, slow: list):
     return call
 
 
+def test_timeit_rounds_spreads_a_slow_spell_over_every_message(monkeypatch):
+    """Four calls (1 / 2 / 4 / 8 ms) timed in 5 interleaved rounds; a slow spell of 8 batches makes
+    rounds 2 and 3 of every call 3x slower. Each keeps 3 quick rounds of 5, so its median is its
+    own time; timed one after another (3 batches each), the spell would cover the middle calls."""
+    factors = iter([1] * 4 + [3] * 8 + [1] * 8)  # per batch, round-major
+    slow = [1]
+    call = _virtual_calls(monkeypatch, slow)
+    got = profile_timing.timeit_rounds([call(1), call(2), call(4), call(8)], repeats=5, sync=lambda: None,
+                                       target_s=0.0005, lockstep=lambda: slow.__setitem__(0, next(factors)))
+    assert got == pytest.approx([0.001, 0.002, 0.004, 0.008], rel=1e-9)
+
+
+def test_collective_medians_are_made_non_decreasing_in_size():
+    from cost_models.profile_comm import non_decreasing
+
+    assert non_decreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert non_decreasing([0.4, 1.1, 0.5, 1.3, 2.0]) == pytest.approx([0.4, 0.8, 0.8, 1.3, 2.0])
+    assert non_decreasing([3.0, 1.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])
+
+
 def test_timeit_paired_drops_a_slow_spell_from_the_difference(monkeypatch):
     """A forward (10 ms) and a forward + backward (25 ms) timed in 5 alternating rounds; a slow
     spell makes round 2's batches and round 3's forward 3x slower. The forward is the median
