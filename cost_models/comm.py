@@ -99,7 +99,7 @@ from typing import Literal, Mapping
 
 from cost_models import wan
 from cost_models.cluster import Cluster, ClusterError, Link
-from cost_models.profile_db import COLLECTIVE_KINDS, ProfileDB
+from cost_models.profile_db import COLLECTIVE_KINDS, FSDP_UNIT, ProfileDB
 from cost_models.shared_cores import profiled_comm_factor, sync_wait_s
 
 DIMS = ("pp", "dp", "cp", "tp")
@@ -307,6 +307,26 @@ def profiled_time(profile: ProfileDB, cluster: Cluster, kind: str, n: int, link:
         return None
     floor = min(t, profile.collective_floor(kind, n, link) or 0.0)
     return floor + (t - floor) * profiled_comm_factor(cluster, profile.world)
+
+
+def fsdp_unit_time(nbytes: float, cluster: Cluster, mesh: Mesh | Mapping[str, int], dim: str,
+                   profile: ProfileDB | None) -> float | None:
+    """Seconds one FSDP2 unit of ``nbytes`` of parameters adds to a micro-batch's forward and
+    backward over the ``dim`` group, as the profile measured it (``profile_db.FSDP_UNIT``: its two
+    all-gathers and its reduce-scatter with their fresh buffers, copies and hooks), at the
+    calibration's collective scale (and latency, per call); None where the profile has no such
+    samples for the group: GPU clusters, profiles made before them, groups across nodes or
+    cluster groups (the collectives' own times price those)."""
+    m = Mesh.of(mesh)
+    lay = group_layout(cluster, m, dim)
+    if profile is None or lay.size <= 1 or lay.link != "intra" or \
+            wan.dim_span(cluster, lay.size, m.stride(dim), m.world) is not None:
+        return None
+    t = profiled_time(profile, cluster, FSDP_UNIT, lay.size, lay.link, nbytes)
+    if t is None:
+        return None
+    cal = profile.calibration or {}
+    return t * cal.get("comm_scale", 1.0) + 3 * cal.get("comm_latency_s", 0.0)
 
 
 def _group_time_raw(kind: str, nbytes: float, lay: GroupLayout, cluster: Cluster,

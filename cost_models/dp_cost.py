@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from cost_models import comm as comm_mod
 from cost_models.cluster import Cluster
 from cost_models.compute import calibration, memory_bandwidth
-from cost_models.dp_units import stage_units
+from cost_models.cpu_runtime import wrapper_unit_s
+from cost_models.dp_units import stage_unit_params, stage_units
 from cost_models.engines import Engine, exposed_s
 from cost_models.experts import ep_mesh
 from cost_models.memory import LayerTable
@@ -61,11 +62,13 @@ class DpTraffic:
 
 
 def dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units: int, profile,
-             comm_src: set, engine: Engine, experts: bool = False, fp8_share: float = 0.0) -> DpTraffic:
+             comm_src: set, engine: Engine, experts: bool = False, fp8_share: float = 0.0,
+             unit_params: list[float] | None = None) -> DpTraffic:
     """The dp x cp group's traffic as the runtime issues it: one call per DDP bucket under DDP's
     reducer (``uses_ddp_reducer``), one per wrapped unit of the rank (``units``) otherwise; for
     the routed experts (``experts``) over their own data-parallel group (``model_states.dp_group``,
-    ``cost_models.experts.ep_mesh``)."""
+    ``cost_models.experts.ep_mesh``). FSDP every micro-batch, where the profile measured FSDP2
+    units by size (:func:`fsdp_measured_s`, each unit of ``unit_params``), at those times."""
     dpg = dp_group(cfg, experts)
     if dpg == 1:
         return DpTraffic(0.0, 0.0, 0.0)
@@ -101,8 +104,33 @@ def dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units:
         comm = per_microbatch * (ct("reduce_scatter") + ct("all_gather", gather))
     else:
         gathers = 2 if per_microbatch_dp(cfg) else 1  # fsdp: forward and backward, unless held by the pipeline
-        comm = per_microbatch * (gathers * ct("all_gather", gather) + ct("reduce_scatter"))
+        measured = fsdp_measured_s(cluster, cfg, flat, unit_params or [], profile, wrapped_in_stage=not experts) \
+            if per_microbatch_dp(cfg) and k == 1 and f8 == 0 else None
+        if measured is not None:
+            comm_src.add("profile")
+        comm = per_microbatch * (measured if measured is not None else
+                                 gathers * ct("all_gather", gather) + ct("reduce_scatter"))
     return DpTraffic(comm, after, comm / (per_microbatch * calls))
+
+
+def fsdp_measured_s(cluster: Cluster, cfg: ParallelConfig, flat: comm_mod.Mesh, unit_params: list[float],
+                    profile, wrapped_in_stage: bool = True) -> float | None:
+    """One micro-batch of FSDP's traffic, seconds: each unit of ``unit_params`` parameters (per
+    rank, unsharded) at what the profile measured an FSDP2 unit of its fp32 bytes to add to a
+    forward and backward over the ``flat`` mesh's dp group (``comm.fsdp_unit_time``: its two
+    all-gathers and its reduce-scatter with their buffers and copies, as FSDP2 issues them on
+    gloo, which its collectives timed alone do not show above about 16 MiB:
+    ``cost_models.profile_runtime``), less the wrapper's fixed per-unit work the stage times
+    already hold (``cpu_runtime.wrapper_unit_s``, counted by ``dp_units.stage_units``; not the
+    routed experts' units: ``wrapped_in_stage`` False). None where any unit has no such figure: the
+    collectives price it."""
+    if not unit_params:
+        return None
+    fixed = sum(wrapper_unit_s(cluster, cfg, profile)) if wrapped_in_stage else 0.0
+    times = [comm_mod.fsdp_unit_time(p * DTYPE_BYTES["fp32"], cluster, flat, "dp", profile) for p in unit_params]
+    if any(t is None for t in times):
+        return None
+    return sum(max(0.0, t - fixed) for t in times)
 
 
 def hsdp_time(kind: str, nbytes: float, cluster: Cluster, cfg: ParallelConfig, dpg: int, k: int, profile,
@@ -136,12 +164,14 @@ def dp_and_optimizer(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, p
     P, Pe = max(held)  # the rank with the most parameters, and its routed experts' share
     lin = max(sum(table.fp8_params[i] for j in js for i in range(*partition.bounds[j])) for js in on_rank)
     units = max(1, sum(stage_units(graph, table, cfg, *partition.bounds[j]) for j in mine))  # as the runtime wraps
+    sizes = [p for j in mine for p in stage_unit_params(graph, table, cfg, *partition.bounds[j])]
     own = Pe if cfg.ep > 1 else 0.0  # the routed experts' own units: under EP only (else in their blocks')
     dp = dp_comm(cluster, cfg, m, P - own, units, profile, comm_src, engine,
-                 fp8_share=lin / (P - own) if cfg.fp8 != "none" and P > own else 0.0)
+                 fp8_share=lin / (P - own) if cfg.fp8 != "none" and P > own else 0.0, unit_params=sizes)
     if own:  # one FSDP unit per routed-experts module (codegen/runtime/data_parallel.py shard_experts)
-        e_units = sum(1 for lo, hi in (partition.bounds[j] for j in mine) for i in range(lo, hi) if table.experts[i])
-        ex = dp_comm(cluster, cfg, m, own, max(1, e_units), profile, comm_src, engine, experts=True)
+        e_sizes = [p for j in mine for p in stage_unit_params(graph, table, cfg, *partition.bounds[j], experts=True)]
+        ex = dp_comm(cluster, cfg, m, own, max(1, len(e_sizes)), profile, comm_src, engine, experts=True,
+                     unit_params=e_sizes)
         dp = DpTraffic(dp.overlappable + ex.overlappable, dp.after_step + ex.after_step, max(dp.last_call, ex.last_call))
     ov = OVERLAP.get(cluster.backend, 0.5)
     if not spare_core(cluster.cores_per_node, min(cfg.world, cluster.devices_per_node)):

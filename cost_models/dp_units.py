@@ -47,3 +47,22 @@ def stage_wrapper_s(graph: ModelGraph, table: LayerTable, cfg: ParallelConfig, l
     units = stage_units(graph, table, cfg, lo, hi)
     return units * wf, units * wb
 
+
+
+def stage_unit_params(graph: ModelGraph, table: LayerTable, cfg: ParallelConfig, lo: int, hi: int,
+                      experts: bool = False) -> list[float]:
+    """Parameters (per rank, before data-parallel sharding) of each unit :func:`stage_units`
+    counts on the stage of layers ``[lo, hi)``, blocks first, then the stage module's; under EP
+    without the routed experts, which are units of their own (``experts``: those units alone, one
+    per MoE layer; ``codegen/runtime/data_parallel.py`` ``shard_experts``)."""
+    if experts:
+        return [table.experts[i] for i in range(lo, hi) if table.experts[i]]
+    own = cfg.ep > 1  # the routed experts are their own units
+    sizes: list[float] = []
+    for i in range(lo, hi):
+        if graph.layers[i].kind not in BLOCK_KINDS:
+            continue
+        whole = table.params[i] - (table.experts[i] if own else 0.0)
+        sizes += list(table.units[i]) if cfg.zero in SHARDED_PARAMS and len(table.units[i]) > 1 else [whole]
+    root = sum(table.params[i] for i in range(lo, hi) if graph.layers[i].kind not in BLOCK_KINDS)
+    return sizes + ([root] if root > 0 else [])

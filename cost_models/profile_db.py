@@ -31,7 +31,11 @@ measured training runs by ``autopar calibrate`` (cost_models/calibrate.py lists 
 keys and where each is read).
 
 Collective keys are ``<kind>/<group_size>/<link>`` with kind in ``COLLECTIVE_KINDS``
-and link in ``intra`` | ``inter`` | ``mixed`` (see ``comm.group_layout``).
+and link in ``intra`` | ``inter`` | ``mixed`` (see ``comm.group_layout``). One more kind,
+``FSDP_UNIT`` (CPU clusters), is not a single collective: what one FSDP2 unit of ``nbytes`` of
+fp32 parameters adds to a forward and backward over an unwrapped one (its two all-gathers and
+its gradient reduce-scatter as FSDP2 issues them, with their fresh buffers and copies, and its
+hooks), ``nbytes`` its parameters' bytes (``cost_models.profile_runtime``).
 ``nbytes`` follows comm.py's convention: the per-rank buffer, i.e. the full tensor
 for all_reduce, the gathered OUTPUT for all_gather, the full INPUT for
 reduce_scatter, the per-rank buffer for all_to_all, the message for send_recv
@@ -71,6 +75,7 @@ PROFILE_VERSION = 1
 # The plan options the profiler's layer times were measured with (module docstring).
 PROFILED_KERNELS = {"attention": "eager", "loss": "eager", "fp8": "none", "compile": False}
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+FSDP_UNIT = "fsdp_unit"  # one FSDP2 unit's whole per-micro-batch traffic (module docstring)
 LINKS = ("intra", "inter", "mixed")
 
 
@@ -127,8 +132,8 @@ class ProfileDB:
     # ---- building ----------------------------------------------------------------
     def add_collective(self, kind: str, group_size: int, link: str, nbytes: int, seconds: float) -> None:
         """Record one collective measurement."""
-        if kind not in COLLECTIVE_KINDS:
-            raise ValueError(f"unknown collective kind {kind!r}: use one of {', '.join(COLLECTIVE_KINDS)}")
+        if kind not in COLLECTIVE_KINDS + (FSDP_UNIT,):
+            raise ValueError(f"unknown collective kind {kind!r}: use one of {', '.join(COLLECTIVE_KINDS)}, {FSDP_UNIT}")
         if link not in LINKS:
             raise ValueError(f"unknown link {link!r}: use one of {', '.join(LINKS)}")
         self.collectives.setdefault(collective_key(kind, group_size, link), []).append(

@@ -1,9 +1,20 @@
 """The CPU runtime's own per-call work, measured on a cluster's ranks (cost_models/cpu_runtime.py lists
 the keys; ``cost_models.profiler`` calls :func:`measure_runtime`): the data-parallel wrappers per
-unit and the EP dispatch per MoE layer, into ``ProfileDB.runtime``."""
+unit and the EP dispatch per MoE layer, into ``ProfileDB.runtime``; and what an FSDP2 unit costs by
+its size (:func:`measure_fsdp_units`, the profile's ``FSDP_UNIT`` samples).
+
+FSDP2 on gloo costs more than its collectives as the profiler times them back to back on buffers
+it keeps: each call gathers into fresh buffers and copies out of them (and into them for the
+reduce-scatter), and blocks of 64 MiB or more come from fresh pages every time
+(``codegen.runtime.cpu_env.MALLOC_ENV``). Measured 2026-12-07 on the 2-core VM, 2 ranks, one
+``nn.Linear`` unit of n MiB fp32 under the runtime's allocator settings, its forward and backward
+with gradient sync over the unwrapped one: 1 / 4 / 16 / 28 / 64 / 147 MiB 8.3 / 12.6 / 49.9 / 112 /
+329 / 915 ms, against two all-gathers and a reduce-scatter of the unit timed as the profiler times
+them, plus the wrapper's fixed work: 8.6 / 13.2 / 45.5 / 77 / 204 / 512 ms. gpt-small's units
+(28 MiB blocks, a 154 MB root holding the embedding) fall where the two part ways."""
 from __future__ import annotations
 
-from cost_models.profile_timing import agree_min, timeit
+from cost_models.profile_timing import agree_min, timeit, timeit_paired
 
 
 def _log(msg: str) -> None:
@@ -88,6 +99,45 @@ def _ep_figure(world: int, repeats: int) -> float:
                      ("counts", lambda: dist.all_to_all_single(torch.empty_like(counts), counts))):
         t[name] = timeit(fn, repeats, lambda: None, agree=agree_min, lockstep=dist.barrier)
     return t["ep"] - t["local"] - 4 * t["rows"] - t["counts"]
+
+
+def measure_fsdp_units(db, world: int, sizes, repeats: int) -> None:
+    """Per group size (every group of it at once, as the dp groups run) and unit size in ``sizes``
+    (bytes of fp32 parameters; those of 64 KiB and more): one FSDP2 unit (a square ``nn.Linear``
+    under an unwrapped root, so that it reshards after the forward as the runtime's block units
+    do) against the same module unwrapped, forward and backward on 8 tokens with gradient sync,
+    the median difference of interleaved rounds (``profile_timing.timeit_paired``), the
+    slowest rank's, into ``db`` as ``FSDP_UNIT`` samples."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from cost_models.profile_db import FSDP_UNIT
+
+    sizes = sorted(s for s in sizes if s >= 1 << 16)
+    for n in [d for d in range(2, world + 1) if world % d == 0]:
+        mesh = init_device_mesh("cpu", (world // n, n), mesh_dim_names=("across", "dp"))["dp"]
+        pairs, dims = [], [max(8, int(math.sqrt(nb / 4))) for nb in sizes]
+        for d in dims:
+            x, plain, unit = torch.randn(1, 8, d), nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
+            wrapped = nn.Sequential(unit)
+            fully_shard(unit, mesh=mesh)
+            fully_shard(wrapped, mesh=mesh)
+            pairs.append(((lambda m=plain, x=x: m(x).sum().backward()),
+                          (lambda m=wrapped, x=x: m(x).sum().backward())))
+        extra = [more for _, more in timeit_paired(pairs, repeats, lambda: None, agree=agree_min,
+                                                   lockstep=dist.barrier)]
+        tt = torch.tensor(extra, dtype=torch.float64)
+        dist.all_reduce(tt, op=dist.ReduceOp.MAX)
+        for d, t in zip(dims, tt.tolist()):
+            db.add_collective(FSDP_UNIT, n, "intra", d * d * 4, t)
+        del pairs
+    _log("fsdp units: " + ", ".join(f"{s.nbytes / 2**20:.3g} MiB {s.seconds * 1e3:.3g} ms"
+                                     for s in db.collectives.get(f"{FSDP_UNIT}/{world}/intra", [])))
 
 
 def measure_runtime(db, world: int, repeats: int) -> None:

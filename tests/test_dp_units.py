@@ -7,10 +7,10 @@ import pytest
 
 from cost_models.cluster import parse_cluster
 from cost_models.cpu_runtime import wrapper_unit_s
-from cost_models.dp_units import stage_units
+from cost_models.dp_units import stage_unit_params, stage_units
 from cost_models.estimate import estimate
 from cost_models.memory import LayerTable
-from cost_models.profile_db import ProfileDB
+from cost_models.profile_db import FSDP_UNIT, ProfileDB
 from cost_models.shared_cores import sync_wait_s
 from planner.frontend.load import load_graph
 from planner.plan import ParallelConfig, Partition
@@ -56,6 +56,56 @@ def test_fsdp_step_pays_each_unit_once():
     assert e.breakdown["dp_comm"] == pytest.approx(5 * 3 * per_call)
     wf, wb = wrapper_unit_s(c, cfg, db)
     assert e.breakdown["runtime"] == pytest.approx(5 * (wf + wb))
+
+
+def test_unit_sizes_are_each_block_and_the_root_with_experts_on_their_own_under_ep():
+    g = load_graph(MOE, batch=1, seq_len=64)
+    for layout, experts_apart in (("dp=2,zero=fsdp", False), ("dp=2,ep=2,zero=fsdp", True)):
+        cfg = ParallelConfig.parse(layout + ",dtype=fp32")
+        t = LayerTable(g, cfg)
+        sizes = stage_unit_params(g, t, cfg, 0, len(g.layers))
+        ex = stage_unit_params(g, t, cfg, 0, len(g.layers), experts=True)
+        assert len(sizes) == stage_units(g, t, cfg, 0, len(g.layers)) == 5 and len(ex) == 3  # 3 MoE layers
+        held = sum(t.params) - (sum(t.experts) if experts_apart else 0.0)
+        assert sum(sizes) == pytest.approx(held)                     # every parameter in one unit
+        assert sizes[-1] == pytest.approx(sum(t.params[i] for i in (0, 5, 6)))  # the root: embed, norm, head
+
+
+def _fsdp_profile(world: int, curve: dict[int, float]) -> ProfileDB:
+    db = ProfileDB(cluster_fingerprint="x", backend="gloo", world=world)
+    for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
+        for nbytes in (1 << 10, 1 << 28):
+            db.add_collective(kind, world, "intra", nbytes, 1e-3)
+    for nbytes, seconds in curve.items():
+        db.add_collective(FSDP_UNIT, world, "intra", nbytes, seconds)
+    db.runtime = {"fsdp_unit_s": 1e-3, "fsdp_reduce_unit_s": 1e-3}
+    return db
+
+
+def test_fsdp_prices_each_unit_at_the_profiled_unit_time_by_its_size():
+    """gpt-small dp2 fsdp on 2 ranks: with FSDP2 units profiled by size (a curve steeper than linear,
+    as measured on gloo), the DP traffic of a micro-batch is each unit (12 blocks of 7.1 M
+    parameters, the root of 39.4 M) at its own size's time less the wrapper's fixed 2 ms already in
+    the stage times (the root, 5.5x a block's parameters, over 5x a block's time). Without the
+    samples, the collectives price it (two all-gathers and a reduce-scatter of 1 ms per unit)."""
+    g = load_graph("gpt-small", batch=1, seq_len=64)
+    c = parse_cluster("local-cpu:2")
+    curve = {1 << 16: 4e-3, 1 << 24: 60e-3, 1 << 26: 400e-3}
+    cfg = ParallelConfig.parse("dp=2,mbs=4,zero=fsdp,dtype=fp32")
+    part = Partition(bounds=[(0, len(g.layers))], recompute=["none"])
+    t = LayerTable(g, cfg)
+    sizes = stage_unit_params(g, t, cfg, 0, len(g.layers))
+    assert len(sizes) == 13 and sizes[-1] > 5 * sizes[0]
+    db = _fsdp_profile(2, curve)
+    e = estimate(g, c, cfg, part, 8, profile=db)
+    from cost_models.comm import fsdp_unit_time
+
+    flat = {"pp": 1, "dp": 2, "cp": 1, "tp": 1}
+    want = sum(fsdp_unit_time(p * 4, c, flat, "dp", db) - 2e-3 for p in sizes)
+    assert e.breakdown["dp_comm"] == pytest.approx(want)
+    assert fsdp_unit_time(sizes[-1] * 4, c, flat, "dp", db) > 5 * fsdp_unit_time(sizes[0] * 4, c, flat, "dp", db)
+    plain = estimate(g, c, cfg, part, 8, profile=_fsdp_profile(2, {}))
+    assert plain.breakdown["dp_comm"] == pytest.approx(13 * 3 * 1e-3, rel=0.05)
 
 
 def test_step_sync_counts_the_loss_and_the_gradient_norm_all_reduces():

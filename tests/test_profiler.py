@@ -13,7 +13,7 @@ from codegen.runtime import context_parallel as cpar
 from cost_models import profile_timing, profiler
 from cost_models.cluster import parse_cluster
 from cost_models.memory import layer_params_local
-from cost_models.profile_db import ProfileDB
+from cost_models.profile_db import FSDP_UNIT, ProfileDB
 from planner import zoo
 from planner.frontend.load import load_graph
 from launches import run_launch
@@ -220,7 +220,9 @@ def test_profiler_two_processes(tmp_path):
         assert {(s.batch, s.tp, s.cp) for s in samples} == {(b, t, c) for b in (1, 2) for t in (1, 2) for c in (1, 2)}
         assert all(s.fwd_s > 0 and s.bwd_s > 0 for s in samples)
     kinds = {k.split("/")[0] for k in db.collectives}
-    assert kinds == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}
+    assert kinds == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", FSDP_UNIT}
+    units = db.collectives.pop(f"{FSDP_UNIT}/2/intra")  # one FSDP2 unit of the sizes from 64 KiB up
+    assert [s.nbytes for s in units] == [128 * 128 * 4] and units[0].seconds > 0
     assert all(len(v) == 2 and all(s.seconds > 0 for s in v) for v in db.collectives.values())
     assert "[profile] wrote" in r.stdout
     # what a split backward costs beyond a whole one (torch's I then W), over the blocks and the head
