@@ -15,6 +15,9 @@ beside it, and the profiler measures them again the same way):
   all-gather beyond the collective itself: ``CPU_FSDP_UNIT_S``, and around every gradient
   reduce-scatter (each micro-batch without a pipeline): ``CPU_FSDP_REDUCE_UNIT_S``. DDP's
   bucketed reducer (``planner.sharding.uses_ddp_reducer``) measured 0.006-0.02 ms per unit: 0.
+  What grows with a unit's size (FSDP2's fresh gather / reduce buffers and copies, fresh pages
+  above 64 MiB) a profile measures by unit size, and ``cost_models.dp_cost.fsdp_measured_s``
+  prices each unit at it, less these fixed figures.
 - **DTensor dispatch** per TP-sharded module: ``cost_models.dtensor_dispatch.dtensor_dispatch_s``
   (``CPU_DTENSOR_MODULE_S``), priced with the layer time.
 - **EP dispatch on gloo** (codegen/runtime/expert_parallel.py ``TokenDispatch``), per MoE

@@ -62,7 +62,13 @@ def stage_unit_params(graph: ModelGraph, table: LayerTable, cfg: ParallelConfig,
     for i in range(lo, hi):
         if graph.layers[i].kind not in BLOCK_KINDS:
             continue
-        whole = table.params[i] - (table.experts[i] if own else 0.0)
-        sizes += list(table.units[i]) if cfg.zero in SHARDED_PARAMS and len(table.units[i]) > 1 else [whole]
+        if cfg.zero not in SHARDED_PARAMS or len(table.units[i]) == 1:
+            sizes.append(table.params[i] - (table.experts[i] if own else 0.0))
+            continue
+        parts = list(table.units[i])  # module by module (memory.fsdp_units): the experts' stack one of them
+        if own and table.experts[i]:
+            k = min(range(len(parts)), key=lambda j: abs(parts[j] - table.experts[i]))
+            parts[k] -= table.experts[i]
+        sizes += [p for p in parts if p > 0]
     root = sum(table.params[i] for i in range(lo, hi) if graph.layers[i].kind not in BLOCK_KINDS)
     return sizes + ([root] if root > 0 else [])

@@ -108,6 +108,9 @@ def measure_fsdp_units(db, world: int, sizes, repeats: int) -> None:
     do) against the same module unwrapped, forward and backward on 8 tokens with gradient sync,
     the median difference of interleaved rounds (``profile_timing.timeit_paired``), the
     slowest rank's, into ``db`` as ``FSDP_UNIT`` samples."""
+    sizes = sorted(s for s in sizes if s >= 1 << 16)
+    if not sizes:  # a profile of collectives' latency only (e.g. a second model's): nothing to time
+        return
     import math
 
     import torch
@@ -118,7 +121,6 @@ def measure_fsdp_units(db, world: int, sizes, repeats: int) -> None:
 
     from cost_models.profile_db import FSDP_UNIT
 
-    sizes = sorted(s for s in sizes if s >= 1 << 16)
     for n in [d for d in range(2, world + 1) if world % d == 0]:
         mesh = init_device_mesh("cpu", (world // n, n), mesh_dim_names=("across", "dp"))["dp"]
         pairs, dims = [], [max(8, int(math.sqrt(nb / 4))) for nb in sizes]

@@ -254,6 +254,14 @@ def test_timeit_rounds_spreads_a_slow_spell_over_every_message(monkeypatch):
     assert got == pytest.approx([0.001, 0.002, 0.004, 0.008], rel=1e-9)
 
 
+def test_fsdp_units_are_timed_from_64_kib_only():
+    from cost_models.profile_runtime import measure_fsdp_units
+
+    db = ProfileDB(cluster_fingerprint="x", backend="gloo", world=2)
+    measure_fsdp_units(db, 2, [1024, 4096], repeats=3)  # nothing to time: no process group needed
+    assert db.collectives == {}
+
+
 def test_collective_medians_are_made_non_decreasing_in_size():
     from cost_models.profile_comm import non_decreasing
 
