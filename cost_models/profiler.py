@@ -355,6 +355,24 @@ def layer_calls(unit, layer, inputs: tuple, tp: int) -> tuple:
     return fwd, fwd_bwd
 
 
+def _cluster_named(spec: str) -> tuple[str, str]:
+    """(fingerprint, backend) of the cluster ``spec`` names, as the job sees it: rank 0 parses it on
+    every core of the launch (a rank pinned to its slice would name another machine,
+    ``codegen.runtime.mesh.unpinned``) while the others wait, and broadcasts it."""
+    import torch.distributed as dist
+
+    from codegen.runtime.mesh import unpinned
+    from cost_models.cluster import parse_cluster
+
+    box: list = [None]
+    if dist.get_rank() == 0:
+        with unpinned():
+            cluster = parse_cluster(spec)
+        box[0] = (cluster.fingerprint(), cluster.backend)
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def worker_args(cluster: str, model: str, out: str, *, seq_len: int | None = None, batches: str | None = None,
                 sizes: str | None = None, repeats: int | None = None, dtype: str | None = None) -> list[str]:
     """The arguments after ``torchrun ...`` that run this profiler on every rank (None: its default)."""
@@ -384,8 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from codegen.runtime.mesh import exit_process, init_distributed, unpinned
-    from cost_models.cluster import parse_cluster
+    from codegen.runtime.mesh import exit_process, init_distributed
     from cost_models.profile_db import ProfileDB
     from cost_models.seq_chunks import chunk_lengths
 
@@ -394,10 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     try:
-        with unpinned():  # the cluster as the job sees it (a pinned rank's slice would name another)
-            cluster = parse_cluster(args.cluster)
-        db = ProfileDB(cluster_fingerprint=cluster.fingerprint(), backend=dist.get_backend(), world=world,
-                       dtype=args.dtype or default_dtype(cluster.backend))
+        fingerprint, backend = _cluster_named(args.cluster)
+        db = ProfileDB(cluster_fingerprint=fingerprint, backend=dist.get_backend(), world=world,
+                       dtype=args.dtype or default_dtype(backend))
         t0 = time.perf_counter()
         measure_collectives(db, world, rank, [int(s) for s in args.sizes.split(",")], args.repeats, device, log=_log)
         measure_runtime(db, world, args.repeats)

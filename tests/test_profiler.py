@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import types
 
 import pytest
@@ -193,7 +194,14 @@ def test_unpinned_runs_a_pinned_rank_on_the_launchs_cores(monkeypatch):
         with unpinned():
             assert os.sched_getaffinity(0) == before
             assert parse_cluster("local-cpu:2").cores_per_node == len(before)
-        assert os.sched_getaffinity(0) == mine
+            seen = []
+            worker = threading.Thread(target=lambda: (seen.append(os.sched_getaffinity(0)), started.wait(5)))
+            started = threading.Event()
+            worker.start()  # a thread started inside inherits the wide set...
+        assert os.sched_getaffinity(0) == mine and seen == [before]
+        assert os.sched_getaffinity(worker.native_id) == mine  # ...and is put back on the way out
+        started.set()
+        worker.join()
     finally:
         os.sched_setaffinity(0, before)
 
@@ -221,8 +229,8 @@ def test_profiler_two_processes(tmp_path):
         assert all(s.fwd_s > 0 and s.bwd_s > 0 for s in samples)
     kinds = {k.split("/")[0] for k in db.collectives}
     assert kinds == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", FSDP_UNIT}
-    units = db.collectives.pop(f"{FSDP_UNIT}/2/intra")  # one FSDP2 unit of the sizes from 64 KiB up
-    assert [s.nbytes for s in units] == [128 * 128 * 4] and units[0].seconds > 0
+    units = db.collectives.pop(f"{FSDP_UNIT}/2/intra")  # FSDP2 units of the sizes from 64 KiB up, and 64 MiB
+    assert [s.nbytes for s in units] == [128 * 128 * 4, 4096 * 4096 * 4] and all(s.seconds > 0 for s in units)
     assert all(len(v) == 2 and all(s.seconds > 0 for s in v) for v in db.collectives.values())
     assert "[profile] wrote" in r.stdout
     # what a split backward costs beyond a whole one (torch's I then W), over the blocks and the head

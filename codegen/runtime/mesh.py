@@ -76,7 +76,9 @@ def launch_cores() -> set[int]:
 def unpinned() -> Iterator[None]:
     """Run the block on every core of the launch (:func:`launch_cores`), then on this rank's own
     again: ``auto_parallelize``'s rank 0 plans (and probes the machine) while the other ranks wait
-    in a broadcast, and the profiler names the cluster its profile is for, as the job sees it."""
+    in a broadcast, and the profiler names the cluster its profile is for, as the job sees it.
+    Affinity is per thread on Linux and a thread started inside (the probe's OpenMP workers)
+    inherits the wide set, so on the way out every thread of the process is put back."""
     if not hasattr(os, "sched_setaffinity"):
         yield
         return
@@ -85,7 +87,19 @@ def unpinned() -> Iterator[None]:
     try:
         yield
     finally:
-        os.sched_setaffinity(0, before)
+        for tid in _threads():
+            try:
+                os.sched_setaffinity(tid, before)
+            except OSError:  # a thread that ended meanwhile
+                pass
+
+
+def _threads() -> list[int]:
+    """This process's thread ids (Linux ``/proc/self/task``; this thread only elsewhere)."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
 
 
 def init_distributed(backend: Optional[str] = None, threads: int = 0) -> torch.device:
