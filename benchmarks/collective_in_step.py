@@ -6,7 +6,7 @@ them, ``codegen.runtime.mesh.init_distributed``); the table also lands in
 groups at once, each all-to-all (64 B, as the EP count exchange; 128 KiB, as moe-fid's dispatch at
 mbs 2 x 64 tokens) is timed four ways, each the median of 5 loops of 60 iterations, the slowest rank:
 
-- back-to-back (what ``cost_models.profiler.measure_collectives`` stores);
+- back-to-back (what ``cost_models.profile_comm.measure_collectives`` stores, from batches of back-to-back calls);
 - after a compute chunk (8 x a 256 x 256 GEMM + tanh), less the chunk alone;
 - the 128 KiB call right after the 64 B one (the dispatch after the count exchange), less both before it.
 

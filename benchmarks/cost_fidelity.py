@@ -23,7 +23,7 @@ import statistics
 import subprocess
 import tempfile
 
-from cost_models.profile_db import ProfileDB
+from cost_models.profile_db import COLLECTIVE_KINDS, ProfileDB
 from benchmarks.results import write_json
 
 
@@ -37,10 +37,13 @@ def _run_profiler(nproc: int, model: str, seq: int, batches: str, sizes: str, ou
 
 
 def _compare(prof: ProfileDB, meas: ProfileDB) -> tuple[list[dict], list[dict]]:
-    """Every collective and layer sample of ``meas`` predicted from ``prof`` (relative errors)."""
+    """Every collective and layer sample of ``meas`` predicted from ``prof`` (relative errors); the
+    FSDP2 unit samples (``profile_db.FSDP_UNIT``, not one collective) are left out."""
     comm_rows = []
     for key, samples in sorted(meas.collectives.items()):
         kind, n, link = key.split("/")
+        if kind not in COLLECTIVE_KINDS:
+            continue
         for s in samples:
             pred = prof.collective_time(kind, int(n), link, s.nbytes)
             comm_rows.append({"kind": kind, "group": int(n), "bytes": s.nbytes, "measured_s": s.seconds,

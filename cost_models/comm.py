@@ -310,13 +310,14 @@ def profiled_time(profile: ProfileDB, cluster: Cluster, kind: str, n: int, link:
 
 
 def fsdp_unit_time(nbytes: float, cluster: Cluster, mesh: Mesh | Mapping[str, int], dim: str,
-                   profile: ProfileDB | None) -> float | None:
+                   profile: ProfileDB | None, less: float = 0.0) -> float | None:
     """Seconds one FSDP2 unit of ``nbytes`` of parameters adds to a micro-batch's forward and
     backward over the ``dim`` group, as the profile measured it (``profile_db.FSDP_UNIT``: its two
-    all-gathers and its reduce-scatter with their fresh buffers, copies and hooks), at the
-    calibration's collective scale (and latency, per call); None where the profile has no such
-    samples for the group: GPU clusters, profiles made before them, groups across nodes or
-    cluster groups (the collectives' own times price those)."""
+    all-gathers and its reduce-scatter with their fresh buffers, copies and hooks), less ``less``
+    seconds priced elsewhere (at least 0), at the calibration's overall collective scale (its
+    ``comm_scale``; the per-kind scales are the single collectives') and latency per call; None
+    where the profile has no such samples for the group: GPU clusters, profiles made before them,
+    groups across nodes or cluster groups (the collectives' own times price those)."""
     m = Mesh.of(mesh)
     lay = group_layout(cluster, m, dim)
     if profile is None or lay.size <= 1 or lay.link != "intra" or \
@@ -326,7 +327,7 @@ def fsdp_unit_time(nbytes: float, cluster: Cluster, mesh: Mesh | Mapping[str, in
     if t is None:
         return None
     cal = profile.calibration or {}
-    return t * cal.get("comm_scale", 1.0) + 3 * cal.get("comm_latency_s", 0.0)
+    return max(0.0, t - less) * cal.get("comm_scale", 1.0) + 3 * cal.get("comm_latency_s", 0.0)
 
 
 def _group_time_raw(kind: str, nbytes: float, lay: GroupLayout, cluster: Cluster,

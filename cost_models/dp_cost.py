@@ -45,7 +45,7 @@ from cost_models.wan_cost import hsdp_replicas, outer_step_s
 from planner.graph import ModelGraph
 from planner.low_comm import parse_low_comm
 from planner.plan import ParallelConfig, Partition
-from planner.precision import DTYPE_BYTES, GRAD_REDUCE_BYTES, MASTER_BYTES
+from planner.precision import DTYPE_BYTES, GRAD_REDUCE_BYTES, MASTER_BYTES, mixed_precision
 from planner.sharding import (DDP_BUCKET_BYTES, SHARDED_PARAMS, expert_replicas, shard_ranks, uses_ddp_reducer,
                               zero1_broadcasts)
 
@@ -105,7 +105,7 @@ def dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units:
     else:
         gathers = 2 if per_microbatch_dp(cfg) else 1  # fsdp: forward and backward, unless held by the pipeline
         measured = fsdp_measured_s(cluster, cfg, flat, unit_params or [], profile, wrapped_in_stage=not experts) \
-            if per_microbatch_dp(cfg) and k == 1 and f8 == 0 else None
+            if per_microbatch_dp(cfg) and k == 1 and f8 == 0 and not mixed_precision(cfg.dtype) else None
         if measured is not None:
             comm_src.add("profile")
         comm = per_microbatch * (measured if measured is not None else
@@ -123,14 +123,16 @@ def fsdp_measured_s(cluster: Cluster, cfg: ParallelConfig, flat: comm_mod.Mesh, 
     ``cost_models.profile_runtime``), less the wrapper's fixed per-unit work the stage times
     already hold (``cpu_runtime.wrapper_unit_s``, counted by ``dp_units.stage_units``; not the
     routed experts' units: ``wrapped_in_stage`` False). None where any unit has no such figure: the
-    collectives price it."""
+    collectives price it (and mixed precision, whose gathers move bf16 copies: the profile's units
+    are fp32, ``dp_comm``)."""
     if not unit_params:
         return None
     fixed = sum(wrapper_unit_s(cluster, cfg, profile)) if wrapped_in_stage else 0.0
-    times = [comm_mod.fsdp_unit_time(p * DTYPE_BYTES["fp32"], cluster, flat, "dp", profile) for p in unit_params]
+    times = [comm_mod.fsdp_unit_time(p * DTYPE_BYTES["fp32"], cluster, flat, "dp", profile, less=fixed)
+             for p in unit_params]
     if any(t is None for t in times):
         return None
-    return sum(max(0.0, t - fixed) for t in times)
+    return sum(times)
 
 
 def hsdp_time(kind: str, nbytes: float, cluster: Cluster, cfg: ParallelConfig, dpg: int, k: int, profile,

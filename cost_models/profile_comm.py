@@ -4,11 +4,13 @@ For each group size the mesh can have, all groups of that size at once (as all t
 dp groups, do in training), every kind of :data:`KINDS` over the message sizes; then send/recv
 between rank pairs, all pairs at once. Timing: batches of back-to-back calls of about 20 ms
 (``profile_timing.timeit_rounds``), every (kind, size) of a group size one batch per round, in
-``repeats`` interleaved rounds, the median per call, the slowest rank's. Interleaved, a slow
-spell of the machine lands on one round of every message, not on the consecutive sizes timed
-while it lasted: on the 2-core VM, two ranks timing each (kind, size) in a block of 3 batches
-read a 16 MiB reduce-scatter at 22 ms in one profile and 68-75 ms in two others, and a 64 KiB
-all-gather anywhere from 0.15 to 1.13 ms (2026-12-07).
+``repeats`` interleaved rounds (sizes whose buffers exceed :data:`INTERLEAVE_BYTES` together in
+sets of their own: :func:`size_sets`), the median per call, the slowest rank's. Interleaved, a
+slow spell of the machine lands on one round of every message, not on the consecutive sizes
+timed while it lasted. On the 2-core VM (2026-12-07), two ranks timing each (kind, size) in a
+block of 3 batches read a 1 KiB all-gather at 0.15-0.67 ms and a 16 MiB reduce-scatter at
+20.0-22.4 ms over four profiles (68.7 ms in one of four more with 9 batches each, 75.0 ms in an
+``autopar profile`` run of the same hour); in interleaved rounds, 0.36-0.84 ms and 20.0-24.4 ms.
 
 A larger message never costs less than a smaller one of the same kind (more bytes to move and
 reduce, the same calls): each kind's medians are made non-decreasing in size
@@ -22,6 +24,10 @@ import os
 from cost_models.profile_timing import agree_min, timeit_rounds
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+# Buffers held per message byte while a set of sizes is timed: the kinds' inputs and outputs (the
+# all-to-all's two, the all-reduce's one, the gather's and reduce-scatter's whole and shard).
+BUFFERS_PER_BYTE = 6
+INTERLEAVE_BYTES = 1 << 30  # per rank, the most the messages of one set of interleaved rounds hold
 
 
 def non_decreasing(ys: list[float]) -> list[float]:
@@ -84,24 +90,42 @@ def _sync(device):
     return (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
 
 
+def size_sets(sizes, budget: int = INTERLEAVE_BYTES) -> list[list[int]]:
+    """``sizes`` in ascending runs whose buffers (:data:`BUFFERS_PER_BYTE` x the message over the
+    kinds) fit ``budget`` bytes together, timed as one set of interleaved rounds; a size over it
+    alone (a GPU profile's GiB messages are not all held at once)."""
+    sets: list[list[int]] = []
+    held = 0
+    for size in sorted(sizes):
+        need = BUFFERS_PER_BYTE * size
+        if not sets or held + need > budget:
+            sets.append([])
+            held = 0
+        sets[-1].append(size)
+        held += need
+    return sets
+
+
 def measure_collectives(db, world: int, rank: int, sizes, repeats: int, device, log=print) -> None:
     """Every kind over every group size and message size (module docstring) into ``db``."""
     import torch.distributed as dist
 
-    sizes = sorted(sizes)
     for n in [d for d in range(2, world + 1) if world % d == 0]:
         groups = groups_of(world, n)
         mine = [dist.new_group(g) for g in groups][rank // n]
-        calls = [(kind, *_call(kind, s, n, mine, device)) for kind in KINDS for s in sizes]
-        dist.barrier()
-        times = _slowest(timeit_rounds([fn for _, fn, _ in calls], repeats, _sync(device), agree=agree_min,
-                                       lockstep=dist.barrier), device)
+        got: dict[str, list[tuple[int, float]]] = {kind: [] for kind in KINDS}
+        for part in size_sets(sizes):
+            calls = [(kind, *_call(kind, s, n, mine, device)) for kind in KINDS for s in part]
+            dist.barrier()
+            times = _slowest(timeit_rounds([fn for _, fn, _ in calls], repeats, _sync(device), agree=agree_min,
+                                           lockstep=dist.barrier), device)
+            for (kind, _, nb), t in zip(calls, times):
+                got[kind].append((nb, t))
+            del calls
         link = "intra" if same_node(groups[0]) else "inter"
-        for kind in KINDS:
-            mine_k = [(nb, t) for (k, _, nb), t in zip(calls, times) if k == kind]
-            for (nb, _), t in zip(mine_k, non_decreasing([t for _, t in mine_k])):
+        for kind, pts in got.items():
+            for (nb, _), t in zip(pts, non_decreasing([t for _, t in pts])):
                 db.add_collective(kind, n, link, nb, t)
-        del calls
         log(f"collectives over groups of {n}: done")
     if world > 1:
         measure_p2p(db, world, rank, sizes, repeats, device)

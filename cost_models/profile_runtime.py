@@ -101,16 +101,23 @@ def _ep_figure(world: int, repeats: int) -> float:
     return t["ep"] - t["local"] - 4 * t["rows"] - t["counts"]
 
 
+# always timed too: where FSDP2's cost has parted from its collectives' (module docstring)
+FSDP_UNIT_LARGEST = 64 << 20
+
+
 def measure_fsdp_units(db, world: int, sizes, repeats: int) -> None:
-    """Per group size (every group of it at once, as the dp groups run) and unit size in ``sizes``
-    (bytes of fp32 parameters; those of 64 KiB and more): one FSDP2 unit (a square ``nn.Linear``
-    under an unwrapped root, so that it reshards after the forward as the runtime's block units
-    do) against the same module unwrapped, forward and backward on 8 tokens with gradient sync,
-    the median difference of interleaved rounds (``profile_timing.timeit_paired``), the
-    slowest rank's, into ``db`` as ``FSDP_UNIT`` samples."""
+    """Per group size (every group of it at once, as the dp groups run) and unit size (bytes of
+    fp32 parameters: those of ``sizes`` of 64 KiB and more, and :data:`FSDP_UNIT_LARGEST`, above
+    which the price extrapolates linearly): one FSDP2 unit (a square ``nn.Linear`` under an
+    unwrapped root, so that it reshards after the forward as the runtime's block units do) against
+    the same module unwrapped, forward and backward on 8 tokens with gradient sync, the median
+    difference of interleaved rounds (``profile_timing.timeit_paired``), the slowest rank's, into
+    ``db`` as ``FSDP_UNIT`` samples. Nothing where no size reaches 64 KiB (a profile of the
+    collectives' latency only, as the fidelity benchmark takes for its later models)."""
     sizes = sorted(s for s in sizes if s >= 1 << 16)
-    if not sizes:  # a profile of collectives' latency only (e.g. a second model's): nothing to time
+    if not sizes:
         return
+    sizes = sorted(set(sizes) | {FSDP_UNIT_LARGEST})
     import math
 
     import torch
@@ -119,7 +126,8 @@ def measure_fsdp_units(db, world: int, sizes, repeats: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from cost_models.profile_db import FSDP_UNIT
+    from cost_models.profile_comm import groups_of, same_node
+    from cost_models.profile_db import FSDP_UNIT, collective_key
 
     for n in [d for d in range(2, world + 1) if world % d == 0]:
         mesh = init_device_mesh("cpu", (world // n, n), mesh_dim_names=("across", "dp"))["dp"]
@@ -135,11 +143,13 @@ def measure_fsdp_units(db, world: int, sizes, repeats: int) -> None:
                                                    lockstep=dist.barrier)]
         tt = torch.tensor(extra, dtype=torch.float64)
         dist.all_reduce(tt, op=dist.ReduceOp.MAX)
+        link = "intra" if same_node(groups_of(world, n)[0]) else "inter"
         for d, t in zip(dims, tt.tolist()):
-            db.add_collective(FSDP_UNIT, n, "intra", d * d * 4, t)
+            db.add_collective(FSDP_UNIT, n, link, d * d * 4, t)
         del pairs
-    _log("fsdp units: " + ", ".join(f"{s.nbytes / 2**20:.3g} MiB {s.seconds * 1e3:.3g} ms"
-                                     for s in db.collectives.get(f"{FSDP_UNIT}/{world}/intra", [])))
+        got = db.collectives[collective_key(FSDP_UNIT, n, link)]
+        _log(f"fsdp units over groups of {n}: " + ", ".join(f"{s.nbytes / 2**20:.3g} MiB {s.seconds * 1e3:.3g} ms"
+                                                            for s in got))
 
 
 def measure_runtime(db, world: int, repeats: int) -> None:

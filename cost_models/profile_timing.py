@@ -66,10 +66,9 @@ def timeit_rounds(fns: Sequence[Callable[[], Any]], repeats: int, sync: Callable
     """Seconds per call of each of ``fns``: ``repeats`` rounds, round ``i`` timing one batch of
     each function in turn, and per function the median of its rounds. A slow spell of the machine
     (seconds long on a shared VM) then lands on one round of every function, not on all rounds of
-    the ones timed while it lasted. ``k`` per function, ``agree`` and ``lockstep`` as :func:`timeit`
-    (at least 3 rounds when ``repeats`` allows)."""
+    the ones timed while it lasted. ``k`` per function, ``agree`` and ``lockstep`` as :func:`timeit`."""
     ks = [_calls_per_batch(_probe(fn, sync), target_s) for fn in fns]
-    n = max(min(3, repeats), repeats)
+    n = max(1, repeats)
     if agree is not None:
         ks, n = [agree(k) for k in ks], agree(n)
     rounds: list[list[float]] = [[] for _ in fns]

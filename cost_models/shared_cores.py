@@ -110,7 +110,7 @@ def profiled_comm_factor(cluster: Cluster, profiled_ranks: int) -> float:
     """What a collective a profile timed with ``profiled_ranks`` processes on the node takes when
     ``cluster.devices_per_node`` processes run instead, over the profiled time. gloo's collectives
     are CPU work of the calling process (copies and reductions over loopback), and the profiler
-    times every group of a size at once (``cost_models.profiler.measure_collectives``), so a
+    times every group of a size at once (``cost_models.profile_comm.measure_collectives``), so a
     call runs at its process's share of a core: ``min(1, cores / profiled) / min(1, cores /
     running)``. Fewer processes than profiled (e.g. dp2 on a ``local-cpu:4`` profile of a
     2-core machine) halve the time; 1.0 off local CPU clusters or with a core per process."""
