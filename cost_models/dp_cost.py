@@ -39,6 +39,7 @@ from cost_models.dp_units import stage_unit_params, stage_units
 from cost_models.engines import Engine, exposed_s
 from cost_models.experts import ep_mesh
 from cost_models.memory import LayerTable
+from cost_models.profile_db import FSDP_UNIT
 from cost_models.model_states import dp_group
 from cost_models.shared_cores import spare_core
 from cost_models.wan_cost import hsdp_replicas, outer_step_s
@@ -125,7 +126,7 @@ def fsdp_measured_s(cluster: Cluster, cfg: ParallelConfig, flat: comm_mod.Mesh, 
     routed experts' units: ``wrapped_in_stage`` False). None where any unit has no such figure: the
     collectives price it (and mixed precision, whose gathers move bf16 copies: the profile's units
     are fp32, ``dp_comm``)."""
-    if not unit_params:
+    if not unit_params or not fsdp_profiled(profile):
         return None
     fixed = sum(wrapper_unit_s(cluster, cfg, profile)) if wrapped_in_stage else 0.0
     times = [comm_mod.fsdp_unit_time(p * DTYPE_BYTES["fp32"], cluster, flat, "dp", profile, less=fixed)
@@ -133,6 +134,11 @@ def fsdp_measured_s(cluster: Cluster, cfg: ParallelConfig, flat: comm_mod.Mesh, 
     if any(t is None for t in times):
         return None
     return sum(times)
+
+
+def fsdp_profiled(profile) -> bool:
+    """Whether ``profile`` measured FSDP2 units by size (``profile_db.FSDP_UNIT``: CPU profiles)."""
+    return getattr(profile, "collectives", None) is not None and profile.measured(FSDP_UNIT)
 
 
 def hsdp_time(kind: str, nbytes: float, cluster: Cluster, cfg: ParallelConfig, dpg: int, k: int, profile,
@@ -166,14 +172,15 @@ def dp_and_optimizer(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, p
     P, Pe = max(held)  # the rank with the most parameters, and its routed experts' share
     lin = max(sum(table.fp8_params[i] for j in js for i in range(*partition.bounds[j])) for js in on_rank)
     units = max(1, sum(stage_units(graph, table, cfg, *partition.bounds[j]) for j in mine))  # as the runtime wraps
-    sizes = [p for j in mine for p in stage_unit_params(graph, table, cfg, *partition.bounds[j])]
+    sizes = [p for j in mine for p in stage_unit_params(graph, table, cfg, *partition.bounds[j])] \
+        if fsdp_profiled(profile) and cfg.zero == "fsdp" else None  # (a search's GPU candidates skip it)
     own = Pe if cfg.ep > 1 else 0.0  # the routed experts' own units: under EP only (else in their blocks')
     dp = dp_comm(cluster, cfg, m, P - own, units, profile, comm_src, engine,
                  fp8_share=lin / (P - own) if cfg.fp8 != "none" and P > own else 0.0, unit_params=sizes)
     if own:  # one FSDP unit per routed-experts module (codegen/runtime/data_parallel.py shard_experts)
         e_sizes = [p for j in mine for p in stage_unit_params(graph, table, cfg, *partition.bounds[j], experts=True)]
         ex = dp_comm(cluster, cfg, m, own, max(1, len(e_sizes)), profile, comm_src, engine, experts=True,
-                     unit_params=e_sizes)
+                     unit_params=e_sizes if sizes is not None else None)
         dp = DpTraffic(dp.overlappable + ex.overlappable, dp.after_step + ex.after_step, max(dp.last_call, ex.last_call))
     ov = OVERLAP.get(cluster.backend, 0.5)
     if not spare_core(cluster.cores_per_node, min(cfg.world, cluster.devices_per_node)):

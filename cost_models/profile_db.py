@@ -233,6 +233,10 @@ class ProfileDB:
             return None
         return _interp_loglog(_merge_sizes(samples), float(nbytes))
 
+    def measured(self, kind: str) -> bool:
+        """Whether any group size of ``kind`` was measured."""
+        return any(key.split("/", 1)[0] == kind for key in self.collectives)
+
     def collective_floor(self, kind: str, group_size: int, link: str) -> float | None:
         """Seconds of the smallest message measured for a collective (its per-call latency); None
         if never measured."""

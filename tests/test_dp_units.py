@@ -7,6 +7,7 @@ import pytest
 
 from cost_models.cluster import parse_cluster
 from cost_models.cpu_runtime import wrapper_unit_s
+from cost_models.dp_cost import fsdp_profiled
 from cost_models.dp_units import stage_unit_params, stage_units
 from cost_models.estimate import estimate
 from cost_models.memory import LayerTable
@@ -97,6 +98,7 @@ def test_fsdp_prices_each_unit_at_the_profiled_unit_time_by_its_size():
     sizes = stage_unit_params(g, t, cfg, 0, len(g.layers))
     assert len(sizes) == 13 and sizes[-1] > 5 * sizes[0]
     db = _fsdp_profile(2, curve)
+    assert fsdp_profiled(db) and not fsdp_profiled(_fsdp_profile(2, {})) and not fsdp_profiled(None)
     e = estimate(g, c, cfg, part, 8, profile=db)
     from cost_models.comm import fsdp_unit_time
 
