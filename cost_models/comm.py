@@ -95,7 +95,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal, Mapping
+from typing import Literal, Mapping, Sequence
 
 from cost_models import wan
 from cost_models.cluster import Cluster, ClusterError, Link
@@ -309,25 +309,26 @@ def profiled_time(profile: ProfileDB, cluster: Cluster, kind: str, n: int, link:
     return floor + (t - floor) * profiled_comm_factor(cluster, profile.world)
 
 
-def fsdp_unit_time(nbytes: float, cluster: Cluster, mesh: Mesh | Mapping[str, int], dim: str,
-                   profile: ProfileDB | None, less: float = 0.0) -> float | None:
-    """Seconds one FSDP2 unit of ``nbytes`` of parameters adds to a micro-batch's forward and
-    backward over the ``dim`` group, as the profile measured it (``profile_db.FSDP_UNIT``: its two
-    all-gathers and its reduce-scatter with their fresh buffers, copies and hooks), less ``less``
-    seconds priced elsewhere (at least 0), at the calibration's overall collective scale (its
-    ``comm_scale``; the per-kind scales are the single collectives') and latency per call; None
-    where the profile has no such samples for the group: GPU clusters, profiles made before them,
-    groups across nodes or cluster groups (the collectives' own times price those)."""
+def fsdp_units_time(unit_bytes: Sequence[float], cluster: Cluster, mesh: Mesh | Mapping[str, int], dim: str,
+                    profile: ProfileDB | None, less: float = 0.0) -> float | None:
+    """Seconds FSDP2 units of ``unit_bytes`` of parameters each add to a micro-batch's forward and
+    backward over the ``dim`` group, as the profile measured a unit by its size
+    (``profile_db.FSDP_UNIT``: its two all-gathers and its reduce-scatter with their fresh
+    buffers, copies and hooks), each less ``less`` seconds priced elsewhere (at least 0), at the
+    calibration's overall collective scale (its ``comm_scale``; the per-kind scales are the single
+    collectives') and latency per call; None where the profile has no such samples for the group:
+    GPU clusters, profiles made before them, groups across nodes or cluster groups (the
+    collectives' own times price those)."""
     m = Mesh.of(mesh)
     lay = group_layout(cluster, m, dim)
     if profile is None or lay.size <= 1 or lay.link != "intra" or \
-            wan.dim_span(cluster, lay.size, m.stride(dim), m.world) is not None:
-        return None
-    t = profiled_time(profile, cluster, FSDP_UNIT, lay.size, lay.link, nbytes)
-    if t is None:
+            wan.dim_span(cluster, lay.size, m.stride(dim), m.world) is not None or \
+            profile.collective_time(FSDP_UNIT, lay.size, lay.link, 1.0) is None:
         return None
     cal = profile.calibration or {}
-    return max(0.0, t - less) * cal.get("comm_scale", 1.0) + 3 * cal.get("comm_latency_s", 0.0)
+    k, alpha = cal.get("comm_scale", 1.0), cal.get("comm_latency_s", 0.0)
+    return sum(max(0.0, profiled_time(profile, cluster, FSDP_UNIT, lay.size, lay.link, nb) - less) * k + 3 * alpha
+               for nb in unit_bytes)
 
 
 def _group_time_raw(kind: str, nbytes: float, lay: GroupLayout, cluster: Cluster,

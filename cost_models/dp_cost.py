@@ -69,7 +69,8 @@ def dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units:
     reducer (``uses_ddp_reducer``), one per wrapped unit of the rank (``units``) otherwise; for
     the routed experts (``experts``) over their own data-parallel group (``model_states.dp_group``,
     ``cost_models.experts.ep_mesh``). FSDP every micro-batch, where the profile measured FSDP2
-    units by size (:func:`fsdp_measured_s`, each unit of ``unit_params``), at those times."""
+    units by size (``unit_params``, given where :func:`fsdp_units_priced`), at those times
+    (:func:`fsdp_measured_s`)."""
     dpg = dp_group(cfg, experts)
     if dpg == 1:
         return DpTraffic(0.0, 0.0, 0.0)
@@ -105,8 +106,8 @@ def dp_comm(cluster: Cluster, cfg: ParallelConfig, m: int, params: float, units:
         comm = per_microbatch * (ct("reduce_scatter") + ct("all_gather", gather))
     else:
         gathers = 2 if per_microbatch_dp(cfg) else 1  # fsdp: forward and backward, unless held by the pipeline
-        measured = fsdp_measured_s(cluster, cfg, flat, unit_params or [], profile, wrapped_in_stage=not experts) \
-            if per_microbatch_dp(cfg) and k == 1 and f8 == 0 and not mixed_precision(cfg.dtype) else None
+        measured = None if unit_params is None else \
+            fsdp_measured_s(cluster, cfg, flat, unit_params, profile, wrapped_in_stage=not experts)
         if measured is not None:
             comm_src.add("profile")
         comm = per_microbatch * (measured if measured is not None else
@@ -118,27 +119,26 @@ def fsdp_measured_s(cluster: Cluster, cfg: ParallelConfig, flat: comm_mod.Mesh, 
                     profile, wrapped_in_stage: bool = True) -> float | None:
     """One micro-batch of FSDP's traffic, seconds: each unit of ``unit_params`` parameters (per
     rank, unsharded) at what the profile measured an FSDP2 unit of its fp32 bytes to add to a
-    forward and backward over the ``flat`` mesh's dp group (``comm.fsdp_unit_time``: its two
+    forward and backward over the ``flat`` mesh's dp group (``comm.fsdp_units_time``: its two
     all-gathers and its reduce-scatter with their buffers and copies, as FSDP2 issues them on
     gloo, which its collectives timed alone do not show above about 16 MiB:
     ``cost_models.profile_runtime``), less the wrapper's fixed per-unit work the stage times
     already hold (``cpu_runtime.wrapper_unit_s``, counted by ``dp_units.stage_units``; not the
-    routed experts' units: ``wrapped_in_stage`` False). None where any unit has no such figure: the
-    collectives price it (and mixed precision, whose gathers move bf16 copies: the profile's units
-    are fp32, ``dp_comm``)."""
-    if not unit_params or not fsdp_profiled(profile):
-        return None
+    routed experts' units: ``wrapped_in_stage`` False). None where the group has no such figures
+    (across nodes): the collectives price it."""
     fixed = sum(wrapper_unit_s(cluster, cfg, profile)) if wrapped_in_stage else 0.0
-    times = [comm_mod.fsdp_unit_time(p * DTYPE_BYTES["fp32"], cluster, flat, "dp", profile, less=fixed)
-             for p in unit_params]
-    if any(t is None for t in times):
-        return None
-    return sum(times)
+    return comm_mod.fsdp_units_time([p * DTYPE_BYTES["fp32"] for p in unit_params], cluster, flat, "dp", profile,
+                                    less=fixed)
 
 
-def fsdp_profiled(profile) -> bool:
-    """Whether ``profile`` measured FSDP2 units by size (``profile_db.FSDP_UNIT``: CPU profiles)."""
-    return getattr(profile, "collectives", None) is not None and profile.measured(FSDP_UNIT)
+def fsdp_units_priced(cluster: Cluster, cfg: ParallelConfig, profile) -> bool:
+    """Whether FSDP is priced by its units as the profile measured them (:func:`fsdp_measured_s`):
+    FSDP every micro-batch (no pipeline), fp32 (the profile's units gather fp32 parameters; mixed
+    precision gathers bf16 copies, float8 tensorwise float8 ones), no HSDP, and a profile with
+    ``profile_db.FSDP_UNIT`` samples (CPU profiles). Else the collectives price it."""
+    return (cfg.zero == "fsdp" and per_microbatch_dp(cfg) and not mixed_precision(cfg.dtype) and cfg.fp8 != "tensorwise"
+            and hsdp_replicas(cluster, cfg) == 1 and getattr(profile, "collectives", None) is not None
+            and profile.measured(FSDP_UNIT))
 
 
 def hsdp_time(kind: str, nbytes: float, cluster: Cluster, cfg: ParallelConfig, dpg: int, k: int, profile,
@@ -172,15 +172,15 @@ def dp_and_optimizer(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, p
     P, Pe = max(held)  # the rank with the most parameters, and its routed experts' share
     lin = max(sum(table.fp8_params[i] for j in js for i in range(*partition.bounds[j])) for js in on_rank)
     units = max(1, sum(stage_units(graph, table, cfg, *partition.bounds[j]) for j in mine))  # as the runtime wraps
-    sizes = [p for j in mine for p in stage_unit_params(graph, table, cfg, *partition.bounds[j])] \
-        if fsdp_profiled(profile) and cfg.zero == "fsdp" else None  # (a search's GPU candidates skip it)
+    priced = fsdp_units_priced(cluster, cfg, profile)  # (before listing units: a GPU search's candidates skip it)
+    sizes = [p for j in mine for p in stage_unit_params(graph, table, cfg, *partition.bounds[j])] if priced else None
     own = Pe if cfg.ep > 1 else 0.0  # the routed experts' own units: under EP only (else in their blocks')
     dp = dp_comm(cluster, cfg, m, P - own, units, profile, comm_src, engine,
                  fp8_share=lin / (P - own) if cfg.fp8 != "none" and P > own else 0.0, unit_params=sizes)
     if own:  # one FSDP unit per routed-experts module (codegen/runtime/data_parallel.py shard_experts)
         e_sizes = [p for j in mine for p in stage_unit_params(graph, table, cfg, *partition.bounds[j], experts=True)]
         ex = dp_comm(cluster, cfg, m, own, max(1, len(e_sizes)), profile, comm_src, engine, experts=True,
-                     unit_params=e_sizes if sizes is not None else None)
+                     unit_params=e_sizes if priced else None)
         dp = DpTraffic(dp.overlappable + ex.overlappable, dp.after_step + ex.after_step, max(dp.last_call, ex.last_call))
     ov = OVERLAP.get(cluster.backend, 0.5)
     if not spare_core(cluster.cores_per_node, min(cfg.world, cluster.devices_per_node)):

@@ -48,7 +48,6 @@ def stage_wrapper_s(graph: ModelGraph, table: LayerTable, cfg: ParallelConfig, l
     return units * wf, units * wb
 
 
-
 def stage_unit_params(graph: ModelGraph, table: LayerTable, cfg: ParallelConfig, lo: int, hi: int,
                       experts: bool = False) -> list[float]:
     """Parameters (per rank, before data-parallel sharding) of each unit :func:`stage_units`
@@ -65,10 +64,12 @@ def stage_unit_params(graph: ModelGraph, table: LayerTable, cfg: ParallelConfig,
         if cfg.zero not in SHARDED_PARAMS or len(table.units[i]) == 1:
             sizes.append(table.params[i] - (table.experts[i] if own else 0.0))
             continue
-        parts = list(table.units[i])  # module by module (memory.fsdp_units): the experts' stack one of them
-        if own and table.experts[i]:
-            k = min(range(len(parts)), key=lambda j: abs(parts[j] - table.experts[i]))
-            parts[k] -= table.experts[i]
+        parts = list(table.units[i])  # module by module (memory.fsdp_units): the experts' stack a part of
+        if own and table.experts[i]:   # its own when large enough, else in the rest (the last part)
+            if table.experts[i] in parts:
+                parts.remove(table.experts[i])
+            else:
+                parts[-1] -= table.experts[i]
         sizes += [p for p in parts if p > 0]
     root = sum(table.params[i] for i in range(lo, hi) if graph.layers[i].kind not in BLOCK_KINDS)
     return sizes + ([root] if root > 0 else [])

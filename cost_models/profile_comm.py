@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-from cost_models.profile_timing import agree_min, timeit_rounds
+from cost_models.profile_timing import agree_min, slowest_rank, timeit_rounds
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 # Buffers held per message byte while a set of sizes is timed: the kinds' inputs and outputs (the
@@ -74,16 +74,6 @@ def _call(kind: str, nbytes: int, n: int, group, device):
     return (lambda: dist.all_to_all_single(out, x, group=group)), elems * 4
 
 
-def _slowest(times: list[float], device) -> list[float]:
-    """Each figure's slowest rank."""
-    import torch
-    import torch.distributed as dist
-
-    tt = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(tt, op=dist.ReduceOp.MAX)
-    return tt.tolist()
-
-
 def _sync(device):
     import torch
 
@@ -117,8 +107,8 @@ def measure_collectives(db, world: int, rank: int, sizes, repeats: int, device, 
         for part in size_sets(sizes):
             calls = [(kind, *_call(kind, s, n, mine, device)) for kind in KINDS for s in part]
             dist.barrier()
-            times = _slowest(timeit_rounds([fn for _, fn, _ in calls], repeats, _sync(device), agree=agree_min,
-                                           lockstep=dist.barrier), device)
+            times = slowest_rank(timeit_rounds([fn for _, fn, _ in calls], repeats, _sync(device), agree=agree_min,
+                                               lockstep=dist.barrier))
             for (kind, _, nb), t in zip(calls, times):
                 got[kind].append((nb, t))
             del calls
@@ -154,8 +144,8 @@ def measure_p2p(db, world: int, rank: int, sizes, repeats: int, device) -> None:
 
     bufs = [torch.ones(max(1, nbytes // 4), device=device) for nbytes in sorted(sizes)]
     dist.barrier()
-    times = _slowest(timeit_rounds([pingpong(x) for x in bufs], repeats, _sync(device), agree=agree_min,
-                                   lockstep=dist.barrier), device)
+    times = slowest_rank(timeit_rounds([pingpong(x) for x in bufs], repeats, _sync(device), agree=agree_min,
+                                       lockstep=dist.barrier))
     link = "intra" if same_node([0, 1]) else "inter"
     for x, t in zip(bufs, non_decreasing([t / 2 for t in times])):
         db.add_collective("send_recv", 2, link, x.numel() * 4, t)

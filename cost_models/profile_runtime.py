@@ -14,7 +14,7 @@ them, plus the wrapper's fixed work: 8.6 / 13.2 / 45.5 / 77 / 204 / 512 ms. gpt-
 (28 MiB blocks, a 154 MB root holding the embedding) fall where the two part ways."""
 from __future__ import annotations
 
-from cost_models.profile_timing import agree_min, timeit, timeit_paired
+from cost_models.profile_timing import agree_min, slowest_rank, timeit, timeit_paired
 
 
 def _log(msg: str) -> None:
@@ -139,12 +139,10 @@ def measure_fsdp_units(db, world: int, sizes, repeats: int) -> None:
             fully_shard(wrapped, mesh=mesh)
             pairs.append(((lambda m=plain, x=x: m(x).sum().backward()),
                           (lambda m=wrapped, x=x: m(x).sum().backward())))
-        extra = [more for _, more in timeit_paired(pairs, repeats, lambda: None, agree=agree_min,
-                                                   lockstep=dist.barrier)]
-        tt = torch.tensor(extra, dtype=torch.float64)
-        dist.all_reduce(tt, op=dist.ReduceOp.MAX)
+        extra = slowest_rank(more for _, more in timeit_paired(pairs, repeats, lambda: None, agree=agree_min,
+                                                               lockstep=dist.barrier))
         link = "intra" if same_node(groups_of(world, n)[0]) else "inter"
-        for d, t in zip(dims, tt.tolist()):
+        for d, t in zip(dims, extra):
             db.add_collective(FSDP_UNIT, n, link, d * d * 4, t)
         del pairs
         got = db.collectives[collective_key(FSDP_UNIT, n, link)]
@@ -152,10 +150,10 @@ def measure_fsdp_units(db, world: int, sizes, repeats: int) -> None:
                                                             for s in got))
 
 
-def measure_runtime(db, world: int, repeats: int) -> None:
+def measure_runtime(db, world: int, repeats: int, sizes=()) -> None:
     """The CPU runtime's own per-call work (cost_models/cpu_runtime.py) on this cluster's ranks,
-    the slowest rank's, into ``db.runtime`` (at least 0; nothing on GPUs or one rank)."""
-    import torch
+    the slowest rank's, into ``db.runtime`` (at least 0), and FSDP2 units of the profile's message
+    ``sizes`` (:func:`measure_fsdp_units`); nothing on GPUs or one rank."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -163,7 +161,6 @@ def measure_runtime(db, world: int, repeats: int) -> None:
         return
     figs = _wrapper_figures(init_device_mesh("cpu", (world,)), repeats)
     figs["ep_dispatch_s"] = _ep_figure(world, repeats)
-    tt = torch.tensor([figs[k] for k in sorted(figs)], dtype=torch.float64)
-    dist.all_reduce(tt, op=dist.ReduceOp.MAX)
-    db.runtime = {k: max(0.0, v) for k, v in zip(sorted(figs), tt.tolist())}
+    db.runtime = {k: max(0.0, v) for k, v in zip(sorted(figs), slowest_rank(figs[k] for k in sorted(figs)))}
     _log("runtime work: " + ", ".join(f"{k} {v * 1e3:.4g} ms" for k, v in db.runtime.items()))
+    measure_fsdp_units(db, world, sizes, repeats)

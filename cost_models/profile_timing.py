@@ -118,6 +118,16 @@ def reduce_device() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
+def slowest_rank(times: Sequence[float]) -> list[float]:
+    """Each figure's slowest rank (a MAX all-reduce over the default group)."""
+    import torch
+    import torch.distributed as dist
+
+    tt = torch.tensor(list(times), dtype=torch.float64, device=reduce_device())
+    dist.all_reduce(tt, op=dist.ReduceOp.MAX)
+    return tt.tolist()
+
+
 def agree_min(k: int) -> int:
     """The smallest ``k`` over all ranks (every rank times the same number of calls; the
     smallest keeps a rank whose calls are slow, or a rank with nothing to time, from

@@ -28,7 +28,7 @@ rank). The same code runs with gloo on CPUs and nccl on GPUs. It measures:
 (d) **The CPU runtime's own work** (gloo only, ``cost_models.profile_runtime.measure_runtime``;
     cost_models/cpu_runtime.py): data-parallel wrappers per unit and EP dispatch per MoE layer,
     into ``ProfileDB.runtime``; and one FSDP2 unit's whole traffic by its size
-    (``profile_runtime.measure_fsdp_units``).
+    (``profile_runtime.measure_fsdp_units``, called from there).
 
 Timing (``cost_models.profile_timing``): after a warm-up call, ``--repeats`` batches of k back-to-back
 calls, k chosen so a batch lasts about 20 ms (1 for anything slower), and the median
@@ -52,7 +52,7 @@ from collections import Counter
 from typing import Any, Callable, NamedTuple
 
 from cost_models.profile_comm import measure_collectives
-from cost_models.profile_runtime import measure_fsdp_units, measure_runtime
+from cost_models.profile_runtime import measure_runtime
 from cost_models.profile_timing import agree_min, timeit_paired
 from planner.precision import DTYPES, default_dtype
 
@@ -415,10 +415,9 @@ def main(argv: list[str] | None = None) -> int:
         db = ProfileDB(cluster_fingerprint=fingerprint, backend=dist.get_backend(), world=world,
                        dtype=args.dtype or default_dtype(backend))
         t0 = time.perf_counter()
-        measure_collectives(db, world, rank, [int(s) for s in args.sizes.split(",")], args.repeats, device, log=_log)
-        measure_runtime(db, world, args.repeats)
-        if world > 1 and dist.get_backend() == "gloo":
-            measure_fsdp_units(db, world, [int(s) for s in args.sizes.split(",")], args.repeats)
+        sizes = [int(s) for s in args.sizes.split(",")]
+        measure_collectives(db, world, rank, sizes, args.repeats, device, log=_log)
+        measure_runtime(db, world, args.repeats, sizes)
         if not args.skip_layers:
             from planner import zoo
             from planner.feasibility import sequence_problem

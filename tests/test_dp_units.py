@@ -7,7 +7,7 @@ import pytest
 
 from cost_models.cluster import parse_cluster
 from cost_models.cpu_runtime import wrapper_unit_s
-from cost_models.dp_cost import fsdp_profiled
+from cost_models.dp_cost import fsdp_units_priced
 from cost_models.dp_units import stage_unit_params, stage_units
 from cost_models.estimate import estimate
 from cost_models.memory import LayerTable
@@ -72,6 +72,23 @@ def test_unit_sizes_are_each_block_and_the_root_with_experts_on_their_own_under_
         assert sizes[-1] == pytest.approx(sum(t.params[i] for i in (0, 5, 6)))  # the root: embed, norm, head
 
 
+def test_module_by_module_units_leave_the_experts_out_under_ep(monkeypatch):
+    """Blocks FSDP shards module by module (here every block: the threshold lowered to 1 parameter)
+    hold the routed experts in their own unit under EP: the blocks' units sum to the parameters
+    less the experts (moe-fid's stacks, 33-66% of a block, are always a part of their own)."""
+    from planner import sharding
+
+    monkeypatch.setattr(sharding, "FSDP_UNIT_PARAMS", 1)
+    g = load_graph(MOE, batch=1, seq_len=64)
+    for layout in ("dp=2,ep=2,zero=fsdp", "dp=2,ep=8,zero=fsdp"):
+        cfg = ParallelConfig.parse(layout + ",dtype=fp32")
+        t = LayerTable(g, cfg)
+        moe = [i for i in range(len(g.layers)) if t.experts[i]]
+        assert all(len(t.units[i]) > 1 and t.experts[i] in t.units[i] for i in moe)
+        sizes = stage_unit_params(g, t, cfg, 0, len(g.layers))
+        assert sum(sizes) == pytest.approx(sum(t.params) - sum(t.experts)) and min(sizes) > 0
+
+
 def _fsdp_profile(world: int, curve: dict[int, float]) -> ProfileDB:
     db = ProfileDB(cluster_fingerprint="x", backend="gloo", world=world)
     for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
@@ -98,13 +115,17 @@ def test_fsdp_prices_each_unit_at_the_profiled_unit_time_by_its_size():
     sizes = stage_unit_params(g, t, cfg, 0, len(g.layers))
     assert len(sizes) == 13 and sizes[-1] > 5 * sizes[0]
     db = _fsdp_profile(2, curve)
-    assert fsdp_profiled(db) and not fsdp_profiled(_fsdp_profile(2, {})) and not fsdp_profiled(None)
+    assert fsdp_units_priced(c, cfg, db) and not fsdp_units_priced(c, cfg, _fsdp_profile(2, {}))
+    assert not fsdp_units_priced(c, cfg, None) and not fsdp_units_priced(c, cfg.replace(dtype="bf16"), db)
     e = estimate(g, c, cfg, part, 8, profile=db)
-    from cost_models.comm import fsdp_unit_time
+    from cost_models.comm import fsdp_units_time
+
+    def fsdp_unit_time(nbytes, *rest, **kw):
+        return fsdp_units_time([nbytes], *rest, **kw)
 
     flat = {"pp": 1, "dp": 2, "cp": 1, "tp": 1}
     want = sum(fsdp_unit_time(p * 4, c, flat, "dp", db) - 2e-3 for p in sizes)
-    assert want == pytest.approx(sum(fsdp_unit_time(p * 4, c, flat, "dp", db, less=2e-3) for p in sizes))
+    assert want == pytest.approx(fsdp_units_time([p * 4 for p in sizes], c, flat, "dp", db, less=2e-3))
     assert e.breakdown["dp_comm"] == pytest.approx(want)
     assert fsdp_unit_time(sizes[-1] * 4, c, flat, "dp", db) > 5 * fsdp_unit_time(sizes[0] * 4, c, flat, "dp", db)
     plain = estimate(g, c, cfg, part, 8, profile=_fsdp_profile(2, {}))
