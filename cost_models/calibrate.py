@@ -15,13 +15,12 @@ compute_scale       multiplies every layer's forward/backward time   compute.lay
 eff_matmul          CPU roofline matmul efficiency (EFF_MATMUL_CPU)  compute.roofline_time
 eff_memory          CPU roofline bandwidth efficiency (EFF_MEMORY)   compute.roofline_time
 op_overhead_s       CPU per-op dispatch seconds (CPU_OP_OVERHEAD_S)  compute.roofline_time
-dtensor_module_s    CPU DTensor dispatch per TP-sharded module       dtensor_dispatch.dtensor_dispatch_s
-                    (CPU_DTENSOR_MODULE_S)
 replicate_unit_s,   CPU data-parallel wrapper work per unit and      cpu_runtime.wrapper_unit_s
 fsdp_unit_s,        micro-batch (replicate; fully_shard; its
 fsdp_reduce_unit_s  gradient reduction)
 ep_dispatch_s       CPU EP dispatch host work per MoE layer          cpu_runtime.ep_dispatch_s
-                    (these four: given, not fitted; the profile measures them)
+dtensor_module_s    CPU DTensor dispatch per TP-sharded module       dtensor_dispatch.dtensor_dispatch_s
+                    (these five: given, not fitted; the profile measures them)
 gpu.<coefficient>   a GPU kernel-model coefficient (GpuCoefficients) gpu_kernels
 
 comm_scale          multiplies every collective / p2p time           comm._group_time
@@ -38,7 +37,8 @@ mem_reserve_frac    + this fraction of the tensor bytes (CPU)        estimate.es
 When every fitted run on a CPU cluster priced its layers with the roofline (no measured
 layers), ``compute_scale`` is folded into ``eff_matmul``, ``eff_memory``, ``op_overhead_s`` and
 ``dtensor_module_s`` (the roofline is exactly proportional to 1/efficiency and to the per-op and
-per-module costs), so those are what is stored. The CPU runtime's per-call figures
+per-module costs; the last is the profile's measured figure where it has one), so those are what
+is stored. The CPU runtime's per-call figures
 (cost_models/cpu_runtime.py) are measured, not scaled: their keys replace them only when given.
 
 The fit. Step time: minimise the mean squared log error ``mean(log(pred/measured)^2)``
@@ -71,7 +71,7 @@ from typing import Any, Callable, Sequence
 
 from cost_models.cluster import Cluster
 from cost_models.compute import CPU_OP_OVERHEAD_S, EFF_MATMUL_CPU, EFF_MEMORY
-from cost_models.dtensor_dispatch import CPU_DTENSOR_MODULE_S
+from cost_models.cpu_runtime import measured as runtime_measured
 from cost_models.dp_cost import OVERLAP
 from cost_models.estimate import GiB, estimate
 from cost_models.profile_db import COLLECTIVE_KINDS, ProfileDB
@@ -329,7 +329,7 @@ def fit(samples: Sequence[RunSample], profile: ProfileDB | None, *, keys: Sequen
         cal["eff_matmul"] = EFF_MATMUL_CPU / k
         cal["eff_memory"] = EFF_MEMORY / k
         cal["op_overhead_s"] = CPU_OP_OVERHEAD_S * k
-        cal["dtensor_module_s"] = CPU_DTENSOR_MODULE_S * k
+        cal["dtensor_module_s"] = runtime_measured("dtensor_module_s", profile) * k
     return {k: float(v) for k, v in sorted(cal.items())}
 
 

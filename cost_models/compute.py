@@ -13,7 +13,7 @@ Roofline (CPU), per part of a layer (attention, MLP, norm, ...):
 summed over the layer's parts (a part is either matmul-bound or memory-bound; summing
 the per-part maxima charges each its own bound), plus ``CPU_OP_OVERHEAD_S`` per tensor op
 eager mode dispatches (``Layer.fwd_ops`` / ``bwd_ops``, per micro-batch whatever its size)
-and under TP ``CPU_DTENSOR_MODULE_S`` per DTensor-sharded module (:func:`dtensor_dispatch_s`;
+and under TP the DTensor dispatch per sharded module (:func:`dtensor_dispatch_s`, measured by the profile;
 added to profiled layer times too: the profiler runs plain local shards).
 Backward takes the backward FLOPs and bytes of the capture. The efficiency factors are defined once, here:
 
@@ -61,7 +61,7 @@ from cost_models.layer_work import (LayerTime, attention_share, attn_core_flops,
                                     shard_factor)
 from cost_models.shared_cores import thread_op_s
 from cost_models.op_recompute import checkpointed, kept_flops
-from cost_models.profile_db import PROFILED_KERNELS
+from cost_models.profile_db import PROFILED_KERNELS, calibration
 from planner.vocab_passes import head_share
 from planner.graph import Layer, ModelGraph
 from planner.plan import ParallelConfig
@@ -98,11 +98,6 @@ def op_recompute_share(layer: Layer, graph: ModelGraph, cfg: ParallelConfig | No
         kept += core * (0.5 if a.causal else 1.0) * share
         fwd -= core * 0.5 * (1.0 - share)  # the work packed documents leave out (0 without them)
     return min(1.0, max(0.0, 1.0 - kept / fwd)) if fwd > 0 else 0.0
-
-
-def calibration(profile) -> dict[str, float]:
-    """The fitted coefficients of a ProfileDB (``{}`` without a profile or a calibration)."""
-    return getattr(profile, "calibration", None) or {}
 
 
 def calibration_note(profile) -> str:
@@ -234,7 +229,7 @@ def layer_time(layer: Layer, graph: ModelGraph, cluster: Cluster, cfg: ParallelC
     ``cluster`` is another (fewer CPU ranks with more threads, :func:`_speed_scaled`)."""
     cal = calibration(profile)
     k = cal.get("compute_scale", 1.0)
-    df, db = dtensor_dispatch_s(layer, cluster, cfg, cal)
+    df, db = dtensor_dispatch_s(layer, cluster, cfg, profile)
     if profile is not None:
         got = _profiled(profile, layer.signature, graph, cfg)
         if got is not None and attention_share(layer, graph, cfg) != 1.0:

@@ -18,8 +18,9 @@ beside it, and the profiler measures them again the same way):
   What grows with a unit's size (FSDP2's fresh gather / reduce buffers and copies, fresh pages
   above 64 MiB) a profile measures by unit size, and ``cost_models.dp_cost.fsdp_measured_s``
   prices each unit at it, less these fixed figures.
-- **DTensor dispatch** per TP-sharded module: ``cost_models.dtensor_dispatch.dtensor_dispatch_s``
-  (``CPU_DTENSOR_MODULE_S``), priced with the layer time.
+- **DTensor dispatch** per TP-sharded module and micro-batch (sharding propagation, wrapping and
+  unwrapping local tensors, the conversions' autograd nodes): ``CPU_DTENSOR_MODULE_S``, priced
+  with the layer time (``cost_models.dtensor_dispatch.dtensor_dispatch_s`` counts the modules).
 - **EP dispatch on gloo** (codegen/runtime/expert_parallel.py ``TokenDispatch``), per MoE
   layer and micro-batch: beside the count exchange and the two row all-to-alls that
   cost_models/experts.py prices from the collective model, the host copies of the counts
@@ -39,16 +40,19 @@ beside it, and the profiler measures them again the same way):
   backward, priced by the pipeline simulator (``cost_models.pipeline.SplitCost``; the estimate's ``split_cost``).
 
 Nothing on GPU clusters (there the host runs ahead of the kernels; unmeasured: 0). A profile
-of the cluster measures each again (all but the lockstep wait) (``cost_models.profile_runtime.measure_runtime``, the same setups
-as the defaults; ``ProfileDB.runtime``), which replaces the default. The calibration keys
-``replicate_unit_s``, ``fsdp_unit_s``, ``fsdp_reduce_unit_s`` and ``ep_dispatch_s`` replace the
-measured figures where a calibration gives them (``autopar calibrate`` does not fit them yet:
-cost_models/calibrate.py).
+of the cluster (``autopar profile``) and the first-run machine calibration
+(``planner.entry.calibration``) measure the wrappers', the EP dispatch's and DTensor's figures
+again on their ranks (``cost_models.profile_runtime.measure_runtime``, the same setups as the
+defaults; ``ProfileDB.runtime``), and ``autopar profile`` the split backward's with the layers;
+a measured figure replaces the default. The calibration keys ``replicate_unit_s``,
+``fsdp_unit_s``, ``fsdp_reduce_unit_s``, ``ep_dispatch_s`` and ``dtensor_module_s`` replace the
+measured figures where a calibration gives them (``autopar calibrate`` does not fit them: a CPU
+roofline fit stores ``dtensor_module_s`` scaled with the layers, cost_models/calibrate.py).
 """
 from __future__ import annotations
 
 from cost_models.cluster import Cluster
-from cost_models.compute import calibration
+from cost_models.profile_db import calibration
 from planner.graph import Layer
 from planner.plan import ParallelConfig
 from planner.sharding import dp_wrapper
@@ -66,6 +70,14 @@ CPU_FSDP_REDUCE_UNIT_S = 1.3e-3
 # the local expert GEMMs, four row all-to-alls and one count all-to-all timed alone: 6.9 / 1.4 /
 # 2.8 / 3.1 ms (8.2 at 4 ranks on the 2 cores: waiting, not computing, so not scaled by them).
 CPU_EP_DISPATCH_S = 3.0e-3
+# 2 gloo ranks, 16 column + row linear pairs of 64 features (32 per rank) on 16 tokens, forward +
+# backward under torch's ColwiseParallel / RowwiseParallel over the same pairs as plain local
+# shards, less the 32 all-reduces timed alone: 45.2 ms against 0.84 ms, 7.7 ms of it the
+# all-reduces, 2026-12-03 (per module: DTensor's dispatch, and what its blocking all-reduces cost
+# between compute beyond back to back); again as the profile measures it (the local shards and
+# their all-reduces paired with the DTensor stack, cost_models.profile_runtime) 0.90-1.32 ms in
+# nine tries, 2026-12-07.
+CPU_DTENSOR_MODULE_S = 1.15e-3
 
 # A llama-fid block (hidden 512, one thread, one process, [1, 128, 512]) whose backward runs split as
 # the schedule runtime splits it (codegen.runtime.torch_compat.split_backward), over its whole
@@ -79,10 +91,11 @@ CPU_SPLIT_BACKWARD_FRAC = 0.08
 # again an hour later 5.0 / 14.3 ms -> 1.03 / 1.71 ms (20.4% / 12.0%); segments of 0.05-1.6 ms nothing.
 CPU_LOCKSTEP_WAIT_FRAC = 0.12
 
-KEYS = ("replicate_unit_s", "fsdp_unit_s", "fsdp_reduce_unit_s", "ep_dispatch_s", "split_backward_frac",
-        "lockstep_wait_frac")
+KEYS = ("replicate_unit_s", "fsdp_unit_s", "fsdp_reduce_unit_s", "ep_dispatch_s", "dtensor_module_s",
+        "split_backward_frac", "lockstep_wait_frac")
 DEFAULTS = {"replicate_unit_s": CPU_REPLICATE_UNIT_S, "fsdp_unit_s": CPU_FSDP_UNIT_S,
             "fsdp_reduce_unit_s": CPU_FSDP_REDUCE_UNIT_S, "ep_dispatch_s": CPU_EP_DISPATCH_S,
+            "dtensor_module_s": CPU_DTENSOR_MODULE_S,
             "split_backward_frac": CPU_SPLIT_BACKWARD_FRAC, "lockstep_wait_frac": CPU_LOCKSTEP_WAIT_FRAC}
 
 

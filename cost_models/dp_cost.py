@@ -33,13 +33,13 @@ from dataclasses import dataclass
 
 from cost_models import comm as comm_mod
 from cost_models.cluster import Cluster
-from cost_models.compute import calibration, memory_bandwidth
+from cost_models.compute import memory_bandwidth
 from cost_models.cpu_runtime import wrapper_unit_s
 from cost_models.dp_units import stage_unit_params, stage_units
 from cost_models.engines import Engine, exposed_s
 from cost_models.experts import ep_mesh
 from cost_models.memory import LayerTable
-from cost_models.profile_db import FSDP_UNIT
+from cost_models.profile_db import FSDP_UNIT, calibration
 from cost_models.model_states import dp_group
 from cost_models.shared_cores import spare_core
 from cost_models.wan_cost import hsdp_replicas, outer_step_s

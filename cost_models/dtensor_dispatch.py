@@ -13,17 +13,9 @@ tied embedding, head and loss, dp2 x tp2 on 4 CPU ranks: 1876 ms a forward + bac
 from __future__ import annotations
 
 from cost_models.cluster import Cluster
+from cost_models.cpu_runtime import figure
 from planner.graph import TP_SPLIT_ROLES, Layer
 from planner.plan import ParallelConfig
-
-# DTensor tensor parallelism on a CPU adds its own dispatch (sharding propagation, wrapping and
-# unwrapping of local tensors, autograd nodes of the conversions) to every module it shards:
-# 1.15 ms per sharded module per micro-batch, forward and backward together, measured with
-# torch 2.13 on a 2-core Xeon (2 gloo ranks, 16 column + row linear pairs of 32 x 64 on 16
-# tokens: 45.2 ms fwd+bwd under ColwiseParallel / RowwiseParallel, 0.84 ms as plain local
-# shards, 7.7 ms of that the 32 all-reduces alone). A third of it in the forward.
-CPU_DTENSOR_MODULE_S = 1.15e-3
-
 
 def tp_modules(layer: Layer, cfg: ParallelConfig) -> int:
     """Modules of ``layer`` that tensor parallelism turns into DTensor modules: its sharded
@@ -35,15 +27,14 @@ def tp_modules(layer: Layer, cfg: ParallelConfig) -> int:
     return n + (sum(1 for o in layer.ops if o.kind == "norm") if cfg.sp else 0)
 
 
-def dtensor_dispatch_s(layer: Layer, cluster: Cluster, cfg: ParallelConfig,
-                       cal: dict[str, float] | None = None) -> tuple[float, float]:
+def dtensor_dispatch_s(layer: Layer, cluster: Cluster, cfg: ParallelConfig, profile=None) -> tuple[float, float]:
     """(forward, backward) seconds per micro-batch of DTensor dispatch in ``layer`` under TP on
-    a CPU cluster (``CPU_DTENSOR_MODULE_S`` per sharded module, :func:`tp_modules`); nothing
-    on GPUs, where it runs ahead of the kernels. ``compute_scale`` (calibration) scales it
-    with the layer time; a CPU roofline calibration stores the scaled figure as
-    ``dtensor_module_s``."""
+    a CPU cluster: the per-module figure (``cost_models.cpu_runtime``'s ``dtensor_module_s``: a
+    calibration's, else the profile's measured one, else ``CPU_DTENSOR_MODULE_S``) per sharded
+    module (:func:`tp_modules`), a third in the forward; nothing on GPUs, where it runs ahead of
+    the kernels. ``compute.layer_time`` scales it by a calibration's ``compute_scale`` with the
+    layer time (a CPU roofline calibration stores the scaled figure as ``dtensor_module_s``)."""
     if cluster.backend != "gloo":
         return 0.0, 0.0
-    s = tp_modules(layer, cfg) * (cal or {}).get("dtensor_module_s", CPU_DTENSOR_MODULE_S)
+    s = tp_modules(layer, cfg) * figure("dtensor_module_s", profile)
     return s / 3, 2 * s / 3
-

@@ -63,7 +63,8 @@ from typing import Any
 
 from cost_models import comm as comm_mod, pipeline as pipe_mod, wan as wan_mod
 from cost_models.cluster import Cluster
-from cost_models.compute import calibration, calibration_note
+from cost_models.compute import calibration_note
+from cost_models.profile_db import calibration
 from cost_models.layer_work import model_flops_per_seq
 from cost_models.cpu_runtime import figure as runtime_figure, wrapper_unit_s
 from cost_models.dp_cost import dp_and_optimizer, step_sync_s

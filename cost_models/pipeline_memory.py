@@ -14,7 +14,7 @@ from typing import Sequence
 
 from cost_models import pipeline as pipe_mod
 from cost_models.cluster import Cluster
-from cost_models.compute import calibration
+from cost_models.profile_db import calibration
 from cost_models.layer_costs import LayerCosts
 from cost_models.memory import (LayerTable, MemoryRule, StageMemory, chunk_id, chunk_memory, framework_reserve,
                                 rank_memory)

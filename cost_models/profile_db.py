@@ -24,7 +24,8 @@ no ``torch.compile``. A plan with another attention or loss kernel on a GPU is p
 the kernel model's ratio of the two (``cost_models.compute.KERNEL_SCALED``).
 
 ``runtime`` (optional, CPU clusters) holds the CPU runtime's own per-call work the profiler
-measured (cost_models/cpu_runtime.py lists the keys: data-parallel wrappers, EP dispatch).
+measured (cost_models/cpu_runtime.py lists the keys: data-parallel wrappers, EP dispatch, DTensor
+dispatch, the split backward).
 
 ``calibration`` (optional; absent = ``{}``) holds the cost-model coefficients fitted to
 measured training runs by ``autopar calibrate`` (cost_models/calibrate.py lists the
@@ -77,6 +78,11 @@ PROFILED_KERNELS = {"attention": "eager", "loss": "eager", "fp8": "none", "compi
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 FSDP_UNIT = "fsdp_unit"  # one FSDP2 unit's whole per-micro-batch traffic (module docstring)
 LINKS = ("intra", "inter", "mixed")
+
+
+def calibration(profile: "ProfileDB | None") -> dict[str, float]:
+    """The fitted coefficients of a ProfileDB (``{}`` without a profile or a calibration)."""
+    return getattr(profile, "calibration", None) or {}
 
 
 def collective_key(kind: str, group_size: int, link: str) -> str:

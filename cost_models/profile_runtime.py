@@ -1,6 +1,7 @@
 """The CPU runtime's own per-call work, measured on a cluster's ranks (cost_models/cpu_runtime.py lists
-the keys; ``cost_models.profiler`` calls :func:`measure_runtime`): the data-parallel wrappers per
-unit and the EP dispatch per MoE layer, into ``ProfileDB.runtime``; and what an FSDP2 unit costs by
+the keys; ``cost_models.profiler`` and the first-run calibration's ``planner.entry.timed_runs`` call
+:func:`measure_runtime`): the data-parallel wrappers per unit, the EP dispatch per MoE layer and
+DTensor's dispatch per TP-sharded module, into ``ProfileDB.runtime``; and what an FSDP2 unit costs by
 its size (:func:`measure_fsdp_units`, the profile's ``FSDP_UNIT`` samples).
 
 FSDP2 on gloo costs more than its collectives as the profiler times them back to back on buffers
@@ -101,6 +102,47 @@ def _ep_figure(world: int, repeats: int) -> float:
     return t["ep"] - t["local"] - 4 * t["rows"] - t["counts"]
 
 
+DTENSOR_PAIRS = 16  # the DTensor measurement's column + row linear pairs (64 features, 16 tokens)
+
+
+def _dtensor_figure(world: int, repeats: int) -> float:
+    """Per TP-sharded module and micro-batch, forward + backward: what DTensor adds beyond the
+    arithmetic and its all-reduces timed back to back (cost_models/dtensor_dispatch.py: its
+    dispatch, and its blocking all-reduces' extra between compute), on tp groups of 2 (every
+    group at once). A stack of ``DTENSOR_PAIRS`` column + row linear pairs under torch's
+    ``ColwiseParallel`` / ``RowwiseParallel`` against the same pairs as plain local shards followed
+    by the pairs' all-reduces (the forward's row output, the backward's column input gradient)
+    back to back: the median difference of paired rounds (``profile_timing.timeit_paired``; timed
+    in separate batches, the all-reduces' and the stacks' slow spells did not cancel: 0.7-1.7 ms
+    per module in five tries against 0.9-1.3 ms paired, 2 ranks on the 2-core VM, 2026-12-07)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+    group, width, modules = mesh.get_group(), 64, 2 * DTENSOR_PAIRS
+    x, reduced = torch.randn(16, width), torch.randn(16, width)
+
+    def stack(shard: int) -> nn.Sequential:
+        return nn.Sequential(*[nn.Sequential(nn.Linear(width, width // shard), nn.Linear(width // shard, width))
+                               for _ in range(DTENSOR_PAIRS)])
+
+    local, sharded = stack(2), stack(1)
+    for pair in sharded:
+        parallelize_module(pair, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+
+    def run_local() -> None:
+        local(x).sum().backward()
+        for _ in range(modules):
+            dist.all_reduce(reduced, group=group)
+
+    (_, extra), = timeit_paired([(run_local, lambda: sharded(x).sum().backward())], repeats, lambda: None,
+                                agree=agree_min, lockstep=dist.barrier)
+    return extra / modules
+
+
 # always timed too: where FSDP2's cost has parted from its collectives' (module docstring)
 FSDP_UNIT_LARGEST = 64 << 20
 
@@ -161,6 +203,8 @@ def measure_runtime(db, world: int, repeats: int, sizes=()) -> None:
         return
     figs = _wrapper_figures(init_device_mesh("cpu", (world,)), repeats)
     figs["ep_dispatch_s"] = _ep_figure(world, repeats)
+    if world % 2 == 0:
+        figs["dtensor_module_s"] = _dtensor_figure(world, repeats)
     db.runtime = {k: max(0.0, v) for k, v in zip(sorted(figs), slowest_rank(figs[k] for k in sorted(figs)))}
     _log("runtime work: " + ", ".join(f"{k} {v * 1e3:.4g} ms" for k, v in db.runtime.items()))
     measure_fsdp_units(db, world, sizes, repeats)

@@ -26,8 +26,8 @@ rank). The same code runs with gloo on CPUs and nccl on GPUs. It measures:
     rounds, non-decreasing in size (``cost_models.profile_comm``).
 (c) **p2p**: send/recv between rank pairs, all pairs at once (the same way).
 (d) **The CPU runtime's own work** (gloo only, ``cost_models.profile_runtime.measure_runtime``;
-    cost_models/cpu_runtime.py): data-parallel wrappers per unit and EP dispatch per MoE layer,
-    into ``ProfileDB.runtime``; and one FSDP2 unit's whole traffic by its size
+    cost_models/cpu_runtime.py): data-parallel wrappers per unit, EP dispatch per MoE layer and
+    (even worlds: tp groups of 2) DTensor dispatch per TP-sharded module, into ``ProfileDB.runtime``; and one FSDP2 unit's whole traffic by its size
     (``profile_runtime.measure_fsdp_units``, called from there).
 
 Timing (``cost_models.profile_timing``): after a warm-up call, ``--repeats`` batches of k back-to-back
@@ -57,6 +57,7 @@ from cost_models.profile_timing import agree_min, timeit_paired
 from planner.precision import DTYPES, default_dtype
 
 DEFAULT_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 22, 1 << 24)
+DEFAULT_REPEATS = 3
 # rounds the split backward is timed in, whatever the profile's --repeats: its figure is a
 # difference of two timings, so one slow round must be a minority for the median to drop it. Two
 # CI runs read +1407% and +872% for gpt-tiny profiled with --repeats 2 (elsewhere +52-106%): with 2
@@ -390,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--batches", default="1,2")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
     ap.add_argument("--sizes", default=",".join(str(s) for s in DEFAULT_SIZES))
     ap.add_argument("--skip-layers", action="store_true")
     ap.add_argument("--dtype", choices=DTYPES, default=None,

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from cost_models.cluster import Cluster
-from cost_models.compute import calibration
+from cost_models.profile_db import calibration
 from cost_models.cpu_runtime import wrapper_unit_s
 from cost_models.dp_units import stage_wrapper_s
 from cost_models.layer_costs import LayerCosts

@@ -203,10 +203,12 @@ def test_ddp_reducer_all_reduces_per_bucket():
 
 
 def test_dtensor_dispatch_priced_per_sharded_module_on_cpu():
-    """Under TP on a CPU cluster every DTensor-sharded module adds CPU_DTENSOR_MODULE_S per
-    micro-batch (a Llama block: q, k, v, o, gate, up, down, and with SP its two norms); not
-    without TP, not on GPUs."""
-    from cost_models.dtensor_dispatch import CPU_DTENSOR_MODULE_S, dtensor_dispatch_s, tp_modules
+    """Under TP on a CPU cluster every DTensor-sharded module adds the per-module figure per
+    micro-batch (a Llama block: q, k, v, o, gate, up, down, and with SP its two norms): the
+    default without a profile, the profile's measured figure where it has one, a calibration's
+    over both; not without TP, not on GPUs."""
+    from cost_models.cpu_runtime import CPU_DTENSOR_MODULE_S
+    from cost_models.dtensor_dispatch import dtensor_dispatch_s, tp_modules
 
     g = load_graph("benchmarks/fidelity_llama.toml", batch=1, seq_len=64)
     block = next(l for l in g.layers if l.name == "layers.0")
@@ -214,16 +216,18 @@ def test_dtensor_dispatch_priced_per_sharded_module_on_cpu():
     assert tp_modules(block, ParallelConfig.parse("tp=2,sp=off")) == 7
     assert tp_modules(block, ParallelConfig.parse("tp=2,sp=on")) == 9
     assert tp_modules(block, ParallelConfig.parse("dp=2")) == 0
-    f, b = dtensor_dispatch_s(block, cpu, ParallelConfig.parse("tp=2,sp=on"))
+    tp_sp = ParallelConfig.parse("tp=2,sp=on")
+    f, b = dtensor_dispatch_s(block, cpu, tp_sp)
     assert f + b == pytest.approx(9 * CPU_DTENSOR_MODULE_S) and b == pytest.approx(2 * f)
-    assert dtensor_dispatch_s(block, gpu, ParallelConfig.parse("tp=2,sp=on")) == (0.0, 0.0)
+    assert dtensor_dispatch_s(block, gpu, tp_sp) == (0.0, 0.0)
+    measured = ProfileDB(cluster_fingerprint=cpu.fingerprint(), backend="gloo", world=2,
+                         runtime={"dtensor_module_s": 2e-3})
+    assert sum(dtensor_dispatch_s(block, cpu, tp_sp, measured)) == pytest.approx(9 * 2e-3)
+    measured.calibration = {"dtensor_module_s": 3e-3}
+    assert sum(dtensor_dispatch_s(block, cpu, tp_sp, measured)) == pytest.approx(9 * 3e-3)
     with_dt = _est(g, cpu, "tp=2,sp=on,mbs=4,dtype=fp32", gb=8)  # 2 micro-batches
-    mp = pytest.MonkeyPatch()
-    mp.setattr("cost_models.dtensor_dispatch.CPU_DTENSOR_MODULE_S", 0.0)
-    try:
-        without = _est(g, cpu, "tp=2,sp=on,mbs=4,dtype=fp32", gb=8)
-    finally:
-        mp.undo()
+    free = ProfileDB(cluster_fingerprint=cpu.fingerprint(), backend="gloo", world=2, runtime={"dtensor_module_s": 0.0})
+    without = _est(g, cpu, "tp=2,sp=on,mbs=4,dtype=fp32", gb=8, profile=free)
     modules = sum(tp_modules(l, with_dt.config) for l in g.layers)
     assert with_dt.breakdown["compute"] - without.breakdown["compute"] == pytest.approx(
         2 * modules * CPU_DTENSOR_MODULE_S, rel=1e-6)

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from cost_models import calibrate as C
+from cost_models import calibrate as C, cpu_runtime
 from cost_models.cluster import parse_cluster
 from cost_models.profile_db import ProfileDB
 from planner.frontend.load import load_graph
@@ -74,8 +74,7 @@ def test_fit_recovers_synthetic_coefficients(monkeypatch):
     c = dataclasses.replace(c, device=dataclasses.replace(c.device, peak_tflops={"fp32": 0.04}, mem_bw_gbs=5.7))
     c.cores_per_node = 0  # no shared-core terms: their per-call waits would swamp gpt-tiny's compute
     # nor the fixed DTensor dispatch per TP module, which would swamp the TP layouts' compute
-    monkeypatch.setattr("cost_models.dtensor_dispatch.CPU_DTENSOR_MODULE_S", 0.0)
-    monkeypatch.setattr("cost_models.calibrate.CPU_DTENSOR_MODULE_S", 0.0)
+    monkeypatch.setitem(cpu_runtime.DEFAULTS, "dtensor_module_s", 0.0)
     g = load_graph("llama-tiny", batch=1, seq_len=256)  # long enough that compute is not lost in the latencies
     # (a fixed per-step overhead is nearly collinear with compute_scale at one world size and
     # batch - every layout does the same compute per rank - so it is not part of this check)

@@ -158,6 +158,43 @@ def test_cached_calibration_plans_at_the_thread_figures_it_was_fitted_on(tmp_pat
     assert mcal.machine_profile(later, enabled=False).cluster is later
 
 
+def test_cached_calibration_prices_the_runtime_work_it_measured(tmp_path, monkeypatch) -> None:
+    """The first launch measures the CPU runtime's own work on its ranks (the wrappers, EP and
+    DTensor dispatch, FSDP2 units by size); the cache keeps it, and every later plan prices with
+    those figures of the machine instead of the defaults."""
+    from cost_models.calibrate import with_calibration
+    from cost_models.cpu_runtime import CPU_DTENSOR_MODULE_S
+    from cost_models.dtensor_dispatch import tp_modules
+    from cost_models.estimate import estimate
+    from cost_models.profile_db import FSDP_UNIT, ProfileDB
+    from planner.plan import ParallelConfig, Partition
+
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("AUTOPAR_CALIBRATE", "1")
+    c = parse_cluster("local-cpu:2")
+    db = ProfileDB(cluster_fingerprint="", backend="gloo", world=2, runtime={"dtensor_module_s": 4e-3})
+    for nbytes, s in ((1 << 18, 2e-3), (1 << 22, 9e-3), (64 << 20, 0.3)):
+        db.add_collective(FSDP_UNIT, 2, "intra", nbytes, s)
+    mcal.save_cached(c, _fake(c, measured=db.to_dict()))
+    prof, _, _ = mcal.machine_profile(c, allow_profile=False)
+    assert prof.runtime == {"dtensor_module_s": 4e-3} and prof.measured(FSDP_UNIT)
+    assert prof.world == 2 and prof.matches(c.fingerprint()) and prof.calibration == _fake(c).calibration
+    defaults = with_calibration(None, prof.calibration, c)  # the same fit without the measured work
+    g = load_graph("llama-tiny")
+
+    def price(cs: str, profile):
+        cfg = ParallelConfig.parse(cs + ",dtype=fp32")
+        return estimate(g, c, cfg, Partition.even(len(g.layers), 1, cfg.recompute), 8, profile=profile)
+
+    tp = [price("tp=2,sp=on,mbs=8", p) for p in (prof, defaults)]  # one micro-batch
+    modules = sum(tp_modules(l, tp[0].config) for l in g.layers)
+    assert tp[0].breakdown["compute"] - tp[1].breakdown["compute"] == pytest.approx(
+        modules * (4e-3 - CPU_DTENSOR_MODULE_S), rel=1e-6)
+    fsdp = [price("dp=2,zero=fsdp,mbs=4", p) for p in (prof, defaults)]
+    assert fsdp[0].step_s != pytest.approx(fsdp[1].step_s, rel=1e-3)  # units at their measured price
+    assert mcal.measured_profile(_fake(c), c) is None  # nothing measured (a one-core profile): the defaults
+
+
 def test_calibration_changes_the_plans_estimate(tmp_path, monkeypatch) -> None:
     from planner.search.planning import plan_model
 
@@ -203,6 +240,12 @@ def test_demo_profiles_this_machine_once_then_plans_calibrated(tmp_path, monkeyp
     assert len(d["runs"]) == len(mcal.reference_configs(d["world"])) + (one is not None) and d["calibration"]
     assert one is None or d["runs"][-1]["label"] == one.label()  # the run without communication
     assert all(r["measured_s"] > 0 for r in d["runs"])
+    runtime = d["measured"]["runtime"]  # the runtime's own work, measured after the layouts
+    assert set(runtime) == {"replicate_unit_s", "fsdp_unit_s", "fsdp_reduce_unit_s", "ep_dispatch_s",
+                            "dtensor_module_s"} and all(0 <= v < 0.1 for v in runtime.values())
+    assert 1e-4 < runtime["dtensor_module_s"] < 2e-2  # 1.15-1.18 ms on the 2-core VM
+    units = d["measured"]["collectives"]["fsdp_unit/2/intra"]
+    assert [u["nbytes"] for u in units] == sorted(u["nbytes"] for u in units) and units[-1]["nbytes"] >= 64 << 20
     before = cache[0].stat().st_mtime
     # a later plan (what `autopar plan` does first) reads the cache and profiles nothing
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", env["AUTOPAR_CACHE_DIR"])
@@ -212,6 +255,7 @@ def test_demo_profiles_this_machine_once_then_plans_calibrated(tmp_path, monkeyp
     prof, note, _ = mcal.machine_profile(later, progress=lambda m: pytest.fail(m))
     assert time.perf_counter() - t0 < 5 and cache[0].stat().st_mtime == before
     assert note.startswith("calibrated on this machine")
+    assert prof.runtime == runtime and prof.measured("fsdp_unit")
     assert set(d["figures"]) == {"gemm_flops", "copy_bps", "thread_speedup", "thread_sync_us"}
     live = mcal.machine_figures(later)  # this process's own probe: the layers priced at the fit's speeds
     for key, fig in (("eff_matmul", "gemm_flops"), ("eff_memory", "copy_bps")):

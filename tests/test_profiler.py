@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from codegen.runtime import context_parallel as cpar
-from cost_models import machine, profile_timing, profiler
+from cost_models import cpu_runtime, machine, profile_timing, profiler
 from cost_models.cluster import parse_cluster
 from cost_models.memory import layer_params_local
 from cost_models.profile_db import FSDP_UNIT, ProfileDB
@@ -235,6 +235,9 @@ def test_profiler_two_processes(tmp_path):
     assert "[profile] wrote" in r.stdout
     # what a split backward costs beyond a whole one (torch's I then W), over the blocks and the head
     assert 0.0 <= db.runtime["split_backward_frac"] < 2.0 and "[profile] split backward: +" in r.stdout
+    # the runtime's own work per call, DTensor's dispatch per sharded module among it (1.15 ms by default)
+    assert set(db.runtime) == set(cpu_runtime.KEYS) - {"lockstep_wait_frac"}
+    assert 1e-4 < db.runtime["dtensor_module_s"] < 2e-2 and "[profile] runtime work: dtensor_module_s" in r.stdout
 
 
 def _virtual_calls(monkeypatch, slow: list):

@@ -10,7 +10,12 @@ trained for a few steps under every layout family this machine can run (DP, TP +
 (:func:`one_process_config`, its own launch). The one-process run is the only one without
 communication: without it the fit cannot tell compute from communication (both grow with
 the same three layouts) and prices a plan with no communication at all - the one-process
-plan the search always considers - from whichever way the fit split them. ``cost_models.calibrate.fit`` fits the time and
+plan the search always considers - from whichever way the fit split them. After its layouts the
+first launch measures the CPU runtime's own per-call work on the same ranks as ``autopar profile``
+does (``cost_models.profile_runtime.measure_runtime``: the data-parallel wrappers per unit, the EP
+dispatch, DTensor's dispatch per sharded module, FSDP2 units by size; about 6 s on 2 cores), so
+those are measured figures of this machine, not defaults, both in the fit and in every later plan
+(:func:`measured_profile`). ``cost_models.calibrate.fit`` fits the time and
 memory coefficients to those runs and the result is cached in the user's cache directory
 (``$AUTOPAR_CACHE_DIR``, else ``$XDG_CACHE_HOME/autopar``, else ``~/.cache/autopar``) under
 the machine's fingerprint (CPU model, cores, memory, torch version), with the GEMM, copy and
@@ -45,7 +50,8 @@ REFERENCE_BATCH = 8              # sequences per step (its preset length, 96 tok
 ONE_PROCESS_BATCH = 16           # the one-process run's: twice the compute of the others' ranks
 STEPS, WARMUP = 4, 2             # timed and untimed steps per reference layout
 TIMEOUT_S = 120.0                # the profile is killed past this
-CACHE_VERSION = 3                # 2: the one-process run joined the reference runs; 3: the figures fitted on
+CACHE_VERSION = 4                # 2: the one-process run joined the reference runs; 3: the figures fitted on;
+                                 # 4: the runtime's measured work
 
 
 @dataclass
@@ -59,6 +65,7 @@ class MachineCalibration:
     created: str                      # UTC time of the profile
     profile_s: float                  # wall seconds the profile took
     figures: dict[str, float] = field(default_factory=dict)  # machine_figures() the fit priced with
+    measured: dict = field(default_factory=dict)  # ProfileDB layout: the runtime's work (measured_profile)
     version: int = CACHE_VERSION
 
     def summary(self) -> str:
@@ -162,24 +169,44 @@ def run_profile(progress: Callable[[str], None] | None = None) -> MachineCalibra
     if progress:
         progress(f"first plan on this machine: profiling it ({REFERENCE_MODEL}, {world} processes, "
                  f"{sum(len(c) for c, _ in launches)} layouts; cached for later plans)")
-    samples = []
+    samples, measured = [], {}
     with tempfile.TemporaryDirectory(prefix="autopar-profile-") as tmp:
         for i, (cfgs, batch) in enumerate(launches):
             paths, est = _reference_plans(graph, cluster, spec, os.path.join(tmp, f"launch{i}"), cfgs, batch)
-            runs = launch_timed_runs(paths, os.path.join(tmp, f"runs{i}.json"), world=cfgs[0].world,
-                                     steps=STEPS, warmup=WARMUP, timeout_s=TIMEOUT_S)
+            got = launch_timed_runs(paths, os.path.join(tmp, f"runs{i}.json"), world=cfgs[0].world,
+                                    steps=STEPS, warmup=WARMUP, timeout_s=TIMEOUT_S, runtime=i == 0)
+            measured = got.get("runtime") or measured
             samples += [_sample(graph, cluster, e, r, batch, first=not samples and j == 0)
-                        for j, (e, r) in enumerate(zip(est, runs))]
-    fitted = cal.fit(samples, None, keys=FIT_KEYS, per_kind=False, prior=FIT_PRIOR)
+                        for j, (e, r) in enumerate(zip(est, got["runs"]))]
+    profile = _measured_db(measured, cluster, world)
+    fitted = cal.fit(samples, profile, keys=FIT_KEYS, per_kind=False, prior=FIT_PRIOR)
     rows = [{"label": s.name, "measured_s": round(s.measured_step_s, 4),
-             "uncalibrated_s": round(cal.predict(s, None, {}).step_s, 4),
-             "fitted_s": round(cal.predict(s, None, fitted).step_s, 4)} for s in samples]
+             "uncalibrated_s": round(cal.predict(s, profile, {}).step_s, 4),
+             "fitted_s": round(cal.predict(s, profile, fitted).step_s, 4)} for s in samples]
     mc = MachineCalibration(machine=machine_fingerprint(cluster), device=cluster.device.name, world=world,
                             calibration=fitted, runs=rows,
                             created=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                            profile_s=round(time.perf_counter() - t0, 1), figures=machine_figures(cluster))
+                            profile_s=round(time.perf_counter() - t0, 1), figures=machine_figures(cluster),
+                            measured=measured)
     save_cached(cluster, mc)
     return mc
+
+
+def _measured_db(measured: dict, cluster: Cluster, world: int) -> ProfileDB | None:
+    """A ProfileDB of ``measured`` (a ``ProfileDB`` layout: the runtime's work and FSDP2 units as
+    ``planner.entry.timed_runs`` measured them on ``world`` ranks) for planning on ``cluster``;
+    None where nothing was measured (one core)."""
+    if not measured:
+        return None
+    db = ProfileDB.from_dict(measured, source="the machine calibration's runtime figures")
+    db.cluster_fingerprint, db.world = cluster.fingerprint(), world
+    return db
+
+
+def measured_profile(mc: MachineCalibration, cluster: Cluster) -> ProfileDB | None:
+    """What ``mc``'s profile measured of the CPU runtime's own work (module docstring), for planning
+    on ``cluster``: its per-call figures (``ProfileDB.runtime``) and FSDP2 unit samples."""
+    return _measured_db(mc.measured, cluster, mc.world)
 
 
 def _reference_plans(graph, cluster: Cluster, spec: str, folder: str, configs: list[ParallelConfig], batch: int):
@@ -251,7 +278,8 @@ def machine_profile(cluster: Cluster, *, enabled: bool = True, allow_profile: bo
         mc = run_profile(progress)
     if mc is None:
         return MachineProfile(None, "uncalibrated (this machine has not been profiled yet)", cluster)
-    profile = with_calibration(None, pinned_calibration(mc, cluster), cluster, source=mc.describe())
+    profile = with_calibration(measured_profile(mc, cluster), pinned_calibration(mc, cluster), cluster,
+                               source=mc.describe())
     return MachineProfile(profile, mc.summary(), pinned_cluster(mc, cluster))
 
 

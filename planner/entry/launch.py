@@ -208,21 +208,23 @@ def rig_spec(world: int, rig_mbit: float | None):
 
 
 def launch_timed_runs(plan_paths: list[str], out: str, *, world: int, steps: int, warmup: int,
-                      timeout_s: float) -> list[dict]:
+                      timeout_s: float, runtime: bool = False) -> dict:
     """Time ``steps`` steps of each plan (all of ``world`` processes) in one torchrun launch
-    (``planner/entry/timed_runs.py``); returns its per-plan records."""
+    (``planner/entry/timed_runs.py``); with ``runtime`` also measure the CPU runtime's own work
+    there. Returns what it wrote: ``{"runs": per-plan records, "runtime": a ProfileDB layout}``
+    (``runtime`` only where it was measured)."""
     import json
     import os
 
     env = worker_env()
     cmd = torchrun_cmd(world, ["-m", "planner.entry.timed_runs", out, *plan_paths, "--steps", str(steps),
-                               "--warmup", str(warmup)])
+                               "--warmup", str(warmup), *(["--runtime"] if runtime else [])])
     rc = run_killable(cmd, env, timeout_s, cpu_scheduling(world, 1, "gloo"))
     if rc != 0 or not os.path.exists(out):
         raise AutoparError(f"the calibration runs failed (torchrun exit {rc}; output above): plan with "
                            "--no-calibrate, or set AUTOPAR_CALIBRATE=0")
     with open(out, encoding="utf-8") as f:
-        return json.load(f)["runs"]
+        return json.load(f)
 
 
 def run_killable(cmd: list[str], env: dict, timeout_s: float | None,

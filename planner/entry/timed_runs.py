@@ -5,7 +5,11 @@ PLAN.json [PLAN.json ...] --steps K``: every plan (all of world size N and one t
 rank, zoo models) is built,
 parallelised exactly as its emitted program does (``parallelize_plan``) and trained for ``warmup + K`` steps on the synthetic data;
 then it is torn down and the next one built, so N processes start once for all of them.
-Rank 0 writes ``{"runs": [{"plan", "step_s": [K floats], "memory_gib": [per rank]}]}``.
+Rank 0 writes ``{"runs": [{"plan", "step_s": [K floats], "memory_gib": [per rank]}]}``; with
+``--runtime`` (gloo, two ranks or more) also ``"runtime"``: a ``ProfileDB`` layout holding the CPU
+runtime's own per-call work and FSDP2 units by size, measured after the plans on the same ranks as
+``autopar profile`` measures them (``cost_models.profile_runtime.measure_runtime``, its default
+sizes and repeats).
 
 Step time is wall seconds per optimizer step on rank 0 after a barrier (the ranks start each
 step together, as the emitted program's steps do after the first); memory is every rank's peak
@@ -51,6 +55,18 @@ def time_plan(plan: Plan, device: torch.device, steps: int, warmup: int, lr: flo
     return {"plan": plan.config.label(), "step_s": times, "memory_gib": mem}
 
 
+def measure_runtime_profile(world: int) -> dict:
+    """The CPU runtime's per-call figures and FSDP2 unit samples on these ranks, as a ``ProfileDB``
+    layout (module docstring; its fingerprint left for the caller to name)."""
+    from cost_models.profile_db import ProfileDB
+    from cost_models.profile_runtime import measure_runtime
+    from cost_models.profiler import DEFAULT_REPEATS, DEFAULT_SIZES
+
+    db = ProfileDB(cluster_fingerprint="", backend=dist.get_backend(), world=world)
+    measure_runtime(db, world, DEFAULT_REPEATS, DEFAULT_SIZES)
+    return db.to_dict()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
@@ -58,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--runtime", action="store_true", help="also measure the CPU runtime's own work (docstring)")
     args = ap.parse_args(argv)
     plans = [Plan.load(p) for p in args.plans]
     threads = {p.config.threads for p in plans}
@@ -65,10 +82,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"timed_runs: the plans of one launch run different threads per rank ({sorted(threads)}): "
                          "launch each thread count on its own")
     device = init_distributed(threads=threads.pop())
-    runs = [time_plan(p, device, args.steps, args.warmup, args.lr) for p in plans]
+    out = {"runs": [time_plan(p, device, args.steps, args.warmup, args.lr) for p in plans]}
+    world = dist.get_world_size()
+    if args.runtime and world > 1 and dist.get_backend() == "gloo":
+        out["runtime"] = measure_runtime_profile(world)
     if dist.get_rank() == 0:
         with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"runs": runs}, f)
+            json.dump(out, f)
     teardown()
     exit_process(0)
     return 0

@@ -55,7 +55,7 @@ from cost_models.pipeline import estimate_step, linear_step
 from cost_models.wan_cost import BalancedPipe, WanHop, cheapest_wan_hops, deep_allowance, pipeline_wan_floor_s, wan_floor_s
 from planner.low_comm import low_comm_problem, parse_low_comm
 from planner.precision import default_dtype
-from cost_models.compute import calibration
+from cost_models.profile_db import calibration
 from cost_models.memory import Reserve, framework_reserve, memory_floor
 from cost_models.offload import offload_saves
 from cost_models.seq_chunks import searched_chunks

@@ -10,7 +10,7 @@ from cost_models.cluster import Cluster
 from cost_models.estimate import Estimate, estimate
 from cost_models.pipeline_memory import inflight_closed, rule_of
 from cost_models.layer_costs import LayerCosts, act_bytes_io, layer_pass_times
-from cost_models.compute import calibration
+from cost_models.profile_db import calibration
 from cost_models.memory import chunk_memory, framework_reserve
 from cost_models.mp_casts import stage_mp_casts
 from cost_models.offload import offload_saves
