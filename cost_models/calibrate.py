@@ -19,8 +19,9 @@ replicate_unit_s,   CPU data-parallel wrapper work per unit and      cpu_runtime
 fsdp_unit_s,        micro-batch (replicate; fully_shard; its
 fsdp_reduce_unit_s  gradient reduction)
 ep_dispatch_s       CPU EP dispatch host work per MoE layer          cpu_runtime.ep_dispatch_s
+                    (these four: given, not fitted; the profile measures them)
 dtensor_module_s    CPU DTensor dispatch per TP-sharded module       dtensor_dispatch.dtensor_dispatch_s
-                    (these five: given, not fitted; the profile measures them)
+                    (the profile measures it; a CPU roofline fit stores it scaled, below)
 gpu.<coefficient>   a GPU kernel-model coefficient (GpuCoefficients) gpu_kernels
 
 comm_scale          multiplies every collective / p2p time           comm._group_time
@@ -38,8 +39,8 @@ When every fitted run on a CPU cluster priced its layers with the roofline (no m
 layers), ``compute_scale`` is folded into ``eff_matmul``, ``eff_memory``, ``op_overhead_s`` and
 ``dtensor_module_s`` (the roofline is exactly proportional to 1/efficiency and to the per-op and
 per-module costs; the last is the profile's measured figure where it has one), so those are what
-is stored. The CPU runtime's per-call figures
-(cost_models/cpu_runtime.py) are measured, not scaled: their keys replace them only when given.
+is stored. The CPU runtime's other per-call figures (cost_models/cpu_runtime.py) are measured,
+not scaled: their keys replace them only when given.
 
 The fit. Step time: minimise the mean squared log error ``mean(log(pred/measured)^2)``
 over the runs, with a weak prior pulling each coefficient to its uncalibrated value

@@ -72,8 +72,8 @@ CPU_FSDP_REDUCE_UNIT_S = 1.3e-3
 CPU_EP_DISPATCH_S = 3.0e-3
 # 2 gloo ranks, 16 column + row linear pairs of 64 features (32 per rank) on 16 tokens, forward +
 # backward under torch's ColwiseParallel / RowwiseParallel over the same pairs as plain local
-# shards, less the 32 all-reduces timed alone: 45.2 ms against 0.84 ms, 7.7 ms of it the
-# all-reduces, 2026-12-03 (per module: DTensor's dispatch, and what its blocking all-reduces cost
+# shards, less the 32 all-reduces timed alone (31 of them issued: the first input took no
+# gradient): 45.2 ms against 0.84 ms, 7.7 ms of it the all-reduces, 2026-12-03 (per module: DTensor's dispatch, and what its blocking all-reduces cost
 # between compute beyond back to back); again as the profile measures it (the local shards and
 # their all-reduces paired with the DTensor stack, cost_models.profile_runtime) 0.90-1.32 ms in
 # nine tries, 2026-12-07.

@@ -17,6 +17,7 @@ from cost_models.cpu_runtime import figure
 from planner.graph import TP_SPLIT_ROLES, Layer
 from planner.plan import ParallelConfig
 
+
 def tp_modules(layer: Layer, cfg: ParallelConfig) -> int:
     """Modules of ``layer`` that tensor parallelism turns into DTensor modules: its sharded
     linears and vocabulary embeddings, and with sequence parallel its norms (0 without TP)."""

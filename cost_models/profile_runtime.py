@@ -123,7 +123,8 @@ def _dtensor_figure(world: int, repeats: int) -> float:
 
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))["tp"]
     group, width, modules = mesh.get_group(), 64, 2 * DTENSOR_PAIRS
-    x, reduced = torch.randn(16, width), torch.randn(16, width)
+    # the input needs its gradient, as a block's does in training: every column linear all-reduces one
+    x, reduced = torch.randn(16, width, requires_grad=True), torch.randn(16, width)
 
     def stack(shard: int) -> nn.Sequential:
         return nn.Sequential(*[nn.Sequential(nn.Linear(width, width // shard), nn.Linear(width // shard, width))

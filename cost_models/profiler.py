@@ -27,7 +27,8 @@ rank). The same code runs with gloo on CPUs and nccl on GPUs. It measures:
 (c) **p2p**: send/recv between rank pairs, all pairs at once (the same way).
 (d) **The CPU runtime's own work** (gloo only, ``cost_models.profile_runtime.measure_runtime``;
     cost_models/cpu_runtime.py): data-parallel wrappers per unit, EP dispatch per MoE layer and
-    (even worlds: tp groups of 2) DTensor dispatch per TP-sharded module, into ``ProfileDB.runtime``; and one FSDP2 unit's whole traffic by its size
+    (even worlds: tp groups of 2) DTensor dispatch per TP-sharded module, into
+    ``ProfileDB.runtime``; and one FSDP2 unit's whole traffic by its size
     (``profile_runtime.measure_fsdp_units``, called from there).
 
 Timing (``cost_models.profile_timing``): after a warm-up call, ``--repeats`` batches of k back-to-back
@@ -110,8 +111,8 @@ def shard_unit(unit, layer, tp: int, loss_mesh=None):
     thread, 2 ranks at once on an idle 2-core VM: 208-211 ms forward + backward against 86-88 ms fused;
     gpt-small's whole head at tp2, batch 4: 372-406 ms against 363-388 ms, 2026-12-05). Its two
     all-reduces of a few bytes per token run on the one-rank group (nearly free); the head's
-    DTensor dispatch is then in the profile as well as in ``dtensor_dispatch_s`` (1.15 ms a
-    micro-batch, counted twice).
+    DTensor dispatch is then in the profile as well as in ``dtensor_dispatch_s`` (its
+    ``dtensor_module_s`` a micro-batch, about 1 ms on CPUs, counted twice).
     """
     import torch.nn as nn
 

@@ -63,6 +63,9 @@ def test_cache_round_trip_per_machine(tmp_path, monkeypatch) -> None:
     assert mcal.load_cached(parse_cluster("local-cpu:1")) == mc  # one per machine, any process count
     mcal.cache_path(c).write_text(json.dumps({**json.loads(mcal.cache_path(c).read_text()), "version": 0}))
     assert mcal.load_cached(c) is None  # another version's cache is not read
+    mcal.cache_path(c).write_text(json.dumps({**json.loads(mcal.cache_path(c).read_text()), "version": mcal.CACHE_VERSION,
+                                              "measured": {"version": 1, "world": 2}}))
+    assert mcal.load_cached(c) is None  # runtime figures it cannot read: profiled again, not a failed plan
     mcal.cache_path(c).write_text("{not json")
     assert mcal.load_cached(c) is None
 

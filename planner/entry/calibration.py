@@ -112,6 +112,10 @@ def load_cached(cluster: Cluster) -> MachineCalibration | None:
         return None
     if mc.version != CACHE_VERSION or mc.machine != machine_fingerprint(cluster):
         return None
+    try:
+        measured_profile(mc, cluster)
+    except ValueError:  # its runtime figures unreadable (another profile version): profile again
+        return None
     return mc
 
 
