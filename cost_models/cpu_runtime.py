@@ -43,7 +43,7 @@ Nothing on GPU clusters (there the host runs ahead of the kernels; unmeasured: 0
 of the cluster (``autopar profile``) and the first-run machine calibration
 (``planner.entry.calibration``) measure the wrappers', the EP dispatch's and DTensor's figures
 again on their ranks (``cost_models.profile_runtime.measure_runtime``, the same setups as the
-defaults; ``ProfileDB.runtime``), and ``autopar profile`` the split backward's with the layers;
+defaults, each paired round by round with what it adds to; ``ProfileDB.runtime``), and ``autopar profile`` the split backward's with the layers;
 a measured figure replaces the default. The calibration keys ``replicate_unit_s``,
 ``fsdp_unit_s``, ``fsdp_reduce_unit_s``, ``ep_dispatch_s`` and ``dtensor_module_s`` replace the
 measured figures where a calibration gives them (``autopar calibrate`` does not fit them: a CPU

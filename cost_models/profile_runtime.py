@@ -15,7 +15,7 @@ them, plus the wrapper's fixed work: 8.6 / 13.2 / 45.5 / 77 / 204 / 512 ms. gpt-
 (28 MiB blocks, a 154 MB root holding the embedding) fall where the two part ways."""
 from __future__ import annotations
 
-from cost_models.profile_timing import agree_min, slowest_rank, timeit, timeit_paired
+from cost_models.profile_timing import agree_min, slowest_rank, timeit_paired
 
 
 def _log(msg: str) -> None:
@@ -34,44 +34,66 @@ def _unit_stack():
     return nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)) for _ in range(RUNTIME_UNITS)])
 
 
-def _wrapper_figures(mesh, repeats: int) -> dict[str, float]:
-    """Per unit and micro-batch, forward + backward: the data-parallel wrappers' own work over an unwrapped
-    stack (cost_models/cpu_runtime.py): ``replicate`` and ``fully_shard`` with gradient sync off, less
-    the latter's two all-gathers of a unit, and sync on over off, less its reduce-scatter."""
-    import torch
+# rounds the paired figures below are timed in, whatever the profile's --repeats: the EP dispatch on
+# 2 ranks of the 2-core VM read 0.06-4.1 ms in five profiles of 3 rounds, 2.2-3.2 ms in five of 9
+# (its parts timed separately: 1.4-4.7 and 3.3-5.3 ms), 2026-12-07
+RUNTIME_ROUNDS = 9
+
+
+def _paired_extra(pairs, repeats: int) -> list[float]:
+    """Per ``(base, more)`` pair, what ``more`` takes beyond ``base`` on this rank (median of paired
+    rounds, ``profile_timing.timeit_paired``), every rank timing alike."""
     import torch.distributed as dist
+
+    return [extra for _, extra in timeit_paired(pairs, max(repeats, RUNTIME_ROUNDS), lambda: None,
+                                                 budget_s=4.0, agree=agree_min, lockstep=dist.barrier)]
+
+
+def _wrapper_figures(mesh, repeats: int) -> dict[str, float]:
+    """Per unit and micro-batch, forward + backward: the data-parallel wrappers' own work
+    (cost_models/cpu_runtime.py), each paired with what it adds to: ``replicate`` (gradient sync
+    off) over an unwrapped stack; ``fully_shard`` with sync off over the unwrapped stack and the
+    units' all-gathers (two each) back to back; sync on over off and the units' reduce-scatters."""
+    import torch
     from torch.distributed.fsdp import fully_shard
 
     from codegen.runtime import torch_compat
 
-    x, n, sync = torch.randn(4, 16, 64), mesh.size(), (lambda: None)  # CPU only: nothing to synchronise
-    def fwd_bwd(wrap=None, grad_sync=True) -> float:
+    x, n = torch.randn(4, 16, 64), mesh.size()
+
+    def fwd_bwd(wrap=None, grad_sync=True):
         m = _unit_stack()
         if wrap is not None:
             for unit in m:
                 wrap(unit)
             wrap(m)
             m.set_requires_gradient_sync(grad_sync)
-        return timeit(lambda: m(x).sum().backward(), repeats, sync, agree=agree_min, lockstep=dist.barrier)
+        return lambda: m(x).sum().backward()
 
-    plain = fwd_bwd()
-    rep = fwd_bwd(lambda u: torch_compat.replicate()(u, mesh=mesh), grad_sync=False)
-    fsdp_off = fwd_bwd(lambda u: fully_shard(u, mesh=mesh), grad_sync=False)
-    fsdp_on = fwd_bwd(lambda u: fully_shard(u, mesh=mesh), grad_sync=True)
+    plain, rep = fwd_bwd(), fwd_bwd(lambda u: torch_compat.replicate()(u, mesh=mesh), grad_sync=False)
+    off, on = (fwd_bwd(lambda u: fully_shard(u, mesh=mesh), grad_sync=g) for g in (False, True))
     numel = sum(p.numel() for p in _unit_stack()[0].parameters()) // n * n
     flat, shard = torch.ones(numel), torch.ones(numel // n)
-    ag = timeit(lambda: torch_compat.all_gather_into(flat, shard, None), repeats, sync, agree=agree_min,
-                lockstep=dist.barrier)
-    rs = timeit(lambda: torch_compat.reduce_scatter_into(shard, flat, None), repeats, sync, agree=agree_min,
-                lockstep=dist.barrier)
-    units = RUNTIME_UNITS + 1  # the stack's root is a unit too
-    return {"replicate_unit_s": (rep - plain) / units, "fsdp_unit_s": (fsdp_off - plain) / units - 2 * ag,
-            "fsdp_reduce_unit_s": (fsdp_on - fsdp_off) / units - rs}
+
+    def gathered() -> None:
+        plain()
+        for _ in range(2 * RUNTIME_UNITS):
+            torch_compat.all_gather_into(flat, shard, None)
+
+    def reduced() -> None:
+        off()
+        for _ in range(RUNTIME_UNITS):
+            torch_compat.reduce_scatter_into(shard, flat, None)
+
+    units = RUNTIME_UNITS + 1  # the stack's root is a unit too (it holds no parameters: no collective)
+    extra = _paired_extra([(plain, rep), (gathered, off), (reduced, on)], repeats)
+    return dict(zip(("replicate_unit_s", "fsdp_unit_s", "fsdp_reduce_unit_s"), (e / units for e in extra)))
 
 
 def _ep_figure(world: int, repeats: int) -> float:
     """One MoE layer's TokenDispatch forward + backward over every rank (2 experts per rank, 8 rows of
-    64 per expert from each) less the local GEMMs, four row and one count all-to-all timed alone."""
+    64 per expert from each), paired with the local GEMMs followed by its four row all-to-alls and
+    one count all-to-all back to back."""
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -92,14 +114,15 @@ def _ep_figure(world: int, repeats: int) -> float:
             return torch.cat([c @ weights[0][e] for e, c in enumerate(torch.split(x, sizes))])
 
     routed, disp = Routed(), TokenDispatch(dist.group.WORLD, world, experts)
-    out, counts, t = torch.empty_like(mine), torch.tensor(split), {}
-    for name, fn in (("ep", lambda: disp(routed, rows, split).sum().backward()),
-                     ("local", lambda: routed.run_local(mine.requires_grad_(), [4 * experts] * 2, [routed.w]).sum()
-                      .backward()),
-                     ("rows", lambda: dist.all_to_all_single(out, mine.detach())),
-                     ("counts", lambda: dist.all_to_all_single(torch.empty_like(counts), counts))):
-        t[name] = timeit(fn, repeats, lambda: None, agree=agree_min, lockstep=dist.barrier)
-    return t["ep"] - t["local"] - 4 * t["rows"] - t["counts"]
+    out, counts = torch.empty_like(mine), torch.tensor(split)
+
+    def local() -> None:
+        routed.run_local(mine.requires_grad_(), [4 * experts] * 2, [routed.w]).sum().backward()
+        for _ in range(4):
+            dist.all_to_all_single(out, mine.detach())
+        dist.all_to_all_single(torch.empty_like(counts), counts)
+
+    return _paired_extra([(local, lambda: disp(routed, rows, split).sum().backward())], repeats)[0]
 
 
 DTENSOR_PAIRS = 16  # the DTensor measurement's column + row linear pairs (64 features, 16 tokens)
@@ -112,7 +135,7 @@ def _dtensor_figure(world: int, repeats: int) -> float:
     group at once). A stack of ``DTENSOR_PAIRS`` column + row linear pairs under torch's
     ``ColwiseParallel`` / ``RowwiseParallel`` against the same pairs as plain local shards followed
     by the pairs' all-reduces (the forward's row output, the backward's column input gradient)
-    back to back: the median difference of paired rounds (``profile_timing.timeit_paired``; timed
+    back to back: the median difference of paired rounds (:func:`_paired_extra`; timed
     in separate batches, the all-reduces' and the stacks' slow spells did not cancel: 0.7-1.7 ms
     per module in five tries against 0.9-1.3 ms paired, 2 ranks on the 2-core VM, 2026-12-07)."""
     import torch
@@ -139,9 +162,7 @@ def _dtensor_figure(world: int, repeats: int) -> float:
         for _ in range(modules):
             dist.all_reduce(reduced, group=group)
 
-    (_, extra), = timeit_paired([(run_local, lambda: sharded(x).sum().backward())], repeats, lambda: None,
-                                agree=agree_min, lockstep=dist.barrier)
-    return extra / modules
+    return _paired_extra([(run_local, lambda: sharded(x).sum().backward())], repeats)[0] / modules
 
 
 # always timed too: where FSDP2's cost has parted from its collectives' (module docstring)
