@@ -271,6 +271,67 @@ def test_bert_layout_runs_tensor_parallel_without_sequence_parallel():
     assert "layers.0.attention.self.query is a column-parallel linear that no attention / MLP" in g.limits["sp"]
 
 
+class _ResidualMLP(nn.Module):
+    """An MLP module that adds its own input to its output (the residual inside the module)."""
+
+    def __init__(self, d: int, residual: bool):
+        super().__init__()
+        self.up, self.down, self.residual = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), residual
+
+    def forward(self, x):
+        y = self.down(F.gelu(self.up(x)))
+        return x + y if self.residual else y
+
+
+class _ResidualBlock(nn.Module):
+    def __init__(self, d: int, heads: int, residual: bool):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.Module()
+        self.attn.qkv = nn.ModuleList(nn.Linear(d, d) for _ in range(3))
+        self.attn.out = nn.Linear(d, d)
+        self.mlp, self.heads = _ResidualMLP(d, residual), heads
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (lin(self.norm1(x)).reshape(b, s, self.heads, -1).transpose(1, 2) for lin in self.attn.qkv)
+        x = x + self.attn.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d))
+        return self.mlp(self.norm2(x)) if self.mlp.residual else x + self.mlp(self.norm2(x))
+
+
+class ResidualInModuleLM(nn.Module):
+    def __init__(self, residual: bool, vocab: int = 128, d: int = 64, heads: int = 4, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(_ResidualBlock(d, heads, residual) for _ in range(layers))
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.layers:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_a_residual_inside_the_mlp_module_refuses_sequence_parallel(residual):
+    """Under SP the MLP module takes its input gathered whole and its row linear's output leaves as
+    the sequence shard, so a module adding the two (``x + down(..)`` inside it) cannot run SP: the
+    planner refuses sp=on before anything runs, and keeps TP (the runtime trains it without SP,
+    tests/test_sequence_gather.py); the same model with the residual in its block keeps SP."""
+    with torch.device("meta"):
+        model = ResidualInModuleLM(residual)
+    ids = torch.zeros(1, 32, dtype=torch.long, device="meta")
+    g = graph_of(model, (ids,), name="residual-mlp", seq_len=32, loss_fn=lambda out: out.float().sum())
+    roles = {lin.name: lin.role for lin in g.layers[1].linears}
+    assert roles["mlp.down"] == "row" and roles["mlp.up"] == "column" and roles["attn.out"] == "row", roles
+    assert "tp" not in g.limits
+    if residual:
+        assert g.limits["sp"].startswith("layers.0.mlp joins its row-parallel linear down's output with its own input")
+    else:
+        assert "sp" not in g.limits, g.limits
+
+
 @pytest.mark.slow
 def test_layer_costs_are_sums_over_the_fx_graph_and_graph_fx_prints_a_block():
     """Capture's per-layer FLOPs are the sums of its FX nodes' FLOPs (forward and backward);

@@ -12,7 +12,9 @@ step did not produce are placeholders: parameters named by their fqn
 Node metadata (``node.meta``): ``unit`` (the layer unit that ran it, or None), ``part``
 (its child module: ``self_attn``, ``mlp``, ...), ``phase`` (``fwd`` | ``bwd``), ``flops``,
 ``bytes`` (memory traffic: tensor inputs + outputs, 0 for views), ``shape`` / ``dtype``
-of the (first) output, and ``saved`` once autograd saves the output for backward.
+of the (first) output, ``saved`` once autograd saves the output for backward, and
+``hidden_input_of``: the parts it was handed to as their hidden-state input (their first
+positional argument or ``hidden_states``, the one the runtime's TP region style takes).
 
 Capture's per-layer costs are sums over these nodes (:func:`unit_costs`); ``autopar
 graph --fx`` prints one unit's nodes (:func:`format_unit`); the tensor-parallel analysis of
@@ -97,6 +99,13 @@ class GraphBuilder:
                                      dtype=str(t.dtype).replace("torch.", ""))
                     self._bind(t, item)
         return node
+
+    def mark_input(self, t: torch.Tensor, part: str) -> None:
+        """``t``, a value the graph holds, was handed to ``part`` as its hidden-state input (node
+        meta ``hidden_input_of``: the parts that took it so)."""
+        node = self.env.get(id(t))
+        if node is not None:
+            node.meta.setdefault("hidden_input_of", set()).add(part)
 
     def mark_saved(self, t: torch.Tensor) -> None:
         node = self.env.get(id(t))

@@ -161,6 +161,8 @@ def _limits_from_roles(graph: ModelGraph, analysis) -> None:
                                       "module of its block holds beside a row-parallel linear, so nothing gathers "
                                       "the sequence shard for it")
                 break
+    if analysis.sp_problems and "sp" not in graph.limits:
+        graph.limits["sp"] = next(iter(analysis.sp_problems.values()))
 
 
 def graph_of_config(cfg, *, batch: int = 1, seq_len: int | None = None) -> ModelGraph:

@@ -27,6 +27,18 @@ at module or parameter names except to name what it found. Rules:
 - **Reductions**: a reduction over the last dim of a column linear's output before the
   head reshape (OLMo2's q_norm/k_norm over the whole projection, a softmax router) is a
   problem: each rank would reduce over its shard only.
+- **A residual inside the region module** (sequence parallelism only): under SP the module
+  around a row linear that also holds its column linears (``codegen.runtime.tp_styles.region_parents``)
+  takes its input gathered whole, while the row linear's output leaves as the rank's sequence
+  shard; a pointwise op inside that module joining the two (``x + self.down(...)`` inside an MLP
+  module) cannot run. Found by following the row linear's output forward through shape and
+  pointwise ops of its module's part (``node.meta["part"]``) and each other operand of such an op
+  backwards: one that comes from the value the capture saw handed to the part as its hidden-state
+  input (``hidden_input_of``; a residual handed in as another argument, as BLOOM's, stays the
+  shard and joins it) is such a join, recorded in ``sp_problems``. Only a block's direct children
+  are checked (the capture marks their inputs). One value handed in both ways (BLOOM with
+  ``apply_residual_connection_post_layernorm``) is refused too, though the runtime gathers only
+  the first.
 - **Heads**: (query heads, kv heads, head dim) from the reshapes into heads, the view
   ``[.., h*d] -> [.., h, d']`` found tracing q and k back from the attention op; head
   dim is the last dim of q at the attention op.
@@ -47,6 +59,7 @@ import torch.fx as fx
 
 from codegen.runtime.torch_compat import (CAST_OPS, LOG_SOFTMAX_OPS, NORM_OPS, RESHAPE_OPS, SDPA_OPS, SOFTMAX_OPS,
                                           op_base_name)
+from codegen.runtime.tp_styles import region_parents
 from planner.frontend.fx_graph import unit_nodes
 from planner.graph import BLOCK_KINDS, ModelGraph
 from planner.frontend.layer_kinds import ATTN_OPS
@@ -69,6 +82,7 @@ class TPAnalysis:
     roles: dict[str, str] = field(default_factory=dict)     # linear module fqn -> column | row | packed_qkv
     problems: dict[str, str] = field(default_factory=dict)  # layer name -> why TP cannot shard it correctly
     heads: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # layer -> (q heads, kv heads, head dim)
+    sp_problems: dict[str, str] = field(default_factory=dict)  # layer name -> why SP cannot run it
 
 
 def _join(*parts: str) -> str:
@@ -212,6 +226,45 @@ def _last(u: fx.Node, nd: int) -> bool:
     return isinstance(d, int) and nd > 0 and d % nd == nd - 1
 
 
+def _from_input(n, part: str, unit: set[fx.Node]) -> bool:
+    """Whether ``n`` is, or comes backwards through shape and pointwise ops of ``part`` from,
+    the value handed to ``part`` as its hidden-state input (``fx_graph`` meta ``hidden_input_of``)."""
+    frontier, seen = [n], set()
+    while frontier:
+        m = frontier.pop()
+        if not isinstance(m, fx.Node) or m in seen:
+            continue
+        seen.add(m)
+        if part in m.meta.get("hidden_input_of", ()):
+            return True
+        if m.op == "call_function" and m in unit and m.meta.get("part", "") == part and _passes(m):
+            frontier.extend(m.all_input_nodes)
+    return False
+
+
+def _module_residual(rows: dict[str, fx.Node], regions: list[str], layer_name: str,
+                     unit: set[fx.Node]) -> str | None:
+    """Why SP cannot run the block: a row linear's output joined inside its region module with a
+    value from outside it (module docstring), or None."""
+    for fqn, row in rows.items():
+        part = fqn[len(layer_name) + 1:].rpartition(".")[0]
+        if part not in regions or "." in part:  # the capture marks the hidden input of a block's parts only
+            continue
+        frontier, mine = list(row.users), {row}
+        while frontier:
+            m = frontier.pop()
+            if m in mine or m not in unit or m.meta.get("part", "") != part or not _passes(m):
+                continue
+            mine.add(m)
+            others = [a for a in m.all_input_nodes if a not in mine]
+            if _op(m) not in _SHAPE_OPS and any(_from_input(a, part, unit) for a in others):
+                return (f"{layer_name}.{part} joins its row-parallel linear {fqn.rpartition('.')[2]}'s output with "
+                        f"its own input ({_op(m)}: a residual inside the module), which sequence parallelism "
+                        "gathers whole while the output stays the sequence shard")
+            frontier.extend(m.users)
+    return None
+
+
 def analyze(fx_graph: fx.Graph, model_graph: ModelGraph) -> TPAnalysis:
     """Roles of the linears, problems and head counts of every block class (module docstring)."""
     res = TPAnalysis()
@@ -222,6 +275,7 @@ def analyze(fx_graph: fx.Graph, model_graph: ModelGraph) -> TPAnalysis:
         unit = set(nodes)
         attn_out, qk = _attention_outputs(nodes, unit)
         sharded = set(attn_out)                 # nodes whose last dim is split under TP
+        linear_nodes: dict[str, fx.Node] = {}   # linear fqn -> its matmul node
         issues: list[str] = []
         for n in nodes:
             if _op(n) not in _MATMULS or n in attn_out:
@@ -233,6 +287,7 @@ def analyze(fx_graph: fx.Graph, model_graph: ModelGraph) -> TPAnalysis:
             fqn = weight.rsplit(".", 1)[0]
             if fqn in res.roles or layer.in_moe(fqn[len(layer.name) + 1:]):  # a MoE layer stays whole
                 continue
+            linear_nodes[fqn] = n
             if _find([data], unit, _inputs, lambda m: m in sharded) is not None:
                 res.roles[fqn] = "row"
                 continue
@@ -251,6 +306,11 @@ def analyze(fx_graph: fx.Graph, model_graph: ModelGraph) -> TPAnalysis:
             sharded.add(n)
         if issues:
             res.problems[layer.name] = "; ".join(issues)
+        rows = {fqn: n for fqn, n in linear_nodes.items() if res.roles.get(fqn) == "row"}
+        local = {fqn[len(layer.name) + 1:]: role for fqn, role in res.roles.items() if fqn.startswith(f"{layer.name}.")}
+        why = _module_residual(rows, region_parents(local), layer.name, unit)
+        if why is not None:
+            res.sp_problems[layer.name] = why
         if qk:
             q, k = qk[0]
             qv, kv = (_find([x], unit, _inputs, _is_head_view) for x in (q, k))

@@ -299,13 +299,13 @@ class _UnitHooks:
             self.handles.append(u.module.register_forward_pre_hook(self.unit_pre(u), with_kwargs=True))
             self.handles.append(u.module.register_forward_hook(self.unit_post(u), with_kwargs=True))
             for pname, child in u.module.named_children():
-                self.handles.append(child.register_forward_pre_hook(self.part_pre(u, pname, None)))
+                self.handles.append(child.register_forward_pre_hook(self.part_pre(u, pname, None), with_kwargs=True))
                 self.handles.append(child.register_forward_hook(self.part_post(u, pname)))
             for lname, sub in u.module.named_modules():
                 if is_linear(sub):
                     self.lin_names[id(sub)] = lname
                     top = lname.split(".")[0] if lname else ""
-                    self.handles.append(sub.register_forward_pre_hook(self.part_pre(u, top, sub)))
+                    self.handles.append(sub.register_forward_pre_hook(self.part_pre(u, top, sub), with_kwargs=True))
                     self.handles.append(sub.register_forward_hook(self.linear_post()))
 
     def remove(self) -> None:
@@ -342,11 +342,14 @@ class _UnitHooks:
         return hook
 
     def part_pre(self, u: UnitRecord, pname: str, lin: nn.Module | None):
-        def hook(mod, args):
+        def hook(mod, args, kwargs):
             rec = self.rec
             if lin is None and rec.unit is u and rec.part == "" and not rec.backward:
                 rec.part = pname
                 self.stack.append((u, "<part>"))
+                hidden = args[0] if args else kwargs.get("hidden_states")
+                if rec.builder is not None and isinstance(hidden, torch.Tensor) and hidden.is_floating_point():
+                    rec.builder.mark_input(hidden, pname)
             if lin is not None and not rec.backward:
                 rec.linear = self.lin_names[id(lin)]
                 p = u.part(rec.part if rec.unit is u else pname)
