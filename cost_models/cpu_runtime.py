@@ -5,7 +5,8 @@ machinery that makes a layout run costs CPU time of its own, per micro-batch, th
 the roofline nor the collectives' alpha-beta times contain. Priced here as mechanisms, each
 a count the layout decides times a per-call figure measured on this machine's kind of CPU
 (torch 2.13, 2 gloo ranks of one thread on a 2-core Xeon; how each was measured is written
-beside it, and the profiler measures them again the same way):
+beside it; the profiler measures them again on the same setups, each paired round by round with
+what it adds to, below):
 
 - **Data-parallel wrappers** (codegen/runtime/data_parallel.py), per wrapped unit (each block
   and the stage root: ``cost_models.dp_units.stage_units`` counts them) and micro-batch, forward and backward:
@@ -43,8 +44,11 @@ Nothing on GPU clusters (there the host runs ahead of the kernels; unmeasured: 0
 of the cluster (``autopar profile``) and the first-run machine calibration
 (``planner.entry.calibration``) measure the wrappers', the EP dispatch's and DTensor's figures
 again on their ranks (``cost_models.profile_runtime.measure_runtime``, the same setups as the
-defaults, each paired round by round with what it adds to; ``ProfileDB.runtime``), and ``autopar profile`` the split backward's with the layers;
-a measured figure replaces the default. The calibration keys ``replicate_unit_s``,
+defaults, each paired round by round with what it adds to: the unwrapped stack with the
+collectives the wrapper issues, those of its units with parameters, back to back, where the
+defaults took the collectives timed alone for every unit, about 0.05 ms per unit more;
+``ProfileDB.runtime``), and ``autopar profile`` the split backward's with the layers; a measured
+figure replaces the default. The calibration keys ``replicate_unit_s``,
 ``fsdp_unit_s``, ``fsdp_reduce_unit_s``, ``ep_dispatch_s`` and ``dtensor_module_s`` replace the
 measured figures where a calibration gives them (``autopar calibrate`` does not fit them: a CPU
 roofline fit stores ``dtensor_module_s`` scaled with the layers, cost_models/calibrate.py).

@@ -34,7 +34,8 @@ def _unit_stack():
     return nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)) for _ in range(RUNTIME_UNITS)])
 
 
-# rounds the paired figures below are timed in, whatever the profile's --repeats: the EP dispatch on
+# rounds the paired figures below are timed in, whatever the profile's --repeats (unless a round takes
+# so long that ``profile_timing``'s budget cuts them, to 3 at the least): the EP dispatch on
 # 2 ranks of the 2-core VM read 0.06-4.1 ms in five profiles of 3 rounds, 2.2-3.2 ms in five of 9
 # (its parts timed separately: 1.4-4.7 and 3.3-5.3 ms), 2026-12-07
 RUNTIME_ROUNDS = 9

@@ -272,38 +272,51 @@ def test_bert_layout_runs_tensor_parallel_without_sequence_parallel():
 
 
 class _ResidualMLP(nn.Module):
-    """An MLP module that adds its own input to its output (the residual inside the module)."""
+    """An MLP module whose residual is inside it (``mode``): ``arg`` adds its input to its output,
+    ``kw`` likewise taking it as ``hidden_states=``, ``norm`` adds its normed input, ``beside``
+    adds a residual handed in as a second argument (which stays as it comes), ``same`` that with
+    one tensor handed in both ways; ``block``: no residual inside (the block adds it)."""
 
-    def __init__(self, d: int, residual: bool):
+    def __init__(self, d: int, mode: str):
         super().__init__()
-        self.up, self.down, self.residual = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), residual
+        self.up, self.down, self.mode = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), mode
+        self.norm = nn.LayerNorm(d)
 
-    def forward(self, x):
-        y = self.down(F.gelu(self.up(x)))
-        return x + y if self.residual else y
+    def forward(self, hidden_states, residual=None):
+        y = self.down(F.gelu(self.up(hidden_states)))
+        if self.mode == "block":
+            return y
+        if self.mode in ("beside", "same"):
+            return residual + y
+        return (self.norm(hidden_states) if self.mode == "norm" else hidden_states) + y
 
 
 class _ResidualBlock(nn.Module):
-    def __init__(self, d: int, heads: int, residual: bool):
+    def __init__(self, d: int, heads: int, mode: str):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.attn = nn.Module()
         self.attn.qkv = nn.ModuleList(nn.Linear(d, d) for _ in range(3))
         self.attn.out = nn.Linear(d, d)
-        self.mlp, self.heads = _ResidualMLP(d, residual), heads
+        self.mlp, self.heads = _ResidualMLP(d, mode), heads
 
     def forward(self, x):
         b, s, d = x.shape
         q, k, v = (lin(self.norm1(x)).reshape(b, s, self.heads, -1).transpose(1, 2) for lin in self.attn.qkv)
         x = x + self.attn.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d))
-        return self.mlp(self.norm2(x)) if self.mlp.residual else x + self.mlp(self.norm2(x))
+        h, mode = self.norm2(x), self.mlp.mode
+        if mode == "kw":
+            return self.mlp(hidden_states=h)
+        if mode in ("beside", "same"):
+            return self.mlp(h, x if mode == "beside" else h)
+        return x + self.mlp(h) if mode == "block" else self.mlp(h)
 
 
 class ResidualInModuleLM(nn.Module):
-    def __init__(self, residual: bool, vocab: int = 128, d: int = 64, heads: int = 4, layers: int = 2):
+    def __init__(self, mode: str, vocab: int = 128, d: int = 64, heads: int = 4, layers: int = 2):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList(_ResidualBlock(d, heads, residual) for _ in range(layers))
+        self.layers = nn.ModuleList(_ResidualBlock(d, heads, mode) for _ in range(layers))
         self.head = nn.Linear(d, vocab, bias=False)
 
     def forward(self, ids):
@@ -313,20 +326,23 @@ class ResidualInModuleLM(nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize("residual", [True, False])
-def test_a_residual_inside_the_mlp_module_refuses_sequence_parallel(residual):
-    """Under SP the MLP module takes its input gathered whole and its row linear's output leaves as
-    the sequence shard, so a module adding the two (``x + down(..)`` inside it) cannot run SP: the
-    planner refuses sp=on before anything runs, and keeps TP (the runtime trains it without SP,
-    tests/test_sequence_gather.py); the same model with the residual in its block keeps SP."""
+@pytest.mark.parametrize("mode,refused", [("arg", True), ("kw", True), ("norm", True), ("beside", False),
+                                          ("same", False), ("block", False)])
+def test_a_residual_inside_the_mlp_module_refuses_sequence_parallel(mode, refused):
+    """Under SP the MLP module takes its hidden-state input (first argument or ``hidden_states=``,
+    ``codegen.runtime.tensor_parallel.region_input_key``) gathered whole and its row linear's output
+    leaves as the sequence shard, so a module joining the two (``x + down(..)``, or its norm of x,
+    inside it) cannot run SP: the planner refuses sp=on before anything runs and keeps TP (the
+    runtime trains it without SP, tests/test_sequence_gather.py). A residual handed in beside it
+    stays the shard (BLOOM's), and the block's own residual is outside the module: both keep SP."""
     with torch.device("meta"):
-        model = ResidualInModuleLM(residual)
+        model = ResidualInModuleLM(mode)
     ids = torch.zeros(1, 32, dtype=torch.long, device="meta")
     g = graph_of(model, (ids,), name="residual-mlp", seq_len=32, loss_fn=lambda out: out.float().sum())
     roles = {lin.name: lin.role for lin in g.layers[1].linears}
     assert roles["mlp.down"] == "row" and roles["mlp.up"] == "column" and roles["attn.out"] == "row", roles
     assert "tp" not in g.limits
-    if residual:
+    if refused:
         assert g.limits["sp"].startswith("layers.0.mlp joins its row-parallel linear down's output with its own input")
     else:
         assert "sp" not in g.limits, g.limits

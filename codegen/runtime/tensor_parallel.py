@@ -101,6 +101,19 @@ class PackedColwise(ColwiseParallel):
         return apply_as_linear(self, module, device_mesh, _packed_colwise, local_output=True)
 
 
+def region_input_key(args: tuple, kwargs: dict) -> int | str | None:
+    """Where a TP region module's call holds the hidden state :class:`ReplicateRegionInput` shares
+    (and gathers under SP): ``0`` (its first positional argument, a floating-point tensor), else
+    ``"hidden_states"`` (that keyword, likewise), else None. The capture marks the same value
+    (``planner/frontend/trace.py``), so the planner's SP check reads what the runtime gathers."""
+    def hidden(x) -> bool:  # a hidden state (not ids or a mask)
+        return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+    if args and hidden(args[0]):
+        return 0
+    return "hidden_states" if hidden(kwargs.get("hidden_states")) else None
+
+
 class ReplicateRegionInput(ParallelStyle):
     """Tensor parallelism without sequence parallelism: the module around a row-parallel linear
     (the attention / MLP module) hands its sharded children its replicated hidden-state input (its
@@ -144,9 +157,6 @@ class ReplicateRegionInput(ParallelStyle):
             held["input"] = (local, whole)
             return local
 
-        def hidden(x) -> bool:  # a hidden state (not ids or a mask)
-            return isinstance(x, torch.Tensor) and x.is_floating_point()
-
         children_hooked = False
 
         def hook(mod, args, kwargs):
@@ -158,9 +168,10 @@ class ReplicateRegionInput(ParallelStyle):
                     if sub is not mod and next(sub.parameters(recurse=False), None) is not None:
                         sub.register_forward_pre_hook(child, with_kwargs=True, prepend=True)
                 children_hooked = True
-            if args and hidden(args[0]):
+            key = region_input_key(args, kwargs)
+            if key == 0:
                 return (prepare(mod, args[0]), *args[1:]), kwargs
-            if hidden(kwargs.get("hidden_states")):
+            if key is not None:
                 return args, dict(kwargs, hidden_states=prepare(mod, kwargs["hidden_states"]))
             if self.sequence_sharded:
                 raise ValueError(f"sequence parallel: {type(mod).__name__} got no hidden-state tensor to gather")

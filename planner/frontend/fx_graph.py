@@ -13,8 +13,8 @@ Node metadata (``node.meta``): ``unit`` (the layer unit that ran it, or None), `
 (its child module: ``self_attn``, ``mlp``, ...), ``phase`` (``fwd`` | ``bwd``), ``flops``,
 ``bytes`` (memory traffic: tensor inputs + outputs, 0 for views), ``shape`` / ``dtype``
 of the (first) output, ``saved`` once autograd saves the output for backward, and
-``hidden_input_of``: the parts it was handed to as their hidden-state input (their first
-positional argument or ``hidden_states``, the one the runtime's TP region style takes).
+``hidden_input_of``: the block parts (``unit.part``) it was handed to as their hidden-state
+input (``codegen.runtime.tensor_parallel.region_input_key``: what the runtime's TP region style takes).
 
 Capture's per-layer costs are sums over these nodes (:func:`unit_costs`); ``autopar
 graph --fx`` prints one unit's nodes (:func:`format_unit`); the tensor-parallel analysis of
@@ -100,12 +100,18 @@ class GraphBuilder:
                     self._bind(t, item)
         return node
 
-    def mark_input(self, t: torch.Tensor, part: str) -> None:
-        """``t``, a value the graph holds, was handed to ``part`` as its hidden-state input (node
-        meta ``hidden_input_of``: the parts that took it so)."""
-        node = self.env.get(id(t))
-        if node is not None:
-            node.meta.setdefault("hidden_input_of", set()).add(part)
+    def mark_input(self, args: tuple, kwargs: dict, key: int | str | None, label: str) -> None:
+        """The value at ``key`` of a module call (an index of ``args``, a name of ``kwargs``) was
+        handed to ``label`` (``unit.part``) as its hidden-state input: its node's meta
+        ``hidden_input_of`` gets ``label``. Nothing where ``key`` is None, or where the same tensor
+        is handed in again as another argument (a residual beside it, which the runtime's region
+        style leaves as it comes: it replaces only the argument at ``key``)."""
+        if key is None:
+            return
+        t = args[key] if isinstance(key, int) else kwargs[key]
+        others = [a for i, a in enumerate(args) if i != key] + [v for k, v in kwargs.items() if k != key]
+        if not any(o is t for o in others):
+            self._node_of(t).meta.setdefault("hidden_input_of", set()).add(label)
 
     def mark_saved(self, t: torch.Tensor) -> None:
         node = self.env.get(id(t))

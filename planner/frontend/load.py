@@ -161,7 +161,7 @@ def _limits_from_roles(graph: ModelGraph, analysis) -> None:
                                       "module of its block holds beside a row-parallel linear, so nothing gathers "
                                       "the sequence shard for it")
                 break
-    if analysis.sp_problems and "sp" not in graph.limits:
+    if analysis.sp_problems and "sp" not in graph.limits and "tp" not in graph.limits:  # SP runs under TP only
         graph.limits["sp"] = next(iter(analysis.sp_problems.values()))
 
 

@@ -33,12 +33,12 @@ at module or parameter names except to name what it found. Rules:
   shard; a pointwise op inside that module joining the two (``x + self.down(...)`` inside an MLP
   module) cannot run. Found by following the row linear's output forward through shape and
   pointwise ops of its module's part (``node.meta["part"]``) and each other operand of such an op
-  backwards: one that comes from the value the capture saw handed to the part as its hidden-state
-  input (``hidden_input_of``; a residual handed in as another argument, as BLOOM's, stays the
-  shard and joins it) is such a join, recorded in ``sp_problems``. Only a block's direct children
-  are checked (the capture marks their inputs). One value handed in both ways (BLOOM with
-  ``apply_residual_connection_post_layernorm``) is refused too, though the runtime gathers only
-  the first.
+  backwards through any op of the part: one that comes from the value the capture saw handed to
+  the part as its hidden-state input (``hidden_input_of``, what the runtime gathers; a residual
+  handed in as another argument, as BLOOM's, stays the shard and joins it) is such a join,
+  recorded in ``sp_problems``. Only a block's direct children are checked (the capture marks their
+  inputs). One tensor handed in both ways (BLOOM with ``apply_residual_connection_post_layernorm``)
+  is not marked: inside the module the two are one node, and the runtime gathers only the first.
 - **Heads**: (query heads, kv heads, head dim) from the reshapes into heads, the view
   ``[.., h*d] -> [.., h, d']`` found tracing q and k back from the attention op; head
   dim is the last dim of q at the attention op.
@@ -226,18 +226,20 @@ def _last(u: fx.Node, nd: int) -> bool:
     return isinstance(d, int) and nd > 0 and d % nd == nd - 1
 
 
-def _from_input(n, part: str, unit: set[fx.Node]) -> bool:
-    """Whether ``n`` is, or comes backwards through shape and pointwise ops of ``part`` from,
-    the value handed to ``part`` as its hidden-state input (``fx_graph`` meta ``hidden_input_of``)."""
+def _from_input(n, label: str, part: str, unit: set[fx.Node]) -> bool:
+    """Whether ``n`` is, or comes backwards through any op of ``part`` from, the value handed to
+    the part (``label``: ``unit.part``) as its hidden-state input (``fx_graph`` meta
+    ``hidden_input_of``): under SP that input is gathered whole, and so is all that the module
+    derives from it (through a norm, say) but its row linear's output."""
     frontier, seen = [n], set()
     while frontier:
         m = frontier.pop()
         if not isinstance(m, fx.Node) or m in seen:
             continue
         seen.add(m)
-        if part in m.meta.get("hidden_input_of", ()):
+        if label in m.meta.get("hidden_input_of", ()):
             return True
-        if m.op == "call_function" and m in unit and m.meta.get("part", "") == part and _passes(m):
+        if m.op == "call_function" and m in unit and m.meta.get("part", "") == part:
             frontier.extend(m.all_input_nodes)
     return False
 
@@ -257,7 +259,7 @@ def _module_residual(rows: dict[str, fx.Node], regions: list[str], layer_name: s
                 continue
             mine.add(m)
             others = [a for a in m.all_input_nodes if a not in mine]
-            if _op(m) not in _SHAPE_OPS and any(_from_input(a, part, unit) for a in others):
+            if _op(m) not in _SHAPE_OPS and any(_from_input(a, _join(layer_name, part), part, unit) for a in others):
                 return (f"{layer_name}.{part} joins its row-parallel linear {fqn.rpartition('.')[2]}'s output with "
                         f"its own input ({_op(m)}: a residual inside the module), which sequence parallelism "
                         "gathers whole while the output stays the sequence shard")

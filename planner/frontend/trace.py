@@ -45,6 +45,7 @@ from torch.utils.flop_counter import flop_registry
 
 from planner.frontend.records import UnitRecord, UnitRun, assemble, nbytes, tensors
 from planner.errors import AutoparError, first_line
+from codegen.runtime.tensor_parallel import region_input_key
 from planner.frontend.fx_graph import GraphBuilder, unit_costs
 from planner.graph import MATMUL_OPS, AttentionDims, Matmul, ModelGraph
 from planner.frontend.layer_kinds import ATTN_OPS, is_linear, kernel_causal, part_kind
@@ -347,9 +348,8 @@ class _UnitHooks:
             if lin is None and rec.unit is u and rec.part == "" and not rec.backward:
                 rec.part = pname
                 self.stack.append((u, "<part>"))
-                hidden = args[0] if args else kwargs.get("hidden_states")
-                if rec.builder is not None and isinstance(hidden, torch.Tensor) and hidden.is_floating_point():
-                    rec.builder.mark_input(hidden, pname)
+                if rec.builder is not None:  # what the runtime's TP region style would take as its input
+                    rec.builder.mark_input(args, kwargs, region_input_key(args, kwargs), f"{u.name}.{pname}")
             if lin is not None and not rec.backward:
                 rec.linear = self.lin_names[id(lin)]
                 p = u.part(rec.part if rec.unit is u else pname)
