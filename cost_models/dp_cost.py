@@ -137,8 +137,7 @@ def fsdp_units_priced(cluster: Cluster, cfg: ParallelConfig, profile) -> bool:
     precision gathers bf16 copies, float8 tensorwise float8 ones), no HSDP, and a profile with
     ``profile_db.FSDP_UNIT`` samples (CPU profiles). Else the collectives price it."""
     return (cfg.zero == "fsdp" and per_microbatch_dp(cfg) and not mixed_precision(cfg.dtype) and cfg.fp8 != "tensorwise"
-            and hsdp_replicas(cluster, cfg) == 1 and getattr(profile, "collectives", None) is not None
-            and profile.measured(FSDP_UNIT))
+            and hsdp_replicas(cluster, cfg) == 1 and profile is not None and profile.measured(FSDP_UNIT))
 
 
 def hsdp_time(kind: str, nbytes: float, cluster: Cluster, cfg: ParallelConfig, dpg: int, k: int, profile,

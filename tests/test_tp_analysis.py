@@ -208,15 +208,13 @@ def test_user_module():
     assert layout["lm_head"] == "vocab_head"
 
 
-class BertStyleLM(nn.Module):
-    """BERT's block layout: attention.self (q, k, v) beside attention.output (dense + norm), then
-    intermediate (dense) beside output (dense + norm): each row linear in a module without the
-    column linears that feed it."""
+class StackLM(nn.Module):
+    """A token embedding, ``blocks`` (``layers``) and an output head: the LM around a test's blocks."""
 
-    def __init__(self, vocab: int = 128, d: int = 64, heads: int = 4, layers: int = 2):
+    def __init__(self, blocks: list[nn.Module], vocab: int = 128, d: int = 64):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList(_BertBlock(d, heads) for _ in range(layers))
+        self.layers = nn.ModuleList(blocks)
         self.head = nn.Linear(d, vocab, bias=False)
 
     def forward(self, ids):
@@ -236,6 +234,10 @@ class _Dense(nn.Module):  # BERT's output modules: a linear, then the residual a
 
 
 class _BertBlock(nn.Module):
+    """BERT's block layout: attention.self (q, k, v) beside attention.output (dense + norm), then
+    intermediate (dense) beside output (dense + norm): each row linear in a module without the
+    column linears that feed it."""
+
     def __init__(self, d: int, heads: int):
         super().__init__()
         self.heads = heads
@@ -261,7 +263,7 @@ def test_bert_layout_runs_tensor_parallel_without_sequence_parallel():
     shard for the columns under SP (codegen.runtime.tp_styles.ungathered_columns), so the planner
     refuses sp=on for it before anything runs."""
     with torch.device("meta"):
-        model = BertStyleLM()
+        model = StackLM([_BertBlock(64, 4) for _ in range(2)])
     ids = torch.zeros(1, 32, dtype=torch.long, device="meta")
     g = graph_of(model, (ids,), name="bert-style", seq_len=32, loss_fn=lambda out: out.float().sum())
     roles = {lin.name: lin.role for lin in g.layers[1].linears}
@@ -312,20 +314,6 @@ class _ResidualBlock(nn.Module):
         return x + self.mlp(h) if mode == "block" else self.mlp(h)
 
 
-class ResidualInModuleLM(nn.Module):
-    def __init__(self, mode: str, vocab: int = 128, d: int = 64, heads: int = 4, layers: int = 2):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList(_ResidualBlock(d, heads, mode) for _ in range(layers))
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for block in self.layers:
-            x = block(x)
-        return self.head(x)
-
-
 @pytest.mark.parametrize("mode,refused", [("arg", True), ("kw", True), ("norm", True), ("beside", False),
                                           ("same", False), ("block", False)])
 def test_a_residual_inside_the_mlp_module_refuses_sequence_parallel(mode, refused):
@@ -336,7 +324,7 @@ def test_a_residual_inside_the_mlp_module_refuses_sequence_parallel(mode, refuse
     runtime trains it without SP, tests/test_sequence_gather.py). A residual handed in beside it
     stays the shard (BLOOM's), and the block's own residual is outside the module: both keep SP."""
     with torch.device("meta"):
-        model = ResidualInModuleLM(mode)
+        model = StackLM([_ResidualBlock(64, 4, mode) for _ in range(2)])
     ids = torch.zeros(1, 32, dtype=torch.long, device="meta")
     g = graph_of(model, (ids,), name="residual-mlp", seq_len=32, loss_fn=lambda out: out.float().sum())
     roles = {lin.name: lin.role for lin in g.layers[1].linears}

@@ -57,14 +57,15 @@ def time_plan(plan: Plan, device: torch.device, steps: int, warmup: int, lr: flo
 
 def measure_runtime_profile(world: int) -> dict:
     """The CPU runtime's per-call figures and FSDP2 unit samples on these ranks, as a ``ProfileDB``
-    layout (module docstring; its fingerprint left for the caller to name)."""
+    layout (module docstring; its fingerprint left for the caller to name); ``{}`` where
+    ``measure_runtime`` measures nothing (one rank, not gloo)."""
     from cost_models.profile_db import ProfileDB
     from cost_models.profile_runtime import measure_runtime
     from cost_models.profiler import DEFAULT_REPEATS, DEFAULT_SIZES
 
     db = ProfileDB(cluster_fingerprint="", backend=dist.get_backend(), world=world)
     measure_runtime(db, world, DEFAULT_REPEATS, DEFAULT_SIZES)
-    return db.to_dict()
+    return db.to_dict() if db.runtime else {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,9 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                          "launch each thread count on its own")
     device = init_distributed(threads=threads.pop())
     out = {"runs": [time_plan(p, device, args.steps, args.warmup, args.lr) for p in plans]}
-    world = dist.get_world_size()
-    if args.runtime and world > 1 and dist.get_backend() == "gloo":
-        out["runtime"] = measure_runtime_profile(world)
+    if args.runtime:
+        out["runtime"] = measure_runtime_profile(dist.get_world_size())
     if dist.get_rank() == 0:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(out, f)

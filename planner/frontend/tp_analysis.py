@@ -246,8 +246,8 @@ def _from_input(n, label: str, part: str, unit: set[fx.Node]) -> bool:
 
 def _module_residual(rows: dict[str, fx.Node], regions: list[str], layer_name: str,
                      unit: set[fx.Node]) -> str | None:
-    """Why SP cannot run the block: a row linear's output joined inside its region module with a
-    value from outside it (module docstring), or None."""
+    """Why SP cannot run the block: a row linear's output joined inside its region module with
+    that module's hidden-state input or what it derives from it (module docstring), or None."""
     for fqn, row in rows.items():
         part = fqn[len(layer_name) + 1:].rpartition(".")[0]
         if part not in regions or "." in part:  # the capture marks the hidden input of a block's parts only

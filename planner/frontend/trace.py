@@ -45,7 +45,6 @@ from torch.utils.flop_counter import flop_registry
 
 from planner.frontend.records import UnitRecord, UnitRun, assemble, nbytes, tensors
 from planner.errors import AutoparError, first_line
-from codegen.runtime.tensor_parallel import region_input_key
 from planner.frontend.fx_graph import GraphBuilder, unit_costs
 from planner.graph import MATMUL_OPS, AttentionDims, Matmul, ModelGraph
 from planner.frontend.layer_kinds import ATTN_OPS, is_linear, kernel_causal, part_kind
@@ -343,6 +342,7 @@ class _UnitHooks:
         return hook
 
     def part_pre(self, u: UnitRecord, pname: str, lin: nn.Module | None):
+        from codegen.runtime.tensor_parallel import region_input_key  # torch's TP styles: only when capturing
         def hook(mod, args, kwargs):
             rec = self.rec
             if lin is None and rec.unit is u and rec.part == "" and not rec.backward:
