@@ -20,15 +20,18 @@ fsdp_unit_s,        micro-batch (replicate; fully_shard; its
 fsdp_reduce_unit_s  gradient reduction)
 ep_dispatch_s       CPU EP dispatch host work per MoE layer          cpu_runtime.ep_dispatch_s
                     (these four: given, not fitted; the profile measures them)
-dtensor_module_s    CPU DTensor dispatch per TP-sharded module       dtensor_dispatch.dtensor_dispatch_s
-                    (the profile measures it; a CPU roofline fit stores it scaled, below)
+dtensor_module_s,   CPU DTensor dispatch per TP-sharded linear; per  dtensor_dispatch.dtensor_dispatch_s
+dtensor_norm_s      sequence-parallel norm (the profile measures
+                    them; a CPU roofline fit stores them scaled, below)
 gpu.<coefficient>   a GPU kernel-model coefficient (GpuCoefficients) gpu_kernels
 
 comm_scale          multiplies every collective / p2p time           comm._group_time
 comm_scale.<kind>   the same for one kind (all_reduce, all_gather,   comm._group_time
                     reduce_scatter, all_to_all, send_recv)
 comm_latency_s      seconds added to every collective / p2p call     comm._group_time
-overlap             DP-communication overlap efficiency (OVERLAP)    dp_cost.dp_and_optimizer
+                    (but TP's on CPUs: DTensor's figure prices it)
+overlap             DP-communication overlap efficiency (OVERLAP),   dp_cost.dp_and_optimizer
+                    where a core is spare for the communication
 opt_scale           multiplies the optimizer step time               dp_cost.dp_and_optimizer
 step_overhead_s     seconds added to every step                      estimate.estimate
 mem_reserve_gib     per-process memory beside the tensors (CPU)      estimate.estimate
@@ -36,9 +39,9 @@ mem_reserve_frac    + this fraction of the tensor bytes (CPU)        estimate.es
 =================== ================================================ =====================
 
 When every fitted run on a CPU cluster priced its layers with the roofline (no measured
-layers), ``compute_scale`` is folded into ``eff_matmul``, ``eff_memory``, ``op_overhead_s`` and
-``dtensor_module_s`` (the roofline is exactly proportional to 1/efficiency and to the per-op and
-per-module costs; the last is the profile's measured figure where it has one), so those are what
+layers), ``compute_scale`` is folded into ``eff_matmul``, ``eff_memory``, ``op_overhead_s``, ``dtensor_module_s``
+and ``dtensor_norm_s`` (the roofline is exactly proportional to 1/efficiency and to the per-op and
+per-module costs; the last two are the profile's measured figures where it has them), so those are what
 is stored. The CPU runtime's other per-call figures (cost_models/cpu_runtime.py) are measured,
 not scaled: their keys replace them only when given.
 
@@ -330,7 +333,8 @@ def fit(samples: Sequence[RunSample], profile: ProfileDB | None, *, keys: Sequen
         cal["eff_matmul"] = EFF_MATMUL_CPU / k
         cal["eff_memory"] = EFF_MEMORY / k
         cal["op_overhead_s"] = CPU_OP_OVERHEAD_S * k
-        cal["dtensor_module_s"] = runtime_measured("dtensor_module_s", profile) * k
+        for key in ("dtensor_module_s", "dtensor_norm_s"):
+            cal[key] = runtime_measured(key, profile) * k
     return {k: float(v) for k, v in sorted(cal.items())}
 
 

@@ -83,7 +83,8 @@ Calibration: a profile's ``calibration`` (``autopar calibrate``) may hold
 ``comm_scale`` (every collective and p2p time is multiplied by it) and
 ``comm_scale.<kind>`` (that kind only, instead), and ``comm_latency_s`` (added to
 every collective / p2p call: the synchronisation cost of a blocking call between
-processes that share cores), fitted to measured training runs: a
+processes that share cores; not to tensor parallelism's on CPU clusters, whose DTensor figure
+holds it: ``collective_time``'s ``sync_priced``), fitted to measured training runs: a
 collective inside a training step contends with compute for the cores, which the
 profiler's collective-only measurements do not see.
 
@@ -249,22 +250,28 @@ class _Phase:
 
 
 def collective_time(kind: str, nbytes: float, cluster: Cluster, mesh: Mesh | Mapping[str, int], dim: str,
-                    profile: ProfileDB | None = None, *, flat: bool = False, chained: bool = False) -> CommEstimate:
+                    profile: ProfileDB | None = None, *, flat: bool = False, chained: bool = False,
+                    sync_priced: bool = False) -> CommEstimate:
     """Seconds for one ``kind`` collective of ``nbytes`` (per-rank buffer) over a ``dim`` group.
     A group spanning cluster groups runs hierarchically, or as one ring when ``flat`` (module
     docstring). ``chained``: issued right after another collective of the same group, with no
     compute between (the EP dispatch after its count exchange): every peer is already running, so
     no shared-core wait (``shared_cores.sync_wait_s``) is added; measured, an all-to-all over 4
     ranks on 2 cores right after another costs its back-to-back time, 2.49 / 2.67 ms against
-    2.54 / 2.26 back-to-back and 3.46 / 3.14 after compute (benchmarks/collective_in_step.py)."""
+    2.54 / 2.26 back-to-back and 3.46 / 3.14 after compute (benchmarks/collective_in_step.py).
+    ``sync_priced``: what the call costs between compute beyond its back-to-back time is priced by
+    the caller (tensor parallelism's DTensor figure and lockstep wait on CPU clusters,
+    ``cost_models.dtensor_dispatch.prices_tp_sync``), so a calibration's ``comm_latency_s``, which
+    stands for that cost, is not added."""
     if kind not in COLLECTIVE_KINDS:
         raise ClusterError(f"unknown collective {kind!r}: use one of {', '.join(COLLECTIVE_KINDS)}")
     m = Mesh.of(mesh)
     lay = group_layout(cluster, m, dim)
     span = wan.dim_span(cluster, lay.size, m.stride(dim), m.world)
     if span is not None:
-        return _group_time(kind, float(nbytes), lay, cluster, profile, _Wan(span, m.stride(dim), flat), chained)
-    return _group_time(kind, float(nbytes), lay, cluster, profile, chained=chained)
+        return _group_time(kind, float(nbytes), lay, cluster, profile, _Wan(span, m.stride(dim), flat), chained,
+                           sync_priced)
+    return _group_time(kind, float(nbytes), lay, cluster, profile, chained=chained, sync_priced=sync_priced)
 
 
 @dataclass(frozen=True)
@@ -277,7 +284,8 @@ class _Wan:
 
 
 def _group_time(kind: str, nbytes: float, lay: GroupLayout, cluster: Cluster,
-                profile: ProfileDB | None, across: "_Wan | None" = None, chained: bool = False) -> CommEstimate:
+                profile: ProfileDB | None, across: "_Wan | None" = None, chained: bool = False,
+                sync_priced: bool = False) -> CommEstimate:
     if across is None:
         est = _group_time_raw(kind, nbytes, lay, cluster, profile)
     elif across.flat and kind != "send_recv":
@@ -289,7 +297,7 @@ def _group_time(kind: str, nbytes: float, lay: GroupLayout, cluster: Cluster,
     cal = getattr(profile, "calibration", None)
     if cal and est.seconds:
         k = cal.get(f"comm_scale.{kind}", cal.get("comm_scale", 1.0))
-        alpha = cal.get("comm_latency_s", 0.0)
+        alpha = 0.0 if sync_priced else cal.get("comm_latency_s", 0.0)
         if k != 1.0 or alpha:
             return CommEstimate(est.seconds * k + alpha, est.source)
     return est

@@ -20,8 +20,11 @@ what it adds to, below):
   above 64 MiB) a profile measures by unit size, and ``cost_models.dp_cost.fsdp_measured_s``
   prices each unit at it, less these fixed figures.
 - **DTensor dispatch** per TP-sharded module and micro-batch (sharding propagation, wrapping and
-  unwrapping local tensors, the conversions' autograd nodes): ``CPU_DTENSOR_MODULE_S``, priced
-  with the layer time (``cost_models.dtensor_dispatch.dtensor_dispatch_s`` counts the modules).
+  unwrapping local tensors, the conversions' autograd nodes), priced with the layer time
+  (``cost_models.dtensor_dispatch.dtensor_dispatch_s`` counts the modules), by kind: a column or
+  row linear (or vocabulary embedding), whose blocking collectives run between compute,
+  ``CPU_DTENSOR_MODULE_S``; a sequence-parallel norm, which converts its shard and issues no
+  collective, ``CPU_DTENSOR_NORM_S``.
 - **EP dispatch on gloo** (codegen/runtime/expert_parallel.py ``TokenDispatch``), per MoE
   layer and micro-batch: beside the count exchange and the two row all-to-alls that
   cost_models/experts.py prices from the collective model, the host copies of the counts
@@ -49,9 +52,9 @@ collectives the wrapper issues, those of its units with parameters, back to back
 defaults took the collectives timed alone for every unit, about 0.05 ms per unit more;
 ``ProfileDB.runtime``), and ``autopar profile`` the split backward's with the layers; a measured
 figure replaces the default. The calibration keys ``replicate_unit_s``,
-``fsdp_unit_s``, ``fsdp_reduce_unit_s``, ``ep_dispatch_s`` and ``dtensor_module_s`` replace the
-measured figures where a calibration gives them (``autopar calibrate`` does not fit them: a CPU
-roofline fit stores ``dtensor_module_s`` scaled with the layers, cost_models/calibrate.py).
+``fsdp_unit_s``, ``fsdp_reduce_unit_s``, ``ep_dispatch_s``, ``dtensor_module_s`` and ``dtensor_norm_s``
+replace the measured figures where a calibration gives them (``autopar calibrate`` does not fit them:
+a CPU roofline fit stores the two DTensor figures scaled with the layers, cost_models/calibrate.py).
 """
 from __future__ import annotations
 
@@ -82,6 +85,13 @@ CPU_EP_DISPATCH_S = 3.0e-3
 # their all-reduces paired with the DTensor stack, cost_models.profile_runtime) 0.90-1.32 ms in
 # nine tries, 2026-12-07.
 CPU_DTENSOR_MODULE_S = 1.15e-3
+# 2 gloo ranks, 16 RMSNorms of 64 features under torch's SequenceParallel, each handed the local
+# sequence shard [2, 16, 64] and its output taken back to local (as a block's residual stream
+# reaches its norms), forward + backward, against the same norms plain on the shard, paired as the
+# profile pairs them: 0.41 / 0.42 / 0.43 ms per norm (0.26-0.27 chained DTensor to DTensor), while
+# the linear pairs' figure read 0.94-1.08 ms in the same launches, 2026-12-07 (before, every
+# sequence-parallel norm was priced at the linears' figure).
+CPU_DTENSOR_NORM_S = 0.42e-3
 
 # A llama-fid block (hidden 512, one thread, one process, [1, 128, 512]) whose backward runs split as
 # the schedule runtime splits it (codegen.runtime.torch_compat.split_backward), over its whole
@@ -96,10 +106,10 @@ CPU_SPLIT_BACKWARD_FRAC = 0.08
 CPU_LOCKSTEP_WAIT_FRAC = 0.12
 
 KEYS = ("replicate_unit_s", "fsdp_unit_s", "fsdp_reduce_unit_s", "ep_dispatch_s", "dtensor_module_s",
-        "split_backward_frac", "lockstep_wait_frac")
+        "dtensor_norm_s", "split_backward_frac", "lockstep_wait_frac")
 DEFAULTS = {"replicate_unit_s": CPU_REPLICATE_UNIT_S, "fsdp_unit_s": CPU_FSDP_UNIT_S,
             "fsdp_reduce_unit_s": CPU_FSDP_REDUCE_UNIT_S, "ep_dispatch_s": CPU_EP_DISPATCH_S,
-            "dtensor_module_s": CPU_DTENSOR_MODULE_S,
+            "dtensor_module_s": CPU_DTENSOR_MODULE_S, "dtensor_norm_s": CPU_DTENSOR_NORM_S,
             "split_backward_frac": CPU_SPLIT_BACKWARD_FRAC, "lockstep_wait_frac": CPU_LOCKSTEP_WAIT_FRAC}
 
 

@@ -13,7 +13,9 @@
   own latency) - except DDP / ZeRO-1 without a pipeline or TP (``planner.sharding.uses_ddp_reducer``),
   which all-reduce per 25 MiB bucket. **Overlap assumption**: gradient traffic overlaps the backward of the last
   micro-batch (per-micro-batch FSDP/ZeRO-2 traffic the whole forward and backward), with efficiency
-  ``OVERLAP[backend]`` (streams on NCCL overlap well; gloo shares the CPU with compute).
+  ``OVERLAP[backend]`` (streams on NCCL overlap well; gloo shares the CPU with compute), or a
+  calibration's fitted ``overlap``; none where every core runs a rank (no core for the
+  communication thread: it competes with the compute it would hide behind), calibrated or not.
   :func:`exposed_s`: the last call (unit or bucket: its reduction starts only when the backward is
   over) is always exposed; the rest only where it exceeds the window.
 - Optimizer: AdamW over every parameter the rank updates, at the device's effective memory bandwidth
@@ -181,10 +183,9 @@ def dp_and_optimizer(graph: ModelGraph, cluster: Cluster, cfg: ParallelConfig, p
         ex = dp_comm(cluster, cfg, m, own, max(1, len(e_sizes)), profile, comm_src, engine, experts=True,
                      unit_params=e_sizes if priced else None)
         dp = DpTraffic(dp.overlappable + ex.overlappable, dp.after_step + ex.after_step, max(dp.last_call, ex.last_call))
-    ov = OVERLAP.get(cluster.backend, 0.5)
+    ov = cal.get("overlap", OVERLAP.get(cluster.backend, 0.5)) if engine.dp_overlap else 0.0
     if not spare_core(cluster.cores_per_node, min(cfg.world, cluster.devices_per_node)):
         ov = 0.0  # no spare core for the communication thread: it competes with the compute it would hide behind
-    ov = cal.get("overlap", ov) if engine.dp_overlap else 0.0
     window = (m * sum(rank_fb) if per_microbatch_dp(cfg) else rank_fb[1]) * ov
     after = exposed_s(dp.after_step, rank_fb[0] * ov) if engine.param_gather_overlap else dp.after_step
     dp_exposed = exposed_s(dp.overlappable, window, dp.last_call) + after

@@ -20,22 +20,42 @@ from planner.plan import ParallelConfig
 
 def tp_modules(layer: Layer, cfg: ParallelConfig) -> int:
     """Modules of ``layer`` that tensor parallelism turns into DTensor modules: its sharded
-    linears and vocabulary embeddings, and with sequence parallel its norms (0 without TP)."""
+    linears and vocabulary embeddings (:func:`tp_linears`), and with sequence parallel its norms
+    (:func:`sp_norms`); 0 without TP."""
+    return tp_linears(layer, cfg) + sp_norms(layer, cfg)
+
+
+def tp_linears(layer: Layer, cfg: ParallelConfig) -> int:
+    """The layer's column / row sharded linears and vocabulary-parallel embeddings under TP."""
     if cfg.tp == 1:
         return 0
     n = sum(1 for l in layer.linears if l.role in TP_SPLIT_ROLES)
-    n += sum(1 for o in layer.ops if o.kind == "embedding" and o.tp_style == "vocab")
-    return n + (sum(1 for o in layer.ops if o.kind == "norm") if cfg.sp else 0)
+    return n + sum(1 for o in layer.ops if o.kind == "embedding" and o.tp_style == "vocab")
+
+
+def sp_norms(layer: Layer, cfg: ParallelConfig) -> int:
+    """The layer's norms that sequence parallelism runs as ``SequenceParallel`` DTensor modules."""
+    return sum(1 for o in layer.ops if o.kind == "norm") if cfg.tp > 1 and cfg.sp else 0
+
+
+def prices_tp_sync(cluster: Cluster) -> bool:
+    """Whether :func:`dtensor_dispatch_s` prices what TP's blocking collectives cost between compute
+    beyond back to back (its linears' figure holds it, ``cost_models.cpu_runtime``), so that no
+    calibrated per-call latency is added to them (``comm.collective_time``'s ``sync_priced``): on
+    CPU clusters."""
+    return cluster.backend == "gloo"
 
 
 def dtensor_dispatch_s(layer: Layer, cluster: Cluster, cfg: ParallelConfig, profile=None) -> tuple[float, float]:
     """(forward, backward) seconds per micro-batch of DTensor dispatch in ``layer`` under TP on
-    a CPU cluster: the per-module figure (``cost_models.cpu_runtime``'s ``dtensor_module_s``: a
-    calibration's, else the profile's measured one, else ``CPU_DTENSOR_MODULE_S``) per sharded
-    module (:func:`tp_modules`), a third in the forward; nothing on GPUs, where it runs ahead of
-    the kernels. ``compute.layer_time`` scales it by a calibration's ``compute_scale`` with the
-    layer time (a CPU roofline calibration stores the scaled figure as ``dtensor_module_s``)."""
-    if cluster.backend != "gloo":
+    a CPU cluster: per sharded linear (:func:`tp_linears`) ``cost_models.cpu_runtime``'s
+    ``dtensor_module_s``, per sequence-parallel norm (:func:`sp_norms`) its ``dtensor_norm_s``
+    (each a calibration's, else the profile's measured one, else the default), a third in the
+    forward; nothing on GPUs, where it runs ahead of the kernels. ``compute.layer_time`` scales it
+    by a calibration's ``compute_scale`` with the layer time (a CPU roofline calibration stores
+    the scaled figures as ``dtensor_module_s`` and ``dtensor_norm_s``)."""
+    if not prices_tp_sync(cluster):
         return 0.0, 0.0
-    s = tp_modules(layer, cfg) * figure("dtensor_module_s", profile)
+    s = tp_linears(layer, cfg) * figure("dtensor_module_s", profile) + \
+        sp_norms(layer, cfg) * figure("dtensor_norm_s", profile)
     return s / 3, 2 * s / 3

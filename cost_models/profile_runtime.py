@@ -1,8 +1,8 @@
 """The CPU runtime's own per-call work, measured on a cluster's ranks (cost_models/cpu_runtime.py lists
 the keys; ``cost_models.profiler`` and the first-run calibration's ``planner.entry.timed_runs`` call
 :func:`measure_runtime`): the data-parallel wrappers per unit, the EP dispatch per MoE layer and
-DTensor's dispatch per TP-sharded module, into ``ProfileDB.runtime``; and what an FSDP2 unit costs by
-its size (:func:`measure_fsdp_units`, the profile's ``FSDP_UNIT`` samples).
+DTensor's dispatch per TP-sharded linear and sequence-parallel norm, into ``ProfileDB.runtime``; and
+what an FSDP2 unit costs by its size (:func:`measure_fsdp_units`, the profile's ``FSDP_UNIT`` samples).
 
 FSDP2 on gloo costs more than its collectives as the profiler times them back to back on buffers
 it keeps: each call gathers into fresh buffers and copies out of them (and into them for the
@@ -127,43 +127,64 @@ def _ep_figure(world: int, repeats: int) -> float:
 
 
 DTENSOR_PAIRS = 16  # the DTensor measurement's column + row linear pairs (64 features, 16 tokens)
+DTENSOR_NORMS = 16  # and its sequence-parallel norms (64 features, [2, 16, 64] shards)
 
 
-def _dtensor_figure(world: int, repeats: int) -> float:
-    """Per TP-sharded module and micro-batch, forward + backward: what DTensor adds beyond the
-    arithmetic and its all-reduces timed back to back (cost_models/dtensor_dispatch.py: its
-    dispatch, and its blocking all-reduces' extra between compute), on tp groups of 2 (every
-    group at once). A stack of ``DTENSOR_PAIRS`` column + row linear pairs under torch's
-    ``ColwiseParallel`` / ``RowwiseParallel`` against the same pairs as plain local shards followed
-    by the pairs' all-reduces (the forward's row output, the backward's column input gradient)
-    back to back: the median difference of paired rounds (:func:`_paired_extra`; timed
-    in separate batches, the all-reduces' and the stacks' slow spells did not cancel: 0.7-1.7 ms
-    per module in five tries against 0.9-1.3 ms paired, 2 ranks on the 2-core VM, 2026-12-07)."""
+def _dtensor_figures(world: int, repeats: int) -> dict[str, float]:
+    """Per TP-sharded module and micro-batch, forward + backward, on tp groups of 2 (every group at
+    once), what DTensor adds (cost_models/dtensor_dispatch.py), in one set of paired rounds
+    (:func:`_paired_extra`):
+
+    - ``dtensor_module_s``, per linear: beyond the arithmetic and its all-reduces timed back to back
+      (its dispatch, and its blocking all-reduces' extra between compute). A stack of
+      ``DTENSOR_PAIRS`` column + row linear pairs under torch's ``ColwiseParallel`` /
+      ``RowwiseParallel`` against the same pairs as plain local shards followed by the pairs'
+      all-reduces (the forward's row output, the backward's column input gradient) back to back
+      (timed in separate batches, the all-reduces' and the stacks' slow spells did not cancel:
+      0.7-1.7 ms per module in five tries against 0.9-1.3 ms paired, 2 ranks on the 2-core VM,
+      2026-12-07);
+    - ``dtensor_norm_s``, per sequence-parallel norm: ``DTENSOR_NORMS`` RMSNorms under
+      ``SequenceParallel``, each handed the local shard and its output taken back to local (as a
+      block's residual stream reaches them), against the same norms plain on the shard."""
     import torch
     import torch.distributed as dist
     import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
 
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))["tp"]
     group, width, modules = mesh.get_group(), 64, 2 * DTENSOR_PAIRS
     # the input needs its gradient, as a block's does in training: every column linear all-reduces one
     x, reduced = torch.randn(16, width, requires_grad=True), torch.randn(16, width)
+    shard = torch.randn(2, 16, width, requires_grad=True)
 
-    def stack(shard: int) -> nn.Sequential:
-        return nn.Sequential(*[nn.Sequential(nn.Linear(width, width // shard), nn.Linear(width // shard, width))
+    def stack(split: int) -> nn.Sequential:
+        return nn.Sequential(*[nn.Sequential(nn.Linear(width, width // split), nn.Linear(width // split, width))
                                for _ in range(DTENSOR_PAIRS)])
 
     local, sharded = stack(2), stack(1)
     for pair in sharded:
         parallelize_module(pair, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    plain_norms = [nn.RMSNorm(width) for _ in range(DTENSOR_NORMS)]
+    sp_norms = [parallelize_module(nn.RMSNorm(width), mesh, SequenceParallel()) for _ in range(DTENSOR_NORMS)]
 
     def run_local() -> None:
         local(x).sum().backward()
         for _ in range(modules):
             dist.all_reduce(reduced, group=group)
 
-    return _paired_extra([(run_local, lambda: sharded(x).sum().backward())], repeats)[0] / modules
+    def norms(stack_, sp: bool):
+        def run() -> None:
+            y = shard
+            for norm in stack_:
+                y = norm(y).to_local() if sp else norm(y)
+            y.sum().backward()
+        return run
+
+    linear, norm = _paired_extra([(run_local, lambda: sharded(x).sum().backward()),
+                                  (norms(plain_norms, False), norms(sp_norms, True))], repeats)
+    return {"dtensor_module_s": linear / modules, "dtensor_norm_s": norm / DTENSOR_NORMS}
 
 
 # always timed too: where FSDP2's cost has parted from its collectives' (module docstring)
@@ -227,7 +248,7 @@ def measure_runtime(db, world: int, repeats: int, sizes=()) -> None:
     figs = _wrapper_figures(init_device_mesh("cpu", (world,)), repeats)
     figs["ep_dispatch_s"] = _ep_figure(world, repeats)
     if world % 2 == 0:
-        figs["dtensor_module_s"] = _dtensor_figure(world, repeats)
+        figs.update(_dtensor_figures(world, repeats))
     db.runtime = {k: max(0.0, v) for k, v in zip(sorted(figs), slowest_rank(figs[k] for k in sorted(figs)))}
     _log("runtime work: " + ", ".join(f"{k} {v * 1e3:.4g} ms" for k, v in db.runtime.items()))
     measure_fsdp_units(db, world, sizes, repeats)

@@ -1,6 +1,8 @@
 """Compute, memory and the step estimate: sources, sharding effects, schedule effects."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cost_models.cluster import parse_cluster
@@ -203,12 +205,12 @@ def test_ddp_reducer_all_reduces_per_bucket():
 
 
 def test_dtensor_dispatch_priced_per_sharded_module_on_cpu():
-    """Under TP on a CPU cluster every DTensor-sharded module adds the per-module figure per
-    micro-batch (a Llama block: q, k, v, o, gate, up, down, and with SP its two norms): the
-    default without a profile, the profile's measured figure where it has one, a calibration's
-    over both; not without TP, not on GPUs."""
-    from cost_models.cpu_runtime import CPU_DTENSOR_MODULE_S
-    from cost_models.dtensor_dispatch import dtensor_dispatch_s, tp_modules
+    """Under TP on a CPU cluster every DTensor-sharded module adds its kind's figure per
+    micro-batch (a Llama block: q, k, v, o, gate, up, down at the linears' figure, and with SP its
+    two norms at the norms'): the defaults without a profile, the profile's measured figures where
+    it has them, a calibration's over both; not without TP, not on GPUs."""
+    from cost_models.cpu_runtime import CPU_DTENSOR_MODULE_S, CPU_DTENSOR_NORM_S
+    from cost_models.dtensor_dispatch import dtensor_dispatch_s, sp_norms, tp_linears, tp_modules
 
     g = load_graph("benchmarks/fidelity_llama.toml", batch=1, seq_len=64)
     block = next(l for l in g.layers if l.name == "layers.0")
@@ -217,20 +219,61 @@ def test_dtensor_dispatch_priced_per_sharded_module_on_cpu():
     assert tp_modules(block, ParallelConfig.parse("tp=2,sp=on")) == 9
     assert tp_modules(block, ParallelConfig.parse("dp=2")) == 0
     tp_sp = ParallelConfig.parse("tp=2,sp=on")
+    assert (tp_linears(block, tp_sp), sp_norms(block, tp_sp)) == (7, 2)
     f, b = dtensor_dispatch_s(block, cpu, tp_sp)
-    assert f + b == pytest.approx(9 * CPU_DTENSOR_MODULE_S) and b == pytest.approx(2 * f)
+    assert f + b == pytest.approx(7 * CPU_DTENSOR_MODULE_S + 2 * CPU_DTENSOR_NORM_S) and b == pytest.approx(2 * f)
+    assert CPU_DTENSOR_NORM_S < CPU_DTENSOR_MODULE_S  # a norm issues no collective
     assert dtensor_dispatch_s(block, gpu, tp_sp) == (0.0, 0.0)
     measured = ProfileDB(cluster_fingerprint=cpu.fingerprint(), backend="gloo", world=2,
-                         runtime={"dtensor_module_s": 2e-3})
-    assert sum(dtensor_dispatch_s(block, cpu, tp_sp, measured)) == pytest.approx(9 * 2e-3)
+                         runtime={"dtensor_module_s": 2e-3, "dtensor_norm_s": 1e-3})
+    assert sum(dtensor_dispatch_s(block, cpu, tp_sp, measured)) == pytest.approx(7 * 2e-3 + 2 * 1e-3)
     measured.calibration = {"dtensor_module_s": 3e-3}
-    assert sum(dtensor_dispatch_s(block, cpu, tp_sp, measured)) == pytest.approx(9 * 3e-3)
+    assert sum(dtensor_dispatch_s(block, cpu, tp_sp, measured)) == pytest.approx(7 * 3e-3 + 2 * 1e-3)
     with_dt = _est(g, cpu, "tp=2,sp=on,mbs=4,dtype=fp32", gb=8)  # 2 micro-batches
-    free = ProfileDB(cluster_fingerprint=cpu.fingerprint(), backend="gloo", world=2, runtime={"dtensor_module_s": 0.0})
+    free = ProfileDB(cluster_fingerprint=cpu.fingerprint(), backend="gloo", world=2,
+                     runtime={"dtensor_module_s": 0.0, "dtensor_norm_s": 0.0})
     without = _est(g, cpu, "tp=2,sp=on,mbs=4,dtype=fp32", gb=8, profile=free)
-    modules = sum(tp_modules(l, with_dt.config) for l in g.layers)
+    linears = sum(tp_linears(l, with_dt.config) for l in g.layers)
+    norms = sum(sp_norms(l, with_dt.config) for l in g.layers)
     assert with_dt.breakdown["compute"] - without.breakdown["compute"] == pytest.approx(
-        2 * modules * CPU_DTENSOR_MODULE_S, rel=1e-6)
+        2 * (linears * CPU_DTENSOR_MODULE_S + norms * CPU_DTENSOR_NORM_S), rel=1e-6)
+
+
+def _calibrated(cluster, cal: dict) -> ProfileDB:
+    return ProfileDB(cluster_fingerprint=cluster.fingerprint(), backend=cluster.backend, world=cluster.world,
+                     calibration=cal)
+
+
+def test_calibrated_latency_is_not_added_to_cpu_tensor_parallel_collectives():
+    """A calibration's per-call latency stands for what a blocking collective costs between
+    compute beyond back to back; on CPU clusters DTensor's figure prices that for TP's collectives,
+    so the latency lands on the others (DP's here) only; on GPUs on TP's too."""
+    g = load_graph("benchmarks/fidelity_llama.toml", batch=1, seq_len=64)
+    cpu, gpu = parse_cluster("local-cpu:2"), parse_cluster("dgx-h100:1")
+    lat = {"comm_latency_s": 1e-3}
+    for layout in ("tp=2,sp=on,mbs=8,dtype=fp32", "tp=2,sp=off,mbs=8,dtype=fp32"):
+        plain, late = (_est(g, cpu, layout, gb=8, profile=_calibrated(cpu, c)) for c in ({}, lat))
+        assert plain.breakdown["tp_comm"] > 0 and late.breakdown["tp_comm"] == pytest.approx(plain.breakdown["tp_comm"])
+    plain, late = (_est(g, cpu, "dp=2,mbs=4,zero=zero1,dtype=fp32", gb=8, profile=_calibrated(cpu, c)) for c in ({}, lat))
+    assert late.breakdown["dp_comm"] > plain.breakdown["dp_comm"] + 1e-3
+    plain, late = (_est(g, gpu, "tp=2,sp=on,mbs=8", gb=8, profile=_calibrated(gpu, c)) for c in ({}, lat))
+    assert late.breakdown["tp_comm"] > plain.breakdown["tp_comm"] + 1e-3
+
+
+def test_calibrated_overlap_hides_dp_traffic_only_beside_a_spare_core():
+    """With every core running a rank, gradient traffic has no core to run on beside the backward
+    and is not hidden: a calibration's fitted overlap efficiency does not hide it there either, as
+    it does where a core is spare."""
+    g = load_graph("benchmarks/fidelity_llama.toml", batch=1, seq_len=64)
+    full = parse_cluster("local-cpu:2")  # 2 ranks on the 2 cores: none spare
+    spare = dataclasses.replace(full, cores_per_node=4)
+
+    def dp_comm(cluster, overlap: float) -> float:
+        e = _est(g, cluster, "dp=2,mbs=4,zero=ddp,dtype=fp32", gb=8, profile=_calibrated(cluster, {"overlap": overlap}))
+        return e.breakdown["dp_comm"]
+
+    assert dp_comm(full, 0.9) == pytest.approx(dp_comm(full, 0.0)) and dp_comm(full, 0.0) > 0
+    assert dp_comm(spare, 0.9) < dp_comm(spare, 0.0)
 
 
 @pytest.mark.parametrize("change", [dict(loss="fused"), dict(attention="eager")])

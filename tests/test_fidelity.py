@@ -57,8 +57,11 @@ def test_estimator_reads_each_coefficient():
     for key, val in (("compute_scale", 2.0), ("eff_matmul", 0.1), ("comm_scale", 3.0),
                      ("comm_scale.reduce_scatter", 3.0), ("opt_scale", 5.0), ("step_overhead_s", 0.5)):
         assert C.predict(s, None, {key: val}).step_s > base.step_s, key
-    # a fitted overlap replaces the default (0 where ranks share cores, OVERLAP["gloo"] otherwise)
-    assert C.predict(s, None, {"overlap": 1.0}).step_s < C.predict(s, None, {"overlap": 0.0}).step_s
+    # a fitted overlap replaces the default (OVERLAP["gloo"]) where a core is spare; none where ranks
+    # fill or share the cores, fitted or not
+    assert C.predict(s, None, {"overlap": 1.0}).step_s == pytest.approx(C.predict(s, None, {"overlap": 0.0}).step_s)
+    spare = C.RunSample("x", g, dataclasses.replace(c, cores_per_node=8), cfg, e0.partition, 8, 1.0)
+    assert C.predict(spare, None, {"overlap": 1.0}).step_s < C.predict(spare, None, {"overlap": 0.0}).step_s
     mem = C.predict(s, None, {"mem_reserve_gib": 0.5}).memory
     assert mem[0].total - base.memory[0].total == pytest.approx(0.5 * 2**30)
     mem = C.predict(s, None, {"mem_reserve_frac": 0.25}).memory
@@ -75,6 +78,7 @@ def test_fit_recovers_synthetic_coefficients(monkeypatch):
     c.cores_per_node = 0  # no shared-core terms: their per-call waits would swamp gpt-tiny's compute
     # nor the fixed DTensor dispatch per TP module, which would swamp the TP layouts' compute
     monkeypatch.setitem(cpu_runtime.DEFAULTS, "dtensor_module_s", 0.0)
+    monkeypatch.setitem(cpu_runtime.DEFAULTS, "dtensor_norm_s", 0.0)
     g = load_graph("llama-tiny", batch=1, seq_len=256)  # long enough that compute is not lost in the latencies
     # (a fixed per-step overhead is nearly collinear with compute_scale at one world size and
     # batch - every layout does the same compute per rank - so it is not part of this check)

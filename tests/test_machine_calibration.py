@@ -167,7 +167,7 @@ def test_cached_calibration_prices_the_runtime_work_it_measured(tmp_path, monkey
     those figures of the machine instead of the defaults."""
     from cost_models.calibrate import with_calibration
     from cost_models.cpu_runtime import CPU_DTENSOR_MODULE_S
-    from cost_models.dtensor_dispatch import tp_modules
+    from cost_models.dtensor_dispatch import tp_linears
     from cost_models.estimate import estimate
     from cost_models.profile_db import FSDP_UNIT, ProfileDB
     from planner.plan import ParallelConfig, Partition
@@ -190,9 +190,9 @@ def test_cached_calibration_prices_the_runtime_work_it_measured(tmp_path, monkey
         return estimate(g, c, cfg, Partition.even(len(g.layers), 1, cfg.recompute), 8, profile=profile)
 
     tp = [price("tp=2,sp=on,mbs=8", p) for p in (prof, defaults)]  # one micro-batch
-    modules = sum(tp_modules(l, tp[0].config) for l in g.layers)
+    linears = sum(tp_linears(l, tp[0].config) for l in g.layers)  # the norms keep the default figure
     assert tp[0].breakdown["compute"] - tp[1].breakdown["compute"] == pytest.approx(
-        modules * (4e-3 - CPU_DTENSOR_MODULE_S), rel=1e-6)
+        linears * (4e-3 - CPU_DTENSOR_MODULE_S), rel=1e-6)
     fsdp = [price("dp=2,zero=fsdp,mbs=4", p) for p in (prof, defaults)]
     assert fsdp[0].step_s != pytest.approx(fsdp[1].step_s, rel=1e-3)  # units at their measured price
     assert mcal.measured_profile(_fake(c), c) is None  # nothing measured (a one-core profile): the defaults
@@ -245,8 +245,9 @@ def test_demo_profiles_this_machine_once_then_plans_calibrated(tmp_path, monkeyp
     assert all(r["measured_s"] > 0 for r in d["runs"])
     runtime = d["measured"]["runtime"]  # the runtime's own work, measured after the layouts
     assert set(runtime) == {"replicate_unit_s", "fsdp_unit_s", "fsdp_reduce_unit_s", "ep_dispatch_s",
-                            "dtensor_module_s"} and all(0 <= v < 0.1 for v in runtime.values())
+                            "dtensor_module_s", "dtensor_norm_s"} and all(0 <= v < 0.1 for v in runtime.values())
     assert 1e-4 < runtime["dtensor_module_s"] < 2e-2  # 1.15-1.18 ms on the 2-core VM
+    assert 2e-5 < runtime["dtensor_norm_s"] < 1e-2  # 0.40-0.43 ms
     units = d["measured"]["collectives"]["fsdp_unit/2/intra"]
     assert [u["nbytes"] for u in units] == sorted(u["nbytes"] for u in units) and units[-1]["nbytes"] >= 64 << 20
     before = cache[0].stat().st_mtime

@@ -238,6 +238,7 @@ def test_profiler_two_processes(tmp_path):
     # the runtime's own work per call, DTensor's dispatch per sharded module among it (1.15 ms by default)
     assert set(db.runtime) == set(cpu_runtime.KEYS) - {"lockstep_wait_frac"}
     assert 1e-4 < db.runtime["dtensor_module_s"] < 2e-2 and "[profile] runtime work: dtensor_module_s" in r.stdout
+    assert 2e-5 < db.runtime["dtensor_norm_s"] < 1e-2  # a sequence-parallel norm: 0.40-0.43 ms
 
 
 def _virtual_calls(monkeypatch, slow: list):
