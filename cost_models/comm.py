@@ -251,7 +251,7 @@ class _Phase:
 
 def collective_time(kind: str, nbytes: float, cluster: Cluster, mesh: Mesh | Mapping[str, int], dim: str,
                     profile: ProfileDB | None = None, *, flat: bool = False, chained: bool = False,
-                    sync_priced: bool = False) -> CommEstimate:
+                    sync_priced: bool = False, wait_priced: bool = False) -> CommEstimate:
     """Seconds for one ``kind`` collective of ``nbytes`` (per-rank buffer) over a ``dim`` group.
     A group spanning cluster groups runs hierarchically, or as one ring when ``flat`` (module
     docstring). ``chained``: issued right after another collective of the same group, with no
@@ -262,16 +262,19 @@ def collective_time(kind: str, nbytes: float, cluster: Cluster, mesh: Mesh | Map
     ``sync_priced``: what the call costs between compute beyond its back-to-back time is priced by
     the caller (tensor parallelism's DTensor figure and lockstep wait on CPU clusters,
     ``cost_models.dtensor_dispatch.prices_tp_sync``), so a calibration's ``comm_latency_s``, which
-    stands for that cost, is not added."""
+    stands for that cost, is not added. ``wait_priced``: so is the wait for peers descheduled on
+    shared cores (DTensor's figure measured on the cluster's own ranks,
+    ``dtensor_dispatch.prices_tp_shared_wait``): no ``sync_wait_s`` either."""
     if kind not in COLLECTIVE_KINDS:
         raise ClusterError(f"unknown collective {kind!r}: use one of {', '.join(COLLECTIVE_KINDS)}")
     m = Mesh.of(mesh)
     lay = group_layout(cluster, m, dim)
     span = wan.dim_span(cluster, lay.size, m.stride(dim), m.world)
     if span is not None:
-        return _group_time(kind, float(nbytes), lay, cluster, profile, _Wan(span, m.stride(dim), flat), chained,
-                           sync_priced)
-    return _group_time(kind, float(nbytes), lay, cluster, profile, chained=chained, sync_priced=sync_priced)
+        return _group_time(kind, float(nbytes), lay, cluster, profile, _Wan(span, m.stride(dim), flat),
+                           chained or wait_priced, sync_priced)
+    return _group_time(kind, float(nbytes), lay, cluster, profile, chained=chained or wait_priced,
+                       sync_priced=sync_priced)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,18 @@ def prices_tp_sync(cluster: Cluster) -> bool:
     return cluster.backend == "gloo"
 
 
+def prices_tp_shared_wait(cluster: Cluster, profile=None) -> bool:
+    """Whether DTensor's figure also holds the wait of TP's collectives for peers descheduled on
+    shared cores (``shared_cores.sync_wait_s``, which ``comm.collective_time`` then leaves out:
+    its ``wait_priced``): where the linears' figure is the profile's own, measured on as many ranks
+    as the cluster runs on its cores (its all-reduces waited for their peers as the plan's do; 2.08
+    ms per linear at 4 ranks on 2 cores against 1.01 ms at 2, 2026-12-07), not the default, which
+    was measured at one rank per core."""
+    runtime = getattr(profile, "runtime", None) or {}
+    return prices_tp_sync(cluster) and "dtensor_module_s" in runtime and cluster.nodes == 1 and \
+        getattr(profile, "world", 0) == cluster.devices_per_node
+
+
 def dtensor_dispatch_s(layer: Layer, cluster: Cluster, cfg: ParallelConfig, profile=None) -> tuple[float, float]:
     """(forward, backward) seconds per micro-batch of DTensor dispatch in ``layer`` under TP on
     a CPU cluster: per sharded linear (:func:`tp_linears`) ``cost_models.cpu_runtime``'s

@@ -13,7 +13,7 @@ from cost_models.cluster import Cluster
 from cost_models.compute import layer_time
 from cost_models.layer_work import LayerTime, attention_share, attn_core_flops, document_masked
 from cost_models.cpu_runtime import ep_dispatch_s, lockstep_wait_s
-from cost_models.dtensor_dispatch import prices_tp_sync
+from cost_models.dtensor_dispatch import prices_tp_shared_wait, prices_tp_sync
 from cost_models.context_parallel import cp_comm
 from cost_models.documents import ring_hiding
 from cost_models.engines import DEFAULT_ENGINE, Engine, exposed_s
@@ -124,16 +124,16 @@ class LayerCosts:
             n_red += sum(1 for o in layer.ops if o.kind == "embedding" and o.tp_style == "vocab")
             nbytes = act_bytes_io(layer, g, cfg)
             if n_red and nbytes:
-                sync = prices_tp_sync(self.c)  # their wait between compute: in DTensor's figure
+                # their cost between compute: in DTensor's figure (on shared cores, where the profile measured it there)
+                sync = dict(sync_priced=prices_tp_sync(self.c), wait_priced=prices_tp_shared_wait(self.c, self.profile))
                 if cfg.sp:
                     rs = comm_mod.collective_time("reduce_scatter", nbytes, self.c, self.mesh, "tp", self.profile,
-                                                  sync_priced=sync)
+                                                  **sync)
                     ag = comm_mod.collective_time("all_gather", nbytes * fp8_gather_share(layer, cfg, self.engine),
-                                                  self.c, self.mesh, "tp", self.profile, sync_priced=sync)
+                                                  self.c, self.mesh, "tp", self.profile, **sync)
                     one, csrc = rs.seconds + ag.seconds, rs.source
                 else:
-                    ar = comm_mod.collective_time("all_reduce", nbytes, self.c, self.mesh, "tp", self.profile,
-                                                  sync_priced=sync)
+                    ar = comm_mod.collective_time("all_reduce", nbytes, self.c, self.mesh, "tp", self.profile, **sync)
                     one, csrc = ar.seconds, ar.source
                 tp_s = 2 * n_red * one  # forward and backward
                 if self.engine.tp_overlap:  # chunked beside the GEMMs; the first ring step waits

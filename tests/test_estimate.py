@@ -260,6 +260,28 @@ def test_calibrated_latency_is_not_added_to_cpu_tensor_parallel_collectives():
     assert late.breakdown["tp_comm"] > plain.breakdown["tp_comm"] + 1e-3
 
 
+def test_tp_shared_core_wait_is_left_to_a_dtensor_figure_measured_on_the_clusters_ranks():
+    """With 4 ranks on 2 cores a blocking collective waits for descheduled peers
+    (``shared_cores.sync_wait_s``). DTensor's figure measured on the cluster's own ranks holds that
+    wait for TP's collectives, which then leave it out; with the default figure (one rank per core)
+    or one measured on other ranks they keep it."""
+    from cost_models.shared_cores import sync_wait_s
+
+    g = load_graph("benchmarks/fidelity_llama.toml", batch=1, seq_len=64)
+    c = dataclasses.replace(parse_cluster("local-cpu:4"), cores_per_node=2)
+    runtime = {"dtensor_module_s": 1.15e-3}
+    own = ProfileDB(cluster_fingerprint=c.fingerprint(), backend="gloo", world=4, runtime=runtime)
+    other = ProfileDB(cluster_fingerprint=c.fingerprint(), backend="gloo", world=2, runtime=runtime)
+    layout = "dp=2,tp=2,sp=on,mbs=4,zero=zero1,dtype=fp32"  # one micro-batch
+    waits, kept, default = (_est(g, c, layout, gb=8, profile=p) for p in (own, other, None))
+    rows = sum(sum(1 for l in layer.linears if l.role == "row") for layer in g.layers)
+    calls = 2 * 2 * rows  # a reduce-scatter and an all-gather each, forward and backward
+    wait = sync_wait_s(2, 4)
+    assert wait > 0 and kept.breakdown["tp_comm"] - waits.breakdown["tp_comm"] == pytest.approx(calls * wait, rel=1e-6)
+    assert default.breakdown["tp_comm"] == pytest.approx(kept.breakdown["tp_comm"])
+    assert waits.breakdown["dp_comm"] == pytest.approx(kept.breakdown["dp_comm"])  # DP's calls keep their wait
+
+
 def test_calibrated_overlap_hides_dp_traffic_only_beside_a_spare_core():
     """With every core running a rank, gradient traffic has no core to run on beside the backward
     and is not hidden: a calibration's fitted overlap efficiency does not hide it there either, as
