@@ -75,7 +75,7 @@ from typing import Any, Callable, Sequence
 
 from cost_models.cluster import Cluster
 from cost_models.compute import CPU_OP_OVERHEAD_S, EFF_MATMUL_CPU, EFF_MEMORY
-from cost_models.cpu_runtime import measured as runtime_measured
+from cost_models.cpu_runtime import DTENSOR_KEYS, measured as runtime_measured
 from cost_models.dp_cost import OVERLAP
 from cost_models.estimate import GiB, estimate
 from cost_models.profile_db import COLLECTIVE_KINDS, ProfileDB
@@ -333,7 +333,7 @@ def fit(samples: Sequence[RunSample], profile: ProfileDB | None, *, keys: Sequen
         cal["eff_matmul"] = EFF_MATMUL_CPU / k
         cal["eff_memory"] = EFF_MEMORY / k
         cal["op_overhead_s"] = CPU_OP_OVERHEAD_S * k
-        for key in ("dtensor_module_s", "dtensor_norm_s"):
+        for key in DTENSOR_KEYS:
             cal[key] = runtime_measured(key, profile) * k
     return {k: float(v) for k, v in sorted(cal.items())}
 

@@ -105,6 +105,7 @@ CPU_SPLIT_BACKWARD_FRAC = 0.08
 # again an hour later 5.0 / 14.3 ms -> 1.03 / 1.71 ms (20.4% / 12.0%); segments of 0.05-1.6 ms nothing.
 CPU_LOCKSTEP_WAIT_FRAC = 0.12
 
+DTENSOR_KEYS = ("dtensor_module_s", "dtensor_norm_s")  # per TP-sharded linear; per sequence-parallel norm
 KEYS = ("replicate_unit_s", "fsdp_unit_s", "fsdp_reduce_unit_s", "ep_dispatch_s", "dtensor_module_s",
         "dtensor_norm_s", "split_backward_frac", "lockstep_wait_frac")
 DEFAULTS = {"replicate_unit_s": CPU_REPLICATE_UNIT_S, "fsdp_unit_s": CPU_FSDP_UNIT_S,

@@ -29,8 +29,12 @@ def tp_linears(layer: Layer, cfg: ParallelConfig) -> int:
     """The layer's column / row sharded linears and vocabulary-parallel embeddings under TP."""
     if cfg.tp == 1:
         return 0
-    n = sum(1 for l in layer.linears if l.role in TP_SPLIT_ROLES)
-    return n + sum(1 for o in layer.ops if o.kind == "embedding" and o.tp_style == "vocab")
+    return sum(1 for l in layer.linears if l.role in TP_SPLIT_ROLES) + vocab_embeddings(layer)
+
+
+def vocab_embeddings(layer: Layer) -> int:
+    """The layer's embeddings that tensor parallelism shards over the vocabulary."""
+    return sum(1 for o in layer.ops if o.kind == "embedding" and o.tp_style == "vocab")
 
 
 def sp_norms(layer: Layer, cfg: ParallelConfig) -> int:

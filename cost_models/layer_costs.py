@@ -13,7 +13,7 @@ from cost_models.cluster import Cluster
 from cost_models.compute import layer_time
 from cost_models.layer_work import LayerTime, attention_share, attn_core_flops, document_masked
 from cost_models.cpu_runtime import ep_dispatch_s, lockstep_wait_s
-from cost_models.dtensor_dispatch import prices_tp_shared_wait, prices_tp_sync
+from cost_models.dtensor_dispatch import prices_tp_shared_wait, prices_tp_sync, vocab_embeddings
 from cost_models.context_parallel import cp_comm
 from cost_models.documents import ring_hiding
 from cost_models.engines import DEFAULT_ENGINE, Engine, exposed_s
@@ -121,7 +121,7 @@ class LayerCosts:
         tp_s, csrc = 0.0, "model"
         if cfg.tp > 1:
             n_red = sum(1 for l in layer.linears if l.role == "row")
-            n_red += sum(1 for o in layer.ops if o.kind == "embedding" and o.tp_style == "vocab")
+            n_red += vocab_embeddings(layer)
             nbytes = act_bytes_io(layer, g, cfg)
             if n_red and nbytes:
                 # their cost between compute: in DTensor's figure (on shared cores, where the profile measured it there)

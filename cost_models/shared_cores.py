@@ -20,7 +20,9 @@ vanishes. The estimate re-simulates the pipeline once with the sped-up stage tim
 
 Every blocking collective is a synchronisation point: on shared cores the last peer to
 arrive may be waiting for a time slice, so each call also pays :func:`sync_wait_s`
-(cost_models/comm.py adds it).
+(cost_models/comm.py adds it), except a call right after another of its group (``chained``)
+and tensor parallelism's where DTensor's figure was measured on the cluster's own ranks and
+holds the wait (``wait_priced``, ``cost_models.dtensor_dispatch.prices_tp_shared_wait``).
 
 Threads per rank (``ParallelConfig.threads``, ``planner.feasibility.rank_threads``): a layout may run
 fewer processes than the local cluster's ``devices_per_node``, each with more intra-op

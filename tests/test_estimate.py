@@ -279,7 +279,11 @@ def test_tp_shared_core_wait_is_left_to_a_dtensor_figure_measured_on_the_cluster
     wait = sync_wait_s(2, 4)
     assert wait > 0 and kept.breakdown["tp_comm"] - waits.breakdown["tp_comm"] == pytest.approx(calls * wait, rel=1e-6)
     assert default.breakdown["tp_comm"] == pytest.approx(kept.breakdown["tp_comm"])
-    assert waits.breakdown["dp_comm"] == pytest.approx(kept.breakdown["dp_comm"])  # DP's calls keep their wait
+    # DP's calls keep their wait: against a core per rank, a whole number (>= 1) of waits more
+    unshared = _est(g, dataclasses.replace(c, cores_per_node=4), layout, gb=8, profile=own)
+    extra = (waits.breakdown["dp_comm"] - unshared.breakdown["dp_comm"]) / wait
+    assert extra >= 1 - 1e-9 and extra == pytest.approx(round(extra), abs=1e-6)
+    assert unshared.breakdown["tp_comm"] == pytest.approx(waits.breakdown["tp_comm"])
 
 
 def test_calibrated_overlap_hides_dp_traffic_only_beside_a_spare_core():
@@ -287,7 +291,7 @@ def test_calibrated_overlap_hides_dp_traffic_only_beside_a_spare_core():
     and is not hidden: a calibration's fitted overlap efficiency does not hide it there either, as
     it does where a core is spare."""
     g = load_graph("benchmarks/fidelity_llama.toml", batch=1, seq_len=64)
-    full = parse_cluster("local-cpu:2")  # 2 ranks on the 2 cores: none spare
+    full = dataclasses.replace(parse_cluster("local-cpu:2"), cores_per_node=2)  # 2 ranks on 2 cores: none spare
     spare = dataclasses.replace(full, cores_per_node=4)
 
     def dp_comm(cluster, overlap: float) -> float:

@@ -47,7 +47,7 @@ def test_calibration_round_trips_and_old_profiles_load(tmp_path):
 
 
 def test_estimator_reads_each_coefficient():
-    c = parse_cluster("local-cpu:4")
+    c = dataclasses.replace(parse_cluster("local-cpu:4"), cores_per_node=2)  # 4 ranks share 2 cores
     g = load_graph("gpt-tiny", batch=1, seq_len=32)
     cfg = ParallelConfig.parse("dp=2,tp=2,sp=on,zero=zero1,dtype=fp32")
     e0, _ = evaluate_config(g, c, cfg, 8)

@@ -50,8 +50,9 @@ REFERENCE_BATCH = 8              # sequences per step (its preset length, 96 tok
 ONE_PROCESS_BATCH = 16           # the one-process run's: twice the compute of the others' ranks
 STEPS, WARMUP = 4, 2             # timed and untimed steps per reference layout
 TIMEOUT_S = 120.0                # the profile is killed past this
-CACHE_VERSION = 4                # 2: the one-process run joined the reference runs; 3: the figures fitted on;
-                                 # 4: the runtime's measured work
+CACHE_VERSION = 5                # 2: the one-process run joined the reference runs; 3: the figures fitted on;
+                                 # 4: the runtime's measured work; 5: DTensor per SP norm, and TP's collectives
+                                 # without the fitted latency (fits before it priced them with it)
 
 
 @dataclass
@@ -149,8 +150,9 @@ def profile_world(cores: int) -> int:
     return 4 if cores >= 4 else (2 if cores >= 2 else 1)
 
 
-# What three layouts identify: compute speed (all), per-collective latency (TP: hundreds of small
-# collectives), bandwidth (DP), fixed per-step cost. Per-kind factors would over-fit three runs.
+# What the reference layouts identify: compute speed (all), per-collective latency (DP's buckets and PP's
+# p2p per micro-batch against the one process, which has none; TP's collectives carry none on CPUs:
+# DTensor's figure holds it), bandwidth (DP), fixed per-step cost. Per-kind factors would over-fit them.
 FIT_KEYS = ("compute_scale", "comm_scale", "comm_latency_s", "step_overhead_s")
 FIT_PRIOR = 1e-4  # a hundredth of autopar calibrate's: the reference layouts are designed to identify FIT_KEYS
 
