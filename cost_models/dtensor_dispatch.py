@@ -18,13 +18,6 @@ from planner.graph import TP_SPLIT_ROLES, Layer
 from planner.plan import ParallelConfig
 
 
-def tp_modules(layer: Layer, cfg: ParallelConfig) -> int:
-    """Modules of ``layer`` that tensor parallelism turns into DTensor modules: its sharded
-    linears and vocabulary embeddings (:func:`tp_linears`), and with sequence parallel its norms
-    (:func:`sp_norms`); 0 without TP."""
-    return tp_linears(layer, cfg) + sp_norms(layer, cfg)
-
-
 def tp_linears(layer: Layer, cfg: ParallelConfig) -> int:
     """The layer's column / row sharded linears and vocabulary-parallel embeddings under TP."""
     if cfg.tp == 1:

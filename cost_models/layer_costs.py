@@ -75,6 +75,9 @@ class LayerCosts:
         self.g, self.cfg, self.profile, self.engine = graph, cfg, profile, engine
         self.base, self.c = cluster, ranks_cluster(cluster, cfg)  # the ranks cfg runs (shared_cores.py)
         self.mesh = comm_mod.Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
+        # what DTensor's figure already prices of TP's collectives (their cost between compute; on shared
+        # cores their wait too, where the profile measured the figure on these ranks)
+        self.tp_sync = dict(sync_priced=prices_tp_sync(self.c), wait_priced=prices_tp_shared_wait(self.c, profile))
         self.cache: dict[str, LayerCost] = {}
         self.pass_cache: dict[tuple[str, str], PassTimes] = {}  # (signature, recompute policy) -> pass_times
         self.tables = tables if tables is not None else {}  # memory figures: may be shared by several (the search)
@@ -124,8 +127,7 @@ class LayerCosts:
             n_red += vocab_embeddings(layer)
             nbytes = act_bytes_io(layer, g, cfg)
             if n_red and nbytes:
-                # their cost between compute: in DTensor's figure (on shared cores, where the profile measured it there)
-                sync = dict(sync_priced=prices_tp_sync(self.c), wait_priced=prices_tp_shared_wait(self.c, self.profile))
+                sync = self.tp_sync
                 if cfg.sp:
                     rs = comm_mod.collective_time("reduce_scatter", nbytes, self.c, self.mesh, "tp", self.profile,
                                                   **sync)

@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 
+from cost_models.calibrate import with_calibration
 from cost_models.cluster import parse_cluster
 from cost_models.estimate import estimate
 from cost_models.memory import stage_memory
@@ -210,7 +211,10 @@ def test_dtensor_dispatch_priced_per_sharded_module_on_cpu():
     two norms at the norms'): the defaults without a profile, the profile's measured figures where
     it has them, a calibration's over both; not without TP, not on GPUs."""
     from cost_models.cpu_runtime import CPU_DTENSOR_MODULE_S, CPU_DTENSOR_NORM_S
-    from cost_models.dtensor_dispatch import dtensor_dispatch_s, sp_norms, tp_linears, tp_modules
+    from cost_models.dtensor_dispatch import dtensor_dispatch_s, sp_norms, tp_linears
+
+    def tp_modules(layer, cfg):  # every DTensor module: the sharded linears and the SP norms
+        return tp_linears(layer, cfg) + sp_norms(layer, cfg)
 
     g = load_graph("benchmarks/fidelity_llama.toml", batch=1, seq_len=64)
     block = next(l for l in g.layers if l.name == "layers.0")
@@ -239,11 +243,6 @@ def test_dtensor_dispatch_priced_per_sharded_module_on_cpu():
         2 * (linears * CPU_DTENSOR_MODULE_S + norms * CPU_DTENSOR_NORM_S), rel=1e-6)
 
 
-def _calibrated(cluster, cal: dict) -> ProfileDB:
-    return ProfileDB(cluster_fingerprint=cluster.fingerprint(), backend=cluster.backend, world=cluster.world,
-                     calibration=cal)
-
-
 def test_calibrated_latency_is_not_added_to_cpu_tensor_parallel_collectives():
     """A calibration's per-call latency stands for what a blocking collective costs between
     compute beyond back to back; on CPU clusters DTensor's figure prices that for TP's collectives,
@@ -252,11 +251,12 @@ def test_calibrated_latency_is_not_added_to_cpu_tensor_parallel_collectives():
     cpu, gpu = parse_cluster("local-cpu:2"), parse_cluster("dgx-h100:1")
     lat = {"comm_latency_s": 1e-3}
     for layout in ("tp=2,sp=on,mbs=8,dtype=fp32", "tp=2,sp=off,mbs=8,dtype=fp32"):
-        plain, late = (_est(g, cpu, layout, gb=8, profile=_calibrated(cpu, c)) for c in ({}, lat))
+        plain, late = (_est(g, cpu, layout, gb=8, profile=with_calibration(None, c, cpu)) for c in ({}, lat))
         assert plain.breakdown["tp_comm"] > 0 and late.breakdown["tp_comm"] == pytest.approx(plain.breakdown["tp_comm"])
-    plain, late = (_est(g, cpu, "dp=2,mbs=4,zero=zero1,dtype=fp32", gb=8, profile=_calibrated(cpu, c)) for c in ({}, lat))
+    plain, late = (_est(g, cpu, "dp=2,mbs=4,zero=zero1,dtype=fp32", gb=8, profile=with_calibration(None, c, cpu))
+                   for c in ({}, lat))
     assert late.breakdown["dp_comm"] > plain.breakdown["dp_comm"] + 1e-3
-    plain, late = (_est(g, gpu, "tp=2,sp=on,mbs=8", gb=8, profile=_calibrated(gpu, c)) for c in ({}, lat))
+    plain, late = (_est(g, gpu, "tp=2,sp=on,mbs=8", gb=8, profile=with_calibration(None, c, gpu)) for c in ({}, lat))
     assert late.breakdown["tp_comm"] > plain.breakdown["tp_comm"] + 1e-3
 
 
@@ -295,7 +295,8 @@ def test_calibrated_overlap_hides_dp_traffic_only_beside_a_spare_core():
     spare = dataclasses.replace(full, cores_per_node=4)
 
     def dp_comm(cluster, overlap: float) -> float:
-        e = _est(g, cluster, "dp=2,mbs=4,zero=ddp,dtype=fp32", gb=8, profile=_calibrated(cluster, {"overlap": overlap}))
+        e = _est(g, cluster, "dp=2,mbs=4,zero=ddp,dtype=fp32", gb=8,
+                 profile=with_calibration(None, {"overlap": overlap}, cluster))
         return e.breakdown["dp_comm"]
 
     assert dp_comm(full, 0.9) == pytest.approx(dp_comm(full, 0.0)) and dp_comm(full, 0.0) > 0
